@@ -1,0 +1,225 @@
+"""The relay's HTTP API: routes as data, one lifespan that owns the store and the ticker.
+
+Bodies stream: a gradient upload is reduced chunk by chunk as it arrives, parameters are written
+from an immutable snapshot in chunks with back-pressure. Every error, ours or aiohttp's, leaves as
+``{"error": code, "message": ..., "hint": ...}`` with a 4xx/5xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from importlib import resources
+
+from aiohttp import web
+
+from relay_server.collaboration import Collaboration, iter_snapshot
+from relay_server.config import RelayConfig
+from relay_server.errors import ApiError
+from relay_server.store import Store
+from toolkit.errors import ProtocolError
+from toolkit.protocol import MAX_JSON_BODY, ROUTES, ErrorBody, Heartbeat, JoinRequest
+from toolkit.schema import Schema
+from toolkit.tensor_container import MAX_HEADER, AsyncContainerReader
+
+log = logging.getLogger(__name__)
+
+COLLAB = web.AppKey("collaboration", Collaboration)
+CONFIG = web.AppKey("config", RelayConfig)
+MAX_LONG_POLL_S = 60.0
+_DRAIN_LIMIT = 8 << 20  # after rejecting an upload, read at most this much so the peer sees the answer
+
+
+def error_response(status: int, code: str, message: str, hint: str = "") -> web.Response:
+    return web.json_response(ErrorBody(error=code, message=message, hint=hint).to_json(), status=status)
+
+
+def json_ok(message: Schema | dict) -> web.Response:
+    return web.json_response(message.to_json() if isinstance(message, Schema) else message)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.code, exc.message, exc.hint)
+    except ProtocolError as exc:
+        return error_response(413 if exc.code == "body_too_large" else 400, exc.code, exc.message, exc.hint)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = re.sub(r"[^a-z0-9]+", "_", (exc.reason or "error").lower()).strip("_")
+        return error_response(exc.status, code, exc.text or exc.reason or "", "")
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug: log it, keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal_error", "the relay hit an unexpected error",
+                              "Retry; if it persists, report it to the organizer with the relay log.")
+
+
+async def read_message(request: web.Request, schema: type[Schema]) -> Schema:
+    if request.content_length is not None and request.content_length > MAX_JSON_BODY:
+        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {MAX_JSON_BODY} bytes")
+    return schema.loads(await request.read())
+
+
+def _collab(request: web.Request) -> Collaboration:
+    return request.app[COLLAB]
+
+
+def _int_query(request: web.Request, name: str, default: int | None = None) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        if default is None:
+            raise ApiError(400, "bad_query", f"query parameter {name!r} is required")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ApiError(400, "bad_query", f"query parameter {name!r} must be an integer") from None
+
+
+def _path_int(request: web.Request, name: str) -> int:
+    raw = request.match_info[name]
+    if not raw.isdigit() or len(raw) > 12:
+        raise ApiError(400, "bad_path", f"{name} in the path must be a non-negative integer, got {raw[:20]!r}")
+    return int(raw)
+
+
+# --- handlers ---------------------------------------------------------------------------------
+async def get_run(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).run_info)
+
+
+async def get_status(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).status())
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).state_info())
+
+
+async def post_join(request: web.Request) -> web.Response:
+    req = await read_message(request, JoinRequest)
+    username = request.get("identity", {}).get("username") or f"anonymous:{req.peer_name}"
+    return json_ok(_collab(request).join(req, username))
+
+
+async def post_heartbeat(request: web.Request) -> web.Response:
+    hb = await read_message(request, Heartbeat)
+    return json_ok(_collab(request).heartbeat(request.match_info["peer_id"], hb))
+
+
+async def post_leave(request: web.Request) -> web.Response:
+    _collab(request).leave(request.match_info["peer_id"])
+    return json_ok({"ok": True})
+
+
+async def put_gradient(request: web.Request) -> web.Response:
+    collab = _collab(request)
+    step = _path_int(request, "step")
+    peer_id = request.query.get("peer_id", "")
+    limit = collab.num_params * 4
+    if request.content_length is not None and request.content_length > limit + MAX_HEADER + 8:
+        raise ApiError(413, "body_too_large", f"a gradient is at most {limit + MAX_HEADER + 8} bytes")
+    try:
+        receipt = await collab.receive_gradient(step, peer_id, AsyncContainerReader(request.content, limit))
+        if await request.content.read(1):
+            raise ApiError(400, "trailing_data", "the body continues past the tensor data")
+    except (ApiError, ProtocolError):
+        await _drain(request)
+        raise
+    return json_ok(receipt)
+
+
+async def _drain(request: web.Request) -> None:
+    """Read a little of a rejected body so the peer gets our answer, not a reset connection."""
+    remaining = request.content_length
+    if remaining is None or remaining > _DRAIN_LIMIT:
+        return
+    try:
+        await request.content.read(_DRAIN_LIMIT)
+    except Exception:  # the peer may already be gone
+        pass
+
+
+async def get_params(request: web.Request) -> web.StreamResponse:
+    collab = _collab(request)
+    min_step = _int_query(request, "min_step", 0)
+    wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
+    peer = collab.registry.get(request.query.get("peer_id", ""))
+    if peer is not None:
+        peer.inflight += 1  # a waiting peer is alive
+    try:
+        snapshot = await collab.wait_for_step(min_step, wait)
+    finally:
+        if peer is not None:
+            peer.inflight -= 1
+            collab.registry.touch(peer)
+    if snapshot is None:
+        return web.Response(status=204, headers={"X-Collab-Step": str(collab.step)})
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                           "X-Collab-Step": str(snapshot.step),
+                                           "X-Collab-Sha256": snapshot.sha256})
+    response.content_length = len(snapshot.header) + snapshot.params.nbytes
+    await response.prepare(request)
+    async for piece in iter_snapshot(snapshot):
+        await response.write(piece)
+    await response.write_eof()
+    return response
+
+
+async def get_index(request: web.Request) -> web.StreamResponse:
+    static = resources.files("relay_server").joinpath("static/index.html")
+    if static.is_file():
+        return web.Response(text=static.read_text(), content_type="text/html")
+    status = _collab(request).status()
+    return web.Response(text=f"<!doctype html><title>{status.run_name}</title><h1>{status.run_name}</h1>"
+                             f"<p>step {status.step}, {status.num_peers} peers. JSON: <a href='/api/status'>/api/status</a>",
+                        content_type="text/html")
+
+
+ROUTE_TABLE = [
+    ("GET", ROUTES["run"], get_run),
+    ("GET", ROUTES["status"], get_status),
+    ("GET", ROUTES["state"], get_state),
+    ("GET", ROUTES["params"], get_params),
+    ("POST", ROUTES["join"], post_join),
+    ("POST", ROUTES["heartbeat"], post_heartbeat),
+    ("POST", ROUTES["leave"], post_leave),
+    ("PUT", ROUTES["gradient"], put_gradient),
+    ("GET", "/", get_index),
+]
+
+
+def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
+    app[CONFIG] = config
+    for method, path, handler in ROUTE_TABLE:
+        app.router.add_route(method, path, handler)
+    static_dir = resources.files("relay_server").joinpath("static")
+    if static_dir.is_dir():
+        app.router.add_static("/static", str(static_dir))
+    app.cleanup_ctx.append(_lifespan)
+    return app
+
+
+async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
+    collab = await asyncio.to_thread(Collaboration, config, store)
+    app[COLLAB] = collab
+    ticker = asyncio.create_task(collab.run_ticker())
+    if config.auth.mode == "open":
+        log.warning("AUTH IS OFF (auth.mode = 'open'): anyone who can reach this relay can join and send gradients")
+    yield
+    ticker.cancel()
+    try:
+        await ticker
+    except asyncio.CancelledError:
+        pass
+    store.close()

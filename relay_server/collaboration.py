@@ -1,0 +1,328 @@
+"""The collaboration: turns peers' progress into rounds and rounds into optimizer steps.
+
+Life of a round (DESIGN.md s3): peers heartbeat their unsent samples; when the eligible samples
+reach the target batch the relay opens round ``s`` for the peers holding them; each uploads the
+sum of its gradients; the relay reduces as chunks arrive; the round finalizes when every expected
+peer delivered, left or failed -- or at the adaptive deadline, whichever is first; the master
+takes one optimizer step, the new version is persisted, then published to waiting peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from relay_server.config import RelayConfig
+from relay_server.errors import ApiError, round_closed, unknown_peer
+from relay_server.master import MasterState, flatten, layout_of
+from relay_server.registry import Peer, Registry
+from relay_server.rounds import CHUNK_ELEMS, DeadlinePolicy, Round
+from relay_server.store import RoundLog, Store
+from toolkit.errors import ProtocolError
+from toolkit.models import build_model
+from toolkit.protocol import (PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest,
+                              JoinResponse, ModelSpec, PeerStatus, RoundInfo, RoundRecord, RunInfo,
+                              StateInfo, StatusReport, UploadReceipt)
+from toolkit.tensor_container import AsyncContainerReader, encode_header
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable published version: what peers download while the master moves on."""
+
+    step: int
+    params: np.ndarray  # (P,) float32, never mutated after publication
+
+    @cached_property
+    def header(self) -> bytes:
+        return encode_header([("params", self.params)], {"step": str(self.step)})
+
+    @cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(memoryview(self.params).cast("B")).hexdigest()
+
+
+class Collaboration:
+    def __init__(self, config: RelayConfig, store: Store) -> None:
+        self.config, self.store = config, store
+        self.run_cfg, self.rounds_cfg = config.run, config.rounds
+        model = self._initial_model()
+        self.layout = layout_of(model)
+        params = flatten(model)
+        self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps)
+        step = store.latest_step()
+        if step is not None:
+            self.master.load_state_tensors(store.load_state(step), step)
+            log.info("resumed from %s at step %d", store.dir, step)
+        else:
+            store.save_state(0, self.master.state_tensors(), {"run": config.run.name})
+        self.registry = Registry(config.rounds.peer_ttl_s)
+        self.deadlines = DeadlinePolicy(config.rounds)
+        self.round: Round | None = None
+        self.snapshot = Snapshot(self.master.step, self.master.flat.numpy().copy())
+        self._published = asyncio.Event()
+        self._finalizing: asyncio.Task | None = None
+        self._attempt_step, self._attempts = -1, 0
+        self.started = time.monotonic()
+        self.run_info = RunInfo(
+            run_name=config.run.name, protocol=PROTOCOL_VERSION,
+            model=ModelSpec(factory=config.model.factory, kwargs=dict(config.model.kwargs)),
+            layout=self.layout, num_params=int(params.size), target_batch=config.run.target_batch,
+            total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
+            heartbeat_interval_s=config.rounds.heartbeat_interval_s,
+            precision=config.run.precision or None, dataset=dict(config.dataset))
+
+    def _initial_model(self) -> torch.nn.Module:
+        torch.manual_seed(self.config.run.seed)
+        model = build_model(self.config.model.factory, dict(self.config.model.kwargs))
+        if self.config.model.init_checkpoint:
+            from safetensors.torch import load_file
+
+            model.load_state_dict(load_file(self.config.model.init_checkpoint))
+        return model
+
+    # --- properties ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.master.step
+
+    @property
+    def num_params(self) -> int:
+        return self.master.numel
+
+    @property
+    def finished(self) -> bool:
+        return 0 < self.run_cfg.total_steps <= self.step
+
+    def _open_round(self) -> RoundInfo | None:
+        r = self.round
+        if r is None or r.closed:
+            return None
+        return RoundInfo(step=r.step, attempt=r.attempt, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
+                         expected_peers=len(r.expected), received_peers=len(r.received))
+
+    def state(self) -> CollabState:
+        collected = self.registry.collected(self.step, self.run_cfg.max_staleness)
+        rate = self.registry.samples_per_s()
+        remaining = max(0, self.run_cfg.target_batch - collected)
+        return CollabState(step=self.step, target_batch=self.run_cfg.target_batch,
+                           samples_accumulated=collected, samples_per_s=rate,
+                           eta_s=(remaining / rate) if rate > 0 else None,
+                           num_peers=len(self.registry.peers), round=self._open_round(),
+                           finished=self.finished)
+
+    # --- registry -----------------------------------------------------------------------------
+    def join(self, req: JoinRequest, username: str) -> JoinResponse:
+        if req.protocol != PROTOCOL_VERSION:
+            raise ApiError(400, "protocol_mismatch", f"peer speaks protocol {req.protocol}, relay {PROTOCOL_VERSION}",
+                           "Install the same collabtrain version as the relay (pip install -U collabtrain).")
+        peer = Peer(peer_id=secrets.token_hex(16), name=req.peer_name, username=username,
+                    device=dict(req.device), precision=req.precision, version=self.step)
+        self.registry.add(peer)
+        self.store.upsert_peer(peer.peer_id, peer.name, username, json.dumps(req.device))
+        log.info("peer %s (%s, %s) joined at step %d", peer.name, username, peer.device_label, self.step)
+        return JoinResponse(peer_id=peer.peer_id, run=self.run_info, state=self.state())
+
+    def peer(self, peer_id: str) -> Peer:
+        """The live peer, re-admitting one the relay knew before a restart."""
+        peer = self.registry.get(peer_id)
+        if peer is None:
+            known = self.store.known_peer(peer_id)
+            if known is None:
+                raise unknown_peer(peer_id)
+            name, username, device = known
+            peer = self.registry.add(Peer(peer_id=peer_id, name=name, username=username,
+                                          device=json.loads(device), precision=None))
+            log.info("peer %s is back", name)
+        self.registry.touch(peer)
+        return peer
+
+    def heartbeat(self, peer_id: str, hb: Heartbeat) -> CollabState:
+        peer = self.peer(peer_id)
+        if hb.version > self.step:
+            raise ApiError(409, "version_ahead", f"peer claims version {hb.version} but the relay is at {self.step}",
+                           "Download the current parameters (the relay may have been rolled back).")
+        self.registry.report(peer, hb)
+        self._maybe_open_round()
+        return self.state()
+
+    def leave(self, peer_id: str) -> None:
+        peer = self.registry.remove(peer_id)
+        if peer is not None:
+            log.info("peer %s left", peer.name)
+            self._forget(peer.peer_id)
+
+    def _forget(self, peer_id: str) -> None:
+        if self.round is not None and not self.round.closed:
+            self.round.drop(peer_id)
+            self._maybe_finalize()
+
+    # --- rounds -------------------------------------------------------------------------------
+    def _maybe_open_round(self) -> None:
+        if self.round is not None or self.finished:
+            return
+        eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
+        if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
+            return
+        self._attempts = self._attempts + 1 if self._attempt_step == self.step else 0
+        self._attempt_step = self.step
+        self.round = Round(step=self.step, attempt=self._attempts, grad=self.master.grad.numpy(),
+                           expected={p.peer_id for p in eligible}, deadline_s=self.deadlines.window_s())
+        log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
+
+    async def receive_gradient(self, step: int, peer_id: str, reader: AsyncContainerReader) -> UploadReceipt:
+        """Stream one peer's gradient sum into the round buffer, chunk by chunk."""
+        peer = self.peer(peer_id)
+        r = self.round
+        if r is None or r.closed or r.step != step:
+            raise round_closed(step, self.step)
+        if peer_id in r.received or peer_id in r.uploading:
+            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}")
+        header = await reader.read_header()
+        meta = _gradient_meta(header.metadata)
+        entry = header.entry("grad")
+        if len(header.entries) != 1 or entry.dtype != np.float32 or entry.shape != (self.num_params,):
+            raise ApiError(422, "bad_tensor", f"expected one float32 tensor 'grad' of shape [{self.num_params}], "
+                           f"got {[(e.name, str(e.dtype), e.shape) for e in header.entries]}",
+                           "The peer's model does not match the run's parameter layout.")
+        if meta.peer_id != peer_id or meta.step != step:
+            raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
+        if not 0 <= step - meta.version <= self.run_cfg.max_staleness:
+            raise ApiError(409, "stale_gradient", f"gradient from version {meta.version} is too old for round {step}",
+                           "Discard it and download the latest parameters.")
+        if meta.samples > peer.samples:
+            raise ApiError(422, "samples_exceed_report", f"upload claims {meta.samples} samples, "
+                           f"the last heartbeat reported {peer.samples}", "Send a heartbeat before uploading.")
+        r.expected.add(peer_id)
+        r.uploading.add(peer_id)
+        peer.inflight += 1
+        try:
+            async for start, chunk in reader.iter_chunks(entry, CHUNK_ELEMS):
+                if r.closed:
+                    raise round_closed(step, self.step)
+                if not np.isfinite(chunk).all():
+                    raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
+                                   "Lower the learning rate or enable loss scaling; this contribution is dropped.")
+                r.add_chunk(start, chunk, meta.samples)
+            r.complete(peer_id, meta.samples, meta.loss_sum)
+            peer.samples = max(0, peer.samples - meta.samples)
+        except BaseException:
+            r.drop(peer_id)
+            raise
+        finally:
+            peer.inflight -= 1
+            self.registry.touch(peer)
+            self._maybe_finalize()
+        return UploadReceipt(step=step, accepted_samples=meta.samples, received_peers=len(r.received))
+
+    def _maybe_finalize(self, now: float | None = None) -> None:
+        r = self.round
+        if r is None or r.closed:
+            return
+        now = time.monotonic() if now is None else now
+        if r.received and r.everyone_arrived():
+            reason = "all_arrived"
+        elif now >= r.deadline:
+            reason = "deadline"
+        elif not r.expected and not r.uploading:
+            reason = "peers_gone"
+        else:
+            return
+        r.closed, r.finalized_by = True, reason
+        self._finalizing = asyncio.get_running_loop().create_task(self._finalize(r))
+
+    async def _finalize(self, r: Round) -> None:
+        if not r.received:
+            log.warning("round %d closed (%s) with no complete gradient; collecting again", r.step, r.finalized_by)
+            self.round = None
+            return
+        report, snapshot = await asyncio.to_thread(self._apply, r)
+        self.deadlines.observe(r)
+        self.snapshot, self.round = snapshot, None
+        self._published.set()
+        self._published = asyncio.Event()
+        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", report.step, len(r.received), r.samples,
+                 f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
+        self._maybe_open_round()
+
+    def _apply(self, r: Round) -> tuple[Any, Snapshot]:
+        """Runs in a worker thread: mean, optimizer step, persist, snapshot."""
+        r.finish_mean()
+        report = self.master.apply_gradient()
+        self.store.save_state(report.step, self.master.state_tensors(), {"run": self.run_cfg.name},
+                              RoundLog(contributions=dict(r.received), loss=r.loss,
+                                       duration_s=time.monotonic() - r.opened_at, deadline_s=r.deadline_s,
+                                       finalized_by=r.finalized_by, lr=report.lr, grad_norm=report.grad_norm))
+        return report, Snapshot(report.step, self.master.flat.numpy().copy())
+
+    async def wait_for_step(self, min_step: int, timeout_s: float) -> Snapshot | None:
+        """Long-poll: the first published snapshot with ``step >= min_step``, or None."""
+        deadline = time.monotonic() + timeout_s
+        while self.snapshot.step < min_step:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._published.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+        return self.snapshot
+
+    async def tick(self) -> None:
+        """Housekeeping, every fraction of a second: expire silent peers, enforce deadlines."""
+        for peer in self.registry.expire():
+            log.info("peer %s timed out", peer.name)
+            self._forget(peer.peer_id)
+        self._maybe_finalize()
+
+    async def run_ticker(self, period_s: float = 0.1) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(period_s)
+
+    def state_info(self) -> StateInfo:
+        return StateInfo(step=self.snapshot.step, num_params=self.num_params, sha256=self.snapshot.sha256)
+
+    def status(self) -> StatusReport:
+        state, now = self.state(), time.monotonic()
+        contributed = self.store.contributions()
+        peers = [PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device=p.device_label,
+                            version=p.version, samples_per_s=p.samples_per_s,
+                            samples_contributed=contributed.get(p.peer_id, 0),
+                            last_seen_s=now - p.last_seen, online=True)
+                 for p in self.registry.peers.values()]
+        rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
+                              finalized_by=by) for s, c, n, loss, d, dl, by in self.store.recent_rounds()]
+        return StatusReport(run_name=self.run_cfg.name, step=self.step, total_steps=self.run_cfg.total_steps,
+                            finished=self.finished, target_batch=self.run_cfg.target_batch,
+                            num_params=self.num_params, samples_accumulated=state.samples_accumulated,
+                            samples_per_s=state.samples_per_s, eta_s=state.eta_s,
+                            loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
+                            recent_rounds=rounds, round=state.round, auth_mode=self.config.auth.mode,
+                            uptime_s=now - self.started)
+
+
+def _gradient_meta(metadata: dict[str, str]) -> GradientMeta:
+    if "collab" not in metadata:
+        raise ProtocolError("bad_meta", "gradient container lacks the 'collab' metadata entry")
+    return GradientMeta.loads(metadata["collab"])
+
+
+async def iter_snapshot(snapshot: Snapshot, chunk_bytes: int = 4 << 20) -> AsyncIterator[memoryview | bytes]:
+    yield snapshot.header
+    raw = memoryview(snapshot.params).cast("B")
+    for start in range(0, len(raw), chunk_bytes):
+        yield raw[start:start + chunk_bytes]

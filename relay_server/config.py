@@ -1,0 +1,216 @@
+"""The run's configuration: one TOML file, overridable by environment variables.
+
+Each section is a keyword-only dataclass with a docstring per field. ``RELAY_<SECTION>_<FIELD>``
+overrides a value (``RELAY_SERVER_PORT=9000``), so an organizer can keep one file and tweak a
+deployment. Cross-field checks fail early and name the setting to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the setting."""
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    name: str = "demo"
+    """Experiment name shown on the dashboard and in W&B."""
+    target_batch: int = 64
+    """Global batch B: samples the collaboration accumulates per optimizer step."""
+    total_steps: int = 0
+    """Stop after this many optimizer steps (0 = run forever). Also the LR schedule's horizon."""
+    max_staleness: int = 1
+    """Rounds a gradient may lag the master (1 allows delayed parameter updates; 0 = strict)."""
+    seed: int = 0
+    """Seed for the initial parameters."""
+    precision: str = ""
+    """Pin one precision policy for every peer ("bf16", "fp16", "fp32"); empty = each peer picks."""
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    factory: str = "toolkit.models:ByteTransformer"
+    """Model constructor, from the ``toolkit.models`` package that every peer has installed."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the factory."""
+    init_checkpoint: str = ""
+    """Optional safetensors file with initial parameters (else: the factory's init with ``run.seed``)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerSection:
+    name: str = "adamw"
+    """One of "adamw", "adam", "sgd"; the relay applies it to the master parameters."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    eps: float = 1e-8
+    clip_grad_norm: float = 0.0
+    """Clip the averaged gradient to this global norm before the step (0 = off)."""
+    schedule: str = "constant"
+    """"constant", "linear" (warmup then linear decay to 0 at total_steps) or "cosine"."""
+    warmup_steps: int = 0
+
+
+@dataclass(kw_only=True)
+class RoundsSection:
+    heartbeat_interval_s: float = 1.0
+    """How often peers report progress when idle."""
+    peer_ttl_s: float = 6.0
+    """A peer silent for this long is offline and leaves the current round."""
+    deadline_floor_s: float = 2.0
+    """Never close a round's upload window sooner than this after it opens."""
+    deadline_ceiling_s: float = 60.0
+    """Never keep a round open longer than this, however slow peers were before."""
+    deadline_initial_s: float = 30.0
+    """Upload window before any round timings were observed."""
+    deadline_slack: float = 3.0
+    """Window = slack x the 90th percentile of recent arrival times (clamped to floor/ceiling)."""
+
+
+@dataclass(kw_only=True)
+class ServerSection:
+    host: str = "127.0.0.1"
+    """Bind address; use 0.0.0.0 on a VM behind a TLS reverse proxy."""
+    port: int = 8750
+    data_dir: str = "relay-data"
+    """Everything that must survive a restart: SQLite store, parameters, optimizer state."""
+    keep_checkpoints: int = 3
+    """Older step files beyond this many are deleted."""
+    fsync: bool = False
+    """fsync state files: survives power loss, not just a process crash, at some cost per step."""
+
+
+@dataclass(kw_only=True)
+class AuthSection:
+    mode: str = "open"
+    """"open" (anyone, for local experiments) or "hf" (Hugging Face login + allowlist)."""
+
+
+@dataclass(kw_only=True)
+class RelayConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    rounds: RoundsSection = field(default_factory=RoundsSection)
+    server: ServerSection = field(default_factory=ServerSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+    dataset: dict[str, Any] = field(default_factory=dict)
+    """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
+
+    def validate(self) -> "RelayConfig":
+        checks = [
+            (self.run.target_batch > 0, "run.target_batch must be > 0"),
+            (self.run.total_steps >= 0, "run.total_steps must be >= 0"),
+            (0 <= self.run.max_staleness <= 8, "run.max_staleness must be in 0..8"),
+            (self.run.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
+            (self.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name must be adamw, adam or sgd"),
+            (self.optimizer.schedule in ("constant", "linear", "cosine"), "optimizer.schedule must be constant, linear or cosine"),
+            (self.optimizer.lr > 0, "optimizer.lr must be > 0"),
+            (self.optimizer.schedule == "constant" or self.run.total_steps > 0,
+             "optimizer.schedule linear/cosine needs run.total_steps > 0"),
+            (0 < self.rounds.deadline_floor_s <= self.rounds.deadline_ceiling_s,
+             "rounds.deadline_floor_s must be > 0 and <= rounds.deadline_ceiling_s"),
+            (self.rounds.peer_ttl_s > self.rounds.heartbeat_interval_s,
+             "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
+            (self.auth.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, dict[str, Any]] | None = None) -> RelayConfig:
+    """Read ``path`` (TOML; None = the embedded demo default), apply env then explicit overrides."""
+    if path is None:
+        text = resources.files("relay_server").joinpath("defaults/demo.toml").read_text()
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path or 'default config'} is not valid TOML: {exc}") from None
+    config = _build(RelayConfig, raw, "")
+    _apply_env(config, os.environ if env is None else env)
+    for section, values in (overrides or {}).items():
+        for key, value in values.items():
+            _set(config, section, key, value)
+    return config.validate()
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - names
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {sorted(f'{where}{u}' for u in unknown)}")
+    values = {}
+    for name, value in raw.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{where}{name}] must be a table")
+            values[name] = _build(tp, value, f"{name}.")
+        else:
+            values[name] = _coerce(value, tp, f"{where}{name}")
+    return cls(**values)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: {value!r} is not a valid bool")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: {value!r} is not a valid {tp.__name__}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value  # lists / dicts as TOML gave them
+
+
+def _apply_env(config: RelayConfig, env: Any) -> None:
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for sf in dataclasses.fields(section):
+            key = f"RELAY_{f.name}_{sf.name}".upper()
+            if key in env:
+                _set(config, f.name, sf.name, env[key])
+
+
+def _set(config: RelayConfig, section: str, key: str, value: Any) -> None:
+    target = getattr(config, section, None)
+    if target is None or not dataclasses.is_dataclass(target) or key not in {f.name for f in dataclasses.fields(target)}:
+        raise ConfigError(f"unknown setting {section}.{key}")
+    setattr(target, key, _coerce(value, get_type_hints(type(target))[key], f"{section}.{key}"))

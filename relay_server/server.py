@@ -1,0 +1,50 @@
+"""Run the relay until SIGINT/SIGTERM; report its URL once it accepts connections."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from relay_server.app import create_app
+from relay_server.config import RelayConfig
+
+log = logging.getLogger(__name__)
+
+READ_BUFSIZE = 4 << 20  # per-connection receive buffer: whole 4 MiB chunks per read, fewer wake-ups
+
+
+async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asyncio.Event | None = None,
+                extra_middlewares: tuple = ()) -> None:
+    app = create_app(config, extra_middlewares)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_args={"read_bufsize": READ_BUFSIZE})
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise SystemExit(f"relay-server: cannot listen on {config.server.host}:{config.server.port} ({exc.strerror}). "
+                         "Pick another port with --port, or stop the process using it.") from None
+    host, port = site._server.sockets[0].getsockname()[:2]  # the real port when --port 0
+    url = f"http://{host}:{port}"
+    log.info("relay for run %r listening on %s (status: %s/api/status)", config.run.name, url, url)
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(url)
+        tmp.replace(ready_file)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    try:
+        await stop.wait()
+    finally:
+        log.info("relay shutting down")
+        await runner.cleanup()

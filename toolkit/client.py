@@ -1,0 +1,147 @@
+"""The peer's only connection to the world: outbound HTTP(S) to one relay URL.
+
+A keep-alive ``requests.Session``; bodies streamed in chunks both ways (a 100 MB gradient is sent
+straight from its buffer and parameters are read straight into the model's flat buffer); retries
+with exponential backoff for requests that are safe to repeat; relay errors become typed
+exceptions carrying the relay's hint. One client per thread: sessions are not shared.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, TypeVar
+
+import numpy as np
+import requests
+
+from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
+from toolkit.protocol import (ROUTES, CollabState, GradientMeta, Heartbeat, JoinRequest, JoinResponse,
+                              RunInfo, StateInfo, StatusReport, UploadReceipt)
+from toolkit.schema import Schema
+from toolkit.tensor_container import encoded_size, iter_encoded, read_container
+
+log = logging.getLogger(__name__)
+S = TypeVar("S", bound=Schema)
+_RETRY_STATUS = {502, 503, 504}
+
+
+class RelayClient:
+    """Typed calls to the relay API. ``auth`` (optional) signs requests (see toolkit.signing)."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 120.0,
+                 retries: int = 4, backoff_s: float = 0.5, auth: requests.auth.AuthBase | None = None) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"relay URL must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout = (connect_timeout_s, read_timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.session = requests.Session()
+        self.session.headers["User-Agent"] = "collabtrain-peer"
+        self.session.auth = auth
+
+    def close(self) -> None:
+        self.session.close()
+
+    # --- plumbing -------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", self.timeout)
+        attempts = self.retries + 1 if retry else 1
+        for attempt in range(attempts):
+            try:
+                response = self.session.request(method, self.url + path, **kwargs)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if attempt + 1 == attempts:
+                    raise RelayUnreachable("relay_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+                self._sleep(attempt, f"{type(exc).__name__}")
+                continue
+            if response.status_code in _RETRY_STATUS and attempt + 1 < attempts:
+                self._sleep(attempt, f"HTTP {response.status_code}")
+                continue
+            if response.status_code >= 400:
+                raise _rejected(response)
+            return response
+        raise AssertionError("unreachable")
+
+    def _sleep(self, attempt: int, why: str) -> None:
+        delay = self.backoff_s * 2 ** attempt
+        log.debug("relay request failed (%s); retrying in %.1fs", why, delay)
+        time.sleep(delay)
+
+    def _call(self, method: str, path: str, schema: type[S], body: Schema | None = None, **kwargs: Any) -> S:
+        if body is not None:
+            kwargs["data"] = body.dumps()
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        response = self._request(method, path, **kwargs)
+        try:
+            return schema.from_json(response.json())
+        except ValueError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError("bad_json", f"{path}: the relay's answer is not JSON") from None
+
+    # --- API ------------------------------------------------------------------------------------
+    def get_run(self) -> RunInfo:
+        return self._call("GET", ROUTES["run"], RunInfo)
+
+    def get_status(self) -> StatusReport:
+        return self._call("GET", ROUTES["status"], StatusReport)
+
+    def get_state(self) -> StateInfo:
+        return self._call("GET", ROUTES["state"], StateInfo)
+
+    def join(self, request: JoinRequest) -> JoinResponse:
+        return self._call("POST", ROUTES["join"], JoinResponse, request)
+
+    def heartbeat(self, peer_id: str, hb: Heartbeat) -> CollabState:
+        return self._call("POST", ROUTES["heartbeat"].format(peer_id=peer_id), CollabState, hb)
+
+    def leave(self, peer_id: str) -> None:
+        self._request("POST", ROUTES["leave"].format(peer_id=peer_id), retry=False, timeout=(3, 5))
+
+    def upload_gradient(self, grad_sum: np.ndarray, meta: GradientMeta) -> UploadReceipt:
+        """Stream the float32 gradient sum (P,) for round ``meta.step``. Not retried: a second
+        attempt would race the round's deadline; the optimizer decides what to do instead."""
+        tensors = [("grad", grad_sum)]
+        metadata = {"collab": meta.dumps().decode()}
+        response = self._request(
+            "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
+            params={"peer_id": meta.peer_id}, data=_SizedBody(tensors, metadata),
+            headers={"Content-Type": "application/octet-stream"})
+        return UploadReceipt.from_json(response.json())
+
+    def download_params(self, out: np.ndarray, *, min_step: int = 0, wait_s: float = 0,
+                        peer_id: str = "") -> int | None:
+        """Read the parameters of version >= ``min_step`` into ``out`` (P,) float32; returns the
+        version, or None if the relay had nothing newer within ``wait_s`` seconds."""
+        params = {"min_step": min_step, "wait": int(wait_s), "peer_id": peer_id}
+        timeout = (self.timeout[0], self.timeout[1] + wait_s)
+        with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
+            if response.status_code == 204:
+                return None
+            header, _ = read_container(response.raw, out.nbytes, out={"params": out})
+        return int(header.metadata.get("step", -1))
+
+
+class _SizedBody:
+    """An iterable body with a known length: requests then sends Content-Length, not chunked
+    encoding, so the relay can refuse an oversized upload before reading it."""
+
+    def __init__(self, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
+        self.tensors, self.metadata = tensors, metadata
+        self.size = encoded_size(tensors, metadata)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        return iter_encoded(self.tensors, self.metadata)
+
+
+def _rejected(response: requests.Response) -> RelayRejected:
+    try:
+        body = response.json()
+        return RelayRejected(str(body.get("error", "error")), str(body.get("message", "")),
+                             str(body.get("hint", "")), status=response.status_code)
+    except ValueError:
+        return RelayRejected(f"http_{response.status_code}", response.text[:200], status=response.status_code)

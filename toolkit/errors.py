@@ -1,0 +1,53 @@
+"""Every error a volunteer or organizer can meet, in one place.
+
+Each carries a stable ``code`` (the same string the relay puts in its JSON error body), a human
+``message`` and a ``hint`` that says what to do next. They subclass built-ins so generic
+``except ValueError`` / ``except ConnectionError`` code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class CollabError(Exception):
+    """Base of all collabtrain errors."""
+
+    default_hint = ""
+
+    def __init__(self, code: str, message: str, hint: str = "") -> None:
+        self.code = code
+        self.message = message
+        self.hint = hint or self.default_hint
+        super().__init__(f"[{code}] {message}" + (f" -- {self.hint}" if self.hint else ""))
+
+
+class ProtocolError(CollabError, ValueError):
+    """A message or tensor container that does not match the wire protocol."""
+
+    default_hint = "Peer and relay may run different collabtrain versions: upgrade both."
+
+
+class RelayUnreachable(CollabError, ConnectionError):
+    """No answer from the relay after all retries."""
+
+    default_hint = ("Check the relay URL, that the relay is running, and that this notebook has "
+                    "internet access (Kaggle: Settings -> Internet on).")
+
+
+class RelayRejected(CollabError):
+    """The relay answered with a 4xx/5xx error body; ``status`` is the HTTP status."""
+
+    def __init__(self, code: str, message: str, hint: str = "", status: int = 400) -> None:
+        self.status = status
+        super().__init__(code, message, hint)
+
+
+class ModelMismatch(CollabError, ValueError):
+    """The local model's parameters do not match the run's parameter layout."""
+
+    default_hint = "Build the model the run describes (GET /api/run shows its layout and factory)."
+
+
+class RunFinished(CollabError):
+    """The run reached its configured number of steps; nothing left to contribute."""
+
+    default_hint = "Thank you for contributing! The organizer can start a new run."

@@ -1,0 +1,74 @@
+"""A small byte-level GPT: the demo model (a few million parameters, trains on CPU).
+
+Bytes are tokens (vocabulary 256), so the demo needs no tokenizer download. Pre-norm blocks with
+causal self-attention via ``scaled_dot_product_attention`` and tied input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    vocab_size: int = 256
+    """Byte-level: every byte value is a token."""
+    seq_len: int = 64
+    """Context length in bytes."""
+    d_model: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    d_ff: int = 1024
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ff = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, t, d/heads]
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        return x + self.ff(self.ln2(x))
+
+
+class ByteTransformer(nn.Module):
+    """``forward(tokens [b, t]) -> logits [b, t, 256]``; ``loss(batch [b, t+1])`` is next-byte CE."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__()
+        self.cfg = cfg = TransformerConfig(**kwargs)
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.apply(self._init)
+        nn.init.normal_(self.pos, std=0.02)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.T  # tied output embedding
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

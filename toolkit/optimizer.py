@@ -1,0 +1,332 @@
+"""``CollaborativeOptimizer``: a training loop's ``zero_grad / backward / step``, collaboratively.
+
+Epochs, DeDLOC style: every peer accumulates gradients at its own pace; once the collaboration
+as a whole has ``target_batch`` samples, each peer uploads its accumulated gradient *sum*, the
+relay averages them (weighted by samples) and applies the run's optimizer to the master
+parameters, and every peer downloads the new parameters. Peers hold no optimizer state: the
+backbone does (DESIGN.md s3), so joining late or after a crash just means downloading the
+current parameters.
+
+    opt = CollaborativeOptimizer(model, "http://relay:8750", batch_size_per_step=16)
+    for batch in data:
+        opt.zero_grad()
+        model.loss(batch).backward()
+        opt.step()                       # returns at once unless a round is due
+
+What you will see in the log (``verbose=True``): "joined at step N" once; "round S: sent K
+samples" when this peer contributes; "step S+1 loaded" when new parameters arrive; "behind:
+resyncing" when this peer fell more than ``max_staleness`` versions behind (its unsent
+gradient is discarded, by the rule in :mod:`toolkit.protocol`).
+
+``delayed_updates=True`` (DeDLOC's delayed parameter updates) runs the round in the background
+thread while the next batches compute on the previous parameters: one step of staleness, which
+the relay must allow (``run.max_staleness >= 1``). With it off, ``step()`` blocks for the round,
+and training is exactly large-batch training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from toolkit.client import RelayClient
+from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable
+from toolkit.protocol import PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest, RunInfo
+
+log = logging.getLogger(__name__)
+
+_KEEP_ON_REJECT = {"round_closed", "duplicate_upload"}  # the gradient may still fit the next round
+
+
+class CollaborativeOptimizer(torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
+                 client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
+                 device_info: dict[str, Any] | None = None, precision: str | None = None,
+                 report_interval_s: float = 0.5, round_wait_s: float = 120.0, verbose: bool = False) -> None:
+        """
+        Args:
+            model: the model to train; its parameters must match the run's layout.
+            relay_url: the relay's URL (or pass ``client``).
+            batch_size_per_step: samples in one local micro-batch (``step(batch_size=...)`` overrides).
+            delayed_updates: overlap rounds with computation (needs ``run.max_staleness >= 1``).
+            device_info / precision: reported to the relay so the collaboration sees them.
+            report_interval_s: minimum seconds between progress reports from ``step()``.
+            round_wait_s: how long to wait for a round's result before re-syncing.
+        """
+        if client is None and relay_url is None:
+            raise ValueError("pass relay_url or client")
+        self.model = model
+        self._named = list(model.named_parameters())
+        super().__init__([p for _, p in self._named], defaults={})
+        if verbose:
+            logging.getLogger("toolkit").setLevel(logging.INFO)
+        self.client = client or RelayClient(relay_url)  # type: ignore[arg-type]
+        self.batch_size_per_step = batch_size_per_step
+        self.delayed_updates, self.report_interval_s, self.round_wait_s = delayed_updates, report_interval_s, round_wait_s
+
+        joined = self.client.join(JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
+                                              device=device_info or {}, precision=precision))
+        self.peer_id, self.run = joined.peer_id, joined.run
+        self._check_layout(self.run)
+        if delayed_updates and self.run.max_staleness < 1:
+            log.warning("the run allows no staleness (max_staleness=0): delayed updates turned off")
+            self.delayed_updates = False
+        device = self._named[0][1].device
+        self._accum = torch.zeros(self.run.num_params, dtype=torch.float32, device=device)  # sum of grad*samples
+        self._accum_views = [self._accum[s.offset:s.offset + p.numel()].view_as(p)
+                             for s, (_, p) in zip(self.run.layout, self._named)]
+        self._host = np.empty(self.run.num_params, dtype=np.float32)  # downloads land here
+        self._lock = threading.Lock()
+        self.samples = 0  # in the accumulator, not yet sent
+        self.loss_sum = 0.0
+        self._accum_version = 0
+        self.version = -1
+        self.contributed_samples = 0
+        self.samples_per_s = 0.0
+        self.last_error: CollabError | None = None
+        self.finished = False
+        self.state: CollabState = joined.state
+        self._last_report = 0.0
+        self._last_step_end: float | None = None
+        self._last_round: tuple[int, int] = (-1, -1)  # (step, attempt) this peer last uploaded to
+        self._pending: Future | None = None
+        self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
+        self._load_latest()
+        log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
+        self._worker = _Worker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
+                               self.run.heartbeat_interval_s)
+        self._worker.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.client, self.peer_id)
+
+    # --- the public loop API ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None,
+             loss: float | torch.Tensor | None = None) -> Any:
+        """Add this micro-batch's gradients to the local accumulator; take part in a round if due.
+
+        A micro-batch whose gradients are not finite (e.g. an fp16 overflow) is skipped: only this
+        peer's contribution is lost, the collaboration never sees it.
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        started = time.monotonic()
+        self._finish_pending()
+        if self.finished:
+            return loss
+        n = batch_size or self.batch_size_per_step
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
+        if not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
+            log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
+        else:
+            with self._lock:
+                if self.samples == 0:
+                    self._accum_version = self.version
+                torch._foreach_add_(self._accum_views, grads, alpha=float(n))
+                self.samples += n
+                self.loss_sum += float(loss) * n if loss is not None else 0.0
+            self._update_speed(n, started)
+        self._sync()
+        self._last_step_end = time.monotonic()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Leave the collaboration and stop the background thread (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "CollaborativeOptimizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------------
+    def _check_layout(self, run: RunInfo) -> None:
+        local = [(n, list(p.shape)) for n, p in self._named]
+        remote = [(s.name, list(s.shape)) for s in run.layout]
+        if local != remote:
+            diff = next(((a, b) for a, b in zip(local, remote) if a != b), (len(local), len(remote)))
+            raise ModelMismatch("model_mismatch", f"local model differs from run {run.run_name!r} at {diff}")
+
+    def _update_speed(self, n: int, started: float) -> None:
+        if self._last_step_end is not None:
+            elapsed = max(1e-6, started - self._last_step_end)  # compute time only, not round waits
+            rate = n / elapsed
+            self.samples_per_s = rate if self.samples_per_s == 0 else 0.8 * self.samples_per_s + 0.2 * rate
+
+    def heartbeat_message(self) -> Heartbeat:
+        with self._lock:
+            return Heartbeat(version=self._accum_version if self.samples else max(self.version, 0),
+                             samples=self.samples, samples_per_s=self.samples_per_s)
+
+    def _report(self) -> CollabState:
+        self.state = self.client.heartbeat(self.peer_id, self.heartbeat_message())
+        self._last_report = time.monotonic()
+        return self.state
+
+    def _sync(self) -> None:
+        """Decide, from the latest collaboration state, whether to contribute or resync."""
+        due = time.monotonic() - self._last_report >= self.report_interval_s
+        expected = self.state.samples_accumulated + self.samples >= self.state.target_batch
+        try:
+            state = self._report() if due or expected or self.state.round else self.state
+            if state.finished:
+                self.finished = True
+                return
+            if self.samples and state.step - self._accum_version > self.run.max_staleness:
+                self._discard(f"behind: gradient from step {self._accum_version}, relay at {state.step}; resyncing")
+            if self.version < state.step - self.run.max_staleness or (not self.samples and self.version < state.step
+                                                                     and self._pending is None):
+                self._load_latest()
+            r = state.round
+            if (r is not None and self.samples and (r.step, r.attempt) != self._last_round and self._pending is None
+                    and 0 <= r.step - self._accum_version <= self.run.max_staleness):
+                self._contribute(r.step, r.attempt)
+        except (RelayUnreachable, RelayRejected) as exc:
+            self._note_error(exc)
+
+    def _contribute(self, round_step: int, attempt: int) -> None:
+        state = self._report()  # final counts; the relay caps our weight by this report
+        if state.round is None or state.round.step != round_step:
+            return
+        with self._lock:
+            meta = GradientMeta(peer_id=self.peer_id, step=round_step, version=self._accum_version,
+                                samples=self.samples, loss_sum=self.loss_sum)
+            grad = self._accum.detach().to("cpu", copy=True).numpy()
+            self._accum.zero_()
+            self.samples, self.loss_sum = 0, 0.0
+        self._last_round = (round_step, attempt)
+        if self.delayed_updates:
+            self._pending = self._worker.submit(lambda client: self._round_job(client, grad, meta))
+        else:
+            self._apply_round_result(self._round_job(self.client, grad, meta))
+
+    def _round_job(self, client: RelayClient, grad: np.ndarray, meta: GradientMeta) -> tuple[GradientMeta, Any]:
+        """Upload, then wait for the new version (runs in the worker thread with delayed updates)."""
+        try:
+            client.upload_gradient(grad, meta)
+        except (RelayRejected, RelayUnreachable) as exc:
+            return meta, (exc, grad)
+        host = np.empty_like(self._host) if self.delayed_updates else self._host
+        deadline = time.monotonic() + self.round_wait_s
+        while time.monotonic() < deadline:
+            try:
+                step = client.download_params(host, min_step=meta.step + 1, wait_s=10, peer_id=self.peer_id)
+            except RelayUnreachable as exc:
+                return meta, (exc, None)
+            if step is not None:
+                return meta, (step, host)
+        return meta, (RelayUnreachable("round_timeout", f"no result for round {meta.step}"), None)
+
+    def _apply_round_result(self, result: tuple[GradientMeta, Any]) -> None:
+        meta, (outcome, payload) = result
+        if isinstance(outcome, CollabError):
+            self._note_error(outcome)
+            keep = isinstance(outcome, RelayRejected) and outcome.code in _KEEP_ON_REJECT and payload is not None
+            if keep and self.state.step - meta.version <= self.run.max_staleness:
+                self._restore(payload, meta)  # try again next round
+            return
+        self.contributed_samples += meta.samples
+        log.info("round %d: sent %d samples", meta.step, meta.samples)
+        self._load(payload, outcome)
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            self._apply_round_result(pending.result())
+
+    def _restore(self, grad: np.ndarray, meta: GradientMeta) -> None:
+        with self._lock:
+            self._accum.add_(torch.from_numpy(grad).to(self._accum.device))
+            self.samples += meta.samples
+            self.loss_sum += meta.loss_sum
+            self._accum_version = min(self._accum_version, meta.version) if self.samples > meta.samples else meta.version
+
+    def _discard(self, why: str) -> None:
+        log.info(why)
+        with self._lock:
+            self._accum.zero_()
+            self.samples, self.loss_sum = 0, 0.0
+
+    def _load_latest(self) -> None:
+        step = self.client.download_params(self._host, peer_id=getattr(self, "peer_id", ""))
+        self._load(self._host, step)
+
+    def _load(self, host: np.ndarray, step: int | None) -> None:
+        if step is None or step <= self.version:
+            return
+        flat = torch.from_numpy(host)
+        for spec, (_, p) in zip(self.run.layout, self._named):
+            p.data.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
+        self.version = step
+        self.step_times.append((step, time.time()))
+        log.info("step %d loaded", step)
+
+    def _note_error(self, exc: CollabError) -> None:
+        self.last_error = exc
+        log.warning("%s", exc)
+
+
+class _Worker(threading.Thread):
+    """The one background thread: heartbeats when the loop is busy, and delayed rounds."""
+
+    def __init__(self, owner: "weakref.ref[CollaborativeOptimizer]", client: RelayClient, interval_s: float) -> None:
+        super().__init__(name="collab-peer", daemon=True)
+        self.owner, self.client, self.interval_s = owner, client, interval_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+
+    def submit(self, job: Callable[[RelayClient], Any]) -> Future:
+        future: Future = Future()
+        self.jobs.put((job, future))
+        return future
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                job, future = self.jobs.get(timeout=self.interval_s / 2)
+            except queue.Empty:
+                self._heartbeat()
+                continue
+            try:
+                future.set_result(job(self.client))
+            except BaseException as exc:  # handed to the main thread
+                future.set_exception(exc)
+
+    def _heartbeat(self) -> None:
+        owner = self.owner()
+        if owner is None:
+            return
+        if time.monotonic() - owner._last_report < self.interval_s:
+            return
+        try:
+            owner.state = self.client.heartbeat(owner.peer_id, owner.heartbeat_message())
+            owner._last_report = time.monotonic()
+        except CollabError as exc:
+            owner.last_error = exc
+        finally:
+            del owner
+
+
+def _shutdown(worker: _Worker, client: RelayClient, peer_id: str) -> None:
+    worker.stopping.set()
+    worker.join(timeout=5)  # no heartbeat may follow the leave
+    try:
+        client.leave(peer_id)
+    except CollabError:
+        pass
+    worker.client.close()
+    client.close()

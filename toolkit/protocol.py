@@ -1,0 +1,203 @@
+"""The wire protocol: every request and response body exchanged by peers and the relay.
+
+One module, imported by both ``toolkit`` (the peer) and ``relay_server``. JSON bodies are the
+:class:`Schema` dataclasses below; tensors travel in the safetensors container
+(:mod:`toolkit.tensor_container`). Routes are listed in :data:`ROUTES` so the relay's router and
+the peer's client cannot disagree on a path.
+
+Version rule (DESIGN.md section 3): a gradient computed on parameters of version ``v`` counts
+toward round ``r`` (the round that produces version ``r + 1``) iff ``r - v <= max_staleness``.
+``max_staleness = 0`` is strict large-batch SGD; ``1`` allows delayed parameter updates.
+Otherwise the peer discards its accumulator and downloads the latest parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from toolkit.schema import Schema, limits
+
+PROTOCOL_VERSION = 1
+
+ROUTES = {
+    "run": "/api/run",
+    "status": "/api/status",
+    "join": "/api/peers/join",
+    "heartbeat": "/api/peers/{peer_id}/heartbeat",
+    "leave": "/api/peers/{peer_id}/leave",
+    "gradient": "/api/rounds/{step}/gradient",
+    "params": "/api/params",
+    "state": "/api/state",
+}
+
+MAX_JSON_BODY = 256 * 1024
+_ID = limits(max_len=64)
+_NAME = limits(max_len=128)
+_NONNEG = limits(ge=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec(Schema):
+    """One model parameter as the flat vector lays it out: ``flat[offset:offset+numel]``."""
+
+    name: str = field(metadata=limits(max_len=512))
+    shape: list[int]
+    offset: int = field(metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(Schema):
+    """How peers build the run's model. ``factory`` must live under ``toolkit.models``: peers
+    import code only from the toolkit they installed, never code chosen by the network."""
+
+    factory: str = field(metadata=_NAME)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo(Schema):
+    run_name: str = field(metadata=_NAME)
+    protocol: int
+    model: ModelSpec
+    layout: list[ParamSpec]
+    num_params: int = field(metadata=limits(gt=0))
+    target_batch: int = field(metadata=limits(gt=0))
+    total_steps: int = field(metadata=_NONNEG)
+    max_staleness: int = field(metadata=limits(ge=0, le=8))
+    heartbeat_interval_s: float = field(metadata=limits(gt=0))
+    precision: str | None = None
+    dataset: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundInfo(Schema):
+    """The averaging round that is accepting gradients (at most one at a time)."""
+
+    step: int = field(metadata=_NONNEG)
+    attempt: int = field(metadata=_NONNEG)
+    """Rounds that closed empty re-open for the same step with the next attempt number."""
+    deadline_in_s: float
+    expected_peers: int = field(metadata=_NONNEG)
+    received_peers: int = field(metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollabState(Schema):
+    """What every peer needs to decide its next move; returned by join and heartbeat."""
+
+    step: int = field(metadata=_NONNEG)
+    target_batch: int
+    samples_accumulated: int = field(metadata=_NONNEG)
+    samples_per_s: float = field(metadata=_NONNEG)
+    eta_s: float | None
+    num_peers: int = field(metadata=_NONNEG)
+    round: RoundInfo | None
+    finished: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest(Schema):
+    peer_name: str = field(metadata=_NAME)
+    protocol: int
+    device: dict[str, Any] = field(default_factory=dict)
+    precision: str | None = None
+    client_version: str = field(default="", metadata=_NAME)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinResponse(Schema):
+    peer_id: str = field(metadata=_ID)
+    run: RunInfo
+    state: CollabState
+
+
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Schema):
+    """Liveness plus progress: ``samples`` accumulated locally on parameters of ``version``
+    (the oldest version in the accumulator) and not yet uploaded."""
+
+    version: int = field(metadata=_NONNEG)
+    samples: int = field(metadata=limits(ge=0, le=10**9))
+    samples_per_s: float = field(metadata=limits(ge=0, le=1e7))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientMeta(Schema):
+    """Rides in the safetensors header of a gradient upload. The tensor is the SUM of
+    per-sample gradients over ``samples`` samples, so the relay only adds."""
+
+    peer_id: str = field(metadata=_ID)
+    step: int = field(metadata=_NONNEG)
+    version: int = field(metadata=_NONNEG)
+    samples: int = field(metadata=limits(gt=0, le=10**9))
+    loss_sum: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadReceipt(Schema):
+    step: int
+    accepted_samples: int
+    received_peers: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateInfo(Schema):
+    """The master parameters a newcomer downloads; ``sha256`` is over the float32 bytes."""
+
+    step: int = field(metadata=_NONNEG)
+    num_params: int
+    sha256: str = field(metadata=limits(max_len=64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorBody(Schema):
+    error: str = field(metadata=_NAME)
+    message: str
+    hint: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerStatus(Schema):
+    peer_id: str
+    name: str
+    username: str
+    device: str
+    version: int
+    samples_per_s: float
+    samples_contributed: int
+    last_seen_s: float
+    online: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundRecord(Schema):
+    step: int
+    contributors: int
+    samples: int
+    loss: float | None
+    duration_s: float
+    deadline_s: float
+    finalized_by: Literal["all_arrived", "deadline", "peers_gone"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusReport(Schema):
+    """``GET /api/status``: everything the dashboard and the demo print."""
+
+    run_name: str
+    step: int
+    total_steps: int
+    finished: bool
+    target_batch: int
+    num_params: int
+    samples_accumulated: int
+    samples_per_s: float
+    eta_s: float | None
+    loss: float | None
+    num_peers: int
+    peers: list[PeerStatus]
+    recent_rounds: list[RoundRecord]
+    round: RoundInfo | None
+    auth_mode: str
+    uptime_s: float
