@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -18,9 +19,10 @@ READ_BUFSIZE = 4 << 20  # per-connection receive buffer: whole 4 MiB chunks per 
 
 
 async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asyncio.Event | None = None,
-                extra_middlewares: tuple = ()) -> None:
+                on_ready: Callable[[str], None] | None = None, extra_middlewares: tuple = ()) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread)."""
     app = create_app(config, extra_middlewares)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_args={"read_bufsize": READ_BUFSIZE})
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, read_bufsize=READ_BUFSIZE)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     try:
@@ -36,12 +38,14 @@ async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asy
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(url)
         tmp.replace(ready_file)
+    if on_ready:
+        on_ready(url)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
     try:
         await stop.wait()

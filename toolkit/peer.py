@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 import torch
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, _interrupt)  # terminate = leave cleanly, like closing the tab
     try:
         result = join(args.relay, batch_size=args.batch_size, peer_name=args.name, seed=args.seed,
                       max_steps=args.max_steps, max_seconds=args.max_seconds,
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(result.__dict__))
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

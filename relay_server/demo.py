@@ -1,0 +1,138 @@
+"""``relay-server demo``: a whole collaboration on this machine, to see it work in a minute.
+
+A relay (in this process, on 127.0.0.1, state in a temporary directory) and N peer processes
+(``python -m toolkit.peer``, one CPU thread each) train the byte-level demo model on the text the
+toolkit ships. One line per optimizer step; the last line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from relay_server.config import load_config
+from relay_server.server import serve
+from toolkit.client import RelayClient
+from toolkit.errors import CollabError
+
+
+class RelayThread:
+    """The relay's event loop in a background thread, stoppable from the main thread."""
+
+    def __init__(self, config) -> None:
+        self.config, self.url = config, ""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="relay", daemon=True)
+
+    def start(self, timeout_s: float = 60) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.error:
+            raise RuntimeError(f"the relay did not start: {self.error}")
+        return self.url
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            await serve(self.config, stop=self._stop, on_ready=self._on_ready)
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # surfaced by start()
+            self.error = exc
+            self._ready.set()
+
+    def _on_ready(self, url: str) -> None:
+        self.url = url
+        self._ready.set()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+
+def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 64, batch_size: int = 8,
+             data_dir: str | None = None, port: int = 0) -> int:
+    tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
+    directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
+    config = load_config(None, overrides={
+        "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+        "run": {"total_steps": steps, "target_batch": target_batch}})
+    relay = RelayThread(config)
+    url = relay.start()
+    print(f"relay:     {url}   (status JSON: {url}/api/status, dashboard: {url}/)", flush=True)
+    print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
+          f"{steps} steps", flush=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
+                               "--seed", str(1000 + i), "--batch-size", str(batch_size), "--threads", "1"],
+                              stdout=subprocess.DEVNULL, stderr=open(directory / f"peer-{i}.log", "w"))
+             for i in range(peers)]
+    client = RelayClient(url, retries=1)
+    losses: dict[int, float] = {}
+    samples: dict[int, int] = {}
+    times: dict[int, float] = {}
+    code = 0
+    try:
+        while True:
+            status = client.get_status()
+            for r in status.recent_rounds:
+                if r.step not in losses:
+                    losses[r.step], samples[r.step], times[r.step] = r.loss or float("nan"), r.samples, time.monotonic()
+                    rate = _rate(samples, times)
+                    print(f"step {r.step:4d}/{steps}  loss {losses[r.step]:.4f}  samples/s {rate:7.1f}  "
+                          f"peers {status.num_peers}  ({r.contributors} contributed {r.samples} samples "
+                          f"in {r.duration_s:.2f}s)", flush=True)
+            if status.finished:
+                break
+            if all(p.poll() is not None for p in procs):
+                print(f"all peers exited early; see {directory}/peer-*.log", file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.25)
+    except (KeyboardInterrupt, CollabError) as exc:
+        print(f"demo stopped: {exc or 'interrupted'}", file=sys.stderr)
+        code = 1
+    finally:
+        _stop_peers(procs)
+        client.close()
+        relay.stop()
+        if tmp is not None:
+            tmp.cleanup()
+    ordered = [losses[s] for s in sorted(losses)]
+    print(json.dumps({"steps": max(losses, default=0), "peers": peers,
+                      "first_loss": round(ordered[0], 4) if ordered else None,
+                      "last_loss": round(ordered[-1], 4) if ordered else None,
+                      "samples_per_s": round(_rate(samples, times), 2)}), flush=True)
+    return code
+
+
+def _rate(samples: dict[int, int], times: dict[int, float]) -> float:
+    """Collaboration throughput over the steps seen so far (the first step's samples started
+    the clock, so they are not counted)."""
+    steps = sorted(times)
+    if len(steps) < 2 or times[steps[-1]] <= times[steps[0]]:
+        return 0.0
+    return sum(samples[s] for s in steps[1:]) / (times[steps[-1]] - times[steps[0]])
+
+
+def _stop_peers(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
