@@ -75,7 +75,6 @@ class Collaboration:
         self.snapshot = Snapshot(self.master.step, self.master.flat.numpy().copy())
         self._published = asyncio.Event()
         self._finalizing: asyncio.Task | None = None
-        self._attempt_step, self._attempts = -1, 0
         self.started = time.monotonic()
         self.run_info = RunInfo(
             run_name=config.run.name, protocol=PROTOCOL_VERSION,
@@ -111,7 +110,7 @@ class Collaboration:
         r = self.round
         if r is None or r.closed:
             return None
-        return RoundInfo(step=r.step, attempt=r.attempt, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
+        return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
                          expected_peers=len(r.expected), received_peers=len(r.received))
 
     def state(self) -> CollabState:
@@ -177,9 +176,7 @@ class Collaboration:
         eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
         if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
             return
-        self._attempts = self._attempts + 1 if self._attempt_step == self.step else 0
-        self._attempt_step = self.step
-        self.round = Round(step=self.step, attempt=self._attempts, grad=self.master.grad.numpy(),
+        self.round = Round(step=self.step, round_id=secrets.token_hex(8), grad=self.master.grad.numpy(),
                            expected={p.peer_id for p in eligible}, deadline_s=self.deadlines.window_s())
         log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
 

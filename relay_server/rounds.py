@@ -24,7 +24,7 @@ CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: reduce one while the next arrives
 @dataclass
 class Round:
     step: int
-    attempt: int
+    round_id: str
     grad: np.ndarray  # (P,) float32, the master's gradient buffer, zeroed at open
     expected: set[str]
     deadline_s: float

@@ -127,7 +127,7 @@ class Store:
 
     def _record_round(self, step: int, r: RoundLog) -> None:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
-        self.db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
+        self.db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
                         (step, time.time(), len(r.contributions), sum(r.contributions.values()), r.loss,
                          r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm))
         self.db.executemany(

@@ -98,7 +98,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.state: CollabState = joined.state
         self._last_report = 0.0
         self._last_step_end: float | None = None
-        self._last_round: tuple[int, int] = (-1, -1)  # (step, attempt) this peer last uploaded to
+        self._last_round_id = ""  # the round this peer last uploaded to
         self._pending: Future | None = None
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self._load_latest()
@@ -192,13 +192,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
                                                                      and self._pending is None):
                 self._load_latest()
             r = state.round
-            if (r is not None and self.samples and (r.step, r.attempt) != self._last_round and self._pending is None
+            if (r is not None and self.samples and r.round_id != self._last_round_id and self._pending is None
                     and 0 <= r.step - self._accum_version <= self.run.max_staleness):
-                self._contribute(r.step, r.attempt)
+                self._contribute(r.step, r.round_id)
         except (RelayUnreachable, RelayRejected) as exc:
             self._note_error(exc)
 
-    def _contribute(self, round_step: int, attempt: int) -> None:
+    def _contribute(self, round_step: int, round_id: str) -> None:
         state = self._report()  # final counts; the relay caps our weight by this report
         if state.round is None or state.round.step != round_step:
             return
@@ -208,7 +208,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             grad = self._accum.detach().to("cpu", copy=True).numpy()
             self._accum.zero_()
             self.samples, self.loss_sum = 0, 0.0
-        self._last_round = (round_step, attempt)
+        self._last_round_id = round_id
         if self.delayed_updates:
             self._pending = self._worker.submit(lambda client: self._round_job(client, grad, meta))
         else:

@@ -75,8 +75,9 @@ class RoundInfo(Schema):
     """The averaging round that is accepting gradients (at most one at a time)."""
 
     step: int = field(metadata=_NONNEG)
-    attempt: int = field(metadata=_NONNEG)
-    """Rounds that closed empty re-open for the same step with the next attempt number."""
+    round_id: str = field(metadata=limits(max_len=32))
+    """Unique per round, across relay restarts: a round that closed empty (or died with the
+    relay) re-opens for the same step under a new id, and peers upload once per id."""
     deadline_in_s: float
     expected_peers: int = field(metadata=_NONNEG)
     received_peers: int = field(metadata=_NONNEG)

@@ -5,8 +5,9 @@ notebook import arbitrary code.
 """
 
 from toolkit.models.byte_transformer import ByteTransformer, TransformerConfig
+from toolkit.models.mlp import MLP
 
-__all__ = ["ByteTransformer", "TransformerConfig", "build_model"]
+__all__ = ["ByteTransformer", "MLP", "TransformerConfig", "build_model"]
 
 
 def build_model(factory: str, kwargs: dict) -> "torch.nn.Module":  # noqa: F821
@@ -14,7 +15,7 @@ def build_model(factory: str, kwargs: dict) -> "torch.nn.Module":  # noqa: F821
     from toolkit.errors import ModelMismatch
 
     module, _, name = factory.partition(":")
-    if module != "toolkit.models" or name not in __all__ or name == "build_model":
+    if module != "toolkit.models" or name not in ("ByteTransformer", "MLP"):
         raise ModelMismatch("unknown_model", f"model factory {factory!r} is not part of toolkit.models",
-                            "Use one of: toolkit.models:ByteTransformer, or pass your own model to join().")
+                            "Use toolkit.models:ByteTransformer or toolkit.models:MLP, or pass your own model to join().")
     return globals()[name](**kwargs)

@@ -1,0 +1,183 @@
+"""Shared fixtures: real relay processes and real peer processes on 127.0.0.1, always cleaned up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_WORKER = Path(__file__).resolve().parent / "peer_worker.py"
+
+# A small, fast, deterministic run: the MLP regression model, strict large-batch semantics.
+BASE_CONFIG: dict[str, dict[str, Any]] = {
+    "run": {"name": "test-run", "target_batch": 48, "total_steps": 0, "max_staleness": 0, "seed": 0},
+    "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}},
+    "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "betas": [0.9, 0.99],
+                  "clip_grad_norm": 0.0, "schedule": "constant"},
+    "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 2.0, "deadline_floor_s": 2.0,
+               "deadline_ceiling_s": 60.0, "deadline_initial_s": 30.0},
+    "server": {"host": "127.0.0.1", "keep_checkpoints": 1000},
+    "auth": {"mode": "open"},
+}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def merged(overrides: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    config = {k: dict(v) for k, v in BASE_CONFIG.items()}
+    for section, values in (overrides or {}).items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RelayProcess:
+    """A real ``relay-server serve`` process; ``kill``/``start`` keep the port and data dir."""
+
+    config_path: Path
+    data_dir: Path
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60) -> "RelayProcess":
+        ready = self.data_dir.parent / f"ready-{self.port}"
+        ready.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(self.config_path),
+             "--port", str(self.port), "--data-dir", str(self.data_dir), "--ready-file", str(ready)],
+            stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"relay exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("relay did not start")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def status(self) -> dict[str, Any]:
+        return requests.get(self.url + "/api/status", timeout=10).json()
+
+    def wait_for(self, predicate, timeout_s: float = 60, what: str = "condition") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                status = self.status()
+            except requests.ConnectionError:
+                status = None
+            if status is not None and predicate(status):
+                return status
+            time.sleep(0.05)
+        raise TimeoutError(f"timed out waiting for {what}; last status: {status}\n"
+                           f"relay log tail:\n{self.log_path.read_text()[-2000:]}")
+
+
+@pytest.fixture
+def start_relay(tmp_path: Path) -> Iterator:
+    relays: list[RelayProcess] = []
+
+    def start(overrides: dict[str, dict[str, Any]] | None = None, name: str = "relay") -> RelayProcess:
+        config = write_config(tmp_path / f"{name}.toml", merged(overrides))
+        relay = RelayProcess(config, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log")
+        relays.append(relay)
+        return relay.start()
+
+    yield start
+    for relay in relays:
+        relay.stop()
+
+
+@dataclass
+class PeerProcess:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    events_path: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.events_path.exists():
+            return []
+        return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+
+    def wait(self, timeout_s: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"peer {self.name} still running; log:\n{self.log_path.read_text()[-2000:]}") from None
+
+
+@pytest.fixture
+def launch_peer(tmp_path: Path) -> Iterator:
+    """``launch_peer(relay_url, name, seed=..., batch_size=..., steps=...)`` -> PeerProcess."""
+    peers: list[PeerProcess] = []
+
+    def launch(relay_url: str, name: str, *, seed: int, batch_size: int, steps: int,
+               extra: tuple[str, ...] = ()) -> PeerProcess:
+        log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
+        proc = subprocess.Popen(
+            [sys.executable, str(PEER_WORKER), "--relay", relay_url, "--name", name, "--seed", str(seed),
+             "--batch-size", str(batch_size), "--steps", str(steps), "--events", str(events), *extra],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+        peer = PeerProcess(name, proc, log, events)
+        peers.append(peer)
+        return peer
+
+    yield launch
+    for peer in peers:
+        if peer.proc.poll() is None:
+            peer.proc.kill()
+            peer.proc.wait(timeout=10)

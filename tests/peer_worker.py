@@ -1,0 +1,99 @@
+"""A real peer process for integration tests: trains the MLP on deterministic data with the
+real CollaborativeOptimizer and logs, as JSON lines, which samples went into which round."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import signal
+import sys
+import time
+
+import torch
+
+DATASET_SIZE, IN_DIM = 4096, 8
+
+
+def make_dataset(n: int = DATASET_SIZE, in_dim: int = IN_DIM) -> torch.Tensor:
+    """Rows [x (in_dim), y]; identical in every process (fixed seed)."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, in_dim, generator=g)
+    w = torch.randn(in_dim, generator=g)
+    y = torch.tanh(x @ w) + 0.1 * torch.randn(n, generator=g)
+    return torch.cat([x, y[:, None]], dim=1)
+
+
+def params_sha(model: torch.nn.Module) -> str:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def main() -> int:
+    from toolkit.models import build_model
+    from toolkit.optimizer import CollaborativeOptimizer
+    from toolkit.client import RelayClient
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--relay", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True, help="stop once the global step reaches this")
+    parser.add_argument("--events", required=True)
+    parser.add_argument("--delayed", action="store_true")
+    parser.add_argument("--sleep-per-batch", type=float, default=0.0, help="simulate a slower device")
+    parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    torch.set_num_threads(1)
+    events = open(args.events, "a", buffering=1)
+
+    def emit(**event) -> None:
+        events.write(json.dumps(event) + "\n")
+
+    data = make_dataset()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
+    client = RelayClient(args.relay, retries=6, backoff_s=0.3)
+    run = client.get_run()
+    model = build_model(run.model.factory, dict(run.model.kwargs))
+    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
+                                 delayed_updates=args.delayed, report_interval_s=0.05)
+    emit(event="joined", step=opt.version, sha=params_sha(model))
+    while args.wait_peers and client.get_status().num_peers < args.wait_peers:
+        time.sleep(0.05)
+    pending: list[int] = []
+    cursor, version = 0, opt.version
+    try:
+        while opt.version < args.steps and not opt.finished:
+            ids = [int(i) for i in order[cursor:cursor + args.batch_size]]
+            cursor = (cursor + args.batch_size) % (len(order) - args.batch_size)
+            time.sleep(args.sleep_per_batch)
+            loss = model.loss(data[ids])
+            opt.zero_grad()
+            loss.backward()
+            before = opt.contributed_samples
+            pending += ids
+            opt.step(loss=loss.item())
+            sent = opt.contributed_samples - before
+            if sent:
+                emit(event="round", step=opt.version - 1, ids=pending[:sent])
+                pending = pending[sent:]
+            elif opt.samples == 0 and pending:
+                emit(event="dropped", ids=pending)
+                pending = []
+            if opt.version != version:
+                version = opt.version
+                emit(event="version", step=version, sha=params_sha(model))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        opt.close()
+    emit(event="done", step=opt.version, sha=params_sha(model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

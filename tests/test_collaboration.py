@@ -1,0 +1,165 @@
+"""Integration: a real relay process and real peer processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sqlite3
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from relay_server.master import flatten
+from tests.peer_worker import make_dataset
+from toolkit.client import RelayClient
+from toolkit.models import build_model
+
+MODEL_KWARGS = {"sizes": [8, 16, 1]}
+
+
+def relay_params(url: str, min_step: int = 0) -> tuple[int, np.ndarray]:
+    client = RelayClient(url)
+    num_params = client.get_run().num_params
+    out = np.empty(num_params, dtype=np.float32)
+    step = client.download_params(out, min_step=min_step, wait_s=30)
+    client.close()
+    assert step is not None
+    return step, out
+
+
+def rounds_from_events(peers) -> dict[int, list[int]]:
+    rounds: dict[int, list[int]] = defaultdict(list)
+    for peer in peers:
+        for event in peer.events():
+            if event["event"] == "round":
+                rounds[event["step"]] += event["ids"]
+    return rounds
+
+
+def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()]).view_as(p))
+            offset += p.numel()
+
+
+def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_peer):
+    relay = start_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
+                         "run": {"target_batch": 150}})
+    _, before = relay_params(relay.url)
+    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=b, steps=1, extra=("--wait-peers", "3"))
+             for i, b in enumerate((3, 5, 7))]
+    for peer in peers:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    step, after = relay_params(relay.url, min_step=1)
+    ids = rounds_from_events(peers)[0]
+    assert len(ids) >= 150 and len({p.name for p in peers if any(e["event"] == "round" for e in p.events())}) == 3
+
+    model = build_model("toolkit.models:MLP", MODEL_KWARGS)
+    load_flat(model, before)
+    model.loss(make_dataset()[ids]).backward()
+    mean_grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(after, before - mean_grad, rtol=1e-5, atol=1e-6)
+    assert relay.status()["recent_rounds"][0]["samples"] == len(ids)
+
+
+def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, launch_peer):
+    steps = 5
+    relay = start_relay({"run": {"target_batch": 48}})
+    _, initial = relay_params(relay.url)
+    peers = [launch_peer(relay.url, f"p{i}", seed=10 + i, batch_size=b, steps=steps, extra=("--wait-peers", "3"))
+             for i, b in enumerate((4, 6, 8))]
+    for peer in peers:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    _, final = relay_params(relay.url, min_step=steps)
+    rounds = rounds_from_events(peers)
+    assert sorted(rounds) == list(range(steps))
+    # Samples a peer computed on a version whose round closed without it are dropped (strict
+    # max_staleness=0); they are in no round, so the reference below does not see them either.
+
+    # The reference: one process, same initial parameters, same global batches, same AdamW.
+    data = make_dataset()
+    model = build_model("toolkit.models:MLP", MODEL_KWARGS)
+    load_flat(model, initial)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=0.01, betas=(0.9, 0.99), eps=1e-8)
+    for step in range(steps):
+        opt.zero_grad()
+        model.loss(data[rounds[step]]).backward()
+        opt.step()
+    reference = flatten(model)
+    relative = np.linalg.norm(final - reference) / np.linalg.norm(reference)
+    assert relative <= 1e-5, relative
+    assert np.linalg.norm(final - initial) / np.linalg.norm(initial) > 1e-3  # it did train
+
+
+def test_peer_killed_mid_round_does_not_block_the_others(start_relay, launch_peer):
+    relay = start_relay({"run": {"target_batch": 96, "max_staleness": 1}})
+    paced = ("--wait-peers", "3", "--sleep-per-batch", "0.05")
+    survivors = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=12, extra=paced) for i in range(2)]
+    victim = launch_peer(relay.url, "victim", seed=9, batch_size=4, steps=12, extra=paced)
+    relay.wait_for(lambda s: s["step"] >= 1, what="the first step")
+    # Freeze the victim while it holds reported samples, so the next round expects it...
+    victim.proc.send_signal(signal.SIGSTOP)
+    status = relay.wait_for(lambda s: s["round"] is not None and s["round"]["expected_peers"] == 3
+                            and s["round"]["received_peers"] == 2, what="a round waiting for the victim")
+    waiting_step = status["round"]["step"]
+    # ...then kill it mid-round.
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    status = relay.wait_for(lambda s: s["step"] > waiting_step + 1, timeout_s=45, what="steps without the victim")
+    record = next(r for r in status["recent_rounds"] if r["step"] == waiting_step + 1)
+    # The window was 30 s: the round closed because the dead peer was dropped, not by timeout.
+    assert record["contributors"] == 2 and record["finalized_by"] == "all_arrived", record
+    assert record["duration_s"] < record["deadline_s"]
+    for peer in survivors:
+        assert peer.wait() == 0
+    assert all(p["name"] != "victim" for p in relay.status()["peers"])
+
+
+def test_late_joiner_gets_current_parameters_and_contributes(start_relay, launch_peer):
+    relay = start_relay({"run": {"target_batch": 32}})
+    early = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6) for i in range(2)]
+    relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
+    late = launch_peer(relay.url, "late", seed=7, batch_size=4, steps=6)
+    for peer in [*early, late]:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    joined = next(e for e in late.events() if e["event"] == "joined")
+    assert joined["step"] >= 3
+    # The parameters it started from are exactly the relay's for that version.
+    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
+        rounds = dict(db.execute("SELECT step, contributors FROM rounds"))
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(relay.data_dir / "state" / f"step-{joined['step']:08d}.safetensors"))["params"]
+    assert hashlib.sha256(stored.tobytes()).hexdigest() == joined["sha"]
+    late_rounds = [e["step"] for e in late.events() if e["event"] == "round"]
+    assert late_rounds and min(late_rounds) >= joined["step"]
+    assert rounds[min(late_rounds) + 1] == 3
+
+
+def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):
+    relay = start_relay({"run": {"target_batch": 32}})
+    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=8) for i in range(2)]
+    relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
+    relay.kill()
+    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
+        persisted = int(db.execute("SELECT value FROM meta WHERE key = 'step'").fetchone()[0])
+    time.sleep(1.0)
+    relay.start()
+    assert relay.status()["step"] == persisted  # resumed exactly where the durable state was
+    for peer in peers:
+        assert peer.wait(timeout_s=120) == 0, peer.log_path.read_text()[-3000:]
+    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
+        steps = [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
+    assert steps == list(range(1, max(steps) + 1)) and max(steps) >= 8  # contiguous: none lost, none twice
+    for peer in peers:
+        versions = [e["step"] for e in peer.events() if e["event"] == "version"]
+        assert versions == sorted(set(versions)), versions  # never went backwards or repeated
+    assert os.path.exists(relay.data_dir / "state" / f"step-{max(steps):08d}.safetensors")
