@@ -99,6 +99,11 @@ async def get_status(request: web.Request) -> web.Response:
     return json_ok(_collab(request).status())
 
 
+async def get_progress(request: web.Request) -> web.Response:
+    """The collaboration's progress without reporting any: what a peer polls while it waits."""
+    return json_ok(_collab(request).state())
+
+
 async def get_state(request: web.Request) -> web.Response:
     return json_ok(_collab(request).state_info())
 
@@ -187,6 +192,7 @@ ROUTE_TABLE = [
     ("GET", ROUTES["run"], get_run),
     ("GET", ROUTES["status"], get_status),
     ("GET", ROUTES["state"], get_state),
+    ("GET", ROUTES["progress"], get_progress),
     ("GET", ROUTES["params"], get_params),
     ("POST", ROUTES["join"], post_join),
     ("POST", ROUTES["heartbeat"], post_heartbeat),

@@ -96,7 +96,9 @@ class Collaboration:
     # --- properties ---------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        return self.master.step
+        """The published version: the master's step counter moves inside the worker thread before
+        the new version is durable, so everything peers and observers see keys off the snapshot."""
+        return self.snapshot.step
 
     @property
     def num_params(self) -> int:
@@ -156,7 +158,17 @@ class Collaboration:
                            "Download the current parameters (the relay may have been rolled back).")
         self.registry.report(peer, hb)
         self._maybe_open_round()
+        self._admit_late(peer)
         return self.state()
+
+    def _admit_late(self, peer: Peer) -> None:
+        """A peer that reports eligible samples while a round is open joins it: its gradient would
+        otherwise be wasted (strict staleness) or a step late. The round's deadline still bounds
+        how long anyone waits for it."""
+        r = self.round
+        if (r is not None and not r.closed and peer.samples > 0 and peer.peer_id not in r.received
+                and 0 <= r.step - peer.version <= self.run_cfg.max_staleness):
+            r.expected.add(peer.peer_id)
 
     def leave(self, peer_id: str) -> None:
         peer = self.registry.remove(peer_id)

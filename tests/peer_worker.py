@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,6 +46,8 @@ def main() -> int:
     parser.add_argument("--delayed", action="store_true")
     parser.add_argument("--sleep-per-batch", type=float, default=0.0, help="simulate a slower device")
     parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    parser.add_argument("--freeze-before-upload", type=int, default=None, metavar="STEP",
+                        help="SIGSTOP this process just before uploading to round STEP or later (the test kills it)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -62,6 +65,16 @@ def main() -> int:
     opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
                                  delayed_updates=args.delayed, report_interval_s=0.05)
     emit(event="joined", step=opt.version, sha=params_sha(model))
+    if args.freeze_before_upload is not None:
+        upload = client.upload_gradient
+
+        def frozen_upload(grad, meta):
+            if meta.step >= args.freeze_before_upload:
+                emit(event="freezing", step=meta.step)
+                os.kill(os.getpid(), signal.SIGSTOP)  # reported its samples, so the round expects it
+            return upload(grad, meta)
+
+        client.upload_gradient = frozen_upload
     while args.wait_peers and client.get_status().num_peers < args.wait_peers:
         time.sleep(0.05)
     pending: list[int] = []

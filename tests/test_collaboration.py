@@ -100,48 +100,52 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, l
 
 
 def test_peer_killed_mid_round_does_not_block_the_others(start_relay, launch_peer):
-    relay = start_relay({"run": {"target_batch": 96, "max_staleness": 1}})
-    paced = ("--wait-peers", "3", "--sleep-per-batch", "0.05")
-    survivors = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=12, extra=paced) for i in range(2)]
-    victim = launch_peer(relay.url, "victim", seed=9, batch_size=4, steps=12, extra=paced)
-    relay.wait_for(lambda s: s["step"] >= 1, what="the first step")
-    # Freeze the victim while it holds reported samples, so the next round expects it...
-    victim.proc.send_signal(signal.SIGSTOP)
-    status = relay.wait_for(lambda s: s["round"] is not None and s["round"]["expected_peers"] == 3
-                            and s["round"]["received_peers"] == 2, what="a round waiting for the victim")
+    # A 20 s upload window and a 2 s peer TTL: if the round closes well before 20 s, it was
+    # because the relay noticed the dead peer, not because the deadline passed.
+    relay = start_relay({"run": {"target_batch": 96, "max_staleness": 1},
+                         "rounds": {"deadline_floor_s": 20.0, "deadline_initial_s": 20.0}})
+    paced = ("--wait-peers", "3", "--sleep-per-batch", "0.02")
+    survivors = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=paced) for i in range(2)]
+    victim = launch_peer(relay.url, "victim", seed=9, batch_size=4, steps=6,
+                         extra=(*paced, "--freeze-before-upload", "2"))
+    status = relay.wait_for(lambda s: s["round"] is not None and s["round"]["step"] >= 2
+                            and s["round"]["expected_peers"] == 3 and s["round"]["received_peers"] == 2
+                            and any(e["event"] == "freezing" for e in victim.events()),
+                            what="a round waiting for the frozen victim")
     waiting_step = status["round"]["step"]
-    # ...then kill it mid-round.
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
-    status = relay.wait_for(lambda s: s["step"] > waiting_step + 1, timeout_s=45, what="steps without the victim")
+    status = relay.wait_for(lambda s: s["step"] > waiting_step, timeout_s=30, what="the round to finalize")
     record = next(r for r in status["recent_rounds"] if r["step"] == waiting_step + 1)
-    # The window was 30 s: the round closed because the dead peer was dropped, not by timeout.
     assert record["contributors"] == 2 and record["finalized_by"] == "all_arrived", record
-    assert record["duration_s"] < record["deadline_s"]
+    assert record["duration_s"] < record["deadline_s"] / 2, record
     for peer in survivors:
-        assert peer.wait() == 0
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     assert all(p["name"] != "victim" for p in relay.status()["peers"])
 
 
 def test_late_joiner_gets_current_parameters_and_contributes(start_relay, launch_peer):
     relay = start_relay({"run": {"target_batch": 32}})
-    early = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6) for i in range(2)]
+    early = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=10_000) for i in range(2)]
     relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
-    late = launch_peer(relay.url, "late", seed=7, batch_size=4, steps=6)
+    late = launch_peer(relay.url, "late", seed=7, batch_size=4, steps=10_000)
+    relay.wait_for(lambda s: any(e["event"] == "round" for e in late.events()), timeout_s=120,
+                   what="the late joiner's first contribution")
     for peer in [*early, late]:
+        peer.proc.terminate()  # SIGTERM = leave cleanly, like closing the tab
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     joined = next(e for e in late.events() if e["event"] == "joined")
     assert joined["step"] >= 3
     # The parameters it started from are exactly the relay's for that version.
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        rounds = dict(db.execute("SELECT step, contributors FROM rounds"))
     from safetensors.numpy import load_file
 
     stored = load_file(str(relay.data_dir / "state" / f"step-{joined['step']:08d}.safetensors"))["params"]
     assert hashlib.sha256(stored.tobytes()).hexdigest() == joined["sha"]
-    late_rounds = [e["step"] for e in late.events() if e["event"] == "round"]
-    assert late_rounds and min(late_rounds) >= joined["step"]
-    assert rounds[min(late_rounds) + 1] == 3
+    first = min(e["step"] for e in late.events() if e["event"] == "round")
+    assert first >= joined["step"]
+    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
+        credited = db.execute("SELECT samples_contributed FROM peers WHERE name = 'late'").fetchone()[0]
+    assert credited > 0  # the relay applied and credited its samples
 
 
 def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):

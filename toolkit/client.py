@@ -87,6 +87,9 @@ class RelayClient:
     def get_status(self) -> StatusReport:
         return self._call("GET", ROUTES["status"], StatusReport)
 
+    def get_progress(self) -> CollabState:
+        return self._call("GET", ROUTES["progress"], CollabState)
+
     def get_state(self) -> StateInfo:
         return self._call("GET", ROUTES["state"], StateInfo)
 

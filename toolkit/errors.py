@@ -33,6 +33,12 @@ class RelayUnreachable(CollabError, ConnectionError):
                     "internet access (Kaggle: Settings -> Internet on).")
 
 
+class RoundLost(RelayUnreachable):
+    """A round this peer uploaded to ended without a result (the relay restarted mid-round)."""
+
+    default_hint = "Nothing to do: the gradient is kept for the next round when that cannot double-count it."
+
+
 class RelayRejected(CollabError):
     """The relay answered with a 4xx/5xx error body; ``status`` is the HTTP status."""
 

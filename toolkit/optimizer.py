@@ -34,18 +34,31 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable
+from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
 from toolkit.protocol import PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest, RunInfo
 
 log = logging.getLogger(__name__)
 
-_KEEP_ON_REJECT = {"round_closed", "duplicate_upload"}  # the gradient may still fit the next round
+
+
+@dataclass
+class _Outcome:
+    """What became of one upload. ``grad`` is kept while it may still be used; ``fate`` says
+    whether the relay certainly never received it ("not_received") or cannot tell ("unknown")."""
+
+    meta: GradientMeta
+    grad: np.ndarray | None
+    version: int | None = None  # the new parameters' version, loaded into ``params``
+    params: np.ndarray | None = None
+    error: CollabError | None = None
+    fate: str = ""
 
 
 class CollaborativeOptimizer(torch.optim.Optimizer):
@@ -86,6 +99,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._accum_views = [self._accum[s.offset:s.offset + p.numel()].view_as(p)
                              for s, (_, p) in zip(self.run.layout, self._named)]
         self._host = np.empty(self.run.num_params, dtype=np.float32)  # downloads land here
+        self._host_bg = np.empty(self.run.num_params, dtype=np.float32) if self.delayed_updates else self._host
         self._lock = threading.Lock()
         self.samples = 0  # in the accumulator, not yet sent
         self.loss_sum = 0.0
@@ -100,6 +114,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._last_step_end: float | None = None
         self._last_round_id = ""  # the round this peer last uploaded to
         self._pending: Future | None = None
+        self._limbo: _Outcome | None = None  # a gradient whose round ended without applying it
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self._load_latest()
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
@@ -182,10 +197,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         due = time.monotonic() - self._last_report >= self.report_interval_s
         expected = self.state.samples_accumulated + self.samples >= self.state.target_batch
         try:
-            state = self._report() if due or expected or self.state.round else self.state
+            state = self._report() if due or expected or self.state.round or self._limbo else self.state
             if state.finished:
                 self.finished = True
                 return
+            self._settle_limbo(state)
             if self.samples and state.step - self._accum_version > self.run.max_staleness:
                 self._discard(f"behind: gradient from step {self._accum_version}, relay at {state.step}; resyncing")
             if self.version < state.step - self.run.max_staleness or (not self.samples and self.version < state.step
@@ -200,7 +216,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
 
     def _contribute(self, round_step: int, round_id: str) -> None:
         state = self._report()  # final counts; the relay caps our weight by this report
-        if state.round is None or state.round.step != round_step:
+        if state.round is None or state.round.round_id != round_id:
             return
         with self._lock:
             meta = GradientMeta(peer_id=self.peer_id, step=round_step, version=self._accum_version,
@@ -210,50 +226,81 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self.samples, self.loss_sum = 0, 0.0
         self._last_round_id = round_id
         if self.delayed_updates:
-            self._pending = self._worker.submit(lambda client: self._round_job(client, grad, meta))
+            self._pending = self._worker.submit(lambda client: self._round_job(client, grad, meta, round_id))
         else:
-            self._apply_round_result(self._round_job(self.client, grad, meta))
+            self._settle(self._round_job(self.client, grad, meta, round_id))
 
-    def _round_job(self, client: RelayClient, grad: np.ndarray, meta: GradientMeta) -> tuple[GradientMeta, Any]:
-        """Upload, then wait for the new version (runs in the worker thread with delayed updates)."""
+    def _round_job(self, client: RelayClient, grad: np.ndarray, meta: GradientMeta, round_id: str) -> _Outcome:
+        """Upload, then wait for the version the round produces (in the worker thread with delayed
+        updates). The relay publishes a version only once it is durable, so after a successful
+        upload the gradient was applied iff the relay's step moves past ``meta.step``; if the
+        step stays and the open round has another id, the round died (relay restart) and the
+        gradient goes back into the accumulator."""
         try:
             client.upload_gradient(grad, meta)
-        except (RelayRejected, RelayUnreachable) as exc:
-            return meta, (exc, grad)
-        host = np.empty_like(self._host) if self.delayed_updates else self._host
-        deadline = time.monotonic() + self.round_wait_s
-        while time.monotonic() < deadline:
-            try:
-                step = client.download_params(host, min_step=meta.step + 1, wait_s=10, peer_id=self.peer_id)
-            except RelayUnreachable as exc:
-                return meta, (exc, None)
-            if step is not None:
-                return meta, (step, host)
-        return meta, (RelayUnreachable("round_timeout", f"no result for round {meta.step}"), None)
+        except RelayRejected as exc:
+            if exc.code == "round_closed":  # never received: reusable if still fresh enough
+                return _Outcome(meta, grad, error=exc, fate="not_received")
+            return _Outcome(meta, None, error=exc)  # duplicate, stale or invalid: dropped
+        except RelayUnreachable as exc:
+            return _Outcome(meta, grad, error=exc, fate="unknown")
+        host = self._host_bg if self.delayed_updates else self._host
+        give_up = time.monotonic() + self.round_wait_s
+        try:
+            while time.monotonic() < give_up:
+                step = client.download_params(host, min_step=meta.step + 1, wait_s=5, peer_id=self.peer_id)
+                if step is not None:
+                    return _Outcome(meta, None, version=step, params=host)
+                progress = client.get_progress()
+                if progress.step <= meta.step and (progress.round is None or progress.round.round_id != round_id):
+                    return _Outcome(meta, grad, error=RoundLost("round_lost", f"round {meta.step} ended without "
+                                                                "a result (relay restarted?)"), fate="not_received")
+        except RelayUnreachable as exc:
+            return _Outcome(meta, grad, error=exc, fate="unknown")
+        return _Outcome(meta, grad, error=RoundLost("round_timeout", f"no result for round {meta.step} after "
+                                                    f"{self.round_wait_s:.0f}s"), fate="unknown")
 
-    def _apply_round_result(self, result: tuple[GradientMeta, Any]) -> None:
-        meta, (outcome, payload) = result
-        if isinstance(outcome, CollabError):
-            self._note_error(outcome)
-            keep = isinstance(outcome, RelayRejected) and outcome.code in _KEEP_ON_REJECT and payload is not None
-            if keep and self.state.step - meta.version <= self.run.max_staleness:
-                self._restore(payload, meta)  # try again next round
+    def _settle(self, outcome: _Outcome) -> None:
+        """Apply a round's outcome in the training thread."""
+        if outcome.error is not None:
+            self._note_error(outcome.error)
+        if outcome.version is not None:
+            self.contributed_samples += outcome.meta.samples
+            log.info("round %d: sent %d samples", outcome.meta.step, outcome.meta.samples)
+            self._load(outcome.params, outcome.version)
+        elif outcome.grad is not None:
+            self._limbo = outcome  # decided by the next collaboration state we see
+
+    def _settle_limbo(self, state: CollabState) -> None:
+        """Put an unapplied gradient back into the accumulator when that cannot double-count it:
+        a gradient the relay never received may join any round its version is fresh enough for;
+        one whose fate is unknown only while the relay is still at the round's step (had it been
+        applied, the relay would have moved on: it publishes a step only after persisting it)."""
+        outcome, self._limbo = self._limbo, None
+        if outcome is None:
             return
-        self.contributed_samples += meta.samples
-        log.info("round %d: sent %d samples", meta.step, meta.samples)
-        self._load(payload, outcome)
+        meta = outcome.meta
+        fresh = state.step - meta.version <= self.run.max_staleness
+        if fresh and (outcome.fate == "not_received" or state.step == meta.step):
+            self._restore(outcome.grad, meta)
+            self._last_round_id = ""
+            log.info("round %d: kept %d samples for the next round", meta.step, meta.samples)
+        else:
+            log.info("round %d: dropped %d samples (their round is gone)", meta.step, meta.samples)
 
     def _finish_pending(self) -> None:
         if self._pending is not None and self._pending.done():
             pending, self._pending = self._pending, None
-            self._apply_round_result(pending.result())
+            self._settle(pending.result())
 
     def _restore(self, grad: np.ndarray, meta: GradientMeta) -> None:
         with self._lock:
+            if self.samples == 0:
+                self._accum_version = meta.version
+            self._accum_version = min(self._accum_version, meta.version)
             self._accum.add_(torch.from_numpy(grad).to(self._accum.device))
             self.samples += meta.samples
             self.loss_sum += meta.loss_sum
-            self._accum_version = min(self._accum_version, meta.version) if self.samples > meta.samples else meta.version
 
     def _discard(self, why: str) -> None:
         log.info(why)

@@ -23,6 +23,7 @@ PROTOCOL_VERSION = 1
 ROUTES = {
     "run": "/api/run",
     "status": "/api/status",
+    "progress": "/api/progress",
     "join": "/api/peers/join",
     "heartbeat": "/api/peers/{peer_id}/heartbeat",
     "leave": "/api/peers/{peer_id}/leave",
