@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 class ConfigError(ValueError):
