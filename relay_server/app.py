@@ -129,12 +129,14 @@ async def put_gradient(request: web.Request) -> web.Response:
     step = _path_int(request, "step")
     peer_id = request.query.get("peer_id", "")
     limit = collab.num_params * 4
-    if request.content_length is not None and request.content_length > limit + MAX_HEADER + 8:
+    if request.content_length is None:
+        raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
+                       "Send the body with a known length (the toolkit does); chunked uploads are refused.")
+    if request.content_length > limit + MAX_HEADER + 8:
         raise ApiError(413, "body_too_large", f"a gradient is at most {limit + MAX_HEADER + 8} bytes")
+    reader = AsyncContainerReader(request.content, limit, total_bytes=request.content_length)
     try:
-        receipt = await collab.receive_gradient(step, peer_id, AsyncContainerReader(request.content, limit))
-        if await request.content.read(1):
-            raise ApiError(400, "trailing_data", "the body continues past the tensor data")
+        receipt = await collab.receive_gradient(step, peer_id, reader)
     except (ApiError, ProtocolError):
         await _drain(request)
         raise

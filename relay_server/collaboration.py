@@ -158,17 +158,21 @@ class Collaboration:
                            "Download the current parameters (the relay may have been rolled back).")
         self.registry.report(peer, hb)
         self._maybe_open_round()
-        self._admit_late(peer)
+        self._update_membership(peer)
         return self.state()
 
-    def _admit_late(self, peer: Peer) -> None:
-        """A peer that reports eligible samples while a round is open joins it: its gradient would
-        otherwise be wasted (strict staleness) or a step late. The round's deadline still bounds
-        how long anyone waits for it."""
+    def _update_membership(self, peer: Peer) -> None:
+        """Keep the open round's expected set in line with what peers report. A peer reporting
+        eligible samples joins (its gradient would otherwise be wasted or a step late; the
+        deadline still bounds the wait); one reporting nothing to give is no longer waited for."""
         r = self.round
-        if (r is not None and not r.closed and peer.samples > 0 and peer.peer_id not in r.received
-                and 0 <= r.step - peer.version <= self.run_cfg.max_staleness):
+        if r is None or r.closed or peer.peer_id in r.received or peer.peer_id in r.partial:
+            return
+        if peer.samples > 0 and 0 <= r.step - peer.version <= self.run_cfg.max_staleness:
             r.expected.add(peer.peer_id)
+        elif peer.samples == 0 and peer.peer_id not in r.uploading and peer.peer_id in r.expected:
+            r.drop(peer.peer_id)
+            self._maybe_finalize()
 
     def leave(self, peer_id: str) -> None:
         peer = self.registry.remove(peer_id)
@@ -198,8 +202,9 @@ class Collaboration:
         r = self.round
         if r is None or r.closed or r.step != step:
             raise round_closed(step, self.step)
-        if peer_id in r.received or peer_id in r.uploading:
-            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}")
+        if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
+            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}",
+                           "Keep accumulating; the next round takes the new samples.")
         header = await reader.read_header()
         meta = _gradient_meta(header.metadata)
         entry = header.entry("grad")
@@ -215,8 +220,8 @@ class Collaboration:
         if meta.samples > peer.samples:
             raise ApiError(422, "samples_exceed_report", f"upload claims {meta.samples} samples, "
                            f"the last heartbeat reported {peer.samples}", "Send a heartbeat before uploading.")
-        r.expected.add(peer_id)
-        r.uploading.add(peer_id)
+        was_expected = r.begin(peer_id)
+        reduced = False
         peer.inflight += 1
         try:
             async for start, chunk in reader.iter_chunks(entry, CHUNK_ELEMS):
@@ -226,10 +231,11 @@ class Collaboration:
                     raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
                                    "Lower the learning rate or enable loss scaling; this contribution is dropped.")
                 r.add_chunk(start, chunk, meta.samples)
+                reduced = True
             r.complete(peer_id, meta.samples, meta.loss_sum)
             peer.samples = max(0, peer.samples - meta.samples)
         except BaseException:
-            r.drop(peer_id)
+            r.abort(peer_id, reduced=reduced, was_expected=was_expected)
             raise
         finally:
             peer.inflight -= 1

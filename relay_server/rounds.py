@@ -1,11 +1,13 @@
 """One averaging round: the streaming reduction and its adaptive deadline.
 
 Gradients arrive as sums over each peer's samples, in chunks of ``CHUNK_ELEMS`` float32 values.
-Each chunk is validated (finite) and added in place to the preallocated float32 buffer, while the
-next chunk is still on the wire. Each chunk also has its own sample weight, as in hivemind's
-part-wise reducer: a peer that dies (or whose round closes) mid-upload only contributes the
-chunks it delivered whole, so the mean of every chunk is exact over the peers that delivered it
-and nobody's partial bytes are ever half-counted.
+Each chunk is validated (finite) and added in place to the preallocated float32 buffer while the
+next chunk is still on the wire. Each chunk also carries its own sample weight (part-wise
+averaging, as in hivemind): an upload that stops early -- its peer died, its round closed, or a
+later chunk was refused (NaN/Inf) -- keeps only the chunks it delivered whole and valid, and the
+mean of every chunk is exact over the peers that delivered that chunk. No invalid value ever
+enters the buffer. Undoing the valid chunks instead would need a staging copy of every upload in
+flight (n x P floats), which a relay on a small VM cannot afford.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Round:
     opened_at: float = field(default_factory=time.monotonic)
     uploading: set[str] = field(default_factory=set)
     received: dict[str, int] = field(default_factory=dict)  # peer_id -> samples
+    partial: set[str] = field(default_factory=set)  # uploads cut short after some chunks were reduced
     arrival_s: dict[str, float] = field(default_factory=dict)
     loss_sum: float = 0.0
     closed: bool = False
@@ -55,6 +58,23 @@ class Round:
         self.received[peer_id] = samples
         self.arrival_s[peer_id] = time.monotonic() - self.opened_at
         self.loss_sum += loss_sum
+
+    def begin(self, peer_id: str) -> bool:
+        """An upload starts; returns whether the round already expected this peer."""
+        expected = peer_id in self.expected
+        self.expected.add(peer_id)
+        self.uploading.add(peer_id)
+        return expected
+
+    def abort(self, peer_id: str, *, reduced: bool, was_expected: bool) -> None:
+        """An upload failed. With nothing reduced the round is exactly as before it began (the
+        peer may retry). With some chunks reduced those stay (part-wise), and the peer may not
+        upload again to this round: its retry would count them twice."""
+        self.uploading.discard(peer_id)
+        if reduced:
+            self.partial.add(peer_id)
+        if reduced or not was_expected:
+            self.expected.discard(peer_id)
 
     def drop(self, peer_id: str) -> None:
         """A peer left, died or failed validation: stop waiting for it."""

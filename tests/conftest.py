@@ -126,15 +126,21 @@ class RelayProcess:
                            f"relay log tail:\n{self.log_path.read_text()[-2000:]}")
 
 
+def spawn_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None,
+                name: str = "relay") -> RelayProcess:
+    """Write the merged config into ``directory`` and start a relay process on a free port."""
+    config = write_config(directory / f"{name}.toml", merged(overrides))
+    return RelayProcess(config, directory / f"{name}-data", free_port(), directory / f"{name}.log").start()
+
+
 @pytest.fixture
 def start_relay(tmp_path: Path) -> Iterator:
+    """``start_relay(overrides)`` -> a running RelayProcess, stopped after the test."""
     relays: list[RelayProcess] = []
 
     def start(overrides: dict[str, dict[str, Any]] | None = None, name: str = "relay") -> RelayProcess:
-        config = write_config(tmp_path / f"{name}.toml", merged(overrides))
-        relay = RelayProcess(config, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log")
-        relays.append(relay)
-        return relay.start()
+        relays.append(spawn_relay(tmp_path, overrides, name))
+        return relays[-1]
 
     yield start
     for relay in relays:

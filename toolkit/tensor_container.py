@@ -143,15 +143,21 @@ class _AsyncReader(Protocol):
 class AsyncContainerReader:
     """Reads a container from an aiohttp ``StreamReader`` (the relay's upload path)."""
 
-    def __init__(self, stream: _AsyncReader, max_data_bytes: int) -> None:
+    def __init__(self, stream: _AsyncReader, max_data_bytes: int, total_bytes: int | None = None) -> None:
+        """``total_bytes``: the body's declared length; the header must account for exactly that
+        many bytes, so a body that is too long or too short is refused before any data is used."""
         self._stream = stream
         self._max = max_data_bytes
+        self._total = total_bytes
         self.header: Header | None = None
 
     async def read_header(self) -> Header:
         prefix = await self._read(8)
         raw = await self._read(_header_length(prefix))
         self.header = parse_header(prefix, raw, self._max)
+        if self._total is not None and self.header.header_bytes + self.header.data_bytes != self._total:
+            raise ProtocolError("length_mismatch", f"the body is {self._total} bytes but its tensor header "
+                                f"accounts for {self.header.header_bytes + self.header.data_bytes}")
         return self.header
 
     async def read_tensor(self, entry: TensorEntry) -> np.ndarray:
