@@ -18,6 +18,7 @@ from aiohttp import web
 from relay_server.collaboration import Collaboration, iter_snapshot
 from relay_server.config import RelayConfig
 from relay_server.errors import ApiError
+from relay_server.observers import ObserverThread, build_observers
 from relay_server.store import Store
 from toolkit.errors import ProtocolError
 from toolkit.protocol import MAX_JSON_BODY, ROUTES, ErrorBody, Heartbeat, JoinRequest
@@ -219,7 +220,8 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
-    collab = await asyncio.to_thread(Collaboration, config, store)
+    observers = ObserverThread(build_observers(config))
+    collab = await asyncio.to_thread(Collaboration, config, store, observers)
     app[COLLAB] = collab
     ticker = asyncio.create_task(collab.run_ticker())
     if config.auth.mode == "open":
@@ -230,4 +232,5 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
         await ticker
     except asyncio.CancelledError:
         pass
+    await asyncio.to_thread(observers.close)
     store.close()

@@ -26,14 +26,16 @@ import torch
 from relay_server.config import RelayConfig
 from relay_server.errors import ApiError, round_closed, unknown_peer
 from relay_server.master import MasterState, flatten, layout_of
+from relay_server.observers import ObserverThread, StepEvent
 from relay_server.registry import Peer, Registry
 from relay_server.rounds import CHUNK_ELEMS, DeadlinePolicy, Round
 from relay_server.store import RoundLog, Store
 from toolkit.errors import ProtocolError
 from toolkit.models import build_model
 from toolkit.protocol import (PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest,
-                              JoinResponse, ModelSpec, PeerStatus, RoundInfo, RoundRecord, RunInfo,
-                              StateInfo, StatusReport, UploadReceipt)
+                              JoinResponse, LeaderboardEntry, ModelSpec, PeerStatus, PlanInfo, PlanSlice,
+                              RoundInfo, RoundRecord, RunInfo, RunSummary, StateInfo, StatusReport,
+                              UploadReceipt)
 from toolkit.tensor_container import AsyncContainerReader, encode_header
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,9 @@ class Snapshot:
 
 
 class Collaboration:
-    def __init__(self, config: RelayConfig, store: Store) -> None:
+    def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None) -> None:
         self.config, self.store = config, store
+        self.observers = observers or ObserverThread([])
         self.run_cfg, self.rounds_cfg = config.run, config.rounds
         model = self._initial_model()
         self.layout = layout_of(model)
@@ -130,6 +133,11 @@ class Collaboration:
         if req.protocol != PROTOCOL_VERSION:
             raise ApiError(400, "protocol_mismatch", f"peer speaks protocol {req.protocol}, relay {PROTOCOL_VERSION}",
                            "Install the same collabtrain version as the relay (pip install -U collabtrain).")
+        pinned = self.run_cfg.precision
+        if pinned and req.precision != pinned:
+            raise ApiError(409, "precision_mismatch", f"this run trains in {pinned} only; the peer asked for "
+                           f"{req.precision or 'no policy'}",
+                           "Let the toolkit choose (it follows the run's pin), or join from hardware that runs it.")
         peer = Peer(peer_id=secrets.token_hex(16), name=req.peer_name, username=username,
                     device=dict(req.device), precision=req.precision, version=self.step)
         self.registry.add(peer)
@@ -234,6 +242,8 @@ class Collaboration:
                 reduced = True
             r.complete(peer_id, meta.samples, meta.loss_sum)
             peer.samples = max(0, peer.samples - meta.samples)
+            if peer.first_contribution_s is None:
+                peer.first_contribution_s = time.monotonic() - peer.joined_at
         except BaseException:
             r.abort(peer_id, reduced=reduced, was_expected=was_expected)
             raise
@@ -272,6 +282,10 @@ class Collaboration:
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", report.step, len(r.received), r.samples,
                  f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
         self._maybe_open_round()
+        if self.observers.observers:
+            status = self.status()
+            self.observers.publish(StepEvent(step=report.step, record=status.recent_rounds[-1], status=status,
+                                             state_path=self.store.state_path(report.step)))
 
     def _apply(self, r: Round) -> tuple[Any, Snapshot]:
         """Runs in a worker thread: mean, optimizer step, persist, snapshot."""
@@ -311,23 +325,41 @@ class Collaboration:
     def state_info(self) -> StateInfo:
         return StateInfo(step=self.snapshot.step, num_params=self.num_params, sha256=self.snapshot.sha256)
 
+    def plan_info(self) -> PlanInfo:
+        """Who aggregates what. Until extra aggregators join, the relay owns the whole vector."""
+        return PlanInfo(version="relay-only", steps_per_s=None, slices=[
+            PlanSlice(aggregator_id="relay", name="relay", start=0, end=self.num_params, fraction=1.0)])
+
+    def run_summary(self) -> RunSummary:
+        opt = self.config.optimizer
+        return RunSummary(model=self.config.model.factory, num_params=self.num_params, optimizer=opt.name,
+                          lr=opt.lr, schedule=opt.schedule, target_batch=self.run_cfg.target_batch,
+                          max_staleness=self.run_cfg.max_staleness, precision=self.run_cfg.precision or None,
+                          compression="none", auth_mode=self.config.auth.mode)
+
     def status(self) -> StatusReport:
         state, now = self.state(), time.monotonic()
         contributed = self.store.contributions()
+        online = self.registry.peers.values()
         peers = [PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device=p.device_label,
                             version=p.version, samples_per_s=p.samples_per_s,
-                            samples_contributed=contributed.get(p.peer_id, 0),
-                            last_seen_s=now - p.last_seen, online=True)
-                 for p in self.registry.peers.values()]
+                            samples_contributed=contributed.get(p.peer_id, 0), last_seen_s=now - p.last_seen,
+                            online=True, precision=p.precision, first_contribution_s=p.first_contribution_s)
+                 for p in online]
         rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
-                              finalized_by=by) for s, c, n, loss, d, dl, by in self.store.recent_rounds()]
+                              finalized_by=by, finalized_at=at)
+                  for s, c, n, loss, d, dl, by, at in self.store.recent_rounds()]
+        leaderboard = [LeaderboardEntry(username=u, samples=n, rounds=r,
+                                        peers_online=sum(p.username == u for p in online))
+                       for u, n, r in self.store.leaderboard()]
         return StatusReport(run_name=self.run_cfg.name, step=self.step, total_steps=self.run_cfg.total_steps,
                             finished=self.finished, target_batch=self.run_cfg.target_batch,
                             num_params=self.num_params, samples_accumulated=state.samples_accumulated,
                             samples_per_s=state.samples_per_s, eta_s=state.eta_s,
                             loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
                             recent_rounds=rounds, round=state.round, auth_mode=self.config.auth.mode,
-                            uptime_s=now - self.started)
+                            uptime_s=now - self.started, leaderboard=leaderboard, plan=self.plan_info(),
+                            config=self.run_summary())
 
 
 def _gradient_meta(metadata: dict[str, str]) -> GradientMeta:

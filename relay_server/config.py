@@ -38,6 +38,8 @@ class RunSection:
     """Seed for the initial parameters."""
     precision: str = ""
     """Pin one precision policy for every peer ("bf16", "fp16", "fp32"); empty = each peer picks."""
+    compression: str = "none"
+    """Codec for gradients and parameters on the wire: "none", "float16" or "int8" (blockwise)."""
 
 
 @dataclass(kw_only=True)
@@ -105,6 +107,32 @@ class AuthSection:
 
 
 @dataclass(kw_only=True)
+class WandbSection:
+    project: str = ""
+    """Weights & Biases project for the collaboration's metrics (empty = no W&B logging)."""
+    entity: str = ""
+    """W&B team or user (empty = the API key's default entity)."""
+    mode: str = ""
+    """"online", "offline" or "disabled"; empty = W&B's own default (or WANDB_MODE)."""
+
+
+@dataclass(kw_only=True)
+class HubSection:
+    repo_id: str = ""
+    """Hugging Face Hub model repo that receives checkpoints (empty = no uploads)."""
+    every_steps: int = 0
+    """Upload a checkpoint every this many steps (0 = never)."""
+    private: bool = True
+    """Create the repo as private if it does not exist."""
+    endpoint: str = ""
+    """Hub API endpoint (empty = HF_ENDPOINT or https://huggingface.co)."""
+    token_env: str = "HF_TOKEN"
+    """Name of the environment variable holding the organizer's write token (never put the token here)."""
+    init_from: str = ""
+    """Start a new run from a Hub checkpoint: "repo_id" or "repo_id@revision" (ignored on restart)."""
+
+
+@dataclass(kw_only=True)
 class RelayConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -112,6 +140,8 @@ class RelayConfig:
     rounds: RoundsSection = field(default_factory=RoundsSection)
     server: ServerSection = field(default_factory=ServerSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+    hub: HubSection = field(default_factory=HubSection)
     dataset: dict[str, Any] = field(default_factory=dict)
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
 
@@ -131,6 +161,11 @@ class RelayConfig:
             (self.rounds.peer_ttl_s > self.rounds.heartbeat_interval_s,
              "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
             (self.auth.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
+            (self.run.compression in ("none", "float16", "int8"), "run.compression must be none, float16 or int8"),
+            (self.wandb.mode in ("", "online", "offline", "disabled"),
+             "wandb.mode must be online, offline, disabled or empty"),
+            (self.hub.every_steps >= 0, "hub.every_steps must be >= 0"),
+            (not self.hub.every_steps or self.hub.repo_id, "hub.every_steps needs hub.repo_id"),
         ]
         for ok, message in checks:
             if not ok:

@@ -26,6 +26,7 @@ class Peer:
     samples: int = 0  # accumulated on `version`, not yet uploaded
     samples_per_s: float = 0.0
     inflight: int = 0
+    first_contribution_s: float | None = None  # join -> first accepted gradient
 
     @property
     def device_label(self) -> str:

@@ -80,7 +80,7 @@ class Store:
         Returns the sha256 of the float32 parameters (what newcomers verify).
         """
         digest = hashlib.sha256(tensors["params"].numpy().tobytes()).hexdigest()
-        path = self._state_path(step)
+        path = self.state_path(step)
         tmp = path.with_suffix(".tmp")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"step": str(step), "sha256": digest, "meta": json.dumps(meta)})
@@ -102,15 +102,15 @@ class Store:
         return None if value is None else int(value)
 
     def load_state(self, step: int) -> dict[str, torch.Tensor]:
-        return load_file(str(self._state_path(step)))
+        return load_file(str(self.state_path(step)))
 
-    def _state_path(self, step: int) -> Path:
+    def state_path(self, step: int) -> Path:
         return self.dir / "state" / f"step-{step:08d}.safetensors"
 
     def _prune(self, step: int) -> None:
         files = sorted((self.dir / "state").glob("step-*.safetensors"))
         for old in files[:-self.keep] if self.keep > 0 else []:
-            if old != self._state_path(step):
+            if old != self.state_path(step):
                 old.unlink(missing_ok=True)
 
     # --- peers and contributions --------------------------------------------------------------
@@ -138,7 +138,13 @@ class Store:
     def contributions(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT peer_id, samples_contributed FROM peers"))
 
-    def recent_rounds(self, limit: int = 50) -> list[tuple]:
+    def recent_rounds(self, limit: int = 200) -> list[tuple]:
         return self.db.execute(
-            "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by "
+            "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at "
             "FROM rounds ORDER BY step DESC LIMIT ?", (limit,)).fetchall()[::-1]
+
+    def leaderboard(self, limit: int = 100) -> list[tuple[str, int, int]]:
+        """(username, samples, rounds) summed over all of a volunteer's peers, best first."""
+        return self.db.execute(
+            "SELECT username, SUM(samples_contributed) AS samples, SUM(rounds_contributed) FROM peers "
+            "GROUP BY username HAVING samples > 0 ORDER BY samples DESC, username LIMIT ?", (limit,)).fetchall()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from toolkit.environment import DeviceInfo
-from toolkit.precision import LossScaler, PrecisionPolicy, PrecisionUnsupported, choose_precision, local_choice
+from toolkit.errors import PrecisionUnsupported
+from toolkit.precision import LossScaler, PrecisionPolicy, choose_precision, local_choice
 
 
 def _gpu(name: str, cc: tuple[int, int], gib: float, platform: str | None = None) -> DeviceInfo:

@@ -46,7 +46,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from toolkit.errors import CollabError
+from toolkit.errors import DataConfigError, DataSourceError
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +64,8 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 _MAX_EMPTY_SHARDS = 100
 
 
-class DataConfigError(CollabError, ValueError):
-    """The run's dataset description cannot work (bad format, missing column, no shards).
-
-    (This and :class:`DataSourceError` are defined here until they move to :mod:`toolkit.errors`.)
-    """
-
-    default_hint = "Fix the [dataset] section of the run's config (see toolkit/data.py for its fields)."
 
 
-class DataSourceError(CollabError, ConnectionError):
-    """Shards could not be read (several in a row failed, or remote shards while offline)."""
-
-    default_hint = "Check the notebook's internet access and that the dataset's files exist."
 
 
 # --- the seam for shard leases --------------------------------------------------------------

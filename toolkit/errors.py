@@ -57,3 +57,21 @@ class RunFinished(CollabError):
     """The run reached its configured number of steps; nothing left to contribute."""
 
     default_hint = "Thank you for contributing! The organizer can start a new run."
+
+
+class PrecisionUnsupported(CollabError, ValueError):
+    """The run pins a precision this peer's hardware cannot execute."""
+
+    default_hint = "Ask the organizer to pin fp32 (every device runs it), or join from supported hardware."
+
+
+class DataConfigError(CollabError, ValueError):
+    """The run's dataset description cannot work (bad format, missing column, no shards)."""
+
+    default_hint = "Fix the [dataset] section of the run's config (see toolkit/data.py for its fields)."
+
+
+class DataSourceError(CollabError, ConnectionError):
+    """Shards could not be read (several in a row failed, or remote shards while offline)."""
+
+    default_hint = "Check the notebook's internet access and that the dataset's files exist."

@@ -126,11 +126,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     # --- the public loop API ------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None,
-             loss: float | torch.Tensor | None = None) -> Any:
+             loss: float | torch.Tensor | None = None, skip: bool = False) -> Any:
         """Add this micro-batch's gradients to the local accumulator; take part in a round if due.
 
-        A micro-batch whose gradients are not finite (e.g. an fp16 overflow) is skipped: only this
-        peer's contribution is lost, the collaboration never sees it.
+        A micro-batch whose gradients are not finite, or that the caller marks ``skip`` (the fp16
+        loss scaler overflowed and zeroed them), is left out: only this peer's contribution is
+        lost, the collaboration never sees it. Rounds still proceed.
         """
         if closure is not None:
             with torch.enable_grad():
@@ -141,7 +142,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return loss
         n = batch_size or self.batch_size_per_step
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
-        if not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
+        if skip:
+            log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
+        elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
             log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
         else:
             with self._lock:

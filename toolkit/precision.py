@@ -47,7 +47,7 @@ from typing import Any, Literal, cast
 import torch
 
 from toolkit.environment import DeviceInfo
-from toolkit.errors import CollabError
+from toolkit.errors import PrecisionUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,6 @@ _AUTOCAST_DEVICE = {"cuda": "cuda", "tpu": "xla", "mps": "mps", "cpu": "cpu"}
 _FAST_FP16 = {(6, 0)}  # P100; every 7.x (V100 7.0, Xavier 7.2, T4 7.5) has tensor cores
 
 
-class PrecisionUnsupported(CollabError, ValueError):
-    """The run pins a precision this peer's hardware cannot execute.
-
-    (Defined here until it moves to :mod:`toolkit.errors`, where the other error classes live.)
-    """
-
-    default_hint = "Ask the organizer to pin fp32 (every device runs it), or join from supported hardware."
 
 
 class LossScaler:

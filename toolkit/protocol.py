@@ -170,17 +170,72 @@ class PeerStatus(Schema):
     samples_contributed: int
     last_seen_s: float
     online: bool
+    precision: str | None = None
+    """The precision policy the peer trains with (the collaboration must see every choice)."""
+    first_contribution_s: float | None = None
+    """Seconds from this peer's join to its first accepted gradient (None: not yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundRecord(Schema):
     step: int
+    """The version this round produced."""
     contributors: int
     samples: int
     loss: float | None
     duration_s: float
     deadline_s: float
     finalized_by: Literal["all_arrived", "deadline", "peers_gone"]
+    finalized_at: float = 0.0
+    """Unix time, for throughput curves."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderboardEntry(Schema):
+    """One volunteer's total contribution, by Hugging Face username (all their peers together)."""
+
+    username: str
+    samples: int
+    rounds: int
+    peers_online: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSlice(Schema):
+    """An aggregator owns ``[start, end)`` of the flat parameter vector: it reduces gradients and
+    holds the master parameters and optimizer state for that slice."""
+
+    aggregator_id: str
+    name: str
+    start: int = field(metadata=_NONNEG)
+    end: int = field(metadata=_NONNEG)
+    fraction: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInfo(Schema):
+    """Who aggregates what (DESIGN.md s5); solved and published by the relay only."""
+
+    version: str = field(metadata=limits(max_len=64))
+    steps_per_s: float | None
+    slices: list[PlanSlice]
+    computes: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary(Schema):
+    """The run's configuration as observers see it."""
+
+    model: str
+    num_params: int
+    optimizer: str
+    lr: float
+    schedule: str
+    target_batch: int
+    max_staleness: int
+    precision: str | None
+    compression: str
+    auth_mode: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,3 +258,6 @@ class StatusReport(Schema):
     round: RoundInfo | None
     auth_mode: str
     uptime_s: float
+    leaderboard: list[LeaderboardEntry] = field(default_factory=list)
+    plan: PlanInfo | None = None
+    config: RunSummary | None = None

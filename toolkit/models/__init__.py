@@ -6,8 +6,11 @@ notebook import arbitrary code.
 
 from toolkit.models.byte_transformer import ByteTransformer, TransformerConfig
 from toolkit.models.mlp import MLP
+from toolkit.models.vector import Vector
 
-__all__ = ["ByteTransformer", "MLP", "TransformerConfig", "build_model"]
+__all__ = ["ByteTransformer", "MLP", "TransformerConfig", "Vector", "build_model"]
+
+_FACTORIES = ("ByteTransformer", "MLP", "Vector")
 
 
 def build_model(factory: str, kwargs: dict) -> "torch.nn.Module":  # noqa: F821
@@ -15,7 +18,8 @@ def build_model(factory: str, kwargs: dict) -> "torch.nn.Module":  # noqa: F821
     from toolkit.errors import ModelMismatch
 
     module, _, name = factory.partition(":")
-    if module != "toolkit.models" or name not in ("ByteTransformer", "MLP"):
+    if module != "toolkit.models" or name not in _FACTORIES:
         raise ModelMismatch("unknown_model", f"model factory {factory!r} is not part of toolkit.models",
-                            "Use toolkit.models:ByteTransformer or toolkit.models:MLP, or pass your own model to join().")
+                            f"Use one of {', '.join('toolkit.models:' + n for n in _FACTORIES)}, "
+                            "or pass your own model to join().")
     return globals()[name](**kwargs)

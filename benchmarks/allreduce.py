@@ -1,0 +1,215 @@
+"""Seconds per averaging round through the relay, beside raw TCP moving the same bytes.
+
+    python benchmarks/allreduce.py --peers 4 --mb 100 --rounds 5
+
+N peer processes each hold a float32 gradient of ``--mb`` MiB. One round = every peer uploads
+its gradient sum, the relay reduces it while it streams in, applies SGD to the master
+parameters, persists the new version and publishes it, and every peer downloads the new
+parameters. Timed from the first upload's start to the last download's end; the median over
+rounds is reported.
+
+The baseline moves the same bytes the same way with plain sockets on 127.0.0.1 (N processes
+send ``--mb`` MiB each into one receiver, which then sends ``--mb`` MiB back to each), so the
+ratio shows what the relay costs over the raw transfer limit of this machine. Last line:
+``{"peers", "mb", "round_s", "raw_tcp_s", "ratio", "max_abs_err"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLES = 8  # each peer's gradient is a sum over this many samples
+
+
+def relay_config(numel: int, peers: int) -> str:
+    return f"""
+[run]
+name = "allreduce-bench"
+target_batch = {peers * SAMPLES}
+max_staleness = 0
+[model]
+factory = "toolkit.models:Vector"
+kwargs = {{ numel = {numel} }}
+[optimizer]
+name = "sgd"
+lr = 1.0
+[rounds]
+heartbeat_interval_s = 5.0
+peer_ttl_s = 120.0
+deadline_initial_s = 120.0
+deadline_floor_s = 60.0
+deadline_ceiling_s = 120.0
+[server]
+keep_checkpoints = 2
+"""
+
+
+def gradient(index: int, numel: int) -> np.ndarray:
+    return np.random.default_rng(index).standard_normal(numel, dtype=np.float32)
+
+
+# --- one peer process --------------------------------------------------------------------------
+def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, out: mp.Queue) -> None:
+    sys.path.insert(0, str(REPO))
+    from toolkit.client import RelayClient
+    from toolkit.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+
+    client = RelayClient(url, read_timeout_s=300)
+    peer_id = client.join(JoinRequest(peer_name=f"bench-{index}", protocol=PROTOCOL_VERSION)).peer_id
+    grad, params = gradient(index, numel), np.empty(numel, dtype=np.float32)
+    while client.get_status().num_peers < peers:
+        time.sleep(0.01)
+    for step in range(rounds):
+        state = client.heartbeat(peer_id, Heartbeat(version=step, samples=SAMPLES, samples_per_s=1.0))
+        while state.round is None or state.round.step != step:
+            time.sleep(0.005)
+            state = client.get_progress()
+        started = time.time()
+        client.upload_gradient(grad, GradientMeta(peer_id=peer_id, step=step, version=step,
+                                                  samples=SAMPLES, loss_sum=0.0))
+        version = client.download_params(params, min_step=step + 1, wait_s=60, peer_id=peer_id)
+        out.put((index, step, started, time.time(), version))
+    if index == 0:
+        out.put(("params", params))
+    client.leave(peer_id)
+
+
+def run_relay_rounds(peers: int, numel: int, rounds: int) -> tuple[list[float], np.ndarray]:
+    with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
+        config = Path(tmp) / "run.toml"
+        config.write_text(relay_config(numel, peers))
+        ready = Path(tmp) / "ready"
+        relay = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
+                                  "--port", "0", "--data-dir", str(Path(tmp) / "data"), "--ready-file", str(ready)],
+                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "relay.log", "w"))
+        try:
+            while not ready.exists():
+                if relay.poll() is not None:
+                    raise SystemExit(f"relay failed:\n{(Path(tmp) / 'relay.log').read_text()[-2000:]}")
+                time.sleep(0.05)
+            url = ready.read_text()
+            ctx = mp.get_context("spawn")
+            out: mp.Queue = ctx.Queue()
+            procs = [ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, out)) for i in range(peers)]
+            for p in procs:
+                p.start()
+            timings: dict[int, list[tuple[float, float]]] = {}
+            final = None
+            for _ in range(peers * rounds + 1):
+                item = out.get(timeout=600)
+                if item[0] == "params":
+                    final = item[1]
+                    continue
+                _, step, started, ended, version = item
+                assert version == step + 1, f"peer downloaded version {version} after round {step}"
+                timings.setdefault(step, []).append((started, ended))
+            for p in procs:
+                p.join(timeout=60)
+        finally:
+            relay.terminate()
+            relay.wait(timeout=30)
+    seconds = [max(e for _, e in t) - min(s for s, _ in t) for _, t in sorted(timings.items())]
+    return seconds, final
+
+
+# --- the raw TCP baseline ----------------------------------------------------------------------
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def raw_receiver(port_queue: mp.Queue, peers: int, nbytes: int, rounds: int) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conns = [server.accept()[0] for _ in range(peers)]
+    buffers = [bytearray(nbytes) for _ in range(peers)]
+    reply = bytearray(nbytes)
+    for _ in range(rounds):
+        received = threading.Barrier(peers)
+
+        def serve(i: int) -> None:
+            _recv_exactly(conns[i], memoryview(buffers[i]))
+            received.wait()  # everyone's upload is in before anyone gets the result, as in a round
+            conns[i].sendall(reply)
+
+        for conn in conns:
+            conn.sendall(b"g")
+        threads = [threading.Thread(target=serve, args=(i,)) for i in range(peers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def raw_sender(port: int, index: int, nbytes: int, rounds: int, out: mp.Queue) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    data = gradient(index, nbytes // 4).tobytes()
+    back = bytearray(nbytes)
+    for step in range(rounds):
+        _recv_exactly(sock, memoryview(bytearray(1)))
+        started = time.time()
+        sock.sendall(data)
+        _recv_exactly(sock, memoryview(back))
+        out.put((step, started, time.time()))
+
+
+def run_raw_tcp(peers: int, nbytes: int, rounds: int) -> list[float]:
+    ctx = mp.get_context("spawn")
+    ports: mp.Queue = ctx.Queue()
+    out: mp.Queue = ctx.Queue()
+    receiver = ctx.Process(target=raw_receiver, args=(ports, peers, nbytes, rounds))
+    receiver.start()
+    port = ports.get(timeout=60)
+    senders = [ctx.Process(target=raw_sender, args=(port, i, nbytes, rounds, out)) for i in range(peers)]
+    for p in senders:
+        p.start()
+    timings: dict[int, list[tuple[float, float]]] = {}
+    for _ in range(peers * rounds):
+        step, started, ended = out.get(timeout=600)
+        timings.setdefault(step, []).append((started, ended))
+    for p in [*senders, receiver]:
+        p.join(timeout=60)
+    return [max(e for _, e in t) - min(s for s, _ in t) for _, t in sorted(timings.items())]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--mb", type=float, default=100.0, help="gradient size per peer in MiB (float32)")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    numel = int(args.mb * 2**20) // 4
+
+    raw = run_raw_tcp(args.peers, numel * 4, args.rounds)
+    relay, final = run_relay_rounds(args.peers, numel, args.rounds)
+    mean = sum(gradient(i, numel).astype(np.float64) for i in range(args.peers)) / (args.peers * SAMPLES)
+    max_abs_err = float(np.max(np.abs(final - (-args.rounds * mean))))
+
+    round_s, raw_s = statistics.median(relay), statistics.median(raw)
+    print(f"relay rounds (s):   {' '.join(f'{s:.3f}' for s in relay)}")
+    print(f"raw TCP rounds (s): {' '.join(f'{s:.3f}' for s in raw)}")
+    print(f"{args.peers} peers x {args.mb:g} MiB: relay {round_s:.3f} s/round, raw TCP {raw_s:.3f} s, "
+          f"ratio {round_s / raw_s:.2f}; max |error| vs float64 reference {max_abs_err:.2e}")
+    print(json.dumps({"peers": args.peers, "mb": args.mb, "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
+                      "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}))
+
+
+if __name__ == "__main__":
+    main()
