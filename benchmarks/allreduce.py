@@ -78,8 +78,8 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, out: mp
             time.sleep(0.005)
             state = client.get_progress()
         started = time.time()
-        client.upload_gradient(grad, GradientMeta(peer_id=peer_id, step=step, version=step,
-                                                  samples=SAMPLES, loss_sum=0.0))
+        client.upload_gradient([("payload", grad)], GradientMeta(peer_id=peer_id, step=step, version=step,
+                                                                 samples=SAMPLES, loss_sum=0.0), "none")
         version = client.download_params(params, min_step=step + 1, wait_s=60, peer_id=peer_id)
         out.put((index, step, started, time.time(), version))
     if index == 0:

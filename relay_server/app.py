@@ -15,7 +15,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from relay_server.collaboration import Collaboration, iter_snapshot
+from relay_server.collaboration import Collaboration
 from relay_server.config import RelayConfig
 from relay_server.errors import ApiError
 from relay_server.observers import ObserverThread, build_observers
@@ -129,7 +129,7 @@ async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
     step = _path_int(request, "step")
     peer_id = request.query.get("peer_id", "")
-    limit = collab.num_params * 4
+    limit = collab.codec.wire_bytes(collab.num_params)
     if request.content_length is None:
         raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
                        "Send the body with a known length (the toolkit does); chunked uploads are refused.")
@@ -156,29 +156,25 @@ async def _drain(request: web.Request) -> None:
 
 
 async def get_params(request: web.Request) -> web.StreamResponse:
+    """The parameters of version >= ``min_step``, long-polling up to ``wait`` seconds: in full,
+    or as a delta when the peer says it holds the version before (``have``) and the run's codec
+    is lossy. 204 when nothing newer was published in time."""
     collab = _collab(request)
     min_step = _int_query(request, "min_step", 0)
+    have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
     peer = collab.registry.get(request.query.get("peer_id", ""))
     if peer is not None:
         peer.inflight += 1  # a waiting peer is alive
     try:
-        snapshot = await collab.wait_for_step(min_step, wait)
+        version = await collab.wait_for_step(min_step, wait)
     finally:
         if peer is not None:
             peer.inflight -= 1
             collab.registry.touch(peer)
-    if snapshot is None:
+    if version is None:
         return web.Response(status=204, headers={"X-Collab-Step": str(collab.step)})
-    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
-                                           "X-Collab-Step": str(snapshot.step),
-                                           "X-Collab-Sha256": snapshot.sha256})
-    response.content_length = len(snapshot.header) + snapshot.params.nbytes
-    await response.prepare(request)
-    async for piece in iter_snapshot(snapshot):
-        await response.write(piece)
-    await response.write_eof()
-    return response
+    return await collab.publisher.send(request, version, have if have >= 0 else None)
 
 
 async def get_index(request: web.Request) -> web.StreamResponse:
@@ -233,4 +229,5 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     except asyncio.CancelledError:
         pass
     await asyncio.to_thread(observers.close)
+    collab.close()
     store.close()

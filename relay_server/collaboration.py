@@ -10,25 +10,22 @@ takes one optimizer step, the new version is persisted, then published to waitin
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
 
-import numpy as np
 import torch
 
 from relay_server.config import RelayConfig
-from relay_server.errors import ApiError, round_closed, unknown_peer
+from relay_server.errors import ApiError, round_closed, round_closed_partial, unknown_peer
 from relay_server.master import MasterState, flatten, layout_of
 from relay_server.observers import ObserverThread, StepEvent
 from relay_server.registry import Peer, Registry
-from relay_server.rounds import CHUNK_ELEMS, DeadlinePolicy, Round
+from relay_server.publisher import Publisher, Version
+from relay_server.reducer import Reducer, UploadProgress
+from relay_server.rounds import DeadlinePolicy, Round, RoundClosedMidUpload
 from relay_server.store import RoundLog, Store
 from toolkit.errors import ProtocolError
 from toolkit.models import build_model
@@ -36,25 +33,10 @@ from toolkit.protocol import (PROTOCOL_VERSION, CollabState, GradientMeta, Heart
                               JoinResponse, LeaderboardEntry, ModelSpec, PeerStatus, PlanInfo, PlanSlice,
                               RoundInfo, RoundRecord, RunInfo, RunSummary, StateInfo, StatusReport,
                               UploadReceipt)
-from toolkit.tensor_container import AsyncContainerReader, encode_header
+from toolkit.compression import get_codec
+from toolkit.tensor_container import AsyncContainerReader
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """An immutable published version: what peers download while the master moves on."""
-
-    step: int
-    params: np.ndarray  # (P,) float32, never mutated after publication
-
-    @cached_property
-    def header(self) -> bytes:
-        return encode_header([("params", self.params)], {"step": str(self.step)})
-
-    @cached_property
-    def sha256(self) -> str:
-        return hashlib.sha256(memoryview(self.params).cast("B")).hexdigest()
 
 
 class Collaboration:
@@ -66,17 +48,20 @@ class Collaboration:
         self.layout = layout_of(model)
         params = flatten(model)
         self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps)
+        self.codec = get_codec(config.run.compression)
+        self.reducer = Reducer(self.master.grad.numpy(), self.codec)
+        self.publisher = Publisher(store, self.codec, self.master, fsync=config.server.fsync)
         step = store.latest_step()
         if step is not None:
-            self.master.load_state_tensors(store.load_state(step), step)
+            self.publisher.restore(step)
             log.info("resumed from %s at step %d", store.dir, step)
         else:
-            store.save_state(0, self.master.state_tensors(), {"run": config.run.name})
+            version = self.publisher.write(0, {"run": config.run.name})
+            store.commit(0, version.sha256)
+            self.publisher.latest = version
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.deadlines = DeadlinePolicy(config.rounds)
         self.round: Round | None = None
-        self.snapshot = Snapshot(self.master.step, self.master.flat.numpy().copy())
-        self._published = asyncio.Event()
         self._finalizing: asyncio.Task | None = None
         self.started = time.monotonic()
         self.run_info = RunInfo(
@@ -84,8 +69,11 @@ class Collaboration:
             model=ModelSpec(factory=config.model.factory, kwargs=dict(config.model.kwargs)),
             layout=self.layout, num_params=int(params.size), target_batch=config.run.target_batch,
             total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
-            heartbeat_interval_s=config.rounds.heartbeat_interval_s,
+            heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=self.codec.name,
             precision=config.run.precision or None, dataset=dict(config.dataset))
+
+    def close(self) -> None:
+        self.reducer.close()
 
     def _initial_model(self) -> torch.nn.Module:
         torch.manual_seed(self.config.run.seed)
@@ -99,9 +87,9 @@ class Collaboration:
     # --- properties ---------------------------------------------------------------------------
     @property
     def step(self) -> int:
-        """The published version: the master's step counter moves inside the worker thread before
-        the new version is durable, so everything peers and observers see keys off the snapshot."""
-        return self.snapshot.step
+        """The published version: the master's step counter moves on the reducer thread before
+        the new version is durable, so everything peers and observers see keys off the publisher."""
+        return self.publisher.latest.step
 
     @property
     def num_params(self) -> int:
@@ -200,12 +188,12 @@ class Collaboration:
         eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
         if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
             return
-        self.round = Round(step=self.step, round_id=secrets.token_hex(8), grad=self.master.grad.numpy(),
-                           expected={p.peer_id for p in eligible}, deadline_s=self.deadlines.window_s())
+        self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
+                           deadline_s=self.deadlines.window_s())
         log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
 
     async def receive_gradient(self, step: int, peer_id: str, reader: AsyncContainerReader) -> UploadReceipt:
-        """Stream one peer's gradient sum into the round buffer, chunk by chunk."""
+        """Stream one peer's gradient sum into the round's reduction, chunk by chunk."""
         peer = self.peer(peer_id)
         r = self.round
         if r is None or r.closed or r.step != step:
@@ -215,11 +203,7 @@ class Collaboration:
                            "Keep accumulating; the next round takes the new samples.")
         header = await reader.read_header()
         meta = _gradient_meta(header.metadata)
-        entry = header.entry("grad")
-        if len(header.entries) != 1 or entry.dtype != np.float32 or entry.shape != (self.num_params,):
-            raise ApiError(422, "bad_tensor", f"expected one float32 tensor 'grad' of shape [{self.num_params}], "
-                           f"got {[(e.name, str(e.dtype), e.shape) for e in header.entries]}",
-                           "The peer's model does not match the run's parameter layout.")
+        self.reducer.check(header)
         if meta.peer_id != peer_id or meta.step != step:
             raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
         if not 0 <= step - meta.version <= self.run_cfg.max_staleness:
@@ -229,24 +213,23 @@ class Collaboration:
             raise ApiError(422, "samples_exceed_report", f"upload claims {meta.samples} samples, "
                            f"the last heartbeat reported {peer.samples}", "Send a heartbeat before uploading.")
         was_expected = r.begin(peer_id)
-        reduced = False
+        progress = UploadProgress()
         peer.inflight += 1
         try:
-            async for start, chunk in reader.iter_chunks(entry, CHUNK_ELEMS):
-                if r.closed:
-                    raise round_closed(step, self.step)
-                if not np.isfinite(chunk).all():
-                    raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
-                                   "Lower the learning rate or enable loss scaling; this contribution is dropped.")
-                r.add_chunk(start, chunk, meta.samples)
-                reduced = True
+            await self.reducer.reduce(reader, header, meta.samples, lambda: not r.closed, progress)
+            if r.closed:  # the deadline passed while the last chunk was being reduced
+                raise RoundClosedMidUpload()
+        except BaseException as exc:
+            reduced = progress.chunks_added > 0
+            r.abort(peer_id, reduced=reduced, was_expected=was_expected)
+            if isinstance(exc, RoundClosedMidUpload):
+                raise (round_closed_partial(step) if reduced else round_closed(step, self.step)) from None
+            raise
+        else:
             r.complete(peer_id, meta.samples, meta.loss_sum)
             peer.samples = max(0, peer.samples - meta.samples)
             if peer.first_contribution_s is None:
                 peer.first_contribution_s = time.monotonic() - peer.joined_at
-        except BaseException:
-            r.abort(peer_id, reduced=reduced, was_expected=was_expected)
-            raise
         finally:
             peer.inflight -= 1
             self.registry.touch(peer)
@@ -272,43 +255,37 @@ class Collaboration:
     async def _finalize(self, r: Round) -> None:
         if not r.received:
             log.warning("round %d closed (%s) with no complete gradient; collecting again", r.step, r.finalized_by)
+            await self.reducer.run(self.reducer.reset)  # drop any part-wise chunks of failed uploads
             self.round = None
+            self._maybe_open_round()
             return
-        report, snapshot = await asyncio.to_thread(self._apply, r)
+        outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=time.monotonic() - r.opened_at,
+                           deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0)
+        version = await self.reducer.run(self._apply, outcome)
         self.deadlines.observe(r)
-        self.snapshot, self.round = snapshot, None
-        self._published.set()
-        self._published = asyncio.Event()
-        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", report.step, len(r.received), r.samples,
+        self.publisher.publish(version)
+        self.round = None
+        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", version.step, len(r.received), r.samples,
                  f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
         self._maybe_open_round()
         if self.observers.observers:
             status = self.status()
-            self.observers.publish(StepEvent(step=report.step, record=status.recent_rounds[-1], status=status,
-                                             state_path=self.store.state_path(report.step)))
+            self.observers.publish(StepEvent(step=version.step, record=status.recent_rounds[-1], status=status,
+                                             state_path=version.path))
 
-    def _apply(self, r: Round) -> tuple[Any, Snapshot]:
-        """Runs in a worker thread: mean, optimizer step, persist, snapshot."""
-        r.finish_mean()
+    def _apply(self, outcome: RoundLog) -> Version:
+        """Reducer thread, after every add of the round: mean, optimizer step, persist, commit."""
+        self.reducer.finish_mean()
         report = self.master.apply_gradient()
-        self.store.save_state(report.step, self.master.state_tensors(), {"run": self.run_cfg.name},
-                              RoundLog(contributions=dict(r.received), loss=r.loss,
-                                       duration_s=time.monotonic() - r.opened_at, deadline_s=r.deadline_s,
-                                       finalized_by=r.finalized_by, lr=report.lr, grad_norm=report.grad_norm))
-        return report, Snapshot(report.step, self.master.flat.numpy().copy())
+        self.reducer.reset()
+        version = self.publisher.write(report.step, {"run": self.run_cfg.name})
+        self.store.commit(report.step, version.sha256,
+                          dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))
+        return version
 
-    async def wait_for_step(self, min_step: int, timeout_s: float) -> Snapshot | None:
-        """Long-poll: the first published snapshot with ``step >= min_step``, or None."""
-        deadline = time.monotonic() + timeout_s
-        while self.snapshot.step < min_step:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._published.wait(), remaining)
-            except asyncio.TimeoutError:
-                return None
-        return self.snapshot
+    async def wait_for_step(self, min_step: int, timeout_s: float) -> Version | None:
+        """Long-poll: the first published version with ``step >= min_step``, or None."""
+        return await self.publisher.wait(min_step, timeout_s)
 
     async def tick(self) -> None:
         """Housekeeping, every fraction of a second: expire silent peers, enforce deadlines."""
@@ -323,7 +300,8 @@ class Collaboration:
             await asyncio.sleep(period_s)
 
     def state_info(self) -> StateInfo:
-        return StateInfo(step=self.snapshot.step, num_params=self.num_params, sha256=self.snapshot.sha256)
+        latest = self.publisher.latest
+        return StateInfo(step=latest.step, num_params=self.num_params, sha256=latest.sha256)
 
     def plan_info(self) -> PlanInfo:
         """Who aggregates what. Until extra aggregators join, the relay owns the whole vector."""
@@ -366,10 +344,3 @@ def _gradient_meta(metadata: dict[str, str]) -> GradientMeta:
     if "collab" not in metadata:
         raise ProtocolError("bad_meta", "gradient container lacks the 'collab' metadata entry")
     return GradientMeta.loads(metadata["collab"])
-
-
-async def iter_snapshot(snapshot: Snapshot, chunk_bytes: int = 4 << 20) -> AsyncIterator[memoryview | bytes]:
-    yield snapshot.header
-    raw = memoryview(snapshot.params).cast("B")
-    for start in range(0, len(raw), chunk_bytes):
-        yield raw[start:start + chunk_bytes]

@@ -21,3 +21,9 @@ def unknown_peer(peer_id: str) -> ApiError:
 def round_closed(step: int, current: int) -> ApiError:
     return ApiError(409, "round_closed", f"round {step} is not accepting gradients (current step {current})",
                     "Keep the gradient if its version is still eligible, else download the latest parameters.")
+
+
+def round_closed_partial(step: int) -> ApiError:
+    return ApiError(409, "round_closed_partial", f"round {step} closed while this gradient was arriving; the "
+                    "chunks that arrived whole were counted", "Drop this gradient (part of it is already in the "
+                    "step) and keep training.")

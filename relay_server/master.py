@@ -90,9 +90,9 @@ class MasterState:
         self.step += 1
         return StepReport(self.step, lr, grad_norm)
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters and optimizer state as named tensors (the checkpoint's content)."""
-        tensors = {"params": self.flat}
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer state as named tensors ``opt.<param index>.<key>`` (checkpoint content)."""
+        tensors = {}
         index = {id(p): i for i, p in enumerate(self.params)}
         for p, state in self.optimizer.state.items():
             for key, value in state.items():

@@ -1,13 +1,5 @@
-"""One averaging round: the streaming reduction and its adaptive deadline.
-
-Gradients arrive as sums over each peer's samples, in chunks of ``CHUNK_ELEMS`` float32 values.
-Each chunk is validated (finite) and added in place to the preallocated float32 buffer while the
-next chunk is still on the wire. Each chunk also carries its own sample weight (part-wise
-averaging, as in hivemind): an upload that stops early -- its peer died, its round closed, or a
-later chunk was refused (NaN/Inf) -- keeps only the chunks it delivered whole and valid, and the
-mean of every chunk is exact over the peers that delivered that chunk. No invalid value ever
-enters the buffer. Undoing the valid chunks instead would need a staging copy of every upload in
-flight (n x P floats), which a relay on a small VM cannot afford.
+"""One averaging round's membership -- who is expected, uploading, done -- and its adaptive
+deadline. The numbers themselves are summed by :mod:`relay_server.reducer`.
 """
 
 from __future__ import annotations
@@ -20,14 +12,15 @@ import numpy as np
 
 from relay_server.config import RoundsSection
 
-CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: reduce one while the next arrives
+
+class RoundClosedMidUpload(Exception):
+    """The round closed while an upload was streaming into it."""
 
 
 @dataclass
 class Round:
     step: int
     round_id: str
-    grad: np.ndarray  # (P,) float32, the master's gradient buffer, zeroed at open
     expected: set[str]
     deadline_s: float
     opened_at: float = field(default_factory=time.monotonic)
@@ -39,19 +32,9 @@ class Round:
     closed: bool = False
     finalized_by: str = ""
 
-    def __post_init__(self) -> None:
-        self.chunk_weight = np.zeros(-(-self.grad.size // CHUNK_ELEMS), dtype=np.float64)
-        self.grad.fill(0.0)
-
     @property
     def deadline(self) -> float:
         return self.opened_at + self.deadline_s
-
-    def add_chunk(self, start: int, values: np.ndarray, samples: int) -> None:
-        """Add one whole chunk (already validated) of a peer's gradient sum."""
-        segment = self.grad[start:start + values.size]
-        np.add(segment, values, out=segment)
-        self.chunk_weight[start // CHUNK_ELEMS] += samples
 
     def complete(self, peer_id: str, samples: int, loss_sum: float) -> None:
         self.uploading.discard(peer_id)
@@ -83,15 +66,6 @@ class Round:
 
     def everyone_arrived(self) -> bool:
         return not self.uploading and self.expected <= set(self.received)
-
-    def finish_mean(self) -> None:
-        """Turn the sums into the sample-weighted mean, chunk by chunk; empty chunks stay 0."""
-        for c, weight in enumerate(self.chunk_weight):
-            segment = self.grad[c * CHUNK_ELEMS:(c + 1) * CHUNK_ELEMS]
-            if weight > 0:
-                np.divide(segment, np.float32(weight), out=segment)
-            else:
-                segment.fill(0.0)
 
     @property
     def samples(self) -> int:

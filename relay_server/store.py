@@ -1,26 +1,23 @@
 """Everything that must survive a relay restart, under one data directory.
 
 ``relay.sqlite`` holds the registry, contributions and round log; ``state/step-NNNNNNNN.safetensors``
-holds the master parameters and optimizer state of each kept version. A step becomes durable in
-two moves -- write the file (tmp + rename), then commit its number in SQLite -- and the relay
-publishes a version only after both, so a crash at any point restarts from a version no peer has
-seen beyond, and no step is applied twice or lost.
+holds the parameters and optimizer state of each kept version (written by
+:mod:`relay_server.publisher`). A step becomes durable in two moves -- write the file (tmp +
+rename), then commit its number in SQLite -- and the relay publishes a version only after both,
+so a crash at any point restarts from a version no peer has seen beyond, and no step is applied
+twice or lost.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +70,16 @@ class Store:
         self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # --- master state -------------------------------------------------------------------------
-    def save_state(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                   round_log: RoundLog | None = None) -> str:
-        """Write version ``step`` durably, with the round that produced it in the same commit.
-
-        Returns the sha256 of the float32 parameters (what newcomers verify).
-        """
-        digest = hashlib.sha256(tensors["params"].numpy().tobytes()).hexdigest()
-        path = self.state_path(step)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"step": str(step), "sha256": digest, "meta": json.dumps(meta)})
-        if self.fsync:
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
+    def commit(self, step: int, sha256: str, round_log: RoundLog | None = None) -> None:
+        """Make version ``step`` (its state file already written) the one a restart resumes from,
+        with the round that produced it, in one transaction; then prune old versions."""
         self.db.execute("BEGIN")
         self.set_meta("step", str(step))
-        self.set_meta("sha256", digest)
+        self.set_meta("sha256", sha256)
         if round_log is not None:
             self._record_round(step, round_log)
         self.db.execute("COMMIT")
         self._prune(step)
-        return digest
 
     def latest_step(self) -> int | None:
         value = self.get_meta("step")
@@ -108,10 +92,12 @@ class Store:
         return self.dir / "state" / f"step-{step:08d}.safetensors"
 
     def _prune(self, step: int) -> None:
-        files = sorted((self.dir / "state").glob("step-*.safetensors"))
-        for old in files[:-self.keep] if self.keep > 0 else []:
-            if old != self.state_path(step):
-                old.unlink(missing_ok=True)
+        """Keep the newest ``keep`` versions (at least the current one and the one before it,
+        which a peer may still be downloading or taking a delta against)."""
+        keep = max(self.keep, 2)
+        for old in sorted((self.dir / "state").glob("step-*.safetensors"))[:-keep]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".delta").unlink(missing_ok=True)
 
     # --- peers and contributions --------------------------------------------------------------
     def upsert_peer(self, peer_id: str, name: str, username: str, device: str) -> None:

@@ -68,11 +68,11 @@ def main() -> int:
     if args.freeze_before_upload is not None:
         upload = client.upload_gradient
 
-        def frozen_upload(grad, meta):
+        def frozen_upload(tensors, meta, codec):
             if meta.step >= args.freeze_before_upload:
                 emit(event="freezing", step=meta.step)
                 os.kill(os.getpid(), signal.SIGSTOP)  # reported its samples, so the round expects it
-            return upload(grad, meta)
+            return upload(tensors, meta, codec)
 
         client.upload_gradient = frozen_upload
     while args.wait_peers and client.get_status().num_peers < args.wait_peers:

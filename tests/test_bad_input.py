@@ -53,7 +53,7 @@ class RawPeer:
         fields = dict(peer_id=self.peer_id, step=0, version=0, samples=10, loss_sum=1.0) | changes
         return GradientMeta(**fields)
 
-    def container(self, grad: np.ndarray, meta: GradientMeta | None = None, name: str = "grad") -> bytes:
+    def container(self, grad: np.ndarray, meta: GradientMeta | None = None, name: str = "payload") -> bytes:
         metadata = {"collab": (meta or self.meta()).dumps().decode()}
         return encode_header([(name, grad)], metadata) + grad.tobytes()
 
@@ -134,8 +134,8 @@ def bad_requests(peer: RawPeer, num_params: int) -> dict[str, tuple[Callable[[],
         "inf_in_gradient": (put(peer.container(poisoned(np.inf, 7))), 422, "non_finite"),
         "wrong_length": (put(peer.container(good[:-1])), 422, "bad_tensor"),
         "wrong_dtype": (put(peer.container(good.astype(np.float16))), 422, "bad_tensor"),
-        "wrong_tensor_name": (put(peer.container(good, name="weights")), 400, "bad_tensor"),
-        "missing_metadata": (put(encode_header([("grad", good)]) + good.tobytes()), 400, "bad_meta"),
+        "wrong_tensor_name": (put(peer.container(good, name="weights")), 422, "bad_tensor"),
+        "missing_metadata": (put(encode_header([("payload", good)]) + good.tobytes()), 400, "bad_meta"),
         "metadata_names_another_peer": (put(peer.container(good, peer.meta(peer_id="f" * 32))), 422, "bad_meta"),
         "metadata_for_another_round": (put(peer.container(good, peer.meta(step=1))), 422, "bad_meta"),
         "more_samples_than_reported": (put(peer.container(good, peer.meta(samples=11))), 422,

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from relay_server.rounds import CHUNK_ELEMS
+from relay_server.reducer import CHUNK_ELEMS
 from toolkit.compression import (BLOCK, CODECS, INT8_INPUT_MAX, SCALE_MAX, Codec, DeltaEncoder,
                                  ErrorFeedback, TensorSpec, apply_delta, get_codec)
 from toolkit.errors import ProtocolError

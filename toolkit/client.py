@@ -19,7 +19,8 @@ from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
 from toolkit.protocol import (ROUTES, CollabState, GradientMeta, Heartbeat, JoinRequest, JoinResponse,
                               RunInfo, StateInfo, StatusReport, UploadReceipt)
 from toolkit.schema import Schema
-from toolkit.tensor_container import encoded_size, iter_encoded, read_container
+from toolkit.compression import Codec, apply_delta
+from toolkit.tensor_container import encoded_size, iter_encoded, peek_header, read_container
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Schema)
@@ -102,27 +103,41 @@ class RelayClient:
     def leave(self, peer_id: str) -> None:
         self._request("POST", ROUTES["leave"].format(peer_id=peer_id), retry=False, timeout=(3, 5))
 
-    def upload_gradient(self, grad_sum: np.ndarray, meta: GradientMeta) -> UploadReceipt:
-        """Stream the float32 gradient sum (P,) for round ``meta.step``. Not retried: a second
-        attempt would race the round's deadline; the optimizer decides what to do instead."""
-        tensors = [("grad", grad_sum)]
-        metadata = {"collab": meta.dumps().decode()}
+    def upload_gradient(self, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str) -> UploadReceipt:
+        """Stream a gradient sum encoded by ``codec`` (:meth:`Codec.encode` output) for round
+        ``meta.step``. Not retried: a second attempt would race the round's deadline; the
+        optimizer decides what to do with the gradient instead."""
+        metadata = {"collab": meta.dumps().decode(), "codec": codec}
         response = self._request(
             "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
             params={"peer_id": meta.peer_id}, data=_SizedBody(tensors, metadata),
             headers={"Content-Type": "application/octet-stream"})
         return UploadReceipt.from_json(response.json())
 
-    def download_params(self, out: np.ndarray, *, min_step: int = 0, wait_s: float = 0,
-                        peer_id: str = "") -> int | None:
-        """Read the parameters of version >= ``min_step`` into ``out`` (P,) float32; returns the
-        version, or None if the relay had nothing newer within ``wait_s`` seconds."""
+    def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
+                        min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
+        """Bring ``public`` (P,) float32 to the relay's version >= ``min_step``; returns that
+        version, or None if nothing newer came within ``wait_s`` seconds.
+
+        ``public`` must hold version ``have`` exactly (the copy every peer shares): then a lossy
+        run's relay may answer with just the delta, which is applied in place. A full answer is
+        read straight into ``public``."""
         params = {"min_step": min_step, "wait": int(wait_s), "peer_id": peer_id}
+        if have is not None and codec is not None and not codec.lossless:
+            params["have"] = have
         timeout = (self.timeout[0], self.timeout[1] + wait_s)
         with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
             if response.status_code == 204:
                 return None
-            header, _ = read_container(response.raw, out.nbytes, out={"params": out})
+            header = peek_header(response.raw, public.nbytes)
+            if header.metadata.get("kind") == "delta":
+                if codec is None or header.metadata.get("base") != str(have):
+                    raise ProtocolError("bad_delta", f"the relay sent a delta against version "
+                                        f"{header.metadata.get('base')}, this peer holds {have}")
+                _, tensors = read_container(response.raw, public.nbytes, header=header)
+                apply_delta(codec, public, tensors)
+            else:
+                read_container(response.raw, public.nbytes, out={"params": public}, header=header)
         return int(header.metadata.get("step", -1))
 
 

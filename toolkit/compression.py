@@ -470,7 +470,6 @@ class DeltaEncoder:
         n = master.size
         tensors = self.codec._output(n, None)
         buffers = dict(tensors)
-        side = {name: array for name, array in tensors[:-1]}
         delta, scratch = (np.empty(min(_WORK, n), dtype=np.float32) for _ in range(2))
         for lo in range(0, n, _WORK):  # encode every slice first: a bad value leaves public as is
             piece = delta[:min(_WORK, n - lo)]

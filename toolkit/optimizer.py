@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from toolkit.client import RelayClient
+from toolkit.compression import ErrorFeedback, get_codec
 from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
 from toolkit.protocol import PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest, RunInfo
 
@@ -48,15 +49,23 @@ log = logging.getLogger(__name__)
 
 
 
-@dataclass
-class _Outcome:
-    """What became of one upload. ``grad`` is kept while it may still be used; ``fate`` says
-    whether the relay certainly never received it ("not_received") or cannot tell ("unknown")."""
+@dataclass(frozen=True)
+class _Upload:
+    """One accumulated gradient on its way: the raw sum (kept to restore it) and its encoding."""
 
     meta: GradientMeta
-    grad: np.ndarray | None
-    version: int | None = None  # the new parameters' version, loaded into ``params``
-    params: np.ndarray | None = None
+    grad: np.ndarray  # (P,) float32 sum over meta.samples samples
+    tensors: list[tuple[str, np.ndarray]]  # what went on the wire (the codec's encoding)
+
+
+@dataclass
+class _Outcome:
+    """What became of one upload: applied (``version`` is the new parameters' version, already in
+    the public copy), or not. ``fate`` then says whether the relay certainly never received it
+    ("not_received"), cannot tell ("unknown"), or refused or partly used it ("dropped")."""
+
+    upload: _Upload
+    version: int | None = None
     error: CollabError | None = None
     fate: str = ""
 
@@ -98,8 +107,13 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._accum = torch.zeros(self.run.num_params, dtype=torch.float32, device=device)  # sum of grad*samples
         self._accum_views = [self._accum[s.offset:s.offset + p.numel()].view_as(p)
                              for s, (_, p) in zip(self.run.layout, self._named)]
-        self._host = np.empty(self.run.num_params, dtype=np.float32)  # downloads land here
-        self._host_bg = np.empty(self.run.num_params, dtype=np.float32) if self.delayed_updates else self._host
+        self.codec = get_codec(self.run.compression)
+        self._feedback = None if self.codec.lossless else ErrorFeedback(self.codec, self.run.num_params)
+        # The parameters every peer shares (deltas apply to it), at version `_public_version`.
+        # Written by downloads only: in the training thread, or in the worker while a round is
+        # pending (never both); loaded into the model by the training thread.
+        self._public = np.empty(self.run.num_params, dtype=np.float32)
+        self._public_version = -1
         self._lock = threading.Lock()
         self.samples = 0  # in the accumulator, not yet sent
         self.loss_sum = 0.0
@@ -207,8 +221,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._settle_limbo(state)
             if self.samples and state.step - self._accum_version > self.run.max_staleness:
                 self._discard(f"behind: gradient from step {self._accum_version}, relay at {state.step}; resyncing")
-            if self.version < state.step - self.run.max_staleness or (not self.samples and self.version < state.step
-                                                                     and self._pending is None):
+            behind = self.version < state.step - self.run.max_staleness
+            if self._pending is None and (behind or (not self.samples and self.version < state.step)):
                 self._load_latest()
             r = state.round
             if (r is not None and self.samples and r.round_id != self._last_round_id and self._pending is None
@@ -227,51 +241,57 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             grad = self._accum.detach().to("cpu", copy=True).numpy()
             self._accum.zero_()
             self.samples, self.loss_sum = 0, 0.0
+        try:
+            tensors = self._feedback.compress(grad) if self._feedback else self.codec.encode(grad)
+        except ValueError as exc:  # e.g. a sum that overflowed float16's range
+            self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
+            return
         self._last_round_id = round_id
+        upload = _Upload(meta, grad, tensors)
         if self.delayed_updates:
-            self._pending = self._worker.submit(lambda client: self._round_job(client, grad, meta, round_id))
+            self._pending = self._worker.submit(lambda client: self._round_job(client, upload, round_id))
         else:
-            self._settle(self._round_job(self.client, grad, meta, round_id))
+            self._settle(self._round_job(self.client, upload, round_id))
 
-    def _round_job(self, client: RelayClient, grad: np.ndarray, meta: GradientMeta, round_id: str) -> _Outcome:
+    def _round_job(self, client: RelayClient, upload: _Upload, round_id: str) -> _Outcome:
         """Upload, then wait for the version the round produces (in the worker thread with delayed
         updates). The relay publishes a version only once it is durable, so after a successful
         upload the gradient was applied iff the relay's step moves past ``meta.step``; if the
         step stays and the open round has another id, the round died (relay restart) and the
         gradient goes back into the accumulator."""
+        meta = upload.meta
         try:
-            client.upload_gradient(grad, meta)
+            client.upload_gradient(upload.tensors, meta, self.codec.name)
         except RelayRejected as exc:
             if exc.code == "round_closed":  # never received: reusable if still fresh enough
-                return _Outcome(meta, grad, error=exc, fate="not_received")
-            return _Outcome(meta, None, error=exc)  # duplicate, stale or invalid: dropped
+                return _Outcome(upload, error=exc, fate="not_received")
+            return _Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
         except RelayUnreachable as exc:
-            return _Outcome(meta, grad, error=exc, fate="unknown")
-        host = self._host_bg if self.delayed_updates else self._host
+            return _Outcome(upload, error=exc, fate="unknown")
         give_up = time.monotonic() + self.round_wait_s
         try:
             while time.monotonic() < give_up:
-                step = client.download_params(host, min_step=meta.step + 1, wait_s=5, peer_id=self.peer_id)
+                step = self._download(client, min_step=meta.step + 1, wait_s=5)
                 if step is not None:
-                    return _Outcome(meta, None, version=step, params=host)
+                    return _Outcome(upload, version=step)
                 progress = client.get_progress()
                 if progress.step <= meta.step and (progress.round is None or progress.round.round_id != round_id):
-                    return _Outcome(meta, grad, error=RoundLost("round_lost", f"round {meta.step} ended without "
-                                                                "a result (relay restarted?)"), fate="not_received")
+                    return _Outcome(upload, error=RoundLost("round_lost", f"round {meta.step} ended without "
+                                                            "a result (relay restarted?)"), fate="not_received")
         except RelayUnreachable as exc:
-            return _Outcome(meta, grad, error=exc, fate="unknown")
-        return _Outcome(meta, grad, error=RoundLost("round_timeout", f"no result for round {meta.step} after "
-                                                    f"{self.round_wait_s:.0f}s"), fate="unknown")
+            return _Outcome(upload, error=exc, fate="unknown")
+        return _Outcome(upload, error=RoundLost("round_timeout", f"no result for round {meta.step} after "
+                                                f"{self.round_wait_s:.0f}s"), fate="unknown")
 
     def _settle(self, outcome: _Outcome) -> None:
         """Apply a round's outcome in the training thread."""
         if outcome.error is not None:
             self._note_error(outcome.error)
         if outcome.version is not None:
-            self.contributed_samples += outcome.meta.samples
-            log.info("round %d: sent %d samples", outcome.meta.step, outcome.meta.samples)
-            self._load(outcome.params, outcome.version)
-        elif outcome.grad is not None:
+            self.contributed_samples += outcome.upload.meta.samples
+            log.info("round %d: sent %d samples", outcome.upload.meta.step, outcome.upload.meta.samples)
+            self._load()
+        elif outcome.fate != "dropped":
             self._limbo = outcome  # decided by the next collaboration state we see
 
     def _settle_limbo(self, state: CollabState) -> None:
@@ -282,10 +302,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         outcome, self._limbo = self._limbo, None
         if outcome is None:
             return
-        meta = outcome.meta
+        meta = outcome.upload.meta
         fresh = state.step - meta.version <= self.run.max_staleness
         if fresh and (outcome.fate == "not_received" or state.step == meta.step):
-            self._restore(outcome.grad, meta)
+            self._restore(outcome.upload)
             self._last_round_id = ""
             log.info("round %d: kept %d samples for the next round", meta.step, meta.samples)
         else:
@@ -296,7 +316,12 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             pending, self._pending = self._pending, None
             self._settle(pending.result())
 
-    def _restore(self, grad: np.ndarray, meta: GradientMeta) -> None:
+    def _restore(self, upload: _Upload) -> None:
+        """Put an unsent gradient back into the accumulator (and take back what error feedback
+        recorded as sent)."""
+        meta, grad = upload.meta, upload.grad
+        if self._feedback is not None:
+            self._feedback.undo(upload.tensors, grad)
         with self._lock:
             if self.samples == 0:
                 self._accum_version = meta.version
@@ -311,14 +336,28 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._accum.zero_()
             self.samples, self.loss_sum = 0, 0.0
 
-    def _load_latest(self) -> None:
-        step = self.client.download_params(self._host, peer_id=getattr(self, "peer_id", ""))
-        self._load(self._host, step)
+    def _download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
+        """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
+        try:
+            step = client.download_params(self._public, have=self._public_version, codec=self.codec,
+                                          min_step=min_step, wait_s=wait_s, peer_id=self.peer_id)
+        except BaseException:
+            self._public_version = -1  # possibly half-overwritten: the next download is a full one
+            raise
+        if step is not None:
+            self._public_version = step
+        return step
 
-    def _load(self, host: np.ndarray, step: int | None) -> None:
-        if step is None or step <= self.version:
+    def _load_latest(self) -> None:
+        self._download(self.client)
+        self._load()
+
+    def _load(self) -> None:
+        """Copy the public parameters into the model (training thread)."""
+        step = self._public_version
+        if step <= self.version:
             return
-        flat = torch.from_numpy(host)
+        flat = torch.from_numpy(self._public)
         for spec, (_, p) in zip(self.run.layout, self._named):
             p.data.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
         self.version = step

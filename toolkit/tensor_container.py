@@ -13,10 +13,13 @@ the big payload a reader consumes chunk by chunk.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import struct
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
@@ -63,15 +66,23 @@ class Header:
 
 def encode_header(tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> bytes:
     """The 8 + N header bytes for ``tensors`` laid out in the given order."""
+    return encode_header_for([(name, a.dtype, a.shape) for name, a in tensors], metadata)
+
+
+def encode_header_for(specs: list[tuple[str, np.dtype, tuple[int, ...]]],
+                      metadata: dict[str, str] | None = None) -> bytes:
+    """The header for tensors described by (name, dtype, shape), whose bytes come from elsewhere
+    (the relay sends a stored byte range behind it)."""
     header: dict[str, Any] = {}
     offset = 0
-    for name, array in tensors:
-        code = _CODES.get(array.dtype) if array.dtype.byteorder != ">" else None
+    for name, dtype, shape in specs:
+        dtype = np.dtype(dtype)
+        code = _CODES.get(dtype) if dtype.byteorder != ">" else None
         if code is None:
-            raise ProtocolError("bad_tensor", f"dtype {array.dtype} cannot travel on the wire")
-        header[name] = {"dtype": code, "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
+            raise ProtocolError("bad_tensor", f"dtype {dtype} cannot travel on the wire")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -87,6 +98,43 @@ def iter_encoded(tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]
         flat = memoryview(np.ascontiguousarray(array)).cast("B")
         for start in range(0, len(flat), chunk):
             yield flat[start:start + chunk]
+
+
+def write_file(path: str | Path, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,
+               *, digest_of: str | None = None, fsync: bool = False) -> tuple[Header, str | None]:
+    """Write a container to ``path`` atomically (temporary file, then rename), in chunks.
+
+    Returns its header and, if ``digest_of`` names a tensor, the sha256 of that tensor's bytes,
+    computed in the same pass as the write (each chunk is hashed while it is still in cache).
+    """
+    path = Path(path)
+    head = encode_header(tensors, metadata)
+    digest = hashlib.sha256() if digest_of is not None else None
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(head)
+        for name, array in tensors:
+            flat = memoryview(np.ascontiguousarray(array)).cast("B")
+            for start in range(0, len(flat), STREAM_CHUNK):
+                piece = flat[start:start + STREAM_CHUNK]
+                if digest is not None and name == digest_of:
+                    digest.update(piece)
+                fh.write(piece)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    header = parse_header(head[:8], head[8:], max_data_bytes=1 << 62)
+    return header, (digest.hexdigest() if digest is not None else None)
+
+
+def read_file_header(path: str | Path) -> Header:
+    """The header of a container file (its tensors' byte ranges), without reading the data."""
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) < 8:
+            raise ProtocolError("truncated_body", f"{path} is not a tensor container")
+        return parse_header(prefix, fh.read(_header_length(prefix)), max_data_bytes=1 << 62)
 
 
 def encoded_size(tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> int:
@@ -180,15 +228,21 @@ class AsyncContainerReader:
             raise ProtocolError("truncated_body", "the request body ended before the tensor data did") from None
 
 
-def read_container(stream: BinaryIO, max_data_bytes: int,
-                   out: dict[str, np.ndarray] | None = None) -> tuple[Header, dict[str, np.ndarray]]:
-    """Read a whole container from a blocking file-like object (the peer's download path).
+def peek_header(stream: BinaryIO, max_data_bytes: int) -> Header:
+    """Read just the header off a blocking stream (the data follows; see :func:`read_container`)."""
+    prefix = _read_exactly(stream, 8)
+    return parse_header(prefix, _read_exactly(stream, _header_length(prefix)), max_data_bytes)
+
+
+def read_container(stream: BinaryIO, max_data_bytes: int, out: dict[str, np.ndarray] | None = None,
+                   header: Header | None = None) -> tuple[Header, dict[str, np.ndarray]]:
+    """Read a whole container from a blocking file-like object (the peer's download path);
+    pass ``header`` if :func:`peek_header` already consumed it.
 
     Tensors named in ``out`` are read straight into those preallocated arrays (no extra copy of
     a 100 MB parameter vector); the others are allocated.
     """
-    prefix = _read_exactly(stream, 8)
-    header = parse_header(prefix, _read_exactly(stream, _header_length(prefix)), max_data_bytes)
+    header = header or peek_header(stream, max_data_bytes)
     result: dict[str, np.ndarray] = {}
     for entry in header.entries:
         target = (out or {}).get(entry.name)
