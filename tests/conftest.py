@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import requests
 
+pytest_plugins = ["tests.hf_standin"]  # the `hf_standin` fixture: a local stand-in for the HF Hub API
+
 REPO = Path(__file__).resolve().parent.parent
 PEER_WORKER = Path(__file__).resolve().parent / "peer_worker.py"
 

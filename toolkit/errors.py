@@ -75,3 +75,29 @@ class DataSourceError(CollabError, ConnectionError):
     """Shards could not be read (several in a row failed, or remote shards while offline)."""
 
     default_hint = "Check the notebook's internet access and that the dataset's files exist."
+
+
+class AuthError(CollabError):
+    """A local authentication problem on the peer (no pass, unsignable request, bad relay key)."""
+
+    default_hint = "Log in again (re-run the cell); if it persists, tell the organizer."
+
+
+class RelaySignatureInvalid(AuthError):
+    """A response the peer relies on is unsigned or its signature does not verify."""
+
+    default_hint = ("Something between this notebook and the relay altered the answer (a proxy?) or "
+                    "impersonates the relay. Use the https:// URL the organizer published.")
+
+
+class RelayKeyChanged(AuthError):
+    """The relay presented a different public key than the one pinned for its URL (TOFU)."""
+
+    default_hint = ("If the organizer announced a new relay key, delete the pin file named above; "
+                    "otherwise someone may be impersonating the relay: do not continue.")
+
+class RelayKeyError(CollabError):
+    """The relay key file exists but cannot be used."""
+
+    default_hint = ("Restore the file from a backup, or delete it to generate a new key "
+                    "(every peer then logs in again; pinned notebooks must drop their pin).")

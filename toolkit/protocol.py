@@ -30,6 +30,8 @@ ROUTES = {
     "gradient": "/api/rounds/{step}/gradient",
     "params": "/api/params",
     "state": "/api/state",
+    "login": "/api/auth/login",
+    "refresh": "/api/auth/refresh",
 }
 
 MAX_JSON_BODY = 256 * 1024
@@ -368,3 +370,30 @@ class ShardsReport(Schema):
 
     sources: list[SourceCoverage]
     shards: list[ShardCoverage]
+
+
+# --- authentication (toolkit.auth / toolkit.signing, relay_server.access) ---------------------
+MAX_PASS_CHARS = 512
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoginRequest(Schema):
+    """``POST /api/auth/login``: the only message that carries the HF token (never in a URL)."""
+
+    hf_token: str = field(repr=False, metadata=limits(max_len=512))
+    peer_public_key: str = field(metadata=limits(max_len=64))
+    """Raw Ed25519 public key, b64u (43 chars): the pass binds the username to it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoginResponse(Schema):
+    """Answer to login and refresh. ``server_time`` lets the peer sign with the relay's clock."""
+
+    access_pass: str = field(metadata=limits(max_len=MAX_PASS_CHARS))
+    username: str = field(metadata=limits(max_len=96))
+    issued_at: int
+    expires_at: int
+    server_time: float
+    relay_public_key: str = field(metadata=limits(max_len=64))
+    relay_key_id: str = field(metadata=limits(max_len=16))
+    warnings: list[str] = field(default_factory=list, metadata=limits(max_len=8))
