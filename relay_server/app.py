@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
 from aiohttp import web
 
 from relay_server.collaboration import Collaboration
 from relay_server.config import RelayConfig
+from relay_server.access import LoginService, PassIssuer
+from relay_server.auth import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
 from relay_server.errors import ApiError
+from relay_server.identity import AllowList, HfIdentityVerifier
+from relay_server.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
 from relay_server.store import Store
 from toolkit.errors import ProtocolError
@@ -111,31 +115,43 @@ async def get_state(request: web.Request) -> web.Response:
 
 async def post_join(request: web.Request) -> web.Response:
     req = await read_message(request, JoinRequest)
-    username = request.get("identity", {}).get("username") or f"anonymous:{req.peer_name}"
+    identity = request.get(IDENTITY_KEY)
+    username = identity["username"] if identity is not None else f"anonymous:{req.peer_name}"
     return json_ok(_collab(request).join(req, username))
+
+
+def _own_peer(request: web.Request, peer_id: str) -> str:
+    """A peer id acts only for the user who joined with it: otherwise alice could heartbeat,
+    leave or upload as bob. (Open mode has no users to tell apart.)"""
+    identity = request.get(IDENTITY_KEY)
+    if identity is not None and _collab(request).peer(peer_id).username != identity["username"]:
+        raise ApiError(403, "not_your_peer", "this peer id belongs to another user",
+                       "Use the peer id your own join returned.")
+    return peer_id
 
 
 async def post_heartbeat(request: web.Request) -> web.Response:
     hb = await read_message(request, Heartbeat)
-    return json_ok(_collab(request).heartbeat(request.match_info["peer_id"], hb))
+    return json_ok(_collab(request).heartbeat(_own_peer(request, request.match_info["peer_id"]), hb))
 
 
 async def post_leave(request: web.Request) -> web.Response:
-    _collab(request).leave(request.match_info["peer_id"])
+    _collab(request).leave(_own_peer(request, request.match_info["peer_id"]))
     return json_ok({"ok": True})
 
 
 async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
     step = _path_int(request, "step")
-    peer_id = request.query.get("peer_id", "")
+    peer_id = _own_peer(request, request.query.get("peer_id", ""))
     limit = collab.codec.wire_bytes(collab.num_params)
     if request.content_length is None:
         raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
                        "Send the body with a known length (the toolkit does); chunked uploads are refused.")
     if request.content_length > limit + MAX_HEADER + 8:
         raise ApiError(413, "body_too_large", f"a gradient is at most {limit + MAX_HEADER + 8} bytes")
-    reader = AsyncContainerReader(request.content, limit, total_bytes=request.content_length)
+    body = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
+    reader = AsyncContainerReader(body, limit, total_bytes=request.content_length)
     try:
         receipt = await collab.receive_gradient(step, peer_id, reader)
     except (ApiError, ProtocolError):
@@ -163,7 +179,8 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     min_step = _int_query(request, "min_step", 0)
     have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
-    peer = collab.registry.get(request.query.get("peer_id", ""))
+    peer_id = request.query.get("peer_id", "")
+    peer = collab.registry.get(_own_peer(request, peer_id)) if peer_id else None
     if peer is not None:
         peer.inflight += 1  # a waiting peer is alive
     try:
@@ -201,10 +218,32 @@ ROUTE_TABLE = [
 ]
 
 
+# What an observer or a peer that has not logged in yet may read.
+PUBLIC_ROUTES = frozenset({"/", "/static", ROUTES["status"], ROUTES["run"], ROUTES["login"]})
+
+
+def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
+    """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
+
+    In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
+    if config.auth.mode == "open":
+        return [], []
+    a = config.auth
+    key = RelayKey.load_or_create(config.server.data_dir)
+    allow = AllowList(users=frozenset(a.allow_users), orgs=frozenset(a.allow_orgs), any_user=a.allow_any_hf_user)
+    identity = HfIdentityVerifier(allow, endpoint=a.hf_endpoint or None, timeout_s=a.login_timeout_s)
+    service = LoginService(identity, PassIssuer(key, ttl_s=a.pass_ttl_s), is_banned=is_banned,
+                           reauth_after_s=a.reauth_after_s)
+    verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
+    return [auth_middleware(verifier, PUBLIC_ROUTES)], service.routes()
+
+
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
+    auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user))
+    app.middlewares.extend(auth_middlewares)
     app[CONFIG] = config
-    for method, path, handler in ROUTE_TABLE:
+    for method, path, handler in [*ROUTE_TABLE, *auth_routes]:
         app.router.add_route(method, path, handler)
     static_dir = resources.files("relay_server").joinpath("static")
     if static_dir.is_dir():

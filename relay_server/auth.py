@@ -318,7 +318,8 @@ def sign_response_headers(request: web.Request, response: web.StreamResponse, na
 
 # --- middleware ---------------------------------------------------------------------------------
 def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
-    """Require a signed request on every route except ``public_paths``.
+    """Require a signed request on every route except ``public_paths`` (where a request that
+    carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
     ``public_paths`` are route templates as registered (``"/api/status"``, ``"/static"``); the
     check uses the matched route, so no spelling of a URL can reach a protected handler as public.
@@ -330,8 +331,8 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
-        if resource is None or resource.canonical in public:
-            return await handler(request)
+        if resource is None or (resource.canonical in public and PASS_HEADER not in request.headers):
+            return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers
         try:
             await _authenticate(verifier, request)
         except (ApiError, ProtocolError) as exc:

@@ -69,7 +69,7 @@ class Collaboration:
             model=ModelSpec(factory=config.model.factory, kwargs=dict(config.model.kwargs)),
             layout=self.layout, num_params=int(params.size), target_batch=config.run.target_batch,
             total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
-            heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=self.codec.name,
+            heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=self.codec.name, auth=config.auth.mode,
             precision=config.run.precision or None, dataset=dict(config.dataset))
 
     def close(self) -> None:

@@ -102,8 +102,25 @@ class ServerSection:
 
 @dataclass(kw_only=True)
 class AuthSection:
-    mode: str = "open"
-    """"open" (anyone, for local experiments) or "hf" (Hugging Face login + allowlist)."""
+    mode: str = "hf"
+    """"hf" (Hugging Face login + allowlist; the default) or "open" (anyone who can reach the
+    relay may join and send gradients: local experiments only; logged loudly)."""
+    hf_endpoint: str = ""
+    """Identity provider for whoami (empty = HF_ENDPOINT or https://huggingface.co)."""
+    allow_users: list[str] = field(default_factory=list)
+    """Hugging Face usernames allowed to join."""
+    allow_orgs: list[str] = field(default_factory=list)
+    """Hugging Face organizations whose members may join."""
+    allow_any_hf_user: bool = False
+    """Admit any Hugging Face account (identity, leaderboard and bans still apply)."""
+    pass_ttl_s: float = 3600.0
+    """Access pass lifetime; peers refresh at half-life."""
+    reauth_after_s: float = 86400.0
+    """Refresh passes without the HF token until this long after the last HF check."""
+    max_skew_s: float = 60.0
+    """Allowed clock offset of a signed request; nonces are remembered for twice this."""
+    login_timeout_s: float = 15.0
+    """Give up on the identity provider after this long (the login answers 503 with a hint)."""
 
 
 @dataclass(kw_only=True)
@@ -161,6 +178,11 @@ class RelayConfig:
             (self.rounds.peer_ttl_s > self.rounds.heartbeat_interval_s,
              "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
             (self.auth.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
+            (self.auth.mode != "hf" or bool(self.auth.allow_users or self.auth.allow_orgs or self.auth.allow_any_hf_user),
+             "auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or auth.allow_any_hf_user = true "
+             "(or auth.mode = 'open' for a local experiment)"),
+            (self.auth.pass_ttl_s >= 60 and self.auth.max_skew_s > 0,
+             "auth.pass_ttl_s must be >= 60 and auth.max_skew_s > 0"),
             (self.run.compression in ("none", "float16", "int8"), "run.compression must be none, float16 or int8"),
             (self.wandb.mode in ("", "online", "offline", "disabled"),
              "wandb.mode must be online, offline, disabled or empty"),

@@ -25,12 +25,15 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
+from relay_server.auth import sign_response_headers
 from relay_server.master import MasterState
 from relay_server.store import Store
 from toolkit.compression import Codec, DeltaEncoder
 from toolkit.tensor_container import encode_header_for, read_file_header, write_file
 
 log = logging.getLogger(__name__)
+
+SIGNED_HEADERS = ("X-Collab-Step", "X-Collab-Sha256")  # signed runs: the peer checks its bytes against these
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,14 @@ class Publisher:
         """A peer holding version ``have`` gets the delta when it is one step behind and the codec
         is lossy; everyone else gets the full parameters."""
         headers = {"Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
-                   "X-Collab-Sha256": version.sha256}
+                   "X-Collab-Sha256": version.sha256}  # of the parameters the peer holds afterwards
         if version.delta_path is not None and have == version.step - 1:
-            return web.FileResponse(version.delta_path, headers=headers)
+            delta = web.FileResponse(version.delta_path, headers=headers)
+            sign_response_headers(request, delta, SIGNED_HEADERS)
+            return delta
         header = _full_header(version.step, version.numel)
         response = web.StreamResponse(headers=headers)
+        sign_response_headers(request, response, SIGNED_HEADERS)
         response.content_length = len(header) + version.nbytes
         await response.prepare(request)
         await response.write(header)

@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS peers (
     peer_id TEXT PRIMARY KEY, name TEXT NOT NULL, username TEXT NOT NULL, device TEXT NOT NULL,
     joined_at REAL NOT NULL, last_seen REAL NOT NULL,
     samples_contributed INTEGER NOT NULL DEFAULT 0, rounds_contributed INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS bans (
+    username TEXT PRIMARY KEY COLLATE NOCASE, reason TEXT NOT NULL, banned_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS rounds (
     step INTEGER PRIMARY KEY, finalized_at REAL NOT NULL, contributors INTEGER NOT NULL,
     samples INTEGER NOT NULL, loss REAL, duration_s REAL NOT NULL, deadline_s REAL NOT NULL,
@@ -57,9 +59,25 @@ class Store:
         self.db = sqlite3.connect(self.dir / "relay.sqlite", isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(_SCHEMA)
+        self._banned = {u.casefold() for (u,) in self.db.execute("SELECT username FROM bans")}
 
     def close(self) -> None:
         self.db.close()
+
+    # --- bans (checked on every signed request: kept in memory) -------------------------------
+    def is_banned(self, username: str) -> bool:
+        return username.casefold() in self._banned
+
+    def ban(self, username: str, reason: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO bans VALUES (?, ?, ?)", (username, reason, time.time()))
+        self._banned.add(username.casefold())
+
+    def unban(self, username: str) -> None:
+        self.db.execute("DELETE FROM bans WHERE username = ?", (username,))
+        self._banned.discard(username.casefold())
+
+    def bans(self) -> list[tuple[str, str, float]]:
+        return self.db.execute("SELECT username, reason, banned_at FROM bans ORDER BY banned_at").fetchall()
 
     # --- metadata -----------------------------------------------------------------------------
     def get_meta(self, key: str, default: str | None = None) -> str | None:

@@ -46,6 +46,7 @@ def main() -> int:
     parser.add_argument("--delayed", action="store_true")
     parser.add_argument("--sleep-per-batch", type=float, default=0.0, help="simulate a slower device")
     parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    parser.add_argument("--hf-token-env", default=None, help="log in with the HF token in this environment variable")
     parser.add_argument("--freeze-before-upload", type=int, default=None, metavar="STEP",
                         help="SIGSTOP this process just before uploading to round STEP or later (the test kills it)")
     args = parser.parse_args()
@@ -60,6 +61,8 @@ def main() -> int:
     data = make_dataset()
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
     client = RelayClient(args.relay, retries=6, backoff_s=0.3)
+    if args.hf_token_env:
+        client.login(os.environ[args.hf_token_env])
     run = client.get_run()
     model = build_model(run.model.factory, dict(run.model.kwargs))
     opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,

@@ -8,6 +8,7 @@ exceptions carrying the relay's hint. One client per thread: sessions are not sh
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Any, TypeVar
@@ -15,16 +16,43 @@ from typing import Any, TypeVar
 import numpy as np
 import requests
 
-from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
-from toolkit.protocol import (ROUTES, CollabState, GradientMeta, Heartbeat, JoinRequest, JoinResponse,
-                              RunInfo, StateInfo, StatusReport, UploadReceipt)
-from toolkit.schema import Schema
+from toolkit.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.compression import Codec, apply_delta
-from toolkit.tensor_container import encoded_size, iter_encoded, peek_header, read_container
+from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
+from toolkit.protocol import (
+    ROUTES,
+    CollabState,
+    GradientMeta,
+    Heartbeat,
+    JoinRequest,
+    JoinResponse,
+    LoginRequest,
+    LoginResponse,
+    RunInfo,
+    StateInfo,
+    StatusReport,
+    UploadReceipt,
+)
+from toolkit.schema import Schema
+from toolkit.signing import (
+    AccessPass,
+    AccessPassHolder,
+    PeerKey,
+    RelayKeyPins,
+    SignedAuth,
+)
+from toolkit.tensor_container import (
+    encoded_size,
+    iter_encoded,
+    peek_header,
+    read_container,
+)
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Schema)
 _RETRY_STATUS = {502, 503, 504}
+_RENEW_PASS = {"pass_expired", "stale_timestamp"}  # a fresh pass (or clock offset) fixes these
+_RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
 
 
 class RelayClient:
@@ -59,6 +87,10 @@ class RelayClient:
             if response.status_code in _RETRY_STATUS and attempt + 1 < attempts:
                 self._sleep(attempt, f"HTTP {response.status_code}")
                 continue
+            if (response.status_code == 401 and attempt + 1 < attempts and isinstance(self.session.auth, SignedAuth)
+                    and _rejected(response).code in _RENEW_PASS):
+                self.session.auth.holder.invalidate()  # the next attempt is signed with a fresh pass
+                continue
             if response.status_code >= 400:
                 raise _rejected(response)
             return response
@@ -82,6 +114,34 @@ class RelayClient:
             raise ProtocolError("bad_json", f"{path}: the relay's answer is not JSON") from None
 
     # --- API ------------------------------------------------------------------------------------
+    def login(self, hf_token: str, *, pins: RelayKeyPins | None = None) -> AccessPassHolder:
+        """Prove this peer's Hugging Face identity once; from then on every request is signed with a
+        fresh in-memory key and the access pass renews itself (through the relay's refresh route,
+        falling back to the token when the relay asks for a full login)."""
+        peer_key, pins = PeerKey(), pins or RelayKeyPins()
+
+        def obtain(previous: AccessPass | None) -> AccessPass:
+            answer = None
+            if previous is not None:
+                try:
+                    answer = self._call("POST", ROUTES["refresh"], LoginResponse, retry=False)
+                except RelayRejected as exc:
+                    if exc.code not in _RELOGIN:
+                        raise
+            if answer is None:
+                answer = self._call("POST", ROUTES["login"], LoginResponse,
+                                    LoginRequest(hf_token=hf_token, peer_public_key=peer_key.public_b64))
+            return AccessPass.from_login(answer, peer_key=peer_key, relay_url=self.url, pins=pins)
+
+        holder = AccessPassHolder(obtain)
+        self.session.auth = SignedAuth(peer_key, holder)
+        holder.current()  # a bad token or a user not on the allowlist fails here, with the relay's hint
+        return holder
+
+    @property
+    def signed(self) -> bool:
+        return isinstance(self.session.auth, SignedAuth)
+
     def get_run(self) -> RunInfo:
         return self._call("GET", ROUTES["run"], RunInfo)
 
@@ -108,10 +168,13 @@ class RelayClient:
         ``meta.step``. Not retried: a second attempt would race the round's deadline; the
         optimizer decides what to do with the gradient instead."""
         metadata = {"collab": meta.dumps().decode(), "codec": codec}
+        headers = {"Content-Type": "application/octet-stream"}
+        if self.signed:  # the relay checks every chunk against its digest before using it
+            metadata.update(digest_metadata(tensors))
+            headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
         response = self._request(
             "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
-            params={"peer_id": meta.peer_id}, data=_SizedBody(tensors, metadata),
-            headers={"Content-Type": "application/octet-stream"})
+            params={"peer_id": meta.peer_id}, data=_SizedBody(tensors, metadata), headers=headers)
         return UploadReceipt.from_json(response.json())
 
     def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
@@ -138,6 +201,10 @@ class RelayClient:
                 apply_delta(codec, public, tensors)
             else:
                 read_container(response.raw, public.nbytes, out={"params": public}, header=header)
+            if self.signed and hashlib.sha256(memoryview(public).cast("B")).hexdigest() != \
+                    response.headers.get("X-Collab-Sha256", ""):
+                raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the "
+                                    "relay signed", "Download again; if it repeats, something alters the traffic.")
         return int(header.metadata.get("step", -1))
 
 

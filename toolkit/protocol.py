@@ -70,6 +70,8 @@ class RunInfo(Schema):
     max_staleness: int = field(metadata=limits(ge=0, le=8))
     heartbeat_interval_s: float = field(metadata=limits(gt=0))
     precision: str | None = None
+    auth: str = field(default="open", metadata=limits(choices=("open", "hf")))
+    """"hf": log in with a Hugging Face token (``RelayClient.login``) before joining."""
     compression: str = field(default="none", metadata=limits(choices=("none", "float16", "int8")))
     """The codec of gradient uploads and parameter deltas (:mod:`toolkit.compression`)."""
     dataset: dict[str, Any] = field(default_factory=dict)
