@@ -283,6 +283,40 @@ class Collaboration:
                           dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))
         return version
 
+    async def rollback(self, to_step: int) -> int:
+        """Publish the stored state of version ``to_step`` (parameters and optimizer state) as the
+        next version, and return that version. Versions only move forward -- peers compare them --
+        so rolling back to k at version N publishes N + 1 holding k's state. An open round is
+        abandoned: its gradients were computed on the state being rolled back."""
+        if not self.store.state_path(to_step).exists():
+            kept = sorted(int(p.stem.split("-")[1]) for p in self.store.state_path(0).parent.glob("step-*.safetensors"))
+            raise ApiError(404, "no_checkpoint", f"no stored state for step {to_step}",
+                           f"Stored steps: {kept}. Keep more with server.keep_checkpoints, or start a new "
+                           "relay from a Hub checkpoint (hub.init_from).")
+        if self._finalizing is not None:
+            await self._finalizing  # a round that already closed is applied first
+        if self.round is not None:
+            self.round.closed, self.round.finalized_by = True, "rollback"
+            self.round = None
+        version = await self.reducer.run(self._apply_rollback, to_step)
+        self.publisher.publish(version)
+        log.warning("rolled back to the state of step %d, published as step %d", to_step, version.step)
+        self._maybe_open_round()
+        return version.step
+
+    def _apply_rollback(self, to_step: int) -> Version:
+        """Reducer thread: after every pending add, swap in the stored state and persist it."""
+        new_step = self.step + 1
+        self.publisher.load(to_step)
+        self.master.step = new_step
+        self.reducer.reset()
+        version = self.publisher.write(new_step, {"run": self.run_cfg.name, "rolled_back_to": str(to_step)},
+                                       delta=False)
+        self.store.commit(new_step, version.sha256, RoundLog(contributions={}, loss=None, duration_s=0.0,
+                                                             deadline_s=0.0, finalized_by="rollback", lr=0.0,
+                                                             grad_norm=0.0))
+        return version
+
     async def wait_for_step(self, min_step: int, timeout_s: float) -> Version | None:
         """Long-poll: the first published version with ``step >= min_step``, or None."""
         return await self.publisher.wait(min_step, timeout_s)

@@ -70,10 +70,12 @@ class Publisher:
         """What peers hold: the master itself when the codec is lossless."""
         return self.master.flat.numpy() if self.deltas is None else self.deltas.public
 
-    def write(self, step: int, meta: dict[str, str]) -> Version:
-        """Persist version ``step`` (reducer thread, after the optimizer step)."""
+    def write(self, step: int, meta: dict[str, str], *, delta: bool = True) -> Version:
+        """Persist version ``step`` (reducer thread, after the optimizer step). ``delta=False``
+        when the public copy did not come from version ``step - 1`` (a rollback): peers then
+        download in full."""
         delta_path = None
-        if self.deltas is not None and step > 0:
+        if self.deltas is not None and step > 0 and delta:
             delta = self.deltas.encode_step(self.master.flat.numpy())
             delta_path = self.store.state_path(step).with_suffix(".delta")
             write_file(delta_path, delta, {"step": str(step), "base": str(step - 1), "kind": "delta",
@@ -89,14 +91,18 @@ class Publisher:
                        numel=entry.numel, sha256=sha or "", delta_path=delta_path)
 
     def restore(self, step: int) -> None:
-        """Load version ``step`` from its state file into the master and the public copy."""
+        """Resume at version ``step`` (after a restart): load it and make it the latest."""
+        self.load(step)
+        self.latest = self._describe(step)
+
+    def load(self, step: int) -> None:
+        """Load version ``step``'s state file into the master and the public copy."""
         tensors = self.store.load_state(step)
         master = tensors.pop("master", None)
         public = tensors["params"]
         self.master.load_state_tensors({"params": public if master is None else master, **tensors}, step)
         if self.deltas is not None:
             self.deltas = DeltaEncoder(self.codec, public.numpy().copy())
-        self.latest = self._describe(step)
 
     def _describe(self, step: int) -> Version:
         """The Version of an existing state file (after a restart): re-hash what peers download."""

@@ -191,7 +191,7 @@ class RoundRecord(Schema):
     loss: float | None
     duration_s: float
     deadline_s: float
-    finalized_by: Literal["all_arrived", "deadline", "peers_gone"]
+    finalized_by: Literal["all_arrived", "deadline", "peers_gone", "rollback"]
     finalized_at: float = 0.0
     """Unix time, for throughput curves."""
 
