@@ -209,9 +209,10 @@ class Collaboration:
         if not 0 <= step - meta.version <= self.run_cfg.max_staleness:
             raise ApiError(409, "stale_gradient", f"gradient from version {meta.version} is too old for round {step}",
                            "Discard it and download the latest parameters.")
-        if meta.samples > peer.samples:
+        if meta.samples > peer.claimable:
             raise ApiError(422, "samples_exceed_report", f"upload claims {meta.samples} samples, "
-                           f"the last heartbeat reported {peer.samples}", "Send a heartbeat before uploading.")
+                           f"progress reports since the last upload said {peer.claimable}",
+                           "Send a heartbeat before uploading.")
         was_expected = r.begin(peer_id)
         progress = UploadProgress()
         peer.inflight += 1
@@ -228,6 +229,7 @@ class Collaboration:
         else:
             r.complete(peer_id, meta.samples, meta.loss_sum)
             peer.samples = max(0, peer.samples - meta.samples)
+            peer.claimable = max(0, peer.claimable - meta.samples)
             if peer.first_contribution_s is None:
                 peer.first_contribution_s = time.monotonic() - peer.joined_at
         finally:

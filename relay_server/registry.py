@@ -23,7 +23,8 @@ class Peer:
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
     version: int = 0
-    samples: int = 0  # accumulated on `version`, not yet uploaded
+    samples: int = 0  # accumulated on `version`, not yet uploaded (the latest report)
+    claimable: int = 0  # the most reported since the last upload: caps an upload's weight
     samples_per_s: float = 0.0
     inflight: int = 0
     first_contribution_s: float | None = None  # join -> first accepted gradient
@@ -50,6 +51,7 @@ class Registry:
 
     def report(self, peer: Peer, hb: Heartbeat) -> None:
         peer.version, peer.samples, peer.samples_per_s = hb.version, hb.samples, hb.samples_per_s
+        peer.claimable = max(peer.claimable, hb.samples)
         self.touch(peer)
 
     def remove(self, peer_id: str) -> Peer | None:

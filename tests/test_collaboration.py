@@ -167,3 +167,25 @@ def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):
         versions = [e["step"] for e in peer.events() if e["event"] == "version"]
         assert versions == sorted(set(versions)), versions  # never went backwards or repeated
     assert os.path.exists(relay.data_dir / "state" / f"step-{max(steps):08d}.safetensors")
+
+
+def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(start_relay, launch_peer):
+    # One step of staleness allowed: peers keep computing on version v while round v runs.
+    relay = start_relay({"run": {"target_batch": 32, "max_staleness": 1}})
+    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=("--delayed", "--wait-peers", "2"))
+             for i in range(2)]
+    for peer in peers:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    from safetensors.numpy import load_file
+
+    for peer in peers:
+        versions = [e for e in peer.events() if e["event"] == "version"]
+        assert versions and versions[-1]["step"] >= 6
+        for event in versions[-2:]:  # the parameters it loaded are exactly the relay's for that version
+            path = relay.data_dir / "state" / f"step-{event['step']:08d}.safetensors"
+            if path.exists():  # older versions are pruned (keep_checkpoints)
+                assert hashlib.sha256(load_file(str(path))["params"].tobytes()).hexdigest() == event["sha"]
+    rounds = [r for r in relay.status()["recent_rounds"] if r["step"] >= 1]
+    assert all(r["loss"] is not None for r in rounds) and rounds[-1]["loss"] < rounds[0]["loss"]
+    # Regression: the two threads' progress reports once raced, and the relay refused honest uploads.
+    assert not any("samples_exceed_report" in p.log_path.read_text() for p in peers)

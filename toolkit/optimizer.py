@@ -114,7 +114,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         # pending (never both); loaded into the model by the training thread.
         self._public = np.empty(self.run.num_params, dtype=np.float32)
         self._public_version = -1
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the accumulator and its counters
+        self._report_lock = threading.Lock()  # one progress report in flight at a time
         self.samples = 0  # in the accumulator, not yet sent
         self.loss_sum = 0.0
         self._accum_version = 0
@@ -204,10 +205,14 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return Heartbeat(version=self._accum_version if self.samples else max(self.version, 0),
                              samples=self.samples, samples_per_s=self.samples_per_s)
 
-    def _report(self) -> CollabState:
-        self.state = self.client.heartbeat(self.peer_id, self.heartbeat_message())
-        self._last_report = time.monotonic()
-        return self.state
+    def _report(self, client: RelayClient | None = None) -> CollabState:
+        """Send progress. Both threads report (the worker when the loop is busy), so the message is
+        built and sent under one lock: reports reach the relay in the order they were made, and
+        the relay never sees an older, smaller count after the one an upload relies on."""
+        with self._report_lock:
+            self.state = (client or self.client).heartbeat(self.peer_id, self.heartbeat_message())
+            self._last_report = time.monotonic()
+            return self.state
 
     def _sync(self) -> None:
         """Decide, from the latest collaboration state, whether to contribute or resync."""
@@ -402,8 +407,7 @@ class _Worker(threading.Thread):
         if time.monotonic() - owner._last_report < self.interval_s:
             return
         try:
-            owner.state = self.client.heartbeat(owner.peer_id, owner.heartbeat_message())
-            owner._last_report = time.monotonic()
+            owner._report(self.client)
         except CollabError as exc:
             owner.last_error = exc
         finally:
