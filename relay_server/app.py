@@ -194,6 +194,11 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     return await collab.publisher.send(request, version, have if have >= 0 else None)
 
 
+async def get_favicon(request: web.Request) -> web.Response:
+    """Browsers ask for /favicon.ico even on JSON pages; the dashboard's icon is an SVG."""
+    raise web.HTTPMovedPermanently("/static/favicon.svg")
+
+
 async def get_index(request: web.Request) -> web.StreamResponse:
     static = resources.files("relay_server").joinpath("static/index.html")
     if static.is_file():
@@ -215,11 +220,12 @@ ROUTE_TABLE = [
     ("POST", ROUTES["leave"], post_leave),
     ("PUT", ROUTES["gradient"], put_gradient),
     ("GET", "/", get_index),
+    ("GET", "/favicon.ico", get_favicon),
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
-PUBLIC_ROUTES = frozenset({"/", "/static", ROUTES["status"], ROUTES["run"], ROUTES["login"]})
+PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"]})
 
 
 def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:

@@ -82,6 +82,10 @@ class Collaboration:
             from safetensors.torch import load_file
 
             model.load_state_dict(load_file(self.config.model.init_checkpoint))
+        elif self.config.hub.init_from and self.store.latest_step() is None:
+            from relay_server.hub_checkpoints import init_model_from_hub
+
+            init_model_from_hub(model, self.config)  # a restart resumes from the data dir instead
         return model
 
     # --- properties ---------------------------------------------------------------------------
@@ -361,8 +365,8 @@ class Collaboration:
                             online=True, precision=p.precision, first_contribution_s=p.first_contribution_s)
                  for p in online]
         rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
-                              finalized_by=by, finalized_at=at)
-                  for s, c, n, loss, d, dl, by, at in self.store.recent_rounds()]
+                              finalized_by=by, finalized_at=at, lr=lr, grad_norm=norm)
+                  for s, c, n, loss, d, dl, by, at, lr, norm in self.store.recent_rounds()]
         leaderboard = [LeaderboardEntry(username=u, samples=n, rounds=r,
                                         peers_online=sum(p.username == u for p in online))
                        for u, n, r in self.store.leaderboard()]

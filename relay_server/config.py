@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -188,6 +189,10 @@ class RelayConfig:
              "wandb.mode must be online, offline, disabled or empty"),
             (self.hub.every_steps >= 0, "hub.every_steps must be >= 0"),
             (not self.hub.every_steps or self.hub.repo_id, "hub.every_steps needs hub.repo_id"),
+            (not (self.hub.init_from and self.model.init_checkpoint),
+             "set only one of model.init_checkpoint and hub.init_from"),
+            (not self.hub.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.hub.init_from)),
+             "hub.init_from must be 'owner/name' or 'owner/name@revision'"),
         ]
         for ok, message in checks:
             if not ok:

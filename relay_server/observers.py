@@ -41,8 +41,21 @@ class Observer(Protocol):
 
 
 def build_observers(config: RelayConfig) -> list[Observer]:
-    """The observers the configuration asks for (none by default)."""
-    return []
+    """The observers the configuration asks for (none by default).
+
+    Each is imported only when configured, so a relay without W&B or Hub uploads never pays for
+    importing those clients. A setting that cannot work (no token in ``hub.token_env``, wandb not
+    installed) raises ConfigError naming it, before the relay accepts peers."""
+    observers: list[Observer] = []
+    if config.hub.repo_id and config.hub.every_steps > 0:  # first: its checks may refuse to start
+        from relay_server.hub_checkpoints import HubCheckpointer
+
+        observers.append(HubCheckpointer(config))
+    if config.wandb.project and config.wandb.mode != "disabled":
+        from relay_server.wandb_observer import WandbObserver
+
+        observers.append(WandbObserver(config))
+    return observers
 
 
 class ObserverThread:

@@ -22,7 +22,9 @@ async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asy
                 on_ready: Callable[[str], None] | None = None, extra_middlewares: tuple = ()) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread)."""
     app = create_app(config, extra_middlewares)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, read_bufsize=READ_BUFSIZE)
+    # shutdown_timeout: long-polling peers must not hold a stopping relay for aiohttp's default 60 s
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, read_bufsize=READ_BUFSIZE,
+                           shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, reuse_address=True)
     try:

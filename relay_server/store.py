@@ -144,7 +144,7 @@ class Store:
 
     def recent_rounds(self, limit: int = 200) -> list[tuple]:
         return self.db.execute(
-            "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at "
+            "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at, lr, grad_norm "
             "FROM rounds ORDER BY step DESC LIMIT ?", (limit,)).fetchall()[::-1]
 
     def leaderboard(self, limit: int = 100) -> list[tuple[str, int, int]]:

@@ -184,6 +184,8 @@ def scope_hf_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    # hf_hub_download builds file URLs from this template, not from ENDPOINT
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     # the user-agent builder otherwise fetches {ENDPOINT}/api/agent-harnesses once per process
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)

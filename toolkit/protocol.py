@@ -194,6 +194,10 @@ class RoundRecord(Schema):
     finalized_by: Literal["all_arrived", "deadline", "peers_gone", "rollback"]
     finalized_at: float = 0.0
     """Unix time, for throughput curves."""
+    lr: float | None = None
+    """The learning rate the step applied."""
+    grad_norm: float | None = None
+    """The averaged gradient's global norm (before clipping)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,122 @@
+"""The relay's dashboard in a real browser (Debian's chromium, headless, driven by playwright).
+
+Against a running collaboration -- a real relay process and two real peer processes -- the page
+must load without console errors or failed requests, render the peers, the leaderboard, the plan
+and the configuration, follow the run as rounds finish (without a reload), and say so plainly when
+the relay goes away. A screenshot lands in ``test-artifacts/`` for a human to look at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+# playwright cannot download its own browsers here; Debian's build needs these flags in a container.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = REPO / "test-artifacts"
+UI_TIMEOUT_MS = 20_000  # the machine is shared; polling is 1.5 s, a round well under a second
+
+
+@dataclass
+class PageProblems:
+    """Everything the browser reports going wrong while the page runs."""
+
+    console_errors: list[str] = field(default_factory=list)
+    page_errors: list[str] = field(default_factory=list)
+    failed_requests: list[str] = field(default_factory=list)
+
+    def snapshot(self) -> list[str]:
+        return [*self.console_errors, *self.page_errors, *self.failed_requests]
+
+
+@pytest.fixture
+def browser_page() -> Iterator[tuple[object, PageProblems]]:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    problems = PageProblems()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            page.on("console", lambda m: m.type == "error" and problems.console_errors.append(m.text))
+            page.on("pageerror", lambda e: problems.page_errors.append(str(e)))
+            page.on("requestfailed", lambda r: problems.failed_requests.append(f"{r.method} {r.url}: {r.failure}"))
+            page.on("response", lambda r: r.status >= 400 and problems.failed_requests.append(f"{r.status} {r.url}"))
+            yield page, problems
+        finally:
+            browser.close()
+
+
+def shown_step(page) -> int:
+    return int(page.locator("#step").get_attribute("data-value") or -1)
+
+
+def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browser_page):
+    from playwright.sync_api import expect
+
+    page, problems = browser_page
+    relay = start_relay({"run": {"name": "dashboard-run", "target_batch": 32},
+                         "rounds": {"peer_ttl_s": 10.0}})
+    # Slow peers that never stop by themselves: rounds keep finishing while the page is open.
+    for seed, name in enumerate(("alice", "bob")):
+        launch_peer(relay.url, name, seed=seed, batch_size=4, steps=1_000_000,
+                    extra=("--sleep-per-batch", "0.05", "--wait-peers", "2"))
+    status = relay.wait_for(lambda s: s["step"] >= 2 and len(s["peers"]) == 2 and len(s["leaderboard"]) == 2,
+                            what="two peers on the leaderboard")
+    usernames = {p["name"]: p["username"] for p in status["peers"]}  # open mode: "anonymous:<name>"
+
+    page.goto(relay.url + "/")
+    page.evaluate("window.__sameDocument = true")  # disappears if anything reloads the page
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#run-name")).to_have_text("dashboard-run")
+    peers = page.locator("#peers tbody")
+    assert sorted(usernames) == ["alice", "bob"]
+    for name, username in usernames.items():
+        expect(peers).to_contain_text(name)
+        expect(peers).to_contain_text(username)
+        expect(page.locator("#leaderboard tbody")).to_contain_text(username)
+    expect(page.locator("#leaderboard tbody tr")).to_have_count(2)
+    expect(page.locator("#plan tbody")).to_contain_text("relay")
+    expect(page.locator("#plan tbody")).to_contain_text("100 %")
+    expect(page.locator("#config")).to_contain_text("toolkit.models:MLP")
+    expect(page.locator("#open-warning")).to_be_visible()  # auth.mode = "open" must be loud
+    expect(page.locator("#auth-mode")).to_have_text("open")
+    expect(page.locator("#loss")).not_to_have_text("–")
+    expect(page.locator("#loss-chart polyline")).to_have_count(1)
+
+    first_step = shown_step(page)
+    first_points = int(page.locator("#loss-chart").get_attribute("data-points"))
+    assert first_step >= 2, first_step
+    page.wait_for_function("s => Number(document.getElementById('step').dataset.value) > s",
+                           arg=first_step, timeout=UI_TIMEOUT_MS)
+    later_step = shown_step(page)
+    assert later_step > first_step
+    assert page.evaluate("window.__sameDocument") is True, "the page reloaded instead of updating in place"
+    assert int(page.locator("#loss-chart").get_attribute("data-points")) > first_points
+    assert relay.status()["step"] >= later_step  # the page shows the relay's step, not an invention
+    expect(page.locator("#throughput-chart polyline.rounds")).to_have_count(1)
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    screenshot = ARTIFACTS / "dashboard.png"
+    page.screenshot(path=str(screenshot), full_page=True)
+    print(f"dashboard screenshot: {screenshot}")
+    assert problems.snapshot() == [], problems
+
+    relay.kill()  # a relay that died (or a network gone) is shown, not a blank page or a stuck spinner
+    expect(page.locator("#unreachable")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#unreachable")).to_contain_text("Cannot reach the relay")
+    expect(page.locator("#connection")).to_have_text("relay unreachable")
+    expect(page.locator("#peers tbody")).to_contain_text("alice")  # the last data stays readable
+    page.screenshot(path=str(ARTIFACTS / "dashboard-unreachable.png"), full_page=True)
+    assert page.evaluate("window.__sameDocument") is True

@@ -1,0 +1,189 @@
+"""The relay's W&B run, written by the real wandb client in offline mode and read back from disk.
+
+No network and no API key: ``WANDB_MODE=offline`` writes the run to
+``$WANDB_DIR/wandb/offline-run-*/run-<id>.wandb``. wandb (0.2x+) no longer ships a Python reader
+for that file, so :func:`read_wandb_records` reads its framing -- the LevelDB log format: 32 KiB
+blocks of CRC-checked records behind a 7-byte ``:W&B`` header -- and decodes each record with
+wandb's own protobuf schema (``wandb.proto.wandb_internal_pb2.Record``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relay_server.config import load_config
+from relay_server.observers import StepEvent
+from relay_server.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
+from toolkit.protocol import (LeaderboardEntry, PlanInfo, PlanSlice, RoundRecord, RunSummary,
+                              StatusReport)
+
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_wandb_records(path: Path) -> list[Any]:
+    """Every record of a ``.wandb`` transaction log, in order, checksums verified."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
+    records, pending, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if (crc, length, kind) == (0, 0, 0):
+            pos += _BLOCK - pos % _BLOCK
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt record at byte {pos}"
+        pos += 7 + length
+        if kind in (_FULL, _FIRST):
+            pending = chunk
+        elif kind in (_MIDDLE, _LAST):
+            pending += chunk
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def history_rows(records: list[Any]) -> list[dict[str, Any]]:
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def run_config(records: list[Any]) -> dict[str, Any]:
+    """The run's config: its initial value, then every update, as W&B would show it."""
+    config: dict[str, Any] = {}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        updates = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
+        for item in updates:
+            config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return config
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B scoped to this test: offline, files under tmp_path, no key (inherited by relay processes)."""
+    directory = tmp_path / "wandb-dir"
+    directory.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(directory))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return directory
+
+
+def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_relay, launch_peer):
+    relay = start_relay({"run": {"name": "wandb-run", "target_batch": 24},
+                         "wandb": {"project": "collab-test", "mode": "offline"}})
+    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=3, extra=("--wait-peers", "2"))
+             for i in range(2)]
+    for peer in peers:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    final = relay.status()
+    relay.stop()  # close() finishes the run: everything is on disk after this
+
+    run_id = (relay.data_dir / "wandb-run-id").read_text().strip()
+    files = list(offline_wandb.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(files) == 1, list(offline_wandb.rglob("*"))
+    records = read_wandb_records(files[0])
+
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.display_name, run.project, run.run_id) == ("wandb-run", "collab-test", run_id)
+    config = run_config(records)
+    assert config["run_name"] == "wandb-run"
+    for key, value in final["config"].items():  # the run summary, as the dashboard shows it
+        assert config[key] == value, key
+
+    rows = {row["step"]: row for row in history_rows(records)}
+    rounds = {r["step"]: r for r in final["recent_rounds"]}
+    assert sorted(rows) == sorted(rounds) and len(rows) >= 3  # one row per step, none twice
+    for step, row in rows.items():
+        r = rounds[step]
+        assert row["loss"] == pytest.approx(r["loss"])
+        assert (row["samples"], row["contributors"], row["finalized_by"]) == (r["samples"], r["contributors"],
+                                                                             r["finalized_by"])
+        assert row["step_duration_s"] == pytest.approx(r["duration_s"])
+        assert row["deadline_s"] == pytest.approx(r["deadline_s"])
+        assert row["lr"] == pytest.approx(0.01)  # conftest's constant schedule
+        assert (row["plan/aggregators"], row["plan/version"]) == (len(final["plan"]["slices"]), final["plan"]["version"])
+        assert row["peers_online"] in (1, 2) and row["samples_per_s"] >= 0
+    last = rows[max(rows)]
+    assert last["samples_total"] == sum(e["samples"] for e in final["leaderboard"])
+    assert last["samples_per_s_measured"] > 0
+
+
+# --- the observer in-process --------------------------------------------------------------------
+def _event(step: int, rounds: list[RoundRecord]) -> StepEvent:
+    summary = RunSummary(model="toolkit.models:MLP", num_params=161, optimizer="sgd", lr=0.5, schedule="linear",
+                         target_batch=8, max_staleness=0, precision=None, compression="none", auth_mode="open")
+    plan = PlanInfo(version="lp-7", steps_per_s=0.25, slices=[
+        PlanSlice(aggregator_id="relay", name="relay", start=0, end=100, fraction=0.62),
+        PlanSlice(aggregator_id="agg-1", name="agg-1", start=100, end=161, fraction=0.38)])
+    status = StatusReport(run_name="r", step=step, total_steps=10, finished=False, target_batch=8, num_params=161,
+                          samples_accumulated=0, samples_per_s=12.5, eta_s=None, loss=rounds[-1].loss, num_peers=3,
+                          peers=[], recent_rounds=rounds, round=None, auth_mode="open", uptime_s=9.0,
+                          leaderboard=[LeaderboardEntry(username="u", samples=40, rounds=4, peers_online=1)],
+                          plan=plan, config=summary)
+    return StepEvent(step=step, record=rounds[-1], status=status, state_path=Path("unused"))
+
+
+def _rounds(n: int) -> list[RoundRecord]:
+    return [RoundRecord(step=s, contributors=2, samples=10, loss=1.0 / s, duration_s=0.5, deadline_s=2.0,
+                        finalized_by="all_arrived", finalized_at=100.0 + 2 * s) for s in range(1, n + 1)]
+
+
+def test_step_metrics_follow_the_schedule_and_the_plan():
+    config = load_config(None, env={}, overrides={"optimizer": {"name": "sgd", "lr": 0.5, "schedule": "linear"},
+                                                  "run": {"total_steps": 10}})
+    row = step_metrics(_event(4, _rounds(4)), config)
+    assert row["lr"] == pytest.approx(0.5 * (1 - 3 / 10))  # version 4 came from the update at step 3
+    assert (row["plan/aggregators"], row["plan/version"], row["plan/steps_per_s"]) == (2, "lp-7", 0.25)
+    assert row["samples_per_s_measured"] == pytest.approx(30 / 6)  # 3 rounds of 10 samples in 6 s
+    assert (row["loss"], row["samples_total"], row["peers_online"]) == (0.25, 40, 3)
+
+
+def test_measured_rate_needs_two_rounds_and_uses_a_window():
+    rounds = _rounds(12)
+    assert measured_samples_per_s(rounds[:1]) is None
+    assert measured_samples_per_s(rounds[:2]) == pytest.approx(10 / 2)
+    assert measured_samples_per_s(rounds, window=5) == pytest.approx(50 / 10)
+
+
+def test_a_wandb_failure_turns_logging_off_without_blocking(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    started = []
+
+    def broken_init(**kwargs):
+        started.append(kwargs)
+        time.sleep(0.3)  # still starting when the first step arrives: on_step must not wait
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    config = load_config(None, env={}, overrides={"wandb": {"project": "p"}, "server": {"data_dir": str(tmp_path)}})
+    with caplog.at_level(logging.INFO, logger="relay_server"):
+        observer = WandbObserver(config)
+        began = time.monotonic()
+        observer.on_step(_event(1, _rounds(1)))
+        assert time.monotonic() - began < 0.2
+        observer.close()
+        observer.on_step(_event(2, _rounds(2)))  # after a failure: dropped, quietly
+    assert started[0]["project"] == "p" and started[0]["name"] == config.run.name
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "W&B logging is off" in errors[0].getMessage()
+    assert "WANDB_API_KEY" in errors[0].getMessage()
