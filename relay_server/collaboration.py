@@ -24,7 +24,7 @@ from relay_server.master import MasterState, flatten, layout_of
 from relay_server.observers import ObserverThread, StepEvent
 from relay_server.registry import Peer, Registry
 from relay_server.publisher import Publisher, Version
-from relay_server.reducer import Reducer, UploadProgress
+from relay_server.reducer import Reducer, UploadProgress, robust_config
 from relay_server.rounds import DeadlinePolicy, Round, RoundClosedMidUpload
 from relay_server.store import RoundLog, Store
 from toolkit.errors import ProtocolError
@@ -49,7 +49,7 @@ class Collaboration:
         params = flatten(model)
         self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps)
         self.codec = get_codec(config.run.compression)
-        self.reducer = Reducer(self.master.grad.numpy(), self.codec)
+        self.reducer = Reducer(self.master.grad.numpy(), self.codec, robust=robust_config(config.rounds))
         self.publisher = Publisher(store, self.codec, self.master, fsync=config.server.fsync)
         step = store.latest_step()
         if step is not None:
@@ -70,7 +70,9 @@ class Collaboration:
             layout=self.layout, num_params=int(params.size), target_batch=config.run.target_batch,
             total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
             heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=self.codec.name, auth=config.auth.mode,
-            precision=config.run.precision or None, dataset=dict(config.dataset))
+            precision=config.run.precision or None, dataset=dict(config.dataset),
+            # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
+            wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {})
 
     def close(self) -> None:
         self.reducer.close()
@@ -221,7 +223,7 @@ class Collaboration:
         progress = UploadProgress()
         peer.inflight += 1
         try:
-            await self.reducer.reduce(reader, header, meta.samples, lambda: not r.closed, progress)
+            await self.reducer.reduce(reader, header, meta.samples, lambda: not r.closed, progress, peer_id)
             if r.closed:  # the deadline passed while the last chunk was being reduced
                 raise RoundClosedMidUpload()
         except BaseException as exc:

@@ -19,6 +19,10 @@ class CollabError(Exception):
         self.hint = hint or self.default_hint
         super().__init__(f"[{code}] {message}" + (f" -- {self.hint}" if self.hint else ""))
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython/Jupyter shows instead of a traceback: a user error is a message and a fix."""
+        return [f"{type(self).__name__}: {self.message}"] + ([f"What to do: {self.hint}"] if self.hint else [])
+
 
 class ProtocolError(CollabError, ValueError):
     """A message or tensor container that does not match the wire protocol."""

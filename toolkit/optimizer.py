@@ -176,8 +176,18 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
 
-    def close(self) -> None:
-        """Leave the collaboration and stop the background thread (idempotent)."""
+    def close(self, finish_round_s: float = 10.0) -> None:
+        """Leave the collaboration and stop the background thread (idempotent).
+
+        A round still in flight (delayed updates) is waited for, up to ``finish_round_s``: its
+        samples are already on the relay, and this peer's own count should say whether they
+        counted. An interrupted cell never waits longer than that."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self._finalizer.alive:
+            try:
+                self._settle(pending.result(timeout=finish_round_s))
+            except (TimeoutError, CollabError) as exc:
+                log.info("left with a round in flight (%s)", type(exc).__name__)
         self._finalizer()
 
     def __enter__(self) -> "CollaborativeOptimizer":

@@ -75,6 +75,8 @@ class RunInfo(Schema):
     compression: str = field(default="none", metadata=limits(choices=("none", "float16", "int8")))
     """The codec of gradient uploads and parameter deltas (:mod:`toolkit.compression`)."""
     dataset: dict[str, Any] = field(default_factory=dict)
+    wandb: dict[str, str] = field(default_factory=dict)
+    """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""
 
 
 @dataclass(frozen=True, kw_only=True)

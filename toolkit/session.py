@@ -3,7 +3,13 @@
 It finds the accelerator, picks the precision (or takes the one the run pins), builds the run's
 model (or uses yours), joins the relay, streams the run's data, trains until the run finishes,
 the cell is interrupted, or a limit you set is hit, and always leaves cleanly. The loop inside is
-the plain one in :mod:`toolkit.optimizer`'s docstring, with the precision policy around it.
+the plain one in :mod:`toolkit.optimizer`'s docstring, with the precision policy around it, and
+after each micro-batch one :class:`~toolkit.panel.PeerProgress` snapshot goes to the live panel
+and to the peer's W&B run (a no-op unless a W&B project is configured).
+
+Everything join opens (the relay connection, the optimizer's background thread, the data
+source, the panel's widgets, the W&B run) is closed in one ``ExitStack`` before it returns or
+raises, so re-running a notebook cell starts from nothing.
 """
 
 from __future__ import annotations
@@ -12,16 +18,22 @@ import logging
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 
 import torch
 
 from toolkit import environment
 from toolkit.client import RelayClient
 from toolkit.data import batches_for_run
+from toolkit.environment import DeviceInfo
+from toolkit.errors import AuthError, CollabError
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.panel import Panel, PanelKind, PeerProgress, open_panel
 from toolkit.precision import choose_precision
+from toolkit.protocol import RunInfo
+from toolkit.wandb_run import WandbTarget, open_wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -37,58 +49,111 @@ class JoinResult:
     finished: bool
     device: str
     precision: str
+    first_contribution_s: float | None = None
+    """Seconds from the call to join() until this peer's first gradient was applied (None: never)."""
 
 
-def join(relay_url: str, *, model: torch.nn.Module | None = None, data: Iterable[torch.Tensor] | None = None,
-         batch_size: int = 8, peer_name: str | None = None, seed: int | None = None, max_steps: int | None = None,
-         max_seconds: float | None = None, delayed_updates: bool = False, verbose: bool = False) -> JoinResult:
+def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | None = None,
+         data: Iterable[torch.Tensor] | None = None, batch_size: int = 8, peer_name: str | None = None,
+         seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
+         delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
+         verbose: bool = False) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
 
-    ``model`` must expose ``loss(batch) -> scalar`` (the run's model is built if omitted);
-    ``data`` yields batches for it (the run's dataset if omitted: its streamed shards, or the
-    demo text the toolkit ships).
+    ``token`` is the volunteer's Hugging Face token (:func:`toolkit.notebook.hf_token` finds it);
+    open runs ignore it, and it is never logged. ``model`` must expose ``loss(batch) -> scalar``
+    (the run's model is built if omitted); ``data`` yields batches for it (the run's dataset if
+    omitted: its streamed shards, or the demo text the toolkit ships). ``panel`` is "auto",
+    "widgets", "tqdm", "none" or your own :class:`~toolkit.panel.Panel`. ``wandb_project``
+    ("project" or "entity/project") starts this peer's own W&B run (default: the project the run
+    names, if any). ``delayed_updates`` (default: on when the run allows one step of staleness)
+    keeps computing the next batch while a round is in flight.
     """
     started = time.monotonic()
-    client = RelayClient(relay_url)
-    run = client.get_run()
-    info = environment.detect()
-    policy = choose_precision(info, run.precision)  # PrecisionUnsupported before we join
-    device = environment.device(info)
-    if model is None:
-        torch.manual_seed(0)  # the relay's parameters replace these at once; only the shapes matter
-        model = build_model(run.model.factory, dict(run.model.kwargs))
-    model.to(device)
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=batch_size,
-                                 peer_name=peer_name or socket.gethostname()[:64], delayed_updates=delayed_updates,
-                                 device_info={**info.to_json(), "precision": policy.to_json()},
-                                 precision=policy.name, verbose=verbose)
-    seq_len = int(run.model.kwargs.get("seq_len", 64))
-    batches: Iterator[torch.Tensor] = iter(data) if data is not None else batches_for_run(
-        run.dataset, batch_size=batch_size, seq_len=seq_len, seed=seed if seed is not None else opt.peer_id)
-    first_step, local_steps, loss_value = opt.version, 0, None
-    try:
-        for batch in batches:
-            batch = batch.to(device, non_blocking=True)
-            opt.zero_grad()
-            with policy.autocast():
-                loss = model.loss(batch)
-            policy.scale_loss(loss).backward()
-            finite = policy.unscale_and_check(model.parameters())
-            loss_value = loss.item()
-            environment.optimizer_step(opt, info, batch_size=batch.shape[0], loss=loss_value, skip=not finite)
-            local_steps += 1
-            if opt.finished or (max_steps is not None and opt.version - first_step >= max_steps):
-                break
-            if max_seconds is not None and time.monotonic() - started > max_seconds:
-                break
-    except KeyboardInterrupt:
-        log.info("interrupted: leaving the collaboration")
-    finally:
-        opt.close()
-        close = getattr(batches, "close", None)
-        if close is not None:
-            close()  # a streaming source reports and releases the shards it holds
+    with ExitStack() as cleanup:
+        client, run = _connect(relay_url, token)
+        cleanup.callback(client.close)
+        info = environment.detect()
+        policy = choose_precision(info, run.precision)  # PrecisionUnsupported before we join
+        device = environment.device(info)
+        if model is None:
+            torch.manual_seed(0)  # the relay's parameters replace these at once; only the shapes matter
+            model = build_model(run.model.factory, dict(run.model.kwargs))
+        model.to(device)
+        name = peer_name or socket.gethostname()[:64]
+        view = open_panel(panel, f"{run.run_name}: {name} on {info.label}, {policy.name}")
+        cleanup.callback(view.close)
+        opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=batch_size, peer_name=name,
+                                     delayed_updates=run.max_staleness >= 1 if delayed_updates is None
+                                     else delayed_updates,
+                                     device_info={**info.to_json(), "precision": policy.to_json()},
+                                     precision=policy.name, verbose=verbose)
+        cleanup.callback(opt.close)
+        target = WandbTarget.parse(wandb_project) or (
+            WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", "")) if run.wandb.get("project")
+            else None)
+        tracker = open_wandb_run(target, name=name, group=run.run_name,
+                                 config=_wandb_config(run, info, policy.name, batch_size, opt.peer_id))
+        cleanup.callback(tracker.close)
+        seq_len = int(run.model.kwargs.get("seq_len", 64))
+        batches: Iterator[torch.Tensor] = iter(data) if data is not None else batches_for_run(
+            run.dataset, batch_size=batch_size, seq_len=seq_len, seed=seed if seed is not None else opt.peer_id)
+        close_batches = getattr(batches, "close", None)
+        if close_batches is not None:
+            cleanup.callback(close_batches)  # a streaming source reports and releases the shards it holds
+
+        first_step, local_steps, loss_value, first_contribution_s = opt.version, 0, None, None
+        progress: PeerProgress | None = None
+        try:
+            for batch in batches:
+                batch = batch.to(device, non_blocking=True)
+                opt.zero_grad()
+                with policy.autocast():
+                    loss = model.loss(batch)
+                policy.scale_loss(loss).backward()
+                finite = policy.unscale_and_check(model.parameters())
+                loss_value = loss.item()
+                environment.optimizer_step(opt, info, batch_size=batch.shape[0], loss=loss_value, skip=not finite)
+                local_steps += 1
+                if first_contribution_s is None and opt.contributed_samples > 0:
+                    first_contribution_s = time.monotonic() - started
+                progress = PeerProgress.from_optimizer(opt, loss=loss_value, first_contribution_s=first_contribution_s)
+                view.update(progress)
+                tracker.update(progress)
+                if opt.finished or (max_steps is not None and opt.version - first_step >= max_steps):
+                    break
+                if max_seconds is not None and time.monotonic() - started > max_seconds:
+                    break
+        except KeyboardInterrupt:
+            log.info("interrupted: leaving the collaboration")
+        except CollabError as exc:
+            if progress is not None:  # the panel's last word is what went wrong and what to do
+                view.update(replace(progress, problem=exc.message, hint=exc.hint))
+            raise
     return JoinResult(peer_id=opt.peer_id, final_step=opt.version, contributed_samples=opt.contributed_samples,
                       local_steps=local_steps, last_loss=loss_value, seconds=time.monotonic() - started,
-                      finished=opt.finished, device=info.label, precision=policy.name)
+                      finished=opt.finished, device=info.label, precision=policy.name,
+                      first_contribution_s=first_contribution_s)
+
+
+def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:
+    """The relay connection, logged in when the run requires it: the relay trades the Hugging
+    Face token for an access pass once, and every later request is signed. The token goes into
+    no log line, repr or error message."""
+    client = RelayClient(relay_url)
+    run = client.get_run()
+    if run.auth == "hf":
+        if not token:
+            client.close()
+            raise AuthError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
+                            "Add your token as the HF_TOKEN secret (or answer the prompt) and run the cell again.")
+        client.login(token)
+    return client, run
+
+
+def _wandb_config(run: RunInfo, info: DeviceInfo, precision: str, batch_size: int, peer_id: str) -> dict:
+    """What a volunteer's W&B run records about this peer (no secrets, no URLs with credentials)."""
+    return {"run_name": run.run_name, "peer_id": peer_id, "device": info.label, "device_kind": info.kind,
+            "platform": info.platform or "", "precision": precision, "batch_size": batch_size,
+            "target_batch": run.target_batch, "model": run.model.factory}

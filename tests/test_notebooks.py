@@ -1,0 +1,262 @@
+"""The volunteer notebooks, executed headlessly as a volunteer would run them, plus the helpers
+their cell uses (secret stores, platform hints).
+
+Each notebook runs unchanged in a fresh kernel of this venv's Python (a kernelspec written into
+tmp_path) against a real relay of its own (the demo run with a tiny model): CI only sets the
+environment variables the cell documents (relay URL, pip requirement, a step limit) and
+PIP_NO_INDEX, so the cell's own pip step finds the toolkit installed and never reaches the network. On this machine the platform
+branches (Colab/Kaggle secrets, TPU) take their no-platform fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import sys
+import types
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+
+from tests.conftest import REPO
+from tests.test_panel import TINY_LM, running_relay, status
+from toolkit import notebook
+from toolkit.environment import DeviceInfo
+
+NOTEBOOKS = ("local", "colab", "kaggle", "tpu")
+MAX_STEPS = 2
+FAKE_TOKEN = "hf_ciTokenThatMustNeverBeLogged0123"
+PLATFORM_VARS = ("COLAB_RELEASE_TAG", "COLAB_GPU", "COLAB_TPU_ADDR", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
+                 "TPU_ACCELERATOR_TYPE", "TPU_NAME", "HF_TOKEN", "WANDB_API_KEY")
+
+
+def load(name: str) -> nbformat.NotebookNode:
+    return nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
+
+
+def code_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
+    return [cell for cell in nb.cells if cell.cell_type == "code"]
+
+
+# --- the notebooks as files ------------------------------------------------------------------
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_one_code_cell_with_its_explanations_and_no_credentials(name: str) -> None:
+    nb = load(name)
+    nbformat.validate(nb)
+    assert len(code_cells(nb)) == 1
+    prose = "\n".join(cell.source for cell in nb.cells if cell.cell_type == "markdown")
+    for heading in ("What the cell does", "What leaves this machine", "How to stop"):
+        assert heading in prose
+    raw = (REPO / "notebooks" / f"{name}.ipynb").read_text()
+    assert not re.search(r"hf_[A-Za-z0-9]{20,}|\b[0-9a-f]{40}\b", raw), "a credential-like string in the notebook"
+    assert all(not cell.get("outputs") for cell in code_cells(nb)), "commit notebooks without outputs"
+
+
+def test_the_four_cells_differ_only_in_the_default_relay_url() -> None:
+    cells = {name: code_cells(load(name))[0].source for name in NOTEBOOKS}
+    url_line = re.compile(r'^RELAY_URL = os\.environ\.get\("COLLAB_RELAY_URL", "[^"]+"\)', re.M)
+    normalized = {url_line.sub("RELAY_URL = <default>", source) for source in cells.values()}
+    assert len(normalized) == 1, "the notebooks' cells drifted apart"
+    source = cells["colab"]
+    assert "toolkit.join(RELAY_URL, token=token, max_steps=MAX_STEPS)" in source
+    assert '"-c", constraints.name' in source and '"torch_xla"' in source  # TPU-safe install
+
+
+# --- the notebooks, executed -----------------------------------------------------------------
+@dataclass
+class Execution:
+    notebook: nbformat.NotebookNode
+    error: BaseException | None
+    status: dict[str, Any]
+    """The relay's /api/status after the notebook finished."""
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
+    """A kernelspec that names this interpreter, so the notebooks run in this venv whatever
+    kernels the machine has installed elsewhere."""
+    kernels = tmp_path_factory.mktemp("kernels")
+    (kernels / "collab-ci").mkdir()
+    (kernels / "collab-ci" / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "collabtrain CI", "language": "python"}))
+    return KernelSpecManager(kernel_dirs=[str(kernels)])
+
+
+def kernel_env(relay_url: str, home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS}
+    env.update(COLLAB_RELAY_URL=relay_url, COLLAB_TOOLKIT="collabtrain", COLLAB_MAX_STEPS=str(MAX_STEPS),
+               PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", HF_TOKEN=FAKE_TOKEN, HF_HOME=str(home / "hf"),
+               WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory, kernel_specs: KernelSpecManager) -> dict[str, Execution]:
+    """The four notebooks, run at the same time (the machine has more than one core), each in a
+    fresh kernel against a relay of its own: every peer is alone, so its numbers are exact."""
+    records, relay_logger = Records(), logging.getLogger("relay_server")
+    with ExitStack() as stack:
+        stack.callback(relay_logger.setLevel, relay_logger.level)
+        stack.callback(relay_logger.removeHandler, records)
+        relay_logger.addHandler(records)
+        relay_logger.setLevel(logging.DEBUG)  # every line the relay could write, not just warnings
+        clients, relays = {}, {}
+        for name in NOTEBOOKS:
+            home = tmp_path_factory.mktemp(f"notebook-{name}")
+            relays[name] = stack.enter_context(running_relay(home))
+            km = AsyncKernelManager(kernel_name="collab-ci", kernel_spec_manager=kernel_specs)
+            client = NotebookClient(load(name), km=km, timeout=240, resources={"metadata": {"path": str(home)}})
+            clients[name] = (client, kernel_env(relays[name].url, home))
+
+        async def run_all() -> list[Any]:
+            return await asyncio.gather(*(client.async_execute(env=env) for client, env in clients.values()),
+                                        return_exceptions=True)
+
+        outcomes = dict(zip(clients, asyncio.run(run_all())))
+        runs = {name: Execution(notebook=clients[name][0].nb, status=status(relays[name].url),
+                                error=outcome if isinstance(outcome, BaseException) else None)
+                for name, outcome in outcomes.items()}
+    assert records.lines and not any(FAKE_TOKEN in line for line in records.lines), "the HF token was logged"
+    return runs
+
+
+def outputs_text(cell: nbformat.NotebookNode) -> str:
+    parts = []
+    for out in cell.outputs:
+        parts.append(out.get("text", ""))
+        parts += [str(v) for v in out.get("data", {}).values()]
+        parts += out.get("traceback", [])
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_headless_and_contributes(name: str, executed: dict[str, Execution]) -> None:
+    run = executed[name]
+    cell = code_cells(run.notebook)[0]
+    text = outputs_text(cell)
+    assert run.error is None, f"{run.error}\n{text}"
+    result = re.search(r"JoinResult\(.*contributed_samples=(\d+).*first_contribution_s=([\d.]+)\)", text)
+    assert result, f"no JoinResult in the output:\n{text}"
+    contributed = int(result.group(1))
+    assert contributed == MAX_STEPS * TINY_LM["run"]["target_batch"]  # alone: every sample of its steps
+    # The relay's books agree with the notebook, sample for sample.
+    assert [e["samples"] for e in run.status["leaderboard"]] == [contributed]
+    assert run.status["step"] == MAX_STEPS
+    # The widget panel closed into a static copy of its final state, in place: a few outputs, no flood.
+    assert "your contribution" in text and f"{contributed:,} samples" in text and "s after join" in text
+    assert len(cell.outputs) <= 4, [o.output_type for o in cell.outputs]
+    assert all(hint in text for hint in notebook.platform_hints())  # here: the no-platform branch
+    assert FAKE_TOKEN not in text
+
+
+# --- the helpers the cell uses ---------------------------------------------------------------
+@pytest.fixture
+def no_platform(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
+    for var in PLATFORM_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(notebook, "_saved_hub_token", lambda: None)  # not this machine's own login
+    return monkeypatch
+
+
+def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> None:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_hf_token_comes_from_the_platform_store_first(no_platform: pytest.MonkeyPatch) -> None:
+    no_platform.setenv("HF_TOKEN", "from-env")
+    no_platform.setenv("COLAB_RELEASE_TAG", "release")
+    fake_module(no_platform, "google.colab", userdata=types.SimpleNamespace(get=lambda name: f"colab-{name}"))
+    assert notebook.hf_token() == "colab-HF_TOKEN"
+
+    no_platform.delenv("COLAB_RELEASE_TAG")
+    no_platform.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+
+    class Secrets:
+        def get_secret(self, name: str) -> str:
+            return f"kaggle-{name}"
+
+    fake_module(no_platform, "kaggle_secrets", UserSecretsClient=Secrets)
+    assert notebook.hf_token() == "kaggle-HF_TOKEN"
+
+
+def test_a_saved_huggingface_cli_login_is_used_before_asking(no_platform: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    no_platform.undo()  # the real _saved_hub_token, reading through huggingface_hub
+    for var in PLATFORM_VARS:
+        no_platform.delenv(var, raising=False)
+    no_platform.setattr(huggingface_hub, "get_token", lambda: "saved-login")
+    no_platform.setattr(notebook.getpass, "getpass", lambda prompt: pytest.fail("asked despite a saved login"))
+    assert notebook.hf_token() == "saved-login"
+
+
+def test_a_refusing_store_falls_back_to_the_environment_then_the_prompt(no_platform: pytest.MonkeyPatch) -> None:
+    def refuse(name: str) -> str:
+        raise RuntimeError("NotebookAccessError")
+
+    no_platform.setenv("COLAB_RELEASE_TAG", "release")
+    fake_module(no_platform, "google.colab", userdata=types.SimpleNamespace(get=refuse))
+    no_platform.setenv("HF_TOKEN", "from-env")
+    assert notebook.hf_token() == "from-env"
+
+    no_platform.delenv("HF_TOKEN")
+    asked: list[str] = []
+    no_platform.setattr(notebook.getpass, "getpass", lambda prompt: asked.append(prompt) or "  typed  ")
+    assert notebook.hf_token() == "typed" and "Enter to skip" in asked[0]
+    no_platform.setattr(notebook.getpass, "getpass", lambda prompt: "")
+    assert notebook.hf_token() is None  # Enter: no token (open runs)
+    assert notebook.hf_token(prompt=False) is None
+
+
+def test_a_kernel_without_stdin_gets_no_token_instead_of_an_error(no_platform: pytest.MonkeyPatch) -> None:
+    def no_stdin(prompt: str) -> str:
+        raise NotImplementedError("raw_input was called, but this frontend does not support input requests")
+
+    no_platform.setattr(notebook.getpass, "getpass", no_stdin)
+    assert notebook.hf_token() is None
+
+
+def device(kind: str = "cpu", platform: str | None = None, **extra: Any) -> DeviceInfo:
+    return DeviceInfo(kind=kind, name=kind, memory_bytes=None, torch_version="2.5.1+cu121", platform=platform,
+                      **extra)
+
+
+@pytest.mark.parametrize(("info", "env", "expected"), [
+    (device("cuda", "kaggle"), {}, []),
+    (device("cpu", "kaggle"), {}, ["Kaggle: no accelerator; Settings -> Accelerator -> GPU T4 x2"]),
+    (device("cpu", "colab"), {}, ["Runtime -> Change runtime type -> T4 GPU"]),
+    (device("cuda", "colab"), {}, []),
+    (device("tpu", "colab", torch_xla_version="2.5.1"), {}, ["preinstalled torch 2.5.1+cu121 / torch_xla 2.5.1"]),
+    (device("cpu", "colab"), {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, ["torch_xla is not usable", "torch~=2.5.0"]),
+    (device("cpu", None), {}, ["No accelerator found: contributing on CPU"]),
+])
+def test_platform_hints_are_one_line_each_and_name_the_fix(no_platform: pytest.MonkeyPatch, info: DeviceInfo,
+                                                           env: dict[str, str], expected: list[str]) -> None:
+    for key, value in env.items():
+        no_platform.setenv(key, value)
+    hints = notebook.platform_hints(info)
+    assert len(hints) == (1 if expected else 0) and all("\n" not in h for h in hints)
+    for fragment in expected:
+        assert fragment in hints[0]
