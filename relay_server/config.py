@@ -70,6 +70,9 @@ class OptimizerSection:
     schedule: str = "constant"
     """"constant", "linear" (warmup then linear decay to 0 at total_steps) or "cosine"."""
     warmup_steps: int = 0
+    state_bits: int = 32
+    """32, or 8: AdamW's moments stored blockwise-quantized (bitsandbytes, CPU): 2.03 instead of 8
+    bytes per parameter on the backbone, each step ~5x slower (see benchmarks/memory.py)."""
 
 
 @dataclass(kw_only=True)
@@ -86,6 +89,20 @@ class RoundsSection:
     """Upload window before any round timings were observed."""
     deadline_slack: float = 3.0
     """Window = slack x the 90th percentile of recent arrival times (clamped to floor/ceiling)."""
+    aggregation: str = "mean"
+    """"mean" (sample-weighted, streamed: the relay holds one P-sized sum) or "centered_clip"
+    (robust to a minority of peers sending outliers: the relay keeps every peer's gradient while a
+    round is open, n_peers x P float32 -- 8 peers of a 100M-parameter model need 3.2 GB)."""
+    clip_iterations: int = 3
+    """CenteredClip iterations from the coordinate-wise median (>= 1)."""
+    clip_tau: float = 0.0
+    """CenteredClip radius per chunk of 2**20 values; 0 = automatic (clip_tau_scale x the median
+    distance of the peers' gradients from the median)."""
+    clip_tau_scale: float = 1.0
+    """Automatic radius = this x the median residual norm (1-2 barely clips honest peers)."""
+    clip_max_weight_ratio: float = 2.0
+    """Cap each peer's weight at this multiple of the median weight (0 = no cap): samples are
+    self-reported, and an uncapped weight would let one peer own the center."""
 
 
 @dataclass(kw_only=True)
@@ -151,6 +168,48 @@ class HubSection:
 
 
 @dataclass(kw_only=True)
+class LimitsSection:
+    """Token buckets per user (signed requests) or per address (everything unsigned): a bucket
+    holds ``*_burst`` requests and refills at ``*_per_s``. Sized to stop floods, not to shape a
+    well-behaved peer: a refused heartbeat costs a peer nothing (it reports again next step)."""
+
+    enabled: bool = True
+    """Turn every limit off (a benchmark on a private network)."""
+    exempt_loopback: bool = True
+    """Do not limit unsigned requests from 127.0.0.1/::1 (a local experiment: every peer, script
+    and dashboard is loopback). Signed requests are limited per user wherever they come from."""
+    trust_forwarded_for: bool = False
+    """Behind your own reverse proxy: key unsigned requests by the last X-Forwarded-For hop
+    (the address your proxy saw) instead of the proxy's address. Never enable without a proxy."""
+    poll_per_s: float = 50.0
+    """Heartbeats, progress and state polls, leave, shard leases: frequent and cheap."""
+    poll_burst: float = 500.0
+    transfer_per_s: float = 20.0
+    """Gradient uploads and parameter downloads: one or two per round per peer."""
+    transfer_burst: float = 200.0
+    join_per_s: float = 0.5
+    """Joins: each one adds a registry entry and a database row."""
+    join_burst: float = 30.0
+    login_per_s: float = 0.2
+    """Logins and pass refreshes, per address (a login calls Hugging Face's rate-limited whoami)."""
+    login_burst: float = 10.0
+    observe_per_s: float = 10.0
+    """Unsigned reads, per address: /api/status, /api/run, the dashboard (it polls every 1.5 s)."""
+    observe_burst: float = 100.0
+    auth_failures_per_s: float = 1.0
+    """Refused signed requests (bad pass, signature, nonce...) per address: past this the
+    address is answered 429 before any signature is checked."""
+    auth_failures_burst: float = 50.0
+
+
+@dataclass(kw_only=True)
+class AdminSection:
+    token_file: str = ""
+    """The organizer's admin token for /api/admin and ``relay-server admin`` (empty =
+    <server.data_dir>/admin_token, generated 0600 on first start)."""
+
+
+@dataclass(kw_only=True)
 class RelayConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -160,6 +219,8 @@ class RelayConfig:
     auth: AuthSection = field(default_factory=AuthSection)
     wandb: WandbSection = field(default_factory=WandbSection)
     hub: HubSection = field(default_factory=HubSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    admin: AdminSection = field(default_factory=AdminSection)
     dataset: dict[str, Any] = field(default_factory=dict)
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
 
@@ -172,6 +233,10 @@ class RelayConfig:
             (self.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name must be adamw, adam or sgd"),
             (self.optimizer.schedule in ("constant", "linear", "cosine"), "optimizer.schedule must be constant, linear or cosine"),
             (self.optimizer.lr > 0, "optimizer.lr must be > 0"),
+            (self.optimizer.state_bits in (8, 32), "optimizer.state_bits must be 8 or 32"),
+            (self.optimizer.state_bits == 32 or self.optimizer.name == "adamw"
+             or (self.optimizer.name == "adam" and self.optimizer.weight_decay == 0),
+             "optimizer.state_bits = 8 needs optimizer.name = adamw (8-bit Adam decays weights like AdamW)"),
             (self.optimizer.schedule == "constant" or self.run.total_steps > 0,
              "optimizer.schedule linear/cosine needs run.total_steps > 0"),
             (0 < self.rounds.deadline_floor_s <= self.rounds.deadline_ceiling_s,
@@ -188,6 +253,14 @@ class RelayConfig:
             (self.wandb.mode in ("", "online", "offline", "disabled"),
              "wandb.mode must be online, offline, disabled or empty"),
             (self.hub.every_steps >= 0, "hub.every_steps must be >= 0"),
+            (self.rounds.aggregation in ("mean", "centered_clip"), "rounds.aggregation must be mean or centered_clip"),
+            (self.rounds.clip_iterations >= 1 and self.rounds.clip_tau >= 0 and self.rounds.clip_tau_scale > 0,
+             "rounds.clip_iterations must be >= 1, rounds.clip_tau >= 0 and rounds.clip_tau_scale > 0"),
+            (self.rounds.clip_max_weight_ratio == 0 or self.rounds.clip_max_weight_ratio >= 1,
+             "rounds.clip_max_weight_ratio must be 0 (no cap) or >= 1"),
+            (all(getattr(self.limits, f.name) > 0 for f in dataclasses.fields(self.limits)
+                 if f.name.endswith(("_per_s", "_burst"))),
+             "every limits.*_per_s and limits.*_burst must be > 0 (limits.enabled = false turns them off)"),
             (not self.hub.every_steps or self.hub.repo_id, "hub.every_steps needs hub.repo_id"),
             (not (self.hub.init_from and self.model.init_checkpoint),
              "set only one of model.init_checkpoint and hub.init_from"),

@@ -12,11 +12,18 @@ early -- its peer died, its round closed, a later chunk was refused -- leaves on
 delivered whole and valid, and every chunk's mean is exact over the peers that delivered it. No
 invalid value ever enters the sum. Undoing valid chunks instead would need a staging copy of
 every upload in flight (n x P floats), which a relay on a small VM cannot afford.
+
+Robust mode (``rounds.aggregation = "centered_clip"``) pays exactly that price on purpose: each
+chunk is stored per peer (:class:`~relay_server.robust.RobustAccumulator`, n_peers x P float32
+while a round is open) and :meth:`Reducer.finish_mean` writes the per-chunk CenteredClip center
+instead of the mean. Part-wise semantics are unchanged, and a peer removed mid-round (a ban) can
+then be taken out entirely; with the mean its already-added chunks stay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,12 +31,23 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from relay_server.config import RoundsSection
 from relay_server.errors import ApiError
+from relay_server.robust import CenteredClipConfig, RobustAccumulator
 from toolkit.compression import Codec
 from toolkit.tensor_container import AsyncContainerReader, Header
 
 CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: reduce one while the next arrives
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def robust_config(rounds: RoundsSection) -> CenteredClipConfig | None:
+    """The CenteredClip settings of ``rounds.aggregation = "centered_clip"``; None for the mean."""
+    if rounds.aggregation != "centered_clip":
+        return None
+    return CenteredClipConfig(iterations=rounds.clip_iterations, tau=rounds.clip_tau,
+                              tau_scale=rounds.clip_tau_scale, max_weight_ratio=rounds.clip_max_weight_ratio)
 
 
 @dataclass
@@ -40,14 +58,24 @@ class UploadProgress:
 
 
 class Reducer:
-    """Sums gradient parts into ``buffer`` (float32, the slice's length) chunk by chunk."""
+    """Sums gradient parts into ``buffer`` (float32, the slice's length) chunk by chunk; with
+    ``robust`` set, stores them per peer and writes the CenteredClip center instead."""
 
-    def __init__(self, buffer: np.ndarray, codec: Codec) -> None:
+    def __init__(self, buffer: np.ndarray, codec: Codec, robust: CenteredClipConfig | None = None) -> None:
         self.sum = buffer
         self.codec = codec
         self.weights = np.zeros(-(-buffer.size // CHUNK_ELEMS), dtype=np.float64)  # samples per chunk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reducer")
         self._scratch = np.empty(min(CHUNK_ELEMS, max(buffer.size, 1)), dtype=np.float32)
+        self.robust_config = robust
+        self._robust = self._new_accumulator()
+        self._excluded: set[str] = set()  # peers removed this round: their further chunks are refused
+        self.clipped_rounds: dict[str, int] = {}  # peer_id -> rounds in which CenteredClip clipped it
+
+    def _new_accumulator(self) -> RobustAccumulator | None:
+        if self.robust_config is None:
+            return None
+        return RobustAccumulator(self.sum.size, CHUNK_ELEMS, self.robust_config)
 
     @property
     def numel(self) -> int:
@@ -64,6 +92,15 @@ class Reducer:
         """Zero the sum for a new round (call through :meth:`run`)."""
         self.sum.fill(0.0)
         self.weights.fill(0.0)
+        self._robust = self._new_accumulator()
+        self._excluded.clear()
+
+    def exclude(self, peer_id: str) -> None:
+        """Take a peer out of the open round (call through :meth:`run`): its further chunks are
+        refused, and in robust mode its stored chunks are forgotten too."""
+        self._excluded.add(peer_id)
+        if self._robust is not None:
+            self._robust.discard(peer_id)
 
     def check(self, header: Header) -> None:
         """Refuse a container whose layout does not match the codec and slice, before any data."""
@@ -74,9 +111,12 @@ class Reducer:
                            f"({self.numel} parameters, codec {self.codec.name!r}).") from None
 
     async def reduce(self, reader: AsyncContainerReader, header: Header, samples: int,
-                     still_open: Callable[[], bool], progress: UploadProgress) -> None:
+                     still_open: Callable[[], bool], progress: UploadProgress, peer_id: str = "") -> None:
         """Stream one upload into the sum. ``still_open`` is checked before each chunk is handed
-        to the reducer thread; ``progress`` counts the chunks that were added."""
+        to the reducer thread; ``progress`` counts the chunks that were added. Robust mode keys
+        the stored chunks by ``peer_id`` (required there)."""
+        if self._robust is not None and not peer_id:
+            raise ValueError("robust aggregation needs the uploading peer's id")
         *side_entries, payload = header.entries
         side = {e.name: await reader.read_tensor(e) for e in side_entries}
         try:
@@ -93,7 +133,7 @@ class Reducer:
                     pending = None
                 if not still_open():
                     raise _Closed()
-                pending = loop.run_in_executor(self._thread, self._add, side, piece, start, samples)
+                pending = loop.run_in_executor(self._thread, self._add, side, piece, start, samples, peer_id)
             if pending is not None:
                 await pending
                 progress.chunks_added += 1
@@ -106,8 +146,12 @@ class Reducer:
                 except ApiError:
                     pass
 
-    def _add(self, side: dict[str, np.ndarray], piece: np.ndarray, start: int, samples: int) -> None:
-        """Reducer thread: decode, validate, add one chunk and its weight."""
+    def _add(self, side: dict[str, np.ndarray], piece: np.ndarray, start: int, samples: int,
+             peer_id: str = "") -> None:
+        """Reducer thread: decode, validate, add (or in robust mode store) one chunk and its weight."""
+        if peer_id in self._excluded:
+            raise ApiError(403, "peer_removed", "this peer was removed from the round by the organizer",
+                           "Contact the organizer if you think this is a mistake.")
         if self.codec.lossless and piece.dtype == np.float32:
             values = piece  # float32 on the wire: add straight from the received bytes
         else:
@@ -115,13 +159,22 @@ class Reducer:
         if not self.codec.finite_output and not np.isfinite(values).all():
             raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
                            "Lower the learning rate or enable loss scaling; this contribution is dropped.")
-        segment = self.sum[start:start + values.size]
-        np.add(segment, values, out=segment)
+        if self._robust is not None:
+            self._robust.add_chunk(peer_id, start, values, samples)  # copies: values may be scratch
+        else:
+            segment = self.sum[start:start + values.size]
+            np.add(segment, values, out=segment)
         self.weights[start // CHUNK_ELEMS] += samples
 
     def finish_mean(self) -> None:
         """Turn the sums into sample-weighted means, chunk by chunk (reducer thread); a chunk
-        nobody delivered stays zero."""
+        nobody delivered stays zero. Robust mode writes each chunk's CenteredClip center."""
+        if self._robust is not None:
+            clipped = self._robust.finish_into(self.sum)
+            for peer_id, chunks in clipped.items():
+                self.clipped_rounds[peer_id] = self.clipped_rounds.get(peer_id, 0) + 1
+                log.info("CenteredClip clipped peer %s in %d chunk(s)", peer_id[:8], chunks)
+            return
         for c, weight in enumerate(self.weights):
             segment = self.sum[c * CHUNK_ELEMS:(c + 1) * CHUNK_ELEMS]
             if weight > 0:
