@@ -47,7 +47,8 @@ class Collaboration:
         model = self._initial_model()
         self.layout = layout_of(model)
         params = flatten(model)
-        self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps)
+        del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
+        self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps, adopt=True)
         self.codec = get_codec(config.run.compression)
         self.reducer = Reducer(self.master.grad.numpy(), self.codec, robust=robust_config(config.rounds))
         self.publisher = Publisher(store, self.codec, self.master, fsync=config.server.fsync)

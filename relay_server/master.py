@@ -56,10 +56,13 @@ class MasterState:
     """Parameters ``[start, end)`` of the flat vector plus the optimizer that updates them."""
 
     def __init__(self, layout: list[ParamSpec], params: np.ndarray, cfg: OptimizerSection,
-                 total_steps: int, step: int = 0, start: int = 0, end: int | None = None) -> None:
+                 total_steps: int, step: int = 0, start: int = 0, end: int | None = None, *, adopt: bool = False) -> None:
         self.cfg, self.total_steps, self.step = cfg, total_steps, step
         self.start, self.end = start, params.size if end is None else end
-        self.flat = torch.from_numpy(np.array(params[self.start:self.end], dtype=np.float32))
+        whole = (self.start, self.end) == (0, params.size) and params.dtype == np.float32 and params.flags.c_contiguous
+        # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
+        self.flat = torch.from_numpy(params if adopt and whole else np.array(params[self.start:self.end],
+                                                                                dtype=np.float32))
         self.grad = torch.zeros_like(self.flat)
         decay, no_decay = [], []
         for spec in layout:
@@ -100,20 +103,30 @@ class MasterState:
                 tensors[f"opt.{index[id(p)]}.{key}"] = tensor
         return tensors
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int, *, adopt: bool = False) -> None:
+        """Load parameters and optimizer state. ``adopt=True``: the tensors were freshly loaded for
+        this master alone (a restart), so the optimizer keeps them instead of a copy."""
         self.flat.copy_(tensors["params"])
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
             if name.startswith("opt."):
                 _, i, key = name.split(".", 2)
-                state.setdefault(int(i), {})[key] = tensor.clone()
+                state.setdefault(int(i), {})[key] = tensor if adopt else tensor.clone()
         self.optimizer.state.clear()
         for i, values in state.items():
+            if self.cfg.state_bits != 8 and "state1" in values:  # an 8-bit checkpoint, resumed in 32-bit
+                from relay_server.optim8bit import fp32_state
+
+                values = fp32_state(values)
             self.optimizer.state[self.params[i]] = values
         self.step = step
 
 
 def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Optimizer:
+    if cfg.state_bits == 8:
+        from relay_server.optim8bit import make_adamw8bit  # bitsandbytes only where asked for
+
+        return make_adamw8bit(groups, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))

@@ -100,7 +100,7 @@ class Publisher:
         tensors = self.store.load_state(step)
         master = tensors.pop("master", None)
         public = tensors["params"]
-        self.master.load_state_tensors({"params": public if master is None else master, **tensors}, step)
+        self.master.load_state_tensors({"params": public if master is None else master, **tensors}, step, adopt=True)
         if self.deltas is not None:
             self.deltas = DeltaEncoder(self.codec, public.numpy().copy())
 

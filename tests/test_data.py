@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from toolkit import data
+from toolkit.data import reading as data  # infer_format, check_offline_env, _MAX_EMPTY_SHARDS
 from toolkit.data import (
     BYTE_EOS,
     DataConfigError,

@@ -29,6 +29,11 @@ from toolkit.protocol import (
     LoginRequest,
     LoginResponse,
     RunInfo,
+    ShardLease,
+    ShardLeaseRequest,
+    ShardReport,
+    ShardReportAck,
+    ShardsReport,
     StateInfo,
     StatusReport,
     UploadReceipt,
@@ -147,6 +152,15 @@ class RelayClient:
 
     def get_status(self) -> StatusReport:
         return self._call("GET", ROUTES["status"], StatusReport)
+
+    def lease_shard(self, peer_id: str, request: ShardLeaseRequest) -> ShardLease:
+        return self._call("POST", ROUTES["shard_lease"].format(peer_id=peer_id), ShardLease, request)
+
+    def report_shards(self, peer_id: str, report: ShardReport) -> ShardReportAck:
+        return self._call("POST", ROUTES["shard_report"].format(peer_id=peer_id), ShardReportAck, report)
+
+    def get_shards(self, source: str | None = None) -> ShardsReport:
+        return self._call("GET", ROUTES["shards"], ShardsReport, params={"source": source} if source else None)
 
     def get_progress(self) -> CollabState:
         return self._call("GET", ROUTES["progress"], CollabState)

@@ -273,6 +273,8 @@ class StatusReport(Schema):
     leaderboard: list[LeaderboardEntry] = field(default_factory=list)
     plan: PlanInfo | None = None
     config: RunSummary | None = None
+    shards: list["SourceCoverage"] = field(default_factory=list)
+    """Data coverage per dataset when the run leases shards (``GET /api/shards`` lists every shard)."""
 
 
 # --- shard leases (toolkit.data.shards, relay_server.shards) ---------------------------------

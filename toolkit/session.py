@@ -25,7 +25,7 @@ import torch
 
 from toolkit import environment
 from toolkit.client import RelayClient
-from toolkit.data import batches_for_run
+from toolkit.data import batches_for_run, shard_sources_for_run
 from toolkit.environment import DeviceInfo
 from toolkit.errors import AuthError, CollabError
 from toolkit.models import build_model
@@ -98,7 +98,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         cleanup.callback(tracker.close)
         seq_len = int(run.model.kwargs.get("seq_len", 64))
         batches: Iterator[torch.Tensor] = iter(data) if data is not None else batches_for_run(
-            run.dataset, batch_size=batch_size, seq_len=seq_len, seed=seed if seed is not None else opt.peer_id)
+            run.dataset, batch_size=batch_size, seq_len=seq_len, seed=seed if seed is not None else opt.peer_id,
+            shard_source=shard_sources_for_run(run.dataset, client, opt.peer_id))
         close_batches = getattr(batches, "close", None)
         if close_batches is not None:
             cleanup.callback(close_batches)  # a streaming source reports and releases the shards it holds
