@@ -54,6 +54,8 @@ deadline_floor_s = 60.0
 deadline_ceiling_s = 120.0
 [server]
 keep_checkpoints = 2
+[auth]
+mode = "open"
 """
 
 

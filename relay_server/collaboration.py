@@ -273,6 +273,7 @@ class Collaboration:
         version = await self.reducer.run(self._apply, outcome)
         self.deadlines.observe(r)
         self.publisher.publish(version)
+        self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", version.step, len(r.received), r.samples,
                  f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
@@ -286,7 +287,6 @@ class Collaboration:
         """Reducer thread, after every add of the round: mean, optimizer step, persist, commit."""
         self.reducer.finish_mean()
         report = self.master.apply_gradient()
-        self.reducer.reset()
         version = self.publisher.write(report.step, {"run": self.run_cfg.name})
         self.store.commit(report.step, version.sha256,
                           dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))

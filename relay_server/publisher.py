@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class Version:
 
 
 
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+
+
 def _full_header(step: int, numel: int) -> bytes:
     return encode_header_for([("params", np.dtype("<f4"), (numel,))], {"step": str(step), "kind": "full"})
 
@@ -64,6 +69,7 @@ class Publisher:
             codec, public if public is not None else master.flat.numpy().copy())
         self.latest: Version | None = None
         self._published = asyncio.Event()
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
 
     @property
     def public(self) -> np.ndarray:
@@ -85,7 +91,10 @@ class Publisher:
             tensors.append(("master", self.master.flat.numpy()))
         tensors += [(name, t.contiguous().numpy()) for name, t in self.master.optimizer_tensors().items()]
         path = self.store.state_path(step)
-        header, sha = write_file(path, tensors, {"step": str(step), **meta}, digest_of="params", fsync=self.fsync)
+        # hashlib releases the GIL: hash on a second core while this thread writes the file
+        digest = self._hasher.submit(_sha256, self.public)
+        header, _ = write_file(path, tensors, {"step": str(step), **meta}, fsync=self.fsync)
+        sha = digest.result()
         entry = header.entry("params")
         return Version(step=step, path=path, offset=header.header_bytes + entry.begin, nbytes=entry.end - entry.begin,
                        numel=entry.numel, sha256=sha or "", delta_path=delta_path)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ from relay_server.config import RoundsSection
 from relay_server.errors import ApiError
 from relay_server.robust import CenteredClipConfig, RobustAccumulator
 from toolkit.compression import Codec
-from toolkit.tensor_container import AsyncContainerReader, Header
+from toolkit.tensor_container import AsyncContainerReader, Header, Pieces
 
 CHUNK_ELEMS = 1 << 20  # 4 MiB of float32: reduce one while the next arrives
 T = TypeVar("T")
@@ -67,6 +67,7 @@ class Reducer:
         self.weights = np.zeros(-(-buffer.size // CHUNK_ELEMS), dtype=np.float64)  # samples per chunk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reducer")
         self._scratch = np.empty(min(CHUNK_ELEMS, max(buffer.size, 1)), dtype=np.float32)
+        self._staging = np.empty(CHUNK_ELEMS * 4, dtype=np.uint8)  # a chunk that arrived in pieces
         self.robust_config = robust
         self._robust = self._new_accumulator()
         self._excluded: set[str] = set()  # peers removed this round: their further chunks are refused
@@ -84,6 +85,10 @@ class Reducer:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the reducer thread, after every add submitted before it."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+        """Queue ``fn`` on the reducer thread without waiting (it still runs before any later add)."""
+        return self._thread.submit(fn, *args)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -126,7 +131,7 @@ class Reducer:
         loop = asyncio.get_running_loop()
         pending: asyncio.Future | None = None
         try:
-            async for start, piece in reader.iter_chunks(payload, CHUNK_ELEMS):
+            async for start, piece in reader.iter_chunk_pieces(payload, CHUNK_ELEMS):
                 if pending is not None:
                     await pending
                     progress.chunks_added += 1
@@ -146,9 +151,11 @@ class Reducer:
                 except ApiError:
                     pass
 
-    def _add(self, side: dict[str, np.ndarray], piece: np.ndarray, start: int, samples: int,
+    def _add(self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int,
              peer_id: str = "") -> None:
-        """Reducer thread: decode, validate, add (or in robust mode store) one chunk and its weight."""
+        """Reducer thread: gather, decode, validate, add (or in robust mode store) one chunk and
+        its weight."""
+        piece = piece.gather(self._staging)
         if peer_id in self._excluded:
             raise ApiError(403, "peer_removed", "this peer was removed from the round by the organizer",
                            "Contact the organizer if you think this is a mistake.")

@@ -188,6 +188,29 @@ class _AsyncReader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """One chunk of a tensor as it arrived: zero-copy views of the network buffers. The event
+    loop only collects them; :meth:`gather` (on the relay's reducer thread) makes the array, so
+    the thread that receives never copies a whole chunk."""
+
+    dtype: np.dtype
+    count: int
+    buffers: list[memoryview]
+
+    def gather(self, staging: np.ndarray) -> np.ndarray:
+        """The chunk as a 1-D array: a view when it arrived in one buffer, else copied into
+        ``staging`` (uint8, at least the chunk's bytes; numpy copies without holding the GIL)."""
+        if len(self.buffers) == 1:
+            return np.frombuffer(self.buffers[0], dtype=self.dtype, count=self.count)
+        out = staging[:self.count * self.dtype.itemsize]
+        position = 0
+        for buffer in self.buffers:
+            out[position:position + len(buffer)] = np.frombuffer(buffer, dtype=np.uint8)
+            position += len(buffer)
+        return out.view(self.dtype)
+
+
 class AsyncContainerReader:
     """Reads a container from an aiohttp ``StreamReader`` (the relay's upload path)."""
 
@@ -197,6 +220,7 @@ class AsyncContainerReader:
         self._stream = stream
         self._max = max_data_bytes
         self._total = total_bytes
+        self._leftover: memoryview | None = None  # received past the last chunk's end
         self.header: Header | None = None
 
     async def read_header(self) -> Header:
@@ -218,6 +242,32 @@ class AsyncContainerReader:
         for start in range(0, entry.numel, chunk_elems):
             count = min(chunk_elems, entry.numel - start)
             yield start, np.frombuffer(await self._read(count * itemsize), dtype=entry.dtype)
+
+    async def iter_chunk_pieces(self, entry: TensorEntry, chunk_elems: int) -> AsyncIterator[tuple[int, Pieces]]:
+        """Like :meth:`iter_chunks`, without joining the received buffers (see :class:`Pieces`)."""
+        itemsize = entry.dtype.itemsize
+        for start in range(0, entry.numel, chunk_elems):
+            count = min(chunk_elems, entry.numel - start)
+            yield start, Pieces(entry.dtype, count, await self._read_pieces(count * itemsize))
+
+    async def _read_pieces(self, n: int) -> list[memoryview]:
+        readany = getattr(self._stream, "readany", None)
+        if readany is None:  # a stream that checks digests per chunk hands out whole chunks
+            return [memoryview(await self._read(n))]
+        pieces: list[memoryview] = []
+        while n:
+            if self._leftover is not None:
+                view, self._leftover = self._leftover, None
+            else:
+                data = await readany()
+                if not data:
+                    raise ProtocolError("truncated_body", "the request body ended before the tensor data did")
+                view = memoryview(data)
+            if len(view) > n:
+                view, self._leftover = view[:n], view[n:]
+            pieces.append(view)
+            n -= len(view)
+        return pieces
 
     async def _read(self, n: int) -> bytes:
         import asyncio
