@@ -60,7 +60,7 @@ class RelayThread:
         self._thread.join(timeout=30)
 
 
-def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 64, batch_size: int = 8,
+def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
              data_dir: str | None = None, port: int = 0) -> int:
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
     directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
