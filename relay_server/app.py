@@ -8,6 +8,7 @@ from an immutable snapshot in chunks with back-pressure. Every error, ours or ai
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -17,10 +18,13 @@ from aiohttp import web
 
 from relay_server.collaboration import Collaboration
 from relay_server.config import RelayConfig
+from relay_server import shards_api
 from relay_server.access import LoginService, PassIssuer
 from relay_server.auth import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
 from relay_server.errors import ApiError
 from relay_server.identity import AllowList, HfIdentityVerifier
+from relay_server.moderation import build_admin
+from relay_server.ratelimit import build_rate_limits
 from relay_server.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
 from relay_server.store import Store
@@ -35,6 +39,14 @@ COLLAB = web.AppKey("collaboration", Collaboration)
 CONFIG = web.AppKey("config", RelayConfig)
 MAX_LONG_POLL_S = 60.0
 _DRAIN_LIMIT = 8 << 20  # after rejecting an upload, read at most this much so the peer sees the answer
+_QUERY_INT = re.compile(r"-?[0-9]{1,12}")
+
+
+_HTTP_HINTS = {  # aiohttp's own refusals get a next step too
+    404: "Check the URL: the relay's API lives under /api/ (GET /api/status lists the run).",
+    405: "This route exists but not with that HTTP method.",
+    413: "The body is larger than the relay accepts for this route.",
+}
 
 
 def error_response(status: int, code: str, message: str, hint: str = "") -> web.Response:
@@ -57,7 +69,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         code = re.sub(r"[^a-z0-9]+", "_", (exc.reason or "error").lower()).strip("_")
-        return error_response(exc.status, code, exc.text or exc.reason or "", "")
+        return error_response(exc.status, code, exc.text or exc.reason or "", _HTTP_HINTS.get(exc.status, ""))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:  # a bug: log it, keep serving
@@ -82,15 +94,14 @@ def _int_query(request: web.Request, name: str, default: int | None = None) -> i
         if default is None:
             raise ApiError(400, "bad_query", f"query parameter {name!r} is required")
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ApiError(400, "bad_query", f"query parameter {name!r} must be an integer") from None
+    if not _QUERY_INT.fullmatch(raw):  # ASCII digits, bounded: int() alone takes "1_0", "\u0661", 10**4000
+        raise ApiError(400, "bad_query", f"query parameter {name!r} must be an integer")
+    return int(raw)
 
 
 def _path_int(request: web.Request, name: str) -> int:
     raw = request.match_info[name]
-    if not raw.isdigit() or len(raw) > 12:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # "\u00b2".isdigit() is True
         raise ApiError(400, "bad_path", f"{name} in the path must be a non-negative integer, got {raw[:20]!r}")
     return int(raw)
 
@@ -101,7 +112,8 @@ async def get_run(request: web.Request) -> web.Response:
 
 
 async def get_status(request: web.Request) -> web.Response:
-    return json_ok(_collab(request).status())
+    status = _collab(request).status()
+    return json_ok(dataclasses.replace(status, shards=shards_api.status_summary(request.app)))
 
 
 async def get_progress(request: web.Request) -> web.Response:
@@ -120,7 +132,7 @@ async def post_join(request: web.Request) -> web.Response:
     return json_ok(_collab(request).join(req, username))
 
 
-def _own_peer(request: web.Request, peer_id: str) -> str:
+def own_peer(request: web.Request, peer_id: str) -> str:
     """A peer id acts only for the user who joined with it: otherwise alice could heartbeat,
     leave or upload as bob. (Open mode has no users to tell apart.)"""
     identity = request.get(IDENTITY_KEY)
@@ -132,18 +144,18 @@ def _own_peer(request: web.Request, peer_id: str) -> str:
 
 async def post_heartbeat(request: web.Request) -> web.Response:
     hb = await read_message(request, Heartbeat)
-    return json_ok(_collab(request).heartbeat(_own_peer(request, request.match_info["peer_id"]), hb))
+    return json_ok(_collab(request).heartbeat(own_peer(request, request.match_info["peer_id"]), hb))
 
 
 async def post_leave(request: web.Request) -> web.Response:
-    _collab(request).leave(_own_peer(request, request.match_info["peer_id"]))
+    _collab(request).leave(own_peer(request, request.match_info["peer_id"]))
     return json_ok({"ok": True})
 
 
 async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
     step = _path_int(request, "step")
-    peer_id = _own_peer(request, request.query.get("peer_id", ""))
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
     limit = collab.codec.wire_bytes(collab.num_params)
     if request.content_length is None:
         raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
@@ -180,7 +192,7 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
     peer_id = request.query.get("peer_id", "")
-    peer = collab.registry.get(_own_peer(request, peer_id)) if peer_id else None
+    peer = collab.registry.get(own_peer(request, peer_id)) if peer_id else None
     if peer is not None:
         peer.inflight += 1  # a waiting peer is alive
     try:
@@ -221,11 +233,13 @@ ROUTE_TABLE = [
     ("PUT", ROUTES["gradient"], put_gradient),
     ("GET", "/", get_index),
     ("GET", "/favicon.ico", get_favicon),
+    *shards_api.ROUTES,
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
-PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"]})
+PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
+                           ROUTES["shards"]})
 
 
 def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
@@ -247,14 +261,18 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[l
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user))
-    app.middlewares.extend(auth_middlewares)
+    admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
+    before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
+    # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits
+    app.middlewares.extend([*admin_middlewares, *before_auth, *auth_middlewares, *after_auth])
     app[CONFIG] = config
-    for method, path, handler in [*ROUTE_TABLE, *auth_routes]:
+    for method, path, handler in [*ROUTE_TABLE, *auth_routes, *admin_routes]:
         app.router.add_route(method, path, handler)
     static_dir = resources.files("relay_server").joinpath("static")
     if static_dir.is_dir():
         app.router.add_static("/static", str(static_dir))
     app.cleanup_ctx.append(_lifespan)
+    app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
     return app
 
 

@@ -156,7 +156,7 @@ class RequestVerifier:
             raise _reject(403, "user_banned", f"user {claims.username!r} is banned from this run",
                           "Contact the organizer if you think this is a mistake.")
         timestamp, nonce, body_sha256 = values[TIMESTAMP_HEADER], values[NONCE_HEADER], values[BODY_SHA256_HEADER]
-        if not (timestamp.isdigit() and len(timestamp) <= 12):
+        if not (timestamp.isascii() and timestamp.isdigit() and len(timestamp) <= 12):  # "\u00b2".isdigit()
             raise _reject(401, "malformed_auth", f"{TIMESTAMP_HEADER} must be unix seconds")
         skew = float(timestamp) - now
         if abs(skew) > self.max_skew_s or int(timestamp) < self.not_before:
@@ -226,7 +226,7 @@ class ChunkDigests:
         if raw_size is None or raw_digests is None:
             raise _reject(401, "missing_chunk_digests", "a signed upload must list its chunk digests",
                           "Upgrade the toolkit: uploads carry collab_chunk_sha256 in their metadata.")
-        if not raw_size.isdigit() or not min_chunk_bytes <= int(raw_size) <= max_chunk_bytes:
+        if not (raw_size.isascii() and raw_size.isdigit()) or not min_chunk_bytes <= int(raw_size) <= max_chunk_bytes:
             raise _reject(401, "bad_chunk_digests", f"chunk size must be {min_chunk_bytes}..{max_chunk_bytes} bytes")
         self.chunk_bytes = int(raw_size)
         self.lengths = segment_lengths(tensor_sizes, self.chunk_bytes)

@@ -30,16 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="relay + N CPU peers training the byte-level demo model")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes (default 3)")
     demo.add_argument("--steps", type=int, default=30, help="optimizer steps to run (default 30)")
-    demo.add_argument("--target-batch", type=int, default=64, help="global batch per step (default 64)")
+    demo.add_argument("--target-batch", type=int, default=32, help="global batch per step (default 32)")
     demo.add_argument("--batch-size", type=int, default=8, help="per-peer micro-batch (default 8)")
     demo.add_argument("--data-dir", help="keep the relay state here (default: a temporary directory)")
     demo.add_argument("--port", type=int, default=0)
     demo.add_argument("--verbose", "-v", action="store_true")
 
+    from relay_server.moderation import add_admin_parser, run_admin
+
+    add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "admin":
+            return run_admin(args)
         if args.command == "serve":
             return _serve(args)
         from relay_server.demo import run_demo

@@ -178,9 +178,10 @@ class LimitsSection:
     exempt_loopback: bool = True
     """Do not limit unsigned requests from 127.0.0.1/::1 (a local experiment: every peer, script
     and dashboard is loopback). Signed requests are limited per user wherever they come from."""
-    trust_forwarded_for: bool = False
-    """Behind your own reverse proxy: key unsigned requests by the last X-Forwarded-For hop
-    (the address your proxy saw) instead of the proxy's address. Never enable without a proxy."""
+    trust_forwarded_for: bool = True
+    """A request from loopback that carries X-Forwarded-For came through a reverse proxy on this
+    host (the README's Caddy / nginx setups): key it by the header's last hop, the address the
+    proxy saw. Requests from any other address are never trusted to name themselves."""
     poll_per_s: float = 50.0
     """Heartbeats, progress and state polls, leave, shard leases: frequent and cheap."""
     poll_burst: float = 500.0

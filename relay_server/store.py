@@ -147,6 +147,13 @@ class Store:
             "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at, lr, grad_norm "
             "FROM rounds ORDER BY step DESC LIMIT ?", (limit,)).fetchall()[::-1]
 
+    def user_contributions(self) -> list[tuple[str, int, int, int, float]]:
+        """(username, samples, rounds, peers, last_joined) for every user who ever joined, most
+        samples first: the leaderboard's data plus who joined without contributing (moderation)."""
+        return self.db.execute(
+            "SELECT username, SUM(samples_contributed), SUM(rounds_contributed), COUNT(*), MAX(joined_at) "
+            "FROM peers GROUP BY username COLLATE NOCASE ORDER BY 2 DESC, username").fetchall()
+
     def leaderboard(self, limit: int = 100) -> list[tuple[str, int, int]]:
         """(username, samples, rounds) summed over all of a volunteer's peers, best first."""
         return self.db.execute(

@@ -219,6 +219,12 @@ class PoolClient:
     def __init__(self, pool: ShardPool) -> None:
         self.pool, self.calls, self.fail = pool, [], None
 
+    def lease_shard(self, peer_id, request):
+        return self._call("POST", ROUTES["shard_lease"].format(peer_id=peer_id), ShardLease, request)
+
+    def report_shards(self, peer_id, report):
+        return self._call("POST", ROUTES["shard_report"].format(peer_id=peer_id), ShardReportAck, report)
+
     def _call(self, method, path, schema, body=None, **kwargs):
         peer_id = path.split("/")[3]
         self.calls.append((path.rsplit("/", 1)[-1], json.loads(body.dumps())))

@@ -56,6 +56,7 @@ from toolkit.tensor_container import (
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Schema)
 _RETRY_STATUS = {502, 503, 504}
+_MAX_RETRY_AFTER_S = 30.0
 _RENEW_PASS = {"pass_expired", "stale_timestamp"}  # a fresh pass (or clock offset) fixes these
 _RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
 
@@ -91,6 +92,11 @@ class RelayClient:
                 continue
             if response.status_code in _RETRY_STATUS and attempt + 1 < attempts:
                 self._sleep(attempt, f"HTTP {response.status_code}")
+                continue
+            if response.status_code == 429 and attempt + 1 < attempts:  # rate limited: wait as told
+                delay = min(_MAX_RETRY_AFTER_S, _retry_after(response) or self.backoff_s * 2 ** attempt)
+                log.debug("rate limited; retrying in %.1fs", delay)
+                time.sleep(delay)
                 continue
             if (response.status_code == 401 and attempt + 1 < attempts and isinstance(self.session.auth, SignedAuth)
                     and _rejected(response).code in _RENEW_PASS):
@@ -235,6 +241,13 @@ class _SizedBody:
 
     def __iter__(self):
         return iter_encoded(self.tensors, self.metadata)
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
 
 
 def _rejected(response: requests.Response) -> RelayRejected:

@@ -278,7 +278,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         try:
             client.upload_gradient(upload.tensors, meta, self.codec.name)
         except RelayRejected as exc:
-            if exc.code == "round_closed":  # never received: reusable if still fresh enough
+            if exc.code in ("round_closed", "rate_limited"):  # never received: reusable if still fresh enough
                 return _Outcome(upload, error=exc, fate="not_received")
             return _Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
         except RelayUnreachable as exc:

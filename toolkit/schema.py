@@ -67,6 +67,8 @@ class Schema:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProtocolError("bad_json", f"{cls.__name__}: body is not valid JSON ({exc})") from None
+        except RecursionError:  # "[[[[..." nested deeper than the parser's stack
+            raise ProtocolError("bad_json", f"{cls.__name__}: body is nested too deeply") from None
         return cls.from_json(obj)
 
 
@@ -131,10 +133,14 @@ def _check(value: Any, tp: Any, where: str, meta: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError("bad_schema", f"{where}: expected an integer")
+        if not -(2**63) <= value < 2**63:  # no wire integer needs more; bounds every unlimited field
+            raise ProtocolError("bad_schema", f"{where}: out of range")
         return _check_range(value, where, meta)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ProtocolError("bad_schema", f"{where}: expected a number")
+        if isinstance(value, int) and abs(value) > 2**1023:  # beyond a double: float() would overflow
+            raise ProtocolError("bad_schema", f"{where}: out of range")
         if not math.isfinite(value):
             raise ProtocolError("bad_schema", f"{where}: must be finite")
         return _check_range(float(value), where, meta)

@@ -1,0 +1,495 @@
+"""One named test per attack, each through a REAL relay process in hf mode.
+
+Every test asserts three things: the exact refusal (HTTP status and error code, with a message
+and a hint), that the relay keeps serving (``GET /api/status`` answers 200), and that the
+collaboration is unchanged. "Unchanged" means something because the module first opens a round
+with a legitimate signed peer (alice, 10 samples reported, the round waiting for her upload).
+The module's last test then finishes that round with alice's one valid upload and checks the
+applied SGD step is exactly hers: nothing any attack sent entered the reduction.
+
+One relay (and one local Hugging Face stand-in) serves the whole module, its poll limit lowered
+so the flood test (which runs after the round closed) trips within a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+
+from relay_server.moderation import TOKEN_FILE
+from relay_server.relay_key import RelayKey
+from tests.conftest import RelayProcess, free_port, merged, write_config
+from tests.hf_standin import HfStandin
+from tests.test_bad_input import raw_http, round_state
+from toolkit.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
+                          TIMESTAMP_HEADER, PassClaims, b64u, container_body_sha256, decode_pass, digest_metadata)
+from toolkit.client import RelayClient
+from toolkit.errors import RelayRejected
+from toolkit.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
+from toolkit.tensor_container import encode_header
+
+TOKENS = {"alice": "hf_alice_attack_token_01", "bob": "hf_bob_attack_token_0001",
+          "eve": "hf_eve_attack_token_0001", "mallory": "hf_mallory_attack_token1"}
+ALLOWED = ["alice", "bob", "eve"]  # mallory is a real HF user, just not on this run's allowlist
+SAMPLES = 10
+FLOOD_LIMITS = {"poll_per_s": 30.0, "poll_burst": 60.0}  # low, so the flood test trips within a second
+OVERRIDES = {  # SGD, lr 1: the applied step is exactly -(mean gradient), checkable bit for bit
+    "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
+    "run": {"target_batch": SAMPLES, "max_staleness": 0},
+    "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
+               "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
+    "limits": FLOOD_LIMITS,
+}
+
+
+# --- a real hf-mode relay and signed peers ----------------------------------------------------------
+def hf_relay(directory: Path, hub: HfStandin, overrides: dict | None = None, name: str = "relay") -> RelayProcess:
+    """A relay process in hf mode whose identity provider is the local stand-in."""
+    config = merged({**OVERRIDES, **(overrides or {}),
+                     "auth": {"mode": "hf", "hf_endpoint": hub.url, "allow_users": ALLOWED}})
+    path = write_config(directory / f"{name}.toml", config)
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "NO_PROXY": "127.0.0.1,localhost", "HF_TOKEN": ""}
+    for attempt in range(3):  # free_port() can race with other processes on a shared machine
+        relay = RelayProcess(path, directory / f"{name}-data", free_port(), directory / f"{name}.log", env=env)
+        try:
+            return relay.start()
+        except RuntimeError as exc:
+            if "cannot listen" not in str(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def standin() -> HfStandin:
+    hub = HfStandin().start()
+    for user, token in TOKENS.items():
+        hub.add_user(token, user)
+    return hub
+
+
+@dataclass
+class SignedPeer:
+    """A logged-in client that can also hand-craft signed requests (to tamper with them)."""
+
+    relay: RelayProcess
+    client: RelayClient
+    peer_id: str = ""
+
+    @classmethod
+    def login(cls, relay: RelayProcess, user: str) -> "SignedPeer":
+        client = RelayClient(relay.url, retries=0)
+        client.login(TOKENS[user])
+        return cls(relay, client)
+
+    @property
+    def auth(self) -> SignedAuth:
+        return self.client.session.auth  # type: ignore[return-value]
+
+    def join(self, name: str) -> "SignedPeer":
+        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
+        return self
+
+    def heartbeat_body(self, samples: int = SAMPLES) -> bytes:
+        return Heartbeat(version=0, samples=samples, samples_per_s=10.0).dumps()
+
+    def prepared(self, method: str, path: str, body: bytes | None = None, *, auth: Any = None,
+                 content_type: str = "application/json") -> requests.PreparedRequest:
+        headers = {"Content-Type": content_type} if body is not None else {}
+        request = requests.Request(method, self.relay.url + path, data=body, headers=headers).prepare()
+        return (auth or self.auth)(request)
+
+    def send(self, prepared: requests.PreparedRequest) -> requests.Response:
+        return self.client.session.send(prepared, timeout=30)
+
+    def upload(self, grad: np.ndarray, **meta_changes: Any) -> requests.Response:
+        """A correctly signed upload (chunk digests and all) of ``grad``: whatever the relay
+        refuses here, it refuses on content, not on the signature."""
+        fields = dict(peer_id=self.peer_id, step=0, version=0, samples=SAMPLES, loss_sum=1.0) | meta_changes
+        tensors = [("payload", grad)]
+        metadata = {"collab": GradientMeta(**fields).dumps().decode(), "codec": "none", **digest_metadata(tensors)}
+        body = encode_header(tensors, metadata) + grad.tobytes()
+        headers = {"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: container_body_sha256(tensors, metadata)}
+        request = requests.Request("PUT", f"{self.relay.url}/api/rounds/{fields['step']}/gradient",
+                                   params={"peer_id": self.peer_id}, data=iter([body]), headers=headers).prepare()
+        request.headers["Content-Length"] = str(len(body))
+        request.headers.pop("Transfer-Encoding", None)
+        return self.send(self.auth(request))
+
+
+def minted_pass(key: RelayKey, user: str, peer: PeerKey, *, issued: int, expires: int, key_id: str | None = None) -> str:
+    """A pass signed by ``key`` (the relay's own, another relay's, or a forger's)."""
+    claims = PassClaims(key_id or key.key_id, issued, expires, issued, peer.public_raw, user)
+    body = claims.encode_claims()
+    return b64u(body + key.sign(PassClaims.signed_message(body)))
+
+
+def auth_with_pass(token: str, peer: PeerKey, relay_key: RelayKey, clock=time.time) -> SignedAuth:
+    claims, _, _ = decode_pass(token)
+    access = AccessPass(token=token, claims=claims, relay_public=relay_key.public, clock_offset_s=0.0,
+                        received_mono=time.monotonic(), lifetime_s=600.0)
+    return SignedAuth(peer, AccessPassHolder(lambda previous: access), clock=clock)
+
+
+def collab_state(relay: RelayProcess) -> tuple:
+    """Everything an attack must not change: the open round (test_bad_input's round_state) plus
+    who is registered, the leaderboard and the round log."""
+    status = relay.status()
+    return (round_state(relay), sorted(p["peer_id"] for p in status["peers"]),
+            [(e["username"], e["samples"]) for e in status["leaderboard"]], len(status["recent_rounds"]))
+
+
+@dataclass
+class World:
+    relay: RelayProcess
+    hub: HfStandin
+    alice: SignedPeer
+    bob: SignedPeer
+    relay_key: RelayKey  # read from the data dir, as someone with the relay's disk could
+    admin_token: str
+    num_params: int
+    before_params: np.ndarray
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Iterator[World]:
+    directory = tmp_path_factory.mktemp("attacks")
+    hub = standin()
+    relay = None
+    try:
+        relay = hf_relay(directory, hub)
+        alice = SignedPeer.login(relay, "alice").join("alice-notebook")
+        bob = SignedPeer.login(relay, "bob").join("bob-notebook")
+        num_params = relay.status()["num_params"]
+        before = np.empty(num_params, dtype=np.float32)
+        assert alice.client.download_params(before, peer_id=alice.peer_id) == 0
+        alice.client.heartbeat(alice.peer_id, Heartbeat(version=0, samples=SAMPLES, samples_per_s=10.0))
+        round_ = relay.status()["round"]
+        assert round_ and (round_["expected_peers"], round_["received_peers"]) == (1, 0)  # waiting for alice
+        yield World(relay, hub, alice, bob, RelayKey.load_or_create(relay.data_dir),
+                    (relay.data_dir / TOKEN_FILE).read_text().strip(), num_params, before)
+    finally:
+        if relay is not None:
+            relay.stop()
+        hub.stop()
+
+
+@pytest.fixture
+def unchanged(world: World) -> Iterator[None]:
+    """Wraps each attack: afterwards the relay serves and the collaboration is as before."""
+    before = collab_state(world.relay)
+    yield
+    assert requests.get(world.relay.url + "/api/status", timeout=10).status_code == 200
+    assert collab_state(world.relay) == before
+
+
+def refused(response: requests.Response | tuple[int, dict], status: int, code: str, *, hint: bool = True) -> None:
+    """The exact refusal, as the usual error body; ``hint=False`` where the relay has none to give."""
+    got_status, body = (response.status_code, response.json()) if isinstance(response, requests.Response) else response
+    assert (got_status, body.get("error")) == (status, code), body
+    assert body.get("message") and "hint" in body and (body["hint"] or not hint), body
+
+
+def hb_path(world: World) -> str:
+    return f"/api/peers/{world.alice.peer_id}/heartbeat"
+
+
+# --- passes ----------------------------------------------------------------------------------------
+def test_forged_pass(world: World, unchanged) -> None:
+    """Right key id, wrong signer: someone minting passes without the relay's key."""
+    forger, peer = RelayKey.generate(), PeerKey()
+    now = int(time.time())
+    token = minted_pass(forger, "alice", peer, issued=now, expires=now + 600, key_id=world.relay_key.key_id)
+    auth = auth_with_pass(token, peer, forger)
+    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth)),
+            401, "forged_pass")
+
+
+def test_expired_pass(world: World, unchanged) -> None:
+    """A genuine pass (made with the relay's own key from its data dir) that expired."""
+    peer, now = PeerKey(), int(time.time())
+    token = minted_pass(world.relay_key, "alice", peer, issued=now - 4000, expires=now - 10)
+    auth = auth_with_pass(token, peer, world.relay_key)
+    refused(world.alice.send(world.alice.prepared("GET", "/api/progress", auth=auth)), 401, "pass_expired")
+
+
+def test_pass_from_another_relay(world: World, tmp_path) -> None:
+    """A valid pass of another relay (its key generated in its own data dir, as a relay does)."""
+    before = collab_state(world.relay)
+    other = RelayKey.load_or_create(tmp_path / "other-relay-data")
+    peer, now = PeerKey(), int(time.time())
+    auth = auth_with_pass(minted_pass(other, "alice", peer, issued=now, expires=now + 600), peer, other)
+    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth)),
+            401, "pass_wrong_relay")
+    assert world.relay.status() and collab_state(world.relay) == before
+
+
+def test_stolen_pass_signed_with_another_key(world: World, unchanged) -> None:
+    """Alice's real pass, but the thief does not hold her private key."""
+    thief = SignedAuth(PeerKey(), world.alice.auth.holder)
+    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=thief)),
+            401, "bad_signature")
+
+
+# --- requests ---------------------------------------------------------------------------------------
+def test_tampered_body(world: World, unchanged) -> None:
+    """Signed for 10 samples, altered to claim 1000 in transit."""
+    prepared = world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(SAMPLES))
+    prepared.body = world.alice.heartbeat_body(1000)
+    prepared.prepare_content_length(prepared.body)
+    refused(world.alice.send(prepared), 401, "body_mismatch")
+
+
+def test_replayed_nonce(world: World, unchanged) -> None:
+    prepared = world.alice.prepared("GET", "/api/progress")
+    assert world.alice.send(prepared.copy()).status_code == 200  # the original (relay signature checked)
+    refused(world.alice.send(prepared), 401, "replayed_nonce")
+
+
+def test_stale_timestamp(world: World, unchanged) -> None:
+    late = SignedAuth(world.alice.auth.peer_key, world.alice.auth.holder, clock=lambda: time.time() - 3600)
+    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=late)),
+            401, "stale_timestamp")
+
+
+def test_unsigned_request(world: World, unchanged) -> None:
+    refused(requests.post(world.relay.url + hb_path(world), data=world.alice.heartbeat_body(), timeout=10,
+                          headers={"Content-Type": "application/json"}), 401, "missing_auth")
+
+
+def test_other_users_peer_id(world: World, unchanged) -> None:
+    """Bob, properly logged in, heartbeats as alice's peer."""
+    refused(world.bob.send(world.bob.prepared("POST", hb_path(world), world.bob.heartbeat_body())),
+            403, "not_your_peer")
+
+
+# --- users ------------------------------------------------------------------------------------------
+def admin(world: World, method: str, path: str, **kwargs: Any) -> requests.Response:
+    return requests.request(method, world.relay.url + "/api/admin" + path, timeout=30,
+                            headers={"Authorization": f"Bearer {world.admin_token}"}, **kwargs)
+
+
+def test_banned_user(world: World) -> None:
+    """Banned mid-session: the pass bob already holds stops working at once, so does a new login,
+    and bob's peer is gone; alice's round is untouched by all of it."""
+    round_before = round_state(world.relay)
+    response = admin(world, "POST", "/bans", json={"username": "bob", "reason": "test"})
+    assert response.status_code == 200 and response.json()["peers_dropped"] == 1, response.text
+    try:
+        before = collab_state(world.relay)
+        step, samples, peers, open_round = before[0]
+        assert world.bob.peer_id not in before[1] and peers == round_before[2] - 1
+        assert (step, samples, open_round) == (round_before[0], round_before[1], round_before[3])
+        refused(world.bob.send(world.bob.prepared("GET", "/api/progress")), 403, "user_banned")
+        with pytest.raises(RelayRejected) as login:
+            RelayClient(world.relay.url, retries=0).login(TOKENS["bob"])
+        assert (login.value.status, login.value.code) == (403, "user_banned")
+        assert requests.get(world.relay.url + "/api/status", timeout=10).status_code == 200
+        assert collab_state(world.relay) == before
+    finally:
+        assert admin(world, "DELETE", "/bans/bob").status_code == 200
+    world.bob.join("bob-notebook")  # unbanned: the same pass works again
+
+
+def test_non_allowlisted_user(world: World, unchanged) -> None:
+    with pytest.raises(RelayRejected) as login:
+        RelayClient(world.relay.url, retries=0).login(TOKENS["mallory"])
+    assert (login.value.status, login.value.code) == (403, "not_allowlisted") and login.value.hint
+
+
+def test_invalid_hf_token(world: World, unchanged) -> None:
+    with pytest.raises(RelayRejected) as login:
+        RelayClient(world.relay.url, retries=0).login("hf_not_a_real_token_000")
+    assert (login.value.status, login.value.code) == (401, "invalid_hf_token")
+
+
+def test_peer_pass_cannot_moderate(world: World, unchanged) -> None:
+    """Admin routes want the admin token; a valid peer pass (or a guessed token) is not it."""
+    refused(world.alice.send(world.alice.prepared("GET", "/api/admin/contributions")), 401, "admin_auth_required")
+    refused(requests.post(world.relay.url + "/api/admin/bans", json={"username": "alice", "reason": "x"},
+                          headers={"Authorization": "Bearer " + "A" * 43}, timeout=10), 401, "bad_admin_token")
+
+
+# --- bodies -----------------------------------------------------------------------------------------
+def test_oversized_body(world: World, unchanged) -> None:
+    """A signed 300 kB JSON body, and a signed upload declaring a terabyte."""
+    big = b'{"pad": "' + b"x" * 300_000 + b'"}'
+    response = world.alice.send(world.alice.prepared("POST", hb_path(world), big))
+    assert response.status_code == 413 and response.json()["error"] == "request_entity_too_large"
+
+    grad = np.zeros(world.num_params, np.float32)
+    tensors = [("payload", grad)]
+    meta = GradientMeta(peer_id=world.alice.peer_id, step=0, version=0, samples=SAMPLES, loss_sum=0.0)
+    metadata = {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)}
+    head = encode_header(tensors, metadata)
+    prepared = requests.Request("PUT", f"{world.relay.url}/api/rounds/0/gradient?peer_id={world.alice.peer_id}",
+                                data=iter([head]), headers={"Content-Type": CONTAINER_TYPE,
+                                                            BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()}).prepare()
+    world.alice.auth(prepared)
+    lines = [f"PUT {prepared.path_url} HTTP/1.1", "Host: x", f"Content-Length: {10**12}"]
+    lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith(("x-collab", "content-type"))]
+    refused(raw_http(world.relay.port, "\r\n".join(lines), head), 413, "body_too_large", hint=False)
+
+
+def test_wrong_shape(world: World, unchanged) -> None:
+    refused(world.alice.upload(np.zeros(world.num_params - 1, np.float32)), 422, "bad_tensor")
+
+
+def test_nan_gradient(world: World, unchanged) -> None:
+    grad = np.ones(world.num_params, np.float32)
+    grad[3] = np.nan
+    refused(world.alice.upload(grad), 422, "non_finite")
+
+
+def test_more_samples_than_reported(world: World, unchanged) -> None:
+    """The weight cap: an upload may not claim more samples than its last heartbeat reported."""
+    refused(world.alice.upload(np.ones(world.num_params, np.float32), samples=SAMPLES * 100), 422,
+            "samples_exceed_report")
+
+
+def test_malformed_json(world: World, unchanged) -> None:
+    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b"{oops")), 400, "bad_json")
+    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b'{"peer_name": 5, "protocol": 2}')),
+            400, "bad_schema")
+
+
+def test_malformed_headers(world: World, unchanged) -> None:
+    """Each auth header broken in turn, on an otherwise valid signed request."""
+    def with_header(name: str, value: str | None) -> requests.PreparedRequest:
+        prepared = world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body())
+        if value is None:
+            del prepared.headers[name]
+        else:
+            prepared.headers[name] = value
+        return prepared
+
+    cases = [
+        (PASS_HEADER, "not*base64", 401, "malformed_pass"),
+        (PASS_HEADER, "A" * 600, 401, "malformed_pass"),
+        (PASS_HEADER, b64u(bytes(range(120))), 401, "malformed_pass"),
+        (TIMESTAMP_HEADER, "yesterday", 401, "malformed_auth"),
+        (TIMESTAMP_HEADER, "1" * 40, 401, "malformed_auth"),
+        (NONCE_HEADER, "short", 401, "malformed_auth"),
+        (BODY_SHA256_HEADER, "z" * 64, 401, "malformed_auth"),
+        (SIGNATURE_HEADER, "!!!", 401, "malformed_auth"),
+        (SIGNATURE_HEADER, None, 401, "missing_auth"),
+        ("Content-Type", "text/plain", 401, "bad_signature"),  # the signature covers the content type
+    ]
+    for name, value, status, code in cases:
+        refused(world.alice.send(with_header(name, value)), status, code)
+    # Raw bytes no client library would send: non-ASCII in the pass, and a header line without a colon.
+    prepared = world.alice.prepared("GET", "/api/progress")
+    lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x", f"{PASS_HEADER}: \xe9t\xe9"]
+    lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab") and k != PASS_HEADER]
+    refused(raw_http(world.relay.port, "\r\n".join(lines)), 401, "malformed_pass")
+    with socket.create_connection(("127.0.0.1", world.relay.port), timeout=10) as sock:
+        sock.sendall(b"GET /api/progress HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        assert sock.recv(200).startswith(b"HTTP/1.0 400")  # aiohttp's parser answers before any handler
+
+
+def test_timestamp_with_a_non_ascii_digit(world: World, unchanged) -> None:
+    prepared = world.alice.prepared("GET", "/api/progress")
+    lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x"]
+    lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab")
+              and k != TIMESTAMP_HEADER]
+    refused(raw_http(world.relay.port, "\r\n".join(lines + [f"{TIMESTAMP_HEADER}: \xb2"])), 401, "malformed_auth")
+
+
+# --- the round survived all of the above --------------------------------------------------------------
+def test_round_after_all_attacks_applies_exactly_alices_gradient(world: World) -> None:
+    """Run last (file order): alice's one valid upload finalizes the round, and the new parameters
+    are exactly before - grad / samples (SGD, lr 1): no refused byte reached the sum."""
+    assert round_state(world.relay)[3][2:] == (1, 0)
+    grad_sum = np.random.default_rng(7).standard_normal(world.num_params).astype(np.float32)
+    response = world.alice.upload(grad_sum)
+    assert response.status_code == 200, response.text
+    after = np.empty(world.num_params, dtype=np.float32)
+    assert world.alice.client.download_params(after, min_step=1, wait_s=30, peer_id=world.alice.peer_id) == 1
+    np.testing.assert_allclose(after, world.before_params - grad_sum / np.float32(SAMPLES), rtol=1e-6, atol=1e-7)
+    assert [e["username"] for e in world.relay.status()["leaderboard"]] == ["alice"]
+
+
+# --- a flood ------------------------------------------------------------------------------------------
+def test_flood_is_rate_limited_while_a_peer_keeps_training(world: World) -> None:
+    """Eve (allowlisted, signing every request properly) floods heartbeats: she gets 429 with a
+    hint and Retry-After, while alice's CollaborativeOptimizer keeps training round after round,
+    and the dashboard's status poll and the organizer's admin API keep answering. The module's
+    relay runs with poll limits of 30/s, bursts of 60 (defaults: 50/s, 500), so the flood trips
+    within a second."""
+
+    from tests.peer_worker import make_dataset
+    from toolkit.optimizer import CollaborativeOptimizer
+
+    finish_open_round(world)
+    trainer = RelayClient(world.relay.url, retries=2, backoff_s=0.2)
+    trainer.login(TOKENS["alice"])
+    run = trainer.get_run()
+    from toolkit.models import build_model
+
+    model = build_model(run.model.factory, dict(run.model.kwargs))
+    opt = CollaborativeOptimizer(model, client=trainer, batch_size_per_step=5, peer_name="alice-trainer",
+                                 report_interval_s=0.1)
+    data, start_step, steps = make_dataset(), opt.version, 6
+    errors: list[str] = []
+
+    def train() -> None:  # a well-behaved notebook: ~12 micro-batches/s at most
+        try:
+            i = 0
+            while opt.version < start_step + steps:
+                batch = data[(i * 5) % 4000:(i * 5) % 4000 + 5]
+                opt.zero_grad()
+                (model.loss(batch) * 0.01).backward()  # the module's SGD lr is 1: keep the steps small
+                opt.step()
+                if opt.last_error is not None:
+                    errors.append(opt.last_error.code)
+                    opt.last_error = None
+                i += 1
+                time.sleep(0.08)
+        except BaseException as exc:  # surfaced below
+            errors.append(repr(exc))
+
+    thread = threading.Thread(target=train, name="alice-trainer", daemon=True)
+    eve = SignedPeer.login(world.relay, "eve").join("eve-flood")
+    codes: dict[int, int] = {}
+    first_429, flood_started = None, time.monotonic()
+    thread.start()
+    try:
+        while thread.is_alive() and time.monotonic() - flood_started < 120:
+            response = eve.send(eve.prepared("POST", f"/api/peers/{eve.peer_id}/heartbeat", eve.heartbeat_body(0)))
+            codes[response.status_code] = codes.get(response.status_code, 0) + 1
+            if response.status_code == 429 and first_429 is None:
+                first_429 = response
+                assert requests.get(world.relay.url + "/api/status", timeout=10).status_code == 200  # dashboard
+                assert admin(world, "GET", "/contributions").status_code == 200  # organizer
+    finally:
+        thread.join(timeout=60)
+        opt.close()
+    flood_s = time.monotonic() - flood_started
+    assert not thread.is_alive() and opt.version >= start_step + steps, (opt.version, errors)
+    assert "rate_limited" not in errors, errors  # alice never felt the flood
+    assert first_429 is not None, f"the flood was never limited: {codes}"
+    body = first_429.json()
+    assert body["error"] == "rate_limited" and body["hint"] and int(first_429.headers["Retry-After"]) >= 1
+    # whatever pace the flood reached on this machine, eve got no more than her bucket allows
+    assert codes.get(200, 0) <= FLOOD_LIMITS["poll_burst"] + (flood_s + 1) * FLOOD_LIMITS["poll_per_s"], codes
+    log = world.relay.log_path.read_text()
+    assert "refusing heartbeat/progress requests from user:eve" in log and "user:alice" not in log
+
+
+def finish_open_round(world: World) -> None:
+    """If the module's round still waits for the raw alice peer (this test run alone), let her
+    deliver so the round closes and real training can start."""
+    r = world.relay.status()["round"]
+    if r is not None and r["received_peers"] == 0:
+        assert world.alice.upload(np.zeros(world.num_params, np.float32)).status_code == 200
+    world.relay.wait_for(lambda s: s["round"] is None, what="the module's round to close")
