@@ -51,7 +51,7 @@ def _request_key(name: str, tp: type):
     return web.RequestKey(name, tp) if hasattr(web, "RequestKey") else name
 
 
-IDENTITY_KEY = "identity"  # request["identity"] = {"username", "peer_key"}: the handlers' existing contract
+IDENTITY_KEY = _request_key("identity", dict)  # {"username", "peer_key"} of a verified request
 PASS_KEY = _request_key("access_pass", PassClaims)
 BODY_STREAM_KEY = _request_key("body_stream", object)  # use request.get(BODY_STREAM_KEY, request.content)
 _NONCE = _request_key("auth_nonce", str)
@@ -324,7 +324,7 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
     ``public_paths`` are route templates as registered (``"/api/status"``, ``"/static"``); the
     check uses the matched route, so no spelling of a URL can reach a protected handler as public.
     Unmatched URLs (404/405) pass through: no handler runs. On success the request carries
-    ``request["identity"]`` and 2xx ``web.Response`` answers are signed over their body.
+    ``request[IDENTITY_KEY]`` and 2xx ``web.Response`` answers are signed over their body.
     """
     public = frozenset(public_paths)
 

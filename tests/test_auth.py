@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from relay_server.access import LOGIN_ROUTE, LoginService, PassIssuer
 from relay_server.auth import (
     BODY_STREAM_KEY,
+    IDENTITY_KEY,
     AuthRejected,
     ChunkDigests,
     NonceCache,
@@ -459,7 +460,7 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
         return web.json_response({"ok": True})
 
     async def echo(request: web.Request) -> web.Response:
-        return web.json_response({"identity": request["identity"], "body": (await request.read()).decode()})
+        return web.json_response({"identity": request[IDENTITY_KEY], "body": (await request.read()).decode()})
 
     async def upload(request: web.Request) -> web.Response:
         reader = AsyncContainerReader(request.get(BODY_STREAM_KEY, request.content), 1 << 24)
