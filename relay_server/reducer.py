@@ -34,6 +34,7 @@ import numpy as np
 from relay_server.config import RoundsSection
 from relay_server.errors import ApiError
 from relay_server.robust import CenteredClipConfig, RobustAccumulator
+from relay_server.rounds import RoundClosedMidUpload
 from toolkit.compression import Codec
 from toolkit.tensor_container import AsyncContainerReader, Header, Pieces
 
@@ -190,6 +191,6 @@ class Reducer:
                 segment.fill(0.0)
 
 
-class _Closed(Exception):
+class _Closed(RoundClosedMidUpload):
     """The round closed while this upload was streaming (turned into an API error by the caller,
     which knows whether any chunk had entered the sum)."""
