@@ -53,16 +53,17 @@ class StepReport:
 
 
 class MasterState:
-    """Parameters ``[start, end)`` of the flat vector plus the optimizer that updates them."""
+    """Parameters ``[start, end)`` of the flat vector plus the optimizer that updates them.
+    ``params`` is the whole vector (P,) or just the slice (end - start,)."""
 
     def __init__(self, layout: list[ParamSpec], params: np.ndarray, cfg: OptimizerSection,
                  total_steps: int, step: int = 0, start: int = 0, end: int | None = None, *, adopt: bool = False) -> None:
         self.cfg, self.total_steps, self.step = cfg, total_steps, step
         self.start, self.end = start, params.size if end is None else end
         whole = (self.start, self.end) == (0, params.size) and params.dtype == np.float32 and params.flags.c_contiguous
+        values = params if params.size == self.end - self.start else params[self.start:self.end]  # slice or whole
         # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
-        self.flat = torch.from_numpy(params if adopt and whole else np.array(params[self.start:self.end],
-                                                                                dtype=np.float32))
+        self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
         self.grad = torch.zeros_like(self.flat)
         decay, no_decay = [], []
         for spec in layout:
@@ -71,8 +72,10 @@ class MasterState:
                 continue
             p = torch.nn.Parameter(self.flat[lo - self.start:hi - self.start])  # shares storage
             p.grad = self.grad[lo - self.start:hi - self.start]
-            (decay if len(spec.shape) >= 2 else no_decay).append(p)
-        self.params = decay + no_decay
+            (decay if len(spec.shape) >= 2 else no_decay).append((p, lo - self.start))
+        self.params = [p for p, _ in decay + no_decay]
+        self.positions = [at for _, at in decay + no_decay]  # where each param starts within the slice
+        decay, no_decay = [p for p, _ in decay], [p for p, _ in no_decay]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = _make_optimizer(groups, cfg)
@@ -102,6 +105,41 @@ class MasterState:
                 tensor = value if torch.is_tensor(value) else torch.tensor(float(value))
                 tensors[f"opt.{index[id(p)]}.{key}"] = tensor
         return tensors
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """Parameters and optimizer state as flat arrays over the slice, independent of how the
+        vector was cut: ``params`` (n,), ``opt.<key>`` (n,) for per-element state (Adam moments,
+        SGD momentum) and ``opt_scalar.<key>`` () for per-tensor counters (Adam's step). Any
+        ``[a, b)`` of it is a valid state for the slice ``[start + a, start + b)`` -- this is what
+        moves when the plan re-slices the vector (:meth:`import_state`)."""
+        out = {"params": self.flat.numpy().copy()}
+        for p, at in zip(self.params, self.positions):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                value = value if torch.is_tensor(value) else torch.tensor(float(value))
+                if value.numel() == p.numel() and value.ndim == 1:
+                    flat = out.setdefault(f"opt.{key}", np.zeros(self.numel, dtype=np.float32))
+                    flat[at:at + p.numel()] = value.detach().float().numpy()
+                elif value.numel() == 1:
+                    out.setdefault(f"opt_scalar.{key}", np.asarray(float(value), dtype=np.float64))
+                else:  # e.g. blockwise-quantized state, whose blocks do not survive re-slicing
+                    raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} cannot be "
+                                     "moved between slices; use 32-bit optimizer state with aggregators")
+        return out
+
+    def import_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        """Load :meth:`export_state`'s arrays (cut to this slice) and set the step counter."""
+        self.flat.copy_(torch.from_numpy(np.require(state["params"], np.float32, ["W"])))
+        self.optimizer.state.clear()
+        for p, at in zip(self.params, self.positions):
+            values: dict[str, torch.Tensor] = {}
+            for name, array in state.items():
+                if name.startswith("opt."):
+                    values[name[4:]] = torch.from_numpy(np.array(array[at:at + p.numel()], dtype=np.float32))
+                elif name.startswith("opt_scalar."):
+                    values[name[11:]] = torch.tensor(float(array), dtype=torch.float32)
+            if values:
+                self.optimizer.state[p] = values
+        self.step = step
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int, *, adopt: bool = False) -> None:
         """Load parameters and optimizer state. ``adopt=True``: the tensors were freshly loaded for

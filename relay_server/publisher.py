@@ -59,16 +59,43 @@ def _full_header(step: int, numel: int) -> bytes:
     return encode_header_for([("params", np.dtype("<f4"), (numel,))], {"step": str(step), "kind": "full"})
 
 
-class Publisher:
+class Board:
+    """The latest published item (anything with a ``step``) and a long-poll on it."""
+
+    def __init__(self) -> None:
+        self.latest = None
+        self._published = asyncio.Event()
+
+    def publish(self, item) -> None:
+        self.latest = item
+        self._published.set()
+        self._published = asyncio.Event()
+
+    async def wait(self, min_step: int, timeout_s: float):
+        """Long-poll: the first published item with ``step >= min_step``, or None."""
+        deadline = time.monotonic() + timeout_s
+        while self.latest is None or self.latest.step < min_step:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._published.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+        return self.latest
+
+
+class Publisher(Board):
     """Writes versions (on the reducer thread) and serves them (on the event loop)."""
+
+    latest: Version | None
 
     def __init__(self, store: Store, codec: Codec, master: MasterState, public: np.ndarray | None = None,
                  *, fsync: bool = False) -> None:
+        super().__init__()
         self.store, self.codec, self.master, self.fsync = store, codec, master, fsync
         self.deltas = None if codec.lossless else DeltaEncoder(
             codec, public if public is not None else master.flat.numpy().copy())
-        self.latest: Version | None = None
-        self._published = asyncio.Event()
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
 
     @property
@@ -129,24 +156,6 @@ class Publisher:
                        sha256=digest.hexdigest(), delta_path=delta if delta.exists() else None)
 
     # --- event loop side ------------------------------------------------------------------------
-    def publish(self, version: Version) -> None:
-        self.latest = version
-        self._published.set()
-        self._published = asyncio.Event()
-
-    async def wait(self, min_step: int, timeout_s: float) -> Version | None:
-        """Long-poll: the first published version with ``step >= min_step``, or None."""
-        deadline = time.monotonic() + timeout_s
-        while self.latest is None or self.latest.step < min_step:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                await asyncio.wait_for(self._published.wait(), remaining)
-            except asyncio.TimeoutError:
-                return None
-        return self.latest
-
     async def send(self, request: web.Request, version: Version, have: int | None) -> web.StreamResponse:
         """A peer holding version ``have`` gets the delta when it is one step behind and the codec
         is lossy; everyone else gets the full parameters."""

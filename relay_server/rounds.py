@@ -31,6 +31,9 @@ class Round:
     loss_sum: float = 0.0
     closed: bool = False
     finalized_by: str = ""
+    plan_version: str = ""
+    slices: list = field(default_factory=list)  # PlanSlice: empty when the relay owns the whole vector
+    tickets: dict[str, tuple[int, float, bool]] = field(default_factory=dict)  # peer -> (samples, loss, was expected)
 
     @property
     def deadline(self) -> float:
@@ -63,6 +66,7 @@ class Round:
         """A peer left, died or failed validation: stop waiting for it."""
         self.expected.discard(peer_id)
         self.uploading.discard(peer_id)
+        self.tickets.pop(peer_id, None)
 
     def everyone_arrived(self) -> bool:
         return not self.uploading and self.expected <= set(self.received)

@@ -88,12 +88,16 @@ class Store:
         self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # --- master state -------------------------------------------------------------------------
-    def commit(self, step: int, sha256: str, round_log: RoundLog | None = None) -> None:
+    def commit(self, step: int, sha256: str, round_log: RoundLog | None = None,
+               meta: dict[str, str] | None = None) -> None:
         """Make version ``step`` (its state file already written) the one a restart resumes from,
-        with the round that produced it, in one transaction; then prune old versions."""
+        with the round that produced it (and ``meta`` entries), in one transaction; then prune
+        old versions."""
         self.db.execute("BEGIN")
         self.set_meta("step", str(step))
         self.set_meta("sha256", sha256)
+        for key, value in (meta or {}).items():
+            self.set_meta(key, value)
         if round_log is not None:
             self._record_round(step, round_log)
         self.db.execute("COMMIT")

@@ -1,0 +1,115 @@
+"""Measured rates the plan is solved from (issue 3 item 3): never what a peer declares.
+
+* A peer's upload and download rate: bytes over seconds of the transfers servers actually saw.
+  A peer sends its slices to several owners at once, so one *transfer group* is everything it
+  moved in one direction for one step: its rate is the summed bytes over the longest of the
+  parallel transfers' durations (they overlap). A group is complete once a later step shows up.
+* A server's (relay or aggregator) own rate: per step, the bytes it received (served) over the
+  span from the first transfer's start to the last one's end, on its own clock.
+* Everything is smoothed with an EWMA, so one slow transfer moves the estimate, not the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+EWMA_ALPHA = 0.3
+
+
+@dataclass
+class Ewma:
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float, alpha: float = EWMA_ALPHA) -> None:
+        self.value = x if self.samples == 0 else (1 - alpha) * self.value + alpha * x
+        self.samples += 1
+
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0
+
+
+@dataclass
+class _Group:
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class PeerRates:
+    """Per peer: EWMA upload and download rates from completed transfer groups."""
+
+    def __init__(self) -> None:
+        self.up: dict[str, Ewma] = defaultdict(Ewma)
+        self.down: dict[str, Ewma] = defaultdict(Ewma)
+        self._open: dict[tuple[str, str], tuple[int, _Group]] = {}
+
+    def add(self, peer_id: str, direction: str, step: int, nbytes: int, seconds: float) -> None:
+        key = (peer_id, direction)
+        current = self._open.get(key)
+        if current is not None and current[0] != step:
+            self._fold(key, current[1])
+            current = None
+        if current is None:
+            current = self._open[key] = (step, _Group())
+        group = current[1]
+        group.nbytes += nbytes
+        group.seconds = max(group.seconds, seconds)
+
+    def flush(self) -> None:
+        """Fold the open groups too (their parallel parts are all in by the time a plan is made)."""
+        for key, (_, group) in list(self._open.items()):
+            self._fold(key, group)
+        self._open.clear()
+
+    def _fold(self, key: tuple[str, str], group: _Group) -> None:
+        peer_id, direction = key
+        if group.nbytes and group.seconds > 0:
+            (self.up if direction == "up" else self.down)[peer_id].add(group.nbytes / group.seconds)
+
+    def forget(self, peer_id: str) -> None:
+        self.up.pop(peer_id, None)
+        self.down.pop(peer_id, None)
+        for key in [k for k in self._open if k[0] == peer_id]:
+            del self._open[key]
+
+
+@dataclass
+class _Span:
+    step: int
+    first: float
+    last: float
+    nbytes: int = 0
+
+
+@dataclass
+class ServerMeter:
+    """A server's own receive (``download``) and send (``upload``) rate, one span per step."""
+
+    download: Ewma = field(default_factory=Ewma)
+    upload: Ewma = field(default_factory=Ewma)
+    _spans: dict[str, _Span] = field(default_factory=dict)
+
+    def record(self, direction: str, step: int, nbytes: int, started: float, ended: float | None = None) -> None:
+        """A transfer that began at ``started`` (monotonic) and ended now (or at ``ended``)."""
+        ended = time.monotonic() if ended is None else ended
+        span = self._spans.get(direction)
+        if span is not None and span.step != step:
+            self._fold(direction, span)
+            span = None
+        if span is None:
+            span = self._spans[direction] = _Span(step, started, ended)
+        span.first, span.last = min(span.first, started), max(span.last, ended)
+        span.nbytes += nbytes
+
+    def flush(self) -> None:
+        for direction, span in list(self._spans.items()):
+            self._fold(direction, span)
+        self._spans.clear()
+
+    def _fold(self, direction: str, span: _Span) -> None:
+        seconds = span.last - span.first
+        if span.nbytes and seconds > 0:
+            (self.download if direction == "up" else self.upload).add(span.nbytes / seconds)
