@@ -2,7 +2,8 @@
 
 Bodies stream: a gradient upload is reduced chunk by chunk as it arrives, parameters are written
 from an immutable snapshot in chunks with back-pressure. Every error, ours or aiohttp's, leaves as
-``{"error": code, "message": ..., "hint": ...}`` with a 4xx/5xx status.
+``{"error": code, "message": ..., "hint": ...}`` with a 4xx/5xx status (:mod:`relay_server.http`).
+Internal routes (aggregators registering, heartbeating, pulling state) take the admin token.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import re
+import time
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
 
 from aiohttp import web
 
+from relay_server.backbone import Backbone
 from relay_server.collaboration import Collaboration
 from relay_server.config import RelayConfig
 from relay_server import shards_api
@@ -23,87 +25,31 @@ from relay_server.access import LoginService, PassIssuer
 from relay_server.auth import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
 from relay_server.errors import ApiError
 from relay_server.identity import AllowList, HfIdentityVerifier
-from relay_server.moderation import build_admin
+from relay_server.moderation import build_admin, read_token, token_path
 from relay_server.ratelimit import build_rate_limits
 from relay_server.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
+from relay_server.slice_http import get_slice, put_slice
+from relay_server.state_transfer import check_range, send_state
 from relay_server.store import Store
+from relay_server.tickets import encode_ticket
 from toolkit.errors import ProtocolError
-from toolkit.protocol import MAX_JSON_BODY, ROUTES, ErrorBody, Heartbeat, JoinRequest
-from toolkit.schema import Schema
-from toolkit.tensor_container import MAX_HEADER, AsyncContainerReader
+from toolkit.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
+                              DoneRequest, Heartbeat, JoinRequest, TicketRequest)
+from toolkit.tensor_container import AsyncContainerReader
+
+from relay_server.http import (drain as _drain, error_middleware, error_response, int_query as _int_query,  # noqa: F401
+                               json_ok, path_int as _path_int, read_message, upload_length)
 
 log = logging.getLogger(__name__)
 
 COLLAB = web.AppKey("collaboration", Collaboration)
 CONFIG = web.AppKey("config", RelayConfig)
 MAX_LONG_POLL_S = 60.0
-_DRAIN_LIMIT = 8 << 20  # after rejecting an upload, read at most this much so the peer sees the answer
-_QUERY_INT = re.compile(r"-?[0-9]{1,12}")
-
-
-_HTTP_HINTS = {  # aiohttp's own refusals get a next step too
-    404: "Check the URL: the relay's API lives under /api/ (GET /api/status lists the run).",
-    405: "This route exists but not with that HTTP method.",
-    413: "The body is larger than the relay accepts for this route.",
-}
-
-
-def error_response(status: int, code: str, message: str, hint: str = "") -> web.Response:
-    return web.json_response(ErrorBody(error=code, message=message, hint=hint).to_json(), status=status)
-
-
-def json_ok(message: Schema | dict) -> web.Response:
-    return web.json_response(message.to_json() if isinstance(message, Schema) else message)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return error_response(exc.status, exc.code, exc.message, exc.hint)
-    except ProtocolError as exc:
-        return error_response(413 if exc.code == "body_too_large" else 400, exc.code, exc.message, exc.hint)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = re.sub(r"[^a-z0-9]+", "_", (exc.reason or "error").lower()).strip("_")
-        return error_response(exc.status, code, exc.text or exc.reason or "", _HTTP_HINTS.get(exc.status, ""))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:  # a bug: log it, keep serving
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal_error", "the relay hit an unexpected error",
-                              "Retry; if it persists, report it to the organizer with the relay log.")
-
-
-async def read_message(request: web.Request, schema: type[Schema]) -> Schema:
-    if request.content_length is not None and request.content_length > MAX_JSON_BODY:
-        raise ApiError(413, "body_too_large", f"JSON bodies are limited to {MAX_JSON_BODY} bytes")
-    return schema.loads(await request.read())
 
 
 def _collab(request: web.Request) -> Collaboration:
     return request.app[COLLAB]
-
-
-def _int_query(request: web.Request, name: str, default: int | None = None) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        if default is None:
-            raise ApiError(400, "bad_query", f"query parameter {name!r} is required")
-        return default
-    if not _QUERY_INT.fullmatch(raw):  # ASCII digits, bounded: int() alone takes "1_0", "\u0661", 10**4000
-        raise ApiError(400, "bad_query", f"query parameter {name!r} must be an integer")
-    return int(raw)
-
-
-def _path_int(request: web.Request, name: str) -> int:
-    raw = request.match_info[name]
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # "\u00b2".isdigit() is True
-        raise ApiError(400, "bad_path", f"{name} in the path must be a non-negative integer, got {raw[:20]!r}")
-    return int(raw)
 
 
 # --- handlers ---------------------------------------------------------------------------------
@@ -154,14 +100,13 @@ async def post_leave(request: web.Request) -> web.Response:
 
 async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
+    if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
+        return json_ok(await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
+                                       require_digests=collab.config.auth.mode != "open"))
     step = _path_int(request, "step")
     peer_id = own_peer(request, request.query.get("peer_id", ""))
     limit = collab.codec.wire_bytes(collab.num_params)
-    if request.content_length is None:
-        raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
-                       "Send the body with a known length (the toolkit does); chunked uploads are refused.")
-    if request.content_length > limit + MAX_HEADER + 8:
-        raise ApiError(413, "body_too_large", f"a gradient is at most {limit + MAX_HEADER + 8} bytes")
+    upload_length(request, limit)
     body = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
     reader = AsyncContainerReader(body, limit, total_bytes=request.content_length)
     try:
@@ -172,22 +117,14 @@ async def put_gradient(request: web.Request) -> web.Response:
     return json_ok(receipt)
 
 
-async def _drain(request: web.Request) -> None:
-    """Read a little of a rejected body so the peer gets our answer, not a reset connection."""
-    remaining = request.content_length
-    if remaining is None or remaining > _DRAIN_LIMIT:
-        return
-    try:
-        await request.content.read(_DRAIN_LIMIT)
-    except Exception:  # the peer may already be gone
-        pass
-
-
 async def get_params(request: web.Request) -> web.StreamResponse:
     """The parameters of version >= ``min_step``, long-polling up to ``wait`` seconds: in full,
     or as a delta when the peer says it holds the version before (``have``) and the run's codec
-    is lossy. 204 when nothing newer was published in time."""
+    is lossy. 204 when nothing newer was published in time. When aggregators own slices the
+    answer is the version's manifest (JSON), and ``start``/``end`` ask for the relay's own slice."""
     collab = _collab(request)
+    if "start" in request.query:
+        return await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
     min_step = _int_query(request, "min_step", 0)
     have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
@@ -203,7 +140,54 @@ async def get_params(request: web.Request) -> web.StreamResponse:
             collab.registry.touch(peer)
     if version is None:
         return web.Response(status=204, headers={"X-Collab-Step": str(collab.step)})
-    return await collab.publisher.send(request, version, have if have >= 0 else None)
+    if version.manifest is not None:  # sliced: each slice comes from its owner (get_slice)
+        return json_ok(version.manifest)
+    started = time.monotonic()
+    response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
+    collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, response.content_length or 0, started)
+    return response
+
+
+async def post_ticket(request: web.Request) -> web.Response:
+    req = await read_message(request, TicketRequest)
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
+    ticket = _collab(request).issue_ticket(_path_int(request, "step"), peer_id, req)
+    return json_ok({"ticket": encode_ticket(ticket)})
+
+
+async def post_done(request: web.Request) -> web.Response:
+    req = await read_message(request, DoneRequest)
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
+    return json_ok(_collab(request).done(_path_int(request, "step"), peer_id, req))
+
+
+async def get_plan(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).plan_info())
+
+
+# --- the relay's aggregators (under /api/admin: the admin middleware checked the token) ----------
+def _backbone(request: web.Request) -> Backbone:
+    return _collab(request).backbone
+
+
+async def post_aggregator_register(request: web.Request) -> web.Response:
+    backbone = _backbone(request)
+    return json_ok(backbone.register(await read_message(request, AggregatorRegistration)))
+
+
+async def post_aggregator_heartbeat(request: web.Request) -> web.Response:
+    backbone = _backbone(request)
+    backbone.heartbeat(request.match_info["aggregator_id"], await read_message(request, AggregatorHeartbeat))
+    return json_ok({"ok": True})
+
+
+async def get_internal_state(request: web.Request) -> web.StreamResponse:
+    """A slice of the state being handed to new owners during a plan change."""
+    backbone = _backbone(request)
+    start, end, step = _int_query(request, "start"), _int_query(request, "end"), _int_query(request, "step")
+    check_range(start, end, backbone.num_params)
+    return await send_state(request, backbone.staged(start, end, step),
+                            {"step": str(step), "start": str(start), "end": str(end)})
 
 
 async def get_favicon(request: web.Request) -> web.Response:
@@ -227,6 +211,12 @@ ROUTE_TABLE = [
     ("GET", ROUTES["state"], get_state),
     ("GET", ROUTES["progress"], get_progress),
     ("GET", ROUTES["params"], get_params),
+    ("GET", ROUTES["plan"], get_plan),
+    ("POST", ROUTES["ticket"], post_ticket),
+    ("POST", ROUTES["done"], post_done),
+    ("POST", ROUTES["aggregator_register"], post_aggregator_register),
+    ("POST", ROUTES["aggregator_heartbeat"], post_aggregator_heartbeat),
+    ("GET", ROUTES["slice_state"], get_internal_state),
     ("POST", ROUTES["join"], post_join),
     ("POST", ROUTES["heartbeat"], post_heartbeat),
     ("POST", ROUTES["leave"], post_leave),
@@ -239,7 +229,7 @@ ROUTE_TABLE = [
 
 # What an observer or a peer that has not logged in yet may read.
 PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"]})
+                           ROUTES["shards"], ROUTES["plan"]})
 
 
 def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
@@ -282,6 +272,8 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     observers = ObserverThread(build_observers(config))
     collab = await asyncio.to_thread(Collaboration, config, store, observers)
     app[COLLAB] = collab
+    collab.backbone.attach(read_token(token_path(config)))  # written by build_admin: calls to aggregators carry it
+    await collab.start()
     ticker = asyncio.create_task(collab.run_ticker())
     if config.auth.mode == "open":
         log.warning("AUTH IS OFF (auth.mode = 'open'): anyone who can reach this relay can join and send gradients")
@@ -292,5 +284,6 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     except asyncio.CancelledError:
         pass
     await asyncio.to_thread(observers.close)
+    await collab.backbone.aclose()
     collab.close()
     store.close()

@@ -5,6 +5,11 @@ reach the target batch the relay opens round ``s`` for the peers holding them; e
 sum of its gradients; the relay reduces as chunks arrive; the round finalizes when every expected
 peer delivered, left or failed -- or at the adaptive deadline, whichever is first; the master
 takes one optimizer step, the new version is persisted, then published to waiting peers.
+
+With extra aggregators (:mod:`relay_server.backbone`) the vector is cut into slices: a peer asks
+for a ticket instead of uploading here (same checks), sends each slice to its owner, then says
+it is done; the round closes on the same rules, every owner finalizes its slice, and the new
+version is a manifest of the slices' hashes. Without aggregators none of that runs.
 """
 
 from __future__ import annotations
@@ -18,21 +23,23 @@ import time
 
 import torch
 
+from relay_server.backbone import Backbone, Published
 from relay_server.config import RelayConfig
 from relay_server.errors import ApiError, round_closed, round_closed_partial, unknown_peer
-from relay_server.master import MasterState, flatten, layout_of
+from relay_server.master import MasterState, flatten, layout_of, lr_at
 from relay_server.observers import ObserverThread, StepEvent
 from relay_server.registry import Peer, Registry
 from relay_server.publisher import Publisher, Version
-from relay_server.reducer import Reducer, UploadProgress, robust_config
+from relay_server.reducer import Reducer, UploadProgress
 from relay_server.rounds import DeadlinePolicy, Round, RoundClosedMidUpload
+from relay_server.slice_owner import gradient_meta
 from relay_server.store import RoundLog, Store
-from toolkit.errors import ProtocolError
+from relay_server.tickets import sign_ticket
 from toolkit.models import build_model
-from toolkit.protocol import (PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest,
-                              JoinResponse, LeaderboardEntry, ModelSpec, PeerStatus, PlanInfo, PlanSlice,
-                              RoundInfo, RoundRecord, RunInfo, RunSummary, StateInfo, StatusReport,
-                              UploadReceipt)
+from toolkit.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest, JoinResponse,
+                              LeaderboardEntry, ModelSpec, ParamsManifest, PeerStatus, PlanInfo, RoundInfo,
+                              RoundRecord, RunInfo,
+                              RunSummary, StateInfo, StatusReport, Ticket, TicketRequest, UploadReceipt)
 from toolkit.compression import get_codec
 from toolkit.tensor_container import AsyncContainerReader
 
@@ -48,23 +55,7 @@ class Collaboration:
         self.layout = layout_of(model)
         params = flatten(model)
         del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
-        self.master = MasterState(self.layout, params, config.optimizer, config.run.total_steps, adopt=True)
         self.codec = get_codec(config.run.compression)
-        self.reducer = Reducer(self.master.grad.numpy(), self.codec, robust=robust_config(config.rounds))
-        self.publisher = Publisher(store, self.codec, self.master, fsync=config.server.fsync)
-        step = store.latest_step()
-        if step is not None:
-            self.publisher.restore(step)
-            log.info("resumed from %s at step %d", store.dir, step)
-        else:
-            version = self.publisher.write(0, {"run": config.run.name})
-            store.commit(0, version.sha256)
-            self.publisher.latest = version
-        self.registry = Registry(config.rounds.peer_ttl_s)
-        self.deadlines = DeadlinePolicy(config.rounds)
-        self.round: Round | None = None
-        self._finalizing: asyncio.Task | None = None
-        self.started = time.monotonic()
         self.run_info = RunInfo(
             run_name=config.run.name, protocol=PROTOCOL_VERSION,
             model=ModelSpec(factory=config.model.factory, kwargs=dict(config.model.kwargs)),
@@ -74,9 +65,45 @@ class Collaboration:
             precision=config.run.precision or None, dataset=dict(config.dataset),
             # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
             wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {})
+        self.backbone = Backbone(config, store, self.layout, self.codec, params, self.run_info)
+        self.backbone.peer_ids = lambda: list(self.registry.peers)
+        step = store.latest_step()
+        manifest = store.get_meta("manifest") if step is not None else None
+        self._resume: tuple[int, ParamsManifest] | None = None
+        if manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
+            self._resume = (step, ParamsManifest.loads(manifest))
+        elif step is not None:
+            self.publisher.restore(step)
+            log.info("resumed from %s at step %d", store.dir, step)
+        else:
+            version = self.publisher.write(0, {"run": config.run.name})
+            store.commit(0, version.sha256)
+            self.publisher.latest = version
+        if self._resume is None:
+            self._publish_local(self.publisher.latest)
+        self.registry = Registry(config.rounds.peer_ttl_s)
+        self.deadlines = DeadlinePolicy(config.rounds)
+        self.round: Round | None = None
+        self._finalizing: asyncio.Task | None = None
+        self._migration: asyncio.Task | None = None
+        self.started = time.monotonic()
+
+    async def start(self) -> None:
+        """Before serving: a relay restarted while aggregators owned slices gathers its last
+        version from them (``Backbone.resume``)."""
+        if self._resume is None:
+            return
+        step, manifest = self._resume
+        published, new_version = await self.backbone.resume(step, manifest)
+        record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0, finalized_by="recovery",
+                          lr=0.0, grad_norm=0.0) if new_version else None
+        await asyncio.to_thread(self.store.commit, published.step, published.sha256, record, {"manifest": ""})
+        self.backbone.board.publish(published)
+        self._resume = None
+        log.info("resumed from %s at step %d", self.store.dir, published.step)
 
     def close(self) -> None:
-        self.reducer.close()
+        self.backbone.close()
 
     def _initial_model(self) -> torch.nn.Module:
         torch.manual_seed(self.config.run.seed)
@@ -95,12 +122,25 @@ class Collaboration:
     @property
     def step(self) -> int:
         """The published version: the master's step counter moves on the reducer thread before
-        the new version is durable, so everything peers and observers see keys off the publisher."""
-        return self.publisher.latest.step
+        the new version is durable, so everything peers and observers see keys off the board."""
+        return self.backbone.board.latest.step
 
     @property
     def num_params(self) -> int:
-        return self.master.numel
+        return self.run_info.num_params
+
+    # The relay's own slice: the whole vector unless aggregators own parts of it.
+    @property
+    def master(self) -> MasterState:
+        return self.backbone.local.master
+
+    @property
+    def reducer(self) -> Reducer:
+        return self.backbone.local.reducer
+
+    @property
+    def publisher(self) -> Publisher:
+        return self.backbone.local.publisher
 
     @property
     def finished(self) -> bool:
@@ -111,7 +151,8 @@ class Collaboration:
         if r is None or r.closed:
             return None
         return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
-                         expected_peers=len(r.expected), received_peers=len(r.received))
+                         expected_peers=len(r.expected), received_peers=len(r.received),
+                         plan_version=r.plan_version, slices=r.slices)
 
     def state(self) -> CollabState:
         collected = self.registry.collected(self.step, self.run_cfg.max_staleness)
@@ -160,6 +201,7 @@ class Collaboration:
             raise ApiError(409, "version_ahead", f"peer claims version {hb.version} but the relay is at {self.step}",
                            "Download the current parameters (the relay may have been rolled back).")
         self.registry.report(peer, hb)
+        self.backbone.planning.observe_samples_per_s(peer.peer_id, hb.samples_per_s)
         self._maybe_open_round()
         self._update_membership(peer)
         return self.state()
@@ -184,32 +226,38 @@ class Collaboration:
             self._forget(peer.peer_id)
 
     def _forget(self, peer_id: str) -> None:
+        self.backbone.planning.forget_peer(peer_id)
         if self.round is not None and not self.round.closed:
             self.round.drop(peer_id)
             self._maybe_finalize()
 
     # --- rounds -------------------------------------------------------------------------------
     def _maybe_open_round(self) -> None:
-        if self.round is not None or self.finished:
+        if self.round is not None or self.finished or self._between_rounds_work():
             return
         eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
         if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
             return
         self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
-                           deadline_s=self.deadlines.window_s())
+                           deadline_s=self.deadlines.window_s(), plan_version=self.backbone.plan_version,
+                           slices=self.backbone.round_slices())
         log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
 
     async def receive_gradient(self, step: int, peer_id: str, reader: AsyncContainerReader) -> UploadReceipt:
         """Stream one peer's gradient sum into the round's reduction, chunk by chunk."""
+        started = time.monotonic()
         peer = self.peer(peer_id)
         r = self.round
         if r is None or r.closed or r.step != step:
             raise round_closed(step, self.step)
+        if r.slices:
+            raise ApiError(409, "ticket_required", f"round {step} is sliced among aggregators",
+                           "Ask for a ticket and upload each slice to its owner (the toolkit does this).")
         if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
             raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}",
                            "Keep accumulating; the next round takes the new samples.")
         header = await reader.read_header()
-        meta = _gradient_meta(header.metadata)
+        meta = gradient_meta(header.metadata)
         self.reducer.check(header)
         if meta.peer_id != peer_id or meta.step != step:
             raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
@@ -234,16 +282,69 @@ class Collaboration:
                 raise (round_closed_partial(step) if reduced else round_closed(step, self.step)) from None
             raise
         else:
-            r.complete(peer_id, meta.samples, meta.loss_sum)
-            peer.samples = max(0, peer.samples - meta.samples)
-            peer.claimable = max(0, peer.claimable - meta.samples)
-            if peer.first_contribution_s is None:
-                peer.first_contribution_s = time.monotonic() - peer.joined_at
+            self._credit(r, peer, meta.samples, meta.loss_sum)
+            self.backbone.planning.record_transfer(peer_id, "up", step, header.header_bytes + header.data_bytes, started)
         finally:
             peer.inflight -= 1
             self.registry.touch(peer)
             self._maybe_finalize()
         return UploadReceipt(step=step, accepted_samples=meta.samples, received_peers=len(r.received))
+
+    def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
+        r.complete(peer.peer_id, samples, loss_sum)
+        peer.samples = max(0, peer.samples - samples)
+        peer.claimable = max(0, peer.claimable - samples)
+        if peer.first_contribution_s is None:
+            peer.first_contribution_s = time.monotonic() - peer.joined_at
+
+    # --- sliced rounds: ticket, uploads to the owners, done -------------------------------------
+    def issue_ticket(self, step: int, peer_id: str, req: TicketRequest) -> Ticket:
+        """The checks a whole-vector upload gets, then a signed permission to upload the slices."""
+        peer = self.peer(peer_id)
+        r = self.round
+        if r is None or r.closed or r.step != step or r.round_id != req.round_id:
+            raise round_closed(step, self.step)
+        if not r.slices:
+            raise ApiError(409, "no_ticket_needed", f"round {step} is not sliced",
+                           "Upload the whole gradient to the relay (ROUTES['gradient']).")
+        if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
+            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}",
+                           "Keep accumulating; the next round takes the new samples.")
+        if not 0 <= step - req.version <= self.run_cfg.max_staleness:
+            raise ApiError(409, "stale_gradient", f"gradient from version {req.version} is too old for round {step}",
+                           "Discard it and download the latest parameters.")
+        if req.samples > peer.claimable:
+            raise ApiError(422, "samples_exceed_report", f"the ticket asks for {req.samples} samples, "
+                           f"progress reports since the last upload said {peer.claimable}",
+                           "Send a heartbeat before uploading.")
+        if [(d.start, d.end) for d in req.slices] != [(s.start, s.end) for s in r.slices]:
+            raise ApiError(422, "bad_slices", "the ticket request does not list this round's slices",
+                           "Split the gradient by the round's slices (RoundInfo.slices).")
+        r.tickets[peer_id] = (req.samples, req.loss_sum, r.begin(peer_id))
+        expires = time.time() + max(0.0, r.deadline - time.monotonic()) + 30.0
+        return sign_ticket(Ticket(round_id=r.round_id, step=step, peer_id=peer_id, samples=req.samples,
+                                  version=req.version, plan_version=r.plan_version, expires_at=expires,
+                                  slices=list(req.slices)), self.backbone.ticket_key)
+
+    def done(self, step: int, peer_id: str, req: DoneRequest) -> UploadReceipt:
+        """The peer finished uploading its slices. Delivering any slice counts the peer in (the
+        owners reduced part-wise); delivering none releases it, as a refused upload would."""
+        peer = self.peer(peer_id)
+        r = self.round
+        if r is None or r.round_id != req.round_id or r.step != step or peer_id not in r.tickets:
+            raise round_closed(step, self.step)
+        if r.closed:
+            raise round_closed_partial(step) if req.delivered or req.partial else round_closed(step, self.step)
+        samples, loss_sum, was_expected = r.tickets.pop(peer_id)
+        if peer_id in r.uploading:
+            if req.delivered:
+                self._credit(r, peer, samples, loss_sum)
+            else:
+                r.abort(peer_id, reduced=req.partial, was_expected=was_expected)
+        self.registry.touch(peer)
+        self._maybe_finalize()
+        return UploadReceipt(step=step, accepted_samples=samples if req.delivered else 0,
+                             received_peers=len(r.received))
 
     def _maybe_finalize(self, now: float | None = None) -> None:
         r = self.round
@@ -264,24 +365,77 @@ class Collaboration:
     async def _finalize(self, r: Round) -> None:
         if not r.received:
             log.warning("round %d closed (%s) with no complete gradient; collecting again", r.step, r.finalized_by)
-            await self.reducer.run(self.reducer.reset)  # drop any part-wise chunks of failed uploads
+            if not r.slices:  # owners of a sliced round drop theirs when the next round id reaches them
+                await self.reducer.run(self.reducer.reset)  # drop any part-wise chunks of failed uploads
             self.round = None
             self._maybe_open_round()
             return
         outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=time.monotonic() - r.opened_at,
                            deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0)
-        version = await self.reducer.run(self._apply, outcome)
+        if r.slices:
+            published = await self._finalize_sliced(r, outcome)
+        else:
+            version = await self.reducer.run(self._apply, outcome)
+            self.publisher.publish(version)
+            self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
+            published = self._publish_local(version)
         self.deadlines.observe(r)
-        self.publisher.publish(version)
-        self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
         self.round = None
-        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", version.step, len(r.received), r.samples,
+        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
                  f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
         self._maybe_open_round()
         if self.observers.observers:
             status = self.status()
-            self.observers.publish(StepEvent(step=version.step, record=status.recent_rounds[-1], status=status,
-                                             state_path=version.path))
+            path = published.version.path if published.version else None
+            self.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
+                                             state_path=path))
+
+    def _publish_local(self, version: Version) -> Published:
+        """The relay's own version is the published one (single relay)."""
+        published = Published(step=version.step, sha256=version.sha256, version=version)
+        self.backbone.board.publish(published)
+        return published
+
+    async def _finalize_sliced(self, r: Round, outcome: RoundLog) -> Published:
+        """Every owner finalizes its slice (dead ones are recovered inside), then commit and publish."""
+        published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
+        outcome = dataclasses.replace(outcome, lr=lr_at(r.step, self.config.optimizer, self.run_cfg.total_steps),
+                                      grad_norm=grad_norm)
+        manifest = published.manifest.dumps().decode() if published.manifest else ""
+        await asyncio.to_thread(self.store.commit, published.step, published.sha256, outcome, {"manifest": manifest})
+        self.backbone.board.publish(published)
+        self.backbone.after_publish(published)
+        return published
+
+    # --- plan changes, between rounds ------------------------------------------------------------
+    def _between_rounds_work(self) -> bool:
+        """A plan change is pending or running: no round opens until the slices have moved."""
+        if self._migration is not None and not self._migration.done():
+            return True
+        if self.backbone.pending is None or self.round is not None or self._finalizing_now():
+            return False
+        self._migration = asyncio.get_running_loop().create_task(self._migrate())
+        return True
+
+    def _finalizing_now(self) -> bool:
+        return self._finalizing is not None and not self._finalizing.done()
+
+    async def _migrate(self) -> None:
+        try:
+            published, new_version = await self.backbone.migrate(self.step)
+            if published is not None:
+                manifest = published.manifest.dumps().decode() if published.manifest else ""
+                record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0,
+                                  finalized_by="recovery", lr=0.0, grad_norm=0.0) if new_version else None
+                await asyncio.to_thread(self.store.commit, published.step, published.sha256, record,
+                                        {"manifest": manifest})
+                self.backbone.board.publish(published)
+                self.backbone.after_publish(published)
+        except Exception:
+            log.exception("moving slices failed; the relay keeps the current plan")
+        finally:
+            self._migration = None
+            self._maybe_open_round()
 
     def _apply(self, outcome: RoundLog) -> Version:
         """Reducer thread, after every add of the round: mean, optimizer step, persist, commit."""
@@ -297,6 +451,9 @@ class Collaboration:
         next version, and return that version. Versions only move forward -- peers compare them --
         so rolling back to k at version N publishes N + 1 holding k's state. An open round is
         abandoned: its gradients were computed on the state being rolled back."""
+        if not self.backbone.single:
+            raise ApiError(409, "rollback_needs_single_relay", "aggregators own slices of the vector",
+                           "Stop the aggregators (their slices return to the relay), then roll back.")
         if not self.store.state_path(to_step).exists():
             kept = sorted(int(p.stem.split("-")[1]) for p in self.store.state_path(0).parent.glob("step-*.safetensors"))
             raise ApiError(404, "no_checkpoint", f"no stored state for step {to_step}",
@@ -309,6 +466,7 @@ class Collaboration:
             self.round = None
         version = await self.reducer.run(self._apply_rollback, to_step)
         self.publisher.publish(version)
+        self._publish_local(version)
         log.warning("rolled back to the state of step %d, published as step %d", to_step, version.step)
         self._maybe_open_round()
         return version.step
@@ -326,16 +484,21 @@ class Collaboration:
                                                              grad_norm=0.0))
         return version
 
-    async def wait_for_step(self, min_step: int, timeout_s: float) -> Version | None:
+    async def wait_for_step(self, min_step: int, timeout_s: float) -> Published | None:
         """Long-poll: the first published version with ``step >= min_step``, or None."""
-        return await self.publisher.wait(min_step, timeout_s)
+        return await self.backbone.board.wait(min_step, timeout_s)
 
     async def tick(self) -> None:
-        """Housekeeping, every fraction of a second: expire silent peers, enforce deadlines."""
+        """Housekeeping, every fraction of a second: expire silent peers and aggregators, enforce
+        deadlines, re-plan on changed measurements."""
         for peer in self.registry.expire():
             log.info("peer %s timed out", peer.name)
             self._forget(peer.peer_id)
         self._maybe_finalize()
+        self.backbone.expire()
+        self.backbone.maybe_replan()
+        if self.round is None:
+            self._maybe_open_round()  # also starts a pending plan change
 
     async def run_ticker(self, period_s: float = 0.1) -> None:
         while True:
@@ -343,13 +506,12 @@ class Collaboration:
             await asyncio.sleep(period_s)
 
     def state_info(self) -> StateInfo:
-        latest = self.publisher.latest
+        latest = self.backbone.board.latest
         return StateInfo(step=latest.step, num_params=self.num_params, sha256=latest.sha256)
 
     def plan_info(self) -> PlanInfo:
         """Who aggregates what. Until extra aggregators join, the relay owns the whole vector."""
-        return PlanInfo(version="relay-only", steps_per_s=None, slices=[
-            PlanSlice(aggregator_id="relay", name="relay", start=0, end=self.num_params, fraction=1.0)])
+        return self.backbone.plan_info()
 
     def run_summary(self) -> RunSummary:
         opt = self.config.optimizer
@@ -382,8 +544,3 @@ class Collaboration:
                             uptime_s=now - self.started, leaderboard=leaderboard, plan=self.plan_info(),
                             config=self.run_summary())
 
-
-def _gradient_meta(metadata: dict[str, str]) -> GradientMeta:
-    if "collab" not in metadata:
-        raise ProtocolError("bad_meta", "gradient container lacks the 'collab' metadata entry")
-    return GradientMeta.loads(metadata["collab"])

@@ -211,6 +211,32 @@ class AdminSection:
 
 
 @dataclass(kw_only=True)
+class AggregatorsSection:
+    """Extra aggregator servers (``relay-server aggregator``) and the plan that slices the vector
+    among them and the relay (DESIGN.md s5-6). Without registered aggregators none of this runs."""
+
+    heartbeat_interval_s: float = 1.0
+    """How often aggregators report to the relay."""
+    ttl_s: float = 5.0
+    """An aggregator silent this long is dead: the next round recovers its slice and re-plans."""
+    call_timeout_s: float = 30.0
+    """Relay -> aggregator calls (finalize, assign, state pulls) fail after this long; a failed
+    finalize marks the aggregator dead."""
+    default_bandwidth_mbps: float = 100.0
+    """Bandwidth assumed for a link until a real transfer measured it (Mbit/s)."""
+    replan_interval_s: float = 10.0
+    """Solve the plan at most this often for changed measurements (membership changes: 1 s)."""
+    replan_change: float = 0.2
+    """A measurement moving by more than this fraction since the last solve is a material change."""
+    min_share_change: float = 0.05
+    """Move slices only when some owner's share moves by more than this (a move costs two
+    transfers of the whole state through the relay)."""
+    state_copy_every: int = 10
+    """Pull every aggregator's optimizer state into the relay's recovery copy every this many
+    steps (parameters are pulled after every step)."""
+
+
+@dataclass(kw_only=True)
 class RelayConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -222,6 +248,7 @@ class RelayConfig:
     hub: HubSection = field(default_factory=HubSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     admin: AdminSection = field(default_factory=AdminSection)
+    aggregators: AggregatorsSection = field(default_factory=AggregatorsSection)
     dataset: dict[str, Any] = field(default_factory=dict)
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
 
@@ -267,6 +294,10 @@ class RelayConfig:
              "set only one of model.init_checkpoint and hub.init_from"),
             (not self.hub.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.hub.init_from)),
              "hub.init_from must be 'owner/name' or 'owner/name@revision'"),
+            (self.aggregators.ttl_s > self.aggregators.heartbeat_interval_s > 0,
+             "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)"),
+            (self.aggregators.default_bandwidth_mbps > 0, "aggregators.default_bandwidth_mbps must be > 0"),
+            (self.aggregators.state_copy_every >= 1, "aggregators.state_copy_every must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

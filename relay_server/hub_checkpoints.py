@@ -160,6 +160,9 @@ class HubCheckpointer:
                         CLOSE_TIMEOUT_S)
 
     def _stage(self, event: StepEvent) -> _Staged | None:
+        if event.state_path is None:
+            log.info("step %d not uploaded to the Hub: aggregators hold slices of it", event.step)
+            return None
         target = self.staging / event.state_path.name
         try:
             os.link(event.state_path, target)

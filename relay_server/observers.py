@@ -29,9 +29,10 @@ class StepEvent:
     """The round that produced it."""
     status: StatusReport
     """The collaboration right after the step."""
-    state_path: Path
+    state_path: Path | None
     """The version's safetensors file (parameters + optimizer state). The store prunes old
-    versions (``server.keep_checkpoints``): copy or hard-link it before a slow upload."""
+    versions (``server.keep_checkpoints``): copy or hard-link it before a slow upload. None while
+    aggregators own slices of the vector (no single file holds the version)."""
 
 
 class Observer(Protocol):

@@ -3,7 +3,7 @@
 A slice's state is ``params`` (the master slice), ``public`` (lossy codecs: what peers hold),
 ``opt.<key>`` per-element optimizer state and ``opt_scalar.<key>`` counters
 (:meth:`relay_server.master.MasterState.export_state`), with ``step``/``start``/``end`` in the
-container metadata. Internal calls carry the admin token (:mod:`relay_server.admin_token`).
+container metadata. Internal calls carry the organizer's admin token (:mod:`relay_server.moderation`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from relay_server import admin_token
 from relay_server.errors import ApiError
 from toolkit.errors import ProtocolError
 from toolkit.schema import Schema
@@ -52,7 +51,7 @@ class InternalClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=min(10.0, self.timeout_s)),
-                headers=admin_token.bearer(self.token))
+                headers={"Authorization": f"Bearer {self.token}"})
         return self._session
 
     async def close(self) -> None:

@@ -437,11 +437,12 @@ ROUTES.update({
     "plan": "/api/plan",
     "ticket": "/api/rounds/{step}/ticket",
     "done": "/api/rounds/{step}/done",
-    "aggregator_register": "/api/internal/aggregators/register",
-    "aggregator_heartbeat": "/api/internal/aggregators/{aggregator_id}/heartbeat",
-    "finalize": "/api/internal/finalize",
-    "assign": "/api/internal/assign",
-    "slice_state": "/api/internal/state",
+    # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
+    "aggregator_register": "/api/admin/aggregators/register",
+    "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",
+    "finalize": "/api/admin/finalize",
+    "assign": "/api/admin/assign",
+    "slice_state": "/api/admin/state",
 })
 TICKET_HEADER = "X-Collab-Ticket"
 _HEX64 = limits(max_len=64)
