@@ -1,6 +1,8 @@
-"""``relay-server``: run a relay, or a complete local demo collaboration.
+"""``relay-server``: run a relay, an extra aggregator, or a complete local demo collaboration.
 
     relay-server serve --config run.toml          # an organizer's relay
+    relay-server aggregator --coordinator https://relay.example --port 8751 \
+        --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
 """
 
@@ -27,6 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ready-file", help="write the relay URL here once it accepts connections")
     serve.add_argument("--verbose", "-v", action="store_true")
 
+    agg = sub.add_parser("aggregator", help="an extra server that owns the slices of the vector the relay's plan "
+                         "assigns it (more bandwidth for the collaboration)")
+    agg.add_argument("--coordinator", required=True, help="the relay's URL")
+    agg.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 on a VM; default 127.0.0.1)")
+    agg.add_argument("--port", type=int, default=8751, help="port (0 = any free port; default 8751)")
+    agg.add_argument("--public-url", help="the URL peers and the relay reach this server at (default: "
+                     "http://HOST:PORT as bound)")
+    agg.add_argument("--data-dir", default="aggregator-data", help="where this server keeps its slice's versions")
+    agg.add_argument("--admin-token-file", required=True,
+                     help="a copy of the relay's <data_dir>/admin_token (the relay writes it on first start)")
+    agg.add_argument("--name", help="shown on the dashboard (default: the public URL's host:port)")
+    agg.add_argument("--keep-versions", type=int, default=3, help="slice versions kept on disk (default 3)")
+    agg.add_argument("--ready-file", help="write this server's URL here once it accepts connections")
+    agg.add_argument("--verbose", "-v", action="store_true")
+
     demo = sub.add_parser("demo", help="relay + N CPU peers training the byte-level demo model")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes (default 3)")
     demo.add_argument("--steps", type=int, default=30, help="optimizer steps to run (default 30)")
@@ -48,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_admin(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "aggregator":
+            return _aggregator(args)
         from relay_server.demo import run_demo
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
@@ -67,6 +86,24 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=overrides)
     logging.getLogger("relay_server").setLevel(logging.INFO)
     asyncio.run(serve(config, ready_file=args.ready_file))
+    return 0
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    from relay_server import admin_token
+    from relay_server.aggregator import serve_aggregator
+
+    if not args.coordinator.startswith(("http://", "https://")):
+        raise ConfigError(f"--coordinator must be the relay's http(s) URL, got {args.coordinator!r}")
+    try:
+        token = admin_token.read(args.admin_token_file)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--admin-token-file: {exc}") from None
+    name = args.name or (args.public_url or f"{args.host}:{args.port}").split("://")[-1].rstrip("/")
+    logging.getLogger("relay_server").setLevel(logging.INFO)
+    asyncio.run(serve_aggregator(coordinator=args.coordinator, host=args.host, port=args.port,
+                                 public_url=args.public_url, data_dir=args.data_dir, token=token, name=name[:128],
+                                 keep_versions=max(2, args.keep_versions), ready_file=args.ready_file))
     return 0
 
 
