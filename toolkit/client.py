@@ -1,9 +1,11 @@
-"""The peer's only connection to the world: outbound HTTP(S) to one relay URL.
+"""The peer's only connection to the world: outbound HTTP(S) to the relay (and, when the relay's
+plan has them, to the aggregators it names -- still outbound only).
 
 A keep-alive ``requests.Session``; bodies streamed in chunks both ways (a 100 MB gradient is sent
 straight from its buffer and parameters are read straight into the model's flat buffer); retries
 with exponential backoff for requests that are safe to repeat; relay errors become typed
-exceptions carrying the relay's hint. One client per thread: sessions are not shared.
+exceptions carrying the relay's hint. One client per thread: sessions are not shared. Slices go
+to and come from their owners in parallel, each owner over its own session on a small pool.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,10 +23,18 @@ import requests
 
 from toolkit.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.compression import Codec, apply_delta
-from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
+from toolkit.errors import CollabError, ProtocolError, RelayRejected, RelayUnreachable
 from toolkit.protocol import (
     ROUTES,
+    TICKET_HEADER,
     CollabState,
+    DoneRequest,
+    ParamsManifest,
+    PlanInfo,
+    PlanSlice,
+    SliceDigest,
+    SliceVersion,
+    TicketRequest,
     GradientMeta,
     Heartbeat,
     JoinRequest,
@@ -47,6 +60,7 @@ from toolkit.signing import (
     SignedAuth,
 )
 from toolkit.tensor_container import (
+    encode_header,
     encoded_size,
     iter_encoded,
     peek_header,
@@ -74,9 +88,15 @@ class RelayClient:
         self.session = requests.Session()
         self.session.headers["User-Agent"] = "collabtrain-peer"
         self.session.auth = auth
+        self._owners: dict[str, requests.Session] = {}  # slice owner URL ("" = the relay) -> session
+        self._pool: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         self.session.close()
+        for session in self._owners.values():
+            session.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     # --- plumbing -------------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> requests.Response:
@@ -212,6 +232,10 @@ class RelayClient:
         with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
             if response.status_code == 204:
                 return None
+            if response.headers.get("Content-Type", "").startswith("application/json"):
+                manifest = self._manifest(response)
+                response.close()
+                return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
             header = peek_header(response.raw, public.nbytes)
             if header.metadata.get("kind") == "delta":
                 if codec is None or header.metadata.get("base") != str(have):
@@ -226,6 +250,167 @@ class RelayClient:
                 raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the "
                                     "relay signed", "Download again; if it repeats, something alters the traffic.")
         return int(header.metadata.get("step", -1))
+
+    # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
+    def get_plan(self) -> PlanInfo:
+        return self._call("GET", ROUTES["plan"], PlanInfo)
+
+    def request_ticket(self, step: int, peer_id: str, request: TicketRequest) -> str:
+        """The relay's permission to upload this gradient's slices (the header value to present)."""
+        response = self._request("POST", ROUTES["ticket"].format(step=step), retry=False, params={"peer_id": peer_id},
+                                 data=request.dumps(), headers={"Content-Type": "application/json"})
+        try:
+            return str(response.json()["ticket"])
+        except (ValueError, KeyError, TypeError):
+            raise ProtocolError("bad_json", "the relay's ticket answer is malformed") from None
+
+    def report_done(self, step: int, peer_id: str, request: DoneRequest) -> UploadReceipt:
+        return self._call("POST", ROUTES["done"].format(step=step), UploadReceipt, request,
+                          params={"peer_id": peer_id}, retry=False)
+
+    def upload_slices(self, step: int, ticket: str, parts: list["SlicePart"],
+                      keepalive: Callable[[], Any] | None = None, keepalive_s: float = 1.0) -> list[CollabError | None]:
+        """Upload every slice to its owner in parallel; ``None`` per accepted slice, else the error.
+        ``keepalive`` runs every ``keepalive_s`` in the calling thread while they stream (the
+        relay must keep hearing from a peer whose uploads go elsewhere)."""
+        futures = [self._pool_().submit(self._upload_slice, step, ticket, part) for part in parts]
+        while True:
+            done, pending = wait(futures, timeout=keepalive_s)
+            if not pending:
+                break
+            if keepalive is not None:
+                try:
+                    keepalive()
+                except CollabError as exc:
+                    log.debug("keepalive failed during uploads: %s", exc)
+        return [f.result() for f in futures]
+
+    def _upload_slice(self, step: int, ticket: str, part: "SlicePart") -> CollabError | None:
+        session, base = self._owner(part.plan.url)
+        headers = {"Content-Type": "application/octet-stream", TICKET_HEADER: ticket}
+        if self.signed and not part.plan.url:  # the relay's own slice goes through its signed session
+            headers[BODY_SHA256_HEADER] = part.header_sha256
+        try:
+            response = session.put(base + ROUTES["gradient"].format(step=step), data=_SizedBody(part.tensors, part.metadata),
+                                   headers=headers, timeout=self.timeout)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            return RelayUnreachable("owner_unreachable", f"slice [{part.plan.start}, {part.plan.end}) to "
+                                    f"{part.plan.name}: {type(exc).__name__}")
+        if response.status_code >= 400:
+            return _rejected(response)
+        return None
+
+    def _download_slices(self, manifest: ParamsManifest, public: np.ndarray, *, have: int | None,
+                         codec: Codec | None, peer_id: str) -> int:
+        """Bring every slice of ``manifest`` into ``public`` from its owner, each checked against the
+        relay-signed hash; a slice whose owner fails is fetched again from the owner named by the
+        relay's newest manifest (slices move when an aggregator dies)."""
+        if manifest.num_params != public.size:
+            raise ProtocolError("bad_manifest", f"manifest of {manifest.num_params} parameters, model has {public.size}")
+        todo = list(manifest.slices)
+        for attempt in range(4):
+            futures = {self._pool_().submit(self._download_slice, s, manifest.step, public, have, codec, peer_id): s
+                       for s in todo}
+            wait(futures)
+            failed = [(s, f.exception()) for f, s in futures.items() if f.exception() is not None]
+            if not failed:
+                return manifest.step
+            if attempt == 3:  # the relay will move the slice (dead owner); the caller retries later
+                raise RelayUnreachable("slices_unavailable", f"{len(failed)} slice(s) of step {manifest.step} could "
+                                       f"not be downloaded: {failed[0][1]}") from failed[0][1]
+            log.info("%d slice(s) failed (%s); asking the relay where they are now", len(failed), failed[0][1])
+            time.sleep(self.backoff_s * 2 ** attempt)
+            with self._request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
+                               stream=True) as response:
+                if not response.headers.get("Content-Type", "").startswith("application/json"):
+                    raise ProtocolError("bad_manifest", "the relay stopped slicing mid-download; download again")
+                latest = self._manifest(response)
+            have = None  # a failed slice may be half-written: whole slices from now on
+            if latest.step != manifest.step:  # a newer version: take every slice of it
+                manifest, todo = latest, list(latest.slices)
+            else:
+                wanted = {(s.start, s.end) for s, _ in failed}
+                manifest, todo = latest, [s for s in latest.slices if (s.start, s.end) in wanted] or list(latest.slices)
+        raise AssertionError("unreachable")
+
+    def _download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
+                        codec: Codec | None, peer_id: str) -> None:
+        view = public[s.start:s.end]
+        params = {"start": s.start, "end": s.end, "min_step": step, "peer_id": peer_id}
+        if have is not None and codec is not None and not codec.lossless:
+            params["have"] = have
+        session, base = self._owner(s.url)
+        try:
+            with session.get(base + ROUTES["params"], params=params, stream=True, timeout=self.timeout) as response:
+                if response.status_code >= 400:
+                    raise _rejected(response)
+                if response.status_code == 204:
+                    raise ProtocolError("slice_missing", f"{s.url or 'the relay'} has no step {step} of its slice")
+                header = peek_header(response.raw, view.nbytes)
+                if int(header.metadata.get("step", -1)) != step:
+                    raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
+                                        f"{header.metadata.get('step')}, the manifest says {step}")
+                if header.metadata.get("kind") == "delta":
+                    if codec is None or header.metadata.get("base") != str(have):
+                        raise ProtocolError("bad_delta", f"a delta against {header.metadata.get('base')}, "
+                                            f"this peer holds {have}")
+                    _, tensors = read_container(response.raw, view.nbytes, header=header)
+                    apply_delta(codec, view, tensors)
+                else:
+                    read_container(response.raw, view.nbytes, out={"params": view}, header=header)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
+                                   f"{s.url or self.url}: {type(exc).__name__}") from None
+        if hashlib.sha256(memoryview(view).cast("B")).hexdigest() != s.sha256:
+            raise ProtocolError("params_hash_mismatch", f"slice [{s.start}, {s.end}) differs from the hash the relay "
+                                "published", "Download again; if it repeats, report the aggregator to the organizer.")
+
+    def _manifest(self, response: requests.Response) -> ParamsManifest:
+        try:
+            return ParamsManifest.from_json(response.json())
+        except ValueError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError("bad_json", "the relay's manifest is not JSON") from None
+
+    def _owner(self, url: str) -> tuple[requests.Session, str]:
+        """The session for a slice owner ("" = the relay: signed like every relay request)."""
+        session = self._owners.get(url)
+        if session is None:
+            session = self._owners[url] = requests.Session()
+            session.headers["User-Agent"] = "collabtrain-peer"
+            if not url:
+                session.auth = self.session.auth
+        return session, (url or self.url).rstrip("/")
+
+    def _pool_(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="collab-slices")
+        return self._pool
+
+
+@dataclass(frozen=True)
+class SlicePart:
+    """One slice of a gradient, encoded, ready to upload with a ticket."""
+
+    plan: PlanSlice
+    tensors: list[tuple[str, np.ndarray]]
+    metadata: dict[str, str]
+    header_sha256: str
+
+    @property
+    def digest(self) -> SliceDigest:
+        return SliceDigest(start=self.plan.start, end=self.plan.end, header_sha256=self.header_sha256)
+
+
+def slice_part(plan: PlanSlice, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str,
+               *, signed: bool) -> SlicePart:
+    """Wrap one encoded slice: its container metadata (with chunk digests in signed runs, so the
+    header the ticket binds also binds the data) and the sha256 of its header."""
+    metadata = {"collab": meta.dumps().decode(), "codec": codec, "slice": f"{plan.start}:{plan.end}"}
+    if signed:
+        metadata.update(digest_metadata(tensors))
+    return SlicePart(plan, tensors, metadata, hashlib.sha256(encode_header(tensors, metadata)).hexdigest())
 
 
 class _SizedBody:

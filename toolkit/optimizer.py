@@ -40,29 +40,36 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.client import RelayClient
+from toolkit.client import RelayClient, slice_part
 from toolkit.compression import ErrorFeedback, get_codec
 from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
-from toolkit.protocol import PROTOCOL_VERSION, CollabState, GradientMeta, Heartbeat, JoinRequest, RunInfo
+from toolkit.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,
+                              PlanSlice, RunInfo, TicketRequest)
 
 log = logging.getLogger(__name__)
+
+_NOT_RECEIVED = ("round_closed", "rate_limited")  # refusals before any byte of the gradient was used
 
 
 
 @dataclass(frozen=True)
 class _Upload:
-    """One accumulated gradient on its way: the raw sum (kept to restore it) and its encoding."""
+    """One accumulated gradient on its way: the raw sum (kept to restore it) and its encoding:
+    whole (``tensors``), or one encoding per slice of a sliced round (``parts``)."""
 
     meta: GradientMeta
     grad: np.ndarray  # (P,) float32 sum over meta.samples samples
     tensors: list[tuple[str, np.ndarray]]  # what went on the wire (the codec's encoding)
+    parts: tuple[tuple[PlanSlice, list[tuple[str, np.ndarray]]], ...] = ()
 
 
 @dataclass
 class _Outcome:
     """What became of one upload: applied (``version`` is the new parameters' version, already in
-    the public copy), or not. ``fate`` then says whether the relay certainly never received it
-    ("not_received"), cannot tell ("unknown"), or refused or partly used it ("dropped")."""
+    the public copy; or ``fate`` "applied": the relay moved past its round, but a slice of the
+    result could not be downloaded yet), or not. ``fate`` then says whether the relay certainly
+    never received it ("not_received"), cannot tell ("unknown"), or refused or partly used it
+    ("dropped")."""
 
     upload: _Upload
     version: int | None = None
@@ -257,16 +264,32 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             self._accum.zero_()
             self.samples, self.loss_sum = 0, 0.0
         try:
-            tensors = self._feedback.compress(grad) if self._feedback else self.codec.encode(grad)
+            upload = self._encode(meta, grad, state.round.slices)
         except ValueError as exc:  # e.g. a sum that overflowed float16's range
             self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
             return
         self._last_round_id = round_id
-        upload = _Upload(meta, grad, tensors)
         if self.delayed_updates:
             self._pending = self._worker.submit(lambda client: self._round_job(client, upload, round_id))
         else:
             self._settle(self._round_job(self.client, upload, round_id))
+
+    def _encode(self, meta: GradientMeta, grad: np.ndarray, slices: list[PlanSlice]) -> _Upload:
+        """The wire form of a gradient: whole, or per slice of a sliced round (error feedback runs
+        over the whole vector either way: each slice carries its own range's residual)."""
+        if not slices:
+            return _Upload(meta, grad, self._feedback.compress(grad) if self._feedback else self.codec.encode(grad))
+        parts: list[tuple[PlanSlice, list[tuple[str, np.ndarray]]]] = []
+        try:
+            for s in slices:
+                x = grad[s.start:s.end]
+                parts.append((s, self._feedback.compress(x, start=s.start) if self._feedback else self.codec.encode(x)))
+        except ValueError:
+            for s, tensors in parts:  # the slices already encoded were never sent
+                if self._feedback is not None:
+                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
+            raise
+        return _Upload(meta, grad, [], tuple(parts))
 
     def _round_job(self, client: RelayClient, upload: _Upload, round_id: str) -> _Outcome:
         """Upload, then wait for the version the round produces (in the worker thread with delayed
@@ -275,18 +298,28 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         step stays and the open round has another id, the round died (relay restart) and the
         gradient goes back into the accumulator."""
         meta = upload.meta
-        try:
-            client.upload_gradient(upload.tensors, meta, self.codec.name)
-        except RelayRejected as exc:
-            if exc.code in ("round_closed", "rate_limited"):  # never received: reusable if still fresh enough
-                return _Outcome(upload, error=exc, fate="not_received")
-            return _Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
-        except RelayUnreachable as exc:
-            return _Outcome(upload, error=exc, fate="unknown")
+        if upload.parts:
+            failed = self._upload_sliced(client, upload, round_id)
+            if failed is not None:
+                return failed
+        else:
+            try:
+                client.upload_gradient(upload.tensors, meta, self.codec.name)
+            except RelayRejected as exc:
+                if exc.code in _NOT_RECEIVED:  # never received: reusable if still fresh enough
+                    return _Outcome(upload, error=exc, fate="not_received")
+                return _Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
+            except RelayUnreachable as exc:
+                return _Outcome(upload, error=exc, fate="unknown")
         give_up = time.monotonic() + self.round_wait_s
         try:
             while time.monotonic() < give_up:
-                step = self._download(client, min_step=meta.step + 1, wait_s=5)
+                try:
+                    step = self._download(client, min_step=meta.step + 1, wait_s=5)
+                except RelayUnreachable:  # the new version is there but a slice is not (yet)
+                    if client.get_progress().step > meta.step:
+                        return _Outcome(upload, fate="applied")  # loaded by the next sync
+                    raise
                 if step is not None:
                     return _Outcome(upload, version=step)
                 progress = client.get_progress()
@@ -298,11 +331,44 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return _Outcome(upload, error=RoundLost("round_timeout", f"no result for round {meta.step} after "
                                                 f"{self.round_wait_s:.0f}s"), fate="unknown")
 
+    def _upload_sliced(self, client: RelayClient, upload: _Upload, round_id: str) -> _Outcome | None:
+        """Ticket from the relay, each slice to its owner (in parallel), then "done". None when at
+        least one slice was accepted: the gradient is in the round (part-wise), so the caller waits
+        for the version; a slice that failed only loses that slice's contribution."""
+        meta = upload.meta
+        parts = [slice_part(plan, tensors, meta, self.codec.name, signed=client.signed) for plan, tensors in upload.parts]
+        try:
+            ticket = client.request_ticket(meta.step, self.peer_id, TicketRequest(
+                round_id=round_id, version=meta.version, samples=meta.samples, loss_sum=meta.loss_sum,
+                slices=[p.digest for p in parts]))
+        except RelayRejected as exc:
+            return _Outcome(upload, error=exc, fate="not_received" if exc.code in _NOT_RECEIVED else "dropped")
+        except RelayUnreachable as exc:  # no ticket in hand: nothing was sent anywhere
+            return _Outcome(upload, error=exc, fate="not_received")
+        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self._report(client),
+                                      keepalive_s=self.run.heartbeat_interval_s)
+        delivered = [p.plan.start for p, e in zip(parts, errors) if e is None]
+        failures = [e for e in errors if e is not None]
+        partial = any(not (isinstance(e, RelayRejected) and e.code in _NOT_RECEIVED) for e in failures)
+        try:
+            client.report_done(meta.step, self.peer_id, DoneRequest(round_id=round_id, delivered=delivered,
+                                                                     partial=partial))
+        except (RelayRejected, RelayUnreachable) as exc:
+            if not delivered:
+                return _Outcome(upload, error=exc, fate="dropped" if partial else "not_received")
+            log.info("round %d: the relay did not take our done (%s); the slices sent still count", meta.step, exc)
+        if not delivered:
+            return _Outcome(upload, error=failures[0], fate="dropped" if partial else "not_received")
+        if failures:
+            self._note_error(CollabError("slice_lost", f"round {meta.step}: {len(failures)} of {len(parts)} slices "
+                                         f"not delivered ({failures[0]}); only their contribution is lost"))
+        return None
+
     def _settle(self, outcome: _Outcome) -> None:
         """Apply a round's outcome in the training thread."""
         if outcome.error is not None:
             self._note_error(outcome.error)
-        if outcome.version is not None:
+        if outcome.version is not None or outcome.fate == "applied":
             self.contributed_samples += outcome.upload.meta.samples
             log.info("round %d: sent %d samples", outcome.upload.meta.step, outcome.upload.meta.samples)
             self._load()
@@ -336,7 +402,11 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         recorded as sent)."""
         meta, grad = upload.meta, upload.grad
         if self._feedback is not None:
-            self._feedback.undo(upload.tensors, grad)
+            if upload.parts:
+                for s, tensors in upload.parts:
+                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
+            else:
+                self._feedback.undo(upload.tensors, grad)
         with self._lock:
             if self.samples == 0:
                 self._accum_version = meta.version
