@@ -150,6 +150,69 @@ def start_relay(tmp_path: Path) -> Iterator:
 
 
 @dataclass
+class AggregatorProcess:
+    """A real ``relay-server aggregator`` process registered with ``relay``."""
+
+    relay: RelayProcess
+    name: str
+    data_dir: Path
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "AggregatorProcess":
+        self.ready_path.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", self.relay.url,
+             "--port", str(self.port), "--data-dir", str(self.data_dir), "--name", self.name,
+             "--admin-token-file", str(self.relay.data_dir / "admin_token"), "--ready-file", str(self.ready_path),
+             "--keep-versions", "1000"],
+            stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT)
+        return self
+
+    @property
+    def ready_path(self) -> Path:
+        return self.data_dir.parent / f"ready-{self.port}"
+
+    def wait_registered(self, timeout_s: float = 60) -> "AggregatorProcess":
+        deadline = time.monotonic() + timeout_s
+        while not (self.ready_path.exists() and self.status().get("aggregator_id")):  # listening, then registered
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aggregator exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"aggregator did not register:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        return requests.get(self.url + "/api/status", timeout=10).json()
+
+    kill, stop = RelayProcess.kill, RelayProcess.stop
+
+
+@pytest.fixture
+def start_aggregators(tmp_path: Path) -> Iterator:
+    """``start_aggregators(relay, *names, wait=True)`` -> AggregatorProcesses registered with ``relay``
+    (started together: each takes seconds to import torch; ``wait=False`` returns at once, call
+    ``wait_registered``), stopped after the test."""
+    aggregators: list[AggregatorProcess] = []
+
+    def start(relay: RelayProcess, *names: str, wait: bool = True) -> list[AggregatorProcess]:
+        new = [AggregatorProcess(relay, name, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log").start()
+               for name in names]
+        aggregators.extend(new)
+        return [a.wait_registered() for a in new] if wait else new
+
+    yield start
+    for aggregator in aggregators:
+        aggregator.stop()
+
+
+@dataclass
 class PeerProcess:
     name: str
     proc: subprocess.Popen

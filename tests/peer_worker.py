@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--delayed", action="store_true")
     parser.add_argument("--sleep-per-batch", type=float, default=0.0, help="simulate a slower device")
     parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    parser.add_argument("--wait-aggregators", type=int, default=0,
+                        help="start computing once this many aggregators registered with the relay")
     parser.add_argument("--hf-token-env", default=None, help="log in with the HF token in this environment variable")
     parser.add_argument("--freeze-before-upload", type=int, default=None, metavar="STEP",
                         help="SIGSTOP this process just before uploading to round STEP or later (the test kills it)")
@@ -79,6 +81,8 @@ def main() -> int:
 
         client.upload_gradient = frozen_upload
     while args.wait_peers and client.get_status().num_peers < args.wait_peers:
+        time.sleep(0.05)
+    while args.wait_aggregators and sum(a.alive for a in client.get_status().plan.aggregators) < args.wait_aggregators:
         time.sleep(0.05)
     pending: list[int] = []
     cursor, version = 0, opt.version
