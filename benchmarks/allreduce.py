@@ -1,12 +1,18 @@
 """Seconds per averaging round through the relay, beside raw TCP moving the same bytes.
 
     python benchmarks/allreduce.py --peers 4 --mb 100 --rounds 5
+    python benchmarks/allreduce.py --peers 4 --mb 20 --rounds 5 --aggregators 2   # sliced rounds
 
 N peer processes each hold a float32 gradient of ``--mb`` MiB. One round = every peer uploads
 its gradient sum, the relay reduces it while it streams in, applies SGD to the master
 parameters, persists the new version and publishes it, and every peer downloads the new
 parameters. Timed from the first upload's start to the last download's end; the median over
 rounds is reported.
+
+With ``--aggregators N`` the relay and N ``relay-server aggregator`` processes share the vector
+(an equal plan: every link gets the same prior and re-planning is off): each peer asks for a
+ticket, uploads every slice to its owner in parallel, says done, and downloads every slice from
+its owner. On one machine this measures the sliced path's overhead, not a bandwidth gain.
 
 The baseline moves the same bytes the same way with plain sockets on 127.0.0.1 (N processes
 send ``--mb`` MiB each into one receiver, which then sends ``--mb`` MiB back to each), so the
@@ -35,6 +41,7 @@ SAMPLES = 8  # each peer's gradient is a sum over this many samples
 
 
 def relay_config(numel: int, peers: int) -> str:
+    # [aggregators]: one plan, from equal priors (measurements must not move slices mid-benchmark)
     return f"""
 [run]
 name = "allreduce-bench"
@@ -56,6 +63,10 @@ deadline_ceiling_s = 120.0
 keep_checkpoints = 2
 [auth]
 mode = "open"
+[aggregators]
+heartbeat_interval_s = 0.5
+ttl_s = 30.0
+replan_change = 1e9
 """
 
 
@@ -64,24 +75,38 @@ def gradient(index: int, numel: int) -> np.ndarray:
 
 
 # --- one peer process --------------------------------------------------------------------------
-def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, out: mp.Queue) -> None:
+def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices: int, out: mp.Queue) -> None:
     sys.path.insert(0, str(REPO))
-    from toolkit.client import RelayClient
-    from toolkit.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+    from toolkit.client import RelayClient, slice_part
+    from toolkit.protocol import PROTOCOL_VERSION, DoneRequest, GradientMeta, Heartbeat, JoinRequest, TicketRequest
 
     client = RelayClient(url, read_timeout_s=300)
     peer_id = client.join(JoinRequest(peer_name=f"bench-{index}", protocol=PROTOCOL_VERSION)).peer_id
     grad, params = gradient(index, numel), np.empty(numel, dtype=np.float32)
     while client.get_status().num_peers < peers:
         time.sleep(0.01)
+    while len(client.get_status().plan.slices) < slices:  # computing (samples/s > 0), nothing to send yet
+        client.heartbeat(peer_id, Heartbeat(version=0, samples=0, samples_per_s=1.0))
+        time.sleep(0.1)
     for step in range(rounds):
         state = client.heartbeat(peer_id, Heartbeat(version=step, samples=SAMPLES, samples_per_s=1.0))
         while state.round is None or state.round.step != step:
             time.sleep(0.005)
             state = client.get_progress()
         started = time.time()
-        client.upload_gradient([("payload", grad)], GradientMeta(peer_id=peer_id, step=step, version=step,
-                                                                 samples=SAMPLES, loss_sum=0.0), "none")
+        meta = GradientMeta(peer_id=peer_id, step=step, version=step, samples=SAMPLES, loss_sum=0.0)
+        if state.round.slices:
+            parts = [slice_part(s, [("payload", grad[s.start:s.end])], meta, "none", signed=False)
+                     for s in state.round.slices]
+            ticket = client.request_ticket(step, peer_id, TicketRequest(
+                round_id=state.round.round_id, version=step, samples=SAMPLES, loss_sum=0.0,
+                slices=[p.digest for p in parts]))
+            errors = client.upload_slices(step, ticket, parts)
+            assert not any(errors), errors
+            client.report_done(step, peer_id, DoneRequest(round_id=state.round.round_id,
+                                                          delivered=[p.plan.start for p in parts]))
+        else:
+            client.upload_gradient([("payload", grad)], meta, "none")
         version = client.download_params(params, min_step=step + 1, wait_s=60, peer_id=peer_id)
         out.put((index, step, started, time.time(), version))
     if index == 0:
@@ -89,7 +114,24 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, out: mp
     client.leave(peer_id)
 
 
-def run_relay_rounds(peers: int, numel: int, rounds: int) -> tuple[list[float], np.ndarray]:
+def start_aggregators(url: str, tmp: Path, count: int) -> list[subprocess.Popen]:
+    procs, ready = [], []
+    for i in range(count):
+        ready.append(tmp / f"agg{i}.ready")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", url, "--port", "0",
+             "--data-dir", str(tmp / f"agg{i}"), "--admin-token-file", str(tmp / "data" / "admin_token"),
+             "--name", f"agg{i}", "--ready-file", str(ready[-1])],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"agg{i}.log", "w")))
+    for proc, path in zip(procs, ready):
+        while not path.exists():
+            if proc.poll() is not None:
+                raise SystemExit(f"aggregator failed:\n{(path.with_suffix('.log')).read_text()[-2000:]}")
+            time.sleep(0.05)
+    return procs
+
+
+def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) -> tuple[list[float], np.ndarray]:
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
         config = Path(tmp) / "run.toml"
         config.write_text(relay_config(numel, peers))
@@ -103,9 +145,11 @@ def run_relay_rounds(peers: int, numel: int, rounds: int) -> tuple[list[float], 
                     raise SystemExit(f"relay failed:\n{(Path(tmp) / 'relay.log').read_text()[-2000:]}")
                 time.sleep(0.05)
             url = ready.read_text()
+            helpers = start_aggregators(url, Path(tmp), aggregators)
             ctx = mp.get_context("spawn")
             out: mp.Queue = ctx.Queue()
-            procs = [ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, out)) for i in range(peers)]
+            procs = [ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, aggregators + 1, out))
+                     for i in range(peers)]
             for p in procs:
                 p.start()
             timings: dict[int, list[tuple[float, float]]] = {}
@@ -121,8 +165,9 @@ def run_relay_rounds(peers: int, numel: int, rounds: int) -> tuple[list[float], 
             for p in procs:
                 p.join(timeout=60)
         finally:
-            relay.terminate()
-            relay.wait(timeout=30)
+            for proc in [*helpers, relay] if "helpers" in locals() else [relay]:
+                proc.terminate()
+                proc.wait(timeout=30)
     seconds = [max(e for _, e in t) - min(s for s, _ in t) for _, t in sorted(timings.items())]
     return seconds, final
 
@@ -196,11 +241,12 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--mb", type=float, default=100.0, help="gradient size per peer in MiB (float32)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--aggregators", type=int, default=0, help="extra aggregator processes (sliced rounds)")
     args = parser.parse_args()
     numel = int(args.mb * 2**20) // 4
 
     raw = run_raw_tcp(args.peers, numel * 4, args.rounds)
-    relay, final = run_relay_rounds(args.peers, numel, args.rounds)
+    relay, final = run_relay_rounds(args.peers, numel, args.rounds, args.aggregators)
     mean = sum(gradient(i, numel).astype(np.float64) for i in range(args.peers)) / (args.peers * SAMPLES)
     max_abs_err = float(np.max(np.abs(final - (-args.rounds * mean))))
 
@@ -209,7 +255,8 @@ def main() -> None:
     print(f"raw TCP rounds (s): {' '.join(f'{s:.3f}' for s in raw)}")
     print(f"{args.peers} peers x {args.mb:g} MiB: relay {round_s:.3f} s/round, raw TCP {raw_s:.3f} s, "
           f"ratio {round_s / raw_s:.2f}; max |error| vs float64 reference {max_abs_err:.2e}")
-    print(json.dumps({"peers": args.peers, "mb": args.mb, "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
+    print(json.dumps({"peers": args.peers, "mb": args.mb, "aggregators": args.aggregators,
+                      "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
                       "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}))
 
 
