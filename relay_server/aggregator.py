@@ -93,7 +93,7 @@ class Aggregator:
                                  upload=self.meter.upload.value, download=self.meter.download.value, transfers=sent)
         url = self.coordinator + ROUTES["aggregator_heartbeat"].format(aggregator_id=self.aggregator_id)
         try:
-            await self.client.call("POST", url, _Ok, hb)
+            await self.client.call("POST", url, None, hb)
         except CallFailed as exc:
             if "HTTP 410" in str(exc):  # declared dead or the relay restarted: join again (state kept
                 log.warning("the relay dropped this aggregator; registering again")  # until reassigned)
@@ -160,12 +160,6 @@ def _warm_up() -> None:
     p.grad = torch.ones(4)
     for opt in (torch.optim.SGD([p], lr=0.1, momentum=0.9), torch.optim.AdamW([p])):
         opt.step()
-
-
-class _Ok:
-    @classmethod
-    def loads(cls, raw: bytes) -> "_Ok":
-        return cls()
 
 
 # --- HTTP -------------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ class Backbone:
         self._copy_task: asyncio.Task | None = None
         self.client: InternalClient | None = None
         self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
+        self._checked = -math.inf
 
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:
@@ -226,8 +227,12 @@ class Backbone:
         that moves slices becomes ``pending`` until the relay is between rounds."""
         if (not self.aggregators and self.single) or self.migrating:
             return  # no aggregator ever joined (or all are gone and their slices recovered)
+        now = time.monotonic() if now is None else now
+        if now - self._checked < 0.5:  # the relay ticks every 0.1 s; inputs need not be rebuilt as often
+            return
+        self._checked = now
         caps, inputs = self._capacities()
-        if self.planning.due(caps, time.monotonic() if now is None else now):
+        if self.planning.due(caps, now):
             plan = self.planning.solve(caps, inputs)
             if plan is not None and self._moves_slices(plan):
                 self.pending = plan

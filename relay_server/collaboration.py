@@ -418,7 +418,9 @@ class Collaboration:
         return True
 
     def _finalizing_now(self) -> bool:
-        return self._finalizing is not None and not self._finalizing.done()
+        """A round is being finalized (the finalize itself, opening the next round, does not count)."""
+        task = self._finalizing
+        return task is not None and not task.done() and task is not asyncio.current_task()
 
     async def _migrate(self) -> None:
         try:

@@ -58,15 +58,16 @@ class InternalClient:
         if self._session is not None:
             await self._session.close()
 
-    async def call(self, method: str, url: str, schema: type[Schema], body: Schema | None = None) -> Schema:
-        """A JSON call; any failure (unreachable, timeout, error answer) raises ``CallFailed``."""
+    async def call(self, method: str, url: str, schema: type[Schema] | None, body: Schema | None = None) -> Schema | None:
+        """A JSON call (``schema`` None: the answer's body is not needed); any failure
+        (unreachable, timeout, error answer) raises ``CallFailed``."""
         try:
             async with self.session.request(method, url, data=body.dumps() if body else None,
                                             headers={"Content-Type": "application/json"}) as response:
                 raw = await response.read()
                 if response.status >= 400:
                     raise CallFailed(f"{method} {url}: HTTP {response.status} {raw[:300]!r}")
-                return schema.loads(raw)
+                return schema.loads(raw) if schema is not None else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
             raise CallFailed(f"{method} {url}: {type(exc).__name__}: {exc}") from None
 
