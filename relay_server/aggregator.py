@@ -22,11 +22,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from relay_server import admin_token
 from relay_server.config import OptimizerSection, RoundsSection
 from relay_server.errors import ApiError
 from relay_server.http import error_middleware, int_query, json_ok, read_message
 from relay_server.measure import ServerMeter
+from relay_server.moderation import AdminToken
 from relay_server.publisher import Version
 from relay_server.reducer import robust_config
 from relay_server.server import serve_app
@@ -48,6 +48,7 @@ class Aggregator:
     def __init__(self, *, coordinator: str, public_url: str, data_dir: str | Path, token: str, name: str,
                  keep_versions: int = 3, call_timeout_s: float = 60.0) -> None:
         self.coordinator, self.public_url, self.name, self.token = coordinator.rstrip("/"), public_url, name, token
+        self.admin = AdminToken(token)
         self.store = Store(data_dir, keep=keep_versions)
         self.client = InternalClient(token, call_timeout_s)
         self.welcome: AggregatorWelcome | None = None
@@ -168,8 +169,9 @@ def _agg(request: web.Request) -> Aggregator:
 
 
 def _internal(request: web.Request) -> Aggregator:
+    """The relay's calls (finalize, assign, state): the organizer's admin token."""
     agg = _agg(request)
-    admin_token.check(request.headers, agg.token)
+    agg.admin.check(request.headers.get("Authorization"))
     return agg
 
 

@@ -45,7 +45,7 @@ from relay_server.planner import Plan
 from relay_server.planning import RELAY_ID, Planning
 from relay_server.publisher import Board, Version
 from relay_server.recovery import RecoveryCopy
-from relay_server.reducer import robust_config
+from relay_server.reducer import Reducer, robust_config
 from relay_server.slice_owner import SliceOwner
 from relay_server.state_transfer import CallFailed, InternalClient, cut
 from relay_server.store import Store
@@ -125,6 +125,7 @@ class Backbone:
         self.client: InternalClient | None = None
         self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
         self._checked = -math.inf
+        self._empty_reducer: Reducer | None = None
 
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:
@@ -147,6 +148,15 @@ class Backbone:
     def close(self) -> None:
         if self.local is not None:
             self.local.close()
+        if self._empty_reducer is not None:
+            self._empty_reducer.close()
+
+    @property
+    def empty_reducer(self) -> Reducer:
+        """A reducer over no elements, for callers of the relay's reducer when it owns no slice."""
+        if self._empty_reducer is None:
+            self._empty_reducer = Reducer(np.zeros(0, dtype=np.float32), self.codec)
+        return self._empty_reducer
 
     # --- what the rest of the relay asks ----------------------------------------------------------
     @property

@@ -90,13 +90,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _aggregator(args: argparse.Namespace) -> int:
-    from relay_server import admin_token
     from relay_server.aggregator import serve_aggregator
+    from relay_server.moderation import read_token
 
     if not args.coordinator.startswith(("http://", "https://")):
         raise ConfigError(f"--coordinator must be the relay's http(s) URL, got {args.coordinator!r}")
     try:
-        token = admin_token.read(args.admin_token_file)
+        token = read_token(args.admin_token_file)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--admin-token-file: {exc}") from None
     name = args.name or (args.public_url or f"{args.host}:{args.port}").split("://")[-1].rstrip("/")

@@ -136,7 +136,10 @@ class Collaboration:
 
     @property
     def reducer(self) -> Reducer:
-        return self.backbone.local.reducer
+        """The relay's own slice's reducer (an empty one while aggregators own every slice:
+        moderation excludes banned peers through it either way)."""
+        local = self.backbone.local
+        return local.reducer if local is not None else self.backbone.empty_reducer
 
     @property
     def publisher(self) -> Publisher:

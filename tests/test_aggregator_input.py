@@ -127,14 +127,14 @@ def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators
         "params without a slice": (requests.get(agg.url + "/api/params", timeout=10), 400, "bad_query"),
         "params of another slice": (requests.get(agg.url + "/api/params", params={"start": 0, "end": 1}, timeout=10),
                                     409, "wrong_slice"),
-        "finalize without the token": (requests.post(agg.url + "/api/internal/finalize", json={}, timeout=10),
-                                       401, "admin_token_required"),
-        "state with a wrong token": (requests.get(agg.url + "/api/internal/state", params={"step": 0}, timeout=10,
+        "finalize without the token": (requests.post(agg.url + "/api/admin/finalize", json={}, timeout=10),
+                                       401, "admin_auth_required"),
+        "state with a wrong token": (requests.get(agg.url + "/api/admin/state", params={"step": 0}, timeout=10,
                                                   headers={"Authorization": "Bearer " + "x" * 40}),
-                                     403, "bad_admin_token"),
-        "relay register without the token": (requests.post(relay.url + "/api/internal/aggregators/register",
+                                     401, "bad_admin_token"),
+        "relay register without the token": (requests.post(relay.url + "/api/admin/aggregators/register",
                                                            json={"name": "evil", "url": "http://x", "protocol": 3},
-                                                           timeout=10), 401, "admin_token_required"),
+                                                           timeout=10), 401, "admin_auth_required"),
     }
     for what, (response, status_code, code) in hostile.items():
         assert answer(response) == (status_code, code), (what, getattr(response, "text", response))
