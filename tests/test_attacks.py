@@ -359,7 +359,7 @@ def test_more_samples_than_reported(world: World, unchanged) -> None:
 
 def test_malformed_json(world: World, unchanged) -> None:
     refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b"{oops")), 400, "bad_json")
-    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b'{"peer_name": 5, "protocol": 2}')),
+    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b'{"peer_name": 5, "protocol": %d}' % PROTOCOL_VERSION)),
             400, "bad_schema")
 
 

@@ -38,7 +38,7 @@ from relay_server.moderation import TOKEN_FILE, AdminToken
 from relay_server.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
 from tests.conftest import REPO, merged
 from tests.test_attacks import TOKENS, SignedPeer, hf_relay, standin
-from toolkit.protocol import ROUTES
+from toolkit.protocol import PROTOCOL_VERSION, ROUTES
 
 
 # --- the admin token -------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_a_flood_from_one_address_gets_429_and_nothing_else_does(tmp_path: Path)
         for _ in range(20):  # the organizer is never limited
             answer = await client.get("/api/admin/contributions", headers={"Authorization": f"Bearer {token}"})
             assert answer.status == 200
-        joined = await client.post("/api/peers/join", json={"peer_name": "p", "protocol": 2})
+        joined = await client.post("/api/peers/join", json={"peer_name": "p", "protocol": PROTOCOL_VERSION})
         assert joined.status == 200  # other kinds of route have their own buckets
 
     _serve(_config(tmp_path, limits=limits), scenario)
