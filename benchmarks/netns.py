@@ -38,12 +38,20 @@ def unavailable() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"'{tool}' is missing (Debian: apt-get install iproute2)"
-    probe = f"ctprobe{uuid.uuid4().hex[:6]}"
+    probe = f"ctp{uuid.uuid4().hex[:6]}"
+    steps = [(["ip", "netns", "add", probe], "cannot create a network namespace"),
+             (["ip", "link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b"], "cannot create veth links"),
+             (["tc", "qdisc", "add", "dev", f"{probe}a", "root", "tbf", "rate", "10mbit", "burst", "65536",
+               "latency", "50ms"], "cannot shape a link with tc tbf"),
+             (["ip", "link", "add", f"{probe}r", "type", "bridge"], "cannot create a bridge")]
     try:
-        _ip("netns", "add", probe)
-    except subprocess.CalledProcessError as exc:
-        return f"cannot create a network namespace: {exc.stderr.strip()}"
+        for cmd, what in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"{what}: {done.stderr.strip()}"
     finally:
+        for link in (f"{probe}a", f"{probe}r"):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
@@ -108,9 +116,11 @@ class Star:
             _shape(outer, host.download_mbit)  # what the bridge delivers to it
 
     def close(self) -> None:
-        for host in self.hosts:
+        for i, host in enumerate(self.hosts):
             if host.netns:
-                subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)  # removes its veth pair
+                # deleting one end removes the pair now (a namespace's own cleanup is asynchronous)
+                subprocess.run(["ip", "link", "del", f"ct{self.tag}o{i}"], capture_output=True)
+                subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
