@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--batch-size", type=int, default=8, help="per-peer micro-batch (default 8)")
     demo.add_argument("--data-dir", help="keep the relay state here (default: a temporary directory)")
     demo.add_argument("--port", type=int, default=0)
+    demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
+                      help="codec for gradients and parameters on the wire (default none)")
     demo.add_argument("--verbose", "-v", action="store_true")
 
     from relay_server.moderation import add_admin_parser, run_admin
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         from relay_server.demo import run_demo
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
-                        batch_size=args.batch_size, data_dir=args.data_dir, port=args.port)
+                        batch_size=args.batch_size, data_dir=args.data_dir, port=args.port,
+                        compression=args.compression)
     except ConfigError as exc:
         print(f"relay-server: configuration error: {exc}", file=sys.stderr)
         return 2

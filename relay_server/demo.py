@@ -61,17 +61,17 @@ class RelayThread:
 
 
 def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
-             data_dir: str | None = None, port: int = 0) -> int:
+             data_dir: str | None = None, port: int = 0, compression: str = "none") -> int:
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
     directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
     config = load_config(None, overrides={
         "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-        "run": {"total_steps": steps, "target_batch": target_batch}})
+        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression}})
     relay = RelayThread(config)
     url = relay.start()
     print(f"relay:     {url}   (status JSON: {url}/api/status, dashboard: {url}/)", flush=True)
     print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
-          f"{steps} steps", flush=True)
+          f"{steps} steps, compression {compression}", flush=True)
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
                                "--seed", str(1000 + i), "--batch-size", str(batch_size), "--threads", "1"],
                               stdout=subprocess.DEVNULL, stderr=open(directory / f"peer-{i}.log", "w"))
