@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,10 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 8  # each peer's gradient is a sum over this many samples
 
 
-def relay_config(numel: int, peers: int) -> str:
-    # [aggregators]: one plan, from equal priors (measurements must not move slices mid-benchmark)
+def relay_config(numel: int, peers: int, replan: bool = False) -> str:
+    """The benchmark run. ``replan`` False: one plan, solved from equal priors before any transfer
+    (measurements never move slices mid-benchmark); True: re-solved from measurements each second."""
+    replanning = "replan_change = 0.2\nreplan_interval_s = 1.0" if replan else "replan_change = 1e9"
     return f"""
 [run]
 name = "allreduce-bench"
@@ -66,7 +69,7 @@ mode = "open"
 [aggregators]
 heartbeat_interval_s = 0.5
 ttl_s = 30.0
-replan_change = 1e9
+{replanning}
 """
 
 
@@ -75,7 +78,14 @@ def gradient(index: int, numel: int) -> np.ndarray:
 
 
 # --- one peer process --------------------------------------------------------------------------
-def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices: int, out: mp.Queue) -> None:
+def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: int,
+             report: Callable[[tuple], None], samples_per_s: float = 1.0) -> None:
+    """Join, wait for ``peers`` peers and a plan of ``slices`` owners, then run ``rounds`` rounds.
+
+    Reports ``(index, step, started, ended, version, owners)`` per round (``owners``: the
+    round's slice fractions by owner name, empty when the relay owns the whole vector) and, from
+    peer 0, ``("params", final_parameters)``. Shared with ``benchmarks/shaped.py``.
+    """
     sys.path.insert(0, str(REPO))
     from toolkit.client import RelayClient, slice_part
     from toolkit.protocol import PROTOCOL_VERSION, DoneRequest, GradientMeta, Heartbeat, JoinRequest, TicketRequest
@@ -86,10 +96,10 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices:
     while client.get_status().num_peers < peers:
         time.sleep(0.01)
     while len(client.get_status().plan.slices) < slices:  # computing (samples/s > 0), nothing to send yet
-        client.heartbeat(peer_id, Heartbeat(version=0, samples=0, samples_per_s=1.0))
+        client.heartbeat(peer_id, Heartbeat(version=0, samples=0, samples_per_s=samples_per_s))
         time.sleep(0.1)
     for step in range(rounds):
-        state = client.heartbeat(peer_id, Heartbeat(version=step, samples=SAMPLES, samples_per_s=1.0))
+        state = client.heartbeat(peer_id, Heartbeat(version=step, samples=SAMPLES, samples_per_s=samples_per_s))
         while state.round is None or state.round.step != step:
             time.sleep(0.005)
             state = client.get_progress()
@@ -107,11 +117,16 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices:
                                                           delivered=[p.plan.start for p in parts]))
         else:
             client.upload_gradient([("payload", grad)], meta, "none")
-        version = client.download_params(params, min_step=step + 1, wait_s=60, peer_id=peer_id)
-        out.put((index, step, started, time.time(), version))
+        version = client.download_params(params, min_step=step + 1, wait_s=300, peer_id=peer_id)
+        owners = {s.name: round(s.fraction, 4) for s in state.round.slices}
+        report((index, step, started, time.time(), version, owners))
     if index == 0:
-        out.put(("params", params))
+        report(("params", params))
     client.leave(peer_id)
+
+
+def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices: int, out: mp.Queue) -> None:
+    run_peer(url, index, numel, rounds, peers, slices, out.put)
 
 
 def start_aggregators(url: str, tmp: Path, count: int) -> list[subprocess.Popen]:
@@ -159,7 +174,7 @@ def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) 
                 if item[0] == "params":
                     final = item[1]
                     continue
-                _, step, started, ended, version = item
+                _, step, started, ended, version, _ = item
                 assert version == step + 1, f"peer downloaded version {version} after round {step}"
                 timings.setdefault(step, []).append((started, ended))
             for p in procs:
