@@ -34,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from relay_server.errors import ApiError
+from relay_server.http import drain
 from relay_server.relay_key import RelayKey
 from toolkit.auth import (BODY_SHA256_HEADER, CHUNK_BYTES_KEY, CHUNK_SHA256_KEY, CONTAINER_TYPE, NONCE_HEADER,
                           NONCE_RE, PASS_HEADER, RELAY_SIGNATURE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER,
@@ -57,7 +58,6 @@ BODY_STREAM_KEY = _request_key("body_stream", object)  # use request.get(BODY_ST
 _NONCE = _request_key("auth_nonce", str)
 _SIGNER = _request_key("auth_signer", RelayKey)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_DRAIN_LIMIT = 8 << 20
 _LOGIN_HINT = "Log in again (the toolkit does this by itself; re-run the cell if it keeps failing)."
 
 
@@ -337,7 +337,7 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
             await _authenticate(verifier, request)
         except (ApiError, ProtocolError) as exc:
             log.info("refused %s %s: %s", request.method, request.path[:80], getattr(exc, "code", "error"))
-            await _drain(request)
+            await drain(request)
             raise
         response = await handler(request)
         if (isinstance(response, web.Response) and not response.prepared and 200 <= response.status < 300
@@ -367,14 +367,3 @@ async def _authenticate(verifier: RequestVerifier, request: web.Request) -> None
     request[PASS_KEY] = claims
     request[_NONCE] = pending.nonce
     request[_SIGNER] = verifier.relay_key
-
-
-async def _drain(request: web.Request) -> None:
-    """Read a little of a refused body so the peer sees our answer, not a reset connection."""
-    remaining = request.content_length
-    if remaining is None or remaining > _DRAIN_LIMIT:
-        return
-    try:
-        await request.content.read(_DRAIN_LIMIT)
-    except Exception:  # the peer may be gone already
-        pass

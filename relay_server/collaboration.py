@@ -258,21 +258,13 @@ class Collaboration:
         if r.slices:
             raise ApiError(409, "ticket_required", f"round {step} is sliced among aggregators",
                            "Ask for a ticket and upload each slice to its owner (the toolkit does this).")
-        if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
-            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}",
-                           "Keep accumulating; the next round takes the new samples.")
+        _check_not_sent(r, peer_id)
         header = await reader.read_header()
         meta = gradient_meta(header.metadata)
         self.reducer.check(header)
         if meta.peer_id != peer_id or meta.step != step:
             raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
-        if not 0 <= step - meta.version <= self.run_cfg.max_staleness:
-            raise ApiError(409, "stale_gradient", f"gradient from version {meta.version} is too old for round {step}",
-                           "Discard it and download the latest parameters.")
-        if meta.samples > peer.claimable:
-            raise ApiError(422, "samples_exceed_report", f"upload claims {meta.samples} samples, "
-                           f"progress reports since the last upload said {peer.claimable}",
-                           "Send a heartbeat before uploading.")
+        self._check_contribution(step, peer, meta.version, meta.samples, "upload claims")
         was_expected = r.begin(peer_id)
         progress = UploadProgress()
         peer.inflight += 1
@@ -295,6 +287,17 @@ class Collaboration:
             self._maybe_finalize()
         return UploadReceipt(step=step, accepted_samples=meta.samples, received_peers=len(r.received))
 
+    def _check_contribution(self, step: int, peer: Peer, version: int, samples: int, claim: str) -> None:
+        """A gradient (whole or sliced) may lag the master by ``max_staleness`` versions and may
+        not claim more samples than the peer's progress reports since its last upload."""
+        if not 0 <= step - version <= self.run_cfg.max_staleness:
+            raise ApiError(409, "stale_gradient", f"gradient from version {version} is too old for round {step}",
+                           "Discard it and download the latest parameters.")
+        if samples > peer.claimable:
+            raise ApiError(422, "samples_exceed_report", f"{claim} {samples} samples, "
+                           f"progress reports since the last upload said {peer.claimable}",
+                           "Send a heartbeat before uploading.")
+
     def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
         r.complete(peer.peer_id, samples, loss_sum)
         peer.samples = max(0, peer.samples - samples)
@@ -312,16 +315,8 @@ class Collaboration:
         if not r.slices:
             raise ApiError(409, "no_ticket_needed", f"round {step} is not sliced",
                            "Upload the whole gradient to the relay (ROUTES['gradient']).")
-        if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
-            raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {step}",
-                           "Keep accumulating; the next round takes the new samples.")
-        if not 0 <= step - req.version <= self.run_cfg.max_staleness:
-            raise ApiError(409, "stale_gradient", f"gradient from version {req.version} is too old for round {step}",
-                           "Discard it and download the latest parameters.")
-        if req.samples > peer.claimable:
-            raise ApiError(422, "samples_exceed_report", f"the ticket asks for {req.samples} samples, "
-                           f"progress reports since the last upload said {peer.claimable}",
-                           "Send a heartbeat before uploading.")
+        _check_not_sent(r, peer_id)
+        self._check_contribution(step, peer, req.version, req.samples, "the ticket asks for")
         if [(d.start, d.end) for d in req.slices] != [(s.start, s.end) for s in r.slices]:
             raise ApiError(422, "bad_slices", "the ticket request does not list this round's slices",
                            "Split the gradient by the round's slices (RoundInfo.slices).")
@@ -551,3 +546,8 @@ class Collaboration:
                             uptime_s=now - self.started, leaderboard=leaderboard, plan=self.plan_info(),
                             config=self.run_summary())
 
+
+def _check_not_sent(r: Round, peer_id: str) -> None:
+    if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
+        raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {r.step}",
+                       "Keep accumulating; the next round takes the new samples.")

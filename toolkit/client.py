@@ -237,14 +237,7 @@ class RelayClient:
                 response.close()
                 return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
             header = peek_header(response.raw, public.nbytes)
-            if header.metadata.get("kind") == "delta":
-                if codec is None or header.metadata.get("base") != str(have):
-                    raise ProtocolError("bad_delta", f"the relay sent a delta against version "
-                                        f"{header.metadata.get('base')}, this peer holds {have}")
-                _, tensors = read_container(response.raw, public.nbytes, header=header)
-                apply_delta(codec, public, tensors)
-            else:
-                read_container(response.raw, public.nbytes, out={"params": public}, header=header)
+            _read_params(response.raw, header, public, have, codec)
             if self.signed and hashlib.sha256(memoryview(public).cast("B")).hexdigest() != \
                     response.headers.get("X-Collab-Sha256", ""):
                 raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the "
@@ -350,14 +343,7 @@ class RelayClient:
                 if int(header.metadata.get("step", -1)) != step:
                     raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
                                         f"{header.metadata.get('step')}, the manifest says {step}")
-                if header.metadata.get("kind") == "delta":
-                    if codec is None or header.metadata.get("base") != str(have):
-                        raise ProtocolError("bad_delta", f"a delta against {header.metadata.get('base')}, "
-                                            f"this peer holds {have}")
-                    _, tensors = read_container(response.raw, view.nbytes, header=header)
-                    apply_delta(codec, view, tensors)
-                else:
-                    read_container(response.raw, view.nbytes, out={"params": view}, header=header)
+                _read_params(response.raw, header, view, have, codec)
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
                                    f"{s.url or self.url}: {type(exc).__name__}") from None
@@ -442,3 +428,15 @@ def _rejected(response: requests.Response) -> RelayRejected:
                              str(body.get("hint", "")), status=response.status_code)
     except ValueError:
         return RelayRejected(f"http_{response.status_code}", response.text[:200], status=response.status_code)
+
+
+def _read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec | None) -> None:
+    """Read a parameters body (whole, or a lossy codec's delta against version ``have``) into ``out``."""
+    if header.metadata.get("kind") == "delta":
+        if codec is None or header.metadata.get("base") != str(have):
+            raise ProtocolError("bad_delta", f"the server sent a delta against version {header.metadata.get('base')}, "
+                                f"this peer holds {have}")
+        _, tensors = read_container(stream, out.nbytes, header=header)
+        apply_delta(codec, out, tensors)
+    else:
+        read_container(stream, out.nbytes, out={"params": out}, header=header)
