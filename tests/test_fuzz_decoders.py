@@ -59,8 +59,11 @@ from toolkit.auth import (BODY_SHA256_HEADER, NONCE_HEADER, PASS_HEADER, SIGNATU
                           decode_pass, digest_metadata, unb64u, verify_pass)
 from toolkit.compression import get_codec
 from toolkit.errors import ProtocolError
-from toolkit.protocol import (GradientMeta, Heartbeat, JoinRequest, LoginRequest, PlanInfo, ShardLeaseRequest,
-                              ShardReport)
+from relay_server.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
+from toolkit.protocol import (AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome, AssignRequest,
+                              DoneRequest, FinalizeRequest, GradientMeta, Heartbeat, JoinRequest, LoginRequest,
+                              ParamsManifest, PlanInfo, ShardLeaseRequest, ShardReport, SliceDigest, SliceReport,
+                              Ticket, TicketRequest)
 from toolkit.schema import MAX_LIST, MAX_STR, Schema
 from toolkit.signing import PeerKey
 from toolkit.tensor_container import AsyncContainerReader, encode_header_for, parse_header
@@ -360,6 +363,47 @@ test_fuzz_plan_info, test_fuzz_plan_info_slow = fuzz(schema_inputs(PlanInfo))(_p
 test_fuzz_admin_ban_request, test_fuzz_admin_ban_request_slow = fuzz(schema_inputs(BanRequest))(_ban_request)
 test_fuzz_admin_rollback_request, test_fuzz_admin_rollback_request_slow = fuzz(
     schema_inputs(RollbackRequest))(_rollback_request)
+
+
+# --- the sliced path: peers' tickets and reports, relay <-> aggregator calls, what peers decode ----------
+SLICED_PATH = (TicketRequest, DoneRequest, ParamsManifest, AggregatorRegistration, AggregatorWelcome,
+               AggregatorHeartbeat, FinalizeRequest, AssignRequest, SliceReport)
+
+
+def _schema_decoder(cls: type[Schema]) -> Callable[[bytes], None]:
+    def decode(raw: bytes) -> None:
+        check_schema_bytes(cls, raw)
+
+    decode.__name__, decode.__doc__ = f"_{cls.__name__}", f"{cls.__name__}, a message of sliced rounds."
+    return decode
+
+
+for _cls in SLICED_PATH:
+    _name = re.sub(r"(?<!^)(?=[A-Z])", "_", _cls.__name__).lower()
+    globals()[f"test_fuzz_{_name}"], globals()[f"test_fuzz_{_name}_slow"] = fuzz(schema_inputs(_cls))(
+        _schema_decoder(_cls))
+
+TICKET_KEY = new_ticket_key()
+_VALID_TICKET = encode_ticket(sign_ticket(Ticket(
+    round_id="r1", step=3, peer_id="p" * 16, samples=8, version=3, plan_version="v", expires_at=2e9,
+    slices=[SliceDigest(start=0, end=10, header_sha256="0" * 64)]), TICKET_KEY))
+
+
+def _ticket_header(header: str) -> None:
+    """X-Collab-Ticket, which an aggregator checks before it reduces anything: refused with a
+    401/403/409 JSON error unless it decodes and carries this run's MAC."""
+    try:
+        ticket = verify_ticket(header, TICKET_KEY, now=1e9)
+    except ApiError as exc:
+        assert exc.status in (401, 403, 409) and exc.code and exc.message
+        return
+    assert sign_ticket(ticket, TICKET_KEY).mac == ticket.mac
+
+
+test_fuzz_ticket_header, test_fuzz_ticket_header_slow = fuzz(st.one_of(
+    st.text(max_size=300), st.binary(max_size=300).map(b64u), st.just(_VALID_TICKET),
+    st.tuples(st.integers(0, len(_VALID_TICKET) - 1), st.sampled_from("AZaz09-_=.")).map(
+        lambda t: _VALID_TICKET[:t[0]] + t[1] + _VALID_TICKET[t[0] + 1:])))(_ticket_header)
 
 
 # --- tensor containers ------------------------------------------------------------------------------------
