@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -252,3 +253,16 @@ def launch_peer(tmp_path: Path) -> Iterator:
         if peer.proc.poll() is None:
             peer.proc.kill()
             peer.proc.wait(timeout=10)
+
+
+class BytesStream:
+    """The ``readexactly`` of aiohttp's StreamReader, over bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise asyncio.IncompleteReadError(self.data[self.pos:], n)
+        self.pos += n
+        return self.data[self.pos - n:self.pos]

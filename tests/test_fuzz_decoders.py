@@ -57,6 +57,7 @@ from relay_server.reducer import Reducer, UploadProgress
 from relay_server.relay_key import RelayKey
 from toolkit.auth import (BODY_SHA256_HEADER, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, b64u,
                           decode_pass, digest_metadata, unb64u, verify_pass)
+from tests.conftest import BytesStream
 from toolkit.compression import get_codec
 from toolkit.errors import ProtocolError
 from relay_server.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
@@ -447,15 +448,6 @@ test_fuzz_container_header_parser, test_fuzz_container_header_parser_slow = fuzz
     st.sampled_from([0, 1000, 1 << 62])))(_container_header)
 
 
-class Stream:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    async def readexactly(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise asyncio.IncompleteReadError(self.data[self.pos:], n)
-        self.pos += n
-        return self.data[self.pos - n:self.pos]
 
 
 LOOP = asyncio.new_event_loop()  # one loop for the whole module: the reducer hops to its own thread
@@ -491,7 +483,7 @@ def _upload_body(case: tuple[str, Any, bytes, int, bool, str, int]) -> None:
     reducer.weights.fill(0.0)
 
     async def run() -> int | None:
-        reader = AsyncContainerReader(Stream(body), reducer.codec.wire_bytes(NUM), total_bytes=len(body))
+        reader = AsyncContainerReader(BytesStream(body), reducer.codec.wire_bytes(NUM), total_bytes=len(body))
         header = await reader.read_header()
         gradient = _gradient_meta(header.metadata)
         reducer.check(header)

@@ -47,24 +47,12 @@ from toolkit.client import RelayClient
 from toolkit.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
+from tests.conftest import BytesStream
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.tensor_container import AsyncContainerReader, encode_header
 
 
 # --- the reducer hook ------------------------------------------------------------------------------
-class BytesStream:
-    """The ``readexactly`` of aiohttp's StreamReader, over bytes."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    async def readexactly(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise asyncio.IncompleteReadError(self.data[self.pos:], n)
-        self.pos += n
-        return self.data[self.pos - n:self.pos]
-
-
 async def feed(reducer: Reducer, peer_id: str, grad_sum: np.ndarray, samples: int) -> UploadProgress:
     body = encode_header([("payload", grad_sum)]) + grad_sum.tobytes()
     reader = AsyncContainerReader(BytesStream(body), grad_sum.nbytes, total_bytes=len(body))
