@@ -29,7 +29,7 @@ from relay_server.moderation import build_admin, read_token, token_path
 from relay_server.ratelimit import build_rate_limits
 from relay_server.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
-from relay_server.slice_http import get_slice, put_slice
+from relay_server.slice_http import get_slice, put_slice, sent_bytes
 from relay_server.state_transfer import check_range, send_state
 from relay_server.store import Store
 from relay_server.tickets import encode_ticket
@@ -144,7 +144,7 @@ async def get_params(request: web.Request) -> web.StreamResponse:
         return json_ok(version.manifest)
     started = time.monotonic()
     response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
-    collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, response.content_length or 0, started)
+    collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, sent_bytes(request, response), started)
     return response
 
 

@@ -6,16 +6,40 @@
   parallel transfers' durations (they overlap). A group is complete once a later step shows up.
 * A server's (relay or aggregator) own rate: per step, the bytes it received (served) over the
   span from the first transfer's start to the last one's end, on its own clock.
-* Everything is smoothed with an EWMA, so one slow transfer moves the estimate, not the plan.
+* What a server *sends* counts only once the receiver acknowledged it (:func:`delivered`): the
+  kernel takes a few MB into the socket's send buffer at once, so "the write returned" would
+  overstate a slow link several times over for a slice of a few MB.
+* A link's rate is the best of its recent transfers (:class:`RecentPeak`): a transfer never
+  goes faster than the link, so the best one is the tightest lower bound of its capacity, while
+  an average would also count every time the other end, not the link, was the bottleneck.
+  Samples/s are smoothed with an EWMA instead: one slow batch moves the estimate, not the plan.
 """
 
 from __future__ import annotations
 
+import fcntl
+import struct
+import termios
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 EWMA_ALPHA = 0.3
+PEAK_WINDOW = 8  # transfers a link's rate looks back on (so it can fall when the link slows)
+
+
+def delivered(sock: object, nbytes: int) -> int:
+    """Of ``nbytes`` just written to ``sock``, how many the receiver has acknowledged: ``nbytes``
+    less the connection's unacknowledged send queue (Linux ``SIOCOUTQ``). Where that cannot be
+    read (another OS, no socket), ``nbytes``."""
+    fileno = getattr(sock, "fileno", None)
+    if fileno is None or not hasattr(termios, "TIOCOUTQ"):
+        return nbytes
+    try:
+        (queued,) = struct.unpack("i", fcntl.ioctl(fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))
+    except (OSError, ValueError):
+        return nbytes
+    return max(0, nbytes - queued)
 
 
 @dataclass
@@ -33,17 +57,37 @@ class Ewma:
 
 
 @dataclass
+class RecentPeak:
+    """The largest of the last :data:`PEAK_WINDOW` samples."""
+
+    recent: list[float] = field(default_factory=list)
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        self.recent = [*self.recent[1 - PEAK_WINDOW:], x]
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return max(self.recent, default=0.0)
+
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0
+
+
+@dataclass
 class _Group:
     nbytes: int = 0
     seconds: float = 0.0
 
 
 class PeerRates:
-    """Per peer: EWMA upload and download rates from completed transfer groups."""
+    """Per peer: upload and download rates (recent peaks) from completed transfer groups."""
 
     def __init__(self) -> None:
-        self.up: dict[str, Ewma] = defaultdict(Ewma)
-        self.down: dict[str, Ewma] = defaultdict(Ewma)
+        self.up: dict[str, RecentPeak] = defaultdict(RecentPeak)
+        self.down: dict[str, RecentPeak] = defaultdict(RecentPeak)
         self._open: dict[tuple[str, str], tuple[int, _Group]] = {}
 
     def add(self, peer_id: str, direction: str, step: int, nbytes: int, seconds: float) -> None:
@@ -88,8 +132,8 @@ class _Span:
 class ServerMeter:
     """A server's own receive (``download``) and send (``upload``) rate, one span per step."""
 
-    download: Ewma = field(default_factory=Ewma)
-    upload: Ewma = field(default_factory=Ewma)
+    download: RecentPeak = field(default_factory=RecentPeak)
+    upload: RecentPeak = field(default_factory=RecentPeak)
     _spans: dict[str, _Span] = field(default_factory=dict)
 
     def record(self, direction: str, step: int, nbytes: int, started: float, ended: float | None = None) -> None:

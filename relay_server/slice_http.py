@@ -12,6 +12,7 @@ from aiohttp import web
 from relay_server.auth import BODY_STREAM_KEY, VerifiedBodyStream, container_digests, read_container_head
 from relay_server.errors import ApiError
 from relay_server.http import drain, int_query, path_int, upload_length
+from relay_server.measure import delivered
 from relay_server.slice_owner import HeadedStream, SliceOwner
 from relay_server.tickets import verify_ticket
 from toolkit.errors import ProtocolError
@@ -69,5 +70,11 @@ async def get_slice(request: web.Request, owner: SliceOwner | None,
         return web.Response(status=204, headers={"X-Collab-Step": str(owner.step)})
     started = time.monotonic()
     response = await owner.publisher.send(request, version, have if have >= 0 else None)
-    on_transfer(request.query.get("peer_id", "")[:64], "down", version.step, response.content_length or 0, started)
+    on_transfer(request.query.get("peer_id", "")[:64], "down", version.step, sent_bytes(request, response), started)
     return response
+
+
+def sent_bytes(request: web.Request, response: web.StreamResponse) -> int:
+    """The bytes of ``response`` its receiver acknowledged by now (see :func:`measure.delivered`)."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    return delivered(sock, response.content_length or 0)

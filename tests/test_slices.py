@@ -4,6 +4,7 @@ measured rates, and the plan's fractions turned into slices (no processes, milli
 from __future__ import annotations
 
 import math
+import socket
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ from relay_server.backbone import RELAY_ID, Backbone
 from relay_server.config import OptimizerSection, load_config
 from relay_server.errors import ApiError
 from relay_server.master import MasterState, flatten, layout_of
-from relay_server.measure import PeerRates, ServerMeter
+from relay_server.measure import PEAK_WINDOW, PeerRates, RecentPeak, ServerMeter, delivered
 from relay_server.planner import solve_plan
 from relay_server.state_transfer import cut
 from relay_server.store import Store
@@ -91,6 +92,45 @@ def test_a_peers_rate_is_its_parallel_transfers_together():
     meter.record("up", 1, 2000, started=10.5, ended=12.0)
     meter.flush()
     assert meter.download.value == pytest.approx(1500.0) and not meter.upload.measured
+
+
+def test_a_link_rate_is_its_best_recent_transfer():
+    rate = RecentPeak()
+    for x in (5.0, 9.0, 7.0):  # a transfer is slow when the other end is: the best one bounds the link
+        rate.add(x)
+    assert rate.value == 9.0 and rate.measured
+    for _ in range(PEAK_WINDOW):  # the link really slowed down: the estimate follows
+        rate.add(2.0)
+    assert rate.value == 2.0
+
+
+def test_sent_bytes_count_once_the_receiver_acknowledged_them():
+    """A write returns once the kernel queued the bytes: a server that timed its sends by that
+    would credit a slow link with its socket buffer. ``delivered`` subtracts the unacknowledged queue."""
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    try:
+        receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sender.setblocking(False)
+        sent = 0
+        try:
+            while sent < 64 << 20:
+                sent += sender.send(b"x" * 65536)
+        except BlockingIOError:  # the receiver reads nothing: its window closed
+            pass
+        assert 0 <= delivered(sender, sent) < sent
+        got = 0
+        while got < sent:
+            got += len(receiver.recv(1 << 20))
+        deadline = time.monotonic() + 10
+        while delivered(sender, sent) < sent and time.monotonic() < deadline:
+            time.sleep(0.01)  # acknowledgements are on their way back
+        assert delivered(sender, sent) == sent
+        assert delivered(None, 123) == 123  # no socket to ask: the bytes written
+    finally:
+        for sock in (sender, receiver, server):
+            sock.close()
 
 
 def _backbone(tmp_path, numel: int = 100_000) -> Backbone:
