@@ -193,11 +193,12 @@ def unchanged(world: World) -> Iterator[None]:
     assert collab_state(world.relay) == before
 
 
-def refused(response: requests.Response | tuple[int, dict], status: int, code: str, *, hint: bool = True) -> None:
-    """The exact refusal, as the usual error body; ``hint=False`` where the relay has none to give."""
-    got_status, body = (response.status_code, response.json()) if isinstance(response, requests.Response) else response
-    assert (got_status, body.get("error")) == (status, code), body
+def error_of(response: requests.Response | tuple[int, dict], *, hint: bool = True) -> tuple[int, str]:
+    """``(status, error code)`` of a refusal, after checking it is the usual error body (a message,
+    and a hint unless ``hint=False``, where the relay has none to give)."""
+    status, body = (response.status_code, response.json()) if isinstance(response, requests.Response) else response
     assert body.get("message") and "hint" in body and (body["hint"] or not hint), body
+    return status, body.get("error", "")
 
 
 def hb_path(world: World) -> str:
@@ -211,8 +212,8 @@ def test_forged_pass(world: World, unchanged) -> None:
     now = int(time.time())
     token = minted_pass(forger, "alice", peer, issued=now, expires=now + 600, key_id=world.relay_key.key_id)
     auth = auth_with_pass(token, peer, forger)
-    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth)),
-            401, "forged_pass")
+    response = world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth))
+    assert error_of(response) == (401, "forged_pass")
 
 
 def test_expired_pass(world: World, unchanged) -> None:
@@ -220,7 +221,7 @@ def test_expired_pass(world: World, unchanged) -> None:
     peer, now = PeerKey(), int(time.time())
     token = minted_pass(world.relay_key, "alice", peer, issued=now - 4000, expires=now - 10)
     auth = auth_with_pass(token, peer, world.relay_key)
-    refused(world.alice.send(world.alice.prepared("GET", "/api/progress", auth=auth)), 401, "pass_expired")
+    assert error_of(world.alice.send(world.alice.prepared("GET", "/api/progress", auth=auth))) == (401, "pass_expired")
 
 
 def test_pass_from_another_relay(world: World, tmp_path) -> None:
@@ -229,16 +230,16 @@ def test_pass_from_another_relay(world: World, tmp_path) -> None:
     other = RelayKey.load_or_create(tmp_path / "other-relay-data")
     peer, now = PeerKey(), int(time.time())
     auth = auth_with_pass(minted_pass(other, "alice", peer, issued=now, expires=now + 600), peer, other)
-    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth)),
-            401, "pass_wrong_relay")
+    response = world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=auth))
+    assert error_of(response) == (401, "pass_wrong_relay")
     assert world.relay.status() and collab_state(world.relay) == before
 
 
 def test_stolen_pass_signed_with_another_key(world: World, unchanged) -> None:
     """Alice's real pass, but the thief does not hold her private key."""
     thief = SignedAuth(PeerKey(), world.alice.auth.holder)
-    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=thief)),
-            401, "bad_signature")
+    response = world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=thief))
+    assert error_of(response) == (401, "bad_signature")
 
 
 # --- requests ---------------------------------------------------------------------------------------
@@ -247,30 +248,31 @@ def test_tampered_body(world: World, unchanged) -> None:
     prepared = world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(SAMPLES))
     prepared.body = world.alice.heartbeat_body(1000)
     prepared.prepare_content_length(prepared.body)
-    refused(world.alice.send(prepared), 401, "body_mismatch")
+    assert error_of(world.alice.send(prepared)) == (401, "body_mismatch")
 
 
 def test_replayed_nonce(world: World, unchanged) -> None:
     prepared = world.alice.prepared("GET", "/api/progress")
     assert world.alice.send(prepared.copy()).status_code == 200  # the original (relay signature checked)
-    refused(world.alice.send(prepared), 401, "replayed_nonce")
+    assert error_of(world.alice.send(prepared)) == (401, "replayed_nonce")
 
 
 def test_stale_timestamp(world: World, unchanged) -> None:
     late = SignedAuth(world.alice.auth.peer_key, world.alice.auth.holder, clock=lambda: time.time() - 3600)
-    refused(world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=late)),
-            401, "stale_timestamp")
+    response = world.alice.send(world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body(), auth=late))
+    assert error_of(response) == (401, "stale_timestamp")
 
 
 def test_unsigned_request(world: World, unchanged) -> None:
-    refused(requests.post(world.relay.url + hb_path(world), data=world.alice.heartbeat_body(), timeout=10,
-                          headers={"Content-Type": "application/json"}), 401, "missing_auth")
+    response = requests.post(world.relay.url + hb_path(world), data=world.alice.heartbeat_body(), timeout=10,
+                             headers={"Content-Type": "application/json"})
+    assert error_of(response) == (401, "missing_auth")
 
 
 def test_other_users_peer_id(world: World, unchanged) -> None:
     """Bob, properly logged in, heartbeats as alice's peer."""
-    refused(world.bob.send(world.bob.prepared("POST", hb_path(world), world.bob.heartbeat_body())),
-            403, "not_your_peer")
+    response = world.bob.send(world.bob.prepared("POST", hb_path(world), world.bob.heartbeat_body()))
+    assert error_of(response) == (403, "not_your_peer")
 
 
 # --- users ------------------------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def test_banned_user(world: World) -> None:
         step, samples, peers, open_round = before[0]
         assert world.bob.peer_id not in before[1] and peers == round_before[2] - 1
         assert (step, samples, open_round) == (round_before[0], round_before[1], round_before[3])
-        refused(world.bob.send(world.bob.prepared("GET", "/api/progress")), 403, "user_banned")
+        assert error_of(world.bob.send(world.bob.prepared("GET", "/api/progress"))) == (403, "user_banned")
         with pytest.raises(RelayRejected) as login:
             RelayClient(world.relay.url, retries=0).login(TOKENS["bob"])
         assert (login.value.status, login.value.code) == (403, "user_banned")
@@ -315,9 +317,11 @@ def test_invalid_hf_token(world: World, unchanged) -> None:
 
 def test_peer_pass_cannot_moderate(world: World, unchanged) -> None:
     """Admin routes want the admin token; a valid peer pass (or a guessed token) is not it."""
-    refused(world.alice.send(world.alice.prepared("GET", "/api/admin/contributions")), 401, "admin_auth_required")
-    refused(requests.post(world.relay.url + "/api/admin/bans", json={"username": "alice", "reason": "x"},
-                          headers={"Authorization": "Bearer " + "A" * 43}, timeout=10), 401, "bad_admin_token")
+    response = world.alice.send(world.alice.prepared("GET", "/api/admin/contributions"))
+    assert error_of(response) == (401, "admin_auth_required")
+    response = requests.post(world.relay.url + "/api/admin/bans", json={"username": "alice", "reason": "x"},
+                             headers={"Authorization": "Bearer " + "A" * 43}, timeout=10)
+    assert error_of(response) == (401, "bad_admin_token")
 
 
 # --- bodies -----------------------------------------------------------------------------------------
@@ -338,29 +342,30 @@ def test_oversized_body(world: World, unchanged) -> None:
     world.alice.auth(prepared)
     lines = [f"PUT {prepared.path_url} HTTP/1.1", "Host: x", f"Content-Length: {10**12}"]
     lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith(("x-collab", "content-type"))]
-    refused(raw_http(world.relay.port, "\r\n".join(lines), head), 413, "body_too_large", hint=False)
+    assert error_of(raw_http(world.relay.port, "\r\n".join(lines), head), hint=False) == (413, "body_too_large")
 
 
 def test_wrong_shape(world: World, unchanged) -> None:
-    refused(world.alice.upload(np.zeros(world.num_params - 1, np.float32)), 422, "bad_tensor")
+    assert error_of(world.alice.upload(np.zeros(world.num_params - 1, np.float32))) == (422, "bad_tensor")
 
 
 def test_nan_gradient(world: World, unchanged) -> None:
     grad = np.ones(world.num_params, np.float32)
     grad[3] = np.nan
-    refused(world.alice.upload(grad), 422, "non_finite")
+    assert error_of(world.alice.upload(grad)) == (422, "non_finite")
 
 
 def test_more_samples_than_reported(world: World, unchanged) -> None:
     """The weight cap: an upload may not claim more samples than its last heartbeat reported."""
-    refused(world.alice.upload(np.ones(world.num_params, np.float32), samples=SAMPLES * 100), 422,
-            "samples_exceed_report")
+    response = world.alice.upload(np.ones(world.num_params, np.float32), samples=SAMPLES * 100)
+    assert error_of(response) == (422, "samples_exceed_report")
 
 
 def test_malformed_json(world: World, unchanged) -> None:
-    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b"{oops")), 400, "bad_json")
-    refused(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b'{"peer_name": 5, "protocol": %d}' % PROTOCOL_VERSION)),
-            400, "bad_schema")
+    assert error_of(world.alice.send(world.alice.prepared("POST", "/api/peers/join", b"{oops"))) == (400, "bad_json")
+    not_a_name = b'{"peer_name": 5, "protocol": %d}' % PROTOCOL_VERSION
+    response = world.alice.send(world.alice.prepared("POST", "/api/peers/join", not_a_name))
+    assert error_of(response) == (400, "bad_schema")
 
 
 def test_malformed_headers(world: World, unchanged) -> None:
@@ -386,12 +391,12 @@ def test_malformed_headers(world: World, unchanged) -> None:
         ("Content-Type", "text/plain", 401, "bad_signature"),  # the signature covers the content type
     ]
     for name, value, status, code in cases:
-        refused(world.alice.send(with_header(name, value)), status, code)
+        assert error_of(world.alice.send(with_header(name, value))) == (status, code)
     # Raw bytes no client library would send: non-ASCII in the pass, and a header line without a colon.
     prepared = world.alice.prepared("GET", "/api/progress")
     lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x", f"{PASS_HEADER}: \xe9t\xe9"]
     lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab") and k != PASS_HEADER]
-    refused(raw_http(world.relay.port, "\r\n".join(lines)), 401, "malformed_pass")
+    assert error_of(raw_http(world.relay.port, "\r\n".join(lines))) == (401, "malformed_pass")
     with socket.create_connection(("127.0.0.1", world.relay.port), timeout=10) as sock:
         sock.sendall(b"GET /api/progress HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
         assert sock.recv(200).startswith(b"HTTP/1.0 400")  # aiohttp's parser answers before any handler
@@ -402,7 +407,8 @@ def test_timestamp_with_a_non_ascii_digit(world: World, unchanged) -> None:
     lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x"]
     lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab")
               and k != TIMESTAMP_HEADER]
-    refused(raw_http(world.relay.port, "\r\n".join(lines + [f"{TIMESTAMP_HEADER}: \xb2"])), 401, "malformed_auth")
+    response = raw_http(world.relay.port, "\r\n".join(lines + [f"{TIMESTAMP_HEADER}: \xb2"]))
+    assert error_of(response) == (401, "malformed_auth")
 
 
 # --- the round survived all of the above --------------------------------------------------------------

@@ -8,6 +8,8 @@ framing around wandb's own protobuf ``Record`` schema; no installed wandb API re
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,14 @@ def test_join_logs_the_volunteers_run_named_by_peer_in_open_mode(offline_wandb: 
     assert all(r["local_loss"] > 0 for r in rows)
 
 
-def test_null_run_accepts_everything() -> None:
-    run = NullRun()
-    run.update(replace(progress(), loss=None))
-    run.close()
+def test_wandb_off_is_a_null_run_that_imports_nothing() -> None:
+    for target in (None, WandbTarget(project=""), WandbTarget(project="p", mode="disabled")):
+        run = open_wandb_run(target, name="alice", group="g", config={})
+        assert isinstance(run, NullRun), target
+        run.update(replace(progress(), loss=None))  # a step without a loss, then close: no error
+        run.close()
+    code = ("import sys; from toolkit.wandb_run import open_wandb_run; "
+            "open_wandb_run(None, name='a', group='g', config={}).close(); print('wandb' in sys.modules)")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           cwd=Path(__file__).resolve().parent.parent)
+    assert fresh.stdout.strip() == "False", fresh.stderr[-2000:]  # a notebook without W&B never pays its import
