@@ -6,9 +6,8 @@ Routes (paths from :data:`toolkit.protocol.ROUTES`):
 * ``POST /api/peers/{peer_id}/shards/report`` ``ShardReport -> ShardReportAck`` (progress + releases)
 * ``GET  /api/shards[?source=name]``          ``ShardsReport`` (coverage per dataset and per shard)
 
-Wiring into :mod:`relay_server.app`: add :data:`ROUTES` to its ``ROUTE_TABLE`` and append
-:func:`lifespan` to ``app.cleanup_ctx`` *after* the app's own lifespan (it needs the
-Collaboration); or call :func:`install` once on the app. The lifespan builds the pool from the
+:mod:`relay_server.app` puts :data:`ROUTES` in its route table and appends :func:`lifespan` to
+``app.cleanup_ctx`` *after* the app's own lifespan (it needs the Collaboration). The lifespan builds the pool from the
 run's ``[dataset]`` section, expires the leases of peers that left the registry, and flushes
 counts and the lease log to SQLite every second (and at shutdown).
 
@@ -166,14 +165,3 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         stop.set()
         await task
         ledger.close()
-
-
-def install(app: web.Application) -> None:
-    """Add the routes and the lifespan to an app built by ``create_app`` (before it starts);
-    idempotent, so it is harmless once app.py wires them itself."""
-    existing = {(route.method, route.resource.canonical) for route in app.router.routes() if route.resource}
-    for method, path, handler in ROUTES:
-        if (method, path) not in existing:
-            app.router.add_route(method, path, handler)
-    if lifespan not in list(app.cleanup_ctx):
-        app.cleanup_ctx.append(lifespan)

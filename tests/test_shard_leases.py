@@ -1,6 +1,5 @@
-"""Shard leases across a network: a REAL relay process (started through tests/shard_relay.py,
-which installs relay_server.shards_api); peers streaming local shard files through
-RelayShardSource with HF_DATASETS_OFFLINE=1 and only loopback connections allowed -- two in
+"""Shard leases across a network: a REAL relay process (``relay-server serve``); peers streaming
+local shard files through RelayShardSource with HF_DATASETS_OFFLINE=1 and only loopback connections allowed -- two in
 threads of this process, streaming at once, and one in a process of its own, to SIGKILL -- and
 the relay's own lease log (``shard_events`` in relay.sqlite) replayed to check what happened, in
 the order it happened."""
@@ -27,30 +26,13 @@ from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts
 from toolkit.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
-LAUNCHER = Path(__file__).resolve().parent / "shard_relay.py"
 WORKER = Path(__file__).resolve().parent / "shard_peer_worker.py"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 TTL_S = 2.0  # conftest's BASE_CONFIG: heartbeats every 0.3 s, silent for 2 s = gone
 
 
 class ShardRelay(RelayProcess):
-    """conftest's RelayProcess, started through the launcher that installs the lease routes."""
-
-    def start(self, timeout_s: float = 60) -> "ShardRelay":
-        ready = self.data_dir.parent / f"ready-{self.port}"
-        ready.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), "serve", "--config", str(self.config_path), "--port", str(self.port),
-             "--data-dir", str(self.data_dir), "--ready-file", str(ready)],
-            stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, env={**os.environ, **self.env}, cwd=REPO)
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"relay exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("relay did not start")
-            time.sleep(0.05)
-        return self
+    """conftest's RelayProcess, with the lease views an organizer has."""
 
     def coverage(self) -> dict:
         return requests.get(self.url + "/api/shards", timeout=10).json()
