@@ -266,3 +266,13 @@ class BytesStream:
             raise asyncio.IncompleteReadError(self.data[self.pos:], n)
         self.pos += n
         return self.data[self.pos - n:self.pos]
+
+
+@dataclass
+class Clock:
+    """A clock a test moves by hand (``clock.now += 5``): pass it where code takes ``clock=``."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now

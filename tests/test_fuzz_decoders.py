@@ -31,8 +31,8 @@ import dataclasses
 import hashlib
 import json
 import math
-import re
 import struct
+import re
 import time
 import types
 import typing
@@ -317,72 +317,39 @@ def schema_inputs(cls: type[Schema]) -> st.SearchStrategy:
                      st.tuples(messages, st.integers(0, 10**6), st.integers(0, 255)).map(lambda t: mutated(*t)))
 
 
-# --- JSON request decoders ------------------------------------------------------------------------------
-def _join_request(raw: bytes) -> None:
-    """POST /api/peers/join."""
-    check_schema_bytes(JoinRequest, raw)
+# --- JSON message decoders: requests to the relay and aggregators, and what peers decode --------------
+SCHEMA_DECODERS = [  # (message, test name, where it is decoded)
+    (JoinRequest, "join_request", "POST /api/peers/join"),
+    (Heartbeat, "heartbeat", "POST /api/peers/{id}/heartbeat: the numbers round membership and the weight cap use"),
+    (LoginRequest, "login_request", "POST /api/auth/login (public: no pass protects it)"),
+    (ShardLeaseRequest, "shard_lease_request", "POST /api/peers/{id}/shards/lease"),
+    (ShardReport, "shard_report", "POST /api/peers/{id}/shards/report"),
+    (PlanInfo, "plan_info", "the plan as a peer decodes it from the relay"),
+    (BanRequest, "admin_ban_request", "POST /api/admin/bans"),
+    (RollbackRequest, "admin_rollback_request", "POST /api/admin/rollback"),
+    (TicketRequest, "ticket_request", "POST /api/rounds/{step}/ticket"),
+    (DoneRequest, "done_request", "POST /api/rounds/{step}/done"),
+    (ParamsManifest, "params_manifest", "a sliced version's manifest, as a peer decodes it"),
+    (AggregatorRegistration, "aggregator_registration", "an aggregator registering with the relay"),
+    (AggregatorWelcome, "aggregator_welcome", "the relay's answer, as the aggregator decodes it"),
+    (AggregatorHeartbeat, "aggregator_heartbeat", "an aggregator's measurements"),
+    (FinalizeRequest, "finalize_request", "the relay telling an aggregator to finalize"),
+    (AssignRequest, "assign_request", "the relay moving a slice to an aggregator"),
+    (SliceReport, "slice_report", "an aggregator's finalized slice, as the relay decodes it"),
+]
 
 
-def _heartbeat(raw: bytes) -> None:
-    """POST /api/peers/{id}/heartbeat: the numbers the round membership and weight cap rely on."""
-    check_schema_bytes(Heartbeat, raw)
-
-
-def _login_request(raw: bytes) -> None:
-    """POST /api/auth/login (public: no pass protects it)."""
-    check_schema_bytes(LoginRequest, raw)
-
-
-def _shard_lease_request(raw: bytes) -> None:
-    check_schema_bytes(ShardLeaseRequest, raw)
-
-
-def _shard_report(raw: bytes) -> None:
-    check_schema_bytes(ShardReport, raw)
-
-
-def _plan_info(raw: bytes) -> None:
-    """The plan as a peer decodes it from the relay (network input on the peer's side)."""
-    check_schema_bytes(PlanInfo, raw)
-
-
-def _ban_request(raw: bytes) -> None:
-    check_schema_bytes(BanRequest, raw)
-
-
-def _rollback_request(raw: bytes) -> None:
-    check_schema_bytes(RollbackRequest, raw)
-
-
-test_fuzz_join_request, test_fuzz_join_request_slow = fuzz(schema_inputs(JoinRequest))(_join_request)
-test_fuzz_heartbeat, test_fuzz_heartbeat_slow = fuzz(schema_inputs(Heartbeat))(_heartbeat)
-test_fuzz_login_request, test_fuzz_login_request_slow = fuzz(schema_inputs(LoginRequest))(_login_request)
-test_fuzz_shard_lease_request, test_fuzz_shard_lease_request_slow = fuzz(
-    schema_inputs(ShardLeaseRequest))(_shard_lease_request)
-test_fuzz_shard_report, test_fuzz_shard_report_slow = fuzz(schema_inputs(ShardReport))(_shard_report)
-test_fuzz_plan_info, test_fuzz_plan_info_slow = fuzz(schema_inputs(PlanInfo))(_plan_info)
-test_fuzz_admin_ban_request, test_fuzz_admin_ban_request_slow = fuzz(schema_inputs(BanRequest))(_ban_request)
-test_fuzz_admin_rollback_request, test_fuzz_admin_rollback_request_slow = fuzz(
-    schema_inputs(RollbackRequest))(_rollback_request)
-
-
-# --- the sliced path: peers' tickets and reports, relay <-> aggregator calls, what peers decode ----------
-SLICED_PATH = (TicketRequest, DoneRequest, ParamsManifest, AggregatorRegistration, AggregatorWelcome,
-               AggregatorHeartbeat, FinalizeRequest, AssignRequest, SliceReport)
-
-
-def _schema_decoder(cls: type[Schema]) -> Callable[[bytes], None]:
+def _schema_decoder(cls: type[Schema], where: str) -> Callable[[bytes], None]:
     def decode(raw: bytes) -> None:
         check_schema_bytes(cls, raw)
 
-    decode.__name__, decode.__doc__ = f"_{cls.__name__}", f"{cls.__name__}, a message of sliced rounds."
+    decode.__name__, decode.__doc__ = f"_{cls.__name__}", f"{cls.__name__}: {where}."
     return decode
 
 
-for _cls in SLICED_PATH:
-    _name = re.sub(r"(?<!^)(?=[A-Z])", "_", _cls.__name__).lower()
+for _cls, _name, _where in SCHEMA_DECODERS:
     globals()[f"test_fuzz_{_name}"], globals()[f"test_fuzz_{_name}_slow"] = fuzz(schema_inputs(_cls))(
-        _schema_decoder(_cls))
+        _schema_decoder(_cls, _where))
 
 TICKET_KEY = new_ticket_key()
 _VALID_TICKET = encode_ticket(sign_ticket(Ticket(

@@ -36,7 +36,7 @@ from relay_server.config import load_config
 from relay_server.errors import ApiError
 from relay_server.moderation import TOKEN_FILE, AdminToken
 from relay_server.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
-from tests.conftest import REPO, merged
+from tests.conftest import REPO, Clock, merged
 from tests.test_attacks import TOKENS, SignedPeer, hf_relay, standin
 from toolkit.protocol import PROTOCOL_VERSION, ROUTES
 
@@ -62,16 +62,8 @@ def test_admin_token_is_created_0600_reused_and_checked(tmp_path: Path) -> None:
 
 
 # --- token buckets ----------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_token_bucket_allows_a_burst_then_the_rate() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     buckets = TokenBuckets({"poll": Rate(per_s=2.0, burst=5.0)}, clock=clock)
     assert [buckets.take("poll", "a") for _ in range(5)] == [0.0] * 5
     assert buckets.take("poll", "a") == pytest.approx(0.5)  # one token comes back every 0.5 s
@@ -84,7 +76,7 @@ def test_token_bucket_allows_a_burst_then_the_rate() -> None:
 
 
 def test_token_buckets_stay_bounded_under_an_address_flood() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     buckets = TokenBuckets({"observe": Rate(per_s=1.0, burst=1.0)}, clock=clock, max_keys=100)
     buckets.take("observe", "flooding")
     for i in range(10_000):

@@ -24,6 +24,7 @@ import requests
 
 from relay_server.config import load_config
 from relay_server.demo import RelayThread
+from tests.conftest import Clock
 from toolkit.errors import RelayUnreachable
 from toolkit.panel import NullPanel, PeerProgress, TqdmPanel, WidgetPanel, open_panel
 from toolkit.protocol import CollabState
@@ -59,14 +60,6 @@ def progress(**changes: Any) -> PeerProgress:
                         target_batch=64, eta_s=4.2, contributed_samples=1024, local_samples_per_s=12.5, loss=2.3456,
                         first_contribution_s=3.25)
     return replace(base, **changes)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # --- the snapshot ----------------------------------------------------------------------------
