@@ -138,12 +138,19 @@ def start_aggregators(url: str, tmp: Path, count: int) -> list[subprocess.Popen]
              "--data-dir", str(tmp / f"agg{i}"), "--admin-token-file", str(tmp / "data" / "admin_token"),
              "--name", f"agg{i}", "--ready-file", str(ready[-1])],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"agg{i}.log", "w")))
-    for proc, path in zip(procs, ready):
-        while not path.exists():
-            if proc.poll() is not None:
-                raise SystemExit(f"aggregator failed:\n{(path.with_suffix('.log')).read_text()[-2000:]}")
-            time.sleep(0.05)
+    for i, (proc, path) in enumerate(zip(procs, ready)):
+        wait_ready(proc, path, tmp / f"agg{i}.log", f"aggregator {i}")
     return procs
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
+    """The URL a server wrote to its ``--ready-file``; exits with its log if it died or hung."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists() or not ready.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return ready.read_text().strip()
 
 
 def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) -> tuple[list[float], np.ndarray]:
@@ -154,12 +161,9 @@ def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) 
         relay = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
                                   "--port", "0", "--data-dir", str(Path(tmp) / "data"), "--ready-file", str(ready)],
                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "relay.log", "w"))
+        helpers: list[subprocess.Popen] = []
         try:
-            while not ready.exists():
-                if relay.poll() is not None:
-                    raise SystemExit(f"relay failed:\n{(Path(tmp) / 'relay.log').read_text()[-2000:]}")
-                time.sleep(0.05)
-            url = ready.read_text()
+            url = wait_ready(relay, ready, Path(tmp) / "relay.log", "relay")
             helpers = start_aggregators(url, Path(tmp), aggregators)
             ctx = mp.get_context("spawn")
             out: mp.Queue = ctx.Queue()
@@ -180,7 +184,7 @@ def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) 
             for p in procs:
                 p.join(timeout=60)
         finally:
-            for proc in [*helpers, relay] if "helpers" in locals() else [relay]:
+            for proc in [*helpers, relay]:
                 proc.terminate()
                 proc.wait(timeout=30)
     seconds = [max(e for _, e in t) - min(s for s, _ in t) for _, t in sorted(timings.items())]

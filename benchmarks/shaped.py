@@ -40,22 +40,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce import REPO, relay_config, run_peer  # noqa: E402
+from allreduce import REPO, relay_config, run_peer, wait_ready  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
 RELAY_PORT, AGG_PORT = 8750, 8751
 SAMPLES_PER_S = 1000.0  # compute never binds, so the LP's shares follow the links
-
-
-def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists() or not ready.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    return ready.read_text().strip()
 
 
 def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], peer_hosts: list[Host],
@@ -74,7 +65,7 @@ def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], pee
                  "--ready-file", str(tmp / "relay.ready")]),
                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "relay.log", "w"))
             procs.append(relay)
-            url = _wait_ready(relay, tmp / "relay.ready", tmp / "relay.log", "relay")
+            url = wait_ready(relay, tmp / "relay.ready", tmp / "relay.log", "relay")
             for i, host in enumerate(aggregators):
                 procs.append(subprocess.Popen(host.command(
                     [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", url,
@@ -82,7 +73,7 @@ def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], pee
                      "--admin-token-file", str(tmp / "data" / "admin_token"), "--name", host.name,
                      "--ready-file", str(tmp / f"agg{i}.ready")]),
                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"agg{i}.log", "w")))
-                _wait_ready(procs[-1], tmp / f"agg{i}.ready", tmp / f"agg{i}.log", host.name)
+                wait_ready(procs[-1], tmp / f"agg{i}.ready", tmp / f"agg{i}.log", host.name)
             peers = []
             for i, host in enumerate(peer_hosts):
                 peers.append(subprocess.Popen(host.command(

@@ -29,7 +29,7 @@ from relay_server.moderation import build_admin, read_token, token_path
 from relay_server.ratelimit import build_rate_limits
 from relay_server.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
-from relay_server.slice_http import get_slice, put_slice, sent_bytes
+from relay_server.slice_http import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
 from relay_server.state_transfer import check_range, send_state
 from relay_server.store import Store
 from relay_server.tickets import encode_ticket
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 COLLAB = web.AppKey("collaboration", Collaboration)
 CONFIG = web.AppKey("config", RelayConfig)
-MAX_LONG_POLL_S = 60.0
 
 
 def _collab(request: web.Request) -> Collaboration:

@@ -51,7 +51,13 @@ class Version:
 
 
 
-def _sha256(array: np.ndarray) -> str:
+# Hashes a version while the reducer thread writes it; one per process, shared by every publisher
+# (a slice owner, and so its publisher, is rebuilt whenever slices move).
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
+
+
+def sha256_of(array: np.ndarray) -> str:
+    """The hash peers check a version (or a slice of one) against."""
     return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
 
 
@@ -96,7 +102,6 @@ class Publisher(Board):
         self.store, self.codec, self.master, self.fsync = store, codec, master, fsync
         self.deltas = None if codec.lossless else DeltaEncoder(
             codec, public if public is not None else master.flat.numpy().copy())
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
 
     @property
     def public(self) -> np.ndarray:
@@ -119,7 +124,7 @@ class Publisher(Board):
         tensors += [(name, t.contiguous().numpy()) for name, t in self.master.optimizer_tensors().items()]
         path = self.store.state_path(step)
         # hashlib releases the GIL: hash on a second core while this thread writes the file
-        digest = self._hasher.submit(_sha256, self.public)
+        digest = _HASHER.submit(sha256_of, self.public)
         header, _ = write_file(path, tensors, {"step": str(step), **meta}, fsync=self.fsync)
         sha = digest.result()
         entry = header.entry("params")

@@ -37,6 +37,7 @@ from aiohttp import web
 
 from relay_server.auth import IDENTITY_KEY, AuthRejected
 from relay_server.config import LimitsSection
+from relay_server.http import drain
 from relay_server.moderation import ADMIN_PREFIX
 from toolkit.auth import PASS_HEADER
 from toolkit.protocol import ROUTES, ErrorBody
@@ -44,7 +45,6 @@ from toolkit.protocol import ROUTES, ErrorBody
 log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 60.0
-_DRAIN_LIMIT = 8 << 20
 _TRANSFER = {("PUT", ROUTES["gradient"]), ("GET", ROUTES["params"])}
 _OBSERVE = {ROUTES["status"], ROUTES["run"], "/", "/static", "/favicon.ico", ROUTES.get("shards", "/api/shards")}
 _LABELS = {"poll": "heartbeat/progress", "transfer": "upload/download", "join": "join", "login": "login",
@@ -185,16 +185,6 @@ def too_many(kind: str, wait_s: float, rate: Rate, key: str) -> web.Response:
     return web.json_response(body.to_json(), status=429, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
-async def _drain(request: web.Request) -> None:
-    """Read a little of a refused body so the peer sees our answer, not a reset connection."""
-    if request.content_length is None or request.content_length > _DRAIN_LIMIT:
-        return
-    try:
-        await request.content.read(_DRAIN_LIMIT)
-    except Exception:  # the peer may be gone already
-        pass
-
-
 def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys):
     """Charge every request to its client's bucket for its kind of route; 429 when empty.
     Install after authentication, so signed requests are charged to their username."""
@@ -209,7 +199,7 @@ def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys):
         wait_s = buckets.take(kind, key)
         if wait_s > 0:
             warn(kind, key)
-            await _drain(request)
+            await drain(request)
             return too_many(kind, wait_s, buckets.rates[kind], key)
         return await handler(request)
 
@@ -232,7 +222,7 @@ def auth_failure_middleware(buckets: TokenBuckets, keys: ClientKeys):
         wait_s = buckets.peek("auth_failures", key)
         if wait_s > 0:
             warn("auth_failures", key)
-            await _drain(request)
+            await drain(request)
             return too_many("auth_failures", wait_s, buckets.rates["auth_failures"], key)
         try:
             return await handler(request)

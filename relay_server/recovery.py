@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from relay_server.state_transfer import CallFailed, InternalClient, sha256_of
+from relay_server.publisher import sha256_of
+from relay_server.state_transfer import CallFailed, InternalClient
 from toolkit.protocol import ROUTES, ParamsManifest
 from toolkit.tensor_container import read_file_header, write_file
 

@@ -9,7 +9,6 @@ container metadata. Internal calls carry the organizer's admin token (:mod:`rela
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import aiohttp
 import numpy as np
@@ -98,10 +97,6 @@ class InternalClient:
 
 class CallFailed(Exception):
     """A relay <-> aggregator call did not complete (the other side counts as dead)."""
-
-
-def sha256_of(array: np.ndarray) -> str:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
 
 
 def check_range(start: int, end: int, numel: int) -> None:

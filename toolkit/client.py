@@ -60,7 +60,6 @@ from toolkit.signing import (
     SignedAuth,
 )
 from toolkit.tensor_container import (
-    encode_header,
     encoded_size,
     iter_encoded,
     peek_header,
@@ -396,7 +395,7 @@ def slice_part(plan: PlanSlice, tensors: list[tuple[str, np.ndarray]], meta: Gra
     metadata = {"collab": meta.dumps().decode(), "codec": codec, "slice": f"{plan.start}:{plan.end}"}
     if signed:
         metadata.update(digest_metadata(tensors))
-    return SlicePart(plan, tensors, metadata, hashlib.sha256(encode_header(tensors, metadata)).hexdigest())
+    return SlicePart(plan, tensors, metadata, container_body_sha256(tensors, metadata))
 
 
 class _SizedBody:
