@@ -67,6 +67,11 @@ def main() -> int:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
     model = build_model(run.model.factory, dict(run.model.kwargs))
+    # Pay the first step's lazy imports (torch._dynamo through torch.optim: seconds when cold) before
+    # joining, so peers that wait for each other (--wait-peers) then compute at their real pace.
+    warm = torch.nn.Parameter(torch.zeros(1))
+    warm.grad = torch.zeros(1)
+    torch.optim.SGD([warm], lr=0.0).step()
     opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
                                  delayed_updates=args.delayed, report_interval_s=0.05)
     emit(event="joined", step=opt.version, sha=params_sha(model))
