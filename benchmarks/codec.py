@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, uninstalled
 
-from toolkit.compression import ErrorFeedback, get_codec  # noqa: E402
-from toolkit.tensor_container import encoded_size  # noqa: E402
+from toolkit.wire.compression import ErrorFeedback, get_codec  # noqa: E402
+from toolkit.wire.tensor_container import encoded_size  # noqa: E402
 
-RELAY_CHUNK = 1 << 20  # relay_server.rounds.CHUNK_ELEMS, inlined: the benchmark needs no relay
+RELAY_CHUNK = 1 << 20  # relay_server.rounds.membership.CHUNK_ELEMS, inlined: the benchmark needs no relay
 SLICE = 1 << 22  # float64 working slice for the quality metrics, to keep memory flat
 
 

@@ -14,9 +14,9 @@ itemizes what it holds (tensors of P elements it owns, bytes autograd saved for 
 micro-batch); the relay the bytes of its optimizer state and its step time. With CUDA, the
 peer also reports ``torch.cuda.max_memory_allocated`` (the allocator's view of the accelerator).
 
-``--bits 8`` runs the relay with 8-bit AdamW state (:mod:`relay_server.optim8bit`, bitsandbytes
+``--bits 8`` runs the relay with 8-bit AdamW state (:mod:`relay_server.rounds.optim8bit`, bitsandbytes
 on CPU): through ``optimizer.state_bits = 8`` once config/master support it, else by swapping
-``relay_server.master._make_optimizer`` in the relay process this script starts.
+``relay_server.rounds.master._make_optimizer`` in the relay process this script starts.
 
 What a peer holds per parameter (bytes), and where:
   training device: parameters 4, gradients 4, accumulator (sum of gradient x samples) 4;
@@ -153,14 +153,14 @@ def _saved_for_backward(model: Any, batch: Any) -> int:
 
 # --- the relay process -----------------------------------------------------------------------------
 def relay_main(args: argparse.Namespace) -> int:
-    from relay_server import master
-    from relay_server.config import OptimizerSection, load_config
-    from relay_server.server import serve
+    from relay_server.rounds import master
+    from relay_server.core.config import OptimizerSection, load_config
+    from relay_server.api.server import serve
 
     runtime = proc_status()["VmRSS"]
     bnb_import = 0
     if args.state_bits == 8:  # bitsandbytes' own libraries: a fixed cost of the option, reported apart
-        from relay_server.optim8bit import bitsandbytes_cpu
+        from relay_server.rounds.optim8bit import bitsandbytes_cpu
 
         bitsandbytes_cpu()
         bnb_import, runtime = proc_status()["VmRSS"] - runtime, proc_status()["VmRSS"]
@@ -169,14 +169,14 @@ def relay_main(args: argparse.Namespace) -> int:
         if "state_bits" in OptimizerSection.__dataclass_fields__:
             config.optimizer.state_bits = 8  # type: ignore[attr-defined]
         else:
-            from relay_server import optim8bit
+            from relay_server.rounds import optim8bit
 
             master._make_optimizer = optim8bit.make_adamw8bit  # the proposed 2-line switch
     apply = master.MasterState.apply_gradient
     timings = open(args.timings, "a", buffering=1)
 
     def timed(self: Any) -> Any:
-        from relay_server.optim8bit import state_nbytes
+        from relay_server.rounds.optim8bit import state_nbytes
 
         started = time.perf_counter()
         report = apply(self)

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from relay_server.planner import PeerCapacity, solve_plan
+from relay_server.planning.planner import PeerCapacity, solve_plan
 
 MBIT = 1e6 / 8  # bytes/s per Mb/s
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 
-from relay_server.planner import (
+from relay_server.planning.planner import (
     PeerCapacity,
     allreduce_round_s,
     parameter_server_round_s,

@@ -7,7 +7,7 @@ It registers with the relay (the coordinator) using the organizer's admin token,
 what it measured, and owns the slice the relay's plan assigns it: the master parameters and
 optimizer state of that slice, the reduction of the gradient slices peers upload to it (with the
 relay's tickets), and the published versions of the slice that peers download from it
-(:class:`relay_server.slice_owner.SliceOwner`, the same code the relay runs for its own slice).
+(:class:`relay_server.backbone.slice_owner.SliceOwner`, the same code the relay runs for its own slice).
 It never decides anything: the relay opens and closes rounds, tells it when to finalize, and
 moves slices between rounds (``assign``). Its versions live in its own data directory.
 """
@@ -22,20 +22,20 @@ from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.config import OptimizerSection, RoundsSection
-from relay_server.errors import ApiError
-from relay_server.http import error_middleware, int_query, json_ok, read_message
-from relay_server.measure import ServerMeter
-from relay_server.moderation import AdminToken
-from relay_server.publisher import Version
-from relay_server.reducer import robust_config
-from relay_server.server import serve_app
-from relay_server.slice_http import get_slice, put_slice
-from relay_server.slice_owner import SliceOwner
-from relay_server.state_transfer import CallFailed, InternalClient, check_range, send_state
-from relay_server.store import Store
-from toolkit.compression import get_codec
-from toolkit.protocol import (MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration,
+from relay_server.core.config import OptimizerSection, RoundsSection
+from relay_server.core.errors import ApiError
+from relay_server.core.http import error_middleware, int_query, json_ok, read_message
+from relay_server.planning.measure import ServerMeter
+from relay_server.api.moderation import AdminToken
+from relay_server.rounds.publisher import Version
+from relay_server.rounds.reducer import robust_config
+from relay_server.api.server import serve_app
+from relay_server.backbone.routes import get_slice, put_slice
+from relay_server.backbone.slice_owner import SliceOwner
+from relay_server.backbone.state_transfer import CallFailed, InternalClient, check_range, send_state
+from relay_server.rounds.store import Store
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import (MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration,
                               AggregatorWelcome, AssignRequest, FinalizeRequest, SliceReport, TransferSample)
 
 log = logging.getLogger(__name__)

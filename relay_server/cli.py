@@ -13,7 +13,7 @@ import asyncio
 import logging
 import sys
 
-from relay_server.config import ConfigError, load_config
+from relay_server.core.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="codec for gradients and parameters on the wire (default none)")
     demo.add_argument("--verbose", "-v", action="store_true")
 
-    from relay_server.moderation import add_admin_parser, run_admin
+    from relay_server.api.moderation import add_admin_parser, run_admin
 
     add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from relay_server.server import serve
+    from relay_server.api.server import serve
 
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port), ("data_dir", args.data_dir))
                             if v is not None}}
@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _aggregator(args: argparse.Namespace) -> int:
     from relay_server.aggregator import serve_aggregator
-    from relay_server.moderation import read_token
+    from relay_server.api.moderation import read_token
 
     if not args.coordinator.startswith(("http://", "https://")):
         raise ConfigError(f"--coordinator must be the relay's http(s) URL, got {args.coordinator!r}")

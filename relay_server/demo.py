@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from relay_server.config import load_config
-from relay_server.server import serve
+from relay_server.core.config import load_config
+from relay_server.api.server import serve
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
 

@@ -1,6 +1,6 @@
 """The Hub routes a checkpoint uploader and downloader use, on top of :mod:`tests.hf_standin`.
 
-``huggingface_hub`` (2.x, as installed) calls, for what ``relay_server.hub_checkpoints`` does:
+``huggingface_hub`` (2.x, as installed) calls, for what ``relay_server.observers.hub_checkpoints`` does:
 
 =========================================================  ==========================================
 ``POST /api/repos/create``                                 ``HfApi.create_repo`` (409 = exists)

@@ -44,7 +44,7 @@ def main() -> int:
 
     from toolkit.client import RelayClient
     from toolkit.data import RelayShardSource, StreamConfig, stream_texts
-    from toolkit.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
+    from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
     events = open(args.events, "a", buffering=1)
 

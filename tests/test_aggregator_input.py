@@ -14,10 +14,10 @@ import requests
 from tests.conftest import RelayProcess
 from tests.test_bad_input import RawPeer, raw_http
 from toolkit.client import RelayClient
-from toolkit.protocol import GradientMeta, Ticket
-from toolkit.tensor_container import encode_header
-from relay_server.tickets import encode_ticket
-from toolkit.auth import unb64u
+from toolkit.wire.protocol import GradientMeta, Ticket
+from toolkit.wire.tensor_container import encode_header
+from relay_server.backbone.tickets import encode_ticket
+from toolkit.wire.auth import unb64u
 
 OVERRIDES = {
     "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},

@@ -18,12 +18,12 @@ import requests
 import torch
 from safetensors.numpy import load_file
 
-from relay_server.master import flatten
+from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
 from tests.test_collaboration import MODEL_KWARGS, load_flat, rounds_from_events
 from toolkit.client import RelayClient
 from toolkit.models import build_model
-from toolkit.tensor_container import read_file_header
+from toolkit.wire.tensor_container import read_file_header
 
 ALICE = "hf_alice_token_123456"
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}

@@ -26,18 +26,18 @@ import numpy as np
 import pytest
 import requests
 
-from relay_server.moderation import TOKEN_FILE
-from relay_server.relay_key import RelayKey
+from relay_server.api.moderation import TOKEN_FILE
+from relay_server.auth.relay_key import RelayKey
 from tests.conftest import RelayProcess, free_port, merged, write_config
 from tests.hf_standin import HfStandin
 from tests.test_bad_input import raw_http, round_state
-from toolkit.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
+from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
                           TIMESTAMP_HEADER, PassClaims, b64u, container_body_sha256, decode_pass, digest_metadata)
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
-from toolkit.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
-from toolkit.tensor_container import encode_header
+from toolkit.wire.tensor_container import encode_header
 
 TOKENS = {"alice": "hf_alice_attack_token_01", "bob": "hf_bob_attack_token_0001",
           "eve": "hf_eve_attack_token_0001", "mallory": "hf_mallory_attack_token1"}

@@ -27,8 +27,8 @@ from cryptography.exceptions import InvalidSignature
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relay_server.access import LOGIN_ROUTE, LoginService, PassIssuer
-from relay_server.auth import (
+from relay_server.auth.access import LOGIN_ROUTE, LoginService, PassIssuer
+from relay_server.auth.verify import (
     BODY_STREAM_KEY,
     IDENTITY_KEY,
     AuthRejected,
@@ -42,11 +42,11 @@ from relay_server.auth import (
     sign_response,
     sign_response_headers,
 )
-from relay_server.errors import ApiError
-from relay_server.identity import AllowList, HfIdentityVerifier
-from relay_server.relay_key import KEY_FILE, RelayKey
+from relay_server.core.errors import ApiError
+from relay_server.auth.identity import AllowList, HfIdentityVerifier
+from relay_server.auth.relay_key import KEY_FILE, RelayKey
 from tests.hf_standin import HfStandin, StandinResponse
-from toolkit.auth import (
+from toolkit.wire.auth import (
     BODY_SHA256_HEADER,
     CONTAINER_TYPE,
     NONCE_HEADER,
@@ -68,7 +68,7 @@ from toolkit.errors import (
     RelayKeyError,
     RelaySignatureInvalid,
 )
-from toolkit.protocol import LoginRequest, LoginResponse
+from toolkit.wire.protocol import LoginRequest, LoginResponse
 from toolkit.signing import (
     AccessPass,
     AccessPassHolder,
@@ -76,7 +76,7 @@ from toolkit.signing import (
     RelayKeyPins,
     SignedAuth,
 )
-from toolkit.tensor_container import AsyncContainerReader, encode_header, iter_encoded
+from toolkit.wire.tensor_container import AsyncContainerReader, encode_header, iter_encoded
 
 RELAY_URL = "http://relay.test"
 SKEW = 60.0
@@ -433,7 +433,7 @@ def serve(app: web.Application) -> Iterator[str]:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """The relay's error rendering (relay_server.app.error_middleware, which imports torch)."""
+    """The relay's error rendering (relay_server.api.app.error_middleware, which imports torch)."""
     try:
         return await handler(request)
     except ApiError as exc:

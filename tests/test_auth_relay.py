@@ -10,7 +10,7 @@ import requests
 from tests.hf_standin import HfStandin
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
-from toolkit.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
 ALICE, MALLORY = "hf_alice_token_123456", "hf_mallory_token_1234"
 

@@ -19,8 +19,8 @@ import requests
 
 from tests.conftest import RelayProcess, spawn_relay
 from toolkit.client import RelayClient
-from toolkit.protocol import PROTOCOL_VERSION, GradientMeta
-from toolkit.tensor_container import encode_header
+from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta
+from toolkit.wire.tensor_container import encode_header
 
 # Two 1M-element chunks: big enough that "a later chunk" exists (rounds.CHUNK_ELEMS = 2**20).
 OVERRIDES = {

@@ -12,7 +12,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from relay_server.master import flatten
+from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
 from toolkit.client import RelayClient
 from toolkit.models import build_model

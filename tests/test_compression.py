@@ -1,4 +1,4 @@
-"""Codecs (toolkit/compression.py): exactness bounds, streaming decode, validation of untrusted
+"""Codecs (toolkit/wire/compression.py): exactness bounds, streaming decode, validation of untrusted
 tensors, error feedback and parameter deltas. Property tests run FAST examples each by default
 and SLOW examples under ``-m slow``.
 
@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from relay_server.reducer import CHUNK_ELEMS
-from toolkit.compression import (BLOCK, CODECS, INT8_INPUT_MAX, SCALE_MAX, Codec, DeltaEncoder,
+from relay_server.rounds.reducer import CHUNK_ELEMS
+from toolkit.wire.compression import (BLOCK, CODECS, INT8_INPUT_MAX, SCALE_MAX, Codec, DeltaEncoder,
                                  ErrorFeedback, TensorSpec, apply_delta, get_codec)
 from toolkit.errors import ProtocolError
-from toolkit.tensor_container import AsyncContainerReader, encoded_size, iter_encoded, read_container
+from toolkit.wire.tensor_container import AsyncContainerReader, encoded_size, iter_encoded, read_container
 
 FAST, SLOW = 100, 2000
 NAMES = sorted(CODECS)
@@ -439,7 +439,7 @@ def test_delta_encoder_rejects_shape_mismatch() -> None:
 
 # --- packaging --------------------------------------------------------------------------------
 def test_codec_module_does_not_import_torch() -> None:
-    code = "import sys, toolkit.compression; sys.exit('torch' in sys.modules)"
+    code = "import sys, toolkit.wire.compression; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

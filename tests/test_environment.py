@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from toolkit import environment
-from toolkit.environment import DeviceInfo, detect
+from toolkit.runtime import environment
+from toolkit.runtime.environment import DeviceInfo, detect
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +150,7 @@ def test_mismatched_torch_xla_is_not_imported_and_the_hint_names_the_fix(monkeyp
     """The case the issue reports: torch_xla 2.9 next to torch 2.13."""
     _only_cpu(monkeypatch)
     _pretend_torch_xla_installed(monkeypatch, "2.9.0")
-    with caplog.at_level(logging.WARNING, logger="toolkit.environment"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.runtime.environment"):
         info = detect(refresh=True)
     assert info.kind == "cpu"
     assert len(info.hints) == 1 and "torch_xla 2.9.0" in info.hints[0]
@@ -164,7 +164,7 @@ def _write_fake_torch_xla(root: Path, init: str, *, device_type: str = "return '
     (pkg / "core").mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(init))
     (pkg / "core" / "__init__.py").write_text("")
-    # The calls toolkit.environment makes, with torch_xla's documented signatures and results.
+    # The calls toolkit.runtime.environment makes, with torch_xla's documented signatures and results.
     (pkg / "core" / "xla_model.py").write_text(textwrap.dedent("""
         import torch
         calls = []

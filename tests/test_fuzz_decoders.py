@@ -47,27 +47,27 @@ from cryptography.exceptions import InvalidSignature
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from relay_server.access import PassIssuer
-from relay_server.app import _int_query, _path_int
-from relay_server.auth import AuthRejected, ChunkDigests, RequestVerifier, container_digests
-from relay_server.collaboration import _gradient_meta
-from relay_server.errors import ApiError
-from relay_server.moderation import AdminToken, BanRequest, RollbackRequest
-from relay_server.reducer import Reducer, UploadProgress
-from relay_server.relay_key import RelayKey
-from toolkit.auth import (BODY_SHA256_HEADER, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, b64u,
+from relay_server.auth.access import PassIssuer
+from relay_server.api.app import _int_query, _path_int
+from relay_server.auth.verify import AuthRejected, ChunkDigests, RequestVerifier, container_digests
+from relay_server.collaboration.machine import _gradient_meta
+from relay_server.core.errors import ApiError
+from relay_server.api.moderation import AdminToken, BanRequest, RollbackRequest
+from relay_server.rounds.reducer import Reducer, UploadProgress
+from relay_server.auth.relay_key import RelayKey
+from toolkit.wire.auth import (BODY_SHA256_HEADER, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, b64u,
                           decode_pass, digest_metadata, unb64u, verify_pass)
 from tests.conftest import BytesStream
-from toolkit.compression import get_codec
+from toolkit.wire.compression import get_codec
 from toolkit.errors import ProtocolError
-from relay_server.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
-from toolkit.protocol import (AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome, AssignRequest,
+from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
+from toolkit.wire.protocol import (AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome, AssignRequest,
                               DoneRequest, FinalizeRequest, GradientMeta, Heartbeat, JoinRequest, LoginRequest,
                               ParamsManifest, PlanInfo, ShardLeaseRequest, ShardReport, SliceDigest, SliceReport,
                               Ticket, TicketRequest)
-from toolkit.schema import MAX_LIST, MAX_STR, Schema
+from toolkit.wire.schema import MAX_LIST, MAX_STR, Schema
 from toolkit.signing import PeerKey
-from toolkit.tensor_container import AsyncContainerReader, encode_header_for, parse_header
+from toolkit.wire.tensor_container import AsyncContainerReader, encode_header_for, parse_header
 
 EXAMPLES, SLOW_EXAMPLES = 1000, 10_000
 COMMON = dict(deadline=None, database=None,
@@ -105,7 +105,7 @@ def fuzz(strategy: st.SearchStrategy, examples: int = EXAMPLES, slow_examples: i
     return decorate
 
 
-# --- the wire contract, checked independently of toolkit.schema -----------------------------------
+# --- the wire contract, checked independently of toolkit.wire.schema -----------------------------------
 def conforms(value: Any, tp: Any, meta: Any, where: str) -> None:
     """Assert ``value`` has type ``tp`` and respects the field limits ``meta``."""
     origin = get_origin(tp)

@@ -19,18 +19,18 @@ import pytest
 import torch
 from safetensors.torch import load, save_file
 
-from relay_server.collaboration import Collaboration
-from relay_server.config import ConfigError, load_config
-from relay_server.hub_checkpoints import (INFO_FILE, MODEL_FILE, STATE_FILE, HubCheckpointer,
+from relay_server.collaboration.machine import Collaboration
+from relay_server.core.config import ConfigError, load_config
+from relay_server.observers.hub_checkpoints import (INFO_FILE, MODEL_FILE, STATE_FILE, HubCheckpointer,
                                           init_model_from_hub, load_hub_checkpoint, master_params,
                                           parse_init_from)
-from relay_server.observers import StepEvent
+from relay_server.observers.events import StepEvent
 from tests.conftest import BASE_CONFIG
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
 from tests.test_collaboration import relay_params
 from toolkit.models import build_model
-from toolkit.protocol import PlanInfo, RoundRecord, StatusReport
+from toolkit.wire.protocol import PlanInfo, RoundRecord, StatusReport
 
 TOKEN = "hf_test_organizer_write_token"  # a fake; the test checks it never reaches a log
 REPO_ID = "organizer/collab-ckpt"

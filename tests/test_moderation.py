@@ -29,16 +29,16 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from safetensors.numpy import load_file
 
-from relay_server.app import create_app
-from relay_server.auth import IDENTITY_KEY
+from relay_server.api.app import create_app
+from relay_server.auth.verify import IDENTITY_KEY
 from relay_server.cli import main as cli_main
-from relay_server.config import load_config
-from relay_server.errors import ApiError
-from relay_server.moderation import TOKEN_FILE, AdminToken
-from relay_server.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
+from relay_server.core.config import load_config
+from relay_server.core.errors import ApiError
+from relay_server.api.moderation import TOKEN_FILE, AdminToken
+from relay_server.api.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
 from tests.conftest import REPO, Clock, merged
 from tests.test_attacks import TOKENS, SignedPeer, hf_relay, standin
-from toolkit.protocol import PROTOCOL_VERSION, ROUTES
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES
 
 
 # --- the admin token -------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from nbclient import NotebookClient
 
 from tests.conftest import REPO
 from tests.test_panel import TINY_LM, running_relay, status
-from toolkit import notebook
-from toolkit.environment import DeviceInfo
+from toolkit.notebook import hints as notebook
+from toolkit.runtime.environment import DeviceInfo
 
 NOTEBOOKS = ("local", "colab", "kaggle", "tpu")
 MAX_STEPS = 2

@@ -1,4 +1,4 @@
-"""8-bit AdamW state on the relay (relay_server.optim8bit): trains the test MLP like fp32 AdamW,
+"""8-bit AdamW state on the relay (relay_server.rounds.optim8bit): trains the test MLP like fp32 AdamW,
 through the real MasterState (flat-vector views, two param groups, checkpoint tensors), with a
 ~4x smaller state; checkpoints round-trip and convert both ways."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from relay_server import optim8bit
-from relay_server.config import ConfigError, OptimizerSection
-from relay_server.master import MasterState, flatten, layout_of
+from relay_server.rounds import optim8bit
+from relay_server.core.config import ConfigError, OptimizerSection
+from relay_server.rounds.master import MasterState, flatten, layout_of
 from tests.peer_worker import make_dataset
 from toolkit.models import build_model
 

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import requests
 
-from relay_server.config import load_config
+from relay_server.core.config import load_config
 from relay_server.demo import RelayThread
 from tests.conftest import Clock
 from toolkit.errors import RelayUnreachable
-from toolkit.panel import NullPanel, PeerProgress, TqdmPanel, WidgetPanel, open_panel
-from toolkit.protocol import CollabState
+from toolkit.notebook.panel import NullPanel, PeerProgress, TqdmPanel, WidgetPanel, open_panel
+from toolkit.wire.protocol import CollabState
 from toolkit.session import join
 
 # The demo run (relay_server/defaults/demo.toml) with a model small enough for quick CPU steps.
@@ -137,7 +137,7 @@ def test_tqdm_panel_writes_one_line_per_problem_and_starts_no_thread() -> None:
 def test_auto_picks_tqdm_only_on_a_terminal_outside_jupyter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert isinstance(open_panel("auto", "t"), NullPanel)
-    monkeypatch.setattr("toolkit.panel._is_terminal", lambda stream: True)
+    monkeypatch.setattr("toolkit.notebook.panel._is_terminal", lambda stream: True)
     panel = open_panel("auto", "t")
     assert isinstance(panel, TqdmPanel)
     panel.close()

@@ -19,7 +19,7 @@ import pytest
 from tests.test_panel import progress, running_relay
 from tests.test_wandb_relay import history_rows, offline_wandb, read_wandb_records, run_config  # noqa: F401
 from toolkit.session import join
-from toolkit.wandb_run import NullRun, WandbRun, WandbTarget, open_wandb_run
+from toolkit.notebook.wandb_run import NullRun, WandbRun, WandbTarget, open_wandb_run
 
 def offline_run(wandb_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """(the run record, its config, the history rows) of the one offline run under ``wandb_dir``."""
@@ -107,7 +107,7 @@ def test_wandb_off_is_a_null_run_that_imports_nothing() -> None:
         assert isinstance(run, NullRun), target
         run.update(replace(progress(), loss=None))  # a step without a loss, then close: no error
         run.close()
-    code = ("import sys; from toolkit.wandb_run import open_wandb_run; "
+    code = ("import sys; from toolkit.notebook.wandb_run import open_wandb_run; "
             "open_wandb_run(None, name='a', group='g', config={}).close(); print('wandb' in sys.modules)")
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            cwd=Path(__file__).resolve().parent.parent)

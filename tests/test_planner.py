@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay_server import planner as pm
-from relay_server.planner import (
+from relay_server.planning import planner as pm
+from relay_server.planning.planner import (
     PeerCapacity,
     PlanError,
     allreduce_round_s,

@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from toolkit.environment import DeviceInfo
+from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import PrecisionUnsupported
-from toolkit.precision import LossScaler, PrecisionPolicy, choose_precision, local_choice
+from toolkit.runtime.precision import LossScaler, PrecisionPolicy, choose_precision, local_choice
 
 
 def _gpu(name: str, cc: tuple[int, int], gib: float, platform: str | None = None) -> DeviceInfo:
@@ -76,7 +76,7 @@ def test_a_pinned_policy_overrides_or_refuses(device, pin, caplog):
         if info.platform == "colab":
             assert "Change runtime type" in err.value.hint
         return
-    with caplog.at_level(logging.WARNING, logger="toolkit.precision"):
+    with caplog.at_level(logging.WARNING, logger="toolkit.runtime.precision"):
         policy = choose_precision(info, pin)
     assert policy.name == pin and policy.pinned
     assert ("slowly" in caplog.text) == (device in slow)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from relay_server.robust import CenteredClipConfig, RobustAccumulator, capped_weights, centered_clip
+from relay_server.rounds.robust import CenteredClipConfig, RobustAccumulator, capped_weights, centered_clip
 
 D = 2048
 

@@ -36,20 +36,20 @@ import numpy as np
 import pytest
 import torch
 
-from relay_server.config import ConfigError, load_config
-from relay_server.errors import ApiError
-from relay_server.master import MasterState, flatten, layout_of
-from relay_server.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
-from relay_server.robust import CenteredClipConfig, centered_clip
+from relay_server.core.config import ConfigError, load_config
+from relay_server.core.errors import ApiError
+from relay_server.rounds.master import MasterState, flatten, layout_of
+from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
+from relay_server.rounds.robust import CenteredClipConfig, centered_clip
 from relay_server.demo import RelayThread
 from tests.conftest import merged
 from toolkit.client import RelayClient
-from toolkit.compression import get_codec
+from toolkit.wire.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
 from tests.conftest import BytesStream
 from toolkit.optimizer import CollaborativeOptimizer
-from toolkit.tensor_container import AsyncContainerReader, encode_header
+from toolkit.wire.tensor_container import AsyncContainerReader, encode_header
 
 
 # --- the reducer hook ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import requests
 from tests.conftest import REPO, RelayProcess, free_port, merged, write_config
 from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts
-from toolkit.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
 WORKER = Path(__file__).resolve().parent / "shard_peer_worker.py"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

@@ -1,4 +1,4 @@
-"""Unit tests of the lease pool (relay_server.shards) and of the peer's RelayShardSource, in one
+"""Unit tests of the lease pool (relay_server.data.pool) and of the peer's RelayShardSource, in one
 process: the policy, its invariant under random operation sequences, the ledger, and a real
 stream (local shard files, offline) leasing from a pool through an in-process fake client."""
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay_server.errors import ApiError
-from relay_server.shards import ShardLedger, ShardPool
+from relay_server.core.errors import ApiError
+from relay_server.data.pool import ShardLedger, ShardPool
 from toolkit.data import RelayShardSource, StreamConfig, shard_sources_for_run, stream_texts
 from toolkit.errors import DataConfigError, RelayRejected, RelayUnreachable
-from toolkit.protocol import ROUTES, ShardLease, ShardReport, ShardReportAck, ShardUpdate
+from toolkit.wire.protocol import ROUTES, ShardLease, ShardReport, ShardReportAck, ShardUpdate
 
 SHARDS = [f"s{i:02d}.jsonl" for i in range(6)]
 

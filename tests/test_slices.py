@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from relay_server.backbone import RELAY_ID, Backbone
-from relay_server.config import OptimizerSection, load_config
-from relay_server.errors import ApiError
-from relay_server.master import MasterState, flatten, layout_of
-from relay_server.measure import PEAK_WINDOW, PeerRates, RecentPeak, ServerMeter, delivered
-from relay_server.planner import solve_plan
-from relay_server.state_transfer import cut
-from relay_server.store import Store
-from relay_server.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
-from toolkit.compression import get_codec
+from relay_server.backbone.coordinator import RELAY_ID, Backbone
+from relay_server.core.config import OptimizerSection, load_config
+from relay_server.core.errors import ApiError
+from relay_server.rounds.master import MasterState, flatten, layout_of
+from relay_server.planning.measure import PEAK_WINDOW, PeerRates, RecentPeak, ServerMeter, delivered
+from relay_server.planning.planner import solve_plan
+from relay_server.backbone.state_transfer import cut
+from relay_server.rounds.store import Store
+from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
+from toolkit.wire.compression import get_codec
 from toolkit.models import build_model
-from toolkit.protocol import (PROTOCOL_VERSION, AggregatorHeartbeat, AggregatorRegistration, ModelSpec, RunInfo,
+from toolkit.wire.protocol import (PROTOCOL_VERSION, AggregatorHeartbeat, AggregatorRegistration, ModelSpec, RunInfo,
                               SliceDigest, Ticket, TransferSample)
 
 ADAMW = OptimizerSection(name="adamw", lr=0.01, weight_decay=0.1)

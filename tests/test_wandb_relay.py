@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from relay_server.config import load_config
-from relay_server.observers import StepEvent
-from relay_server.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
-from toolkit.protocol import (LeaderboardEntry, PlanInfo, PlanSlice, RoundRecord, RunSummary,
+from relay_server.core.config import load_config
+from relay_server.observers.events import StepEvent
+from relay_server.observers.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
+from toolkit.wire.protocol import (LeaderboardEntry, PlanInfo, PlanSlice, RoundRecord, RunSummary,
                               StatusReport)
 
 _BLOCK = 32 * 1024

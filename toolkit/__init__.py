@@ -4,7 +4,7 @@
     toolkit.join("https://relay.example.org")
 
 Public names are imported lazily so that ``import toolkit`` stays cheap and the wire protocol
-(``toolkit.protocol``) is usable without torch.
+(``toolkit.wire.protocol``) is usable without torch.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import numpy as np
 import requests
 
-from toolkit.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.compression import Codec, apply_delta
+from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
+from toolkit.wire.compression import Codec, apply_delta
 from toolkit.errors import CollabError, ProtocolError, RelayRejected, RelayUnreachable
-from toolkit.protocol import (
+from toolkit.wire.protocol import (
     ROUTES,
     TICKET_HEADER,
     CollabState,
@@ -51,7 +51,7 @@ from toolkit.protocol import (
     StatusReport,
     UploadReceipt,
 )
-from toolkit.schema import Schema
+from toolkit.wire.schema import Schema
 from toolkit.signing import (
     AccessPass,
     AccessPassHolder,
@@ -59,7 +59,7 @@ from toolkit.signing import (
     RelayKeyPins,
     SignedAuth,
 )
-from toolkit.tensor_container import (
+from toolkit.wire.tensor_container import (
     encoded_size,
     iter_encoded,
     peek_header,

@@ -16,7 +16,7 @@ current parameters.
 What you will see in the log (``verbose=True``): "joined at step N" once; "round S: sent K
 samples" when this peer contributes; "step S+1 loaded" when new parameters arrive; "behind:
 resyncing" when this peer fell more than ``max_staleness`` versions behind (its unsent
-gradient is discarded, by the rule in :mod:`toolkit.protocol`).
+gradient is discarded, by the rule in :mod:`toolkit.wire.protocol`).
 
 ``delayed_updates=True`` (DeDLOC's delayed parameter updates) runs the round in the background
 thread while the next batches compute on the previous parameters: one step of staleness, which
@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from toolkit.client import RelayClient, slice_part
-from toolkit.compression import ErrorFeedback, get_codec
+from toolkit.wire.compression import ErrorFeedback, get_codec
 from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
-from toolkit.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,
+from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,
                               PlanSlice, RunInfo, TicketRequest)
 
 log = logging.getLogger(__name__)

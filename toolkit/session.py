@@ -4,7 +4,7 @@ It finds the accelerator, picks the precision (or takes the one the run pins), b
 model (or uses yours), joins the relay, streams the run's data, trains until the run finishes,
 the cell is interrupted, or a limit you set is hit, and always leaves cleanly. The loop inside is
 the plain one in :mod:`toolkit.optimizer`'s docstring, with the precision policy around it, and
-after each micro-batch one :class:`~toolkit.panel.PeerProgress` snapshot goes to the live panel
+after each micro-batch one :class:`~toolkit.notebook.panel.PeerProgress` snapshot goes to the live panel
 and to the peer's W&B run (a no-op unless a W&B project is configured).
 
 Everything join opens (the relay connection, the optimizer's background thread, the data
@@ -23,17 +23,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from toolkit import environment
+from toolkit.runtime import environment
 from toolkit.client import RelayClient
 from toolkit.data import batches_for_run, shard_sources_for_run
-from toolkit.environment import DeviceInfo
+from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import AuthError, CollabError
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
-from toolkit.panel import Panel, PanelKind, PeerProgress, open_panel
-from toolkit.precision import choose_precision
-from toolkit.protocol import RunInfo
-from toolkit.wandb_run import WandbTarget, open_wandb_run
+from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
+from toolkit.runtime.precision import choose_precision
+from toolkit.wire.protocol import RunInfo
+from toolkit.notebook.wandb_run import WandbTarget, open_wandb_run
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,11 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
 
-    ``token`` is the volunteer's Hugging Face token (:func:`toolkit.notebook.hf_token` finds it);
+    ``token`` is the volunteer's Hugging Face token (:func:`toolkit.notebook.hints.hf_token` finds it);
     open runs ignore it, and it is never logged. ``model`` must expose ``loss(batch) -> scalar``
     (the run's model is built if omitted); ``data`` yields batches for it (the run's dataset if
     omitted: its streamed shards, or the demo text the toolkit ships). ``panel`` is "auto",
-    "widgets", "tqdm", "none" or your own :class:`~toolkit.panel.Panel`. ``wandb_project``
+    "widgets", "tqdm", "none" or your own :class:`~toolkit.notebook.panel.Panel`. ``wandb_project``
     ("project" or "entity/project") starts this peer's own W&B run (default: the project the run
     names, if any). ``delayed_updates`` (default: on when the run allows one step of staleness)
     keeps computing the next batch while a round is in flight.

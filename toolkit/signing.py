@@ -3,7 +3,7 @@
 A peer logs in once with its Hugging Face token (``RelayClient.login``), gets an access pass
 bound to a fresh in-memory Ed25519 key, and from then on :class:`SignedAuth` signs every request
 and checks the relay's signature on the answers it relies on. The wire format is in
-:mod:`toolkit.auth`; the relay's half in :mod:`relay_server.auth`.
+:mod:`toolkit.wire.auth`; the relay's half in :mod:`relay_server.auth.verify`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 
-from toolkit.auth import (_HEX64_RE, BODY_SHA256_HEADER, EMPTY_SHA256, LOGIN_PATH, NONCE_HEADER, PASS_HEADER,
+from toolkit.wire.auth import (_HEX64_RE, BODY_SHA256_HEADER, EMPTY_SHA256, LOGIN_PATH, NONCE_HEADER, PASS_HEADER,
                           RELAY_SIGNATURE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, PassClaims, b64u, key_id,
                           public_key_from_b64, request_message, verify_pass, verify_relay_signature)
 from toolkit.errors import AuthError, RelayKeyChanged
-from toolkit.protocol import LoginResponse
+from toolkit.wire.protocol import LoginResponse
 
 log = logging.getLogger(__name__)
 
@@ -252,5 +252,5 @@ def _body_sha256(r: requests.PreparedRequest) -> str:
     claimed = r.headers.get(BODY_SHA256_HEADER, "")
     if not _HEX64_RE.fullmatch(claimed):
         raise AuthError("unsignable_body", "a streamed body needs its precomputed hash in the "
-                        f"{BODY_SHA256_HEADER} header", "Use toolkit.auth.container_body_sha256().")
+                        f"{BODY_SHA256_HEADER} header", "Use toolkit.wire.auth.container_body_sha256().")
     return claimed

@@ -2,7 +2,7 @@
 
 * :class:`LocalShardOrder` is the paper's (s3.3): every peer walks all shards in its own random
   order, epoch after epoch, with no coordination.
-* :class:`RelayShardSource` asks the relay's lease pool (:mod:`relay_server.shards`): the pool
+* :class:`RelayShardSource` asks the relay's lease pool (:mod:`relay_server.data.pool`): the pool
   hands out the least-processed shard nobody holds, so peers rarely duplicate work, a departed
   peer's shard returns to the pool, and the run knows its data coverage. A static
   ``split_dataset_by_node`` cannot do this for a swarm whose size changes every minute.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from toolkit.errors import DataConfigError, RelayRejected, RelayUnreachable
-from toolkit.protocol import (MAX_SHARD_UPDATES, ShardLease, ShardLeaseRequest, ShardReport,
+from toolkit.wire.protocol import (MAX_SHARD_UPDATES, ShardLease, ShardLeaseRequest, ShardReport,
                               ShardReportAck, ShardUpdate)
 
 if TYPE_CHECKING:

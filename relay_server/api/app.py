@@ -1,0 +1,272 @@
+"""The relay's HTTP API: routes as data, one lifespan that owns the store and the ticker.
+
+Bodies stream: a gradient upload is reduced chunk by chunk as it arrives, parameters are written
+from an immutable snapshot in chunks with back-pressure. Every error, ours or aiohttp's, leaves as
+``{"error": code, "message": ..., "hint": ...}`` with a 4xx/5xx status (:mod:`relay_server.core.http`).
+Internal routes (aggregators registering, heartbeating, pulling state) take the admin token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from importlib import resources
+
+from aiohttp import web
+
+from relay_server.backbone.coordinator import Backbone
+from relay_server.collaboration.machine import Collaboration
+from relay_server.core.config import RelayConfig
+from relay_server.api import shards as shards_api
+from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
+from relay_server.auth.access import LoginService, PassIssuer
+from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
+from relay_server.core.errors import ApiError
+from relay_server.auth.identity import AllowList, HfIdentityVerifier
+from relay_server.api.moderation import build_admin, read_token, token_path
+from relay_server.api.ratelimit import build_rate_limits
+from relay_server.auth.relay_key import RelayKey
+from relay_server.observers import ObserverThread, build_observers
+from relay_server.backbone.routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
+from relay_server.backbone.state_transfer import check_range, send_state
+from relay_server.rounds.store import Store
+from relay_server.backbone.tickets import encode_ticket
+from toolkit.errors import ProtocolError
+from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
+                              DoneRequest, Heartbeat, JoinRequest, TicketRequest)
+from toolkit.wire.tensor_container import AsyncContainerReader
+
+from relay_server.core.http import (drain as _drain, error_middleware, error_response, int_query as _int_query,  # noqa: F401
+                               json_ok, path_int as _path_int, read_message, upload_length)
+
+log = logging.getLogger(__name__)
+
+
+# --- handlers ---------------------------------------------------------------------------------
+async def get_run(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).run_info)
+
+
+async def get_status(request: web.Request) -> web.Response:
+    status = _collab(request).status()
+    return json_ok(dataclasses.replace(status, shards=shards_api.status_summary(request.app)))
+
+
+async def get_progress(request: web.Request) -> web.Response:
+    """The collaboration's progress without reporting any: what a peer polls while it waits."""
+    return json_ok(_collab(request).state())
+
+
+async def get_state(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).state_info())
+
+
+async def post_join(request: web.Request) -> web.Response:
+    req = await read_message(request, JoinRequest)
+    identity = request.get(IDENTITY_KEY)
+    username = identity["username"] if identity is not None else f"anonymous:{req.peer_name}"
+    return json_ok(_collab(request).join(req, username))
+
+
+async def post_heartbeat(request: web.Request) -> web.Response:
+    hb = await read_message(request, Heartbeat)
+    return json_ok(_collab(request).heartbeat(own_peer(request, request.match_info["peer_id"]), hb))
+
+
+async def post_leave(request: web.Request) -> web.Response:
+    _collab(request).leave(own_peer(request, request.match_info["peer_id"]))
+    return json_ok({"ok": True})
+
+
+async def put_gradient(request: web.Request) -> web.Response:
+    collab = _collab(request)
+    if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
+        return json_ok(await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
+                                       require_digests=collab.config.auth.mode != "open"))
+    step = _path_int(request, "step")
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
+    limit = collab.codec.wire_bytes(collab.num_params)
+    upload_length(request, limit)
+    body = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
+    reader = AsyncContainerReader(body, limit, total_bytes=request.content_length)
+    try:
+        receipt = await collab.receive_gradient(step, peer_id, reader)
+    except (ApiError, ProtocolError):
+        await _drain(request)
+        raise
+    return json_ok(receipt)
+
+
+async def get_params(request: web.Request) -> web.StreamResponse:
+    """The parameters of version >= ``min_step``, long-polling up to ``wait`` seconds: in full,
+    or as a delta when the peer says it holds the version before (``have``) and the run's codec
+    is lossy. 204 when nothing newer was published in time. When aggregators own slices the
+    answer is the version's manifest (JSON), and ``start``/``end`` ask for the relay's own slice."""
+    collab = _collab(request)
+    if "start" in request.query:
+        return await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
+    min_step = _int_query(request, "min_step", 0)
+    have = _int_query(request, "have", -1)
+    wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
+    peer_id = request.query.get("peer_id", "")
+    peer = collab.registry.get(own_peer(request, peer_id)) if peer_id else None
+    if peer is not None:
+        peer.inflight += 1  # a waiting peer is alive
+    try:
+        version = await collab.wait_for_step(min_step, wait)
+    finally:
+        if peer is not None:
+            peer.inflight -= 1
+            collab.registry.touch(peer)
+    if version is None:
+        return web.Response(status=204, headers={"X-Collab-Step": str(collab.step)})
+    if version.manifest is not None:  # sliced: each slice comes from its owner (get_slice)
+        return json_ok(version.manifest)
+    started = time.monotonic()
+    response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
+    collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, sent_bytes(request, response), started)
+    return response
+
+
+async def post_ticket(request: web.Request) -> web.Response:
+    req = await read_message(request, TicketRequest)
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
+    ticket = _collab(request).issue_ticket(_path_int(request, "step"), peer_id, req)
+    return json_ok({"ticket": encode_ticket(ticket)})
+
+
+async def post_done(request: web.Request) -> web.Response:
+    req = await read_message(request, DoneRequest)
+    peer_id = own_peer(request, request.query.get("peer_id", ""))
+    return json_ok(_collab(request).done(_path_int(request, "step"), peer_id, req))
+
+
+async def get_plan(request: web.Request) -> web.Response:
+    return json_ok(_collab(request).plan_info())
+
+
+# --- the relay's aggregators (under /api/admin: the admin middleware checked the token) ----------
+def _backbone(request: web.Request) -> Backbone:
+    return _collab(request).backbone
+
+
+async def post_aggregator_register(request: web.Request) -> web.Response:
+    backbone = _backbone(request)
+    return json_ok(backbone.register(await read_message(request, AggregatorRegistration)))
+
+
+async def post_aggregator_heartbeat(request: web.Request) -> web.Response:
+    backbone = _backbone(request)
+    backbone.heartbeat(request.match_info["aggregator_id"], await read_message(request, AggregatorHeartbeat))
+    return json_ok({"ok": True})
+
+
+async def get_internal_state(request: web.Request) -> web.StreamResponse:
+    """A slice of the state being handed to new owners during a plan change."""
+    backbone = _backbone(request)
+    start, end, step = _int_query(request, "start"), _int_query(request, "end"), _int_query(request, "step")
+    check_range(start, end, backbone.num_params)
+    return await send_state(request, backbone.staged(start, end, step),
+                            {"step": str(step), "start": str(start), "end": str(end)})
+
+
+async def get_favicon(request: web.Request) -> web.Response:
+    """Browsers ask for /favicon.ico even on JSON pages; the dashboard's icon is an SVG."""
+    raise web.HTTPMovedPermanently("/static/favicon.svg")
+
+
+async def get_index(request: web.Request) -> web.StreamResponse:
+    static = resources.files("relay_server.api").joinpath("static/index.html")
+    if static.is_file():
+        return web.Response(text=static.read_text(), content_type="text/html")
+    status = _collab(request).status()
+    return web.Response(text=f"<!doctype html><title>{status.run_name}</title><h1>{status.run_name}</h1>"
+                             f"<p>step {status.step}, {status.num_peers} peers. JSON: <a href='/api/status'>/api/status</a>",
+                        content_type="text/html")
+
+
+ROUTE_TABLE = [
+    ("GET", ROUTES["run"], get_run),
+    ("GET", ROUTES["status"], get_status),
+    ("GET", ROUTES["state"], get_state),
+    ("GET", ROUTES["progress"], get_progress),
+    ("GET", ROUTES["params"], get_params),
+    ("GET", ROUTES["plan"], get_plan),
+    ("POST", ROUTES["ticket"], post_ticket),
+    ("POST", ROUTES["done"], post_done),
+    ("POST", ROUTES["aggregator_register"], post_aggregator_register),
+    ("POST", ROUTES["aggregator_heartbeat"], post_aggregator_heartbeat),
+    ("GET", ROUTES["slice_state"], get_internal_state),
+    ("POST", ROUTES["join"], post_join),
+    ("POST", ROUTES["heartbeat"], post_heartbeat),
+    ("POST", ROUTES["leave"], post_leave),
+    ("PUT", ROUTES["gradient"], put_gradient),
+    ("GET", "/", get_index),
+    ("GET", "/favicon.ico", get_favicon),
+    *shards_api.ROUTES,
+]
+
+
+# What an observer or a peer that has not logged in yet may read.
+PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
+                           ROUTES["shards"], ROUTES["plan"]})
+
+
+def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
+    """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
+
+    In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
+    if config.auth.mode == "open":
+        return [], []
+    a = config.auth
+    key = RelayKey.load_or_create(config.server.data_dir)
+    allow = AllowList(users=frozenset(a.allow_users), orgs=frozenset(a.allow_orgs), any_user=a.allow_any_hf_user)
+    identity = HfIdentityVerifier(allow, endpoint=a.hf_endpoint or None, timeout_s=a.login_timeout_s)
+    service = LoginService(identity, PassIssuer(key, ttl_s=a.pass_ttl_s), is_banned=is_banned,
+                           reauth_after_s=a.reauth_after_s)
+    verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
+    return [auth_middleware(verifier, PUBLIC_ROUTES)], service.routes()
+
+
+def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
+    auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user))
+    admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
+    before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
+    # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits
+    app.middlewares.extend([*admin_middlewares, *before_auth, *auth_middlewares, *after_auth])
+    app[CONFIG] = config
+    for method, path, handler in [*ROUTE_TABLE, *auth_routes, *admin_routes]:
+        app.router.add_route(method, path, handler)
+    static_dir = resources.files("relay_server.api").joinpath("static")
+    if static_dir.is_dir():
+        app.router.add_static("/static", str(static_dir))
+    app.cleanup_ctx.append(_lifespan)
+    app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
+    return app
+
+
+async def _lifespan(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
+    observers = ObserverThread(build_observers(config))
+    collab = await asyncio.to_thread(Collaboration, config, store, observers)
+    app[COLLAB] = collab
+    collab.backbone.attach(read_token(token_path(config)))  # written by build_admin: calls to aggregators carry it
+    await collab.start()
+    ticker = asyncio.create_task(collab.run_ticker())
+    if config.auth.mode == "open":
+        log.warning("AUTH IS OFF (auth.mode = 'open'): anyone who can reach this relay can join and send gradients")
+    yield
+    ticker.cancel()
+    try:
+        await ticker
+    except asyncio.CancelledError:
+        pass
+    await asyncio.to_thread(observers.close)
+    await collab.backbone.aclose()
+    collab.close()
+    store.close()

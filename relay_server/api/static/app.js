@@ -1,0 +1,284 @@
+// The relay dashboard: polls GET /api/status (a StatusReport, toolkit/wire/protocol.py) and renders it.
+//
+// No framework and no external requests: the relay serves this file, and an observer may sit on a
+// network that only reaches the relay. Everything that came over the network (peer names, HF
+// usernames) is written with textContent, never innerHTML: a volunteer picks their own name.
+"use strict";
+
+const POLL_MS = 1500;          // one StatusReport every 1.5 s is cheap for the relay
+const HIDDEN_POLL_MS = 6000;   // a background tab still updates, just less often
+const MAX_BACKOFF_MS = 15000;  // retry an unreachable relay at most this far apart
+const TIMEOUT_MS = 5000;       // a hung request counts as a failure, so the banner shows
+const HISTORY = 600;           // client-side samples/s history points kept (~15 min)
+const RATE_WINDOW = 5;         // rounds per throughput point: one round alone is too spiky
+
+const $ = (id) => document.getElementById(id);
+const reportedHistory = [];    // [server unix seconds, samples/s reported by peers]
+let clockOffsetS = 0;          // server clock - browser clock, from the response's Date header
+let failures = 0;
+
+// --- formatting ---------------------------------------------------------------------------------
+const intFmt = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
+const fmt = {
+  int: (n) => (n === null || n === undefined ? "–" : intFmt.format(n)),
+  rate: (n) => (n === null || n === undefined ? "–" : n >= 100 ? intFmt.format(n) : n.toFixed(1)),
+  loss: (n) => (n === null || n === undefined ? "–" : n.toPrecision(4)),
+  secs: (s) => {
+    if (s === null || s === undefined) return "–";
+    if (s < 60) return `${s.toFixed(s < 10 ? 1 : 0)} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+    return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+  },
+  pct: (f) => `${(100 * f).toFixed(f < 0.1 ? 1 : 0)} %`,
+  clock: (unixS) => new Date((unixS - clockOffsetS) * 1000).toLocaleTimeString("en-GB"),
+};
+
+function el(tag, text, attrs = {}) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  return node;
+}
+
+function fillTable(table, rows, emptyId = null) {
+  table.tBodies[0].replaceChildren(...rows);
+  if (emptyId) $(emptyId).hidden = rows.length > 0;
+}
+
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const cell of cells) {
+    const td = cell instanceof Node ? cell : el("td", cell);
+    tr.append(td);
+  }
+  return tr;
+}
+
+const num = (text) => el("td", text, { class: "num" });
+
+// --- polling ------------------------------------------------------------------------------------
+async function poll() {
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), TIMEOUT_MS);
+  try {
+    const res = await fetch("/api/status", { cache: "no-store", signal: abort.signal });
+    if (!res.ok) throw new Error(`HTTP ${res.status}`);
+    const serverDate = Date.parse(res.headers.get("Date") || "");
+    if (!Number.isNaN(serverDate)) clockOffsetS = (serverDate - Date.now()) / 1000;
+    const status = await res.json();
+    failures = 0;
+    setConnected(true);
+    render(status);
+  } catch (err) {
+    failures += 1;
+    setConnected(false, err.name === "AbortError" ? "no answer" : err.message);
+  } finally {
+    clearTimeout(timer);
+    const base = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
+    setTimeout(poll, failures ? Math.min(MAX_BACKOFF_MS, base * 2 ** (failures - 1)) : base);
+  }
+}
+
+function setConnected(ok, reason = "") {
+  document.body.classList.toggle("stale", !ok);
+  const banner = $("unreachable");
+  if (ok) {
+    banner.hidden = true;
+    $("connection").textContent = "live";
+    $("updated").textContent = new Date().toLocaleTimeString("en-GB");
+    return;
+  }
+  const retryS = Math.min(MAX_BACKOFF_MS, POLL_MS * 2 ** (failures - 1)) / 1000;
+  banner.textContent = `Cannot reach the relay (${reason}). Showing the last data received; ` +
+    `retrying in ${retryS.toFixed(0)} s.`;
+  banner.hidden = false;
+  $("connection").textContent = "relay unreachable";
+}
+
+// --- rendering ----------------------------------------------------------------------------------
+function render(s) {
+  document.title = `${s.run_name} · step ${s.step} · collabtrain`;
+  $("run-name").textContent = s.run_name;
+  $("finished").hidden = !s.finished;
+  $("auth-mode").textContent = s.auth_mode;
+  $("auth-mode").className = `badge ${s.auth_mode === "open" ? "warn" : "ok"}`;
+  $("open-warning").hidden = s.auth_mode !== "open";
+  renderCards(s);
+  renderRound(s);
+  renderCharts(s);
+  renderPeers(s);
+  renderLeaderboard(s);
+  renderPlan(s);
+  renderConfig(s);
+}
+
+function renderCards(s) {
+  $("step").textContent = fmt.int(s.step);
+  $("step").dataset.value = s.step;
+  $("total-steps").textContent = s.total_steps ? `of ${fmt.int(s.total_steps)}` : "no step limit";
+  $("loss").textContent = fmt.loss(s.loss);
+  $("samples-per-s").textContent = fmt.rate(s.samples_per_s);
+  $("num-peers").textContent = fmt.int(s.num_peers);
+}
+
+function renderRound(s) {
+  const bar = $("round-progress");
+  bar.max = s.target_batch;
+  bar.value = Math.min(s.samples_accumulated, s.target_batch);
+  let text;
+  if (s.finished) {
+    text = "The run reached its last step.";
+  } else if (s.round) {
+    const r = s.round;
+    text = `Averaging round for step ${r.step}: ${r.received_peers} of ${r.expected_peers} peers uploaded, ` +
+      `deadline in ${fmt.secs(r.deadline_in_s)}.`;
+  } else {
+    const eta = s.eta_s === null ? "waiting for peers" : `ETA ${fmt.secs(s.eta_s)}`;
+    text = `${fmt.int(s.samples_accumulated)} of ${fmt.int(s.target_batch)} samples for step ${s.step + 1} (${eta}).`;
+  }
+  $("round-text").textContent = text;
+}
+
+/** Samples/s over a sliding window of finished rounds: [finalized_at, rate]. */
+function roundRates(rounds) {
+  const points = [];
+  for (let i = 1; i < rounds.length; i++) {
+    const k = Math.min(RATE_WINDOW, i);
+    const dt = rounds[i].finalized_at - rounds[i - k].finalized_at;
+    let samples = 0;
+    for (let j = i - k + 1; j <= i; j++) samples += rounds[j].samples;
+    if (dt > 0) points.push([rounds[i].finalized_at, samples / dt]);
+  }
+  return points;
+}
+
+function renderCharts(s) {
+  const rounds = s.recent_rounds || [];
+  const lossPoints = rounds.filter((r) => r.loss !== null).map((r) => [r.step, r.loss]);
+  lineChart($("loss-chart"), [{ cls: "loss", points: lossPoints }],
+    { x: (v) => fmt.int(v), y: fmt.loss, empty: "No finished round yet." });
+  $("loss-summary").textContent = lossPoints.length
+    ? `${lossPoints.length} rounds shown; first loss ${fmt.loss(lossPoints[0][1])}, ` +
+      `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}.`
+    : "";
+
+  reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.samples_per_s]);
+  if (reportedHistory.length > HISTORY) reportedHistory.shift();
+  lineChart($("throughput-chart"),
+    [{ cls: "rounds", points: roundRates(rounds) }, { cls: "reported", points: reportedHistory }],
+    { x: fmt.clock, y: fmt.rate, yFromZero: true, empty: "Waiting for data." });
+}
+
+function renderPeers(s) {
+  const peers = s.peers.filter((p) => p.online !== false).sort((a, b) => a.name.localeCompare(b.name));
+  fillTable($("peers"), peers.map((p) => row([
+    el("td", p.name, { title: p.peer_id }),
+    p.username,
+    p.device,
+    p.precision || "–",
+    num(fmt.rate(p.samples_per_s)),
+    num(fmt.int(p.samples_contributed)),
+    num(`${fmt.secs(p.last_seen_s)} ago`),
+    num(p.first_contribution_s === null || p.first_contribution_s === undefined ? "not yet" : fmt.secs(p.first_contribution_s)),
+  ])), "peers-empty");
+}
+
+function renderLeaderboard(s) {
+  const entries = s.leaderboard || [];
+  const total = entries.reduce((acc, e) => acc + e.samples, 0) || 1;
+  fillTable($("leaderboard"), entries.map((e, i) => {
+    const share = el("td");
+    const meter = el("meter", null, { min: "0", max: "1", value: String(e.samples / total),
+      "aria-label": `${e.username}: ${fmt.pct(e.samples / total)} of all samples` });
+    share.append(meter, ` ${fmt.pct(e.samples / total)}`);
+    return row([num(i + 1), e.username, num(fmt.int(e.samples)), num(fmt.int(e.rounds)), num(e.peers_online), share]);
+  }), "leaderboard-empty");
+}
+
+function renderPlan(s) {
+  const plan = s.plan;
+  const slices = plan ? plan.slices : [];
+  $("plan-summary").textContent = plan
+    ? `Plan ${plan.version}: ${slices.length} aggregator${slices.length === 1 ? "" : "s"}` +
+      (plan.steps_per_s ? `, predicted ${plan.steps_per_s.toFixed(2)} steps/s.` : ".")
+    : "No plan published yet.";
+  $("plan-bar").replaceChildren(...slices.map((sl, i) => {
+    const part = el("div", sl.fraction >= 0.12 ? sl.name : "", {
+      class: `slice c${i % 6}`, title: `${sl.name}: [${sl.start}, ${sl.end}) ${fmt.pct(sl.fraction)}` });
+    part.style.flexGrow = String(Math.max(sl.end - sl.start, 1));
+    return part;
+  }));
+  fillTable($("plan"), slices.map((sl, i) => {
+    const name = el("td");
+    name.append(el("span", null, { class: `swatch c${i % 6}`, "aria-hidden": "true" }), sl.name);
+    if (sl.aggregator_id !== sl.name) name.title = sl.aggregator_id;
+    return row([name, num(fmt.int(sl.end - sl.start)), num(`${fmt.int(sl.start)}–${fmt.int(sl.end)}`),
+      num(fmt.pct(sl.fraction))]);
+  }));
+}
+
+function renderConfig(s) {
+  const c = s.config || {};
+  const items = [
+    ["Run", s.run_name],
+    ["Model", c.model],
+    ["Parameters", fmt.int(s.num_params)],
+    ["Optimizer", c.optimizer && `${c.optimizer}, lr ${c.lr}, ${c.schedule} schedule`],
+    ["Target batch", fmt.int(s.target_batch)],
+    ["Total steps", s.total_steps ? fmt.int(s.total_steps) : "until stopped"],
+    ["Max staleness", c.max_staleness],
+    ["Precision", c.precision || "each peer picks"],
+    ["Compression", c.compression],
+    ["Auth", s.auth_mode],
+    ["Relay uptime", fmt.secs(s.uptime_s)],
+  ];
+  $("config").replaceChildren(...items.filter(([, v]) => v !== undefined && v !== null).flatMap(
+    ([k, v]) => [el("dt", k), el("dd", v)]));
+}
+
+// --- a minimal SVG line chart -------------------------------------------------------------------
+const SVG_NS = "http://www.w3.org/2000/svg";
+const BOX = { w: 600, h: 220, left: 56, right: 12, top: 12, bottom: 30 };
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+/** Draw ``series`` ([{cls, points: [[x, y], ...]}]) into ``target``, keeping its <title>. */
+function lineChart(target, series, opts) {
+  const title = target.querySelector("title");
+  const all = series.flatMap((s) => s.points);
+  target.replaceChildren(title);
+  target.dataset.points = String(series[0].points.length);
+  if (all.length === 0) {
+    target.append(svg("text", { x: BOX.w / 2, y: BOX.h / 2, class: "empty", "text-anchor": "middle" }, opts.empty));
+    return;
+  }
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  let [y0, y1] = [opts.yFromZero ? 0 : Math.min(...ys), Math.max(...ys)];
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+  const px = (x) => BOX.left + ((x - x0) / (x1 - x0)) * (BOX.w - BOX.left - BOX.right);
+  const py = (y) => BOX.h - BOX.bottom - ((y - y0) / (y1 - y0)) * (BOX.h - BOX.top - BOX.bottom);
+
+  for (const frac of [0, 0.5, 1]) {
+    const y = y0 + frac * (y1 - y0);
+    target.append(svg("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: py(y), y2: py(y), class: "grid" }));
+    target.append(svg("text", { x: BOX.left - 6, y: py(y) + 4, "text-anchor": "end", class: "tick" }, opts.y(y)));
+  }
+  target.append(svg("text", { x: BOX.left, y: BOX.h - 8, class: "tick" }, opts.x(x0)));
+  target.append(svg("text", { x: BOX.w - BOX.right, y: BOX.h - 8, "text-anchor": "end", class: "tick" }, opts.x(x1)));
+  for (const s of series) {
+    if (!s.points.length) continue;
+    const coords = s.points.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
+    target.append(svg("polyline", { points: coords, class: `line ${s.cls}` }));
+    const [lx, ly] = s.points[s.points.length - 1];
+    target.append(svg("circle", { cx: px(lx), cy: py(ly), r: 3, class: `dot ${s.cls}` }));
+  }
+}
+
+poll();

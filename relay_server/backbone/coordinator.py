@@ -1,0 +1,504 @@
+"""The relay's side of extra aggregators: who owns which slice of the vector, and moving slices.
+
+Roles (DESIGN.md s3-6). The relay keeps the registry, the rounds and the store, and owns a slice
+itself (``local``; in the LP it is a receiver with no compute). Each live aggregator owns the
+slice the executing plan assigns it. With no aggregator the relay owns ``[0, P)`` and everything
+runs exactly as a single relay (``single``): whole-vector uploads, parameters served from the
+relay's own version file. The plan comes from measurements (:mod:`relay_server.planning.policy`);
+a new solution moves slices only when an owner appears or disappears or a share moves by more
+than ``aggregators.min_share_change``.
+
+Moving slices (a *migration*) happens only between rounds: the relay assembles the whole state
+(parameters, public copy, optimizer state) at the published step from the current owners, then
+each new owner pulls its slice from the relay. Cost: the state crosses the relay's link twice
+(in and out), about 2 x 16 bytes/param with Adam -- which is why the hysteresis exists. Every
+new owner's first version is downloaded whole by peers (a delta needs the previous version's
+public copy of exactly that slice on the owner).
+
+Recovery (:mod:`relay_server.backbone.recovery`). When an aggregator dies (silent past ``ttl_s``, or a
+failed finalize/assign/state call) the round completes without it: its slice takes the relay's
+copy -- parameters at most one step old, optimizer state at most ``state_copy_every`` steps
+old -- the plan is re-solved without it, and peers download the new version whole. Peers whose
+upload to it failed lose only that slice's contribution. If it dies between rounds and the
+copy does not hold the published version of its slice, the copy is published as the next
+version right away (a step without a gradient): waiting for a round could wait forever when
+no peer downloaded that version before the owner died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from relay_server.core.config import RelayConfig
+from relay_server.core.errors import ApiError
+from relay_server.planning.planner import Plan
+from relay_server.planning.policy import RELAY_ID, Planning
+from relay_server.rounds.publisher import Board, Version
+from relay_server.backbone.recovery import RecoveryCopy
+from relay_server.rounds.reducer import Reducer, robust_config
+from relay_server.backbone.slice_owner import SliceOwner
+from relay_server.backbone.state_transfer import CallFailed, InternalClient, cut
+from relay_server.rounds.store import Store
+from relay_server.backbone.tickets import new_ticket_key
+from toolkit.wire.compression import Codec
+from toolkit.wire.protocol import (PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorStatus,
+                              AggregatorWelcome, AssignRequest, FinalizeRequest, ParamSpec, ParamsManifest, PlanInfo,
+                              PlanSlice, RunInfo, SliceReport, SliceVersion)
+
+log = logging.getLogger(__name__)
+
+RELAY_ONLY = "relay-only"
+
+
+@dataclass
+class Aggregator:
+    aggregator_id: str
+    name: str
+    url: str
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    upload: float = 0.0  # bytes/s it measured for itself (0 = not yet)
+    download: float = 0.0
+    step: int = -1
+    plan_version: str = ""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One slice of the executing plan."""
+
+    owner_id: str
+    name: str
+    url: str  # "" for the relay
+    start: int
+    end: int
+    fraction: float
+
+    def plan_slice(self) -> PlanSlice:
+        return PlanSlice(aggregator_id=self.owner_id, name=self.name, start=self.start, end=self.end,
+                         fraction=self.fraction, url=self.url)
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published version: the relay's own version file (single relay) or a manifest of slices."""
+
+    step: int
+    sha256: str
+    version: Version | None = None
+    manifest: ParamsManifest | None = None
+
+
+class NotReady(Exception):
+    """A migration cannot run now: a dead owner's slice has no copy of the published version."""
+
+
+class Backbone:
+    def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codec: Codec,
+                 params: np.ndarray, run_info: RunInfo) -> None:
+        self.config, self.store, self.layout, self.codec, self.run_info = config, store, layout, codec, run_info
+        self.cfg = config.aggregators
+        self.num_params = int(params.size)
+        self.planning = Planning(self.cfg, self.num_params, config.run.target_batch)
+        self.local: SliceOwner | None = self._new_owner({"params": params}, 0, self.num_params, 0, RELAY_ONLY,
+                                                        adopt=True)
+        self.owners = [Owner(RELAY_ID, RELAY_ID, "", 0, self.num_params, 1.0)]
+        self.plan: Plan | None = None  # the executing plan (None: relay only)
+        self.board = Board()  # of Published
+        self.aggregators: dict[str, Aggregator] = {}
+        self.ticket_key = new_ticket_key()
+        self.pending: Plan | None = None
+        self.migrating = False
+        self.staging: tuple[int, dict[str, np.ndarray]] | None = None  # state served to new owners
+        self.copy: RecoveryCopy | None = None
+        self._copy_task: asyncio.Task | None = None
+        self.client: InternalClient | None = None
+        self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
+        self._checked = -math.inf
+        self._empty_reducer: Reducer | None = None
+
+    def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
+                   adopt: bool = False) -> SliceOwner:
+        return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.optimizer,
+                          total_steps=self.config.run.total_steps, codec=self.codec, store=self.store,
+                          fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
+                          run_name=self.config.run.name, plan_version=plan_version,
+                          on_transfer=self.planning.record_transfer, adopt=adopt)
+
+    def attach(self, admin_token: str) -> None:
+        """Called by the app's lifespan: the token internal calls carry."""
+        self.client = InternalClient(admin_token, self.cfg.call_timeout_s)
+
+    async def aclose(self) -> None:
+        if self._copy_task is not None:
+            self._copy_task.cancel()
+        if self.client is not None:
+            await self.client.close()
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+        if self._empty_reducer is not None:
+            self._empty_reducer.close()
+
+    @property
+    def empty_reducer(self) -> Reducer:
+        """A reducer over no elements, for callers of the relay's reducer when it owns no slice."""
+        if self._empty_reducer is None:
+            self._empty_reducer = Reducer(np.zeros(0, dtype=np.float32), self.codec)
+        return self._empty_reducer
+
+    # --- what the rest of the relay asks ----------------------------------------------------------
+    @property
+    def single(self) -> bool:
+        """The relay owns the whole vector: the single-relay path, unchanged."""
+        return len(self.owners) == 1 and self.owners[0].owner_id == RELAY_ID
+
+    @property
+    def plan_version(self) -> str:
+        return self.plan.version if self.plan is not None and not self.single else RELAY_ONLY
+
+    def round_slices(self) -> list[PlanSlice]:
+        return [] if self.single else [o.plan_slice() for o in self.owners]
+
+    def plan_info(self) -> PlanInfo:
+        return PlanInfo(version=self.plan_version, steps_per_s=self.plan.steps_per_s if self.plan else None,
+                        slices=[o.plan_slice() for o in self.owners],
+                        computes=dict(self.plan.computes) if self.plan else {}, inputs=list(self.planning.inputs),
+                        predicted_round_s=_finite(self.plan.predicted_round_s) if self.plan else None,
+                        solved_at=self.planning.solved_at, aggregators=[
+                            AggregatorStatus(aggregator_id=a.aggregator_id, name=a.name, url=a.url, alive=a.alive,
+                                             last_seen_s=time.monotonic() - a.last_seen, upload=a.upload,
+                                             download=a.download) for a in self.aggregators.values()])
+
+    # --- aggregators ------------------------------------------------------------------------------
+    def register(self, req: AggregatorRegistration) -> AggregatorWelcome:
+        if req.protocol != PROTOCOL_VERSION:
+            raise ApiError(400, "protocol_mismatch", f"aggregator speaks protocol {req.protocol}, relay "
+                           f"{PROTOCOL_VERSION}", "Install the same collabtrain version on both.")
+        if self.config.optimizer.state_bits != 32:
+            raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
+                           "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
+        if not req.url.startswith(("http://", "https://")):
+            raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
+                           "Pass --public-url with the address peers can reach.")
+        agg = Aggregator(aggregator_id=hashlib.sha256(f"{req.url}{time.time_ns()}".encode()).hexdigest()[:16],
+                         name=req.name, url=req.url.rstrip("/"))
+        self.aggregators[agg.aggregator_id] = agg
+        log.info("aggregator %s (%s) registered at %s", agg.name, agg.aggregator_id, agg.url)
+        if self.config.optimizer.clip_grad_norm > 0:
+            log.warning("optimizer.clip_grad_norm with aggregators clips each slice by its own norm")
+        return AggregatorWelcome(aggregator_id=agg.aggregator_id, ticket_key=self.ticket_key, run=self.run_info,
+                                 optimizer=dataclasses.asdict(self.config.optimizer),
+                                 rounds=dataclasses.asdict(self.config.rounds),
+                                 heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+
+    def heartbeat(self, aggregator_id: str, hb: AggregatorHeartbeat) -> None:
+        agg = self.aggregators.get(aggregator_id)
+        if agg is None or not agg.alive:
+            raise ApiError(410, "aggregator_dropped", "this aggregator is not part of the run (it was "
+                           "declared dead, or the relay restarted)", "Register again (the aggregator does so itself).")
+        agg.last_seen, agg.step, agg.plan_version = time.monotonic(), hb.step, hb.plan_version
+        agg.upload, agg.download = hb.upload, hb.download
+        for t in hb.transfers:
+            self.planning.peer_rates.add(t.peer_id, t.direction, t.step, t.nbytes, t.seconds)
+
+    def mark_dead(self, aggregator_id: str, why: str) -> None:
+        agg = self.aggregators.get(aggregator_id)
+        if agg is not None and agg.alive:
+            agg.alive = False
+            log.warning("aggregator %s (%s) is dead: %s", agg.name, aggregator_id, why)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for agg in list(self.aggregators.values()):
+            if agg.alive and now - agg.last_seen > self.cfg.ttl_s:
+                self.mark_dead(agg.aggregator_id, f"silent for {now - agg.last_seen:.1f}s")
+            forget = now - agg.last_seen > max(60.0, 10 * self.cfg.ttl_s)  # the dashboard shows the dead a while
+            if not agg.alive and forget and not any(o.owner_id == agg.aggregator_id for o in self.owners):
+                del self.aggregators[agg.aggregator_id]
+
+    def _alive(self, owner_id: str) -> bool:
+        return owner_id == RELAY_ID or (owner_id in self.aggregators and self.aggregators[owner_id].alive)
+
+    # --- the plan ---------------------------------------------------------------------------------
+    def maybe_replan(self, *, now: float | None = None) -> None:
+        """Re-solve when membership or measurements changed materially (rate-limited); a solution
+        that moves slices becomes ``pending`` until the relay is between rounds."""
+        if (not self.aggregators and self.single) or self.migrating:
+            return  # no aggregator ever joined (or all are gone and their slices recovered)
+        now = time.monotonic() if now is None else now
+        if now - self._checked < 0.5:  # the relay ticks every 0.1 s; inputs need not be rebuilt as often
+            return
+        self._checked = now
+        caps, inputs = self._capacities()
+        if self.planning.due(caps, now):
+            plan = self.planning.solve(caps, inputs)
+            if plan is not None and self._moves_slices(plan):
+                self.pending = plan
+
+    def _capacities(self):
+        return self.planning.capacities([a for a in self.aggregators.values() if a.alive], self.peer_ids())
+
+    def _moves_slices(self, plan: Plan) -> bool:
+        current = {o.owner_id: o.fraction for o in self.owners}
+        if set(plan.fractions) != set(current) or any(not self._alive(o) for o in current):
+            return True
+        return max(abs(plan.fractions[k] - current[k]) for k in current) > self.cfg.min_share_change
+
+    # --- rounds -----------------------------------------------------------------------------------
+    async def finalize(self, step: int, round_id: str) -> tuple[Published, float]:
+        """Every owner closes round ``round_id`` and applies its step; returns version ``step + 1``
+        and the mean gradient's global norm. An owner that does not answer is dead: its slice is
+        recovered and the slices re-planned."""
+        async def one(owner: Owner) -> SliceReport:
+            if owner.owner_id == RELAY_ID:
+                version, r, norm = await self.local.finalize(step, round_id)
+                return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
+                                   peers=len(r.received), grad_norm=norm)
+            if not self._alive(owner.owner_id):
+                raise CallFailed("already dead")
+            agg = self.aggregators[owner.owner_id]
+            report = await self.client.call("POST", agg.url + ROUTES["finalize"], SliceReport,
+                                            FinalizeRequest(step=step, round_id=round_id, plan_version=self.plan_version))
+            if (report.step, report.start, report.end) != (step + 1, owner.start, owner.end):
+                raise CallFailed(f"answered {report}")
+            return report
+
+        results = await asyncio.gather(*(one(o) for o in self.owners), return_exceptions=True)
+        reports, dead = {}, []
+        for owner, result in zip(self.owners, results):
+            if isinstance(result, CallFailed):
+                self.mark_dead(owner.owner_id, f"finalize failed: {result}")
+                dead.append(owner)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                reports[owner.owner_id] = result
+        grad_norm = math.sqrt(sum(r.grad_norm ** 2 for r in reports.values()))
+        if dead:
+            return await self._recover(step + 1, dead), grad_norm
+        return self._published(step + 1, {o.owner_id: reports[o.owner_id].sha256 for o in self.owners}), grad_norm
+
+    def _published(self, step: int, shas: dict[str, str]) -> Published:
+        manifest = ParamsManifest(step=step, num_params=self.num_params, plan_version=self.plan_version,
+                                  slices=[SliceVersion(aggregator_id=o.owner_id, url=o.url, start=o.start, end=o.end,
+                                                       sha256=shas[o.owner_id]) for o in self.owners])
+        return Published(step=step, sha256=hashlib.sha256(manifest.dumps()).hexdigest(), manifest=manifest)
+
+    # --- migrations -------------------------------------------------------------------------------
+    async def migrate(self, step: int) -> tuple[Published | None, bool]:
+        """Between rounds: install the pending plan at the published ``step``. Returns the new
+        publication (None if nothing moved) and whether it is a new version: when a dead owner's
+        slice has no copy of ``step``, its copy's older parameters go into version ``step + 1``
+        (a step without a gradient) -- waiting for a round instead could wait forever, if no peer
+        managed to download ``step`` before the owner died."""
+        plan, self.pending = self.pending, None
+        if plan is None:
+            return None, False
+        dead = [o for o in self.owners if not self._alive(o.owner_id)]
+        self.migrating = True
+        try:
+            try:
+                state, _ = await self._assemble(step, dead=dead, strict=True)
+            except NotReady as exc:
+                log.warning("%s: publishing the copy as step %d", exc, step + 1)
+                return await self._recover(step + 1, dead, bump=True), True
+            return await self._install(plan, step, state), False
+        finally:
+            self.migrating = False
+
+    async def _recover(self, step: int, dead: list[Owner], *, bump: bool = False) -> Published:
+        """Rebuild version ``step`` from the live owners (at ``step``, or at ``step - 1`` with
+        ``bump``: a version without a gradient) and the copy of the dead owners' slices, then
+        re-plan without the dead."""
+        self.migrating = True
+        try:
+            state, _ = await self._assemble(step - 1 if bump else step, dead=dead, strict=False)
+            self.pending = None
+            return await self._install(self.planning.solve(*self._capacities()), step, state)
+        finally:
+            self.migrating = False
+
+    async def _assemble(self, step: int, *, dead: list[Owner], strict: bool) -> tuple[dict[str, np.ndarray], bool]:
+        """The whole state at ``step``: live owners export theirs, dead ones' come from the copy
+        (``strict``: only if the copy holds exactly the published parameters of that slice).
+        Also returns whether any slice came from the copy."""
+        parts: dict[Owner, dict[str, np.ndarray]] = {}
+        dead = list(dead)
+        for owner in self.owners:
+            if owner in dead:
+                continue
+            if owner.owner_id == RELAY_ID:
+                got_step, parts[owner] = await self.local.reducer.run(self.local.export)
+            else:
+                try:
+                    meta, parts[owner], _ = await self.client.fetch_tensors(
+                        self.aggregators[owner.owner_id].url + ROUTES["slice_state"], {"step": str(step)})
+                    got_step = int(meta.get("step", -1))
+                except CallFailed as exc:
+                    self.mark_dead(owner.owner_id, f"state pull failed: {exc}")
+                    dead.append(owner)
+                    continue
+            if got_step != step:
+                raise RuntimeError(f"owner {owner.owner_id} is at step {got_step}, expected {step}")
+        names = sorted({name for part in parts.values() for name in part} | set(self.copy.state if self.copy else ()))
+        state = {name: np.zeros(self.num_params, dtype=np.float32) for name in names if not name.startswith("opt_scalar.")}
+        for owner, part in parts.items():
+            for name, array in part.items():
+                if name.startswith("opt_scalar."):
+                    state[name] = array
+                else:
+                    state[name][owner.start:owner.end] = array
+        published = self.board.latest.manifest if self.board.latest else None
+        for owner in dead:
+            rng = (owner.start, owner.end)
+            want = next((s.sha256 for s in published.slices if (s.start, s.end) == rng), None) if published else None
+            if strict and not (self.copy and self.copy.holds(rng, step, want)):
+                raise NotReady(f"the relay's copy of [{owner.start}, {owner.end}) is not step {step}'s")
+            try:
+                params_step, opt_step = self.copy.fill(state, rng)
+            except (AttributeError, KeyError):
+                raise RuntimeError(f"slice [{owner.start}, {owner.end}) of dead aggregator {owner.owner_id} "
+                                   "has no copy") from None
+            log.warning("slice [%d, %d) of dead aggregator %s restored from the relay's copy: parameters of "
+                        "step %d, optimizer state of step %d (now step %d)", owner.start, owner.end, owner.owner_id,
+                        params_step, opt_step, step)
+        return state, bool(dead)
+
+    async def _install(self, plan: Plan | None, step: int, state: dict[str, np.ndarray]) -> Published:
+        """Make ``plan``'s owners hold ``state`` at ``step`` (the relay alone when ``plan`` is None
+        or an aggregator fails to take its slice). Every owner's first version is downloaded whole."""
+        self.staging = (step, state)
+        owners = self._owners_for(plan)
+        version = plan.version if plan is not None else RELAY_ONLY
+        try:
+            shas = await self._assign(owners, version, step, state)
+        except CallFailed as exc:
+            log.warning("plan %s could not be installed (%s); the relay takes the whole vector", version, exc)
+            plan, owners, version = None, self._owners_for(None), RELAY_ONLY
+            shas = await self._assign(owners, version, step, state)
+        self.plan, self.owners = plan, owners
+        self.copy = RecoveryCopy.of(state, step, {(o.start, o.end): shas[o.owner_id] for o in owners})
+        self.staging = None
+        if not self.single:
+            await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
+        log.info("step %d now sliced as %s", step, ", ".join(f"{o.name}[{o.start}:{o.end}]" for o in owners))
+        if self.single:
+            return Published(step=step, sha256=self.local.publisher.latest.sha256, version=self.local.publisher.latest)
+        return self._published(step, shas)
+
+    def _owners_for(self, plan: Plan | None) -> list[Owner]:
+        if plan is None:
+            return [Owner(RELAY_ID, RELAY_ID, "", 0, self.num_params, 1.0)]
+        out = []
+        for owner_id, start, end in plan.slices(self.num_params):
+            agg = self.aggregators.get(owner_id)
+            out.append(Owner(owner_id, agg.name if agg else RELAY_ID, agg.url if agg else "", start, end,
+                             plan.fractions[owner_id]))
+        return out
+
+    async def _assign(self, owners: list[Owner], version: str, step: int, state: dict[str, np.ndarray]) -> dict[str, str]:
+        """New local owner from ``state``; remote owners pull theirs. Returns each slice's sha256."""
+        async def remote(owner: Owner) -> str:
+            agg = self.aggregators[owner.owner_id]
+            if not agg.alive:
+                raise CallFailed(f"{agg.name} is dead")
+            try:
+                report = await self.client.call("POST", agg.url + ROUTES["assign"], SliceReport, AssignRequest(
+                    plan_version=version, step=step, start=owner.start, end=owner.end))
+            except CallFailed as exc:
+                self.mark_dead(owner.owner_id, f"assign failed: {exc}")
+                raise
+            if (report.step, report.start, report.end) != (step, owner.start, owner.end):
+                raise CallFailed(f"{agg.name} answered {report}")
+            return report.sha256
+
+        mine = next((o for o in owners if o.owner_id == RELAY_ID), None)
+        old, self.local = self.local, None
+        if mine is not None:
+            self.local = await asyncio.to_thread(self._new_owner, cut(state, mine.start, mine.end), mine.start,
+                                                 mine.end, step, version)
+            self.local.publisher.publish(await self.local.reducer.run(self.local.write_initial))
+        if old is not None:
+            await asyncio.to_thread(old.close)
+        shas = {}
+        results = await asyncio.gather(*(remote(o) for o in owners if o.owner_id != RELAY_ID), return_exceptions=True)
+        for owner, result in zip([o for o in owners if o.owner_id != RELAY_ID], results):
+            if isinstance(result, BaseException):
+                raise result if isinstance(result, CallFailed) else CallFailed(repr(result))
+            shas[owner.owner_id] = result
+        if mine is not None:
+            shas[RELAY_ID] = self.local.publisher.latest.sha256
+        return shas
+
+    def staged(self, start: int, end: int, step: int) -> dict[str, np.ndarray]:
+        if self.staging is None or self.staging[0] != step:
+            raise ApiError(409, "no_staged_state", f"no state of step {step} is being handed out")
+        return cut(self.staging[1], start, end)
+
+    # --- the recovery copy ------------------------------------------------------------------------
+    def after_publish(self, published: Published) -> None:
+        """Start pulling the remote slices of ``published`` into the copy (in the background)."""
+        busy = self._copy_task is not None and not self._copy_task.done()
+        if published.manifest is None or self.copy is None or busy:
+            return
+        self._copy_task = asyncio.get_running_loop().create_task(self._pull_copy(published.manifest))
+
+    async def _pull_copy(self, manifest: ParamsManifest) -> None:
+        with_state = manifest.step % self.cfg.state_copy_every == 0
+        urls = {s.aggregator_id: self.aggregators[s.aggregator_id].url for s in manifest.slices
+                if s.aggregator_id != RELAY_ID and self._alive(s.aggregator_id)}
+        await self.copy.pull(self.client, manifest, urls, with_state)
+        if with_state:
+            await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
+
+    def _copy_path(self) -> Path:
+        return self.store.dir / "state" / "recovery-copy.safetensors"
+
+    # --- restarts ---------------------------------------------------------------------------------
+    async def resume(self, step: int, manifest: ParamsManifest) -> tuple[Published, bool]:
+        """After a relay restart with aggregators: gather the state of version ``step`` from the
+        relay's own slice file and the aggregators named in ``manifest`` (which keep theirs), into
+        the relay alone. A slice whose aggregator is gone comes from the persisted copy, and the
+        result is published as ``step + 1`` (returns True then). The aggregators re-register and
+        the next plan slices the vector again."""
+        self.owners = []
+        for s in manifest.slices:
+            self.owners.append(Owner(s.aggregator_id, s.aggregator_id[:8], s.url, s.start, s.end, 0.0))
+            if s.aggregator_id != RELAY_ID:
+                self.aggregators[s.aggregator_id] = Aggregator(s.aggregator_id, s.aggregator_id[:8], s.url)
+        mine = next((o for o in self.owners if o.owner_id == RELAY_ID), None)
+        old, self.local = self.local, None
+        if mine is not None:
+            self.local = await asyncio.to_thread(self._new_owner, {"params": np.zeros(mine.end - mine.start, np.float32)},
+                                                 mine.start, mine.end, step, manifest.plan_version)
+            await asyncio.to_thread(self.local.publisher.restore, step)
+        if old is not None:
+            await asyncio.to_thread(old.close)
+        self.copy = RecoveryCopy.load(self._copy_path())
+        try:
+            state, from_copy = await self._assemble(step, dead=[], strict=False)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot resume step {step}: {exc}. Start the aggregators that held it, or start "
+                               "a new relay from a checkpoint (hub.init_from).") from None
+        self.aggregators.clear()  # they register again (new ids, new ticket key)
+        if from_copy:
+            log.warning("resumed with slices from the relay's copy: publishing them as step %d", step + 1)
+        published = await self._install(None, step + 1 if from_copy else step, state)
+        log.info("resumed step %d from the relay's slice and %d aggregator(s)", step, len(manifest.slices) - 1)
+        return published, from_copy
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,235 @@
+"""One slice ``[start, end)`` of the flat vector and everything that lives with it.
+
+The master parameters and optimizer state of the slice (:class:`MasterState`), the streaming
+reduction of gradient uploads into it (:class:`Reducer`) and its published versions
+(:class:`Publisher`). The relay owns one -- the whole vector when no aggregator is registered,
+which is the single-relay path unchanged -- and each aggregator owns the one its plan assigns
+(DESIGN.md s3, s6). Both run the same code: this module.
+
+Ticketed uploads (aggregator rounds, ``toolkit.wire.protocol.Ticket``): the relay decides who may
+upload; the owner checks the ticket names this slice, this step, this plan and the very header
+it receives, then reduces part-wise (every chunk weighted by the samples that delivered it).
+A round the owner hears of is open until the relay asks it to finalize; a new round id for the
+same step means the relay abandoned the previous one (it closed with no complete gradient), so
+its partial sums are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from relay_server.core.config import OptimizerSection
+from relay_server.core.errors import ApiError, round_closed, round_closed_partial
+from relay_server.rounds.master import MasterState, StepReport
+from relay_server.rounds.publisher import Publisher, Version
+from relay_server.rounds.reducer import Reducer, UploadProgress
+from relay_server.rounds.robust import CenteredClipConfig
+from relay_server.rounds.membership import RoundClosedMidUpload
+from relay_server.rounds.store import Store
+from toolkit.wire.compression import Codec
+from toolkit.errors import ProtocolError
+from toolkit.wire.protocol import GradientMeta, ParamSpec, Ticket, UploadReceipt
+from toolkit.wire.tensor_container import AsyncContainerReader
+
+log = logging.getLogger(__name__)
+
+TransferHook = Callable[[str, str, int, int, float], None]  # peer_id, "up"/"down", step, bytes, started
+
+
+@dataclass
+class SliceRound:
+    """What one owner knows of a round: who uploaded, and whether it was finalized."""
+
+    step: int
+    round_id: str
+    uploading: set[str] = field(default_factory=set)
+    received: dict[str, int] = field(default_factory=dict)
+    partial: set[str] = field(default_factory=set)
+    closed: bool = False
+
+
+class SliceOwner:
+    def __init__(self, layout: list[ParamSpec], state: dict[str, np.ndarray], *, start: int, end: int, step: int,
+                 optimizer: OptimizerSection, total_steps: int, codec: Codec, store: Store, fsync: bool = False,
+                 robust: CenteredClipConfig | None = None, run_name: str = "", plan_version: str = "",
+                 on_transfer: TransferHook | None = None, adopt: bool = False) -> None:
+        """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
+        (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
+        ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy)."""
+        self.start, self.end, self.codec, self.store = start, end, codec, store
+        self.run_name, self.plan_version = run_name, plan_version
+        self.master = MasterState(layout, state["params"], optimizer, total_steps, step=step, start=start, end=end,
+                                  adopt=adopt)
+        if any(name.startswith("opt") for name in state):
+            self.master.import_state(state, step)
+        self.reducer = Reducer(self.master.grad.numpy(), codec, robust=robust)
+        self.publisher = Publisher(store, codec, self.master, public=state.get("public"), fsync=fsync)
+        self.on_transfer = on_transfer
+        self.round: SliceRound | None = None
+        self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)
+        self._finalized: dict[str, tuple[Version, float]] = {}  # round id -> (version, grad norm): idempotent
+        self._switch = asyncio.Lock()
+
+    def close(self) -> None:
+        self.reducer.close()
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def step(self) -> int:
+        """The published version of this slice."""
+        return self.publisher.latest.step if self.publisher.latest else self.master.step
+
+    def meta(self, **extra: str) -> dict[str, str]:
+        return {"run": self.run_name, "start": str(self.start), "end": str(self.end), **extra}
+
+    # --- writing versions (reducer thread) -----------------------------------------------------
+    def write_initial(self, *, delta: bool = False) -> Version:
+        """Persist the state as it is now as version ``master.step`` (a new owner's first version;
+        ``delta=False``: peers download it whole)."""
+        return self.publisher.write(self.master.step, self.meta(), delta=delta)
+
+    def apply_round(self) -> tuple[Version, StepReport]:
+        """Reducer thread, after every add of the round: mean, optimizer step, persist. The sum is
+        zeroed after publishing (``reducer.submit(reducer.reset)``), off the critical path."""
+        self.reducer.finish_mean()
+        report = self.master.apply_gradient()
+        return self.publisher.write(report.step, self.meta()), report
+
+    def export(self) -> tuple[int, dict[str, np.ndarray]]:
+        """Reducer thread: the slice's state (master ``params``, optimizer, lossy ``public``)."""
+        state = self.master.export_state()
+        if not self.codec.lossless:
+            state["public"] = self.publisher.public.copy()
+        return self.master.step, state
+
+    # --- ticketed rounds (event loop) ----------------------------------------------------------
+    async def receive(self, ticket: Ticket, head: bytes, reader: AsyncContainerReader) -> UploadReceipt:
+        """Reduce one ticketed slice upload whose container header ``head`` was already read."""
+        started = time.monotonic()
+        r = await self._round_for(ticket)
+        peer_id = ticket.peer_id
+        if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
+            raise ApiError(409, "duplicate_upload", f"peer already sent this slice for round {ticket.step}",
+                           "Keep accumulating; the next round takes the new samples.")
+        digest = next((d for d in ticket.slices if (d.start, d.end) == (self.start, self.end)), None)
+        if digest is None:
+            raise ApiError(409, "wrong_slice", f"this server owns [{self.start}, {self.end}), which the ticket "
+                           "does not name", "Fetch the plan again (GET /api/plan); the slices moved.")
+        if hashlib.sha256(head).hexdigest() != digest.header_sha256:
+            raise ApiError(403, "ticket_mismatch", "the upload is not the container the ticket was issued for")
+        header = await reader.read_header()
+        self.reducer.check(header)
+        meta = gradient_meta(header.metadata)
+        if (meta.peer_id, meta.step, meta.version, meta.samples) != (peer_id, ticket.step, ticket.version,
+                                                                       ticket.samples):
+            raise ApiError(422, "bad_meta", "gradient metadata does not match the ticket")
+        r.uploading.add(peer_id)
+        progress = UploadProgress()
+        try:
+            await self.reducer.reduce(reader, header, ticket.samples, lambda: not r.closed, progress, peer_id)
+            if r.closed:
+                raise RoundClosedMidUpload()
+        except BaseException as exc:
+            r.uploading.discard(peer_id)
+            if progress.chunks_added:
+                r.partial.add(peer_id)
+            if isinstance(exc, RoundClosedMidUpload):
+                raise (round_closed_partial(ticket.step) if progress.chunks_added
+                       else round_closed(ticket.step, self.step)) from None
+            raise
+        r.uploading.discard(peer_id)
+        r.received[peer_id] = ticket.samples
+        if self.on_transfer is not None:
+            self.on_transfer(peer_id, "up", ticket.step, header.header_bytes + header.data_bytes, started)
+        return UploadReceipt(step=ticket.step, accepted_samples=ticket.samples, received_peers=len(r.received))
+
+    async def _round_for(self, ticket: Ticket) -> SliceRound:
+        if ticket.plan_version != self.plan_version:
+            raise ApiError(409, "plan_changed", f"the ticket is for plan {ticket.plan_version}, this server "
+                           f"follows {self.plan_version}", "Fetch the plan again; the round will follow it.")
+        async with self._switch:  # checked under the lock: a finalize may be moving the step
+            if ticket.step != self.step or ticket.round_id in self._abandoned or ticket.round_id in self._finalized:
+                raise round_closed(ticket.step, self.step)
+            r = self.round
+            if r is None or r.round_id != ticket.round_id:
+                await self._abandon(r)
+                r = self.round = SliceRound(step=ticket.step, round_id=ticket.round_id)
+            return r
+
+    async def _abandon(self, r: SliceRound | None) -> None:
+        """The relay moved on from ``r`` without finalizing it: drop what it reduced."""
+        if r is None:
+            return
+        r.closed = True
+        self._abandoned.add(r.round_id)
+        if len(self._abandoned) > 256:
+            self._abandoned.pop()
+        if r.received or r.partial or r.uploading:
+            log.info("round %s of step %d abandoned by the relay; dropping its partial sums", r.round_id, r.step)
+        await self.reducer.run(self.reducer.reset)  # after any chunk already handed to the thread
+
+    async def finalize(self, step: int, round_id: str) -> tuple[Version, SliceRound, float]:
+        """Close round ``round_id``, apply the step to this slice and publish the new version.
+        Idempotent: a repeated finalize (the relay retrying) answers with the same version.
+        Returns the version, the round and the slice's mean-gradient norm (before clipping)."""
+        if round_id in self._finalized:
+            version, norm = self._finalized[round_id]
+            return version, SliceRound(step=step, round_id=round_id, closed=True), norm
+        if step != self.step:
+            raise ApiError(409, "wrong_step", f"finalize for step {step}, but this slice is at {self.step}")
+        async with self._switch:
+            r = self.round
+            if r is None or r.round_id != round_id:  # no upload reached this slice in this round
+                await self._abandon(r)
+                r = SliceRound(step=step, round_id=round_id)
+            r.closed = True
+            self.round = None
+            version, report = await self.reducer.run(self.apply_round)
+        self.publisher.publish(version)
+        self.reducer.submit(self.reducer.reset)  # before any add of the next round
+        self._finalized[round_id] = (version, report.grad_norm)
+        if len(self._finalized) > 8:
+            self._finalized.pop(next(iter(self._finalized)))
+        return version, r, report.grad_norm
+
+
+class HeadedStream:
+    """A body stream whose first bytes (the container head) were already read: serves them, then
+    the rest of the stream (``readexactly``, what :class:`AsyncContainerReader` needs)."""
+
+    def __init__(self, head: bytes, stream) -> None:
+        self._head, self._stream = memoryview(head), stream
+        if hasattr(stream, "readany"):  # offered only where the stream has it (not digest-checked ones)
+            self.readany = self._readany
+
+    async def readexactly(self, n: int) -> bytes:
+        if not self._head:
+            return await self._stream.readexactly(n)
+        take = bytes(self._head[:n])
+        self._head = self._head[len(take):]
+        if len(take) < n:
+            take += await self._stream.readexactly(n - len(take))
+        return take
+
+    async def _readany(self) -> bytes:
+        """Whatever is buffered (the zero-copy receive path, ``AsyncContainerReader``)."""
+        if self._head:
+            take, self._head = bytes(self._head), memoryview(b"")
+            return take
+        return await self._stream.readany()
+
+
+def gradient_meta(metadata: dict[str, str]) -> GradientMeta:
+    if "collab" not in metadata:
+        raise ProtocolError("bad_meta", "gradient container lacks the 'collab' metadata entry")
+    return GradientMeta.loads(metadata["collab"])

@@ -1,0 +1,3 @@
+"""The data task pool: shards of the run's streamed datasets leased to peers, least-processed
+first, expiring with heartbeats, persisted in SQLite (:mod:`.pool`). Its HTTP face needs the peer
+registry and lives in :mod:`relay_server.api.shards`. May import :mod:`relay_server.core`."""

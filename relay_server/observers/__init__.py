@@ -1,0 +1,29 @@
+"""Observers of published steps, fed on their own thread so a slow upload never delays a round:
+W&B (:mod:`.wandb_observer`) and Hub checkpoints (:mod:`.hub_checkpoints`); the event and the
+delivery thread are in :mod:`.events`. May import :mod:`relay_server.core` and
+:mod:`relay_server.rounds`."""
+
+from __future__ import annotations
+
+from relay_server.core.config import RelayConfig
+from relay_server.observers.events import Observer, ObserverThread, StepEvent
+
+__all__ = ["Observer", "ObserverThread", "StepEvent", "build_observers"]
+
+
+def build_observers(config: RelayConfig) -> list[Observer]:
+    """The observers the configuration asks for (none by default).
+
+    Each is imported only when configured, so a relay without W&B or Hub uploads never pays for
+    importing those clients. A setting that cannot work (no token in ``hub.token_env``, wandb not
+    installed) raises ConfigError naming it, before the relay accepts peers."""
+    observers: list[Observer] = []
+    if config.hub.repo_id and config.hub.every_steps > 0:  # first: its checks may refuse to start
+        from relay_server.observers.hub_checkpoints import HubCheckpointer
+
+        observers.append(HubCheckpointer(config))
+    if config.wandb.project and config.wandb.mode != "disabled":
+        from relay_server.observers.wandb_observer import WandbObserver
+
+        observers.append(WandbObserver(config))
+    return observers

@@ -1,0 +1,317 @@
+"""Hugging Face Hub checkpoints: upload the relay's state every few steps, start a run from one.
+
+Why the relay does it: it holds the master parameters and optimizer state (DESIGN.md s3), so a
+checkpoint is one file it already wrote, not a donor peer's copy. Each upload is one commit to
+``hub.repo_id`` holding
+
+- ``model.safetensors``: the parameters by name (``model.load_state_dict(load_file(...))`` on the
+  run's ``model.factory``); what ``hub.init_from`` starts a new run from;
+- ``relay-state.safetensors``: the relay's step file as is (flat ``params`` + optimizer ``opt.*``),
+  to restore a relay exactly;
+- ``collabtrain.json`` (step, loss, run configuration) and a ``README.md`` model card.
+
+Older checkpoints are the repo's earlier commits: ``hub.init_from = "owner/name@<commit>"``.
+
+The repo is created (if missing) when the relay starts, so a wrong token shows in the log at
+once. Uploads run on their own thread so a slow uplink never holds up the observer thread (which
+would let the store prune the step file first): ``on_step`` only hard-links the step file into
+``<data_dir>/hub-staging``. If uploads fall behind, the newest checkpoint replaces the one
+waiting. The token is read from the environment variable named by ``hub.token_env`` and handed to
+``huggingface_hub`` only; it is never logged or written anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from relay_server.core.config import ConfigError, HubSection, RelayConfig
+from relay_server.observers.events import StepEvent
+from toolkit.models import build_model
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "relay-state.safetensors"
+INFO_FILE = "collabtrain.json"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+CLOSE_TIMEOUT_S = 60.0  # finish the upload in flight at shutdown, within systemd's default stop timeout
+
+
+def hub_endpoint(hub: HubSection) -> str:
+    """``hub.endpoint``, else ``HF_ENDPOINT`` as the environment says now (huggingface_hub reads
+    it once at import time, so we pass it explicitly), else the public Hub."""
+    return (hub.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_token(hub: HubSection) -> str | None:
+    return os.environ.get(hub.token_env) or None
+
+
+def parse_init_from(value: str) -> tuple[str, str | None]:
+    """``"owner/name"`` or ``"owner/name@revision"`` -> (repo_id, revision or None)."""
+    repo_id, _, revision = value.partition("@")
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or (_ and not revision):
+        raise ConfigError(f"hub.init_from must be 'owner/name' or 'owner/name@revision', got {value!r}")
+    return repo_id, revision or None
+
+
+def parameter_names(config: RelayConfig) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of the run's parameters in flat-vector order (``master.layout_of``).
+
+    Built on the meta device: the relay already holds the parameters, a second real copy of a
+    large model would only cost memory."""
+    kwargs = dict(config.model.kwargs)
+    try:
+        with torch.device("meta"):
+            model = build_model(config.model.factory, kwargs)
+    except Exception:  # a factory that computes on its tensors at init: build it for real once
+        model = build_model(config.model.factory, kwargs)
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+def unflatten(flat: torch.Tensor, names: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
+    """The flat (P,) vector as named tensors (copies: safetensors refuses tensors sharing memory)."""
+    total = sum(shape.numel() for _, shape in names)
+    if flat.numel() != total:
+        raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {total}")
+    out, offset = {}, 0
+    for name, shape in names:
+        out[name] = flat[offset:offset + shape.numel()].reshape(shape).clone()
+        offset += shape.numel()
+    return out
+
+
+def master_params(state_path: Path) -> torch.Tensor:
+    """The master parameters (P,) of a relay state file. With a lossy wire codec the file holds
+    both the copy peers hold ("params") and the exact master ("master"); a checkpoint is the master."""
+    with safe_open(str(state_path), framework="pt") as f:
+        return f.get_tensor("master" if "master" in f.keys() else "params")
+
+
+# --- upload -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Staged:
+    """A step file linked out of the store's reach, with what the commit says about it."""
+
+    step: int
+    path: Path
+    info: dict
+
+
+class HubCheckpointer:
+    """Observer: every ``hub.every_steps`` steps (and at the run's last step), commit a checkpoint."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        from huggingface_hub import HfApi
+
+        self.config, self.hub = config, config.hub
+        token = hub_token(self.hub)
+        if token is None:
+            raise ConfigError(f"hub.repo_id is set but the environment variable {self.hub.token_env} "
+                              f"(hub.token_env) is empty: export a Hugging Face write token in it, "
+                              "or clear hub.repo_id to run without Hub checkpoints")
+        self.api = HfApi(endpoint=hub_endpoint(self.hub), token=token)
+        self.names = parameter_names(config)
+        self.staging = Path(config.server.data_dir) / "hub-staging"
+        shutil.rmtree(self.staging, ignore_errors=True)  # leftovers of a crash are stale
+        self.staging.mkdir(parents=True)
+        self.uploaded: list[tuple[int, str]] = []  # (step, commit id), for logs and tests
+        self._waiting: _Staged | None = None
+        self._closing = False
+        self._repo_ready = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hub-checkpoints", daemon=True)
+        self._thread.start()
+
+    def on_step(self, event: StepEvent) -> None:
+        if event.step % self.hub.every_steps and not event.status.finished:
+            return
+        staged = self._stage(event)
+        if staged is None:
+            return
+        with self._cond:
+            if self._waiting is not None and self._waiting.path != staged.path:
+                log.warning("Hub upload of step %d skipped: step %d is ready and uploads are slower than "
+                            "hub.every_steps = %d", self._waiting.step, staged.step, self.hub.every_steps)
+                self._waiting.path.unlink(missing_ok=True)
+            self._waiting = staged
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("Hub upload still running after %.0fs at shutdown; the last checkpoint may be missing",
+                        CLOSE_TIMEOUT_S)
+
+    def _stage(self, event: StepEvent) -> _Staged | None:
+        if event.state_path is None:
+            log.info("step %d not uploaded to the Hub: aggregators hold slices of it", event.step)
+            return None
+        target = self.staging / event.state_path.name
+        try:
+            os.link(event.state_path, target)
+        except FileExistsError:
+            pass
+        except OSError:
+            try:  # another filesystem, or no hard links: copy
+                shutil.copyfile(event.state_path, target)
+            except FileNotFoundError:
+                log.warning("step %d was pruned before its Hub upload (raise server.keep_checkpoints)", event.step)
+                return None
+        status, record = event.status, event.record
+        info = {"format": "collabtrain-checkpoint/1", "run_name": status.run_name, "step": event.step,
+                "loss": record.loss, "samples": record.samples, "contributors": record.contributors,
+                "finalized_at": record.finalized_at,
+                "model": {"factory": self.config.model.factory, "kwargs": dict(self.config.model.kwargs)},
+                "config": status.config.to_json() if status.config else None,
+                "files": {MODEL_FILE: "parameters by name", STATE_FILE: "relay state: flat params + optimizer"}}
+        return _Staged(event.step, target, info)
+
+    def _run(self) -> None:
+        try:  # at startup, so a token without write access shows in the log before the first step
+            self._ensure_repo()
+        except Exception as exc:
+            log.error("Hub repo %s is not usable: %s: %s. Check hub.repo_id and that the token in $%s "
+                      "(hub.token_env) may write there; uploads will retry", self.hub.repo_id,
+                      type(exc).__name__, _first_line(exc), self.hub.token_env)
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closing:
+                    self._cond.wait()
+                staged, self._waiting = self._waiting, None
+            if staged is None:
+                return
+            try:
+                self._upload(staged)
+            except Exception as exc:  # the run goes on; the next checkpoint tries again
+                log.error("Hub upload of step %d to %s failed: %s: %s", staged.step, self.hub.repo_id,
+                          type(exc).__name__, _first_line(exc))
+            finally:
+                staged.path.unlink(missing_ok=True)
+
+    def _ensure_repo(self) -> None:
+        if not self._repo_ready:
+            self.api.create_repo(self.hub.repo_id, repo_type="model", private=self.hub.private, exist_ok=True)
+            self._repo_ready = True
+
+    def _upload(self, staged: _Staged) -> None:
+        from huggingface_hub import CommitOperationAdd
+
+        self._ensure_repo()
+        flat = master_params(staged.path)
+        info = {**staged.info, "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+        with tempfile.TemporaryDirectory(dir=self.staging) as tmp:
+            model_path = Path(tmp) / MODEL_FILE
+            save_file(unflatten(flat, self.names), str(model_path),
+                      metadata={"step": str(staged.step), "format": "pt"})
+            del flat
+            operations = [
+                CommitOperationAdd(MODEL_FILE, str(model_path)),
+                CommitOperationAdd(STATE_FILE, str(staged.path)),
+                CommitOperationAdd(INFO_FILE, json.dumps(info, indent=1).encode()),
+                CommitOperationAdd("README.md", _model_card(info, self.hub.repo_id).encode()),
+            ]
+            loss = info["loss"]
+            commit = self.api.create_commit(
+                self.hub.repo_id, operations, repo_type="model",
+                commit_message=f"step {staged.step}" + (f": loss {loss:.4f}" if loss is not None else ""))
+        self.uploaded.append((staged.step, commit.oid))
+        log.info("checkpoint of step %d uploaded to %s (commit %s)", staged.step, self.hub.repo_id, commit.oid[:8])
+
+
+def _model_card(info: dict, repo_id: str) -> str:
+    loss = "n/a" if info["loss"] is None else f"{info['loss']:.4f}"
+    model = info["model"]
+    return f"""---
+library_name: collabtrain
+tags:
+- collabtrain
+- collaborative-training
+---
+# {info['run_name']}
+
+Checkpoint of a collaborative training run (collabtrain): step {info['step']}, loss {loss},
+{info['samples']} samples from {info['contributors']} peer(s) in the last round.
+
+- `model.safetensors`: parameters by name, for `{model['factory']}` with `{json.dumps(model['kwargs'])}`
+- `relay-state.safetensors`: the relay's full state (flat parameters and optimizer state)
+- `collabtrain.json`: step, loss and run configuration
+
+```python
+from safetensors.torch import load_file
+from toolkit.models import build_model
+
+model = build_model({model['factory']!r}, {model['kwargs']!r})
+model.load_state_dict(load_file("model.safetensors"), strict=False)
+```
+
+Start a new run from this checkpoint: `[hub] init_from = "{repo_id}@<commit>"` in the relay's configuration.
+"""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+# --- start a run from a checkpoint --------------------------------------------------------------
+def load_hub_checkpoint(config: RelayConfig, *, cache_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The named parameters of ``hub.init_from`` (its ``model.safetensors``).
+
+    Downloads into ``cache_dir`` (default: a temporary directory, removed afterwards: once the run
+    starts, its state lives in the data dir). A missing repo, revision or file is a ConfigError
+    naming ``hub.init_from``."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo_id, revision = parse_init_from(config.hub.init_from)
+    where = f"{repo_id}@{revision or 'main'} on {hub_endpoint(config.hub)}"
+    with tempfile.TemporaryDirectory(prefix="collab-hub-") as tmp:
+        try:
+            path = hf_hub_download(repo_id, MODEL_FILE, revision=revision, repo_type="model",
+                                   endpoint=hub_endpoint(config.hub), token=hub_token(config.hub),
+                                   cache_dir=str(cache_dir or tmp))
+        except RevisionNotFoundError:
+            raise ConfigError(f"hub.init_from: no revision {revision!r} in {repo_id}") from None
+        except RepositoryNotFoundError:
+            raise ConfigError(f"hub.init_from: repository {repo_id} not found (or private: export a token "
+                              f"that can read it in {config.hub.token_env}, see hub.token_env)") from None
+        except EntryNotFoundError:
+            raise ConfigError(f"hub.init_from: {where} has no {MODEL_FILE}; is it a collabtrain checkpoint?") from None
+        tensors = load_file(path)
+    log.info("initial parameters from %s (%d tensors)", where, len(tensors))
+    return tensors
+
+
+def init_model_from_hub(model: torch.nn.Module, config: RelayConfig) -> None:
+    """Copy the ``hub.init_from`` checkpoint into ``model``'s parameters, exactly.
+
+    Every parameter must be present with its shape: a checkpoint of another model is a
+    ConfigError that names both settings, not a silent partial load."""
+    tensors = load_hub_checkpoint(config)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    wrong = sorted(n for n in set(params) & set(tensors) if tensors[n].shape != params[n].shape)
+    if missing or unexpected or wrong:
+        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit model.factory "
+                          f"{config.model.factory} with model.kwargs {config.model.kwargs}: "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])

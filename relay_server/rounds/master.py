@@ -1,0 +1,173 @@
+"""Master parameters and optimizer state: the backbone's single source of truth (DESIGN.md s3).
+
+The parameters live in one flat float32 vector ``flat`` (P,). The optimizer sees 1-D views into
+it, one per model tensor, so a slice ``[start, end)`` of the vector -- what an aggregator owns
+under the LP plan -- is just the views that intersect it. The averaged gradient is reduced
+straight into ``grad`` (P,), whose views are the parameters' ``.grad``: no copies at step time.
+
+Weight decay applies to matrices and embeddings (ndim >= 2), not to biases and norms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from relay_server.core.config import OptimizerSection
+from toolkit.wire.protocol import ParamSpec
+
+
+def layout_of(model: torch.nn.Module) -> list[ParamSpec]:
+    """The flat layout of a model's parameters, in ``named_parameters`` order."""
+    specs, offset = [], 0
+    for name, p in model.named_parameters():
+        specs.append(ParamSpec(name=name, shape=list(p.shape), offset=offset))
+        offset += p.numel()
+    return specs
+
+
+def flatten(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).numpy()
+
+
+def lr_at(step: int, cfg: OptimizerSection, total_steps: int) -> float:
+    """Learning rate for the update that produces version ``step + 1``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepReport:
+    step: int  # the new version
+    lr: float
+    grad_norm: float
+
+
+class MasterState:
+    """Parameters ``[start, end)`` of the flat vector plus the optimizer that updates them.
+    ``params`` is the whole vector (P,) or just the slice (end - start,)."""
+
+    def __init__(self, layout: list[ParamSpec], params: np.ndarray, cfg: OptimizerSection,
+                 total_steps: int, step: int = 0, start: int = 0, end: int | None = None, *, adopt: bool = False) -> None:
+        self.cfg, self.total_steps, self.step = cfg, total_steps, step
+        self.start, self.end = start, params.size if end is None else end
+        whole = (self.start, self.end) == (0, params.size) and params.dtype == np.float32 and params.flags.c_contiguous
+        values = params if params.size == self.end - self.start else params[self.start:self.end]  # slice or whole
+        # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
+        self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
+        self.grad = torch.zeros_like(self.flat)
+        decay, no_decay = [], []
+        for spec in layout:
+            lo, hi = max(spec.offset, self.start), min(spec.offset + math.prod(spec.shape), self.end)
+            if lo >= hi:
+                continue
+            p = torch.nn.Parameter(self.flat[lo - self.start:hi - self.start])  # shares storage
+            p.grad = self.grad[lo - self.start:hi - self.start]
+            (decay if len(spec.shape) >= 2 else no_decay).append((p, lo - self.start))
+        self.params = [p for p, _ in decay + no_decay]
+        self.positions = [at for _, at in decay + no_decay]  # where each param starts within the slice
+        decay, no_decay = [p for p, _ in decay], [p for p, _ in no_decay]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = _make_optimizer(groups, cfg)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    def apply_gradient(self) -> StepReport:
+        """One optimizer step with the mean gradient already in ``self.grad``."""
+        lr = lr_at(self.step, self.cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = float(torch.linalg.vector_norm(self.grad))
+        if self.cfg.clip_grad_norm > 0 and grad_norm > self.cfg.clip_grad_norm:
+            self.grad.mul_(self.cfg.clip_grad_norm / (grad_norm + 1e-6))
+        self.optimizer.step()
+        self.step += 1
+        return StepReport(self.step, lr, grad_norm)
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer state as named tensors ``opt.<param index>.<key>`` (checkpoint content)."""
+        tensors = {}
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for p, state in self.optimizer.state.items():
+            for key, value in state.items():
+                tensor = value if torch.is_tensor(value) else torch.tensor(float(value))
+                tensors[f"opt.{index[id(p)]}.{key}"] = tensor
+        return tensors
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """Parameters and optimizer state as flat arrays over the slice, independent of how the
+        vector was cut: ``params`` (n,), ``opt.<key>`` (n,) for per-element state (Adam moments,
+        SGD momentum) and ``opt_scalar.<key>`` () for per-tensor counters (Adam's step). Any
+        ``[a, b)`` of it is a valid state for the slice ``[start + a, start + b)`` -- this is what
+        moves when the plan re-slices the vector (:meth:`import_state`)."""
+        out = {"params": self.flat.numpy().copy()}
+        for p, at in zip(self.params, self.positions):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                value = value if torch.is_tensor(value) else torch.tensor(float(value))
+                if value.numel() == p.numel() and value.ndim == 1:
+                    flat = out.setdefault(f"opt.{key}", np.zeros(self.numel, dtype=np.float32))
+                    flat[at:at + p.numel()] = value.detach().float().numpy()
+                elif value.numel() == 1:
+                    out.setdefault(f"opt_scalar.{key}", np.asarray(float(value), dtype=np.float64))
+                else:  # e.g. blockwise-quantized state, whose blocks do not survive re-slicing
+                    raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} cannot be "
+                                     "moved between slices; use 32-bit optimizer state with aggregators")
+        return out
+
+    def import_state(self, state: dict[str, np.ndarray], step: int) -> None:
+        """Load :meth:`export_state`'s arrays (cut to this slice) and set the step counter."""
+        self.flat.copy_(torch.from_numpy(np.require(state["params"], np.float32, ["W"])))
+        self.optimizer.state.clear()
+        for p, at in zip(self.params, self.positions):
+            values: dict[str, torch.Tensor] = {}
+            for name, array in state.items():
+                if name.startswith("opt."):
+                    values[name[4:]] = torch.from_numpy(np.array(array[at:at + p.numel()], dtype=np.float32))
+                elif name.startswith("opt_scalar."):
+                    values[name[11:]] = torch.tensor(float(array), dtype=torch.float32)
+            if values:
+                self.optimizer.state[p] = values
+        self.step = step
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int, *, adopt: bool = False) -> None:
+        """Load parameters and optimizer state. ``adopt=True``: the tensors were freshly loaded for
+        this master alone (a restart), so the optimizer keeps them instead of a copy."""
+        self.flat.copy_(tensors["params"])
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            if name.startswith("opt."):
+                _, i, key = name.split(".", 2)
+                state.setdefault(int(i), {})[key] = tensor if adopt else tensor.clone()
+        self.optimizer.state.clear()
+        for i, values in state.items():
+            if self.cfg.state_bits != 8 and "state1" in values:  # an 8-bit checkpoint, resumed in 32-bit
+                from relay_server.rounds.optim8bit import fp32_state
+
+                values = fp32_state(values)
+            self.optimizer.state[self.params[i]] = values
+        self.step = step
+
+
+def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Optimizer:
+    if cfg.state_bits == 8:
+        from relay_server.rounds.optim8bit import make_adamw8bit  # bitsandbytes only where asked for
+
+        return make_adamw8bit(groups, cfg)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)

@@ -1,0 +1,115 @@
+"""The tree shows the architecture: imports only go downward.
+
+Walks every import statement of the project's modules (lazy ones inside functions included, but
+not those under ``if TYPE_CHECKING:``, which never run) and asserts that there is no cycle among
+modules, that each subpackage imports only from the layers declared below it (the order the
+packages' ``__init__`` docstrings state), that the peer side never imports the relay, and that no
+module outgrows what a reader takes in at one sitting.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("toolkit", "relay_server")
+MAX_LINES = 400
+
+# Lowest first. A unit imports only units listed before it (and modules of its own unit).
+LAYERS = [
+    "toolkit.errors", "toolkit.wire", "toolkit.runtime", "toolkit.corpus", "toolkit.models", "toolkit.signing", "toolkit.client",
+    "toolkit.data", "toolkit.optimizer", "toolkit.notebook", "toolkit.session", "toolkit.peer",
+    "toolkit",
+    "relay_server.core", "relay_server.auth", "relay_server.rounds", "relay_server.planning",
+    "relay_server.observers", "relay_server.data", "relay_server.backbone", "relay_server.collaboration",
+    "relay_server.api", "relay_server.aggregator", "relay_server.demo", "relay_server.cli", "relay_server",
+]
+
+
+def module_files() -> dict[str, Path]:
+    mods = {}
+    for root in ROOTS:
+        for path in sorted((REPO / root).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    return skip
+
+
+def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports: ``from a.b import c`` counts as a.b.c when c is a module."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in mods and t != name)
+    return found
+
+
+def unit_of(module: str) -> str:
+    return max((u for u in LAYERS if module == u or module.startswith(u + ".")), key=len)
+
+
+GRAPH = {name: imports_of(name, path, module_files()) for name, path in module_files().items()}
+
+
+def test_no_import_cycle_among_modules() -> None:
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(GRAPH[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_units_import_only_downward() -> None:
+    rank = {unit: i for i, unit in enumerate(LAYERS)}
+    upward = sorted(f"{mod} -> {dep}" for mod, deps in GRAPH.items() for dep in deps
+                    if unit_of(dep) != unit_of(mod) and rank[unit_of(dep)] > rank[unit_of(mod)])
+    assert not upward, "imports against the layer order (see relay_server/__init__.py):\n" + "\n".join(upward)
+
+
+def test_every_subpackage_says_what_it_owns() -> None:
+    for name, path in module_files().items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc) > 60, f"{name}/__init__.py needs a docstring saying what it owns"
+
+
+def test_modules_stay_small() -> None:
+    big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines (split them along their seams): {big}"
