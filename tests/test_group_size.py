@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from relay_server.planning.group_size import (
+from benchmarks.group_size import (
     expected_iterations,
     group_size_candidates,
     optimal_group_size,
