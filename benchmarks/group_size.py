@@ -114,7 +114,7 @@ def main() -> None:
 
     import numpy as np
 
-    sizes = [int(round(n)) for n in np.logspace(1, 4, 10)]
+    sizes = [10, 21, 46, 100, 215, 464, 1000, 2154, 4641, 10000]  # Figure 8's rows: logspace(1, 4, 10) as printed
     rates = [float(p) for p in np.linspace(0.0, 0.025, 15)]
     grid = [[optimal_group_size(n, p) for p in rates] for n in sizes]
     print(json.dumps({"n": sizes, "p": [round(p, 5) for p in rates], "optimal_group_size": grid}))
