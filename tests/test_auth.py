@@ -8,6 +8,8 @@ routes) in a thread, a real ``requests`` session, and the local HF stand-in for 
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import hashlib
 import json
@@ -376,15 +378,18 @@ def test_relay_key_pin_detects_a_changed_key(tmp_path) -> None:
 
 
 def test_access_pass_holder_refreshes_before_expiry(env: Env) -> None:
-    mono = FakeClock(env.access.received_mono)  # the pass's expiry counts from its receipt (machine uptime)
+    mono = FakeClock(1000.0)
     calls: list[AccessPass | None] = []
+    issued: list[AccessPass] = []
     failing = {"now": False}
 
     def obtain(previous: AccessPass | None) -> AccessPass:
         calls.append(previous)
         if failing["now"]:
             raise ConnectionError("relay restarting")
-        return env.access  # lifetime 600 s
+        # A pass's expiry counts from its receipt on the holder's clock (not the machine's uptime).
+        issued.append(dataclasses.replace(env.access, received_mono=mono.now))  # lifetime 600 s
+        return issued[-1]
 
     holder = AccessPassHolder(obtain, refresh_fraction=0.5, retry_s=5, clock=mono)
     holder.current()
@@ -392,11 +397,11 @@ def test_access_pass_holder_refreshes_before_expiry(env: Env) -> None:
     holder.current()
     assert len(calls) == 1
     mono.now += 2  # past half-life: refresh, handing the previous pass to the callback
-    holder.current()
-    assert calls[-1] is env.access and len(calls) == 2
+    assert holder.current() is issued[1]
+    assert calls[-1] is issued[0] and len(calls) == 2
     failing["now"] = True
     mono.now += 301
-    assert holder.current() is env.access  # still valid: keep going, retry later
+    assert holder.current() is issued[1]  # still valid: keep going, retry later
     assert len(calls) == 3
     holder.current()
     assert len(calls) == 3  # retry_s not yet elapsed
