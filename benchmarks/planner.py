@@ -23,7 +23,8 @@ import time
 
 import numpy as np
 
-from relay_server.planning.planner import PeerCapacity, solve_plan
+from relay_server.planning.planner import solve_plan
+from relay_server.planning.problem import PeerCapacity
 
 MBIT = 1e6 / 8  # bytes/s per Mb/s
 

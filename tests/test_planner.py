@@ -18,15 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relay_server.planning import lp as lpm
 from relay_server.planning import planner as pm
-from relay_server.planning.planner import (
-    PeerCapacity,
-    PlanError,
+from relay_server.planning import problem as pbm
+from relay_server.planning.lp import solve_plan_reference
+from relay_server.planning.plan import Plan
+from relay_server.planning.planner import solve_plan
+from relay_server.planning.problem import PeerCapacity, PlanError
+from relay_server.planning.timemodel import (
     allreduce_round_s,
     parameter_server_round_s,
     predict_round_s,
-    solve_plan,
-    solve_plan_reference,
 )
 
 MB = 1e6  # bytes/s
@@ -68,7 +70,7 @@ def solvable(peers: list[PeerCapacity]) -> bool:
 # The paper's eq. 5: literal O(n^3) form == compact O(n^2) form
 
 
-def as_dicts(sol: pm._Relaxed) -> dict:
+def as_dicts(sol: lpm._Relaxed) -> dict:
     """An eq. 5 solution in original units: xi steps/s, a and g bytes/s, keyed by peer id."""
     prob, lay, x = sol.prob, sol.lay, sol.x
     ids, rate = prob.ids, prob.unit * prob.vector_bytes
@@ -127,9 +129,9 @@ def test_literal_and_compact_eq5_have_equal_optimum_and_both_solutions_are_feasi
         if not solvable(peers):
             continue
         params, batch = int(10 ** rng.uniform(6, 8)), float(rng.uniform(50, 2000))
-        prob = pm._normalize(peers, params, batch, 4.0, pairwise)
-        literal = pm._solve_relaxed(prob, "literal", sliced=False)
-        compact = pm._solve_relaxed(prob, "compact", sliced=False)
+        prob = pbm._normalize(peers, params, batch, 4.0, pairwise)
+        literal = lpm._solve_relaxed(prob, "literal", sliced=False)
+        compact = lpm._solve_relaxed(prob, "compact", sliced=False)
         assert compact.xi == pytest.approx(literal.xi, rel=REL, abs=1e-9), (checked, peers)
         for sol in (literal, compact):
             assert eq5_violation(peers, params, batch, pairwise, as_dicts(sol)) < 1e-6
@@ -164,8 +166,8 @@ def test_paper_relaxation_of_c_is_degenerate():
     """Why solve_plan fixes c in {0, 1}: with continuous c, 8 equal peers 'compute' partly,
     send no gradients and claim far more than all-reduce can physically do."""
     peers = [PeerCapacity(f"p{i}", 1000.0, 125 * MB, 125 * MB, True) for i in range(8)]
-    prob = pm._normalize(peers, 25_600_000, 1000, 4.0, None)
-    sol = pm._solve_relaxed(prob, "compact", sliced=False)
+    prob = pbm._normalize(peers, 25_600_000, 1000, 4.0, None)
+    sol = lpm._solve_relaxed(prob, "compact", sliced=False)
     sent = as_dicts(sol)["a"]
     assert max(sent.values()) < 1e-6 * 125 * MB  # no gradient traffic at all
     assert all(c < 0.9 for c in as_dicts(sol)["c"].values())
@@ -195,12 +197,12 @@ def test_partition_lp_equals_best_sliced_eq5_plan():
         pinned = [PeerCapacity(p.peer_id, p.samples_per_s, p.upload, p.download, p.can_receive,
                                p.peer_id in computing if p.samples_per_s > 0 else None)
                   for p in peers]
-        prob = pm._normalize(pinned, 10_000_000, 500.0, 4.0, pairwise)
+        prob = pbm._normalize(pinned, 10_000_000, 500.0, 4.0, pairwise)
         chosen = np.flatnonzero([pid in computing for pid in prob.ids])
         fast = pm._max_xi(pm._partition(prob, chosen))
-        lay = pm._make_layout(prob, "compact")
-        a_ub, b_ub, lb, ub = pm._build(prob, lay, "compact")
-        _, sliced = pm._max_sliced(prob, lay, a_ub, b_ub, lb, ub, 0.0)
+        lay = lpm._make_layout(prob, "compact")
+        a_ub, b_ub, lb, ub = lpm._build(prob, lay, "compact")
+        _, sliced = lpm._max_sliced(prob, lay, a_ub, b_ub, lb, ub, 0.0)
         assert fast == pytest.approx(min(prob.xi_cap, sliced), rel=1e-5, abs=1e-9), checked
         checked += 1
 
@@ -212,14 +214,14 @@ def test_closed_form_phase1_equals_lp():
         peers = random_swarm(rng, n, pins=False)
         if not solvable(peers):
             continue
-        prob = pm._normalize(peers, 10_000_000, 500.0, 4.0, None)
+        prob = pbm._normalize(peers, 10_000_000, 500.0, 4.0, None)
         part = prob.participants
         chosen = np.sort(rng.choice(part, int(rng.integers(1, part.size + 1)), replace=False))
         lp = pm._partition(prob, chosen)
         assert pm._max_xi_closed(lp) == pytest.approx(pm._max_xi(lp), rel=1e-6, abs=1e-10)
 
 
-def brute_force_best(prob: pm._Problem) -> float:
+def brute_force_best(prob: pbm._Problem) -> float:
     part = prob.participants
     on, free = part[prob.pin[part] == 1], part[prob.pin[part] == -1]
     best = 0.0
@@ -243,7 +245,7 @@ def test_computing_set_is_optimal_when_free_peers_are_clients():
         peers = servers[: int(rng.integers(1, 3))] + peers
         if not solvable(peers):
             continue
-        prob = pm._normalize(peers, 10_000_000, float(rng.uniform(50, 2000)), 4.0, None)
+        prob = pbm._normalize(peers, 10_000_000, float(rng.uniform(50, 2000)), 4.0, None)
         plan = solve_plan(peers, 10_000_000, prob.target_batch)
         assert plan.steps_per_s == pytest.approx(brute_force_best(prob), rel=1e-6)
 
@@ -263,7 +265,7 @@ def test_computing_set_is_near_optimal_in_general():
             plan = solve_plan(peers, params, batch)
         except PlanError:  # e.g. the only aggregator has no bandwidth
             continue
-        ratios.append(plan.steps_per_s / brute_force_best(pm._normalize(peers, params, batch,
+        ratios.append(plan.steps_per_s / brute_force_best(pbm._normalize(peers, params, batch,
                                                                          4.0, None)))
     assert min(ratios) > 0.85
     assert np.mean(np.array(ratios) > 1 - 1e-6) >= 0.95
@@ -398,7 +400,7 @@ def test_bad_arguments_raise_plan_error():
 def test_slices_are_exact_contiguous_and_ordered(shares, num_params):
     ids = tuple(f"a{i:02d}" for i in range(len(shares)))
     total = sum(shares)
-    plan = pm.Plan(1.0, {k: s / total for k, s in zip(ids, shares)}, {}, "v", num_params, 1.0,
+    plan = Plan(1.0, {k: s / total for k, s in zip(ids, shares)}, {}, "v", num_params, 1.0,
                    aggregators=ids)
     slices = plan.slices()
     assert [s[0] for s in slices] == [k for k in ids if k in {s[0] for s in slices}]

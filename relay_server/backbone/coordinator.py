@@ -41,7 +41,7 @@ import numpy as np
 
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
-from relay_server.planning.planner import Plan
+from relay_server.planning.plan import Plan
 from relay_server.planning.policy import RELAY_ID, Planning
 from relay_server.rounds.publisher import Board, Version
 from relay_server.backbone.recovery import RecoveryCopy
