@@ -87,7 +87,8 @@ def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: 
     peer 0, ``("params", final_parameters)``. Shared with ``benchmarks/shaped.py``.
     """
     sys.path.insert(0, str(REPO))
-    from toolkit.client import RelayClient, slice_part
+    from toolkit.client import RelayClient
+    from toolkit.transfer import slice_part
     from toolkit.wire.protocol import PROTOCOL_VERSION, DoneRequest, GradientMeta, Heartbeat, JoinRequest, TicketRequest
 
     client = RelayClient(url, read_timeout_s=300)

@@ -562,7 +562,7 @@ def test_replayed_request_rejected_by_server(hf_standin: HfStandin) -> None:
 
 
 class SizedChunks:
-    """An iterable body with a length, like RelayClient's _SizedBody (hashing it would consume it)."""
+    """An iterable body with a length, like toolkit.transfer.SizedBody (hashing it would consume it)."""
 
     def __init__(self, payload: bytes) -> None:
         self.payload = payload

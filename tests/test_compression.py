@@ -1,4 +1,4 @@
-"""Codecs (toolkit/wire/compression.py): exactness bounds, streaming decode, validation of untrusted
+"""Codecs (toolkit/wire/compression/): exactness bounds, streaming decode, validation of untrusted
 tensors, error feedback and parameter deltas. Property tests run FAST examples each by default
 and SLOW examples under ``-m slow``.
 

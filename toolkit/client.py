@@ -5,7 +5,8 @@ A keep-alive ``requests.Session``; bodies streamed in chunks both ways (a 100 MB
 straight from its buffer and parameters are read straight into the model's flat buffer); retries
 with exponential backoff for requests that are safe to repeat; relay errors become typed
 exceptions carrying the relay's hint. One client per thread: sessions are not shared. Slices go
-to and come from their owners in parallel, each owner over its own session on a small pool.
+to and come from their owners in parallel, each owner over its own session on a small pool. The
+bodies themselves (sized uploads, slice parts, parameters read in place) are :mod:`toolkit.transfer`'s.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import requests
 
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.compression import Codec, apply_delta
+from toolkit.wire.compression import Codec
 from toolkit.errors import CollabError, ProtocolError, RelayRejected, RelayUnreachable
 from toolkit.wire.protocol import (
     ROUTES,
@@ -31,8 +31,6 @@ from toolkit.wire.protocol import (
     DoneRequest,
     ParamsManifest,
     PlanInfo,
-    PlanSlice,
-    SliceDigest,
     SliceVersion,
     TicketRequest,
     GradientMeta,
@@ -59,12 +57,8 @@ from toolkit.signing import (
     RelayKeyPins,
     SignedAuth,
 )
-from toolkit.wire.tensor_container import (
-    encoded_size,
-    iter_encoded,
-    peek_header,
-    read_container,
-)
+from toolkit.transfer import SizedBody, SlicePart, read_params
+from toolkit.wire.tensor_container import peek_header
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Schema)
@@ -213,7 +207,7 @@ class RelayClient:
             headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
         response = self._request(
             "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
-            params={"peer_id": meta.peer_id}, data=_SizedBody(tensors, metadata), headers=headers)
+            params={"peer_id": meta.peer_id}, data=SizedBody(tensors, metadata), headers=headers)
         return UploadReceipt.from_json(response.json())
 
     def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
@@ -236,7 +230,7 @@ class RelayClient:
                 response.close()
                 return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
             header = peek_header(response.raw, public.nbytes)
-            _read_params(response.raw, header, public, have, codec)
+            read_params(response.raw, header, public, have, codec)
             if self.signed and hashlib.sha256(memoryview(public).cast("B")).hexdigest() != \
                     response.headers.get("X-Collab-Sha256", ""):
                 raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the "
@@ -260,7 +254,7 @@ class RelayClient:
         return self._call("POST", ROUTES["done"].format(step=step), UploadReceipt, request,
                           params={"peer_id": peer_id}, retry=False)
 
-    def upload_slices(self, step: int, ticket: str, parts: list["SlicePart"],
+    def upload_slices(self, step: int, ticket: str, parts: list[SlicePart],
                       keepalive: Callable[[], Any] | None = None, keepalive_s: float = 1.0) -> list[CollabError | None]:
         """Upload every slice to its owner in parallel; ``None`` per accepted slice, else the error.
         ``keepalive`` runs every ``keepalive_s`` in the calling thread while they stream (the
@@ -277,13 +271,13 @@ class RelayClient:
                     log.debug("keepalive failed during uploads: %s", exc)
         return [f.result() for f in futures]
 
-    def _upload_slice(self, step: int, ticket: str, part: "SlicePart") -> CollabError | None:
+    def _upload_slice(self, step: int, ticket: str, part: SlicePart) -> CollabError | None:
         session, base = self._owner(part.plan.url)
         headers = {"Content-Type": "application/octet-stream", TICKET_HEADER: ticket}
         if self.signed and not part.plan.url:  # the relay's own slice goes through its signed session
             headers[BODY_SHA256_HEADER] = part.header_sha256
         try:
-            response = session.put(base + ROUTES["gradient"].format(step=step), data=_SizedBody(part.tensors, part.metadata),
+            response = session.put(base + ROUTES["gradient"].format(step=step), data=SizedBody(part.tensors, part.metadata),
                                    headers=headers, timeout=self.timeout)
         except (requests.ConnectionError, requests.Timeout) as exc:
             return RelayUnreachable("owner_unreachable", f"slice [{part.plan.start}, {part.plan.end}) to "
@@ -342,7 +336,7 @@ class RelayClient:
                 if int(header.metadata.get("step", -1)) != step:
                     raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
                                         f"{header.metadata.get('step')}, the manifest says {step}")
-                _read_params(response.raw, header, view, have, codec)
+                read_params(response.raw, header, view, have, codec)
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
                                    f"{s.url or self.url}: {type(exc).__name__}") from None
@@ -374,45 +368,6 @@ class RelayClient:
         return self._pool
 
 
-@dataclass(frozen=True)
-class SlicePart:
-    """One slice of a gradient, encoded, ready to upload with a ticket."""
-
-    plan: PlanSlice
-    tensors: list[tuple[str, np.ndarray]]
-    metadata: dict[str, str]
-    header_sha256: str
-
-    @property
-    def digest(self) -> SliceDigest:
-        return SliceDigest(start=self.plan.start, end=self.plan.end, header_sha256=self.header_sha256)
-
-
-def slice_part(plan: PlanSlice, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str,
-               *, signed: bool) -> SlicePart:
-    """Wrap one encoded slice: its container metadata (with chunk digests in signed runs, so the
-    header the ticket binds also binds the data) and the sha256 of its header."""
-    metadata = {"collab": meta.dumps().decode(), "codec": codec, "slice": f"{plan.start}:{plan.end}"}
-    if signed:
-        metadata.update(digest_metadata(tensors))
-    return SlicePart(plan, tensors, metadata, container_body_sha256(tensors, metadata))
-
-
-class _SizedBody:
-    """An iterable body with a known length: requests then sends Content-Length, not chunked
-    encoding, so the relay can refuse an oversized upload before reading it."""
-
-    def __init__(self, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
-        self.tensors, self.metadata = tensors, metadata
-        self.size = encoded_size(tensors, metadata)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self):
-        return iter_encoded(self.tensors, self.metadata)
-
-
 def _retry_after(response: requests.Response) -> float | None:
     try:
         return max(0.0, float(response.headers.get("Retry-After", "")))
@@ -428,14 +383,3 @@ def _rejected(response: requests.Response) -> RelayRejected:
     except ValueError:
         return RelayRejected(f"http_{response.status_code}", response.text[:200], status=response.status_code)
 
-
-def _read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec | None) -> None:
-    """Read a parameters body (whole, or a lossy codec's delta against version ``have``) into ``out``."""
-    if header.metadata.get("kind") == "delta":
-        if codec is None or header.metadata.get("base") != str(have):
-            raise ProtocolError("bad_delta", f"the server sent a delta against version {header.metadata.get('base')}, "
-                                f"this peer holds {have}")
-        _, tensors = read_container(stream, out.nbytes, header=header)
-        apply_delta(codec, out, tensors)
-    else:
-        read_container(stream, out.nbytes, out={"params": out}, header=header)

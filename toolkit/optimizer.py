@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.client import RelayClient, slice_part
+from toolkit.client import RelayClient
+from toolkit.transfer import slice_part
 from toolkit.wire.compression import ErrorFeedback, get_codec
 from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,

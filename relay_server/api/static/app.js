@@ -1,4 +1,4 @@
-// The relay dashboard: polls GET /api/status (a StatusReport, toolkit/wire/protocol.py) and renders it.
+// The relay dashboard: polls GET /api/status (a StatusReport, toolkit/wire/protocol/status.py) and renders it.
 //
 // No framework and no external requests: the relay serves this file, and an observer may sit on a
 // network that only reaches the relay. Everything that came over the network (peer names, HF

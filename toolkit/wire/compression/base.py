@@ -1,0 +1,208 @@
+"""The codec contract every codec implements: the wire layout (side tensors, then one payload),
+validation of received tensors, and chunked encode / ``decode_range`` on cache-sized slices.
+
+``Codec`` is stateless; subclasses supply ``_encode_slice`` and ``_decode_range`` (see
+:mod:`.codecs`). Helpers shared with :mod:`.feedback` (``_WORK``, ``_iter_decoded``, ``_bad``,
+``_array_label``) are private to this package.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from typing import ClassVar, NamedTuple, Protocol
+
+import numpy as np
+
+from toolkit.errors import ProtocolError
+
+# Elements per inner pass: an input slice plus a float32 scratch of this size (512 KiB) stays in
+# L2, so the several numpy passes per slice cost cache bandwidth, not memory bandwidth.
+_WORK = 1 << 16
+
+Tensors = list[tuple[str, np.ndarray]]
+
+
+class TensorSpec(NamedTuple):
+    """One tensor of a codec's wire layout: what the container header must announce."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class _EntryLike(Protocol):
+    """Anything with a name, dtype and shape: ``tensor_container.TensorEntry`` or ``TensorSpec``."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError("bad_tensor", message,
+                         "Peer and relay must use the run's compression codec and the same collabtrain version.")
+
+
+class Codec(ABC):
+    """Encodes a float32 vector (n,) into wire tensors and decodes them back, in ranges.
+
+    Stateless and thread-safe: every call allocates its own small scratch. ``encode`` takes local,
+    trusted data and raises plain ``ValueError`` for NaN/Inf or out-of-range input. Everything
+    that reads received tensors raises ``ProtocolError`` (a ``ValueError``) with code
+    ``bad_tensor``, which the relay's error middleware already turns into a 400 answer.
+    """
+
+    name: ClassVar[str]
+    payload_dtype: ClassVar[np.dtype]
+    alignment: ClassVar[int] = 1  # decode_range's ``start`` must be a multiple of this
+    lossless: ClassVar[bool] = False  # decode(encode(x)) == x bit for bit
+    # Whether a container that passed ``validate`` always decodes to finite values, whatever its
+    # payload bytes: then the relay can skip its per-chunk NaN/Inf scan of the decoded values.
+    finite_output: ClassVar[bool] = False
+
+    # --- layout ---------------------------------------------------------------------------------
+    def side_layout(self, n: int) -> list[TensorSpec]:
+        """The side tensors that precede the payload, in wire order."""
+        return []
+
+    def layout(self, n: int) -> list[TensorSpec]:
+        """Every tensor of an encoded n-vector, in wire order; the payload comes last."""
+        return [*self.side_layout(n), TensorSpec("payload", self.payload_dtype, (n,))]
+
+    def wire_bytes(self, n: int) -> int:
+        """Tensor bytes of an encoded n-vector (the container adds a header of ~100-200 bytes)."""
+        return sum(spec.nbytes for spec in self.layout(n))
+
+    def check_layout(self, entries: Sequence[_EntryLike], n: int) -> None:
+        """Check a received container's header (names, order, dtypes, shapes) before reading any
+        tensor bytes, so a hostile header cannot make the relay read a huge "side" tensor."""
+        got = [(e.name, np.dtype(e.dtype), tuple(e.shape)) for e in entries]
+        expected = [tuple(spec) for spec in self.layout(n)]
+        if got != expected:
+            raise _bad(f"codec {self.name!r} expects tensors {_describe(expected)} for {n} values, "
+                       f"got {_describe(got)}")
+
+    def validate(self, side: Mapping[str, np.ndarray], payload_dtype: np.dtype, n: int) -> None:
+        """Check received side tensors (names, dtypes, shapes, values) and the payload dtype for an
+        n-vector. Call once per container, before ``decode_range``; decoding trusts what passed."""
+        expected = self.side_layout(n)
+        if set(side) != {spec.name for spec in expected}:
+            raise _bad(f"codec {self.name!r} expects side tensors {[s.name for s in expected]}, got {sorted(side)}")
+        for spec in expected:
+            array = side[spec.name]
+            if not isinstance(array, np.ndarray) or array.dtype != spec.dtype or array.shape != spec.shape:
+                raise _bad(f"codec {self.name!r}: side tensor {spec.name!r} must be {spec.dtype} of shape "
+                           f"{spec.shape} for {n} values, got {_array_label(array)}")
+        if np.dtype(payload_dtype) != self.payload_dtype:
+            raise _bad(f"codec {self.name!r}: payload must be {self.payload_dtype}, got {np.dtype(payload_dtype)}")
+        self._check_side_values(side)
+
+    def _check_side_values(self, side: Mapping[str, np.ndarray]) -> None:
+        """Content checks beyond dtype and shape (int8: scales finite, >= 0, <= SCALE_MAX)."""
+
+    # --- encode / decode ------------------------------------------------------------------------
+    def encode(self, x: np.ndarray, out: Tensors | None = None) -> Tensors:
+        """``[(name, array), ...]`` in wire order for a float32 vector ``x`` (n,).
+
+        ``out``: the tensors of an earlier encode of the same length, overwritten in place. A peer
+        encoding every step saves the kernel's page faults on fresh 100 MB buffers, but may only
+        pass them once the earlier tensors are no longer being sent. "none" ignores
+        ``out``: its payload is ``x`` itself (no copy), so do not modify ``x`` while it is sent.
+        Raises ``ValueError`` if ``x`` holds NaN/Inf or values the codec cannot represent.
+        """
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
+            raise ValueError(f"codec {self.name!r} encodes a 1-D float32 array, got {_array_label(x)}")
+        tensors = self._output(x.size, out)
+        buffers = dict(tensors)
+        scratch = np.empty(min(_WORK, x.size), dtype=np.float32)
+        for start in range(0, x.size, _WORK):  # cache-sized slices
+            self._encode_slice(x[start:start + _WORK], buffers, start, scratch)
+        return tensors
+
+    def _output(self, n: int, out: Tensors | None) -> Tensors:
+        """``out`` checked against ``layout(n)``, or fresh tensors for n values."""
+        if out is None:
+            return [(spec.name, np.empty(spec.shape, spec.dtype)) for spec in self.layout(n)]
+        got = [TensorSpec(name, a.dtype, a.shape) for name, a in out]
+        if got != self.layout(n) or not all(a.flags.c_contiguous and a.flags.writeable for _, a in out):
+            raise ValueError(f"out must be writable tensors laid out as {_describe(self.layout(n))}, "
+                             f"got {_describe(got)}")
+        return out
+
+    @abstractmethod
+    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+        """Encode x, elements ``[start, start + len(x))`` of the vector, into ``out``'s tensors.
+
+        ``start`` is a multiple of ``_WORK``; ``scratch`` is float32 with at least len(x) values.
+        Slices are independent, which lets ErrorFeedback and DeltaEncoder fuse their own passes
+        with encoding while a slice is still in cache.
+        """
+
+    def decode_range(self, side: Mapping[str, np.ndarray], payload_piece: np.ndarray, start: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Decode payload elements ``[start, start + len(payload_piece))`` into float32.
+
+        ``start`` must be a multiple of ``alignment`` (256 for int8: a piece must begin on a
+        block boundary; its length is free, so the vector's last, short block decodes too). ``out``
+        (same shape as the piece, float32) avoids an allocation; the result is bit-identical
+        however the payload is split, so streamed and whole decodes agree exactly. Assumes
+        ``validate`` passed for ``side``. Returns ``out`` (or a new array). Unless
+        ``finite_output``, a hostile payload can decode to NaN/Inf: the receiver still checks.
+        """
+        if not isinstance(payload_piece, np.ndarray) or payload_piece.dtype != self.payload_dtype \
+                or payload_piece.ndim != 1:
+            raise _bad(f"codec {self.name!r}: payload piece must be 1-D {self.payload_dtype}, "
+                       f"got {_array_label(payload_piece)}")
+        if start < 0 or start % self.alignment:
+            raise ValueError(f"codec {self.name!r}: decode_range start {start} is not a multiple of "
+                             f"the codec's alignment {self.alignment}")
+        if out is None:
+            out = np.empty(payload_piece.size, dtype=np.float32)
+        elif out.dtype != np.float32 or out.shape != payload_piece.shape:
+            raise ValueError(f"out must be float32 of shape {payload_piece.shape}, got {_array_label(out)}")
+        self._decode_range(side, payload_piece, start, out)
+        return out
+
+    @abstractmethod
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
+                      out: np.ndarray) -> None: ...
+
+    def decode(self, tensors: Mapping[str, np.ndarray] | Tensors, out: np.ndarray | None = None) -> np.ndarray:
+        """The whole float32 vector (n,) from ``encode``'s output (a list or a dict); validates."""
+        tensors = dict(tensors)
+        payload = tensors.pop("payload", None)
+        if not isinstance(payload, np.ndarray) or payload.ndim != 1:
+            raise _bad(f"codec {self.name!r}: a 1-D 'payload' tensor is required")
+        self.validate(tensors, payload.dtype, payload.size)
+        if out is None:
+            out = np.empty(payload.size, dtype=np.float32)
+        elif out.dtype != np.float32 or out.shape != payload.shape:
+            raise ValueError(f"out must be float32 of shape {payload.shape}, got {_array_label(out)}")
+        for start in range(0, payload.size, _WORK):  # cache-sized slices; _WORK % alignment == 0
+            self.decode_range(tensors, payload[start:start + _WORK], start, out[start:start + _WORK])
+        return out
+
+
+def _iter_decoded(codec: Codec, side: Mapping[str, np.ndarray],
+                  payload: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode ``payload`` slice by slice into one reused cache-sized scratch: yields
+    ``(start, float32 view)``, valid until the next iteration. Assumes ``validate`` passed."""
+    scratch = np.empty(min(_WORK, payload.size), dtype=np.float32)
+    for start in range(0, payload.size, _WORK):  # _WORK is a multiple of every alignment
+        piece = payload[start:start + _WORK]
+        yield start, codec.decode_range(side, piece, start, scratch[:piece.size])
+
+
+def _describe(specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]]) -> str:
+    return "[" + ", ".join(f"{name}:{np.dtype(dtype)}{list(shape)}" for name, dtype, shape in specs) + "]"
+
+
+def _array_label(a: object) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} array of shape {a.shape}"
+    return type(a).__name__

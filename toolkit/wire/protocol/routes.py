@@ -1,0 +1,57 @@
+"""What every message module shares: the protocol version, every route, the header and size
+limits, the error body any route may answer with, and the field limits the schemas reuse.
+
+Routes are listed in one table so the relay's router and the peer's client cannot disagree on a
+path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.wire.schema import Schema, limits
+
+PROTOCOL_VERSION = 3  # 3: rounds through extra aggregators (tickets, slices, manifests)
+
+ROUTES = {
+    "run": "/api/run",
+    "status": "/api/status",
+    "progress": "/api/progress",
+    "join": "/api/peers/join",
+    "heartbeat": "/api/peers/{peer_id}/heartbeat",
+    "leave": "/api/peers/{peer_id}/leave",
+    "gradient": "/api/rounds/{step}/gradient",
+    "params": "/api/params",
+    "state": "/api/state",
+    "login": "/api/auth/login",
+    "refresh": "/api/auth/refresh",
+    # shard leases (.shards)
+    "shard_lease": "/api/peers/{peer_id}/shards/lease",
+    "shard_report": "/api/peers/{peer_id}/shards/report",
+    "shards": "/api/shards",
+    # rounds through extra aggregators (.slices)
+    "plan": "/api/plan",
+    "ticket": "/api/rounds/{step}/ticket",
+    "done": "/api/rounds/{step}/done",
+    # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
+    "aggregator_register": "/api/admin/aggregators/register",
+    "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",
+    "finalize": "/api/admin/finalize",
+    "assign": "/api/admin/assign",
+    "slice_state": "/api/admin/state",
+}
+TICKET_HEADER = "X-Collab-Ticket"
+MAX_JSON_BODY = 256 * 1024
+
+# Field limits the message modules of this package share (``field(metadata=_ID)``).
+_ID = limits(max_len=64)
+_NAME = limits(max_len=128)
+_NONNEG = limits(ge=0)
+_HEX64 = limits(max_len=64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ErrorBody(Schema):
+    error: str = field(metadata=_NAME)
+    message: str
+    hint: str = ""

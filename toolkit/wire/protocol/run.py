@@ -1,0 +1,50 @@
+"""The run as peers and aggregators receive it: the model to build, the flat parameter vector's
+layout, and the settings every peer must share (batch, staleness, precision, codec, data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolkit.wire.protocol.routes import _NAME, _NONNEG
+from toolkit.wire.schema import Schema, limits
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamSpec(Schema):
+    """One model parameter as the flat vector lays it out: ``flat[offset:offset+numel]``."""
+
+    name: str = field(metadata=limits(max_len=512))
+    shape: list[int]
+    offset: int = field(metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec(Schema):
+    """How peers build the run's model. ``factory`` must live under ``toolkit.models``: peers
+    import code only from the toolkit they installed, never code chosen by the network."""
+
+    factory: str = field(metadata=_NAME)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo(Schema):
+    run_name: str = field(metadata=_NAME)
+    protocol: int
+    model: ModelSpec
+    layout: list[ParamSpec]
+    num_params: int = field(metadata=limits(gt=0))
+    target_batch: int = field(metadata=limits(gt=0))
+    total_steps: int = field(metadata=_NONNEG)
+    max_staleness: int = field(metadata=limits(ge=0, le=8))
+    heartbeat_interval_s: float = field(metadata=limits(gt=0))
+    precision: str | None = None
+    auth: str = field(default="open", metadata=limits(choices=("open", "hf")))
+    """"hf": log in with a Hugging Face token (``RelayClient.login``) before joining."""
+    compression: str = field(default="none", metadata=limits(choices=("none", "float16", "int8")))
+    """The codec of gradient uploads and parameter deltas (:mod:`toolkit.wire.compression`)."""
+    dataset: dict[str, Any] = field(default_factory=dict)
+    wandb: dict[str, str] = field(default_factory=dict)
+    """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""

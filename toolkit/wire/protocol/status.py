@@ -1,0 +1,82 @@
+"""``GET /api/status``: what the dashboard, the demo and observers see of the collaboration
+(peers, recent rounds, leaderboard, plan, data coverage, the run's configuration).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from toolkit.wire.protocol.rounds import RoundInfo, RoundRecord
+from toolkit.wire.protocol.shards import SourceCoverage
+from toolkit.wire.protocol.slices import PlanInfo
+from toolkit.wire.schema import Schema
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerStatus(Schema):
+    peer_id: str
+    name: str
+    username: str
+    device: str
+    version: int
+    samples_per_s: float
+    samples_contributed: int
+    last_seen_s: float
+    online: bool
+    precision: str | None = None
+    """The precision policy the peer trains with (the collaboration must see every choice)."""
+    first_contribution_s: float | None = None
+    """Seconds from this peer's join to its first accepted gradient (None: not yet)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderboardEntry(Schema):
+    """One volunteer's total contribution, by Hugging Face username (all their peers together)."""
+
+    username: str
+    samples: int
+    rounds: int
+    peers_online: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary(Schema):
+    """The run's configuration as observers see it."""
+
+    model: str
+    num_params: int
+    optimizer: str
+    lr: float
+    schedule: str
+    target_batch: int
+    max_staleness: int
+    precision: str | None
+    compression: str
+    auth_mode: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusReport(Schema):
+    """``GET /api/status``: everything the dashboard and the demo print."""
+
+    run_name: str
+    step: int
+    total_steps: int
+    finished: bool
+    target_batch: int
+    num_params: int
+    samples_accumulated: int
+    samples_per_s: float
+    eta_s: float | None
+    loss: float | None
+    num_peers: int
+    peers: list[PeerStatus]
+    recent_rounds: list[RoundRecord]
+    round: RoundInfo | None
+    auth_mode: str
+    uptime_s: float
+    leaderboard: list[LeaderboardEntry] = field(default_factory=list)
+    plan: PlanInfo | None = None
+    config: RunSummary | None = None
+    shards: list["SourceCoverage"] = field(default_factory=list)
+    """Data coverage per dataset when the run leases shards (``GET /api/shards`` lists every shard)."""
