@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 import weakref
@@ -40,28 +39,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from toolkit.accumulator import Accumulator, Upload
 from toolkit.client import RelayClient
 from toolkit.transfer import slice_part
-from toolkit.wire.compression import ErrorFeedback, get_codec
+from toolkit.worker import PeerWorker, shutdown
+from toolkit.wire.compression import get_codec
 from toolkit.errors import CollabError, ModelMismatch, RelayRejected, RelayUnreachable, RoundLost
-from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,
-                              PlanSlice, RunInfo, TicketRequest)
+from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest,
+                              RunInfo, TicketRequest)
 
 log = logging.getLogger(__name__)
 
 _NOT_RECEIVED = ("round_closed", "rate_limited")  # refusals before any byte of the gradient was used
 
-
-
-@dataclass(frozen=True)
-class _Upload:
-    """One accumulated gradient on its way: the raw sum (kept to restore it) and its encoding:
-    whole (``tensors``), or one encoding per slice of a sliced round (``parts``)."""
-
-    meta: GradientMeta
-    grad: np.ndarray  # (P,) float32 sum over meta.samples samples
-    tensors: list[tuple[str, np.ndarray]]  # what went on the wire (the codec's encoding)
-    parts: tuple[tuple[PlanSlice, list[tuple[str, np.ndarray]]], ...] = ()
 
 
 @dataclass
@@ -72,7 +62,7 @@ class _Outcome:
     never received it ("not_received"), cannot tell ("unknown"), or refused or partly used it
     ("dropped")."""
 
-    upload: _Upload
+    upload: Upload
     version: int | None = None
     error: CollabError | None = None
     fate: str = ""
@@ -82,7 +72,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
                  client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
                  device_info: dict[str, Any] | None = None, precision: str | None = None,
-                 report_interval_s: float = 0.5, round_wait_s: float = 120.0, verbose: bool = False) -> None:
+                 report_interval_s: float = 0.5, round_wait_s: float = 120.0, accumulate_on_host: bool = False,
+                 verbose: bool = False) -> None:
         """
         Args:
             model: the model to train; its parameters must match the run's layout.
@@ -92,6 +83,8 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             device_info / precision: reported to the relay so the collaboration sees them.
             report_interval_s: minimum seconds between progress reports from ``step()``.
             round_wait_s: how long to wait for a round's result before re-syncing.
+            accumulate_on_host: keep the gradient accumulator in host memory (pinned on CUDA),
+                saving 4 bytes per parameter of device memory for a copy per micro-batch.
         """
         if client is None and relay_url is None:
             raise ValueError("pass relay_url or client")
@@ -111,29 +104,24 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         if delayed_updates and self.run.max_staleness < 1:
             log.warning("the run allows no staleness (max_staleness=0): delayed updates turned off")
             self.delayed_updates = False
-        device = self._named[0][1].device
-        self._accum = torch.zeros(self.run.num_params, dtype=torch.float32, device=device)  # sum of grad*samples
-        self._accum_views = [self._accum[s.offset:s.offset + p.numel()].view_as(p)
-                             for s, (_, p) in zip(self.run.layout, self._named)]
         self.codec = get_codec(self.run.compression)
-        self._feedback = None if self.codec.lossless else ErrorFeedback(self.codec, self.run.num_params)
+        self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
+                                       on_host=accumulate_on_host)
         # The parameters every peer shares (deltas apply to it), at version `_public_version`.
         # Written by downloads only: in the training thread, or in the worker while a round is
         # pending (never both); loaded into the model by the training thread.
         self._public = np.empty(self.run.num_params, dtype=np.float32)
         self._public_version = -1
-        self._lock = threading.Lock()  # the accumulator and its counters
         self._report_lock = threading.Lock()  # one progress report in flight at a time
-        self.samples = 0  # in the accumulator, not yet sent
-        self.loss_sum = 0.0
-        self._accum_version = 0
         self.version = -1
         self.contributed_samples = 0
         self.samples_per_s = 0.0
         self.last_error: CollabError | None = None
         self.finished = False
-        self.state: CollabState = joined.state
-        self._last_report = 0.0
+        # Not ``state``: that is torch.optim.Optimizer's per-parameter state, which Trainer,
+        # Accelerate and Lightning read and checkpoint through state_dict().
+        self.collab_state: CollabState = joined.state
+        self.last_report_at = 0.0
         self._last_step_end: float | None = None
         self._last_round_id = ""  # the round this peer last uploaded to
         self._pending: Future | None = None
@@ -141,10 +129,10 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self._load_latest()
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
-        self._worker = _Worker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
+        self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
                                self.run.heartbeat_interval_s)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.client, self.peer_id)
+        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.peer_id)
 
     # --- the public loop API ------------------------------------------------------------------
     @torch.no_grad()
@@ -170,12 +158,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
             log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
         else:
-            with self._lock:
-                if self.samples == 0:
-                    self._accum_version = self.version
-                torch._foreach_add_(self._accum_views, grads, alpha=float(n))
-                self.samples += n
-                self.loss_sum += float(loss) * n if loss is not None else 0.0
+            self.accumulator.add(grads, n, float(loss) if loss is not None else None, self.version)
             self._update_speed(n, started)
         self._sync()
         self._last_step_end = time.monotonic()
@@ -218,54 +201,55 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             rate = n / elapsed
             self.samples_per_s = rate if self.samples_per_s == 0 else 0.8 * self.samples_per_s + 0.2 * rate
 
-    def heartbeat_message(self) -> Heartbeat:
-        with self._lock:
-            return Heartbeat(version=self._accum_version if self.samples else max(self.version, 0),
-                             samples=self.samples, samples_per_s=self.samples_per_s)
+    @property
+    def samples(self) -> int:
+        """Samples in the accumulator, not yet sent."""
+        return self.accumulator.samples
 
-    def _report(self, client: RelayClient | None = None) -> CollabState:
+    def heartbeat_message(self) -> Heartbeat:
+        acc = self.accumulator
+        with acc.lock:
+            return Heartbeat(version=acc.version if acc.samples else max(self.version, 0),
+                             samples=acc.samples, samples_per_s=self.samples_per_s)
+
+    def report_progress(self, client: RelayClient | None = None) -> CollabState:
         """Send progress. Both threads report (the worker when the loop is busy), so the message is
         built and sent under one lock: reports reach the relay in the order they were made, and
         the relay never sees an older, smaller count after the one an upload relies on."""
         with self._report_lock:
-            self.state = (client or self.client).heartbeat(self.peer_id, self.heartbeat_message())
-            self._last_report = time.monotonic()
-            return self.state
+            self.collab_state = (client or self.client).heartbeat(self.peer_id, self.heartbeat_message())
+            self.last_report_at = time.monotonic()
+            return self.collab_state
 
     def _sync(self) -> None:
         """Decide, from the latest collaboration state, whether to contribute or resync."""
-        due = time.monotonic() - self._last_report >= self.report_interval_s
-        expected = self.state.samples_accumulated + self.samples >= self.state.target_batch
+        due = time.monotonic() - self.last_report_at >= self.report_interval_s
+        expected = self.collab_state.samples_accumulated + self.samples >= self.collab_state.target_batch
         try:
-            state = self._report() if due or expected or self.state.round or self._limbo else self.state
+            state = self.report_progress() if due or expected or self.collab_state.round or self._limbo else self.collab_state
             if state.finished:
                 self.finished = True
                 return
             self._settle_limbo(state)
-            if self.samples and state.step - self._accum_version > self.run.max_staleness:
-                self._discard(f"behind: gradient from step {self._accum_version}, relay at {state.step}; resyncing")
+            if self.samples and state.step - self.accumulator.version > self.run.max_staleness:
+                self._discard(f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; resyncing")
             behind = self.version < state.step - self.run.max_staleness
             if self._pending is None and (behind or (not self.samples and self.version < state.step)):
                 self._load_latest()
             r = state.round
             if (r is not None and self.samples and r.round_id != self._last_round_id and self._pending is None
-                    and 0 <= r.step - self._accum_version <= self.run.max_staleness):
+                    and 0 <= r.step - self.accumulator.version <= self.run.max_staleness):
                 self._contribute(r.step, r.round_id)
         except (RelayUnreachable, RelayRejected) as exc:
             self._note_error(exc)
 
     def _contribute(self, round_step: int, round_id: str) -> None:
-        state = self._report()  # final counts; the relay caps our weight by this report
+        state = self.report_progress()  # final counts; the relay caps our weight by this report
         if state.round is None or state.round.round_id != round_id:
             return
-        with self._lock:
-            meta = GradientMeta(peer_id=self.peer_id, step=round_step, version=self._accum_version,
-                                samples=self.samples, loss_sum=self.loss_sum)
-            grad = self._accum.detach().to("cpu", copy=True).numpy()
-            self._accum.zero_()
-            self.samples, self.loss_sum = 0, 0.0
+        meta, grad = self.accumulator.take(self.peer_id, round_step)
         try:
-            upload = self._encode(meta, grad, state.round.slices)
+            upload = self.accumulator.encode(meta, grad, state.round.slices)
         except ValueError as exc:  # e.g. a sum that overflowed float16's range
             self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
             return
@@ -275,24 +259,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         else:
             self._settle(self._round_job(self.client, upload, round_id))
 
-    def _encode(self, meta: GradientMeta, grad: np.ndarray, slices: list[PlanSlice]) -> _Upload:
-        """The wire form of a gradient: whole, or per slice of a sliced round (error feedback runs
-        over the whole vector either way: each slice carries its own range's residual)."""
-        if not slices:
-            return _Upload(meta, grad, self._feedback.compress(grad) if self._feedback else self.codec.encode(grad))
-        parts: list[tuple[PlanSlice, list[tuple[str, np.ndarray]]]] = []
-        try:
-            for s in slices:
-                x = grad[s.start:s.end]
-                parts.append((s, self._feedback.compress(x, start=s.start) if self._feedback else self.codec.encode(x)))
-        except ValueError:
-            for s, tensors in parts:  # the slices already encoded were never sent
-                if self._feedback is not None:
-                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
-            raise
-        return _Upload(meta, grad, [], tuple(parts))
-
-    def _round_job(self, client: RelayClient, upload: _Upload, round_id: str) -> _Outcome:
+    def _round_job(self, client: RelayClient, upload: Upload, round_id: str) -> _Outcome:
         """Upload, then wait for the version the round produces (in the worker thread with delayed
         updates). The relay publishes a version only once it is durable, so after a successful
         upload the gradient was applied iff the relay's step moves past ``meta.step``; if the
@@ -332,7 +299,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         return _Outcome(upload, error=RoundLost("round_timeout", f"no result for round {meta.step} after "
                                                 f"{self.round_wait_s:.0f}s"), fate="unknown")
 
-    def _upload_sliced(self, client: RelayClient, upload: _Upload, round_id: str) -> _Outcome | None:
+    def _upload_sliced(self, client: RelayClient, upload: Upload, round_id: str) -> _Outcome | None:
         """Ticket from the relay, each slice to its owner (in parallel), then "done". None when at
         least one slice was accepted: the gradient is in the round (part-wise), so the caller waits
         for the version; a slice that failed only loses that slice's contribution."""
@@ -346,7 +313,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             return _Outcome(upload, error=exc, fate="not_received" if exc.code in _NOT_RECEIVED else "dropped")
         except RelayUnreachable as exc:  # no ticket in hand: nothing was sent anywhere
             return _Outcome(upload, error=exc, fate="not_received")
-        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self._report(client),
+        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self.report_progress(client),
                                       keepalive_s=self.run.heartbeat_interval_s)
         delivered = [p.plan.start for p, e in zip(parts, errors) if e is None]
         failures = [e for e in errors if e is not None]
@@ -387,7 +354,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         meta = outcome.upload.meta
         fresh = state.step - meta.version <= self.run.max_staleness
         if fresh and (outcome.fate == "not_received" or state.step == meta.step):
-            self._restore(outcome.upload)
+            self.accumulator.restore(outcome.upload)
             self._last_round_id = ""
             log.info("round %d: kept %d samples for the next round", meta.step, meta.samples)
         else:
@@ -398,29 +365,9 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             pending, self._pending = self._pending, None
             self._settle(pending.result())
 
-    def _restore(self, upload: _Upload) -> None:
-        """Put an unsent gradient back into the accumulator (and take back what error feedback
-        recorded as sent)."""
-        meta, grad = upload.meta, upload.grad
-        if self._feedback is not None:
-            if upload.parts:
-                for s, tensors in upload.parts:
-                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
-            else:
-                self._feedback.undo(upload.tensors, grad)
-        with self._lock:
-            if self.samples == 0:
-                self._accum_version = meta.version
-            self._accum_version = min(self._accum_version, meta.version)
-            self._accum.add_(torch.from_numpy(grad).to(self._accum.device))
-            self.samples += meta.samples
-            self.loss_sum += meta.loss_sum
-
     def _discard(self, why: str) -> None:
         log.info(why)
-        with self._lock:
-            self._accum.zero_()
-            self.samples, self.loss_sum = 0, 0.0
+        self.accumulator.discard()
 
     def _download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
@@ -453,54 +400,3 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
     def _note_error(self, exc: CollabError) -> None:
         self.last_error = exc
         log.warning("%s", exc)
-
-
-class _Worker(threading.Thread):
-    """The one background thread: heartbeats when the loop is busy, and delayed rounds."""
-
-    def __init__(self, owner: "weakref.ref[CollaborativeOptimizer]", client: RelayClient, interval_s: float) -> None:
-        super().__init__(name="collab-peer", daemon=True)
-        self.owner, self.client, self.interval_s = owner, client, interval_s
-        self.jobs: queue.Queue = queue.Queue()
-        self.stopping = threading.Event()
-
-    def submit(self, job: Callable[[RelayClient], Any]) -> Future:
-        future: Future = Future()
-        self.jobs.put((job, future))
-        return future
-
-    def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                job, future = self.jobs.get(timeout=self.interval_s / 2)
-            except queue.Empty:
-                self._heartbeat()
-                continue
-            try:
-                future.set_result(job(self.client))
-            except BaseException as exc:  # handed to the main thread
-                future.set_exception(exc)
-
-    def _heartbeat(self) -> None:
-        owner = self.owner()
-        if owner is None:
-            return
-        if time.monotonic() - owner._last_report < self.interval_s:
-            return
-        try:
-            owner._report(self.client)
-        except CollabError as exc:
-            owner.last_error = exc
-        finally:
-            del owner
-
-
-def _shutdown(worker: _Worker, client: RelayClient, peer_id: str) -> None:
-    worker.stopping.set()
-    worker.join(timeout=5)  # no heartbeat may follow the leave
-    try:
-        client.leave(peer_id)
-    except CollabError:
-        pass
-    worker.client.close()
-    client.close()

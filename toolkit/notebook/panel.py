@@ -70,7 +70,7 @@ class PeerProgress:
     @classmethod
     def from_optimizer(cls, opt: "CollaborativeOptimizer", *, loss: float | None,
                        first_contribution_s: float | None) -> "PeerProgress":
-        state, error = opt.state, opt.last_error
+        state, error = opt.collab_state, opt.last_error
         # Parameters newer than the last heartbeat's answer mean that answer's round is over: its
         # accumulation and ETA describe a step that already happened.
         stale = opt.version > state.step
