@@ -164,9 +164,6 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self._last_step_end = time.monotonic()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
-
     def close(self, finish_round_s: float = 10.0) -> None:
         """Leave the collaboration and stop the background thread (idempotent).
 
