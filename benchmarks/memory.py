@@ -88,7 +88,7 @@ def peer_main(args: argparse.Namespace) -> int:
     runtime = proc_status()["VmRSS"]
     client = RelayClient(args.relay, read_timeout_s=600)
     run = client.get_run()
-    model = build_model(run.model.factory, dict(run.model.kwargs))
+    model = build_model(run.model)
     P = sum(p.numel() for p in model.parameters())
     opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch, peer_name="memory",
                                  round_wait_s=600)

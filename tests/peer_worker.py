@@ -66,7 +66,7 @@ def main() -> int:
     if args.hf_token_env:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
-    model = build_model(run.model.factory, dict(run.model.kwargs))
+    model = build_model(run.model)
     # Pay the first step's lazy imports (torch._dynamo through torch.optim: seconds when cold) before
     # joining, so peers that wait for each other (--wait-peers) then compute at their real pace.
     warm = torch.nn.Parameter(torch.zeros(1))

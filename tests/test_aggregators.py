@@ -23,6 +23,7 @@ from tests.peer_worker import make_dataset
 from tests.test_collaboration import MODEL_KWARGS, load_flat, rounds_from_events
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.wire.protocol import ModelSpec
 from toolkit.wire.tensor_container import read_file_header
 
 ALICE = "hf_alice_token_123456"
@@ -39,7 +40,7 @@ def sliced_plan(status: dict) -> list[dict]:
 def reference_sgd(initial: np.ndarray, rounds: dict[int, list[int]], steps: int) -> np.ndarray:
     """One process, the same initial parameters, the same global batches, the same SGD."""
     data = make_dataset()
-    model = build_model("toolkit.models:MLP", MODEL_KWARGS)
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs=MODEL_KWARGS))
     load_flat(model, initial)
     opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
     for step in range(steps):

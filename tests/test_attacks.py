@@ -442,7 +442,7 @@ def test_flood_is_rate_limited_while_a_peer_keeps_training(world: World) -> None
     run = trainer.get_run()
     from toolkit.models import build_model
 
-    model = build_model(run.model.factory, dict(run.model.kwargs))
+    model = build_model(run.model)
     opt = CollaborativeOptimizer(model, client=trainer, batch_size_per_step=5, peer_name="alice-trainer",
                                  report_interval_s=0.1)
     data, start_step, steps = make_dataset(), opt.version, 6

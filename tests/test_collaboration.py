@@ -16,6 +16,7 @@ from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.wire.protocol import ModelSpec
 
 MODEL_KWARGS = {"sizes": [8, 16, 1]}
 
@@ -59,7 +60,7 @@ def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_pe
     ids = rounds_from_events(peers)[0]
     assert len(ids) >= 150 and len({p.name for p in peers if any(e["event"] == "round" for e in p.events())}) == 3
 
-    model = build_model("toolkit.models:MLP", MODEL_KWARGS)
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs=MODEL_KWARGS))
     load_flat(model, before)
     model.loss(make_dataset()[ids]).backward()
     mean_grad = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
@@ -83,7 +84,7 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, l
 
     # The reference: one process, same initial parameters, same global batches, same AdamW.
     data = make_dataset()
-    model = build_model("toolkit.models:MLP", MODEL_KWARGS)
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs=MODEL_KWARGS))
     load_flat(model, initial)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -58,7 +58,7 @@ def in_process_config(tmp_path: Path, hub: HubStandin, **hub_settings):
 
 
 def flat_params(named: dict[str, torch.Tensor], config) -> np.ndarray:
-    model = build_model(config.model.factory, dict(config.model.kwargs))
+    model = build_model(config.model.spec())
     return torch.cat([named[name].reshape(-1) for name, _ in model.named_parameters()]).numpy()
 
 
@@ -94,7 +94,7 @@ def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, 
     """Commits answer 500: on_step still returns at once, the error is logged without the token."""
     organizer.add_route("POST", r"/api/models/.+/commit/.+", lambda _: StandinResponse(500, {"error": "boom"}))
     config = in_process_config(tmp_path, organizer, every_steps=1)
-    model = build_model(config.model.factory, dict(config.model.kwargs))
+    model = build_model(config.model.spec())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state_path = tmp_path / "step-00000001.safetensors"
     save_file({"params": params}, str(state_path))
@@ -156,7 +156,7 @@ def test_relay_uploads_checkpoints_and_a_run_starts_from_one(tmp_path, organizer
     config = in_process_config(tmp_path, organizer, init_from=f"{REPO_ID}@{uploaded[2].oid}")
     loaded = load_hub_checkpoint(config)
     assert loaded.keys() == step2.keys() and all(torch.equal(loaded[k], step2[k]) for k in step2)
-    model = build_model(config.model.factory, dict(config.model.kwargs))
+    model = build_model(config.model.spec())
     init_model_from_hub(model, config)
     assert all(torch.equal(p, step2[name]) for name, p in model.named_parameters())
 
@@ -179,8 +179,8 @@ def test_init_from_errors_name_the_setting(tmp_path, organizer):
     with pytest.raises(ConfigError, match="hub.init_from: no revision 'deadbeefdead'"):
         load_hub_checkpoint(config)
     config = in_process_config(tmp_path, organizer, init_from=REPO_ID)
-    with pytest.raises(ConfigError, match="does not fit model.factory"):
-        init_model_from_hub(build_model(config.model.factory, dict(config.model.kwargs)), config)
+    with pytest.raises(ConfigError, match="does not fit the run's model"):
+        init_model_from_hub(build_model(config.model.spec()), config)
 
 
 def _repo_with_model(hub: HubStandin, tensors: dict[str, torch.Tensor]):

@@ -16,6 +16,7 @@ from relay_server.core.config import ConfigError, OptimizerSection
 from relay_server.rounds.master import MasterState, flatten, layout_of
 from tests.peer_worker import make_dataset
 from toolkit.models import build_model
+from toolkit.wire.protocol import ModelSpec
 
 try:
     optim8bit.bitsandbytes_cpu()
@@ -39,13 +40,13 @@ def one_thread():
 
 def master(bits: int, monkeypatch: pytest.MonkeyPatch, seed: int = 0) -> MasterState:
     torch.manual_seed(seed)
-    model = build_model("toolkit.models:MLP", {"sizes": SIZES})
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": SIZES}))
     return MasterState(layout_of(model), flatten(model), dataclasses.replace(CFG, state_bits=bits), total_steps=0)
 
 
 def loss_at(state: MasterState, data: torch.Tensor) -> tuple[float, torch.Tensor]:
     """Full-batch loss and gradient of the MLP whose parameters are ``state.flat``."""
-    model = build_model("toolkit.models:MLP", {"sizes": SIZES})
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": SIZES}))
     offset = 0
     for p in model.parameters():
         p.data.copy_(state.flat[offset:offset + p.numel()].view_as(p))

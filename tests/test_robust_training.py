@@ -47,6 +47,7 @@ from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
+from toolkit.wire.protocol import ModelSpec
 from tests.conftest import BytesStream
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header
@@ -214,7 +215,7 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
                     return upload([(n, a * np.float32(SCALE)) for n, a in tensors], meta, codec)
 
                 client.upload_gradient = scaled
-            model = build_model("toolkit.models:ByteTransformer", MODEL)
+            model = build_model(ModelSpec(factory="toolkit.models:ByteTransformer", kwargs=MODEL))
             opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, peer_name=f"{name}-{i}",
                                          report_interval_s=0.2, round_wait_s=30.0)
             optimizers.append(opt)
@@ -247,7 +248,7 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
             final_step = relay.status()["step"]
         finally:
             relay.stop()
-    model = build_model("toolkit.models:ByteTransformer", MODEL)
+    model = build_model(ModelSpec(factory="toolkit.models:ByteTransformer", kwargs=MODEL))
     torch.nn.utils.vector_to_parameters(torch.from_numpy(flat), model.parameters())
     return Outcome(held_out(model), final_step, time.monotonic() - started)
 
@@ -270,7 +271,7 @@ def simulate(aggregation: str, attacker: bool, steps: int, lr: float = 0.2) -> O
         "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
         "rounds": {"aggregation": aggregation}}))
     torch.manual_seed(config.run.seed)
-    model = build_model(config.model.factory, MODEL)
+    model = build_model(ModelSpec(factory=config.model.factory, kwargs=MODEL))
     master = MasterState(layout_of(model), flatten(model), config.optimizer, steps)
     reducer = Reducer(master.grad.numpy(), get_codec("none"), robust=robust_config(config.rounds))
     batches = [demo_batches(BATCH, MODEL["seq_len"], seed=1000 + i) for i in range(PEERS)]

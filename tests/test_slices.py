@@ -32,7 +32,7 @@ def test_optimizer_state_moves_between_any_slicings():
     """Export from one cut of the vector, import into another: stepping the pieces equals
     stepping the whole (Adam moments and step counters travel with their elements)."""
     torch.manual_seed(0)
-    model = build_model("toolkit.models:MLP", {"sizes": [8, 16, 1]})
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]}))
     layout, params = layout_of(model), flatten(model)
     n = params.size
     whole = MasterState(layout, params, ADAMW, total_steps=0)
@@ -137,7 +137,7 @@ def _backbone(tmp_path, numel: int = 100_000) -> Backbone:
     config = load_config(None, overrides={"auth": {"mode": "open"}, "run": {"target_batch": 64},
                                           "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": numel}},
                                           "aggregators": {"replan_interval_s": 5.0}})
-    model = build_model(config.model.factory, dict(config.model.kwargs))
+    model = build_model(config.model.spec())
     layout = layout_of(model)
     run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
                   layout=layout, num_params=numel, target_batch=64, total_steps=0, max_staleness=1,

@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from toolkit.client import RelayClient
 from toolkit.data import batches_for_run, shard_sources_for_run
 from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import AuthError, CollabError
-from toolkit.models import build_model
+from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
 from toolkit.runtime.precision import choose_precision
@@ -57,9 +58,13 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
          data: Iterable[torch.Tensor] | None = None, batch_size: int = 8, peer_name: str | None = None,
          seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
          delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
-         verbose: bool = False) -> JoinResult:
+         trusted_models: Sequence[str] = (), verbose: bool = False) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
+
+    ``trusted_models`` names the packages whose own model classes this machine may import (a run
+    with ``[model] kind = "module"``); any other run model is built from the toolkit or the
+    installed transformers, and a run naming a package not listed is refused before any import.
 
     ``token`` is the volunteer's Hugging Face token (:func:`toolkit.notebook.hints.hf_token` finds it);
     open runs ignore it, and it is never logged. ``model`` must expose ``loss(batch) -> scalar``
@@ -78,8 +83,9 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         policy = choose_precision(info, run.precision)  # PrecisionUnsupported before we join
         device = environment.device(info)
         if model is None:
+            check_trusted(run.model, trusted_models)  # before anything else: nothing imported yet
             torch.manual_seed(0)  # the relay's parameters replace these at once; only the shapes matter
-            model = build_model(run.model.factory, dict(run.model.kwargs))
+            model = build_model(run.model, trusted_models)
         model.to(device)
         name = peer_name or socket.gethostname()[:64]
         view = open_panel(panel, f"{run.run_name}: {name} on {info.label}, {policy.name}")
@@ -108,14 +114,14 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         progress: PeerProgress | None = None
         try:
             for batch in batches:
-                batch = batch.to(device, non_blocking=True)
+                batch = to_device(batch, device)
                 opt.zero_grad()
                 with policy.autocast():
-                    loss = model.loss(batch)
+                    loss = loss_of(model, batch)
                 policy.scale_loss(loss).backward()
                 finite = policy.unscale_and_check(model.parameters())
                 loss_value = loss.item()
-                environment.optimizer_step(opt, info, batch_size=batch.shape[0], loss=loss_value, skip=not finite)
+                environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_value, skip=not finite)
                 local_steps += 1
                 if first_contribution_s is None and opt.contributed_samples > 0:
                     first_contribution_s = time.monotonic() - started
@@ -157,4 +163,17 @@ def _wandb_config(run: RunInfo, info: DeviceInfo, precision: str, batch_size: in
     """What a volunteer's W&B run records about this peer (no secrets, no URLs with credentials)."""
     return {"run_name": run.run_name, "peer_id": peer_id, "device": info.label, "device_kind": info.kind,
             "platform": info.platform or "", "precision": precision, "batch_size": batch_size,
-            "target_batch": run.target_batch, "model": run.model.factory}
+            "target_batch": run.target_batch, "model": run.model.factory or run.model.architecture}
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A tensor batch, or a dict of tensors (HF models), on ``device``."""
+    if isinstance(batch, Mapping):
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, Mapping):
+        return int(next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0])
+    return int(batch.shape[0])

@@ -8,21 +8,21 @@ deployment. Cross-field checks fail early and name the setting to change.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
+
+from relay_server.core.typed import ConfigError, apply_env, build_section, set_setting
+from toolkit.wire.protocol import ModelSpec
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
     import tomli as tomllib  # type: ignore[no-redef]
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or invalid; the message names the setting."""
 
 
 @dataclass(kw_only=True)
@@ -45,12 +45,33 @@ class RunSection:
 
 @dataclass(kw_only=True)
 class ModelSection:
+    kind: str = "toolkit"
+    """"toolkit" (``factory`` from toolkit.models), "transformers" (``architecture`` + ``config``)
+    or "module" (``factory`` from a package every volunteer installs and opts into by name)."""
     factory: str = "toolkit.models:ByteTransformer"
-    """Model constructor, from the ``toolkit.models`` package that every peer has installed."""
+    """Model constructor: ``toolkit.models:<Name>``, or ``package.module:<Name>`` for kind "module"."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the factory."""
+    architecture: str = ""
+    """kind "transformers": an AutoModel class, e.g. "AutoModelForMaskedLM", "AutoModelForCausalLM"."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """kind "transformers": the architecture's config as an inline table (``model_type`` + fields)."""
+    config_file: str = ""
+    """kind "transformers": a config.json instead of ``config`` (relative to the run's TOML file)."""
     init_checkpoint: str = ""
     """Optional safetensors file with initial parameters (else: the factory's init with ``run.seed``)."""
+
+    def label(self) -> str:
+        """A short name for the dashboard: the factory, or architecture(model_type)."""
+        if self.kind == "transformers":
+            return f"{self.architecture}({self.config.get('model_type', '?')})"
+        return self.factory
+
+    def spec(self) -> ModelSpec:
+        """The model as peers receive it in RunInfo (a config_file is sent as its content)."""
+        if self.kind == "transformers":
+            return ModelSpec(kind="transformers", architecture=self.architecture, config=dict(self.config))
+        return ModelSpec(kind=self.kind, factory=self.factory, kwargs=dict(self.kwargs))
 
 
 @dataclass(kw_only=True)
@@ -290,6 +311,11 @@ class RelayConfig:
                  if f.name.endswith(("_per_s", "_burst"))),
              "every limits.*_per_s and limits.*_burst must be > 0 (limits.enabled = false turns them off)"),
             (not self.hub.every_steps or self.hub.repo_id, "hub.every_steps needs hub.repo_id"),
+            (self.model.kind in ("toolkit", "transformers", "module"),
+             'model.kind must be "toolkit", "transformers" or "module"'),
+            (self.model.kind != "transformers" or bool(self.model.architecture and self.model.config),
+             'model.kind = "transformers" needs model.architecture (e.g. "AutoModelForMaskedLM") and '
+             "model.config (or model.config_file)"),
             (not (self.hub.init_from and self.model.init_checkpoint),
              "set only one of model.init_checkpoint and hub.init_from"),
             (not self.hub.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.hub.init_from)),
@@ -319,69 +345,26 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path or 'default config'} is not valid TOML: {exc}") from None
-    config = _build(RelayConfig, raw, "")
-    _apply_env(config, os.environ if env is None else env)
+    config = build_section(RelayConfig, raw, "")
+    apply_env(config, os.environ if env is None else env)
     for section, values in (overrides or {}).items():
         for key, value in values.items():
-            _set(config, section, key, value)
+            set_setting(config, section, key, value)
+    if config.model.config_file:
+        config.model.config = _read_model_config(config.model, Path(path).parent if path is not None else Path.cwd())
     return config.validate()
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
-    hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(raw) - names
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {sorted(f'{where}{u}' for u in unknown)}")
-    values = {}
-    for name, value in raw.items():
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"[{where}{name}] must be a table")
-            values[name] = _build(tp, value, f"{name}.")
-        else:
-            values[name] = _coerce(value, tp, f"{where}{name}")
-    return cls(**values)
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    if tp is bool:
-        if isinstance(value, str):
-            if value.lower() in ("1", "true", "yes", "on"):
-                return True
-            if value.lower() in ("0", "false", "no", "off"):
-                return False
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: {value!r} is not a valid bool")
-    if tp in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: {value!r} is not a valid {tp.__name__}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    return value  # lists / dicts as TOML gave them
-
-
-def _apply_env(config: RelayConfig, env: Any) -> None:
-    for f in dataclasses.fields(config):
-        section = getattr(config, f.name)
-        if not dataclasses.is_dataclass(section):
-            continue
-        for sf in dataclasses.fields(section):
-            key = f"RELAY_{f.name}_{sf.name}".upper()
-            if key in env:
-                _set(config, f.name, sf.name, env[key])
-
-
-def _set(config: RelayConfig, section: str, key: str, value: Any) -> None:
-    target = getattr(config, section, None)
-    if target is None or not dataclasses.is_dataclass(target) or key not in {f.name for f in dataclasses.fields(target)}:
-        raise ConfigError(f"unknown setting {section}.{key}")
-    setattr(target, key, _coerce(value, get_type_hints(type(target))[key], f"{section}.{key}"))
+def _read_model_config(model: ModelSection, base: Path) -> dict[str, Any]:
+    if model.config:
+        raise ConfigError("set model.config or model.config_file, not both")
+    where = base / model.config_file
+    try:
+        value = json.loads(where.read_text())
+    except OSError as exc:
+        raise ConfigError(f"model.config_file: cannot read {where}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model.config_file: {where} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.config_file: {where} must hold a JSON object (a transformers config.json)")
+    return value

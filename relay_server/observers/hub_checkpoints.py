@@ -73,12 +73,12 @@ def parameter_names(config: RelayConfig) -> list[tuple[str, torch.Size]]:
 
     Built on the meta device: the relay already holds the parameters, a second real copy of a
     large model would only cost memory."""
-    kwargs = dict(config.model.kwargs)
+    spec = config.model.spec()
     try:
         with torch.device("meta"):
-            model = build_model(config.model.factory, kwargs)
+            model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])  # the relay trusts its own config
     except Exception:  # a factory that computes on its tensors at init: build it for real once
-        model = build_model(config.model.factory, kwargs)
+        model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 
@@ -178,7 +178,7 @@ class HubCheckpointer:
         info = {"format": "collabtrain-checkpoint/1", "run_name": status.run_name, "step": event.step,
                 "loss": record.loss, "samples": record.samples, "contributors": record.contributors,
                 "finalized_at": record.finalized_at,
-                "model": {"factory": self.config.model.factory, "kwargs": dict(self.config.model.kwargs)},
+                "model": self.config.model.spec().to_json(),
                 "config": status.config.to_json() if status.config else None,
                 "files": {MODEL_FILE: "parameters by name", STATE_FILE: "relay state: flat params + optimizer"}}
         return _Staged(event.step, target, info)
@@ -249,15 +249,16 @@ tags:
 Checkpoint of a collaborative training run (collabtrain): step {info['step']}, loss {loss},
 {info['samples']} samples from {info['contributors']} peer(s) in the last round.
 
-- `model.safetensors`: parameters by name, for `{model['factory']}` with `{json.dumps(model['kwargs'])}`
+- `model.safetensors`: parameters by name, for the model `{json.dumps(model)}`
 - `relay-state.safetensors`: the relay's full state (flat parameters and optimizer state)
 - `collabtrain.json`: step, loss and run configuration
 
 ```python
 from safetensors.torch import load_file
 from toolkit.models import build_model
+from toolkit.wire.protocol import ModelSpec
 
-model = build_model({model['factory']!r}, {model['kwargs']!r})
+model = build_model(ModelSpec.from_json({model!r}))
 model.load_state_dict(load_file("model.safetensors"), strict=False)
 ```
 
@@ -309,8 +310,8 @@ def init_model_from_hub(model: torch.nn.Module, config: RelayConfig) -> None:
     unexpected = sorted(set(tensors) - set(params))
     wrong = sorted(n for n in set(params) & set(tensors) if tensors[n].shape != params[n].shape)
     if missing or unexpected or wrong:
-        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit model.factory "
-                          f"{config.model.factory} with model.kwargs {config.model.kwargs}: "
+        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
+                          f"{config.model.label()}: "
                           f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
     with torch.no_grad():
         for name, p in params.items():

@@ -22,11 +22,21 @@ class ParamSpec(Schema):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec(Schema):
-    """How peers build the run's model. ``factory`` must live under ``toolkit.models``: peers
-    import code only from the toolkit they installed, never code chosen by the network."""
+    """How peers build the run's model, as data: peers import code only from what they installed,
+    never code chosen by the network (:func:`toolkit.models.build_model` enforces it).
 
-    factory: str = field(metadata=_NAME)
+    * ``kind = "toolkit"``: ``factory`` is ``toolkit.models:<Name>`` with ``kwargs``;
+    * ``kind = "transformers"``: ``architecture`` is an ``AutoModel*`` class of the installed
+      transformers and ``config`` its config (``model_type`` + fields); no remote code, ever;
+    * ``kind = "module"``: ``factory`` is ``package.module:Name`` from a package the volunteer
+      installed and named in ``join(..., trusted_models=[package])``; refused otherwise.
+    """
+
+    kind: str = field(default="toolkit", metadata=limits(choices=("toolkit", "transformers", "module")))
+    factory: str = field(default="", metadata=_NAME)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    architecture: str = field(default="", metadata=_NAME)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,89 @@
+"""Hugging Face ``transformers`` architectures built from a config that travels as data.
+
+A run names an ``AutoModel*`` class of the installed ``transformers`` package and a config
+(``model_type`` plus the architecture's fields). Peers and the relay build the same module from
+it with ``from_config``: no weights are downloaded, and ``trust_remote_code`` is never passed, so
+the only code that runs is the ``transformers`` release the volunteer installed. A config naming
+custom code (``auto_map``) or a ``model_type`` this release does not know is refused with a
+sentence saying what to do.
+
+Training batches for these models are dicts (``input_ids``, ``attention_mask``, ``labels``, ...)
+and the loss is the one the architecture computes from its labels (:func:`loss_of`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from toolkit.errors import ModelMismatch
+
+_ARCHITECTURE = re.compile(r"AutoModel(For[A-Za-z]+)?")
+_REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")
+_HINT_INSTALL = 'Install the extra on this machine: pip install "collabtrain[hf]".'
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ModelMismatch("transformers_missing", f"this run trains a transformers model, and importing "
+                            f"transformers failed ({exc})", _HINT_INSTALL) from None
+    return transformers
+
+
+def check_transformers_spec(architecture: str, config: Mapping[str, Any]) -> None:
+    """Refuse, before anything is built, what could make a peer run code it did not install."""
+    if not _ARCHITECTURE.fullmatch(architecture or ""):
+        raise ModelMismatch("unknown_architecture", f"architecture {architecture!r} is not an AutoModel class",
+                            'Name one of transformers\' AutoModel classes, e.g. "AutoModelForMaskedLM" or '
+                            '"AutoModelForCausalLM".')
+    remote = [k for k in _REMOTE_CODE_KEYS if k in config]
+    if remote:
+        raise ModelMismatch("remote_code_refused", f"the model config asks for code from the network ({remote[0]})",
+                            "collabtrain never runs remote code: remove auto_map/trust_remote_code and use an "
+                            "architecture that ships with transformers, or an own module the volunteers opt into "
+                            "(join(..., trusted_models=[...])).")
+    if not isinstance(config.get("model_type"), str):
+        raise ModelMismatch("bad_model_config", "the model config has no model_type",
+                            'Add model_type (e.g. "albert", "gpt2", "bert") to [model] config.')
+
+
+def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn.Module:
+    """``transformers.<architecture>.from_config(AutoConfig.for_model(**config))``, locally only."""
+    check_transformers_spec(architecture, config)
+    transformers = _transformers()
+    auto = getattr(transformers, architecture, None)
+    if auto is None:
+        raise ModelMismatch("unknown_architecture", f"transformers {transformers.__version__} has no {architecture}",
+                            "Upgrade transformers on this machine, or ask the organizer which version the run uses.")
+    fields = dict(config)
+    model_type = fields.pop("model_type")
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **fields)
+    except ValueError as exc:
+        raise ModelMismatch("unknown_model_type", f"transformers {transformers.__version__} does not know "
+                            f"model_type {model_type!r} ({exc})",
+                            "Upgrade transformers, or use a model_type this version ships.") from None
+    try:
+        return auto.from_config(cfg)
+    except ValueError as exc:
+        raise ModelMismatch("bad_model_config", f"{architecture} cannot be built from this config: {exc}",
+                            "Check [model] architecture against the config's model_type.") from None
+
+
+def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The training loss of one batch: ``model.loss(batch)`` for the toolkit's models, the
+    architecture's own loss from ``labels`` for a dict batch (HF models)."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+        loss = out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
+        if loss is None:
+            raise ModelMismatch("no_loss", f"{type(model).__name__} returned no loss for a batch with keys "
+                                f"{sorted(batch)}", "Give the batches labels (the run's [objective] collator adds "
+                                "them), or pass your own loop's loss to opt.step(loss=...).")
+        return loss
+    return model.loss(batch)
