@@ -80,7 +80,7 @@ def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     architecture's own loss from ``labels`` for a dict batch (HF models)."""
     if isinstance(batch, Mapping):
         out = model(**batch)
-        loss = out["loss"] if isinstance(out, Mapping) else getattr(out, "loss", None)
+        loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if loss is None:
             raise ModelMismatch("no_loss", f"{type(model).__name__} returned no loss for a batch with keys "
                                 f"{sorted(batch)}", "Give the batches labels (the run's [objective] collator adds "
