@@ -4,6 +4,7 @@
     relay-server aggregator --coordinator https://relay.example --port 8751 \
         --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
+    relay-server export --config run.toml --data-dir relay-data --out ckpt   # a loadable checkpoint
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
                       help="codec for gradients and parameters on the wire (default none)")
     demo.add_argument("--verbose", "-v", action="store_true")
 
+    export = sub.add_parser("export", help="write a version of the run as a folder users load (transformers runs: "
+                            "save_pretrained's layout, AutoModel*.from_pretrained(folder))")
+    export.add_argument("--config", help="the run's configuration (TOML); default: the embedded demo run")
+    export.add_argument("--data-dir", required=True, help="the relay's state directory (server.data_dir)")
+    export.add_argument("--out", required=True, help="folder to write")
+    export.add_argument("--step", type=int, help="version to export (default: the latest)")
+    export.add_argument("--verbose", "-v", action="store_true")
+
     from relay_server.api.moderation import add_admin_parser, run_admin
 
     add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
@@ -69,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "aggregator":
             return _aggregator(args)
+        if args.command == "export":
+            from pathlib import Path
+
+            from relay_server.observers.pretrained import export_version
+
+            step = export_version(load_config(args.config), Path(args.data_dir), Path(args.out), args.step)
+            print(f"version {step} written to {args.out}")
+            return 0
         from relay_server.demo import run_demo
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,

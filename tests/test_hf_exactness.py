@@ -8,6 +8,9 @@ exactly the rows each round received, with the same optimizer and parameter grou
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -36,7 +39,7 @@ def reference_optimizer(name: str, model: torch.nn.Module, cfg: dict) -> torch.o
 
 
 @pytest.mark.parametrize("optimizer", ["adamw"])
-def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, optimizer: str) -> None:
+def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, tmp_path, optimizer: str) -> None:
     steps = 3
     opt_cfg = {"name": optimizer, "lr": 0.005, "weight_decay": 0.01, "betas": [0.9, 0.99], "clip_grad_norm": 0.0,
                "schedule": "constant"}
@@ -68,3 +71,21 @@ def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, opti
     assert relative <= 1e-5, relative
     assert np.linalg.norm(final - initial) / np.linalg.norm(initial) > 1e-4  # it did train
     assert all(r["loss"] and r["loss"] > 0 for r in relay.status()["recent_rounds"])  # the real loss, not 0
+
+    # The relay's version as a checkpoint users load with transformers, giving the same logits.
+    out = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "export", "--config", str(relay.config_path),
+                           "--data-dir", str(relay.data_dir), "--out", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    from transformers import AutoModelForMaskedLM
+
+    loaded = AutoModelForMaskedLM.from_pretrained(out).eval()
+    load_flat(model, final)
+    model.eval()
+    inputs = batch_for(spec, list(range(8)), data)
+    with torch.no_grad():
+        expected = model(input_ids=inputs["input_ids"]).logits
+        got = loaded(input_ids=inputs["input_ids"]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()

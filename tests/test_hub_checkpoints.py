@@ -21,9 +21,9 @@ from safetensors.torch import load, save_file
 
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import ConfigError, load_config
-from relay_server.observers.hub_checkpoints import (INFO_FILE, MODEL_FILE, STATE_FILE, HubCheckpointer,
-                                          init_model_from_hub, load_hub_checkpoint, master_params,
-                                          parse_init_from)
+from relay_server.observers.hub_checkpoints import (INFO_FILE, STATE_FILE, HubCheckpointer, init_model_from_hub,
+                                                   load_hub_checkpoint, parse_init_from)
+from relay_server.observers.pretrained import MODEL_FILE, master_params
 from relay_server.observers.events import StepEvent
 from tests.conftest import BASE_CONFIG
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)

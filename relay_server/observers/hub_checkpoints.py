@@ -33,16 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from relay_server.core.config import ConfigError, HubSection, RelayConfig
 from relay_server.observers.events import StepEvent
-from toolkit.models import build_model
+from relay_server.observers.pretrained import MODEL_FILE, master_params, parameter_names, unflatten, write_pretrained
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.safetensors"
 STATE_FILE = "relay-state.safetensors"
 INFO_FILE = "collabtrain.json"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -66,39 +64,6 @@ def parse_init_from(value: str) -> tuple[str, str | None]:
     if len(parts) != 2 or not all(parts) or (_ and not revision):
         raise ConfigError(f"hub.init_from must be 'owner/name' or 'owner/name@revision', got {value!r}")
     return repo_id, revision or None
-
-
-def parameter_names(config: RelayConfig) -> list[tuple[str, torch.Size]]:
-    """(name, shape) of the run's parameters in flat-vector order (``master.layout_of``).
-
-    Built on the meta device: the relay already holds the parameters, a second real copy of a
-    large model would only cost memory."""
-    spec = config.model.spec()
-    try:
-        with torch.device("meta"):
-            model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])  # the relay trusts its own config
-    except Exception:  # a factory that computes on its tensors at init: build it for real once
-        model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])
-    return [(name, p.shape) for name, p in model.named_parameters()]
-
-
-def unflatten(flat: torch.Tensor, names: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
-    """The flat (P,) vector as named tensors (copies: safetensors refuses tensors sharing memory)."""
-    total = sum(shape.numel() for _, shape in names)
-    if flat.numel() != total:
-        raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {total}")
-    out, offset = {}, 0
-    for name, shape in names:
-        out[name] = flat[offset:offset + shape.numel()].reshape(shape).clone()
-        offset += shape.numel()
-    return out
-
-
-def master_params(state_path: Path) -> torch.Tensor:
-    """The master parameters (P,) of a relay state file. With a lossy wire codec the file holds
-    both the copy peers hold ("params") and the exact master ("master"); a checkpoint is the master."""
-    with safe_open(str(state_path), framework="pt") as f:
-        return f.get_tensor("master" if "master" in f.keys() else "params")
 
 
 # --- upload -------------------------------------------------------------------------------------
@@ -217,12 +182,10 @@ class HubCheckpointer:
         flat = master_params(staged.path)
         info = {**staged.info, "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
         with tempfile.TemporaryDirectory(dir=self.staging) as tmp:
-            model_path = Path(tmp) / MODEL_FILE
-            save_file(unflatten(flat, self.names), str(model_path),
-                      metadata={"step": str(staged.step), "format": "pt"})
+            files = write_pretrained(self.config, unflatten(flat, self.names), Path(tmp), {"step": str(staged.step)})
             del flat
             operations = [
-                CommitOperationAdd(MODEL_FILE, str(model_path)),
+                *(CommitOperationAdd(f.name, str(f)) for f in files),
                 CommitOperationAdd(STATE_FILE, str(staged.path)),
                 CommitOperationAdd(INFO_FILE, json.dumps(info, indent=1).encode()),
                 CommitOperationAdd("README.md", _model_card(info, self.hub.repo_id).encode()),
@@ -255,7 +218,6 @@ Checkpoint of a collaborative training run (collabtrain): step {info['step']}, l
 
 ```python
 from safetensors.torch import load_file
-from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
 
 model = build_model(ModelSpec.from_json({model!r}))

@@ -1,0 +1,121 @@
+"""A relay version as a folder users load with their usual tools.
+
+For a transformers run that is ``save_pretrained``'s layout: ``config.json`` (the run's config,
+with ``architectures``), ``model.safetensors`` holding the architecture's own parameter names
+(shared and tied weights once, as ``from_pretrained`` expects; it re-ties them on load), and the
+run's tokenizer files when it has them. For the toolkit's own models it is ``model.safetensors``
+plus ``collabtrain-model.json`` (the ModelSpec to build it with ``toolkit.models.build_model``).
+
+Used by Hub checkpoints (each upload is such a folder plus the relay's own state) and by
+``relay-server export`` for a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from relay_server.core.config import ConfigError, RelayConfig
+from relay_server.rounds.store import Store
+from toolkit.models import build_model
+
+MODEL_FILE = "model.safetensors"
+SPEC_FILE = "collabtrain-model.json"
+
+
+def config_json(config: RelayConfig) -> str | None:
+    """The transformers ``config.json`` of the run's model (None for the toolkit's models)."""
+    if config.model.kind != "transformers":
+        return None
+    from toolkit.models.hf import check_transformers_spec
+
+    import transformers
+
+    check_transformers_spec(config.model.architecture, config.model.config)
+    fields = dict(config.model.config)
+    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = getattr(transformers, config.model.architecture).from_config(cfg)
+    cfg.architectures = [type(model).__name__]
+    return cfg.to_json_string()
+
+
+def tokenizer_files(config: RelayConfig) -> dict[str, Path]:
+    """The run's tokenizer files to ship beside the weights (none if the run names none)."""
+    section = getattr(config, "tokenizer", None)
+    path = getattr(section, "path", "") if section is not None else ""
+    return {"tokenizer.json": Path(path)} if path and Path(path).is_file() else {}
+
+
+def write_pretrained(config: RelayConfig, tensors: dict[str, torch.Tensor], out_dir: Path,
+                     metadata: dict[str, str] | None = None) -> list[Path]:
+    """Write the folder; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / MODEL_FILE]
+    save_file(tensors, str(written[0]), metadata={**(metadata or {}), "format": "pt"})
+    cfg = config_json(config)
+    if cfg is not None:
+        (out_dir / "config.json").write_text(cfg)
+        written.append(out_dir / "config.json")
+    else:
+        (out_dir / SPEC_FILE).write_text(json.dumps(config.model.spec().to_json(), indent=1))
+        written.append(out_dir / SPEC_FILE)
+    for name, source in tokenizer_files(config).items():
+        (out_dir / name).write_bytes(source.read_bytes())
+        written.append(out_dir / name)
+    return written
+
+
+def parameter_names(config: RelayConfig) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of the run's parameters in flat-vector order (``master.layout_of``).
+
+    Built on the meta device: the relay already holds the parameters, a second real copy of a
+    large model would only cost memory."""
+    spec = config.model.spec()
+    try:
+        with torch.device("meta"):
+            model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])  # the relay trusts its own config
+    except Exception:  # a factory that computes on its tensors at init: build it for real once
+        model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+def unflatten(flat: torch.Tensor, names: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
+    """The flat (P,) vector as named tensors (copies: safetensors refuses tensors sharing memory)."""
+    total = sum(shape.numel() for _, shape in names)
+    if flat.numel() != total:
+        raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {total}")
+    out, offset = {}, 0
+    for name, shape in names:
+        out[name] = flat[offset:offset + shape.numel()].reshape(shape).clone()
+        offset += shape.numel()
+    return out
+
+
+def master_params(state_path: Path) -> torch.Tensor:
+    """The master parameters (P,) of a relay state file. With a lossy wire codec the file holds
+    both the copy peers hold ("params") and the exact master ("master"); a checkpoint is the master."""
+    with safe_open(str(state_path), framework="pt") as f:
+        return f.get_tensor("master" if "master" in f.keys() else "params")
+
+
+def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None) -> int:
+    """Write version ``step`` (default: the latest) of the relay state in ``data_dir`` as a
+    loadable folder; returns the step written."""
+    store = Store(data_dir)
+    try:
+        step = store.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"{data_dir} holds no version yet: point --data-dir at the relay's server.data_dir")
+        path = store.state_path(step)
+        if not path.is_file():
+            raise ConfigError(f"version {step} is not in {data_dir} (pruned? see server.keep_checkpoints)")
+        flat = master_params(path)
+    finally:
+        store.close()
+    write_pretrained(config, unflatten(flat, parameter_names(config)), out_dir, {"step": str(step)})
+    return step
