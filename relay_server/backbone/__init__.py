@@ -1,5 +1,7 @@
 """The vector sliced among servers: one slice's master + reducer + publisher (:mod:`.slice_owner`),
 HMAC upload tickets (:mod:`.tickets`), moving parameters and optimizer state between owners
-(:mod:`.state_transfer`), recovering a dead aggregator's slice (:mod:`.recovery`), the relay-side
-coordinator deciding who owns what (:mod:`.coordinator`) and the slice routes both the relay and
-aggregators serve (:mod:`.routes`). May import core, auth, rounds and planning."""
+(:mod:`.state_transfer`), recovering a dead aggregator's slice (:mod:`.recovery`), the registry of
+aggregators and their liveness (:mod:`.aggregators`), a slicing as data -- owners, manifests,
+stitched state (:mod:`.slicing`) --, the relay-side coordinator deciding who owns what
+(:mod:`.coordinator`) and the slice routes both the relay and aggregators serve (:mod:`.routes`).
+May import core, auth, rounds and planning."""

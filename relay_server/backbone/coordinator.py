@@ -6,7 +6,8 @@ slice the executing plan assigns it. With no aggregator the relay owns ``[0, P)`
 runs exactly as a single relay (``single``): whole-vector uploads, parameters served from the
 relay's own version file. The plan comes from measurements (:mod:`relay_server.planning.policy`);
 a new solution moves slices only when an owner appears or disappears or a share moves by more
-than ``aggregators.min_share_change``.
+than ``aggregators.min_share_change``. Who the aggregators are and whether they live is
+:mod:`.aggregators`; what a slicing is made of (owners, manifests, stitched state) is :mod:`.slicing`.
 
 Moving slices (a *migration*) happens only between rounds: the relay assembles the whole state
 (parameters, public copy, optimizer state) at the published step from the current owners, then
@@ -28,80 +29,34 @@ no peer downloaded that version before the owner died.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from relay_server.backbone.aggregators import Aggregator, Aggregators
+from relay_server.backbone.recovery import RecoveryCopy
+from relay_server.backbone.slice_owner import SliceOwner
+from relay_server.backbone.slicing import (RELAY_ONLY, NotReady, Owner, Published, manifest_version, owners_for,
+                                           plan_info, restore_dead, stitch)
+from relay_server.backbone.state_transfer import CallFailed, InternalClient, cut
+from relay_server.backbone.tickets import new_ticket_key
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
-from relay_server.planning.plan import Plan
+from relay_server.planning.planner import Plan
 from relay_server.planning.policy import RELAY_ID, Planning
-from relay_server.rounds.publisher import Board, Version
-from relay_server.backbone.recovery import RecoveryCopy
+from relay_server.rounds.publisher import Board
 from relay_server.rounds.reducer import Reducer, robust_config
-from relay_server.backbone.slice_owner import SliceOwner
-from relay_server.backbone.state_transfer import CallFailed, InternalClient, cut
 from relay_server.rounds.store import Store
-from relay_server.backbone.tickets import new_ticket_key
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import (PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorStatus,
-                              AggregatorWelcome, AssignRequest, FinalizeRequest, ParamSpec, ParamsManifest, PlanInfo,
-                              PlanSlice, RunInfo, SliceReport, SliceVersion)
+from toolkit.wire.protocol import (ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome,
+                                   AssignRequest, FinalizeRequest, ParamSpec, ParamsManifest, PlanInfo, PlanSlice,
+                                   RunInfo, SliceReport)
 
 log = logging.getLogger(__name__)
-
-RELAY_ONLY = "relay-only"
-
-
-@dataclass
-class Aggregator:
-    aggregator_id: str
-    name: str
-    url: str
-    last_seen: float = field(default_factory=time.monotonic)
-    alive: bool = True
-    upload: float = 0.0  # bytes/s it measured for itself (0 = not yet)
-    download: float = 0.0
-    step: int = -1
-    plan_version: str = ""
-
-
-@dataclass(frozen=True)
-class Owner:
-    """One slice of the executing plan."""
-
-    owner_id: str
-    name: str
-    url: str  # "" for the relay
-    start: int
-    end: int
-    fraction: float
-
-    def plan_slice(self) -> PlanSlice:
-        return PlanSlice(aggregator_id=self.owner_id, name=self.name, start=self.start, end=self.end,
-                         fraction=self.fraction, url=self.url)
-
-
-@dataclass(frozen=True)
-class Published:
-    """A published version: the relay's own version file (single relay) or a manifest of slices."""
-
-    step: int
-    sha256: str
-    version: Version | None = None
-    manifest: ParamsManifest | None = None
-
-
-class NotReady(Exception):
-    """A migration cannot run now: a dead owner's slice has no copy of the published version."""
-
 
 class Backbone:
     def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codec: Codec,
@@ -115,8 +70,8 @@ class Backbone:
         self.owners = [Owner(RELAY_ID, RELAY_ID, "", 0, self.num_params, 1.0)]
         self.plan: Plan | None = None  # the executing plan (None: relay only)
         self.board = Board()  # of Published
-        self.aggregators: dict[str, Aggregator] = {}
         self.ticket_key = new_ticket_key()
+        self.aggregators = Aggregators(config, self.planning, run_info, self.ticket_key)
         self.pending: Plan | None = None
         self.migrating = False
         self.staging: tuple[int, dict[str, np.ndarray]] | None = None  # state served to new owners
@@ -172,64 +127,17 @@ class Backbone:
         return [] if self.single else [o.plan_slice() for o in self.owners]
 
     def plan_info(self) -> PlanInfo:
-        return PlanInfo(version=self.plan_version, steps_per_s=self.plan.steps_per_s if self.plan else None,
-                        slices=[o.plan_slice() for o in self.owners],
-                        computes=dict(self.plan.computes) if self.plan else {}, inputs=list(self.planning.inputs),
-                        predicted_round_s=_finite(self.plan.predicted_round_s) if self.plan else None,
-                        solved_at=self.planning.solved_at, aggregators=[
-                            AggregatorStatus(aggregator_id=a.aggregator_id, name=a.name, url=a.url, alive=a.alive,
-                                             last_seen_s=time.monotonic() - a.last_seen, upload=a.upload,
-                                             download=a.download) for a in self.aggregators.values()])
+        return plan_info(self.plan, self.plan_version, self.owners, self.planning, self.aggregators.statuses())
 
-    # --- aggregators ------------------------------------------------------------------------------
+    # --- aggregators (:mod:`.aggregators`) -------------------------------------------------------
     def register(self, req: AggregatorRegistration) -> AggregatorWelcome:
-        if req.protocol != PROTOCOL_VERSION:
-            raise ApiError(400, "protocol_mismatch", f"aggregator speaks protocol {req.protocol}, relay "
-                           f"{PROTOCOL_VERSION}", "Install the same collabtrain version on both.")
-        if self.config.optimizer.state_bits != 32:
-            raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
-                           "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
-        if not req.url.startswith(("http://", "https://")):
-            raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
-                           "Pass --public-url with the address peers can reach.")
-        agg = Aggregator(aggregator_id=hashlib.sha256(f"{req.url}{time.time_ns()}".encode()).hexdigest()[:16],
-                         name=req.name, url=req.url.rstrip("/"))
-        self.aggregators[agg.aggregator_id] = agg
-        log.info("aggregator %s (%s) registered at %s", agg.name, agg.aggregator_id, agg.url)
-        if self.config.optimizer.clip_grad_norm > 0:
-            log.warning("optimizer.clip_grad_norm with aggregators clips each slice by its own norm")
-        return AggregatorWelcome(aggregator_id=agg.aggregator_id, ticket_key=self.ticket_key, run=self.run_info,
-                                 optimizer=dataclasses.asdict(self.config.optimizer),
-                                 rounds=dataclasses.asdict(self.config.rounds),
-                                 heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+        return self.aggregators.register(req)
 
     def heartbeat(self, aggregator_id: str, hb: AggregatorHeartbeat) -> None:
-        agg = self.aggregators.get(aggregator_id)
-        if agg is None or not agg.alive:
-            raise ApiError(410, "aggregator_dropped", "this aggregator is not part of the run (it was "
-                           "declared dead, or the relay restarted)", "Register again (the aggregator does so itself).")
-        agg.last_seen, agg.step, agg.plan_version = time.monotonic(), hb.step, hb.plan_version
-        agg.upload, agg.download = hb.upload, hb.download
-        for t in hb.transfers:
-            self.planning.peer_rates.add(t.peer_id, t.direction, t.step, t.nbytes, t.seconds)
-
-    def mark_dead(self, aggregator_id: str, why: str) -> None:
-        agg = self.aggregators.get(aggregator_id)
-        if agg is not None and agg.alive:
-            agg.alive = False
-            log.warning("aggregator %s (%s) is dead: %s", agg.name, aggregator_id, why)
+        self.aggregators.heartbeat(aggregator_id, hb)
 
     def expire(self) -> None:
-        now = time.monotonic()
-        for agg in list(self.aggregators.values()):
-            if agg.alive and now - agg.last_seen > self.cfg.ttl_s:
-                self.mark_dead(agg.aggregator_id, f"silent for {now - agg.last_seen:.1f}s")
-            forget = now - agg.last_seen > max(60.0, 10 * self.cfg.ttl_s)  # the dashboard shows the dead a while
-            if not agg.alive and forget and not any(o.owner_id == agg.aggregator_id for o in self.owners):
-                del self.aggregators[agg.aggregator_id]
-
-    def _alive(self, owner_id: str) -> bool:
-        return owner_id == RELAY_ID or (owner_id in self.aggregators and self.aggregators[owner_id].alive)
+        self.aggregators.expire({o.owner_id for o in self.owners})
 
     # --- the plan ---------------------------------------------------------------------------------
     def maybe_replan(self, *, now: float | None = None) -> None:
@@ -248,11 +156,11 @@ class Backbone:
                 self.pending = plan
 
     def _capacities(self):
-        return self.planning.capacities([a for a in self.aggregators.values() if a.alive], self.peer_ids())
+        return self.planning.capacities(self.aggregators.live(), self.peer_ids())
 
     def _moves_slices(self, plan: Plan) -> bool:
         current = {o.owner_id: o.fraction for o in self.owners}
-        if set(plan.fractions) != set(current) or any(not self._alive(o) for o in current):
+        if set(plan.fractions) != set(current) or any(not self.aggregators.alive(o) for o in current):
             return True
         return max(abs(plan.fractions[k] - current[k]) for k in current) > self.cfg.min_share_change
 
@@ -266,7 +174,7 @@ class Backbone:
                 version, r, norm = await self.local.finalize(step, round_id)
                 return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
                                    peers=len(r.received), grad_norm=norm)
-            if not self._alive(owner.owner_id):
+            if not self.aggregators.alive(owner.owner_id):
                 raise CallFailed("already dead")
             agg = self.aggregators[owner.owner_id]
             report = await self.client.call("POST", agg.url + ROUTES["finalize"], SliceReport,
@@ -279,7 +187,7 @@ class Backbone:
         reports, dead = {}, []
         for owner, result in zip(self.owners, results):
             if isinstance(result, CallFailed):
-                self.mark_dead(owner.owner_id, f"finalize failed: {result}")
+                self.aggregators.mark_dead(owner.owner_id, f"finalize failed: {result}")
                 dead.append(owner)
             elif isinstance(result, BaseException):
                 raise result
@@ -291,10 +199,7 @@ class Backbone:
         return self._published(step + 1, {o.owner_id: reports[o.owner_id].sha256 for o in self.owners}), grad_norm
 
     def _published(self, step: int, shas: dict[str, str]) -> Published:
-        manifest = ParamsManifest(step=step, num_params=self.num_params, plan_version=self.plan_version,
-                                  slices=[SliceVersion(aggregator_id=o.owner_id, url=o.url, start=o.start, end=o.end,
-                                                       sha256=shas[o.owner_id]) for o in self.owners])
-        return Published(step=step, sha256=hashlib.sha256(manifest.dumps()).hexdigest(), manifest=manifest)
+        return manifest_version(step, self.owners, shas, self.num_params, self.plan_version)
 
     # --- migrations -------------------------------------------------------------------------------
     async def migrate(self, step: int) -> tuple[Published | None, bool]:
@@ -306,7 +211,7 @@ class Backbone:
         plan, self.pending = self.pending, None
         if plan is None:
             return None, False
-        dead = [o for o in self.owners if not self._alive(o.owner_id)]
+        dead = [o for o in self.owners if not self.aggregators.alive(o.owner_id)]
         self.migrating = True
         try:
             try:
@@ -347,33 +252,14 @@ class Backbone:
                         self.aggregators[owner.owner_id].url + ROUTES["slice_state"], {"step": str(step)})
                     got_step = int(meta.get("step", -1))
                 except CallFailed as exc:
-                    self.mark_dead(owner.owner_id, f"state pull failed: {exc}")
+                    self.aggregators.mark_dead(owner.owner_id, f"state pull failed: {exc}")
                     dead.append(owner)
                     continue
             if got_step != step:
                 raise RuntimeError(f"owner {owner.owner_id} is at step {got_step}, expected {step}")
-        names = sorted({name for part in parts.values() for name in part} | set(self.copy.state if self.copy else ()))
-        state = {name: np.zeros(self.num_params, dtype=np.float32) for name in names if not name.startswith("opt_scalar.")}
-        for owner, part in parts.items():
-            for name, array in part.items():
-                if name.startswith("opt_scalar."):
-                    state[name] = array
-                else:
-                    state[name][owner.start:owner.end] = array
+        state = stitch(parts, self.num_params, self.copy)
         published = self.board.latest.manifest if self.board.latest else None
-        for owner in dead:
-            rng = (owner.start, owner.end)
-            want = next((s.sha256 for s in published.slices if (s.start, s.end) == rng), None) if published else None
-            if strict and not (self.copy and self.copy.holds(rng, step, want)):
-                raise NotReady(f"the relay's copy of [{owner.start}, {owner.end}) is not step {step}'s")
-            try:
-                params_step, opt_step = self.copy.fill(state, rng)
-            except (AttributeError, KeyError):
-                raise RuntimeError(f"slice [{owner.start}, {owner.end}) of dead aggregator {owner.owner_id} "
-                                   "has no copy") from None
-            log.warning("slice [%d, %d) of dead aggregator %s restored from the relay's copy: parameters of "
-                        "step %d, optimizer state of step %d (now step %d)", owner.start, owner.end, owner.owner_id,
-                        params_step, opt_step, step)
+        restore_dead(state, dead, self.copy, step, published, strict=strict)
         return state, bool(dead)
 
     async def _install(self, plan: Plan | None, step: int, state: dict[str, np.ndarray]) -> Published:
@@ -399,14 +285,7 @@ class Backbone:
         return self._published(step, shas)
 
     def _owners_for(self, plan: Plan | None) -> list[Owner]:
-        if plan is None:
-            return [Owner(RELAY_ID, RELAY_ID, "", 0, self.num_params, 1.0)]
-        out = []
-        for owner_id, start, end in plan.slices(self.num_params):
-            agg = self.aggregators.get(owner_id)
-            out.append(Owner(owner_id, agg.name if agg else RELAY_ID, agg.url if agg else "", start, end,
-                             plan.fractions[owner_id]))
-        return out
+        return owners_for(plan, self.num_params, self.aggregators)
 
     async def _assign(self, owners: list[Owner], version: str, step: int, state: dict[str, np.ndarray]) -> dict[str, str]:
         """New local owner from ``state``; remote owners pull theirs. Returns each slice's sha256."""
@@ -418,7 +297,7 @@ class Backbone:
                 report = await self.client.call("POST", agg.url + ROUTES["assign"], SliceReport, AssignRequest(
                     plan_version=version, step=step, start=owner.start, end=owner.end))
             except CallFailed as exc:
-                self.mark_dead(owner.owner_id, f"assign failed: {exc}")
+                self.aggregators.mark_dead(owner.owner_id, f"assign failed: {exc}")
                 raise
             if (report.step, report.start, report.end) != (step, owner.start, owner.end):
                 raise CallFailed(f"{agg.name} answered {report}")
@@ -458,7 +337,7 @@ class Backbone:
     async def _pull_copy(self, manifest: ParamsManifest) -> None:
         with_state = manifest.step % self.cfg.state_copy_every == 0
         urls = {s.aggregator_id: self.aggregators[s.aggregator_id].url for s in manifest.slices
-                if s.aggregator_id != RELAY_ID and self._alive(s.aggregator_id)}
+                if s.aggregator_id != RELAY_ID and self.aggregators.alive(s.aggregator_id)}
         await self.copy.pull(self.client, manifest, urls, with_state)
         if with_state:
             await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
@@ -477,7 +356,7 @@ class Backbone:
         for s in manifest.slices:
             self.owners.append(Owner(s.aggregator_id, s.aggregator_id[:8], s.url, s.start, s.end, 0.0))
             if s.aggregator_id != RELAY_ID:
-                self.aggregators[s.aggregator_id] = Aggregator(s.aggregator_id, s.aggregator_id[:8], s.url)
+                self.aggregators.add(Aggregator(s.aggregator_id, s.aggregator_id[:8], s.url))
         mine = next((o for o in self.owners if o.owner_id == RELAY_ID), None)
         old, self.local = self.local, None
         if mine is not None:
@@ -498,7 +377,3 @@ class Backbone:
         published = await self._install(None, step + 1 if from_copy else step, state)
         log.info("resumed step %d from the relay's slice and %d aggregator(s)", step, len(manifest.slices) - 1)
         return published, from_copy
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None

@@ -1,0 +1,251 @@
+"""The round lifecycle: when a round opens, when it closes, and what closing it produces.
+
+A round opens once the eligible peers' unsent samples reach the target batch -- but never while
+a plan change is pending or moving slices (:meth:`RoundCycle.maybe_open`); its expected set
+follows what peers report while it is open; it closes when every expected peer delivered, left
+or failed, at the adaptive deadline, or when nobody is left to wait for
+(:meth:`RoundCycle.maybe_finalize`). Closing applies the step -- on the relay's reducer thread
+(single relay) or by every slice owner (:meth:`relay_server.backbone.coordinator.Backbone.finalize`)
+--, commits it to the store and publishes the version. A rollback publishes a stored state the
+same way.
+
+Split from :mod:`.machine`, which admits peers and their gradients and calls in here whenever
+something a round waits on changes; this module owns the open round and the tasks that finalize
+it or move slices between rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from relay_server.backbone.coordinator import Backbone
+from relay_server.backbone.slicing import Published
+from relay_server.core.config import RelayConfig
+from relay_server.core.errors import ApiError
+from relay_server.observers.events import ObserverThread, StepEvent
+from relay_server.rounds.master import MasterState, lr_at
+from relay_server.rounds.membership import DeadlinePolicy, Round
+from relay_server.rounds.publisher import Publisher, Version
+from relay_server.rounds.reducer import Reducer
+from relay_server.rounds.registry import Peer, Registry
+from relay_server.rounds.store import RoundLog, Store
+from toolkit.wire.protocol import StatusReport
+
+log = logging.getLogger(__name__)
+
+
+class RoundCycle:
+    """The open round (``round``, None between rounds) and the steps rounds make."""
+
+    def __init__(self, config: RelayConfig, store: Store, backbone: Backbone, registry: Registry,
+                 observers: ObserverThread, status: Callable[[], StatusReport]) -> None:
+        self.config, self.store, self.backbone, self.registry = config, store, backbone, registry
+        self.observers, self.status = observers, status  # status: what a StepEvent carries
+        self.run_cfg = config.run
+        self.deadlines = DeadlinePolicy(config.rounds)
+        self.round: Round | None = None
+        self._finalizing: asyncio.Task | None = None
+        self._migration: asyncio.Task | None = None
+
+    @property
+    def step(self) -> int:
+        """The published version: the master's step counter moves on the reducer thread before
+        the new version is durable, so everything peers and observers see keys off the board."""
+        return self.backbone.board.latest.step
+
+    @property
+    def finished(self) -> bool:
+        return 0 < self.run_cfg.total_steps <= self.step
+
+    # The relay's own slice: the whole vector unless aggregators own parts of it.
+    @property
+    def master(self) -> MasterState:
+        return self.backbone.local.master
+
+    @property
+    def reducer(self) -> Reducer:
+        """The relay's own slice's reducer (an empty one while aggregators own every slice:
+        moderation excludes banned peers through it either way)."""
+        local = self.backbone.local
+        return local.reducer if local is not None else self.backbone.empty_reducer
+
+    @property
+    def publisher(self) -> Publisher:
+        return self.backbone.local.publisher
+
+    # --- opening, membership, closing -----------------------------------------------------------
+    def maybe_open(self) -> None:
+        if self.round is not None or self.finished or self._between_rounds_work():
+            return
+        eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
+        if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
+            return
+        self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
+                           deadline_s=self.deadlines.window_s(), plan_version=self.backbone.plan_version,
+                           slices=self.backbone.round_slices())
+        log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
+
+    def update_membership(self, peer: Peer) -> None:
+        """Keep the open round's expected set in line with what peers report. A peer reporting
+        eligible samples joins (its gradient would otherwise be wasted or a step late; the
+        deadline still bounds the wait); one reporting nothing to give is no longer waited for."""
+        r = self.round
+        if r is None or r.closed or peer.peer_id in r.received or peer.peer_id in r.partial:
+            return
+        if peer.samples > 0 and 0 <= r.step - peer.version <= self.run_cfg.max_staleness:
+            r.expected.add(peer.peer_id)
+        elif peer.samples == 0 and peer.peer_id not in r.uploading and peer.peer_id in r.expected:
+            r.drop(peer.peer_id)
+            self.maybe_finalize()
+
+    def drop(self, peer_id: str) -> None:
+        """A peer left or timed out: the open round no longer waits for it."""
+        if self.round is not None and not self.round.closed:
+            self.round.drop(peer_id)
+            self.maybe_finalize()
+
+    def maybe_finalize(self, now: float | None = None) -> None:
+        r = self.round
+        if r is None or r.closed:
+            return
+        now = time.monotonic() if now is None else now
+        if r.received and r.everyone_arrived():
+            reason = "all_arrived"
+        elif now >= r.deadline:
+            reason = "deadline"
+        elif not r.expected and not r.uploading:
+            reason = "peers_gone"
+        else:
+            return
+        r.closed, r.finalized_by = True, reason
+        self._finalizing = asyncio.get_running_loop().create_task(self._finalize(r))
+
+    async def _finalize(self, r: Round) -> None:
+        if not r.received:
+            log.warning("round %d closed (%s) with no complete gradient; collecting again", r.step, r.finalized_by)
+            if not r.slices:  # owners of a sliced round drop theirs when the next round id reaches them
+                await self.reducer.run(self.reducer.reset)  # drop any part-wise chunks of failed uploads
+            self.round = None
+            self.maybe_open()
+            return
+        outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=time.monotonic() - r.opened_at,
+                           deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0)
+        if r.slices:
+            published = await self._finalize_sliced(r, outcome)
+        else:
+            version = await self.reducer.run(self._apply, outcome)
+            self.publisher.publish(version)
+            self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
+            published = self.publish_local(version)
+        self.deadlines.observe(r)
+        self.round = None
+        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
+                 f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
+        self.maybe_open()
+        if self.observers.observers:
+            status = self.status()
+            path = published.version.path if published.version else None
+            self.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
+                                             state_path=path))
+
+    def publish_local(self, version: Version) -> Published:
+        """The relay's own version is the published one (single relay)."""
+        published = Published(step=version.step, sha256=version.sha256, version=version)
+        self.backbone.board.publish(published)
+        return published
+
+    async def _finalize_sliced(self, r: Round, outcome: RoundLog) -> Published:
+        """Every owner finalizes its slice (dead ones are recovered inside), then commit and publish."""
+        published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
+        outcome = dataclasses.replace(outcome, lr=lr_at(r.step, self.config.optimizer, self.run_cfg.total_steps),
+                                      grad_norm=grad_norm)
+        manifest = published.manifest.dumps().decode() if published.manifest else ""
+        await asyncio.to_thread(self.store.commit, published.step, published.sha256, outcome, {"manifest": manifest})
+        self.backbone.board.publish(published)
+        self.backbone.after_publish(published)
+        return published
+
+    # --- plan changes, between rounds ------------------------------------------------------------
+    def _between_rounds_work(self) -> bool:
+        """A plan change is pending or running: no round opens until the slices have moved."""
+        if self._migration is not None and not self._migration.done():
+            return True
+        if self.backbone.pending is None or self.round is not None or self._finalizing_now():
+            return False
+        self._migration = asyncio.get_running_loop().create_task(self._migrate())
+        return True
+
+    def _finalizing_now(self) -> bool:
+        """A round is being finalized (the finalize itself, opening the next round, does not count)."""
+        task = self._finalizing
+        return task is not None and not task.done() and task is not asyncio.current_task()
+
+    async def _migrate(self) -> None:
+        try:
+            published, new_version = await self.backbone.migrate(self.step)
+            if published is not None:
+                manifest = published.manifest.dumps().decode() if published.manifest else ""
+                record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0,
+                                  finalized_by="recovery", lr=0.0, grad_norm=0.0) if new_version else None
+                await asyncio.to_thread(self.store.commit, published.step, published.sha256, record,
+                                        {"manifest": manifest})
+                self.backbone.board.publish(published)
+                self.backbone.after_publish(published)
+        except Exception:
+            log.exception("moving slices failed; the relay keeps the current plan")
+        finally:
+            self._migration = None
+            self.maybe_open()
+
+    def _apply(self, outcome: RoundLog) -> Version:
+        """Reducer thread, after every add of the round: mean, optimizer step, persist, commit."""
+        self.reducer.finish_mean()
+        report = self.master.apply_gradient()
+        version = self.publisher.write(report.step, {"run": self.run_cfg.name})
+        self.store.commit(report.step, version.sha256,
+                          dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))
+        return version
+
+    # --- rollback ---------------------------------------------------------------------------------
+    async def rollback(self, to_step: int) -> int:
+        """Publish the stored state of version ``to_step`` (parameters and optimizer state) as the
+        next version, and return that version. Versions only move forward -- peers compare them --
+        so rolling back to k at version N publishes N + 1 holding k's state. An open round is
+        abandoned: its gradients were computed on the state being rolled back."""
+        if not self.backbone.single:
+            raise ApiError(409, "rollback_needs_single_relay", "aggregators own slices of the vector",
+                           "Stop the aggregators (their slices return to the relay), then roll back.")
+        if not self.store.state_path(to_step).exists():
+            kept = sorted(int(p.stem.split("-")[1]) for p in self.store.state_path(0).parent.glob("step-*.safetensors"))
+            raise ApiError(404, "no_checkpoint", f"no stored state for step {to_step}",
+                           f"Stored steps: {kept}. Keep more with server.keep_checkpoints, or start a new "
+                           "relay from a Hub checkpoint (hub.init_from).")
+        if self._finalizing is not None:
+            await self._finalizing  # a round that already closed is applied first
+        if self.round is not None:
+            self.round.closed, self.round.finalized_by = True, "rollback"
+            self.round = None
+        version = await self.reducer.run(self._apply_rollback, to_step)
+        self.publisher.publish(version)
+        self.publish_local(version)
+        log.warning("rolled back to the state of step %d, published as step %d", to_step, version.step)
+        self.maybe_open()
+        return version.step
+
+    def _apply_rollback(self, to_step: int) -> Version:
+        """Reducer thread: after every pending add, swap in the stored state and persist it."""
+        new_step = self.step + 1
+        self.publisher.load(to_step)
+        self.master.step = new_step
+        self.reducer.reset()
+        version = self.publisher.write(new_step, {"run": self.run_cfg.name, "rolled_back_to": str(to_step)},
+                                       delta=False)
+        self.store.commit(new_step, version.sha256, RoundLog(contributions={}, loss=None, duration_s=0.0,
+                                                             deadline_s=0.0, finalized_by="rollback", lr=0.0,
+                                                             grad_norm=0.0))
+        return version

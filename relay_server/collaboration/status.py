@@ -1,0 +1,87 @@
+"""What the collaboration reports about itself, built from its parts.
+
+The run a peer receives on joining (:func:`run_info_of`), the progress every heartbeat answers
+with (:func:`collab_state`), and the report behind ``GET /status``, the dashboard and the
+observers -- peers online, recent rounds, leaderboard, plan, configuration (:func:`status_report`).
+Kept out of the state machine (:mod:`.machine`) because none of it changes state: these are
+read-only views over the registry, the store and the open round, which the machine passes in.
+"""
+
+from __future__ import annotations
+
+import time
+
+from relay_server.core.config import RelayConfig, RunSection
+from relay_server.rounds.membership import Round
+from relay_server.rounds.registry import Registry
+from relay_server.rounds.store import Store
+from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, ParamSpec, PeerStatus,
+                                   PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
+
+
+def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str) -> RunInfo:
+    """What a joining peer needs to train with the others."""
+    return RunInfo(
+        run_name=config.run.name, protocol=PROTOCOL_VERSION,
+        model=config.model.spec(),
+        layout=layout, num_params=num_params, target_batch=config.run.target_batch,
+        total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
+        heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=compression, auth=config.auth.mode,
+        precision=config.run.precision or None, dataset=dict(config.dataset),
+        # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
+        wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {})
+
+
+def round_info(r: Round | None) -> RoundInfo | None:
+    """The open round as peers see it (None between rounds)."""
+    if r is None or r.closed:
+        return None
+    return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
+                     expected_peers=len(r.expected), received_peers=len(r.received),
+                     plan_version=r.plan_version, slices=r.slices)
+
+
+def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | None, finished: bool) -> CollabState:
+    collected = registry.collected(step, run_cfg.max_staleness)
+    rate = registry.samples_per_s()
+    remaining = max(0, run_cfg.target_batch - collected)
+    return CollabState(step=step, target_batch=run_cfg.target_batch,
+                       samples_accumulated=collected, samples_per_s=rate,
+                       eta_s=(remaining / rate) if rate > 0 else None,
+                       num_peers=len(registry.peers), round=round_info(r),
+                       finished=finished)
+
+
+def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
+    opt, run_cfg = config.optimizer, config.run
+    return RunSummary(model=config.model.label(), num_params=num_params, optimizer=opt.name,
+                      lr=opt.lr, schedule=opt.schedule, target_batch=run_cfg.target_batch,
+                      max_staleness=run_cfg.max_staleness, precision=run_cfg.precision or None,
+                      compression="none", auth_mode=config.auth.mode)
+
+
+def status_report(config: RelayConfig, store: Store, registry: Registry, state: CollabState, plan: PlanInfo,
+                  num_params: int, started: float) -> StatusReport:
+    """Everything the dashboard shows, ``state`` being the collaboration's progress just now."""
+    run_cfg, now = config.run, time.monotonic()
+    contributed = store.contributions()
+    online = registry.peers.values()
+    peers = [PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device=p.device_label,
+                        version=p.version, samples_per_s=p.samples_per_s,
+                        samples_contributed=contributed.get(p.peer_id, 0), last_seen_s=now - p.last_seen,
+                        online=True, precision=p.precision, first_contribution_s=p.first_contribution_s)
+             for p in online]
+    rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
+                          finalized_by=by, finalized_at=at, lr=lr, grad_norm=norm)
+              for s, c, n, loss, d, dl, by, at, lr, norm in store.recent_rounds()]
+    leaderboard = [LeaderboardEntry(username=u, samples=n, rounds=r,
+                                    peers_online=sum(p.username == u for p in online))
+                   for u, n, r in store.leaderboard()]
+    return StatusReport(run_name=run_cfg.name, step=state.step, total_steps=run_cfg.total_steps,
+                        finished=state.finished, target_batch=run_cfg.target_batch,
+                        num_params=num_params, samples_accumulated=state.samples_accumulated,
+                        samples_per_s=state.samples_per_s, eta_s=state.eta_s,
+                        loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
+                        recent_rounds=rounds, round=state.round, auth_mode=config.auth.mode,
+                        uptime_s=now - started, leaderboard=leaderboard, plan=plan,
+                        config=run_summary(config, num_params))
