@@ -136,6 +136,7 @@ def test_sent_bytes_count_once_the_receiver_acknowledged_them():
 def _backbone(tmp_path, numel: int = 100_000) -> Backbone:
     config = load_config(None, overrides={"auth": {"mode": "open"}, "run": {"target_batch": 64},
                                           "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": numel}},
+                                          "optimizer": {"clip_grad_norm": 0.0},  # global clipping: relay alone
                                           "aggregators": {"replan_interval_s": 5.0}})
     model = build_model(config.model.spec())
     layout = layout_of(model)

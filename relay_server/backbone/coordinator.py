@@ -48,6 +48,7 @@ from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.planning.planner import Plan
 from relay_server.planning.policy import RELAY_ID, Planning
+from relay_server.rounds.master import slice_boundaries
 from relay_server.rounds.publisher import Board
 from relay_server.rounds.reducer import Reducer, robust_config
 from relay_server.rounds.store import Store
@@ -64,6 +65,7 @@ class Backbone:
         self.config, self.store, self.layout, self.codec, self.run_info = config, store, layout, codec, run_info
         self.cfg = config.aggregators
         self.num_params = int(params.size)
+        self.boundaries = slice_boundaries(layout, config.optimizer)  # where the plan may cut (None: anywhere)
         self.planning = Planning(self.cfg, self.num_params, config.run.target_batch)
         self.local: SliceOwner | None = self._new_owner({"params": params}, 0, self.num_params, 0, RELAY_ONLY,
                                                         adopt=True)
@@ -161,8 +163,14 @@ class Backbone:
     def _moves_slices(self, plan: Plan) -> bool:
         current = {o.owner_id: o.fraction for o in self.owners}
         if set(plan.fractions) != set(current) or any(not self.aggregators.alive(o) for o in current):
-            return True
+            alive = all(self.aggregators.alive(o) for o in current)
+            # cuts snapped to tensor boundaries can leave an owner without a slice: same cuts, no move
+            return not (alive and self._cuts(self._owners_for(plan)) == self._cuts(self.owners))
         return max(abs(plan.fractions[k] - current[k]) for k in current) > self.cfg.min_share_change
+
+    @staticmethod
+    def _cuts(owners: list[Owner]) -> list[tuple[str, int, int]]:
+        return [(o.owner_id, o.start, o.end) for o in owners]
 
     # --- rounds -----------------------------------------------------------------------------------
     async def finalize(self, step: int, round_id: str) -> tuple[Published, float]:
@@ -285,7 +293,7 @@ class Backbone:
         return self._published(step, shas)
 
     def _owners_for(self, plan: Plan | None) -> list[Owner]:
-        return owners_for(plan, self.num_params, self.aggregators)
+        return owners_for(plan, self.num_params, self.aggregators, self.boundaries)
 
     async def _assign(self, owners: list[Owner], version: str, step: int, state: dict[str, np.ndarray]) -> dict[str, str]:
         """New local owner from ``state``; remote owners pull theirs. Returns each slice's sha256."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,12 +62,15 @@ class NotReady(Exception):
     """A migration cannot run now: a dead owner's slice has no copy of the published version."""
 
 
-def owners_for(plan: Plan | None, num_params: int, aggregators: Mapping[str, Aggregator]) -> list[Owner]:
-    """``plan``'s fractions cut contiguously (the relay alone when ``plan`` is None)."""
+def owners_for(plan: Plan | None, num_params: int, aggregators: Mapping[str, Aggregator],
+               boundaries: Sequence[int] | None = None) -> list[Owner]:
+    """``plan``'s fractions cut contiguously (the relay alone when ``plan`` is None), each cut on
+    one of ``boundaries`` when given (tensor boundaries, for an optimizer with per-tensor
+    quantities: :func:`relay_server.rounds.master.slice_boundaries`)."""
     if plan is None:
         return [Owner(RELAY_ID, RELAY_ID, "", 0, num_params, 1.0)]
     out = []
-    for owner_id, start, end in plan.slices(num_params):
+    for owner_id, start, end in plan.slices(num_params, boundaries):
         agg = aggregators.get(owner_id)
         out.append(Owner(owner_id, agg.name if agg else RELAY_ID, agg.url if agg else "", start, end,
                          plan.fractions[owner_id]))

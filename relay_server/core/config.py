@@ -77,7 +77,9 @@ class ModelSection:
 @dataclass(kw_only=True)
 class OptimizerSection:
     name: str = "adamw"
-    """One of "adamw", "adam", "sgd"; the relay applies it to the master parameters."""
+    """One of "adamw", "adam", "sgd", "lamb"; the relay applies it to the master parameters.
+    "lamb" (sahajBERT's): Adam moments with a per-tensor trust ratio (relay_server/rounds/lamb.py);
+    with aggregators the plan cuts the vector on tensor boundaries so every trust ratio is whole."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
@@ -86,8 +88,12 @@ class OptimizerSection:
     momentum: float = 0.0
     """SGD momentum."""
     eps: float = 1e-8
+    lamb_clamp: float = 10.0
+    """LAMB: the trust ratio's numerator is min(||w||, lamb_clamp) (0 = no clamp); torch_optimizer's
+    clamp_value (default 10; sahajBERT used 10000)."""
     clip_grad_norm: float = 0.0
-    """Clip the averaged gradient to this global norm before the step (0 = off)."""
+    """Clip the averaged gradient to this global norm before the step (0 = off). Relay alone only:
+    an aggregator, which steps its slice by itself, is refused while this is > 0."""
     schedule: str = "constant"
     """"constant", "linear" (warmup then linear decay to 0 at total_steps) or "cosine"."""
     warmup_steps: int = 0
@@ -279,7 +285,8 @@ class RelayConfig:
             (self.run.total_steps >= 0, "run.total_steps must be >= 0"),
             (0 <= self.run.max_staleness <= 8, "run.max_staleness must be in 0..8"),
             (self.run.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
-            (self.optimizer.name in ("adamw", "adam", "sgd"), "optimizer.name must be adamw, adam or sgd"),
+            (self.optimizer.name in ("adamw", "adam", "sgd", "lamb"), "optimizer.name must be adamw, adam, sgd or lamb"),
+            (self.optimizer.lamb_clamp >= 0, "optimizer.lamb_clamp must be >= 0 (0 = no clamp)"),
             (self.optimizer.schedule in ("constant", "linear", "cosine"), "optimizer.schedule must be constant, linear or cosine"),
             (self.optimizer.lr > 0, "optimizer.lr must be > 0"),
             (self.optimizer.state_bits in (8, 32), "optimizer.state_bits must be 8 or 32"),

@@ -32,20 +32,23 @@ class Plan:
     aggregators: tuple[str, ...] = field(default=())
     computing: tuple[str, ...] = field(default=())  # peers that send gradients and get parameters
 
-    def slices(self, num_params: int | None = None) -> list[tuple[str, int, int]]:
+    def slices(self, num_params: int | None = None,
+               boundaries: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
         """``(peer_id, start, end)`` half-open ranges covering ``[0, num_params)`` with no gaps;
         sizes from ``fractions`` by largest remainder (exact integer sum). Empty slices are
-        left out."""
+        left out. ``boundaries`` (ascending offsets, 0 and ``num_params`` among them: where the
+        model's tensors start and end): every cut moves to the nearest boundary, so each slice
+        holds whole tensors -- what an optimizer with per-tensor quantities (LAMB's trust ratio)
+        needs. A tensor bigger than a share goes whole to one owner; an owner keeps at least one
+        tensor while there are as many tensors as owners (else some get none)."""
         n = self.num_params if num_params is None else int(num_params)
         if n < 0:
             raise PlanError(f"num_params must be >= 0, got {n}")
         sizes = _apportion(n, [self.fractions[p] for p in self.aggregators])
-        out, start = [], 0
-        for peer_id, size in zip(self.aggregators, sizes):
-            if size:
-                out.append((peer_id, start, start + size))
-                start += size
-        return out
+        cuts = np.cumsum([0, *sizes]).tolist()
+        if boundaries is not None:
+            cuts = snap_cuts(cuts, boundaries)
+        return [(peer_id, a, b) for peer_id, a, b in zip(self.aggregators, cuts, cuts[1:]) if b > a]
 
     def to_dict(self) -> dict:
         """JSON-ready form for the API and the dashboard."""
@@ -107,6 +110,27 @@ def _version(prob: _Problem, steps: float, fractions: dict[str, float],
     }
     blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def snap_cuts(cuts: Sequence[int], boundaries: Sequence[int]) -> list[int]:
+    """``cuts`` (ascending, from 0 to the total) each moved to the nearest of ``boundaries``
+    (ties to the lower), in order, leaving every later owner a boundary of its own when there
+    are enough of them. The first and last cut stay."""
+    bounds = sorted(set(int(b) for b in boundaries))
+    if not cuts or bounds[0] != cuts[0] or bounds[-1] != cuts[-1]:
+        raise PlanError(f"tensor boundaries {bounds[:1]}..{bounds[-1:]} do not span the cuts {cuts[:1]}..{cuts[-1:]}")
+    k, last = len(cuts) - 1, len(bounds) - 1  # owners; index of the final boundary
+    out, at = [cuts[0]], 0
+    for i, cut in enumerate(cuts[1:-1], start=1):
+        hi = max(last - (k - i), at)  # leave k - i boundaries after this one
+        lo = min(at + 1, hi)
+        j = int(np.searchsorted(bounds, cut))  # bounds[j - 1] < cut <= bounds[j]
+        best = min(range(max(lo, j - 1), min(hi, j) + 1) or [min(max(j, lo), hi)],
+                   key=lambda x: (abs(bounds[x] - cut), x))
+        at = best
+        out.append(bounds[at])
+    out.append(cuts[-1])
+    return out
 
 
 def _apportion(total: int, shares: Sequence[float]) -> list[int]:

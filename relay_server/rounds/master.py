@@ -6,6 +6,11 @@ under the LP plan -- is just the views that intersect it. The averaged gradient 
 straight into ``grad`` (P,), whose views are the parameters' ``.grad``: no copies at step time.
 
 Weight decay applies to matrices and embeddings (ndim >= 2), not to biases and norms.
+
+Per-tensor quantities need whole tensors: LAMB's trust ratio (:mod:`.lamb`) is refused on a slice
+that cuts a tensor (the plan's cuts fall on tensor boundaries, :meth:`Plan.slices`), and
+``clip_grad_norm`` on any proper slice (a slice's norm is not the global norm; an aggregator is
+refused at registration instead of clipping wrongly).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 import torch
 
 from relay_server.core.config import OptimizerSection
+from relay_server.core.typed import ConfigError
 from toolkit.wire.protocol import ParamSpec
 
 
@@ -65,6 +71,7 @@ class MasterState:
         # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
         self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
         self.grad = torch.zeros_like(self.flat)
+        _check_slice(layout, self.start, self.end, cfg)
         decay, no_decay = [], []
         for spec in layout:
             lo, hi = max(spec.offset, self.start), min(spec.offset + math.prod(spec.shape), self.end)
@@ -160,6 +167,34 @@ class MasterState:
         self.step = step
 
 
+def tensor_boundaries(layout: list[ParamSpec]) -> list[int]:
+    """Every offset where a tensor starts or ends, ``0`` and ``P`` included, ascending."""
+    ends = {spec.offset + math.prod(spec.shape) for spec in layout}
+    return sorted({0} | {spec.offset for spec in layout} | ends)
+
+
+def slice_boundaries(layout: list[ParamSpec], cfg: OptimizerSection) -> list[int] | None:
+    """Where the plan may cut the vector for this optimizer (:meth:`Plan.slices`): tensor
+    boundaries for LAMB, whose trust ratio is per tensor; anywhere (None) for the elementwise
+    ones (adamw, adam, sgd), which keep element-exact shares -- a one-tensor model still slices."""
+    return tensor_boundaries(layout) if cfg.name == "lamb" else None
+
+
+def _check_slice(layout: list[ParamSpec], start: int, end: int, cfg: OptimizerSection) -> None:
+    total = max((spec.offset + math.prod(spec.shape) for spec in layout), default=end)
+    if (start, end) == (0, total):
+        return
+    if cfg.clip_grad_norm > 0:
+        raise ConfigError(f"optimizer.clip_grad_norm = {cfg.clip_grad_norm} clips by the global gradient norm, which "
+                          f"a slice [{start}, {end}) of the vector does not know: set optimizer.clip_grad_norm = 0 "
+                          "to run with aggregators, or run the relay alone")
+    if cfg.name == "lamb":
+        bounds = set(tensor_boundaries(layout))
+        if start not in bounds or end not in bounds:
+            raise ConfigError(f"optimizer.name = 'lamb' needs slices on tensor boundaries; [{start}, {end}) cuts a "
+                              "tensor (its trust ratio is per tensor)")
+
+
 def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Optimizer:
     if cfg.state_bits == 8:
         from relay_server.rounds.optim8bit import make_adamw8bit  # bitsandbytes only where asked for
@@ -168,6 +203,10 @@ def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Op
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
+    if cfg.name == "lamb":
+        from relay_server.rounds.lamb import Lamb
+
+        return Lamb(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, clamp=cfg.lamb_clamp)
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)

@@ -1,0 +1,214 @@
+"""LAMB on the relay: the optimizer against a plain per-tensor reference, and the same K steps
+whether the relay holds the whole vector or the plan slices it among the relay and two
+aggregators (in-process owners fed the same averaged gradients; milliseconds).
+
+The model's tensors have different sizes, so the plan's raw cuts fall inside tensors: the
+slicing the relay installs snaps them to tensor boundaries, and without that the trust ratios
+of the cut tensors (one per piece) would differ from the whole vector's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from relay_server.backbone.coordinator import RELAY_ID, Backbone
+from relay_server.core.config import OptimizerSection, load_config
+from relay_server.core.errors import ApiError
+from relay_server.core.typed import ConfigError
+from relay_server.planning.plan import Plan
+from relay_server.rounds import master as master_mod
+from relay_server.rounds.lamb import Lamb
+from relay_server.rounds.master import MasterState, flatten, layout_of, tensor_boundaries
+from relay_server.rounds.store import Store
+from relay_server.backbone.state_transfer import cut
+from toolkit.models import build_model
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, ModelSpec, RunInfo
+
+K = 6
+SIZES = [6, 20, 12, 3]  # tensors of 120, 20, 240, 12, 36 and 3 elements
+LAMB = dict(name="lamb", lr=0.02, weight_decay=0.01, betas=[0.9, 0.99], eps=1e-6, lamb_clamp=10.0,
+            schedule="linear", warmup_steps=2)
+
+
+def reference_lamb(weights, grads_per_step, lrs, decays, *, betas, eps, clamp):
+    """LAMB as the paper writes it, one tensor at a time, in float64."""
+    b1, b2 = betas
+    w = [x.double().clone() for x in weights]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lrs), start=1):
+        for i, (g, wd) in enumerate(zip(grads, decays)):
+            g = g.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            r = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+            u = r + wd * w[i]
+            w_norm = float(w[i].norm())
+            if clamp > 0:
+                w_norm = min(w_norm, clamp)
+            u_norm = float(u.norm())
+            trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+            w[i] = w[i] - lr * trust * u
+    return w
+
+
+@pytest.mark.parametrize("dtype,clamp", [(torch.float64, 10.0), (torch.float32, 10.0), (torch.float32, 0.0)])
+def test_lamb_matches_a_straightforward_reference(dtype, clamp):
+    """Random tensors, some decayed and some not, one starting at zero (||w|| = 0: trust 1), one
+    with zero weight and gradient (||update|| = 0: trust 1), big ones past the clamp."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (4, 3), (3,), (30, 20), (40,), (9, 11)]
+    decays = [0.05, 0.0, 0.05, 0.0, 0.05, 0.0, 0.05]
+    weights = [torch.randn(s, generator=gen, dtype=torch.float64) * 0.5 for s in shapes]
+    weights[2].zero_()
+    weights[3].zero_()
+    weights[4] *= 4  # ||w|| ~ 50, past the clamp of 10
+    grads_per_step = []
+    for _ in range(K):
+        grads = [torch.randn(s, generator=gen, dtype=torch.float64) * (i + 1) for i, s in enumerate(shapes)]
+        grads[3].zero_()
+        grads_per_step.append(grads)
+    lrs = [0.01, 0.03, 0.02, 0.02, 0.005, 0.01]
+    params = [torch.nn.Parameter(w.clone().to(dtype)) for w in weights]
+    groups = [{"params": [p], "weight_decay": wd} for p, wd in zip(params, decays)]
+    opt = Lamb(groups, lr=1.0, betas=(0.9, 0.99), eps=1e-6, clamp=clamp)
+    for grads, lr in zip(grads_per_step, lrs):
+        for p, g in zip(params, grads):
+            p.grad = g.to(dtype)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    expected = reference_lamb(weights, grads_per_step, lrs, decays, betas=(0.9, 0.99), eps=1e-6, clamp=clamp)
+    for p, want in zip(params, expected):
+        diff = float((p.detach().double() - want).abs().max())
+        assert diff <= 1e-6 * max(1.0, float(want.abs().max())), diff
+    torch.testing.assert_close(params[3].detach().double(), expected[3])  # never moved
+    assert float(params[2].detach().norm()) > 0  # moved off zero with trust 1
+
+
+def _model():
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": SIZES}))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layout_of(model), flatten(model)
+
+
+def _grads(n: int, layout) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(K):
+        g = rng.standard_normal(n).astype(np.float32)
+        for i, spec in enumerate(layout):  # tensors on different scales, as in a real network
+            g[spec.offset:spec.offset + math.prod(spec.shape)] *= 10.0 ** (i % 3 - 1)
+        out.append(g)
+    return out
+
+
+def _train(layout, params, cfg, cuts, grads, *, moved_to=None) -> np.ndarray:
+    """Owners of ``cuts`` (start..end offsets) stepping on the same mean gradients; with
+    ``moved_to``, the state moves to that slicing half-way (as a migration does)."""
+    owners = [MasterState(layout, params, cfg, total_steps=K, start=a, end=b) for a, b in zip(cuts, cuts[1:])]
+    for k, g in enumerate(grads):
+        if moved_to is not None and k == K // 2:
+            parts = [o.export_state() for o in owners]
+            state = {name: np.concatenate([p[name] for p in parts]) if v.ndim else v for name, v in parts[0].items()}
+            owners = [MasterState(layout, cut(state, a, b)["params"], cfg, K, step=k, start=a, end=b)
+                      for a, b in zip(moved_to, moved_to[1:])]
+            for o, (a, b) in zip(owners, zip(moved_to, moved_to[1:])):
+                o.import_state(cut(state, a, b), step=k)
+        for o in owners:
+            o.grad.copy_(torch.from_numpy(g[o.start:o.end]))
+            o.apply_gradient()
+    return np.concatenate([o.flat.numpy() for o in owners])
+
+
+def _backbone(tmp_path, optimizer: dict) -> Backbone:
+    config = load_config(None, overrides={"auth": {"mode": "open"}, "run": {"target_batch": 64, "total_steps": K},
+                                          "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": SIZES}},
+                                          "optimizer": {"clip_grad_norm": 0.0, **optimizer}})
+    layout, params = _model()
+    run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
+                  layout=layout, num_params=params.size, target_batch=64, total_steps=K, max_staleness=1,
+                  heartbeat_interval_s=1.0)
+    return Backbone(config, Store(tmp_path / "data"), layout, get_codec("none"), params, run)
+
+
+def _plan(n: int, fractions: dict[str, float]) -> Plan:
+    return Plan(steps_per_s=1.0, fractions=fractions, computes={}, version="v1", num_params=n,
+                predicted_round_s=1.0, aggregators=tuple(fractions))
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_relay_alone_and_relay_with_two_aggregators_take_the_same_lamb_steps(tmp_path, monkeypatch):
+    layout, params = _model()
+    n = params.size
+    bounds = tensor_boundaries(layout)
+    backbone = _backbone(tmp_path, LAMB)
+    cfg = backbone.config.optimizer
+    try:
+        plan = _plan(n, {RELAY_ID: 0.3, "agg-a": 0.45, "agg-b": 0.25})
+        raw = [0] + [end for _, _, end in plan.slices(n)]
+        assert not set(raw[1:-1]) & set(bounds), raw  # the LP's shares alone would cut tensors
+        owners = backbone._owners_for(plan)  # what the relay installs: snapped
+        cuts = [0] + [o.end for o in owners]
+        assert len(owners) == 3 and set(cuts) <= set(bounds), cuts
+        assert [o.owner_id for o in owners] == [RELAY_ID, "agg-a", "agg-b"]
+        grads = _grads(n, layout)
+
+        alone = _train(layout, params, cfg, [0, n], grads)
+        sliced = _train(layout, params, cfg, cuts, grads)
+        assert _rel(sliced, alone) <= 1e-5
+        assert _rel(alone, params) > 1e-2  # the steps did move the parameters
+        other = [0] + [o.end for o in backbone._owners_for(_plan(n, {RELAY_ID: 0.6, "agg-a": 0.2, "agg-b": 0.2}))]
+        assert other != cuts
+        assert _rel(_train(layout, params, cfg, cuts, grads, moved_to=other), alone) <= 1e-5  # a migration
+
+        # Without snapping: the slices refuse to cut a tensor, and stepping the pieces anyway
+        # (each with its own trust ratio) is not the whole vector's LAMB.
+        with pytest.raises(ConfigError, match="tensor boundaries"):
+            MasterState(layout, params, cfg, K, start=raw[1], end=raw[2])
+        monkeypatch.setattr(master_mod, "_check_slice", lambda *args: None)
+        assert _rel(_train(layout, params, cfg, raw, grads), alone) > 1e-3
+    finally:
+        backbone.close()
+
+
+def test_elementwise_optimizers_keep_exact_shares_and_clipping_stays_with_the_relay(tmp_path):
+    """adamw has no per-tensor quantity: its cuts stay where the LP put them. Global-norm clipping
+    is: a slice refuses it, and so does aggregator registration (the relay alone still clips)."""
+    layout, params = _model()
+    n = params.size
+    backbone = _backbone(tmp_path, {"name": "adamw"})
+    try:
+        plan = _plan(n, {RELAY_ID: 0.3, "agg-a": 0.45, "agg-b": 0.25})
+        assert [(o.start, o.end) for o in backbone._owners_for(plan)] == [(a, b) for _, a, b in plan.slices(n)]
+    finally:
+        backbone.close()
+    clipped = OptimizerSection(**{**LAMB, "clip_grad_norm": 1.0})
+    MasterState(layout, params, clipped, K)  # the whole vector clips by its own, global, norm
+    with pytest.raises(ConfigError, match="clip_grad_norm"):
+        MasterState(layout, params, clipped, K, start=0, end=120)
+    backbone = _backbone(tmp_path / "clip", {"clip_grad_norm": 1.0})
+    try:
+        with pytest.raises(ApiError) as refused:
+            backbone.register(AggregatorRegistration(name="a", url="http://a:1", protocol=PROTOCOL_VERSION))
+        assert refused.value.code == "clip_needs_whole_vector"
+    finally:
+        backbone.close()
+
+
+def test_lamb_config_is_validated():
+    with pytest.raises(ConfigError, match="lamb_clamp"):
+        load_config(None, overrides={"optimizer": {"name": "lamb", "lamb_clamp": -1.0}})
+    with pytest.raises(ConfigError, match="state_bits = 8"):
+        load_config(None, overrides={"optimizer": {"name": "lamb", "state_bits": 8}})
+    assert load_config(None, overrides={"optimizer": {"name": "lamb"}}).optimizer.name == "lamb"
