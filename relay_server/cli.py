@@ -4,6 +4,7 @@
     relay-server aggregator --coordinator https://relay.example --port 8751 \
         --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
+    relay-server tokenizer train --config run.toml --vocab-size 8000   # the run's tokenizer.json
     relay-server export --config run.toml --data-dir relay-data --out ckpt   # a loadable checkpoint
 """
 
@@ -64,6 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--step", type=int, help="version to export (default: the latest)")
     export.add_argument("--verbose", "-v", action="store_true")
 
+    tok = sub.add_parser("tokenizer", help="the run's tokenizer").add_subparsers(dest="action", required=True)
+    train = tok.add_parser("train", help="train a tokenizer.json on the run's dataset text")
+    train.add_argument("--config", help="run configuration (TOML); default: the embedded demo run")
+    train.add_argument("--vocab-size", type=int, default=8000, help="vocabulary size (default 8000)")
+    train.add_argument("--out", help="where to write it (default: [tokenizer] file, else tokenizer.json "
+                       "next to the config)")
+    train.add_argument("--model", choices=("wordpiece", "bpe", "unigram"), default="wordpiece")
+    train.add_argument("--lowercase", action="store_true")
+    train.add_argument("--max-texts", type=int, help="train on at most this many documents")
+    train.add_argument("--verbose", "-v", action="store_true")
+
     from relay_server.api.moderation import add_admin_parser, run_admin
 
     add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "aggregator":
             return _aggregator(args)
+        if args.command == "tokenizer":
+            return _train_tokenizer(args)
         if args.command == "export":
             from pathlib import Path
 
@@ -106,6 +120,23 @@ def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=overrides)
     logging.getLogger("relay_server").setLevel(logging.INFO)
     asyncio.run(serve(config, ready_file=args.ready_file))
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from relay_server.data.tokenizer_train import train_for_run
+
+    config = load_config(args.config, run_data=False)  # the tokenizer it names may not exist yet
+    base = Path(args.config).parent if args.config else Path.cwd()
+    out = Path(args.out) if args.out else base / (config.tokenizer.file or "tokenizer.json")
+    if args.vocab_size <= 5:
+        raise ConfigError("--vocab-size must leave room beyond the 5 special tokens")
+    tok = train_for_run(config, str(out), vocab_size=args.vocab_size, model=args.model, lowercase=args.lowercase,
+                        max_texts=args.max_texts)
+    print(f"wrote {out}: {tok.get_vocab_size()} tokens ({args.model}); name it in the run's config as "
+          f'[tokenizer] file = "{out.name}"')
     return 0
 
 

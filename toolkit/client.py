@@ -169,6 +169,16 @@ class RelayClient:
     def get_run(self) -> RunInfo:
         return self._call("GET", ROUTES["run"], RunInfo)
 
+    def get_tokenizer(self, expected_sha256: str) -> bytes:
+        """The run's ``tokenizer.json``, refused unless its sha256 is the one RunInfo publishes."""
+        body = self._request("GET", ROUTES["tokenizer"]).content
+        got = hashlib.sha256(body).hexdigest()
+        if got != expected_sha256:
+            raise ProtocolError("tokenizer_mismatch", f"the relay's tokenizer.json has sha256 {got[:12]}..., the run "
+                                f"publishes {expected_sha256[:12] or '(none)'}...", "The relay's tokenizer changed "
+                                "under the run (or a proxy altered it): ask the organizer, then join again.")
+        return body
+
     def get_status(self) -> StatusReport:
         return self._call("GET", ROUTES["status"], StatusReport)
 

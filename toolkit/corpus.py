@@ -6,6 +6,7 @@ coordination; runs configured with real datasets use :mod:`toolkit.data` instead
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from functools import lru_cache
 from importlib import resources
@@ -28,3 +29,20 @@ def demo_batches(batch_size: int, seq_len: int, seed: int) -> Iterator[torch.Ten
     while True:
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size, 1), generator=generator)
         yield data[starts + offsets].long()
+
+
+@lru_cache(maxsize=1)
+def demo_paragraphs() -> tuple[str, ...]:
+    """The shipped text's paragraphs (blank-line separated): the documents of a tokenized run."""
+    text = resources.files("toolkit").joinpath("assets/demo_corpus.txt").read_text(encoding="utf-8")
+    return tuple(p.strip() for p in text.split("\n\n") if p.strip())
+
+
+def demo_texts(seed: int | str, epochs: int | None = None) -> Iterator[str]:
+    """The paragraphs, each epoch in an order of its own seeded by ``(seed, epoch)``; endless by default."""
+    epoch = 0
+    while epochs is None or epoch < epochs:
+        order = list(demo_paragraphs())
+        random.Random(f"{seed}/{epoch}").shuffle(order)
+        yield from order
+        epoch += 1

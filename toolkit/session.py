@@ -26,7 +26,7 @@ import torch
 
 from toolkit.runtime import environment
 from toolkit.client import RelayClient
-from toolkit.data import batches_for_run, shard_sources_for_run
+from toolkit.data.pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import AuthError, CollabError
 from toolkit.models import build_model, check_trusted, loss_of
@@ -69,7 +69,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     ``token`` is the volunteer's Hugging Face token (:func:`toolkit.notebook.hints.hf_token` finds it);
     open runs ignore it, and it is never logged. ``model`` must expose ``loss(batch) -> scalar``
     (the run's model is built if omitted); ``data`` yields batches for it (the run's dataset if
-    omitted: its streamed shards, or the demo text the toolkit ships). ``panel`` is "auto",
+    omitted: its streamed shards, or the demo text the toolkit ships, tokenized with the run's
+    tokenizer into its ``[objective]``'s dict batches on a background thread when it names one). ``panel`` is "auto",
     "widgets", "tqdm", "none" or your own :class:`~toolkit.notebook.panel.Panel`. ``wandb_project``
     ("project" or "entity/project") starts this peer's own W&B run (default: the project the run
     names, if any). ``delayed_updates`` (default: on when the run allows one step of staleness)
@@ -79,6 +80,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     with ExitStack() as cleanup:
         client, run = _connect(relay_url, token)
         cleanup.callback(client.close)
+        if data is None:
+            check_run_data(run)  # a transformers run with nothing to tokenize its text: refused before joining
         info = environment.detect()
         policy = choose_precision(info, run.precision)  # PrecisionUnsupported before we join
         device = environment.device(info)
@@ -102,10 +105,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         tracker = open_wandb_run(target, name=name, group=run.run_name,
                                  config=_wandb_config(run, info, policy.name, batch_size, opt.peer_id))
         cleanup.callback(tracker.close)
-        seq_len = int(run.model.kwargs.get("seq_len", 64))
-        batches: Iterator[torch.Tensor] = iter(data) if data is not None else batches_for_run(
-            run.dataset, batch_size=batch_size, seq_len=seq_len, seed=seed if seed is not None else opt.peer_id,
-            shard_source=shard_sources_for_run(run.dataset, client, opt.peer_id))
+        batches: Iterator[Any] = iter(data) if data is not None else peer_batches(
+            run, client, opt.peer_id, batch_size=batch_size, seed=seed if seed is not None else opt.peer_id)
         close_batches = getattr(batches, "close", None)
         if close_batches is not None:
             cleanup.callback(close_batches)  # a streaming source reports and releases the shards it holds

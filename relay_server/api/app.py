@@ -20,7 +20,7 @@ from aiohttp import web
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
-from relay_server.api import shards as shards_api
+from relay_server.api import shards as shards_api, tokenizer as tokenizer_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -207,6 +207,7 @@ ROUTE_TABLE = [
     ("GET", "/", get_index),
     ("GET", "/favicon.ico", get_favicon),
     *shards_api.ROUTES,
+    *tokenizer_api.ROUTES,
 ]
 
 
@@ -246,6 +247,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
         app.router.add_static("/static", str(static_dir))
     app.cleanup_ctx.append(_lifespan)
     app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
+    app.cleanup_ctx.append(tokenizer_api.lifespan)  # the run's tokenizer sha256 and objective into RunInfo
     return app
 
 

@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.typed import ConfigError, apply_env, build_section, set_setting
 from toolkit.wire.protocol import ModelSpec
 
@@ -278,6 +279,10 @@ class RelayConfig:
     aggregators: AggregatorsSection = field(default_factory=AggregatorsSection)
     dataset: dict[str, Any] = field(default_factory=dict)
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    objective: dict[str, Any] = field(default_factory=dict)
+    """What peers train on: name = "masked-lm" | "causal-lm" | "classification", seq_len, ... (see
+    toolkit.data.objectives.ObjectiveConfig); empty = the byte-level stream."""
 
     def validate(self) -> "RelayConfig":
         checks = [
@@ -339,8 +344,9 @@ class RelayConfig:
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
-                overrides: dict[str, dict[str, Any]] | None = None) -> RelayConfig:
-    """Read ``path`` (TOML; None = the embedded demo default), apply env then explicit overrides."""
+                overrides: dict[str, dict[str, Any]] | None = None, run_data: bool = True) -> RelayConfig:
+    """Read ``path`` (TOML; None = the embedded demo default), apply env then explicit overrides.
+    ``run_data=False`` skips reading the tokenizer (``relay-server tokenizer train`` writes it)."""
     if path is None:
         text = resources.files("relay_server").joinpath("defaults/demo.toml").read_text()
     else:
@@ -359,6 +365,8 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             set_setting(config, section, key, value)
     if config.model.config_file:
         config.model.config = _read_model_config(config.model, Path(path).parent if path is not None else Path.cwd())
+    if run_data:
+        resolve_run_data(config, Path(path).parent if path is not None else Path.cwd())
     return config.validate()
 
 

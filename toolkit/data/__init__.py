@@ -15,6 +15,9 @@ DeDLOC section 3.3 / Appendix I.4, with one change of seam (DESIGN.md s8):
   Wikipedia / 0.77 OSCAR); **tokenization** on the fly by a user callable ``text -> list[int]``,
   then **packing** into ``[batch, seq_len + 1]`` LongTensor batches (:mod:`.stages`).
 * The run's ``[dataset]`` section, typed (:mod:`.config`), and the assembled stream (:mod:`.stream`).
+* The run's ``[objective]`` (:mod:`.objectives`): its tokenizer, packing into ``seq_len`` blocks,
+  masked-LM / causal-LM / classification dict batches; a peer's pipeline (:mod:`.pipeline`) runs
+  it on a worker thread (:mod:`.background`).
 
 ``datasets`` reads ``HF_DATASETS_OFFLINE`` once, when it is first imported: set it before
 anything imports ``datasets`` (it is imported lazily here, on the first shard read).
@@ -24,7 +27,9 @@ anything imports ``datasets`` (it is imported lazily here, on the first shard re
                               shard_source=shard_sources_for_run(run.dataset, client, peer_id))
 """
 
+from toolkit.data.background import Background
 from toolkit.data.config import DEFAULT_SHUFFLE_BUFFER, DatasetSpec, StreamConfig
+from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches, tokenizer_sha256
 from toolkit.data.reading import check_offline_env, infer_format, read_shard
 from toolkit.data.shards import (LocalShardOrder, RelayShardSource, ShardLeaseClient, ShardSource,
                                  relay_shard_sources, shard_sources_for_run)
@@ -33,7 +38,8 @@ from toolkit.data.stream import ShardSourceFactory, batches_for_run, stream_batc
 from toolkit.errors import DataConfigError, DataSourceError
 
 __all__ = [
-    "BYTE_EOS", "DEFAULT_SHUFFLE_BUFFER", "DataConfigError", "DataSourceError", "DatasetSpec", "LocalShardOrder",
+    "BYTE_EOS", "Background", "DEFAULT_SHUFFLE_BUFFER", "ObjectiveConfig", "load_tokenizer", "objective_batches",
+    "tokenizer_sha256", "DataConfigError", "DataSourceError", "DatasetSpec", "LocalShardOrder",
     "RelayShardSource", "ShardLeaseClient", "ShardSource", "ShardSourceFactory", "StreamConfig", "Tokenizer",
     "batches_for_run", "byte_tokenize", "check_offline_env", "infer_format", "mix", "pack", "read_shard",
     "relay_shard_sources", "shard_sources_for_run", "shuffle_buffer", "stream_batches", "stream_texts",

@@ -37,6 +37,8 @@ class DatasetSpec:
     """A Hub dataset repo "org/name": ``data_files`` are paths inside it."""
     revision: str | None = None
     """A branch, tag or commit of ``repo``; pin one so every peer reads the same files."""
+    label_column: str | None = None
+    """Rows become ``(text, label)`` (set from ``[objective] label_column`` for classification)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], index: int = 0) -> "DatasetSpec":

@@ -68,8 +68,9 @@ def _is_remote(shard: str) -> bool:
 
 
 def read_shard(shard: str, *, format: str | None = None, text_column: str = "text",
-               cache_dir: str | None = None, batch_rows: int = 256) -> Iterator[str]:
-    """The texts of one shard, streamed (nothing is downloaded ahead of need)."""
+               cache_dir: str | None = None, batch_rows: int = 256, label_column: str | None = None) -> Iterator[Any]:
+    """The texts of one shard, streamed (nothing is downloaded ahead of need); ``(text, label)``
+    rows when ``label_column`` is set."""
     datasets = _datasets_module()
     if datasets.config.HF_HUB_OFFLINE and _is_remote(shard):
         raise DataSourceError("offline", f"shard {shard!r} is remote but HF_DATASETS_OFFLINE is set",
@@ -77,10 +78,11 @@ def read_shard(shard: str, *, format: str | None = None, text_column: str = "tex
     fmt = format or infer_format(shard)
     ds = datasets.load_dataset(fmt, data_files=[shard], split="train", streaming=True, cache_dir=cache_dir)
     for batch in ds.iter(batch_size=batch_rows):
-        if text_column not in batch:
-            raise DataConfigError("bad_column", f"shard {shard!r} has no column {text_column!r} "
-                                  f"(columns: {sorted(batch)})", "Set text_column to the column that holds the text.")
-        yield from batch[text_column]
+        for column in (text_column, label_column):
+            if column is not None and column not in batch:
+                raise DataConfigError("bad_column", f"shard {shard!r} has no column {column!r} (columns: "
+                                      f"{sorted(batch)})", "Set text_column (label_column) to the column that holds it.")
+        yield from zip(batch[text_column], batch[label_column]) if label_column else batch[text_column]
 
 
 @dataclass(eq=False)
@@ -111,7 +113,8 @@ class _ShardStream:
             self.held.append(lease)
             try:
                 for text in read_shard(shard, format=self.spec.format, text_column=self.spec.text_column,
-                                       cache_dir=self.config.cache_dir, batch_rows=self.config.read_batch_rows):
+                                       cache_dir=self.config.cache_dir, batch_rows=self.config.read_batch_rows,
+                                       label_column=self.spec.label_column):
                     lease.read += 1
                     yield lease, text
                 lease.complete, failures = True, 0

@@ -25,6 +25,7 @@ ROUTES = {
     "state": "/api/state",
     "login": "/api/auth/login",
     "refresh": "/api/auth/refresh",
+    "tokenizer": "/api/tokenizer",
     # shard leases (.shards)
     "shard_lease": "/api/peers/{peer_id}/shards/lease",
     "shard_report": "/api/peers/{peer_id}/shards/report",

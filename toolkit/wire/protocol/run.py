@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.wire.protocol.routes import _NAME, _NONNEG
+from toolkit.wire.protocol.routes import _HEX64, _NAME, _NONNEG
 from toolkit.wire.schema import Schema, limits
 
 
@@ -58,3 +58,7 @@ class RunInfo(Schema):
     dataset: dict[str, Any] = field(default_factory=dict)
     wandb: dict[str, str] = field(default_factory=dict)
     """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""
+    tokenizer_sha256: str = field(default="", metadata=_HEX64)
+    """sha256 of the run's ``tokenizer.json`` (``GET /api/tokenizer``); empty: the run has none."""
+    objective: dict[str, Any] = field(default_factory=dict)
+    """The run's ``[objective]`` (:class:`toolkit.data.objectives.ObjectiveConfig`); empty: none."""
