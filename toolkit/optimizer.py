@@ -41,6 +41,7 @@ import torch
 
 from toolkit.accumulator import Accumulator, Upload
 from toolkit.client import RelayClient
+from toolkit.optim_base import CollabOptimizerBase
 from toolkit.transfer import slice_part
 from toolkit.worker import PeerWorker, shutdown
 from toolkit.wire.compression import get_codec
@@ -51,7 +52,6 @@ from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, H
 log = logging.getLogger(__name__)
 
 _NOT_RECEIVED = ("round_closed", "rate_limited")  # refusals before any byte of the gradient was used
-
 
 
 @dataclass
@@ -68,7 +68,7 @@ class _Outcome:
     fate: str = ""
 
 
-class CollaborativeOptimizer(torch.optim.Optimizer):
+class CollaborativeOptimizer(CollabOptimizerBase):
     def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
                  client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
                  device_info: dict[str, Any] | None = None, precision: str | None = None,
@@ -90,7 +90,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
             raise ValueError("pass relay_url or client")
         self.model = model
         self._named = list(model.named_parameters())
-        super().__init__([p for _, p in self._named], defaults={})
+        super().__init__(p for _, p in self._named)  # param_groups' lr: the relay's (toolkit.optim_base)
         if verbose:
             logging.getLogger("toolkit").setLevel(logging.INFO)
         self.client = client or RelayClient(relay_url)  # type: ignore[arg-type]
@@ -118,9 +118,7 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
         self.samples_per_s = 0.0
         self.last_error: CollabError | None = None
         self.finished = False
-        # Not ``state``: that is torch.optim.Optimizer's per-parameter state, which Trainer,
-        # Accelerate and Lightning read and checkpoint through state_dict().
-        self.collab_state: CollabState = joined.state
+        self.collab_state = joined.state
         self.last_report_at = 0.0
         self._last_step_end: float | None = None
         self._last_round_id = ""  # the round this peer last uploaded to
@@ -140,25 +138,28 @@ class CollaborativeOptimizer(torch.optim.Optimizer):
              loss: float | torch.Tensor | None = None, skip: bool = False) -> Any:
         """Add this micro-batch's gradients to the local accumulator; take part in a round if due.
 
-        A micro-batch whose gradients are not finite, or that the caller marks ``skip`` (the fp16
-        loss scaler overflowed and zeroed them), is left out: only this peer's contribution is
-        lost, the collaboration never sees it. Rounds still proceed.
+        Without ``loss``/``batch_size``, those noted since the last step (:meth:`note_loss`), else the
+        closure's loss. A micro-batch whose gradients are not finite, or that the caller marks ``skip``
+        (the fp16 loss scaler overflowed), is left out: only this peer's contribution is lost.
         """
+        explicit = loss
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         started = time.monotonic()
+        noted_loss, noted_n = self._take_notes()
+        value = next((float(v) for v in (explicit, noted_loss, loss) if v is not None), None)
         self._finish_pending()
         if self.finished:
             return loss
-        n = batch_size or self.batch_size_per_step
+        n = batch_size or noted_n or self.batch_size_per_step
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
         if skip:
             log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
         elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
             log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
         else:
-            self.accumulator.add(grads, n, float(loss) if loss is not None else None, self.version)
+            self.accumulator.add(grads, n, value, self.version)
             self._update_speed(n, started)
         self._sync()
         self._last_step_end = time.monotonic()

@@ -142,7 +142,8 @@ class Collaboration:
         return self.rounds.finished
 
     def state(self) -> CollabState:
-        return collab_state(self.registry, self.run_cfg, self.step, self.rounds.round, self.finished)
+        return collab_state(self.registry, self.run_cfg, self.step, self.rounds.round, self.finished,
+                            self.config.optimizer)
 
     # --- registry -----------------------------------------------------------------------------
     def join(self, req: JoinRequest, username: str) -> JoinResponse:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 
-from relay_server.core.config import RelayConfig, RunSection
+from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
+from relay_server.rounds.master import lr_at
 from relay_server.rounds.membership import Round
 from relay_server.rounds.registry import Registry
 from relay_server.rounds.store import Store
@@ -41,7 +42,10 @@ def round_info(r: Round | None) -> RoundInfo | None:
                      plan_version=r.plan_version, slices=r.slices)
 
 
-def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | None, finished: bool) -> CollabState:
+def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | None, finished: bool,
+                 optimizer: OptimizerSection | None = None) -> CollabState:
+    """Progress as peers see it; with ``optimizer``, the lr of the next update (peers show it in
+    their optimizer's ``param_groups``)."""
     collected = registry.collected(step, run_cfg.max_staleness)
     rate = registry.samples_per_s()
     remaining = max(0, run_cfg.target_batch - collected)
@@ -49,7 +53,8 @@ def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | 
                        samples_accumulated=collected, samples_per_s=rate,
                        eta_s=(remaining / rate) if rate > 0 else None,
                        num_peers=len(registry.peers), round=round_info(r),
-                       finished=finished)
+                       finished=finished,
+                       lr=lr_at(step, optimizer, run_cfg.total_steps) if optimizer is not None else None)
 
 
 def run_summary(config: RelayConfig, num_params: int) -> RunSummary:

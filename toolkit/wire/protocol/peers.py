@@ -26,6 +26,8 @@ class CollabState(Schema):
     num_peers: int = field(metadata=_NONNEG)
     round: RoundInfo | None
     finished: bool = False
+    lr: float | None = field(default=None, metadata=_NONNEG)
+    """The learning rate of the next update (the run's schedule at ``step``); None from an older relay."""
 
 
 @dataclass(frozen=True, kw_only=True)
