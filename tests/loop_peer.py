@@ -156,6 +156,15 @@ def main() -> int:
     opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
                                  report_interval_s=0.05)
     losses: list[float] = []
+    uploads: list[tuple[int, float]] = []  # (samples, loss_sum) of every gradient this peer sent
+    take = opt.accumulator.take
+
+    def recording_take(*a, **kw):
+        meta, grad = take(*a, **kw)
+        uploads.append((meta.samples, meta.loss_sum))
+        return meta, grad
+
+    opt.accumulator.take = recording_take
     lrs: set[float] = {opt.param_groups[0]["lr"]}
 
     def note(loss: float | None) -> None:
@@ -173,7 +182,7 @@ def main() -> int:
         opt.close()
     with open(args.result, "w") as out:
         json.dump({"loop": args.loop, "contributed_samples": opt.contributed_samples, "version": opt.version,
-                   "finished": opt.finished, "losses": losses, "lrs": sorted(lrs),
+                   "finished": opt.finished, "losses": losses, "lrs": sorted(lrs), "uploads": uploads,
                    "last_error": str(opt.last_error) if opt.last_error else None}, out)
     return 0
 

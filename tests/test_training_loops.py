@@ -118,6 +118,8 @@ def test_four_loops_train_one_run_together(start_relay, tmp_path):
         assert result["finished"] and result["contributed_samples"] > 0, (loop, result, log)
         assert credited.get(loop, 0) > 0, (loop, credited)  # the relay applied and credited its samples
         assert result["losses"] and 0.01 in result["lrs"], (loop, result["lrs"])  # the relay's lr in param_groups
+        # Every gradient it sent carried its micro-batches' real loss (about 2 to 4.2 on this data), not 0.
+        assert result["uploads"] and all(n > 0 and s / n > 1.0 for n, s in result["uploads"]), (loop, result["uploads"])
     rounds = sorted(relay.status()["recent_rounds"], key=lambda r: r["step"])
     losses = [r["loss"] for r in rounds if r["loss"] is not None]
     assert len(losses) >= steps - 2 and all(loss > 0 for loss in losses), rounds  # the charted loss is real
