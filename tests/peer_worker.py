@@ -1,5 +1,7 @@
-"""A real peer process for integration tests: trains the MLP on deterministic data with the
-real CollaborativeOptimizer and logs, as JSON lines, which samples went into which round."""
+"""A real peer process for integration tests: trains the run's model with the real
+CollaborativeOptimizer and logs, as JSON lines, which samples went into which round: rows of a
+deterministic MLP dataset, or, for a run with an [objective], rows of the batches the run's own
+input pipeline made (kept in ``<events>.batches.pt`` so a test can replay them)."""
 
 from __future__ import annotations
 
@@ -26,37 +28,13 @@ def make_dataset(n: int = DATASET_SIZE, in_dim: int = IN_DIM) -> torch.Tensor:
     return torch.cat([x, y[:, None]], dim=1)
 
 
-MLM_SEQ_LEN, MLM_MASKED, MASK_ID = 16, 3, 4
-
-
-def make_mlm_dataset(vocab_size: int, n: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels) [n, MLM_SEQ_LEN] for masked-LM tests, identical in every process.
-
-    Every row masks exactly MLM_MASKED tokens: a transformers MLM loss is a mean over the batch's
-    masked tokens, so only with equal counts per row is the relay's sample-weighted average of
-    micro-batch gradients the same as one process's mean over the global batch."""
-    g = torch.Generator().manual_seed(4321)
-    ids = torch.randint(5, vocab_size, (n, MLM_SEQ_LEN), generator=g)
-    labels = torch.full_like(ids, -100)
-    where = torch.argsort(torch.rand(n, MLM_SEQ_LEN, generator=g), dim=1)[:, :MLM_MASKED]
-    labels.scatter_(1, where, ids.gather(1, where))
-    return ids.scatter(1, where, MASK_ID), labels
-
-
-def batch_for(run_model, ids: list[int], data) -> object:
-    """The batch of rows ``ids``: MLP rows, or a masked-LM dict for transformers runs."""
-    if run_model.kind == "transformers":
-        inputs, labels = data
-        return {"input_ids": inputs[ids], "attention_mask": torch.ones_like(inputs[ids]), "labels": labels[ids]}
-    return data[ids]
-
-
 def params_sha(model: torch.nn.Module) -> str:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
 def main() -> int:
+    from toolkit.data.pipeline import peer_batches
     from toolkit.models import build_model, loss_of
     from toolkit.optimizer import CollaborativeOptimizer
     from toolkit.client import RelayClient
@@ -90,9 +68,8 @@ def main() -> int:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
     model = build_model(run.model)
-    data = make_mlm_dataset(run.model.config["vocab_size"]) if run.model.kind == "transformers" else make_dataset()
-    order = torch.randperm(len(data[0]) if isinstance(data, tuple) else len(data),
-                           generator=torch.Generator().manual_seed(args.seed))
+    data = make_dataset()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))
     # Pay the first step's lazy imports (torch._dynamo through torch.optim: seconds when cold) before
     # joining, so peers that wait for each other (--wait-peers) then compute at their real pace.
     warm = torch.nn.Parameter(torch.zeros(1))
@@ -115,14 +92,25 @@ def main() -> int:
         time.sleep(0.05)
     while args.wait_aggregators and sum(a.alive for a in client.get_status().plan.aggregators) < args.wait_aggregators:
         time.sleep(0.05)
-    pending: list[int] = []
+    pending: list = []
     cursor, version = 0, opt.version
+    # A run with an [objective]: the run's own input pipeline (its tokenizer, packing, masking),
+    # every batch kept so the test can replay the rows each round received.
+    pipeline = peer_batches(run, client, opt.peer_id, batch_size=args.batch_size, seed=args.seed) \
+        if run.objective else None
+    kept: list[dict] = []
     try:
         while opt.version < args.steps and not opt.finished:
-            ids = [int(i) for i in order[cursor:cursor + args.batch_size]]
-            cursor = (cursor + args.batch_size) % (len(order) - args.batch_size)
+            if pipeline is not None:
+                batch = next(pipeline)
+                ids = [f"{args.name}/{len(kept)}/{r}" for r in range(len(batch["input_ids"]))]
+                kept.append(batch)
+            else:
+                ids = [int(i) for i in order[cursor:cursor + args.batch_size]]
+                cursor = (cursor + args.batch_size) % (len(order) - args.batch_size)
+                batch = data[ids]
             time.sleep(args.sleep_per_batch)
-            loss = loss_of(model, batch_for(run.model, ids, data))
+            loss = loss_of(model, batch)
             opt.zero_grad()
             loss.backward()
             before = opt.contributed_samples
@@ -142,6 +130,9 @@ def main() -> int:
         pass
     finally:
         opt.close()
+        if pipeline is not None:
+            pipeline.close()
+            torch.save(kept, args.events + ".batches.pt")
     emit(event="done", step=opt.version, sha=params_sha(model))
     return 0
 

@@ -1,33 +1,36 @@
 """A transformers run through a real relay equals one process on the same global batches.
 
-Tiny ALBERT (shared layers, tied MLM decoder) built from its config on the relay and on three
-peer processes with different micro-batch sizes; masked-LM batches as dicts; the relay applies
-the run's optimizer. The reference trains one copy of the same architecture in this process on
-exactly the rows each round received, with the same optimizer and parameter groups.
+The sahajBERT recipe in miniature: a tokenizer trained on the shipped text (``relay-server
+tokenizer train``), a tiny ALBERT (shared layers, tied MLM decoder) built from its config on the
+relay and on three peer processes with different micro-batch sizes, the run's own input pipeline
+(packing, fixed-count masking) on each peer, LAMB on the relay. The reference trains one copy of
+the same architecture in this process on exactly the rows each round received, with the same
+optimizer and parameter groups. Then the relay's version, exported, loads with
+``AutoModelForMaskedLM.from_pretrained`` and gives the relay's logits.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from relay_server.rounds.master import flatten
-from tests.peer_worker import batch_for, make_mlm_dataset
 from tests.test_collaboration import load_flat, relay_params, rounds_from_events
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
 
-ALBERT_TINY = {"model_type": "albert", "vocab_size": 64, "embedding_size": 16, "hidden_size": 32,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-               "max_position_embeddings": 32, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-               "classifier_dropout_prob": 0.0}
+ALBERT_TINY = {"model_type": "albert", "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32,
+               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout_prob": 0.0}
+VOCAB = 200
+SEQ_LEN = 24
 
 
-def reference_optimizer(name: str, model: torch.nn.Module, cfg: dict) -> torch.optim.Optimizer:
+def reference_optimizer(model: torch.nn.Module, cfg: dict) -> torch.optim.Optimizer:
     """The relay's parameter groups (decay on tensors with ndim >= 2) and optimizer, in-process."""
     from relay_server.core.config import OptimizerSection
     from relay_server.rounds.master import _make_optimizer
@@ -38,14 +41,36 @@ def reference_optimizer(name: str, model: torch.nn.Module, cfg: dict) -> torch.o
     return _make_optimizer(groups, OptimizerSection(**cfg))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw"])
-def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, tmp_path, optimizer: str) -> None:
+def train_tokenizer(tmp_path: Path) -> Path:
+    """``relay-server tokenizer train`` on the demo corpus the toolkit ships."""
+    config = tmp_path / "tok.toml"
+    out = tmp_path / "tokenizer.json"
+    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
+                           "--vocab-size", str(VOCAB), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def rows_of(peers, ids: list[str]) -> dict[str, torch.Tensor]:
+    """The rows ``name/batch/row`` the peers trained on, from the batches each one kept."""
+    kept = {p.name: torch.load(str(p.events_path) + ".batches.pt") for p in peers}
+    picked = [(kept[n][int(b)], int(r)) for n, b, r in (i.split("/") for i in ids)]
+    return {key: torch.stack([batch[key][r] for batch, r in picked]) for key in picked[0][0]}
+
+
+def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_process(start_relay, launch_peer,
+                                                                                  tmp_path: Path) -> None:
     steps = 3
-    opt_cfg = {"name": optimizer, "lr": 0.005, "weight_decay": 0.01, "betas": [0.9, 0.99], "clip_grad_norm": 0.0,
+    opt_cfg = {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "betas": [0.9, 0.99], "clip_grad_norm": 0.0,
                "schedule": "constant"}
+    tokenizer = train_tokenizer(tmp_path)
+    config = {**ALBERT_TINY, "vocab_size": VOCAB}
     relay = start_relay({"run": {"target_batch": 36},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
-                                   "config": ALBERT_TINY},
+                         "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": config},
+                         "tokenizer": {"file": str(tokenizer)},
+                         "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
+                         "dataset": {"kind": "demo_corpus"},
                          "optimizer": opt_cfg})
     _, initial = relay_params(relay.url)
     peers = [launch_peer(relay.url, f"p{i}", seed=20 + i, batch_size=b, steps=steps, extra=("--wait-peers", "3"))
@@ -57,14 +82,15 @@ def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, tmp_
     assert sorted(rounds) == list(range(steps))
     assert len({p.name for p in peers if any(e["event"] == "round" for e in p.events())}) >= 2
 
-    spec = ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM", config=ALBERT_TINY)
+    spec = ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM", config=config)
     model = build_model(spec)
     load_flat(model, initial)
-    data = make_mlm_dataset(ALBERT_TINY["vocab_size"])
-    opt = reference_optimizer(optimizer, model, opt_cfg)
+    opt = reference_optimizer(model, opt_cfg)
     for step in range(steps):
+        batch = rows_of(peers, rounds[step])
+        assert ((batch["labels"] != -100).sum(dim=1) == round(0.15 * (SEQ_LEN - 2))).all()  # fixed-count masking
         opt.zero_grad()
-        loss_of(model, batch_for(spec, rounds[step], data)).backward()
+        loss_of(model, batch).backward()
         opt.step()
     reference = flatten(model)
     relative = np.linalg.norm(final - reference) / np.linalg.norm(reference)
@@ -78,14 +104,14 @@ def test_albert_mlm_three_peers_equal_one_process(start_relay, launch_peer, tmp_
                            "--data-dir", str(relay.data_dir), "--out", str(out)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    from transformers import AutoModelForMaskedLM
+    from transformers import AutoModelForMaskedLM, PreTrainedTokenizerFast
 
     loaded = AutoModelForMaskedLM.from_pretrained(out).eval()
     load_flat(model, final)
     model.eval()
-    inputs = batch_for(spec, list(range(8)), data)
+    inputs = rows_of(peers, rounds[0][:8])["input_ids"]
     with torch.no_grad():
-        expected = model(input_ids=inputs["input_ids"]).logits
-        got = loaded(input_ids=inputs["input_ids"]).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+        torch.testing.assert_close(loaded(input_ids=inputs).logits, model(input_ids=inputs).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in out.iterdir()}
+    assert PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).vocab_size == VOCAB

@@ -45,10 +45,9 @@ def config_json(config: RelayConfig) -> str | None:
 
 
 def tokenizer_files(config: RelayConfig) -> dict[str, Path]:
-    """The run's tokenizer files to ship beside the weights (none if the run names none)."""
-    section = getattr(config, "tokenizer", None)
-    path = getattr(section, "path", "") if section is not None else ""
-    return {"tokenizer.json": Path(path)} if path and Path(path).is_file() else {}
+    """The run's tokenizer files to ship beside the weights (none if the run names none).
+    ``load_config`` made ``tokenizer.file`` absolute and checked its sha256."""
+    return {"tokenizer.json": Path(config.tokenizer.file)} if config.tokenizer.file else {}
 
 
 def write_pretrained(config: RelayConfig, tensors: dict[str, torch.Tensor], out_dir: Path,

@@ -10,6 +10,13 @@
   ``masked-lm`` masks ``mlm_probability`` of the tokens (whole words with ``whole_word_masking``)
   and replaces 80% of them with [MASK], 10% with a random token, keeps 10%; labels are -100
   everywhere else, and special tokens are never masked; the generator is seeded per peer.
+  ``mlm_count = "fixed"`` (the default, as BERT's and ALBERT's own data pipelines) predicts
+  exactly ``round(mlm_probability * (seq_len - 2))`` tokens in every full block; "bernoulli"
+  draws each token independently (transformers' collator). Why fixed: a transformers MLM loss is
+  a mean over the batch's predicted tokens, while the relay weights each micro-batch by its
+  samples; with the same count in every row the two agree, so the collaboration computes exactly
+  the gradient one process would on the global batch. Bernoulli counts (and whole words) vary by
+  row, and the average is then the per-row mean instead, a slightly different weighting.
   ``causal-lm``: labels = input_ids (the model shifts them), -100 on padding.
   ``classification``: one (text, label) row per sequence, truncated/padded to ``seq_len``.
 """
@@ -48,6 +55,8 @@ class ObjectiveConfig:
     """masked-lm: the fraction of (non-special) tokens that are predicted."""
     whole_word_masking: bool = False
     """masked-lm: mask every token of a chosen word (word boundaries from the pre-tokenizer)."""
+    mlm_count: str = "fixed"
+    """masked-lm: "fixed" (the same number of predictions in every full block) or "bernoulli"."""
     column: str = ""
     """The text column; empty = each dataset's ``text_column``."""
     label_column: str = "label"
@@ -69,6 +78,9 @@ class ObjectiveConfig:
             raise DataConfigError("bad_objective", f"objective.seq_len must be an integer >= 4, got {config.seq_len!r}")
         if not isinstance(config.mlm_probability, (int, float)) or not 0 < config.mlm_probability < 1:
             raise DataConfigError("bad_objective", "objective.mlm_probability must be in (0, 1)")
+        if config.mlm_count not in ("fixed", "bernoulli"):
+            raise DataConfigError("bad_objective", f"objective.mlm_count must be fixed or bernoulli, got "
+                                  f"{config.mlm_count!r}")
         if not isinstance(config.whole_word_masking, bool):
             raise DataConfigError("bad_objective", "objective.whole_word_masking must be true or false")
         return config
@@ -162,16 +174,22 @@ def _stack(blocks: list[tuple[list[int], list[bool]]], seq_len: int, pad: int) -
 
 
 def mask_tokens(input_ids: torch.Tensor, special: torch.Tensor, *, probability: float, mask_id: int,
-                random_ids: torch.Tensor, generator: torch.Generator,
-                word_starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                random_ids: torch.Tensor, generator: torch.Generator, word_starts: torch.Tensor | None = None,
+                count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT's masking: (masked inputs, labels). ``special`` marks positions never masked;
-    ``word_starts`` (whole-word masking) marks the first token of each word."""
+    ``word_starts`` (whole-word masking) marks the first token of each word; ``count`` predicts
+    exactly that many tokens per row (fewer where a row has fewer maskable tokens) instead of
+    drawing each with ``probability``."""
     draw = torch.rand(input_ids.shape, generator=generator)
     if word_starts is not None:  # every token takes its word's draw
         pos = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         first = torch.where(word_starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
         draw = draw.gather(1, first)
-    masked = (draw < probability) & ~special
+    if count is not None and word_starts is None:
+        ranked = draw.masked_fill(special, 2.0).argsort(dim=1)[:, :count]  # the `count` lowest draws
+        masked = torch.zeros_like(special).scatter_(1, ranked, True) & ~special
+    else:
+        masked = (draw < probability) & ~special
     labels = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     how = torch.rand(input_ids.shape, generator=generator)
     inputs = input_ids.clone()
@@ -179,6 +197,13 @@ def mask_tokens(input_ids: torch.Tensor, special: torch.Tensor, *, probability: 
     swap = masked & (how >= 0.8) & (how < 0.9)
     inputs[swap] = random_ids[torch.randint(len(random_ids), (int(swap.sum()),), generator=generator)]
     return inputs, labels
+
+
+def mlm_count(objective: ObjectiveConfig) -> int | None:
+    """Predictions per full masked-LM block under ``mlm_count = "fixed"`` (None: Bernoulli)."""
+    if objective.mlm_count != "fixed" or objective.whole_word_masking:
+        return None
+    return max(1, round(objective.mlm_probability * (objective.seq_len - 2)))
 
 
 def objective_batches(texts: Iterable[Any], tokenizer: Any, objective: ObjectiveConfig, *, batch_size: int,
@@ -209,7 +234,8 @@ def objective_batches(texts: Iterable[Any], tokenizer: Any, objective: Objective
             special = torch.isin(input_ids, special_ids) | (attention == 0)
             input_ids, labels = mask_tokens(input_ids, special, probability=objective.mlm_probability,
                                             mask_id=mask_id, random_ids=random_ids, generator=generator,
-                                            word_starts=starts if objective.whole_word_masking else None)
+                                            word_starts=starts if objective.whole_word_masking else None,
+                                            count=mlm_count(objective))
         yield {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
