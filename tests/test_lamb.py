@@ -206,9 +206,63 @@ def test_elementwise_optimizers_keep_exact_shares_and_clipping_stays_with_the_re
         backbone.close()
 
 
+def test_cuts_snap_to_the_nearest_tensor_boundary():
+    from relay_server.planning.plan import snap_cuts
+
+    bounds = [0, 120, 140, 380, 392, 428, 431]
+    assert snap_cuts([0, 129, 323, 431], bounds) == [0, 120, 380, 431]  # nearest, ties to the lower
+    assert snap_cuts([0, 130, 431], bounds) == [0, 120, 431]
+    assert snap_cuts([0, 10, 20, 431], bounds) == [0, 120, 140, 431]  # every owner keeps a tensor
+    assert snap_cuts([0, 430, 431, 431], bounds) == [0, 392, 428, 431]  # ...from either end
+    assert snap_cuts([0, 30, 60, 100], [0, 100]) == [0, 0, 0, 100]  # one tensor: one owner takes it whole
+
+
 def test_lamb_config_is_validated():
     with pytest.raises(ConfigError, match="lamb_clamp"):
         load_config(None, overrides={"optimizer": {"name": "lamb", "lamb_clamp": -1.0}})
     with pytest.raises(ConfigError, match="state_bits = 8"):
         load_config(None, overrides={"optimizer": {"name": "lamb", "state_bits": 8}})
     assert load_config(None, overrides={"optimizer": {"name": "lamb"}}).optimizer.name == "lamb"
+
+
+def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_aggregators, launch_peer):
+    """Real processes: relay + 2 aggregators + 3 peers under LAMB. The installed slices hold
+    whole tensors, and the published versions are the relay-alone LAMB steps (one MasterState
+    over the whole vector) on the same global batches."""
+    from tests.peer_worker import make_dataset
+    from tests.test_aggregators import FAST_AGGREGATORS, sliced_plan, stored_params
+    from tests.test_collaboration import MODEL_KWARGS, load_flat, relay_params, rounds_from_events
+
+    lamb = {**LAMB, "schedule": "constant", "warmup_steps": 0}
+    relay = start_relay({"optimizer": lamb, "run": {"target_batch": 36}, "aggregators": FAST_AGGREGATORS})
+    _, initial = relay_params(relay.url)
+    aggregators = start_aggregators(relay, "agg0", "agg1", wait=False)
+    peers = [launch_peer(relay.url, f"p{i}", seed=20 + i, batch_size=b, steps=10_000,
+                         extra=("--wait-peers", "3", "--wait-aggregators", "2", "--sleep-per-batch", "0.02"))
+             for i, b in enumerate((4, 6, 8))]
+    for agg in aggregators:
+        agg.wait_registered()
+    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == 3, timeout_s=90,
+                               what="a plan slicing the vector 3 ways")["step"]
+    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 3 and s["step"] >= sliced_at + 3, timeout_s=60,
+                            what="three steps sliced 3 ways")
+    for peer in peers:
+        peer.proc.terminate()
+        assert peer.wait() == 0, peer.log_path.read_text()[-3000:]
+    model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs=MODEL_KWARGS))
+    layout = layout_of(model)
+    bounds = set(tensor_boundaries(layout))
+    assert {c for s in sliced_plan(status) for c in (s["start"], s["end"])} <= bounds, sliced_plan(status)
+
+    step = status["step"]
+    published = stored_params(step, [relay.data_dir, *(a.data_dir for a in aggregators)], initial.size)
+    data, rounds = make_dataset(), rounds_from_events(peers)
+    alone = MasterState(layout, initial, OptimizerSection(**{**lamb, "clip_grad_norm": 0.0}), total_steps=0)
+    for k in range(step):
+        load_flat(model, alone.flat.numpy())
+        model.zero_grad()
+        model.loss(data[rounds[k]]).backward()
+        alone.grad.copy_(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        alone.apply_gradient()
+    assert _rel(published, alone.flat.numpy()) <= 1e-5
+    assert _rel(published, initial) > 1e-3  # it did train

@@ -143,7 +143,8 @@ class MasterState:
                 if name.startswith("opt."):
                     values[name[4:]] = torch.from_numpy(np.array(array[at:at + p.numel()], dtype=np.float32))
                 elif name.startswith("opt_scalar."):
-                    values[name[11:]] = torch.tensor(float(array), dtype=torch.float32)
+                    # one value; () as exported, (1,) once it crossed the wire (containers are flat)
+                    values[name[11:]] = torch.tensor(float(np.asarray(array).reshape(-1)[0]), dtype=torch.float32)
             if values:
                 self.optimizer.state[p] = values
         self.step = step
