@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=0)
     demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
                       help="codec for gradients and parameters on the wire (default none)")
+    demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny"), default="byte-lm",
+                      help="byte-lm: the byte-level demo model; albert-tiny: the sahajBERT recipe in miniature "
+                      "(tokenizer trained on the shipped text, ALBERT masked-LM, LAMB)")
     demo.add_argument("--verbose", "-v", action="store_true")
 
     export = sub.add_parser("export", help="write a version of the run as a folder users load (transformers runs: "
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
                         batch_size=args.batch_size, data_dir=args.data_dir, port=args.port,
-                        compression=args.compression)
+                        compression=args.compression, recipe=args.recipe)
     except ConfigError as exc:
         print(f"relay-server: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
 """``relay-server demo``: a whole collaboration on this machine, to see it work in a minute.
 
 A relay (in this process, on 127.0.0.1, state in a temporary directory) and N peer processes
-(``python -m toolkit.peer``, one CPU thread each) train the byte-level demo model on the text the
-toolkit ships. One line per optimizer step; the last line is a JSON summary.
+(``python -m toolkit.peer``, one CPU thread each) train on the text the toolkit ships. Recipes:
+``byte-lm`` (default: the byte-level transformer of ``defaults/demo.toml``) and ``albert-tiny``
+(``defaults/albert-tiny.toml``: the sahajBERT recipe in miniature; its WordPiece tokenizer is
+trained on the shipped text first, as ``relay-server tokenizer train`` would). One line per
+optimizer step; the last line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from relay_server.core.config import load_config
+from importlib import resources
+
+from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.api.server import serve
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
@@ -60,16 +65,37 @@ class RelayThread:
         self._thread.join(timeout=30)
 
 
+RECIPES = ("byte-lm", "albert-tiny")
+
+
+def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
+    """The demo run's configuration (training the recipe's tokenizer into ``directory`` first)."""
+    if recipe == "byte-lm":
+        return load_config(None, overrides=overrides)
+    if recipe != "albert-tiny":
+        raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}")
+    from relay_server.data.tokenizer_train import train_for_run
+
+    path = resources.files("relay_server").joinpath("defaults/albert-tiny.toml")
+    with resources.as_file(path) as toml:
+        config = load_config(toml, overrides=overrides, run_data=False)
+        tokenizer = directory / "tokenizer.json"
+        train_for_run(config, str(tokenizer), vocab_size=int(config.model.config["vocab_size"]))
+        return load_config(toml, overrides={**overrides, "tokenizer": {"file": str(tokenizer)}})
+
+
 def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
-             data_dir: str | None = None, port: int = 0, compression: str = "none") -> int:
+             data_dir: str | None = None, port: int = 0, compression: str = "none", recipe: str = "byte-lm") -> int:
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
     directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
-    config = load_config(None, overrides={
+    directory.mkdir(parents=True, exist_ok=True)
+    config = recipe_config(recipe, directory, {
         "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
         "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression}})
     relay = RelayThread(config)
     url = relay.start()
     print(f"relay:     {url}   (status JSON: {url}/api/status, dashboard: {url}/)", flush=True)
+    print(f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}", flush=True)
     print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
           f"{steps} steps, compression {compression}", flush=True)
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",

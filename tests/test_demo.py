@@ -58,3 +58,30 @@ def test_int8_compression_trains_as_well_as_float32() -> None:
     print(f"\nmean loss of the last 10 steps: float32 {tail['none']:.4f}, int8 {tail['int8']:.4f}, gap {gap:.2%}")
     assert tail["none"] < 4.0, "float32 did not train"
     assert gap <= 0.02
+
+
+def test_albert_tiny_recipe_trains_a_tokenizer_and_a_masked_lm() -> None:
+    """``--recipe albert-tiny``: the sahajBERT recipe in miniature runs end to end and learns."""
+    proc = start_demo("--recipe", "albert-tiny", "--peers", "2", "--steps", "8", "--target-batch", "16",
+                      "--batch-size", "4")
+    losses, summary = finish(proc, timeout_s=300)
+    assert summary["steps"] == 8 and sorted(losses) == list(range(1, 9))
+    assert all(math.isfinite(v) and v > 0 for v in losses.values())
+    assert summary["last_loss"] < summary["first_loss"]  # ln(2000) = 7.6 at init
+
+
+def test_the_sahajbert_recipe_is_albert_large_with_lamb() -> None:
+    """The shipped recipe loads (its tokenizer is the organizer's first command) and builds
+    ALBERT-large: ~18M parameters with shared layers and a 32k vocabulary."""
+    import torch
+
+    from relay_server.core.config import load_config
+    from toolkit.models import build_model
+
+    config = load_config(REPO / "relay_server/defaults/sahajbert.toml", run_data=False)
+    assert (config.optimizer.name, config.run.target_batch, config.objective["name"]) == ("lamb", 4096, "masked-lm")
+    with torch.device("meta"):
+        model = build_model(config.model.spec())
+    params = sum(p.numel() for p in model.parameters())
+    assert 17e6 < params < 19e6, params
+    assert [s["probability"] for s in config.dataset["sources"]] == [0.23, 0.77]
