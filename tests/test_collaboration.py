@@ -48,6 +48,19 @@ def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
             offset += p.numel()
 
 
+def train_together(relay, launch_peer, *, steps: int, batch_sizes: tuple[int, ...], seed: int):
+    """Peers with these micro-batch sizes train until the relay reaches ``steps``; the peers, the
+    final parameters and which samples each round received."""
+    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=steps,
+                         extra=("--wait-peers", str(len(batch_sizes)))) for i, b in enumerate(batch_sizes)]
+    for peer in peers:
+        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
+    _, final = relay_params(relay.url, min_step=steps)
+    rounds = rounds_from_events(peers)
+    assert sorted(rounds) == list(range(steps))
+    return peers, final, rounds
+
+
 def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_peer):
     relay = start_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
                          "run": {"target_batch": 150}})
@@ -72,13 +85,7 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, l
     steps = 5
     relay = start_relay({"run": {"target_batch": 48}})
     _, initial = relay_params(relay.url)
-    peers = [launch_peer(relay.url, f"p{i}", seed=10 + i, batch_size=b, steps=steps, extra=("--wait-peers", "3"))
-             for i, b in enumerate((4, 6, 8))]
-    for peer in peers:
-        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
-    _, final = relay_params(relay.url, min_step=steps)
-    rounds = rounds_from_events(peers)
-    assert sorted(rounds) == list(range(steps))
+    _, final, rounds = train_together(relay, launch_peer, steps=steps, batch_sizes=(4, 6, 8), seed=10)
     # Samples a peer computed on a version whose round closed without it are dropped (strict
     # max_staleness=0); they are in no round, so the reference below does not see them either.
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from relay_server.rounds.master import flatten
-from tests.test_collaboration import load_flat, relay_params, rounds_from_events
+from tests.test_collaboration import load_flat, relay_params, train_together
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
 
@@ -73,13 +73,7 @@ def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_proces
                          "dataset": {"kind": "demo_corpus"},
                          "optimizer": opt_cfg})
     _, initial = relay_params(relay.url)
-    peers = [launch_peer(relay.url, f"p{i}", seed=20 + i, batch_size=b, steps=steps, extra=("--wait-peers", "3"))
-             for i, b in enumerate((3, 4, 6))]
-    for peer in peers:
-        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
-    _, final = relay_params(relay.url, min_step=steps)
-    rounds = rounds_from_events(peers)
-    assert sorted(rounds) == list(range(steps))
+    peers, final, rounds = train_together(relay, launch_peer, steps=steps, batch_sizes=(3, 4, 6), seed=20)
     assert len({p.name for p in peers if any(e["event"] == "round" for e in p.events())}) >= 2
 
     spec = ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM", config=config)
