@@ -191,3 +191,32 @@ def _repo_with_model(hub: HubStandin, tensors: dict[str, torch.Tensor]):
     repo = Repo(REPO_ID, private=False)
     repo.commits.append(Commit("0" * 40, "initial", {MODEL_FILE: save(tensors)}))
     return repo
+
+
+ALBERT = {"model_type": "albert", "vocab_size": 64, "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("legacy_tied_copy", [False, True])
+def test_init_from_accepts_a_save_pretrained_checkpoint_with_tied_weights(tmp_path, organizer, legacy_tied_copy):
+    """A checkpoint made by transformers itself (not by collabtrain) starts a transformers run:
+    ALBERT's tied decoder stored once (save_pretrained today) or twice (older checkpoints)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    fields = dict(ALBERT)
+    source = transformers.AlbertForMaskedLM(transformers.AutoConfig.for_model(fields.pop("model_type"), **fields))
+    source.save_pretrained(tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    if legacy_tied_copy:
+        tensors["predictions.decoder.weight"] = tensors["albert.embeddings.word_embeddings.weight"].clone()
+    organizer.repos[REPO_ID] = _repo_with_model(organizer, tensors)
+    config = load_config(None, env={}, overrides={
+        "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT},
+        "server": {"data_dir": str(tmp_path / "data")}, **relay_hub_config(organizer, init_from=REPO_ID)})
+    model = build_model(config.model.spec())
+    init_model_from_hub(model, config)
+    expected = dict(source.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, expected[name]), name
+    assert model.predictions.decoder.weight is model.albert.embeddings.word_embeddings.weight  # still tied

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from relay_server.core.config import ConfigError, HubSection, RelayConfig
 from relay_server.observers.events import StepEvent
-from relay_server.observers.pretrained import MODEL_FILE, master_params, parameter_names, unflatten, write_pretrained
+from relay_server.observers.pretrained import (MODEL_FILE, config_json, master_params, parameter_names, unflatten,
+                                               write_pretrained)
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ Checkpoint of a collaborative training run (collabtrain): step {info['step']}, l
 - `collabtrain.json`: step, loss and run configuration
 
 ```python
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from toolkit.wire.protocol import ModelSpec
 
 model = build_model(ModelSpec.from_json({model!r}))
@@ -265,8 +266,12 @@ def init_model_from_hub(model: torch.nn.Module, config: RelayConfig) -> None:
     """Copy the ``hub.init_from`` checkpoint into ``model``'s parameters, exactly.
 
     Every parameter must be present with its shape: a checkpoint of another model is a
-    ConfigError that names both settings, not a silent partial load."""
+    ConfigError that names both settings, not a silent partial load. A transformers run loads
+    through the architecture's own ``from_pretrained``, so any ``save_pretrained`` checkpoint fits
+    (tied weights stored once or twice, a base model's prefix, legacy names)."""
     tensors = load_hub_checkpoint(config)
+    if config.model.kind == "transformers":
+        tensors = _through_from_pretrained(tensors, config)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))
@@ -278,3 +283,22 @@ def init_model_from_hub(model: torch.nn.Module, config: RelayConfig) -> None:
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])
+
+
+def _through_from_pretrained(tensors: dict[str, torch.Tensor], config: RelayConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint as the run's architecture names its parameters, loaded by transformers."""
+    import transformers
+
+    with tempfile.TemporaryDirectory(prefix="collab-init-") as tmp:
+        save_file(tensors, str(Path(tmp) / MODEL_FILE), metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(config_json(config) or "{}")
+        auto = getattr(transformers, config.model.architecture)
+        loaded, info = auto.from_pretrained(tmp, output_loading_info=True)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
+                          f"{config.model.label()}: missing {sorted(info['missing_keys'])[:5]}, wrong shape "
+                          f"{[k[0] if isinstance(k, tuple) else k for k in info['mismatched_keys']][:5]}")
+    if info["unexpected_keys"]:
+        log.warning("hub.init_from: %d tensors the run's model does not use (e.g. %s)",
+                    len(info["unexpected_keys"]), sorted(info["unexpected_keys"])[:3])
+    return {name: p.detach() for name, p in loaded.named_parameters()}
