@@ -220,3 +220,39 @@ def test_init_from_accepts_a_save_pretrained_checkpoint_with_tied_weights(tmp_pa
     for name, p in model.named_parameters():
         assert torch.equal(p, expected[name]), name
     assert model.predictions.decoder.weight is model.albert.embeddings.word_embeddings.weight  # still tied
+
+
+def test_model_config_and_tokenizer_from_a_pinned_hub_repo(tmp_path, organizer):
+    """[model] config_repo and [tokenizer] repo: the relay reads config.json and tokenizer.json
+    of a pinned commit (peers get them from the relay); an unpinned repo or a missing file is a
+    ConfigError naming the setting."""
+    import hashlib
+    import json
+    import secrets
+
+    from relay_server.data.tokenizer_train import train_tokenizer
+    from tests.hub_standin import Commit, Repo
+    from toolkit.corpus import demo_paragraphs
+
+    tokenizer = train_tokenizer(demo_paragraphs()[:200], vocab_size=64).to_str().encode()
+    repo = Repo("organizer/albert-config", private=False)
+    commit = secrets.token_hex(20)  # a new commit each run: the Hub client's cache never answers for it
+    repo.commits.append(Commit(commit, "config", {"config.json": json.dumps(ALBERT).encode(),
+                                                   "tokenizer.json": tokenizer}))
+    organizer.repos[repo.repo_id] = repo
+
+    def load(model: dict, tok: dict):
+        return load_config(None, env={}, overrides={
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": {}, **model},
+            "tokenizer": tok, "objective": {}, "server": {"data_dir": str(tmp_path / "data")},
+            **relay_hub_config(organizer)})
+
+    config = load({"config_repo": f"{repo.repo_id}@{commit}"}, {"repo": f"{repo.repo_id}@{commit}"})
+    assert config.model.config == ALBERT and config.model.spec().config == ALBERT
+    assert config.tokenizer.sha256 == hashlib.sha256(tokenizer).hexdigest()
+    with pytest.raises(ConfigError, match=r"model.config_repo must be 'owner/name@revision'.*pin a commit"):
+        load({"config_repo": repo.repo_id}, {})
+    other = secrets.token_hex(20)
+    repo.commits.append(Commit(other, "no tokenizer", {"config.json": json.dumps(ALBERT).encode()}))
+    with pytest.raises(ConfigError, match=f"tokenizer.repo: organizer/albert-config@{other} has no tokenizer.json"):
+        load({"config_repo": f"{repo.repo_id}@{other}"}, {"repo": f"{repo.repo_id}@{other}"})

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from relay_server.auth.verify import AuthRejected
+from relay_server.core.hub_files import DEFAULT_ENDPOINT
 from toolkit.wire.auth import USERNAME_RE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 _TOKEN_HINT = "Create a read token at https://huggingface.co/settings/tokens and paste it again."
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
+from relay_server.core.hub_files import download_hub_file
 from relay_server.core.typed import ConfigError, apply_env, build_section, set_setting
 from toolkit.wire.protocol import ModelSpec
 
@@ -59,6 +60,9 @@ class ModelSection:
     """kind "transformers": the architecture's config as an inline table (``model_type`` + fields)."""
     config_file: str = ""
     """kind "transformers": a config.json instead of ``config`` (relative to the run's TOML file)."""
+    config_repo: str = ""
+    """kind "transformers": "owner/name@revision" on the Hub, whose config.json the relay reads
+    (peers receive it as data); pinned, so the run's architecture never moves."""
     init_checkpoint: str = ""
     """Optional safetensors file with initial parameters (else: the factory's init with ``run.seed``)."""
 
@@ -93,8 +97,8 @@ class OptimizerSection:
     """LAMB: the trust ratio's numerator is min(||w||, lamb_clamp) (0 = no clamp); torch_optimizer's
     clamp_value (default 10; sahajBERT used 10000)."""
     clip_grad_norm: float = 0.0
-    """Clip the averaged gradient to this global norm before the step (0 = off). Relay alone only:
-    an aggregator, which steps its slice by itself, is refused while this is > 0."""
+    """Clip the averaged gradient to this global norm before the step (0 = off). With aggregators
+    the relay first collects every slice's squared norm, then each owner clips by the global one."""
     schedule: str = "constant"
     """"constant", "linear" (warmup then linear decay to 0 at total_steps) or "cosine"."""
     warmup_steps: int = 0
@@ -363,17 +367,19 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     for section, values in (overrides or {}).items():
         for key, value in values.items():
             set_setting(config, section, key, value)
-    if config.model.config_file:
-        config.model.config = _read_model_config(config.model, Path(path).parent if path is not None else Path.cwd())
+    if config.model.config_file or config.model.config_repo:
+        config.model.config = _read_model_config(config, Path(path).parent if path is not None else Path.cwd())
     if run_data:
         resolve_run_data(config, Path(path).parent if path is not None else Path.cwd())
     return config.validate()
 
 
-def _read_model_config(model: ModelSection, base: Path) -> dict[str, Any]:
-    if model.config:
-        raise ConfigError("set model.config or model.config_file, not both")
-    where = base / model.config_file
+def _read_model_config(config: RelayConfig, base: Path) -> dict[str, Any]:
+    model = config.model
+    if model.config or (model.config_file and model.config_repo):
+        raise ConfigError("set one of model.config, model.config_file and model.config_repo")
+    where = (download_hub_file(config.hub, model.config_repo, "config.json", "model.config_repo")
+             if model.config_repo else base / model.config_file)
     try:
         value = json.loads(where.read_text())
     except OSError as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relay_server.core.hub_files import download_hub_file
 from relay_server.core.typed import ConfigError
 from toolkit.errors import DataConfigError
 
@@ -26,6 +27,9 @@ class TokenizerSection:
     sha256: str = ""
     """Pin the file: the relay refuses to start when the file's sha256 differs. Filled in from
     the file when empty."""
+    repo: str = ""
+    """Instead of ``file``: "owner/name@revision" on the Hub whose tokenizer.json the relay
+    downloads (peers still receive it from the relay, with its sha256)."""
 
 
 def resolve_run_data(config: Any, base: Path) -> bytes | None:
@@ -33,6 +37,10 @@ def resolve_run_data(config: Any, base: Path) -> bytes | None:
     the objective against it and the model; the file's bytes, or None without a tokenizer."""
     section: TokenizerSection = config.tokenizer
     data = None
+    if section.repo:
+        if section.file:
+            raise ConfigError("set tokenizer.file or tokenizer.repo, not both")
+        section.file = str(download_hub_file(config.hub, section.repo, "tokenizer.json", "tokenizer.repo"))
     if section.file:
         where = (base / section.file).resolve()
         try:

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from relay_server.core.config import ConfigError, HubSection, RelayConfig
+from relay_server.core.config import ConfigError, RelayConfig
+from relay_server.core.hub_files import hub_endpoint, hub_token, parse_repo
 from relay_server.observers.events import StepEvent
 from relay_server.observers.pretrained import (MODEL_FILE, config_json, master_params, parameter_names, unflatten,
                                                write_pretrained)
@@ -44,27 +45,12 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "relay-state.safetensors"
 INFO_FILE = "collabtrain.json"
-DEFAULT_ENDPOINT = "https://huggingface.co"
 CLOSE_TIMEOUT_S = 60.0  # finish the upload in flight at shutdown, within systemd's default stop timeout
-
-
-def hub_endpoint(hub: HubSection) -> str:
-    """``hub.endpoint``, else ``HF_ENDPOINT`` as the environment says now (huggingface_hub reads
-    it once at import time, so we pass it explicitly), else the public Hub."""
-    return (hub.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-
-
-def hub_token(hub: HubSection) -> str | None:
-    return os.environ.get(hub.token_env) or None
 
 
 def parse_init_from(value: str) -> tuple[str, str | None]:
     """``"owner/name"`` or ``"owner/name@revision"`` -> (repo_id, revision or None)."""
-    repo_id, _, revision = value.partition("@")
-    parts = repo_id.split("/")
-    if len(parts) != 2 or not all(parts) or (_ and not revision):
-        raise ConfigError(f"hub.init_from must be 'owner/name' or 'owner/name@revision', got {value!r}")
-    return repo_id, revision or None
+    return parse_repo(value, "hub.init_from", pinned=False)
 
 
 # --- upload -------------------------------------------------------------------------------------
