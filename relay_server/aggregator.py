@@ -8,7 +8,8 @@ what it measured, and owns the slice the relay's plan assigns it: the master par
 optimizer state of that slice, the reduction of the gradient slices peers upload to it (with the
 relay's tickets), and the published versions of the slice that peers download from it
 (:class:`relay_server.backbone.slice_owner.SliceOwner`, the same code the relay runs for its own slice).
-It never decides anything: the relay opens and closes rounds, tells it when to finalize, and
+It never decides anything: the relay opens and closes rounds, tells it when to finalize (asking
+first for its slice's gradient norm when clipping by the global norm), and
 moves slices between rounds (``assign``). Its versions live in its own data directory.
 """
 
@@ -36,7 +37,8 @@ from relay_server.backbone.state_transfer import CallFailed, InternalClient, che
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration,
-                              AggregatorWelcome, AssignRequest, FinalizeRequest, SliceReport, TransferSample)
+                              AggregatorWelcome, AssignRequest, FinalizeRequest, GradNormReport, GradNormRequest,
+                              SliceReport, TransferSample)
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +133,15 @@ class Aggregator:
         log.info("now owning [%d, %d) at step %d (plan %s)", req.start, req.end, req.step, req.plan_version)
         return SliceReport(step=version.step, start=req.start, end=req.end, sha256=version.sha256)
 
+    async def grad_norm(self, req: GradNormRequest) -> GradNormReport:
+        """Close the round and report its mean gradient's squared norm (global-norm clipping)."""
+        owner = self._owner(req.plan_version)
+        sq_norm = await owner.grad_sq_norm(req.step, req.round_id)
+        return GradNormReport(step=req.step, round_id=req.round_id, start=owner.start, end=owner.end, sq_norm=sq_norm)
+
     async def finalize(self, req: FinalizeRequest) -> SliceReport:
         owner = self._owner(req.plan_version)
-        version, r, norm = await owner.finalize(req.step, req.round_id)
+        version, r, norm = await owner.finalize(req.step, req.round_id, req.grad_norm)
         return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
                            peers=len(r.received), grad_norm=norm)
 
@@ -169,7 +177,7 @@ def _agg(request: web.Request) -> Aggregator:
 
 
 def _internal(request: web.Request) -> Aggregator:
-    """The relay's calls (finalize, assign, state): the organizer's admin token."""
+    """The relay's calls (grad norm, finalize, assign, state): the organizer's admin token."""
     agg = _agg(request)
     agg.admin.check(request.headers.get("Authorization"))
     return agg
@@ -191,6 +199,11 @@ async def get_params(request: web.Request) -> web.StreamResponse:
 async def post_finalize(request: web.Request) -> web.Response:
     agg = _internal(request)
     return json_ok(await agg.finalize(await read_message(request, FinalizeRequest)))
+
+
+async def post_grad_norm(request: web.Request) -> web.Response:
+    agg = _internal(request)
+    return json_ok(await agg.grad_norm(await read_message(request, GradNormRequest)))
 
 
 async def post_assign(request: web.Request) -> web.Response:
@@ -222,6 +235,7 @@ ROUTE_TABLE = [
     ("PUT", ROUTES["gradient"], put_gradient),
     ("GET", ROUTES["params"], get_params),
     ("GET", ROUTES["status"], get_status),
+    ("POST", ROUTES["grad_norm"], post_grad_norm),
     ("POST", ROUTES["finalize"], post_finalize),
     ("POST", ROUTES["assign"], post_assign),
     ("GET", ROUTES["slice_state"], get_state),

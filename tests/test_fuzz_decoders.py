@@ -62,9 +62,9 @@ from toolkit.wire.compression import get_codec
 from toolkit.errors import ProtocolError
 from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
 from toolkit.wire.protocol import (AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome, AssignRequest,
-                              DoneRequest, FinalizeRequest, GradientMeta, Heartbeat, JoinRequest, LoginRequest,
-                              ParamsManifest, PlanInfo, ShardLeaseRequest, ShardReport, SliceDigest, SliceReport,
-                              Ticket, TicketRequest)
+                              DoneRequest, FinalizeRequest, GradientMeta, GradNormReport, GradNormRequest, Heartbeat,
+                              JoinRequest, LoginRequest, ParamsManifest, PlanInfo, ShardLeaseRequest, ShardReport,
+                              SliceDigest, SliceReport, Ticket, TicketRequest)
 from toolkit.wire.schema import MAX_LIST, MAX_STR, Schema
 from toolkit.signing import PeerKey
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header_for, parse_header
@@ -333,6 +333,8 @@ SCHEMA_DECODERS = [  # (message, test name, where it is decoded)
     (AggregatorRegistration, "aggregator_registration", "an aggregator registering with the relay"),
     (AggregatorWelcome, "aggregator_welcome", "the relay's answer, as the aggregator decodes it"),
     (AggregatorHeartbeat, "aggregator_heartbeat", "an aggregator's measurements"),
+    (GradNormRequest, "grad_norm_request", "the relay asking an aggregator for its slice's squared norm"),
+    (GradNormReport, "grad_norm_report", "an aggregator's squared norm, as the relay decodes it"),
     (FinalizeRequest, "finalize_request", "the relay telling an aggregator to finalize"),
     (AssignRequest, "assign_request", "the relay moving a slice to an aggregator"),
     (SliceReport, "slice_report", "an aggregator's finalized slice, as the relay decodes it"),

@@ -9,6 +9,8 @@ of the cut tensors (one per piece) would differ from the whole vector's.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
 import numpy as np
@@ -17,14 +19,13 @@ import torch
 
 from relay_server.backbone.coordinator import RELAY_ID, Backbone
 from relay_server.core.config import OptimizerSection, load_config
-from relay_server.core.errors import ApiError
 from relay_server.core.typed import ConfigError
 from relay_server.planning.plan import Plan
 from relay_server.rounds import master as master_mod
 from relay_server.rounds.lamb import Lamb
 from relay_server.rounds.master import MasterState, flatten, layout_of, tensor_boundaries
 from relay_server.rounds.store import Store
-from relay_server.backbone.state_transfer import cut
+from relay_server.backbone.state_transfer import CallFailed, cut
 from toolkit.models import build_model
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, ModelSpec, RunInfo
@@ -182,9 +183,9 @@ def test_relay_alone_and_relay_with_two_aggregators_take_the_same_lamb_steps(tmp
         backbone.close()
 
 
-def test_elementwise_optimizers_keep_exact_shares_and_clipping_stays_with_the_relay(tmp_path):
+def test_elementwise_optimizers_keep_exact_shares_and_clipping_admits_aggregators(tmp_path):
     """adamw has no per-tensor quantity: its cuts stay where the LP put them. Global-norm clipping
-    is: a slice refuses it, and so does aggregator registration (the relay alone still clips)."""
+    no longer keeps aggregators out: a slice takes the global norm from the relay."""
     layout, params = _model()
     n = params.size
     backbone = _backbone(tmp_path, {"name": "adamw"})
@@ -193,17 +194,178 @@ def test_elementwise_optimizers_keep_exact_shares_and_clipping_stays_with_the_re
         assert [(o.start, o.end) for o in backbone._owners_for(plan)] == [(a, b) for _, a, b in plan.slices(n)]
     finally:
         backbone.close()
-    clipped = OptimizerSection(**{**LAMB, "clip_grad_norm": 1.0})
-    MasterState(layout, params, clipped, K)  # the whole vector clips by its own, global, norm
-    with pytest.raises(ConfigError, match="clip_grad_norm"):
-        MasterState(layout, params, clipped, K, start=0, end=120)
+    MasterState(layout, params, OptimizerSection(**{**LAMB, "clip_grad_norm": 1.0}), K, start=0, end=120)
     backbone = _backbone(tmp_path / "clip", {"clip_grad_norm": 1.0})
     try:
-        with pytest.raises(ApiError) as refused:
-            backbone.register(AggregatorRegistration(name="a", url="http://a:1", protocol=PROTOCOL_VERSION))
-        assert refused.value.code == "clip_needs_whole_vector"
+        backbone.register(AggregatorRegistration(name="a", url="http://a:1", protocol=PROTOCOL_VERSION))
     finally:
         backbone.close()
+
+
+# --- global-norm clipping across slices: two-phase finalize (relay_server.backbone.closing) -------------
+CLIPPED = {"adamw": {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "clip_grad_norm": 0.1},
+           "lamb": {**LAMB, "clip_grad_norm": 0.1}}
+
+
+class Loopback:
+    """The relay's internal client, answered by in-process aggregators (``relay_server.aggregator``'s
+    handlers; bodies cross as JSON both ways). ``down``: urls that fail from then on; ``die_after``:
+    urls that fail every call after their next one."""
+
+    def __init__(self) -> None:
+        self.aggs, self.down, self.die_after, self.tamper = {}, set(), set(), None
+
+    async def call(self, method, url, schema, body=None):
+        from toolkit.wire.protocol import ROUTES, FinalizeRequest, GradNormRequest
+
+        base, path = url.split("/api/", 1)
+        if base in self.down:
+            raise CallFailed(f"{url}: connection refused")
+        if base in self.die_after:
+            self.down.add(base)
+        agg = self.aggs[base]
+        handler, cls = {ROUTES["grad_norm"]: (agg.grad_norm, GradNormRequest),
+                        ROUTES["finalize"]: (agg.finalize, FinalizeRequest)}["/api/" + path]
+        answer = (await handler(cls.loads(body.dumps()))).to_json()
+        if self.tamper is not None:
+            answer = self.tamper(base, path, answer)
+        return schema.loads(json.dumps(answer))
+
+
+def _sliced_servers(tmp_path, backbone, plan, params):
+    """The relay's own slice and two in-process aggregators owning the plan's (snapped) slices."""
+    from relay_server.aggregator import Aggregator as AggregatorServer
+    from relay_server.backbone.aggregators import Aggregator
+    from relay_server.backbone.closing import RoundCloser
+    from relay_server.backbone.slice_owner import SliceOwner
+
+    for agg_id in ("agg-a", "agg-b"):
+        backbone.aggregators.add(Aggregator(agg_id, agg_id, f"http://{agg_id}"))
+    owners, client, slices = backbone._owners_for(plan), Loopback(), []
+    for o in owners:
+        so = SliceOwner(backbone.layout, {"params": params[o.start:o.end].copy()}, start=o.start, end=o.end, step=0,
+                        optimizer=backbone.config.optimizer, total_steps=K, codec=get_codec("none"),
+                        store=Store(tmp_path / o.owner_id), plan_version=plan.version)
+        slices.append(so)
+        if o.owner_id != RELAY_ID:
+            server = AggregatorServer(coordinator="http://relay", public_url=o.url, data_dir=tmp_path / f"{o.owner_id}-s",
+                                      token="t" * 32, name=o.owner_id)
+            server.owner, client.aggs[o.url] = so, server
+    local = next(so for o, so in zip(owners, slices) if o.owner_id == RELAY_ID)
+    return RoundCloser(owners, local, backbone.aggregators, client, plan.version), slices
+
+
+async def _feed(slices, g) -> None:
+    """Each owner's reducer holds ``g`` as the round's sum over one sample (after any queued reset)."""
+    def fill(so):
+        so.reducer.sum[:] = g[so.start:so.end]
+        so.reducer.weights[:] = 1.0
+    for so in slices:
+        await so.reducer.run(fill, so)
+
+
+def _close(slices) -> None:
+    for so in slices:
+        so.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_slices_clip_by_the_global_norm_like_the_relay_alone(tmp_path, name):
+    """Relay + 2 aggregators' slices, clip_grad_norm = 0.1 binding every step: the two-phase close
+    (squared norms, then finalize with the global norm) takes the relay-alone steps; each slice
+    clipping by its own norm does not. The round record's norm is the global one."""
+    layout, params = _model()
+    n = params.size
+    backbone = _backbone(tmp_path, CLIPPED[name])
+    cfg = backbone.config.optimizer
+    plan = _plan(n, {RELAY_ID: 0.3, "agg-a": 0.45, "agg-b": 0.25})
+    grads = _grads(n, layout)
+    assert min(np.linalg.norm(g) for g in grads) > 10 * cfg.clip_grad_norm  # clipping binds
+    closer, slices = _sliced_servers(tmp_path, backbone, plan, params)
+    cuts = [0] + [o.end for o in closer.owners]
+
+    async def rounds():
+        norms = []
+        for k, g in enumerate(grads):
+            await _feed(slices, g)
+            closed = await closer.close(k, f"round{k}", clip=True)
+            assert not closed.dead and {r.step for r in closed.reports.values()} == {k + 1}
+            norms.append(closed.grad_norm)
+        return norms
+    try:
+        norms = asyncio.run(rounds())
+        sliced = np.concatenate([so.master.flat.numpy() for so in slices])
+    finally:
+        _close(slices)
+        backbone.close()
+    alone = _train(layout, params, cfg, [0, n], grads)
+    assert _rel(alone, params) > 1e-2
+    assert _rel(sliced, alone) <= 1e-5
+    np.testing.assert_allclose(norms, [np.linalg.norm(g.astype(np.float64)) for g in grads], rtol=1e-6)
+    own = _train(layout, params, cfg, cuts, grads)  # every slice clipping by its own norm
+    assert _rel(own, alone) > 1e-3
+
+
+@pytest.mark.parametrize("when", ["between_phases", "in_phase_one", "bad_answer"])
+def test_an_aggregator_failing_during_a_clipped_close_is_dead(tmp_path, when):
+    """Dying after answering its norm: it still counts in the global norm the others clip by (they
+    take the relay-alone step on their slices). Failing the norm call, or answering it for another
+    round: dead, and the others clip by the norm of the gradient actually applied. Either way the
+    coordinator recovers the dead slice as after a failed finalize."""
+    layout, params = _model()
+    n = params.size
+    backbone = _backbone(tmp_path, CLIPPED["adamw"])
+    cfg = backbone.config.optimizer
+    plan = _plan(n, {RELAY_ID: 0.3, "agg-a": 0.45, "agg-b": 0.25})
+    g = _grads(n, layout)[0]
+    closer, slices = _sliced_servers(tmp_path, backbone, plan, params)
+    client, b = closer.client, next(o for o in closer.owners if o.owner_id == "agg-b")
+    if when == "between_phases":
+        client.die_after.add(b.url)
+    elif when == "in_phase_one":
+        client.down.add(b.url)
+    else:
+        client.tamper = lambda base, path, answer: {**answer, "round_id": "other"} if base == b.url else answer
+
+    async def one_round():
+        await _feed(slices, g)
+        return await closer.close(0, "round0", clip=True)
+    try:
+        closed = asyncio.run(one_round())
+        live = [so for o, so in zip(closer.owners, slices) if o.owner_id != "agg-b"]
+        got = {so.start: so.master.flat.numpy().copy() for so in live}
+        assert [so.step for so in live] == [1, 1]
+    finally:
+        _close(slices)
+        backbone.close()
+    assert [o.owner_id for o in closed.dead] == ["agg-b"] and not backbone.aggregators.alive("agg-b")
+    assert set(closed.reports) == {RELAY_ID, "agg-a"}
+    if when == "between_phases":
+        applied = g
+    else:
+        applied = g.copy()
+        applied[b.start:b.end] = 0.0
+    assert closed.grad_norm == pytest.approx(float(np.linalg.norm(applied.astype(np.float64))), rel=1e-6)
+    alone = _train(layout, params, cfg, [0, n], [applied])
+    for start, values in got.items():
+        np.testing.assert_allclose(values, alone[start:start + values.size], rtol=0, atol=1e-6)
+
+
+def test_grad_norm_messages_are_validated():
+    from toolkit.errors import ProtocolError
+    from toolkit.wire.protocol import FinalizeRequest, GradNormReport
+
+    ok = dict(step=3, round_id="r", start=0, end=10, sq_norm=2.5)
+    assert GradNormReport.loads(json.dumps(ok)).sq_norm == 2.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ProtocolError):
+            GradNormReport.loads(json.dumps({**ok, "sq_norm": bad}))
+    with pytest.raises(ProtocolError):
+        FinalizeRequest.loads(json.dumps(dict(step=3, round_id="r", plan_version="v", grad_norm=-1.0)))
+    plain = FinalizeRequest(step=3, round_id="r", plan_version="v")
+    assert b"grad_norm" not in plain.dumps() and FinalizeRequest.loads(plain.dumps()) == plain  # clip off: as before
+    clipped = FinalizeRequest(step=3, round_id="r", plan_version="v", grad_norm=0.5)
+    assert FinalizeRequest.loads(clipped.dumps()) == clipped
 
 
 def test_cuts_snap_to_the_nearest_tensor_boundary():

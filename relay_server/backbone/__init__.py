@@ -2,6 +2,7 @@
 HMAC upload tickets (:mod:`.tickets`), moving parameters and optimizer state between owners
 (:mod:`.state_transfer`), recovering a dead aggregator's slice (:mod:`.recovery`), the registry of
 aggregators and their liveness (:mod:`.aggregators`), a slicing as data -- owners, manifests,
-stitched state (:mod:`.slicing`) --, the relay-side coordinator deciding who owns what
+stitched state (:mod:`.slicing`) --, closing a sliced round across the owners, global-norm
+clipping included (:mod:`.closing`), the relay-side coordinator deciding who owns what
 (:mod:`.coordinator`) and the slice routes both the relay and aggregators serve (:mod:`.routes`).
 May import core, auth, rounds and planning."""

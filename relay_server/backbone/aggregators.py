@@ -2,8 +2,7 @@
 measured and reported, and whether it still counts as alive.
 
 Kept apart from :mod:`.coordinator`, which decides what the live ones own and calls them: this
-module only admits aggregators (same protocol, a sliceable optimizer state, no global-norm
-clipping, a reachable URL),
+module only admits aggregators (same protocol, a sliceable optimizer state, a reachable URL),
 takes their heartbeats (their own link rates, and the transfers they served go to the planner's
 measurements), and declares them dead -- when one falls silent past ``aggregators.ttl_s``, or
 when the coordinator reports a failed call (:meth:`Aggregators.mark_dead`). A dead aggregator
@@ -71,10 +70,6 @@ class Aggregators(Mapping[str, Aggregator]):
         if self.config.optimizer.state_bits != 32:
             raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
                            "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
-        if self.config.optimizer.clip_grad_norm > 0:  # each owner steps alone: no global norm to clip by
-            raise ApiError(409, "clip_needs_whole_vector", "optimizer.clip_grad_norm clips by the global gradient "
-                           "norm, which an aggregator stepping its own slice does not know",
-                           "Set optimizer.clip_grad_norm = 0 to add aggregators, or run the relay alone.")
         if not req.url.startswith(("http://", "https://")):
             raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
                            "Pass --public-url with the address peers can reach.")

@@ -17,7 +17,7 @@ new owner's first version is downloaded whole by peers (a delta needs the previo
 public copy of exactly that slice on the owner).
 
 Recovery (:mod:`relay_server.backbone.recovery`). When an aggregator dies (silent past ``ttl_s``, or a
-failed finalize/assign/state call) the round completes without it: its slice takes the relay's
+failed grad-norm/finalize/assign/state call) the round completes without it: its slice takes the relay's
 copy -- parameters at most one step old, optimizer state at most ``state_copy_every`` steps
 old -- the plan is re-solved without it, and peers download the new version whole. Peers whose
 upload to it failed lose only that slice's contribution. If it dies between rounds and the
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from relay_server.backbone.aggregators import Aggregator, Aggregators
+from relay_server.backbone.closing import RoundCloser
 from relay_server.backbone.recovery import RecoveryCopy
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import (RELAY_ONLY, NotReady, Owner, Published, manifest_version, owners_for,
@@ -54,8 +55,8 @@ from relay_server.rounds.reducer import Reducer, robust_config
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import (ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome,
-                                   AssignRequest, FinalizeRequest, ParamSpec, ParamsManifest, PlanInfo, PlanSlice,
-                                   RunInfo, SliceReport)
+                                   AssignRequest, ParamSpec, ParamsManifest, PlanInfo, PlanSlice, RunInfo,
+                                   SliceReport)
 
 log = logging.getLogger(__name__)
 
@@ -174,37 +175,15 @@ class Backbone:
 
     # --- rounds -----------------------------------------------------------------------------------
     async def finalize(self, step: int, round_id: str) -> tuple[Published, float]:
-        """Every owner closes round ``round_id`` and applies its step; returns version ``step + 1``
-        and the mean gradient's global norm. An owner that does not answer is dead: its slice is
-        recovered and the slices re-planned."""
-        async def one(owner: Owner) -> SliceReport:
-            if owner.owner_id == RELAY_ID:
-                version, r, norm = await self.local.finalize(step, round_id)
-                return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
-                                   peers=len(r.received), grad_norm=norm)
-            if not self.aggregators.alive(owner.owner_id):
-                raise CallFailed("already dead")
-            agg = self.aggregators[owner.owner_id]
-            report = await self.client.call("POST", agg.url + ROUTES["finalize"], SliceReport,
-                                            FinalizeRequest(step=step, round_id=round_id, plan_version=self.plan_version))
-            if (report.step, report.start, report.end) != (step + 1, owner.start, owner.end):
-                raise CallFailed(f"answered {report}")
-            return report
-
-        results = await asyncio.gather(*(one(o) for o in self.owners), return_exceptions=True)
-        reports, dead = {}, []
-        for owner, result in zip(self.owners, results):
-            if isinstance(result, CallFailed):
-                self.aggregators.mark_dead(owner.owner_id, f"finalize failed: {result}")
-                dead.append(owner)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                reports[owner.owner_id] = result
-        grad_norm = math.sqrt(sum(r.grad_norm ** 2 for r in reports.values()))
-        if dead:
-            return await self._recover(step + 1, dead), grad_norm
-        return self._published(step + 1, {o.owner_id: reports[o.owner_id].sha256 for o in self.owners}), grad_norm
+        """Every owner closes round ``round_id`` and applies its step (:mod:`.closing`: first the
+        global norm when clipping); returns version ``step + 1`` and the mean gradient's global
+        norm. An owner that does not answer is dead: its slice is recovered and the slices re-planned."""
+        closer = RoundCloser(self.owners, self.local, self.aggregators, self.client, self.plan_version)
+        closed = await closer.close(step, round_id, clip=self.config.optimizer.clip_grad_norm > 0)
+        if closed.dead:
+            return await self._recover(step + 1, closed.dead), closed.grad_norm
+        shas = {o.owner_id: closed.reports[o.owner_id].sha256 for o in self.owners}
+        return self._published(step + 1, shas), closed.grad_norm
 
     def _published(self, step: int, shas: dict[str, str]) -> Published:
         return manifest_version(step, self.owners, shas, self.num_params, self.plan_version)

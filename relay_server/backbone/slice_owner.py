@@ -12,6 +12,10 @@ it receives, then reduces part-wise (every chunk weighted by the samples that de
 A round the owner hears of is open until the relay asks it to finalize; a new round id for the
 same step means the relay abandoned the previous one (it closed with no complete gradient), so
 its partial sums are dropped.
+
+With global-norm clipping the relay closes a round in two calls: :meth:`SliceOwner.grad_sq_norm`
+closes it (no upload enters it afterwards) and turns the sum into the mean, once; then
+:meth:`SliceOwner.finalize` steps with the global norm the relay summed from every owner.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class SliceRound:
     received: dict[str, int] = field(default_factory=dict)
     partial: set[str] = field(default_factory=set)
     closed: bool = False
+    sq_norm: float | None = None  # set once the sum became the mean (grad_sq_norm, before finalize)
 
 
 class SliceOwner:
@@ -98,11 +103,18 @@ class SliceOwner:
         ``delta=False``: peers download it whole)."""
         return self.publisher.write(self.master.step, self.meta(), delta=delta)
 
-    def apply_round(self) -> tuple[Version, StepReport]:
-        """Reducer thread, after every add of the round: mean, optimizer step, persist. The sum is
-        zeroed after publishing (``reducer.submit(reducer.reset)``), off the critical path."""
+    def mean_sq_norm(self) -> float:
+        """Reducer thread, after every add of the round: the sum becomes the mean; its squared norm."""
         self.reducer.finish_mean()
-        report = self.master.apply_gradient()
+        return self.master.grad_sq_norm()
+
+    def apply_round(self, meaned: bool = False, global_norm: float | None = None) -> tuple[Version, StepReport]:
+        """Reducer thread, after every add of the round: mean (unless ``meaned``), optimizer step
+        (clipping by ``global_norm`` when given), persist. The sum is zeroed after publishing
+        (``reducer.submit(reducer.reset)``), off the critical path."""
+        if not meaned:
+            self.reducer.finish_mean()
+        report = self.master.apply_gradient(global_norm)
         return self.publisher.write(report.step, self.meta()), report
 
     def export(self) -> tuple[int, dict[str, np.ndarray]]:
@@ -164,7 +176,18 @@ class SliceOwner:
             if r is None or r.round_id != ticket.round_id:
                 await self._abandon(r)
                 r = self.round = SliceRound(step=ticket.step, round_id=ticket.round_id)
+            elif r.closed:  # between grad_sq_norm and finalize: the mean is taken
+                raise round_closed(ticket.step, self.step)
             return r
+
+    async def _close(self, step: int, round_id: str) -> SliceRound:
+        """Under ``_switch``: round ``round_id``, closed (a fresh one if no upload reached us)."""
+        r = self.round
+        if r is None or r.round_id != round_id:  # no upload reached this slice in this round
+            await self._abandon(r)
+            r = self.round = SliceRound(step=step, round_id=round_id)
+        r.closed = True
+        return r
 
     async def _abandon(self, r: SliceRound | None) -> None:
         """The relay moved on from ``r`` without finalizing it: drop what it reduced."""
@@ -178,8 +201,23 @@ class SliceOwner:
             log.info("round %s of step %d abandoned by the relay; dropping its partial sums", r.round_id, r.step)
         await self.reducer.run(self.reducer.reset)  # after any chunk already handed to the thread
 
-    async def finalize(self, step: int, round_id: str) -> tuple[Version, SliceRound, float]:
-        """Close round ``round_id``, apply the step to this slice and publish the new version.
+    async def grad_sq_norm(self, step: int, round_id: str) -> float:
+        """Close round ``round_id`` and answer its mean gradient's squared norm, without stepping
+        (global-norm clipping: :meth:`finalize` follows with the global norm). Idempotent."""
+        if round_id in self._finalized:
+            return self._finalized[round_id][1] ** 2
+        if step != self.step:
+            raise ApiError(409, "wrong_step", f"grad norm for step {step}, but this slice is at {self.step}")
+        async with self._switch:
+            r = await self._close(step, round_id)
+            if r.sq_norm is None:
+                r.sq_norm = await self.reducer.run(self.mean_sq_norm)
+            return r.sq_norm
+
+    async def finalize(self, step: int, round_id: str, global_norm: float | None = None
+                       ) -> tuple[Version, SliceRound, float]:
+        """Close round ``round_id``, apply the step to this slice and publish the new version;
+        ``global_norm``: the whole mean gradient's norm to clip by (else the slice's own).
         Idempotent: a repeated finalize (the relay retrying) answers with the same version.
         Returns the version, the round and the slice's mean-gradient norm (before clipping)."""
         if round_id in self._finalized:
@@ -188,13 +226,9 @@ class SliceOwner:
         if step != self.step:
             raise ApiError(409, "wrong_step", f"finalize for step {step}, but this slice is at {self.step}")
         async with self._switch:
-            r = self.round
-            if r is None or r.round_id != round_id:  # no upload reached this slice in this round
-                await self._abandon(r)
-                r = SliceRound(step=step, round_id=round_id)
-            r.closed = True
+            r = await self._close(step, round_id)
             self.round = None
-            version, report = await self.reducer.run(self.apply_round)
+            version, report = await self.reducer.run(self.apply_round, r.sq_norm is not None, global_norm)
         self.publisher.publish(version)
         self.reducer.submit(self.reducer.reset)  # before any add of the next round
         self._finalized[round_id] = (version, report.grad_norm)

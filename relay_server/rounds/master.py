@@ -8,9 +8,10 @@ straight into ``grad`` (P,), whose views are the parameters' ``.grad``: no copie
 Weight decay applies to matrices and embeddings (ndim >= 2), not to biases and norms.
 
 Per-tensor quantities need whole tensors: LAMB's trust ratio (:mod:`.lamb`) is refused on a slice
-that cuts a tensor (the plan's cuts fall on tensor boundaries, :meth:`Plan.slices`), and
-``clip_grad_norm`` on any proper slice (a slice's norm is not the global norm; an aggregator is
-refused at registration instead of clipping wrongly).
+that cuts a tensor (the plan's cuts fall on tensor boundaries, :meth:`Plan.slices`). Global
+quantities need every slice: ``clip_grad_norm`` clips a proper slice by the global norm its caller
+passes (:meth:`MasterState.apply_gradient`), which the relay sums from every owner's
+:meth:`MasterState.grad_sq_norm` before any of them steps.
 """
 
 from __future__ import annotations
@@ -91,14 +92,21 @@ class MasterState:
     def numel(self) -> int:
         return self.end - self.start
 
-    def apply_gradient(self) -> StepReport:
-        """One optimizer step with the mean gradient already in ``self.grad``."""
+    def grad_sq_norm(self) -> float:
+        """Squared L2 norm of ``self.grad`` (accumulated in float64: owners' squares are summed)."""
+        return float(torch.linalg.vector_norm(self.grad, dtype=torch.float64)) ** 2
+
+    def apply_gradient(self, global_norm: float | None = None) -> StepReport:
+        """One optimizer step with the mean gradient already in ``self.grad``. ``clip_grad_norm``
+        clips by ``global_norm`` -- the whole mean gradient's norm, when this is a proper slice --
+        or else by this gradient's own norm. The report carries the own (unclipped) norm."""
         lr = lr_at(self.step, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = float(torch.linalg.vector_norm(self.grad))
-        if self.cfg.clip_grad_norm > 0 and grad_norm > self.cfg.clip_grad_norm:
-            self.grad.mul_(self.cfg.clip_grad_norm / (grad_norm + 1e-6))
+        clip_by = grad_norm if global_norm is None else global_norm
+        if self.cfg.clip_grad_norm > 0 and clip_by > self.cfg.clip_grad_norm:
+            self.grad.mul_(self.cfg.clip_grad_norm / (clip_by + 1e-6))
         self.optimizer.step()
         self.step += 1
         return StepReport(self.step, lr, grad_norm)
@@ -185,10 +193,6 @@ def _check_slice(layout: list[ParamSpec], start: int, end: int, cfg: OptimizerSe
     total = max((spec.offset + math.prod(spec.shape) for spec in layout), default=end)
     if (start, end) == (0, total):
         return
-    if cfg.clip_grad_norm > 0:
-        raise ConfigError(f"optimizer.clip_grad_norm = {cfg.clip_grad_norm} clips by the global gradient norm, which "
-                          f"a slice [{start}, {end}) of the vector does not know: set optimizer.clip_grad_norm = 0 "
-                          "to run with aggregators, or run the relay alone")
     if cfg.name == "lamb":
         bounds = set(tensor_boundaries(layout))
         if start not in bounds or end not in bounds:

@@ -44,6 +44,8 @@ from toolkit.wire.protocol.slices import (
     AssignRequest,
     DoneRequest,
     FinalizeRequest,
+    GradNormReport,
+    GradNormRequest,
     ParamsManifest,
     PlanInfo,
     PlanInput,
@@ -66,6 +68,7 @@ __all__ = [
     "PlanSlice", "PlanInput", "AggregatorStatus", "PlanInfo", "SliceDigest", "TicketRequest", "Ticket",
     "DoneRequest", "SliceVersion", "ParamsManifest", "AggregatorRegistration", "AggregatorWelcome",
     "TransferSample", "AggregatorHeartbeat", "FinalizeRequest", "SliceReport", "AssignRequest",
+    "GradNormRequest", "GradNormReport",
     # rounds
     "RoundInfo", "GradientMeta", "UploadReceipt", "RoundRecord", "StateInfo",
     # shards

@@ -37,6 +37,7 @@ ROUTES = {
     # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
     "aggregator_register": "/api/admin/aggregators/register",
     "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",
+    "grad_norm": "/api/admin/grad_norm",
     "finalize": "/api/admin/finalize",
     "assign": "/api/admin/assign",
     "slice_state": "/api/admin/state",

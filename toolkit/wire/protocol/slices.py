@@ -7,11 +7,12 @@ owner with the ticket, then tells the relay it is done (:class:`DoneRequest`). T
 round as before and has every owner finalize its slice; the new version is a manifest of slice
 hashes signed by the relay (:class:`ParamsManifest`), and each slice is downloaded from its owner
 (``ROUTES["params"]`` with start/end) and checked against that hash. The relay <-> aggregator
-messages (registration, heartbeat, finalize, assign) travel under the admin prefix.
+messages (registration, heartbeat, grad norm, finalize, assign) travel under the admin prefix.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -191,10 +192,43 @@ class AggregatorHeartbeat(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GradNormRequest(Schema):
+    """Close round ``round_id`` of ``step`` and answer the squared L2 norm of the slice's mean
+    gradient (:class:`GradNormReport`), without stepping. Asked of every owner before finalize,
+    only while ``optimizer.clip_grad_norm > 0``: the relay sums the squares into the global norm
+    every owner then clips by (``FinalizeRequest.grad_norm``)."""
+
+    step: int = field(metadata=_NONNEG)
+    round_id: str = field(metadata=limits(max_len=32))
+    plan_version: str = field(metadata=limits(max_len=64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradNormReport(Schema):
+    step: int = field(metadata=_NONNEG)
+    """The round's step (the slice has not stepped yet)."""
+    round_id: str = field(metadata=limits(max_len=32))
+    start: int = field(metadata=_NONNEG)
+    end: int = field(metadata=_NONNEG)
+    sq_norm: float = field(metadata=_NONNEG)
+    """Squared L2 norm of the slice's mean gradient (finite: the schema refuses NaN/inf)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class FinalizeRequest(Schema):
     step: int = field(metadata=_NONNEG)
     round_id: str = field(metadata=limits(max_len=32))
     plan_version: str = field(metadata=limits(max_len=64))
+    grad_norm: float | None = field(default=None, metadata=_NONNEG)
+    """The mean gradient's global norm to clip by (``optimizer.clip_grad_norm > 0``); None: the
+    slice's own norm (no clipping configured). Left out of the body when None, so a finalize
+    without clipping is the same bytes as before this field existed."""
+
+    def dumps(self) -> bytes:
+        body = self.to_json()
+        if body["grad_norm"] is None:
+            del body["grad_norm"]
+        return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
 
 
 @dataclass(frozen=True, kw_only=True)
