@@ -387,15 +387,17 @@ def test_lamb_config_is_validated():
     assert load_config(None, overrides={"optimizer": {"name": "lamb"}}).optimizer.name == "lamb"
 
 
-def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_aggregators, launch_peer):
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_aggregators, launch_peer, clip):
     """Real processes: relay + 2 aggregators + 3 peers under LAMB. The installed slices hold
     whole tensors, and the published versions are the relay-alone LAMB steps (one MasterState
-    over the whole vector) on the same global batches."""
+    over the whole vector) on the same global batches -- with global-norm clipping too (0.05
+    binds on every sliced step: the owners clip by the norm the relay summed from all of them)."""
     from tests.peer_worker import make_dataset
     from tests.test_aggregators import FAST_AGGREGATORS, sliced_plan, stored_params
     from tests.test_collaboration import MODEL_KWARGS, load_flat, relay_params, rounds_from_events
 
-    lamb = {**LAMB, "schedule": "constant", "warmup_steps": 0}
+    lamb = {**LAMB, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": clip}
     relay = start_relay({"optimizer": lamb, "run": {"target_batch": 36}, "aggregators": FAST_AGGREGATORS})
     _, initial = relay_params(relay.url)
     aggregators = start_aggregators(relay, "agg0", "agg1", wait=False)
@@ -419,12 +421,18 @@ def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_ag
     step = status["step"]
     published = stored_params(step, [relay.data_dir, *(a.data_dir for a in aggregators)], initial.size)
     data, rounds = make_dataset(), rounds_from_events(peers)
-    alone = MasterState(layout, initial, OptimizerSection(**{**lamb, "clip_grad_norm": 0.0}), total_steps=0)
+    alone = MasterState(layout, initial, OptimizerSection(**lamb), total_steps=0)
+    norms = []
     for k in range(step):
         load_flat(model, alone.flat.numpy())
         model.zero_grad()
         model.loss(data[rounds[k]]).backward()
         alone.grad.copy_(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
-        alone.apply_gradient()
+        norms.append(alone.apply_gradient().grad_norm)
     assert _rel(published, alone.flat.numpy()) <= 1e-5
+    recorded = {r["step"]: r["grad_norm"] for r in status["recent_rounds"] if r.get("grad_norm")}
+    for new_step, norm in recorded.items():  # the round record's norm is the global one
+        assert norm == pytest.approx(norms[new_step - 1], rel=1e-4), (new_step, norm, norms)
+    if clip:
+        assert min(norms[sliced_at:step]) > clip, norms  # clipping bound on the sliced steps
     assert _rel(published, initial) > 1e-3  # it did train
