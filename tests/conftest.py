@@ -225,6 +225,10 @@ class PeerProcess:
             return []
         return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
 
+    def stop(self) -> None:
+        """Finish the micro-batch in hand (and the round it is in), log it, leave (SIGUSR1)."""
+        self.proc.send_signal(signal.SIGUSR1)
+
     def wait(self, timeout_s: float = 120) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)

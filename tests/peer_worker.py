@@ -57,6 +57,10 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGUSR1: stop between micro-batches, so every round this peer took part in is in its events
+    # (SIGTERM may land while a round's result downloads: applied, but never logged).
+    stopping: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda *_: stopping.append(1))
     torch.set_num_threads(1)
     events = open(args.events, "a", buffering=1)
 
@@ -100,7 +104,7 @@ def main() -> int:
         if run.objective else None
     kept: list[dict] = []
     try:
-        while opt.version < args.steps and not opt.finished:
+        while opt.version < args.steps and not opt.finished and not stopping:
             if pipeline is not None:
                 batch = next(pipeline)
                 ids = [f"{args.name}/{len(kept)}/{r}" for r in range(len(batch["input_ids"]))]

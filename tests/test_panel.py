@@ -66,7 +66,7 @@ def progress(**changes: Any) -> PeerProgress:
 def test_snapshot_is_built_from_the_optimizer_with_the_last_problem_and_its_hint() -> None:
     state = CollabState(step=5, target_batch=64, samples_accumulated=24, samples_per_s=80.0, eta_s=0.5, num_peers=2,
                         round=None)
-    opt = SimpleNamespace(state=state, run=SimpleNamespace(total_steps=0), version=6, contributed_samples=96,
+    opt = SimpleNamespace(collab_state=state, run=SimpleNamespace(total_steps=0), version=6, contributed_samples=96,
                           samples_per_s=40.0, finished=False,
                           last_error=RelayUnreachable("relay_unreachable", "POST /api/peers/join: timed out"))
     snap = PeerProgress.from_optimizer(opt, loss=1.5, first_contribution_s=None)

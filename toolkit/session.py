@@ -58,9 +58,12 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
          data: Iterable[torch.Tensor] | None = None, batch_size: int = 8, peer_name: str | None = None,
          seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
          delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
-         trusted_models: Sequence[str] = (), verbose: bool = False) -> JoinResult:
+         trusted_models: Sequence[str] = (), accumulate_on_host: bool = False, verbose: bool = False) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
+
+    ``accumulate_on_host`` keeps the gradient accumulator in (pinned) host memory: 4 bytes per
+    parameter less on the accelerator, for a copy of each micro-batch's gradients.
 
     ``trusted_models`` names the packages whose own model classes this machine may import (a run
     with ``[model] kind = "module"``); any other run model is built from the toolkit or the
@@ -97,7 +100,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                                      delayed_updates=run.max_staleness >= 1 if delayed_updates is None
                                      else delayed_updates,
                                      device_info={**info.to_json(), "precision": policy.to_json()},
-                                     precision=policy.name, verbose=verbose)
+                                     precision=policy.name, accumulate_on_host=accumulate_on_host, verbose=verbose)
         cleanup.callback(opt.close)
         target = WandbTarget.parse(wandb_project) or (
             WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", "")) if run.wandb.get("project")
