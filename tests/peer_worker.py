@@ -92,8 +92,10 @@ def main() -> int:
             return upload(tensors, meta, codec)
 
         client.upload_gradient = frozen_upload
+    # Poll finely: the last peer to join sees the others at once and a tiny model computes a
+    # micro-batch per millisecond, so at 50 ms the others could miss the first round entirely.
     while args.wait_peers and client.get_status().num_peers < args.wait_peers:
-        time.sleep(0.05)
+        time.sleep(0.005)
     while args.wait_aggregators and sum(a.alive for a in client.get_status().plan.aggregators) < args.wait_aggregators:
         time.sleep(0.05)
     pending: list = []
