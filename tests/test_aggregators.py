@@ -37,6 +37,23 @@ def sliced_plan(status: dict) -> list[dict]:
     return plan["slices"] if plan and len(plan["slices"]) > 1 else []
 
 
+def train_sliced(relay, aggregators, launch_peer, more_steps: int, *, seed: int, extra: tuple[str, ...] = ()):
+    """Three peers (micro-batches 4/6/8) train until the plan slices the vector among the relay and
+    ``aggregators`` and ``more_steps`` steps ran sliced; (peers, the step it was sliced at, status)."""
+    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=10_000,
+                         extra=("--wait-peers", "3", "--wait-aggregators", str(len(aggregators)),
+                                "--sleep-per-batch", "0.02", *extra))
+             for i, b in enumerate((4, 6, 8))]
+    for agg in aggregators:
+        agg.wait_registered()
+    ways = len(aggregators) + 1
+    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == ways, timeout_s=90,
+                               what=f"a plan slicing the vector {ways} ways")["step"]
+    status = relay.wait_for(lambda s: len(sliced_plan(s)) == ways and s["step"] >= sliced_at + more_steps,
+                            timeout_s=60, what=f"{more_steps} steps sliced {ways} ways")
+    return peers, sliced_at, status
+
+
 def reference_sgd(initial: np.ndarray, rounds: dict[int, list[int]], steps: int) -> np.ndarray:
     """One process, the same initial parameters, the same global batches, the same SGD."""
     data = make_dataset()
@@ -94,18 +111,9 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
                          "optimizer": SGD, "run": {"target_batch": 48}, "aggregators": FAST_AGGREGATORS})
     _, initial = signed_params(relay.url)
     aggregators = start_aggregators(relay, "agg0", "agg1", wait=False)
-    peers = [launch_peer(relay.url, f"p{i}", seed=10 + i, batch_size=b, steps=10_000,
-                         extra=("--wait-peers", "3", "--wait-aggregators", "2", "--sleep-per-batch", "0.02",
-                                "--hf-token-env", "COLLAB_TEST_TOKEN"))
-             for i, b in enumerate((4, 6, 8))]
-    for agg in aggregators:
-        agg.wait_registered()
-
     # The plan slices the vector among the relay and both aggregators, solved from measurements.
-    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == 3, timeout_s=90,
-                               what="a plan slicing the vector 3 ways")["step"]
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 3 and s["step"] >= sliced_at + 4, timeout_s=60,
-                            what="four steps sliced 3 ways")
+    peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 4, seed=10,
+                                            extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
     slices = sliced_plan(status)
     assert {s["url"] for s in slices} == {"", *(a.url for a in aggregators)}, slices
     assert slices[0]["start"] == 0 and slices[-1]["end"] == status["num_params"]

@@ -394,22 +394,14 @@ def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_ag
     over the whole vector) on the same global batches -- with global-norm clipping too (0.05
     binds on every sliced step: the owners clip by the norm the relay summed from all of them)."""
     from tests.peer_worker import make_dataset
-    from tests.test_aggregators import FAST_AGGREGATORS, sliced_plan, stored_params
+    from tests.test_aggregators import FAST_AGGREGATORS, sliced_plan, stored_params, train_sliced
     from tests.test_collaboration import MODEL_KWARGS, load_flat, relay_params, rounds_from_events
 
     lamb = {**LAMB, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": clip}
     relay = start_relay({"optimizer": lamb, "run": {"target_batch": 36}, "aggregators": FAST_AGGREGATORS})
     _, initial = relay_params(relay.url)
     aggregators = start_aggregators(relay, "agg0", "agg1", wait=False)
-    peers = [launch_peer(relay.url, f"p{i}", seed=20 + i, batch_size=b, steps=10_000,
-                         extra=("--wait-peers", "3", "--wait-aggregators", "2", "--sleep-per-batch", "0.02"))
-             for i, b in enumerate((4, 6, 8))]
-    for agg in aggregators:
-        agg.wait_registered()
-    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == 3, timeout_s=90,
-                               what="a plan slicing the vector 3 ways")["step"]
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 3 and s["step"] >= sliced_at + 3, timeout_s=60,
-                            what="three steps sliced 3 ways")
+    peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 3, seed=20)
     for peer in peers:
         peer.stop()  # between micro-batches: every round a peer was in is in its events
     for peer in peers:

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from relay_server.core.config import ConfigError, RelayConfig
-from relay_server.core.hub_files import hub_endpoint, hub_token, parse_repo
+from relay_server.core.hub_files import download_hub_file, hub_endpoint, hub_token, parse_repo
 from relay_server.observers.events import StepEvent
 from relay_server.observers.pretrained import (MODEL_FILE, config_json, master_params, parameter_names, unflatten,
                                                write_pretrained)
@@ -226,23 +226,11 @@ def load_hub_checkpoint(config: RelayConfig, *, cache_dir: str | Path | None = N
     Downloads into ``cache_dir`` (default: a temporary directory, removed afterwards: once the run
     starts, its state lives in the data dir). A missing repo, revision or file is a ConfigError
     naming ``hub.init_from``."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
-
     repo_id, revision = parse_init_from(config.hub.init_from)
     where = f"{repo_id}@{revision or 'main'} on {hub_endpoint(config.hub)}"
     with tempfile.TemporaryDirectory(prefix="collab-hub-") as tmp:
-        try:
-            path = hf_hub_download(repo_id, MODEL_FILE, revision=revision, repo_type="model",
-                                   endpoint=hub_endpoint(config.hub), token=hub_token(config.hub),
-                                   cache_dir=str(cache_dir or tmp))
-        except RevisionNotFoundError:
-            raise ConfigError(f"hub.init_from: no revision {revision!r} in {repo_id}") from None
-        except RepositoryNotFoundError:
-            raise ConfigError(f"hub.init_from: repository {repo_id} not found (or private: export a token "
-                              f"that can read it in {config.hub.token_env}, see hub.token_env)") from None
-        except EntryNotFoundError:
-            raise ConfigError(f"hub.init_from: {where} has no {MODEL_FILE}; is it a collabtrain checkpoint?") from None
+        path = download_hub_file(config.hub, config.hub.init_from, MODEL_FILE, "hub.init_from", pinned=False,
+                                 cache_dir=str(cache_dir or tmp))
         tensors = load_file(path)
     log.info("initial parameters from %s (%d tensors)", where, len(tensors))
     return tensors
