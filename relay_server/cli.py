@@ -1,5 +1,6 @@
-"""``relay-server``: run a relay, an extra aggregator, or a complete local demo collaboration.
+"""relay-server: run a relay, an extra aggregator, or a complete local demo collaboration.
 
+    relay-server init run.toml                    # a commented configuration to edit
     relay-server serve --config run.toml          # an organizer's relay
     relay-server aggregator --coordinator https://relay.example --port 8751 \
         --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
@@ -14,22 +15,37 @@ import argparse
 import asyncio
 import logging
 import sys
+from importlib import metadata, resources
+from pathlib import Path
 
 from relay_server.core.config import ConfigError, load_config
 
 
-def main(argv: list[str] | None = None) -> int:
+def version() -> str:
+    try:
+        return metadata.version("collabtrain")
+    except metadata.PackageNotFoundError:  # run from a checkout, uninstalled
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relay-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"collabtrain {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    init = sub.add_parser("init", help="write a commented run configuration to edit (auth on, an allowlist "
+                          "to fill in)")
+    init.add_argument("path", help="the TOML file to write, e.g. my-run.toml")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+
     serve = sub.add_parser("serve", help="run the relay for a collaboration")
-    serve.add_argument("--config", help="run configuration (TOML); default: the embedded demo run")
+    serve.add_argument("--config", help="the run's configuration (TOML; relay-server init writes one)")
     serve.add_argument("--host", help="bind address (overrides server.host)")
     serve.add_argument("--port", type=int, help="port (overrides server.port; 0 = any free port)")
     serve.add_argument("--data-dir", help="state directory (overrides server.data_dir)")
     serve.add_argument("--ready-file", help="write the relay URL here once it accepts connections")
-    serve.add_argument("--verbose", "-v", action="store_true")
+    serve.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
     agg = sub.add_parser("aggregator", help="an extra server that owns the slices of the vector the relay's plan "
                          "assigns it (more bandwidth for the collaboration)")
@@ -44,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     agg.add_argument("--name", help="shown on the dashboard (default: the public URL's host:port)")
     agg.add_argument("--keep-versions", type=int, default=3, help="slice versions kept on disk (default 3)")
     agg.add_argument("--ready-file", help="write this server's URL here once it accepts connections")
-    agg.add_argument("--verbose", "-v", action="store_true")
+    agg.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
     demo = sub.add_parser("demo", help="relay + N CPU peers training the byte-level demo model")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes (default 3)")
@@ -52,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--target-batch", type=int, default=32, help="global batch per step (default 32)")
     demo.add_argument("--batch-size", type=int, default=8, help="per-peer micro-batch (default 8)")
     demo.add_argument("--data-dir", help="keep the relay state here (default: a temporary directory)")
-    demo.add_argument("--port", type=int, default=0)
+    demo.add_argument("--port", type=int, default=0, help="the relay's port (default 0: any free port)")
     demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
                       help="codec for gradients and parameters on the wire (default none)")
     demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny"), default="byte-lm",
                       help="byte-lm: the byte-level demo model; albert-tiny: the sahajBERT recipe in miniature "
                       "(tokenizer trained on the shipped text, ALBERT masked-LM, LAMB)")
-    demo.add_argument("--verbose", "-v", action="store_true")
+    demo.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
     export = sub.add_parser("export", help="write a version of the run as a folder users load (transformers runs: "
                             "save_pretrained's layout, AutoModel*.from_pretrained(folder))")
@@ -66,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--data-dir", required=True, help="the relay's state directory (server.data_dir)")
     export.add_argument("--out", required=True, help="folder to write")
     export.add_argument("--step", type=int, help="version to export (default: the latest)")
-    export.add_argument("--verbose", "-v", action="store_true")
+    export.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
     tok = sub.add_parser("tokenizer", help="the run's tokenizer").add_subparsers(dest="action", required=True)
     train = tok.add_parser("train", help="train a tokenizer.json on the run's dataset text")
@@ -74,20 +90,28 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--vocab-size", type=int, default=8000, help="vocabulary size (default 8000)")
     train.add_argument("--out", help="where to write it (default: [tokenizer] file, else tokenizer.json "
                        "next to the config)")
-    train.add_argument("--model", choices=("wordpiece", "bpe", "unigram"), default="wordpiece")
-    train.add_argument("--lowercase", action="store_true")
+    train.add_argument("--model", choices=("wordpiece", "bpe", "unigram"), default="wordpiece",
+                       help="segmentation model (default wordpiece; sahajBERT: unigram)")
+    train.add_argument("--lowercase", action="store_true", help="lowercase the text first")
     train.add_argument("--max-texts", type=int, help="train on at most this many documents")
-    train.add_argument("--verbose", "-v", action="store_true")
+    train.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
-    from relay_server.api.moderation import add_admin_parser, run_admin
+    from relay_server.api.moderation import add_admin_parser
 
     add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
+    return parser
 
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "init":
+            return _init(args)
         if args.command == "admin":
+            from relay_server.api.moderation import run_admin
+
             return run_admin(args)
         if args.command == "serve":
             return _serve(args)
@@ -96,8 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tokenizer":
             return _train_tokenizer(args)
         if args.command == "export":
-            from pathlib import Path
-
             from relay_server.observers.pretrained import export_version
 
             step = export_version(load_config(args.config), Path(args.data_dir), Path(args.out), args.step)
@@ -115,12 +137,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from relay_server.api.server import serve
+def _init(args: argparse.Namespace) -> int:
+    target = Path(args.path)
+    if target.exists() and not args.force:
+        raise ConfigError(f"{target} exists: edit it, or pass --force to overwrite it")
+    target.write_text(resources.files("relay_server").joinpath("defaults/init.toml").read_text())
+    print(f"wrote {target}: fill in [auth] allow_users or allow_orgs, set [run] and [model], then\n"
+          f"  relay-server serve --config {target}")
+    return 0
 
+
+def _serve(args: argparse.Namespace) -> int:
+    if not args.config:
+        raise ConfigError("relay-server serve needs --config RUN.toml: write one with `relay-server init RUN.toml` "
+                          "(login on, an allowlist to fill in), or try everything locally with `relay-server demo`")
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port), ("data_dir", args.data_dir))
                             if v is not None}}
-    config = load_config(args.config, overrides=overrides)
+    config = load_config(args.config, overrides=overrides)  # before the server's imports: a bad file fails at once
+    from relay_server.api.server import serve
+
     logging.getLogger("relay_server").setLevel(logging.INFO)
     asyncio.run(serve(config, ready_file=args.ready_file))
     return 0

@@ -267,16 +267,17 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     where.add_argument("--token-file", help="file holding the admin token")
     where.add_argument("--data-dir", help="the relay's data directory (reads DATA_DIR/admin_token)")
     admin.add_argument("--json", action="store_true", help="print the relay's JSON answer")
-    admin.add_argument("--verbose", "-v", action="store_true")
+    admin.add_argument("--verbose", "-v", action="store_true", help="log debug details")
     actions = admin.add_subparsers(dest="action", required=True)
     ban = actions.add_parser("ban", help="ban a Hugging Face user now (their peers are dropped)")
-    ban.add_argument("username")
+    ban.add_argument("username", help="the Hugging Face username")
     ban.add_argument("--reason", required=True, help="kept with the ban, shown by 'bans'")
-    actions.add_parser("unban", help="lift a ban").add_argument("username")
+    actions.add_parser("unban", help="lift a ban").add_argument("username", help="the Hugging Face username")
     actions.add_parser("bans", help="list bans")
     actions.add_parser("contributions", help="samples and rounds per Hugging Face username")
     actions.add_parser("checkpoints", help="stored versions a rollback can return to")
-    actions.add_parser("rollback", help="publish stored step STEP as the next version").add_argument("step", type=int)
+    actions.add_parser("rollback", help="publish stored step STEP as the next version").add_argument(
+        "step", type=int, help="a stored step (see 'checkpoints')")
 
 
 def run_admin(args: argparse.Namespace) -> int:

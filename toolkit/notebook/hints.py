@@ -7,7 +7,7 @@ W&B key in plain text). :func:`secret` reads them, in this order, from
 2. Kaggle's secrets (Add-ons -> Secrets; ``kaggle_secrets.UserSecretsClient``), only on Kaggle;
 3. an environment variable of the same name (local machines, CI).
 
-:func:`hf_token` adds the token ``huggingface-cli login`` saved and, last, a hidden prompt.
+:func:`hf_token` adds the token ``hf auth login`` saved and, last, a hidden prompt.
 
 :func:`platform_hints` turns what :func:`toolkit.runtime.environment.detect` found into at most a few
 one-line fixes (Kaggle's accelerator, Colab's runtime type, the TPU's preinstalled
@@ -52,7 +52,7 @@ def secret(name: str) -> str | None:
 
 def hf_token(*, prompt: bool = True) -> str | None:
     """The volunteer's Hugging Face token: :func:`secret` ``("HF_TOKEN")``, the saved
-    ``huggingface-cli login``, or a hidden prompt. None when there is none (an empty answer, or
+    ``hf auth login``, or a hidden prompt. None when there is none (an empty answer, or
     a kernel that cannot ask); the relay says whether the run needs one."""
     token = secret(HF_TOKEN) or _saved_hub_token()
     if token or not prompt:
@@ -130,7 +130,7 @@ def _kaggle_secret(name: str) -> str | None:
 
 
 def _saved_hub_token() -> str | None:
-    """The token ``huggingface-cli login`` stored (huggingface_hub reads its own file)."""
+    """The token ``hf auth login`` stored (huggingface_hub reads its own file)."""
     try:
         from huggingface_hub import get_token
     except ImportError:

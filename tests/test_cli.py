@@ -1,0 +1,74 @@
+"""``relay-server`` as an organizer first meets it: --version, init, serve without a config,
+a config that is missing or wrong, and help on every option."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay_server.cli import build_parser, main, version
+from relay_server.core.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def relay_server(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=60)
+
+
+def test_version_prints_the_installed_version() -> None:
+    done = relay_server("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"collabtrain {version()}"
+    assert version()[0].isdigit()
+
+
+def test_serve_without_a_config_refuses_pointing_at_init_and_demo() -> None:
+    done = relay_server("serve")
+    assert done.returncode == 2
+    assert "relay-server serve needs --config RUN.toml" in done.stderr
+    assert "relay-server init RUN.toml" in done.stderr and "relay-server demo" in done.stderr
+
+
+def test_a_missing_or_wrong_config_names_the_file_and_the_field(tmp_path: Path) -> None:
+    done = relay_server("serve", "--config", str(tmp_path / "nope.toml"))
+    assert done.returncode == 2 and f"cannot read config file {tmp_path / 'nope.toml'}" in done.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[run]\ntarget_batch = "many"\n')
+    done = relay_server("serve", "--config", str(bad))
+    assert done.returncode == 2 and "run.target_batch: 'many' is not a valid int" in done.stderr
+
+
+def test_init_writes_a_commented_config_with_login_on_and_an_allowlist_to_fill(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "my-run.toml"
+    assert main(["init", str(path)]) == 0
+    assert f"relay-server serve --config {path}" in capsys.readouterr().out
+    text = path.read_text()
+    assert 'mode = "hf"' in text and "allow_users = []" in text and text.count("#") > 10
+    with pytest.raises(ConfigError, match="auth.mode = 'hf' needs auth.allow_users"):
+        load_config(path)  # serve refuses until someone may join
+    path.write_text(text.replace("allow_users = []", 'allow_users = ["alice"]'))
+    config = load_config(path)
+    assert config.auth.mode == "hf" and config.auth.allow_users == ["alice"]
+    assert main(["init", str(path)]) == 2  # never overwrites an edited file
+    assert "exists: edit it, or pass --force" in capsys.readouterr().err
+    assert main(["init", str(path), "--force"]) == 0 and "allow_users = []" in path.read_text()
+
+
+def _options(parser: argparse.ArgumentParser, where: str = "relay-server"):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{where} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield where, action
+
+
+def test_every_option_has_help() -> None:
+    missing = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in _options(build_parser())
+               if not a.help]
+    assert not missing, missing
