@@ -11,6 +11,7 @@ optimizer step; the last line is a JSON summary.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -74,12 +75,10 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
         return load_config(None, overrides=overrides)
     if recipe != "albert-tiny":
         raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}")
-    try:
-        import tokenizers  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"--recipe albert-tiny needs transformers and tokenizers ({exc}): "
-                          "pip install -e '.[hf]' (or pip install 'collabtrain[hf]')") from None
+    missing = [name for name in ("tokenizers", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"--recipe albert-tiny needs {' and '.join(missing)}: "
+                          "pip install -e '.[hf]' (or pip install 'collabtrain[hf]')")
     from relay_server.data.tokenizer_train import train_for_run
 
     path = resources.files("relay_server").joinpath("defaults/albert-tiny.toml")
