@@ -23,7 +23,8 @@ import requests
 
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
-from toolkit.errors import CollabError, ProtocolError, RelayRejected, RelayUnreachable
+from toolkit.errors import (NOT_A_RELAY_HINT, CollabError, ProtocolError, RelayRejected, RelayUnreachable,
+                            RelayUrlError, not_a_relay_message)
 from toolkit.wire.protocol import (
     ROUTES,
     TICKET_HEADER,
@@ -74,7 +75,7 @@ class RelayClient:
     def __init__(self, url: str, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 120.0,
                  retries: int = 4, backoff_s: float = 0.5, auth: requests.auth.AuthBase | None = None) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"relay URL must start with http:// or https://, got {url!r}")
+            raise RelayUrlError("bad_relay_url", f"the relay URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         self.timeout = (connect_timeout_s, read_timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
@@ -135,7 +136,8 @@ class RelayClient:
         except ValueError as exc:
             if isinstance(exc, ProtocolError):
                 raise
-            raise ProtocolError("bad_json", f"{path}: the relay's answer is not JSON") from None
+            raise ProtocolError("not_a_relay", not_a_relay_message(response.url, response.status_code,
+                                response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT) from None
 
     # --- API ------------------------------------------------------------------------------------
     def login(self, hf_token: str, *, pins: RelayKeyPins | None = None) -> AccessPassHolder:
@@ -391,5 +393,6 @@ def _rejected(response: requests.Response) -> RelayRejected:
         return RelayRejected(str(body.get("error", "error")), str(body.get("message", "")),
                              str(body.get("hint", "")), status=response.status_code)
     except ValueError:
-        return RelayRejected(f"http_{response.status_code}", response.text[:200], status=response.status_code)
+        return RelayRejected("not_a_relay", not_a_relay_message(response.url, response.status_code,
+                             response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT, status=response.status_code)
 

@@ -24,6 +24,22 @@ class CollabError(Exception):
         return [f"{type(self).__name__}: {self.message}"] + ([f"What to do: {self.hint}"] if self.hint else [])
 
 
+NOT_A_RELAY_HINT = ("Check the relay URL: it is the address the organizer gave you, with http:// or https:// "
+                    "and the port; opened in a browser, it shows the run's dashboard.")
+
+
+def not_a_relay_message(url: str, status: int, content_type: str) -> str:
+    """What a peer says when a URL answers, but not as a relay does (a web page, a 404 page)."""
+    kind = "a web page" if "html" in content_type else (content_type.split(";")[0] or "an unknown body")
+    return f"{url} answered HTTP {status} with {kind}, not the relay's JSON: is this a collabtrain relay?"
+
+
+class RelayUrlError(CollabError, ValueError):
+    """The relay URL cannot be a relay's address (no scheme)."""
+
+    default_hint = NOT_A_RELAY_HINT
+
+
 class ProtocolError(CollabError, ValueError):
     """A message or tensor container that does not match the wire protocol."""
 

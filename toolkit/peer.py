@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -17,21 +18,29 @@ from toolkit.session import join
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.peer", description=__doc__)
     parser.add_argument("--relay", required=True, help="relay URL, e.g. http://127.0.0.1:8750")
-    parser.add_argument("--name", default="peer")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--name", default="peer", help="shown on the dashboard (default: peer)")
+    parser.add_argument("--token-env", default="HF_TOKEN",
+                        help="environment variable holding your Hugging Face token, for runs that need a login "
+                        "(default HF_TOKEN; open runs need none)")
+    parser.add_argument("--trusted-model", action="append", default=[], metavar="PACKAGE",
+                        help="a package whose model class this machine may build (a run with [model] kind = "
+                        "\"module\"); repeat for several")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per micro-batch (default 8)")
+    parser.add_argument("--seed", type=int, default=None, help="data order seed (default: from the peer id)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--max-seconds", type=float, default=None)
-    parser.add_argument("--delayed-updates", action="store_true")
-    parser.add_argument("--verbose", "-v", action="store_true")
+    parser.add_argument("--max-steps", type=int, default=None, help="leave after this many global steps")
+    parser.add_argument("--max-seconds", type=float, default=None, help="leave after this many seconds")
+    parser.add_argument("--delayed-updates", action="store_true",
+                        help="compute the next batch while a round is in flight (needs run.max_staleness >= 1)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log each step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)  # terminate = leave cleanly, like closing the tab
     try:
-        result = join(args.relay, batch_size=args.batch_size, peer_name=args.name, seed=args.seed,
+        result = join(args.relay, token=os.environ.get(args.token_env) or None, trusted_models=args.trusted_model,
+                      batch_size=args.batch_size, peer_name=args.name, seed=args.seed,
                       max_steps=args.max_steps, max_seconds=args.max_seconds,
                       delayed_updates=args.delayed_updates, verbose=args.verbose)
     except CollabError as exc:

@@ -158,7 +158,9 @@ def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:
         if not token:
             client.close()
             raise AuthError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
-                            "Add your token as the HF_TOKEN secret (or answer the prompt) and run the cell again.")
+                            "In a notebook: add your token as the HF_TOKEN secret (or answer the prompt) and run "
+                            "the cell again. From a shell: export HF_TOKEN=... (python -m toolkit.peer "
+                            "--token-env NAME reads another variable).")
         client.login(token)
     return client, run
 
