@@ -65,8 +65,10 @@ def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_pe
     relay = start_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
                          "run": {"target_batch": 150}})
     _, before = relay_params(relay.url)
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=b, steps=1, extra=("--wait-peers", "3"))
-             for i, b in enumerate((3, 5, 7))]
+    # 20 ms per micro-batch: the round fills in ~250 ms, so a peer the scheduler held back for a few
+    # tens of milliseconds at its start still reports before it opens (all three must be in it).
+    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=b, steps=1,
+                         extra=("--wait-peers", "3", "--sleep-per-batch", "0.02")) for i, b in enumerate((3, 5, 7))]
     for peer in peers:
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     step, after = relay_params(relay.url, min_step=1)
