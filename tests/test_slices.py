@@ -92,6 +92,10 @@ def test_a_peers_rate_is_its_parallel_transfers_together():
     meter.record("up", 1, 2000, started=10.5, ended=12.0)
     meter.flush()
     assert meter.download.value == pytest.approx(1500.0) and not meter.upload.measured
+    meter.record("down", 3, 1000, started=20.0, ended=21.0)  # a late peer fetches the same version
+    meter.record("down", 3, 1000, started=26.0, ended=27.0)  # 5 s later: the idle gap is not the link
+    meter.flush()
+    assert meter.upload.value == pytest.approx(1000.0)  # 2000 B over 2 busy seconds, not over 7
 
 
 def test_a_link_rate_is_its_best_recent_transfer():

@@ -5,7 +5,8 @@
   moved in one direction for one step: its rate is the summed bytes over the longest of the
   parallel transfers' durations (they overlap). A group is complete once a later step shows up.
 * A server's (relay or aggregator) own rate: per step, the bytes it received (served) over the
-  span from the first transfer's start to the last one's end, on its own clock.
+  time at least one of that step's transfers was under way, on its own clock (overlapping
+  transfers count once; the idle gap before a late peer's download does not count).
 * What a server *sends* counts only once the receiver acknowledged it (:func:`delivered`): the
   kernel takes a few MB into the socket's send buffer at once, so "the write returned" would
   overstate a slow link several times over for a slice of a few MB.
@@ -123,9 +124,19 @@ class PeerRates:
 @dataclass
 class _Span:
     step: int
-    first: float
-    last: float
+    intervals: list[tuple[float, float]]
     nbytes: int = 0
+
+    def busy_s(self) -> float:
+        """Seconds in which at least one of the step's transfers was under way: a peer that
+        fetches the version seconds after the others (it joined, or its round closed without
+        it) must not count the idle gap as the server sending slowly."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
 
 @dataclass
@@ -144,8 +155,8 @@ class ServerMeter:
             self._fold(direction, span)
             span = None
         if span is None:
-            span = self._spans[direction] = _Span(step, started, ended)
-        span.first, span.last = min(span.first, started), max(span.last, ended)
+            span = self._spans[direction] = _Span(step, [])
+        span.intervals.append((started, ended))
         span.nbytes += nbytes
 
     def flush(self) -> None:
@@ -154,6 +165,6 @@ class ServerMeter:
         self._spans.clear()
 
     def _fold(self, direction: str, span: _Span) -> None:
-        seconds = span.last - span.first
+        seconds = span.busy_s()
         if span.nbytes and seconds > 0:
             (self.download if direction == "up" else self.upload).add(span.nbytes / seconds)
