@@ -40,7 +40,7 @@ from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
-from toolkit.models import build_model
+from toolkit.models import build_own_model
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest, JoinResponse,
                                    ParamsManifest, PlanInfo, RunSummary, StateInfo, StatusReport, Ticket,
@@ -102,7 +102,7 @@ class Collaboration:
 
     def _initial_model(self) -> torch.nn.Module:
         torch.manual_seed(self.config.run.seed)
-        model = build_model(self.config.model.spec(), trusted_models=[self.config.model.factory.split(".")[0]])
+        model = build_own_model(self.config.model.spec())
         if self.config.model.init_checkpoint:
             from safetensors.torch import load_file
 

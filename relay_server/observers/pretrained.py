@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 from relay_server.core.config import ConfigError, RelayConfig
 from relay_server.rounds.store import Store
-from toolkit.models import build_model
+from toolkit.models import build_own_model
+from toolkit.models.hf import transformers_config
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "collabtrain-model.json"
@@ -31,15 +32,9 @@ def config_json(config: RelayConfig) -> str | None:
     """The transformers ``config.json`` of the run's model (None for the toolkit's models)."""
     if config.model.kind != "transformers":
         return None
-    from toolkit.models.hf import check_transformers_spec
-
-    import transformers
-
-    check_transformers_spec(config.model.architecture, config.model.config)
-    fields = dict(config.model.config)
-    cfg = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        model = getattr(transformers, config.model.architecture).from_config(cfg)
+    auto, cfg = transformers_config(config.model.architecture, config.model.config)
+    with torch.device("meta"):  # only the concrete class's name is wanted, not its weights
+        model = auto.from_config(cfg)
     cfg.architectures = [type(model).__name__]
     return cfg.to_json_string()
 
@@ -77,9 +72,9 @@ def parameter_names(config: RelayConfig) -> list[tuple[str, torch.Size]]:
     spec = config.model.spec()
     try:
         with torch.device("meta"):
-            model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])  # the relay trusts its own config
+            model = build_own_model(spec)
     except Exception:  # a factory that computes on its tensors at init: build it for real once
-        model = build_model(spec, trusted_models=[spec.factory.split(".")[0]])
+        model = build_own_model(spec)
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 

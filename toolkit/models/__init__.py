@@ -23,7 +23,8 @@ from toolkit.wire.protocol import ModelSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteTransformer", "MLP", "TransformerConfig", "Vector", "build_model", "check_trusted", "loss_of"]
+__all__ = ["ByteTransformer", "MLP", "TransformerConfig", "Vector", "build_model", "build_own_model", "check_trusted",
+           "loss_of"]
 
 _FACTORIES = {"ByteTransformer": ByteTransformer, "MLP": MLP, "Vector": Vector}
 
@@ -33,7 +34,7 @@ def check_trusted(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> None:
     if spec.kind != "module":
         return
     module, _, name = spec.factory.partition(":")
-    package = module.split(".")[0]
+    package = _package(spec)
     if not module or not name:
         raise ModelMismatch("bad_model_factory", f"model factory {spec.factory!r} is not 'package.module:Name'",
                             "Ask the organizer to fix [model] factory.")
@@ -63,3 +64,13 @@ def build_model(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> "torch.n
                             f"Use one of {', '.join('toolkit.models:' + n for n in _FACTORIES)}, "
                             'kind = "transformers" for a transformers architecture, or pass your own model to join().')
     return _FACTORIES[name](**spec.kwargs)
+
+
+def build_own_model(spec: ModelSpec) -> "torch.nn.Module":
+    """The relay's build of the run it was configured with: the organizer's own package is the
+    one its configuration names, so it is trusted by definition (volunteers opt in themselves)."""
+    return build_model(spec, trusted_models=[_package(spec)])
+
+
+def _package(spec: ModelSpec) -> str:
+    return spec.factory.partition(":")[0].split(".")[0]

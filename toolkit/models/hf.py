@@ -52,8 +52,8 @@ def check_transformers_spec(architecture: str, config: Mapping[str, Any]) -> Non
                             'Add model_type (e.g. "albert", "gpt2", "bert") to [model] config.')
 
 
-def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn.Module:
-    """``transformers.<architecture>.from_config(AutoConfig.for_model(**config))``, locally only."""
+def transformers_config(architecture: str, config: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(the ``AutoModel*`` class, its ``AutoConfig``) for a run's spec, after the refusals above."""
     check_transformers_spec(architecture, config)
     transformers = _transformers()
     auto = getattr(transformers, architecture, None)
@@ -63,11 +63,16 @@ def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn
     fields = dict(config)
     model_type = fields.pop("model_type")
     try:
-        cfg = transformers.AutoConfig.for_model(model_type, **fields)
+        return auto, transformers.AutoConfig.for_model(model_type, **fields)
     except ValueError as exc:
         raise ModelMismatch("unknown_model_type", f"transformers {transformers.__version__} does not know "
                             f"model_type {model_type!r} ({exc})",
                             "Upgrade transformers, or use a model_type this version ships.") from None
+
+
+def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn.Module:
+    """``transformers.<architecture>.from_config(AutoConfig.for_model(**config))``, locally only."""
+    auto, cfg = transformers_config(architecture, config)
     try:
         return auto.from_config(cfg)
     except ValueError as exc:
