@@ -10,6 +10,7 @@ module outgrows what a reader takes in at one sitting.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,15 @@ def test_every_subpackage_says_what_it_owns() -> None:
 def test_modules_stay_small() -> None:
     big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines (split them along their seams): {big}"
+
+
+def test_docstrings_cite_documents_that_exist() -> None:
+    """A docstring citing ``DESIGN.md s3`` sends the reader to a file and section of this repository."""
+    sections = {int(n) for n in re.findall(r"^## (\d+)\.", (REPO / "DESIGN.md").read_text(), re.M)}
+    for name, path in module_files().items():
+        text = path.read_text()
+        for doc in set(re.findall(r"\b([A-Za-z_]+\.md)\b", text)):
+            assert (REPO / doc).is_file(), f"{name} cites {doc}, which is not in the repository"
+        for first, last in re.findall(r"DESIGN\.md (?:s|sections? )(\d+)(?:-(\d+))?", text):
+            cited = range(int(first), int(last or first) + 1)
+            assert set(cited) <= sections, f"{name} cites DESIGN.md section {first}{'-' + last if last else ''}"
