@@ -49,8 +49,24 @@ class ProtocolError(CollabError, ValueError):
 class RelayUnreachable(CollabError, ConnectionError):
     """No answer from the relay after all retries."""
 
-    default_hint = ("Check the relay URL, that the relay is running, and that this notebook has "
-                    "internet access (Kaggle: Settings -> Internet on).")
+    default_hint = ("A relay that is restarting answers again within seconds: a running peer keeps retrying and "
+                    "goes on by itself. Otherwise check the relay URL, that the relay is running, and that this "
+                    "notebook has internet access (Kaggle: Settings -> Internet on).")
+
+
+def unreachable_reason(exc: BaseException) -> str:
+    """A few words for why a connection failed, instead of urllib3's nested repr (which names
+    classes, not causes)."""
+    text = str(exc)
+    for sign, words in (("Connection refused", "connection refused: nothing listens there"),
+                        ("Name or service not known", "the host name does not resolve"),
+                        ("nodename nor servname", "the host name does not resolve"),
+                        ("Temporary failure in name resolution", "the host name does not resolve"),
+                        ("Connection reset", "connection reset"), ("Connection aborted", "connection reset"),
+                        ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid")):
+        if sign in text:
+            return words
+    return "timed out" if "Timeout" in type(exc).__name__ else type(exc).__name__
 
 
 class RoundLost(RelayUnreachable):
@@ -76,7 +92,25 @@ class ModelMismatch(CollabError, ValueError):
 class RunFinished(CollabError):
     """The run reached its configured number of steps; nothing left to contribute."""
 
-    default_hint = "Thank you for contributing! The organizer can start a new run."
+    default_hint = "Nothing to do here: ask the organizer for the address of their next run."
+
+
+class DeviceOutOfMemory(CollabError, MemoryError):
+    """A micro-batch did not fit in the accelerator's (or the host's) memory."""
+
+    default_hint = ("Join again with a smaller batch: toolkit.join(..., batch_size=N) or python -m toolkit.peer "
+                    "--batch-size N; on a GPU notebook restart the runtime first, so its memory is free.")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: CUDA/MPS raise ``torch.OutOfMemoryError``, the CPU
+    allocator and XLA a plain ``RuntimeError`` whose text is the only sign (checked by text, so
+    this module needs no torch)."""
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        sign in text for sign in ("can't allocate memory", "out of memory", "RESOURCE_EXHAUSTED"))
 
 
 class PrecisionUnsupported(CollabError, ValueError):

@@ -28,7 +28,7 @@ from toolkit.runtime import environment
 from toolkit.client import RelayClient
 from toolkit.data.pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
-from toolkit.errors import AuthError, CollabError
+from toolkit.errors import AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
@@ -102,6 +102,9 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                                      device_info={**info.to_json(), "precision": policy.to_json()},
                                      precision=policy.name, accumulate_on_host=accumulate_on_host, verbose=verbose)
         cleanup.callback(opt.close)
+        if opt.collab_state.finished:  # joined after the last step: say so rather than return 0 samples
+            raise RunFinished("run_finished", f"run {run.run_name!r} already finished at step "
+                              f"{opt.collab_state.step}: there is nothing left to contribute")
         target = WandbTarget.parse(wandb_project) or (
             WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", "")) if run.wandb.get("project")
             else None)
@@ -118,11 +121,17 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         progress: PeerProgress | None = None
         try:
             for batch in batches:
-                batch = to_device(batch, device)
-                opt.zero_grad()
-                with policy.autocast():
-                    loss = loss_of(model, batch)
-                policy.scale_loss(loss).backward()
+                try:
+                    batch = to_device(batch, device)
+                    opt.zero_grad()
+                    with policy.autocast():
+                        loss = loss_of(model, batch)
+                    policy.scale_loss(loss).backward()
+                except RuntimeError as exc:
+                    if not is_out_of_memory(exc):
+                        raise
+                    raise DeviceOutOfMemory("out_of_memory", f"the {info.label} ran out of memory on a micro-batch "
+                                            f"of {batch_size_of(batch)} samples") from None
                 finite = policy.unscale_and_check(model.parameters())
                 loss_value = loss.item()
                 environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_value, skip=not finite)

@@ -26,7 +26,8 @@ from toolkit.wire.auth import USERNAME_RE
 
 log = logging.getLogger(__name__)
 
-_TOKEN_HINT = "Create a read token at https://huggingface.co/settings/tokens and paste it again."
+_TOKEN_HINT = ("Create a read token at https://huggingface.co/settings/tokens, put it in the HF_TOKEN secret "
+               "(notebook) or variable (shell), and run again.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +141,7 @@ def _map_error(exc: BaseException, endpoint: str) -> AuthRejected:
     log.warning("HF identity check at %s failed: %s%s", endpoint, type(exc).__name__,
                 f" (HTTP {status})" if status else "")
     if status in (401, 403):
-        return AuthRejected(401, "invalid_hf_token", "Hugging Face rejected the token", _TOKEN_HINT)
+        return AuthRejected(401, "invalid_hf_token", "Hugging Face rejected the token (wrong, expired or revoked)", _TOKEN_HINT)
     if status == 429:
         return AuthRejected(503, "identity_rate_limited", "Hugging Face rate-limited the relay's identity checks",
                             "Retry in a minute.")
