@@ -134,6 +134,28 @@ def test_tqdm_panel_writes_one_line_per_problem_and_starts_no_thread() -> None:
     assert set(threading.enumerate()) == threads  # no tqdm monitor thread
 
 
+def test_tqdm_rate_counts_steps_since_joining_and_the_last_line_prints_once() -> None:
+    out, clock = io.StringIO(), Clock()
+    panel = TqdmPanel("run: peer", file=out, clock=clock)
+    for i in range(11):  # joined a run at global step 500
+        clock.now = i * 0.6
+        panel.update(progress(global_step=500 + i))
+    meter = panel.bar.format_dict
+    assert (meter["initial"], meter["n"]) == (500, 510)  # tqdm's rate is (n - initial) / elapsed
+    panel.close()
+    draws = [line for line in out.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert sum(line.startswith("run: peer: 510step") for line in draws) == 1, draws[-3:]
+    assert out.getvalue().endswith("\n")
+
+    out = io.StringIO()  # the last snapshot not drawn yet (throttled): close() draws it, once
+    panel = TqdmPanel("run: peer", file=out, clock=Clock())
+    panel.update(progress(global_step=7))
+    panel.update(progress(global_step=8))
+    panel.close()
+    draws = [line for line in out.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    assert [sum(f" {n}/100 " in line for line in draws) for n in (7, 8)] == [1, 1], draws
+
+
 def test_auto_picks_tqdm_only_on_a_terminal_outside_jupyter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert isinstance(open_panel("auto", "t"), NullPanel)

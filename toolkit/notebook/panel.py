@@ -198,6 +198,9 @@ class TqdmPanel(_Throttled):
         super().__init__(interval_s, clock)
         self._file = file
         self._shown_problem: str | None = None
+        self._joined_at_step: int | None = None
+        self._closing = False
+        self._on_screen: PeerProgress | None = None
         self.bar = _quiet_tqdm()(desc=title, unit="step", file=file, leave=True, mininterval=0,
                                  dynamic_ncols=True)
 
@@ -208,15 +211,28 @@ class TqdmPanel(_Throttled):
                            file=self._file)
         if progress.total_steps and self.bar.total != progress.total_steps:
             self.bar.total = progress.total_steps
+        if self._joined_at_step is None:  # steps/s counts the steps seen here, not the run's steps before we joined
+            self._joined_at_step = self.bar.initial = progress.global_step
         self.bar.n = progress.global_step
         values = dict(progress.rows())
         self.bar.set_postfix_str(
             f"peers {values['peers online']} | {values['collaboration']} | next {values['next step']} | "
             f"you {progress.contributed_samples:,} samples | loss {values['loss']} | "
             f"first {values['first contribution']}", refresh=False)
-        self.bar.refresh()
+        if not self._closing:  # the bar's close() draws the final line, once
+            self.bar.refresh()
+            self._on_screen = progress
+
+    def close(self) -> None:
+        self._closing = True
+        super().close()
 
     def _release(self) -> None:
+        if self.latest is not None and self._on_screen is self.latest:
+            # The final state is already drawn: end its line, and let tqdm's close() skip its own redraw
+            # (it skips bars it considers never shown), or logs get the last line twice.
+            self.bar.fp.write("\n")
+            self.bar.delay = float("inf")
         self.bar.close()
 
 
