@@ -67,6 +67,9 @@ class RelayThread:
 
 
 RECIPES = ("byte-lm", "albert-tiny")
+OVERSHOOT_POLICY = ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
+                    "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
+                    "how many; a smaller --batch-size keeps it closer to the target)")
 
 
 def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
@@ -90,7 +93,10 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
 
 
 def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
-             data_dir: str | None = None, port: int = 0, compression: str = "none", recipe: str = "byte-lm") -> int:
+             data_dir: str | None = None, port: int = 0, compression: str = "none", recipe: str = "byte-lm",
+             keep: bool = False) -> int:
+    """Run the demo; with ``keep`` the relay and its dashboard stay up after the last step until
+    Ctrl-C, so the finished run can be looked at."""
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
     directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
     directory.mkdir(parents=True, exist_ok=True)
@@ -103,6 +109,8 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
     print(f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}", flush=True)
     print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
           f"{steps} steps, compression {compression}", flush=True)
+    print(f"rounds:    {OVERSHOOT_POLICY.format(target=target_batch, most=target_batch + peers * batch_size)}",
+          flush=True)
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
                                "--seed", str(1000 + i), "--batch-size", str(batch_size), "--threads", "1"],
                               stdout=subprocess.DEVNULL, stderr=open(directory / f"peer-{i}.log", "w"))
@@ -111,7 +119,7 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
     losses: dict[int, float] = {}
     samples: dict[int, int] = {}
     times: dict[int, float] = {}
-    code = 0
+    code, kept = 0, False
     try:
         while True:
             status = client.get_status()
@@ -120,8 +128,8 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
                     losses[r.step], samples[r.step], times[r.step] = r.loss or float("nan"), r.samples, time.monotonic()
                     rate = _rate(samples, times)
                     print(f"step {r.step:4d}/{steps}  loss {losses[r.step]:.4f}  samples/s {rate:7.1f}  "
-                          f"peers {status.num_peers}  ({r.contributors} contributed {r.samples} samples "
-                          f"in {r.duration_s:.2f}s)", flush=True)
+                          f"peers {status.num_peers}  (applied {r.samples} of target {target_batch} samples "
+                          f"from {r.contributors} peers in {r.duration_s:.2f}s)", flush=True)
             if status.finished:
                 break
             if all(p.poll() is not None for p in procs):
@@ -129,8 +137,18 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
                 code = 1
                 break
             time.sleep(0.25)
-    except (KeyboardInterrupt, CollabError) as exc:
-        print(f"demo stopped: {exc or 'interrupted'}", file=sys.stderr)
+        _stop_peers(procs)
+        if keep and code == 0:
+            kept = True
+            print(f"--keep: the relay and its dashboard stay up at {url}/ ; press Ctrl-C to stop them", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        if not kept:
+            print("demo stopped: interrupted", file=sys.stderr)
+            code = 1
+    except CollabError as exc:
+        print(f"demo stopped: {exc}", file=sys.stderr)
         code = 1
     finally:
         _stop_peers(procs)

@@ -8,6 +8,8 @@ the relay goes away. A screenshot lands in ``test-artifacts/`` for a human to lo
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +108,8 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     assert int(page.locator("#loss-chart").get_attribute("data-points")) > first_points
     assert relay.status()["step"] >= later_step  # the page shows the relay's step, not an invention
     expect(page.locator("#throughput-chart polyline.rounds")).to_have_count(1)
+    expect(page.locator("#last-applied")).to_contain_text(re.compile(r"Step \d+ applied \d+ of target 32 samples "
+                                                                    r"from \d peers\."))
 
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "dashboard.png"
@@ -119,4 +123,12 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#connection")).to_have_text("relay unreachable")
     expect(page.locator("#peers tbody")).to_contain_text("alice")  # the last data stays readable
     page.screenshot(path=str(ARTIFACTS / "dashboard-unreachable.png"), full_page=True)
+    assert page.evaluate("window.__sameDocument") is True
+    # A relay that is down costs nothing to ask again: after several failed polls the page still
+    # asks at its normal cadence (no 15 s backoff), so it is live within one poll of the restart.
+    page.wait_for_timeout(5000)
+    expect(page.locator("#unreachable")).to_contain_text("retrying every 1.5 s")
+    relay.start()
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#unreachable")).to_be_hidden()
     assert page.evaluate("window.__sameDocument") is True

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +43,40 @@ def test_demo_prints_a_line_per_step_and_a_json_summary() -> None:
     assert summary["first_loss"] == round(losses[1], 4) and summary["last_loss"] == round(losses[3], 4)
     assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())  # bytes: ln(256) = 5.55 at init
     assert summary["samples_per_s"] > 0
+
+
+def test_each_step_says_how_many_samples_it_applied_of_the_target() -> None:
+    """The overshoot is stated, not hidden: the header gives the range, every step line its count."""
+    proc = start_demo("--peers", "2", "--steps", "2", "--target-batch", "8", "--batch-size", "4")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert ("rounds:    a round opens when the peers' reported samples reach 8; each peer then adds the micro-batch "
+            "it was computing, so a step applies 8 to 16 samples") in out
+    applied = [int(n) for n in re.findall(r"\(applied (\d+) of target 8 samples from \d+ peers", out)]
+    assert len(applied) == 2 and all(8 <= n <= 16 for n in applied), out
+
+
+def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
+    from tests.conftest import free_port
+
+    port = free_port()
+    proc = start_demo("--peers", "1", "--steps", "1", "--target-batch", "4", "--batch-size", "4",
+                      "--port", str(port), "--keep")
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("--keep:"):
+                break
+        assert f"http://127.0.0.1:{port}/" in line
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as answer:
+            assert json.load(answer)["finished"] is True  # the peers are gone, the relay is not
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+            assert page.status == 200
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["steps"] == 1
+    finally:
+        proc.kill()
 
 
 def test_int8_compression_trains_as_well_as_float32() -> None:

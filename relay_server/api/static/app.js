@@ -7,7 +7,7 @@
 
 const POLL_MS = 1500;          // one StatusReport every 1.5 s is cheap for the relay
 const HIDDEN_POLL_MS = 6000;   // a background tab still updates, just less often
-const MAX_BACKOFF_MS = 15000;  // retry an unreachable relay at most this far apart
+const MAX_BACKOFF_MS = 15000;  // a relay answering with errors (overloaded) is retried at most this far apart
 const TIMEOUT_MS = 5000;       // a hung request counts as a failure, so the banner shows
 const HISTORY = 600;           // client-side samples/s history points kept (~15 min)
 const RATE_WINDOW = 5;         // rounds per throughput point: one round alone is too spiky
@@ -15,7 +15,7 @@ const RATE_WINDOW = 5;         // rounds per throughput point: one round alone i
 const $ = (id) => document.getElementById(id);
 const reportedHistory = [];    // [server unix seconds, samples/s reported by peers]
 let clockOffsetS = 0;          // server clock - browser clock, from the response's Date header
-let failures = 0;
+let failures = 0;             // consecutive polls the relay answered with an error status
 
 // --- formatting ---------------------------------------------------------------------------------
 const intFmt = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
@@ -62,7 +62,10 @@ async function poll() {
   const timer = setTimeout(() => abort.abort(), TIMEOUT_MS);
   try {
     const res = await fetch("/api/status", { cache: "no-store", signal: abort.signal });
-    if (!res.ok) throw new Error(`HTTP ${res.status}`);
+    if (!res.ok) {
+      failures += 1;  // the relay is up but struggling: back off, so observers do not add to its load
+      throw new Error(`HTTP ${res.status}`);
+    }
     const serverDate = Date.parse(res.headers.get("Date") || "");
     if (!Number.isNaN(serverDate)) clockOffsetS = (serverDate - Date.now()) / 1000;
     const status = await res.json();
@@ -70,13 +73,18 @@ async function poll() {
     setConnected(true);
     render(status);
   } catch (err) {
-    failures += 1;
+    // A relay that is down or restarting costs nothing to ask again: keep the normal cadence, so the
+    // page is live again within one poll of the relay coming back.
     setConnected(false, err.name === "AbortError" ? "no answer" : err.message);
   } finally {
     clearTimeout(timer);
-    const base = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
-    setTimeout(poll, failures ? Math.min(MAX_BACKOFF_MS, base * 2 ** (failures - 1)) : base);
+    setTimeout(poll, nextPollMs());
   }
+}
+
+function nextPollMs() {
+  const base = document.hidden ? HIDDEN_POLL_MS : POLL_MS;
+  return failures ? Math.min(MAX_BACKOFF_MS, base * 2 ** failures) : base;
 }
 
 function setConnected(ok, reason = "") {
@@ -88,9 +96,8 @@ function setConnected(ok, reason = "") {
     $("updated").textContent = new Date().toLocaleTimeString("en-GB");
     return;
   }
-  const retryS = Math.min(MAX_BACKOFF_MS, POLL_MS * 2 ** (failures - 1)) / 1000;
   banner.textContent = `Cannot reach the relay (${reason}). Showing the last data received; ` +
-    `retrying in ${retryS.toFixed(0)} s.`;
+    `retrying every ${(nextPollMs() / 1000).toFixed(1)} s.`;
   banner.hidden = false;
   $("connection").textContent = "relay unreachable";
 }
@@ -137,6 +144,11 @@ function renderRound(s) {
     text = `${fmt.int(s.samples_accumulated)} of ${fmt.int(s.target_batch)} samples for step ${s.step + 1} (${eta}).`;
   }
   $("round-text").textContent = text;
+  // What the last step really applied: a round opens at the target, and each peer then adds the
+  // micro-batch it was computing, so a step may apply more than the target (stated, not hidden).
+  const last = (s.recent_rounds || []).at(-1);
+  $("last-applied").textContent = last ? `Step ${last.step} applied ${fmt.int(last.samples)} of target ` +
+    `${fmt.int(s.target_batch)} samples from ${fmt.int(last.contributors)} peers.` : "";
 }
 
 /** Samples/s over a sliding window of finished rounds: [finalized_at, rate]. */
