@@ -7,6 +7,7 @@
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
     relay-server tokenizer train --config run.toml --vocab-size 8000   # the run's tokenizer.json
     relay-server export --config run.toml --data-dir relay-data --out ckpt   # a loadable checkpoint
+    relay-server notebook colab --url https://relay.example.org -o my-run.ipynb   # what volunteers open
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-texts", type=int, help="train on at most this many documents")
     train.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
+    notebook = sub.add_parser("notebook", help="write the one-cell notebook volunteers open: the relay's URL and the "
+                              "sha256 of the toolkit wheel it serves filled in (pip installs exactly that)")
+    notebook.add_argument("platform", choices=("colab", "kaggle", "tpu", "local"),
+                          help="where volunteers run it (tpu: Colab or Kaggle TPU runtimes)")
+    notebook.add_argument("--url", required=True, help="the relay's public address, as volunteers reach it "
+                          "(e.g. https://relay.example.org); it must be running: it is asked which wheel it serves")
+    notebook.add_argument("-o", "--out", required=True, help="the .ipynb file to write, e.g. my-run.ipynb")
+
     from relay_server.api.moderation import add_admin_parser
 
     add_admin_parser(sub)  # relay-server admin --url URL [--data-dir DIR] ban|unban|bans|contributions|rollback|checkpoints
@@ -119,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             return _aggregator(args)
         if args.command == "tokenizer":
             return _train_tokenizer(args)
+        if args.command == "notebook":
+            return _notebook(args)
         if args.command == "export":
             from relay_server.observers.pretrained import export_version
 
@@ -144,6 +155,20 @@ def _init(args: argparse.Namespace) -> int:
     target.write_text(resources.files("relay_server").joinpath("defaults/init.toml").read_text())
     print(f"wrote {target}: fill in [auth] allow_users or allow_orgs, set [run] and [model], then\n"
           f"  relay-server serve --config {target}")
+    return 0
+
+
+def _notebook(args: argparse.Namespace) -> int:
+    from relay_server.notebooks import write_notebook
+
+    try:
+        pin = write_notebook(args.platform, args.url, Path(args.out))
+    except ConfigError as exc:  # not a configuration: say which command failed
+        print(f"relay-server notebook: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: it installs collabtrain {pin.version} from {pin.relay_url}/toolkit/{pin.wheel} "
+          f"(sha256 {pin.sha256}) and joins that relay. Share it with volunteers; write it again after upgrading "
+          f"the relay's collabtrain (the old one then refuses to install).")
     return 0
 
 

@@ -3,8 +3,10 @@ their cell uses (secret stores, platform hints).
 
 Each notebook runs unchanged in a fresh kernel of this venv's Python (a kernelspec written into
 tmp_path) against a real relay of its own (the demo run with a tiny model): CI only sets the
-environment variables the cell documents (relay URL, pip requirement, a step limit) and
-PIP_NO_INDEX, so the cell's own pip step finds the toolkit installed and never reaches the network. On this machine the platform
+environment variables the cell documents (relay URL, a step limit). These are the shipped
+templates, with no toolkit sha256 filled in, so the cell installs nothing and uses the toolkit
+this venv has installed; tests/test_install_path.py runs a notebook that ``relay-server
+notebook`` wrote, installing from the relay into a fresh venv. On this machine the platform
 branches (Colab/Kaggle secrets, TPU) take their no-platform fallback.
 """
 
@@ -70,6 +72,10 @@ def test_the_four_cells_differ_only_in_the_default_relay_url() -> None:
     source = cells["colab"]
     assert "toolkit.join(RELAY_URL, token=token, max_steps=MAX_STEPS)" in source
     assert '"-c", constraints.name' in source and '"torch_xla"' in source  # TPU-safe install
+    # Only the relay's wheel, pinned by sha256; the templates pin nothing, so they install nothing.
+    assert "collabtrain[hf] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}" in source
+    assert 'TOOLKIT_WHEEL = ""' in source and 'TOOLKIT_SHA256 = ""' in source
+    assert "COLLAB_TOOLKIT" not in source
 
 
 # --- the notebooks, executed -----------------------------------------------------------------
@@ -90,23 +96,30 @@ class Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def kernel_spec_manager(directory: Path, python: str, name: str = "collab-ci") -> KernelSpecManager:
+    """A kernelspec named ``name`` that runs ``python``, so a notebook runs in that environment
+    whatever kernels the machine has installed elsewhere."""
+    (directory / name).mkdir(parents=True)
+    (directory / name / "kernel.json").write_text(json.dumps({
+        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "collabtrain CI", "language": "python"}))
+    return KernelSpecManager(kernel_dirs=[str(directory)])
+
+
 @pytest.fixture(scope="module")
 def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
-    """A kernelspec that names this interpreter, so the notebooks run in this venv whatever
-    kernels the machine has installed elsewhere."""
-    kernels = tmp_path_factory.mktemp("kernels")
-    (kernels / "collab-ci").mkdir()
-    (kernels / "collab-ci" / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "collabtrain CI", "language": "python"}))
-    return KernelSpecManager(kernel_dirs=[str(kernels)])
+    """This venv's interpreter as the ``collab-ci`` kernel."""
+    return kernel_spec_manager(tmp_path_factory.mktemp("kernels"), sys.executable)
 
 
-def kernel_env(relay_url: str, home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS}
-    env.update(COLLAB_RELAY_URL=relay_url, COLLAB_TOOLKIT="collabtrain", COLLAB_MAX_STEPS=str(MAX_STEPS),
-               PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", HF_TOKEN=FAKE_TOKEN, HF_HOME=str(home / "hf"),
-               WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+def kernel_env(relay_url: str | None, home: Path) -> dict[str, str]:
+    """What CI sets for a notebook's kernel: the relay (None: the one written into the notebook),
+    a step limit, no package index, and no token or W&B key of this machine's."""
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS and k != "COLLAB_RELAY_URL"}
+    if relay_url is not None:
+        env["COLLAB_RELAY_URL"] = relay_url
+    env.update(COLLAB_MAX_STEPS=str(MAX_STEPS), PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               HF_TOKEN=FAKE_TOKEN, HF_HOME=str(home / "hf"), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     return env
 
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
-from relay_server.api import shards as shards_api, tokenizer as tokenizer_api
+from relay_server.api import shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -208,12 +208,13 @@ ROUTE_TABLE = [
     ("GET", "/favicon.ico", get_favicon),
     *shards_api.ROUTES,
     *tokenizer_api.ROUTES,
+    *toolkit_api.ROUTES,
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
 PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"], ROUTES["plan"]})
+                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC})
 
 
 def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
@@ -248,6 +249,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(_lifespan)
     app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
     app.cleanup_ctx.append(tokenizer_api.lifespan)  # the run's tokenizer sha256 and objective into RunInfo
+    app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
     return app
 
 

@@ -1,0 +1,289 @@
+"""How a volunteer gets the toolkit: from the run's relay, pinned by sha256, never by bare name.
+
+The relay writes a reproducible wheel of the toolkit it runs and serves it; ``relay-server
+notebook`` writes the organizer's notebook with that wheel's name and sha256 filled in; the
+notebook, executed headlessly in a FRESH virtualenv (no collabtrain in it, no package index),
+installs exactly that wheel from the relay and contributes; a wheel swapped on the relay's disk
+makes the same notebook stop with the hash message. The fresh venv sees this venv's
+site-packages through a ``.pth`` path line (torch, transformers, ipykernel resolve without a
+network), but not this venv's editable collabtrain finder: ``.pth`` files in a directory added
+that way are not processed, so ``import toolkit`` can only come from what the notebook installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import http.client
+import io
+import re
+import subprocess
+import sys
+import sysconfig
+import threading
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import nbformat
+import pytest
+import requests
+import yaml
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from relay_server.cli import main
+from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
+from relay_server.notebooks import PLATFORMS, ToolkitPin, render, template
+from tests.conftest import REPO, free_port
+from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
+from tests.test_panel import TINY_LM, running_relay, status
+
+HASH_MESSAGE = "serves a different toolkit than this notebook pins"
+
+
+# --- the wheel -------------------------------------------------------------------------------
+def test_the_wheel_is_byte_for_byte_reproducible_and_complete(tmp_path: Path) -> None:
+    name, data = build_wheel_bytes()
+    assert build_wheel_bytes() == (name, data)
+    # Another process, another working directory and umask: the same bytes.
+    other = subprocess.run([sys.executable, "-c", "import hashlib, os; os.umask(0o077); "
+                            "from relay_server.core.distribution import build_wheel_bytes; "
+                            "print(hashlib.sha256(build_wheel_bytes()[1]).hexdigest())"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == hashlib.sha256(data).hexdigest()
+
+    dist = installed_distribution()
+    assert name == f"collabtrain-{dist.version}-py3-none-any.whl"
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    entries = archive.infolist()
+    names = [e.filename for e in entries]
+    assert all(e.date_time == (1980, 1, 1, 0, 0, 0) and e.external_attr >> 16 == 0o100644 for e in entries)
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    info = f"collabtrain-{dist.version}.dist-info"
+    assert names[-4:] == [f"{info}/METADATA", f"{info}/WHEEL", f"{info}/entry_points.txt", f"{info}/RECORD"]
+    assert names[:-4] == sorted(names[:-4])
+    for required in ("toolkit/__init__.py", "toolkit/assets/demo_corpus.txt", "relay_server/api/static/index.html",
+                     "relay_server/defaults/init.toml", "relay_server/defaults/notebooks/colab.ipynb",
+                     "relay_server/core/distribution.py"):
+        assert required in names
+    metadata = archive.read(f"{info}/METADATA").decode()
+    assert f"Name: {dist.metadata['Name']}\nVersion: {dist.version}\n" in metadata
+    assert all(f"Requires-Dist: {r}\n" in metadata for r in dist.requires)
+    assert all(f"Provides-Extra: {e}\n" in metadata for e in dist.metadata.get_all("Provides-Extra"))
+    assert "relay-server = relay_server.cli:main" in archive.read(f"{info}/entry_points.txt").decode()
+    # RECORD names every other file with its hash and size, as pip checks them.
+    record = archive.read(f"{info}/RECORD").decode().splitlines()
+    assert sorted(line.split(",")[0] for line in record) == sorted(names)
+    for line in record[:-1]:
+        path, digest, size = line.split(",")
+        body = archive.read(path)
+        assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
+        assert int(size) == len(body)
+
+
+def test_the_data_dir_keeps_one_wheel_and_an_identical_build_leaves_it_untouched(tmp_path: Path) -> None:
+    (tmp_path / "collabtrain-0.0.1-py3-none-any.whl").write_bytes(b"an older relay's wheel")
+    wheel = ensure_wheel(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [wheel.filename]
+    assert hashlib.sha256(wheel.path.read_bytes()).hexdigest() == wheel.sha256
+    written = wheel.path.stat().st_mtime_ns
+    assert ensure_wheel(tmp_path) == wheel and wheel.path.stat().st_mtime_ns == written
+    wheel.path.write_bytes(b"changed on disk")
+    assert ensure_wheel(tmp_path).path.read_bytes() == build_wheel_bytes()[1]  # a restart repairs it
+
+
+# --- the routes ------------------------------------------------------------------------------
+def raw_get(url: str, path: str) -> tuple[int, bytes]:
+    """GET ``path`` exactly as written (no client-side normalisation of ``..`` or ``%2F``)."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_a_signed_run_serves_its_wheel_without_login_and_nothing_else(start_relay, hf_standin) -> None:
+    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
+    info = requests.get(relay.url + "/api/toolkit", timeout=10).json()
+    wheel = relay.data_dir / "toolkit" / info["wheel"]
+    assert info["url"] == f"/toolkit/{info['wheel']}" and info["version"] == installed_distribution().version
+    served = requests.get(relay.url + info["url"], timeout=30)  # no pass: pip has none
+    assert served.status_code == 200 and hashlib.sha256(served.content).hexdigest() == info["sha256"]
+    assert served.content == wheel.read_bytes() == build_wheel_bytes()[1]
+    secret = (relay.data_dir / "admin_token").read_bytes().strip()
+    for path in ("/toolkit/collabtrain-9.9.9-py3-none-any.whl", "/toolkit/..%2Fadmin_token",
+                 "/toolkit/..%2F..%2Fadmin_token", "/toolkit/../admin_token", "/toolkit/%2E%2E/admin_token",
+                 f"/toolkit/{info['wheel']}%2F..%2F..%2Fadmin_token", "/toolkit/"):
+        code, body = raw_get(relay.url, path)
+        assert code == 404 and secret not in body, (path, code)
+    # A restart rebuilds the same bytes and leaves the file as it was (unless someone edited the
+    # checkout meanwhile: then it serves, and names, the new bytes).
+    written, before = wheel.stat().st_mtime_ns, build_wheel_bytes()[1]
+    relay.stop()
+    relay.start()
+    again = requests.get(relay.url + "/api/toolkit", timeout=10).json()
+    assert again["sha256"] == hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if build_wheel_bytes()[1] == before:
+        assert again == info and wheel.stat().st_mtime_ns == written
+
+
+# --- relay-server notebook -------------------------------------------------------------------
+def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> None:
+    for platform in PLATFORMS:
+        shipped = (REPO / "notebooks" / f"{platform}.ipynb").read_text()
+        assert template(platform) == shipped, f"notebooks/{platform}.ipynb drifted from its package template"
+        cell = code_cells(nbformat.reads(shipped, as_version=4))[0].source
+        default = re.search(r'"COLLAB_RELAY_URL", "([^"]+)"', cell).group(1)
+        assert render(shipped, ToolkitPin(relay_url=default, wheel="", sha256="")) == shipped
+    pin = ToolkitPin(relay_url="https://relay.example.net", wheel="collabtrain-1.2.3-py3-none-any.whl",
+                     sha256="ab" * 32)
+    filled = code_cells(nbformat.reads(render(template("kaggle"), pin), as_version=4))[0].source
+    shipped_cell = code_cells(nbformat.reads(template("kaggle"), as_version=4))[0].source
+    changed = set(filled.splitlines()) - set(shipped_cell.splitlines())
+    assert changed == {'RELAY_URL = os.environ.get("COLLAB_RELAY_URL", "https://relay.example.net")  # the run\'s '
+                       "relay, from its organizer",
+                       f'TOOLKIT_WHEEL = "{pin.wheel}"  # the toolkit wheel that relay serves and its sha256, filled '
+                       "in by `relay-server notebook`:",
+                       f'TOOLKIT_SHA256 = "{pin.sha256}"  # pip installs exactly those bytes or nothing. Empty: the '
+                       "template, which installs nothing."}
+
+
+class WebPage(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = b"<!doctype html><title>not a relay</title>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def web_page() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), WebPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run.ipynb"
+    down = f"http://127.0.0.1:{free_port()}"
+    assert main(["notebook", "colab", "--url", down, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the relay at {down}/api/toolkit" in err and "relay-server serve" in err
+    assert main(["notebook", "kaggle", "--url", web_page, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{web_page}/api/toolkit answered HTTP 200 with a web page, not the relay's JSON" in err
+    assert "Check the relay URL" in err
+    assert main(["notebook", "tpu", "--url", "relay.example.org", "-o", str(out)]) == 2
+    assert "--url must be the relay's public http(s) address" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# --- the generated notebook, in a fresh venv -------------------------------------------------
+@pytest.fixture(scope="module")
+def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new venv without collabtrain (nor pip of its own): this venv's site-packages joins its
+    path as a plain directory, so dependencies resolve offline but the editable finder stays off."""
+    root = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "collab-test-parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('toolkit'))"],
+                           capture_output=True, text=True, check=True, cwd=root)
+    assert probe.stdout.strip() == "None", "the fresh venv must not see the checkout's collabtrain"
+    return python
+
+
+@dataclass
+class GeneratedRun:
+    relay_url: str
+    notebook: Path
+    wheel: Path
+    venv: Path
+    specs: KernelSpecManager
+    home: Path
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory, fresh_python: Path) -> Iterator[GeneratedRun]:
+    """A live relay and the notebook ``relay-server notebook colab`` wrote for it."""
+    home = tmp_path_factory.mktemp("organizer")
+    with running_relay(home) as relay:
+        notebook = home / "my-run.ipynb"
+        assert main(["notebook", "colab", "--url", relay.url, "-o", str(notebook)]) == 0
+        info = requests.get(relay.url + "/api/toolkit", timeout=10).json()
+        specs = kernel_spec_manager(tmp_path_factory.mktemp("kernels"), str(fresh_python), name="fresh")
+        yield GeneratedRun(relay_url=relay.url, notebook=notebook, wheel=home / "relay-data" / "toolkit" / info["wheel"],
+                           venv=fresh_python.parent.parent, specs=specs, home=home)
+
+
+def execute(run: GeneratedRun) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
+    """The notebook as the organizer wrote it, plus a probe cell saying where ``toolkit`` came
+    from; the kernel's working directory is outside the checkout."""
+    nb = nbformat.read(run.notebook, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("import toolkit; print('TOOLKIT_FROM', toolkit.__file__)"))
+    km = AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=run.specs)
+    client = NotebookClient(nb, km=km, timeout=240, resources={"metadata": {"path": str(run.home)}})
+    try:
+        asyncio.run(client.async_execute(env=kernel_env(None, run.home)))
+    except CellExecutionError as exc:
+        return client.nb, exc
+    return client.nb, None
+
+
+def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_contributes(
+        generated: GeneratedRun) -> None:
+    nb, error = execute(generated)
+    text = outputs_text(code_cells(nb)[0])
+    assert error is None, f"{error}\n{text}"
+    assert re.search(r"JoinResult\(.*contributed_samples=[1-9]", text), text
+    where = outputs_text(code_cells(nb)[1])
+    assert f"TOOLKIT_FROM {generated.venv}" in where and str(REPO) not in where, where
+    assert status(generated.relay_url)["step"] == MAX_STEPS
+    assert [e["samples"] for e in status(generated.relay_url)["leaderboard"]] == [MAX_STEPS * TINY_LM["run"]["target_batch"]]
+
+
+def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_hash_message(
+        generated: GeneratedRun) -> None:
+    original = generated.wheel.read_bytes()
+    generated.wheel.write_bytes(original.replace(b"def join(", b"def jo1n(", 1))  # served from disk, as is
+    try:
+        nb, error = execute(generated)
+    finally:
+        generated.wheel.write_bytes(original)
+    assert error is not None and error.ename == "SystemExit", error
+    text = outputs_text(code_cells(nb)[0])
+    assert f"The relay at {generated.relay_url} {HASH_MESSAGE}" in error.evalue
+    assert "nothing was installed. Ask the organizer for a fresh notebook. Never edit the hash" in error.evalue
+    assert "Installing the toolkit" not in text  # not the network hint
+
+
+# --- the release workflow --------------------------------------------------------------------
+def test_the_release_workflow_builds_checks_and_publishes_with_trusted_publishing() -> None:
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "release.yml").read_text())
+    trigger = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
+    assert trigger["push"]["tags"] == ["v*"]
+    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
+    runs = "\n".join(step.get("run", "") for step in steps)
+    assert "python -m build" in runs and "twine check --strict dist/*" in runs
+    publish = [job for job in workflow["jobs"].values()
+               if any(str(s.get("uses", "")).startswith("pypa/gh-action-pypi-publish@") for s in job["steps"])]
+    assert len(publish) == 1 and publish[0]["permissions"]["id-token"] == "write"
+    assert "password" not in str(publish[0]) and "secrets." not in str(publish[0])  # no stored token
