@@ -275,6 +275,33 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
     assert "Installing the toolkit" not in text  # not the network hint
 
 
+def test_a_relay_that_does_not_answer_keeps_the_network_hint(generated: GeneratedRun) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    nb = nbformat.read(generated.notebook, as_version=4)
+    client = NotebookClient(nb, km=AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=generated.specs),
+                            timeout=240, resources={"metadata": {"path": str(generated.home)}})
+    with pytest.raises(CellExecutionError) as failed:  # COLLAB_RELAY_URL overrides the notebook's relay
+        asyncio.run(client.async_execute(env={**kernel_env(down, generated.home), "PIP_RETRIES": "0"}))
+    assert failed.value.ename == "SystemExit"
+    assert f"Installing the toolkit from {down} failed: check that the relay is up and this notebook's internet " \
+           "access (Kaggle: Settings -> Internet on)." in failed.value.evalue
+    assert HASH_MESSAGE not in failed.value.evalue
+
+
+def test_the_shipped_template_installs_nothing_and_says_where_the_runs_notebook_comes_from(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"  # no collabtrain and no dependencies: the cell stops before needing any
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    cell = code_cells(nbformat.reads(template("colab"), as_version=4))[0].source
+    done = subprocess.run([str(bare / "bin" / "python"), "-c", cell], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"})
+    assert done.returncode == 1 and not done.stdout
+    assert done.stderr.strip() == (
+        "This is the template notebook: it installs nothing. Open the run's notebook from its organizer (they write "
+        "it with `relay-server notebook {colab,kaggle,tpu,local} --url RELAY_URL -o run.ipynb`: the relay address "
+        "and the toolkit's sha256 filled in).")
+    assert not list(bare.rglob("toolkit"))
+
+
 # --- the release workflow --------------------------------------------------------------------
 def test_the_release_workflow_builds_checks_and_publishes_with_trusted_publishing() -> None:
     workflow = yaml.safe_load((REPO / ".github" / "workflows" / "release.yml").read_text())
