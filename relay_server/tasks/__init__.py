@@ -1,0 +1,13 @@
+"""The relay's task broker: tensor work that callers post and outbound-only workers pull.
+
+Volunteers cannot accept connections, so model-parallel work (Learning@home's experts, the
+staged pipeline's micro-batches) goes through the relay: a caller posts a payload to a queue key,
+a worker long-polls for the tasks of the keys it serves, computes, and pushes a result that the
+relay hands back to the waiting caller. :mod:`.store` keeps payloads (memory first, a byte budget,
+spill to disk); :mod:`.broker` keeps the tasks (idempotent call ids, per-key backpressure,
+deadlines, dependencies between tasks, groups held until released, and what happens to a
+worker's tasks when it leaves). Neither knows HTTP nor what the tensors mean: the routes that
+use them (``relay_server.moe``) validate payloads against their own schema.
+
+May import ``relay_server.core`` and the toolkit's shared layers only.
+"""
