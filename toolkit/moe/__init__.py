@@ -1,0 +1,18 @@
+"""The trainer side of a decentralized mixture-of-experts (Learning@home, Ryabinin & Gusev 2020).
+
+Owns the math: the expert grid, product-key gating and the paper's beam search (``grid``), the
+interface a trainer calls experts through and its in-process implementation (``calls``), the
+mixture layers, remote and local reference (``layer``; the expert calls as an autograd node in
+``dispatch``), and the paper's FFN expert (``experts``). It imports only ``toolkit.errors`` and torch: no HTTP, nothing from the relay, so
+``toolkit.models`` can build a DMoE trainer model from a run's spec.
+"""
+
+from toolkit.moe.calls import CallRecord, ExpertCaller, ExpertFailed, LoopbackCaller
+from toolkit.moe.dispatch import MoEStats
+from toolkit.moe.experts import FFNExpert, expert_seed
+from toolkit.moe.grid import ExpertGrid, LiveIndex, ProductKeyGate, beam_search, beam_search_tensors
+from toolkit.moe.layer import LocalMixtureOfExperts, RemoteMixtureOfExperts
+
+__all__ = ["CallRecord", "ExpertCaller", "ExpertFailed", "ExpertGrid", "FFNExpert", "LiveIndex", "LocalMixtureOfExperts",
+           "LoopbackCaller", "MoEStats", "ProductKeyGate", "RemoteMixtureOfExperts", "beam_search",
+           "beam_search_tensors", "expert_seed"]

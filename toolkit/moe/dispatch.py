@@ -1,0 +1,169 @@
+"""Expert calls as one autograd node: grouped by expert, issued concurrently, failures masked.
+
+``_CallExperts`` is the remote layer's bridge between autograd and an :class:`ExpertCaller`.
+Forward gathers, for every chosen expert, the rows routed to it and sends ONE call per expert
+(not one per (row, expert) pair as hivemind's gRPC client does: on HTTP each call is a request);
+all calls are in flight at once and the layer waits at most ``timeout_s`` for all of them.
+Backward sends each expert that answered its rows' ``grad_y`` and sums the returned ``grad_x``;
+an expert whose backward fails is a constant (it adds nothing to ``grad_x``, while the gate
+still gets its gradient through the mixture weights, which autograd computes outside this node).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from toolkit.moe.calls import ExpertCaller, ExpertFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MoEStats:
+    """A layer's counters since it was built (or :meth:`reset`); read them to see how the
+    experts behave (the dashboard's failure %)."""
+
+    calls: int = 0
+    """Forward calls issued (one per chosen expert per micro-batch)."""
+    failures: int = 0
+    """Forward calls that failed or timed out."""
+    backward_calls: int = 0
+    backward_failures: int = 0
+    masked_pairs: int = 0
+    """(row, expert) pairs excluded from the average because their forward call failed."""
+    dropped_rows: int = 0
+    """Rows with fewer than ``k_min`` surviving experts: their mixture output is zero."""
+    failure_codes: Counter = field(default_factory=Counter)
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class Group:
+    """The rows of one micro-batch routed to one expert: ``rows [r]`` and their top-k ``slots [r]``."""
+
+    uid: str
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+def group_by_expert(flat: torch.Tensor, valid: torch.Tensor, uid_of: dict[int, str]) -> list[Group]:
+    """``flat [n, k]`` expert indices (``valid [n, k]`` marks real choices) -> one group per
+    distinct expert, rows ascending, experts in index order (a deterministic call order)."""
+    rows, slots = valid.nonzero(as_tuple=True)
+    experts = flat[rows, slots]
+    order = torch.argsort(experts * flat.shape[0] + rows)      # by expert, then row
+    rows, slots, experts = rows[order], slots[order], experts[order]
+    uniq, counts = torch.unique_consecutive(experts, return_counts=True)
+    groups, start = [], 0
+    for e, c in zip(uniq.tolist(), counts.tolist()):
+        groups.append(Group(uid_of[e], rows[start:start + c], slots[start:start + c]))
+        start += c
+    return groups
+
+
+@dataclass
+class CallPlan:
+    """What ``_CallExperts`` needs besides the input tensor (autograd passes it through as is)."""
+
+    caller: ExpertCaller
+    groups: list[Group]
+    k: int
+    out_features: int
+    timeout_s: float
+    backward_timeout_s: float
+    stats: MoEStats
+    answered: list[bool] = field(default_factory=list)
+
+
+def wait_all(futures: list[concurrent.futures.Future], timeout_s: float, shapes: list[tuple[int, int]],
+             dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | ExpertFailed]:
+    """Each future's tensor, or the :class:`ExpertFailed` it stands for: raised by the caller,
+    still pending at the deadline (``expert_timeout``; it is cancelled), or a result of the wrong
+    shape or with NaN/Inf (``bad_result``: one broken host must not poison the batch).
+    Other exceptions are bugs of the caller and propagate."""
+    deadline = time.monotonic() + timeout_s
+    concurrent.futures.wait(futures, timeout=timeout_s)
+    results: list[torch.Tensor | ExpertFailed] = []
+    for fut, shape in zip(futures, shapes):
+        if not fut.done():
+            fut.cancel()
+            results.append(ExpertFailed("expert_timeout", f"no answer within {timeout_s} s"))
+            continue
+        try:
+            value = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except ExpertFailed as exc:
+            results.append(exc)
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not torch.isfinite(value).all():
+            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            results.append(ExpertFailed("bad_result", f"expected a finite tensor of shape {shape}, got {what}"))
+            continue
+        results.append(value.to(dtype=dtype, device=device))
+    return results
+
+
+class _CallExperts(torch.autograd.Function):
+    """``x [n, in] -> (y [n, k, out], answered [n, k])``; ``y`` is zero where the call failed."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, _dummy: torch.Tensor, x: torch.Tensor,
+                plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
+        plan.stats.calls += len(futures)
+        shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
+        results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device)
+        y = x.new_zeros(x.shape[0], plan.k, plan.out_features)
+        answered = torch.zeros(x.shape[0], plan.k, dtype=torch.bool, device=x.device)
+        plan.answered = []
+        for g, res in zip(plan.groups, results):
+            ok = isinstance(res, torch.Tensor)
+            plan.answered.append(ok)
+            if ok:
+                y[g.rows, g.slots] = res
+                answered[g.rows, g.slots] = True
+            else:
+                plan.stats.failures += 1
+                plan.stats.failure_codes[res.code] += 1
+                log.debug("expert %s failed its forward: %s", g.uid, res)
+        ctx.plan = plan
+        ctx.save_for_backward(x)
+        ctx.mark_non_differentiable(answered)
+        return y, answered
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor,
+                 _grad_answered: torch.Tensor | None) -> tuple[None, torch.Tensor | None, None]:
+        (x,) = ctx.saved_tensors
+        plan: CallPlan = ctx.plan
+        todo = [g for g, ok in zip(plan.groups, plan.answered) if ok]
+        futures = [plan.caller.backward(g.uid, x[g.rows], grad_y[g.rows, g.slots]) for g in todo]
+        plan.stats.backward_calls += len(futures)
+        results = wait_all(futures, plan.backward_timeout_s, [(len(g.rows), x.shape[1]) for g in todo],
+                           x.dtype, x.device)
+        grad_x = torch.zeros_like(x)
+        for g, res in zip(todo, results):
+            if isinstance(res, torch.Tensor):
+                grad_x.index_add_(0, g.rows, res)
+            else:
+                plan.stats.backward_failures += 1
+                plan.stats.failure_codes[res.code] += 1
+                log.debug("expert %s failed its backward (treated as a constant): %s", g.uid, res)
+        return None, (grad_x if ctx.needs_input_grad[1] else None), None
+
+
+# Makes autograd call _CallExperts.backward even when x needs no gradient (the mixture's input is
+# the data itself): the experts' hosts learn from the backward calls, not from this process.
+_ALWAYS_BACKWARD = torch.empty(0, requires_grad=True)
+
+
+def call_experts(x: torch.Tensor, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the plan's forward calls as one autograd node: ``(y [n, k, out], answered [n, k])``."""
+    return _CallExperts.apply(_ALWAYS_BACKWARD, x, plan)

@@ -1,0 +1,180 @@
+"""The expert grid, product-key gating and the paper's beam search (Learning@home s3.2, App. C).
+
+Experts sit on a d-dimensional grid of size ``M_i`` per dimension; an expert's uid is
+``f"{prefix}.{u_0}.{u_1}..."``. The gate predicts one score vector per dimension and an expert's
+logit is the sum of its coordinates' scores, so it never iterates over all ``prod(M_i)`` experts.
+:func:`beam_search` is Algorithm 1 over the set of live experts (a directory snapshot): start from
+the best first coordinates that have a live expert, extend one dimension at a time, keep the best
+``beam_size`` prefixes. On a full grid it returns the exact top-k (a top-k expert's prefix is
+always among the top-k prefixes, because every prefix has the same best completion); on a sparse
+grid it may miss some of the true top-k, and it never returns a dead or duplicate uid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+from torch import nn
+
+Coords = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExpertGrid:
+    """Names of the experts of one mixture: ``uid_prefix`` and the grid's size per dimension."""
+
+    uid_prefix: str
+    size: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.size or any(m < 1 for m in self.size):
+            raise ValueError(f"grid size {self.size!r} needs at least one dimension, each >= 1")
+        if not self.uid_prefix or self.uid_prefix.split(".")[-1].isdigit():
+            # "ffn.3" as a prefix would make "ffn.3.1.2" ambiguous between grids.
+            raise ValueError(f"uid prefix {self.uid_prefix!r} must be non-empty and not end in a number part")
+
+    @property
+    def num_experts(self) -> int:
+        return prod(self.size)
+
+    def uid(self, coords: Sequence[int]) -> str:
+        """``(3, 1) -> "ffn.3.1"``; raises ValueError for coordinates outside the grid."""
+        coords = tuple(int(c) for c in coords)
+        if len(coords) != len(self.size) or any(not 0 <= c < m for c, m in zip(coords, self.size)):
+            raise ValueError(f"coordinates {coords} are not on grid {self.size}")
+        return ".".join([self.uid_prefix, *map(str, coords)])
+
+    def coords(self, uid: str) -> Coords:
+        """``"ffn.3.1" -> (3, 1)``; raises ValueError for a uid of another grid (or malformed)."""
+        head, _, tail = uid.partition(self.uid_prefix + ".")
+        parts = tail.split(".") if not head else []
+        if len(parts) != len(self.size) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"{uid!r} is not an expert of grid {self.uid_prefix!r} {self.size}")
+        coords = tuple(int(p) for p in parts)
+        if any(c >= m for c, m in zip(coords, self.size)):
+            raise ValueError(f"{uid!r} lies outside grid {self.uid_prefix!r} {self.size}")
+        return coords
+
+    def owns(self, uid: str) -> bool:
+        try:
+            self.coords(uid)
+        except ValueError:
+            return False
+        return True
+
+    def all_uids(self) -> list[str]:
+        """Every uid of the full grid, in row-major order of coordinates."""
+        return [self.uid(c) for c in all_coords(self.size)]
+
+    def live_coords(self, live_uids: Iterable[str]) -> list[Coords]:
+        """The coordinates of a directory snapshot's uids that belong to this grid (others ignored)."""
+        return sorted(self.coords(u) for u in live_uids if self.owns(u))
+
+
+def all_coords(size: Sequence[int]) -> list[Coords]:
+    grids = torch.meshgrid(*[torch.arange(m) for m in size], indexing="ij")
+    return [tuple(row) for row in torch.stack([g.reshape(-1) for g in grids], 1).tolist()]
+
+
+class ProductKeyGate(nn.Module):
+    """One linear projection ``in_features -> sum(M_i)``, split into d score vectors (the
+    paper's ``g_0 .. g_{d-1}``); the mixture's only trainable parameters."""
+
+    def __init__(self, in_features: int, size: Sequence[int]) -> None:
+        super().__init__()
+        self.size = tuple(size)
+        self.proj = nn.Linear(in_features, sum(self.size))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x [n, in] -> [scores_i [n, M_i] for each dimension i]``."""
+        return list(self.proj(x).split(self.size, dim=-1))
+
+
+def expert_logits(scores: Sequence[torch.Tensor], coords: torch.Tensor) -> torch.Tensor:
+    """``g(x, f) = sum_i scores_i[x, u_i]``: ``coords [n, k, d]`` (any valid index where unused)
+    -> logits ``[n, k]``, differentiable in the scores."""
+    return sum(s.gather(1, coords[..., i]) for i, s in enumerate(scores))
+
+
+@dataclass
+class LiveIndex:
+    """The prefix -> suffix structure of App. C (Fig. 7) for one directory snapshot, as tensors.
+
+    ``levels[i]`` holds every distinct live prefix of length ``i + 1``: its last coordinate and
+    the position of its parent prefix in ``levels[i - 1]`` -- a prefix is listed only when some
+    live expert extends it, so a beam never holds a dead end.
+    """
+
+    size: tuple[int, ...]
+    last: list[torch.Tensor] = field(default_factory=list)      # [n_i] last coordinate of each prefix
+    parent: list[torch.Tensor] = field(default_factory=list)    # [n_i] index into level i - 1
+    table: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))  # [N, d] live coords
+
+    @classmethod
+    def build(cls, live: Iterable[Sequence[int]], size: Sequence[int]) -> LiveIndex:
+        size = tuple(size)
+        coords = sorted({tuple(int(c) for c in co) for co in live})
+        for co in coords:
+            if len(co) != len(size) or any(not 0 <= c < m for c, m in zip(co, size)):
+                raise ValueError(f"live coordinates {co} are not on grid {size}")
+        index = cls(size)
+        position: dict[Coords, int] = {(): 0}
+        for depth in range(1, len(size) + 1):
+            level = sorted({co[:depth] for co in coords})
+            index.last.append(torch.tensor([p[-1] for p in level], dtype=torch.long))
+            index.parent.append(torch.tensor([position[p[:-1]] for p in level], dtype=torch.long))
+            position = {p: j for j, p in enumerate(level)}
+        index.table = torch.tensor(sorted(position, key=position.__getitem__), dtype=torch.long).reshape(-1, len(size))
+        return index
+
+    def __len__(self) -> int:
+        return self.table.shape[0]
+
+
+def beam_search(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int,
+                beam_size: int | None = None) -> list[list[Coords]]:
+    """Algorithm 1, batched over rows: ``scores = [scores_i [n, M_i]]`` -> per row the chosen
+    live coordinates, best first, ``min(k, live experts)`` of them, no duplicates.
+
+    ``beam_size`` (default ``k``) is the number of prefixes kept per dimension, as in the paper;
+    a wider beam raises recall on sparse grids at a linear cost. Pure function: no gradients.
+    """
+    coords, valid = beam_search_tensors(scores, live, k, beam_size)
+    return [[tuple(c) for c, ok in zip(row_c, row_v) if ok] for row_c, row_v in zip(coords.tolist(), valid.tolist())]
+
+
+def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int,
+                        beam_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`beam_search` as tensors: ``coords [n, k, d]`` (0 where unused) and ``valid [n, k]``
+    (False past the live experts found for that row); chosen experts are sorted best first."""
+    size = tuple(s.shape[-1] for s in scores)
+    index = live if isinstance(live, LiveIndex) else LiveIndex.build(live, size)
+    if index.size != size:
+        raise ValueError(f"scores are for grid {size} but the live index is for {index.size}")
+    if k < 1:
+        raise ValueError(f"k = {k} must be >= 1")
+    width = max(k, beam_size or k)
+    n = scores[0].shape[0]
+    with torch.no_grad():
+        scores = [s.detach().double() for s in scores]   # sums of d scores compare exactly in float64
+        neg = torch.tensor(float("-inf"), dtype=torch.float64)
+        total = torch.zeros(n, 1, dtype=torch.float64)         # score of the one empty prefix
+        for depth, (last, parent) in enumerate(zip(index.last, index.parent)):
+            if last.numel() == 0:
+                return torch.zeros(n, k, len(size), dtype=torch.long), torch.zeros(n, k, dtype=torch.bool)
+            # [n, n_depth]: a prefix competes only if its parent survived the previous TopK.
+            cand = total[:, parent] + scores[depth][:, last]
+            keep = min(k if depth == len(size) - 1 else width, cand.shape[1])
+            top, pos = cand.topk(keep, dim=1)
+            total = torch.full_like(cand, neg).scatter_(1, pos, top)
+        best, pos = top, pos
+    chosen = index.table[pos]   # [n, keep, d]
+    valid = torch.isfinite(best)
+    pad = k - chosen.shape[1]
+    if pad:
+        chosen = torch.cat([chosen, chosen.new_zeros(n, pad, len(size))], 1)
+        valid = torch.cat([valid, valid.new_zeros(n, pad)], 1)
+    return chosen * valid[..., None], valid

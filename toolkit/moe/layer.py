@@ -1,0 +1,168 @@
+"""The mixture layers: :class:`RemoteMixtureOfExperts` (experts behind an :class:`ExpertCaller`)
+and :class:`LocalMixtureOfExperts` (the same math with experts as submodules: the reference).
+
+One forward (Learning@home s3.1-3.2): the gate's score vectors for each row; beam search over the
+live experts for the top ``k``; the chosen experts' outputs averaged with softmax weights of their
+logits. A (row, expert) pair whose call failed is excluded and the softmax renormalised over the
+survivors (the live-system semantics: the failure is learnt after selection, so no other expert
+takes its place); a row with fewer than ``k_min`` survivors outputs zero and is counted in
+``stats.dropped_rows``. Inputs of any shape ``[..., in_features]`` are treated as independent rows.
+
+Balancing loss (``layer.balancing_loss`` after each forward): Switch-Transformer style, per grid
+dimension ``i``: ``M_i * sum_j f_ij * P_ij`` where ``f_ij`` is the fraction of chosen (row, expert)
+pairs whose coordinate ``i`` is ``j`` (load, no gradient) and ``P_ij`` the mean over rows of the
+softmax of the gate's scores for dimension ``i`` (importance, differentiable); averaged over
+dimensions. It is 1 when load and importance are uniform and grows as they concentrate; balancing
+coordinates per dimension balances the hosts, which lease experts spread over the grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.moe.calls import ExpertCaller, ExpertFailed
+from toolkit.moe.dispatch import CallPlan, Group, MoEStats, call_experts, group_by_expert
+from toolkit.moe.grid import ExpertGrid, LiveIndex, ProductKeyGate, beam_search_tensors, expert_logits
+
+
+class _Mixture(nn.Module):
+    """Gating, selection and the weighted average, shared by the remote and the local layer."""
+
+    def __init__(self, in_features: int, grid: Sequence[int], k: int, uid_prefix: str, k_min: int,
+                 out_features: int | None, beam_size: int | None) -> None:
+        super().__init__()
+        if not 1 <= k_min <= k:
+            raise ValueError(f"k_min = {k_min} must be between 1 and k = {k}")
+        self.grid = ExpertGrid(uid_prefix, tuple(grid))
+        self.gate = ProductKeyGate(in_features, self.grid.size)
+        self.in_features, self.out_features = in_features, out_features or in_features
+        self.k, self.k_min, self.beam_size = k, k_min, beam_size
+        self.stats = MoEStats()
+        self.balancing_loss: torch.Tensor | None = None
+        self._index_key: frozenset[str] | None = None
+        self._index: LiveIndex | None = None
+        strides = [1] * len(self.grid.size)
+        for i in range(len(strides) - 2, -1, -1):
+            strides[i] = strides[i + 1] * self.grid.size[i + 1]
+        self._strides = torch.tensor(strides, dtype=torch.long)
+
+    def live_index(self, live: frozenset[str]) -> LiveIndex:
+        """The prefix index of a directory snapshot, rebuilt only when the snapshot changes."""
+        if self._index is None or live != self._index_key:
+            self._index = LiveIndex.build(self.grid.live_coords(live), self.grid.size)
+            self._index_key = live
+        return self._index
+
+    def select(self, x: torch.Tensor, live: frozenset[str]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, list[Group]]:
+        """``x [n, in]`` -> (scores, logits [n, k], valid [n, k], flat expert index [n, k], groups)."""
+        scores = self.gate(x)
+        coords, valid = beam_search_tensors(scores, self.live_index(live), self.k, self.beam_size)
+        coords, valid = coords.to(x.device), valid.to(x.device)
+        flat = (coords * self._strides.to(x.device)).sum(-1)
+        uid_of = {int(f): self.grid.uid(c) for f, c in zip(flat[valid].tolist(), coords[valid].tolist())}
+        self.balancing_loss = self._balancing(scores, coords, valid)
+        return scores, expert_logits(scores, coords), valid, flat, group_by_expert(flat, valid, uid_of)
+
+    def combine(self, logits: torch.Tensor, alive: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Softmax over the surviving experts of each row, weighted sum of ``y [n, k, out]``."""
+        survivors = alive.sum(1)
+        dropped = survivors < self.k_min
+        self.stats.dropped_rows += int(dropped.sum())
+        keep = alive & ~dropped[:, None]
+        # A row with no survivor would be softmax([-inf]*k) = NaN: give it finite logits, weight 0.
+        masked = logits.masked_fill(~alive, float("-inf")).masked_fill(dropped[:, None], 0.0)
+        weights = torch.softmax(masked, dim=1) * keep
+        return (weights[..., None] * y).sum(1)
+
+    def _balancing(self, scores: list[torch.Tensor], coords: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        pairs = valid.sum().clamp(min=1)
+        terms = []
+        for i, s in enumerate(scores):
+            load = F.one_hot(coords[..., i][valid], s.shape[1]).sum(0).to(s.dtype) / pairs
+            importance = torch.softmax(s, dim=1).mean(0)
+            terms.append(s.shape[1] * (load * importance).sum())
+        return torch.stack(terms).mean()
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"mixture input has {x.shape[-1]} features, the layer was built for {self.in_features}")
+        return x.reshape(-1, self.in_features)
+
+
+class RemoteMixtureOfExperts(_Mixture):
+    """A DMoE layer whose experts run elsewhere, reached through ``caller``; its only parameters
+    are the gate's projection (``gate.proj``), so only the gate is in a run's dense layout.
+
+    ``timeout_s`` bounds the wait for all forward calls of one micro-batch together (a pending
+    call then counts as failed); ``backward_timeout_s`` (default ``timeout_s``) the same for
+    backward. ``beam_size`` widens the beam search (default ``k``). ``caller`` may be None
+    while the model is only built for its parameter layout (the relay does so); set
+    ``layer.caller`` before the first forward.
+    """
+
+    def __init__(self, in_features: int, grid: Sequence[int], k: int, caller: ExpertCaller | None,
+                 uid_prefix: str, k_min: int = 1, timeout_s: float = 30.0, *, backward_timeout_s: float | None = None,
+                 out_features: int | None = None, beam_size: int | None = None) -> None:
+        super().__init__(in_features, grid, k, uid_prefix, k_min, out_features, beam_size)
+        self.caller = caller
+        self.timeout_s = timeout_s
+        self.backward_timeout_s = backward_timeout_s if backward_timeout_s is not None else timeout_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] -> [..., out]``."""
+        if self.caller is None:
+            raise ExpertFailed("no_expert_caller", f"mixture {self.grid.uid_prefix!r} has no expert caller",
+                               "Set layer.caller (or model.attach_caller(caller)) before the forward pass: "
+                               "toolkit.moe.remote provides the relay's caller, LoopbackCaller runs experts here.")
+        rows = self._rows(x)
+        _, logits, valid, _, groups = self.select(rows, self.caller.live())
+        plan = CallPlan(self.caller, groups, self.k, self.out_features, self.timeout_s, self.backward_timeout_s,
+                        self.stats)
+        y, answered = call_experts(rows, plan)
+        alive = valid & answered
+        self.stats.masked_pairs += int((valid & ~answered).sum())
+        return self.combine(logits, alive, y).reshape(*x.shape[:-1], self.out_features)
+
+
+class LocalMixtureOfExperts(_Mixture):
+    """The reference: the same gate, selection and average, with ``experts`` (uid -> module) as
+    submodules trained by plain autograd. The live set is the experts given.
+
+    ``forward(x, masked=None, detached=())`` reproduces the remote layer's failure semantics for
+    tests: ``masked [n, num_experts]`` (bool, rows of the flattened input, grid-flat expert index)
+    marks selected (row, expert) pairs to exclude from the average, as a failed forward call does;
+    the outputs of experts in ``detached`` carry no gradient, as after a failed backward call.
+    """
+
+    def __init__(self, in_features: int, grid: Sequence[int], k: int, experts: Mapping[str, nn.Module],
+                 uid_prefix: str, k_min: int = 1, *, out_features: int | None = None,
+                 beam_size: int | None = None) -> None:
+        super().__init__(in_features, grid, k, uid_prefix, k_min, out_features, beam_size)
+        for uid in experts:
+            self.grid.coords(uid)   # ValueError for a uid of another grid
+        self.uids = sorted(experts)
+        # ModuleDict keys cannot hold ".", so experts are stored in uid order.
+        self.experts = nn.ModuleList(experts[u] for u in self.uids)
+        self._position = {u: i for i, u in enumerate(self.uids)}
+
+    def expert(self, uid: str) -> nn.Module:
+        return self.experts[self._position[uid]]
+
+    def forward(self, x: torch.Tensor, masked: torch.Tensor | None = None,
+                detached: Collection[str] = ()) -> torch.Tensor:
+        rows = self._rows(x)
+        _, logits, valid, flat, groups = self.select(rows, frozenset(self.uids))
+        y = rows.new_zeros(rows.shape[0], self.k, self.out_features)
+        for g in groups:
+            out = self.expert(g.uid)(rows[g.rows])
+            y = y.index_put((g.rows, g.slots), out.detach() if g.uid in detached else out)
+        alive = valid.clone()
+        if masked is not None:
+            alive &= ~masked.to(valid.device).gather(1, flat)
+        self.stats.masked_pairs += int((valid & ~alive).sum())
+        return self.combine(logits, alive, y).reshape(*x.shape[:-1], self.out_features)
