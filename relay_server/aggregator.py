@@ -23,6 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from relay_server.core import logsafe
 from relay_server.core.config import OptimizerSection, RoundsSection
 from relay_server.core.errors import ApiError
 from relay_server.core.http import error_middleware, int_query, json_ok, read_message
@@ -243,6 +244,7 @@ ROUTE_TABLE = [
 
 
 def create_app(agg: Aggregator) -> web.Application:
+    logsafe.install()  # user text escaped and secrets redacted in every log line
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_JSON_BODY)
     app[AGGREGATOR] = agg
     for method, path, handler in ROUTE_TABLE:

@@ -482,7 +482,9 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
         await response.write(data)
         return response
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware(verifier, {"/api/status", LOGIN_ROUTE})])
+    middleware = auth_middleware(verifier, {"/api/status", LOGIN_ROUTE}, container_routes={("PUT", "/api/upload")},
+                                 container_limit=lambda: 1 << 20)  # the route, not the Content-Type, picks the hashing
+    app = web.Application(middlewares=[error_middleware, middleware])
     for method, path, handler in [("GET", "/api/status", status), ("POST", "/api/echo", echo),
                                   ("PUT", "/api/upload", upload), ("GET", "/api/params", params),
                                   *service.routes()]:

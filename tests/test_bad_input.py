@@ -227,7 +227,10 @@ def test_bad_requests_get_4xx_json_and_leave_the_round_untouched(relay):
 
 
 @pytest.mark.parametrize("failure", ["peer_dies_mid_upload", "nan_in_second_chunk"])
-def test_an_upload_that_stops_midway_keeps_only_its_whole_valid_chunks(tmp_path, failure):
+def test_an_upload_that_stops_midway_counts_for_nothing(tmp_path, failure):
+    """Issue 17: a contribution counts whole or not at all. An upload cut off (or refused for a
+    NaN) in its second chunk leaves nothing of its first chunk in the step, and the round's
+    record says it was refused."""
     relay = spawn_relay(tmp_path, OVERRIDES)
     try:
         num_params = requests.get(relay.url + "/api/run", timeout=10).json()["num_params"]
@@ -254,11 +257,11 @@ def test_an_upload_that_stops_midway_keeps_only_its_whole_valid_chunks(tmp_path,
         assert b.upload(b.container(grad_b)).status_code == 200
         after_params = relay_params(relay, num_params, min_step=1)
 
-        mean = grad_b / np.float32(10)
-        mean[:chunk] = (grad_a[:chunk] + grad_b[:chunk]) / np.float32(20)  # a delivered chunk 0 whole
+        mean = grad_b / np.float32(10)  # nothing of a's chunk 0, though it arrived whole and valid
         np.testing.assert_allclose(after_params, before_params - mean, rtol=1e-5, atol=1e-6)
         record = relay.status()["recent_rounds"][-1]
         assert record["contributors"] == 1 and record["samples"] == 10
+        assert record["outcomes"] == {a.peer_id: "refused"}
         assert requests.get(relay.url + "/api/status", timeout=10).status_code == 200
     finally:
         relay.stop()

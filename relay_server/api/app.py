@@ -24,6 +24,7 @@ from relay_server.api import shards as shards_api, tokenizer as tokenizer_api, t
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
+from relay_server.core import logsafe
 from relay_server.core.errors import ApiError
 from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.api.moderation import build_admin, read_token, token_path
@@ -106,13 +107,15 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     is lossy. 204 when nothing newer was published in time. When aggregators own slices the
     answer is the version's manifest (JSON), and ``start``/``end`` ask for the relay's own slice."""
     collab = _collab(request)
+    peer_id = request.query.get("peer_id", "")
+    if peer_id:  # before anything is recorded for it (transfer rates, liveness)
+        own_peer(request, peer_id)
     if "start" in request.query:
         return await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
     min_step = _int_query(request, "min_step", 0)
     have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
-    peer_id = request.query.get("peer_id", "")
-    peer = collab.registry.get(own_peer(request, peer_id)) if peer_id else None
+    peer = collab.registry.get(peer_id) if peer_id else None
     if peer is not None:
         peer.inflight += 1  # a waiting peer is alive
     try:
@@ -217,7 +220,12 @@ PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROU
                            ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC})
 
 
-def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[list, list]:
+# Routes whose body is a streamed tensor container (signed by header hash + chunk digests).
+CONTAINER_ROUTES = frozenset({("PUT", ROUTES["gradient"])})
+
+
+def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
+               container_limit: Callable[[], int] = lambda: 0) -> tuple[list, list]:
     """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
 
     In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
@@ -230,12 +238,15 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool]) -> tuple[l
     service = LoginService(identity, PassIssuer(key, ttl_s=a.pass_ttl_s), is_banned=is_banned,
                            reauth_after_s=a.reauth_after_s)
     verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
-    return [auth_middleware(verifier, PUBLIC_ROUTES)], service.routes()
+    return [auth_middleware(verifier, PUBLIC_ROUTES, container_routes=CONTAINER_ROUTES,
+                            container_limit=container_limit)], service.routes()
 
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
+    logsafe.install()  # user text escaped and secrets redacted in every log line (issue 17)
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
-    auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user))
+    auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
+                                               lambda: app[COLLAB].codec.wire_bytes(app[COLLAB].num_params))
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits

@@ -11,9 +11,11 @@ Routes (JSON in and out; errors are the usual ``{"error", "message", "hint"}``):
 
 * ``GET /api/admin/bans``; ``POST /api/admin/bans`` ``{"username", "reason"}``;
   ``DELETE /api/admin/bans/{username}``. A ban is immediate: the relay checks bans on every
-  signed request and login, and the user's peers leave the registry and the open round at once
-  (with ``centered_clip`` their stored chunks are dropped too; with the mean, chunks already
-  added stay in this round's sum -- roll back if they did harm).
+  signed request and login, and the user's peers leave the registry and the open round at once.
+  An upload still in flight counts for nothing (uploads commit whole, at their last chunk). One
+  that already committed to the open round is taken out with ``centered_clip`` (its stored chunks
+  are dropped; the round record says ``banned_removed``) and stays with the mean (the record says
+  ``banned_kept``, and the answer's ``contributions_kept`` and hint say to roll back if it did harm).
 * ``GET /api/admin/contributions``: per Hugging Face username, the leaderboard's data plus peers,
   bans and how often CenteredClip clipped them.
 * ``GET /api/admin/checkpoints``; ``POST /api/admin/rollback`` ``{"to_step"}``: publish a stored
@@ -143,6 +145,22 @@ def _username(raw: str) -> str:
 
 
 # --- the operations -----------------------------------------------------------------------------
+def _committed_outcome(collab: "Collaboration", peer_id: str) -> str | None:
+    """What a ban does to ``peer_id``'s gradient already committed to the open round, written into
+    the round's record: "banned_removed" in robust mode on the relay's own vector (the reducer
+    dropped its stored chunks, so its samples leave the round too), else "banned_kept" (the mean
+    cannot take a committed sum back). None when it had committed nothing."""
+    r = collab.rounds.round
+    if r is None or r.closed or peer_id not in r.received:
+        return None
+    if collab.reducer.robust_config is not None and not r.slices:
+        del r.received[peer_id]
+        r.outcomes[peer_id] = "banned_removed"
+    else:
+        r.outcomes[peer_id] = "banned_kept"
+    return r.outcomes[peer_id]
+
+
 class Moderation:
     """What the admin routes do, on the running collaboration (``collab()`` is read per call:
     the collaboration is created by the app's lifespan, after the routes)."""
@@ -154,11 +172,20 @@ class Moderation:
         collab = self.collab()
         collab.store.ban(username, reason)
         gone = [p.peer_id for p in list(collab.registry.peers.values()) if p.username.casefold() == username.casefold()]
+        kept, removed = [], []
         for peer_id in gone:
             await collab.reducer.run(collab.reducer.exclude, peer_id)  # before any finalize the leave may start
+            outcome = _committed_outcome(collab, peer_id)
+            (kept if outcome == "banned_kept" else removed if outcome else []).append(peer_id)
             collab.leave(peer_id)
-        log.warning("banned %s: %d peer(s) dropped", username, len(gone))
-        answer: dict[str, Any] = {"banned": username, "peers_dropped": len(gone)}
+        log.warning("banned %s: %d peer(s) dropped, %d committed contribution(s) kept, %d removed", username,
+                    len(gone), len(kept), len(removed))
+        answer: dict[str, Any] = {"banned": username, "peers_dropped": len(gone), "contributions_kept": len(kept),
+                                  "contributions_removed": len(removed)}
+        if kept:
+            answer["hint"] = (f"{len(kept)} gradient(s) of {username} were already counted in round {collab.step} "
+                              "and the mean keeps them: if they did harm, roll back after this step "
+                              "(relay-server admin rollback STEP), or run with rounds.aggregation = 'centered_clip'.")
         if collab.config.auth.mode == "open":
             answer["warning"] = "auth.mode is 'open': peers have no verified username, so no ban can apply to them"
         return answer
@@ -263,9 +290,11 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     admin = sub.add_parser("admin", help="moderate a running relay (ban, contributions, rollback)",
                            description="Moderate a running relay through its admin API.")
     admin.add_argument("--url", default=DEFAULT_URL, help=f"the relay's URL (default {DEFAULT_URL})")
-    where = admin.add_mutually_exclusive_group()
-    where.add_argument("--token-file", help="file holding the admin token")
+    where = admin.add_mutually_exclusive_group(required=True)  # never a silent guess at ./relay-data
+    where.add_argument("--config", help="the relay's configuration file (reads the admin token where the relay "
+                       "keeps it: admin.token_file, else server.data_dir/admin_token)")
     where.add_argument("--data-dir", help="the relay's data directory (reads DATA_DIR/admin_token)")
+    where.add_argument("--token-file", help="file holding the admin token")
     admin.add_argument("--json", action="store_true", help="print the relay's JSON answer")
     admin.add_argument("--verbose", "-v", action="store_true", help="log debug details")
     actions = admin.add_subparsers(dest="action", required=True)
@@ -281,12 +310,18 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_admin(args: argparse.Namespace) -> int:
+    if args.config:
+        from relay_server.core.config import load_config
+
+        where = token_path(load_config(args.config))
+    else:
+        where = Path(args.token_file) if args.token_file else Path(args.data_dir) / TOKEN_FILE
     try:
-        token = read_token(Path(args.token_file) if args.token_file else
-                           Path(args.data_dir or "relay-data") / TOKEN_FILE)
+        token = read_token(where)
     except (OSError, ValueError) as exc:
-        print(f"relay-server admin: no admin token ({exc.strerror if isinstance(exc, OSError) else exc}); pass "
-              "--data-dir with the relay's data directory or --token-file", file=sys.stderr)
+        print(f"relay-server admin: no admin token in {where} ({exc.strerror if isinstance(exc, OSError) else exc}); "
+              "the relay writes it on its first start: pass the --config or --data-dir it runs with, or "
+              "--token-file with a copy", file=sys.stderr)
         return 2
     method, path, body = {
         "ban": ("POST", "/bans", {"username": getattr(args, "username", ""), "reason": getattr(args, "reason", "")}),
@@ -336,5 +371,6 @@ def _render(action: str, answer: dict[str, Any]) -> str:
         return f"rolled back to the state of step {answer['rolled_back_to']}, published as step {answer['step']}"
     if action == "ban":
         return f"banned {answer['banned']} ({answer['peers_dropped']} peer(s) dropped)" + \
-            (f"\nwarning: {answer['warning']}" if answer.get("warning") else "")
+            (f"\nwarning: {answer['warning']}" if answer.get("warning") else "") + \
+            (f"\nhint: {answer['hint']}" if answer.get("hint") else "")
     return f"unbanned {answer['unbanned']}" + ("" if answer["was_banned"] else " (was not banned)")

@@ -17,10 +17,13 @@ requests keep failing before any signature is checked again (a forged-pass flood
 otherwise cost one Ed25519 verify per request). The admin routes never reach either.
 
 Unsigned requests from loopback are not limited by default (``limits.exempt_loopback``): on a
-local experiment every peer, script and dashboard is 127.0.0.1. Behind a reverse proxy on the
-same host, requests arrive from loopback too, but carry ``X-Forwarded-For``; its last hop (the
-address the proxy saw) is then the key (``limits.trust_forwarded_for``, on by default, trusted
-from loopback only), so each client still gets its own bucket.
+local experiment every peer, script and dashboard is 127.0.0.1 -- except logins, which are
+limited on loopback too unless ``limits.exempt_loopback_logins`` says otherwise. Behind a
+reverse proxy on the same host, requests arrive from loopback too, but carry
+``X-Forwarded-For``; its last hop (the address the proxy saw) is then the key
+(``limits.trust_forwarded_for``, on by default, trusted from loopback only), so each client
+still gets its own bucket. A proxy that sends no such header makes every volunteer one client:
+:class:`SharedAddressWarning` says so in the log, once.
 """
 
 from __future__ import annotations
@@ -129,8 +132,10 @@ def route_kind(request: web.Request) -> str | None:
 class ClientKeys:
     """Who a request counts against: ``user:<name>`` when signed, else ``addr:<address>``."""
 
-    def __init__(self, *, exempt_loopback: bool = True, trust_forwarded_for: bool = True) -> None:
+    def __init__(self, *, exempt_loopback: bool = True, trust_forwarded_for: bool = True,
+                 exempt_loopback_logins: bool = False) -> None:
         self.exempt_loopback, self.trust_forwarded_for = exempt_loopback, trust_forwarded_for
+        self.exempt_loopback_logins = exempt_loopback_logins
 
     def address(self, request: web.Request) -> str:
         remote = request.remote or "unknown"
@@ -140,15 +145,49 @@ class ClientKeys:
                 return forwarded.rsplit(",", 1)[-1].strip()[:64] or remote
         return remote
 
-    def key(self, request: web.Request) -> str | None:
-        """None when the request is not limited (unsigned, from loopback, loopback exempt)."""
+    def key(self, request: web.Request, kind: str | None = None) -> str | None:
+        """None when the request is not limited (unsigned, from loopback, loopback exempt; a
+        login only with ``exempt_loopback_logins``)."""
         identity = request.get(IDENTITY_KEY)
         if identity is not None:
             return "user:" + identity["username"].casefold()
         address = self.address(request)
-        if self.exempt_loopback and _is_loopback(address):
+        exempt = self.exempt_loopback_logins if kind == "login" else self.exempt_loopback
+        if exempt and _is_loopback(address):
             return None
         return "addr:" + address
+
+
+class SharedAddressWarning:
+    """Warn once when the requests of several users all come from one address without
+    ``X-Forwarded-For``: most likely a reverse proxy that does not forward the client's address,
+    so every volunteer shares one per-address bucket (logins). Any second address, or one
+    forwarded header, shows the relay is not behind such a proxy, and the watch ends."""
+
+    def __init__(self, users_needed: int = 3) -> None:
+        self.users_needed = users_needed
+        self.address: str | None = None
+        self.users: set[str] = set()
+        self.done = False
+
+    def observe(self, request: web.Request) -> None:
+        if self.done:
+            return
+        remote = request.remote or "unknown"
+        if "X-Forwarded-For" in request.headers or self.address not in (None, remote):
+            self.done = True
+            return
+        self.address = remote
+        identity = request.get(IDENTITY_KEY)
+        if identity is not None:
+            self.users.add(identity["username"].casefold())
+        if len(self.users) >= self.users_needed:
+            self.done = True
+            log.warning("requests of %d users all come from %s without X-Forwarded-For: if a reverse proxy "
+                        "forwards to this relay, make it set X-Forwarded-For (nginx: proxy_set_header "
+                        "X-Forwarded-For $proxy_add_x_forwarded_for; Caddy sets it) and run it on this host, or "
+                        "every volunteer shares one login rate limit ([limits] login_*). Expected on a local "
+                        "experiment.", len(self.users), remote)
 
 
 def _is_loopback(address: str) -> bool:
@@ -189,11 +228,13 @@ def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys):
     """Charge every request to its client's bucket for its kind of route; 429 when empty.
     Install after authentication, so signed requests are charged to their username."""
     warn = _Warnings(buckets.clock)
+    shared = SharedAddressWarning()
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        shared.observe(request)
         kind = route_kind(request)
-        key = keys.key(request) if kind is not None else None
+        key = keys.key(request, kind) if kind is not None else None
         if kind is None or key is None:
             return await handler(request)
         wait_s = buckets.take(kind, key)
@@ -245,6 +286,7 @@ def build_rate_limits(config: LimitsSection, *, auth_enabled: bool) -> tuple[lis
     if not config.enabled:
         return [], []
     buckets = TokenBuckets(rates_from(config))
-    keys = ClientKeys(exempt_loopback=config.exempt_loopback, trust_forwarded_for=config.trust_forwarded_for)
+    keys = ClientKeys(exempt_loopback=config.exempt_loopback, trust_forwarded_for=config.trust_forwarded_for,
+                      exempt_loopback_logins=config.exempt_loopback_logins)
     before = [auth_failure_middleware(buckets, keys)] if auth_enabled else []
     return before, [rate_limit_middleware(buckets, keys)]

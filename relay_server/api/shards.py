@@ -28,7 +28,7 @@ from aiohttp import web
 
 from relay_server.api.context import COLLAB, collab as _collab, own_peer
 from relay_server.core.config import ConfigError
-from relay_server.core.errors import ApiError, unknown_peer
+from relay_server.core.errors import ApiError
 from relay_server.data.pool import ShardLedger, ShardPool
 from toolkit.errors import DataConfigError
 from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES as PATHS, ShardLeaseRequest, ShardReport, ShardsReport,
@@ -76,14 +76,10 @@ async def post_report(request: web.Request) -> web.Response:
     releases only may come after it left (a closing notebook), and must not bring it back."""
     pool = _pool(request)
     report = await _read(request, ShardReport)
-    collab, peer_id = _collab(request), request.match_info["peer_id"]
-    if collab.registry.get(peer_id) is not None:
-        _own_peer(request)
+    collab, peer_id = _collab(request), _own_peer(request)  # departed peers too: 404 unknown, 403 another user's
     alive = any(not u.release for u in report.updates) or collab.registry.get(peer_id) is not None
     if alive:
         collab.peer(peer_id)
-    elif collab.store.known_peer(peer_id) is None:
-        raise unknown_peer(peer_id)
     return web.json_response(pool.report(peer_id, report.updates, report.request_id, alive=alive).to_json())
 
 

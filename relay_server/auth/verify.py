@@ -11,19 +11,18 @@ within N of t0, so a replay is refused as stale after t0 + 2N anyway (DeDLOC I.5
 
 Streamed tensor uploads (``application/octet-stream``) are authenticated by the hash of their
 container header, whose metadata lists a sha256 per data chunk; :class:`VerifiedBodyStream`
-then checks every chunk before handing any of its bytes to the reducer.
+(:mod:`.streams`) then checks every chunk before handing any of its bytes to the reducer. Which
+routes take such a body is the app's list (``container_routes``), never the client's Content-Type.
 
 Open mode is simply not installing :func:`auth_middleware`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import logging
 import re
-import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -36,12 +35,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from relay_server.core.errors import ApiError
 from relay_server.core.http import drain
 from relay_server.auth.relay_key import RelayKey
-from toolkit.wire.auth import (BODY_SHA256_HEADER, CHUNK_BYTES_KEY, CHUNK_SHA256_KEY, CONTAINER_TYPE, NONCE_HEADER,
+from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER,
                           NONCE_RE, PASS_HEADER, RELAY_SIGNATURE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER,
                           PassClaims, b64u, covered_headers_payload, decode_pass, format_relay_signature,
-                          request_message, response_message, segment_lengths, unb64u)
+                          request_message, response_message, unb64u)
 from toolkit.errors import ProtocolError
-from toolkit.wire.tensor_container import MAX_HEADER, parse_header
+from toolkit.wire.tensor_container import MAX_HEADER
+
+from relay_server.auth.rejections import _LOGIN_HINT, AuthRejected, _reject  # noqa: F401 (re-exported)
+from relay_server.auth.streams import (ChunkDigests, VerifiedBodyStream, container_digests,  # noqa: F401
+                                       read_container_head)
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,6 @@ BODY_STREAM_KEY = _request_key("body_stream", object)  # use request.get(BODY_ST
 _NONCE = _request_key("auth_nonce", str)
 _SIGNER = _request_key("auth_signer", RelayKey)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_LOGIN_HINT = "Log in again (the toolkit does this by itself; re-run the cell if it keeps failing)."
-
-
-class AuthRejected(ApiError):
-    """A request that failed authentication: 401 (who are you?) or 403 (you may not)."""
-
-
-def _reject(status: int, code: str, message: str, hint: str = _LOGIN_HINT) -> AuthRejected:
-    return AuthRejected(status, code, message, hint)
-
-
 class NonceCache:
     """Nonces seen in the last ``window_s``, in bounded memory.
 
@@ -216,86 +208,6 @@ class RequestVerifier:
         return entry
 
 
-# --- streamed bodies ----------------------------------------------------------------------------
-class ChunkDigests:
-    """The per-chunk sha256 list a container header announces, checked one chunk at a time."""
-
-    def __init__(self, tensor_sizes: Iterable[int], metadata: Mapping[str, str], *,
-                 min_chunk_bytes: int = 4096, max_chunk_bytes: int = 16 << 20) -> None:
-        raw_size, raw_digests = metadata.get(CHUNK_BYTES_KEY), metadata.get(CHUNK_SHA256_KEY)
-        if raw_size is None or raw_digests is None:
-            raise _reject(401, "missing_chunk_digests", "a signed upload must list its chunk digests",
-                          "Upgrade the toolkit: uploads carry collab_chunk_sha256 in their metadata.")
-        if not (raw_size.isascii() and raw_size.isdigit()) or not min_chunk_bytes <= int(raw_size) <= max_chunk_bytes:
-            raise _reject(401, "bad_chunk_digests", f"chunk size must be {min_chunk_bytes}..{max_chunk_bytes} bytes")
-        self.chunk_bytes = int(raw_size)
-        self.lengths = segment_lengths(tensor_sizes, self.chunk_bytes)
-        try:
-            digests = unb64u(raw_digests, CHUNK_SHA256_KEY)
-        except ValueError as exc:
-            raise _reject(401, "bad_chunk_digests", str(exc)) from None
-        if len(digests) != 32 * len(self.lengths):
-            raise _reject(401, "bad_chunk_digests", f"expected {len(self.lengths)} chunk digests, "
-                          f"got {len(digests) / 32:g}")
-        self.digests = [digests[i:i + 32] for i in range(0, len(digests), 32)]
-
-    def check(self, index: int, data: bytes) -> None:
-        if index >= len(self.lengths) or len(data) != self.lengths[index]:
-            raise ProtocolError("bad_tensor", "read past the announced tensor data")
-        if not hmac.compare_digest(hashlib.sha256(data).digest(), self.digests[index]):
-            raise _reject(401, "chunk_digest_mismatch", f"data chunk {index} does not match its signed digest",
-                          "The upload was altered in transit; it is dropped (chunks before it were intact).")
-
-
-class VerifiedBodyStream:
-    """Drop-in for the request's ``StreamReader`` (``readexactly``): serves the container head
-    already read by the middleware, then the data in digest segments, each read whole and checked
-    before any byte of it is returned. Memory: one segment (4 MiB by default)."""
-
-    def __init__(self, stream, head: bytes, digests: ChunkDigests) -> None:
-        self._stream, self.digests = stream, digests
-        self._pending = memoryview(head)  # verified bytes not yet handed out
-        self._index = 0  # next segment to read from the wire
-
-    async def readexactly(self, n: int) -> bytes:
-        if not self._pending and self._index < len(self.digests.lengths) and n == self.digests.lengths[self._index]:
-            return await self._next_segment()  # reads aligned with segments (the usual case): no copy
-        parts = []
-        while n > 0:
-            if not self._pending:
-                self._pending = memoryview(await self._next_segment())
-            take = self._pending[:n]
-            self._pending = self._pending[len(take):]
-            parts.append(take)
-            n -= len(take)
-        return b"".join(parts)
-
-    async def _next_segment(self) -> bytes:
-        if self._index >= len(self.digests.lengths):
-            raise ProtocolError("bad_tensor", "read past the announced tensor data")
-        data = await self._stream.readexactly(self.digests.lengths[self._index])
-        self.digests.check(self._index, data)
-        self._index += 1
-        return data
-
-
-async def read_container_head(stream) -> bytes:
-    """The 8 + N header bytes of a container, N bounded by MAX_HEADER."""
-    try:
-        prefix = await stream.readexactly(8)
-        (n,) = struct.unpack("<Q", prefix)
-        if n > MAX_HEADER:
-            raise ProtocolError("bad_tensor", f"tensor header of {n} bytes exceeds {MAX_HEADER}")
-        return prefix + await stream.readexactly(n)
-    except asyncio.IncompleteReadError:
-        raise ProtocolError("truncated_body", "the request body ended inside the tensor header") from None
-
-
-def container_digests(head: bytes) -> ChunkDigests:
-    header = parse_header(head[:8], head[8:], max_data_bytes=1 << 62)  # the handler enforces real limits
-    return ChunkDigests([e.end - e.begin for e in header.entries], header.metadata)
-
-
 # --- responses ----------------------------------------------------------------------------------
 def sign_response(relay_key: RelayKey, payload: bytes, *, request_nonce: str, covers: str = "body") -> str:
     """The ``X-Collab-Relay-Signature`` value for ``payload`` (the body, or covered header bytes)."""
@@ -317,7 +229,9 @@ def sign_response_headers(request: web.Request, response: web.StreamResponse, na
 
 
 # --- middleware ---------------------------------------------------------------------------------
-def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
+def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
+                    container_routes: Iterable[tuple[str, str]] = (),
+                    container_limit: Callable[[], int] = lambda: 0):
     """Require a signed request on every route except ``public_paths`` (where a request that
     carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
@@ -325,8 +239,14 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
     check uses the matched route, so no spelling of a URL can reach a protected handler as public.
     Unmatched URLs (404/405) pass through: no handler runs. On success the request carries
     ``request[IDENTITY_KEY]`` and 2xx ``web.Response`` answers are signed over their body.
-    """
+
+    The signature covers exactly the bytes the handler acts on: ``container_routes`` (method,
+    route template) take a streamed tensor container -- header hash, then a digest per chunk, at
+    most ``container_limit()`` data bytes --, every other route a body hashed whole. The route,
+    not the client's Content-Type, decides which: an octet-stream body on a JSON route used to be
+    hashed by its first bytes only, leaving an unsigned JSON tail for the handler (issue 17)."""
     public = frozenset(public_paths)
+    containers = frozenset(container_routes)
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
@@ -334,7 +254,8 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
         if resource is None or (resource.canonical in public and PASS_HEADER not in request.headers):
             return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers
         try:
-            await _authenticate(verifier, request)
+            await _authenticate(verifier, request, (request.method, resource.canonical) in containers,
+                                container_limit)
         except (ApiError, ProtocolError) as exc:
             log.info("refused %s %s: %s", request.method, request.path[:80], getattr(exc, "code", "error"))
             await drain(request)
@@ -351,16 +272,26 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str]):
     return middleware
 
 
-async def _authenticate(verifier: RequestVerifier, request: web.Request) -> None:
+async def _authenticate(verifier: RequestVerifier, request: web.Request, container: bool,
+                        container_limit: Callable[[], int]) -> None:
     pending = verifier.check_headers(request.headers)
     content_type = request.headers.get("Content-Type", "")
-    if content_type.split(";")[0].strip().lower() == CONTAINER_TYPE:
+    streamed = content_type.split(";")[0].strip().lower() == CONTAINER_TYPE
+    if streamed != container:
+        raise ApiError(415, "wrong_content_type", f"this route takes {CONTAINER_TYPE if container else 'JSON'}, "
+                       f"not {content_type[:60]!r}", "Send the body the toolkit sends for this route "
+                       "(tensor uploads as application/octet-stream, everything else as application/json).")
+    if container:
+        limit = container_limit()
+        if request.content_length is not None and request.content_length > limit + MAX_HEADER + 8:
+            raise ApiError(413, "body_too_large", f"a tensor upload is at most {limit + MAX_HEADER + 8} bytes",
+                           "Upload the run's parameters in its codec; the model or codec does not match the run's.")
         head = await read_container_head(request.content)
         claims = verifier.finish(pending, method=request.method, path_qs=request.raw_path,
                                  content_type=content_type, body_sha256=hashlib.sha256(head).hexdigest())
-        request[BODY_STREAM_KEY] = VerifiedBodyStream(request.content, head, container_digests(head))
+        request[BODY_STREAM_KEY] = VerifiedBodyStream(request.content, head, container_digests(head, limit))
     else:
-        body = await request.read()  # bounded by the app's client_max_size
+        body = await request.read()  # bounded by the app's client_max_size; handlers read these same bytes
         claims = verifier.finish(pending, method=request.method, path_qs=request.raw_path,
                                  content_type=content_type, body_sha256=hashlib.sha256(body).hexdigest())
     request[IDENTITY_KEY] = {"username": claims.username, "peer_key": b64u(claims.peer_key)}

@@ -48,7 +48,7 @@ async def put_slice(request: web.Request, owner: SliceOwner | None, ticket_key: 
             stream = HeadedStream(head, body)
         else:
             head = await read_container_head(request.content)
-            stream = (VerifiedBodyStream(request.content, head, container_digests(head)) if require_digests
+            stream = (VerifiedBodyStream(request.content, head, container_digests(head, limit)) if require_digests
                       else HeadedStream(head, request.content))
         return await owner.receive(ticket, head, AsyncContainerReader(stream, limit, total_bytes=total))
     except (ApiError, ProtocolError):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relay_server.core.config import OptimizerSection
-from relay_server.core.errors import ApiError, round_closed, round_closed_partial
+from relay_server.core.errors import ApiError, round_closed
 from relay_server.rounds.master import MasterState, StepReport
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer, UploadProgress
@@ -146,21 +146,20 @@ class SliceOwner:
                                                                        ticket.samples):
             raise ApiError(422, "bad_meta", "gradient metadata does not match the ticket")
         r.uploading.add(peer_id)
-        progress = UploadProgress()
+
+        def commit() -> None:  # the slice counts whole or not at all (the reducer's commit point)
+            r.uploading.discard(peer_id)
+            r.received[peer_id] = ticket.samples
+
+        progress = UploadProgress(on_commit=commit)
         try:
             await self.reducer.reduce(reader, header, ticket.samples, lambda: not r.closed, progress, peer_id)
-            if r.closed:
-                raise RoundClosedMidUpload()
         except BaseException as exc:
-            r.uploading.discard(peer_id)
-            if progress.chunks_added:
-                r.partial.add(peer_id)
+            if not progress.committed:
+                r.uploading.discard(peer_id)
             if isinstance(exc, RoundClosedMidUpload):
-                raise (round_closed_partial(ticket.step) if progress.chunks_added
-                       else round_closed(ticket.step, self.step)) from None
+                raise round_closed(ticket.step, self.step) from None
             raise
-        r.uploading.discard(peer_id)
-        r.received[peer_id] = ticket.samples
         if self.on_transfer is not None:
             self.on_transfer(peer_id, "up", ticket.step, header.header_bytes + header.data_bytes, started)
         return UploadReceipt(step=ticket.step, accepted_samples=ticket.samples, received_peers=len(r.received))

@@ -216,20 +216,19 @@ class Collaboration:
             raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
         self._check_contribution(step, peer, meta.version, meta.samples, "upload claims")
         was_expected = r.begin(peer_id)
-        progress = UploadProgress()
+        # issue 17: credited at the reducer's commit point (whole or nothing), never after the add
+        progress = UploadProgress(on_commit=lambda: self._credit(r, peer, meta.samples, meta.loss_sum))
         peer.inflight += 1
         try:
             await self.reducer.reduce(reader, header, meta.samples, lambda: not r.closed, progress, peer_id)
-            if r.closed:  # the deadline passed while the last chunk was being reduced
-                raise RoundClosedMidUpload()
         except BaseException as exc:
             reduced = progress.chunks_added > 0
-            r.abort(peer_id, reduced=reduced, was_expected=was_expected)
+            if not progress.committed:  # one that failed mid-body is not waited for (a retry re-joins via begin)
+                r.abort(peer_id, reduced=reduced, was_expected=was_expected and not progress.chunks_staged)
             if isinstance(exc, RoundClosedMidUpload):
                 raise (round_closed_partial(step) if reduced else round_closed(step, self.step)) from None
             raise
         else:
-            self._credit(r, peer, meta.samples, meta.loss_sum)
             self.backbone.planning.record_transfer(peer_id, "up", step, header.header_bytes + header.data_bytes, started)
         finally:
             peer.inflight -= 1

@@ -134,7 +134,8 @@ class RoundCycle:
             self.maybe_open()
             return
         outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=time.monotonic() - r.opened_at,
-                           deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0)
+                           deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0,
+                           outcomes=dict(r.outcomes))  # issue 17: the record says what was not counted whole
         if r.slices:
             published = await self._finalize_sliced(r, outcome)
         else:

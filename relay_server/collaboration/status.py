@@ -76,9 +76,11 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
                         samples_contributed=contributed.get(p.peer_id, 0), last_seen_s=now - p.last_seen,
                         online=True, precision=p.precision, first_contribution_s=p.first_contribution_s)
              for p in online]
+    recent = store.recent_rounds()
+    outcomes = store.round_outcomes([row[0] for row in recent])  # issue 17: refused / partial / banned uploads
     rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
-                          finalized_by=by, finalized_at=at, lr=lr, grad_norm=norm)
-              for s, c, n, loss, d, dl, by, at, lr, norm in store.recent_rounds()]
+                          finalized_by=by, finalized_at=at, lr=lr, grad_norm=norm, outcomes=outcomes.get(s, {}))
+              for s, c, n, loss, d, dl, by, at, lr, norm in recent]
     leaderboard = [LeaderboardEntry(username=u, samples=n, rounds=r,
                                     peers_online=sum(p.username == u for p in online))
                    for u, n, r in store.leaderboard()]

@@ -209,7 +209,12 @@ class LimitsSection:
     """Turn every limit off (a benchmark on a private network)."""
     exempt_loopback: bool = True
     """Do not limit unsigned requests from 127.0.0.1/::1 (a local experiment: every peer, script
-    and dashboard is loopback). Signed requests are limited per user wherever they come from."""
+    and dashboard is loopback). Signed requests are limited per user wherever they come from.
+    Logins are limited on loopback too (see ``exempt_loopback_logins``)."""
+    exempt_loopback_logins: bool = False
+    """Also exempt logins from loopback. Off: behind a reverse proxy that sends no
+    X-Forwarded-For every volunteer arrives from 127.0.0.1, and an exempt loopback would give
+    them one unlimited bucket for Hugging Face whoami calls (issue 17)."""
     trust_forwarded_for: bool = True
     """A request from loopback that carries X-Forwarded-For came through a reverse proxy on this
     host (the README's Caddy / nginx setups): key it by the header's last hop, the address the

@@ -26,7 +26,10 @@ class Round:
     opened_at: float = field(default_factory=time.monotonic)
     uploading: set[str] = field(default_factory=set)
     received: dict[str, int] = field(default_factory=dict)  # peer_id -> samples
-    partial: set[str] = field(default_factory=set)  # uploads cut short after some chunks were reduced
+    partial: set[str] = field(default_factory=set)  # sliced uploads that delivered only some slices
+    outcomes: dict[str, str] = field(default_factory=dict)  # peer_id -> an upload not counted plainly whole
+    """What the round record says about uploads that were not simply counted whole (see
+    ``RoundRecord.outcomes``): refused, partial (slices), or banned after counting."""
     arrival_s: dict[str, float] = field(default_factory=dict)
     loss_sum: float = 0.0
     closed: bool = False
@@ -42,6 +45,7 @@ class Round:
     def complete(self, peer_id: str, samples: int, loss_sum: float) -> None:
         self.uploading.discard(peer_id)
         self.received[peer_id] = samples
+        self.outcomes.pop(peer_id, None)  # a retry after a refusal that counted nothing
         self.arrival_s[peer_id] = time.monotonic() - self.opened_at
         self.loss_sum += loss_sum
 
@@ -54,9 +58,11 @@ class Round:
 
     def abort(self, peer_id: str, *, reduced: bool, was_expected: bool) -> None:
         """An upload failed. With nothing reduced the round is exactly as before it began (the
-        peer may retry). With some chunks reduced those stay (part-wise), and the peer may not
-        upload again to this round: its retry would count them twice."""
+        peer may retry; the record says "refused" unless a retry counts). With some reduced (a
+        sliced upload whose other slices arrived) those stay, part-wise, the record says
+        "partial", and the peer may not upload again to this round: its retry would count them twice."""
         self.uploading.discard(peer_id)
+        self.outcomes[peer_id] = "partial" if reduced else "refused"
         if reduced:
             self.partial.add(peer_id)
         if reduced or not was_expected:

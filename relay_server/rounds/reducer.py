@@ -2,32 +2,44 @@
 
 Peers upload the SUM of their gradients (so the relay only adds), encoded by the run's codec
 (:mod:`toolkit.wire.compression`). The event loop reads chunk ``k + 1`` off the socket while chunk
-``k`` is decoded, validated (finite) and added on one dedicated reducer thread -- numpy releases
-the GIL, so receiving and reducing use two cores (DESIGN.md s6), and with a single writer the
-adds never race. Work that must see every add (the mean, the optimizer step) is submitted to the
-same thread with :meth:`Reducer.run`, so it is ordered after them without locks.
+``k`` is decoded and validated (finite) on one dedicated reducer thread -- numpy releases the GIL,
+so receiving and checking use two cores (DESIGN.md s6), and with a single writer the adds never
+race. Work that must see every add (the mean, the optimizer step) is submitted to the same
+thread with :meth:`Reducer.run`, so it is ordered after them without locks.
 
-Each chunk has its own sample weight (part-wise averaging, as in hivemind): an upload that stops
-early -- its peer died, its round closed, a later chunk was refused -- leaves only the chunks it
-delivered whole and valid, and every chunk's mean is exact over the peers that delivered it. No
-invalid value ever enters the sum. Undoing valid chunks instead would need a staging copy of
-every upload in flight (n x P floats), which a relay on a small VM cannot afford.
+**A contribution counts whole or not at all.** Each validated chunk goes to a per-upload spool
+(an unlinked temporary file: the wire bytes, so memory stays at one chunk whatever the model's
+size); only when the LAST chunk verified -- every digest, every value finite, the round still
+open, the peer not removed -- is the upload committed: ``UploadProgress.on_commit`` runs on the
+event loop (the caller credits the samples there, so the round's record and the sum can never
+disagree) and one job on the reducer thread adds the spool into the sum, before any later
+finalize. An upload refused at chunk ``k`` (NaN, a digest mismatch, a dead connection, the round
+closing) leaves the sum exactly as before it began. Earlier versions reduced each chunk as it
+arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was
+dropped (issue 17). Disk, not memory, holds uploads in flight: one spool per upload in flight,
+at most the run's codec size each (``wire_bytes``).
 
-Robust mode (``rounds.aggregation = "centered_clip"``) pays exactly that price on purpose: each
-chunk is stored per peer (:class:`~relay_server.rounds.robust.RobustAccumulator`, n_peers x P float32
-while a round is open) and :meth:`Reducer.finish_mean` writes the per-chunk CenteredClip center
-instead of the mean. Part-wise semantics are unchanged, and a peer removed mid-round (a ban) can
-then be taken out entirely; with the mean its already-added chunks stay.
+Robust mode (``rounds.aggregation = "centered_clip"``) stores each chunk per peer anyway
+(:class:`~relay_server.rounds.robust.RobustAccumulator`, n_peers x P float32 while a round is
+open); there a refused upload's stored chunks are discarded, and :meth:`Reducer.finish_mean`
+writes the per-chunk CenteredClip center instead of the mean. A peer removed after its upload
+committed (a ban) is taken out entirely in robust mode; with the mean its committed sum stays,
+and the moderation answer and round record say so.
+
+Each chunk keeps its own sample weight: in a sliced round an owner only ever sees its slice,
+so a peer that delivered some slices and not others counts part-wise across owners (each
+owner's slice is still whole or nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -53,17 +65,43 @@ def robust_config(rounds: RoundsSection) -> CenteredClipConfig | None:
 
 @dataclass
 class UploadProgress:
-    """How far one upload got: the caller needs to know whether any chunk entered the sum."""
+    """How far one upload got. ``chunks_added`` counts the chunks that entered the sum: 0 until
+    the upload commits, then all of them. ``on_commit`` runs on the event loop at the commit
+    point, before the add is queued: credit the contribution there (and only there)."""
 
     chunks_added: int = 0
+    chunks_staged: int = 0  # validated and waiting for the commit
+    committed: bool = False
+    on_commit: Callable[[], None] | None = None
+
+
+class _Spool:
+    """One upload's validated chunks, as received, until it commits (an unlinked temp file)."""
+
+    def __init__(self, directory: str | None) -> None:
+        self.file: IO[bytes] = tempfile.TemporaryFile(prefix="collab-upload-", dir=directory)
+
+    def write(self, raw: np.ndarray) -> None:
+        self.file.write(memoryview(np.ascontiguousarray(raw)).cast("B"))
+
+    def read(self, staging: np.ndarray, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        view = staging[:nbytes]
+        if self.file.readinto(memoryview(view)) != nbytes:
+            raise OSError("an upload spool was shorter than what was written to it")
+        return view.view(dtype)
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class Reducer:
     """Sums gradient parts into ``buffer`` (float32, the slice's length) chunk by chunk; with
     ``robust`` set, stores them per peer and writes the CenteredClip center instead."""
 
-    def __init__(self, buffer: np.ndarray, codec: Codec, robust: CenteredClipConfig | None = None) -> None:
+    def __init__(self, buffer: np.ndarray, codec: Codec, robust: CenteredClipConfig | None = None,
+                 spool_dir: str | None = None) -> None:
         self.sum = buffer
+        self.spool_dir = spool_dir  # where uploads in flight wait for their last chunk (None: the temp dir)
         self.codec = codec
         self.weights = np.zeros(-(-buffer.size // CHUNK_ELEMS), dtype=np.float64)  # samples per chunk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reducer")
@@ -118,8 +156,8 @@ class Reducer:
 
     async def reduce(self, reader: AsyncContainerReader, header: Header, samples: int,
                      still_open: Callable[[], bool], progress: UploadProgress, peer_id: str = "") -> None:
-        """Stream one upload into the sum. ``still_open`` is checked before each chunk is handed
-        to the reducer thread; ``progress`` counts the chunks that were added. Robust mode keys
+        """Stream one upload in, whole or not at all. ``still_open`` is checked before each
+        chunk and at the commit point; ``progress`` says whether it committed. Robust mode keys
         the stored chunks by ``peer_id`` (required there)."""
         if self._robust is not None and not peer_id:
             raise ValueError("robust aggregation needs the uploading peer's id")
@@ -128,51 +166,83 @@ class Reducer:
         try:
             self.codec.validate(side, payload.dtype, self.numel)
         except ValueError as exc:
-            raise ApiError(422, "bad_tensor", str(exc)) from None
+            raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
         loop = asyncio.get_running_loop()
+        spool = _Spool(self.spool_dir) if self._robust is None else None
+        chunks: list[tuple[int, int]] = []  # (start element, count) of every validated chunk
         pending: asyncio.Future | None = None
         try:
             async for start, piece in reader.iter_chunk_pieces(payload, CHUNK_ELEMS):
                 if pending is not None:
                     await pending
-                    progress.chunks_added += 1
-                    pending = None
+                    pending, progress.chunks_staged = None, progress.chunks_staged + 1
                 if not still_open():
                     raise _Closed()
-                pending = loop.run_in_executor(self._thread, self._add, side, piece, start, samples, peer_id)
+                pending = loop.run_in_executor(self._thread, self._stage, side, piece, start, samples, peer_id, spool)
+                chunks.append((start, piece.count))
             if pending is not None:
                 await pending
-                progress.chunks_added += 1
-                pending = None
-        finally:
-            if pending is not None:  # the loop side failed while a chunk was being reduced
+                pending, progress.chunks_staged = None, progress.chunks_staged + 1
+            if not still_open():
+                raise _Closed()
+            if peer_id in self._excluded:  # set on this thread by exclude(), which ran before any later job
+                raise _removed()
+            progress.committed, progress.chunks_added = True, len(chunks)
+            if progress.on_commit is not None:
+                progress.on_commit()
+            job = self._thread.submit(self._commit, side, payload.dtype, spool, chunks, samples)
+            spool = None  # the commit job owns (and closes) it
+            await asyncio.shield(asyncio.wrap_future(job))  # credited: the add must happen even if we are cancelled
+        except BaseException:
+            if pending is not None:  # the loop side failed while a chunk was being checked
                 try:
                     await pending
-                    progress.chunks_added += 1
-                except ApiError:
+                    progress.chunks_staged += 1
+                except Exception:
                     pass
+            if not progress.committed and self._robust is not None:
+                self._thread.submit(self._robust.discard, peer_id)  # ordered before any finish
+            raise
+        finally:
+            if spool is not None:
+                spool.close()
 
-    def _add(self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int,
-             peer_id: str = "") -> None:
-        """Reducer thread: gather, decode, validate, add (or in robust mode store) one chunk and
-        its weight."""
-        piece = piece.gather(self._staging)
+    def _decoded(self, side: dict[str, np.ndarray], raw: np.ndarray, start: int) -> np.ndarray:
+        if self.codec.lossless and raw.dtype == np.float32:
+            return raw  # float32 on the wire: use the received bytes as they are
+        return self.codec.decode_range(side, raw, start, out=self._scratch[:raw.size])
+
+    def _stage(self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int, peer_id: str,
+               spool: _Spool | None) -> None:
+        """Reducer thread: gather, decode and validate one chunk; spool it (mean) or store it
+        per peer (robust). Nothing enters the sum here."""
+        raw = piece.gather(self._staging)
         if peer_id in self._excluded:
-            raise ApiError(403, "peer_removed", "this peer was removed from the round by the organizer",
-                           "Contact the organizer if you think this is a mistake.")
-        if self.codec.lossless and piece.dtype == np.float32:
-            values = piece  # float32 on the wire: add straight from the received bytes
-        else:
-            values = self.codec.decode_range(side, piece, start, out=self._scratch[:piece.size])
+            raise _removed()
+        values = self._decoded(side, raw, start)
         if not self.codec.finite_output and not np.isfinite(values).all():
             raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
-                           "Lower the learning rate or enable loss scaling; this contribution is dropped.")
+                           "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT)
         if self._robust is not None:
             self._robust.add_chunk(peer_id, start, values, samples)  # copies: values may be scratch
-        else:
-            segment = self.sum[start:start + values.size]
-            np.add(segment, values, out=segment)
-        self.weights[start // CHUNK_ELEMS] += samples
+        elif spool is not None:
+            spool.write(raw)
+
+    def _commit(self, side: dict[str, np.ndarray], dtype: np.dtype, spool: _Spool | None,
+                chunks: list[tuple[int, int]], samples: int) -> None:
+        """Reducer thread: add a verified upload's spooled chunks into the sum, with their weights."""
+        try:
+            if spool is not None:
+                spool.file.seek(0)
+                for start, count in chunks:
+                    values = self._decoded(side, spool.read(self._staging, count * dtype.itemsize, dtype), start)
+                    segment = self.sum[start:start + values.size]
+                    np.add(segment, values, out=segment)
+            for start, _ in chunks:
+                self.weights[start // CHUNK_ELEMS] += samples
+        finally:
+            if spool is not None:
+                spool.close()
 
     def finish_mean(self) -> None:
         """Turn the sums into sample-weighted means, chunk by chunk (reducer thread); a chunk
@@ -189,6 +259,14 @@ class Reducer:
                 np.divide(segment, np.float32(weight), out=segment)
             else:
                 segment.fill(0.0)
+
+
+_REFUSED_HINT = "Nothing of this upload was counted: the round's sum is as it was before it began."
+
+
+def _removed() -> ApiError:
+    return ApiError(403, "peer_removed", "this peer was removed from the round by the organizer",
+                    "Contact the organizer if you think this is a mistake.")
 
 
 class _Closed(RoundClosedMidUpload):

@@ -10,10 +10,11 @@ twice or lost.
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ class RoundLog:
     finalized_by: str
     lr: float
     grad_norm: float
+    outcomes: dict[str, str] = field(default_factory=dict)  # peer_id -> refused / partial / banned_*
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -45,7 +47,7 @@ CREATE TABLE IF NOT EXISTS bans (
 CREATE TABLE IF NOT EXISTS rounds (
     step INTEGER PRIMARY KEY, finalized_at REAL NOT NULL, contributors INTEGER NOT NULL,
     samples INTEGER NOT NULL, loss REAL, duration_s REAL NOT NULL, deadline_s REAL NOT NULL,
-    finalized_by TEXT NOT NULL, lr REAL, grad_norm REAL);
+    finalized_by TEXT NOT NULL, lr REAL, grad_norm REAL, outcomes TEXT NOT NULL DEFAULT '{}');
 """
 
 
@@ -59,6 +61,8 @@ class Store:
         self.db = sqlite3.connect(self.dir / "relay.sqlite", isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(_SCHEMA)
+        if "outcomes" not in {row[1] for row in self.db.execute("PRAGMA table_info(rounds)")}:  # older data dirs
+            self.db.execute("ALTER TABLE rounds ADD COLUMN outcomes TEXT NOT NULL DEFAULT '{}'")
         self._banned = {u.casefold() for (u,) in self.db.execute("SELECT username FROM bans")}
 
     def close(self) -> None:
@@ -135,9 +139,11 @@ class Store:
 
     def _record_round(self, step: int, r: RoundLog) -> None:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
-        self.db.execute("INSERT INTO rounds VALUES (?,?,?,?,?,?,?,?,?,?)",
+        self.db.execute("INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
+                        "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                         (step, time.time(), len(r.contributions), sum(r.contributions.values()), r.loss,
-                         r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm))
+                         r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm,
+                         json.dumps(r.outcomes, sort_keys=True)))
         self.db.executemany(
             "UPDATE peers SET samples_contributed = samples_contributed + ?, "
             "rounds_contributed = rounds_contributed + 1 WHERE peer_id = ?",
@@ -150,6 +156,12 @@ class Store:
         return self.db.execute(
             "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at, lr, grad_norm "
             "FROM rounds ORDER BY step DESC LIMIT ?", (limit,)).fetchall()[::-1]
+
+    def round_outcomes(self, steps: list[int]) -> dict[int, dict[str, str]]:
+        """The uploads of rounds ``steps`` that were not counted plainly whole (see :class:`RoundLog`)."""
+        marks = ",".join("?" * len(steps))
+        rows = self.db.execute(f"SELECT step, outcomes FROM rounds WHERE step IN ({marks})", steps) if steps else []
+        return {step: json.loads(text) for step, text in rows if text and text != "{}"}
 
     def user_contributions(self) -> list[tuple[str, int, int, int, float]]:
         """(username, samples, rounds, peers, last_joined) for every user who ever joined, most

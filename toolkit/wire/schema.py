@@ -122,6 +122,8 @@ def _check(value: Any, tp: Any, where: str, meta: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ProtocolError("bad_schema", f"{where}: expected an object with string keys")
+        if len(value) > meta.get("max_len", MAX_LIST) or any(len(k) > MAX_STR for k in value):
+            raise ProtocolError("bad_schema", f"{where}: object too large ({len(value)} keys)")
         _, item = get_args(tp)
         return {k: _check(v, item, f"{where}.{k}", {}) for k, v in value.items()}
     if isinstance(tp, type) and issubclass(tp, Schema):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import AsyncIterator, Iterator
@@ -44,7 +45,8 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        """Exact (Python ints): ``np.prod`` in int64 wraps, so [2**32, 2**32] would pass as 0."""
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,12 @@ class RoundRecord(Schema):
     """The learning rate the step applied."""
     grad_norm: float | None = None
     """The averaged gradient's global norm (before clipping)."""
+    outcomes: dict[str, str] = field(default_factory=dict, metadata=limits(max_len=4096))
+    """peer_id -> what happened to an upload that was not simply counted whole (such peers are
+    absent from ``contributors``/``samples`` unless noted): "refused" (nothing of it counted),
+    "partial" (a sliced upload: only some owners' slices counted), "banned_kept" (counted, then
+    its user was banned: the mean keeps it -- roll back if it did harm), "banned_removed"
+    (counted, then taken out by the ban: CenteredClip mode)."""
 
 
 @dataclass(frozen=True, kw_only=True)
