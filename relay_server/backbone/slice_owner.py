@@ -74,7 +74,8 @@ class SliceOwner:
                                   adopt=adopt)
         if any(name.startswith("opt") for name in state):
             self.master.import_state(state, step)
-        self.reducer = Reducer(self.master.grad.numpy(), codec, robust=robust)
+        # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
+        self.reducer = Reducer(self.master.grad.numpy(), codec, robust=robust, spool_dir=str(store.dir))
         self.publisher = Publisher(store, codec, self.master, public=state.get("public"), fsync=fsync)
         self.on_transfer = on_transfer
         self.round: SliceRound | None = None

@@ -24,6 +24,6 @@ def round_closed(step: int, current: int) -> ApiError:
 
 
 def round_closed_partial(step: int) -> ApiError:
-    return ApiError(409, "round_closed_partial", f"round {step} closed while this gradient was arriving; the "
-                    "chunks that arrived whole were counted", "Drop this gradient (part of it is already in the "
-                    "step) and keep training.")
+    return ApiError(409, "round_closed_partial", f"round {step} closed while this gradient's slices were "
+                    "arriving; the slices an owner had accepted whole were counted (the round record says "
+                    "'partial')", "Drop this gradient (part of it is already in the step) and keep training.")
