@@ -72,3 +72,18 @@ def test_every_option_has_help() -> None:
     missing = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in _options(build_parser())
                if not a.help]
     assert not missing, missing
+
+
+def test_admin_never_guesses_where_the_token_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No silent ``./relay-data``: the organizer names the relay's config, data dir or token file."""
+    with pytest.raises(SystemExit) as usage:
+        main(["admin", "--url", "http://127.0.0.1:9", "bans"])
+    assert usage.value.code == 2
+    assert "one of the arguments --config --data-dir --token-file is required" in capsys.readouterr().err
+    data = tmp_path / "where-the-relay-keeps-state"
+    config = tmp_path / "run.toml"
+    config.write_text(f'[server]\ndata_dir = "{data}"\n[auth]\nmode = "open"\n')
+    assert main(["admin", "--url", "http://127.0.0.1:9", "--config", str(config), "bans"]) == 2
+    err = capsys.readouterr().err
+    assert f"no admin token in {data / 'admin_token'}" in err
+    assert "pass the --config or --data-dir it runs with, or --token-file with a copy" in err
