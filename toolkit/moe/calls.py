@@ -81,15 +81,16 @@ class LoopbackCaller:
     backward call). ``on_backward(uid, module)`` runs after each successful backward (and its
     step). Calls run one at a time on one worker thread in submission order, like a host's single
     runtime thread; ``max_workers > 1`` runs them concurrently. ``gone`` holds uids to leave out
-    of :meth:`live` (a host that left).
+    of :meth:`live` (a host that left). Calls matching ``hang`` get a future that never completes
+    (a host that went silent: the layer's deadline must end the wait).
     """
 
     def __init__(self, experts: Mapping[str, nn.Module], fail: FailRule = frozenset(),
                  on_backward: Callable[[str, nn.Module], None] | None = None,
                  optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-                 max_workers: int = 1) -> None:
+                 max_workers: int = 1, hang: FailRule = frozenset()) -> None:
         self.experts = dict(experts)
-        self.fail = fail
+        self.fail, self.hang = fail, hang
         self.on_backward = on_backward
         self.optimizer_factory = optimizer_factory
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -102,10 +103,10 @@ class LoopbackCaller:
         return frozenset(self.experts) - frozenset(self.gone)
 
     def forward(self, uid: str, x: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
-        return self._pool.submit(self._run, "forward", uid, x.detach().clone(), None)
+        return self._submit("forward", uid, x, None)
 
     def backward(self, uid: str, x: torch.Tensor, grad_y: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
-        return self._pool.submit(self._run, "backward", uid, x.detach().clone(), grad_y.detach().clone())
+        return self._submit("backward", uid, x, grad_y)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -116,11 +117,18 @@ class LoopbackCaller:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _fails(self, kind: str, uid: str, x: torch.Tensor) -> bool:
-        return self.fail(uid, kind, x) if callable(self.fail) else uid in self.fail
+    def _submit(self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> concurrent.futures.Future:
+        # Copies: what a host receives is bytes, never a view of the trainer's tensors.
+        x = x.detach().clone()
+        grad_y = None if grad_y is None else grad_y.detach().clone()
+        if _matches(self.hang, uid, kind, x):
+            with self._lock:
+                self.log.append(CallRecord(kind, uid, x.shape[0], True))
+            return concurrent.futures.Future()
+        return self._pool.submit(self._run, kind, uid, x, grad_y)
 
     def _run(self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> torch.Tensor:
-        failed = uid not in self.live() or self._fails(kind, uid, x)
+        failed = uid not in self.live() or _matches(self.fail, uid, kind, x)
         with self._lock:
             self.log.append(CallRecord(kind, uid, x.shape[0], failed))
         if uid not in self.live():
@@ -148,3 +156,7 @@ class LoopbackCaller:
         if self.on_backward is not None:
             self.on_backward(uid, module)
         return x.grad
+
+
+def _matches(rule: FailRule, uid: str, kind: str, x: torch.Tensor) -> bool:
+    return rule(uid, kind, x) if callable(rule) else uid in rule

@@ -116,18 +116,21 @@ class LiveIndex:
     @classmethod
     def build(cls, live: Iterable[Sequence[int]], size: Sequence[int]) -> LiveIndex:
         size = tuple(size)
-        coords = sorted({tuple(int(c) for c in co) for co in live})
-        for co in coords:
-            if len(co) != len(size) or any(not 0 <= c < m for c, m in zip(co, size)):
-                raise ValueError(f"live coordinates {co} are not on grid {size}")
+        coords = torch.tensor([tuple(c) for c in live], dtype=torch.long).reshape(-1, len(size))
+        bad = (coords < 0) | (coords >= torch.tensor(size))
+        if bad.any():
+            raise ValueError(f"live coordinates {coords[bad.any(1)][0].tolist()} are not on grid {size}")
         index = cls(size)
-        position: dict[Coords, int] = {(): 0}
+        # Row-major codes sort like the coordinate tuples; a prefix's code is code // (its suffix span).
+        span = [prod(size[depth:]) for depth in range(len(size) + 1)]
+        codes = torch.unique((coords * torch.tensor(span[1:], dtype=torch.long)).sum(1))   # sorted, deduplicated
+        index.table = torch.stack([codes // span[i + 1] % size[i] for i in range(len(size))], 1).reshape(-1, len(size))
+        parent_of_row = torch.zeros(len(codes), dtype=torch.long)   # every row's prefix at depth - 1
         for depth in range(1, len(size) + 1):
-            level = sorted({co[:depth] for co in coords})
-            index.last.append(torch.tensor([p[-1] for p in level], dtype=torch.long))
-            index.parent.append(torch.tensor([position[p[:-1]] for p in level], dtype=torch.long))
-            position = {p: j for j, p in enumerate(level)}
-        index.table = torch.tensor(sorted(position, key=position.__getitem__), dtype=torch.long).reshape(-1, len(size))
+            level, inverse = torch.unique_consecutive(codes // span[depth], return_inverse=True)
+            index.last.append(level % size[depth - 1])
+            index.parent.append(torch.zeros(len(level), dtype=torch.long).scatter_(0, inverse, parent_of_row))
+            parent_of_row = inverse
         return index
 
     def __len__(self) -> int:
@@ -139,8 +142,11 @@ def beam_search(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Seque
     """Algorithm 1, batched over rows: ``scores = [scores_i [n, M_i]]`` -> per row the chosen
     live coordinates, best first, ``min(k, live experts)`` of them, no duplicates.
 
-    ``beam_size`` (default ``k``) is the number of prefixes kept per dimension, as in the paper;
-    a wider beam raises recall on sparse grids at a linear cost. Pure function: no gradients.
+    ``beam_size`` (default ``k``, the paper's) is the number of prefixes kept per dimension; a
+    wider beam raises recall on sparse grids. The search scores every live prefix of each
+    dimension in one tensor operation (O(rows x live experts)), so the width costs nothing: the
+    paper's beam saves DHT lookups, which a local directory snapshot does not need. Pure
+    function: no gradients.
     """
     coords, valid = beam_search_tensors(scores, live, k, beam_size)
     return [[tuple(c) for c, ok in zip(row_c, row_v) if ok] for row_c, row_v in zip(coords.tolist(), valid.tolist())]

@@ -100,7 +100,10 @@ class RemoteMixtureOfExperts(_Mixture):
 
     ``timeout_s`` bounds the wait for all forward calls of one micro-batch together (a pending
     call then counts as failed); ``backward_timeout_s`` (default ``timeout_s``) the same for
-    backward. ``beam_size`` widens the beam search (default ``k``). ``caller`` may be None
+    backward. ``beam_size`` is the beam search's width per grid dimension (default ``k``, the
+    paper's); on a sparse grid a wider beam finds more of the true top-k (tests/test_moe_layer.py
+    prints the recall) at no extra cost here, because every live prefix is scored anyway, and a
+    width >= the number of live experts is the exact top-k over them. ``caller`` may be None
     while the model is only built for its parameter layout (the relay does so); set
     ``layer.caller`` before the first forward.
     """
