@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -58,13 +59,14 @@ from toolkit.signing import (
     RelayKeyPins,
     SignedAuth,
 )
-from toolkit.transfer import SizedBody, SlicePart, read_params
+from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_params, retry_after_s
 from toolkit.wire.tensor_container import peek_header
 
 log = logging.getLogger(__name__)
 S = TypeVar("S", bound=Schema)
 _RETRY_STATUS = {502, 503, 504}
 _MAX_RETRY_AFTER_S = 30.0
+_DOWNLOAD_ATTEMPTS = 4  # a parameter body cut or corrupted on the way is fetched again, whole
 _RENEW_PASS = {"pass_expired", "stale_timestamp"}  # a fresh pass (or clock offset) fixes these
 _RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
 
@@ -104,13 +106,9 @@ class RelayClient:
                     raise RelayUnreachable("relay_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from None
                 self._sleep(attempt, f"{type(exc).__name__}")
                 continue
-            if response.status_code in _RETRY_STATUS and attempt + 1 < attempts:
-                self._sleep(attempt, f"HTTP {response.status_code}")
-                continue
-            if response.status_code == 429 and attempt + 1 < attempts:  # rate limited: wait as told
-                delay = min(_MAX_RETRY_AFTER_S, _retry_after(response) or self.backoff_s * 2 ** attempt)
-                log.debug("rate limited; retrying in %.1fs", delay)
-                time.sleep(delay)
+            if response.status_code in (*_RETRY_STATUS, 429) and attempt + 1 < attempts:
+                self._sleep(attempt, f"HTTP {response.status_code}", retry_after_s(response.headers))  # busy / limited
+                response.close()
                 continue
             if (response.status_code == 401 and attempt + 1 < attempts and isinstance(self.session.auth, SignedAuth)
                     and _rejected(response).code in _RENEW_PASS):
@@ -121,8 +119,10 @@ class RelayClient:
             return response
         raise AssertionError("unreachable")
 
-    def _sleep(self, attempt: int, why: str) -> None:
-        delay = self.backoff_s * 2 ** attempt
+    def _sleep(self, attempt: int, why: str, retry_after: float | None = None) -> None:
+        """Backoff (or the relay's Retry-After) plus jitter: a thousand refused peers must not return at once."""
+        base = min(_MAX_RETRY_AFTER_S, retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
+        delay = base * random.uniform(1.0, 1.5)
         log.debug("relay request failed (%s); retrying in %.1fs", why, delay)
         time.sleep(delay)
 
@@ -228,8 +228,22 @@ class RelayClient:
         version, or None if nothing newer came within ``wait_s`` seconds.
 
         ``public`` must hold version ``have`` exactly (the copy every peer shares): then a lossy
-        run's relay may answer with just the delta, which is applied in place. A full answer is
-        read straight into ``public``."""
+        run's relay may answer with just the delta, which is applied in place. A full answer is read
+        into ``public``; one failing its length or digest check is fetched again, whole (transfer)."""
+        for attempt in range(_DOWNLOAD_ATTEMPTS):
+            try:
+                return self._download_once(public, have, codec, min_step, wait_s, peer_id)
+            except (ProtocolError, *BODY_ERRORS) as exc:
+                final = isinstance(exc, RelayUnreachable) or getattr(exc, "code", "") in ("bad_manifest", "bad_delta")
+                if final or attempt + 1 == _DOWNLOAD_ATTEMPTS:
+                    raise exc if isinstance(exc, CollabError) else RelayUnreachable("download_failed", repr(exc)) from None
+                log.info("parameter download failed (%s); downloading them again in full", exc)
+                have = None  # ``public`` may be half-written: only a whole version restores it
+                self._sleep(attempt, type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    def _download_once(self, public: np.ndarray, have: int | None, codec: Codec | None, min_step: int, wait_s: float,
+                       peer_id: str) -> int | None:
         params = {"min_step": min_step, "wait": int(wait_s), "peer_id": peer_id}
         if have is not None and codec is not None and not codec.lossless:
             params["have"] = have
@@ -241,13 +255,7 @@ class RelayClient:
                 manifest = self._manifest(response)
                 response.close()
                 return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
-            header = peek_header(response.raw, public.nbytes)
-            read_params(response.raw, header, public, have, codec)
-            if self.signed and hashlib.sha256(memoryview(public).cast("B")).hexdigest() != \
-                    response.headers.get("X-Collab-Sha256", ""):
-                raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the "
-                                    "relay signed", "Download again; if it repeats, something alters the traffic.")
-        return int(header.metadata.get("step", -1))
+            return read_checked_params(response.raw, response.headers, public, have, codec)
 
     # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
     def get_plan(self) -> PlanInfo:
@@ -378,13 +386,6 @@ class RelayClient:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="collab-slices")
         return self._pool
-
-
-def _retry_after(response: requests.Response) -> float | None:
-    try:
-        return max(0.0, float(response.headers.get("Retry-After", "")))
-    except ValueError:
-        return None
 
 
 def _rejected(response: requests.Response) -> RelayRejected:

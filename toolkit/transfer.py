@@ -7,15 +7,21 @@ Pure functions of tensors and container headers; :mod:`toolkit.client` sends and
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import urllib3
 
 from toolkit.errors import ProtocolError
 from toolkit.wire.auth import container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec, apply_delta
 from toolkit.wire.protocol import GradientMeta, PlanSlice, SliceDigest
-from toolkit.wire.tensor_container import encoded_size, iter_encoded, read_container
+from toolkit.wire.tensor_container import encoded_size, iter_encoded, peek_header, read_container
+
+# What reading a body can raise when its connection is cut (requests' exceptions are OSErrors too).
+BODY_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,29 @@ def read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec 
         apply_delta(codec, out, tensors)
     else:
         read_container(stream, out.nbytes, out={"params": out}, header=header)
+
+
+def read_checked_params(stream, headers: Mapping[str, str], out: np.ndarray, have: int | None,
+                        codec: Codec | None) -> int:
+    """Read a parameters answer into ``out`` and check it: its length against Content-Length and
+    the result against the published ``X-Collab-Sha256``. A connection cut mid-body, or anything
+    spliced into it, fails here (ProtocolError) instead of in training; ``out`` may then be
+    half-written, so the caller downloads the whole version again. Returns the version's step."""
+    header = peek_header(stream, out.nbytes)
+    read_params(stream, header, out, have, codec)
+    declared = headers.get("Content-Length")
+    if declared is not None and stream.tell() != int(declared):
+        raise ProtocolError("params_length_mismatch", f"the parameters body ended after {stream.tell()} of "
+                            f"{declared} bytes", "Download again (the toolkit does).")
+    if hashlib.sha256(memoryview(out).cast("B")).hexdigest() != headers.get("X-Collab-Sha256", ""):
+        raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the relay "
+                            "published", "Download again; if it repeats, something alters the traffic.")
+    return int(header.metadata.get("step", -1))
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The seconds a 503 or 429 answer asks to wait (``Retry-After``), None when it names none."""
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except ValueError:
+        return None

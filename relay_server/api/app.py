@@ -51,9 +51,21 @@ async def get_run(request: web.Request) -> web.Response:
     return json_ok(_collab(request).run_info)
 
 
+STATUS_CACHE_S = 1.0  # dashboards poll every 1.5 s: any number of them costs about one report a second
+_STATUS_CACHE = web.AppKey("status_cache", list)
+
+
 async def get_status(request: web.Request) -> web.Response:
-    status = _collab(request).status()
-    return json_ok(dataclasses.replace(status, shards=shards_api.status_summary(request.app)))
+    """The dashboard's report, shared for up to :data:`STATUS_CACHE_S` while the step, the peers
+    online and the open round stay the same (any change there builds a fresh one)."""
+    collab, cache = _collab(request), request.app[_STATUS_CACHE]
+    r = collab.rounds.round
+    key = (collab.step, len(collab.registry.peers), r and (r.round_id, len(r.received), len(r.expected), r.closed))
+    now = time.monotonic()
+    if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
+        status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app))
+        cache[:] = [now, key, status.dumps()]
+    return web.Response(body=cache[2], content_type="application/json")
 
 
 async def get_progress(request: web.Request) -> web.Response:
@@ -252,6 +264,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits
     app.middlewares.extend([*admin_middlewares, *before_auth, *auth_middlewares, *after_auth])
     app[CONFIG] = config
+    app[_STATUS_CACHE] = [0.0, None, b""]  # (built at, what it was built for, the JSON)
     for method, path, handler in [*ROUTE_TABLE, *auth_routes, *admin_routes]:
         app.router.add_route(method, path, handler)
     static_dir = resources.files("relay_server.api").joinpath("static")

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from relay_server.api.app import create_app
 from relay_server.core.config import RelayConfig
+from relay_server.core.connections import ConnectionGuard, ConnectionsSection
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +28,28 @@ async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asy
             on_ready(url)
 
     await serve_app(create_app(config, extra_middlewares), config.server.host, config.server.port,
-                    ready_file=ready_file, stop=stop, on_ready=ready)
+                    ready_file=ready_file, stop=stop, on_ready=ready, connections=config.connections)
 
 
 async def serve_app(app: web.Application, host: str, port: int, *, ready_file: str | None = None,
-                    stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None) -> None:
-    """Listen on ``host:port`` (0 = any free port), call ``on_ready(url)``, serve until stopped."""
+                    stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None,
+                    connections: ConnectionsSection | None = None) -> None:
+    """Listen on ``host:port`` (0 = any free port), call ``on_ready(url)``, serve until stopped.
+    Every connection passes a :class:`ConnectionGuard` (``connections``, defaults when None)."""
+    guard = ConnectionGuard(connections or ConnectionsSection())
+    app.middlewares.insert(0, guard.middleware)  # outermost: knows when a connection is busy
     # shutdown_timeout: long-polling peers must not hold a stopping relay for aiohttp's default 60 s
     runner = web.AppRunner(app, handle_signals=False, access_log=None, read_bufsize=READ_BUFSIZE,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=5.0, keepalive_timeout=guard.config.idle_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    try:
-        await site.start()
+    log.info("%s", guard.start())  # after the app's startup: it counts what the app holds open
+    try:  # aiohttp's own server behind the guard (admission, timeouts, accounting)
+        bound_host, bound_port = guard.listen(host, port, runner.server)  # the real port when --port 0
     except OSError as exc:
         await runner.cleanup()
         raise SystemExit(f"relay-server: cannot listen on {host}:{port} ({exc.strerror}). "
                          "Pick another port with --port, or stop the process using it.") from None
-    bound_host, bound_port = site._server.sockets[0].getsockname()[:2]  # the real port when --port 0
+    sweeper = asyncio.create_task(guard.run())
     url = f"http://{bound_host}:{bound_port}"
     if on_ready:
         on_ready(url)
@@ -63,4 +68,6 @@ async def serve_app(app: web.Application, host: str, port: int, *, ready_file: s
         await stop.wait()
     finally:
         log.info("shutting down")
+        sweeper.cancel()
+        guard.close()
         await runner.cleanup()

@@ -30,7 +30,7 @@ from relay_server.backbone.slice_owner import gradient_meta
 from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import sign_ticket
 from relay_server.collaboration.rounds import RoundCycle
-from relay_server.collaboration.status import collab_state, run_info_of, run_summary, status_report
+from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
 from relay_server.observers.events import ObserverThread
@@ -67,6 +67,7 @@ class Collaboration:
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.backbone.peer_ids = lambda: list(self.registry.peers)
         self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status)
+        self.leaderboard = self.rounds.leaderboard = Leaderboard(store, self.registry)
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None
@@ -249,7 +250,8 @@ class Collaboration:
 
     def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
         r.complete(peer.peer_id, samples, loss_sum)
-        peer.samples = max(0, peer.samples - samples)
+        self.registry.set_samples(peer, max(0, peer.samples - samples))
+        peer.contributed += samples
         peer.claimable = max(0, peer.claimable - samples)
         if peer.first_contribution_s is None:
             peer.first_contribution_s = time.monotonic() - peer.joined_at
@@ -334,7 +336,7 @@ class Collaboration:
 
     def status(self) -> StatusReport:
         return status_report(self.config, self.store, self.registry, self.state(), self.plan_info(), self.num_params,
-                             self.started)
+                             self.started, self.leaderboard)
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:

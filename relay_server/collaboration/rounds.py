@@ -51,6 +51,7 @@ class RoundCycle:
         self.round: Round | None = None
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
+        self.leaderboard = None  # a status.Leaderboard, credited as each round commits (set by the machine)
 
     @property
     def step(self) -> int:
@@ -82,6 +83,8 @@ class RoundCycle:
     def maybe_open(self) -> None:
         if self.round is not None or self.finished or self._between_rounds_work():
             return
+        if self.registry.collected(self.step, self.run_cfg.max_staleness) < self.run_cfg.target_batch:
+            return  # the common case on every heartbeat: O(1), no scan of the registry
         eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
         if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
             return
@@ -143,6 +146,8 @@ class RoundCycle:
             self.publisher.publish(version)
             self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
             published = self.publish_local(version)
+        if self.leaderboard is not None:
+            self.leaderboard.credit(dict(r.received))
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,

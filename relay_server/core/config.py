@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from relay_server.core.connections import ConnectionsSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.hub_files import download_hub_file
 from relay_server.core.typed import ConfigError, apply_env, build_section, set_setting
@@ -289,6 +290,7 @@ class RelayConfig:
     dataset: dict[str, Any] = field(default_factory=dict)
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    connections: ConnectionsSection = field(default_factory=ConnectionsSection)  # caps, idle and body timeouts
     objective: dict[str, Any] = field(default_factory=dict)
     """What peers train on: name = "masked-lm" | "causal-lm" | "classification", seq_len, ... (see
     toolkit.data.objectives.ObjectiveConfig); empty = the byte-level stream."""
@@ -313,6 +315,7 @@ class RelayConfig:
              "rounds.deadline_floor_s must be > 0 and <= rounds.deadline_ceiling_s"),
             (self.rounds.peer_ttl_s > self.rounds.heartbeat_interval_s,
              "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
+            *self.connections.checks(),
             (self.auth.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
             (self.auth.mode != "hf" or bool(self.auth.allow_users or self.auth.allow_orgs or self.auth.allow_any_hf_user),
              "auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or auth.allow_any_hf_user = true "

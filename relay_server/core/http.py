@@ -7,6 +7,7 @@ Every error, ours or aiohttp's, leaves as ``{"error": code, "message": ..., "hin
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
 
@@ -29,8 +30,48 @@ _HTTP_HINTS = {  # aiohttp's own refusals get a next step too
 }
 
 
-def error_response(status: int, code: str, message: str, hint: str = "") -> web.Response:
-    return web.json_response(ErrorBody(error=code, message=message, hint=hint).to_json(), status=status)
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+BUSY_RETRY_AFTER_S = 2  # what a 503 "busy" asks peers to wait (they add jitter)
+
+
+def error_response(status: int, code: str, message: str, hint: str = "",
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(ErrorBody(error=code, message=message, hint=hint).to_json(), status=status,
+                             headers=headers)
+
+
+def busy_response(message: str, retry_after_s: int = BUSY_RETRY_AFTER_S) -> web.Response:
+    """503 + Retry-After: the relay is at a resource limit and refuses this request *before* doing
+    any of it, so retrying later is always safe (the toolkit waits Retry-After plus jitter)."""
+    return error_response(503, "relay_busy", message, f"Retry in {retry_after_s} s (the toolkit does this "
+                          "on its own); if it persists the organizer should raise the relay's limits.",
+                          headers={"Retry-After": str(retry_after_s)})
+
+
+def headers_sent(request: web.Request) -> bool:
+    """Whether a response to ``request`` was already started (status line and headers written or
+    queued): from then on the only honest way to report an error is to cut the connection."""
+    writer = request.writer
+    return bool(getattr(writer, "output_size", 0) or getattr(writer, "_headers_buf", None)
+                or getattr(writer, "_headers_written", False))
+
+
+def _abort(request: web.Request, why: str) -> web.Response:
+    """Cut a connection whose response was already under way: the peer sees a short body (it
+    checks length and digest, then retries), never a second response spliced into the first."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+    log.info("%s %s: %s after the response started; connection cut", request.method, request.path, why)
+    return web.Response(status=500)  # never reaches the wire: the transport is gone
+
+
+def _disconnected(request: web.Request, exc: BaseException) -> bool:
+    """The peer went away mid-request: a normal event on the internet, not a relay bug (an error
+    from a call to an aggregator is neither: the peer's own connection must be the one closed)."""
+    transport = request.transport
+    gone = transport is None or transport.is_closing()
+    return gone and isinstance(exc, (OSError, asyncio.IncompleteReadError, EOFError))
 
 
 def json_ok(message: Schema | dict) -> web.Response:
@@ -41,6 +82,26 @@ def json_ok(message: Schema | dict) -> web.Response:
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        if isinstance(exc, Exception) and _disconnected(request, exc):
+            log.info("%s %s: the peer disconnected (%s)", request.method, request.path, type(exc).__name__)
+            return web.Response(status=499)  # nobody reads it: the transport is closed
+        if isinstance(exc, Exception) and headers_sent(request):
+            if not isinstance(exc, (ApiError, ProtocolError, web.HTTPException, OSError)):
+                log.exception("unhandled error on %s %s", request.method, request.path)
+            return _abort(request, type(exc).__name__)
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF_DESCRIPTORS:
+            log.warning("out of file descriptors on %s %s: answered 503", request.method, request.path)
+            return busy_response("the relay is out of file descriptors right now")
+        return _error_answer(request, exc)
+
+
+def _error_answer(request: web.Request, exc: BaseException) -> web.StreamResponse:
+    """The JSON error for an exception raised before any response was started."""
+    try:
+        raise exc
     except ApiError as exc:
         return error_response(exc.status, exc.code, exc.message, exc.hint)
     except ProtocolError as exc:
@@ -50,8 +111,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise
         code = re.sub(r"[^a-z0-9]+", "_", (exc.reason or "error").lower()).strip("_")
         return error_response(exc.status, code, exc.text or exc.reason or "", _HTTP_HINTS.get(exc.status, ""))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
     except Exception:  # a bug: log it, keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal_error", "the relay hit an unexpected error",

@@ -171,12 +171,14 @@ class Publisher(Board):
             sign_response_headers(request, delta, SIGNED_HEADERS)
             return delta
         header = _full_header(version.step, version.numel)
-        response = web.StreamResponse(headers=headers)
-        sign_response_headers(request, response, SIGNED_HEADERS)
-        response.content_length = len(header) + version.nbytes
-        await response.prepare(request)
-        await response.write(header)
+        # Open the file before any byte goes out: an error here (out of descriptors) is still a
+        # clean 503; once the headers are sent, an error can only cut the connection (core.http).
         with open(version.path, "rb") as fh:  # an open file outlives the store pruning it
+            response = web.StreamResponse(headers=headers)
+            sign_response_headers(request, response, SIGNED_HEADERS)
+            response.content_length = len(header) + version.nbytes
+            await response.prepare(request)
+            await response.write(header)
             await _sendfile(request, response, fh, version.offset, version.nbytes)
         await response.write_eof()
         return response

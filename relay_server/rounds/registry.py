@@ -1,12 +1,21 @@
 """Who is online, on which parameter version, with how many unsent samples.
 
 A peer is alive while it heartbeats within ``ttl`` seconds *or* has a request in flight (a
-volunteer on a slow uplink may spend minutes uploading one gradient; that is not silence).
+volunteer on a slow uplink may spend minutes uploading one gradient; that is not silence). A
+request in flight cannot keep a peer alive for ever: the connection guard cuts a body that
+stops delivering bytes and cancels a long-poll whose client left (:mod:`relay_server.core.connections`),
+and the TTL runs from there.
+
+Every heartbeat asks how many samples the collaboration holds toward the next round: with a
+thousand peers a scan per heartbeat is quadratic work per second, so the registry keeps the sums
+(samples by parameter version, samples/s, rounds of peers online by user) up to date as peers
+report, join and leave. :meth:`Registry.set_samples` is the one way to change a peer's samples.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +37,7 @@ class Peer:
     samples_per_s: float = 0.0
     inflight: int = 0
     first_contribution_s: float | None = None  # join -> first accepted gradient
+    contributed: int = 0  # samples accepted since the relay (re)admitted it (the dashboard's column)
 
     @property
     def device_label(self) -> str:
@@ -38,9 +48,16 @@ class Registry:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self.peers: dict[str, Peer] = {}
+        self._by_version: Counter[int] = Counter()  # unsent samples by the version they were computed on
+        self._rate = 0.0  # sum of samples_per_s
+        self.online_by_user: Counter[str] = Counter()
 
     def add(self, peer: Peer) -> Peer:
+        self.remove(peer.peer_id)
         self.peers[peer.peer_id] = peer
+        self._by_version[peer.version] += peer.samples
+        self._rate += peer.samples_per_s
+        self.online_by_user[peer.username] += 1
         return peer
 
     def get(self, peer_id: str) -> Peer | None:
@@ -50,27 +67,55 @@ class Registry:
         peer.last_seen = time.monotonic()
 
     def report(self, peer: Peer, hb: Heartbeat) -> None:
+        self._account(peer, -1)
         peer.version, peer.samples, peer.samples_per_s = hb.version, hb.samples, hb.samples_per_s
+        self._account(peer, +1)
         peer.claimable = max(peer.claimable, hb.samples)
         self.touch(peer)
 
+    def set_samples(self, peer: Peer, samples: int) -> None:
+        """Change a peer's unsent samples (an accepted upload took some) keeping the sums right."""
+        self._account(peer, -1)
+        peer.samples = samples
+        self._account(peer, +1)
+
+    def _account(self, peer: Peer, sign: int) -> None:
+        if self.peers.get(peer.peer_id) is not peer:
+            return
+        self._by_version[peer.version] += sign * peer.samples
+        if not self._by_version[peer.version]:
+            del self._by_version[peer.version]
+        self._rate += sign * peer.samples_per_s
+
     def remove(self, peer_id: str) -> Peer | None:
-        return self.peers.pop(peer_id, None)
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return None
+        self._account(peer, -1)
+        del self.peers[peer_id]
+        self.online_by_user[peer.username] -= 1
+        if not self.online_by_user[peer.username]:
+            del self.online_by_user[peer.username]
+        if not self.peers:
+            self._by_version.clear()
+            self._rate = 0.0  # no float residue from many +/- once everyone left
+        return peer
 
     def expire(self, now: float | None = None) -> list[Peer]:
         """Drop peers that went silent; returns them so their round share can be released."""
         now = time.monotonic() if now is None else now
         gone = [p for p in self.peers.values() if p.inflight == 0 and now - p.last_seen > self.ttl_s]
         for peer in gone:
-            del self.peers[peer.peer_id]
+            self.remove(peer.peer_id)
         return gone
 
     def eligible(self, step: int, max_staleness: int) -> list[Peer]:
-        """Peers whose unsent samples may still count toward round ``step``."""
+        """Peers whose unsent samples may still count toward round ``step`` (a scan: once per round)."""
         return [p for p in self.peers.values() if p.samples > 0 and 0 <= step - p.version <= max_staleness]
 
     def collected(self, step: int, max_staleness: int) -> int:
-        return sum(p.samples for p in self.eligible(step, max_staleness))
+        """Samples toward round ``step``: O(max_staleness), whatever the number of peers."""
+        return sum(self._by_version.get(v, 0) for v in range(step - max_staleness, step + 1))
 
     def samples_per_s(self) -> float:
-        return sum(p.samples_per_s for p in self.peers.values())
+        return max(0.0, self._rate)

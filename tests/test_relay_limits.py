@@ -1,0 +1,310 @@
+"""A relay that stalled or hostile connections cannot wear down (issue 15), on real relay processes.
+
+* descriptors: with a soft and hard RLIMIT_NOFILE of 64 the relay still serves a crowd of 200
+  idle connections and honest peers: not one request hangs (refusals are 503 + Retry-After);
+* no corrupted response: an error after the headers went out cuts the connection (one status
+  line, a short body), and a peer whose download is cut or altered on the way retries and ends
+  with the published parameters (a proxy on 127.0.0.1 does the cutting);
+* a gradient upload that stalls half-way is cut after ``connections.body_idle_timeout_s`` and its
+  peer expires by its TTL;
+* 50 slowloris connections (slow headers, slow bodies) do not stop rounds.
+
+No timing assertions: every wait is a bound on something that must happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import resource
+import select
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from tests.conftest import RelayProcess, free_port, merged, write_config
+from toolkit.client import RelayClient
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import ROUTES, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION
+from toolkit.wire.tensor_container import iter_encoded
+
+
+def start_limited(tmp_path: Path, overrides: dict, *, soft: int, hard: int | None = None,
+                  name: str = "relay") -> RelayProcess:
+    """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
+    config = write_config(tmp_path / f"{name}.toml", merged(overrides))
+    relay = RelayProcess(config, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log")
+    limited = functools.partial(subprocess.Popen,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits
+        patch.setattr(subprocess, "Popen", limited)
+        relay.start()
+    return relay
+
+
+@pytest.fixture
+def limited_relay(tmp_path: Path):
+    relays: list[RelayProcess] = []
+
+    def start(overrides: dict, **kwargs) -> RelayProcess:
+        relays.append(start_limited(tmp_path, overrides, **kwargs))
+        return relays[-1]
+
+    yield start
+    for relay in relays:
+        relay.stop()
+
+
+class Crowd:
+    """``n`` hostile or idle connections held from a thread. ``opening`` is what each sends first;
+    then one byte of ``trickle`` every ``every_s`` (None: nothing more). With ``reopen`` a
+    connection the relay closed or answered is opened again at once (about once a second)."""
+
+    def __init__(self, port: int, n: int, opening: bytes = b"", trickle: bytes | None = None,
+                 every_s: float = 0.5, reopen: bool = True) -> None:
+        self.port, self.n, self.opening, self.trickle, self.every_s = port, n, opening, trickle, every_s
+        self.reopen = reopen
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Crowd":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _open(self) -> socket.socket | None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=2)
+            sock.sendall(self.opening)
+            sock.setblocking(False)
+            return sock
+        except OSError:
+            return None
+
+    def _run(self) -> None:
+        socks: list[socket.socket | None] = [self._open() for _ in range(self.n)]
+        next_byte = time.monotonic() + self.every_s
+        next_open = [0.0] * self.n
+        while not self._stop.is_set():
+            live = [s for s in socks if s is not None]
+            readable, _, _ = select.select(live, [], [], 0.1) if live else ([], [], [])
+            for i, sock in enumerate(socks):
+                if sock is not None and sock in readable:  # closed or answered by the relay
+                    sock.close()
+                    socks[i] = None
+                    self.reopened += 1
+                if socks[i] is None and self.reopen and time.monotonic() >= next_open[i]:
+                    socks[i] = self._open()
+                    next_open[i] = time.monotonic() + 1.0
+            if self.trickle and time.monotonic() >= next_byte:
+                next_byte = time.monotonic() + self.every_s
+                for sock in socks:
+                    try:
+                        sock and sock.send(self.trickle[:1])
+                    except OSError:
+                        pass
+        for sock in socks:
+            if sock is not None:
+                sock.close()
+
+
+def poll_status(url: str, seconds: float) -> dict[str, int]:
+    """GET /api/status for ``seconds``: how many answered, were refused (503) or hung (timeout)."""
+    counts = {"ok": 0, "busy": 0, "hung": 0, "other": 0}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            code = requests.get(url + "/api/status", timeout=20).status_code
+            counts["ok" if code == 200 else "busy" if code == 503 else "other"] += 1
+        except requests.Timeout:
+            counts["hung"] += 1
+        except requests.ConnectionError:
+            counts["busy"] += 1  # refused at the door: a fast answer, not a hang
+        time.sleep(0.2)
+    return counts
+
+
+def test_low_descriptor_limit_serves_an_idle_crowd_and_peers(limited_relay, launch_peer) -> None:
+    relay = limited_relay({"connections": {"idle_timeout_s": 3.0}}, soft=64, hard=64)
+    with Crowd(relay.port, 200, reopen=False) as crowd:
+        peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=8 + 8 * i, steps=3) for i in range(2)]
+        counts = poll_status(relay.url, 5.0)
+        assert all(peer.wait(timeout_s=180) == 0 for peer in peers), [p.log_path.read_text()[-2000:] for p in peers]
+        counts["hung"] += poll_status(relay.url, 1.0)["hung"]
+    log = relay.log_path.read_text()
+    assert counts["hung"] == 0 and counts["ok"] > 0, counts
+    assert "descriptors: soft limit 64 (hard limit)" in log
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]  # at most one quiet warning a minute
+    assert relay.status()["step"] >= 3
+    assert crowd.reopened > 100  # refused at the door or closed as idle: they did not just pile up
+
+
+class CuttingProxy:
+    """A TCP proxy on 127.0.0.1 that spoils the first parameters download passing through it:
+    ``mode`` "cut" closes it a few bytes into the body, "corrupt" flips one byte of the body."""
+
+    def __init__(self, upstream_port: int, mode: str) -> None:
+        self.upstream_port, self.mode, self.spoiled = upstream_port, mode, 0
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True).start()
+        ready.wait(10)
+
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        params = asyncio.Event()  # this connection carries a GET /api/params
+
+        async def upstream() -> None:
+            while data := await reader.read(65536):
+                if b"GET " + ROUTES["params"].encode() in data:
+                    params.set()
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downstream() -> None:
+            seen = b""
+            while data := await up_reader.read(65536):
+                if params.is_set() and not self.spoiled and b"application/octet-stream" in seen + data:
+                    seen += data
+                    if b"\r\n\r\n" in seen and len(seen) > seen.index(b"\r\n\r\n") + 120:
+                        body_at = seen.index(b"\r\n\r\n") + 4
+                        self.spoiled += 1
+                        if self.mode == "cut":
+                            writer.write(seen[:body_at + 100])
+                            await writer.drain()
+                            writer.transport.abort()
+                            up_writer.close()
+                            return
+                        spoiled = bytearray(seen)
+                        spoiled[-1] ^= 0xFF
+                        data = bytes(spoiled)
+                    else:
+                        continue
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+
+
+@pytest.mark.parametrize("mode", ["cut", "corrupt"])
+def test_spoiled_download_is_retried_and_ends_right(start_relay, mode: str) -> None:
+    relay = start_relay()
+    proxy = CuttingProxy(relay.port, mode)
+    try:
+        client = RelayClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.05)
+        run = client.get_run()
+        public = np.zeros(run.num_params, dtype=np.float32)
+        assert client.download_params(public) == 0
+        client.close()
+    finally:
+        proxy.close()
+    assert proxy.spoiled == 1  # the first answer was spoiled; the retry came through whole
+    expected = requests.get(relay.url + ROUTES["state"], timeout=10).json()["sha256"]
+    assert hashlib.sha256(public.tobytes()).hexdigest() == expected
+
+
+def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() -> None:
+    """The middleware's answer to an error mid-body: the connection is cut, never a 500 spliced
+    into the body that a peer would read as parameters."""
+    from aiohttp import web
+
+    from relay_server.api.server import serve_app
+    from relay_server.core.http import error_middleware
+
+    async def half(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.content_length = 1000
+        await response.prepare(request)
+        await response.write(b"x" * 10)
+        raise OSError(24, "Too many open files")  # what opening the version file raised in the field
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/half", half)
+    urls: list[str] = []
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete,
+                              args=(serve_app(app, "127.0.0.1", 0, stop=stop, on_ready=urls.append),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not urls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    port = int(urls[0].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=10)
+    assert data.count(b"HTTP/1.1") == 1 and data.startswith(b"HTTP/1.1 200")
+    assert len(data.split(b"\r\n\r\n", 1)[1]) < 1000  # short: the client knows it was cut
+
+
+def test_stalled_upload_is_cut_and_its_peer_expires(start_relay) -> None:
+    relay = start_relay({"connections": {"body_idle_timeout_s": 1.0}})
+    client = RelayClient(relay.url)
+    run = client.get_run()
+    joined = client.join(JoinRequest(peer_name="staller", protocol=PROTOCOL_VERSION, device={"kind": "cpu"}))
+    state = client.heartbeat(joined.peer_id, Heartbeat(version=0, samples=48, samples_per_s=10.0))
+    assert state.round is not None  # 48 samples = the target batch: round 0 waits for this peer
+    meta = GradientMeta(peer_id=joined.peer_id, step=0, version=0, samples=48, loss_sum=1.0)
+    tensors = get_codec("none").encode(np.ones(run.num_params, dtype=np.float32))
+    body = b"".join(bytes(piece) for piece in iter_encoded(tensors, {"collab": meta.dumps().decode(), "codec": "none"}))
+    path = ROUTES["gradient"].format(step=0) + f"?peer_id={joined.peer_id}"
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=30) as sock:
+        sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:-100])  # then nothing
+        relay.wait_for(lambda s: s["num_peers"] == 0 and s["round"] is None, timeout_s=30,
+                       what="the stalled peer to expire and its round to close")
+        sock.settimeout(10)
+        try:
+            closed = sock.recv(65536) == b""
+        except ConnectionResetError:
+            closed = True
+    client.close()
+    log = relay.log_path.read_text()
+    assert closed and "no body byte" in log and "peer staller timed out" in log, log[-3000:]
+
+
+def test_slowloris_connections_do_not_stop_rounds(limited_relay, launch_peer) -> None:
+    relay = limited_relay({"connections": {"idle_timeout_s": 2.0, "body_idle_timeout_s": 2.0}}, soft=64)
+    head = b"GET /api/status HTTP/1.1\r\nHost: x\r\n"
+    body = (f"POST {ROUTES['join']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 900\r\n\r\n{").encode()  # then a byte every 3 s: cut after 2 s without one
+    with Crowd(relay.port, 25, head, trickle=b"X", every_s=0.5) as slow_heads, \
+            Crowd(relay.port, 25, body, trickle=b" ", every_s=3.0) as slow_bodies:
+        peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=8 + 8 * i, steps=3) for i in range(2)]
+        assert all(peer.wait(timeout_s=180) == 0 for peer in peers), [p.log_path.read_text()[-2000:] for p in peers]
+        deadline = time.monotonic() + 30
+        while "no body byte" not in relay.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the slow bodies are cut (a byte every 3 s, the timeout 2 s)
+    log = relay.log_path.read_text()
+    assert "descriptors: soft limit raised from 64" in log
+    assert slow_heads.reopened > 0 and slow_bodies.reopened > 0  # the relay closed them: they came back
+    assert "no body byte" in log and "Traceback" not in log, log[-3000:]
