@@ -157,11 +157,13 @@ def run_both(local: LocalMixtureOfExperts, remote: RemoteMixtureOfExperts, x: to
     return outs[0], outs[1]
 
 
-@pytest.mark.parametrize("dead", [frozenset(), frozenset({"ffn.0.1", "ffn.2.2", "ffn.3.0", "ffn.3.3", "ffn.1.1"})])
-def test_remote_equals_local(dead: frozenset[str]) -> None:
+@pytest.mark.parametrize("dead, workers", [(frozenset(), 1), (frozenset(), 4),
+                                           (frozenset({"ffn.0.1", "ffn.2.2", "ffn.3.0", "ffn.3.3", "ffn.1.1"}), 1)])
+def test_remote_equals_local(dead: frozenset[str], workers: int) -> None:
     """A3: outputs, input gradients, gating gradients and expert gradients agree (< 1e-5), on a
-    full and a sparse directory; one forward and one backward call per chosen expert."""
-    local, remote, caller = make_pair(dead=dead)
+    full and a sparse directory, with calls served one at a time or 4 at once; one forward and
+    one backward call per chosen expert."""
+    local, remote, caller = make_pair(dead=dead, max_workers=workers)
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(3))      # any leading shape
     (y_l, gx_l), (y_r, gx_r) = run_both(local, remote, x)
     assert rel_err(y_r, y_l) < 1e-5 and rel_err(gx_r, gx_l) < 1e-5

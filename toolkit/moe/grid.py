@@ -155,7 +155,7 @@ def beam_search(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Seque
 def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int,
                         beam_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`beam_search` as tensors: ``coords [n, k, d]`` (0 where unused) and ``valid [n, k]``
-    (False past the live experts found for that row); chosen experts are sorted best first."""
+    (False past the live experts found for that row), on the CPU; chosen experts best first."""
     size = tuple(s.shape[-1] for s in scores)
     index = live if isinstance(live, LiveIndex) else LiveIndex.build(live, size)
     if index.size != size:
@@ -165,7 +165,8 @@ def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterab
     width = max(k, beam_size or k)
     n = scores[0].shape[0]
     with torch.no_grad():
-        scores = [s.detach().double() for s in scores]   # sums of d scores compare exactly in float64
+        # float64: sums of d scores compare exactly; CPU: the index and the uids live there.
+        scores = [s.detach().to("cpu", torch.float64) for s in scores]
         neg = torch.tensor(float("-inf"), dtype=torch.float64)
         total = torch.zeros(n, 1, dtype=torch.float64)         # score of the one empty prefix
         for depth, (last, parent) in enumerate(zip(index.last, index.parent)):

@@ -64,7 +64,8 @@ class _Mixture(nn.Module):
         coords, valid = beam_search_tensors(scores, self.live_index(live), self.k, self.beam_size)
         coords, valid = coords.to(x.device), valid.to(x.device)
         flat = (coords * self._strides.to(x.device)).sum(-1)
-        uid_of = {int(f): self.grid.uid(c) for f, c in zip(flat[valid].tolist(), coords[valid].tolist())}
+        uid_of = {f: self.grid.uid([f // s % m for s, m in zip(self._strides.tolist(), self.grid.size)])
+                  for f in torch.unique(flat[valid]).tolist()}
         self.balancing_loss = self._balancing(scores, coords, valid)
         return scores, expert_logits(scores, coords), valid, flat, group_by_expert(flat, valid, uid_of)
 
