@@ -10,6 +10,7 @@ expert takes its place -- NOT the paper emulator's (logit -inf before top-k).
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import random
 import time
@@ -381,3 +382,26 @@ def test_an_empty_directory_drops_every_row_without_raising() -> None:
     y.sum().backward()
     assert torch.equal(y, torch.zeros(5, D)) and remote.stats.dropped_rows == 5 and not caller.log
     assert beam_search([torch.randn(2, 4)], [], 3) == [[], []]
+
+
+def test_trainer_threads_share_one_layer() -> None:
+    """J micro-batches in flight from J threads through one layer (the paper's concurrency):
+    each result equals the reference, each thread reads its own balancing loss, and the
+    counters add up; the layer (without its caller) copies like any module."""
+    local, remote, caller = make_pair(k=2, max_workers=4)
+    xs = [torch.randn(8, D, generator=torch.Generator().manual_seed(20 + i)) for i in range(6)]
+    results: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def run(i: int) -> None:
+        y = remote(xs[i])
+        results[i] = (y.detach(), remote.balancing_loss.item())
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(run, range(6)))
+    for i, x in enumerate(xs):
+        assert rel_err(results[i][0], local(x)) < 1e-5
+        assert results[i][1] == pytest.approx(local.balancing_loss.item())
+    assert remote.stats.calls == sum(1 for r in caller.log if r.kind == "forward")
+    remote.caller = None
+    clone = copy.deepcopy(remote)
+    assert torch.equal(clone.gate.proj.weight, remote.gate.proj.weight) and clone.balancing_loss is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,10 +25,13 @@ from toolkit.moe.calls import ExpertCaller, ExpertFailed
 log = logging.getLogger(__name__)
 
 
+_STATS_LOCK = threading.Lock()   # module-wide, so stats stay plain data (copyable, picklable)
+
+
 @dataclass
 class MoEStats:
-    """A layer's counters since it was built (or :meth:`reset`); read them to see how the
-    experts behave (the dashboard's failure %)."""
+    """A layer's counters since it was built; read them to see how the experts behave (the
+    dashboard's failure %)."""
 
     calls: int = 0
     """Forward calls issued (one per chosen expert per micro-batch)."""
@@ -39,10 +43,15 @@ class MoEStats:
     """(row, expert) pairs excluded from the average because their forward call failed."""
     dropped_rows: int = 0
     """Rows with fewer than ``k_min`` surviving experts: their mixture output is zero."""
-    failure_codes: Counter = field(default_factory=Counter)
+    failure_codes: Counter[str] = field(default_factory=Counter)
 
-    def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+    def add(self, code: str | None = None, **counts: int) -> None:
+        """Add to counters (and count one failure ``code``) atomically: trainer threads share a layer."""
+        with _STATS_LOCK:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+            if code is not None:
+                self.failure_codes[code] += 1
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ class _CallExperts(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, _dummy: torch.Tensor, x: torch.Tensor,
                 plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
         futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
-        plan.stats.calls += len(futures)
+        plan.stats.add(calls=len(futures))
         shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
         results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device)
         y = x.new_zeros(x.shape[0], plan.k, plan.out_features)
@@ -130,8 +139,7 @@ class _CallExperts(torch.autograd.Function):
                 y[g.rows, g.slots] = res
                 answered[g.rows, g.slots] = True
             else:
-                plan.stats.failures += 1
-                plan.stats.failure_codes[res.code] += 1
+                plan.stats.add(res.code, failures=1)
                 log.debug("expert %s failed its forward: %s", g.uid, res)
         ctx.plan = plan
         ctx.save_for_backward(x)
@@ -145,7 +153,7 @@ class _CallExperts(torch.autograd.Function):
         plan: CallPlan = ctx.plan
         todo = [g for g, ok in zip(plan.groups, plan.answered) if ok]
         futures = [plan.caller.backward(g.uid, x[g.rows], grad_y[g.rows, g.slots]) for g in todo]
-        plan.stats.backward_calls += len(futures)
+        plan.stats.add(backward_calls=len(futures))
         results = wait_all(futures, plan.backward_timeout_s, [(len(g.rows), x.shape[1]) for g in todo],
                            x.dtype, x.device)
         grad_x = torch.zeros_like(x)
@@ -153,8 +161,7 @@ class _CallExperts(torch.autograd.Function):
             if isinstance(res, torch.Tensor):
                 grad_x.index_add_(0, g.rows, res)
             else:
-                plan.stats.backward_failures += 1
-                plan.stats.failure_codes[res.code] += 1
+                plan.stats.add(res.code, backward_failures=1)
                 log.debug("expert %s failed its backward (treated as a constant): %s", g.uid, res)
         return None, (grad_x if ctx.needs_input_grad[1] else None), None
 

@@ -18,6 +18,7 @@ coordinates per dimension balances the hosts, which lease experts spread over th
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -42,20 +43,36 @@ class _Mixture(nn.Module):
         self.in_features, self.out_features = in_features, out_features or in_features
         self.k, self.k_min, self.beam_size = k, k_min, beam_size
         self.stats = MoEStats()
-        self.balancing_loss: torch.Tensor | None = None
-        self._index_key: frozenset[str] | None = None
-        self._index: LiveIndex | None = None
+        # Trainer threads may run micro-batches through one layer at once: each thread reads the
+        # balancing loss of its own forward, and the snapshot cache is swapped as one tuple.
+        self._local = threading.local()
+        self._index: tuple[frozenset[str], LiveIndex] | None = None
         strides = [1] * len(self.grid.size)
         for i in range(len(strides) - 2, -1, -1):
             strides[i] = strides[i + 1] * self.grid.size[i + 1]
         self._strides = torch.tensor(strides, dtype=torch.long)
 
+    def __getstate__(self) -> dict:
+        # copy.deepcopy and pickle: a thread-local cannot be copied, and a snapshot cache need not be.
+        state = dict(self.__dict__, _index=None)
+        state.pop("_local", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._local = threading.local()
+
+    @property
+    def balancing_loss(self) -> torch.Tensor | None:
+        """The balancing loss of this thread's last forward (None before the first)."""
+        return getattr(self._local, "balancing_loss", None)
+
     def live_index(self, live: frozenset[str]) -> LiveIndex:
         """The prefix index of a directory snapshot, rebuilt only when the snapshot changes."""
-        if self._index is None or live != self._index_key:
-            self._index = LiveIndex.build(self.grid.live_coords(live), self.grid.size)
-            self._index_key = live
-        return self._index
+        cached = self._index
+        if cached is None or cached[0] != live:
+            cached = self._index = (live, LiveIndex.build(self.grid.live_coords(live), self.grid.size))
+        return cached[1]
 
     def select(self, x: torch.Tensor, live: frozenset[str]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor,
                                                                     torch.Tensor, list[Group]]:
@@ -66,14 +83,14 @@ class _Mixture(nn.Module):
         flat = (coords * self._strides.to(x.device)).sum(-1)
         uid_of = {f: self.grid.uid([f // s % m for s, m in zip(self._strides.tolist(), self.grid.size)])
                   for f in torch.unique(flat[valid]).tolist()}
-        self.balancing_loss = self._balancing(scores, coords, valid)
+        self._local.balancing_loss = self._balancing(scores, coords, valid)
         return scores, expert_logits(scores, coords), valid, flat, group_by_expert(flat, valid, uid_of)
 
     def combine(self, logits: torch.Tensor, alive: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Softmax over the surviving experts of each row, weighted sum of ``y [n, k, out]``."""
         survivors = alive.sum(1)
         dropped = survivors < self.k_min
-        self.stats.dropped_rows += int(dropped.sum())
+        self.stats.add(dropped_rows=int(dropped.sum()))
         keep = alive & ~dropped[:, None]
         # A row with no survivor would be softmax([-inf]*k) = NaN: give it finite logits, weight 0.
         masked = logits.masked_fill(~alive, float("-inf")).masked_fill(dropped[:, None], 0.0)
@@ -129,7 +146,7 @@ class RemoteMixtureOfExperts(_Mixture):
                         self.stats)
         y, answered = call_experts(rows, plan)
         alive = valid & answered
-        self.stats.masked_pairs += int((valid & ~answered).sum())
+        self.stats.add(masked_pairs=int((valid & ~answered).sum()))
         return self.combine(logits, alive, y).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -168,5 +185,5 @@ class LocalMixtureOfExperts(_Mixture):
         alive = valid.clone()
         if masked is not None:
             alive &= ~masked.to(valid.device).gather(1, flat)
-        self.stats.masked_pairs += int((valid & ~alive).sum())
+        self.stats.add(masked_pairs=int((valid & ~alive).sum()))
         return self.combine(logits, alive, y).reshape(*x.shape[:-1], self.out_features)
