@@ -405,3 +405,20 @@ def test_trainer_threads_share_one_layer() -> None:
     remote.caller = None
     clone = copy.deepcopy(remote)
     assert torch.equal(clone.gate.proj.weight, remote.gate.proj.weight) and clone.balancing_loss is None
+
+
+def test_timeout_after_k_min_ends_the_wait_for_a_straggler() -> None:
+    """With ``timeout_after_k_min_s``, a silent expert costs that grace, not the whole
+    ``timeout_s``: once every row has k_min answers the straggler is cut off and masked
+    (hivemind's semantics). The bound checked, a tenth of timeout_s, is a hang guard, not a benchmark."""
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(12))
+    local, remote, caller = make_pair(k=2)
+    hung = max(chosen_by(local, x).items(), key=lambda kv: len(kv[1]))[0]
+    caller.hang = {hung}
+    remote.timeout_s, remote.timeout_after_k_min_s = 600.0, 0.05
+    t0 = time.monotonic()
+    y = remote(x)
+    assert time.monotonic() - t0 < 60.0
+    masked = torch.zeros(12, 16, dtype=torch.bool)
+    masked[:, local.grid.size[1] * local.grid.coords(hung)[0] + local.grid.coords(hung)[1]] = True
+    assert rel_err(y, local(x, masked=masked)) < 1e-5 and remote.stats.failure_codes == {"expert_timeout": 1}

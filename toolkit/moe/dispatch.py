@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from toolkit.moe.calls import ExpertCaller, ExpertFailed
 
 log = logging.getLogger(__name__)
+Result = torch.Tensor | ExpertFailed
 
 
 _STATS_LOCK = threading.Lock()   # module-wide, so stats stay plain data (copyable, picklable)
@@ -89,34 +91,71 @@ class CallPlan:
     timeout_s: float
     backward_timeout_s: float
     stats: MoEStats
+    k_min: int = 1
+    timeout_after_k_min_s: float | None = None
     answered: list[bool] = field(default_factory=list)
 
 
 def wait_all(futures: list[concurrent.futures.Future], timeout_s: float, shapes: list[tuple[int, int]],
-             dtype: torch.dtype, device: torch.device) -> list[torch.Tensor | ExpertFailed]:
+             dtype: torch.dtype, device: torch.device,
+             enough: Callable[[int, bool], bool] | None = None, grace_s: float | None = None) -> list[Result]:
     """Each future's tensor, or the :class:`ExpertFailed` it stands for: raised by the caller,
     still pending at the deadline (``expert_timeout``; it is cancelled), or a result of the wrong
     shape or with NaN/Inf (``bad_result``: one broken host must not poison the batch).
-    Other exceptions are bugs of the caller and propagate."""
-    deadline = time.monotonic() + timeout_s
-    concurrent.futures.wait(futures, timeout=timeout_s)
-    results: list[torch.Tensor | ExpertFailed] = []
-    for fut, shape in zip(futures, shapes):
-        if not fut.done():
-            fut.cancel()
-            results.append(ExpertFailed("expert_timeout", f"no answer within {timeout_s} s"))
-            continue
-        try:
-            value = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except ExpertFailed as exc:
-            results.append(exc)
-            continue
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not torch.isfinite(value).all():
-            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            results.append(ExpertFailed("bad_result", f"expected a finite tensor of shape {shape}, got {what}"))
-            continue
-        results.append(value.to(dtype=dtype, device=device))
-    return results
+    Other exceptions are bugs of the caller and propagate.
+
+    ``enough(i, ok)`` is told of each finished call (by position; ``ok`` for a good answer) and
+    says when the answers so far suffice; from then on the wait lasts at most ``grace_s`` more (hivemind's
+    ``timeout_after_k_min``), so one straggler does not hold the whole micro-batch."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    results: dict[int, Result] = {}
+    pending = {fut: i for i, fut in enumerate(futures)}
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, _ = concurrent.futures.wait(pending, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+        for fut in done:
+            i = pending.pop(fut)
+            results[i] = _outcome(fut, shapes[i], dtype, device)
+            if enough is not None and grace_s is not None and enough(i, isinstance(results[i], torch.Tensor)):
+                deadline = min(deadline, time.monotonic() + grace_s)
+                enough = None
+    waited = time.monotonic() - start
+    for fut, i in pending.items():
+        fut.cancel()
+        results[i] = ExpertFailed("expert_timeout", f"no answer after {waited:.2f} s (timeout {timeout_s} s"
+                                  + (f", or {grace_s} s once k_min experts answered)" if grace_s is not None else ")"))
+    return [results[i] for i in range(len(futures))]
+
+
+def _outcome(fut: concurrent.futures.Future, shape: tuple[int, int], dtype: torch.dtype,
+             device: torch.device) -> Result:
+    try:
+        value = fut.result(timeout=0)
+    except ExpertFailed as exc:
+        return exc
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not torch.isfinite(value).all():
+        what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        return ExpertFailed("bad_result", f"expected a finite tensor of shape {shape}, got {what}")
+    return value.to(dtype=dtype, device=device)
+
+
+def k_min_reached(groups: list[Group], n: int, k_min: int) -> Callable[[int, bool], bool]:
+    """``enough`` for a forward: every row has ``k_min`` good answers, or no call of it is left."""
+    chosen = torch.zeros(n, dtype=torch.long)
+    for g in groups:
+        chosen[g.rows] += 1
+    good, finished = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+
+    def answered(i: int, ok: bool) -> bool:
+        finished[groups[i].rows] += 1
+        if ok:
+            good[groups[i].rows] += 1
+        return bool(((good >= k_min) | (finished == chosen)).all())
+
+    return answered
 
 
 class _CallExperts(torch.autograd.Function):
@@ -128,7 +167,8 @@ class _CallExperts(torch.autograd.Function):
         futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
         plan.stats.add(calls=len(futures))
         shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
-        results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device)
+        results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device,
+                           k_min_reached(plan.groups, x.shape[0], plan.k_min), plan.timeout_after_k_min_s)
         y = x.new_zeros(x.shape[0], plan.k, plan.out_features)
         answered = torch.zeros(x.shape[0], plan.k, dtype=torch.bool, device=x.device)
         plan.answered = []

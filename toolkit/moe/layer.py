@@ -117,8 +117,9 @@ class RemoteMixtureOfExperts(_Mixture):
     are the gate's projection (``gate.proj``), so only the gate is in a run's dense layout.
 
     ``timeout_s`` bounds the wait for all forward calls of one micro-batch together (a pending
-    call then counts as failed); ``backward_timeout_s`` (default ``timeout_s``) the same for
-    backward. ``beam_size`` is the beam search's width per grid dimension (default ``k``, the
+    call then counts as failed); with ``timeout_after_k_min_s`` the wait ends that long after
+    every row has ``k_min`` answers (hivemind's semantics; default: wait for all, up to
+    ``timeout_s``). ``backward_timeout_s`` (default ``timeout_s``) bounds the backward calls. ``beam_size`` is the beam search's width per grid dimension (default ``k``, the
     paper's); on a sparse grid a wider beam finds more of the true top-k (tests/test_moe_layer.py
     prints the recall) at no extra cost here, because every live prefix is scored anyway, and a
     width >= the number of live experts is the exact top-k over them. ``caller`` may be None
@@ -128,11 +129,13 @@ class RemoteMixtureOfExperts(_Mixture):
 
     def __init__(self, in_features: int, grid: Sequence[int], k: int, caller: ExpertCaller | None,
                  uid_prefix: str, k_min: int = 1, timeout_s: float = 30.0, *, backward_timeout_s: float | None = None,
-                 out_features: int | None = None, beam_size: int | None = None) -> None:
+                 timeout_after_k_min_s: float | None = None, out_features: int | None = None,
+                 beam_size: int | None = None) -> None:
         super().__init__(in_features, grid, k, uid_prefix, k_min, out_features, beam_size)
         self.caller = caller
         self.timeout_s = timeout_s
         self.backward_timeout_s = backward_timeout_s if backward_timeout_s is not None else timeout_s
+        self.timeout_after_k_min_s = timeout_after_k_min_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in] -> [..., out]``."""
@@ -143,7 +146,7 @@ class RemoteMixtureOfExperts(_Mixture):
         rows = self._rows(x)
         _, logits, valid, _, groups = self.select(rows, self.caller.live())
         plan = CallPlan(self.caller, groups, self.k, self.out_features, self.timeout_s, self.backward_timeout_s,
-                        self.stats)
+                        self.stats, self.k_min, self.timeout_after_k_min_s)
         y, answered = call_experts(rows, plan)
         alive = valid & answered
         self.stats.add(masked_pairs=int((valid & ~answered).sum()))
