@@ -119,10 +119,11 @@ class RemoteMixtureOfExperts(_Mixture):
     ``timeout_s`` bounds the wait for all forward calls of one micro-batch together (a pending
     call then counts as failed); with ``timeout_after_k_min_s`` the wait ends that long after
     every row has ``k_min`` answers (hivemind's semantics; default: wait for all, up to
-    ``timeout_s``). ``backward_timeout_s`` (default ``timeout_s``) bounds the backward calls. ``beam_size`` is the beam search's width per grid dimension (default ``k``, the
-    paper's); on a sparse grid a wider beam finds more of the true top-k (tests/test_moe_layer.py
-    prints the recall) at no extra cost here, because every live prefix is scored anyway, and a
-    width >= the number of live experts is the exact top-k over them. ``caller`` may be None
+    ``timeout_s``). ``backward_timeout_s`` (default ``timeout_s``) bounds the backward calls.
+    ``beam_size`` is the beam search's width per grid dimension (default ``k``, the paper's); on
+    a sparse grid a wider beam finds more of the true top-k (tests/test_moe_layer.py prints the
+    recall) at no extra cost here, because every live prefix is scored anyway, and a width >=
+    the number of live experts is the exact top-k over them. ``caller`` may be None
     while the model is only built for its parameter layout (the relay does so); set
     ``layer.caller`` before the first forward.
     """
