@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target-batch", type=int, default=32, help="global batch per step (default 32)")
     demo.add_argument("--batch-size", type=int, default=8, help="per-peer micro-batch (default 8)")
     demo.add_argument("--data-dir", help="keep the relay state here (default: a temporary directory)")
-    demo.add_argument("--port", type=int, default=0, help="the relay's port (default 0: any free port)")
+    demo.add_argument("--port", type=int, default=0,
+                      help="the relay's port, where the dashboard is (default 0: any free port; the first line says it)")
+    demo.add_argument("--keep", action="store_true",
+                      help="leave the relay and its dashboard up after the last step, until Ctrl-C")
     demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
                       help="codec for gradients and parameters on the wire (default none)")
     demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny"), default="byte-lm",
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
                         batch_size=args.batch_size, data_dir=args.data_dir, port=args.port,
-                        compression=args.compression, recipe=args.recipe)
+                        compression=args.compression, recipe=args.recipe, keep=args.keep)
     except ConfigError as exc:
         print(f"relay-server: configuration error: {exc}", file=sys.stderr)
         return 2

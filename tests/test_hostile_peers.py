@@ -37,6 +37,7 @@ from relay_server.core.config import load_config
 from tests.conftest import free_port, merged, write_config
 from tests.test_attacks import TOKENS, SignedPeer, standin
 from tests.test_shard_leases import write_shards
+from toolkit.moe import payloads
 from toolkit.errors import ProtocolError
 from toolkit.wire.auth import BODY_SHA256_HEADER, CONTAINER_TYPE, b64u, digest_metadata
 from toolkit.wire.protocol import (ROUTES, DoneRequest, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION,
@@ -192,6 +193,8 @@ NOT_PEER_SCOPED = {  # signed routes that act on no peer but the caller's own (o
     ("GET", ROUTES["state"]): "reads the latest version",
     ("POST", ROUTES["refresh"]): "the caller's own pass",
     ("GET", ROUTES["tokenizer"]): "reads the run's tokenizer",
+    ("GET", ROUTES["moe_spec"]): "reads the run's [moe] section",
+    ("GET", ROUTES["moe_directory"]): "reads the expert directory",
 }
 
 
@@ -228,12 +231,16 @@ def _upload_as(scene: Scene) -> requests.PreparedRequest:
                              f"/api/rounds/0/gradient?peer_id={scene.alice.peer_id}")
 
 
+TENSORS = "application/octet-stream"
+
+
 def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], requests.PreparedRequest]]]:
     """For each peer-scoped route, bob's request(s) acting on alice's peer."""
     a, bob = scene.alice.peer_id, scene.bob
     hb = Heartbeat(version=0, samples=5, samples_per_s=10.0).dumps()
     progress = ShardReport(updates=[ShardUpdate(source="web", shard="x", samples=3)]).dumps()
     release = ShardReport(updates=[ShardUpdate(source="web", shard="x", release=True)]).dumps()
+    expert_body = payloads.call_body(np.zeros((2, 8), np.float32))
     ticket = TicketRequest(round_id="r" * 16, version=0, samples=5, loss_sum=1.0,
                            slices=[SliceDigest(start=0, end=1, header_sha256="0" * 64)]).dumps()
     return {
@@ -249,6 +256,16 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
         ("POST", ROUTES["ticket"]): [lambda: _json(bob, "POST", f"/api/rounds/0/ticket?peer_id={a}", ticket)],
         ("POST", ROUTES["done"]): [lambda: _json(bob, "POST", f"/api/rounds/0/done?peer_id={a}",
                                                  DoneRequest(round_id="r" * 16, delivered=[0]).dumps())],
+        # mixture-of-experts: acting as alice's trainer or alice's expert host
+        ("PUT", ROUTES["moe_call"]): [lambda: bob.prepared("PUT", f"/api/moe/peers/{a}/calls/ffn0.0.0?kind=forward"
+                                                           "&call_id=c1", expert_body, content_type=TENSORS)],
+        ("POST", ROUTES["moe_lease"]): [lambda: _json(bob, "POST", f"/api/moe/hosts/{a}/lease?capacity=4")],
+        ("GET", ROUTES["moe_tasks"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/tasks?wait=0")],
+        ("PUT", ROUTES["moe_result"]): [lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/tasks/t1", expert_body,
+                                                             content_type=TENSORS)],
+        ("PUT", ROUTES["moe_checkpoint"]): [lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint",
+                                                                 expert_body, content_type=TENSORS)],
+        ("GET", ROUTES["moe_checkpoint"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint")],
     }
 
 

@@ -24,7 +24,7 @@ LAYERS = [
     "toolkit.errors", "toolkit.wire", "toolkit.runtime", "toolkit.corpus", "toolkit.moe", "toolkit.models", "toolkit.signing", "toolkit.transfer", "toolkit.client", "toolkit.moe.remote", "toolkit.moe.host", "toolkit.accumulator", "toolkit.worker",
     "toolkit.data", "toolkit.optim_base", "toolkit.optimizer", "toolkit.integrations", "toolkit.notebook", "toolkit.session", "toolkit.peer",
     "toolkit",
-    "relay_server.core", "relay_server.auth", "relay_server.tasks", "relay_server.rounds", "relay_server.planning",
+    "relay_server.core", "relay_server.auth", "relay_server.tasks", "relay_server.moe", "relay_server.rounds", "relay_server.planning",
     "relay_server.observers", "relay_server.data", "relay_server.backbone", "relay_server.collaboration",
     "relay_server.api", "relay_server.aggregator", "relay_server.demo", "relay_server.notebooks", "relay_server.cli", "relay_server",
 ]

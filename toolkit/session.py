@@ -30,6 +30,8 @@ from toolkit.data.pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
+from toolkit.moe.host import ExpertHost
+from toolkit.moe.remote import RelayExpertCaller
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
 from toolkit.runtime.precision import choose_precision
@@ -58,7 +60,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
          data: Iterable[torch.Tensor] | None = None, batch_size: int = 8, peer_name: str | None = None,
          seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
          delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
-         trusted_models: Sequence[str] = (), accumulate_on_host: bool = False, verbose: bool = False) -> JoinResult:
+         trusted_models: Sequence[str] = (), accumulate_on_host: bool = False, verbose: bool = False,
+         role: str = "trainer", capacity: int = 8) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
 
@@ -78,8 +81,16 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     ("project" or "entity/project") starts this peer's own W&B run (default: the project the run
     names, if any). ``delayed_updates`` (default: on when the run allows one step of staleness)
     keeps computing the next batch while a round is in flight.
+
+    ``role="expert_host"`` contributes to a run with mixture-of-experts layers by hosting
+    ``capacity`` of its experts instead of training (:mod:`toolkit.moe.host`): until ``max_seconds``
+    or the cell is interrupted. A trainer of such a run reaches the experts through the relay.
     """
     started = time.monotonic()
+    if role == "expert_host":
+        return _host_experts(relay_url, token, capacity, peer_name, max_seconds, started)
+    if role != "trainer":
+        raise ValueError(f"role must be 'trainer' or 'expert_host', got {role!r}")
     with ExitStack() as cleanup:
         client, run = _connect(relay_url, token)
         cleanup.callback(client.close)
@@ -102,6 +113,10 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                                      device_info={**info.to_json(), "precision": policy.to_json()},
                                      precision=policy.name, accumulate_on_host=accumulate_on_host, verbose=verbose)
         cleanup.callback(opt.close)
+        if hasattr(model, "attach_caller"):  # mixture-of-experts layers: their experts live on volunteer hosts
+            caller = RelayExpertCaller(client, opt.peer_id)
+            cleanup.callback(caller.close)
+            model.attach_caller(caller)
         if opt.collab_state.finished:  # joined after the last step: say so rather than return 0 samples
             raise RunFinished("run_finished", f"run {run.run_name!r} already finished at step "
                               f"{opt.collab_state.step}: there is nothing left to contribute")
@@ -155,6 +170,18 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                       local_steps=local_steps, last_loss=loss_value, seconds=time.monotonic() - started,
                       finished=opt.finished, device=info.label, precision=policy.name,
                       first_contribution_s=first_contribution_s)
+
+
+def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: str | None,
+                  max_seconds: float | None, started: float) -> JoinResult:
+    host = ExpertHost(relay_url, capacity=capacity, token=token, name=peer_name or socket.gethostname()[:64])
+    try:
+        host.run(max_seconds)
+    except KeyboardInterrupt:
+        log.info("interrupted: handing the experts back")
+    return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
+                      last_loss=None, seconds=time.monotonic() - started, finished=False, device="cpu",
+                      precision="fp32")
 
 
 def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:

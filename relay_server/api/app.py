@@ -20,7 +20,7 @@ from aiohttp import web
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
-from relay_server.api import shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import experts as experts_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -63,7 +63,8 @@ async def get_status(request: web.Request) -> web.Response:
     key = (collab.step, len(collab.registry.peers), r and (r.round_id, len(r.received), len(r.expected), r.closed))
     now = time.monotonic()
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
-        status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app))
+        status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app),
+                                     experts=experts_api.status_summary(request.app))
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")
 
@@ -224,6 +225,7 @@ ROUTE_TABLE = [
     *shards_api.ROUTES,
     *tokenizer_api.ROUTES,
     *toolkit_api.ROUTES,
+    *experts_api.ROUTE_TABLE,
 ]
 
 
@@ -251,7 +253,7 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
                            reauth_after_s=a.reauth_after_s)
     verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
     return [auth_middleware(verifier, PUBLIC_ROUTES, container_routes=CONTAINER_ROUTES,
-                            container_limit=container_limit)], service.routes()
+                            container_limit=container_limit, binary_routes=experts_api.BINARY_ROUTES)], service.routes()
 
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
@@ -274,6 +276,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
     app.cleanup_ctx.append(tokenizer_api.lifespan)  # the run's tokenizer sha256 and objective into RunInfo
     app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
+    app.cleanup_ctx.append(experts_api.lifespan)  # [moe]: the expert directory, broker and checkpoints
     return app
 
 

@@ -231,7 +231,8 @@ def sign_response_headers(request: web.Request, response: web.StreamResponse, na
 # --- middleware ---------------------------------------------------------------------------------
 def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
                     container_routes: Iterable[tuple[str, str]] = (),
-                    container_limit: Callable[[], int] = lambda: 0):
+                    container_limit: Callable[[], int] = lambda: 0,
+                    binary_routes: Iterable[tuple[str, str]] = ()):
     """Require a signed request on every route except ``public_paths`` (where a request that
     carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
@@ -244,9 +245,12 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
     route template) take a streamed tensor container -- header hash, then a digest per chunk, at
     most ``container_limit()`` data bytes --, every other route a body hashed whole. The route,
     not the client's Content-Type, decides which: an octet-stream body on a JSON route used to be
-    hashed by its first bytes only, leaving an unsigned JSON tail for the handler (issue 17)."""
+    hashed by its first bytes only, leaving an unsigned JSON tail for the handler (issue 17).
+    ``binary_routes`` take a small tensor container (an expert call, at most the app's
+    ``client_max_size``) as ``application/octet-stream``, hashed whole like a JSON body."""
     public = frozenset(public_paths)
     containers = frozenset(container_routes)
+    binary = frozenset(binary_routes)
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
@@ -254,8 +258,8 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
         if resource is None or (resource.canonical in public and PASS_HEADER not in request.headers):
             return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers
         try:
-            await _authenticate(verifier, request, (request.method, resource.canonical) in containers,
-                                container_limit)
+            route = (request.method, resource.canonical)
+            await _authenticate(verifier, request, route in containers, container_limit, route in binary)
         except (ApiError, ProtocolError) as exc:
             log.info("refused %s %s: %s", request.method, request.path[:80], getattr(exc, "code", "error"))
             await drain(request)
@@ -273,14 +277,14 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
 
 
 async def _authenticate(verifier: RequestVerifier, request: web.Request, container: bool,
-                        container_limit: Callable[[], int]) -> None:
+                        container_limit: Callable[[], int], binary: bool = False) -> None:
     pending = verifier.check_headers(request.headers)
     content_type = request.headers.get("Content-Type", "")
     streamed = content_type.split(";")[0].strip().lower() == CONTAINER_TYPE
-    if streamed != container:
-        raise ApiError(415, "wrong_content_type", f"this route takes {CONTAINER_TYPE if container else 'JSON'}, "
+    if streamed != (container or binary):
+        raise ApiError(415, "wrong_content_type", f"this route takes {CONTAINER_TYPE if container or binary else 'JSON'}, "
                        f"not {content_type[:60]!r}", "Send the body the toolkit sends for this route "
-                       "(tensor uploads as application/octet-stream, everything else as application/json).")
+                       "(tensors as application/octet-stream, everything else as application/json).")
     if container:
         limit = container_limit()
         if request.content_length is not None and request.content_length > limit + MAX_HEADER + 8:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.connections import ConnectionsSection
+from relay_server.core.moe_config import MoeSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.hub_files import download_hub_file
 from relay_server.core.typed import ConfigError, apply_env, build_section, set_setting
@@ -291,6 +292,7 @@ class RelayConfig:
     """Free-form dataset description forwarded to peers (sources, shards, mixing)."""
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     connections: ConnectionsSection = field(default_factory=ConnectionsSection)  # caps, idle and body timeouts
+    moe: MoeSection = field(default_factory=MoeSection)  # DMoE layers: experts hosted by volunteers
     objective: dict[str, Any] = field(default_factory=dict)
     """What peers train on: name = "masked-lm" | "causal-lm" | "classification", seq_len, ... (see
     toolkit.data.objectives.ObjectiveConfig); empty = the byte-level stream."""
@@ -315,7 +317,7 @@ class RelayConfig:
              "rounds.deadline_floor_s must be > 0 and <= rounds.deadline_ceiling_s"),
             (self.rounds.peer_ttl_s > self.rounds.heartbeat_interval_s,
              "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
-            *self.connections.checks(),
+            *self.connections.checks(), *self.moe.checks(self.model),
             (self.auth.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
             (self.auth.mode != "hf" or bool(self.auth.allow_users or self.auth.allow_orgs or self.auth.allow_any_hf_user),
              "auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or auth.allow_any_hf_user = true "
@@ -344,10 +346,9 @@ class RelayConfig:
              "set only one of model.init_checkpoint and hub.init_from"),
             (not self.hub.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.hub.init_from)),
              "hub.init_from must be 'owner/name' or 'owner/name@revision'"),
-            (self.aggregators.ttl_s > self.aggregators.heartbeat_interval_s > 0,
-             "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)"),
-            (self.aggregators.default_bandwidth_mbps > 0, "aggregators.default_bandwidth_mbps must be > 0"),
-            (self.aggregators.state_copy_every >= 1, "aggregators.state_copy_every must be >= 1"),
+            (self.aggregators.ttl_s > self.aggregators.heartbeat_interval_s > 0, "aggregators.ttl_s must exceed "
+             "aggregators.heartbeat_interval_s (> 0)"), (self.aggregators.default_bandwidth_mbps > 0 and self.aggregators.state_copy_every >= 1,
+             "aggregators.default_bandwidth_mbps must be > 0 and aggregators.state_copy_every >= 1"),
         ]
         for ok, message in checks:
             if not ok:

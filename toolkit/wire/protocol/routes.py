@@ -34,6 +34,14 @@ ROUTES = {
     "plan": "/api/plan",
     "ticket": "/api/rounds/{step}/ticket",
     "done": "/api/rounds/{step}/done",
+    # decentralized mixture-of-experts (toolkit.moe.payloads: bodies are tensor containers)
+    "moe_spec": "/api/moe/spec",
+    "moe_directory": "/api/moe/directory",
+    "moe_call": "/api/moe/peers/{peer_id}/calls/{uid}",
+    "moe_lease": "/api/moe/hosts/{peer_id}/lease",
+    "moe_tasks": "/api/moe/hosts/{peer_id}/tasks",
+    "moe_result": "/api/moe/hosts/{peer_id}/tasks/{task_id}",
+    "moe_checkpoint": "/api/moe/hosts/{peer_id}/experts/{uid}/checkpoint",
     # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
     "aggregator_register": "/api/admin/aggregators/register",
     "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from toolkit.wire.protocol.rounds import RoundInfo, RoundRecord
 from toolkit.wire.protocol.shards import SourceCoverage
@@ -80,3 +81,6 @@ class StatusReport(Schema):
     config: RunSummary | None = None
     shards: list["SourceCoverage"] = field(default_factory=list)
     """Data coverage per dataset when the run leases shards (``GET /api/shards`` lists every shard)."""
+    experts: dict[str, Any] | None = None
+    """Runs with ``[moe]``: experts live/total, calls/s and failure rate over the last minute,
+    experts per host, queued rows (``relay_server.api.experts.Experts.summary``)."""

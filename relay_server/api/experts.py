@@ -1,0 +1,290 @@
+"""HTTP face of Learning@home on the relay: expert calls in, tasks out, results back.
+
+Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit.moe.payloads`):
+
+* ``GET  /api/moe/spec``                              the run's ``[moe]`` as trainers and hosts need it
+* ``GET  /api/moe/directory``                         {version, live: [uid], total}
+* ``PUT  /api/moe/peers/{peer_id}/calls/{uid}?kind=&call_id=``   a trainer's call; answered (long
+  poll) with the expert's result, or 410 ``expert_gone`` / 429 ``queue_busy`` / 504 ``task_timeout``
+  / 502 ``bad_result``: each a failed expert for the trainer, never garbage
+* ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now
+* ``GET  /api/moe/hosts/{peer_id}/tasks?max_rows=&wait=``        a batch of tasks (204: none yet)
+* ``PUT  /api/moe/hosts/{peer_id}/tasks/{task_id}``   a task's result, validated before the caller
+  sees it (a bad one fails the call and is refused 422)
+* ``PUT|GET /api/moe/hosts/{peer_id}/experts/{uid}/checkpoint``  the leaseholder's checkpoints
+
+Hosts and trainers are registered peers (join, heartbeats): a host that leaves the registry loses
+its experts' leases at the next tick, its queued and leased calls fail at once with
+``expert_gone``, and the next host that asks takes the orphans with their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
+from relay_server.core.errors import ApiError, unknown_peer
+from relay_server.core.http import int_query, json_ok
+from relay_server.core.moe_config import MoeSection
+from relay_server.moe.checkpoints import CheckpointStore
+from relay_server.moe.directory import ExpertDirectory
+from relay_server.tasks.broker import DONE, TaskBroker
+from relay_server.tasks.store import PayloadStore
+from toolkit.errors import ProtocolError
+from toolkit.moe import payloads
+from toolkit.wire.protocol import ROUTES
+
+log = logging.getLogger(__name__)
+TICK_S = 0.25
+MAX_TASK_WAIT_S = 25
+_CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_RATE_WINDOW_S = 60.0
+
+
+@dataclass
+class Experts:
+    """The relay's DMoE state: one per app, present only when ``[moe] enabled``."""
+
+    config: MoeSection
+    directory: ExpertDirectory
+    broker: TaskBroker
+    checkpoints: CheckpointStore
+    shapes: dict[str, tuple[int, ...]]
+    """Every expert's parameter shapes (all experts of a run share one architecture)."""
+    known: frozenset[str] = frozenset()
+    calls: deque = field(default_factory=deque)
+    """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
+
+    def note_call(self, failed: bool) -> None:
+        now = time.monotonic()
+        self.calls.append((now, failed))
+        while self.calls and now - self.calls[0][0] > _RATE_WINDOW_S:
+            self.calls.popleft()
+
+    def summary(self) -> dict:
+        window = [c for c in self.calls if time.monotonic() - c[0] <= _RATE_WINDOW_S]
+        failed = sum(1 for _, f in window if f)
+        return {"live": len(self.directory.live()), "total": len(self.directory.uids),
+                "calls_per_s": round(len(window) / _RATE_WINDOW_S, 2),
+                "failure_rate": round(failed / len(window), 4) if window else 0.0,
+                "experts_per_host": self.directory.hosts(), "queued_rows": self.broker.summary()["queued"]}
+
+
+EXPERTS = web.AppKey("experts", Experts)
+
+
+def status_summary(app: web.Application) -> dict | None:
+    experts = app.get(EXPERTS)
+    return experts.summary() if experts is not None else None
+
+
+def _experts(request: web.Request) -> Experts:
+    experts = request.app.get(EXPERTS)
+    if experts is None:
+        raise ApiError(404, "no_moe", "this run has no mixture-of-experts layers",
+                       "The organizer enables them with [moe] enabled = true in the relay config.")
+    return experts
+
+
+def _registered(request: web.Request) -> str:
+    """The path's peer id: this user's (signed runs) and still in the registry (a pure read:
+    nothing here refreshes a peer's liveness; heartbeats do)."""
+    peer_id = own_peer(request, request.match_info["peer_id"])
+    if _collab(request).registry.get(peer_id) is None:
+        raise unknown_peer(peer_id)
+    return peer_id
+
+
+def _uid(experts: Experts, uid: str) -> str:
+    if uid not in experts.known:
+        raise ApiError(404, "unknown_expert", f"no expert {uid[:40]!r} in this run",
+                       "Take uids from GET /api/moe/directory.")
+    return uid
+
+
+async def get_spec(request: web.Request) -> web.Response:
+    return json_ok(_experts(request).config.spec())
+
+
+async def get_directory(request: web.Request) -> web.Response:
+    return json_ok(_experts(request).directory.snapshot())
+
+
+async def put_call(request: web.Request) -> web.Response:
+    caller = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    uid = _uid(experts, request.match_info["uid"])
+    kind, call_id = request.query.get("kind", ""), request.query.get("call_id", "")
+    if kind not in payloads.KINDS or not _CALL_ID.fullmatch(call_id):
+        raise ApiError(400, "bad_query", "kind must be forward or backward, call_id 1-64 of [A-Za-z0-9_-]")
+    cfg, width = experts.config, experts.config.width()
+    body = await request.read()  # bounded by the app's client_max_size
+    try:
+        _, tensors = payloads.decode(body, 2 * cfg.max_rows_per_call * width * 4)
+        x = payloads.rows_of(tensors, "x", None, width)
+        if kind == "backward":
+            payloads.rows_of(tensors, "g", x.shape[0], width)
+    except ProtocolError as exc:
+        raise ApiError(400, exc.code, exc.message, "Send float32 [rows, d] tensors x (and g for a backward).") from None
+    if x.shape[0] > cfg.max_rows_per_call or len(tensors) != (2 if kind == "backward" else 1):
+        raise ApiError(400, "bad_tensor", f"a call carries x (and g) with at most {cfg.max_rows_per_call} rows")
+    if experts.directory.host_of(uid) is None:
+        experts.note_call(failed=True)
+        raise ApiError(410, "expert_gone", f"expert {uid} has no host right now", "Treat it as a failed expert.")
+    timeout = cfg.forward_timeout_s if kind == "forward" else cfg.backward_timeout_s
+    task = experts.broker.submit(caller=caller, call_id=call_id, key=uid, kind=kind, rows=int(x.shape[0]),
+                                 payload=body, timeout_s=timeout)
+    await experts.broker.wait(task)
+    experts.note_call(failed=task.state != DONE)
+    if task.state != DONE:
+        error = task.error
+        if error is not None and error.code == "worker_gone":
+            error = ApiError(410, "expert_gone", f"the host of {uid} left during the call", error.hint)
+        raise error or ApiError(500, "task_failed", f"the call to {uid} failed")
+    answer = experts.broker.result(task)
+    experts.broker.forget(task)
+    return web.Response(body=answer, content_type="application/octet-stream")
+
+
+async def post_lease(request: web.Request) -> web.Response:
+    host = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    capacity = int_query(request, "capacity")
+    if not 0 <= capacity <= 4096:
+        raise ApiError(400, "bad_query", "capacity must be 0..4096")
+    uids = experts.directory.lease(host, capacity)
+    return json_ok({"uids": uids, "spec": experts.config.spec()})
+
+
+async def get_tasks(request: web.Request) -> web.Response:
+    host = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    max_rows = int_query(request, "max_rows", experts.config.max_rows_per_call)
+    wait = min(int_query(request, "wait", 10), MAX_TASK_WAIT_S)
+    keys = experts.directory.hosted_by(host)
+    tasks = await experts.broker.lease(host, keys, max_rows=max(1, max_rows), wait_s=wait) if keys else []
+    if not tasks:
+        return web.Response(status=204)
+    width = experts.config.width()
+    arrays = []
+    for task in tasks:
+        _, tensors = payloads.decode(experts.broker.payload(task), 2 * experts.config.max_rows_per_call * width * 4)
+        arrays.append(tensors)
+    heads = [{"task_id": t.task_id, "uid": t.key, "kind": t.kind, "rows": t.rows} for t in tasks]
+    return web.Response(body=payloads.task_batch(heads, arrays), content_type="application/octet-stream")
+
+
+async def put_result(request: web.Request) -> web.Response:
+    host = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    task = experts.broker.leased(host, request.match_info["task_id"])  # 409/410 before any byte is read
+    body = await request.read()
+    name = "y" if task.kind == "forward" else "g"
+    try:
+        _, tensors = payloads.decode(body, task.rows * experts.config.width() * 4)
+        if set(tensors) != {name}:
+            raise ProtocolError("bad_tensor", f"a {task.kind} result carries exactly the tensor {name!r}")
+        payloads.rows_of(tensors, name, task.rows, experts.config.width())
+    except ProtocolError as exc:
+        log.warning("host %s sent an invalid result for %s: %s", host[:16], task.key, exc.message)
+        experts.broker.fail(host, task.task_id, ApiError(502, "bad_result", f"the host of {task.key} sent an "
+                                                         "invalid result", "Treat it as a failed expert."))
+        raise ApiError(422, exc.code, exc.message, "The result was refused and the call failed; fix the host.") \
+            from None
+    experts.broker.complete(host, task.task_id, body)
+    return json_ok({"ok": True})
+
+
+async def put_checkpoint(request: web.Request) -> web.Response:
+    host = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    uid = _uid(experts, request.match_info["uid"])
+    if experts.directory.host_of(uid) != host:
+        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
+                       "Upload checkpoints only for the experts your lease returned.")
+    body = await request.read()
+    try:
+        updates = payloads.check_checkpoint(body, experts.shapes)
+    except ProtocolError as exc:
+        raise ApiError(422, exc.code, exc.message, "The checkpoint was refused; the previous one stays.") from None
+    number = await asyncio.to_thread(experts.checkpoints.save, uid, body)
+    return json_ok({"uid": uid, "checkpoint": number, "updates": updates})
+
+
+async def get_checkpoint(request: web.Request) -> web.Response:
+    host = _registered(request)  # who may act on what, before anything else
+    experts = _experts(request)
+    uid = _uid(experts, request.match_info["uid"])
+    if experts.directory.host_of(uid) != host:
+        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
+                       "Lease it first (POST .../lease).")
+    body = await asyncio.to_thread(experts.checkpoints.latest, uid)
+    if body is None:
+        raise ApiError(404, "no_checkpoint", f"expert {uid} has no checkpoint yet",
+                       "Initialize it from the run's seed (the toolkit does this).")
+    return web.Response(body=body, content_type="application/octet-stream")
+
+
+BINARY_ROUTES = frozenset({("PUT", ROUTES["moe_call"]), ("PUT", ROUTES["moe_result"]), ("PUT", ROUTES["moe_checkpoint"])})
+"""Routes whose body is a small tensor container, signed whole (the auth middleware's list)."""
+
+ROUTE_TABLE = [
+    ("GET", ROUTES["moe_spec"], get_spec),
+    ("GET", ROUTES["moe_directory"], get_directory),
+    ("PUT", ROUTES["moe_call"], put_call),
+    ("POST", ROUTES["moe_lease"], post_lease),
+    ("GET", ROUTES["moe_tasks"], get_tasks),
+    ("PUT", ROUTES["moe_result"], put_result),
+    ("PUT", ROUTES["moe_checkpoint"], put_checkpoint),
+    ("GET", ROUTES["moe_checkpoint"], get_checkpoint),
+]
+
+
+async def lifespan(app: web.Application) -> AsyncIterator[None]:
+    """Build the DMoE state when ``[moe] enabled``, and expire departed hosts every tick."""
+    config = app[CONFIG]
+    if not config.moe.enabled:
+        yield
+        return
+    from toolkit.moe.host import expert_shapes  # torch: only relays that run DMoE pay for it
+
+    cfg = config.moe
+    root = config.server.data_dir
+    experts = Experts(config=cfg, directory=ExpertDirectory(cfg.uids()),
+                      broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, Path(root) / "tasks"),
+                                        max_queued_rows=cfg.max_queued_rows),
+                      checkpoints=CheckpointStore(Path(root) / "experts", cfg.keep_checkpoints),
+                      shapes=expert_shapes(cfg.spec()), known=frozenset(cfg.uids()))
+    app[EXPERTS] = experts
+    log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
+             cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)
+    ticker = asyncio.create_task(_tick(app, experts))
+    try:
+        yield
+    finally:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+
+
+async def _tick(app: web.Application, experts: Experts) -> None:
+    while True:
+        await asyncio.sleep(TICK_S)
+        live = app[COLLAB].registry.peers
+        for host, orphans in experts.directory.expire(live).items():
+            failed = sum(experts.broker.fail_key(uid, ApiError(410, "expert_gone", f"the host of {uid} left",
+                                                               "Treat it as a failed expert."))
+                         for uid in orphans)
+            experts.broker.worker_left(host)
+            log.info("expert host %s left: %d experts orphaned, %d calls failed", host[:16], len(orphans), failed)
+        experts.broker.tick()

@@ -1,0 +1,83 @@
+"""A trainer of a mixture-of-experts run, as a real process: ``toolkit.join`` on fixed batches.
+
+``python tests/moe_trainer.py URL STEPS [--sleep S]`` trains on :func:`batches` (seeded, so the
+test's in-process reference sees the same data) and prints one JSON line: the result and, per
+mixture layer, its call counters and the uids whose calls failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+IN_FEATURES, BATCH = 6, 16
+
+
+def batches(steps: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps, BATCH, IN_FEATURES, generator=gen)
+    y = torch.sin(x.sum(-1, keepdim=True))
+    return list(torch.cat([x, y], -1))
+
+
+class Paced:
+    """The batches with a pause before each: a run long enough for a host to die mid-way."""
+
+    def __init__(self, data: list[torch.Tensor], sleep_s: float) -> None:
+        self.data, self.sleep_s = data, sleep_s
+
+    def __iter__(self):
+        for batch in self.data:
+            time.sleep(self.sleep_s)
+            yield batch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from toolkit import join
+    from toolkit.models import DMoEMLP
+
+    failed: dict[str, int] = {}
+    model_box: list[DMoEMLP] = []
+
+    class Recorder(DMoEMLP):  # the run's model, remembering its layers so their counters can be printed
+        def attach_caller(self, caller):
+            model_box.append(self)
+            original = caller._call
+
+            def call(uid, kind, x, g):
+                try:
+                    return original(uid, kind, x, g)
+                except Exception:
+                    failed[uid] = failed.get(uid, 0) + 1
+                    raise
+
+            caller._call = call
+            return super().attach_caller(caller)
+
+    from toolkit.client import RelayClient
+
+    kwargs = RelayClient(args.url).get_run().model.kwargs
+    result = join(args.url, model=Recorder(**kwargs), data=Paced(batches(args.steps), args.sleep),
+                  batch_size=BATCH, max_steps=args.steps, panel="none", peer_name="moe-trainer")
+    stats = [dict(calls=m.stats.calls, failures=m.stats.failures, backward_failures=m.stats.backward_failures,
+                  dropped_rows=m.stats.dropped_rows) for m in model_box[0].moe]
+    print(json.dumps({"final_step": result.final_step, "local_steps": result.local_steps,
+                      "contributed": result.contributed_samples, "layers": stats, "failed_uids": failed}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Learning@home through a real relay: expert hosts and a trainer as separate processes, calls
+brokered by the relay (hosts cannot be reached), checked against the in-process reference.
+
+* exactness: relay + 2 hosts + 1 trainer, SGD everywhere, fixed seeds: after the steps every
+  expert (from the relay's checkpoints) and every dense parameter (from the relay's state) equals
+  the same model trained in one process with :class:`LoopbackCaller` to 1e-5;
+* failover: a host SIGKILLed mid-run: the trainer never raises, only the dead host's experts fail,
+  a spare host takes them over from their checkpoints, the run reaches its last step;
+* hostile hosts: NaN, wrong shapes, oversized results, results for tasks a host does not hold,
+  checkpoints for experts it does not lease: refused with a 4xx, the caller sees a failed expert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from tests.conftest import REPO
+from tests.moe_trainer import BATCH, IN_FEATURES, batches
+from tests.test_collaboration import load_flat, relay_params
+from toolkit.client import RelayClient
+from toolkit.models import DMoEMLP
+from toolkit.moe import payloads
+from toolkit.moe.calls import ExpertFailed, LoopbackCaller
+from toolkit.moe.host import checkpoint_of, expert_shapes, make_optimizer, restore
+from toolkit.moe.remote import RelayExpertCaller
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest
+
+LR = 0.05
+MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
+       "expert": {"kind": "ffn", "d": 8, "hidden": 16}, "optimizer": {"name": "sgd", "lr": LR}, "seed": 0,
+       "checkpoint_every_s": 0.5, "forward_timeout_s": 10.0, "backward_timeout_s": 10.0}
+KWARGS = {"in_features": IN_FEATURES, "hidden": 8, "out_features": 1, "layers": 2, "grid": [2, 2], "k": 2,
+          "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
+UIDS = [f"ffn{layer}.{i}.{j}" for layer in range(2) for i in range(2) for j in range(2)]
+
+
+def overrides(steps: int) -> dict:
+    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": MOE,
+            "run": {"target_batch": BATCH, "max_staleness": 0, "total_steps": steps},
+            "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
+
+
+def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay_url, "--capacity",
+                             str(capacity), "--name", name, "-v"], cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def directory(url: str) -> dict:
+    return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
+    files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
+    return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
+
+
+def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
+    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # a clean stop uploads the final checkpoints
+    for proc in procs:
+        proc.wait(timeout=30)
+
+
+def test_two_hosts_and_a_trainer_equal_one_process(start_relay, tmp_path: Path) -> None:
+    steps = 12
+    relay = start_relay(overrides(steps))
+    _, initial = relay_params(relay.url)
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(relay.url, steps)
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["failed_uids"] == {}
+    assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"])
+
+    # The same model, data and update order in one process: experts behind a LoopbackCaller that
+    # steps each expert's SGD once per backward call, as a host does.
+    torch.manual_seed(0)
+    model = DMoEMLP(**KWARGS)
+    load_flat(model, initial)
+    experts = {uid: model.make_expert(uid) for uid in UIDS}
+    with LoopbackCaller(experts, optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=LR)) as caller:
+        model.attach_caller(caller)
+        dense = torch.optim.SGD(model.parameters(), lr=LR)
+        for batch in batches(steps):
+            dense.zero_grad()
+            model.loss(batch).backward()
+            dense.step()
+    _, final = relay_params(relay.url, min_step=steps)
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
+    for uid in UIDS:
+        stored = latest_checkpoint(relay.data_dir, uid)
+        for name, p in experts[uid].named_parameters():
+            np.testing.assert_allclose(stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{uid}.{name}")
+
+
+def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(start_relay, tmp_path: Path) -> None:
+    steps = 24
+    relay = start_relay(overrides(steps))
+    victim = start_host(relay.url, "victim", 4, tmp_path / "victim.log")
+    wait_until(lambda: len(directory(relay.url)["live"]) == 4, 60, "the first host's 4 experts")
+    victims = set(directory(relay.url)["live"])
+    keeper = start_host(relay.url, "keeper", 4, tmp_path / "keeper.log")
+    wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "all 8 experts hosted")
+    spare = start_host(relay.url, "spare", 8, tmp_path / "spare.log")  # holds nothing until a host dies
+    trainer = subprocess.Popen([sys.executable, "tests/moe_trainer.py", relay.url, str(steps), "--sleep", "0.15"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: relay.status()["step"] >= 4, 120, "step 4")
+        wait_until(lambda: all((relay.data_dir / "experts" / uid).is_dir() for uid in victims), 30,
+                   "a checkpoint of every expert of the host about to die")
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        wait_until(lambda: "victim" not in {p["name"] for p in relay.status()["peers"]}, 30, "the victim's TTL")
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 10, "the spare to take over the orphans")
+        out, err = trainer.communicate(timeout=240)
+        assert trainer.returncode == 0, err[-3000:]
+    finally:
+        trainer.kill()
+        stop([keeper, spare])
+    outcome = json.loads(out.strip().splitlines()[-1])
+    assert outcome["final_step"] == steps  # the run reached its last step; the trainer never raised
+    assert set(outcome["failed_uids"]) <= victims, (outcome["failed_uids"], victims)
+    spare_log = (tmp_path / "spare.log").read_text()
+    resumed = {uid for uid in victims if f"expert {uid} resumed from its checkpoint" in spare_log}
+    assert resumed == victims, spare_log[-2000:]  # from the dead host's checkpoints, not from scratch
+
+
+def test_checkpoint_round_trip_restores_parameters_and_optimizer_state_exactly() -> None:
+    spec = {"expert": MOE["expert"], "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "seed": 0}
+    shapes = expert_shapes(spec)
+    source = DMoEMLP(**KWARGS).make_expert("ffn0.1.0")
+    optimizer = make_optimizer(spec, source)
+    for _ in range(3):
+        source(torch.randn(5, 8)).square().sum().backward()
+        optimizer.step()
+    body = checkpoint_of(source, optimizer, updates=3)
+    copy = DMoEMLP(**KWARGS).make_expert("ffn1.1.1")
+    copy_opt = make_optimizer(spec, copy)
+    assert restore(copy, copy_opt, body, shapes) == 3
+    for (name, a), (_, b) in zip(source.named_parameters(), copy.named_parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(source.parameters(), copy.parameters()):
+        assert torch.equal(optimizer.state[a]["momentum_buffer"], copy_opt.state[b]["momentum_buffer"])
+
+
+class Member:
+    """A peer of the run driven by hand (join + heartbeats): a hostile host or a trainer."""
+
+    def __init__(self, url: str, name: str, token: str | None = None) -> None:
+        self.client = RelayClient(url, retries=0)
+        if token:
+            self.client.login(token)
+        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.2):
+            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
+
+    def request(self, method: str, route: str, **kwargs):
+        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
+        return self.client._request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()
+
+
+def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failure(start_relay) -> None:
+    from toolkit.errors import RelayRejected
+
+    relay = start_relay(overrides(0))
+    mallory, bob, alice = Member(relay.url, "mallory"), Member(relay.url, "bob"), Member(relay.url, "alice")
+    caller = RelayExpertCaller(alice.client, alice.peer_id)
+    try:
+        held = mallory.request("POST", "moe_lease", params={"capacity": 8}).json()["uids"]
+        assert sorted(held) == sorted(UIDS)
+        x = torch.randn(3, 8)
+        rows = x.shape[0]
+        bad_results = {
+            "NaN": (payloads.encode({"y": np.full((rows, 8), np.nan, np.float32)}), "non_finite"),
+            "wrong shape": (payloads.encode({"y": np.zeros((rows * 2, 4), np.float32)}), "bad_tensor"),
+            "oversized": (payloads.encode({"y": np.zeros((rows * 1000, 8), np.float32)}), "body_too_large"),
+            "wrong name": (payloads.encode({"z": np.zeros((rows, 8), np.float32)}), "bad_tensor"),
+            "trailing bytes": (payloads.encode({"y": np.zeros((rows, 8), np.float32)}) + b"{}", "bad_body"),
+        }
+        for what, (body, code) in bad_results.items():
+            call = caller.forward("ffn0.0.0", x)
+            task = _next_task(mallory)
+            with pytest.raises(RelayRejected) as refused:
+                mallory.request("PUT", "moe_result", task_id=task["task_id"], data=body)
+            assert (refused.value.status, refused.value.code) == (422, code), (what, refused.value)
+            with pytest.raises(ExpertFailed) as failed:
+                call.result(timeout=30)
+            assert failed.value.code == "bad_result", what  # a failed expert for the trainer, never garbage
+
+        # A result for a task this host does not hold: another host's, or one that ended.
+        call = caller.forward("ffn0.0.1", x)
+        task = _next_task(mallory)
+        good = payloads.encode({"y": np.ones((rows, 8), np.float32)})
+        with pytest.raises(RelayRejected) as not_held:
+            bob.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+        assert (not_held.value.status, not_held.value.code) == (409, "not_your_task")
+        mallory.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+        assert torch.equal(call.result(timeout=30), torch.ones(rows, 8))  # the honest answer got through
+        with pytest.raises(RelayRejected) as again:
+            mallory.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+        assert again.value.status in (409, 410)
+
+        # Checkpoints: only for leased experts, only finite tensors of the expert's shapes.
+        shapes = expert_shapes(MOE)
+        zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        with pytest.raises(RelayRejected) as not_leased:
+            bob.request("PUT", "moe_checkpoint", uid="ffn0.0.0", data=payloads.checkpoint_body(zeros, {}, 1))
+        assert (not_leased.value.status, not_leased.value.code) == (403, "not_your_expert")
+        poisoned = dict(zeros, **{"up.weight": np.full(shapes["up.weight"], np.inf, np.float32)})
+        with pytest.raises(RelayRejected) as non_finite:
+            mallory.request("PUT", "moe_checkpoint", uid="ffn0.0.0", data=payloads.checkpoint_body(poisoned, {}, 1))
+        assert (non_finite.value.status, non_finite.value.code) == (422, "non_finite")
+        assert not (relay.data_dir / "experts" / "ffn0.0.0").exists()  # nothing stored
+        with pytest.raises(RelayRejected) as unknown:
+            caller.client._request("PUT", ROUTES["moe_call"].format(peer_id=alice.peer_id, uid="../../etc"),
+                                   params={"kind": "forward", "call_id": "x1"}, data=payloads.call_body(x.numpy()))
+        assert unknown.value.status == 404
+    finally:
+        caller.close()
+        for member in (mallory, bob, alice):
+            member.close()
+
+
+def _next_task(host: Member) -> dict:
+    for _ in range(50):
+        response = host.request("GET", "moe_tasks", params={"wait": 1})
+        if response.status_code == 200:
+            batch = payloads.read_task_batch(response.content, 1 << 20, 8)
+            assert len(batch) == 1
+            return batch[0][0]
+    raise TimeoutError("no task reached the host")
+
+
+def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_standin, tmp_path: Path) -> None:
+    """hf mode: the host logs in with its token; calls, tasks, results and checkpoints are small
+    tensor bodies signed whole, and the trainer gets the expert's exact output."""
+    hf_standin.add_user("hf_host_token_1234567", "hosting-volunteer")
+    hf_standin.add_user("hf_trainer_token_12345", "training-volunteer")
+    relay = start_relay({**overrides(0), "auth": {"mode": "hf", "hf_endpoint": hf_standin.url,
+                                                  "allow_users": ["hosting-volunteer", "training-volunteer"]}})
+    host = subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay.url, "--capacity", "8"],
+                            cwd=REPO, env={**os.environ, "HF_TOKEN": "hf_host_token_1234567"},
+                            stdout=open(tmp_path / "host.log", "w"), stderr=subprocess.STDOUT)
+    trainer = Member(relay.url, "trainer", token="hf_trainer_token_12345")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id)
+    try:
+        wait_until(lambda: len(caller.live()) == 8, 60, "the host's 8 experts")
+        x = torch.randn(4, 8)
+        y = caller.forward("ffn1.0.1", x).result(timeout=30)
+        expected = DMoEMLP(**KWARGS).make_expert("ffn1.0.1")(x)
+        torch.testing.assert_close(y, expected.detach(), rtol=1e-6, atol=1e-6)
+    finally:
+        caller.close()
+        trainer.close()
+        stop([host])
+    assert "hosting-volunteer" in relay.log_path.read_text()
+    assert "hf_host_token" not in relay.log_path.read_text() + (tmp_path / "host.log").read_text()

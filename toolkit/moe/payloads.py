@@ -1,0 +1,110 @@
+"""The bytes of expert calls, tasks and checkpoints, shared by trainers, hosts and the relay.
+
+Every body is one safetensors container (:mod:`toolkit.wire.tensor_container`), float32 only:
+
+* a call (trainer -> relay): ``x`` [rows, d], and for a backward ``g`` [rows, d] (the gradient of
+  the expert's output); the answer is ``y`` [rows, d] (forward) or ``g`` [rows, d] (d loss / d x);
+* a task batch (relay -> host): ``{i}.x`` (and ``{i}.g``) per task, metadata ``tasks`` = a JSON
+  list of {task_id, uid, kind, rows}; a result (host -> relay) is the call's answer;
+* a checkpoint: ``p.<param>`` and ``opt.<param>.<state>`` tensors, metadata ``updates``.
+
+:func:`decode` refuses anything but exactly one container with nothing after it, and
+:func:`rows_of` anything but a finite float32 matrix of the expected shape: a NaN or a wrong
+shape from a hostile host never reaches a trainer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from toolkit.errors import ProtocolError
+from toolkit.wire.tensor_container import encode_header, peek_header, read_container
+
+KINDS = ("forward", "backward")
+
+
+def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    items = [(name, np.ascontiguousarray(array)) for name, array in tensors.items()]
+    return encode_header(items, dict(metadata or {})) + b"".join(a.tobytes() for _, a in items)
+
+
+def decode(body: bytes, max_bytes: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """Tensors and metadata of ``body``; at most ``max_bytes`` of tensor data, nothing after it."""
+    stream = io.BytesIO(body)
+    header = peek_header(stream, max_bytes)
+    if header.header_bytes + header.data_bytes != len(body):
+        raise ProtocolError("bad_body", f"the body is {len(body)} bytes; its container declares "
+                            f"{header.header_bytes + header.data_bytes}")
+    _, tensors = read_container(stream, max_bytes, header=header)
+    return dict(header.metadata), tensors
+
+
+def rows_of(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, width: int) -> np.ndarray:
+    """``tensors[name]`` if it is a finite float32 [rows, width] matrix (any rows if None)."""
+    array = tensors.get(name)
+    if array is None:
+        raise ProtocolError("bad_tensor", f"tensor {name!r} is missing")
+    if array.dtype != np.float32 or array.ndim != 2 or array.shape[1] != width or \
+            (rows is not None and array.shape[0] != rows) or array.shape[0] < 1:
+        want = f"[{rows if rows is not None else 'rows'}, {width}]"
+        raise ProtocolError("bad_tensor", f"tensor {name!r} must be float32 {want}, got {array.dtype} "
+                            f"{list(array.shape)}")
+    if not np.isfinite(array).all():
+        raise ProtocolError("non_finite", f"tensor {name!r} holds NaN or Inf")
+    return array
+
+
+def call_body(x: np.ndarray, g: np.ndarray | None = None) -> bytes:
+    return encode({"x": x} if g is None else {"x": x, "g": g})
+
+
+def task_batch(tasks: list[dict], arrays: list[dict[str, np.ndarray]]) -> bytes:
+    tensors = {f"{i}.{name}": array for i, named in enumerate(arrays) for name, array in named.items()}
+    return encode(tensors, {"tasks": json.dumps(tasks)})
+
+
+def read_task_batch(body: bytes, max_bytes: int, width: int) -> list[tuple[dict, dict[str, np.ndarray]]]:
+    metadata, tensors = decode(body, max_bytes)
+    try:
+        tasks = json.loads(metadata.get("tasks", ""))
+    except json.JSONDecodeError:
+        raise ProtocolError("bad_meta", "the task batch has no task list") from None
+    out = []
+    for i, task in enumerate(tasks):
+        names = ("x", "g") if task.get("kind") == "backward" else ("x",)
+        out.append((task, {n: rows_of(tensors, f"{i}.{n}", task.get("rows"), width) for n in names}))
+    return out
+
+
+def checkpoint_body(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray], updates: int) -> bytes:
+    tensors = {**{f"p.{k}": v for k, v in params.items()}, **{f"opt.{k}": v for k, v in optimizer.items()}}
+    return encode({k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}, {"updates": str(updates)})
+
+
+def check_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Validate a checkpoint against the expert's parameter ``shapes``; returns its ``updates``.
+    Optimizer state tensors may be scalars or have their parameter's shape (momentum, Adam's
+    moments), and at most 3 per parameter."""
+    limit = 4 * 4 * sum(math.prod(s) for s in shapes.values()) + 4096
+    metadata, tensors = decode(body, limit)
+    if set(k[2:] for k in tensors if k.startswith("p.")) != set(shapes):
+        raise ProtocolError("bad_checkpoint", f"a checkpoint holds exactly the parameters {sorted(shapes)}")
+    for name, array in tensors.items():
+        kind, _, rest = name.partition(".")
+        param = rest if kind == "p" else rest.rsplit(".", 1)[0]
+        if kind not in ("p", "opt") or param not in shapes or array.dtype != np.float32:
+            raise ProtocolError("bad_checkpoint", f"unexpected tensor {name!r} ({array.dtype})")
+        if array.shape != tuple(shapes[param]) and not (kind == "opt" and array.size == 1):
+            raise ProtocolError("bad_checkpoint", f"{name!r} has shape {list(array.shape)}, "
+                                f"expected {list(shapes[param])}")
+        if not np.isfinite(array).all():
+            raise ProtocolError("non_finite", f"{name!r} holds NaN or Inf")
+    try:
+        return int(metadata.get("updates", "0"))
+    except ValueError:
+        raise ProtocolError("bad_checkpoint", "updates must be an integer") from None
