@@ -103,9 +103,10 @@ def expert_logits(scores: Sequence[torch.Tensor], coords: torch.Tensor) -> torch
 class LiveIndex:
     """The prefix -> suffix structure of App. C (Fig. 7) for one directory snapshot, as tensors.
 
-    ``levels[i]`` holds every distinct live prefix of length ``i + 1``: its last coordinate and
-    the position of its parent prefix in ``levels[i - 1]`` -- a prefix is listed only when some
-    live expert extends it, so a beam never holds a dead end.
+    Level ``i`` lists every distinct live prefix of length ``i + 1`` in sorted order:
+    ``last[i]`` its last coordinate and ``parent[i]`` the position of its parent prefix in level
+    ``i - 1``. A prefix is listed only when some live expert extends it, so a beam never holds a
+    dead end. ``table`` holds the live experts' coordinates, in the order of the last level.
     """
 
     size: tuple[int, ...]
@@ -165,7 +166,8 @@ def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterab
     width = max(k, beam_size or k)
     n = scores[0].shape[0]
     with torch.no_grad():
-        # float64: sums of d scores compare exactly; CPU: the index and the uids live there.
+        # float64: the ranking does not hinge on float32 rounding of the d-term sums; CPU: the
+        # index and the uids live there.
         scores = [s.detach().to("cpu", torch.float64) for s in scores]
         neg = torch.tensor(float("-inf"), dtype=torch.float64)
         total = torch.zeros(n, 1, dtype=torch.float64)         # score of the one empty prefix
@@ -175,10 +177,9 @@ def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterab
             # [n, n_depth]: a prefix competes only if its parent survived the previous TopK.
             cand = total[:, parent] + scores[depth][:, last]
             keep = min(k if depth == len(size) - 1 else width, cand.shape[1])
-            top, pos = cand.topk(keep, dim=1)
-            total = torch.full_like(cand, neg).scatter_(1, pos, top)
-        best, pos = top, pos
-    chosen = index.table[pos]   # [n, keep, d]
+            best, pos = cand.topk(keep, dim=1)
+            total = torch.full_like(cand, neg).scatter_(1, pos, best)
+    chosen = index.table[pos]   # [n, keep, d]: after the last level, positions are live experts
     valid = torch.isfinite(best)
     pad = k - chosen.shape[1]
     if pad:
