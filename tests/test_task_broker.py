@@ -198,3 +198,29 @@ def test_payloads_past_the_budget_spill_to_disk_and_every_byte_is_freed(tmp_path
         assert list((tmp_path / "spill").iterdir()) == []
 
     run(scenario())
+
+
+def test_expert_routes_draw_from_their_own_rate_limit_bucket() -> None:
+    """A DMoE trainer makes k x layers x 2 calls per micro-batch: those must not eat the bucket its
+    heartbeats live on (and a flood of them is still limited)."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from relay_server.api.app import ROUTE_TABLE
+    from relay_server.api.ratelimit import route_kind
+    from toolkit.wire.protocol import ROUTES
+
+    app = web.Application()
+    for method, path, handler in ROUTE_TABLE:
+        app.router.add_route(method, path, handler)
+
+    def kind(method: str, path: str) -> str | None:
+        request = make_mocked_request(method, path, app=app)
+        match = asyncio.run(app.router.resolve(request))
+        request._match_info = match
+        return route_kind(request)
+
+    assert kind("PUT", "/api/moe/peers/p1/calls/ffn0.1.0") == "tasks"
+    assert kind("GET", "/api/moe/hosts/p1/tasks") == "tasks"
+    assert kind("PUT", "/api/moe/hosts/p1/tasks/t9") == "tasks"
+    assert kind("GET", ROUTES["moe_directory"]) == kind("POST", "/api/peers/p1/heartbeat") == "poll"

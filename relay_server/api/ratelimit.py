@@ -9,7 +9,8 @@ has its own bucket (``[limits]`` in the run config):
 * ``poll``: heartbeats, progress, state, leave, shard leases -- several per second per peer;
 * ``transfer``: gradient uploads and parameter downloads -- one or two per round;
 * ``join`` and ``login``: rare, and each costs a database row or a Hugging Face whoami call;
-* ``observe``: unsigned reads (status, run, dashboard) -- a dashboard polls every 1.5 s.
+* ``observe``: unsigned reads (status, run, dashboard) -- a dashboard polls every 1.5 s;
+* ``tasks``: mixture-of-experts calls, task polls and results -- k x layers x 2 per micro-batch.
 
 Two middlewares: :func:`rate_limit_middleware` sits *after* authentication (so it knows the
 username), :func:`auth_failure_middleware` sits *before* it and stops an address whose signed
@@ -51,7 +52,7 @@ _LOG_EVERY_S = 60.0
 _TRANSFER = {("PUT", ROUTES["gradient"]), ("GET", ROUTES["params"])}
 _OBSERVE = {ROUTES["status"], ROUTES["run"], "/", "/static", "/favicon.ico", ROUTES.get("shards", "/api/shards")}
 _LABELS = {"poll": "heartbeat/progress", "transfer": "upload/download", "join": "join", "login": "login",
-           "observe": "status/dashboard", "auth_failures": "refused signed"}
+           "observe": "status/dashboard", "tasks": "expert call/task", "auth_failures": "refused signed"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class TokenBuckets:
         return 0.0 if tokens >= 1.0 else (1.0 - tokens) / rate.per_s
 
 
+_TASKS_PREFIX = "/api/moe/"  # expert calls, task polls, results, checkpoints: many per micro-batch
+
+
 def route_kind(request: web.Request) -> str | None:
     """The bucket a request draws from; None for routes that are never limited (admin)."""
     resource = request.match_info.route.resource
@@ -124,6 +128,8 @@ def route_kind(request: web.Request) -> str | None:
         return "join"
     if (request.method, path) in _TRANSFER:
         return "transfer"
+    if path.startswith(_TASKS_PREFIX) and path not in (ROUTES["moe_spec"], ROUTES["moe_directory"]):
+        return "tasks"
     if path in _OBSERVE:
         return "observe"
     return "poll"

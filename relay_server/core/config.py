@@ -214,13 +214,11 @@ class LimitsSection:
     and dashboard is loopback). Signed requests are limited per user wherever they come from.
     Logins are limited on loopback too (see ``exempt_loopback_logins``)."""
     exempt_loopback_logins: bool = False
-    """Also exempt logins from loopback. Off: behind a reverse proxy that sends no
-    X-Forwarded-For every volunteer arrives from 127.0.0.1, and an exempt loopback would give
-    them one unlimited bucket for Hugging Face whoami calls (issue 17)."""
+    """Also exempt logins from loopback. Off: behind a proxy that sends no X-Forwarded-For every
+    volunteer is 127.0.0.1, and would share one unlimited bucket of whoami calls (issue 17)."""
     trust_forwarded_for: bool = True
-    """A request from loopback that carries X-Forwarded-For came through a reverse proxy on this
-    host (the README's Caddy / nginx setups): key it by the header's last hop, the address the
-    proxy saw. Requests from any other address are never trusted to name themselves."""
+    """A loopback request with X-Forwarded-For came through a reverse proxy on this host (the README's
+    Caddy / nginx): key it by the header's last hop. No other address may name itself."""
     poll_per_s: float = 50.0
     """Heartbeats, progress and state polls, leave, shard leases: frequent and cheap."""
     poll_burst: float = 500.0
@@ -234,8 +232,10 @@ class LimitsSection:
     """Logins and pass refreshes, per address (a login calls Hugging Face's rate-limited whoami)."""
     login_burst: float = 10.0
     observe_per_s: float = 10.0
-    """Unsigned reads, per address: /api/status, /api/run, the dashboard (it polls every 1.5 s)."""
-    observe_burst: float = 100.0
+    observe_burst: float = 100.0  # unsigned reads per address: status, run, the dashboard (every 1.5 s)
+    tasks_per_s: float = 400.0
+    """Expert calls, task polls and results ([moe]: a trainer makes k x layers x 2 per micro-batch)."""
+    tasks_burst: float = 4000.0
     auth_failures_per_s: float = 1.0
     """Refused signed requests (bad pass, signature, nonce...) per address: past this the
     address is answered 429 before any signature is checked."""
