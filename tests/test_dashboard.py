@@ -132,3 +132,26 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
     expect(page.locator("#unreachable")).to_be_hidden()
     assert page.evaluate("window.__sameDocument") is True
+
+
+def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page, tmp_path):
+    """A run with [moe]: the Experts panel says how many experts have a host and who hosts them."""
+    from playwright.sync_api import expect
+
+    from tests.test_moe_relay import directory, overrides, start_host, stop, wait_until
+
+    page, problems = browser_page
+    relay = start_relay(overrides(0))
+    page.goto(relay.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#experts-panel")).to_be_visible()
+    expect(page.locator("#experts-summary")).to_contain_text("0 of 8 experts live")
+    host = start_host(relay.url, "gpu-volunteer", 8, tmp_path / "host.log")
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host's experts")
+        expect(page.locator("#experts-summary")).to_contain_text("8 of 8 experts live", timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#experts tbody")).to_contain_text("gpu-volunteer")
+        expect(page.locator("#experts tbody")).to_contain_text("8")
+    finally:
+        stop([host])
+    assert problems.snapshot() == [], problems

@@ -116,6 +116,7 @@ function render(s) {
   renderPeers(s);
   renderLeaderboard(s);
   renderPlan(s);
+  renderExperts(s);
   renderConfig(s);
 }
 
@@ -227,6 +228,19 @@ function renderPlan(s) {
     return row([name, num(fmt.int(sl.end - sl.start)), num(`${fmt.int(sl.start)}–${fmt.int(sl.end)}`),
       num(fmt.pct(sl.fraction))]);
   }));
+}
+
+/** Runs with mixture-of-experts layers: how many experts have a host, the call rate and failures. */
+function renderExperts(s) {
+  const e = s.experts;
+  $("experts-panel").hidden = !e;
+  if (!e) return;
+  $("experts-summary").textContent = `${fmt.int(e.live)} of ${fmt.int(e.total)} experts live, ` +
+    `${fmt.rate(e.calls_per_s)} calls/s, ${fmt.pct(e.failure_rate)} failed (last minute), ` +
+    `${fmt.int(e.queued_rows)} rows queued.`;
+  const names = Object.fromEntries((s.peers || []).map((p) => [p.peer_id, p.name]));
+  const hosts = Object.entries(e.experts_per_host || {}).sort((a, b) => b[1] - a[1]);
+  fillTable($("experts"), hosts.map(([peer, n]) => row([names[peer] || peer.slice(0, 8), num(fmt.int(n))])));
 }
 
 function renderConfig(s) {
