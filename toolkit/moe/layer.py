@@ -30,6 +30,10 @@ from toolkit.moe.dispatch import CallPlan, Group, MoEStats, call_experts, group_
 from toolkit.moe.grid import ExpertGrid, LiveIndex, ProductKeyGate, beam_search_tensors, expert_logits
 
 
+DEFAULT_BEAM_FACTOR = 4
+"""Beam width per grid dimension, in multiples of k (see RemoteMixtureOfExperts)."""
+
+
 class _Mixture(nn.Module):
     """Gating, selection and the weighted average, shared by the remote and the local layer."""
 
@@ -41,7 +45,8 @@ class _Mixture(nn.Module):
         self.grid = ExpertGrid(uid_prefix, tuple(grid))
         self.gate = ProductKeyGate(in_features, self.grid.size)
         self.in_features, self.out_features = in_features, out_features or in_features
-        self.k, self.k_min, self.beam_size = k, k_min, beam_size
+        self.k, self.k_min = k, k_min
+        self.beam_size = beam_size if beam_size is not None else DEFAULT_BEAM_FACTOR * k
         self.stats = MoEStats()
         # Trainer threads may run micro-batches through one layer at once: each thread reads the
         # balancing loss of its own forward, and the snapshot cache is swapped as one tuple.
@@ -120,9 +125,10 @@ class RemoteMixtureOfExperts(_Mixture):
     call then counts as failed); with ``timeout_after_k_min_s`` the wait ends that long after
     every row has ``k_min`` answers (hivemind's semantics; default: wait for all, up to
     ``timeout_s``). ``backward_timeout_s`` (default ``timeout_s``) bounds the backward calls.
-    ``beam_size`` is the beam search's width per grid dimension (default ``k``, the paper's); on
-    a sparse grid a wider beam finds more of the true top-k (tests/test_moe_layer.py prints the
-    recall) at no extra cost here, because every live prefix is scored anyway, and a width >=
+    ``beam_size`` is the beam search's width per grid dimension (default ``4 * k``; the paper's
+    is ``k``, sized to save DHT lookups): on a sparse grid a wider beam finds more of the true
+    top-k (recall of the top-4 at 90% empty: 0.71 at width k, 0.99 at 4k; tests/test_moe_layer.py
+    prints it) at no extra cost here, because every live prefix is scored anyway, and a width >=
     the number of live experts is the exact top-k over them. ``caller`` may be None
     while the model is only built for its parameter layout (the relay does so); set
     ``layer.caller`` before the first forward.
