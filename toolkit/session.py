@@ -180,7 +180,7 @@ def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: s
     except KeyboardInterrupt:
         log.info("interrupted: handing the experts back")
     return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
-                      last_loss=None, seconds=time.monotonic() - started, finished=False, device="cpu",
+                      last_loss=None, seconds=time.monotonic() - started, finished=False, device=str(host.device),
                       precision="fp32")
 
 

@@ -66,12 +66,12 @@ def make_optimizer(spec: Mapping[str, Any], module: nn.Module) -> torch.optim.Op
 
 def checkpoint_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, updates: int) -> bytes:
     names = {id(p): name for name, p in module.named_parameters()}
-    params = {name: p.detach().numpy().astype(np.float32) for name, p in module.named_parameters()}
+    params = {name: p.detach().cpu().numpy().astype(np.float32) for name, p in module.named_parameters()}
     state = {}
     if optimizer is not None:
         for param, values in optimizer.state.items():
             for key, value in values.items():
-                state[f"{names[id(param)]}.{key}"] = np.asarray(torch.as_tensor(value, dtype=torch.float32))
+                state[f"{names[id(param)]}.{key}"] = torch.as_tensor(value, dtype=torch.float32).cpu().numpy()
     return payloads.checkpoint_body(params, state, updates)
 
 
@@ -88,7 +88,8 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
         if key.startswith("opt."):
             name, state_key = key[4:].rsplit(".", 1)
             value = torch.from_numpy(array.copy())
-            optimizer.state[params[name]][state_key] = value.reshape(()) if state_key == "step" else value
+            optimizer.state[params[name]][state_key] = value.reshape(()) if state_key == "step" \
+                else value.to(params[name].device)
     return updates
 
 
@@ -96,7 +97,8 @@ class ExpertHost:
     """One host process: ``run()`` until ``stop()`` (or SIGTERM via the CLI)."""
 
     def __init__(self, relay_url: str, *, capacity: int, token: str | None = None, name: str = "expert-host",
-                 max_rows: int = 4096, poll_s: int = 2) -> None:
+                 max_rows: int = 4096, poll_s: int = 2, device: str | None = None) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.client = RelayClient(relay_url)
         run = self.client.get_run()
         if run.auth == "hf":
@@ -128,7 +130,7 @@ class ExpertHost:
         return uids
 
     def _adopt(self, uid: str) -> None:
-        module = build_expert(self.spec, uid)
+        module = build_expert(self.spec, uid).to(self.device)
         optimizer = make_optimizer(self.spec, module)
         path = ROUTES["moe_checkpoint"].format(peer_id=self.peer_id, uid=uid)
         try:
@@ -163,12 +165,13 @@ class ExpertHost:
         width = int(self.spec["expert"]["d"])
         batch = payloads.read_task_batch(response.content, 2 * self.max_rows * width * 4 * 64, width)
         for head, arrays in batch:
-            x = torch.from_numpy(arrays["x"].copy())
+            x = torch.from_numpy(arrays["x"].copy()).to(self.device)
             try:
                 if head["kind"] == "forward":
                     out, name = self.runtime.forward(head["uid"], x).result(), "y"
                 else:
-                    out = self.runtime.backward(head["uid"], x, torch.from_numpy(arrays["g"].copy())).result()
+                    grad_y = torch.from_numpy(arrays["g"].copy()).to(self.device)
+                    out = self.runtime.backward(head["uid"], x, grad_y).result()
                     name = "g"
                     self.updates[head["uid"]] = self.updates.get(head["uid"], 0) + 1
             except ExpertFailed as exc:  # not ours any more (a lease moved)
@@ -176,7 +179,7 @@ class ExpertHost:
                 continue
             result_path = ROUTES["moe_result"].format(peer_id=self.peer_id, task_id=head["task_id"])
             try:
-                self.client._request("PUT", result_path, data=payloads.encode({name: out.numpy()}),
+                self.client._request("PUT", result_path, data=payloads.encode({name: out.float().cpu().numpy()}),
                                      headers={"Content-Type": "application/octet-stream"})
             except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
                 log.info("result for %s refused: [%s] %s", head["uid"], exc.code, exc.message)
@@ -236,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(runs that need a login; default HF_TOKEN)")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", default=None, help="where experts run (default: cuda if available, else cpu)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log each lease and checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         host = ExpertHost(args.relay, capacity=args.capacity, token=os.environ.get(args.token_env) or None,
-                          name=args.name)
+                          name=args.name, device=args.device)
     except CollabError as exc:
         print(f"{args.name}: {exc}", flush=True)
         return 1
