@@ -70,6 +70,8 @@ def _disconnected(request: web.Request, exc: BaseException) -> bool:
     """The peer went away mid-request: a normal event on the internet, not a relay bug (an error
     from a call to an aggregator is neither: the peer's own connection must be the one closed)."""
     transport = request.transport
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError)):  # writing to it (sendfile, a write)
+        return True
     gone = transport is None or transport.is_closing()
     return gone and isinstance(exc, (OSError, asyncio.IncompleteReadError, EOFError))
 
@@ -87,7 +89,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except BaseException as exc:
         if isinstance(exc, Exception) and _disconnected(request, exc):
             log.info("%s %s: the peer disconnected (%s)", request.method, request.path, type(exc).__name__)
-            return web.Response(status=499)  # nobody reads it: the transport is closed
+            if request.transport is not None:
+                request.transport.abort()  # whatever follows must not reach a half-written response
+            return web.Response(status=499)  # nobody reads it: the transport is gone
         if isinstance(exc, Exception) and headers_sent(request):
             if not isinstance(exc, (ApiError, ProtocolError, web.HTTPException, OSError)):
                 log.exception("unhandled error on %s %s", request.method, request.path)
