@@ -298,3 +298,39 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
         stop([host])
     assert "hosting-volunteer" in relay.log_path.read_text()
     assert "hf_host_token" not in relay.log_path.read_text() + (tmp_path / "host.log").read_text()
+
+
+def test_join_as_expert_host_serves_and_the_panel_says_what_it_hosts(start_relay) -> None:
+    from toolkit import join
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen, self.closed = [], False
+
+        def update(self, progress) -> None:
+            self.seen.append(dict(progress.rows()))
+
+        def close(self) -> None:
+            self.closed = True
+
+    relay = start_relay(overrides(0))
+    panel = Recorder()
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=join(relay.url, role="expert_host", capacity=3,
+                                                                     max_seconds=6, panel=panel, peer_name="nb")))
+    worker.start()
+    wait_until(lambda: len(directory(relay.url)["live"]) == 3, 60, "the notebook's 3 experts")
+    trainer = Member(relay.url, "trainer")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id)
+    try:
+        uid = directory(relay.url)["live"][0]
+        caller.forward(uid, torch.randn(2, 8)).result(timeout=30)
+    finally:
+        caller.close()
+        trainer.close()
+    worker.join(60)
+    assert result["r"].local_steps >= 1 and panel.closed
+    hosting = panel.seen[-1]["you host"]
+    assert hosting.startswith("3 experts (") and "tasks served" in hosting, hosting
+    assert "your contribution" not in panel.seen[-1]  # a host trains nothing
+    wait_until(lambda: directory(relay.url)["live"] == [], 5, "the experts handed back (leave, then a tick)")

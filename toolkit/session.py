@@ -88,7 +88,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     """
     started = time.monotonic()
     if role == "expert_host":
-        return _host_experts(relay_url, token, capacity, peer_name, max_seconds, started)
+        return _host_experts(relay_url, token, capacity, peer_name, max_seconds, started, panel)
     if role != "trainer":
         raise ValueError(f"role must be 'trainer' or 'expert_host', got {role!r}")
     with ExitStack() as cleanup:
@@ -173,12 +173,27 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
 
 
 def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: str | None,
-                  max_seconds: float | None, started: float) -> JoinResult:
-    host = ExpertHost(relay_url, capacity=capacity, token=token, name=peer_name or socket.gethostname()[:64])
+                  max_seconds: float | None, started: float, panel: PanelKind | Panel) -> JoinResult:
+    """``join(role="expert_host")``: serve experts until stopped, the panel saying so."""
+    name = peer_name or socket.gethostname()[:64]
+    host = ExpertHost(relay_url, capacity=capacity, token=token, name=name)
+    view = open_panel(panel, f"{name}: hosting experts")
+
+    def show(h: ExpertHost) -> None:
+        state = h.collab_state
+        if state is not None:
+            view.update(PeerProgress(peers_online=state.num_peers, samples_per_s=state.samples_per_s,
+                                     global_step=state.step, total_steps=0, samples_accumulated=state.samples_accumulated,
+                                     target_batch=state.target_batch, eta_s=state.eta_s, contributed_samples=0,
+                                     local_samples_per_s=0.0, loss=None, first_contribution_s=None,
+                                     finished=state.finished, hosting=h.describe()))
+
     try:
-        host.run(max_seconds)
+        host.run(max_seconds, on_progress=show)
     except KeyboardInterrupt:
         log.info("interrupted: handing the experts back")
+    finally:
+        view.close()
     return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
                       last_loss=None, seconds=time.monotonic() - started, finished=False, device=str(host.device),
                       precision="fp32")

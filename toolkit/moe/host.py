@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import FFNExpert
-from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest
 
 log = logging.getLogger(__name__)
 RELEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
@@ -117,6 +117,9 @@ class ExpertHost:
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec, m))
         self.updates: dict[str, int] = {}
         self.tasks_done = 0
+        self.last_checkpoint: float | None = None
+        self.collab_state: CollabState | None = None
+        """The relay's last answer to this host's heartbeat (for a panel)."""
 
     # --- experts --------------------------------------------------------------------------------
     def lease(self) -> list[str]:
@@ -186,7 +189,8 @@ class ExpertHost:
             self.tasks_done += 1
         return len(batch)
 
-    def run(self, max_seconds: float | None = None) -> None:
+    def run(self, max_seconds: float | None = None, on_progress: Callable[[ExpertHost], None] | None = None) -> None:
+        """Serve until stopped; ``on_progress(self)`` after every poll (a panel's update)."""
         started = last_lease = last_checkpoint = time.monotonic()
         self.lease()
         every = float(self.spec["checkpoint_every_s"])
@@ -194,13 +198,15 @@ class ExpertHost:
             while not self._stop.is_set() and (max_seconds is None or time.monotonic() - started < max_seconds):
                 try:
                     self.serve_once()
+                    if on_progress is not None:
+                        on_progress(self)
                     now = time.monotonic()
                     if now - last_lease >= RELEASE_EVERY_S:
                         self.lease()
                         last_lease = now
                     if now - last_checkpoint >= every:
                         self.checkpoint()
-                        last_checkpoint = now
+                        last_checkpoint = self.last_checkpoint = now
                 except RelayUnreachable as exc:
                     log.warning("relay unreachable (%s); retrying", exc.message)
                     time.sleep(1.0)
@@ -216,6 +222,14 @@ class ExpertHost:
             self.runtime.close()
             self.client.close()
 
+    def describe(self) -> str:
+        """One line for a panel: what this host holds and has served."""
+        held = sorted(self.runtime.experts)
+        since = "" if self.last_checkpoint is None else \
+            f", last checkpoint {time.monotonic() - self.last_checkpoint:.0f} s ago"
+        return (f"{len(held)} experts ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) on {self.device}, "
+                f"{self.tasks_done:,} tasks served{since}")
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -223,7 +237,8 @@ class ExpertHost:
         """Liveness from the moment the host joined (building experts can take longer than the TTL)."""
         while True:
             try:
-                self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
+                self.collab_state = self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0,
+                                                                                   samples_per_s=0.0))
             except CollabError as exc:
                 log.warning("heartbeat failed: %s", exc.message)
             if self._left.wait(self.interval_s):

@@ -66,6 +66,9 @@ class PeerProgress:
     problem: str | None = None
     hint: str | None = None
     finished: bool = False
+    hosting: str | None = None
+    """An expert host's own line (``join(role="expert_host")``): what it hosts and serves; it
+    then trains nothing, so its contribution, loss and first contribution are not shown."""
 
     @classmethod
     def from_optimizer(cls, opt: "CollaborativeOptimizer", *, loss: float | None,
@@ -90,6 +93,10 @@ class PeerProgress:
         eta = "unknown" if self.eta_s is None else f"~{_duration(self.eta_s)}"
         first = "waiting..." if self.first_contribution_s is None else f"{self.first_contribution_s:.1f} s after join"
         problem = "none" if self.problem is None else self.problem + (f" -- {self.hint}" if self.hint else "")
+        if self.hosting is not None:
+            return [("peers online", f"{self.peers_online}"),
+                    ("collaboration", f"{self.samples_per_s:,.1f} samples/s"), ("global step", step),
+                    ("you host", self.hosting), ("last problem", problem)]
         return [
             ("peers online", f"{self.peers_online}"),
             ("collaboration", f"{self.samples_per_s:,.1f} samples/s"),
