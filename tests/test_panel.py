@@ -80,7 +80,7 @@ def test_snapshot_is_built_from_the_optimizer_with_the_last_problem_and_its_hint
     assert snap.problem == "POST /api/peers/join: timed out" and "Kaggle: Settings -> Internet on" in snap.hint
     rows = dict(snap.rows())
     assert rows["global step"] == "6" and rows["first contribution"] == "waiting..."
-    assert rows["last problem"].startswith("POST /api/peers/join: timed out -- Check the relay URL")
+    assert rows["last problem"].startswith("POST /api/peers/join: timed out -- A relay that is restarting answers again")
 
 
 def test_rows_show_every_number_the_volunteer_needs() -> None:
