@@ -131,9 +131,17 @@ class Relay:
 
 
 # --- light peers -------------------------------------------------------------------------------
+class _Prepared:
+    """The parts of a ``requests.PreparedRequest`` that ``SignedAuth`` reads and writes: signing
+    a light peer's request with the toolkit's own code, without requests' costly ``prepare()``."""
+
+    def __init__(self, method: str, path_url: str, body: object, headers: dict[str, str]) -> None:
+        self.method, self.path_url, self.body, self.headers = method, path_url, body, headers
+
+
 class Signer:
-    """Signs a request the way the toolkit's ``SignedAuth`` does (it *is* SignedAuth, applied to a
-    prepared request whose headers aiohttp then sends); a no-op in open runs."""
+    """Signs requests exactly as a notebook peer does (the toolkit's ``SignedAuth``, after a real
+    login through the relay); a no-op in open runs."""
 
     def __init__(self, url: str, token: str | None) -> None:
         self.auth = None
@@ -145,16 +153,11 @@ class Signer:
             self.auth = client.session.auth
             self.auth.verify_responses = False  # the peers check parameter digests themselves
 
-    def headers(self, method: str, url: str, body: bytes | None, headers: dict[str, str]) -> tuple[str, dict]:
+    def headers(self, method: str, path_url: str, body: bytes | None, headers: dict[str, str]) -> dict[str, str]:
         if self.auth is None:
-            return url, headers
-        import requests
-
-        streamed = headers.get("X-Collab-Body-Sha256")  # containers: hashed by header + chunk digests
-        prep = requests.Request(method, url, data=iter([b""]) if streamed else body, headers=headers).prepare()
-        self.auth(prep)
-        return prep.url, {k: v for k, v in prep.headers.items() if k.lower() not in ("content-length",
-                                                                                     "transfer-encoding")}
+            return headers
+        streamed = "X-Collab-Body-Sha256" in headers  # containers: hashed by header + chunk digests
+        return self.auth(_Prepared(method, path_url, iter(()) if streamed else body, headers)).headers
 
 
 class LightPeer:
@@ -174,16 +177,16 @@ class LightPeer:
         import aiohttp
         from yarl import URL
 
-        url = self.url + path + (("?" + params) if params else "")
-        url, signed = self.signer.headers(method, url, body, dict(headers or {}))
-        async with session.request(method, URL(url, encoded=True), data=body, headers=signed,
+        path_url = path + (("?" + params) if params else "")
+        signed = self.signer.headers(method, path_url, body, dict(headers or {}))
+        async with session.request(method, URL(self.url + path_url, encoded=True), data=body, headers=signed,
                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             return response.status, dict(response.headers), await response.read()
 
     async def run(self, until: float, record: bool) -> None:
         import aiohttp
 
-        from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest, JoinResponse
+        from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest, JoinResponse
 
         self.signer = await asyncio.to_thread(Signer, self.url, self.token)
         beats = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, force_close=False))
@@ -209,13 +212,14 @@ class LightPeer:
                     self._error(f"heartbeat {status}")
                     await asyncio.sleep(HEARTBEAT_S)
                     continue
-                state = CollabState.loads(body)
-                if samples and state.round is not None and state.round.step == version:
+                state = json.loads(body)  # a CollabState; only two fields matter here
+                open_step = state["round"]["step"] if state.get("round") else None
+                if samples and open_step == version:
                     await self.upload(transfers, peer_id, version, samples)
                     version = await self.download(transfers, peer_id, version + 1, record)
                     samples, computed_at = 0, time.monotonic() + self.compute_s
-                elif state.step > version:  # a round went by without this peer: its samples are stale
-                    version = await self.download(transfers, peer_id, state.step, record)
+                elif state["step"] > version:  # a round went by without this peer: its samples are stale
+                    version = await self.download(transfers, peer_id, state["step"], record)
                     samples, computed_at = 0, time.monotonic() + self.compute_s
                 else:
                     await asyncio.sleep(HEARTBEAT_S if samples else min(HEARTBEAT_S, computed_at - time.monotonic()))

@@ -332,6 +332,26 @@ def test_peer_gone_mid_download_or_long_poll_is_one_info_line_and_expires(start_
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
+def test_per_address_and_upload_byte_caps(start_relay) -> None:
+    """Past ``max_per_address`` an address's longest-idle connection makes room (the newcomer is
+    served); an upload that would put more than ``max_upload_bytes`` in flight is answered 503 +
+    Retry-After before any of its body is read."""
+    relay = start_relay({"connections": {"exempt_loopback": False, "max_per_address": 3,
+                                         "max_upload_bytes": 2_000_000}})
+    idle = [socket.create_connection(("127.0.0.1", relay.port), timeout=10) for _ in range(3)]
+    client = RelayClient(relay.url)  # retries a 503 (the idle ones may still be being registered)
+    assert client.get_status().run_name == "test-run"
+    client.close()
+    assert idle[0].recv(1) == b""  # the longest-idle connection was closed to admit the request
+    for sock in idle:
+        sock.close()
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as sock:
+        sock.sendall(f"PUT {ROUTES['gradient'].format(step=0)}?peer_id=x HTTP/1.1\r\nHost: x\r\n"
+                     "Content-Type: application/octet-stream\r\nContent-Length: 3000000\r\n\r\n".encode())
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 2" in answer, answer[:300]
+
+
 def many_peers(*args: str, timeout_s: float) -> dict:
     """Run benchmarks/many_peers.py; its last line is the JSON summary."""
     done = subprocess.run([sys.executable, "benchmarks/many_peers.py", *args], cwd=REPO, capture_output=True,

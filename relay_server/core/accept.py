@@ -36,9 +36,11 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n
 class Admission(Protocol):
     """What the acceptor asks of the guard."""
 
-    pending: int
+    def make_room(self, address: str) -> bool:
+        """Whether a connection from ``address`` may come in (then counted as pending)."""
 
-    def make_room(self, address: str) -> bool: ...
+    def unreserve(self, address: str) -> None:
+        """A connection let in failed before it was registered."""
 
 
 def raise_descriptor_limit() -> tuple[int, int]:
@@ -111,16 +113,15 @@ class Acceptor:
                     pass
                 conn.close()
                 continue
-            self.guard.pending += 1
-            task = self.loop.create_task(self._attach(conn))
+            task = self.loop.create_task(self._attach(conn, address))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _attach(self, conn: socket.socket) -> None:
+    async def _attach(self, conn: socket.socket, address: str) -> None:
         try:
             await self.loop.connect_accepted_socket(self.factory, conn)
         except OSError:
-            self.guard.pending -= 1
+            self.guard.unreserve(address)
             conn.close()
 
     def _out_of_resources(self, exc: OSError) -> None:

@@ -191,18 +191,29 @@ class ConnectionGuard:
         if len(self._conns) + self.pending >= self.capacity and not self._evict(None):
             self.counts["refused_capacity"] += 1
             return False
+        self.pending += 1  # its slot, and its address's, are taken from now on
+        self._per_address[address] += 1
         return True
 
+    def unreserve(self, address: str) -> None:
+        """A connection :meth:`make_room` let in failed before it was registered."""
+        self.pending = max(0, self.pending - 1)
+        self._drop_address(address)
+
     def admit(self, transport: asyncio.Transport) -> _Conn:
-        """Register a connection :meth:`make_room` let in."""
+        """Register a connection :meth:`make_room` let in (and counted)."""
         self.pending = max(0, self.pending - 1)
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         conn = _Conn(transport, address, self.config.exempt_loopback and _loopback(address), time.monotonic())
         self._conns[transport] = conn
         self._idle[transport] = conn
-        self._per_address[address] += 1
         return conn
+
+    def _drop_address(self, address: str) -> None:
+        self._per_address[address] -= 1
+        if self._per_address[address] <= 0:
+            del self._per_address[address]
 
     def _evict(self, address: str | None) -> bool:
         """Close the longest-idle connection (of ``address`` when given) whose response is flushed."""
@@ -222,9 +233,7 @@ class ConnectionGuard:
             return
         self._idle.pop(conn.transport, None)
         self._bodies.discard(conn)
-        self._per_address[conn.address] -= 1
-        if not self._per_address[conn.address]:
-            del self._per_address[conn.address]
+        self._drop_address(conn.address)
         if conn.task is not None and not conn.task.done():
             conn.task.cancel()  # a GET (long-poll, download) nobody will read
 
