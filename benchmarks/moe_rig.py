@@ -1,0 +1,141 @@
+"""What the DMoE benchmarks share: a relay with ``[moe]``, expert host processes whose compute can
+be emulated, and a registered trainer whose calls may go through another address (a proxy).
+
+    python benchmarks/moe_rig.py host --relay URL --capacity 8 --compute-ms 20   # one host process
+    python benchmarks/moe_rig.py host --relay URL --capacity 8 --echo            # answers x (or g)
+
+The host is the real :class:`toolkit.moe.host.ExpertHost` (join, heartbeats, leases, task long
+polls, results, checkpoints) with its runtime swapped for :class:`EmulatedRuntime`, which sleeps
+``compute_ms`` per task before the real expert runs (a stand-in for a GPU's time on a big expert
+that costs no CPU here: on a shared 2-core machine real compute would measure the CPU, not the
+system), or, with ``echo``, returns the call's ``x`` (forward) or ``g`` (backward) untouched: the
+broker's overhead alone. Everything between the trainer and the expert is the production path.
+
+The relay config reuses ``tests/test_moe_relay.py``'s (``overrides``), resized.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.test_moe_relay import KWARGS, MOE, Member, directory, overrides, wait_until  # noqa: E402
+from toolkit.client import RelayClient  # noqa: E402
+from toolkit.moe.calls import LoopbackCaller  # noqa: E402
+from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
+from toolkit.wire.protocol import MAX_JSON_BODY  # noqa: E402
+
+__all__ = ["EmulatedRuntime", "Member", "caller_for", "directory", "relay_overrides", "start_hosts", "stop_all",
+           "wait_until"]
+
+
+def relay_overrides(*, d: int, expert_hidden: int, layers: int, grid: list[int], k: int,
+                    max_rows_per_call: int | None = None, timeout_s: float = 30.0, expert_lr: float = 1e-4) -> dict[str, dict[str, Any]]:
+    """``tests/test_moe_relay.py``'s run resized: ``layers`` mixtures of ``grid`` experts of width
+    ``d``; checkpoints rare (they are not what is measured); rate limits out of the way (every
+    process here is one loopback address, and the benchmark is the only client). Hosts still
+    take an SGD step per backward call, with a small ``expert_lr``: throughput runs push random
+    data through many concurrent stale updates, which at a training rate would diverge to NaN
+    (and the relay rightly refuses NaN results)."""
+    base = overrides(0)
+    if max_rows_per_call is None:  # as many as one signed request holds (x and g, float32)
+        max_rows_per_call = min(512, (MAX_JSON_BODY - 4096) // (8 * d))
+    base["moe"] = {**MOE, "layers": layers, "grid": grid, "k": k, "expert": {"kind": "ffn", "d": d,
+                   "hidden": expert_hidden}, "checkpoint_every_s": 3600.0, "forward_timeout_s": timeout_s,
+                   "backward_timeout_s": timeout_s, "max_rows_per_call": max_rows_per_call,
+                   "max_queued_rows": 1 << 20,
+                   "optimizer": {"name": "sgd", "lr": expert_lr}}
+    base["model"] = {**base["model"], "kwargs": {**KWARGS, "in_features": d, "hidden": d, "layers": layers,
+                                                 "grid": grid, "k": k, "expert_hidden": expert_hidden,
+                                                 "timeout_s": timeout_s}}
+    base["limits"] = {"tasks_per_s": 1e6, "tasks_burst": 1e6}
+    return base
+
+
+class EmulatedRuntime(LoopbackCaller):
+    """A host's runtime that sleeps ``compute_ms`` per task, then computes (or echoes)."""
+
+    def __init__(self, *args: Any, compute_ms: float = 0.0, echo: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compute_s, self.echo = compute_ms / 1000, echo
+
+    def _run(self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> torch.Tensor:
+        if self.compute_s:
+            time.sleep(self.compute_s)
+        if self.echo:
+            return x if grad_y is None else grad_y
+        return super()._run(kind, uid, x, grad_y)
+
+
+def start_hosts(relay_url: str, count: int, capacity: int, logs: Path, *, compute_ms: float = 0.0,
+                echo: bool = False) -> list[subprocess.Popen]:
+    """``count`` host processes of this file, each leasing up to ``capacity`` experts."""
+    extra = ["--echo"] if echo else []
+    return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "host", "--relay", relay_url,
+                              "--capacity", str(capacity), "--compute-ms", str(compute_ms), "--name", f"host{i}",
+                              *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT)
+            for i in range(count)]
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def caller_for(url: str, peer_id: str, max_workers: int) -> RelayExpertCaller:
+    """A caller whose requests go to ``url`` (the relay, or a proxy in front of it) on behalf of
+    the registered peer ``peer_id``, with a connection pool as large as its thread pool (requests'
+    default keeps 10 connections: more concurrent calls would open a new one each time)."""
+    from requests.adapters import HTTPAdapter
+
+    client = RelayClient(url, retries=0)
+    client.session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=max_workers))
+    return RelayExpertCaller(client, peer_id, max_workers=max_workers)
+
+
+def _host_main(argv: list[str]) -> int:
+    from toolkit.moe.host import ExpertHost
+
+    parser = argparse.ArgumentParser(prog="python benchmarks/moe_rig.py host",
+                                     description="an expert host with emulated compute (see the module docstring)")
+    parser.add_argument("--relay", required=True)
+    parser.add_argument("--capacity", type=int, default=8)
+    parser.add_argument("--compute-ms", type=float, default=0.0, help="sleep per task before computing")
+    parser.add_argument("--echo", action="store_true", help="answer x (forward) or g (backward) as they came")
+    parser.add_argument("--name", default="bench-host")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name)
+    runtime = host.runtime
+    host.runtime = EmulatedRuntime({}, optimizer_factory=runtime.optimizer_factory, compute_ms=args.compute_ms,
+                                   echo=args.echo)
+    runtime.close()
+    signal.signal(signal.SIGTERM, lambda *_: host.stop())
+    host.run()
+    print(f"{args.name}: {host.tasks_done} tasks", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["host"]:
+        print("usage: python benchmarks/moe_rig.py host --relay URL [--capacity N] [--compute-ms MS] [--echo]")
+        raise SystemExit(2)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    raise SystemExit(_host_main(sys.argv[2:]))
