@@ -14,9 +14,9 @@ Two ways to run it:
 * :class:`LatencyProxy` in this process, on its own event-loop thread (``with LatencyProxy(port,
   delay_s) as proxy: ... proxy.bytes_up``): for counting bytes, where timing jitter does not matter;
 * this file as a process (:func:`spawn`): for timing, so the proxy's loop never waits for the
-  benchmark's threads to release the GIL. It prints ``{"port": N}`` when it listens, reads new
-  delays (ms, one per line) on stdin, and prints ``{"bytes_up", "bytes_down", "connections"}``
-  when it gets SIGTERM.
+  benchmark's threads to release the GIL. It prints ``{"port": N}`` when it listens, takes
+  commands on stdin (a new delay in ms, or ``stats``), and prints ``{"bytes_up", "bytes_down",
+  "connections"}`` when it gets SIGTERM.
 """
 
 from __future__ import annotations
@@ -164,10 +164,17 @@ class ProxyProcess:
 
     def set_delay(self, delay_s: float) -> None:
         """The round-trip delay from now on (bytes already queued keep theirs)."""
+        self._command(f"{delay_s * 1000}")  # answered once the new delay is in force
+
+    def counts(self) -> dict:
+        """``{"bytes_up", "bytes_down", "connections"}`` so far."""
+        return self._command("stats")
+
+    def _command(self, line: str) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{delay_s * 1000}\n")
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
-        self.proc.stdout.readline()  # the proxy's acknowledgement: the new delay is in force
+        return json.loads(self.proc.stdout.readline())
 
     def stop(self) -> dict:
         self.proc.send_signal(signal.SIGTERM)
@@ -188,6 +195,21 @@ def spawn(upstream_port: int, delay_s: float) -> ProxyProcess:
     return ProxyProcess(proc, int(json.loads(line)["port"]))
 
 
+def _counts(proxy: LatencyProxy) -> dict:
+    return {"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down, "connections": proxy._counters.connections}
+
+
+def _commands(proxy: LatencyProxy) -> None:
+    """stdin, one command a line: a number sets the round-trip delay (ms); ``stats`` prints the
+    counters. Each is answered with one JSON line."""
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            print(json.dumps(_counts(proxy)), flush=True)
+        else:
+            proxy.delay_s = float(line) / 1000
+            print(json.dumps({"delay_ms": float(line)}), flush=True)
+
+
 async def _main(upstream: int, delay_s: float) -> None:
     proxy = LatencyProxy(upstream, delay_s)
     ready = threading.Event()
@@ -198,15 +220,9 @@ async def _main(upstream: int, delay_s: float) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, proxy._stopped.set)
 
-    def read_delays() -> None:  # one line per change: the new round-trip delay in ms
-        for line in sys.stdin:
-            proxy.delay_s = float(line) / 1000
-            print(json.dumps({"delay_ms": float(line)}), flush=True)
-
-    threading.Thread(target=read_delays, daemon=True).start()
+    threading.Thread(target=_commands, args=(proxy,), daemon=True).start()
     await task
-    print(json.dumps({"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down,
-                      "connections": proxy._counters.connections}), flush=True)
+    print(json.dumps(_counts(proxy)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
