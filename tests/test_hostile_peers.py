@@ -28,6 +28,7 @@ import pytest
 import requests
 from aiohttp import web
 
+from relay_server.api.experts import EXPERTS
 from relay_server.api.app import PUBLIC_ROUTES, create_app
 from relay_server.api.context import COLLAB
 from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
@@ -154,6 +155,7 @@ def snapshot(relay: InProcessRelay) -> dict[str, Any]:
     def take() -> dict[str, Any]:
         collab = relay.app[COLLAB]
         pool = relay.app.get(SHARD_POOL)
+        experts = relay.app.get(EXPERTS)
         known = [row[0] for row in collab.store.db.execute("SELECT peer_id FROM peers ORDER BY peer_id")]
         return {
             "registry": _plain(collab.registry.peers),  # last_seen, samples, claimable, inflight...
@@ -166,6 +168,10 @@ def snapshot(relay: InProcessRelay) -> dict[str, Any]:
                                                         "coverage": pool.coverage().to_json()}),
             "rates": _plain(collab.backbone.planning.peer_rates),
             "step": collab.step,
+            "experts": None if experts is None else _plain({
+                "hosts": experts.directory._host, "version": experts.directory.version,
+                "tasks": experts.broker.tasks, "stats": experts.broker.stats,
+                "checkpoints": sorted(str(f) for f in experts.checkpoints.root.rglob("*"))}),
         }
     return relay.call(take)
 
@@ -232,6 +238,16 @@ def _upload_as(scene: Scene) -> requests.PreparedRequest:
 
 
 TENSORS = "application/octet-stream"
+MOE = {"enabled": True, "grid": [2, 2], "expert": {"kind": "ffn", "d": 8, "hidden": 16}}
+
+
+def _checkpoint_as(scene: Scene) -> requests.PreparedRequest:
+    """Bob's correctly signed (streamed, chunk digests) expert checkpoint as alice's host."""
+    tensors = [("p.up.weight", np.zeros((4, 8), np.float32))]
+    metadata = {"updates": "1", **digest_metadata(tensors)}
+    head = encode_header(tensors, metadata)
+    return _signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
+                             f"/api/moe/hosts/{scene.alice.peer_id}/experts/ffn0.0.0/checkpoint")
 
 
 def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], requests.PreparedRequest]]]:
@@ -263,8 +279,7 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
         ("GET", ROUTES["moe_tasks"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/tasks?wait=0")],
         ("PUT", ROUTES["moe_result"]): [lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/tasks/t1", expert_body,
                                                              content_type=TENSORS)],
-        ("PUT", ROUTES["moe_checkpoint"]): [lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint",
-                                                                 expert_body, content_type=TENSORS)],
+        ("PUT", ROUTES["moe_checkpoint"]): [lambda: _checkpoint_as(scene)],
         ("GET", ROUTES["moe_checkpoint"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint")],
     }
 
@@ -290,11 +305,12 @@ def test_a_refused_request_on_another_users_peer_changes_nothing(relay_factory, 
     reset her silent peer's last-seen. Now, on EVERY peer-scoped route, bob's refused request
     leaves the whole state as it was -- alice live (an open round waiting for her, a shard lease
     held) or departed."""
-    relay = relay_factory()
+    relay = relay_factory(moe=MOE)  # expert routes with real state behind them
     alice, bob = SignedPeer.login(relay, "alice").join("alice-nb"), SignedPeer.login(relay, "bob").join("bob-nb")
     scene = Scene(relay, alice, bob)
     assert alice.send(_json(alice, "POST", f"/api/peers/{alice.peer_id}/shards/lease",
                             ShardLeaseRequest(source="web").dumps())).status_code == 200
+    assert alice.send(_json(alice, "POST", f"/api/moe/hosts/{alice.peer_id}/lease?capacity=2")).status_code == 200
     hb = Heartbeat(version=0, samples=10, samples_per_s=10.0).dumps()
     assert alice.send(_json(alice, "POST", f"/api/peers/{alice.peer_id}/heartbeat", hb)).status_code == 200
     assert relay.status()["round"]["expected_peers"] == 1  # a round is open, waiting for alice

@@ -279,8 +279,12 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
     tensor bodies signed whole, and the trainer gets the expert's exact output."""
     hf_standin.add_user("hf_host_token_1234567", "hosting-volunteer")
     hf_standin.add_user("hf_trainer_token_12345", "training-volunteer")
-    relay = start_relay({**overrides(0), "auth": {"mode": "hf", "hf_endpoint": hf_standin.url,
-                                                  "allow_users": ["hosting-volunteer", "training-volunteer"]}})
+    big = {**overrides(0), "auth": {"mode": "hf", "hf_endpoint": hf_standin.url,
+                                    "allow_users": ["hosting-volunteer", "training-volunteer"]}}
+    # Experts of 74k parameters: a checkpoint (296 KB) is larger than any whole-signed request.
+    big["moe"] = {**MOE, "expert": {"kind": "ffn", "d": 8, "hidden": 4096}}
+    big["model"] = {**big["model"], "kwargs": {**KWARGS, "expert_hidden": 4096}}
+    relay = start_relay(big)
     host = subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay.url, "--capacity", "8"],
                             cwd=REPO, env={**os.environ, "HF_TOKEN": "hf_host_token_1234567"},
                             stdout=open(tmp_path / "host.log", "w"), stderr=subprocess.STDOUT)
@@ -290,12 +294,18 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
         wait_until(lambda: len(caller.live()) == 8, 60, "the host's 8 experts")
         x = torch.randn(4, 8)
         y = caller.forward("ffn1.0.1", x).result(timeout=30)
-        expected = DMoEMLP(**KWARGS).make_expert("ffn1.0.1")(x)
-        torch.testing.assert_close(y, expected.detach(), rtol=1e-6, atol=1e-6)
+        expected = DMoEMLP(**{**KWARGS, "expert_hidden": 4096}).make_expert("ffn1.0.1")(x)
+        torch.testing.assert_close(y, expected.detach(), rtol=1e-5, atol=1e-6)
     finally:
         caller.close()
         trainer.close()
         stop([host])
+    stored = latest_checkpoint(relay.data_dir, "ffn1.0.1")  # the final checkpoint, streamed and digest-checked
+    assert stored["p.up.weight"].shape == (4096, 8)
+    torch.testing.assert_close(torch.from_numpy(stored["p.up.weight"]), expected_weight := DMoEMLP(
+        **{**KWARGS, "expert_hidden": 4096}).make_expert("ffn1.0.1").up.weight.detach())
+    newest = sorted((relay.data_dir / "experts" / "ffn1.0.1").glob("*.safetensors"))[-1]
+    assert newest.stat().st_size > 256 * 1024  # more than one whole-signed request may carry
     assert "hosting-volunteer" in relay.log_path.read_text()
     assert "hf_host_token" not in relay.log_path.read_text() + (tmp_path / "host.log").read_text()
 

@@ -239,7 +239,8 @@ CONTAINER_ROUTES = frozenset({("PUT", ROUTES["gradient"])})
 
 
 def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
-               container_limit: Callable[[], int] = lambda: 0) -> tuple[list, list]:
+               container_limit: Callable[[], int] = lambda: 0,
+               container_limits: dict | None = None) -> tuple[list, list]:
     """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
 
     In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
@@ -253,14 +254,16 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
                            reauth_after_s=a.reauth_after_s)
     verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
     return [auth_middleware(verifier, PUBLIC_ROUTES, container_routes=CONTAINER_ROUTES,
-                            container_limit=container_limit, binary_routes=experts_api.BINARY_ROUTES)], service.routes()
+                            container_limit=container_limit, binary_routes=experts_api.BINARY_ROUTES,
+                            container_limits=container_limits)], service.routes()
 
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line (issue 17)
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
-                                               lambda: app[COLLAB].codec.wire_bytes(app[COLLAB].num_params))
+                                               lambda: app[COLLAB].codec.wire_bytes(app[COLLAB].num_params),
+                                               experts_api.container_limits(app))
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,8 @@ from aiohttp import web
 
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.core.errors import ApiError, unknown_peer
-from relay_server.core.http import int_query, json_ok
+from relay_server.auth.verify import BODY_STREAM_KEY
+from relay_server.core.http import int_query, json_ok, upload_length
 from relay_server.core.moe_config import MoeSection
 from relay_server.moe.checkpoints import CheckpointStore
 from relay_server.moe.directory import ExpertDirectory
@@ -42,6 +44,7 @@ from relay_server.tasks.broker import DONE, TaskBroker
 from relay_server.tasks.store import PayloadStore
 from toolkit.errors import ProtocolError
 from toolkit.moe import payloads
+from toolkit.wire.tensor_container import MAX_HEADER
 from toolkit.wire.protocol import ROUTES
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,11 @@ class Experts:
     shapes: dict[str, tuple[int, ...]]
     """Every expert's parameter shapes (all experts of a run share one architecture)."""
     known: frozenset[str] = frozenset()
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Tensor data of a checkpoint at most: parameters and up to 3 optimizer states each."""
+        return 4 * 4 * sum(math.prod(shape) for shape in self.shapes.values())
     calls: deque = field(default_factory=deque)
     """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
 
@@ -212,7 +220,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     if experts.directory.host_of(uid) != host:
         raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
                        "Upload checkpoints only for the experts your lease returned.")
-    body = await request.read()
+    length = upload_length(request, experts.checkpoint_bytes + MAX_HEADER + 8)
+    stream = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
+    try:
+        body = await stream.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ApiError(400, "truncated_body", "the checkpoint ended early") from None
     try:
         updates = payloads.check_checkpoint(body, experts.shapes)
     except ProtocolError as exc:
@@ -235,8 +248,15 @@ async def get_checkpoint(request: web.Request) -> web.Response:
     return web.Response(body=body, content_type="application/octet-stream")
 
 
-BINARY_ROUTES = frozenset({("PUT", ROUTES["moe_call"]), ("PUT", ROUTES["moe_result"]), ("PUT", ROUTES["moe_checkpoint"])})
+BINARY_ROUTES = frozenset({("PUT", ROUTES["moe_call"]), ("PUT", ROUTES["moe_result"])})
 """Routes whose body is a small tensor container, signed whole (the auth middleware's list)."""
+
+
+def container_limits(app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
+    """Checkpoints are streamed containers (signed by chunk digests, like gradients), at most
+    one expert's parameters plus three optimizer states each: an expert may be far larger than
+    one signed request."""
+    return {("PUT", ROUTES["moe_checkpoint"]): lambda: app[EXPERTS].checkpoint_bytes if EXPERTS in app else 0}
 
 ROUTE_TABLE = [
     ("GET", ROUTES["moe_spec"], get_spec),

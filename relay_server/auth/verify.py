@@ -232,7 +232,8 @@ def sign_response_headers(request: web.Request, response: web.StreamResponse, na
 def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
                     container_routes: Iterable[tuple[str, str]] = (),
                     container_limit: Callable[[], int] = lambda: 0,
-                    binary_routes: Iterable[tuple[str, str]] = ()):
+                    binary_routes: Iterable[tuple[str, str]] = (),
+                    container_limits: Mapping[tuple[str, str], Callable[[], int]] | None = None):
     """Require a signed request on every route except ``public_paths`` (where a request that
     carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
@@ -247,10 +248,13 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
     not the client's Content-Type, decides which: an octet-stream body on a JSON route used to be
     hashed by its first bytes only, leaving an unsigned JSON tail for the handler (issue 17).
     ``binary_routes`` take a small tensor container (an expert call, at most the app's
-    ``client_max_size``) as ``application/octet-stream``, hashed whole like a JSON body."""
+    ``client_max_size``) as ``application/octet-stream``, hashed whole like a JSON body.
+    ``container_limits`` adds container routes with a limit of their own (an expert's checkpoint
+    is not the run's parameter vector)."""
     public = frozenset(public_paths)
     containers = frozenset(container_routes)
     binary = frozenset(binary_routes)
+    limits = dict.fromkeys(containers, container_limit) | dict(container_limits or {})
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
@@ -259,7 +263,8 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
             return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers
         try:
             route = (request.method, resource.canonical)
-            await _authenticate(verifier, request, route in containers, container_limit, route in binary)
+            await _authenticate(verifier, request, route in limits, limits.get(route, container_limit),
+                                route in binary)
         except (ApiError, ProtocolError) as exc:
             log.info("refused %s %s: %s", request.method, request.path[:80], getattr(exc, "code", "error"))
             await drain(request)

@@ -33,6 +33,8 @@ from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import FFNExpert
+from toolkit.transfer import SizedBody
+from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,11 @@ def make_optimizer(spec: Mapping[str, Any], module: nn.Module) -> torch.optim.Op
 
 
 def checkpoint_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, updates: int) -> bytes:
+    return payloads.encode(dict(checkpoint_state(module, optimizer)), {"updates": str(updates)})
+
+
+def checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, np.ndarray]]:
+    """The tensors of an expert's checkpoint: ``p.<param>``, ``opt.<param>.<state>``."""
     names = {id(p): name for name, p in module.named_parameters()}
     params = {name: p.detach().cpu().numpy().astype(np.float32) for name, p in module.named_parameters()}
     state = {}
@@ -72,7 +79,7 @@ def checkpoint_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, up
         for param, values in optimizer.state.items():
             for key, value in values.items():
                 state[f"{names[id(param)]}.{key}"] = torch.as_tensor(value, dtype=torch.float32).cpu().numpy()
-    return payloads.checkpoint_body(params, state, updates)
+    return payloads.checkpoint_tensors(params, state)
 
 
 def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
@@ -149,10 +156,15 @@ class ExpertHost:
 
     def checkpoint(self) -> None:
         for uid, module in list(self.runtime.experts.items()):
-            body = checkpoint_of(module, self.runtime.optimizers.get(uid), self.updates.get(uid, 0))
+            tensors = checkpoint_state(module, self.runtime.optimizers.get(uid))
+            metadata = {"updates": str(self.updates.get(uid, 0))}
+            headers = {"Content-Type": "application/octet-stream"}
+            if self.client.signed:  # streamed like a gradient: the relay checks each chunk's digest
+                metadata.update(digest_metadata(tensors))
+                headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
             path = ROUTES["moe_checkpoint"].format(peer_id=self.peer_id, uid=uid)
             try:
-                self.client._request("PUT", path, data=body, headers={"Content-Type": "application/octet-stream"})
+                self.client._request("PUT", path, data=SizedBody(tensors, metadata), headers=headers)
             except RelayRejected as exc:
                 if exc.code != "not_your_expert":
                     raise

@@ -81,9 +81,14 @@ def read_task_batch(body: bytes, max_bytes: int, width: int) -> list[tuple[dict,
     return out
 
 
-def checkpoint_body(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray], updates: int) -> bytes:
+def checkpoint_tensors(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray],
+                       ) -> list[tuple[str, np.ndarray]]:
     tensors = {**{f"p.{k}": v for k, v in params.items()}, **{f"opt.{k}": v for k, v in optimizer.items()}}
-    return encode({k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}, {"updates": str(updates)})
+    return [(k, np.ascontiguousarray(v, dtype=np.float32)) for k, v in tensors.items()]
+
+
+def checkpoint_body(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray], updates: int) -> bytes:
+    return encode(dict(checkpoint_tensors(params, optimizer)), {"updates": str(updates)})
 
 
 def check_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> int:
