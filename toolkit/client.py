@@ -25,7 +25,7 @@ import requests
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
 from toolkit.errors import (NOT_A_RELAY_HINT, CollabError, ProtocolError, RelayRejected, RelayUnreachable,
-                            RelayUrlError, not_a_relay_message)
+                            RelayUrlError, not_a_relay_message, unreachable_reason)
 from toolkit.wire.protocol import (
     ROUTES,
     TICKET_HEADER,
@@ -103,7 +103,8 @@ class RelayClient:
                 response = self.session.request(method, self.url + path, **kwargs)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 if attempt + 1 == attempts:
-                    raise RelayUnreachable("relay_unreachable", f"{method} {path}: {type(exc).__name__}: {exc}") from None
+                    raise RelayUnreachable("relay_unreachable", f"no answer from the relay at {self.url} "
+                                           f"({unreachable_reason(exc)}) after {attempts} tries ({method} {path})") from None
                 self._sleep(attempt, f"{type(exc).__name__}")
                 continue
             if response.status_code in (*_RETRY_STATUS, 429) and attempt + 1 < attempts:
