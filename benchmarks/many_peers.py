@@ -374,7 +374,8 @@ def main() -> None:
     parser.add_argument("--peers", default="16,256,1000", help="comma-separated levels")
     parser.add_argument("--auth", choices=("open", "hf", "both"), default="open")
     parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per level")
-    parser.add_argument("--procs", type=int, default=4, help="peer processes per level")
+    parser.add_argument("--procs", type=int, default=min(4, os.cpu_count() or 2),
+                        help="peer processes per level (one per core: more only fight the relay for CPU)")
     parser.add_argument("--numel", type=int, default=256, help="parameters of the Vector model")
     parser.add_argument("--compute-s", type=float, default=1.0, help="seconds a peer spends per micro-batch")
     parser.add_argument("--soft-limit", type=int, default=1024, help="the relay's soft RLIMIT_NOFILE at start")
