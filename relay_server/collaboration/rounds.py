@@ -147,7 +147,7 @@ class RoundCycle:
             self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
             published = self.publish_local(version)
         if self.leaderboard is not None:
-            self.leaderboard.credit(dict(r.received))
+            self.leaderboard.credit(outcome.contributions)  # what the store committed, nothing else
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,

@@ -67,8 +67,9 @@ def _abort(request: web.Request, why: str) -> web.Response:
 
 
 def _disconnected(request: web.Request, exc: BaseException) -> bool:
-    """The peer went away mid-request: a normal event on the internet, not a relay bug (an error
-    from a call to an aggregator is neither: the peer's own connection must be the one closed)."""
+    """The peer went away mid-request: a normal event on the internet, not a relay bug. A reset
+    or broken pipe is taken as the peer's (writing to it is what raises them); any other I/O
+    error counts only when the peer's own connection is closing (an aggregator's error is ours)."""
     transport = request.transport
     if isinstance(exc, (ConnectionResetError, BrokenPipeError)):  # writing to it (sendfile, a write)
         return True
