@@ -53,8 +53,9 @@ class ConnectionsSection:
     exempt_loopback: bool = True
     """No per-address caps for 127.0.0.1/::1: local runs, and a reverse proxy on this host."""
     fd_reserve: int = 64
-    """Descriptors kept free for state files, the database and downloads in progress (a download
-    holds its version file open); at most a quarter of the limit."""
+    """Descriptors kept free for state files and the database; at most a quarter of the limit.
+    A transfer in progress holds one more (a download its version file, an upload its spool):
+    past the limit it is answered 503 + Retry-After, never failed half-way."""
     idle_timeout_s: float = 30.0
     """A connection with no request in progress is closed after this long: idle keep-alives and
     clients sending a request's headers too slowly."""
