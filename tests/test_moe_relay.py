@@ -344,3 +344,43 @@ def test_join_as_expert_host_serves_and_the_panel_says_what_it_hosts(start_relay
     assert hosting.startswith("3 experts (") and "tasks served" in hosting, hosting
     assert "your contribution" not in panel.seen[-1]  # a host trains nothing
     wait_until(lambda: directory(relay.url)["live"] == [], 5, "the experts handed back (leave, then a tick)")
+
+
+@pytest.mark.parametrize("codec", ["float16", "int8"])
+def test_activation_codecs_carry_exactly_the_codec_round_trip(start_relay, tmp_path: Path, codec: str) -> None:
+    """[moe] codec: x, dy, y and dx travel in float16 or int8 (the run's compression codecs) and the
+    expert computes in float32: the answers equal the codec round trip of each tensor computed in
+    this process (so the relay neither alters nor re-encodes anything), the bodies shrink, and a
+    call in another encoding is refused."""
+    from toolkit.errors import RelayRejected
+    from toolkit.wire.compression import get_codec
+
+    wire = get_codec(codec)
+
+    def q(t: torch.Tensor) -> torch.Tensor:  # what the far side reads of t
+        rows = payloads.encode_rows("t", t.detach().numpy(), wire)
+        return torch.from_numpy(payloads.read_rows(rows, "t", None, t.shape[1], wire))
+
+    relay = start_relay({**overrides(0), "moe": {**MOE, "codec": codec}})
+    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
+    trainer = Member(relay.url, "trainer")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id)
+    try:
+        wait_until(lambda: len(caller.live()) == 8, 60, "the host's experts")
+        x, dy = torch.randn(16, 8), torch.randn(16, 8)
+        expert = DMoEMLP(**KWARGS).make_expert("ffn0.1.1")
+        y = caller.forward("ffn0.1.1", x).result(timeout=30)
+        torch.testing.assert_close(y, q(expert(q(x))), rtol=1e-5, atol=1e-6)
+        x_seen = q(x).requires_grad_(True)
+        expert(x_seen).backward(q(dy))  # the host's dx, before its SGD step changes the expert
+        dx = caller.backward("ffn0.1.1", x, dy).result(timeout=30)
+        torch.testing.assert_close(dx, q(x_seen.grad), rtol=1e-5, atol=1e-6)
+        assert len(payloads.call_body(x.numpy(), codec=wire)) < 0.6 * len(payloads.call_body(x.numpy()))
+        with pytest.raises(RelayRejected) as wrong:  # float32 on a run that pins another codec
+            trainer.request("PUT", "moe_call", uid="ffn0.1.1", params={"kind": "forward", "call_id": "raw1"},
+                            data=payloads.call_body(x.numpy()), headers={"Content-Type": "application/octet-stream"})
+        assert wrong.value.status == 400 and codec in wrong.value.hint
+    finally:
+        caller.close()
+        trainer.close()
+        stop([host])

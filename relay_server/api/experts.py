@@ -44,6 +44,7 @@ from relay_server.tasks.broker import DONE, TaskBroker
 from relay_server.tasks.store import PayloadStore
 from toolkit.errors import ProtocolError
 from toolkit.moe import payloads
+from toolkit.wire.compression import Codec, get_codec
 from toolkit.wire.tensor_container import MAX_HEADER
 from toolkit.wire.protocol import ROUTES
 
@@ -65,6 +66,10 @@ class Experts:
     shapes: dict[str, tuple[int, ...]]
     """Every expert's parameter shapes (all experts of a run share one architecture)."""
     known: frozenset[str] = frozenset()
+
+    @property
+    def codec(self) -> Codec:
+        return get_codec(self.config.codec)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -137,15 +142,20 @@ async def put_call(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_query", "kind must be forward or backward, call_id 1-64 of [A-Za-z0-9_-]")
     cfg, width = experts.config, experts.config.width()
     body = await request.read()  # bounded by the app's client_max_size
+    codec = experts.codec
+    names = payloads.row_names("x", codec) | (payloads.row_names("g", codec) if kind == "backward" else set())
     try:
         _, tensors = payloads.decode(body, 2 * cfg.max_rows_per_call * width * 4)
-        x = payloads.rows_of(tensors, "x", None, width)
+        if set(tensors) != names:
+            raise ProtocolError("bad_tensor", f"a {kind} call carries exactly {sorted(names)}")
+        x = payloads.read_rows(tensors, "x", None, width, codec)
         if kind == "backward":
-            payloads.rows_of(tensors, "g", x.shape[0], width)
+            payloads.read_rows(tensors, "g", x.shape[0], width, codec)
     except ProtocolError as exc:
-        raise ApiError(400, exc.code, exc.message, "Send float32 [rows, d] tensors x (and g for a backward).") from None
-    if x.shape[0] > cfg.max_rows_per_call or len(tensors) != (2 if kind == "backward" else 1):
-        raise ApiError(400, "bad_tensor", f"a call carries x (and g) with at most {cfg.max_rows_per_call} rows")
+        raise ApiError(400, exc.code, exc.message, f"Send [rows, d] tensors x (and g for a backward) in the run's "
+                       f"activation codec ({codec.name}); the toolkit does.") from None
+    if x.shape[0] > cfg.max_rows_per_call:
+        raise ApiError(400, "bad_tensor", f"a call carries at most {cfg.max_rows_per_call} rows")
     if experts.directory.host_of(uid) is None:
         experts.note_call(failed=True)
         raise ApiError(410, "expert_gone", f"expert {uid} has no host right now", "Treat it as a failed expert.")
@@ -199,10 +209,11 @@ async def put_result(request: web.Request) -> web.Response:
     body = await request.read()
     name = "y" if task.kind == "forward" else "g"
     try:
-        _, tensors = payloads.decode(body, task.rows * experts.config.width() * 4)
-        if set(tensors) != {name}:
-            raise ProtocolError("bad_tensor", f"a {task.kind} result carries exactly the tensor {name!r}")
-        payloads.rows_of(tensors, name, task.rows, experts.config.width())
+        _, tensors = payloads.decode(body, task.rows * experts.config.width() * 4 + 4096)
+        if set(tensors) != payloads.row_names(name, experts.codec):
+            raise ProtocolError("bad_tensor", f"a {task.kind} result carries exactly "
+                                f"{sorted(payloads.row_names(name, experts.codec))}")
+        payloads.read_rows(tensors, name, task.rows, experts.config.width(), experts.codec)
     except ProtocolError as exc:
         log.warning("host %s sent an invalid result for %s: %s", host[:16], task.key, exc.message)
         experts.broker.fail(host, task.task_id, ApiError(502, "bad_result", f"the host of {task.key} sent an "

@@ -53,6 +53,9 @@ class MoeSection:
     max_rows_per_call: int = 512
     """Rows one call carries; x (and g) must fit one signed request (256 KiB)."""
     task_memory_mb: int = 256
+    codec: str = "none"
+    """Activations and their gradients on the wire: none (float32), float16 (half the bytes) or
+    int8 (blockwise, about a quarter); the experts compute in float32 either way."""
     """Call payloads the relay keeps in memory; beyond it they spill to ``data_dir/tasks``."""
 
     def uids(self) -> list[str]:
@@ -86,6 +89,7 @@ class MoeSection:
              and self.optimizer["lr"] > 0, f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0"),
             (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
              "moe timeouts and checkpoint_every_s must be > 0"),
+            (self.codec in ("none", "float16", "int8"), "moe.codec must be none, float16 or int8"),
             (self.keep_checkpoints >= 1 and self.max_queued_rows >= 1 and self.max_rows_per_call >= 1
              and self.task_memory_mb >= 1, "moe.keep_checkpoints, max_queued_rows, max_rows_per_call and "
              "task_memory_mb must be >= 1"),
@@ -110,4 +114,4 @@ class MoeSection:
                 "k_min": self.k_min, "expert": dict(self.expert), "optimizer": dict(self.optimizer),
                 "seed": self.seed, "forward_timeout_s": self.forward_timeout_s,
                 "backward_timeout_s": self.backward_timeout_s, "checkpoint_every_s": self.checkpoint_every_s,
-                "max_rows_per_call": self.max_rows_per_call}
+                "max_rows_per_call": self.max_rows_per_call, "codec": self.codec}

@@ -34,6 +34,7 @@ from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import FFNExpert
 from toolkit.transfer import SizedBody
+from toolkit.wire.compression import get_codec
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest
 
@@ -121,6 +122,7 @@ class ExpertHost:
         self.capacity, self.max_rows, self.poll_s = capacity, max_rows, poll_s
         self.spec: dict[str, Any] = self.client._request("GET", ROUTES["moe_spec"]).json()
         self.shapes = expert_shapes(self.spec)
+        self.codec = get_codec(self.spec.get("codec", "none"))
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec, m))
         self.updates: dict[str, int] = {}
         self.tasks_done = 0
@@ -178,7 +180,7 @@ class ExpertHost:
         if response.status_code == 204:
             return 0
         width = int(self.spec["expert"]["d"])
-        batch = payloads.read_task_batch(response.content, 2 * self.max_rows * width * 4 * 64, width)
+        batch = payloads.read_task_batch(response.content, 2 * self.max_rows * width * 4 * 64, width, self.codec)
         for head, arrays in batch:
             x = torch.from_numpy(arrays["x"].copy()).to(self.device)
             try:
@@ -194,7 +196,12 @@ class ExpertHost:
                 continue
             result_path = ROUTES["moe_result"].format(peer_id=self.peer_id, task_id=head["task_id"])
             try:
-                self.client._request("PUT", result_path, data=payloads.encode({name: out.float().cpu().numpy()}),
+                body = payloads.encode(payloads.encode_rows(name, out.float().cpu().numpy(), self.codec))
+            except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
+                log.warning("result of %s for %s not sent: %s", head["kind"], head["uid"], exc)
+                continue
+            try:
+                self.client._request("PUT", result_path, data=body,
                                      headers={"Content-Type": "application/octet-stream"})
             except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
                 log.info("result for %s refused: [%s] %s", head["uid"], exc.code, exc.message)

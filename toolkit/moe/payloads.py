@@ -3,7 +3,10 @@
 Every body is one safetensors container (:mod:`toolkit.wire.tensor_container`), float32 only:
 
 * a call (trainer -> relay): ``x`` [rows, d], and for a backward ``g`` [rows, d] (the gradient of
-  the expert's output); the answer is ``y`` [rows, d] (forward) or ``g`` [rows, d] (d loss / d x);
+  the expert's output); the answer is ``y`` [rows, d] (forward) or ``g`` [rows, d] (d loss / d x).
+  With an activation codec (``[moe] codec``: float16 or int8, :mod:`toolkit.wire.compression`)
+  each of these travels as the codec's tensors ``<name>.<part>`` (e.g. ``x.scales``,
+  ``x.payload``), validated against the codec's layout and decoded to float32 by its reader;
 * a task batch (relay -> host): ``{i}.x`` (and ``{i}.g``) per task, metadata ``tasks`` = a JSON
   list of {task_id, uid, kind, rows}; a result (host -> relay) is the call's answer;
 * a checkpoint: ``p.<param>`` and ``opt.<param>.<state>`` tensors, metadata ``updates``.
@@ -23,9 +26,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from toolkit.errors import ProtocolError
+from toolkit.wire.compression import Codec, get_codec
 from toolkit.wire.tensor_container import encode_header, peek_header, read_container
 
 KINDS = ("forward", "backward")
+NONE = get_codec("none")
 
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -59,8 +64,40 @@ def rows_of(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, widt
     return array
 
 
-def call_body(x: np.ndarray, g: np.ndarray | None = None) -> bytes:
-    return encode({"x": x} if g is None else {"x": x, "g": g})
+def encode_rows(name: str, array: np.ndarray, codec: Codec = NONE) -> dict[str, np.ndarray]:
+    """``array`` [rows, d] as the tensors of ``codec`` (just ``{name: array}`` without one)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if codec.name == "none":
+        return {name: array}
+    return {f"{name}.{part}": tensor for part, tensor in codec.encode(array.reshape(-1))}
+
+
+def row_names(name: str, codec: Codec = NONE) -> set[str]:
+    """The tensor names :func:`encode_rows` gives ``name``."""
+    return {name} if codec.name == "none" else {f"{name}.{spec.name}" for spec in codec.layout(1)}
+
+
+def read_rows(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, width: int,
+              codec: Codec = NONE) -> np.ndarray:
+    """The float32 [rows, width] matrix ``name`` encodes with ``codec``: layout checked against
+    the codec before decoding, values finite (:func:`rows_of`)."""
+    if codec.name == "none":
+        return rows_of(tensors, name, rows, width)
+    parts = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    payload = parts.get("payload")
+    if payload is None or payload.ndim != 1 or payload.size % width or (rows is not None and payload.size != rows * width):
+        raise ProtocolError("bad_tensor", f"{name!r} must carry {codec.name} tensors for [{rows or 'rows'}, {width}] values")
+    side = {k: v for k, v in parts.items() if k != "payload"}
+    codec.validate(side, payload.dtype, payload.size)
+    decoded = codec.decode([*side.items(), ("payload", payload)]).reshape(-1, width)
+    return rows_of({name: decoded}, name, rows, width)
+
+
+def call_body(x: np.ndarray, g: np.ndarray | None = None, codec: Codec = NONE) -> bytes:
+    tensors = encode_rows("x", x, codec)
+    if g is not None:
+        tensors.update(encode_rows("g", g, codec))
+    return encode(tensors)
 
 
 def task_batch(tasks: list[dict], arrays: list[dict[str, np.ndarray]]) -> bytes:
@@ -68,7 +105,8 @@ def task_batch(tasks: list[dict], arrays: list[dict[str, np.ndarray]]) -> bytes:
     return encode(tensors, {"tasks": json.dumps(tasks)})
 
 
-def read_task_batch(body: bytes, max_bytes: int, width: int) -> list[tuple[dict, dict[str, np.ndarray]]]:
+def read_task_batch(body: bytes, max_bytes: int, width: int,
+                    codec: Codec = NONE) -> list[tuple[dict, dict[str, np.ndarray]]]:
     metadata, tensors = decode(body, max_bytes)
     try:
         tasks = json.loads(metadata.get("tasks", ""))
@@ -77,7 +115,7 @@ def read_task_batch(body: bytes, max_bytes: int, width: int) -> list[tuple[dict,
     out = []
     for i, task in enumerate(tasks):
         names = ("x", "g") if task.get("kind") == "backward" else ("x",)
-        out.append((task, {n: rows_of(tensors, f"{i}.{n}", task.get("rows"), width) for n in names}))
+        out.append((task, {n: read_rows(tensors, f"{i}.{n}", task.get("rows"), width, codec) for n in names}))
     return out
 
 

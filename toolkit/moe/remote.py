@@ -25,6 +25,7 @@ from toolkit.client import RelayClient
 from toolkit.errors import CollabError
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed
+from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import ROUTES
 
 DIRECTORY_REFRESH_S = 1.0
@@ -36,6 +37,7 @@ class RelayExpertCaller:
         self.client, self.peer_id = client, peer_id
         self.spec: dict[str, Any] = client._request("GET", ROUTES["moe_spec"]).json()
         self.width = int(self.spec["expert"]["d"])
+        self.codec = get_codec(self.spec.get("codec", "none"))  # activations on the wire
         self.refresh_s = refresh_s
         self._live: frozenset[str] = frozenset()
         self._live_at = float("-inf")
@@ -64,13 +66,16 @@ class RelayExpertCaller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _call(self, uid: str, kind: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> torch.Tensor:
-        body = payloads.call_body(_f32(x), None if grad_y is None else _f32(grad_y))
+        try:
+            body = payloads.call_body(_f32(x), None if grad_y is None else _f32(grad_y), self.codec)
+        except ValueError as exc:  # NaN or beyond the codec's range: this call cannot be made
+            raise ExpertFailed("bad_input", f"{kind} call to {uid}: {exc}") from None
         path = ROUTES["moe_call"].format(peer_id=self.peer_id, uid=uid)
         try:
             response = self.client._request("PUT", path, params={"kind": kind, "call_id": uuid.uuid4().hex},
                                             data=body, headers={"Content-Type": "application/octet-stream"})
-            _, tensors = payloads.decode(response.content, x.shape[0] * self.width * 4)
-            out = payloads.rows_of(tensors, "y" if kind == "forward" else "g", x.shape[0], self.width)
+            _, tensors = payloads.decode(response.content, x.shape[0] * self.width * 4 + 4096)
+            out = payloads.read_rows(tensors, "y" if kind == "forward" else "g", x.shape[0], self.width, self.codec)
         except CollabError as exc:
             raise ExpertFailed(getattr(exc, "code", "expert_failed"), f"{kind} call to {uid}: {exc.message}") from None
         return torch.from_numpy(out.copy()).to(dtype=x.dtype)
