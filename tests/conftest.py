@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -280,3 +282,41 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` every 50 ms until it returns something truthy (returned), or raise
+    ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class WebPage(http.server.BaseHTTPRequestHandler):
+    """A web server that is not a relay: /api/run and /api/toolkit are HTML pages, everything else a
+    404 page."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        status = 200 if self.path in ("/api/run", "/api/toolkit") else 404
+        body = b"<!doctype html><html><body><h1>Welcome to nginx!</h1></body></html>"
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def web_page() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), WebPage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

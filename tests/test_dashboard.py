@@ -138,7 +138,8 @@ def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page,
     """A run with [moe]: the Experts panel says how many experts have a host and who hosts them."""
     from playwright.sync_api import expect
 
-    from tests.test_moe_relay import directory, overrides, start_host, stop, wait_until
+    from tests.conftest import wait_until
+    from tests.test_moe_relay import directory, overrides, start_host, stop
 
     page, problems = browser_page
     relay = start_relay(overrides(0))

@@ -3,12 +3,9 @@ says what happened and what to do (asserted by text, not just by type)."""
 
 from __future__ import annotations
 
-import http.server
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,31 +14,6 @@ from toolkit.client import RelayClient
 from toolkit.errors import NOT_A_RELAY_HINT, ProtocolError, RelayRejected, RelayUnreachable, RelayUrlError
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class WebPage(http.server.BaseHTTPRequestHandler):
-    """A web server that is not a relay: /api/run is an HTML page, everything else a 404 page."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        status = 200 if self.path == "/api/run" else 404
-        body = b"<!doctype html><html><body><h1>Welcome to nginx!</h1></body></html>"
-        self.send_response(status)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def web_page() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), WebPage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 def test_a_web_page_is_not_taken_for_a_relay(web_page: str) -> None:

@@ -25,7 +25,7 @@ from relay_server.observers.hub_checkpoints import (INFO_FILE, STATE_FILE, HubCh
                                                    load_hub_checkpoint, parse_init_from)
 from relay_server.observers.pretrained import MODEL_FILE, master_params
 from relay_server.observers.events import StepEvent
-from tests.conftest import BASE_CONFIG
+from tests.conftest import BASE_CONFIG, wait_until
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
 from tests.test_collaboration import relay_params
@@ -60,14 +60,6 @@ def in_process_config(tmp_path: Path, hub: HubStandin, **hub_settings):
 def flat_params(named: dict[str, torch.Tensor], config) -> np.ndarray:
     model = build_model(config.model.spec())
     return torch.cat([named[name].reshape(-1) for name, _ in model.named_parameters()]).numpy()
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # --- unit -----------------------------------------------------------------------------------------

@@ -21,11 +21,9 @@ import re
 import subprocess
 import sys
 import sysconfig
-import threading
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import nbformat
@@ -155,27 +153,6 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
                        "in by `relay-server notebook`:",
                        f'TOOLKIT_SHA256 = "{pin.sha256}"  # pip installs exactly those bytes or nothing. Empty: the '
                        "template, which installs nothing."}
-
-
-class WebPage(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = b"<!doctype html><title>not a relay</title>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def web_page() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), WebPage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
 
 
 def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str,

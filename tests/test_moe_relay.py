@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 import requests
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, IN_FEATURES, batches
 from tests.test_collaboration import load_flat, relay_params
 from toolkit.client import RelayClient
@@ -60,16 +59,6 @@ def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subproces
 
 def directory(url: str) -> dict:
     return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
@@ -302,7 +291,7 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
         stop([host])
     stored = latest_checkpoint(relay.data_dir, "ffn1.0.1")  # the final checkpoint, streamed and digest-checked
     assert stored["p.up.weight"].shape == (4096, 8)
-    torch.testing.assert_close(torch.from_numpy(stored["p.up.weight"]), expected_weight := DMoEMLP(
+    torch.testing.assert_close(torch.from_numpy(stored["p.up.weight"]), DMoEMLP(
         **{**KWARGS, "expert_hidden": 4096}).make_expert("ffn1.0.1").up.weight.detach())
     newest = sorted((relay.data_dir / "experts" / "ffn1.0.1").glob("*.safetensors"))[-1]
     assert newest.stat().st_size > 256 * 1024  # more than one whole-signed request may carry

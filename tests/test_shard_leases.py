@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, RelayProcess, free_port, merged, write_config
+from tests.conftest import REPO, RelayProcess, free_port, merged, wait_until, write_config
 from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
@@ -146,16 +146,6 @@ def write_shards(folder: Path, count: int, rows: int) -> list[str]:
 
 def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def replay(events: list[tuple], shards: list[str]) -> list[tuple[str, str, Counter]]:

@@ -125,6 +125,16 @@ def _uid(experts: Experts, uid: str) -> str:
     return uid
 
 
+def _leased(experts: Experts, request: web.Request, host: str) -> str:
+    """The path's expert uid, if ``host`` holds its lease: only the leaseholder reads or writes
+    an expert's checkpoints."""
+    uid = _uid(experts, request.match_info["uid"])
+    if experts.directory.host_of(uid) != host:
+        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
+                       "Use the experts your lease returned (POST .../lease).")
+    return uid
+
+
 async def get_spec(request: web.Request) -> web.Response:
     return json_ok(_experts(request).config.spec())
 
@@ -227,10 +237,7 @@ async def put_result(request: web.Request) -> web.Response:
 async def put_checkpoint(request: web.Request) -> web.Response:
     host = _registered(request)  # who may act on what, before anything else
     experts = _experts(request)
-    uid = _uid(experts, request.match_info["uid"])
-    if experts.directory.host_of(uid) != host:
-        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
-                       "Upload checkpoints only for the experts your lease returned.")
+    uid = _leased(experts, request, host)
     length = upload_length(request, experts.checkpoint_bytes + MAX_HEADER + 8)
     stream = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
     try:
@@ -248,10 +255,7 @@ async def put_checkpoint(request: web.Request) -> web.Response:
 async def get_checkpoint(request: web.Request) -> web.Response:
     host = _registered(request)  # who may act on what, before anything else
     experts = _experts(request)
-    uid = _uid(experts, request.match_info["uid"])
-    if experts.directory.host_of(uid) != host:
-        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
-                       "Lease it first (POST .../lease).")
+    uid = _leased(experts, request, host)
     body = await asyncio.to_thread(experts.checkpoints.latest, uid)
     if body is None:
         raise ApiError(404, "no_checkpoint", f"expert {uid} has no checkpoint yet",
