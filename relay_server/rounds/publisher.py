@@ -187,10 +187,14 @@ class Publisher(Board):
 async def _sendfile(request: web.Request, response: web.StreamResponse, fh, offset: int, count: int) -> None:
     """Zero-copy where the transport allows it (plain TCP), chunked reads otherwise (TLS)."""
     transport = request.transport
-    if transport is None:
+    if transport is None or transport.is_closing():
         raise ConnectionResetError("the peer went away")
     try:
         await asyncio.get_running_loop().sendfile(transport, fh, offset, count)
+    except RuntimeError:  # "Transport is closing": the peer reset the connection in between
+        if transport.is_closing():
+            raise ConnectionResetError("the peer went away") from None
+        raise
     except NotImplementedError:
         fh.seek(offset)
         while count:
