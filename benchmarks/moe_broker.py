@@ -19,7 +19,12 @@ Processes: a relay with ``[moe]`` (one expert of width ``--d``), one real expert
    polls, heartbeats and lease renewals over the same seconds (``idle_bytes_per_s``, measured
    before the calls, says how much of it is background).
 
-Last line: ``{"rtt_median_ms", "rtt_p99_ms", "bytes_per_call", "bytes_per_call_ratio", ...}``.
+``--auth both`` (the default) measures an open run, then a run with ``[auth] mode = "hf"``: logins
+through ``tests/hf_standin.py`` (the local Hugging Face stand-in), every request and every answer
+signed (Ed25519), as MODEL_PARALLEL.md's risks section asks for A8.
+
+Last line: ``{"rtt_median_ms", "rtt_p99_ms", "bytes_per_call", "bytes_per_call_ratio", ...,
+"hf": {the same for the signed run}}`` (the top level is the first mode measured).
 """
 
 from __future__ import annotations
@@ -59,30 +64,35 @@ def wait_hosted(url: str) -> None:
     wait_until(lambda: directory(url)["live"] == [UID], 120, f"a host for {UID}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=1000, help="timed calls (and as many for the bytes)")
-    parser.add_argument("--warmup", type=int, default=30, help="untimed calls first")
-    parser.add_argument("--payload-kib", type=int, default=64, help="x per call (float32 rows of --d)")
-    parser.add_argument("--d", type=int, default=128, help="expert width")
-    parser.add_argument("--idle-s", type=float, default=3.0, help="background traffic measured this long")
-    args = parser.parse_args(argv)
+TOKENS = {"bench-trainer": "hf_bench_trainer_token_1", "bench-host": "hf_bench_host_token_123"}
+
+
+def measure(auth: str, args: argparse.Namespace) -> dict:
+    """Round trips and bytes per call in a run whose ``[auth] mode`` is ``auth`` (open or hf)."""
     rows = args.payload_kib * 1024 // (4 * args.d)
     payload = rows * args.d * 4
-    torch.set_num_threads(1)
     config = relay_overrides(d=args.d, expert_hidden=8, layers=1, grid=[1], k=1)
     x = torch.randn(rows, args.d, generator=torch.Generator().manual_seed(0))
+    standin, env = None, {}
+    if auth == "hf":  # logins through the local Hugging Face stand-in; every request signed
+        from tests.hf_standin import HfStandin
+
+        standin = HfStandin().start()
+        for name, token in TOKENS.items():
+            standin.add_user(token, name)
+        config["auth"] = {"mode": "hf", "hf_endpoint": standin.url, "allow_users": sorted(TOKENS)}
+        env = {"HF_TOKEN": TOKENS["bench-host"]}
 
     with tempfile.TemporaryDirectory(prefix="moe-broker-") as tmp_name:
         tmp = Path(tmp_name)
         relay = spawn_relay(tmp, config)
-        trainer = Member(relay.url, "bench-trainer")
-        hosts = start_hosts(relay.url, 1, 1, tmp, echo=True)
+        trainer = Member(relay.url, "bench-trainer", token=TOKENS["bench-trainer"] if auth == "hf" else None)
+        signer = trainer.client.session.auth
+        hosts = start_hosts(relay.url, 1, 1, tmp, echo=True, env=env)
         proxies = []
         try:
             wait_hosted(relay.url)
-            caller = caller_for(relay.url, trainer.peer_id, max_workers=4)
+            caller = caller_for(relay.url, trainer.peer_id, max_workers=4, auth=signer)
             round_trips(caller, x, args.warmup)
             rtt = sorted(round_trips(caller, x, args.calls))
             caller.close()
@@ -92,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: not directory(relay.url)["live"], 60, "the first host to leave")
             proxies = [spawn(relay.port, 0.0), spawn(relay.port, 0.0)]
             (tmp / "counted").mkdir()
-            hosts = start_hosts(proxies[1].url, 1, 1, tmp / "counted", echo=True)
+            hosts = start_hosts(proxies[1].url, 1, 1, tmp / "counted", echo=True, env=env)
             wait_hosted(relay.url)
-            caller = caller_for(proxies[0].url, trainer.peer_id, max_workers=4)
+            caller = caller_for(proxies[0].url, trainer.peer_id, max_workers=4, auth=signer)
             round_trips(caller, x, args.warmup)
             time.sleep(1.0)
             idle_start = [p.counts() for p in proxies]
             time.sleep(args.idle_s)
             idle_end = [p.counts() for p in proxies]
             start = time.perf_counter()
-            counted = round_trips(caller, x, args.calls)
+            round_trips(caller, x, args.calls)
             elapsed = time.perf_counter() - start
             end = [p.counts() for p in proxies]
             caller.close()
@@ -111,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             for proxy in proxies:
                 proxy.stop()
             relay.stop()
+            if standin is not None:
+                standin.stop()
 
     def moved(a: list[dict], b: list[dict]) -> int:
         return sum(e["bytes_up"] + e["bytes_down"] - s["bytes_up"] - s["bytes_down"] for s, e in zip(a, b))
@@ -119,17 +131,39 @@ def main(argv: list[str] | None = None) -> int:
     idle_per_s = moved(idle_start, idle_end) / args.idle_s
     net = (moved(idle_end, end) - idle_per_s * elapsed) / args.calls
     ms = [t * 1000 for t in rtt]
-    summary = {
-        "calls": args.calls, "payload_bytes": payload, "rows": rows, "d": args.d,
+    return {
+        "auth": auth, "calls": args.calls, "payload_bytes": payload, "rows": rows, "d": args.d,
         "rtt_median_ms": round(statistics.median(ms), 2),
         "rtt_p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2),
         "rtt_mean_ms": round(statistics.fmean(ms), 2), "rtt_min_ms": round(ms[0], 2),
-        "calls_per_s_through_proxies": round(len(counted) / elapsed, 1),
+        "calls_per_s_through_proxies": round(args.calls / elapsed, 1),
         "bytes_per_call": round(per_call), "model_bytes_per_call": 4 * payload,
         "bytes_per_call_ratio": round(per_call / (4 * payload), 4),
         "idle_bytes_per_s": round(idle_per_s), "bytes_per_call_net_of_idle": round(net),
         "bytes_per_call_ratio_net_of_idle": round(net / (4 * payload), 4),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=1000, help="timed calls (and as many for the bytes)")
+    parser.add_argument("--warmup", type=int, default=30, help="untimed calls first")
+    parser.add_argument("--payload-kib", type=int, default=64, help="x per call (float32 rows of --d)")
+    parser.add_argument("--d", type=int, default=128, help="expert width")
+    parser.add_argument("--idle-s", type=float, default=3.0, help="background traffic measured this long")
+    parser.add_argument("--auth", choices=("open", "hf", "both"), default="both",
+                        help="the run's auth mode: open, hf (signed requests after a login), or both")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    modes = ("open", "hf") if args.auth == "both" else (args.auth,)
+    results = {mode: measure(mode, args) for mode in modes}
+    for mode, r in results.items():
+        print(f"{mode:4s}: round trip median {r['rtt_median_ms']} ms, p99 {r['rtt_p99_ms']} ms; "
+              f"{r['bytes_per_call']} bytes per call = {r['bytes_per_call_ratio']} x (4 x payload)", flush=True)
+    summary = dict(results[modes[0]])
+    if len(modes) > 1:
+        summary["hf"] = results["hf"]
     print(json.dumps(summary), flush=True)
     return 0
 

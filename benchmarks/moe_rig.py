@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from requests.adapters import HTTPAdapter
+from requests.auth import AuthBase
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -79,12 +81,14 @@ class EmulatedRuntime(LoopbackCaller):
 
 
 def start_hosts(relay_url: str, count: int, capacity: int, logs: Path, *, compute_ms: float = 0.0,
-                echo: bool = False) -> list[subprocess.Popen]:
-    """``count`` host processes of this file, each leasing up to ``capacity`` experts."""
+                echo: bool = False, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """``count`` host processes of this file, each leasing up to ``capacity`` experts (``env``:
+    extra variables, e.g. ``HF_TOKEN`` for a run with logins)."""
     extra = ["--echo"] if echo else []
     return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "host", "--relay", relay_url,
                               "--capacity", str(capacity), "--compute-ms", str(compute_ms), "--name", f"host{i}",
-                              *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT)
+                              *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
             for i in range(count)]
 
 
@@ -99,13 +103,12 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             proc.kill()
 
 
-def caller_for(url: str, peer_id: str, max_workers: int) -> RelayExpertCaller:
+def caller_for(url: str, peer_id: str, max_workers: int, auth: AuthBase | None = None) -> RelayExpertCaller:
     """A caller whose requests go to ``url`` (the relay, or a proxy in front of it) on behalf of
     the registered peer ``peer_id``, with a connection pool as large as its thread pool (requests'
-    default keeps 10 connections: more concurrent calls would open a new one each time)."""
-    from requests.adapters import HTTPAdapter
-
-    client = RelayClient(url, retries=0)
+    default keeps 10 connections: more concurrent calls would open a new one each time). ``auth``:
+    the peer's signer in a run with logins (signatures cover the path, not the address)."""
+    client = RelayClient(url, retries=0, auth=auth)
     client.session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=max_workers))
     return RelayExpertCaller(client, peer_id, max_workers=max_workers)
 
@@ -122,7 +125,7 @@ def _host_main(argv: list[str]) -> int:
     parser.add_argument("--name", default="bench-host")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name)
+    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name, token=os.environ.get("HF_TOKEN") or None)
     runtime = host.runtime
     host.runtime = EmulatedRuntime({}, optimizer_factory=runtime.optimizer_factory, compute_ms=args.compute_ms,
                                    echo=args.echo)
