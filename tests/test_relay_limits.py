@@ -362,6 +362,7 @@ def many_peers(*args: str, timeout_s: float) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("auth, ratio", [("open", 0.5), ("hf", 0.4)])
 def test_a_thousand_peers_on_one_relay(auth: str, ratio: float) -> None:
     """The issue's target: 1,000 light peers on a relay started with a soft limit of 1024, no
@@ -372,6 +373,7 @@ def test_a_thousand_peers_on_one_relay(auth: str, ratio: float) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_soak_ten_minutes_of_a_thousand_peers() -> None:
     summary = many_peers("--peers", "1000", "--duration", "600", timeout_s=1500)
     assert summary["errors"] == 0 and summary["exact"], summary
