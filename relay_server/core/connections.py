@@ -252,16 +252,20 @@ class ConnectionGuard:
         if request.body_exists and not request.content.is_eof():
             conn.last_bytes = time.monotonic()
             self._bodies.add(conn)
+        reserved = 0
         try:
             if counted:
                 refused = self._reserve_upload(conn, declared)
                 if refused is not None:
                     return refused
+                reserved = declared
             return await handler(request)
         finally:
-            if counted:
-                self._uploads[""] -= declared
-                self._uploads[conn.address] -= declared
+            if reserved:
+                self._uploads[""] -= reserved
+                self._uploads[conn.address] -= reserved
+                if not self._uploads[conn.address]:
+                    del self._uploads[conn.address]
             self._bodies.discard(conn)
             conn.request, conn.task = None, None
             if conn.transport in self._conns:
