@@ -41,9 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency_proxy import spawn  # noqa: E402
-from moe_rig import Member, caller_for, directory, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
+from moe_rig import Member, caller_for, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
 
 from tests.conftest import spawn_relay  # noqa: E402
+from toolkit.wire.protocol import ROUTES  # noqa: E402
 
 UID = "ffn0.0"
 
@@ -60,8 +61,9 @@ def round_trips(caller, x: torch.Tensor, calls: int) -> list[float]:
     return out
 
 
-def wait_hosted(url: str) -> None:
-    wait_until(lambda: directory(url)["live"] == [UID], 120, f"a host for {UID}")
+def hosted(trainer: Member) -> list[str]:
+    """The relay's live uids, asked as the trainer (a run with logins answers signed requests only)."""
+    return trainer.client._request("GET", ROUTES["moe_directory"]).json()["live"]
 
 
 TOKENS = {"bench-trainer": "hf_bench_trainer_token_1", "bench-host": "hf_bench_host_token_123"}
@@ -91,7 +93,7 @@ def measure(auth: str, args: argparse.Namespace) -> dict:
         hosts = start_hosts(relay.url, 1, 1, tmp, echo=True, env=env)
         proxies = []
         try:
-            wait_hosted(relay.url)
+            wait_until(lambda: hosted(trainer) == [UID], 120, f"a host for {UID}")
             caller = caller_for(relay.url, trainer.peer_id, max_workers=4, auth=signer)
             round_trips(caller, x, args.warmup)
             rtt = sorted(round_trips(caller, x, args.calls))
@@ -99,11 +101,11 @@ def measure(auth: str, args: argparse.Namespace) -> dict:
 
             # Bytes: a fresh host behind one counting proxy, the trainer behind another.
             stop_all(hosts)
-            wait_until(lambda: not directory(relay.url)["live"], 60, "the first host to leave")
+            wait_until(lambda: not hosted(trainer), 60, "the first host to leave")
             proxies = [spawn(relay.port, 0.0), spawn(relay.port, 0.0)]
             (tmp / "counted").mkdir()
             hosts = start_hosts(proxies[1].url, 1, 1, tmp / "counted", echo=True, env=env)
-            wait_hosted(relay.url)
+            wait_until(lambda: hosted(trainer) == [UID], 120, f"a host for {UID}")
             caller = caller_for(proxies[0].url, trainer.peer_id, max_workers=4, auth=signer)
             round_trips(caller, x, args.warmup)
             time.sleep(1.0)

@@ -32,7 +32,8 @@ from requests.auth import AuthBase
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.test_moe_relay import KWARGS, MOE, Member, directory, overrides, wait_until  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+from tests.test_moe_relay import KWARGS, MOE, Member, directory, overrides  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.moe.calls import LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
