@@ -82,7 +82,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def test_two_hosts_and_a_trainer_equal_one_process(start_relay, tmp_path: Path) -> None:
-    steps = 12
+    steps = 20
     relay = start_relay(overrides(steps))
     _, initial = relay_params(relay.url)
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
@@ -134,6 +134,8 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(start_
                    "a checkpoint of every expert of the host about to die")
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
+        last = {uid: int(payloads.decode(sorted((relay.data_dir / "experts" / uid).glob("*.safetensors"))[-1]
+                                         .read_bytes(), 1 << 24)[0]["updates"]) for uid in victims}
         wait_until(lambda: "victim" not in {p["name"] for p in relay.status()["peers"]}, 30, "the victim's TTL")
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 10, "the spare to take over the orphans")
         out, err = trainer.communicate(timeout=240)
@@ -145,8 +147,8 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(start_
     assert outcome["final_step"] == steps  # the run reached its last step; the trainer never raised
     assert set(outcome["failed_uids"]) <= victims, (outcome["failed_uids"], victims)
     spare_log = (tmp_path / "spare.log").read_text()
-    resumed = {uid for uid in victims if f"expert {uid} resumed from its checkpoint" in spare_log}
-    assert resumed == victims, spare_log[-2000:]  # from the dead host's checkpoints, not from scratch
+    resumed = {uid for uid in victims if f"expert {uid} resumed from its checkpoint ({last[uid]} updates)" in spare_log}
+    assert resumed == victims, (last, spare_log[-2000:])  # exactly the dead host's last checkpoints
 
 
 def test_checkpoint_round_trip_restores_parameters_and_optimizer_state_exactly() -> None:
