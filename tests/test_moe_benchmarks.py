@@ -75,6 +75,7 @@ def test_the_latency_proxy_forwards_every_byte_in_order_and_counts_them() -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_broker_round_trip_and_bytes_per_call() -> None:
     out = run_benchmark("moe_broker.py", "--calls", "300")
     for run in (out, out["hf"]):  # an open run, then one with logins and every request signed
@@ -84,6 +85,7 @@ def test_broker_round_trip_and_bytes_per_call() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_dmoe_throughput_holds_under_latency_and_beats_model_parallel() -> None:
     out = run_benchmark("moe_latency.py", "--deltas", "0,200", "--seconds", "8")
     assert out["failures"] == 0 and out["j_meets_bound"], out
@@ -92,6 +94,7 @@ def test_dmoe_throughput_holds_under_latency_and_beats_model_parallel() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # six training runs: about 2.5 minutes idle, twice that on a busy machine
 def test_ten_percent_failed_calls_cost_little_accuracy() -> None:
     """A10's threshold (<= 1.5 points) holds for what training under failures produced (``clean``
     evaluation). Evaluated while still failing 10% of its calls, the model loses about 1.5 points
