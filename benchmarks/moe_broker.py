@@ -1,7 +1,7 @@
 """The relay's broker overhead (A8): round trip of one expert call, and relay bytes per call.
 
-    python benchmarks/moe_broker.py                     # ~40 s
-    python benchmarks/moe_broker.py --calls 200         # quicker
+    python benchmarks/moe_broker.py                     # ~70 s (an open run, then a signed one)
+    python benchmarks/moe_broker.py --calls 200 --auth open   # quicker
 
 Processes: a relay with ``[moe]`` (one expert of width ``--d``), one real expert host process
 (``benchmarks/moe_rig.py host --echo``: the production ExpertHost, whose expert answers the call's

@@ -31,7 +31,10 @@ batches in flight on top of those computing; the benchmark prints J and
 hosts behind the proxy).
 
 Last line: ``{"jobs", "j_bound", "samples_per_s": {"dmoe": {delta: ...}, "model_parallel": {...}},
-"keep_200ms", "vs_model_parallel_200ms", "mp_keep_200ms", "failures", ...}``.
+"keep_200ms", "vs_model_parallel_200ms", "mp_keep_200ms", "failures", ...}``: ``keep_200ms`` is
+DMoE's throughput at the last delta (200 ms by default) over the first (0 ms),
+``vs_model_parallel_200ms`` DMoE over the baseline at the last delta, ``failures`` the expert
+calls that failed or timed out (a failed call ends early, so a run with failures overstates).
 """
 
 from __future__ import annotations
