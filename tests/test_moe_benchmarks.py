@@ -11,7 +11,8 @@ their acceptance thresholds; and the latency proxy they stand on.
   keeps failing at evaluation, which does not meet 1.5).
 
 Each runs the script as a process and reads its last stdout line (one JSON object). Thresholds are
-A8-A10's; the numbers measured at full settings are in the README's performance table.
+A8-A10's; the numbers measured at full settings are in the README's performance table. One
+default-run test checks a fix the benchmarks led to: the relay caller's connection pool.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -72,6 +74,33 @@ def test_the_latency_proxy_forwards_every_byte_in_order_and_counts_them() -> Non
             assert (proxy.bytes_up, proxy.bytes_down) == (len(sent), len(sent))
     finally:
         server.close()
+
+
+def test_the_relay_caller_keeps_one_connection_per_worker(start_relay, tmp_path) -> None:
+    """16 calls in flight at a time, 20 times, through a real relay and host: the caller reuses
+    at most one connection per worker (requests' default pool of 10 made it open and discard a new
+    one for most calls beyond the tenth: 85 connections for 320 calls in the benchmark rig)."""
+    from tests.test_moe_relay import UIDS, Member, directory, overrides, start_host, stop
+    from tests.conftest import wait_until
+    from toolkit.client import RelayClient
+    from toolkit.moe.remote import RelayExpertCaller
+
+    relay = start_relay(overrides(0))
+    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
+    trainer = Member(relay.url, "trainer")
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host's 8 experts")
+        with LatencyProxy(relay.port) as proxy:
+            caller = RelayExpertCaller(RelayClient(proxy.url, retries=0), trainer.peer_id, max_workers=16)
+            x = torch.randn(3, 8)
+            for _ in range(20):
+                for future in [caller.forward(uid, x) for uid in UIDS + UIDS]:
+                    future.result(timeout=30)
+            caller.close()
+            assert proxy._counters.connections <= 16, proxy._counters.connections
+    finally:
+        trainer.close()
+        stop([host])
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from requests.adapters import DEFAULT_POOLSIZE, HTTPAdapter
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
@@ -35,6 +36,11 @@ class RelayExpertCaller:
     def __init__(self, client: RelayClient, peer_id: str, *, max_workers: int = 16,
                  refresh_s: float = DIRECTORY_REFRESH_S) -> None:
         self.client, self.peer_id = client, peer_id
+        # requests keeps 10 connections per host: with more calls in flight, every extra call
+        # opened a connection and discarded it after one answer -- a TCP (and TLS) handshake each,
+        # round trips on exactly the slow links DMoE is for. Keep one connection per worker.
+        client.session.mount(client.url + "/", HTTPAdapter(pool_connections=1,
+                                                          pool_maxsize=max(max_workers, DEFAULT_POOLSIZE)))
         self.spec: dict[str, Any] = client._request("GET", ROUTES["moe_spec"]).json()
         self.width = int(self.spec["expert"]["d"])
         self.codec = get_codec(self.spec.get("codec", "none"))  # activations on the wire
