@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from requests.adapters import HTTPAdapter
 from requests.auth import AuthBase
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,12 +105,9 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def caller_for(url: str, peer_id: str, max_workers: int, auth: AuthBase | None = None) -> RelayExpertCaller:
     """A caller whose requests go to ``url`` (the relay, or a proxy in front of it) on behalf of
-    the registered peer ``peer_id``, with a connection pool as large as its thread pool (requests'
-    default keeps 10 connections: more concurrent calls would open a new one each time). ``auth``:
-    the peer's signer in a run with logins (signatures cover the path, not the address)."""
-    client = RelayClient(url, retries=0, auth=auth)
-    client.session.mount("http://", HTTPAdapter(pool_connections=1, pool_maxsize=max_workers))
-    return RelayExpertCaller(client, peer_id, max_workers=max_workers)
+    the registered peer ``peer_id`` (``auth``: the peer's signer in a run with logins; signatures
+    cover the path, not the address). Its connection pool holds ``max_workers`` connections."""
+    return RelayExpertCaller(RelayClient(url, retries=0, auth=auth), peer_id, max_workers=max_workers)
 
 
 def _host_main(argv: list[str]) -> int:
