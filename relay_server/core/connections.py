@@ -273,6 +273,16 @@ class ConnectionGuard:
                 self._idle[conn.transport] = conn
 
     def _reserve_upload(self, conn: _Conn, declared: int) -> web.Response | None:
+        cap = self.config.max_upload_bytes if conn.exempt else \
+            min(self.config.max_upload_bytes, self.config.max_upload_bytes_per_address)
+        if declared > cap:  # could never fit, however long the peer waits: too large, not busy
+            self.counts["refused_upload_bytes"] += 1
+            response = web.json_response(
+                {"error": "body_too_large", "message": f"an upload of {declared} bytes is more than this relay "
+                 f"takes at once ({cap} bytes)", "hint": "Upload the run's parameters in its codec; the organizer "
+                 "can raise connections.max_upload_bytes(_per_address)."}, status=413)
+            response.force_close()
+            return response
         total, mine = self._uploads[""] + declared, self._uploads[conn.address] + declared
         if total > self.config.max_upload_bytes or (
                 not conn.exempt and mine > self.config.max_upload_bytes_per_address):
