@@ -123,6 +123,16 @@ def test_dmoe_throughput_holds_under_latency_and_beats_model_parallel() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hosts_behind_latency_still_serve_many_calls_in_flight() -> None:
+    """Hosts behind the delay too: results leave the host on their own threads, so DMoE still
+    beats one-at-a-time by 3x at 200 ms (when the runtime thread sent them: 0 micro-batches)."""
+    out = run_benchmark("moe_latency.py", "--deltas", "0,200", "--seconds", "8", "--hosts-through-proxy")
+    assert out["failures"] == 0, out
+    assert out["vs_model_parallel_200ms"] >= 3, out
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # six training runs: about 2.5 minutes idle, twice that on a busy machine
 def test_ten_percent_failed_calls_cost_little_accuracy() -> None:
     """A10's threshold (<= 1.5 points) holds for what training under failures produced (``clean``

@@ -16,6 +16,7 @@ architectures: nothing the network sends is imported or executed.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import signal
@@ -39,6 +40,10 @@ from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest
 
 log = logging.getLogger(__name__)
+RESULT_UPLOADERS = 4
+"""Threads that send results back, so the runtime computes the next task meanwhile: sent from the
+runtime thread, each result cost the host a round trip to the relay (at 200 ms, 9 tasks/s instead
+of 100; benchmarks/moe_latency.py --hosts-through-proxy)."""
 RELEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
 
 
@@ -125,6 +130,7 @@ class ExpertHost:
         self.codec = get_codec(self.spec.get("codec", "none"))
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec, m))
         self.updates: dict[str, int] = {}
+        self._uploads = concurrent.futures.ThreadPoolExecutor(RESULT_UPLOADERS, thread_name_prefix="collab-host-result")
         self.tasks_done = 0
         self.last_checkpoint: float | None = None
         self.collab_state: CollabState | None = None
@@ -200,13 +206,17 @@ class ExpertHost:
             except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
                 log.warning("result of %s for %s not sent: %s", head["kind"], head["uid"], exc)
                 continue
-            try:
-                self.client._request("PUT", result_path, data=body,
-                                     headers={"Content-Type": "application/octet-stream"})
-            except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
-                log.info("result for %s refused: [%s] %s", head["uid"], exc.code, exc.message)
+            self._uploads.submit(self._send_result, head, result_path, body)
             self.tasks_done += 1
         return len(batch)
+
+    def _send_result(self, head: dict, path: str, body: bytes) -> None:
+        try:
+            self.client._request("PUT", path, data=body, headers={"Content-Type": "application/octet-stream"})
+        except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
+            log.info("result for %s refused: [%s] %s", head["uid"], exc.code, exc.message)
+        except CollabError as exc:  # the relay is unreachable: the call will time out there
+            log.warning("result for %s not delivered: %s", head["uid"], exc.message)
 
     def run(self, max_seconds: float | None = None, on_progress: Callable[[ExpertHost], None] | None = None) -> None:
         """Serve until stopped; ``on_progress(self)`` after every poll (a panel's update)."""
@@ -231,6 +241,7 @@ class ExpertHost:
                     time.sleep(1.0)
         finally:
             self._stop.set()
+            self._uploads.shutdown(wait=True)  # results in flight reach the relay before the host leaves
             try:
                 self.checkpoint()  # what the next host resumes from
                 self.client.leave(self.peer_id)
