@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--data-dir", help="keep the relay state here (default: a temporary directory)")
     demo.add_argument("--port", type=int, default=0,
                       help="the relay's port, where the dashboard is (default 0: any free port; the first line says it)")
+    demo.add_argument("--open-round", choices=("reported", "projected"), default="reported",
+                      help="when a round opens: at the target reported (steps apply up to one micro-batch per peer "
+                      "more) or projected (counting the micro-batches in flight: about the target)")
     demo.add_argument("--keep", action="store_true",
                       help="leave the relay and its dashboard up after the last step, until Ctrl-C")
     demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
                         batch_size=args.batch_size, data_dir=args.data_dir, port=args.port,
-                        compression=args.compression, recipe=args.recipe, keep=args.keep)
+                        compression=args.compression, recipe=args.recipe, keep=args.keep,
+                        open_round=args.open_round)
     except ConfigError as exc:
         print(f"relay-server: configuration error: {exc}", file=sys.stderr)
         return 2

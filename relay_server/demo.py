@@ -67,9 +67,13 @@ class RelayThread:
 
 
 RECIPES = ("byte-lm", "albert-tiny")
-OVERSHOOT_POLICY = ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
-                    "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
-                    "how many; a smaller --batch-size keeps it closer to the target)")
+OVERSHOOT_POLICY = {
+    "reported": ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
+                 "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
+                 "how many; --open-round projected or a smaller --batch-size keeps it closer to the target)"),
+    "projected": ("a round opens when the reported samples plus the micro-batch each other peer is computing "
+                  "reach {target}: steps land closer to {target} (each line says how many)"),
+}
 
 
 def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
@@ -94,7 +98,7 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
 
 def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
              data_dir: str | None = None, port: int = 0, compression: str = "none", recipe: str = "byte-lm",
-             keep: bool = False) -> int:
+             keep: bool = False, open_round: str = "reported") -> int:
     """Run the demo; with ``keep`` the relay and its dashboard stay up after the last step until
     Ctrl-C, so the finished run can be looked at."""
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
@@ -102,14 +106,15 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
     directory.mkdir(parents=True, exist_ok=True)
     config = recipe_config(recipe, directory, {
         "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression}})
+        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
+        "rounds": {"open_round": open_round}})
     relay = RelayThread(config)
     url = relay.start()
     print(f"relay:     {url}   (status JSON: {url}/api/status, dashboard: {url}/)", flush=True)
     print(f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}", flush=True)
     print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
           f"{steps} steps, compression {compression}", flush=True)
-    print(f"rounds:    {OVERSHOOT_POLICY.format(target=target_batch, most=target_batch + peers * batch_size)}",
+    print(f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}",
           flush=True)
     procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
                                "--seed", str(1000 + i), "--batch-size", str(batch_size), "--threads", "1"],

@@ -10,13 +10,14 @@ import time
 from collections import defaultdict
 
 import numpy as np
+import pytest
 import torch
 
 from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
 from toolkit.client import RelayClient
 from toolkit.models import build_model
-from toolkit.wire.protocol import ModelSpec
+from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
 
 MODEL_KWARGS = {"sizes": [8, 16, 1]}
 
@@ -199,3 +200,21 @@ def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(start_r
     assert all(r["loss"] is not None for r in rounds) and rounds[-1]["loss"] < rounds[0]["loss"]
     # Regression: the two threads' progress reports once raced, and the relay refused honest uploads.
     assert not any("samples_exceed_report" in p.log_path.read_text() for p in peers)
+
+
+@pytest.mark.parametrize("policy, opens_after", [("reported", 4), ("projected", 3)])
+def test_a_round_opens_when_the_target_is_in_sight(start_relay, policy: str, opens_after: int) -> None:
+    """Three peers adding micro-batches of 8 toward a target of 32, reporting in turn. "reported"
+    opens at 32 reported (each other peer then adds the batch it was computing: up to 48 applied);
+    "projected" counts those batches in flight and opens at 24 reported (about 32 applied)."""
+    relay = start_relay({"run": {"target_batch": 32}, "rounds": {"open_round": policy}})
+    client = RelayClient(relay.url)
+    peers = [client.join(JoinRequest(peer_name=f"p{i}", protocol=PROTOCOL_VERSION)).peer_id for i in range(3)]
+    opened = None
+    for n, (who, samples) in enumerate([(0, 8), (1, 8), (2, 8), (0, 16), (1, 16)], start=1):
+        state = client.heartbeat(peers[who], Heartbeat(version=0, samples=samples, samples_per_s=10.0))
+        if state.round is not None:
+            opened = n
+            break
+    client.close()
+    assert opened == opens_after

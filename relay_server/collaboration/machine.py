@@ -184,7 +184,7 @@ class Collaboration:
                            "Download the current parameters (the relay may have been rolled back).")
         self.registry.report(peer, hb)
         self.backbone.planning.observe_samples_per_s(peer.peer_id, hb.samples_per_s)
-        self.rounds.maybe_open()
+        self.rounds.maybe_open(peer)
         self.rounds.update_membership(peer)
         return self.state()
 

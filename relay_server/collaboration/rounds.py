@@ -80,13 +80,23 @@ class RoundCycle:
         return self.backbone.local.publisher
 
     # --- opening, membership, closing -----------------------------------------------------------
-    def maybe_open(self) -> None:
+    def maybe_open(self, reporter: Peer | None = None) -> None:
+        """Open the next round once the target is in sight: the samples reported, plus with
+        ``rounds.open_round = "projected"`` the micro-batch each other peer holding samples is
+        computing now (it adds it before it sees the round; ``reporter`` just reported, so it is
+        not computing). Either way every expected peer then sends all it holds."""
         if self.round is not None or self.finished or self._between_rounds_work():
             return
-        if self.registry.collected(self.step, self.run_cfg.max_staleness) < self.run_cfg.target_batch:
+        staleness = self.run_cfg.max_staleness
+        ahead = 0
+        if self.config.rounds.open_round == "projected":
+            ahead = self.registry.in_flight(self.step, staleness)
+            if reporter is not None and reporter.samples > 0 and 0 <= self.step - reporter.version <= staleness:
+                ahead -= reporter.batch
+        if self.registry.collected(self.step, staleness) + ahead < self.run_cfg.target_batch:
             return  # the common case on every heartbeat: O(1), no scan of the registry
-        eligible = self.registry.eligible(self.step, self.run_cfg.max_staleness)
-        if sum(p.samples for p in eligible) < self.run_cfg.target_batch:
+        eligible = self.registry.eligible(self.step, staleness)
+        if sum(p.samples for p in eligible) + ahead < self.run_cfg.target_batch:
             return
         self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
                            deadline_s=self.deadlines.window_s(), plan_version=self.backbone.plan_version,

@@ -111,24 +111,23 @@ class OptimizerSection:
 
 @dataclass(kw_only=True)
 class RoundsSection:
-    heartbeat_interval_s: float = 1.0
-    """How often peers report progress when idle."""
+    heartbeat_interval_s: float = 1.0  # how often peers report progress when idle
     peer_ttl_s: float = 6.0
     """A peer silent for this long is offline and leaves the current round."""
     deadline_floor_s: float = 2.0
     """Never close a round's upload window sooner than this after it opens."""
     deadline_ceiling_s: float = 60.0
     """Never keep a round open longer than this, however slow peers were before."""
-    deadline_initial_s: float = 30.0
-    """Upload window before any round timings were observed."""
-    deadline_slack: float = 3.0
-    """Window = slack x the 90th percentile of recent arrival times (clamped to floor/ceiling)."""
+    deadline_initial_s: float = 30.0  # the upload window before any round timings were observed
+    deadline_slack: float = 3.0  # window = slack x p90 of recent arrival times (within floor/ceiling)
+    open_round: str = "reported"
+    """"reported": a round opens when reported samples reach the target (a step applies T to T + one
+    micro-batch per peer); "projected": also counting each other peer's micro-batch in flight (closer to T)."""
     aggregation: str = "mean"
     """"mean" (sample-weighted, streamed: the relay holds one P-sized sum) or "centered_clip"
     (robust to a minority of peers sending outliers: the relay keeps every peer's gradient while a
     round is open, n_peers x P float32 -- 8 peers of a 100M-parameter model need 3.2 GB)."""
-    clip_iterations: int = 3
-    """CenteredClip iterations from the coordinate-wise median (>= 1)."""
+    clip_iterations: int = 3  # CenteredClip iterations from the coordinate-wise median (>= 1)
     clip_tau: float = 0.0
     """CenteredClip radius per chunk of 2**20 values; 0 = automatic (clip_tau_scale x the median
     distance of the peers' gradients from the median)."""
@@ -328,7 +327,8 @@ class RelayConfig:
             (self.wandb.mode in ("", "online", "offline", "disabled"),
              "wandb.mode must be online, offline, disabled or empty"),
             (self.hub.every_steps >= 0, "hub.every_steps must be >= 0"),
-            (self.rounds.aggregation in ("mean", "centered_clip"), "rounds.aggregation must be mean or centered_clip"),
+            (self.rounds.aggregation in ("mean", "centered_clip") and self.rounds.open_round in ("reported", "projected"),
+             "rounds.aggregation must be mean or centered_clip, rounds.open_round reported or projected"),
             (self.rounds.clip_iterations >= 1 and self.rounds.clip_tau >= 0 and self.rounds.clip_tau_scale > 0,
              "rounds.clip_iterations must be >= 1, rounds.clip_tau >= 0 and rounds.clip_tau_scale > 0"),
             (self.rounds.clip_max_weight_ratio == 0 or self.rounds.clip_max_weight_ratio >= 1,

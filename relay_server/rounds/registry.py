@@ -33,6 +33,7 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
     version: int = 0
     samples: int = 0  # accumulated on `version`, not yet uploaded (the latest report)
+    batch: int = 0  # samples its last growing report added: what it adds per step (a micro-batch, or several)
     claimable: int = 0  # the most reported since the last upload: caps an upload's weight
     samples_per_s: float = 0.0
     inflight: int = 0
@@ -49,6 +50,7 @@ class Registry:
         self.ttl_s = ttl_s
         self.peers: dict[str, Peer] = {}
         self._by_version: Counter[int] = Counter()  # unsent samples by the version they were computed on
+        self._batch_by_version: Counter[int] = Counter()  # Peer.batch of peers holding samples, by version
         self._rate = 0.0  # sum of samples_per_s
         self.online_by_user: Counter[str] = Counter()
 
@@ -68,6 +70,9 @@ class Registry:
 
     def report(self, peer: Peer, hb: Heartbeat) -> None:
         self._account(peer, -1)
+        added = hb.samples - (peer.samples if hb.version == peer.version else 0)
+        if added > 0:
+            peer.batch = added
         peer.version, peer.samples, peer.samples_per_s = hb.version, hb.samples, hb.samples_per_s
         self._account(peer, +1)
         peer.claimable = max(peer.claimable, hb.samples)
@@ -85,6 +90,10 @@ class Registry:
         self._by_version[peer.version] += sign * peer.samples
         if not self._by_version[peer.version]:
             del self._by_version[peer.version]
+        if peer.samples > 0:
+            self._batch_by_version[peer.version] += sign * peer.batch
+            if not self._batch_by_version[peer.version]:
+                del self._batch_by_version[peer.version]
         self._rate += sign * peer.samples_per_s
 
     def remove(self, peer_id: str) -> Peer | None:
@@ -98,6 +107,7 @@ class Registry:
             del self.online_by_user[peer.username]
         if not self.peers:
             self._by_version.clear()
+            self._batch_by_version.clear()
             self._rate = 0.0  # no float residue from many +/- once everyone left
         return peer
 
@@ -116,6 +126,11 @@ class Registry:
     def collected(self, step: int, max_staleness: int) -> int:
         """Samples toward round ``step``: O(max_staleness), whatever the number of peers."""
         return sum(self._by_version.get(v, 0) for v in range(step - max_staleness, step + 1))
+
+    def in_flight(self, step: int, max_staleness: int) -> int:
+        """What the peers holding samples toward round ``step`` add per step (their last growth):
+        the samples they are computing now and will send with the rest. O(max_staleness)."""
+        return sum(self._batch_by_version.get(v, 0) for v in range(step - max_staleness, step + 1))
 
     def samples_per_s(self) -> float:
         return max(0.0, self._rate)
