@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import re
 import time
 from collections import deque
@@ -66,15 +65,12 @@ class Experts:
     shapes: dict[str, tuple[int, ...]]
     """Every expert's parameter shapes (all experts of a run share one architecture)."""
     known: frozenset[str] = frozenset()
-
-    @property
-    def codec(self) -> Codec:
-        return get_codec(self.config.codec)
+    codec: Codec = field(default_factory=lambda: get_codec("none"))
+    """How activations travel (``[moe] codec``), built once."""
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Tensor data of a checkpoint at most: parameters and up to 3 optimizer states each."""
-        return 4 * 4 * sum(math.prod(shape) for shape in self.shapes.values())
+        return payloads.checkpoint_limit(self.shapes)
     calls: deque = field(default_factory=deque)
     """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
 
@@ -245,7 +241,7 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     except asyncio.IncompleteReadError:
         raise ApiError(400, "truncated_body", "the checkpoint ended early") from None
     try:
-        updates = payloads.check_checkpoint(body, experts.shapes)
+        updates, _ = payloads.read_checkpoint(body, experts.shapes)
     except ProtocolError as exc:
         raise ApiError(422, exc.code, exc.message, "The checkpoint was refused; the previous one stays.") from None
     number = await asyncio.to_thread(experts.checkpoints.save, uid, body)
@@ -299,7 +295,8 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
                       broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, Path(root) / "tasks"),
                                         max_queued_rows=cfg.max_queued_rows),
                       checkpoints=CheckpointStore(Path(root) / "experts", cfg.keep_checkpoints),
-                      shapes=expert_shapes(cfg.spec()), known=frozenset(cfg.uids()))
+                      shapes=expert_shapes(cfg.spec()), known=frozenset(cfg.uids()),
+                      codec=get_codec(cfg.codec))
     app[EXPERTS] = experts
     log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
              cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)

@@ -97,7 +97,7 @@ class TaskBroker:
         self._dependents: dict[str, list[Task]] = {}
         self._ended: OrderedDict[str, Task] = OrderedDict()  # by end time, for retention
         self._ids = itertools.count(1)
-        self._work = asyncio.Condition()
+        self._waiters: set[asyncio.Future] = set()  # lease calls waiting for a task to arrive
         self.stats = BrokerStats()
 
     # --- callers ------------------------------------------------------------------------------
@@ -167,16 +167,18 @@ class TaskBroker:
         """The oldest queued tasks of ``keys`` (at least one, at most ``max_rows`` rows after the
         first), waiting up to ``wait_s`` for one to arrive."""
         deadline = self.clock() + wait_s
-        async with self._work:
-            while True:
-                self.tick()
-                taken = self._take(worker, keys, max_rows)
-                if taken or self.clock() >= deadline:
-                    return taken
-                try:
-                    await asyncio.wait_for(self._work.wait(), deadline - self.clock())
-                except asyncio.TimeoutError:
-                    pass
+        while True:
+            taken = self._take(worker, keys, max_rows)
+            if taken or self.clock() >= deadline:
+                return taken
+            arrived = asyncio.get_running_loop().create_future()
+            self._waiters.add(arrived)
+            try:
+                await asyncio.wait_for(arrived, deadline - self.clock())
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiters.discard(arrived)
 
     def payload(self, task: Task) -> bytes:
         return self.store.get(task.payload)
@@ -233,8 +235,7 @@ class TaskBroker:
         """Fail tasks past their deadline; forget ended tasks older than ``retain_s``."""
         now = self.clock()
         for task in [t for t in self.tasks.values() if not t.ended and t.deadline <= now]:
-            self._fail(task, ApiError(504, "task_timeout", f"no result for {task.key} within its deadline",
-                                      "Treat it as a failed call."))
+            self._fail(task, _timeout(task))
         while self._ended:
             task = next(iter(self._ended.values()))
             if task.ended_at is None or now - task.ended_at < self.retain_s:
@@ -267,6 +268,9 @@ class TaskBroker:
                 return taken
             task = min(heads, key=lambda t: t.seq)  # oldest first, across the worker's keys
             oldest_key = task.key
+            if task.deadline <= self.clock():  # past its deadline: fail it here rather than scan every task per poll
+                self._fail(task, _timeout(task))
+                continue
             if taken and rows + task.rows > max_rows:
                 return taken
             self._queues[oldest_key].popleft()
@@ -300,11 +304,11 @@ class TaskBroker:
         self.store.drop(task.result)
 
     def _notify(self) -> None:
-        async def wake() -> None:
-            async with self._work:
-                self._work.notify_all()
+        """Wake every waiting lease call (each looks for its own keys)."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
-        try:
-            asyncio.get_running_loop().create_task(wake())
-        except RuntimeError:  # no loop (unit use): nobody can be waiting
-            pass
+
+def _timeout(task: Task) -> ApiError:
+    return ApiError(504, "task_timeout", f"no result for {task.key} within its deadline", "Treat it as a failed call.")

@@ -44,7 +44,7 @@ RESULT_UPLOADERS = 4
 """Threads that send results back, so the runtime computes the next task meanwhile: sent from the
 runtime thread, each result cost the host a round trip to the relay (at 200 ms, 9 tasks/s instead
 of 100; benchmarks/moe_latency.py --hosts-through-proxy)."""
-RELEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
+LEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
 
 
 def build_expert(spec: Mapping[str, Any], uid: str) -> nn.Module:
@@ -91,8 +91,7 @@ def checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer | None)
 def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
             shapes: Mapping[str, tuple[int, ...]]) -> int:
     """Load a checkpoint the relay kept into ``module`` and ``optimizer``; returns its updates."""
-    updates = payloads.check_checkpoint(body, shapes)
-    _, tensors = payloads.decode(body, 16 * sum(int(np.prod(s)) for s in shapes.values()) + 4096)
+    updates, tensors = payloads.read_checkpoint(body, shapes)
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name, p in params.items():
@@ -230,7 +229,7 @@ class ExpertHost:
                     if on_progress is not None:
                         on_progress(self)
                     now = time.monotonic()
-                    if now - last_lease >= RELEASE_EVERY_S:
+                    if now - last_lease >= LEASE_EVERY_S:
                         self.lease()
                         last_lease = now
                     if now - last_checkpoint >= every:

@@ -129,12 +129,16 @@ def checkpoint_body(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np
     return encode(dict(checkpoint_tensors(params, optimizer)), {"updates": str(updates)})
 
 
-def check_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """Validate a checkpoint against the expert's parameter ``shapes``; returns its ``updates``.
-    Optimizer state tensors may be scalars or have their parameter's shape (momentum, Adam's
-    moments), and at most 3 per parameter."""
-    limit = 4 * 4 * sum(math.prod(s) for s in shapes.values()) + 4096
-    metadata, tensors = decode(body, limit)
+def checkpoint_limit(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Tensor bytes of a checkpoint at most: the parameters and up to three optimizer states each."""
+    return 4 * 4 * sum(math.prod(s) for s in shapes.values())
+
+
+def read_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, dict[str, np.ndarray]]:
+    """Validate a checkpoint against the expert's parameter ``shapes``: its ``updates`` and its
+    tensors. Optimizer state tensors may be scalars or have their parameter's shape (momentum,
+    Adam's moments); :func:`checkpoint_limit` bounds how many."""
+    metadata, tensors = decode(body, checkpoint_limit(shapes) + 4096)
     if set(k[2:] for k in tensors if k.startswith("p.")) != set(shapes):
         raise ProtocolError("bad_checkpoint", f"a checkpoint holds exactly the parameters {sorted(shapes)}")
     for name, array in tensors.items():
@@ -148,6 +152,6 @@ def check_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> int:
         if not np.isfinite(array).all():
             raise ProtocolError("non_finite", f"{name!r} holds NaN or Inf")
     try:
-        return int(metadata.get("updates", "0"))
+        return int(metadata.get("updates", "0")), tensors
     except ValueError:
         raise ProtocolError("bad_checkpoint", "updates must be an integer") from None
