@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="the run's configuration (TOML; relay-server init writes one)")
     serve.add_argument("--host", help="bind address (overrides server.host)")
     serve.add_argument("--port", type=int, help="port (overrides server.port; 0 = any free port)")
-    serve.add_argument("--data-dir", help="state directory (overrides server.data_dir)")
+    serve.add_argument("--data-dir", help="state directory (overrides server.data_dir; relative to the working "
+                       "directory, while one in the config file is relative to the file)")
     serve.add_argument("--ready-file", help="write the relay URL here once it accepts connections")
     serve.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
@@ -161,7 +162,9 @@ def _init(args: argparse.Namespace) -> int:
         raise ConfigError(f"{target} exists: edit it, or pass --force to overwrite it")
     target.write_text(resources.files("relay_server").joinpath("defaults/init.toml").read_text())
     print(f"wrote {target}: fill in [auth] allow_users or allow_orgs, set [run] and [model], then\n"
-          f"  relay-server serve --config {target}")
+          f"  relay-server serve --config {target}\n"
+          f"It listens on 127.0.0.1 (behind the TLS proxy in the README) and keeps its state in [server] "
+          f"data_dir, relative to {target.resolve().parent}.")
     return 0
 
 
@@ -186,6 +189,9 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {"server": {k: v for k, v in (("host", args.host), ("port", args.port), ("data_dir", args.data_dir))
                             if v is not None}}
     config = load_config(args.config, overrides=overrides)  # before the server's imports: a bad file fails at once
+    if not config.server.data_dir:  # never a new run wherever serve happened to start
+        raise ConfigError(f'server.data_dir is not set: add data_dir = "relay-data" under [server] in {args.config} '
+                          "(relative to that file), or pass --data-dir DIR")
     from relay_server.api.server import serve
 
     logging.getLogger("relay_server").setLevel(logging.INFO)

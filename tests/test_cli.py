@@ -1,11 +1,14 @@
 """``relay-server`` as an organizer first meets it: --version, init, serve without a config,
-a config that is missing or wrong, and help on every option."""
+a config that is missing or wrong (refused before any state is created), a config served from
+another directory, and help on every option."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,13 @@ from relay_server.core.config import ConfigError, load_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def relay_server(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def relay_server(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60)
+                          cwd=cwd, timeout=60, env={**os.environ, **(env or {})})
+
+
+SMALL_RUN = '[auth]\nmode = "open"\n[model]\nfactory = "toolkit.models:MLP"\nkwargs = { sizes = [8, 16, 1] }\n'
+"""An open run of a tiny model, ending inside [model]; with [server] data_dir it starts."""
 
 
 def test_version_prints_the_installed_version() -> None:
@@ -40,7 +47,55 @@ def test_a_missing_or_wrong_config_names_the_file_and_the_field(tmp_path: Path) 
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\ntarget_batch = "many"\n')
     done = relay_server("serve", "--config", str(bad))
-    assert done.returncode == 2 and "run.target_batch: 'many' is not a valid int" in done.stderr
+    assert done.returncode == 2 and done.stderr == ('relay-server: configuration error: run.target_batch must be '
+                                                    'an integer, got "many" (a string): write it without quotes\n')
+
+
+@pytest.mark.parametrize("toml, env, message", [
+    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN, {"RELAY_RUN_TARGET_BACTH": "64"},
+     "environment variable RELAY_RUN_TARGET_BACTH names no setting (did you mean RELAY_RUN_TARGET_BATCH?): fix or "
+     "unset it (overrides are RELAY_<SECTION>_<FIELD>, e.g. RELAY_RUN_TARGET_BATCH)"),
+    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN, {"RELAY_MOE_GRID": "4x4"},
+     "RELAY_MOE_GRID='4x4' is not a list of integers for moe.grid ('4x4' is not an integer): write RELAY_MOE_GRID "
+     "as an array ('[4, 4]') or comma-separated (4,4)"),
+    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN + 'init_checkpoint = "missing.safetensors"\n', {},
+     "model.init_checkpoint: no file {org}/missing.safetensors (relative paths start at the config file's directory)"),
+    (SMALL_RUN, {}, 'server.data_dir is not set: add data_dir = "relay-data" under [server] in ../org/run.toml '
+     "(relative to that file), or pass --data-dir DIR"),
+])
+def test_a_refused_config_leaves_nothing_behind(tmp_path: Path, toml: str, env: dict[str, str], message: str) -> None:
+    """One line naming the setting and the fix, before any data dir or admin token exists."""
+    org, elsewhere = tmp_path / "org", tmp_path / "elsewhere"
+    org.mkdir()
+    elsewhere.mkdir()
+    (org / "run.toml").write_text(toml)
+    done = relay_server("serve", "--config", "../org/run.toml", "--port", "0", cwd=elsewhere, env=env)
+    assert done.returncode == 2
+    assert done.stderr == f"relay-server: configuration error: {message.format(org=org.resolve())}\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["elsewhere", "org", "run.toml"]
+
+
+def test_serve_from_another_directory_uses_the_config_files_directory(tmp_path: Path) -> None:
+    """``cd elsewhere && relay-server serve --config ../org/run.toml`` continues the run next to the
+    config instead of starting a new one (new admin token, step 0) in the working directory."""
+    org, elsewhere = tmp_path / "org", tmp_path / "elsewhere"
+    org.mkdir()
+    elsewhere.mkdir()
+    (org / "run.toml").write_text('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN)
+    ready = tmp_path / "ready"
+    relay = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", "../org/run.toml",
+                              "--port", "0", "--ready-file", str(ready)], cwd=elsewhere,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and relay.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), relay.communicate(timeout=10)[0] if relay.poll() is not None else "relay did not start"
+        assert (org / "relay-data" / "admin_token").is_file()
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        relay.terminate()
+        relay.wait(timeout=30)
 
 
 def test_init_writes_a_commented_config_with_login_on_and_an_allowlist_to_fill(tmp_path: Path, capsys) -> None:
@@ -49,11 +104,13 @@ def test_init_writes_a_commented_config_with_login_on_and_an_allowlist_to_fill(t
     assert f"relay-server serve --config {path}" in capsys.readouterr().out
     text = path.read_text()
     assert 'mode = "hf"' in text and "allow_users = []" in text and text.count("#") > 10
+    assert 'host = "127.0.0.1"' in text and '"0.0.0.0" only for a test on a private network' in text
     with pytest.raises(ConfigError, match="auth.mode = 'hf' needs auth.allow_users"):
         load_config(path)  # serve refuses until someone may join
     path.write_text(text.replace("allow_users = []", 'allow_users = ["alice"]'))
     config = load_config(path)
     assert config.auth.mode == "hf" and config.auth.allow_users == ["alice"]
+    assert config.server.host == "127.0.0.1" and config.server.data_dir == str(tmp_path / "relay-data")
     assert main(["init", str(path)]) == 2  # never overwrites an edited file
     assert "exists: edit it, or pass --force" in capsys.readouterr().err
     assert main(["init", str(path), "--force"]) == 0 and "allow_users = []" in path.read_text()

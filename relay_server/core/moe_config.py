@@ -23,8 +23,12 @@ OPTIMIZERS = ("sgd", "adam")
 
 @dataclass(kw_only=True)
 class MoeSection:
+    """``[moe]``: the run's mixture-of-experts layers and how their experts are hosted and called."""
+
     enabled: bool = False
+    """Turn the DMoE machinery on (the expert directory, broker and checkpoints)."""
     uid_prefix: str = "ffn"
+    """Expert uids start with this, then the layer: ``ffn0.3.1``."""
     layers: int = 1
     """DMoE layers in the trainers' model; each has its own grid of experts."""
     grid: list[int] = field(default_factory=lambda: [4, 4])
@@ -42,21 +46,24 @@ class MoeSection:
     seed: int = 0
     """Fresh experts are initialized from (seed, uid), so any host builds the same expert."""
     forward_timeout_s: float = 10.0
+    """A forward call waits this long for an expert's result before counting the expert as failed."""
     backward_timeout_s: float = 20.0
+    """The same for a backward call (which also updates the expert)."""
     checkpoint_every_s: float = 5.0
     """Hosts upload each expert's parameters and optimizer state this often (at most this much
     training is lost with a host)."""
     keep_checkpoints: int = 3
+    """Checkpoints the relay keeps per expert."""
     max_queued_rows: int = 4096
     """Rows queued per expert before calls are refused (429 ``queue_busy``: the caller treats the
     expert as failed for those rows, as the paper does)."""
     max_rows_per_call: int = 512
     """Rows one call carries; x (and g) must fit one signed request (256 KiB)."""
     task_memory_mb: int = 256
+    """Call payloads the relay keeps in memory; beyond it they spill to ``data_dir/tasks``."""
     codec: str = "none"
     """Activations and their gradients on the wire: none (float32), float16 (half the bytes) or
     int8 (blockwise, about a quarter); the experts compute in float32 either way."""
-    """Call payloads the relay keeps in memory; beyond it they spill to ``data_dir/tasks``."""
 
     def uids(self) -> list[str]:
         return [f"{self.uid_prefix}{layer}." + ".".join(map(str, coords))

@@ -10,18 +10,20 @@ the class peers read it with. A tokenizer pinned to a Hub repo is not supported:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from relay_server.core.hub_files import download_hub_file
-from relay_server.core.typed import ConfigError
+from relay_server.core.typed import PATH, ConfigError
 from toolkit.errors import DataConfigError
 
 
 @dataclass(kw_only=True)
 class TokenizerSection:
-    file: str = ""
+    """``[tokenizer]``: the vocabulary every peer tokenizes with, pinned by its sha256."""
+
+    file: str = field(default="", metadata=PATH)
     """A ``tokenizer.json`` (the ``tokenizers`` library's format), relative to the run's TOML
     file; empty = no tokenizer (byte-level runs). ``relay-server tokenizer train`` writes one."""
     sha256: str = ""
