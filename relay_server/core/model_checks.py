@@ -28,6 +28,11 @@ _TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_i
                     "decoder_start_token_id")
 
 
+def vocabulary_fits(vocab_size: int, tokenizer_size: int) -> bool:
+    """Every token id has a row, and at most ``VOCAB_SLACK`` (or 10%) of the rows are unused."""
+    return tokenizer_size <= vocab_size <= tokenizer_size + max(VOCAB_SLACK, tokenizer_size // 10)
+
+
 def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
     """Refuse a model that cannot train on the run's tokens; returns ``config``.
 
@@ -193,7 +198,7 @@ def _check_token_ids(config: Any, cfg: Any, tokenizer: Any) -> None:
     if vocab is not None and size > vocab:
         raise ConfigError(f"model.config.vocab_size = {vocab} but the tokenizer has {size} tokens (ids past the "
                           f"embedding): set model.config.vocab_size = {size}")
-    if vocab is not None and vocab - size > max(VOCAB_SLACK, size // 10):
+    if vocab is not None and not vocabulary_fits(vocab, size):
         source = "" if "vocab_size" in explicit else f" ({cfg.model_type}'s default)"
         raise ConfigError(f"model.config.vocab_size = {vocab}{source} but the tokenizer has {size} tokens: "
                           f"{vocab - size} embedding rows would never train; set model.config.vocab_size = {size}")
