@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.connections import ConnectionsSection
-from relay_server.core.model_checks import check_model
 from relay_server.core.moe_config import MoeSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.hub_files import download_hub_file
@@ -379,9 +378,8 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             set_setting(config, section, key, value)
     if config.model.config_file or config.model.config_repo:
         config.model.config = _read_model_config(config, Path(path).parent if path is not None else Path.cwd())
-    if run_data:
-        resolve_run_data(config, Path(path).parent if path is not None else Path.cwd())
-    return check_model(config.validate(), with_tokenizer=run_data)
+    resolve_run_data(config, Path(path).parent if path is not None else Path.cwd(), read_tokenizer=run_data)
+    return config.validate()
 
 
 def _read_model_config(config: RelayConfig, base: Path) -> dict[str, Any]:

@@ -4,9 +4,10 @@ Why here and not where the model is built: ``relay-server serve`` creates the da
 admin token before the collaboration builds its model, and a mistake a peer would only meet at
 its first batch (positions past the embedding, a token id past the vocabulary, a decoder
 classifier with no pad token) wastes every volunteer's time. So each check runs in
-:func:`~relay_server.core.config.load_config`, before anything is written, and each refusal is
-one :class:`ConfigError` line naming the setting and what to set it to, with close matches for a
-mistyped name. ``transformers`` is imported only for a run that trains one of its models.
+``load_config`` (through :func:`~relay_server.core.run_data.resolve_run_data`), before anything
+is written, and each refusal is one :class:`ConfigError` line naming the setting and what to set
+it to, with close matches for a mistyped name. ``transformers`` is imported only for a run that
+trains one of its models.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
 
     ``with_tokenizer=False`` when the tokenizer is not read (``relay-server tokenizer train``
     is about to write it): the checks that need it are skipped."""
-    if config.model.kind != "transformers":
-        return config
+    if config.model.kind != "transformers" or not (config.model.architecture and config.model.config):
+        return config  # RelayConfig.validate names what a transformers run lacks
     tokenizer = _tokenizer(config) if with_tokenizer else None
     with _quiet_transformers():
         cfg = _transformers_config(config.model)

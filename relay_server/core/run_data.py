@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.hub_files import download_hub_file
+from relay_server.core.model_checks import check_model
 from relay_server.core.typed import ConfigError
 from toolkit.errors import DataConfigError
 
@@ -32,9 +33,17 @@ class TokenizerSection:
     downloads (peers still receive it from the relay, with its sha256)."""
 
 
-def resolve_run_data(config: Any, base: Path) -> bytes | None:
+def resolve_run_data(config: Any, base: Path, *, read_tokenizer: bool = True) -> bytes | None:
     """Read the tokenizer file (its absolute path replaces ``file``; ``sha256`` is set), check
-    the objective against it and the model; the file's bytes, or None without a tokenizer."""
+    the objective against it, and the model against both (:mod:`.model_checks`); the file's
+    bytes, or None without a tokenizer. ``read_tokenizer=False``: the model alone (``relay-server
+    tokenizer train`` is about to write the tokenizer)."""
+    data = _read_tokenizer(config, base) if read_tokenizer else None
+    check_model(config, with_tokenizer=read_tokenizer)
+    return data
+
+
+def _read_tokenizer(config: Any, base: Path) -> bytes | None:
     section: TokenizerSection = config.tokenizer
     data = None
     if section.repo:
