@@ -1,4 +1,4 @@
-"""Organizer mistakes in a transformers run are one line at ``relay-server serve``, before anything exists.
+"""Organizer mistakes in the run's model are one line at ``relay-server serve``, before anything exists.
 
 Each case is a real ``relay-server serve --config bad.toml --data-dir D`` process: it must exit
 non-zero with one line on stderr naming the setting and what to set it to (no traceback), and
@@ -117,6 +117,12 @@ CASES = {
                                     "sources": [{"data_files": [str(labelled_shard(d, [0, 4, 1, 2]))]}]}},
         ["model.config.num_labels = 3, but the dataset shard", "labelled.parquet holds label 4",
          "set model.config.num_labels = 5"]),
+    "typo_factory": (lambda tok, d: {"model": {"factory": "toolkit.models:ByteTransformr"}},
+                     ["model.factory: model factory 'toolkit.models:ByteTransformr' is not part of toolkit.models",
+                      "use one of toolkit.models:ByteTransformer"]),
+    "factory_kwarg_it_does_not_take": (
+        lambda tok, d: {"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizez": [8, 16, 1]}}},
+        ["model.kwargs: toolkit.models:MLP refuses them", "unexpected keyword argument 'sizez'", "fix [model] kwargs"]),
 }
 
 

@@ -39,6 +39,8 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
 
     ``with_tokenizer=False`` when the tokenizer is not read (``relay-server tokenizer train``
     is about to write it): the checks that need it are skipped."""
+    if config.model.kind in ("toolkit", "module"):
+        _check_own_model(config.model)
     if config.model.kind != "transformers" or not (config.model.architecture and config.model.config):
         return config  # RelayConfig.validate names what a transformers run lacks
     tokenizer = _tokenizer(config) if with_tokenizer else None
@@ -47,6 +49,26 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
         _check_objective(config, cfg)
         _check_token_ids(config, cfg, tokenizer)
     return config
+
+
+def _check_own_model(model: Any) -> None:
+    """The factory exists and takes ``kwargs``: built on the meta device (no memory), as the
+    relay will build it for real once the data dir exists."""
+    import torch
+
+    from toolkit.models import build_own_model
+
+    try:
+        with torch.device("meta"):
+            build_own_model(model.spec())
+    except ModelMismatch as exc:
+        raise ConfigError(f"model.factory: {exc.message}: {exc.hint[0].lower()}{exc.hint[1:].rstrip('.')}") from None
+    except TypeError as exc:
+        if "argument" not in str(exc):  # not the call's signature: the real build reports it
+            return
+        raise ConfigError(f"model.kwargs: {model.factory} refuses them ({exc}): fix [model] kwargs") from None
+    except Exception:  # noqa: BLE001 - a factory computing on its tensors at init cannot build on meta;
+        pass  # the real build reports it
 
 
 @contextlib.contextmanager
