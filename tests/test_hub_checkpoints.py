@@ -288,8 +288,9 @@ def test_a_transformers_checkpoint_on_the_hub_loads_with_its_tokenizer(tmp_path,
     folder.mkdir()
     for name, data in organizer.commits(REPO_ID)[-1].files.items():
         (folder / name).write_bytes(data)
-    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"} <= set(
-        organizer.commits(REPO_ID)[-1].files)
+    files = organizer.commits(REPO_ID)[-1].files
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"} <= set(files)
+    assert f'AutoModelForMaskedLM.from_pretrained("{REPO_ID}"' in files["README.md"].decode()  # the card says how
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert len(tok) == vocab
     assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [
