@@ -152,3 +152,11 @@ def test_a_correct_run_with_the_same_pieces_loads(tmp_path: Path, tokenizer_file
     for i, sections in enumerate(good):
         config = load_config(write_config(tmp_path / f"good{i}.toml", {"auth": {"mode": "open"}, **sections}))
         assert config.model.kind == "transformers"
+
+
+def test_a_run_without_transformers_models_never_imports_it() -> None:
+    """transformers stays optional: checking the toolkit's own model does not import it."""
+    code = ("import sys; from relay_server.core.config import load_config; config = load_config(None, env={}); "
+            "assert config.model.kind == 'toolkit'; print('transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
