@@ -5,7 +5,7 @@
     relay-server aggregator --coordinator https://relay.example --port 8751 \
         --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
-    relay-server tokenizer train --config run.toml --vocab-size 8000   # the run's tokenizer.json
+    relay-server tokenizer train --config run.toml   # the run's tokenizer.json (model.config.vocab_size)
     relay-server export --config run.toml --data-dir relay-data --out ckpt   # a loadable checkpoint
     relay-server notebook colab --url https://relay.example.org -o my-run.ipynb   # what volunteers open
 """
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a version of the run as a folder users load (transformers runs: "
                             "save_pretrained's layout, AutoModel*.from_pretrained(folder))")
-    export.add_argument("--config", help="the run's configuration (TOML); default: the embedded demo run")
+    export.add_argument("--config", help="the TOML the relay ran with (its model and tokenizer); default: the "
+                        "embedded demo run")
     export.add_argument("--data-dir", required=True, help="the relay's state directory (server.data_dir)")
     export.add_argument("--out", required=True, help="folder to write")
     export.add_argument("--step", type=int, help="version to export (default: the latest)")
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok = sub.add_parser("tokenizer", help="the run's tokenizer").add_subparsers(dest="action", required=True)
     train = tok.add_parser("train", help="train a tokenizer.json on the run's dataset text")
     train.add_argument("--config", help="run configuration (TOML); default: the embedded demo run")
-    train.add_argument("--vocab-size", type=int, default=8000, help="vocabulary size (default 8000)")
+    train.add_argument("--vocab-size", type=int, help="vocabulary size (default: the config's model.config.vocab_size, "
+                       "else 8000)")
     train.add_argument("--out", help="where to write it (default: [tokenizer] file, else tokenizer.json "
                        "next to the config)")
     train.add_argument("--model", choices=("wordpiece", "bpe", "unigram"), default="wordpiece",
@@ -138,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "notebook":
             return _notebook(args)
         if args.command == "export":
-            from relay_server.observers.pretrained import export_version
-
-            step = export_version(load_config(args.config), Path(args.data_dir), Path(args.out), args.step)
-            print(f"version {step} written to {args.out}")
-            return 0
+            return _export(args)
         from relay_server.demo import run_demo
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
@@ -199,20 +197,42 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from relay_server.observers.pretrained import export_version
+
+    if not Path(args.data_dir).is_dir():
+        raise ConfigError(f"--data-dir {args.data_dir} is not a directory: pass the relay's server.data_dir")
+    source = f"--config {args.config}" if args.config else "the embedded demo run (no --config)"
+    step = export_version(load_config(args.config), Path(args.data_dir), Path(args.out), args.step,
+                          config_source=source)
+    print(f"version {step} written to {args.out}")
+    return 0
+
+
 def _train_tokenizer(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from relay_server.core.model_checks import vocabulary_fits
     from relay_server.data.tokenizer_train import train_for_run
 
     config = load_config(args.config, run_data=False)  # the tokenizer it names may not exist yet
     base = Path(args.config).parent if args.config else Path.cwd()
     out = Path(args.out) if args.out else base / (config.tokenizer.file or "tokenizer.json")
-    if args.vocab_size <= 5:
+    model_vocab = config.model.config.get("vocab_size") if config.model.kind == "transformers" else None
+    vocab_size = args.vocab_size or (model_vocab if isinstance(model_vocab, int) else 8000)
+    if vocab_size <= 5:
         raise ConfigError("--vocab-size must leave room beyond the 5 special tokens")
-    tok = train_for_run(config, str(out), vocab_size=args.vocab_size, model=args.model, lowercase=args.lowercase,
+    if not args.vocab_size:
+        print(f"vocabulary size {vocab_size}: " + ("the config's model.config.vocab_size" if vocab_size == model_vocab
+                                                   else "the default") + " (--vocab-size sets another)")
+    tok = train_for_run(config, str(out), vocab_size=vocab_size, model=args.model, lowercase=args.lowercase,
                         max_texts=args.max_texts)
-    print(f"wrote {out}: {tok.get_vocab_size()} tokens ({args.model}); name it in the run's config as "
+    size = tok.get_vocab_size()
+    print(f"wrote {out}: {size} tokens ({args.model}); name it in the run's config as "
           f'[tokenizer] file = "{out.name}"')
+    if isinstance(model_vocab, int) and not vocabulary_fits(model_vocab, size):
+        print(f"note: the text yields {size} tokens, model.config.vocab_size is {model_vocab}: set "
+              f"model.config.vocab_size = {size} (relay-server serve checks the two)")
     return 0
 
 

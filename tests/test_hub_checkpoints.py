@@ -25,7 +25,7 @@ from relay_server.observers.hub_checkpoints import (INFO_FILE, STATE_FILE, HubCh
                                                    load_hub_checkpoint, parse_init_from)
 from relay_server.observers.pretrained import MODEL_FILE, master_params
 from relay_server.observers.events import StepEvent
-from tests.conftest import BASE_CONFIG, wait_until
+from tests.conftest import BASE_CONFIG, wait_until, write_config
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
 from tests.test_collaboration import relay_params
@@ -226,10 +226,11 @@ def test_model_config_and_tokenizer_from_a_pinned_hub_repo(tmp_path, organizer):
     from tests.hub_standin import Commit, Repo
     from toolkit.corpus import demo_paragraphs
 
-    tokenizer = train_tokenizer(demo_paragraphs()[:200], vocab_size=64).to_str().encode()
+    trained = train_tokenizer(demo_paragraphs()[:200], vocab_size=64)
+    tokenizer, albert = trained.to_str().encode(), {**ALBERT, "vocab_size": trained.get_vocab_size()}
     repo = Repo("organizer/albert-config", private=False)
     commit = secrets.token_hex(20)  # a new commit each run: the Hub client's cache never answers for it
-    repo.commits.append(Commit(commit, "config", {"config.json": json.dumps(ALBERT).encode(),
+    repo.commits.append(Commit(commit, "config", {"config.json": json.dumps(albert).encode(),
                                                    "tokenizer.json": tokenizer}))
     organizer.repos[repo.repo_id] = repo
 
@@ -240,11 +241,65 @@ def test_model_config_and_tokenizer_from_a_pinned_hub_repo(tmp_path, organizer):
             **relay_hub_config(organizer)})
 
     config = load({"config_repo": f"{repo.repo_id}@{commit}"}, {"repo": f"{repo.repo_id}@{commit}"})
-    assert config.model.config == ALBERT and config.model.spec().config == ALBERT
+    assert config.model.config == albert and config.model.spec().config == albert
     assert config.tokenizer.sha256 == hashlib.sha256(tokenizer).hexdigest()
     with pytest.raises(ConfigError, match=r"model.config_repo must be 'owner/name@revision'.*pin a commit"):
         load({"config_repo": repo.repo_id}, {})
     other = secrets.token_hex(20)
-    repo.commits.append(Commit(other, "no tokenizer", {"config.json": json.dumps(ALBERT).encode()}))
+    repo.commits.append(Commit(other, "no tokenizer", {"config.json": json.dumps(albert).encode()}))
     with pytest.raises(ConfigError, match=f"tokenizer.repo: organizer/albert-config@{other} has no tokenizer.json"):
         load({"config_repo": f"{repo.repo_id}@{other}"}, {"repo": f"{repo.repo_id}@{other}"})
+
+
+def test_a_transformers_checkpoint_on_the_hub_loads_with_its_tokenizer(tmp_path, organizer):
+    """The Hub commit of a masked-LM run holds what ``AutoTokenizer`` / ``AutoModelForMaskedLM``
+    load in one line: the run's special tokens at their own ids, nothing appended past the
+    vocabulary, and a padded fill-mask batch answers as each text alone does."""
+    import transformers
+
+    from relay_server.data.tokenizer_train import train_tokenizer
+    from toolkit.corpus import demo_paragraphs
+
+    tokenizer = train_tokenizer(demo_paragraphs()[:200], vocab_size=64)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    config = load_config(write_config(tmp_path / "run.toml", {
+        "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
+                  "config": {**ALBERT, "vocab_size": vocab}},
+        "tokenizer": {"file": "tokenizer.json"}, "objective": {"name": "masked-lm", "seq_len": 32},
+        "server": {"data_dir": str(tmp_path / "data")}, "auth": {"mode": "open"},
+        **relay_hub_config(organizer, every_steps=1)}), env={})
+    model = build_model(config.model.spec())
+    state_path = tmp_path / "step-00000001.safetensors"
+    save_file({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, str(state_path))
+    record = RoundRecord(step=1, contributors=1, samples=8, loss=0.5, duration_s=0.1, deadline_s=2.0,
+                         finalized_by="all_arrived", finalized_at=time.time())
+    status = StatusReport(run_name="r", step=1, total_steps=0, finished=False, target_batch=8,
+                          num_params=sum(p.numel() for p in model.parameters()), samples_accumulated=0,
+                          samples_per_s=0.0, eta_s=None, loss=0.5, num_peers=0, peers=[], recent_rounds=[record],
+                          round=None, auth_mode="open", uptime_s=1.0, plan=PlanInfo(version="v", steps_per_s=None,
+                                                                                    slices=[]))
+    checkpointer = HubCheckpointer(config)
+    checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
+    wait_until(lambda: checkpointer.uploaded, 60, "the checkpoint commit")
+    checkpointer.close()
+
+    folder = tmp_path / "from-hub"
+    folder.mkdir()
+    for name, data in organizer.commits(REPO_ID)[-1].files.items():
+        (folder / name).write_bytes(data)
+    files = organizer.commits(REPO_ID)[-1].files
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"} <= set(files)
+    assert f'AutoModelForMaskedLM.from_pretrained("{REPO_ID}"' in files["README.md"].decode()  # the card says how
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    assert len(tok) == vocab
+    assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [
+        tokenizer.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")]
+    loaded = transformers.AutoModelForMaskedLM.from_pretrained(folder)
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
+    fill = transformers.pipeline("fill-mask", model=loaded, tokenizer=tok, top_k=2)
+    texts = ["the [MASK] is", "a longer [MASK] in it"]  # under 32 tokens of this tiny vocabulary
+    assert len(tok(texts[0])["input_ids"]) < len(tok(texts[1])["input_ids"]) <= 32
+    for batched, alone in zip(fill(texts, batch_size=2), [fill(t) for t in texts]):
+        assert [x["token"] for x in batched] == [x["token"] for x in alone]
+        assert [x["score"] for x in batched] == pytest.approx([x["score"] for x in alone], abs=1e-5)

@@ -135,8 +135,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     if config.model.init_checkpoint and not Path(config.model.init_checkpoint).is_file():
         raise ConfigError(f"model.init_checkpoint: no file {config.model.init_checkpoint} (relative paths "
                           "start at the config file's directory)")
-    if run_data:
-        resolve_run_data(config, base)
+    resolve_run_data(config, base, read_tokenizer=run_data)
     return config.validate()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.hub_files import download_hub_file
+from relay_server.core.model_checks import check_model
 from relay_server.core.typed import PATH, ConfigError
 from toolkit.errors import DataConfigError
 
@@ -34,9 +35,17 @@ class TokenizerSection:
     downloads (peers still receive it from the relay, with its sha256)."""
 
 
-def resolve_run_data(config: Any, base: Path) -> bytes | None:
+def resolve_run_data(config: Any, base: Path, *, read_tokenizer: bool = True) -> bytes | None:
     """Read the tokenizer file (its absolute path replaces ``file``; ``sha256`` is set), check
-    the objective against it and the model; the file's bytes, or None without a tokenizer."""
+    the objective against it, and the model against both (:mod:`.model_checks`); the file's
+    bytes, or None without a tokenizer. ``read_tokenizer=False``: the model alone (``relay-server
+    tokenizer train`` is about to write the tokenizer)."""
+    data = _read_tokenizer(config, base) if read_tokenizer else None
+    check_model(config, with_tokenizer=read_tokenizer)
+    return data
+
+
+def _read_tokenizer(config: Any, base: Path) -> bytes | None:
     section: TokenizerSection = config.tokenizer
     data = None
     if section.repo:
@@ -57,7 +66,7 @@ def resolve_run_data(config: Any, base: Path) -> bytes | None:
         raise ConfigError("tokenizer.sha256 needs tokenizer.file")
     if not config.objective:
         return data
-    from toolkit.data.objectives import ObjectiveConfig, Specials, load_tokenizer, objective_batches
+    from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches
 
     try:
         objective = ObjectiveConfig.from_dict(config.objective)
@@ -69,8 +78,4 @@ def resolve_run_data(config: Any, base: Path) -> bytes | None:
                                objective, batch_size=1, seed=0))  # the special tokens it needs are there
     except DataConfigError as exc:
         raise ConfigError(f"{exc.message}. {exc.hint}".strip()) from None
-    vocab = config.model.config.get("vocab_size") if config.model.kind == "transformers" else None
-    if isinstance(vocab, int) and Specials.of(tokenizer).vocab_size > vocab:
-        raise ConfigError(f"the tokenizer has {Specials.of(tokenizer).vocab_size} tokens but model.config.vocab_size "
-                          f"is {vocab}: set vocab_size to at least the tokenizer's size")
-    return data
+    return data  # the tokenizer against the model: relay_server.core.model_checks

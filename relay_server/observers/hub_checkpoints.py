@@ -203,16 +203,29 @@ Checkpoint of a collaborative training run (collabtrain): step {info['step']}, l
 - `relay-state.safetensors`: the relay's full state (flat parameters and optimizer state)
 - `collabtrain.json`: step, loss and run configuration
 
-```python
-from safetensors.torch import load_file, save_file
+{_load_snippet(model, repo_id)}
+
+Start a new run from this checkpoint: `[hub] init_from = "{repo_id}@<commit>"` in the relay's configuration.
+"""
+
+
+def _load_snippet(model: dict, repo_id: str) -> str:
+    """How to load this checkpoint: one line for a transformers run (its tokenizer travels with it)."""
+    if model.get("kind") == "transformers":
+        return f"""```python
+from transformers import AutoTokenizer, {model['architecture']}
+
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}", revision="<commit>")
+model = {model['architecture']}.from_pretrained("{repo_id}", revision="<commit>")
+```"""
+    return f"""```python
+from safetensors.torch import load_file
+from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
 
 model = build_model(ModelSpec.from_json({model!r}))
 model.load_state_dict(load_file("model.safetensors"), strict=False)
-```
-
-Start a new run from this checkpoint: `[hub] init_from = "{repo_id}@<commit>"` in the relay's configuration.
-"""
+```"""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -3,8 +3,9 @@
 For a transformers run that is ``save_pretrained``'s layout: ``config.json`` (the run's config,
 with ``architectures``), ``model.safetensors`` holding the architecture's own parameter names
 (shared and tied weights once, as ``from_pretrained`` expects; it re-ties them on load), and the
-run's tokenizer files when it has them. For the toolkit's own models it is ``model.safetensors``
-plus ``collabtrain-model.json`` (the ModelSpec to build it with ``toolkit.models.build_model``).
+run's tokenizer as ``AutoTokenizer`` loads it, special tokens at their own ids
+(:mod:`.hf_tokenizer`). For the toolkit's own models it is ``model.safetensors`` plus
+``collabtrain-model.json`` (the ModelSpec to build it with ``toolkit.models.build_model``).
 
 Used by Hub checkpoints (each upload is such a folder plus the relay's own state) and by
 ``relay-server export`` for a local checkpoint.
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from relay_server.core.config import ConfigError, RelayConfig
+from relay_server.observers.hf_tokenizer import RunTokenizer, run_tokenizer, write_tokenizer
 from relay_server.rounds.store import Store
 from toolkit.models import build_own_model
 from toolkit.models.hf import transformers_config
@@ -28,21 +30,20 @@ MODEL_FILE = "model.safetensors"
 SPEC_FILE = "collabtrain-model.json"
 
 
-def config_json(config: RelayConfig) -> str | None:
-    """The transformers ``config.json`` of the run's model (None for the toolkit's models)."""
+def config_json(config: RelayConfig, tokenizer: RunTokenizer | None = None) -> str | None:
+    """The transformers ``config.json`` of the run's model (None for the toolkit's models), with
+    the special token ids of ``tokenizer`` where the run's config leaves them to the model type's
+    defaults (GPT-2's eos 50256 is no token of a 64-token vocabulary)."""
     if config.model.kind != "transformers":
         return None
     auto, cfg = transformers_config(config.model.architecture, config.model.config)
     with torch.device("meta"):  # only the concrete class's name is wanted, not its weights
         model = auto.from_config(cfg)
     cfg.architectures = [type(model).__name__]
+    for name, value in (tokenizer.token_ids() if tokenizer else {}).items():
+        if name not in config.model.config and hasattr(cfg, name):
+            setattr(cfg, name, value)
     return cfg.to_json_string()
-
-
-def tokenizer_files(config: RelayConfig) -> dict[str, Path]:
-    """The run's tokenizer files to ship beside the weights (none if the run names none).
-    ``load_config`` made ``tokenizer.file`` absolute and checked its sha256."""
-    return {"tokenizer.json": Path(config.tokenizer.file)} if config.tokenizer.file else {}
 
 
 def write_pretrained(config: RelayConfig, tensors: dict[str, torch.Tensor], out_dir: Path,
@@ -51,16 +52,18 @@ def write_pretrained(config: RelayConfig, tensors: dict[str, torch.Tensor], out_
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / MODEL_FILE]
     save_file(tensors, str(written[0]), metadata={**(metadata or {}), "format": "pt"})
-    cfg = config_json(config)
+    tokenizer = run_tokenizer(config)
+    cfg = config_json(config, tokenizer)
     if cfg is not None:
         (out_dir / "config.json").write_text(cfg)
         written.append(out_dir / "config.json")
     else:
         (out_dir / SPEC_FILE).write_text(json.dumps(config.model.spec().to_json(), indent=1))
         written.append(out_dir / SPEC_FILE)
-    for name, source in tokenizer_files(config).items():
-        (out_dir / name).write_bytes(source.read_bytes())
-        written.append(out_dir / name)
+    if tokenizer is not None:
+        written += write_tokenizer(tokenizer, out_dir)
+    for path in written:  # a checkpoint is for others to load: readable, whatever the umask or the writer
+        path.chmod(0o644)
     return written
 
 
@@ -97,9 +100,11 @@ def master_params(state_path: Path) -> torch.Tensor:
         return f.get_tensor("master" if "master" in f.keys() else "params")
 
 
-def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None) -> int:
+def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None, *,
+                   config_source: str = "the config") -> int:
     """Write version ``step`` (default: the latest) of the relay state in ``data_dir`` as a
-    loadable folder; returns the step written."""
+    loadable folder; returns the step written. A ``config`` of another run than the one in
+    ``data_dir`` (``config_source`` says where it came from) is refused before anything is written."""
     store = Store(data_dir)
     try:
         step = store.latest_step() if step is None else step
@@ -109,7 +114,15 @@ def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int
         if not path.is_file():
             raise ConfigError(f"version {step} is not in {data_dir} (pruned? see server.keep_checkpoints)")
         flat = master_params(path)
+        with safe_open(str(path), framework="pt") as f:
+            run = (f.metadata() or {}).get("run", "?")
     finally:
         store.close()
-    write_pretrained(config, unflatten(flat, parameter_names(config)), out_dir, {"step": str(step)})
+    names = parameter_names(config)
+    expected = sum(shape.numel() for _, shape in names)
+    if flat.numel() != expected:
+        raise ConfigError(f"{data_dir} holds run {run!r} ({flat.numel()} parameters), but {config_source} is run "
+                          f"{config.run.name!r} ({expected} parameters, model {config.model.label()}): pass "
+                          f"--config with the TOML that `relay-server serve` ran {run!r} with")
+    write_pretrained(config, unflatten(flat, names), out_dir, {"step": str(step)})
     return step

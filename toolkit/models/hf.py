@@ -13,8 +13,9 @@ and the loss is the one the architecture computes from its labels (:func:`loss_o
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +34,26 @@ def _transformers():
         raise ModelMismatch("transformers_missing", f"this run trains a transformers model, and importing "
                             f"transformers failed ({exc})", _HINT_INSTALL) from None
     return transformers
+
+
+def did_you_mean(name: str, options: Iterable[str], n: int = 3) -> str:
+    """" (did you mean X?)" for the ``n`` closest of ``options`` to a mistyped ``name``, else ""."""
+    close = difflib.get_close_matches(name, list(options), n=n, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]}?)" if len(close) == 1 else f" (did you mean {', '.join(close[:-1])} or {close[-1]}?)"
+
+
+def architectures() -> list[str]:
+    """The ``AutoModel*`` classes of the installed transformers."""
+    return sorted(n for n in dir(_transformers()) if _ARCHITECTURE.fullmatch(n))
+
+
+def model_types() -> list[str]:
+    """The ``model_type`` values the installed transformers knows."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return sorted(CONFIG_MAPPING_NAMES)
 
 
 def check_transformers_spec(architecture: str, config: Mapping[str, Any]) -> None:
@@ -58,16 +79,20 @@ def transformers_config(architecture: str, config: Mapping[str, Any]) -> tuple[A
     transformers = _transformers()
     auto = getattr(transformers, architecture, None)
     if auto is None:
-        raise ModelMismatch("unknown_architecture", f"transformers {transformers.__version__} has no {architecture}",
+        raise ModelMismatch("unknown_architecture", f"transformers {transformers.__version__} has no {architecture}"
+                            f"{did_you_mean(architecture, architectures(), n=1)}",
                             "Upgrade transformers on this machine, or ask the organizer which version the run uses.")
     fields = dict(config)
     model_type = fields.pop("model_type")
+    if model_type not in model_types():  # transformers' own error lists all ~800 types: 16 KB
+        raise ModelMismatch("unknown_model_type", f"transformers {transformers.__version__} does not know "
+                            f"model_type {model_type!r}{did_you_mean(model_type, model_types())}",
+                            "Upgrade transformers, or use a model_type this version ships.")
     try:
         return auto, transformers.AutoConfig.for_model(model_type, **fields)
-    except ValueError as exc:
-        raise ModelMismatch("unknown_model_type", f"transformers {transformers.__version__} does not know "
-                            f"model_type {model_type!r} ({exc})",
-                            "Upgrade transformers, or use a model_type this version ships.") from None
+    except (ValueError, TypeError) as exc:
+        raise ModelMismatch("bad_model_config", f"the {model_type} config cannot be built: {_first_line(exc)}",
+                            "Check [model] config's fields against the model_type's configuration class.") from None
 
 
 def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn.Module:
@@ -76,8 +101,12 @@ def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn
     try:
         return auto.from_config(cfg)
     except ValueError as exc:
-        raise ModelMismatch("bad_model_config", f"{architecture} cannot be built from this config: {exc}",
+        raise ModelMismatch("bad_model_config", f"{architecture} cannot be built from this config: {_first_line(exc)}",
                             "Check [model] architecture against the config's model_type.") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
 def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
