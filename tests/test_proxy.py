@@ -274,3 +274,30 @@ def gradient_body(num_params: int, peer_id: str) -> bytes:
     meta = GradientMeta(peer_id=peer_id, step=0, version=0, samples=48, loss_sum=1.0)
     tensors = get_codec("none").encode(np.ones(num_params, dtype=np.float32))
     return b"".join(bytes(piece) for piece in iter_encoded(tensors, {"collab": meta.dumps().decode(), "codec": "none"}))
+
+
+def test_without_trust_every_proxied_volunteer_is_the_proxy(behind_nginx, hf_standin) -> None:
+    """``limits.trust_forwarded_for = false``: the header is ignored, by the caps as by the
+    buckets: every volunteer is the loopback proxy, one login bucket for all."""
+    hf_standin.add_user(ALICE_TOKEN, ALICE)
+    relay, proxy = behind_nginx({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": [ALICE]},
+                                 "limits": {"login_per_s": 0.001, "login_burst": 2.0, "trust_forwarded_for": False}})
+    assert [login(proxy, "203.0.113.1"), login(proxy, "203.0.113.2"), login(proxy, "203.0.113.3")] == [200, 200, 429]
+
+
+@pytest.mark.parametrize("direct, header, client", [
+    ("127.0.0.1", "203.0.113.7", "203.0.113.7"),
+    ("127.0.0.1", "198.51.100.1, 203.0.113.7", "203.0.113.7"),  # earlier hops are the client's word
+    ("127.0.0.1", "203.0.113.7:51234", "203.0.113.7"),  # a proxy that appends the port
+    ("::1", "[2001:db8::1]:443", "2001:db8::1"),
+    ("127.0.0.1", "::ffff:203.0.113.7", "203.0.113.7"),  # one spelling per address
+    ("127.0.0.1", "unknown", "unknown"),  # no address: kept as text, never loopback
+    ("127.0.0.1", "", "127.0.0.1"),  # no header value: the socket
+    ("198.51.100.2", "203.0.113.7", "198.51.100.2"),  # a remote host cannot name itself anything else
+])
+def test_the_client_address_rule(direct: str, header: str, client: str) -> None:
+    from relay_server.core.client_address import client_address, is_loopback
+
+    assert client_address(direct, {"X-Forwarded-For": header}) == client
+    assert client_address(direct, {"X-Forwarded-For": header}, trust_forwarded_for=False) == direct
+    assert not is_loopback("unknown") and is_loopback("127.0.0.2") and is_loopback("::1%lo")

@@ -305,7 +305,8 @@ function lineChart(target, series, opts) {
   target.append(svg("text", { x: BOX.w - BOX.right, y: BOX.h - 8, "text-anchor": "end", class: "tick" }, opts.x(x1)));
   for (const r of refs) {
     target.append(svg("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: py(r.value), y2: py(r.value), class: "ref" }));
-    target.append(svg("text", { x: BOX.w - BOX.right - 4, y: py(r.value) - 4, "text-anchor": "end", class: "ref-label" },
+    const y = py(r.value) < BOX.top + 14 ? py(r.value) + 13 : py(r.value) - 4;  // below the line at the top edge
+    target.append(svg("text", { x: BOX.w - BOX.right - 4, y, "text-anchor": "end", class: "ref-label" },
       `${r.label} = ${opts.y(r.value)}`));
   }
   for (const s of series) {
