@@ -166,23 +166,30 @@ class LocalRun:
         ``interrupt_ends``: then it is the normal end), stop; with ``keep`` the relay stays up
         after the last step until Ctrl-C. Returns the exit code."""
         relay = RelayThread(self.config)
-        url = relay.start()
+        try:
+            url = relay.start()
+        except RuntimeError as exc:  # the relay's own error, in one line: the run's config, not this tool
+            print(f"{self.name} stopped: {exc}", file=sys.stderr)
+            return 1
         print(f"relay:     {url}   (dashboard: {url}/ , status JSON: {url}/api/status)", flush=True)
         for line in header:
             print(line, flush=True)
         client = RelayClient(url, retries=1)
-        status = client.get_status()
-        self.references = {r.name: round(r.value, 4) for r in status.loss_references}
-        if status.loss_references:
-            print("losses:    " + "; ".join(f"{r.label} = {r.value:.4f}" for r in status.loss_references), flush=True)
-        extra = ["--max-steps", str(self.stop_after)] if self.stop_after else []
-        procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
-                                   "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
-                                   "--threads", str(self.threads), *extra],
-                                  stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
-                 for i in range(self.peers)]
+        procs: list[subprocess.Popen] = []
         code, kept = 0, False
         try:
+            references = client.get_status().loss_references
+            self.references = {r.name: round(r.value, 4) for r in references}
+            if references:
+                print("losses:    " + "; ".join(f"{r.label} = {r.value:.4f}" for r in references), flush=True)
+            extra = ["--max-steps", str(self.stop_after)] if self.stop_after else []
+            if self.config.model.kind == "module":  # the organizer's own package, on the organizer's machine
+                extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
+            procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
+                                        "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
+                                        "--threads", str(self.threads), *extra],
+                                       stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
+                      for i in range(self.peers)]
             code = self._follow(client, procs)
             _stop_peers(procs)
             if keep and code == 0:
@@ -227,7 +234,8 @@ class LocalRun:
             if status.finished or (self.stop_after and max(self.losses, default=0) >= self.stop_after):
                 return 0
             if all(p.poll() is not None for p in procs):
-                print(f"all peers exited early; see {self.directory}/peer-*.log", file=sys.stderr)
+                tail = (self.directory / "peer-0.log").read_text(errors="replace").strip().splitlines()[-15:]
+                print("all peers exited early; the end of peer-0's log:", *tail, sep="\n  ", file=sys.stderr)
                 return 1
             time.sleep(0.25)
 

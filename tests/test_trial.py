@@ -124,3 +124,18 @@ def test_references_by_objective() -> None:
                                                                           config={}))
     assert loss_references(mlp) == []
     assert abs(unigram_entropy([0, 1, 2, 3] * 5) - math.log(4)) < 1e-12
+
+
+def test_a_model_the_peer_cannot_train_is_explained_by_the_trial(tmp_path: Path) -> None:
+    """The trial exists to find this before volunteers do: the organizer's own module model
+    (trusted by the local peer: it is the organizer's machine) has no ``loss``; the trial ends 1
+    with the peer's own words in its output."""
+    config = tmp_path / "linear.toml"
+    config.write_text('[run]\nname = "linear"\n[model]\nkind = "module"\nfactory = "torch.nn:Linear"\n'
+                      'kwargs = { in_features = 4, out_features = 2 }\n[auth]\nmode = "open"\n')
+    proc = trial("--config", str(config), "--steps", "1", "--threads", "1", cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out + err
+    assert "all peers exited early; the end of peer-0's log:" in err and "has no attribute 'loss'" in err, err
+    assert "untrusted_model" not in err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 0
