@@ -5,6 +5,7 @@
     relay-server aggregator --coordinator https://relay.example --port 8751 \
         --public-url https://agg1.example --admin-token-file admin_token   # more bandwidth
     relay-server demo --peers 3 --steps 30        # relay + CPU peers on this machine
+    relay-server trial --config run.toml          # your run, one local peer, before anyone joins
     relay-server tokenizer train --config run.toml   # the run's tokenizer.json (model.config.vocab_size)
     relay-server export --config run.toml --data-dir relay-data --out ckpt   # a loadable checkpoint
     relay-server notebook colab --url https://relay.example.org -o my-run.ipynb   # what volunteers open
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from importlib import metadata, resources
 from pathlib import Path
@@ -84,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                       "(tokenizer trained on the shipped text, ALBERT masked-LM, LAMB)")
     demo.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
+    trial = sub.add_parser("trial", help="try a run's configuration on this machine: its model, objective and data "
+                           "with one local CPU peer, a small target batch, open auth on 127.0.0.1, state in a "
+                           "temporary directory; the dashboard stays up until Ctrl-C")
+    trial.add_argument("--config", required=True, help="the run's configuration (TOML; relay-server init writes one)")
+    trial.add_argument("--steps", type=int, help="stop after this many optimizer steps (default: run until Ctrl-C)")
+    trial.add_argument("--target-batch", type=int, default=16, help="global batch per step (default 16; the run's "
+                       "own target_batch is for the real collaboration)")
+    trial.add_argument("--batch-size", type=int, default=8, help="the local peer's micro-batch (default 8)")
+    trial.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                       help="the local peer's CPU threads (default: half of this machine's cores)")
+    trial.add_argument("--port", type=int, default=0,
+                       help="the relay's port, where the dashboard is (default 0: any free port; the first line says it)")
+    trial.add_argument("--verbose", "-v", action="store_true", help="log debug details")
+
     export = sub.add_parser("export", help="write a version of the run as a folder users load (transformers runs: "
                             "save_pretrained's layout, AutoModel*.from_pretrained(folder))")
     export.add_argument("--config", help="the TOML the relay ran with (its model and tokenizer); default: the "
@@ -141,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             return _notebook(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "trial":
+            return _trial(args)
         from relay_server.demo import run_demo
 
         return run_demo(peers=args.peers, steps=args.steps, target_batch=args.target_batch,
@@ -152,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _trial(args: argparse.Namespace) -> int:
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps} (leave it out to run until Ctrl-C)")
+    if min(args.target_batch, args.batch_size, args.threads) < 1:
+        raise ConfigError("--target-batch, --batch-size and --threads must be at least 1")
+    from relay_server.demo import run_trial
+
+    return run_trial(args.config, steps=args.steps, target_batch=args.target_batch, batch_size=args.batch_size,
+                     port=args.port, threads=args.threads)
 
 
 def _init(args: argparse.Namespace) -> int:

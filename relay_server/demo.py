@@ -1,11 +1,15 @@
-"""``relay-server demo``: a whole collaboration on this machine, to see it work in a minute.
+"""``relay-server demo`` and ``trial``: a whole collaboration on this machine, to see it work.
 
 A relay (in this process, on 127.0.0.1, state in a temporary directory) and N peer processes
 (``python -m toolkit.peer``, one CPU thread each) train on the text the toolkit ships. Recipes:
 ``byte-lm`` (default: the byte-level transformer of ``defaults/demo.toml``) and ``albert-tiny``
 (``defaults/albert-tiny.toml``: the sahajBERT recipe in miniature; its WordPiece tokenizer is
 trained on the shipped text first, as ``relay-server tokenizer train`` would). One line per
-optimizer step; the last line is a JSON summary.
+optimizer step; the last line is a JSON summary. Both print the loss references the relay
+computes (chance level; the demo text's unigram entropy), so a newcomer can tell learning from noise.
+
+``relay-server trial --config run.toml`` is the same machinery on an organizer's own run: their
+model, objective and data with one local peer and a small target batch (:func:`run_trial`).
 """
 
 from __future__ import annotations
@@ -104,69 +108,136 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
     tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
     directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
     directory.mkdir(parents=True, exist_ok=True)
-    config = recipe_config(recipe, directory, {
-        "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
-        "rounds": {"open_round": open_round}})
-    relay = RelayThread(config)
-    url = relay.start()
-    print(f"relay:     {url}   (status JSON: {url}/api/status, dashboard: {url}/)", flush=True)
-    print(f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}", flush=True)
-    print(f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
-          f"{steps} steps, compression {compression}", flush=True)
-    print(f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}",
-          flush=True)
-    procs = [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
-                               "--seed", str(1000 + i), "--batch-size", str(batch_size), "--threads", "1"],
-                              stdout=subprocess.DEVNULL, stderr=open(directory / f"peer-{i}.log", "w"))
-             for i in range(peers)]
-    client = RelayClient(url, retries=1)
-    losses: dict[int, float] = {}
-    samples: dict[int, int] = {}
-    times: dict[int, float] = {}
-    code, kept = 0, False
     try:
+        config = recipe_config(recipe, directory, {
+            "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+            "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
+            "rounds": {"open_round": open_round}})
+        header = [f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
+                  f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
+                  f"{steps} steps, compression {compression}",
+                  f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}"]
+        return LocalRun("demo", config, directory, peers=peers, batch_size=batch_size, threads=1).run(header, keep=keep)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def run_trial(path: str, *, steps: int | None = None, target_batch: int = 16, batch_size: int = 8, port: int = 0,
+              threads: int = 1) -> int:
+    """``relay-server trial``: the organizer's own run (model, objective, data, optimizer) on this
+    machine before anyone joins it: a small target batch, open auth on 127.0.0.1, one local peer,
+    state in a temporary directory, Hub pushes and W&B off. The dashboard stays up until Ctrl-C
+    (or ``steps`` optimizer steps, then it exits). ``run.total_steps`` is kept: the learning-rate
+    schedule is the run's own."""
+    with tempfile.TemporaryDirectory(prefix="collab-trial-") as tmp:
+        directory = Path(tmp)
+        config = load_config(path, overrides={
+            "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+            "auth": {"mode": "open"}, "hub": {"repo_id": ""}, "wandb": {"project": ""}})
+        own, config.run.target_batch = config.run.target_batch, target_batch  # the run's own, said in the header
+        until = f"stops after {steps} step{'s' * (steps > 1)}" if steps else "until Ctrl-C"
+        header = [f"trial:     {path} on this machine: auth open on 127.0.0.1, state in a temporary directory, "
+                  "no Hub pushes or W&B (the run's own data_dir is untouched)",
+                  f"model:     {config.model.label()}, optimizer {config.optimizer.name} (lr {config.optimizer.lr:g}, "
+                  f"{config.optimizer.schedule})",
+                  f"peers:     1 CPU process ({threads} thread{'s' * (threads > 1)}), micro-batch {batch_size}, target "
+                  f"batch {target_batch} (the run's own, {own}, is for the collaboration), {until}"]
+        local = LocalRun("trial", config, directory, peers=1, batch_size=batch_size, threads=threads, stop_after=steps)
+        return local.run(header, keep=False, interrupt_ends=True)
+
+
+class LocalRun:
+    """A relay in this process and peer processes (``python -m toolkit.peer``) on this machine,
+    followed through ``/api/status``: one line per optimizer step, a JSON summary last. The demo
+    and the trial differ only in their configuration and their header."""
+
+    def __init__(self, name: str, config, directory: Path, *, peers: int, batch_size: int, threads: int,
+                 stop_after: int | None = None) -> None:
+        self.name, self.config, self.directory, self.peers = name, config, directory, peers
+        self.batch_size, self.threads, self.stop_after = batch_size, threads, stop_after
+        self.losses: dict[int, float] = {}
+        self.samples: dict[int, int] = {}
+        self.times: dict[int, float] = {}
+        self.references: dict[str, float] = {}
+
+    def run(self, header: list[str], *, keep: bool, interrupt_ends: bool = False) -> int:
+        """Start, follow until the run finishes (or ``stop_after`` steps, or Ctrl-C when
+        ``interrupt_ends``: then it is the normal end), stop; with ``keep`` the relay stays up
+        after the last step until Ctrl-C. Returns the exit code."""
+        relay = RelayThread(self.config)
+        try:
+            url = relay.start()
+        except RuntimeError as exc:  # the relay's own error, in one line: the run's config, not this tool
+            print(f"{self.name} stopped: {exc}", file=sys.stderr)
+            return 1
+        print(f"relay:     {url}   (dashboard: {url}/ , status JSON: {url}/api/status)", flush=True)
+        for line in header:
+            print(line, flush=True)
+        client = RelayClient(url, retries=1)
+        procs: list[subprocess.Popen] = []
+        code, kept = 0, False
+        try:
+            references = client.get_status().loss_references
+            self.references = {r.name: round(r.value, 4) for r in references}
+            if references:
+                print("losses:    " + "; ".join(f"{r.label} = {r.value:.4f}" for r in references), flush=True)
+            extra = ["--max-steps", str(self.stop_after)] if self.stop_after else []
+            if self.config.model.kind == "module":  # the organizer's own package, on the organizer's machine
+                extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
+            procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
+                                        "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
+                                        "--threads", str(self.threads), *extra],
+                                       stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
+                      for i in range(self.peers)]
+            code = self._follow(client, procs)
+            _stop_peers(procs)
+            if keep and code == 0:
+                kept = True
+                print(f"--keep: the relay and its dashboard stay up at {url}/ ; press Ctrl-C to stop them", flush=True)
+                while True:
+                    time.sleep(3600)
+        except KeyboardInterrupt:
+            if not kept and not interrupt_ends:
+                print(f"{self.name} stopped: interrupted", file=sys.stderr)
+                code = 1
+        except CollabError as exc:
+            print(f"{self.name} stopped: {exc}", file=sys.stderr)
+            code = 1
+        finally:
+            _stop_peers(procs, grace_s=0 if code or interrupt_ends else 20)
+            client.close()
+            relay.stop()
+        ordered = [self.losses[s] for s in sorted(self.losses)]
+        print(json.dumps({"steps": max(self.losses, default=0), "peers": self.peers,
+                          "first_loss": round(ordered[0], 4) if ordered else None,
+                          "last_loss": round(ordered[-1], 4) if ordered else None,
+                          "samples_per_s": round(_rate(self.samples, self.times), 2),
+                          "loss_references": self.references}), flush=True)
+        return code
+
+    def _follow(self, client: RelayClient, procs: list[subprocess.Popen]) -> int:
+        """Print each new step until the run finishes or ``stop_after``; 1 if every peer died first."""
+        total = self.config.run.total_steps
+        target = self.config.run.target_batch
         while True:
             status = client.get_status()
             for r in status.recent_rounds:
-                if r.step not in losses:
-                    losses[r.step], samples[r.step], times[r.step] = r.loss or float("nan"), r.samples, time.monotonic()
-                    rate = _rate(samples, times)
-                    print(f"step {r.step:4d}/{steps}  loss {losses[r.step]:.4f}  samples/s {rate:7.1f}  "
-                          f"peers {status.num_peers}  (applied {r.samples} of target {target_batch} samples "
+                if r.step not in self.losses:
+                    self.losses[r.step], self.samples[r.step] = r.loss or float("nan"), r.samples
+                    self.times[r.step] = time.monotonic()
+                    rate = _rate(self.samples, self.times)
+                    of = f"/{total}" if total else ""
+                    print(f"step {r.step:4d}{of}  loss {self.losses[r.step]:.4f}  samples/s {rate:7.1f}  "
+                          f"peers {status.num_peers}  (applied {r.samples} of target {target} samples "
                           f"from {r.contributors} peers in {r.duration_s:.2f}s)", flush=True)
-            if status.finished:
-                break
+            if status.finished or (self.stop_after and max(self.losses, default=0) >= self.stop_after):
+                return 0
             if all(p.poll() is not None for p in procs):
-                print(f"all peers exited early; see {directory}/peer-*.log", file=sys.stderr)
-                code = 1
-                break
+                tail = (self.directory / "peer-0.log").read_text(errors="replace").strip().splitlines()[-15:]
+                print("all peers exited early; the end of peer-0's log:", *tail, sep="\n  ", file=sys.stderr)
+                return 1
             time.sleep(0.25)
-        _stop_peers(procs)
-        if keep and code == 0:
-            kept = True
-            print(f"--keep: the relay and its dashboard stay up at {url}/ ; press Ctrl-C to stop them", flush=True)
-            while True:
-                time.sleep(3600)
-    except KeyboardInterrupt:
-        if not kept:
-            print("demo stopped: interrupted", file=sys.stderr)
-            code = 1
-    except CollabError as exc:
-        print(f"demo stopped: {exc}", file=sys.stderr)
-        code = 1
-    finally:
-        _stop_peers(procs)
-        client.close()
-        relay.stop()
-        if tmp is not None:
-            tmp.cleanup()
-    ordered = [losses[s] for s in sorted(losses)]
-    print(json.dumps({"steps": max(losses, default=0), "peers": peers,
-                      "first_loss": round(ordered[0], 4) if ordered else None,
-                      "last_loss": round(ordered[-1], 4) if ordered else None,
-                      "samples_per_s": round(_rate(samples, times), 2)}), flush=True)
-    return code
 
 
 def _rate(samples: dict[int, int], times: dict[int, float]) -> float:

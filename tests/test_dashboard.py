@@ -156,3 +156,48 @@ def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page,
     finally:
         stop([host])
     assert problems.snapshot() == [], problems
+
+
+def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
+    """An organizer's trial of the byte-level demo run: the loss chart carries a labelled
+    dashed line per reference the relay computed, and the summary under it names them."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from playwright.sync_api import expect
+
+    page, problems = browser_page
+    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "trial", "--config",
+                             str(REPO / "relay_server/defaults/demo.toml"), "--threads", "1"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            url = url or (re.match(r"relay:\s+(\S+)", line) or [None, None])[1]
+            if line.startswith("step    1 "):
+                break
+        assert url, "the trial printed no relay line"
+        with urllib.request.urlopen(url + "/api/status", timeout=30) as answer:
+            references = json.load(answer)["loss_references"]
+        assert [r["name"] for r in references] == ["chance", "unigram"]
+        page.goto(url + "/")
+        expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#loss-chart line.ref")).to_have_count(2, timeout=UI_TIMEOUT_MS)
+        labels = page.locator("#loss-chart text.ref-label")
+        expect(labels).to_have_text([f"{r['label']} = {r['value']:.4g}" for r in references])  # toPrecision(4)
+        expect(page.locator("#loss-summary")).to_contain_text("References: chance: ln 256 (bytes) = 5.545; "
+                                                              "unigram entropy of the demo text (bytes) = ")
+        # Each line sits at its value on the chart's scale: the chance line above the entropy one.
+        chance_y, unigram_y = (float(page.locator("#loss-chart line.ref").nth(i).get_attribute("y1")) for i in (0, 1))
+        assert chance_y < unigram_y
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-loss-references.png"), full_page=True)
+        assert problems.snapshot() == [], problems
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 0
+    finally:
+        proc.kill()

@@ -25,24 +25,30 @@ def start_demo(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[dict[int, float], dict]:
-    """Per-step collaboration losses and the summary of a demo that must exit 0."""
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[dict[int, float], dict, str]:
+    """Per-step collaboration losses, the summary and the output of a demo that must exit 0."""
     out, err = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
     lines = out.strip().splitlines()
     losses = {int(m[1]): float(m[2]) for m in map(STEP_LINE.match, lines) if m}
-    return losses, json.loads(lines[-1])
+    return losses, json.loads(lines[-1]), out
 
 
 def test_demo_prints_a_line_per_step_and_a_json_summary() -> None:
     proc = start_demo("--peers", "2", "--steps", "3", "--target-batch", "8", "--batch-size", "4")
-    losses, summary = finish(proc, timeout_s=240)
-    assert set(summary) == {"steps", "peers", "first_loss", "last_loss", "samples_per_s"}
+    losses, summary, out = finish(proc, timeout_s=240)
+    assert set(summary) == {"steps", "peers", "first_loss", "last_loss", "samples_per_s", "loss_references"}
     assert summary["steps"] == 3 and summary["peers"] == 2
     assert sorted(losses) == [1, 2, 3]
     assert summary["first_loss"] == round(losses[1], 4) and summary["last_loss"] == round(losses[3], 4)
     assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())  # bytes: ln(256) = 5.55 at init
     assert summary["samples_per_s"] > 0
+    # Where the loss stands: chance level and the shipped text's byte entropy, named in the header.
+    references = re.search(r"^losses:    chance: ln 256 \(bytes\) = (\S+); unigram entropy of the demo text \(bytes\) "
+                           r"= (\S+)$", out, re.M)
+    assert references, out
+    assert float(references[1]) == round(math.log(256), 4) == summary["loss_references"]["chance"]
+    assert float(references[2]) == summary["loss_references"]["unigram"] and 0 < float(references[2]) < math.log(256)
 
 
 def test_each_step_says_how_many_samples_it_applied_of_the_target() -> None:
@@ -86,7 +92,7 @@ def test_int8_compression_trains_as_well_as_float32() -> None:
     runs = {codec: start_demo(*args, "--compression", codec) for codec in ("none", "int8")}
     tail = {}
     for codec, proc in runs.items():
-        losses, summary = finish(proc, timeout_s=900)
+        losses, summary, _ = finish(proc, timeout_s=900)
         assert summary["steps"] == 40
         last = [losses[s] for s in sorted(losses)[-10:]]
         tail[codec] = sum(last) / len(last)
@@ -100,8 +106,10 @@ def test_albert_tiny_recipe_trains_a_tokenizer_and_a_masked_lm() -> None:
     """``--recipe albert-tiny``: the sahajBERT recipe in miniature runs end to end and learns."""
     proc = start_demo("--recipe", "albert-tiny", "--peers", "2", "--steps", "8", "--target-batch", "16",
                       "--batch-size", "4")
-    losses, summary = finish(proc, timeout_s=300)
+    losses, summary, out = finish(proc, timeout_s=300)
     assert summary["steps"] == 8 and sorted(losses) == list(range(1, 9))
+    assert re.search(r"^losses:    chance: ln \d+ \(tokens\) = \S+; unigram entropy of the demo text \(tokens\)", out,
+                     re.M), out
     assert all(math.isfinite(v) and v > 0 for v in losses.values())
     assert summary["last_loss"] < summary["first_loss"]  # ln(2000) = 7.6 at init
 

@@ -35,6 +35,7 @@ from relay_server.backbone.routes import MAX_LONG_POLL_S, get_slice, put_slice, 
 from relay_server.backbone.state_transfer import check_range, send_state
 from relay_server.rounds.store import Store
 from relay_server.backbone.tickets import encode_ticket
+from relay_server.data.loss_references import loss_references
 from toolkit.errors import ProtocolError
 from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
                               DoneRequest, Heartbeat, JoinRequest, TicketRequest)
@@ -53,6 +54,7 @@ async def get_run(request: web.Request) -> web.Response:
 
 STATUS_CACHE_S = 1.0  # dashboards poll every 1.5 s: any number of them costs about one report a second
 _STATUS_CACHE = web.AppKey("status_cache", list)
+LOSS_REFERENCES = web.AppKey("loss_references", list)
 
 
 async def get_status(request: web.Request) -> web.Response:
@@ -64,7 +66,8 @@ async def get_status(request: web.Request) -> web.Response:
     now = time.monotonic()
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
         status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app),
-                                     experts=experts_api.status_summary(request.app))
+                                     experts=experts_api.status_summary(request.app),
+                                     loss_references=request.app[LOSS_REFERENCES])
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")
 
@@ -270,6 +273,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.middlewares.extend([*admin_middlewares, *before_auth, *auth_middlewares, *after_auth])
     app[CONFIG] = config
     app[_STATUS_CACHE] = [0.0, None, b""]  # (built at, what it was built for, the JSON)
+    app[LOSS_REFERENCES] = []
     for method, path, handler in [*ROUTE_TABLE, *auth_routes, *admin_routes]:
         app.router.add_route(method, path, handler)
     static_dir = resources.files("relay_server.api").joinpath("static")
@@ -278,9 +282,16 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(_lifespan)
     app.cleanup_ctx.append(shards_api.lifespan)  # after the collaboration it expires leases against
     app.cleanup_ctx.append(tokenizer_api.lifespan)  # the run's tokenizer sha256 and objective into RunInfo
+    app.cleanup_ctx.append(_loss_references)  # from the tokenizer just loaded
     app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
     app.cleanup_ctx.append(experts_api.lifespan)  # [moe]: the expert directory, broker and checkpoints
     return app
+
+
+async def _loss_references(app: web.Application) -> AsyncIterator[None]:
+    """Chance level (and the demo text's unigram entropy) for the dashboard and the demo, once."""
+    app[LOSS_REFERENCES] = await asyncio.to_thread(loss_references, app[CONFIG], app.get(tokenizer_api.TOKENIZER))
+    yield
 
 
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:

@@ -17,19 +17,19 @@ username), :func:`auth_failure_middleware` sits *before* it and stops an address
 requests keep failing before any signature is checked again (a forged-pass flood would
 otherwise cost one Ed25519 verify per request). The admin routes never reach either.
 
-Unsigned requests from loopback are not limited by default (``limits.exempt_loopback``): on a
-local experiment every peer, script and dashboard is 127.0.0.1 -- except logins, which are
-limited on loopback too unless ``limits.exempt_loopback_logins`` says otherwise. Behind a
-reverse proxy on the same host, requests arrive from loopback too, but carry
-``X-Forwarded-For``; its last hop (the address the proxy saw) is then the key
-(``limits.trust_forwarded_for``, on by default, trusted from loopback only), so each client
-still gets its own bucket. A proxy that sends no such header makes every volunteer one client:
-:class:`SharedAddressWarning` says so in the log, once.
+The address is the client's by the rule the connection caps use too
+(:mod:`relay_server.core.client_address`): behind a reverse proxy on this host, the last hop of
+``X-Forwarded-For`` (``limits.trust_forwarded_for``, on by default, believed from loopback
+only), else the socket's address. Unsigned requests from a loopback *client* are not limited by
+default (``limits.exempt_loopback``): on a local experiment every peer, script and dashboard is
+127.0.0.1 -- except logins, which are limited on loopback too unless
+``limits.exempt_loopback_logins`` says otherwise. A request the proxy forwards for a public
+address is that address's, never exempt. A proxy that sends no such header makes every
+volunteer one loopback client: :class:`SharedAddressWarning` says so in the log, once.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import time
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from relay_server.auth.verify import IDENTITY_KEY, AuthRejected
+from relay_server.core.client_address import FORWARDED_FOR, client_address, is_loopback
 from relay_server.core.config import LimitsSection
 from relay_server.core.http import drain
 from relay_server.api.moderation import ADMIN_PREFIX
@@ -144,12 +145,7 @@ class ClientKeys:
         self.exempt_loopback_logins = exempt_loopback_logins
 
     def address(self, request: web.Request) -> str:
-        remote = request.remote or "unknown"
-        if self.trust_forwarded_for and _is_loopback(remote):  # a proxy on this host
-            forwarded = request.headers.get("X-Forwarded-For", "")
-            if forwarded:  # the last hop is the one our own proxy appended; earlier ones are the client's word
-                return forwarded.rsplit(",", 1)[-1].strip()[:64] or remote
-        return remote
+        return client_address(request.remote or "unknown", request.headers, trust_forwarded_for=self.trust_forwarded_for)
 
     def key(self, request: web.Request, kind: str | None = None) -> str | None:
         """None when the request is not limited (unsigned, from loopback, loopback exempt; a
@@ -159,7 +155,7 @@ class ClientKeys:
             return "user:" + identity["username"].casefold()
         address = self.address(request)
         exempt = self.exempt_loopback_logins if kind == "login" else self.exempt_loopback
-        if exempt and _is_loopback(address):
+        if exempt and is_loopback(address):
             return None
         return "addr:" + address
 
@@ -180,7 +176,7 @@ class SharedAddressWarning:
         if self.done:
             return
         remote = request.remote or "unknown"
-        if "X-Forwarded-For" in request.headers or self.address not in (None, remote):
+        if FORWARDED_FOR in request.headers or self.address not in (None, remote):
             self.done = True
             return
         self.address = remote
@@ -194,13 +190,6 @@ class SharedAddressWarning:
                         "X-Forwarded-For $proxy_add_x_forwarded_for; Caddy sets it) and run it on this host, or "
                         "every volunteer shares one login rate limit ([limits] login_*). Expected on a local "
                         "experiment.", len(self.users), remote)
-
-
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
 
 
 class _Warnings:
@@ -263,7 +252,7 @@ def auth_failure_middleware(buckets: TokenBuckets, keys: ClientKeys):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         address = keys.address(request)
-        if not _presents_credentials(request) or (keys.exempt_loopback and _is_loopback(address)):
+        if not _presents_credentials(request) or (keys.exempt_loopback and is_loopback(address)):
             return await handler(request)  # nothing to verify: no verification cost to guard
         key = "addr:" + address
         wait_s = buckets.peek("auth_failures", key)

@@ -28,15 +28,17 @@ async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asy
             on_ready(url)
 
     await serve_app(create_app(config, extra_middlewares), config.server.host, config.server.port,
-                    ready_file=ready_file, stop=stop, on_ready=ready, connections=config.connections)
+                    ready_file=ready_file, stop=stop, on_ready=ready, connections=config.connections,
+                    trust_forwarded_for=config.limits.trust_forwarded_for)
 
 
 async def serve_app(app: web.Application, host: str, port: int, *, ready_file: str | None = None,
                     stop: asyncio.Event | None = None, on_ready: Callable[[str], None] | None = None,
-                    connections: ConnectionsSection | None = None) -> None:
+                    connections: ConnectionsSection | None = None, trust_forwarded_for: bool = True) -> None:
     """Listen on ``host:port`` (0 = any free port), call ``on_ready(url)``, serve until stopped.
-    Every connection passes a :class:`ConnectionGuard` (``connections``, defaults when None)."""
-    guard = ConnectionGuard(connections or ConnectionsSection())
+    Every connection passes a :class:`ConnectionGuard` (``connections``, defaults when None),
+    which finds a request's client as the rate limits do (``trust_forwarded_for``)."""
+    guard = ConnectionGuard(connections or ConnectionsSection(), trust_forwarded_for=trust_forwarded_for)
     app.middlewares.insert(0, guard.middleware)  # outermost: knows when a connection is busy
     # shutdown_timeout: long-polling peers must not hold a stopping relay for aiohttp's default 60 s
     runner = web.AppRunner(app, handle_signals=False, access_log=None, read_bufsize=READ_BUFSIZE,

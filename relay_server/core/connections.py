@@ -15,6 +15,14 @@ peers exhaust it, and the errors then surface inside handlers, mid-response. So:
   (a stalled gradient upload then fails like any other, so its round does not wait for it); a
   GET whose client went away is cancelled (a long-poll must not hold its peer "alive");
 * declared upload bytes in flight are capped globally and per address;
+* behind a reverse proxy on this host (the README's TLS setup) the per-address caps follow the
+  client the proxy names (:mod:`relay_server.core.client_address`), as the rate limits do. A TCP
+  connection is admitted before any header arrives, and the proxy's connections all come from
+  loopback, so for proxied requests the per-address connection cap counts what a connection
+  costs the relay -- a request in progress (a handler, an upstream connection, perhaps a
+  long-poll) -- per forwarded client: past ``max_per_address`` of them a client's next request is
+  answered 503 + Retry-After. A client's idle keep-alives are held by the proxy, whose own
+  timeouts bound them; the proxy's connections themselves stay under the global cap;
 * the guard accepts connections itself (:class:`relay_server.core.accept.Acceptor`): CPython's accept loop turns one
   EMFILE into a traceback per failed accept and a growing storm of retries; here a failed accept
   pauses accepting briefly and is reported once a minute.
@@ -23,7 +31,6 @@ peers exhaust it, and the errors then surface inside handlers, mid-response. So:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 import time
@@ -34,6 +41,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from relay_server.core.accept import RETRY_AFTER_S, Acceptor, open_descriptors, raise_descriptor_limit, shut
+from relay_server.core.client_address import forwarded_client, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +59,9 @@ class ConnectionsSection:
     max_per_address: int = 64
     """Open connections per client address (a notebook holds two or three)."""
     exempt_loopback: bool = True
-    """No per-address caps for 127.0.0.1/::1: local runs, and a reverse proxy on this host."""
+    """No per-address caps for clients at 127.0.0.1/::1 (local runs). The client is the one
+    ``limits.trust_forwarded_for`` finds: a reverse proxy on this host connects from loopback
+    uncapped, but a public address it forwards for is capped like any other."""
     fd_reserve: int = 64
     """Descriptors kept free for state files and the database; at most a quarter of the limit.
     A transfer in progress holds one more (a download its version file, an upload its spool):
@@ -66,7 +76,8 @@ class ConnectionsSection:
     """Declared bytes of tensor uploads in flight at once; past it an upload is answered 503 +
     Retry-After before any of its body is read."""
     max_upload_bytes_per_address: int = 2 << 30
-    """The same per client address (loopback exempt as for ``max_per_address``)."""
+    """The same per client address (proxied: the forwarded one; loopback exempt as for
+    ``max_per_address``)."""
 
     def checks(self) -> list[tuple[bool, str]]:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
@@ -81,10 +92,10 @@ class ConnectionsSection:
 class _Conn:
     """One client connection's bookkeeping."""
 
-    __slots__ = ("transport", "address", "exempt", "idle_since", "last_bytes", "request", "task")
+    __slots__ = ("transport", "address", "idle_since", "last_bytes", "request", "task")
 
-    def __init__(self, transport: asyncio.Transport, address: str, exempt: bool, now: float) -> None:
-        self.transport, self.address, self.exempt = transport, address, exempt
+    def __init__(self, transport: asyncio.Transport, address: str, now: float) -> None:
+        self.transport, self.address = transport, address  # the socket's peer: what TCP-level caps count
         self.idle_since = self.last_bytes = now
         self.request: web.BaseRequest | None = None
         self.task: asyncio.Task | None = None  # a GET's handler: cancelled if its client goes away
@@ -126,17 +137,21 @@ class _GuardedProtocol(asyncio.Protocol):
 
 
 class ConnectionGuard:
-    """Admits, times out and accounts for every client connection of one server."""
+    """Admits, times out and accounts for every client connection of one server.
 
-    def __init__(self, config: ConnectionsSection) -> None:
-        self.config = config
+    ``trust_forwarded_for`` (``limits.trust_forwarded_for``) decides who a request is from, by the
+    same rule as the rate limits (:func:`~relay_server.core.client_address.client_address`)."""
+
+    def __init__(self, config: ConnectionsSection, *, trust_forwarded_for: bool = True) -> None:
+        self.config, self.trust_forwarded_for = config, trust_forwarded_for
         self._limits = raise_descriptor_limit()  # first: whatever starts next may need descriptors
         self.capacity = config.max_connections or 1 << 30
         self._conns: dict[asyncio.Transport, _Conn] = {}
         self._idle: OrderedDict[asyncio.Transport, _Conn] = OrderedDict()  # longest idle first
         self._bodies: set[_Conn] = set()  # busy with a body still arriving
         self._per_address: Counter[str] = Counter()
-        self._uploads: Counter[str] = Counter()  # declared bytes in flight by address ("" = total)
+        self._uploads: Counter[str] = Counter()  # declared bytes in flight by client address ("" = total)
+        self._proxied: Counter[str] = Counter()  # requests in progress by forwarded client address
         self.counts: Counter[str] = Counter()  # refused / evicted / timed out, by reason
         self._acceptor: Acceptor | None = None
         self.pending = 0  # accepted and let in, not yet registered (the transport is being made)
@@ -185,7 +200,7 @@ class ConnectionGuard:
     def make_room(self, address: str) -> bool:
         """Whether a connection from ``address`` may come in, closing the longest-idle connection
         (of that address past its cap, else any) when a cap is reached; False: refuse it."""
-        exempt = self.config.exempt_loopback and _loopback(address)
+        exempt = self.config.exempt_loopback and is_loopback(address)
         if not exempt and self._per_address[address] >= self.config.max_per_address and not self._evict(address):
             self.counts["refused_per_address"] += 1
             return False
@@ -206,7 +221,7 @@ class ConnectionGuard:
         self.pending = max(0, self.pending - 1)
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        conn = _Conn(transport, address, self.config.exempt_loopback and _loopback(address), time.monotonic())
+        conn = _Conn(transport, address, time.monotonic())
         self._conns[transport] = conn
         self._idle[transport] = conn
         return conn
@@ -252,28 +267,47 @@ class ConnectionGuard:
         if request.body_exists and not request.content.is_eof():
             conn.last_bytes = time.monotonic()
             self._bodies.add(conn)
-        reserved = 0
+        proxied = forwarded_client(conn.address, request.headers, trust_forwarded_for=self.trust_forwarded_for)
+        client = proxied or conn.address
+        exempt = self.config.exempt_loopback and is_loopback(client)
+        holding, reserved = False, 0
         try:
+            if proxied is not None and not exempt:  # counted per forwarded client (see the module's docstring)
+                if self._proxied[client] >= self.config.max_per_address:
+                    return self._refuse_proxied(client)
+                self._proxied[client] += 1
+                holding = True
             if counted:
-                refused = self._reserve_upload(conn, declared)
+                refused = self._reserve_upload(client, exempt, declared)
                 if refused is not None:
                     return refused
                 reserved = declared
             return await handler(request)
         finally:
+            if holding:
+                _decrement(self._proxied, client)
             if reserved:
                 self._uploads[""] -= reserved
-                self._uploads[conn.address] -= reserved
-                if not self._uploads[conn.address]:
-                    del self._uploads[conn.address]
+                _decrement(self._uploads, client, reserved)
             self._bodies.discard(conn)
             conn.request, conn.task = None, None
             if conn.transport in self._conns:
                 conn.idle_since = time.monotonic()
                 self._idle[conn.transport] = conn
 
-    def _reserve_upload(self, conn: _Conn, declared: int) -> web.Response | None:
-        cap = self.config.max_upload_bytes if conn.exempt else \
+    def _refuse_proxied(self, client: str) -> web.Response:
+        """A forwarded client already has ``max_per_address`` requests in progress."""
+        self.counts["refused_per_address"] += 1
+        response = web.json_response(
+            {"error": "relay_busy", "message": f"{self._proxied[client]} requests from {client} are already in "
+             "progress (connections.max_per_address)",
+             "hint": "Retry in a few seconds (the toolkit does this on its own); one notebook needs two or three."},
+            status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        response.force_close()  # a body it may carry is unread
+        return response
+
+    def _reserve_upload(self, client: str, exempt: bool, declared: int) -> web.Response | None:
+        cap = self.config.max_upload_bytes if exempt else \
             min(self.config.max_upload_bytes, self.config.max_upload_bytes_per_address)
         if declared > cap:  # could never fit, however long the peer waits: too large, not busy
             self.counts["refused_upload_bytes"] += 1
@@ -283,9 +317,9 @@ class ConnectionGuard:
                  "can raise connections.max_upload_bytes(_per_address)."}, status=413)
             response.force_close()
             return response
-        total, mine = self._uploads[""] + declared, self._uploads[conn.address] + declared
+        total, mine = self._uploads[""] + declared, self._uploads[client] + declared
         if total > self.config.max_upload_bytes or (
-                not conn.exempt and mine > self.config.max_upload_bytes_per_address):
+                not exempt and mine > self.config.max_upload_bytes_per_address):
             self.counts["refused_upload_bytes"] += 1
             response = web.json_response(
                 {"error": "relay_busy", "message": f"{total} upload bytes would be in flight",
@@ -294,7 +328,7 @@ class ConnectionGuard:
             response.force_close()  # the unread body must not be parsed as the next request
             return response
         self._uploads[""] += declared
-        self._uploads[conn.address] += declared
+        self._uploads[client] += declared
         return None
 
     # --- timeouts --------------------------------------------------------------------------------
@@ -328,8 +362,7 @@ class ConnectionGuard:
                 **self.counts}
 
 
-def _loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:
+    counter[key] -= amount
+    if counter[key] <= 0:
+        del counter[key]

@@ -94,7 +94,9 @@ class LimitsSection:
     volunteer is 127.0.0.1, and would share one unlimited bucket of whoami calls (issue 17)."""
     trust_forwarded_for: bool = True
     """A loopback request with X-Forwarded-For came through a reverse proxy on this host (the README's
-    Caddy / nginx): key it by the header's last hop. No other address may name itself."""
+    Caddy / nginx): key it by the header's last hop, for the rate limits, the per-address connection
+    and upload-byte caps and the loopback exemptions alike (relay_server.core.client_address). No
+    other address may name itself."""
     poll_per_s: float = 50.0
     """Heartbeats, progress and state polls, leave, shard leases: frequent and cheap."""
     poll_burst: float = 500.0

@@ -168,12 +168,15 @@ function roundRates(rounds) {
 function renderCharts(s) {
   const rounds = s.recent_rounds || [];
   const lossPoints = rounds.filter((r) => r.loss !== null).map((r) => [r.step, r.loss]);
+  // Chance level (and the demo text's unigram entropy): dashed lines, so a newcomer sees where the loss stands.
+  const refs = s.loss_references || [];
   lineChart($("loss-chart"), [{ cls: "loss", points: lossPoints }],
-    { x: (v) => fmt.int(v), y: fmt.loss, empty: "No finished round yet." });
-  $("loss-summary").textContent = lossPoints.length
+    { x: (v) => fmt.int(v), y: fmt.loss, empty: "No finished round yet.", refs });
+  const refText = refs.map((r) => `${r.label} = ${fmt.loss(r.value)}`).join("; ");
+  $("loss-summary").textContent = (lossPoints.length
     ? `${lossPoints.length} rounds shown; first loss ${fmt.loss(lossPoints[0][1])}, ` +
-      `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}.`
-    : "";
+      `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}. `
+    : "") + (refText ? `References: ${refText}.` : "");
 
   reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.samples_per_s]);
   if (reportedHistory.length > HISTORY) reportedHistory.shift();
@@ -273,17 +276,19 @@ function svg(tag, attrs, text) {
   return node;
 }
 
-/** Draw ``series`` ([{cls, points: [[x, y], ...]}]) into ``target``, keeping its <title>. */
+/** Draw ``series`` ([{cls, points: [[x, y], ...]}]) into ``target``, keeping its <title>; each of
+ * ``opts.refs`` ([{value, label}]) is a labelled horizontal line, inside the y range. */
 function lineChart(target, series, opts) {
   const title = target.querySelector("title");
   const all = series.flatMap((s) => s.points);
+  const refs = opts.refs || [];
   target.replaceChildren(title);
   target.dataset.points = String(series[0].points.length);
   if (all.length === 0) {
     target.append(svg("text", { x: BOX.w / 2, y: BOX.h / 2, class: "empty", "text-anchor": "middle" }, opts.empty));
     return;
   }
-  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+  const xs = all.map((p) => p[0]), ys = [...all.map((p) => p[1]), ...refs.map((r) => r.value)];
   let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   let [y0, y1] = [opts.yFromZero ? 0 : Math.min(...ys), Math.max(...ys)];
   if (x1 === x0) { x0 -= 1; x1 += 1; }
@@ -298,6 +303,12 @@ function lineChart(target, series, opts) {
   }
   target.append(svg("text", { x: BOX.left, y: BOX.h - 8, class: "tick" }, opts.x(x0)));
   target.append(svg("text", { x: BOX.w - BOX.right, y: BOX.h - 8, "text-anchor": "end", class: "tick" }, opts.x(x1)));
+  for (const r of refs) {
+    target.append(svg("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: py(r.value), y2: py(r.value), class: "ref" }));
+    const y = py(r.value) < BOX.top + 14 ? py(r.value) + 13 : py(r.value) - 4;  // below the line at the top edge
+    target.append(svg("text", { x: BOX.w - BOX.right - 4, y, "text-anchor": "end", class: "ref-label" },
+      `${r.label} = ${opts.y(r.value)}`));
+  }
   for (const s of series) {
     if (!s.points.length) continue;
     const coords = s.points.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");

@@ -57,6 +57,18 @@ class RunSummary(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LossReference(Schema):
+    """A loss worth comparing the run's to, computed by the relay from the run's configuration:
+    ``chance`` (a uniform guess over the targets: ln of the vocabulary or of the labels) or
+    ``unigram`` (each target's frequency in the shipped demo text, ignoring its context)."""
+
+    name: str
+    value: float
+    label: str
+    """What the dashboard and the demo print next to the value, e.g. "chance: ln 2000"."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class StatusReport(Schema):
     """``GET /api/status``: everything the dashboard and the demo print."""
 
@@ -84,3 +96,5 @@ class StatusReport(Schema):
     experts: dict[str, Any] | None = None
     """Runs with ``[moe]``: experts live/total, calls/s and failure rate over the last minute,
     experts per host, queued rows (``relay_server.api.experts.Experts.summary``)."""
+    loss_references: list[LossReference] = field(default_factory=list)
+    """Chance level and, on the demo text, its unigram entropy: where the loss curve stands."""
