@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     notebook.add_argument("--url", required=True, help="the relay's public address, as volunteers reach it "
                           "(e.g. https://relay.example.org); it must be running: it is asked which wheel it serves")
     notebook.add_argument("-o", "--out", required=True, help="the .ipynb file to write, e.g. my-run.ipynb")
+    notebook.add_argument("--local-test", action="store_true", help="allow a loopback, private or plain-http --url "
+                          "for colab/kaggle/tpu: a notebook you run yourself next to the relay, not one to share")
 
     from relay_server.api.moderation import add_admin_parser
 
@@ -199,13 +201,15 @@ def _notebook(args: argparse.Namespace) -> int:
     from relay_server.notebooks import write_notebook
 
     try:
-        pin = write_notebook(args.platform, args.url, Path(args.out))
+        pin = write_notebook(args.platform, args.url, Path(args.out), local_test=args.local_test)
     except ConfigError as exc:  # not a configuration: say which command failed
         print(f"relay-server notebook: {exc}", file=sys.stderr)
         return 2
+    share = ("A local test: run it on this machine, do not share it." if args.local_test else
+             "Share it with volunteers; write it again after upgrading the relay's collabtrain (the old one then "
+             "refuses to install).")
     print(f"wrote {args.out}: it installs collabtrain {pin.version} from {pin.relay_url}/toolkit/{pin.wheel} "
-          f"(sha256 {pin.sha256}) and joins that relay. Share it with volunteers; write it again after upgrading "
-          f"the relay's collabtrain (the old one then refuses to install).")
+          f"(sha256 {pin.sha256}) and joins that relay. {share}")
     return 0
 
 

@@ -38,6 +38,19 @@ def test_a_url_without_a_scheme_says_so() -> None:
     assert info.value.hint == NOT_A_RELAY_HINT
 
 
+def test_a_relay_address_with_a_path_says_which_address_to_use(start_relay) -> None:
+    relay = start_relay()
+    for wrong in (relay.url + "/dashboard", relay.url + "/api/run"):
+        client = RelayClient(wrong, retries=0)
+        with pytest.raises(RelayUrlError) as path:
+            client.get_run()
+        assert path.value.code == "wrong_path"
+        assert path.value.message == f"{wrong} is not the relay's address: the relay answers at {relay.url}"
+        assert path.value.hint == (f"Use {relay.url} as the relay URL (set RELAY_URL, or ask the organizer for a "
+                                   "fresh notebook).")
+        client.close()
+
+
 def test_shell_peer_without_a_token_says_how_to_give_one(start_relay, hf_standin) -> None:
     relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
     done = subprocess.run([sys.executable, "-m", "toolkit.peer", "--relay", relay.url, "--token-env", "NO_SUCH_VAR",
@@ -82,8 +95,9 @@ def test_a_relay_that_is_down_says_nothing_listens_and_that_a_restart_is_retried
         client.get_run()
     assert down.value.message == (f"no answer from the relay at {url} (connection refused: nothing listens there) "
                                   "after 2 tries (GET /api/run)")
-    assert down.value.hint.startswith("A relay that is restarting answers again within seconds: a running peer "
-                                      "keeps retrying and goes on by itself. Otherwise check the relay URL")
+    assert down.value.hint == ("A relay that is restarting answers again within seconds: a running peer keeps "
+                               "retrying and goes on by itself. Otherwise: Check the relay URL, that the relay is "
+                               "running, and that this notebook has internet access (Kaggle: Settings -> Internet on).")
     client.close()
 
 

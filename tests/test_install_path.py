@@ -17,12 +17,13 @@ import base64
 import hashlib
 import http.client
 import io
+import os
 import re
 import subprocess
 import sys
 import sysconfig
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +38,20 @@ from nbclient.exceptions import CellExecutionError
 
 from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
-from relay_server.notebooks import PLATFORMS, ToolkitPin, render, template
+from relay_server.notebooks import PLATFORMS, ToolkitPin, fetch_pin, generated_block, render, template
 from tests.conftest import REPO, free_port
 from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
 from tests.test_panel import TINY_LM, running_relay, status
+from toolkit import join
+from toolkit.errors import MESSAGES
 
 HASH_MESSAGE = "serves a different toolkit than this notebook pins"
+
+
+def said(code: str, **fields: object) -> list[str]:
+    """The two lines the notebook stops with: MESSAGES[code] filled in."""
+    what, todo = (text.format(**fields) for text in MESSAGES[code])
+    return [f"[{code}] {what}", f"What to do: {todo}"]
 
 
 # --- the wheel -------------------------------------------------------------------------------
@@ -141,6 +150,8 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
         assert template(platform) == shipped, f"notebooks/{platform}.ipynb drifted from its package template"
         cell = code_cells(nbformat.reads(shipped, as_version=4))[0].source
         default = re.search(r'"COLLAB_RELAY_URL", "([^"]+)"', cell).group(1)
+        # The cell holds the toolkit's messages as toolkit/errors.py has them now: rendering changes nothing.
+        assert generated_block() in cell, f"notebooks/{platform}.ipynb: run python -m relay_server.notebooks"
         assert render(shipped, ToolkitPin(relay_url=default, wheel="", sha256="")) == shipped
     pin = ToolkitPin(relay_url="https://relay.example.net", wheel="collabtrain-1.2.3-py3-none-any.whl",
                      sha256="ab" * 32)
@@ -159,15 +170,61 @@ def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path:
                                                                       capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run.ipynb"
     down = f"http://127.0.0.1:{free_port()}"
-    assert main(["notebook", "colab", "--url", down, "-o", str(out)]) == 2
+    assert main(["notebook", "local", "--url", down, "-o", str(out)]) == 2
     err = capsys.readouterr().err
-    assert f"cannot reach the relay at {down}/api/toolkit" in err and "relay-server serve" in err
-    assert main(["notebook", "kaggle", "--url", web_page, "-o", str(out)]) == 2
+    assert f"cannot reach the relay at {down}/api/toolkit (connection refused: nothing listens there)" in err
+    assert "relay-server serve" in err
+    assert main(["notebook", "kaggle", "--local-test", "--url", web_page, "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{web_page}/api/toolkit answered HTTP 200 with a web page, not the relay's JSON" in err
     assert "Check the relay URL" in err
     assert main(["notebook", "tpu", "--url", "relay.example.org", "-o", str(out)]) == 2
     assert "--url must be the relay's public http(s) address" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("platform", ["colab", "kaggle", "tpu"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "https://localhost:{port}", "https://192.168.1.20:{port}",
+                                 "http://[::1]:{port}"])
+def test_a_hosted_notebook_is_refused_an_address_its_platform_cannot_reach(
+        tmp_path: Path, capsys: pytest.CaptureFixture, platform: str, url: str) -> None:
+    out, url = tmp_path / "run.ipynb", url.format(port=free_port())  # refused before anything is asked
+    assert main(["notebook", platform, "--url", url, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"relay-server notebook: a {platform} notebook runs on {platform}'s machines, which cannot reach {url} (an "
+        f"address of this machine or its network): pass the relay's public https:// address, or --local-test for "
+        f"a notebook you run on this machine yourself\n")
+    assert not out.exists()
+
+
+def test_a_hosted_notebook_is_refused_plain_http(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run.ipynb"
+    assert main(["notebook", "colab", "--url", "http://relay.example.org", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        "relay-server notebook: http://relay.example.org is plain http, so a colab notebook would send volunteers' "
+        "tokens and gradients across the internet in clear: put the relay behind TLS (README: 'TLS through a reverse "
+        "proxy') and pass its https:// address, or --local-test for a notebook you run on this machine yourself\n")
+    assert not out.exists()
+
+
+def test_local_test_and_the_local_kind_may_use_this_machines_relay(generated: GeneratedRun,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    for args in (["local"], ["colab", "--local-test"]):
+        out = generated.home / f"{args[0]}-test.ipynb"
+        assert main(["notebook", *args, "--url", generated.relay_url, "-o", str(out)]) == 0
+        said_out = capsys.readouterr().out
+        assert f"joins that relay. {'A local test: run it on this machine' if '--local-test' in args else 'Share'}" \
+            in said_out
+        assert f'"COLLAB_RELAY_URL", "{generated.relay_url}"' in code_cells(nbformat.read(out, as_version=4))[0].source
+
+
+def test_a_finished_run_gets_no_notebook(finished_relay: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run.ipynb"
+    assert main(["notebook", "local", "--url", finished_relay, "-o", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"relay-server notebook: run 'demo-byte-lm' at {finished_relay} already finished at step 1, so every "
+        f"volunteer opening this notebook would stop at once: raise [run] total_steps and restart the relay, or pass the "
+        f"address of the next run's relay\n")
     assert not out.exists()
 
 
@@ -183,9 +240,15 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           capture_output=True, text=True, check=True).stdout.strip()
     (Path(site) / "collab-test-parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     probe = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('toolkit'))"],
-                           capture_output=True, text=True, check=True, cwd=root)
+                           capture_output=True, text=True, check=True, cwd=root, env=without_checkout(os.environ))
     assert probe.stdout.strip() == "None", "the fresh venv must not see the checkout's collabtrain"
     return python
+
+
+def without_checkout(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without PYTHONPATH: a checkout on it (as a developer runs the tests) would hand the
+    fresh venv the very toolkit it must install."""
+    return {key: value for key, value in env.items() if key != "PYTHONPATH"}
 
 
 @dataclass
@@ -204,25 +267,49 @@ def generated(tmp_path_factory: pytest.TempPathFactory, fresh_python: Path) -> I
     home = tmp_path_factory.mktemp("organizer")
     with running_relay(home) as relay:
         notebook = home / "my-run.ipynb"
-        assert main(["notebook", "colab", "--url", relay.url, "-o", str(notebook)]) == 0
+        assert main(["notebook", "colab", "--local-test", "--url", relay.url, "-o", str(notebook)]) == 0
         info = requests.get(relay.url + "/api/toolkit", timeout=10).json()
         specs = kernel_spec_manager(tmp_path_factory.mktemp("kernels"), str(fresh_python), name="fresh")
         yield GeneratedRun(relay_url=relay.url, notebook=notebook, wheel=home / "relay-data" / "toolkit" / info["wheel"],
                            venv=fresh_python.parent.parent, specs=specs, home=home)
 
 
-def execute(run: GeneratedRun) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
-    """The notebook as the organizer wrote it, plus a probe cell saying where ``toolkit`` came
-    from; the kernel's working directory is outside the checkout."""
-    nb = nbformat.read(run.notebook, as_version=4)
+@pytest.fixture(scope="module")
+def finished_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A relay whose run (one step) is over: a peer in this process took that step."""
+    with running_relay(tmp_path_factory.mktemp("finished"), {"run": {**TINY_LM["run"], "total_steps": 1}}) as relay:
+        result = join(relay.url, panel="none", max_steps=1)
+        assert result.final_step == 1 and status(relay.url)["finished"], result
+        yield relay.url
+
+
+def execute(run: GeneratedRun, relay_url: str | None = None,
+            notebook: str | None = None) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
+    """The notebook as the organizer wrote it (or ``notebook``'s text), plus a probe cell saying
+    where ``toolkit`` came from; ``relay_url`` replaces the notebook's relay (COLLAB_RELAY_URL);
+    the kernel's working directory is outside the checkout."""
+    nb = nbformat.reads(notebook, as_version=4) if notebook else nbformat.read(run.notebook, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import toolkit; print('TOOLKIT_FROM', toolkit.__file__)"))
     km = AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=run.specs)
     client = NotebookClient(nb, km=km, timeout=240, resources={"metadata": {"path": str(run.home)}})
     try:
-        asyncio.run(client.async_execute(env=kernel_env(None, run.home)))
+        asyncio.run(client.async_execute(env=without_checkout(kernel_env(relay_url, run.home))))
     except CellExecutionError as exc:
         return client.nb, exc
     return client.nb, None
+
+
+def stopped_with(nb: nbformat.NotebookNode, error: CellExecutionError | None, lines: list[str]) -> None:
+    """The cell stopped with exactly ``lines`` (what happened, what to do) and nothing else: no
+    traceback, no IPython exit warning, no pip output, and the next cell did not run."""
+    assert error is not None and error.ename == "Stop", error
+    cell = code_cells(nb)[0]
+    assert [o.output_type for o in cell.outputs] == ["error"], cell.outputs
+    assert cell.outputs[0].traceback == lines
+    text = outputs_text(cell)
+    assert text.strip().splitlines() == lines
+    assert "Traceback" not in text and "To exit" not in text
+    assert not code_cells(nb)[1].outputs  # the cells below did not run
 
 
 def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_contributes(
@@ -230,7 +317,8 @@ def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_
     nb, error = execute(generated)
     text = outputs_text(code_cells(nb)[0])
     assert error is None, f"{error}\n{text}"
-    assert re.search(r"JoinResult\(.*contributed_samples=[1-9]", text), text
+    assert re.search(rf"Contributed {MAX_STEPS * TINY_LM['run']['target_batch']} samples over {MAX_STEPS} steps "
+                     r"\(first contribution [\d.]+ s after joining\); left at step", text), text
     where = outputs_text(code_cells(nb)[1])
     assert f"TOOLKIT_FROM {generated.venv}" in where and str(REPO) not in where, where
     assert status(generated.relay_url)["step"] == MAX_STEPS
@@ -245,24 +333,69 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
         nb, error = execute(generated)
     finally:
         generated.wheel.write_bytes(original)
-    assert error is not None and error.ename == "SystemExit", error
-    text = outputs_text(code_cells(nb)[0])
-    assert f"The relay at {generated.relay_url} {HASH_MESSAGE}" in error.evalue
-    assert "nothing was installed. Ask the organizer for a fresh notebook. Never edit the hash" in error.evalue
-    assert "Installing the toolkit" not in text  # not the network hint
+    sha256 = fetch_pin(generated.relay_url).sha256  # what the notebook pins
+    stopped_with(nb, error, said("toolkit_mismatch", url=generated.relay_url, sha256=sha256))
+    assert f"[toolkit_mismatch] the relay at {generated.relay_url} {HASH_MESSAGE} (sha256 {sha256[:12]}...)" \
+        ": nothing was installed" in error.evalue
 
 
-def test_a_relay_that_does_not_answer_keeps_the_network_hint(generated: GeneratedRun) -> None:
-    down = f"http://127.0.0.1:{free_port()}"
-    nb = nbformat.read(generated.notebook, as_version=4)
-    client = NotebookClient(nb, km=AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=generated.specs),
-                            timeout=240, resources={"metadata": {"path": str(generated.home)}})
-    with pytest.raises(CellExecutionError) as failed:  # COLLAB_RELAY_URL overrides the notebook's relay
-        asyncio.run(client.async_execute(env={**kernel_env(down, generated.home), "PIP_RETRIES": "0"}))
-    assert failed.value.ename == "SystemExit"
-    assert f"Installing the toolkit from {down} failed: check that the relay is up and this notebook's internet " \
-           "access (Kaggle: Settings -> Internet on)." in failed.value.evalue
-    assert HASH_MESSAGE not in failed.value.evalue
+def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(generated: GeneratedRun) -> None:
+    down = f"http://127.0.0.1:{free_port()}"  # COLLAB_RELAY_URL overrides the notebook's relay
+    nb, error = execute(generated, down)
+    stopped_with(nb, error, said("relay_unreachable", url=down, reason="connection refused: nothing listens there"))
+    assert error.evalue == (f"[relay_unreachable] no answer from the relay at {down} (connection refused: nothing "
+                            "listens there)\nWhat to do: Check the relay URL, that the relay is running, and that "
+                            "this notebook has internet access (Kaggle: Settings -> Internet on).")
+
+
+def test_a_web_page_stops_the_cell_saying_it_is_not_a_relay(generated: GeneratedRun, web_page: str) -> None:
+    nb, error = execute(generated, web_page)
+    stopped_with(nb, error, said("not_a_relay", url=f"{web_page}/api/status", status=404, kind="a web page"))
+    assert error.evalue.startswith(f"[not_a_relay] {web_page}/api/status answered HTTP 404 with a web page, not the "
+                                   "relay's JSON: is this a collabtrain relay?\nWhat to do: Check the relay URL")
+
+
+def test_a_relay_address_with_a_path_says_which_address_to_use(generated: GeneratedRun) -> None:
+    wrong = generated.relay_url + "/dashboard"
+    nb, error = execute(generated, wrong)
+    stopped_with(nb, error, said("wrong_path", url=wrong, base=generated.relay_url))
+
+
+def test_a_finished_run_stops_the_cell_before_pip(generated: GeneratedRun, finished_relay: str) -> None:
+    nb, error = execute(generated, finished_relay)
+    stopped_with(nb, error, said("run_finished", run="demo-byte-lm", step=1))
+    assert error.evalue.startswith("[run_finished] run 'demo-byte-lm' already finished at step 1: there is nothing "
+                                   "left to contribute\nWhat to do: Nothing to do here: ask the organizer")
+
+
+def test_a_failed_install_is_one_line_with_pips_output_in_a_named_file(generated: GeneratedRun) -> None:
+    """A wheel name the relay does not serve (an old notebook after the relay's upgrade)."""
+    pin = fetch_pin(generated.relay_url)
+    stale = ToolkitPin(relay_url=pin.relay_url, wheel="collabtrain-0.0.1-py3-none-any.whl", sha256=pin.sha256)
+    nb, error = execute(generated, notebook=render(template("colab"), stale))
+    assert error is not None and error.ename == "Stop", error
+    what, todo = code_cells(nb)[0].outputs[0].traceback
+    assert what == (f"[install_failed] pip could not install the toolkit from {generated.relay_url}: HTTP error 404 "
+                    f"while getting {generated.relay_url}/toolkit/{stale.wheel}#sha256={stale.sha256}")
+    log = re.fullmatch(r"What to do: Check this notebook's internet access \(Kaggle: Settings -> Internet on\) and "
+                       r"run the cell again; pip's full output is in (\S+)\.", todo)
+    assert log and "404" in Path(log.group(1)).read_text(), todo
+    stopped_with(nb, error, [what, todo])
+
+
+def test_a_machine_without_torch_gets_the_cpu_build(generated: GeneratedRun, tmp_path: Path) -> None:
+    """The cell run as a script by a Python without torch (nor pip, so nothing is downloaded):
+    it asks pip for the CPU build, and says in one line that pip could not."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    cell = code_cells(nbformat.reads(render(template("local"), fetch_pin(generated.relay_url)), as_version=4))[0]
+    done = subprocess.run([str(bare / "bin" / "python"), "-c", cell.source], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120, env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"})
+    assert done.returncode == 1 and not done.stdout
+    what, todo = done.stderr.strip().splitlines()
+    assert what == ("[install_failed] pip could not install PyTorch from https://download.pytorch.org/whl/cpu: "
+                    f"{bare / 'bin' / 'python'}: No module named pip")
+    assert todo.startswith("What to do: Check this notebook's internet access")
 
 
 def test_the_shipped_template_installs_nothing_and_says_where_the_runs_notebook_comes_from(tmp_path: Path) -> None:
@@ -272,10 +405,11 @@ def test_the_shipped_template_installs_nothing_and_says_where_the_runs_notebook_
     done = subprocess.run([str(bare / "bin" / "python"), "-c", cell], capture_output=True, text=True, cwd=tmp_path,
                           timeout=60, env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"})
     assert done.returncode == 1 and not done.stdout
-    assert done.stderr.strip() == (
-        "This is the template notebook: it installs nothing. Open the run's notebook from its organizer (they write "
-        "it with `relay-server notebook {colab,kaggle,tpu,local} --url RELAY_URL -o run.ipynb`: the relay address "
-        "and the toolkit's sha256 filled in).")
+    assert done.stderr.strip().splitlines() == said("template") == [
+        "[template] this is the template notebook: it installs nothing",
+        "What to do: Open the run's notebook from its organizer (they write it with `relay-server notebook "
+        "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the toolkit's "
+        "sha256)."]
     assert not list(bare.rglob("toolkit"))
 
 

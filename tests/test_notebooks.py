@@ -71,7 +71,11 @@ def test_the_four_cells_differ_only_in_the_default_relay_url() -> None:
     assert len(normalized) == 1, "the notebooks' cells drifted apart"
     source = cells["colab"]
     assert "toolkit.join(RELAY_URL, token=token, max_steps=MAX_STEPS)" in source
+    assert "print(result.summary())" in source  # a sentence, not a dataclass repr
     assert '"-c", constraints.name' in source and '"torch_xla"' in source  # TPU-safe install
+    # The relay is checked before pip runs; a machine without torch gets the CPU build.
+    assert source.index("check_relay(RELAY_URL)") < source.index('pip_install("the toolkit"')
+    assert 'CPU_TORCH = "https://download.pytorch.org/whl/cpu"' in source and '"--index-url", CPU_TORCH' in source
     # Only the relay's wheel, pinned by sha256; the templates pin nothing, so they install nothing.
     assert "collabtrain[hf] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}" in source
     assert 'TOOLKIT_WHEEL = ""' in source and 'TOOLKIT_SHA256 = ""' in source
@@ -168,13 +172,16 @@ def test_notebook_runs_headless_and_contributes(name: str, executed: dict[str, E
     cell = code_cells(run.notebook)[0]
     text = outputs_text(cell)
     assert run.error is None, f"{run.error}\n{text}"
-    result = re.search(r"JoinResult\(.*contributed_samples=(\d+).*first_contribution_s=([\d.]+)\)", text)
-    assert result, f"no JoinResult in the output:\n{text}"
-    contributed = int(result.group(1))
+    result = re.search(r"^Contributed ([\d,]+) samples over (\d+) steps \(first contribution ([\d.]+) s after "
+                       r"joining\); left at step (\d+) after \d+ s\.$", text, re.M)
+    assert result, f"no summary in the output:\n{text}"
+    contributed = int(result.group(1).replace(",", ""))
     assert contributed == MAX_STEPS * TINY_LM["run"]["target_batch"]  # alone: every sample of its steps
+    assert int(result.group(2)) == int(result.group(4)) == MAX_STEPS
     # The relay's books agree with the notebook, sample for sample.
     assert [e["samples"] for e in run.status["leaderboard"]] == [contributed]
     assert run.status["step"] == MAX_STEPS
+    assert f"{result.group(3)} s after join" in text  # the panel shows the summary's number
     # The widget panel closed into a static copy of its final state, in place: a few outputs, no flood.
     assert "your contribution" in text and f"{contributed:,} samples" in text and "s after join" in text
     assert len(cell.outputs) <= 4, [o.output_type for o in cell.outputs]

@@ -20,18 +20,75 @@ class CollabError(Exception):
         super().__init__(f"[{code}] {message}" + (f" -- {self.hint}" if self.hint else ""))
 
     def _render_traceback_(self) -> list[str]:
-        """What IPython/Jupyter shows instead of a traceback: a user error is a message and a fix."""
-        return [f"{type(self).__name__}: {self.message}"] + ([f"What to do: {self.hint}"] if self.hint else [])
+        """What IPython/Jupyter shows instead of a traceback: a user error is a message and a fix,
+        in the same two lines the notebook's pre-install check prints (:func:`two_lines`)."""
+        return two_lines(self.code, self.message, self.hint)
+
+
+def two_lines(code: str, message: str, hint: str) -> list[str]:
+    """How a volunteer sees any error: one line of what happened, one of what to do."""
+    return [f"[{code}] {message}"] + ([f"What to do: {hint}"] if hint else [])
 
 
 NOT_A_RELAY_HINT = ("Check the relay URL: it is the address the organizer gave you, with http:// or https:// "
                     "and the port; opened in a browser, it shows the run's dashboard.")
+CHECK_RELAY_HINT = ("Check the relay URL, that the relay is running, and that this notebook has internet access "
+                    "(Kaggle: Settings -> Internet on).")
+
+MESSAGES: dict[str, tuple[str, str]] = {
+    "template": ("this is the template notebook: it installs nothing",
+                 "Open the run's notebook from its organizer (they write it with `relay-server notebook "
+                 "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the "
+                 "toolkit's sha256)."),
+    "bad_relay_url": ("the relay URL must start with http:// or https://, got {url!r}", NOT_A_RELAY_HINT),
+    "relay_unreachable": ("no answer from the relay at {url} ({reason})", CHECK_RELAY_HINT),
+    "not_a_relay": ("{url} answered HTTP {status} with {kind}, not the relay's JSON: is this a collabtrain relay?",
+                    NOT_A_RELAY_HINT),
+    "wrong_path": ("{url} is not the relay's address: the relay answers at {base}",
+                   "Use {base} as the relay URL (set RELAY_URL, or ask the organizer for a fresh notebook)."),
+    "run_finished": ("run {run!r} already finished at step {step}: there is nothing left to contribute",
+                     "Nothing to do here: ask the organizer for the address of their next run."),
+    "toolkit_mismatch": ("the relay at {url} serves a different toolkit than this notebook pins (sha256 "
+                         "{sha256:.12}...): nothing was installed",
+                         "Ask the organizer for a fresh notebook; never edit the hash to make it pass: it is what "
+                         "keeps code you did not agree to out of this notebook."),
+    "install_failed": ("pip could not install {what} from {source}: {last}",
+                       "Check this notebook's internet access (Kaggle: Settings -> Internet on) and run the cell "
+                       "again; pip's full output is in {log}."),
+}
+"""Every message a volunteer can meet before the toolkit is installed, as (what happened, what to
+do) ``str.format`` templates. The toolkit raises the shared ones with these same words, and
+``relay-server notebook`` writes this table into the notebook's cell (which cannot import the
+toolkit it has not installed yet): one text for both, checked by tests/test_install_path.py."""
+
+UNREACHABLE_REASONS = (("Connection refused", "connection refused: nothing listens there"),
+                       ("Name or service not known", "the host name does not resolve"),
+                       ("nodename nor servname", "the host name does not resolve"),
+                       ("Temporary failure in name resolution", "the host name does not resolve"),
+                       ("Connection reset", "connection reset"), ("Connection aborted", "connection reset"),
+                       ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid"),
+                       ("timed out", "timed out"))
+"""(sign in the exception's text, the few words a volunteer reads): urllib3's nested reprs and
+urllib's ``URLError`` name classes, not causes."""
+
+
+def unreachable_reason(exc: BaseException) -> str:
+    """A few words for why a connection failed (requests' and urllib's exceptions alike)."""
+    text = str(exc)
+    for sign, words in UNREACHABLE_REASONS:
+        if sign in text:
+            return words
+    return "timed out" if "Timeout" in type(exc).__name__ else type(exc).__name__
+
+
+def body_kind(content_type: str) -> str:
+    """What a non-relay answer was, in words: "a web page" for HTML, else its media type."""
+    return "a web page" if "html" in content_type else (content_type.split(";")[0] or "an unknown body")
 
 
 def not_a_relay_message(url: str, status: int, content_type: str) -> str:
     """What a peer says when a URL answers, but not as a relay does (a web page, a 404 page)."""
-    kind = "a web page" if "html" in content_type else (content_type.split(";")[0] or "an unknown body")
-    return f"{url} answered HTTP {status} with {kind}, not the relay's JSON: is this a collabtrain relay?"
+    return MESSAGES["not_a_relay"][0].format(url=url, status=status, kind=body_kind(content_type))
 
 
 class RelayUrlError(CollabError, ValueError):
@@ -50,23 +107,7 @@ class RelayUnreachable(CollabError, ConnectionError):
     """No answer from the relay after all retries."""
 
     default_hint = ("A relay that is restarting answers again within seconds: a running peer keeps retrying and "
-                    "goes on by itself. Otherwise check the relay URL, that the relay is running, and that this "
-                    "notebook has internet access (Kaggle: Settings -> Internet on).")
-
-
-def unreachable_reason(exc: BaseException) -> str:
-    """A few words for why a connection failed, instead of urllib3's nested repr (which names
-    classes, not causes)."""
-    text = str(exc)
-    for sign, words in (("Connection refused", "connection refused: nothing listens there"),
-                        ("Name or service not known", "the host name does not resolve"),
-                        ("nodename nor servname", "the host name does not resolve"),
-                        ("Temporary failure in name resolution", "the host name does not resolve"),
-                        ("Connection reset", "connection reset"), ("Connection aborted", "connection reset"),
-                        ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid")):
-        if sign in text:
-            return words
-    return "timed out" if "Timeout" in type(exc).__name__ else type(exc).__name__
+                    "goes on by itself. Otherwise: " + CHECK_RELAY_HINT)
 
 
 class RoundLost(RelayUnreachable):
@@ -92,7 +133,7 @@ class ModelMismatch(CollabError, ValueError):
 class RunFinished(CollabError):
     """The run reached its configured number of steps; nothing left to contribute."""
 
-    default_hint = "Nothing to do here: ask the organizer for the address of their next run."
+    default_hint = MESSAGES["run_finished"][1]
 
 
 class DeviceOutOfMemory(CollabError, MemoryError):
@@ -149,6 +190,7 @@ class RelayKeyChanged(AuthError):
 
     default_hint = ("If the organizer announced a new relay key, delete the pin file named above; "
                     "otherwise someone may be impersonating the relay: do not continue.")
+
 
 class RelayKeyError(CollabError):
     """The relay key file exists but cannot be used."""

@@ -28,7 +28,7 @@ from toolkit.runtime import environment
 from toolkit.client import RelayClient
 from toolkit.data.pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
-from toolkit.errors import AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
+from toolkit.errors import MESSAGES, AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.moe.host import ExpertHost
 from toolkit.moe.remote import RelayExpertCaller
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class JoinResult:
+    """What one ``join()`` did; :meth:`summary` says it in a sentence (what the notebook prints)."""
+
     peer_id: str
     final_step: int
     contributed_samples: int
@@ -53,7 +55,30 @@ class JoinResult:
     device: str
     precision: str
     first_contribution_s: float | None = None
-    """Seconds from the call to join() until this peer's first gradient was applied (None: never)."""
+    """Seconds from this peer's join to the relay accepting its first gradient, as the relay
+    measured it (the number its dashboard shows); None: no gradient was accepted."""
+    joined_step: int = 0
+    """The global step when this peer joined."""
+    hosted_experts: bool = False
+    """``join(role="expert_host")``: ``local_steps`` counts expert tasks served, not micro-batches."""
+
+    def summary(self) -> str:
+        """One readable sentence, e.g. "Contributed 16 samples over 2 steps (first contribution
+        3.2 s after joining); left at step 2 after 41 s."."""
+        took = _duration(self.seconds)
+        if self.hosted_experts:
+            return f"Hosted experts for {took}: {self.local_steps:,} tasks served."
+        steps = self.final_step - self.joined_step
+        over = f"over {steps:,} step{'s' if steps != 1 else ''}"
+        if self.contributed_samples and self.first_contribution_s is not None:
+            what = (f"Contributed {self.contributed_samples:,} samples {over} (first contribution "
+                    f"{self.first_contribution_s:.1f} s after joining)")
+        elif self.contributed_samples:
+            what = f"Contributed {self.contributed_samples:,} samples {over}"
+        else:
+            what = f"No samples contributed yet ({self.local_steps:,} micro-batches computed {over})"
+        end = "the run finished" if self.finished else "left"
+        return f"{what}; {end} at step {self.final_step:,} after {took}."
 
 
 def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | None = None,
@@ -118,8 +143,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
             cleanup.callback(caller.close)
             model.attach_caller(caller)
         if opt.collab_state.finished:  # joined after the last step: say so rather than return 0 samples
-            raise RunFinished("run_finished", f"run {run.run_name!r} already finished at step "
-                              f"{opt.collab_state.step}: there is nothing left to contribute")
+            raise RunFinished("run_finished", MESSAGES["run_finished"][0].format(run=run.run_name,
+                                                                                 step=opt.collab_state.step))
         target = WandbTarget.parse(wandb_project) or (
             WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", "")) if run.wandb.get("project")
             else None)
@@ -133,6 +158,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
             cleanup.callback(close_batches)  # a streaming source reports and releases the shards it holds
 
         first_step, local_steps, loss_value, first_contribution_s = opt.version, 0, None, None
+        asked_at = 0  # contributed samples when the relay was last asked for the first contribution
         progress: PeerProgress | None = None
         try:
             for batch in batches:
@@ -151,8 +177,9 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                 loss_value = loss.item()
                 environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_value, skip=not finite)
                 local_steps += 1
-                if first_contribution_s is None and opt.contributed_samples > 0:
-                    first_contribution_s = time.monotonic() - started
+                if first_contribution_s is None and opt.contributed_samples > asked_at:
+                    asked_at = opt.contributed_samples
+                    first_contribution_s = relay_first_contribution(client, opt.peer_id)
                 progress = PeerProgress.from_optimizer(opt, loss=loss_value, first_contribution_s=first_contribution_s)
                 view.update(progress)
                 tracker.update(progress)
@@ -169,7 +196,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     return JoinResult(peer_id=opt.peer_id, final_step=opt.version, contributed_samples=opt.contributed_samples,
                       local_steps=local_steps, last_loss=loss_value, seconds=time.monotonic() - started,
                       finished=opt.finished, device=info.label, precision=policy.name,
-                      first_contribution_s=first_contribution_s)
+                      first_contribution_s=first_contribution_s, joined_step=first_step)
 
 
 def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: str | None,
@@ -196,7 +223,7 @@ def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: s
         view.close()
     return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
                       last_loss=None, seconds=time.monotonic() - started, finished=False, device=str(host.device),
-                      precision="fp32")
+                      precision="fp32", hosted_experts=True)
 
 
 def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:
@@ -214,6 +241,26 @@ def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:
                             "--token-env NAME reads another variable).")
         client.login(token)
     return client, run
+
+
+def relay_first_contribution(client: RelayClient, peer_id: str) -> float | None:
+    """This peer's first contribution as the relay measured it: seconds from its join to the
+    relay accepting its first gradient, on the relay's clock. Asked once this peer's samples were
+    applied (the relay counted them by then); the panel, the summary and the dashboard then show
+    one number. None when the relay cannot say right now (asked again after the next applied step)."""
+    try:
+        status = client.get_status()
+    except CollabError as exc:
+        log.debug("could not ask the relay for the first contribution: %s", exc)
+        return None
+    return next((p.first_contribution_s for p in status.peers if p.peer_id == peer_id), None)
+
+
+def _duration(seconds: float) -> str:
+    """``41 s``, ``12 min``, ``3.5 h``: how long a session took, in the unit a person reads."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _wandb_config(run: RunInfo, info: DeviceInfo, precision: str, batch_size: int, peer_id: str) -> dict:

@@ -62,7 +62,8 @@ class PeerProgress:
     loss: float | None
     """This peer's loss on its last micro-batch."""
     first_contribution_s: float | None
-    """Seconds from ``join()`` to this peer's first applied gradient (None: not yet)."""
+    """Seconds from this peer's join to the relay accepting its first gradient, as the relay
+    measured it: the dashboard's "first contribution" for this peer (None: not yet)."""
     problem: str | None = None
     hint: str | None = None
     finished: bool = False

@@ -1,0 +1,190 @@
+"""The bulk bodies: the run's parameters coming in, gradient slices going out.
+
+Parameters are read straight into the model's flat float32 buffer: whole, as a delta against the
+version the peer holds (lossy runs), or -- when the relay's plan cuts the vector among
+aggregators -- slice by slice from each owner, each slice checked against the hash the relay
+signed. A body that fails its length or digest check is fetched again, whole: a half-written
+buffer is never taken for a version. Gradient slices go to their owners in parallel while the
+caller keeps the relay hearing from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import wait
+from typing import Any
+
+import numpy as np
+import requests
+
+from toolkit.client.transport import Transport, rejected
+from toolkit.errors import CollabError, ProtocolError, RelayUnreachable
+from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_params
+from toolkit.wire.auth import BODY_SHA256_HEADER
+from toolkit.wire.compression import Codec
+from toolkit.wire.protocol import ROUTES, TICKET_HEADER, ParamsManifest, SliceVersion
+from toolkit.wire.tensor_container import peek_header
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_ATTEMPTS = 4
+"""How often a parameter body cut or corrupted on the way is fetched again, whole."""
+
+SLICE_ATTEMPTS = 4
+"""Rounds of fetching failed slices (from the owner the relay's newest manifest names) before
+giving up until the caller's next try (a dead owner's slices move within seconds)."""
+
+
+class ParamsTransfer(Transport):
+    """Parameter downloads (whole, delta or sliced) and sliced gradient uploads."""
+
+    def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
+                        min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
+        """Bring ``public`` (P,) float32 to the relay's version >= ``min_step``; returns that
+        version, or None if nothing newer came within ``wait_s`` seconds.
+
+        ``public`` must hold version ``have`` exactly (the copy every peer shares): then a lossy
+        run's relay may answer with just the delta, which is applied in place. A full answer is
+        read into ``public``; one failing its length or digest check is fetched again, whole."""
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            try:
+                return self._download_once(public, have, codec, min_step, wait_s, peer_id)
+            except (ProtocolError, *BODY_ERRORS) as exc:
+                final = isinstance(exc, RelayUnreachable) or getattr(exc, "code", "") in ("bad_manifest", "bad_delta")
+                if final or attempt + 1 == DOWNLOAD_ATTEMPTS:
+                    if isinstance(exc, CollabError):
+                        raise exc from None
+                    raise RelayUnreachable("download_failed", repr(exc)) from None
+                log.info("parameter download failed (%s); downloading them again in full", exc)
+                have = None  # ``public`` may be half-written: only a whole version restores it
+                self._sleep(attempt, type(exc).__name__)
+        raise AssertionError("unreachable")
+
+    def _download_once(self, public: np.ndarray, have: int | None, codec: Codec | None, min_step: int,
+                       wait_s: float, peer_id: str) -> int | None:
+        """One GET of the parameters: a tensor container read into ``public``, or a manifest
+        whose slices are then fetched from their owners."""
+        params = {"min_step": min_step, "wait": int(wait_s), "peer_id": peer_id}
+        if have is not None and codec is not None and not codec.lossless:
+            params["have"] = have
+        timeout = (self.timeout[0], self.timeout[1] + wait_s)
+        with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
+            if response.status_code == 204:
+                return None
+            if response.headers.get("Content-Type", "").startswith("application/json"):
+                manifest = self._manifest(response)
+                response.close()
+                return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
+            return read_checked_params(response.raw, response.headers, public, have, codec)
+
+    # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
+    def upload_slices(self, step: int, ticket: str, parts: list[SlicePart],
+                      keepalive: Callable[[], Any] | None = None,
+                      keepalive_s: float = 1.0) -> list[CollabError | None]:
+        """Upload every slice to its owner in parallel; ``None`` per accepted slice, else the error.
+
+        ``keepalive`` runs every ``keepalive_s`` in the calling thread while they stream (the
+        relay must keep hearing from a peer whose uploads go elsewhere)."""
+        futures = [self._pool_().submit(self._upload_slice, step, ticket, part) for part in parts]
+        while True:
+            done, pending = wait(futures, timeout=keepalive_s)
+            if not pending:
+                break
+            if keepalive is not None:
+                try:
+                    keepalive()
+                except CollabError as exc:
+                    log.debug("keepalive failed during uploads: %s", exc)
+        return [f.result() for f in futures]
+
+    def _upload_slice(self, step: int, ticket: str, part: SlicePart) -> CollabError | None:
+        """One slice to its owner, with the relay's ticket; the error is returned, not raised,
+        so the other slices' outcomes are kept."""
+        session, base = self._owner(part.plan.url)
+        headers = {"Content-Type": "application/octet-stream", TICKET_HEADER: ticket}
+        if self.signed and not part.plan.url:  # the relay's own slice goes through its signed session
+            headers[BODY_SHA256_HEADER] = part.header_sha256
+        try:
+            response = session.put(base + ROUTES["gradient"].format(step=step),
+                                   data=SizedBody(part.tensors, part.metadata), headers=headers,
+                                   timeout=self.timeout)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            return RelayUnreachable("owner_unreachable", f"slice [{part.plan.start}, {part.plan.end}) to "
+                                    f"{part.plan.name}: {type(exc).__name__}")
+        if response.status_code >= 400:
+            return rejected(response)
+        return None
+
+    def _download_slices(self, manifest: ParamsManifest, public: np.ndarray, *, have: int | None,
+                         codec: Codec | None, peer_id: str) -> int:
+        """Bring every slice of ``manifest`` into ``public`` from its owner, each checked against
+        the relay-signed hash; a slice whose owner fails is fetched again from the owner named by
+        the relay's newest manifest (slices move when an aggregator dies)."""
+        if manifest.num_params != public.size:
+            raise ProtocolError("bad_manifest",
+                                f"manifest of {manifest.num_params} parameters, model has {public.size}")
+        todo = list(manifest.slices)
+        for attempt in range(SLICE_ATTEMPTS):
+            futures = {self._pool_().submit(self._download_slice, s, manifest.step, public, have, codec, peer_id): s
+                       for s in todo}
+            wait(futures)
+            failed = [(s, f.exception()) for f, s in futures.items() if f.exception() is not None]
+            if not failed:
+                return manifest.step
+            if attempt + 1 == SLICE_ATTEMPTS:  # the relay will move the slice (dead owner); the caller retries later
+                raise RelayUnreachable("slices_unavailable", f"{len(failed)} slice(s) of step {manifest.step} could "
+                                       f"not be downloaded: {failed[0][1]}") from failed[0][1]
+            log.info("%d slice(s) failed (%s); asking the relay where they are now", len(failed), failed[0][1])
+            time.sleep(self.backoff_s * 2 ** attempt)
+            with self._request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
+                               stream=True) as response:
+                if not response.headers.get("Content-Type", "").startswith("application/json"):
+                    raise ProtocolError("bad_manifest", "the relay stopped slicing mid-download; download again")
+                latest = self._manifest(response)
+            have = None  # a failed slice may be half-written: whole slices from now on
+            if latest.step != manifest.step:  # a newer version: take every slice of it
+                manifest, todo = latest, list(latest.slices)
+            else:
+                wanted = {(s.start, s.end) for s, _ in failed}
+                manifest = latest
+                todo = [s for s in latest.slices if (s.start, s.end) in wanted] or list(latest.slices)
+        raise AssertionError("unreachable")
+
+    def _download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
+                        codec: Codec | None, peer_id: str) -> None:
+        """One slice from its owner into its view of ``public``, refused unless it is the
+        manifest's step and hashes to what the relay published."""
+        view = public[s.start:s.end]
+        params = {"start": s.start, "end": s.end, "min_step": step, "peer_id": peer_id}
+        if have is not None and codec is not None and not codec.lossless:
+            params["have"] = have
+        session, base = self._owner(s.url)
+        try:
+            with session.get(base + ROUTES["params"], params=params, stream=True, timeout=self.timeout) as response:
+                if response.status_code >= 400:
+                    raise rejected(response)
+                if response.status_code == 204:
+                    raise ProtocolError("slice_missing", f"{s.url or 'the relay'} has no step {step} of its slice")
+                header = peek_header(response.raw, view.nbytes)
+                if int(header.metadata.get("step", -1)) != step:
+                    raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
+                                        f"{header.metadata.get('step')}, the manifest says {step}")
+                read_params(response.raw, header, view, have, codec)
+        except (requests.ConnectionError, requests.Timeout) as exc:
+            raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
+                                   f"{s.url or self.url}: {type(exc).__name__}") from None
+        if hashlib.sha256(memoryview(view).cast("B")).hexdigest() != s.sha256:
+            raise ProtocolError("params_hash_mismatch", f"slice [{s.start}, {s.end}) differs from the hash the relay "
+                                "published", "Download again; if it repeats, report the aggregator to the organizer.")
+
+    def _manifest(self, response: requests.Response) -> ParamsManifest:
+        """The relay's list of slices and where each lives (a JSON answer to a params request)."""
+        try:
+            return ParamsManifest.from_json(response.json())
+        except ValueError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError("bad_json", "the relay's manifest is not JSON") from None
