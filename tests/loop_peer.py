@@ -11,7 +11,8 @@ skips that accumulation window (an overflow, deterministically).
 
 It records what the exactness tests need to rebuild every round in one process: each training
 forward's inputs (``<result>.batches.pt``) and, from the accumulator, which accumulation windows
-went into which round. Every loop ends by itself when the run finishes.
+went into which round. With ``--barrier`` the peers' first forwards wait for each other, so no
+loop's set-up time keeps it out of the rounds. Every loop ends by itself when the run finishes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,28 +53,16 @@ def run_plain(model, opt, args, fp16: bool) -> None:
         losses.clear()
 
 
-class Rows(torch.utils.data.IterableDataset):
-    """The run's batches as rows, for a Trainer that batches them again (same order, same size)."""
-
-    def __init__(self, batches) -> None:
-        self.batches = batches
-
-    def __iter__(self):
-        for batch in self.batches:
-            for r in range(len(batch["input_ids"])):
-                yield {k: v[r] for k, v in batch.items()}
-
-
 def run_trainer(model, opt, args, fp16: bool) -> None:
     from transformers import Trainer, TrainingArguments
 
-    from toolkit.integrations.hf import CollaborativeCallback
+    from toolkit.integrations.hf import CollaborativeCallback, run_dataset
 
     targs = TrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
                               gradient_accumulation_steps=args.accumulation, max_steps=MAX_LOCAL_STEPS,
                               report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
                               use_cpu=True, dataloader_num_workers=0, fp16=fp16, seed=0)
-    trainer = Trainer(model=model, args=targs, train_dataset=Rows(opt.batches()), optimizers=(opt, None),
+    trainer = Trainer(model=model, args=targs, train_dataset=run_dataset(opt), optimizers=(opt, None),
                       callbacks=[CollaborativeCallback(opt)])
     if fp16:  # what Accelerate builds on a GPU
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
@@ -130,20 +120,36 @@ LOOPS = {"plain": run_plain, "trainer": run_trainer, "accelerate": run_accelerat
 
 
 class Recorder:
-    """Each training forward's inputs, and the accumulator's adds, takes and discards, in order."""
+    """Each training forward's inputs, and the accumulator's adds, takes and discards and what
+    became of each upload, in order."""
 
-    def __init__(self, model: torch.nn.Module, opt: Any, skip: int | None) -> None:
+    def __init__(self, model: torch.nn.Module, opt: Any, skip: int | None, barrier: tuple[Path, str, int] | None) -> None:
         self.forwards: list[dict[str, torch.Tensor]] = []
         self.events: list[list] = []
         self.skip = skip
+        self.barrier = barrier
         model.register_forward_pre_hook(self.on_forward, with_kwargs=True)
         acc = opt.accumulator
         for name in ("add", "take", "discard", "restore"):
             setattr(acc, name, self.wrap(name, getattr(acc, name)))
+        settle = opt._settle  # what became of each upload: applied, or not (a round closed without it)
+
+        def settled(outcome: Any) -> None:
+            applied = outcome.version is not None or outcome.fate == "applied"
+            self.events.append(["settle", outcome.upload.meta.step, applied])
+            settle(outcome)
+
+        opt._settle = settled
 
     def on_forward(self, module, args, kwargs) -> None:
         if not torch.is_grad_enabled():
             return
+        if not self.forwards and self.barrier is not None:  # every loop set up: all start computing at once
+            directory, name, peers = self.barrier
+            (directory / name).touch()
+            deadline = time.monotonic() + 600
+            while len(list(directory.iterdir())) < peers and time.monotonic() < deadline:
+                time.sleep(0.02)
         self.forwards.append({k: kwargs[k].detach().clone() for k in KEYS if k in kwargs})
         if len(self.forwards) - 1 == self.skip:  # an overflow in this micro-batch's backward
             param = next(module.parameters())
@@ -171,7 +177,8 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--skip-micro-batch", type=int, default=None)
-    parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    parser.add_argument("--barrier", help="a directory: compute the first micro-batch once --peers loops wait there")
+    parser.add_argument("--peers", type=int, default=1)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
@@ -180,7 +187,6 @@ def main() -> int:
     torch.set_num_threads(1)
 
     import toolkit
-    from toolkit.client import RelayClient
 
     if args.loop == "trainer":  # pay the loop's imports before joining, so peers start together
         import transformers.trainer  # noqa: F401
@@ -192,10 +198,8 @@ def main() -> int:
     model.train()
     opt = toolkit.CollaborativeOptimizer(model, args.relay, batch_size_per_step=args.batch_size,
                                          peer_name=args.name, report_interval_s=0.05)
-    recorder = Recorder(model, opt, args.skip_micro_batch)
-    client = RelayClient(args.relay)
-    while args.wait_peers and client.get_status().num_peers < args.wait_peers:
-        time.sleep(0.05)
+    barrier = (Path(args.barrier), args.name, args.peers) if args.barrier else None
+    recorder = Recorder(model, opt, args.skip_micro_batch, barrier)
     try:
         LOOPS[args.loop](model, opt, args, fp16=opt.precision == "fp16")
     except KeyboardInterrupt:

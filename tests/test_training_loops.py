@@ -23,6 +23,7 @@ from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 
 REPO = Path(__file__).resolve().parent.parent
+GPT2_TINY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32}
 
 
 def mlp_batch(n: int, seed: int = 0) -> torch.Tensor:
@@ -132,6 +133,34 @@ def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(
     with torch.no_grad():
         for p, b, r in zip(model.parameters(), before, reference.parameters()):
             torch.testing.assert_close(p, b - 0.1 * r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_logs_the_relays_learning_rate(start_relay, tmp_path):
+    """The Trainer's own scheduler would log the relay's first lr forever; the callback makes it
+    report the relay's (warmup: 0.02 * (version + 1) / 10)."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    import toolkit
+    from toolkit.integrations.hf import CollaborativeCallback
+
+    relay = start_relay({"run": {"target_batch": 4, "total_steps": 4},
+                         "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
+                         "optimizer": {"name": "sgd", "lr": 0.02, "warmup_steps": 10, "weight_decay": 0.0,
+                                       "schedule": "constant"}})
+    model = toolkit.run_model(relay.url)
+    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=100,
+                                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                          optimizers=(opt, None), callbacks=[CollaborativeCallback(opt)])
+        trainer.train()
+        assert opt.finished and trainer.args.max_grad_norm == 0.0  # per-peer clipping turned off
+    logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    relay_lrs = [0.002 * (version + 1) for version in range(5)]  # the relay's lr at each version
+    assert all(any(lr == pytest.approx(r) for r in relay_lrs) for lr in logged), logged
+    assert logged == sorted(logged) and len(set(logged)) >= 3, logged  # it follows the relay, not frozen
 
 
 def _mlp_spec():

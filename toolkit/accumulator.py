@@ -76,7 +76,8 @@ class Accumulator:
         with self.lock:
             if self.samples == 0:
                 self.version = version
-            torch._foreach_add_(self._views, [g.to(torch.float32) for g in grads], alpha=float(samples if weight is None else weight))
+            alpha = float(samples if weight is None else weight)
+            torch._foreach_add_(self._views, [g.to(torch.float32) for g in grads], alpha=alpha)
             self.samples += samples
             self.loss_sum += loss * samples if loss is not None else 0.0
 

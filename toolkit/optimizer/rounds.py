@@ -145,7 +145,8 @@ class RoundParticipation:
         contribution.
         """
         meta = upload.meta
-        parts = [slice_part(plan, tensors, meta, self.codec.name, signed=client.signed) for plan, tensors in upload.parts]
+        parts = [slice_part(plan, tensors, meta, self.codec.name, signed=client.signed)
+                 for plan, tensors in upload.parts]
         try:
             ticket = client.request_ticket(meta.step, self.peer_id, TicketRequest(
                 round_id=round_id, version=meta.version, samples=meta.samples, loss_sum=meta.loss_sum,
