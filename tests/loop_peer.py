@@ -4,7 +4,8 @@ taking the run's pinned precision by itself):
 
     --loop plain|trainer|accelerate|lightning  --accumulation K  [--skip-micro-batch J]
 
-With a run pinned to fp16 each loop trains under float16 autocast with a GradScaler; on CPU the
+With a run pinned to bf16 each loop trains under bfloat16 autocast; pinned to fp16, under
+float16 autocast with a GradScaler; on CPU the
 frameworks turn fp16 off, so the harness gives them the CPU ``torch.amp.GradScaler`` they would
 build on a GPU. ``--skip-micro-batch J`` makes micro-batch J's gradient infinite, so the scaler
 skips that accumulation window (an overflow, deterministically).
@@ -32,11 +33,12 @@ MAX_LOCAL_STEPS = 5000  # a safety net: the run's end stops every loop long befo
 KEYS = ("input_ids", "attention_mask", "labels", "token_type_ids")
 
 
-def run_plain(model, opt, args, fp16: bool) -> None:
+def run_plain(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
     scaler = torch.amp.GradScaler("cpu") if fp16 else None
     losses: list[float] = []
     for i, batch in enumerate(opt.batches()):
-        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+        with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16, enabled=precision != "fp32"):
             loss = model(**batch).loss
         losses.append(loss.item())
         loss = loss / args.accumulation
@@ -53,7 +55,8 @@ def run_plain(model, opt, args, fp16: bool) -> None:
         losses.clear()
 
 
-def run_trainer(model, opt, args, fp16: bool) -> None:
+def run_trainer(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
     from transformers import Trainer, TrainingArguments
 
     from toolkit.integrations.hf import CollaborativeCallback, run_dataset
@@ -61,7 +64,8 @@ def run_trainer(model, opt, args, fp16: bool) -> None:
     targs = TrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
                               gradient_accumulation_steps=args.accumulation, max_steps=MAX_LOCAL_STEPS,
                               report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                              use_cpu=True, dataloader_num_workers=0, fp16=fp16, seed=0)
+                              use_cpu=True, dataloader_num_workers=0, fp16=fp16, bf16=precision == "bf16",
+                              seed=0)
     trainer = Trainer(model=model, args=targs, train_dataset=run_dataset(opt), optimizers=(opt, None),
                       callbacks=[CollaborativeCallback(opt)])
     if fp16:  # what Accelerate builds on a GPU
@@ -70,13 +74,14 @@ def run_trainer(model, opt, args, fp16: bool) -> None:
     trainer.train()
 
 
-def run_accelerate(model, opt, args, fp16: bool) -> None:
+def run_accelerate(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
     from accelerate import Accelerator
 
     from toolkit.integrations import watch_loss
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation,
-                              mixed_precision="fp16" if fp16 else "no")
+                              mixed_precision={"fp32": "no"}.get(precision, precision))
     if fp16:  # what Accelerate builds on a GPU
         accelerator.scaler = torch.amp.GradScaler("cpu")
         accelerator.native_amp = True
@@ -91,7 +96,7 @@ def run_accelerate(model, opt, args, fp16: bool) -> None:
     handle.remove()
 
 
-def run_lightning(model, opt, args, fp16: bool) -> None:
+def run_lightning(model, opt, args, precision: str) -> None:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -108,7 +113,8 @@ def run_lightning(model, opt, args, fp16: bool) -> None:
         def configure_optimizers(self):
             return opt
 
-    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))] if fp16 else []
+    plugins = {"fp16": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+               "bf16": [MixedPrecision("bf16-mixed", "cpu")]}.get(precision, [])
     trainer = pl.Trainer(max_steps=MAX_LOCAL_STEPS, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, accumulate_grad_batches=args.accumulation, plugins=plugins,
@@ -201,7 +207,7 @@ def main() -> int:
     barrier = (Path(args.barrier), args.name, args.peers) if args.barrier else None
     recorder = Recorder(model, opt, args.skip_micro_batch, barrier)
     try:
-        LOOPS[args.loop](model, opt, args, fp16=opt.precision == "fp16")
+        LOOPS[args.loop](model, opt, args, opt.precision or "fp32")
     except KeyboardInterrupt:
         pass
     finally:

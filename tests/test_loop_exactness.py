@@ -16,17 +16,18 @@ accumulation window (an overflow injected into one micro-batch's gradient): the 
 that window out, so a skipped micro-batch that counted anything (gradient, samples or loss) fails.
 
 fp32: the reference computes each global batch in one forward, and trains on from its own
-parameters through all 3 steps. fp16: it computes each micro-batch under the same float16 autocast
+parameters through all 3 steps. bf16 and fp16: it computes each micro-batch under the same autocast
 with the largest loss scale up to 2**16 that does not overflow (scaling by a power of two is exact
 in floating point, so peers and reference round alike) and sums them weighted by samples -- one
 process with gradient accumulation over the same global batch -- and each step starts from the
-relay's version before it: float16 rounds activations to 3 digits, so a 1e-7 difference in the
+relay's version before it: half precision rounds activations to 2 or 3 digits, so a 1e-7 difference in the
 parameters, which fp32 carries along harmlessly, can flip roundings and grow past 1e-5 within
 three steps whatever the collaboration did.
 
 The default suite runs every loop with accumulation 2 and fp16 with its skipped step on ALBERT,
 and the Trainer with accumulation 2 (beside a plain loop) on GPT-2; ``-m slow`` runs the whole
-matrix: each loop with accumulation 1 and 2, in fp32 and fp16, on both models.
+matrix: each loop with accumulation 1 and 2, in fp32 and fp16, and with 1 and 4 under bf16
+autocast, on both models.
 """
 
 from __future__ import annotations
@@ -159,11 +160,11 @@ def rounds_of(peers: list[tuple[str, dict, list]]) -> dict[int, list[dict[str, t
     return rounds
 
 
-def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list[dict], fp16: bool) -> float:
+def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: list[dict], precision: str) -> float:
     """One step of one process on the global batch ``micro``; returns its mean per-sample loss."""
     opt.zero_grad()
     total = sum(len(mb["input_ids"]) for mb in micro)
-    if not fp16:
+    if precision == "fp32":
         batch = {key: torch.cat([mb[key] for mb in micro]) for key in micro[0]}
         loss = model(**batch).loss
         loss.backward()
@@ -171,10 +172,10 @@ def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: li
     else:
         value, summed = 0.0, [torch.zeros_like(p) for p in model.parameters()]
         for mb in micro:
-            n, scale = len(mb["input_ids"]), FP16_SCALE
+            n, scale = len(mb["input_ids"]), FP16_SCALE if precision == "fp16" else 1.0
             while True:  # as a loss scaler backs off: the largest power of two that does not overflow
                 opt.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
+                with torch.autocast("cpu", dtype=torch.float16 if precision == "fp16" else torch.bfloat16):
                     loss = model(**mb).loss
                 (loss * scale).backward()
                 grads = [p.grad for p in model.parameters()]
@@ -244,9 +245,9 @@ def train_and_compare(start_relay, tmp_path: Path, tokenizer: Path, model_name: 
     charted = {r["step"]: r for r in relay.status()["recent_rounds"]}
     for step in range(STEPS):
         micro = rounds[step]
-        if fp16:  # from the relay's own version (module docstring)
+        if precision != "fp32":  # from the relay's own version (module docstring)
             load_flat(model, relay_version(relay.data_dir, step))
-        loss = reference_step(model, opt, micro, fp16)
+        loss = reference_step(model, opt, micro, precision)
         record = charted[step + 1]
         assert record["samples"] == sum(len(mb["input_ids"]) for mb in micro), (step, record)
         assert record["loss"] == pytest.approx(loss, rel=1e-5), (step, record, loss)
@@ -279,3 +280,10 @@ def test_trainer_on_a_model_taking_num_items_in_batch_equals_one_process(start_r
 def test_loop_matrix_equals_one_process(start_relay, tmp_path, tokenizer, model_name, precision):
     train_and_compare(start_relay, tmp_path, tokenizer, model_name, precision,
                       [(loop, k) for loop in LOOPS for k in (1, 2)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["albert", "gpt2"])
+def test_bf16_loops_with_accumulation_4_equal_one_process(start_relay, tmp_path, tokenizer, model_name):
+    train_and_compare(start_relay, tmp_path, tokenizer, model_name, "bf16",
+                      [(loop, k) for loop in LOOPS for k in (1, 4)])
