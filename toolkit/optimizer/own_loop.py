@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit.client import RelayClient
-from toolkit.data.pipeline import peer_batches
 from toolkit.models import build_model, check_trusted
 
 if TYPE_CHECKING:
@@ -49,6 +48,8 @@ def until_finished(opt: CollaborativeOptimizer, data: Iterable[Any] | None, batc
                    seed: int | str) -> Iterator[Any]:
     """The micro-batches of :meth:`CollaborativeOptimizer.batches` (see there)."""
     if data is None:
+        from toolkit.data.pipeline import peer_batches  # the data stack only for a loop that asks for it
+
         source: Iterator[Any] = peer_batches(opt.run, opt.client, opt.peer_id, batch_size=batch_size, seed=seed)
     else:
         source = _epochs(data)
