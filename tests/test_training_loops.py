@@ -167,3 +167,18 @@ def _mlp_spec():
     from toolkit.wire.protocol import ModelSpec
 
     return ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]})
+
+
+def test_a_loss_scaled_by_a_scaler_the_optimizer_was_not_given_is_refused_in_one_sentence():
+    """A watched loop whose GradScaler the optimizer does not know would send its gradient times
+    the scale: the step says which scaler to pass instead."""
+    from toolkit.optim_base import LossNotes
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    notes = LossNotes()
+    loss = (weight * 2.0).mean()
+    notes.add(loss, 4, unit=4.0)
+    (loss * 2.0**16).backward()
+    with pytest.raises(ValueError, match=r"multiplied by 65536.*scaler=scaler") as refused:
+        notes.take()
+    assert "\n" not in str(refused.value)
