@@ -1,8 +1,20 @@
-"""A real peer process that trains the run's tiny GPT-2 through one of the loops people use:
-``--loop plain|trainer|accelerate|lightning``, each with the real CollaborativeOptimizer and the
-integration from :mod:`toolkit.integrations`. It trains until the run finishes (``finished`` in
-the relay's state stops every loop) and writes one JSON line at the end: what it contributed, the
-losses it computed and the learning rates its optimizer's param groups showed."""
+"""A real peer process that trains a run through one of the loops people use, building the model
+and batches as a user's own loop does (``toolkit.run_model`` and ``opt.batches()``, the optimizer
+taking the run's pinned precision by itself):
+
+    --loop plain|trainer|accelerate|lightning  --accumulation K  [--skip-micro-batch J]
+
+With a run pinned to bf16 each loop trains under bfloat16 autocast; pinned to fp16, under
+float16 autocast with a GradScaler; on CPU the
+frameworks turn fp16 off, so the harness gives them the CPU ``torch.amp.GradScaler`` they would
+build on a GPU. ``--skip-micro-batch J`` makes micro-batch J's gradient infinite, so the scaler
+skips that accumulation window (an overflow, deterministically).
+
+It records what the exactness tests need to rebuild every round in one process: each training
+forward's inputs (``<result>.batches.pt``) and, from the accumulator, which accumulation windows
+went into which round. With ``--barrier`` the peers' first forwards wait for each other, so no
+loop's set-up time keeps it out of the rounds. Every loop ends by itself when the run finishes.
+"""
 
 from __future__ import annotations
 
@@ -12,94 +24,81 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-VOCAB, SEQ = 64, 16
 MAX_LOCAL_STEPS = 5000  # a safety net: the run's end stops every loop long before
+KEYS = ("input_ids", "attention_mask", "labels", "token_type_ids")
 
 
-class TokenData(torch.utils.data.Dataset):
-    """Learnable random sequences: a random start, then steps of a random stride (1..3) mod VOCAB."""
-
-    def __init__(self, seed: int, n: int = 4096) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        stride = torch.randint(1, 4, (n, 1), generator=g)
-        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def loader(data: TokenData, batch_size: int, seed: int) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True,
-                                       generator=torch.Generator().manual_seed(seed))
-
-
-def forever(data: TokenData, batch_size: int, seed: int):
-    while True:
-        yield from loader(data, batch_size, seed)
-        seed += 1
-
-
-def run_plain(model, opt, data, args, note) -> None:
-    for batch in forever(data, args.batch_size, args.seed):
-        if opt.finished:
-            return
-        loss = model(**batch).loss
+def run_plain(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
+    losses: list[float] = []
+    for i, batch in enumerate(opt.batches()):
+        with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16, enabled=precision != "fp32"):
+            loss = model(**batch).loss
+        losses.append(loss.item())
+        loss = loss / args.accumulation
+        (scaler.scale(loss) if scaler else loss).backward()
+        if (i + 1) % args.accumulation:
+            continue
+        step = dict(loss=sum(losses) / len(losses), batch_size=args.batch_size * args.accumulation)
+        if scaler:
+            scaler.step(opt, **step)  # skipped when the gradients overflowed
+            scaler.update()
+        else:
+            opt.step(**step)
         opt.zero_grad()
-        loss.backward()
-        note(loss.item())
-        opt.step(loss=loss.item(), batch_size=args.batch_size)
+        losses.clear()
 
 
-def run_trainer(model, opt, data, args, note) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def run_trainer(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
+    from transformers import Trainer, TrainingArguments
 
-    from toolkit.integrations.hf import CollaborativeCallback
-
-    class Record(TrainerCallback):
-        def on_step_end(self, targs, state, control, **kwargs):
-            note(None)  # after the Trainer's scheduler stepped and the callback restored the relay's lr
-
-    model.register_forward_hook(lambda module, inputs, out: note(out.loss.item()) if module.training else None)
+    from toolkit.integrations.hf import CollaborativeCallback, run_dataset
 
     targs = TrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
-                              max_steps=MAX_LOCAL_STEPS, max_grad_norm=0.0, report_to=[], save_strategy="no",
-                              logging_strategy="no", disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
-                              seed=args.seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=data, optimizers=(opt, None),
-                      callbacks=[CollaborativeCallback(opt), Record()])
+                              gradient_accumulation_steps=args.accumulation, max_steps=MAX_LOCAL_STEPS,
+                              report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                              use_cpu=True, dataloader_num_workers=0, fp16=fp16, bf16=precision == "bf16",
+                              seed=0)
+    trainer = Trainer(model=model, args=targs, train_dataset=run_dataset(opt), optimizers=(opt, None),
+                      callbacks=[CollaborativeCallback(opt)])
+    if fp16:  # what Accelerate builds on a GPU
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
+        trainer.accelerator.native_amp = True
     trainer.train()
 
 
-def run_accelerate(model, opt, data, args, note) -> None:
+def run_accelerate(model, opt, args, precision: str) -> None:
+    fp16 = precision == "fp16"
     from accelerate import Accelerator
 
     from toolkit.integrations import watch_loss
 
-    accelerator = Accelerator(cpu=True)
-    model, wrapped, batches = accelerator.prepare(model, opt, loader(data, args.batch_size, args.seed))
-    assert type(wrapped).__name__ == "AcceleratedOptimizer"
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation,
+                              mixed_precision={"fp32": "no"}.get(precision, precision))
+    if fp16:  # what Accelerate builds on a GPU
+        accelerator.scaler = torch.amp.GradScaler("cpu")
+        accelerator.native_amp = True
+    model, wrapped = accelerator.prepare(model, opt)
     handle = watch_loss(model, wrapped)
-    for _ in range(MAX_LOCAL_STEPS):
-        for batch in batches:
-            if opt.finished:
-                handle.remove()
-                return
+    for batch in opt.batches():
+        with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
-            wrapped.step()  # reaches CollaborativeOptimizer.step with the loss the hook noted
+            wrapped.step()
             wrapped.zero_grad()
-            note(loss.item())
+    handle.remove()
 
 
-def run_lightning(model, opt, data, args, note) -> None:
+def run_lightning(model, opt, args, precision: str) -> None:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
 
     from toolkit.integrations.lightning import CollaborativeLightningCallback
 
@@ -109,20 +108,71 @@ def run_lightning(model, opt, data, args, note) -> None:
             self.model = model
 
         def training_step(self, batch, batch_idx):
-            loss = self.model(**batch).loss
-            note(loss.item())
-            return loss
+            return self.model(**batch).loss
 
         def configure_optimizers(self):
             return opt
 
+    plugins = {"fp16": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+               "bf16": [MixedPrecision("bf16-mixed", "cpu")]}.get(precision, [])
     trainer = pl.Trainer(max_steps=MAX_LOCAL_STEPS, accelerator="cpu", devices=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, callbacks=[CollaborativeLightningCallback()])
-    trainer.fit(Module(), loader(data, args.batch_size, args.seed))
+                         num_sanity_val_steps=0, accumulate_grad_batches=args.accumulation, plugins=plugins,
+                         callbacks=[CollaborativeLightningCallback()])
+    trainer.fit(Module(), opt.batches())
 
 
 LOOPS = {"plain": run_plain, "trainer": run_trainer, "accelerate": run_accelerate, "lightning": run_lightning}
+
+
+class Recorder:
+    """Each training forward's inputs, and the accumulator's adds, takes and discards and what
+    became of each upload, in order."""
+
+    def __init__(self, model: torch.nn.Module, opt: Any, skip: int | None, barrier: tuple[Path, str, int] | None) -> None:
+        self.forwards: list[dict[str, torch.Tensor]] = []
+        self.events: list[list] = []
+        self.skip = skip
+        self.barrier = barrier
+        model.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+        acc = opt.accumulator
+        for name in ("add", "take", "discard", "restore"):
+            setattr(acc, name, self.wrap(name, getattr(acc, name)))
+        settle = opt._settle  # what became of each upload: applied, or not (a round closed without it)
+
+        def settled(outcome: Any) -> None:
+            applied = outcome.version is not None or outcome.fate == "applied"
+            self.events.append(["settle", outcome.upload.meta.step, applied])
+            settle(outcome)
+
+        opt._settle = settled
+
+    def on_forward(self, module, args, kwargs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if not self.forwards and self.barrier is not None:  # every loop set up: all start computing at once
+            directory, name, peers = self.barrier
+            (directory / name).touch()
+            deadline = time.monotonic() + 600
+            while len(list(directory.iterdir())) < peers and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.forwards.append({k: kwargs[k].detach().clone() for k in KEYS if k in kwargs})
+        if len(self.forwards) - 1 == self.skip:  # an overflow in this micro-batch's backward
+            param = next(module.parameters())
+            handle = param.register_hook(lambda g: (handle.remove(), g * float("inf"))[1])
+
+    def wrap(self, name: str, method):
+        def recorded(*a, **kw):
+            out = method(*a, **kw)
+            if name == "add":
+                self.events.append(["add", a[1], len(self.forwards)])  # samples, forwards so far
+            elif name == "take":
+                meta = out[0]
+                self.events.append(["take", meta.step, meta.samples, meta.loss_sum])
+            else:
+                self.events.append([name])
+            return out
+        return recorded
 
 
 def main() -> int:
@@ -130,9 +180,11 @@ def main() -> int:
     parser.add_argument("--relay", required=True)
     parser.add_argument("--name", required=True)
     parser.add_argument("--loop", choices=sorted(LOOPS), required=True)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--skip-micro-batch", type=int, default=None)
+    parser.add_argument("--barrier", help="a directory: compute the first micro-batch once --peers loops wait there")
+    parser.add_argument("--peers", type=int, default=1)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
@@ -140,9 +192,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     torch.set_num_threads(1)
 
-    from toolkit.client import RelayClient
-    from toolkit.models import build_model
-    from toolkit.optimizer import CollaborativeOptimizer
+    import toolkit
 
     if args.loop == "trainer":  # pay the loop's imports before joining, so peers start together
         import transformers.trainer  # noqa: F401
@@ -150,39 +200,24 @@ def main() -> int:
         import accelerate  # noqa: F401
     elif args.loop == "lightning":
         import lightning.pytorch  # noqa: F401
-    client = RelayClient(args.relay, retries=6, backoff_s=0.3)
-    model = build_model(client.get_run().model)
+    model = toolkit.run_model(args.relay)
     model.train()
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
-                                 report_interval_s=0.05)
-    losses: list[float] = []
-    uploads: list[tuple[int, float]] = []  # (samples, loss_sum) of every gradient this peer sent
-    take = opt.accumulator.take
-
-    def recording_take(*a, **kw):
-        meta, grad = take(*a, **kw)
-        uploads.append((meta.samples, meta.loss_sum))
-        return meta, grad
-
-    opt.accumulator.take = recording_take
-    lrs: set[float] = {opt.param_groups[0]["lr"]}
-
-    def note(loss: float | None) -> None:
-        if loss is not None:
-            losses.append(loss)
-        lrs.add(opt.param_groups[0]["lr"])
-
-    while args.wait_peers and client.get_status().num_peers < args.wait_peers:
-        time.sleep(0.05)
+    opt = toolkit.CollaborativeOptimizer(model, args.relay, batch_size_per_step=args.batch_size,
+                                         peer_name=args.name, report_interval_s=0.05)
+    barrier = (Path(args.barrier), args.name, args.peers) if args.barrier else None
+    recorder = Recorder(model, opt, args.skip_micro_batch, barrier)
     try:
-        LOOPS[args.loop](model, opt, TokenData(args.seed), args, note)
+        LOOPS[args.loop](model, opt, args, opt.precision or "fp32")
     except KeyboardInterrupt:
         pass
     finally:
         opt.close()
+    torch.save(recorder.forwards, args.result + ".batches.pt")
     with open(args.result, "w") as out:
-        json.dump({"loop": args.loop, "contributed_samples": opt.contributed_samples, "version": opt.version,
-                   "finished": opt.finished, "losses": losses, "lrs": sorted(lrs), "uploads": uploads,
+        json.dump({"loop": args.loop, "accumulation": args.accumulation, "precision": opt.precision,
+                   "contributed_samples": opt.contributed_samples, "version": opt.version,
+                   "finished": opt.finished, "events": recorder.events,
+                   "lrs": sorted({g["lr"] for g in opt.param_groups}),
                    "last_error": str(opt.last_error) if opt.last_error else None}, out)
     return 0
 

@@ -2,15 +2,14 @@
 
 The optimizer as a torch.optim.Optimizer citizen (state_dict round trip, the relay's lr in its
 param groups, an LR scheduler that changes nothing the relay decides, losses noted by loops that
-call step() bare), then one run with four real peer processes, each in a different loop: a plain
-loop, HF Trainer, Accelerate and Lightning (tests/loop_peer.py).
+call step() bare), the run's pinned precision taken by itself, and the notes of watched losses
+(eval mode, a skipped step). The four loops themselves, exact under accumulation and fp16, are
+tests/test_loop_exactness.py; the README's snippets, tests/test_examples.py.
 """
 
 from __future__ import annotations
 
 import io
-import json
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -18,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from toolkit.errors import PrecisionUnsupported
+from toolkit.integrations import watch_loss
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 
-LOOP_PEER = Path(__file__).resolve().parent / "loop_peer.py"
-REPO = LOOP_PEER.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 GPT2_TINY = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 32}
-LOOPS = ("plain", "trainer", "accelerate", "lightning")
 
 
 def mlp_batch(n: int, seed: int = 0) -> torch.Tensor:
@@ -82,51 +81,104 @@ def test_toolkit_imports_without_the_loop_packages():
     assert "collabtrain[hf]" in done.stdout
 
 
-def test_four_loops_train_one_run_together(start_relay, tmp_path):
+class LossOf(torch.nn.Module):
+    """A module whose forward returns the MLP's loss (``watch_loss(..., scalar_output=True)``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(batch)
+
+
+def test_optimizer_takes_the_runs_pinned_precision_and_refuses_another(start_relay):
+    relay = start_relay({"run": {"target_batch": 8, "precision": "fp32"}})
+    model = build_model(_mlp_spec())
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4) as opt:
+        assert opt.precision == "fp32"
+    with pytest.raises(PrecisionUnsupported) as refused:
+        CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, precision="bf16")
+    assert "fp32 only" in refused.value.message and "precision='fp32'" in refused.value.hint
+    assert "leave precision out" in refused.value.hint
+
+
+def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(start_relay):
+    """A model in eval() mode (as from_pretrained returns it) still has its loss noted when it is
+    trained; the micro-batch of a step a scaler skipped (gradients zeroed, no step) counts
+    nothing: the round holds exactly the next micro-batch's samples, gradient and loss."""
+    relay = start_relay({"run": {"target_batch": 4},
+                         "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"}})
+    model = build_model(_mlp_spec())
+    wrapped = LossOf(model).eval()
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        handle = watch_loss(wrapped, opt, scalar_output=True)
+        before = [p.detach().clone() for p in model.parameters()]
+        skipped = mlp_batch(4, seed=1) * 100.0  # its loss and gradient would be far off
+        wrapped(skipped).backward()
+        opt.zero_grad()  # what a loop does after a GradScaler skipped step()
+        batch = mlp_batch(4, seed=2)
+        loss = wrapped(batch)
+        loss.backward()
+        opt.step()  # its samples reach the target: the round runs within this step
+        handle.remove()
+        assert opt.version == 1 and opt.contributed_samples == 4
+    record = next(r for r in relay.status()["recent_rounds"] if r["step"] == 1)
+    assert record["samples"] == 4 and record["loss"] == pytest.approx(loss.item(), rel=1e-6)
+    reference = build_model(_mlp_spec())
+    with torch.no_grad():
+        for p, b in zip(reference.parameters(), before):
+            p.copy_(b)
+    reference.loss(batch).backward()
+    with torch.no_grad():
+        for p, b, r in zip(model.parameters(), before, reference.parameters()):
+            torch.testing.assert_close(p, b - 0.1 * r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_logs_the_relays_learning_rate(start_relay, tmp_path):
+    """The Trainer's own scheduler would log the relay's first lr forever; the callback makes it
+    report the relay's (warmup: 0.02 * (version + 1) / 10)."""
     pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    pytest.importorskip("lightning")
-    steps = 12
-    relay = start_relay({"run": {"target_batch": 32, "total_steps": steps},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM",
-                                   "config": GPT2_TINY},
-                         "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}})
-    procs = {}
-    for i, loop in enumerate(LOOPS):
-        work = tmp_path / loop
-        work.mkdir()
-        procs[loop] = subprocess.Popen(
-            [sys.executable, str(LOOP_PEER), "--relay", relay.url, "--name", loop, "--loop", loop, "--seed", str(i),
-             "--batch-size", "4", "--wait-peers", str(len(LOOPS)), "--workdir", str(work),
-             "--result", str(work / "result.json")],
-            stdout=open(work / "log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        for loop, proc in procs.items():
-            assert proc.wait(timeout=240) == 0, (tmp_path / loop / "log").read_text()[-3000:]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    results = {loop: json.loads((tmp_path / loop / "result.json").read_text()) for loop in LOOPS}
-    status = relay.status()
-    assert status["finished"] and status["step"] == steps
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        credited = dict(db.execute("SELECT name, samples_contributed FROM peers").fetchall())
-    for loop, result in results.items():
-        log = (tmp_path / loop / "log").read_text()[-3000:]
-        assert result["finished"] and result["contributed_samples"] > 0, (loop, result, log)
-        assert credited.get(loop, 0) > 0, (loop, credited)  # the relay applied and credited its samples
-        assert result["losses"] and 0.01 in result["lrs"], (loop, result["lrs"])  # the relay's lr in param_groups
-        # Every gradient it sent carried its micro-batches' real loss (about 2 to 4.2 on this data), not 0.
-        assert result["uploads"] and all(n > 0 and s / n > 1.0 for n, s in result["uploads"]), (loop, result["uploads"])
-    rounds = sorted(relay.status()["recent_rounds"], key=lambda r: r["step"])
-    losses = [r["loss"] for r in rounds if r["loss"] is not None]
-    assert len(losses) >= steps - 2 and all(loss > 0 for loss in losses), rounds  # the charted loss is real
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses  # and it falls
+    from transformers import Trainer, TrainingArguments
+
+    import toolkit
+    from toolkit.integrations.hf import CollaborativeCallback
+
+    relay = start_relay({"run": {"target_batch": 4, "total_steps": 4},
+                         "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
+                         "optimizer": {"name": "sgd", "lr": 0.02, "warmup_steps": 10, "weight_decay": 0.0,
+                                       "schedule": "constant"}})
+    model = toolkit.run_model(relay.url)
+    ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=100,
+                                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                          optimizers=(opt, None), callbacks=[CollaborativeCallback(opt)])
+        trainer.train()
+        assert opt.finished and trainer.args.max_grad_norm == 0.0  # per-peer clipping turned off
+    logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
+    relay_lrs = [0.002 * (version + 1) for version in range(5)]  # the relay's lr at each version
+    assert all(any(lr == pytest.approx(r) for r in relay_lrs) for lr in logged), logged
+    assert logged == sorted(logged) and len(set(logged)) >= 3, logged  # it follows the relay, not frozen
 
 
 def _mlp_spec():
     from toolkit.wire.protocol import ModelSpec
 
     return ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]})
+
+
+def test_a_loss_scaled_by_a_scaler_the_optimizer_was_not_given_is_refused_in_one_sentence():
+    """A watched loop whose GradScaler the optimizer does not know would send its gradient times
+    the scale: the step says which scaler to pass instead."""
+    from toolkit.optim_base import LossNotes
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    notes = LossNotes()
+    loss = (weight * 2.0).mean()
+    notes.add(loss, 4, unit=4.0)
+    (loss * 2.0**16).backward()
+    with pytest.raises(ValueError, match=r"multiplied by 65536.*scaler=scaler") as refused:
+        notes.take()
+    assert "\n" not in str(refused.value)

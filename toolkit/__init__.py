@@ -18,6 +18,7 @@ _EXPORTS = {
     "join": "toolkit.session",
     "JoinResult": "toolkit.session",
     "CollaborativeOptimizer": "toolkit.optimizer",
+    "run_model": "toolkit.optimizer",
     "RelayClient": "toolkit.client",
 }
 

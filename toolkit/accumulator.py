@@ -1,4 +1,4 @@
-"""The peer's gradient accumulator: the sum of ``grad * samples`` since its last contribution.
+"""The peer's gradient accumulator: the sum of per-sample gradients since its last contribution.
 
 Kept apart from :class:`toolkit.optimizer.CollaborativeOptimizer` because it is the one piece of
 peer state with two homes: on the training device (fast adds, 4 B/param of device memory), or in
@@ -61,8 +61,11 @@ class Accumulator:
     def nbytes_on_device(self) -> int:
         return 0 if self.on_host else self._sum.numel() * 4
 
-    def add(self, grads: list[torch.Tensor], samples: int, loss: float | None, version: int) -> None:
-        """Add one micro-batch (``grads`` are per-sample means over ``samples`` samples)."""
+    def add(self, grads: list[torch.Tensor], samples: int, loss: float | None, version: int, *,
+            weight: float | None = None) -> None:
+        """Add ``samples`` samples whose gradient sum is ``grads * weight``: ``weight`` defaults to
+        ``samples`` (``grads`` are per-sample means, as a plain loop's ``.grad``); a loop whose
+        backward was hooked (:mod:`toolkit.optim_base`) has ``.grad`` = sum / unit, so ``unit``."""
         if self._staging is not None and grads[0].is_cuda:
             for dst, g in zip(self._staging, grads):
                 dst.copy_(g, non_blocking=True)  # queued behind the backward pass on the same stream
@@ -73,7 +76,8 @@ class Accumulator:
         with self.lock:
             if self.samples == 0:
                 self.version = version
-            torch._foreach_add_(self._views, [g.to(torch.float32) for g in grads], alpha=float(samples))
+            alpha = float(samples if weight is None else weight)
+            torch._foreach_add_(self._views, [g.to(torch.float32) for g in grads], alpha=alpha)
             self.samples += samples
             self.loss_sum += loss * samples if loss is not None else 0.0
 

@@ -1,9 +1,19 @@
 """Noting each micro-batch's loss for loops that call ``step()`` without it.
 
-:func:`watch_loss` hooks the model's forward: in training mode, with gradients enabled, an output
-carrying a ``loss`` (an HF ``ModelOutput``, a dict, or a module returning the loss tensor itself
-with ``scalar_output=True``) is noted on the optimizer with the batch size read from the first
-tensor argument. :func:`collaborative` finds our optimizer inside the loops' wrappers.
+:func:`watch_loss` hooks the model's forward: whenever gradients are enabled, an output carrying a
+loss that will be backpropagated (an HF ``ModelOutput``, a dict, or a module returning the loss
+tensor itself with ``scalar_output=True``) is noted on the optimizer with the batch size read from
+the first tensor argument. Training or ``eval()`` mode does not matter (``from_pretrained``
+returns a model in eval mode, and a loop may train it so): a forward under ``torch.no_grad()`` is
+an evaluation and is not noted. Noting the loss before its backward is what makes the gradient
+exact whatever the loop divides it by (:mod:`toolkit.optim_base`).
+
+It also drops a ``num_items_in_batch`` argument (the HF Trainer's, under gradient accumulation):
+models that honour it return a loss divided by the whole accumulated batch's token count rather
+than their micro-batch's mean, and the relay charts the mean. The gradient does not depend on it.
+
+:func:`collaborative` finds our optimizer inside the loops' wrappers, :func:`loss_scaler_of` the
+wrappers' GradScaler.
 """
 
 from __future__ import annotations
@@ -16,17 +26,32 @@ import torch
 from toolkit.optimizer import CollaborativeOptimizer
 
 
+def _chain(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it wraps, outermost first."""
+    chain = [optimizer]
+    while not isinstance(optimizer, CollaborativeOptimizer) and len(chain) < 10:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+        chain.append(optimizer)
+    return chain
+
+
 def collaborative(optimizer: Any) -> CollaborativeOptimizer:
     """The :class:`CollaborativeOptimizer` inside ``optimizer``: itself, or the one a loop's
     wrapper holds (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's
     ``LightningOptimizer._optimizer``), however deep."""
-    seen = 0
-    while not isinstance(optimizer, CollaborativeOptimizer):
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or seen > 8:
-            raise TypeError(f"{type(optimizer).__name__} holds no CollaborativeOptimizer")
-        optimizer, seen = inner, seen + 1
-    return optimizer
+    inner = _chain(optimizer)[-1]
+    if not isinstance(inner, CollaborativeOptimizer):
+        raise TypeError(f"{type(optimizer).__name__} holds no CollaborativeOptimizer")
+    return inner
+
+
+def loss_scaler_of(optimizer: Any) -> Any:
+    """The GradScaler a wrapper steps our optimizer through (Accelerate's, and so the HF
+    Trainer's, ``AcceleratedOptimizer.scaler``), or None."""
+    return next((s for s in (getattr(o, "scaler", None) for o in _chain(optimizer)[:-1]) if s is not None), None)
 
 
 def loss_of_output(output: Any, scalar_output: bool = False) -> torch.Tensor | None:
@@ -48,16 +73,35 @@ def batch_size_of_call(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
     return None
 
 
-def watch_loss(model: torch.nn.Module, optimizer: Any, *, scalar_output: bool = False) -> Any:
-    """Note the loss and batch size of every training forward of ``model`` on ``optimizer`` (ours,
-    or a wrapper around it). Returns the hook's handle: ``.remove()`` it when training ends."""
+class _Handles:
+    """The two hooks :func:`watch_loss` registers, removed together."""
+
+    def __init__(self, *handles: Any) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def watch_loss(model: torch.nn.Module, optimizer: Any, *, scalar_output: bool = False, scaler: Any = None) -> Any:
+    """Note the loss and batch size of every gradient-enabled forward of ``model`` on
+    ``optimizer`` (ours, or a wrapper around it). ``scaler``: the loop's GradScaler, if it is not
+    the wrapper's (Accelerate's is found). Returns a handle: ``.remove()`` it when training ends."""
     opt = collaborative(optimizer)
+    found = scaler if scaler is not None else loss_scaler_of(optimizer)
+    if found is not None:
+        opt.scaler = found
+
+    def drop_item_count(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if "num_items_in_batch" not in kwargs:
+            return None
+        return args, {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return  # evaluation, or a no-grad forward inside the loop
         loss = loss_of_output(output, scalar_output)
-        if loss is not None:
+        if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
             opt.note_loss(loss, batch_size_of_call(args, kwargs))
 
-    return model.register_forward_hook(hook, with_kwargs=True)
+    return _Handles(model.register_forward_pre_hook(drop_item_count, with_kwargs=True),
+                    model.register_forward_hook(hook, with_kwargs=True))

@@ -3,12 +3,15 @@
 
     trainer = lightning.pytorch.Trainer(max_steps=..., callbacks=[CollaborativeLightningCallback()])
 
-Lightning calls ``step(closure=...)``; the closure runs ``training_step`` and ``backward``, so the
-loss already reaches the step. The callback adds the batch size (``on_train_batch_start``) and
-notes every micro-batch's loss before its backward (``on_before_backward``: with
-``accumulate_grad_batches`` each one, not only the last), and stops the Trainer when the run
-finishes. (``on_train_batch_end`` would come after the step, one micro-batch too late.) Before each
-batch it puts the relay's lr back into ``param_groups``, over what a configured scheduler wrote.
+Lightning backpropagates each micro-batch's loss divided by ``accumulate_grad_batches`` and, under
+fp16, multiplied by its GradScaler's scale; ``on_before_backward`` receives exactly that tensor.
+The callback notes it with both factors (:meth:`~toolkit.optim_base.CollabOptimizerBase.note_loss`
+``divided_by``), so the relay charts the micro-batch's mean loss and the gradient is the sum over
+its samples, and gives the optimizer the precision plugin's scaler. Notes of a step the scaler
+skipped go at Lightning's next ``zero_grad()``. The batch size comes from
+``on_train_batch_start``; before each batch the relay's lr goes back into ``param_groups`` (over
+what a configured scheduler wrote); the Trainer stops once the run has finished.
+(``on_train_batch_end`` would come after the step, one micro-batch too late to note.)
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ class CollaborativeLightningCallback(pl.Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         opt = self._optimizer(trainer)
-        if opt is not None:
-            opt.note_loss(loss, self._batch_size)
+        if opt is None:
+            return
+        opt.scaler = getattr(trainer.precision_plugin, "scaler", None)
+        divided_by = trainer.accumulate_grad_batches / opt.loss_scale()  # loss = mean * scale / accumulation
+        opt.note_loss(loss, self._batch_size, divided_by=divided_by)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         opt = self._optimizer(trainer)

@@ -1,0 +1,255 @@
+"""The loop API of :class:`CollaborativeOptimizer`: join, ``zero_grad / backward / step``, report
+progress, decide when to contribute or resync, leave. Taking part in a round is
+:mod:`toolkit.optimizer.rounds`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from toolkit.accumulator import Accumulator
+from toolkit.client import RelayClient
+from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
+from toolkit.optim_base import CollabOptimizerBase
+from toolkit.optimizer.own_loop import until_finished
+from toolkit.optimizer.rounds import Outcome, RoundParticipation
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
+from toolkit.worker import PeerWorker, shutdown
+
+log = logging.getLogger("toolkit.optimizer")
+
+
+class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
+    """A ``torch.optim.Optimizer`` whose ``step()`` trains with every other peer of the run
+    (:mod:`toolkit.optimizer`)."""
+
+    def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
+                 client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
+                 device_info: dict[str, Any] | None = None, precision: str | None = None, scaler: Any = None,
+                 report_interval_s: float = 0.5, round_wait_s: float = 120.0, accumulate_on_host: bool = False,
+                 verbose: bool = False) -> None:
+        """
+        Args:
+            model: the model to train; its parameters must match the run's layout
+                (:func:`toolkit.run_model` builds the run's).
+            relay_url: the relay's URL (or pass ``client``).
+            batch_size_per_step: samples in one local micro-batch (``step(batch_size=...)`` overrides).
+            delayed_updates: overlap rounds with computation (needs ``run.max_staleness >= 1``).
+            device_info: reported to the relay so the collaboration sees it.
+            precision: the policy this peer trains in, reported to the relay; by default the one
+                the run pins (if any). A run that pins another refuses to let this peer join.
+            scaler: the loop's loss scaler (a ``GradScaler``), when the loop backpropagates a
+                scaled loss through losses noted on this optimizer (:mod:`toolkit.optim_base`);
+                the integrations find the frameworks' own.
+            report_interval_s: minimum seconds between progress reports from ``step()``.
+            round_wait_s: how long to wait for a round's result before re-syncing.
+            accumulate_on_host: keep the gradient accumulator in host memory (pinned on CUDA),
+                saving 4 bytes per parameter of device memory for a copy per micro-batch.
+        """
+        if client is None and relay_url is None:
+            raise ValueError("pass relay_url or client")
+        self.model = model
+        self._named = list(model.named_parameters())
+        # param_groups' lr: the relay's (toolkit.optim_base)
+        super().__init__((p for _, p in self._named), grad_unit=batch_size_per_step, scaler=scaler)
+        if verbose:
+            logging.getLogger("toolkit").setLevel(logging.INFO)
+        self.client = client or RelayClient(relay_url)  # type: ignore[arg-type]
+        self.batch_size_per_step = batch_size_per_step
+        self.delayed_updates = delayed_updates
+        self.report_interval_s = report_interval_s
+        self.round_wait_s = round_wait_s
+        pinned = self.client.get_run().precision
+        if precision is None:
+            precision = pinned  # the run's pin, if any, as join() takes it
+        elif pinned and precision != pinned:
+            raise PrecisionUnsupported("precision_mismatch", f"this run trains in {pinned} only; the optimizer "
+                                       f"was asked for {precision}", f"Pass precision={pinned!r}, or leave "
+                                       "precision out: the optimizer takes the run's pin by itself.")
+        joined = self.client.join(JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
+                                              device=device_info or {}, precision=precision))
+        self.peer_id, self.run = joined.peer_id, joined.run
+        self.precision = precision
+        self._check_layout(self.run)
+        if delayed_updates and self.run.max_staleness < 1:
+            log.warning("the run allows no staleness (max_staleness=0): delayed updates turned off")
+            self.delayed_updates = False
+        self.codec = get_codec(self.run.compression)
+        self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
+                                       on_host=accumulate_on_host)
+        # The parameters every peer shares (deltas apply to it), at version `_public_version`.
+        # Written by downloads only: in the training thread, or in the worker while a round is
+        # pending (never both); loaded into the model by the training thread.
+        self._public = np.empty(self.run.num_params, dtype=np.float32)
+        self._public_version = -1
+        self._report_lock = threading.Lock()  # one progress report in flight at a time
+        self.version = -1
+        self.contributed_samples = 0
+        self.samples_per_s = 0.0
+        self.last_error: CollabError | None = None
+        self.finished = joined.state.finished  # joined after the last step: the loop has nothing to do
+        self.collab_state = joined.state
+        self.last_report_at = 0.0
+        self._last_step_end: float | None = None
+        self._last_round_id = ""  # the round this peer last uploaded to
+        self._pending: Future | None = None
+        self._limbo: Outcome | None = None  # a gradient whose round ended without applying it
+        self._warned_no_loss = False
+        self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
+        self._load_latest()
+        log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
+        self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
+                                  self.run.heartbeat_interval_s)
+        self._worker.start()
+        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.peer_id)
+
+    # --- the public loop API ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None,
+             loss: float | torch.Tensor | None = None, skip: bool = False) -> Any:
+        """Add this step's gradients to the local accumulator; take part in a round if due.
+
+        What the gradients are the sum over: the micro-batches noted since the last step
+        (:meth:`note_loss`, which the integrations call), or else ``batch_size`` samples
+        (default ``batch_size_per_step``) whose mean gradient ``.grad`` holds, as in a plain
+        loop. The charted loss is ``loss``, else the noted losses' mean, else the closure's.
+        A step whose gradients are not finite, or that the caller marks ``skip`` (the fp16 loss
+        scaler overflowed), is left out: only this peer's contribution is lost.
+        """
+        explicit = loss
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        started = time.monotonic()
+        noted_loss, noted_n, mode = self._take_notes()
+        if mode == "sum" and batch_size is not None and batch_size != noted_n:
+            raise ValueError(f"step(batch_size={batch_size}) but the noted micro-batches hold {noted_n} samples: "
+                             "pass no batch_size when the loop notes its losses")
+        value = next((float(v) for v in (explicit, noted_loss, loss) if v is not None), None)
+        self._finish_pending()
+        if self.finished:
+            return loss
+        n = batch_size or noted_n or self.batch_size_per_step
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
+        if value is None and not self._warned_no_loss:
+            self._warned_no_loss = True
+            log.warning("step() got no loss: pass step(loss=..., batch_size=...) or note it (toolkit.integrations."
+                        "watch_loss); the relay charts this peer's samples without a loss")
+        if skip:
+            log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
+        elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
+            log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
+        else:
+            self.accumulator.add(grads, n, value, self.version, weight=self.grad_unit if mode == "sum" else n)
+            self._update_speed(n, started)
+        self._sync()
+        self._last_step_end = time.monotonic()
+        return loss
+
+    def batches(self, data: Iterable[Any] | None = None, *, batch_size: int | None = None,
+                seed: int | str | None = None) -> Iterator[Any]:
+        """The micro-batches to train on, ending when the run finishes.
+
+        Without ``data``, the run's own data for this peer, as :func:`toolkit.join` trains on it:
+        its shards (leased from the relay), tokenized with the run's tokenizer into its
+        ``[objective]``'s dict batches on a background thread; ``batch_size`` defaults to
+        ``batch_size_per_step``, ``seed`` to this peer's id. With ``data`` (a DataLoader, say),
+        its batches, pass after pass. Either way the loop ends by itself, even when a framework
+        wraps this optimizer.
+        """
+        return until_finished(self, data, batch_size or self.batch_size_per_step,
+                              self.peer_id if seed is None else seed)
+
+    def close(self, finish_round_s: float = 10.0) -> None:
+        """Leave the collaboration and stop the background thread (idempotent).
+
+        A round still in flight (delayed updates) is waited for, up to ``finish_round_s``: its
+        samples are already on the relay, and this peer's own count should say whether they
+        counted. An interrupted cell never waits longer than that.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and self._finalizer.alive:
+            try:
+                self._settle(pending.result(timeout=finish_round_s))
+            except (TimeoutError, CollabError) as exc:
+                log.info("left with a round in flight (%s)", type(exc).__name__)
+        self._finalizer()
+
+    def __enter__(self) -> "CollaborativeOptimizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def samples(self) -> int:
+        """Samples in the accumulator, not yet sent."""
+        return self.accumulator.samples
+
+    def heartbeat_message(self) -> Heartbeat:
+        acc = self.accumulator
+        with acc.lock:
+            return Heartbeat(version=acc.version if acc.samples else max(self.version, 0),
+                             samples=acc.samples, samples_per_s=self.samples_per_s)
+
+    def report_progress(self, client: RelayClient | None = None) -> CollabState:
+        """Send progress.
+
+        Both threads report (the worker when the loop is busy), so the message is built and
+        sent under one lock: reports reach the relay in the order they were made, and the relay
+        never sees an older, smaller count after the one an upload relies on.
+        """
+        with self._report_lock:
+            self.collab_state = (client or self.client).heartbeat(self.peer_id, self.heartbeat_message())
+            self.last_report_at = time.monotonic()
+            return self.collab_state
+
+    # --- internals ----------------------------------------------------------------------------
+    def _check_layout(self, run: RunInfo) -> None:
+        local = [(n, list(p.shape)) for n, p in self._named]
+        remote = [(s.name, list(s.shape)) for s in run.layout]
+        if local != remote:
+            diff = next(((a, b) for a, b in zip(local, remote) if a != b), (len(local), len(remote)))
+            raise ModelMismatch("model_mismatch", f"local model differs from run {run.run_name!r} at {diff}")
+
+    def _update_speed(self, n: int, started: float) -> None:
+        if self._last_step_end is not None:
+            elapsed = max(1e-6, started - self._last_step_end)  # compute time only, not round waits
+            rate = n / elapsed
+            self.samples_per_s = rate if self.samples_per_s == 0 else 0.8 * self.samples_per_s + 0.2 * rate
+
+    def _sync(self) -> None:
+        """Decide, from the latest collaboration state, whether to contribute or resync."""
+        due = time.monotonic() - self.last_report_at >= self.report_interval_s
+        expected = self.collab_state.samples_accumulated + self.samples >= self.collab_state.target_batch
+        try:
+            if due or expected or self.collab_state.round or self._limbo:
+                state = self.report_progress()
+            else:
+                state = self.collab_state
+            if state.finished:
+                self.finished = True
+                return
+            self._settle_limbo(state)
+            if self.samples and state.step - self.accumulator.version > self.run.max_staleness:
+                self._discard(f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; "
+                              "resyncing")
+            behind = self.version < state.step - self.run.max_staleness
+            if self._pending is None and (behind or (not self.samples and self.version < state.step)):
+                self._load_latest()
+            r = state.round
+            if (r is not None and self.samples and r.round_id != self._last_round_id and self._pending is None
+                    and 0 <= r.step - self.accumulator.version <= self.run.max_staleness):
+                self._contribute(r.step, r.round_id)
+        except (RelayUnreachable, RelayRejected) as exc:
+            self._note_error(exc)
