@@ -28,7 +28,7 @@ import requests
 
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
-from tests.conftest import RelayProcess, free_port, merged, write_config
+from tests.conftest import RelayProcess, merged, write_config
 from tests.hf_standin import HfStandin
 from tests.test_bad_input import raw_http, round_state
 from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
@@ -61,14 +61,7 @@ def hf_relay(directory: Path, hub: HfStandin, overrides: dict | None = None, nam
     path = write_config(directory / f"{name}.toml", config)
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
            "NO_PROXY": "127.0.0.1,localhost", "HF_TOKEN": ""}
-    for attempt in range(3):  # free_port() can race with other processes on a shared machine
-        relay = RelayProcess(path, directory / f"{name}-data", free_port(), directory / f"{name}.log", env=env)
-        try:
-            return relay.start()
-        except RuntimeError as exc:
-            if "cannot listen" not in str(exc) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return RelayProcess(path, directory / f"{name}-data", directory / f"{name}.log", env=env).start()
 
 
 def standin() -> HfStandin:

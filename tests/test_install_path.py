@@ -38,7 +38,7 @@ from nbclient.exceptions import CellExecutionError
 from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
 from relay_server.notebooks import PLATFORMS, ToolkitPin, render, template
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
 from tests.test_panel import TINY_LM, running_relay, status
 
@@ -155,10 +155,10 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
                        "template, which installs nothing."}
 
 
-def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str,
+def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str, closed_url: str,
                                                                       capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run.ipynb"
-    down = f"http://127.0.0.1:{free_port()}"
+    down = closed_url
     assert main(["notebook", "colab", "--url", down, "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the relay at {down}/api/toolkit" in err and "relay-server serve" in err
@@ -252,8 +252,8 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
     assert "Installing the toolkit" not in text  # not the network hint
 
 
-def test_a_relay_that_does_not_answer_keeps_the_network_hint(generated: GeneratedRun) -> None:
-    down = f"http://127.0.0.1:{free_port()}"
+def test_a_relay_that_does_not_answer_keeps_the_network_hint(generated: GeneratedRun, closed_url: str) -> None:
+    down = closed_url
     nb = nbformat.read(generated.notebook, as_version=4)
     client = NotebookClient(nb, km=AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=generated.specs),
                             timeout=240, resources={"metadata": {"path": str(generated.home)}})

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, RelayProcess, free_port, merged, wait_until, write_config
+from tests.conftest import REPO, RelayProcess, merged, wait_until, write_config
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import ROUTES, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION
@@ -43,7 +43,7 @@ def start_limited(tmp_path: Path, overrides: dict, *, soft: int, hard: int | Non
     """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
     config = write_config(tmp_path / f"{name}.toml", merged(overrides))
-    relay = RelayProcess(config, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log")
+    relay = RelayProcess(config, tmp_path / f"{name}-data", tmp_path / f"{name}.log")
     limited = functools.partial(subprocess.Popen,
                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
     with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -167,21 +168,21 @@ def test_measured_rate_needs_two_rounds_and_uses_a_window():
 def test_a_wandb_failure_turns_logging_off_without_blocking(tmp_path, monkeypatch, caplog):
     import wandb
 
-    started = []
+    started, released, starting = [], [], threading.Event()
 
     def broken_init(**kwargs):
         started.append(kwargs)
-        time.sleep(0.3)  # still starting when the first step arrives: on_step must not wait
+        released.append(starting.wait(60))  # still starting until on_step returned: it must not wait for this
         raise wandb.errors.UsageError("api_key not configured (no-tty)")
 
     monkeypatch.setattr(wandb, "init", broken_init)
     config = load_config(None, env={}, overrides={"wandb": {"project": "p"}, "server": {"data_dir": str(tmp_path)}})
     with caplog.at_level(logging.INFO, logger="relay_server"):
         observer = WandbObserver(config)
-        began = time.monotonic()
         observer.on_step(_event(1, _rounds(1)))
-        assert time.monotonic() - began < 0.2
+        starting.set()  # W&B "finishes" starting only now, after the step was handed over
         observer.close()
+        assert released and all(released), "on_step waited for wandb.init"
         observer.on_step(_event(2, _rounds(2)))  # after a failure: dropped, quietly
     assert started[0]["project"] == "p" and started[0]["name"] == config.run.name
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
