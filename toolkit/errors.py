@@ -150,6 +150,7 @@ class RelayKeyChanged(AuthError):
     default_hint = ("If the organizer announced a new relay key, delete the pin file named above; "
                     "otherwise someone may be impersonating the relay: do not continue.")
 
+
 class RelayKeyError(CollabError):
     """The relay key file exists but cannot be used."""
 
