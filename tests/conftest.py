@@ -1,4 +1,10 @@
-"""Shared fixtures: real relay processes and real peer processes on 127.0.0.1, always cleaned up."""
+"""Shared fixtures: real relay, aggregator and peer processes on 127.0.0.1, always cleaned up.
+
+Every server a test starts binds port 0 and says which port it got (``--ready-file``), so no two
+tests can race for a port. The one fake clock is :class:`Clock`; the one in-process relay is
+``tests/support/relays.py``'s ``InProcessRelay``. Helpers test modules share that are not fixtures
+live in ``tests/support/``: no test module imports another test module.
+"""
 
 from __future__ import annotations
 
@@ -362,3 +368,44 @@ def web_page() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B scoped to this test: offline, files under tmp_path, no key (inherited by relay processes)."""
+    directory = tmp_path / "wandb-dir"
+    directory.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(directory))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return directory
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The local Hugging Face stand-in with the users of ``tests.support.peers.TOKENS``."""
+    from tests.support.peers import standin
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    server = standin()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
+    """``relay_factory(**sections)`` -> an in-process hf-mode relay (``tests.support.relays.hf_config``:
+    SGD at lr 1, shard leases) whose identity provider is ``hub``, stopped after the test."""
+    from tests.support.relays import InProcessRelay, hf_config
+
+    relays: list[InProcessRelay] = []
+
+    def start(**sections: dict) -> InProcessRelay:
+        relays.append(InProcessRelay(hf_config(tmp_path / f"r{len(relays)}", hub.url, **sections)))
+        return relays[-1]
+
+    yield start
+    for relay in relays:
+        relay.stop()

@@ -49,6 +49,7 @@ from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.auth.relay_key import KEY_FILE, RelayKey
 from tests.conftest import Clock, wait_until
 from tests.hf_standin import HfStandin, StandinResponse
+from tests.support.relays import InProcessRelay
 from toolkit.wire.auth import (
     BODY_SHA256_HEADER,
     CONTAINER_TYPE,
@@ -401,32 +402,6 @@ def test_access_pass_holder_refreshes_before_expiry(env: Env) -> None:
 
 
 # --- end to end: real server, real requests, HF stand-in ---------------------------------------------
-@contextmanager
-def serve(app: web.Application) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1:<free port> in a thread with its own event loop."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=logging.getLogger("aiohttp.access"))
-    ready, port = threading.Event(), []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        port.append(runner.addresses[0][1])
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        yield f"http://127.0.0.1:{port[0]}"
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @web.middleware
@@ -482,8 +457,8 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
                                   ("PUT", "/api/upload", upload), ("GET", "/api/params", params),
                                   *service.routes()]:
         app.router.add_route(method, path, handler)
-    with serve(app) as url:
-        yield Relay(url, used, banned)
+    with InProcessRelay(app=app) as served:  # the relay's serve_app, on port 0
+        yield Relay(served.url, used, banned)
 
 
 def peer_session(url: str, token: str, peer: PeerKey | None = None, refresh_fraction: float = 0.5) -> requests.Session:

@@ -29,7 +29,7 @@ from relay_server.observers.events import StepEvent
 from tests.conftest import BASE_CONFIG, wait_until
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
-from tests.test_collaboration import relay_params
+from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.wire.protocol import PlanInfo, RoundRecord, StatusReport
 

@@ -39,8 +39,9 @@ from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
 from relay_server.notebooks import PLATFORMS, ToolkitPin, render, template
 from tests.conftest import REPO
-from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
-from tests.test_panel import TINY_LM, running_relay, status
+from tests.support.relays import TINY_LM, running_relay, status
+from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text  # to move to
+# tests/support once tests/test_notebooks.py (another change's) is free: no test imports a test module
 
 HASH_MESSAGE = "serves a different toolkit than this notebook pins"
 

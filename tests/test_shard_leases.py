@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from tests.conftest import REPO, RelayProcess, merged, wait_until, write_config
+from tests.support.training import write_shards
 from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
@@ -132,16 +133,6 @@ class LivePeer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def write_shards(folder: Path, count: int, rows: int) -> list[str]:
-    folder.mkdir(exist_ok=True)
-    paths = []
-    for i in range(count):
-        path = folder / f"part-{i:02d}.jsonl"
-        path.write_text("".join(json.dumps({"text": f"part-{i:02d} row {j}"}) + "\n" for j in range(rows)))
-        paths.append(str(path))
-    return paths
 
 
 def read_events(path: Path) -> list[dict]:
