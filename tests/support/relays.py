@@ -43,7 +43,7 @@ class InProcessRelay:
     def __init__(self, config: Any = None, *, app: web.Application | None = None, timeout_s: float = 60) -> None:
         self.config, self.url, self.error = config, "", None
         self.app = app if app is not None else create_app(config)
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
         ready = threading.Event()
 
@@ -51,12 +51,14 @@ class InProcessRelay:
             self.url = url
             ready.set()
 
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await serve_app(self.app, "127.0.0.1", 0, stop=self._stop, on_ready=on_ready,
+                            connections=config.connections if config is not None else None)
+
         def main() -> None:
-            asyncio.set_event_loop(self.loop)
             try:
-                self.loop.run_until_complete(serve_app(
-                    self.app, "127.0.0.1", 0, stop=self._stop, on_ready=on_ready,
-                    connections=config.connections if config is not None else None))
+                asyncio.run(serve())  # the loop closed (and its executor shut down) once stopped
             except BaseException as exc:  # surfaced below
                 self.error = exc
                 ready.set()
