@@ -12,8 +12,9 @@ system), or, with ``echo``, returns the call's ``x`` (forward) or ``g`` (backwar
 broker's overhead alone. Everything between the trainer and the expert is the production path.
 
 The relay runs as ``relay-server serve --port 0`` (:func:`start_relay`), on the run of
-``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import nothing from tests/;
-the MoE tests take :class:`Member` and :func:`directory` from here.
+``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
+no conftest (the one helper they share with the tests is the HF stand-in, ``tests/hf_standin.py``,
+for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from here.
 """
 
 from __future__ import annotations
