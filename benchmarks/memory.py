@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -191,12 +190,6 @@ def relay_main(args: argparse.Namespace) -> int:
 
 
 # --- one case ----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     case = workdir / f"{model}-{bits}"
     case.mkdir()
@@ -208,10 +201,10 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
         "[optimizer]", 'name = "adamw"', "lr = 0.0003", "weight_decay = 0.01",
         "[rounds]", "deadline_initial_s = 600.0", "deadline_ceiling_s = 600.0", "peer_ttl_s = 600.0",
         "[server]", "keep_checkpoints = 2", "[auth]", 'mode = "open"', ""]))
-    port, ready, timings = _free_port(), case / "ready", case / "timings.jsonl"
+    ready, timings = case / "ready", case / "timings.jsonl"  # the relay binds port 0 and writes its URL there
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     me = [sys.executable, str(Path(__file__).resolve())]
-    relay = subprocess.Popen(me + ["_relay", "--config", str(case / "run.toml"), "--port", str(port),
+    relay = subprocess.Popen(me + ["_relay", "--config", str(case / "run.toml"), "--port", "0",
                                    "--data-dir", str(case / "data"), "--ready-file", str(ready),
                                    "--timings", str(timings), "--state-bits", str(bits)],
                              stdout=open(case / "relay.log", "w"), stderr=subprocess.STDOUT, env=env)
@@ -223,7 +216,7 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
             time.sleep(0.1)
         startup = proc_status(relay.pid)  # model built, master + optimizer objects, version 0 written
         reset_peak(relay.pid)
-        peer = subprocess.Popen(me + ["_peer", "--relay", f"http://127.0.0.1:{port}", "--steps", str(args.steps),
+        peer = subprocess.Popen(me + ["_peer", "--relay", ready.read_text().strip(), "--steps", str(args.steps),
                                       "--batch", str(args.batch), "--threads", str(args.threads),
                                       "--out", str(case / "peer.json")],
                                 stdout=open(case / "peer.log", "w"), stderr=subprocess.STDOUT, env=env)

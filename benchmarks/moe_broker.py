@@ -41,9 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency_proxy import spawn  # noqa: E402
-from moe_rig import Member, caller_for, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
+from moe_rig import (Member, caller_for, relay_overrides, start_hosts, start_relay, stop_all,  # noqa: E402
+                     wait_until)
 
-from tests.conftest import spawn_relay  # noqa: E402
 from toolkit.wire.protocol import ROUTES  # noqa: E402
 
 UID = "ffn0.0"
@@ -87,7 +87,7 @@ def measure(auth: str, args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="moe-broker-") as tmp_name:
         tmp = Path(tmp_name)
-        relay = spawn_relay(tmp, config)
+        relay = start_relay(tmp, config)
         trainer = Member(relay.url, "bench-trainer", token=TOKENS["bench-trainer"] if auth == "hf" else None)
         signer = trainer.client.session.auth
         hosts = start_hosts(relay.url, 1, 1, tmp, echo=True, env=env)

@@ -55,9 +55,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency_proxy import ProxyProcess, spawn  # noqa: E402
-from moe_rig import Member, caller_for, directory, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
+from moe_rig import (Member, caller_for, directory, relay_overrides, start_hosts, start_relay,  # noqa: E402
+                     stop_all, wait_until)
 
-from tests.conftest import spawn_relay  # noqa: E402
 from toolkit.models import DMoEMLP  # noqa: E402
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="moe-latency-") as tmp_name:
         tmp = Path(tmp_name)
-        relay = spawn_relay(tmp, config)
+        relay = start_relay(tmp, config)
         proxies: list[ProxyProcess] = [spawn(relay.port, 0.0)]
         if args.hosts_through_proxy:
             proxies.append(spawn(relay.port, 0.0))

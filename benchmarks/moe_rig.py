@@ -11,46 +11,64 @@ that costs no CPU here: on a shared 2-core machine real compute would measure th
 system), or, with ``echo``, returns the call's ``x`` (forward) or ``g`` (backward) untouched: the
 broker's overhead alone. Everything between the trainer and the expert is the production path.
 
-The relay config reuses ``tests/test_moe_relay.py``'s (``overrides``), resized.
+The relay runs as ``relay-server serve --port 0`` (:func:`start_relay`), on the run of
+``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
+no conftest (the one helper they share with the tests is the HF stand-in, ``tests/hf_standin.py``,
+for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from here.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
 import torch
 from requests.auth import AuthBase
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import wait_until  # noqa: E402
-from tests.test_moe_relay import KWARGS, MOE, Member, directory, overrides  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.moe.calls import LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
-from toolkit.wire.protocol import MAX_JSON_BODY  # noqa: E402
+from toolkit.wire.protocol import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest  # noqa: E402
 
-__all__ = ["EmulatedRuntime", "Member", "caller_for", "directory", "relay_overrides", "start_hosts", "stop_all",
-           "wait_until"]
+__all__ = ["EmulatedRuntime", "Member", "RelayRun", "caller_for", "directory", "relay_overrides", "start_hosts",
+           "start_relay", "stop_all", "wait_until"]
+
+# The run of tests/support/moe.py, which relay_overrides resizes: strict large-batch SGD steps,
+# one DMoE model, open auth on 127.0.0.1 (a benchmark turns hf mode on in its [auth]).
+BASE_RUN: dict[str, dict[str, Any]] = {
+    "run": {"name": "moe-bench", "target_batch": 16, "total_steps": 0, "max_staleness": 0, "seed": 0},
+    "optimizer": {"name": "sgd", "lr": 0.05, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"},
+    "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 2.0, "deadline_floor_s": 2.0, "deadline_ceiling_s": 60.0,
+               "deadline_initial_s": 30.0},
+    "server": {"host": "127.0.0.1", "keep_checkpoints": 1000},
+    "auth": {"mode": "open"},
+}
+MOE = {"enabled": True, "uid_prefix": "ffn", "seed": 0}
+KWARGS = {"out_features": 1, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01}
 
 
 def relay_overrides(*, d: int, expert_hidden: int, layers: int, grid: list[int], k: int,
                     max_rows_per_call: int | None = None, timeout_s: float = 30.0, expert_lr: float = 1e-4) -> dict[str, dict[str, Any]]:
-    """``tests/test_moe_relay.py``'s run resized: ``layers`` mixtures of ``grid`` experts of width
+    """:data:`BASE_RUN` (the run of ``tests/support/moe.py``) resized: ``layers`` mixtures of ``grid`` experts of width
     ``d``; checkpoints rare (they are not what is measured); rate limits out of the way (every
     process here is one loopback address, and the benchmark is the only client). Hosts still
     take an SGD step per backward call, with a small ``expert_lr``: throughput runs push random
     data through many concurrent stale updates, which at a training rate would diverge to NaN
     (and the relay rightly refuses NaN results)."""
-    base = overrides(0)
+    base = {name: dict(values) for name, values in BASE_RUN.items()}
     if max_rows_per_call is None:  # as many as one signed request holds (x and g, float32)
         max_rows_per_call = min(512, (MAX_JSON_BODY - 4096) // (8 * d))
     base["moe"] = {**MOE, "layers": layers, "grid": grid, "k": k, "expert": {"kind": "ffn", "d": d,
@@ -58,11 +76,96 @@ def relay_overrides(*, d: int, expert_hidden: int, layers: int, grid: list[int],
                    "backward_timeout_s": timeout_s, "max_rows_per_call": max_rows_per_call,
                    "max_queued_rows": 1 << 20,
                    "optimizer": {"name": "sgd", "lr": expert_lr}}
-    base["model"] = {**base["model"], "kwargs": {**KWARGS, "in_features": d, "hidden": d, "layers": layers,
-                                                 "grid": grid, "k": k, "expert_hidden": expert_hidden,
-                                                 "timeout_s": timeout_s}}
+    base["model"] = {"factory": "toolkit.models:DMoEMLP",
+                     "kwargs": {**KWARGS, "in_features": d, "hidden": d, "layers": layers, "grid": grid, "k": k,
+                                "expert_hidden": expert_hidden, "timeout_s": timeout_s}}
     base["limits"] = {"tasks_per_s": 1e6, "tasks_burst": 1e6}
     return base
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    """Poll ``predicate`` every 50 ms until it returns something truthy (returned), or raise
+    ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+@dataclass
+class RelayRun:
+    """A ``relay-server serve`` process; ``url`` has the port it bound (it was started on port 0)."""
+
+    proc: subprocess.Popen
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_relay(folder: Path, sections: dict[str, dict[str, Any]], timeout_s: float = 120) -> RelayRun:
+    """Write ``sections`` as ``folder/relay.toml`` and serve it on port 0, its state in ``folder``."""
+    config, ready, log = folder / "relay.toml", folder / "relay.ready", folder / "relay.log"
+    config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
+                              for name, values in sections.items()))
+    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config), "--port", "0",
+                             "--data-dir", str(folder / "relay-data"), "--ready-file", str(ready)],
+                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    wait_until(lambda: ready.exists() or proc.poll() is not None, timeout_s, "the relay to listen")
+    if proc.poll() is not None:
+        raise RuntimeError(f"the relay exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+    return RelayRun(proc, ready.read_text().strip())
+
+
+def directory(url: str) -> dict:
+    return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
+
+
+class Member:
+    """A peer of the run driven by hand (join + heartbeats): a hostile host or a trainer."""
+
+    def __init__(self, url: str, name: str, token: str | None = None) -> None:
+        self.client = RelayClient(url, retries=0)
+        if token:
+            self.client.login(token)
+        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.2):
+            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
+
+    def request(self, method: str, route: str, **kwargs):
+        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
+        return self.client._request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()
 
 
 class EmulatedRuntime(LoopbackCaller):

@@ -266,15 +266,19 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
 
 
 async def serve_aggregator(*, coordinator: str, host: str, port: int, public_url: str | None, data_dir: str,
-                           token: str, name: str, keep_versions: int = 3, ready_file: str | None = None,
+                           token: str, name: str | None, keep_versions: int = 3, ready_file: str | None = None,
                            stop: asyncio.Event | None = None) -> None:
-    """Listen, then register with the relay at ``coordinator`` (once the URL peers use is known)."""
-    agg = Aggregator(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token, name=name,
-                     keep_versions=keep_versions)
+    """Listen, then register with the relay at ``coordinator`` (once the URL peers use is known:
+    with ``port`` 0 the bound port is in it, the ``ready_file`` gets it, and an unnamed aggregator
+    is named after it)."""
+    agg = Aggregator(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
+                     name=name or "", keep_versions=keep_versions)
 
     def ready(url: str) -> None:
         agg.public_url = (public_url or url).rstrip("/")
+        agg.name = agg.name or agg.public_url.split("://")[-1][:128]
         agg.task = asyncio.get_running_loop().create_task(agg.run())
-        log.info("aggregator %r listening on %s (reachable as %s), relay %s", name, url, agg.public_url, coordinator)
+        log.info("aggregator %r listening on %s (reachable as %s), relay %s", agg.name, url, agg.public_url,
+                 coordinator)
 
     await serve_app(create_app(agg), host, port, ready_file=ready_file, stop=stop, on_ready=ready)

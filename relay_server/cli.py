@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     agg.add_argument("--data-dir", default="aggregator-data", help="where this server keeps its slice's versions")
     agg.add_argument("--admin-token-file", required=True,
                      help="a copy of the relay's <data_dir>/admin_token (the relay writes it on first start)")
-    agg.add_argument("--name", help="shown on the dashboard (default: the public URL's host:port)")
+    agg.add_argument("--name", help="shown on the dashboard (default: the public URL's host:port, or the bound one)")
     agg.add_argument("--keep-versions", type=int, default=3, help="slice versions kept on disk (default 3)")
     agg.add_argument("--ready-file", help="write this server's URL here once it accepts connections")
     agg.add_argument("--verbose", "-v", action="store_true", help="log debug details")
@@ -226,7 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
     from relay_server.api.server import serve
 
     logging.getLogger("relay_server").setLevel(logging.INFO)
-    asyncio.run(serve(config, ready_file=args.ready_file))
+    asyncio.run(serve(config, ready_file=args.ready_file, on_ready=_announce))
     return 0
 
 
@@ -240,6 +240,16 @@ def _export(args: argparse.Namespace) -> int:
                           config_source=source)
     print(f"version {step} written to {args.out}")
     return 0
+
+
+def _announce(url: str) -> None:
+    """What an organizer reads first: where the dashboard is (the address bound, so ``--port 0``
+    says which port it got) and the command that comes next."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    here = f"http://127.0.0.1:{port}" if host in ("0.0.0.0", "::", "[::]") else url  # a wildcard is no link
+    print(f"relay-server: listening on {url}; the dashboard is at {here}/\n"
+          f"next, behind your HTTPS proxy, write the notebook volunteers open:\n"
+          f"  relay-server notebook colab --url https://<your public address> -o run.ipynb", flush=True)
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
@@ -279,10 +289,11 @@ def _aggregator(args: argparse.Namespace) -> int:
         token = read_token(args.admin_token_file)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--admin-token-file: {exc}") from None
-    name = args.name or (args.public_url or f"{args.host}:{args.port}").split("://")[-1].rstrip("/")
+    name = args.name or (args.public_url.split("://")[-1].rstrip("/") if args.public_url else None)  # else as bound
     logging.getLogger("relay_server").setLevel(logging.INFO)
     asyncio.run(serve_aggregator(coordinator=args.coordinator, host=args.host, port=args.port,
-                                 public_url=args.public_url, data_dir=args.data_dir, token=token, name=name[:128],
+                                 public_url=args.public_url, data_dir=args.data_dir, token=token,
+                                 name=name[:128] if name else None,
                                  keep_versions=max(2, args.keep_versions), ready_file=args.ready_file))
     return 0
 

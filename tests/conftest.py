@@ -1,4 +1,10 @@
-"""Shared fixtures: real relay processes and real peer processes on 127.0.0.1, always cleaned up."""
+"""Shared fixtures: real relay, aggregator and peer processes on 127.0.0.1, always cleaned up.
+
+Every server a test starts binds port 0 and says which port it got (``--ready-file``), so no two
+tests can race for a port. The one fake clock is :class:`Clock`; the one in-process relay is
+``tests/support/relays.py``'s ``InProcessRelay``. Helpers test modules share that are not fixtures
+live in ``tests/support/``: no test module imports another test module.
+"""
 
 from __future__ import annotations
 
@@ -65,19 +71,62 @@ def merged(overrides: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, A
 
 
 def free_port() -> int:
+    """A port nothing listens on right now, for third-party servers that cannot bind port 0 and
+    report it (nginx): another process may take it before the server binds it, so start such a
+    server through :func:`on_free_port`, which picks again when that happens. Our own servers
+    (relay, aggregator, demo) bind port 0 and say which port they got: never pick one for them."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def closed_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 where nothing listens, for the whole test: its port is bound by a socket
+    that never listens, so connections are refused and no other process can take the port."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{held.getsockname()[1]}"
+
+
+class PortTaken(Exception):
+    """Raised by a ``start(port)`` given to :func:`on_free_port` when the port was taken meanwhile."""
+
+
+def on_free_port(start, attempts: int = 5):
+    """``start(port)`` on a free port, again on another one while it raises :class:`PortTaken`: the
+    race between picking a port and a third-party server binding it, closed by retrying."""
+    for attempt in range(attempts):
+        try:
+            return start(free_port())
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def read_ready_url(ready: Path, proc: subprocess.Popen, log_path: Path, timeout_s: float, what: str) -> str:
+    """Wait for ``--ready-file`` (the URL a server bound, written once it accepts connections)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return ready.read_text().strip()
+
+
 @dataclass
 class RelayProcess:
-    """A real ``relay-server serve`` process; ``kill``/``start`` keep the port and data dir."""
+    """A real ``relay-server serve`` process. The first start binds port 0 and reads the port the
+    relay got from its ``--ready-file``; ``kill``/``start`` then keep that port (peers hold the
+    URL) and the data dir."""
 
     config_path: Path
     data_dir: Path
-    port: int
     log_path: Path
+    port: int = 0
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
 
@@ -86,19 +135,14 @@ class RelayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60) -> "RelayProcess":
-        ready = self.data_dir.parent / f"ready-{self.port}"
+        ready = self.data_dir.parent / f"{self.data_dir.name}.ready"
         ready.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(self.config_path),
              "--port", str(self.port), "--data-dir", str(self.data_dir), "--ready-file", str(ready)],
             stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, env={**os.environ, **self.env})
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"relay exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("relay did not start")
-            time.sleep(0.05)
+        url = read_ready_url(ready, self.proc, self.log_path, timeout_s, "relay")
+        self.port = int(url.rsplit(":", 1)[1])
         return self
 
     def kill(self) -> None:
@@ -133,9 +177,10 @@ class RelayProcess:
 
 def spawn_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None,
                 name: str = "relay") -> RelayProcess:
-    """Write the merged config into ``directory`` and start a relay process on a free port."""
+    """Write the merged config into ``directory`` and start a relay process (on port 0: the port it
+    bound is read back)."""
     config = write_config(directory / f"{name}.toml", merged(overrides))
-    return RelayProcess(config, directory / f"{name}-data", free_port(), directory / f"{name}.log").start()
+    return RelayProcess(config, directory / f"{name}-data", directory / f"{name}.log").start()
 
 
 @pytest.fixture
@@ -154,18 +199,23 @@ def start_relay(tmp_path: Path) -> Iterator:
 
 @dataclass
 class AggregatorProcess:
-    """A real ``relay-server aggregator`` process registered with ``relay``."""
+    """A real ``relay-server aggregator`` process registered with ``relay``, on port 0 (the port it
+    bound is read from its ``--ready-file``)."""
 
     relay: RelayProcess
     name: str
     data_dir: Path
-    port: int
     log_path: Path
+    port: int = 0
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ready_path(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.ready"
 
     def start(self) -> "AggregatorProcess":
         self.ready_path.unlink(missing_ok=True)
@@ -177,13 +227,11 @@ class AggregatorProcess:
             stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT)
         return self
 
-    @property
-    def ready_path(self) -> Path:
-        return self.data_dir.parent / f"ready-{self.port}"
-
     def wait_registered(self, timeout_s: float = 60) -> "AggregatorProcess":
         deadline = time.monotonic() + timeout_s
-        while not (self.ready_path.exists() and self.status().get("aggregator_id")):  # listening, then registered
+        url = read_ready_url(self.ready_path, self.proc, self.log_path, timeout_s, "aggregator")  # listening
+        self.port = int(url.rsplit(":", 1)[1])
+        while not self.status().get("aggregator_id"):  # then registered
             if self.proc.poll() is not None:
                 raise RuntimeError(f"aggregator exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
             if time.monotonic() > deadline:
@@ -205,7 +253,7 @@ def start_aggregators(tmp_path: Path) -> Iterator:
     aggregators: list[AggregatorProcess] = []
 
     def start(relay: RelayProcess, *names: str, wait: bool = True) -> list[AggregatorProcess]:
-        new = [AggregatorProcess(relay, name, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log").start()
+        new = [AggregatorProcess(relay, name, tmp_path / f"{name}-data", tmp_path / f"{name}.log").start()
                for name in names]
         aggregators.extend(new)
         return [a.wait_registered() for a in new] if wait else new
@@ -320,3 +368,44 @@ def web_page() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B scoped to this test: offline, files under tmp_path, no key (inherited by relay processes)."""
+    directory = tmp_path / "wandb-dir"
+    directory.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(directory))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return directory
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The local Hugging Face stand-in with the users of ``tests.support.peers.TOKENS``."""
+    from tests.support.peers import standin
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    server = standin()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
+    """``relay_factory(**sections)`` -> an in-process hf-mode relay (``tests.support.relays.hf_config``:
+    SGD at lr 1, shard leases) whose identity provider is ``hub``, stopped after the test."""
+    from tests.support.relays import InProcessRelay, hf_config
+
+    relays: list[InProcessRelay] = []
+
+    def start(**sections: dict) -> InProcessRelay:
+        relays.append(InProcessRelay(hf_config(tmp_path / f"r{len(relays)}", hub.url, **sections)))
+        return relays[-1]
+
+    yield start
+    for relay in relays:
+        relay.stop()

@@ -12,7 +12,7 @@ import numpy as np
 import requests
 
 from tests.conftest import RelayProcess
-from tests.test_bad_input import RawPeer, raw_http
+from tests.support.peers import RawPeer, raw_http
 from toolkit.client import RelayClient
 from toolkit.wire.protocol import GradientMeta, Ticket
 from toolkit.wire.tensor_container import encode_header

@@ -10,48 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 import torch
-from safetensors.numpy import load_file
 
 from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
-from tests.test_collaboration import MODEL_KWARGS, load_flat, rounds_from_events
+from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, load_flat, rounds_from_events, sliced_plan,
+                                    stored_params, train_sliced)
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
-from toolkit.wire.tensor_container import read_file_header
 
 ALICE = "hf_alice_token_123456"
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
-FAST_AGGREGATORS = {"heartbeat_interval_s": 0.3, "ttl_s": 4.0, "call_timeout_s": 20.0, "replan_interval_s": 2.0,
-                    "state_copy_every": 3}
-
-
-def sliced_plan(status: dict) -> list[dict]:
-    plan = status["plan"]
-    return plan["slices"] if plan and len(plan["slices"]) > 1 else []
-
-
-def train_sliced(relay, aggregators, launch_peer, more_steps: int, *, seed: int, extra: tuple[str, ...] = ()):
-    """Three peers (micro-batches 4/6/8) train until the plan slices the vector among the relay and
-    ``aggregators`` and ``more_steps`` steps ran sliced; (peers, the step it was sliced at, status)."""
-    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=10_000,
-                         extra=("--wait-peers", "3", "--wait-aggregators", str(len(aggregators)),
-                                "--sleep-per-batch", "0.02", *extra))
-             for i, b in enumerate((4, 6, 8))]
-    for agg in aggregators:
-        agg.wait_registered()
-    ways = len(aggregators) + 1
-    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == ways, timeout_s=90,
-                               what=f"a plan slicing the vector {ways} ways")["step"]
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == ways and s["step"] >= sliced_at + more_steps,
-                            timeout_s=60, what=f"{more_steps} steps sliced {ways} ways")
-    return peers, sliced_at, status
 
 
 def reference_sgd(initial: np.ndarray, rounds: dict[int, list[int]], steps: int) -> np.ndarray:
@@ -65,19 +39,6 @@ def reference_sgd(initial: np.ndarray, rounds: dict[int, list[int]], steps: int)
         model.loss(data[rounds[step]]).backward()
         opt.step()
     return flatten(model)
-
-
-def stored_params(step: int, data_dirs: list[Path], num_params: int) -> np.ndarray:
-    """Version ``step`` put together from the slice files every owner wrote for it (what peers
-    downloaded: each file's ``params`` is the slice as published)."""
-    out = np.full(num_params, np.nan, dtype=np.float32)
-    for data_dir in data_dirs:
-        path = data_dir / "state" / f"step-{step:08d}.safetensors"
-        if path.exists():
-            meta = read_file_header(path).metadata
-            out[int(meta.get("start", 0)):int(meta.get("end", num_params))] = load_file(str(path))["params"]
-    assert not np.isnan(out).any(), f"no owner stored all of step {step}"
-    return out
 
 
 def peer_hashes(peers) -> dict[int, set[str]]:

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,105 +27,19 @@ import requests
 
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
-from tests.conftest import RelayProcess, free_port, merged, write_config
+from tests.conftest import RelayProcess
 from tests.hf_standin import HfStandin
-from tests.test_bad_input import raw_http, round_state
+from tests.support.peers import FLOOD_LIMITS, SAMPLES, TOKENS, SignedPeer, hf_relay, raw_http, round_state, standin
 from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
-                          TIMESTAMP_HEADER, PassClaims, b64u, container_body_sha256, decode_pass, digest_metadata)
+                               TIMESTAMP_HEADER, PassClaims, b64u, decode_pass, digest_metadata)
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
-from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
 from toolkit.wire.tensor_container import encode_header
 
-TOKENS = {"alice": "hf_alice_attack_token_01", "bob": "hf_bob_attack_token_0001",
-          "eve": "hf_eve_attack_token_0001", "mallory": "hf_mallory_attack_token1"}
-ALLOWED = ["alice", "bob", "eve"]  # mallory is a real HF user, just not on this run's allowlist
-SAMPLES = 10
-FLOOD_LIMITS = {"poll_per_s": 30.0, "poll_burst": 60.0}  # low, so the flood test trips within a second
-OVERRIDES = {  # SGD, lr 1: the applied step is exactly -(mean gradient), checkable bit for bit
-    "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
-    "run": {"target_batch": SAMPLES, "max_staleness": 0},
-    "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
-               "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
-    "limits": FLOOD_LIMITS,
-}
 
-
-# --- a real hf-mode relay and signed peers ----------------------------------------------------------
-def hf_relay(directory: Path, hub: HfStandin, overrides: dict | None = None, name: str = "relay") -> RelayProcess:
-    """A relay process in hf mode whose identity provider is the local stand-in."""
-    config = merged({**OVERRIDES, **(overrides or {}),
-                     "auth": {"mode": "hf", "hf_endpoint": hub.url, "allow_users": ALLOWED}})
-    path = write_config(directory / f"{name}.toml", config)
-    env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "NO_PROXY": "127.0.0.1,localhost", "HF_TOKEN": ""}
-    for attempt in range(3):  # free_port() can race with other processes on a shared machine
-        relay = RelayProcess(path, directory / f"{name}-data", free_port(), directory / f"{name}.log", env=env)
-        try:
-            return relay.start()
-        except RuntimeError as exc:
-            if "cannot listen" not in str(exc) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def standin() -> HfStandin:
-    hub = HfStandin().start()
-    for user, token in TOKENS.items():
-        hub.add_user(token, user)
-    return hub
-
-
-@dataclass
-class SignedPeer:
-    """A logged-in client that can also hand-craft signed requests (to tamper with them)."""
-
-    relay: RelayProcess
-    client: RelayClient
-    peer_id: str = ""
-
-    @classmethod
-    def login(cls, relay: RelayProcess, user: str) -> "SignedPeer":
-        client = RelayClient(relay.url, retries=0)
-        client.login(TOKENS[user])
-        return cls(relay, client)
-
-    @property
-    def auth(self) -> SignedAuth:
-        return self.client.session.auth  # type: ignore[return-value]
-
-    def join(self, name: str) -> "SignedPeer":
-        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
-        return self
-
-    def heartbeat_body(self, samples: int = SAMPLES) -> bytes:
-        return Heartbeat(version=0, samples=samples, samples_per_s=10.0).dumps()
-
-    def prepared(self, method: str, path: str, body: bytes | None = None, *, auth: Any = None,
-                 content_type: str = "application/json") -> requests.PreparedRequest:
-        headers = {"Content-Type": content_type} if body is not None else {}
-        request = requests.Request(method, self.relay.url + path, data=body, headers=headers).prepare()
-        return (auth or self.auth)(request)
-
-    def send(self, prepared: requests.PreparedRequest) -> requests.Response:
-        return self.client.session.send(prepared, timeout=30)
-
-    def upload(self, grad: np.ndarray, **meta_changes: Any) -> requests.Response:
-        """A correctly signed upload (chunk digests and all) of ``grad``: whatever the relay
-        refuses here, it refuses on content, not on the signature."""
-        fields = dict(peer_id=self.peer_id, step=0, version=0, samples=SAMPLES, loss_sum=1.0) | meta_changes
-        tensors = [("payload", grad)]
-        metadata = {"collab": GradientMeta(**fields).dumps().decode(), "codec": "none", **digest_metadata(tensors)}
-        body = encode_header(tensors, metadata) + grad.tobytes()
-        headers = {"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: container_body_sha256(tensors, metadata)}
-        request = requests.Request("PUT", f"{self.relay.url}/api/rounds/{fields['step']}/gradient",
-                                   params={"peer_id": self.peer_id}, data=iter([body]), headers=headers).prepare()
-        request.headers["Content-Length"] = str(len(body))
-        request.headers.pop("Transfer-Encoding", None)
-        return self.send(self.auth(request))
-
-
+# --- passes minted by hand (the relay and the signed peers: tests/support/peers.py) -----------------
 def minted_pass(key: RelayKey, user: str, peer: PeerKey, *, issued: int, expires: int, key_id: str | None = None) -> str:
     """A pass signed by ``key`` (the relay's own, another relay's, or a forger's)."""
     claims = PassClaims(key_id or key.key_id, issued, expires, issued, peer.public_raw, user)

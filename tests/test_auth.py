@@ -47,7 +47,9 @@ from relay_server.auth.verify import (
 from relay_server.core.errors import ApiError
 from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.auth.relay_key import KEY_FILE, RelayKey
+from tests.conftest import Clock, wait_until
 from tests.hf_standin import HfStandin, StandinResponse
+from tests.support.relays import InProcessRelay
 from toolkit.wire.auth import (
     BODY_SHA256_HEADER,
     CONTAINER_TYPE,
@@ -84,14 +86,6 @@ RELAY_URL = "http://relay.test"
 SKEW = 60.0
 
 
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def pass_for(response: LoginResponse, peer: PeerKey, url: str = RELAY_URL) -> AccessPass:
     return AccessPass.from_login(response, peer_key=peer, relay_url=url, pins=RelayKeyPins())
 
@@ -107,7 +101,7 @@ def raw_pass(token: str, relay_key: RelayKey, lifetime_s: float = 600) -> Access
 class Env:
     """A relay verifier and an honest peer 'alice', sharing one fake wall clock."""
 
-    clock: FakeClock = field(default_factory=lambda: FakeClock(float(int(time.time()))))
+    clock: Clock = field(default_factory=lambda: Clock(float(int(time.time()))))
     relay_key: RelayKey = field(default_factory=RelayKey.generate)
     peer: PeerKey = field(default_factory=PeerKey)
     banned: set[str] = field(default_factory=set)
@@ -378,7 +372,7 @@ def test_relay_key_pin_detects_a_changed_key(tmp_path) -> None:
 
 
 def test_access_pass_holder_refreshes_before_expiry(env: Env) -> None:
-    mono = FakeClock(1000.0)
+    mono = Clock(1000.0)
     calls: list[AccessPass | None] = []
     issued: list[AccessPass] = []
     failing = {"now": False}
@@ -408,32 +402,6 @@ def test_access_pass_holder_refreshes_before_expiry(env: Env) -> None:
 
 
 # --- end to end: real server, real requests, HF stand-in ---------------------------------------------
-@contextmanager
-def serve(app: web.Application) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1:<free port> in a thread with its own event loop."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=logging.getLogger("aiohttp.access"))
-    ready, port = threading.Event(), []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        port.append(runner.addresses[0][1])
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    try:
-        yield f"http://127.0.0.1:{port[0]}"
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @web.middleware
@@ -489,8 +457,8 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
                                   ("PUT", "/api/upload", upload), ("GET", "/api/params", params),
                                   *service.routes()]:
         app.router.add_route(method, path, handler)
-    with serve(app) as url:
-        yield Relay(url, used, banned)
+    with InProcessRelay(app=app) as served:  # the relay's serve_app, on port 0
+        yield Relay(served.url, used, banned)
 
 
 def peer_session(url: str, token: str, peer: PeerKey | None = None, refresh_fraction: float = 0.5) -> requests.Session:
@@ -647,10 +615,18 @@ def test_identity_provider_failures_are_503_with_hints(hf_standin: HfStandin, mo
         status, body = login_error(r.url, "hf_alice_token_1234")
         assert (status, body["error"]) == (503, "identity_unavailable") and "HF_HUB_OFFLINE" in body["hint"]
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        hf_standin.add_route("GET", r"/api/whoami-v2", lambda request: time.sleep(1.5) or StandinResponse(200, {}))
-        started = time.monotonic()
+        answered, released = threading.Event(), []
+
+        def stuck(request) -> StandinResponse:  # answers only once the relay has answered the peer
+            released.append(answered.wait(60))
+            return StandinResponse(200, {})
+
+        hf_standin.add_route("GET", r"/api/whoami-v2", stuck)
         status, body = login_error(r.url, "hf_alice_token_1234")
-        assert (status, body["error"]) == (503, "identity_unavailable") and time.monotonic() - started < 1.4
+        answered.set()
+        assert (status, body["error"]) == (503, "identity_unavailable")
+        wait_until(lambda: released, 60, "the stuck identity call to return")
+        assert all(released), "the relay waited for the identity provider past its timeout"
 
 
 def test_token_never_logged(hf_standin: HfStandin, caplog, capfd, tmp_path) -> None:
@@ -674,8 +650,10 @@ def test_token_never_logged(hf_standin: HfStandin, caplog, capfd, tmp_path) -> N
 
 
 # --- cost and fuzzing ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_per_request_sign_and_verify_cost(env: Env, capsys) -> None:
-    """Peer sign + relay verify of a small JSON request. Run with -s to see the numbers."""
+    """Peer sign + relay verify of a small JSON request, timed (a benchmark: slow, off the default
+    run, whose machines are shared). Run with -s to see the numbers."""
     n = 300
     requests_ = [requests.Request("POST", RELAY_URL + "/api/peers/p/heartbeat", data=b'{"samples":1}',
                                   headers={"Content-Type": "application/json"}).prepare() for _ in range(n)]

@@ -8,18 +8,16 @@ one valid upload finalizes the round and the applied SGD update must be exactly 
 from __future__ import annotations
 
 import json
-import socket
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import requests
 
 from tests.conftest import RelayProcess, spawn_relay
+from tests.support.peers import RawPeer, raw_http, round_state
 from toolkit.client import RelayClient
-from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta
 from toolkit.wire.tensor_container import encode_header
 
 # Two 1M-element chunks: big enough that "a later chunk" exists (rounds.CHUNK_ELEMS = 2**20).
@@ -30,66 +28,6 @@ OVERRIDES = {
     "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 120.0, "deadline_initial_s": 120.0,
                "deadline_floor_s": 60.0, "deadline_ceiling_s": 120.0},
 }
-
-
-@dataclass
-class RawPeer:
-    """Speaks the wire protocol by hand, so a test can send what the toolkit never would."""
-
-    relay: RelayProcess
-    peer_id: str = ""
-
-    def join(self, name: str) -> "RawPeer":
-        body = {"peer_name": name, "protocol": PROTOCOL_VERSION}
-        self.peer_id = requests.post(self.relay.url + "/api/peers/join", json=body, timeout=10).json()["peer_id"]
-        return self
-
-    def heartbeat(self, samples: int, version: int = 0) -> requests.Response:
-        return requests.post(f"{self.relay.url}/api/peers/{self.peer_id}/heartbeat", timeout=10,
-                             json={"version": version, "samples": samples, "samples_per_s": 10.0})
-
-    def meta(self, **changes) -> GradientMeta:
-        fields = dict(peer_id=self.peer_id, step=0, version=0, samples=10, loss_sum=1.0) | changes
-        return GradientMeta(**fields)
-
-    def container(self, grad: np.ndarray, meta: GradientMeta | None = None, name: str = "payload") -> bytes:
-        metadata = {"collab": (meta or self.meta()).dumps().decode()}
-        return encode_header([(name, grad)], metadata) + grad.tobytes()
-
-    def upload(self, body: bytes | object, step: int = 0, peer_id: str | None = None) -> requests.Response:
-        return requests.put(f"{self.relay.url}/api/rounds/{step}/gradient", data=body, timeout=30,
-                            params={"peer_id": self.peer_id if peer_id is None else peer_id})
-
-
-def raw_http(port: int, head: str, body: bytes = b"", *, close_after_send: bool = False) -> tuple[int, dict]:
-    """Send hand-written HTTP; return (status, JSON body), or (0, {}) when we hang up first."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(head.encode() + b"\r\n\r\n" + body)
-        if close_after_send:
-            return 0, {}
-        reply = b""
-        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _content_length(reply):
-            piece = sock.recv(65536)
-            if not piece:
-                break
-            reply += piece
-    status = int(reply.split(b" ", 2)[1])
-    return status, json.loads(reply.split(b"\r\n\r\n", 1)[1] or b"{}")
-
-
-def _content_length(reply: bytes) -> int:
-    for line in reply.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return int(line.split(b":", 1)[1])
-    return 0
-
-
-def round_state(relay: RelayProcess) -> tuple:
-    """Everything about the open round a bad request must not change."""
-    s = relay.status()
-    r = s["round"]
-    return (s["step"], s["samples_accumulated"], s["num_peers"],
-            r and (r["step"], r["round_id"], r["expected_peers"], r["received_peers"]))
 
 
 def relay_params(relay: RelayProcess, num_params: int, min_step: int = 0) -> np.ndarray:

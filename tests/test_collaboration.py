@@ -7,7 +7,6 @@ import os
 import signal
 import sqlite3
 import time
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -15,51 +14,10 @@ import torch
 
 from relay_server.rounds.master import flatten
 from tests.peer_worker import make_dataset
+from tests.support.training import MODEL_KWARGS, load_flat, relay_params, rounds_from_events, train_together
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
-
-MODEL_KWARGS = {"sizes": [8, 16, 1]}
-
-
-def relay_params(url: str, min_step: int = 0) -> tuple[int, np.ndarray]:
-    client = RelayClient(url)
-    num_params = client.get_run().num_params
-    out = np.empty(num_params, dtype=np.float32)
-    step = client.download_params(out, min_step=min_step, wait_s=30)
-    client.close()
-    assert step is not None
-    return step, out
-
-
-def rounds_from_events(peers) -> dict[int, list[int]]:
-    rounds: dict[int, list[int]] = defaultdict(list)
-    for peer in peers:
-        for event in peer.events():
-            if event["event"] == "round":
-                rounds[event["step"]] += event["ids"]
-    return rounds
-
-
-def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()]).view_as(p))
-            offset += p.numel()
-
-
-def train_together(relay, launch_peer, *, steps: int, batch_sizes: tuple[int, ...], seed: int):
-    """Peers with these micro-batch sizes train until the relay reaches ``steps``; the peers, the
-    final parameters and which samples each round received."""
-    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=steps,
-                         extra=("--wait-peers", str(len(batch_sizes)))) for i, b in enumerate(batch_sizes)]
-    for peer in peers:
-        assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
-    _, final = relay_params(relay.url, min_step=steps)
-    rounds = rounds_from_events(peers)
-    assert sorted(rounds) == list(range(steps))
-    return peers, final, rounds
 
 
 def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_peer):

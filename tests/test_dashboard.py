@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.support.moe import directory, overrides, start_host, stop
 
 pytestmark = pytest.mark.browser
 
@@ -139,7 +140,6 @@ def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page,
     from playwright.sync_api import expect
 
     from tests.conftest import wait_until
-    from tests.test_moe_relay import directory, overrides, start_host, stop
 
     page, problems = browser_page
     relay = start_relay(overrides(0))

@@ -63,19 +63,16 @@ def test_each_step_says_how_many_samples_it_applied_of_the_target() -> None:
 
 
 def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
-    from tests.conftest import free_port
-
-    port = free_port()
-    proc = start_demo("--peers", "1", "--steps", "1", "--target-batch", "4", "--batch-size", "4",
-                      "--port", str(port), "--keep")
-    try:
+    proc = start_demo("--peers", "1", "--steps", "1", "--target-batch", "4", "--batch-size", "4", "--keep")
+    try:  # --port 0 (the default): the first line says which port the relay bound
+        url = re.match(r"relay:\s+(http://127\.0\.0\.1:\d+) ", proc.stdout.readline())[1]  # type: ignore[union-attr]
         for line in proc.stdout:  # type: ignore[union-attr]
             if line.startswith("--keep:"):
                 break
-        assert f"http://127.0.0.1:{port}/" in line
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as answer:
+        assert f"{url}/" in line
+        with urllib.request.urlopen(f"{url}/api/status", timeout=10) as answer:
             assert json.load(answer)["finished"] is True  # the peers are gone, the relay is not
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as page:
+        with urllib.request.urlopen(f"{url}/", timeout=10) as page:
             assert page.status == 200
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

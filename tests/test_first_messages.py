@@ -86,10 +86,8 @@ def shell_peer(relay_url: str, *args: str, env: dict[str, str] | None = None) ->
                           text=True, cwd=REPO, timeout=180, env={**os.environ, **(env or {})})
 
 
-def test_a_relay_that_is_down_says_nothing_listens_and_that_a_restart_is_retried() -> None:
-    from tests.conftest import free_port
-
-    url = f"http://127.0.0.1:{free_port()}"
+def test_a_relay_that_is_down_says_nothing_listens_and_that_a_restart_is_retried(closed_url: str) -> None:
+    url = closed_url
     client = RelayClient(url, retries=1, backoff_s=0.01)
     with pytest.raises(RelayUnreachable) as down:
         client.get_run()

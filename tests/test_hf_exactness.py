@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from relay_server.rounds.master import flatten
-from tests.test_collaboration import load_flat, relay_params, train_together
+from tests.support.training import load_flat, relay_params, train_together
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
 

@@ -5,21 +5,19 @@ The relay runs in this process (the real app of ``create_app``, served on a real
 against the local Hugging Face stand-in), so a test can take a snapshot of the WHOLE state --
 registry with last-seen times, departed peers, the open round, the reducer's sums, shard leases,
 transfer measurements, the round log -- and prove that a refused request changed none of it.
-Clients are the toolkit's own signed clients (``tests/test_attacks.py``'s ``SignedPeer``).
+Clients are the toolkit's own signed clients (``tests/support/peers.py``'s ``SignedPeer``); the relay
+is conftest's ``relay_factory`` (``tests/support/relays.py``'s ``InProcessRelay``).
 The second file, ``tests/test_hostile_uploads.py``, holds the upload and moderation attacks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hashlib
 import json
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,154 +26,19 @@ import pytest
 import requests
 from aiohttp import web
 
-from relay_server.api.experts import EXPERTS
-from relay_server.api.app import PUBLIC_ROUTES, create_app
-from relay_server.api.context import COLLAB
+from relay_server.api.app import PUBLIC_ROUTES
 from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
-from relay_server.api.shards import SHARD_POOL
 from relay_server.auth.verify import ChunkDigests
-from relay_server.core.config import load_config
-from tests.conftest import free_port, merged, write_config
-from tests.test_attacks import TOKENS, SignedPeer, standin
-from tests.test_shard_leases import write_shards
+from tests.support.peers import ALLOWED, TOKENS, SignedPeer, signed_container
+from tests.support.relays import InProcessRelay, snapshot
 from toolkit.moe import payloads
 from toolkit.errors import ProtocolError
-from toolkit.wire.auth import BODY_SHA256_HEADER, CONTAINER_TYPE, b64u, digest_metadata
+from toolkit.wire.auth import b64u, digest_metadata
 from toolkit.wire.protocol import (ROUTES, DoneRequest, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION,
                                    ShardLeaseRequest, ShardReport, ShardUpdate, SliceDigest, TicketRequest)
 from toolkit.wire.tensor_container import encode_header, parse_header
 
-ALLOWED = ["alice", "bob", "eve"]
-
-
-# --- a real relay, in this process ------------------------------------------------------------------
-class InProcessRelay:
-    """``create_app(config)`` served on 127.0.0.1 from its own event-loop thread; :meth:`call`
-    runs a function on that loop, so a snapshot never races the relay's own tasks."""
-
-    def __init__(self, config) -> None:
-        self.config, self.port = config, free_port()
-        self.loop = asyncio.new_event_loop()
-        self.app = create_app(config)
-        self._runner = web.AppRunner(self.app, access_log=None)
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(60)
-
-    async def _start(self) -> None:
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def data_dir(self) -> Path:
-        return Path(self.config.server.data_dir)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        async def run() -> Any:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def status(self) -> dict[str, Any]:
-        return requests.get(self.url + "/api/status", timeout=10).json()
-
-    def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        token = (self.data_dir / TOKEN_FILE).read_text().strip()
-        return requests.request(method, self.url + ADMIN_PREFIX + path, timeout=30,
-                                headers={"Authorization": f"Bearer {token}"}, **kwargs)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def hf_config(tmp_path: Path, hub_url: str, **sections: dict) -> Any:
-    """An hf-mode run (SGD, lr 1: a step is exactly minus the mean gradient) with shard leases."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    shards = write_shards(tmp_path / "shards", 3, 5)
-    base = merged({"server": {"data_dir": str(tmp_path / "data"), "port": 0},
-                   "auth": {"mode": "hf", "hf_endpoint": hub_url, "allow_users": ALLOWED},
-                   "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
-                   "run": {"target_batch": 10, "max_staleness": 0, "precision": ""},
-                   "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
-                              "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
-                   **sections})
-    path = write_config(tmp_path / "relay.toml", base)
-    with open(path, "a") as f:  # [dataset] is free-form: written as TOML, as an organizer would
-        f.write(f'\n[dataset]\nkind = "stream"\ncache_dir = {json.dumps(str(tmp_path / "cache"))}\n'
-                f'\n[[dataset.sources]]\nname = "web"\ndata_files = {json.dumps(shards)}\n')
-    return load_config(path)
-
-
-@pytest.fixture
-def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    server = standin()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def relay_factory(tmp_path: Path, hub: Any) -> Iterator[Callable[..., InProcessRelay]]:
-    relays: list[InProcessRelay] = []
-
-    def start(**sections: dict) -> InProcessRelay:
-        relays.append(InProcessRelay(hf_config(tmp_path / f"r{len(relays)}", hub.url, **sections)))
-        return relays[-1]
-
-    yield start
-    for relay in relays:
-        relay.stop()
-
-
-# --- the whole state, as plain data ---------------------------------------------------------------
-def _plain(value: Any, depth: int = 0) -> Any:
-    """Any relay object as comparable data: dataclasses and objects by their fields, arrays by hash."""
-    if depth > 6:
-        return repr(value)
-    if isinstance(value, np.ndarray):
-        return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
-    if isinstance(value, dict):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
-        items = [_plain(v, depth + 1) for v in value]
-        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
-    if hasattr(value, "__dict__") and not callable(value):
-        return {k: _plain(v, depth + 1) for k, v in vars(value).items() if not k.startswith("__")}
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
-
-
-def snapshot(relay: InProcessRelay) -> dict[str, Any]:
-    """Everything a peer-scoped request could touch (taken on the relay's loop)."""
-    def take() -> dict[str, Any]:
-        collab = relay.app[COLLAB]
-        pool = relay.app.get(SHARD_POOL)
-        experts = relay.app.get(EXPERTS)
-        known = [row[0] for row in collab.store.db.execute("SELECT peer_id FROM peers ORDER BY peer_id")]
-        return {
-            "registry": _plain(collab.registry.peers),  # last_seen, samples, claimable, inflight...
-            "departed": [p for p in known if p not in collab.registry.peers],
-            "round": _plain(collab.rounds.round),
-            "sum": _plain(collab.reducer.sum), "weights": _plain(collab.reducer.weights),
-            "rounds_logged": collab.store.recent_rounds(), "contributions": collab.store.contributions(),
-            "leases": None if pool is None else _plain({"held": pool._held_by, "granted": pool._granted,
-                                                        "reported": pool._reported,
-                                                        "coverage": pool.coverage().to_json()}),
-            "rates": _plain(collab.backbone.planning.peer_rates),
-            "step": collab.step,
-            "experts": None if experts is None else _plain({
-                "hosts": experts.directory._host, "version": experts.directory.version,
-                "tasks": experts.broker.tasks, "stats": experts.broker.stats,
-                "checkpoints": sorted(str(f) for f in experts.checkpoints.root.rglob("*"))}),
-        }
-    return relay.call(take)
-
-
+# --- the whole state, as plain data (tests/support/relays.py's snapshot), once it settled -----------
 def settled_snapshot(relay: InProcessRelay, timeout_s: float = 10.0) -> dict[str, Any]:
     """A snapshot that stays the same for 0.5 s (housekeeping -- lease expiry after a leave --
     runs on timers): only a state that does not move on its own can show a request moved it."""
@@ -233,7 +96,7 @@ def _upload_as(scene: Scene) -> requests.PreparedRequest:
     meta = GradientMeta(peer_id=scene.alice.peer_id, step=0, version=0, samples=5, loss_sum=1.0)
     metadata = {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    return _signed_container(scene.bob, head, head + grad.tobytes(),
+    return signed_container(scene.bob, head, head + grad.tobytes(),
                              f"/api/rounds/0/gradient?peer_id={scene.alice.peer_id}")
 
 
@@ -246,7 +109,7 @@ def _checkpoint_as(scene: Scene) -> requests.PreparedRequest:
     tensors = [("p.up.weight", np.zeros((4, 8), np.float32))]
     metadata = {"updates": "1", **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    return _signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
+    return signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
                              f"/api/moe/hosts/{scene.alice.peer_id}/experts/ffn0.0.0/checkpoint")
 
 
@@ -328,15 +191,6 @@ def test_a_refused_request_on_another_users_peer_changes_nothing(relay_factory, 
 
 
 # --- sizes: checked against the run's layout before anything proportional is allocated -------------
-def _signed_container(peer: SignedPeer, head: bytes, body: bytes, path: str,
-                      method: str = "PUT") -> requests.PreparedRequest:
-    """A request signed the way uploads are: over the container head's hash (streamed body)."""
-    request = requests.Request(method, peer.relay.url + path, data=iter([body]),
-                               headers={"Content-Type": CONTAINER_TYPE,
-                                        BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()}).prepare()
-    request.headers["Content-Length"] = str(len(body))
-    request.headers.pop("Transfer-Encoding", None)
-    return peer.auth(request)
 
 
 def test_a_small_header_declaring_2_to_59_floats_is_refused_before_any_allocation(relay_factory) -> None:
@@ -352,7 +206,7 @@ def test_a_small_header_declaring_2_to_59_floats_is_refused_before_any_allocatio
         raw = json.dumps(header).encode()
         head = len(raw).to_bytes(8, "little") + raw
         assert len(head) < 400
-        response = bob.send(_signed_container(bob, head, head, f"/api/rounds/0/gradient?peer_id={bob.peer_id}"))
+        response = bob.send(signed_container(bob, head, head, f"/api/rounds/0/gradient?peer_id={bob.peer_id}"))
         assert (response.status_code, response.json()["error"]) == (413, "body_too_large"), response.text
     assert requests.get(relay.url + "/api/status", timeout=10).status_code == 200
     assert snapshot(relay) == before
@@ -381,7 +235,7 @@ def test_an_unsigned_json_tail_behind_an_octet_stream_head_is_refused(relay_fact
     tensors = [("payload", np.zeros(1, np.float32))]
     head = encode_header(tensors, digest_metadata(tensors))  # a valid signed container head...
     tail = Heartbeat(version=0, samples=777, samples_per_s=1.0).dumps()  # ...and an unsigned JSON tail
-    response = bob.send(_signed_container(bob, head, head + tail, f"/api/peers/{bob.peer_id}/heartbeat", "POST"))
+    response = bob.send(signed_container(bob, head, head + tail, f"/api/peers/{bob.peer_id}/heartbeat", "POST"))
     assert (response.status_code, response.json()["error"]) == (415, "wrong_content_type"), response.text
     assert response.json()["hint"]
     assert snapshot(relay) == before and relay.status()["samples_accumulated"] == 0

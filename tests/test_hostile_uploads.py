@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from relay_server.rounds.reducer import CHUNK_ELEMS
-from tests.test_attacks import SignedPeer
-from tests.test_hostile_peers import (InProcessRelay, _signed_container, hub, relay_factory,  # noqa: F401 (fixtures)
-                                     snapshot)
+from tests.support.peers import SignedPeer, signed_container
+from tests.support.relays import InProcessRelay, snapshot
 from toolkit.wire.auth import digest_metadata
 from toolkit.wire.protocol import GradientMeta, Heartbeat
 from toolkit.wire.tensor_container import encode_header
@@ -75,7 +74,7 @@ def test_a_digest_mismatch_in_the_second_chunk_counts_for_nothing(relay_factory)
     head = encode_header(tensors, {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)})
     altered = grad.copy()
     altered[-1] = 999.0  # in the second chunk: the first one verified (and used to be reduced)
-    response = bob.send(_signed_container(bob, head, head + altered.tobytes(),
+    response = bob.send(signed_container(bob, head, head + altered.tobytes(),
                                           f"/api/rounds/0/gradient?peer_id={bob.peer_id}"))
     assert (response.status_code, response.json()["error"]) == (401, "chunk_digest_mismatch"), response.text
     assert reducer_state(relay) == before

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from relay_server.observers.events import StepEvent
 from tests.conftest import BASE_CONFIG, wait_until, write_config
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
-from tests.test_collaboration import relay_params
+from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.wire.protocol import PlanInfo, RoundRecord, StatusReport
 
@@ -83,8 +84,15 @@ def test_missing_token_is_a_config_error_naming_token_env(tmp_path, hub_standin,
 
 
 def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, caplog):
-    """Commits answer 500: on_step still returns at once, the error is logged without the token."""
-    organizer.add_route("POST", r"/api/models/.+/commit/.+", lambda _: StandinResponse(500, {"error": "boom"}))
+    """Commits answer 500, and only once on_step has returned: on_step never waits for the Hub; the
+    error is logged without the token."""
+    returned, released = threading.Event(), []
+
+    def failing_commit(_) -> StandinResponse:
+        released.append(returned.wait(60))  # held until on_step returned: it must not wait for this answer
+        return StandinResponse(500, {"error": "boom"})
+
+    organizer.add_route("POST", r"/api/models/.+/commit/.+", failing_commit)
     config = in_process_config(tmp_path, organizer, every_steps=1)
     model = build_model(config.model.spec())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -98,10 +106,10 @@ def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, 
                           uptime_s=1.0, plan=PlanInfo(version="v", steps_per_s=None, slices=[]))
     checkpointer = HubCheckpointer(config)
     with caplog.at_level(logging.INFO, logger="relay_server"):
-        started = time.monotonic()
         checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
-        assert time.monotonic() - started < 0.5  # staging only: the upload is another thread's job
-        wait_until(lambda: "failed" in caplog.text, 30, "the upload error to be logged")
+        returned.set()  # staging only: the upload is another thread's job
+        wait_until(lambda: "failed" in caplog.text, 60, "the upload error to be logged")
+        assert released and all(released), "on_step waited for the Hub's answer"
         checkpointer.close()
     assert "Hub upload of step 1 to organizer/collab-ckpt failed" in caplog.text
     assert TOKEN not in caplog.text

@@ -39,9 +39,9 @@ from nbclient.exceptions import CellExecutionError
 from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
 from relay_server.notebooks import PLATFORMS, ToolkitPin, fetch_pin, generated_block, render, template
-from tests.conftest import REPO, free_port
-from tests.test_notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
-from tests.test_panel import TINY_LM, running_relay, status
+from tests.conftest import REPO
+from tests.support.relays import TINY_LM, running_relay, status
+from tests.support.notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
 from toolkit import join
 from toolkit.errors import MESSAGES
 
@@ -166,10 +166,10 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
                        "template, which installs nothing."}
 
 
-def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str,
+def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str, closed_url: str,
                                                                       capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run.ipynb"
-    down = f"http://127.0.0.1:{free_port()}"
+    down = closed_url
     assert main(["notebook", "local", "--url", down, "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach the relay at {down}/api/toolkit (connection refused: nothing listens there)" in err
@@ -187,8 +187,9 @@ def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path:
 @pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "https://localhost:{port}", "https://192.168.1.20:{port}",
                                  "http://[::1]:{port}"])
 def test_a_hosted_notebook_is_refused_an_address_its_platform_cannot_reach(
-        tmp_path: Path, capsys: pytest.CaptureFixture, platform: str, url: str) -> None:
-    out, url = tmp_path / "run.ipynb", url.format(port=free_port())  # refused before anything is asked
+        tmp_path: Path, capsys: pytest.CaptureFixture, closed_url: str, platform: str, url: str) -> None:
+    port = closed_url.rsplit(":", 1)[1]
+    out, url = tmp_path / "run.ipynb", url.format(port=port)  # refused before anything is asked
     assert main(["notebook", platform, "--url", url, "-o", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"relay-server notebook: a {platform} notebook runs on {platform}'s machines, which cannot reach {url} (an "
@@ -339,8 +340,9 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
         ": nothing was installed" in error.evalue
 
 
-def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(generated: GeneratedRun) -> None:
-    down = f"http://127.0.0.1:{free_port()}"  # COLLAB_RELAY_URL overrides the notebook's relay
+def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(generated: GeneratedRun,
+                                                                             closed_url: str) -> None:
+    down = closed_url  # COLLAB_RELAY_URL overrides the notebook's relay
     nb, error = execute(generated, down)
     stopped_with(nb, error, said("relay_unreachable", url=down, reason="connection refused: nothing listens there"))
     assert error.evalue == (f"[relay_unreachable] no answer from the relay at {down} (connection refused: nothing "
@@ -418,10 +420,10 @@ def test_the_release_workflow_builds_checks_and_publishes_with_trusted_publishin
     workflow = yaml.safe_load((REPO / ".github" / "workflows" / "release.yml").read_text())
     trigger = workflow.get("on", workflow.get(True))  # YAML 1.1 reads a bare `on` as true
     assert trigger["push"]["tags"] == ["v*"]
-    steps = [step for job in workflow["jobs"].values() for step in job["steps"]]
+    steps = [step for job in workflow["jobs"].values() for step in job.get("steps", [])]  # not the called ci.yml
     runs = "\n".join(step.get("run", "") for step in steps)
     assert "python -m build" in runs and "twine check --strict dist/*" in runs
     publish = [job for job in workflow["jobs"].values()
-               if any(str(s.get("uses", "")).startswith("pypa/gh-action-pypi-publish@") for s in job["steps"])]
+               if any(str(s.get("uses", "")).startswith("pypa/gh-action-pypi-publish@") for s in job.get("steps", []))]
     assert len(publish) == 1 and publish[0]["permissions"]["id-token"] == "write"
     assert "password" not in str(publish[0]) and "secrets." not in str(publish[0])  # no stored token

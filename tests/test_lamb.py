@@ -26,6 +26,8 @@ from relay_server.rounds.lamb import Lamb
 from relay_server.rounds.master import MasterState, flatten, layout_of, tensor_boundaries
 from relay_server.rounds.store import Store
 from relay_server.backbone.state_transfer import CallFailed, cut
+from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, load_flat, relay_params, rounds_from_events,
+                                    sliced_plan, stored_params, train_sliced)
 from toolkit.models import build_model
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, ModelSpec, RunInfo
@@ -394,8 +396,6 @@ def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_ag
     over the whole vector) on the same global batches -- with global-norm clipping too (0.05
     binds on every sliced step: the owners clip by the norm the relay summed from all of them)."""
     from tests.peer_worker import make_dataset
-    from tests.test_aggregators import FAST_AGGREGATORS, sliced_plan, stored_params, train_sliced
-    from tests.test_collaboration import MODEL_KWARGS, load_flat, relay_params, rounds_from_events
 
     lamb = {**LAMB, "schedule": "constant", "warmup_steps": 0, "clip_grad_norm": clip}
     relay = start_relay({"optimizer": lamb, "run": {"target_batch": 36}, "aggregators": FAST_AGGREGATORS})

@@ -3,14 +3,16 @@
 Walks every import statement of the project's modules (lazy ones inside functions included, but
 not those under ``if TYPE_CHECKING:``, which never run) and asserts that there is no cycle among
 modules, that each subpackage imports only from the layers declared below it (the order the
-packages' ``__init__`` docstrings state), that the peer side never imports the relay, and that no
-module outgrows what a reader takes in at one sitting.
+packages' ``__init__`` docstrings state), that the peer side never imports the relay, that no
+module outgrows what a reader takes in at one sitting, and that none was squeezed to stay under it.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -113,7 +115,56 @@ def test_every_subpackage_says_what_it_owns() -> None:
 
 def test_modules_stay_small() -> None:
     big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not big, f"modules over {MAX_LINES} lines (split them along their seams): {big}"
+    assert not big, (f"modules over {MAX_LINES} lines: {big}. Split each along a seam: a class or concern that stands "
+                     "on its own moves into its own module of the subpackage. Never squeeze one under the limit "
+                     "(docstrings turned into comments, merged lines): test_code_is_not_squeezed refuses that.")
+
+
+def squeezes(path: Path) -> list[str]:
+    """What squeezing a module under the size limit leaves behind, where the code otherwise never has
+    it: statements joined with ``;``, a block's body on its header line (only a Protocol's ``...``
+    stub may be), a ``def``/``class`` line carrying a comment where its docstring belongs, and
+    definitions without PEP 8's blank lines before them (two at module level, one in a class)."""
+    text = path.read_text()
+    lines, tree, found = text.splitlines(), ast.parse(text), []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.OP and tok.string == ";":
+            found.append(f"line {tok.start[0]}: statements joined with ';'")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.stmt, ast.ExceptHandler)) and hasattr(node, "body") and isinstance(node.body, list):
+            first = node.body[0]
+            stub = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and first.value.value is ...
+            if first.lineno == node.lineno and not stub:
+                found.append(f"line {node.lineno}: a block's body on its header line")
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            header_end = node.body[0].lineno - 1 if node.body[0].lineno > node.lineno else node.lineno
+            if re.search(r":\s+#", lines[header_end - 1]) and not lines[header_end - 1].lstrip().startswith("#"):
+                found.append(f"line {header_end}: a comment on the {node.name} line (say it in a docstring)")
+
+    def gaps(body: list[ast.stmt], need: int) -> None:
+        for before, node in zip(body, body[1:]):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                i = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 2  # the line above, 0-based
+                while i >= 0 and lines[i].lstrip().startswith("#"):
+                    i -= 1
+                blank = 0
+                while i >= 0 and not lines[i].strip():
+                    blank, i = blank + 1, i - 1
+                if blank < need:
+                    found.append(f"line {node.lineno}: {node.name} needs {need} blank line(s) before it")
+            if isinstance(node, ast.ClassDef):
+                gaps(node.body, 1)
+        if body and isinstance(body[0], ast.ClassDef):
+            gaps(body[0].body, 1)
+
+    gaps(tree.body, 2)
+    return found
+
+
+def test_code_is_not_squeezed() -> None:
+    squeezed = {name: found for name, path in module_files().items() if (found := squeezes(path))}
+    assert not squeezed, ("code squeezed (restore the docstrings and the lines; split a module that is too long along "
+                          f"a seam instead):\n" + "\n".join(f"{name}: {found}" for name, found in squeezed.items()))
 
 
 def test_docstrings_cite_documents_that_exist() -> None:

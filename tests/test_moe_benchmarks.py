@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.support.moe import UIDS, Member, directory, overrides, start_host, stop
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from latency_proxy import LatencyProxy  # noqa: E402
@@ -80,7 +81,6 @@ def test_the_relay_caller_keeps_one_connection_per_worker(start_relay, tmp_path)
     """16 calls in flight at a time, 20 times, through a real relay and host: the caller reuses
     at most one connection per worker (requests' default pool of 10 made it open and discard a new
     one for most calls beyond the tenth: 85 connections for 320 calls in the benchmark rig)."""
-    from tests.test_moe_relay import UIDS, Member, directory, overrides, start_host, stop
     from tests.conftest import wait_until
     from toolkit.client import RelayClient
     from toolkit.moe.remote import RelayExpertCaller

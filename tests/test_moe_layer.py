@@ -97,9 +97,11 @@ def test_beam_search_on_sparse_grids_picks_only_live_experts(empty: float, capsy
     assert all(mean[k, 4] >= mean[k, 2] >= mean[k, 1] for k in (1, 4, 8)) and min(mean[k, 4] for k in (1, 4, 8)) > 0.8
 
 
+@pytest.mark.slow
 def test_beam_search_time_is_reported(capsys: pytest.CaptureFixture) -> None:
     """The analogue of the paper's 317-764 ms DHT lookups: one local beam search, batch 64, k=4,
-    over a directory snapshot (index built once per snapshot). Printed, never asserted."""
+    over a directory snapshot (index built once per snapshot), printed (a benchmark: slow). What was
+    timed is checked too: with every expert live, a beam of k finds the exact top-k of the sum."""
     lines = []
     for size in ((32, 32), (100, 100)):
         grid = ExpertGrid("ffn", size)
@@ -111,8 +113,10 @@ def test_beam_search_time_is_reported(capsys: pytest.CaptureFixture) -> None:
         times = []
         for _ in range(11):
             t0 = time.perf_counter()
-            beam_search_tensors(scores, index, 4)
+            coords, valid = beam_search_tensors(scores, index, 4)
             times.append(time.perf_counter() - t0)
+        best = (scores[0].double()[:, :, None] + scores[1].double()[:, None, :]).flatten(1).topk(4, dim=1).indices
+        assert valid.all() and torch.equal(coords, torch.stack([best // size[1], best % size[1]], dim=-1))
         lines.append(f"{size[0]}x{size[1]}: median {sorted(times)[5] * 1e3:.2f} ms/search, "
                      f"snapshot -> index {build * 1e3:.0f} ms")
     with capsys.disabled():
@@ -410,15 +414,14 @@ def test_trainer_threads_share_one_layer() -> None:
 def test_timeout_after_k_min_ends_the_wait_for_a_straggler() -> None:
     """With ``timeout_after_k_min_s``, a silent expert costs that grace, not the whole
     ``timeout_s``: once every row has k_min answers the straggler is cut off and masked
-    (hivemind's semantics). The bound checked, a tenth of timeout_s, is a hang guard, not a benchmark."""
+    (hivemind's semantics). The straggler's future never completes and ``timeout_s`` is 600 s: without
+    the cut-off the call cannot return before the test's own timeout fails it."""
     x = torch.randn(12, D, generator=torch.Generator().manual_seed(12))
     local, remote, caller = make_pair(k=2)
     hung = max(chosen_by(local, x).items(), key=lambda kv: len(kv[1]))[0]
     caller.hang = {hung}
     remote.timeout_s, remote.timeout_after_k_min_s = 600.0, 0.05
-    t0 = time.monotonic()
     y = remote(x)
-    assert time.monotonic() - t0 < 60.0
     masked = torch.zeros(12, 16, dtype=torch.bool)
     masked[:, local.grid.size[1] * local.grid.coords(hung)[0] + local.grid.coords(hung)[1]] = True
     assert rel_err(y, local(x, masked=masked)) < 1e-5 and remote.stats.failure_codes == {"expert_timeout": 1}

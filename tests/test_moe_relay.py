@@ -22,43 +22,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 import torch
 
 from tests.conftest import REPO, wait_until
-from tests.moe_trainer import BATCH, IN_FEATURES, batches
-from tests.test_collaboration import load_flat, relay_params
-from toolkit.client import RelayClient
+from tests.moe_trainer import batches
+from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, overrides, start_host, stop
+from tests.support.training import load_flat, relay_params
 from toolkit.models import DMoEMLP
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.host import checkpoint_of, expert_shapes, make_optimizer, restore
 from toolkit.moe.remote import RelayExpertCaller
-from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest
-
-LR = 0.05
-MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
-       "expert": {"kind": "ffn", "d": 8, "hidden": 16}, "optimizer": {"name": "sgd", "lr": LR}, "seed": 0,
-       "checkpoint_every_s": 0.5, "forward_timeout_s": 10.0, "backward_timeout_s": 10.0}
-KWARGS = {"in_features": IN_FEATURES, "hidden": 8, "out_features": 1, "layers": 2, "grid": [2, 2], "k": 2,
-          "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
-UIDS = [f"ffn{layer}.{i}.{j}" for layer in range(2) for i in range(2) for j in range(2)]
-
-
-def overrides(steps: int) -> dict:
-    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": MOE,
-            "run": {"target_batch": BATCH, "max_staleness": 0, "total_steps": steps},
-            "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
-
-
-def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay_url, "--capacity",
-                             str(capacity), "--name", name, "-v"], cwd=REPO, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
-
-
-def directory(url: str) -> dict:
-    return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
+from toolkit.wire.protocol import ROUTES
 
 
 def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
@@ -71,14 +46,6 @@ def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # a clean stop uploads the final checkpoints
-    for proc in procs:
-        proc.wait(timeout=30)
 
 
 def test_two_hosts_and_a_trainer_equal_one_process(start_relay, tmp_path: Path) -> None:
@@ -167,30 +134,6 @@ def test_checkpoint_round_trip_restores_parameters_and_optimizer_state_exactly()
         assert torch.equal(a, b), name
     for a, b in zip(source.parameters(), copy.parameters()):
         assert torch.equal(optimizer.state[a]["momentum_buffer"], copy_opt.state[b]["momentum_buffer"])
-
-
-class Member:
-    """A peer of the run driven by hand (join + heartbeats): a hostile host or a trainer."""
-
-    def __init__(self, url: str, name: str, token: str | None = None) -> None:
-        self.client = RelayClient(url, retries=0)
-        if token:
-            self.client.login(token)
-        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
-        self._stop = threading.Event()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(0.2):
-            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
-
-    def request(self, method: str, route: str, **kwargs):
-        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
-        return self.client._request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.client.close()
 
 
 def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failure(start_relay) -> None:

@@ -13,9 +13,7 @@ branches (Colab/Kaggle secrets, TPU) take their no-platform fallback.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import re
 import sys
 import types
@@ -31,23 +29,19 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 from tests.conftest import REPO
-from tests.test_panel import TINY_LM, running_relay, status
+from tests.support.notebooks import (FAKE_TOKEN, MAX_STEPS, PLATFORM_VARS, code_cells, kernel_env,
+                                     kernel_spec_manager, outputs_text)
+from tests.support.relays import TINY_LM, running_relay, status
 from toolkit.notebook import hints as notebook
 from toolkit.runtime.environment import DeviceInfo
 
 NOTEBOOKS = ("local", "colab", "kaggle", "tpu")
-MAX_STEPS = 2
-FAKE_TOKEN = "hf_ciTokenThatMustNeverBeLogged0123"
-PLATFORM_VARS = ("COLAB_RELEASE_TAG", "COLAB_GPU", "COLAB_TPU_ADDR", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
-                 "TPU_ACCELERATOR_TYPE", "TPU_NAME", "HF_TOKEN", "WANDB_API_KEY")
 
 
 def load(name: str) -> nbformat.NotebookNode:
     return nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
 
 
-def code_cells(nb: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
-    return [cell for cell in nb.cells if cell.cell_type == "code"]
 
 
 # --- the notebooks as files ------------------------------------------------------------------
@@ -100,31 +94,10 @@ class Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def kernel_spec_manager(directory: Path, python: str, name: str = "collab-ci") -> KernelSpecManager:
-    """A kernelspec named ``name`` that runs ``python``, so a notebook runs in that environment
-    whatever kernels the machine has installed elsewhere."""
-    (directory / name).mkdir(parents=True)
-    (directory / name / "kernel.json").write_text(json.dumps({
-        "argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "collabtrain CI", "language": "python"}))
-    return KernelSpecManager(kernel_dirs=[str(directory)])
-
-
 @pytest.fixture(scope="module")
 def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
     """This venv's interpreter as the ``collab-ci`` kernel."""
     return kernel_spec_manager(tmp_path_factory.mktemp("kernels"), sys.executable)
-
-
-def kernel_env(relay_url: str | None, home: Path) -> dict[str, str]:
-    """What CI sets for a notebook's kernel: the relay (None: the one written into the notebook),
-    a step limit, no package index, and no token or W&B key of this machine's."""
-    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_VARS and k != "COLLAB_RELAY_URL"}
-    if relay_url is not None:
-        env["COLLAB_RELAY_URL"] = relay_url
-    env.update(COLLAB_MAX_STEPS=str(MAX_STEPS), PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
-               HF_TOKEN=FAKE_TOKEN, HF_HOME=str(home / "hf"), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -155,15 +128,6 @@ def executed(tmp_path_factory: pytest.TempPathFactory, kernel_specs: KernelSpecM
                 for name, outcome in outcomes.items()}
     assert records.lines and not any(FAKE_TOKEN in line for line in records.lines), "the HF token was logged"
     return runs
-
-
-def outputs_text(cell: nbformat.NotebookNode) -> str:
-    parts = []
-    for out in cell.outputs:
-        parts.append(out.get("text", ""))
-        parts += [str(v) for v in out.get("data", {}).values()]
-        parts += out.get("traceback", [])
-    return "\n".join(parts)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -12,54 +12,18 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
-import requests
 
-from relay_server.core.config import load_config
-from relay_server.demo import RelayThread
 from tests.conftest import Clock
+from tests.support.progress import progress
+from tests.support.relays import running_relay, status
 from toolkit.errors import RelayUnreachable
 from toolkit.notebook.panel import NullPanel, PeerProgress, TqdmPanel, WidgetPanel, open_panel
 from toolkit.wire.protocol import CollabState
 from toolkit.session import join
-
-# The demo run (relay_server/defaults/demo.toml) with a model small enough for quick CPU steps.
-TINY_LM = {"model": {"kwargs": {"seq_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}},
-           # strict large-batch steps (max_staleness 0 turns delayed updates off): a lone peer's
-           # accounting is then exact, which these tests check sample for sample
-           "run": {"target_batch": 16, "max_staleness": 0}}
-
-
-@contextmanager
-def running_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[RelayThread]:
-    """A real relay (HTTP on 127.0.0.1) in a thread of this process, stopped on exit."""
-    sections = {"server": {"host": "127.0.0.1", "port": 0, "data_dir": str(directory / "relay-data")}}
-    for name, values in {**TINY_LM, **(overrides or {})}.items():
-        sections.setdefault(name, {}).update(values)
-    relay = RelayThread(load_config(None, overrides=sections))
-    relay.start()
-    try:
-        yield relay
-    finally:
-        relay.stop()
-
-
-def status(url: str) -> dict[str, Any]:
-    return requests.get(url + "/api/status", timeout=10).json()
-
-
-def progress(**changes: Any) -> PeerProgress:
-    base = PeerProgress(peers_online=3, samples_per_s=123.4, global_step=17, total_steps=100, samples_accumulated=40,
-                        target_batch=64, eta_s=4.2, contributed_samples=1024, local_samples_per_s=12.5, loss=2.3456,
-                        first_contribution_s=3.25)
-    return replace(base, **changes)
 
 
 # --- the snapshot ----------------------------------------------------------------------------

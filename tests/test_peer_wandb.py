@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.test_panel import progress, running_relay
-from tests.test_wandb_relay import history_rows, offline_wandb, read_wandb_records, run_config  # noqa: F401
+from tests.support.progress import progress
+from tests.support.relays import running_relay
+from tests.support.wandb_records import history_rows, read_wandb_records, run_config
 from toolkit.session import join
 from toolkit.notebook.wandb_run import NullRun, WandbRun, WandbTarget, open_wandb_run
 

@@ -6,6 +6,7 @@ Python evaluation of the paper's constraints (``eq5_violation``), not by the cod
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -426,10 +427,14 @@ def test_plan_is_deterministic_and_order_independent():
     again = solve_plan(shuffled, 5_000_000, 300.0)
     assert again == plan and again.version == plan.version
     assert solve_plan(peers, 5_000_001, 300.0).version != plan.version
-    code = ("from tests.test_planner import mixed_swarm, solve_plan;"
-            "print(solve_plan(mixed_swarm(), 5_000_000, 300.0).version)")
+    code = ("import json, sys\n"  # the same peers in another process with another hash seed
+            "from relay_server.planning.planner import solve_plan\n"
+            "from relay_server.planning.problem import PeerCapacity\n"
+            "peers = [PeerCapacity(*fields) for fields in json.loads(sys.argv[1])]\n"
+            "print(solve_plan(peers, 5_000_000, 300.0).version)\n")
+    fields = json.dumps([dataclasses.astuple(p) for p in peers])  # floats round-trip exactly
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", code, fields], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(__file__)), check=True, timeout=120)
     assert out.stdout.strip() == plan.version
 

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, PortTaken, on_free_port, wait_until
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec
@@ -111,19 +111,14 @@ class Nginx:
                                 timeout=kwargs.pop("timeout", 30), **kwargs)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_nginx(directory: Path, upstream: int) -> Nginx:
-    """nginx in the foreground on a free port; another process taking the port first is retried."""
+    """nginx in the foreground on a free port (conftest's :func:`on_free_port`: nginx cannot
+    listen on port 0, so a port is picked, and picked again if another process took it first)."""
     directory.mkdir(parents=True, exist_ok=True)
     cert, key = self_signed(directory)
     log = directory / "error.log"
-    for _ in range(5):
-        port = _free_port()  # nginx cannot listen on port 0: pick one, release it, and retry on a clash
+
+    def start(port: int) -> Nginx:
         conf = directory / "nginx.conf"
         conf.write_text(nginx_config(directory, port, upstream, cert, key))
         proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", str(conf), "-g",
@@ -139,9 +134,11 @@ def start_nginx(directory: Path, upstream: int) -> Nginx:
         proc.kill()
         proc.wait(timeout=10)
         text = log.read_text() if log.exists() else ""
-        if "Address already in use" not in text:
-            raise RuntimeError(f"nginx did not start:\n{text[-3000:]}")
-    raise RuntimeError("nginx found no free port in 5 tries")
+        if "Address already in use" in text:
+            raise PortTaken(port)
+        raise RuntimeError(f"nginx did not start:\n{text[-3000:]}")
+
+    return on_free_port(start)
 
 
 @pytest.fixture

@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, RelayProcess, free_port, merged, wait_until, write_config
+from tests.conftest import REPO, RelayProcess, merged, wait_until, write_config
+from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import ROUTES, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION
@@ -43,7 +44,7 @@ def start_limited(tmp_path: Path, overrides: dict, *, soft: int, hard: int | Non
     """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
     config = write_config(tmp_path / f"{name}.toml", merged(overrides))
-    relay = RelayProcess(config, tmp_path / f"{name}-data", free_port(), tmp_path / f"{name}.log")
+    relay = RelayProcess(config, tmp_path / f"{name}-data", tmp_path / f"{name}.log")
     limited = functools.partial(subprocess.Popen,
                                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
     with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits
@@ -235,7 +236,6 @@ def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() 
     into the body that a peer would read as parameters."""
     from aiohttp import web
 
-    from relay_server.api.server import serve_app
     from relay_server.core.http import error_middleware
 
     async def half(request: web.Request) -> web.StreamResponse:
@@ -247,23 +247,11 @@ def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() 
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/half", half)
-    urls: list[str] = []
-    stop = asyncio.Event()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete,
-                              args=(serve_app(app, "127.0.0.1", 0, stop=stop, on_ready=urls.append),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not urls and time.monotonic() < deadline:
-        time.sleep(0.02)
-    port = int(urls[0].rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with InProcessRelay(app=app) as served, socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
         sock.sendall(b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(timeout=10)
     assert data.count(b"HTTP/1.1") == 1 and data.startswith(b"HTTP/1.1 200")
     assert len(data.split(b"\r\n\r\n", 1)[1]) < 1000  # short: the client knows it was cut
 

@@ -41,14 +41,13 @@ from relay_server.core.errors import ApiError
 from relay_server.rounds.master import MasterState, flatten, layout_of
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
 from relay_server.rounds.robust import CenteredClipConfig, centered_clip
-from relay_server.demo import RelayThread
-from tests.conftest import merged
+from tests.conftest import BytesStream, merged
+from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
-from tests.conftest import BytesStream
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header
 
@@ -159,22 +158,6 @@ def test_aggregation_setting() -> None:
 MODEL = {"seq_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}  # 17.8k parameters
 BATCH, PEERS, SCALE = 8, 8, 1000.0
 DIVERGED = 2 * math.log(256)  # twice the loss of uniform byte guesses
-
-
-class InProcessRelay(RelayThread):
-    """The relay's real app and server on a thread of this process (what ``relay-server demo``
-    runs): the HTTP traffic is real, and no second torch import is paid per run."""
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.url = self.start()
-
-    def status(self) -> dict:
-        client = RelayClient(self.url)
-        try:
-            return client.get_status().to_json()
-        finally:
-            client.close()
 
 
 @dataclass

@@ -12,18 +12,11 @@ import pytest
 from relay_server.core.errors import ApiError
 from relay_server.tasks.broker import DONE, FAILED, LEASED, QUEUED, WAITING, TaskBroker
 from relay_server.tasks.store import PayloadStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import Clock
 
 
 def broker(tmp_path: Path, clock: Clock | None = None, **kwargs) -> TaskBroker:
-    return TaskBroker(PayloadStore(kwargs.pop("budget", 1 << 20), tmp_path / "spill"), clock=clock or Clock(),
+    return TaskBroker(PayloadStore(kwargs.pop("budget", 1 << 20), tmp_path / "spill"), clock=clock or Clock(1000.0),
                       **kwargs)
 
 
@@ -105,7 +98,7 @@ def test_lease_takes_oldest_first_up_to_max_rows(tmp_path: Path) -> None:
 
 def test_deadlines_fail_tasks_and_late_results_are_refused(tmp_path: Path) -> None:
     async def scenario() -> None:
-        clock = Clock()
+        clock = Clock(1000.0)
         b = broker(tmp_path, clock)
         queued, leased = submit(b, "c1", timeout_s=1), submit(b, "c2", key="e.1", timeout_s=1)
         await b.lease("host", ["e.1"], max_rows=64, wait_s=0)
@@ -182,7 +175,7 @@ def test_dependencies_hold_a_task_until_they_are_done_and_fail_it_if_one_fails(t
 
 def test_payloads_past_the_budget_spill_to_disk_and_every_byte_is_freed(tmp_path: Path) -> None:
     async def scenario() -> None:
-        clock = Clock()
+        clock = Clock(1000.0)
         b = broker(tmp_path, clock, budget=100, retain_s=1)
         tasks = [submit(b, f"c{i}", payload=bytes([i]) * 40) for i in range(4)]
         assert b.store.memory_bytes == 80 and b.store.spilled_bytes == 80

@@ -9,82 +9,18 @@ wandb's own protobuf schema (``wandb.proto.wandb_internal_pb2.Record``).
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
-import time
-import zlib
+import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from relay_server.core.config import load_config
 from relay_server.observers.events import StepEvent
 from relay_server.observers.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
+from tests.support.wandb_records import history_rows, read_wandb_records, run_config
 from toolkit.wire.protocol import (LeaderboardEntry, PlanInfo, PlanSlice, RoundRecord, RunSummary,
                               StatusReport)
-
-_BLOCK = 32 * 1024
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_wandb_records(path: Path) -> list[Any]:
-    """Every record of a ``.wandb`` transaction log, in order, checksums verified."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    ident, magic, version = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
-    records, pending, pos = [], b"", 7
-    while pos + 7 <= len(data):
-        if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
-            pos += _BLOCK - pos % _BLOCK
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if (crc, length, kind) == (0, 0, 0):
-            pos += _BLOCK - pos % _BLOCK
-            continue
-        chunk = data[pos + 7:pos + 7 + length]
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt record at byte {pos}"
-        pos += 7 + length
-        if kind in (_FULL, _FIRST):
-            pending = chunk
-        elif kind in (_MIDDLE, _LAST):
-            pending += chunk
-        if kind in (_FULL, _LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
-    return records
-
-
-def history_rows(records: list[Any]) -> list[dict[str, Any]]:
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in records if r.WhichOneof("record_type") == "history"]
-
-
-def run_config(records: list[Any]) -> dict[str, Any]:
-    """The run's config: its initial value, then every update, as W&B would show it."""
-    config: dict[str, Any] = {}
-    for r in records:
-        kind = r.WhichOneof("record_type")
-        updates = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
-        for item in updates:
-            config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
-    return config
-
-
-@pytest.fixture
-def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """W&B scoped to this test: offline, files under tmp_path, no key (inherited by relay processes)."""
-    directory = tmp_path / "wandb-dir"
-    directory.mkdir()
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(directory))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    return directory
 
 
 def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_relay, launch_peer):
@@ -167,21 +103,21 @@ def test_measured_rate_needs_two_rounds_and_uses_a_window():
 def test_a_wandb_failure_turns_logging_off_without_blocking(tmp_path, monkeypatch, caplog):
     import wandb
 
-    started = []
+    started, released, starting = [], [], threading.Event()
 
     def broken_init(**kwargs):
         started.append(kwargs)
-        time.sleep(0.3)  # still starting when the first step arrives: on_step must not wait
+        released.append(starting.wait(60))  # still starting until on_step returned: it must not wait for this
         raise wandb.errors.UsageError("api_key not configured (no-tty)")
 
     monkeypatch.setattr(wandb, "init", broken_init)
     config = load_config(None, env={}, overrides={"wandb": {"project": "p"}, "server": {"data_dir": str(tmp_path)}})
     with caplog.at_level(logging.INFO, logger="relay_server"):
         observer = WandbObserver(config)
-        began = time.monotonic()
         observer.on_step(_event(1, _rounds(1)))
-        assert time.monotonic() - began < 0.2
+        starting.set()  # W&B "finishes" starting only now, after the step was handed over
         observer.close()
+        assert released and all(released), "on_step waited for wandb.init"
         observer.on_step(_event(2, _rounds(2)))  # after a failure: dropped, quietly
     assert started[0]["project"] == "p" and started[0]["name"] == config.run.name
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -61,6 +61,8 @@ BODY_STREAM_KEY = _request_key("body_stream", object)  # use request.get(BODY_ST
 _NONCE = _request_key("auth_nonce", str)
 _SIGNER = _request_key("auth_signer", RelayKey)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 class NonceCache:
     """Nonces seen in the last ``window_s``, in bounded memory.
 

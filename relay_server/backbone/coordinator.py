@@ -60,6 +60,7 @@ from toolkit.wire.protocol import (ROUTES, AggregatorHeartbeat, AggregatorRegist
 
 log = logging.getLogger(__name__)
 
+
 class Backbone:
     def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codec: Codec,
                  params: np.ndarray, run_info: RunInfo) -> None:

@@ -148,7 +148,8 @@ class SliceOwner:
             raise ApiError(422, "bad_meta", "gradient metadata does not match the ticket")
         r.uploading.add(peer_id)
 
-        def commit() -> None:  # the slice counts whole or not at all (the reducer's commit point)
+        def commit() -> None:
+            """The reducer's commit point: the slice counts whole or not at all."""
             r.uploading.discard(peer_id)
             r.received[peer_id] = ticket.samples
 

@@ -1,0 +1,43 @@
+"""The DMoE run the MoE tests share: its ``[moe]`` section and model (two mixtures of a 2x2 grid,
+k=2, SGD everywhere), expert host processes, and (from ``benchmarks/moe_rig.py``, whose benchmarks
+use them too) :class:`Member`, a peer driven by hand (join and heartbeats) that plays a hostile
+host or a trainer, and the relay's expert ``directory``."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
+from tests.conftest import REPO
+from tests.moe_trainer import BATCH, IN_FEATURES
+
+LR = 0.05
+MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
+       "expert": {"kind": "ffn", "d": 8, "hidden": 16}, "optimizer": {"name": "sgd", "lr": LR}, "seed": 0,
+       "checkpoint_every_s": 0.5, "forward_timeout_s": 10.0, "backward_timeout_s": 10.0}
+KWARGS = {"in_features": IN_FEATURES, "hidden": 8, "out_features": 1, "layers": 2, "grid": [2, 2], "k": 2,
+          "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
+UIDS = [f"ffn{layer}.{i}.{j}" for layer in range(2) for i in range(2) for j in range(2)]
+
+
+def overrides(steps: int) -> dict:
+    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": MOE,
+            "run": {"target_batch": BATCH, "max_staleness": 0, "total_steps": steps},
+            "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
+
+
+def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay_url, "--capacity",
+                             str(capacity), "--name", name, "-v"], cwd=REPO, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # a clean stop uploads the final checkpoints
+    for proc in procs:
+        proc.wait(timeout=30)

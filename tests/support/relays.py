@@ -1,0 +1,185 @@
+"""The one in-process relay of the tests, and what tests read from it.
+
+:class:`InProcessRelay` serves the relay's real app (``create_app(config)``), or an app a test
+builds from the relay's parts, with the relay's own ``serve_app`` (port 0 and the port it bound
+read back, its connection guard) from an event loop on a thread of this process: real HTTP on
+127.0.0.1 without a second torch import per relay, and :meth:`InProcessRelay.call` runs a function
+on that loop, so a snapshot of the relay's state never races the relay's own tasks. Tests that need
+a relay process (restarts, kills, its log) use conftest's ``start_relay`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+from aiohttp import web
+
+from relay_server.api.app import create_app
+from relay_server.api.context import COLLAB
+from relay_server.api.experts import EXPERTS
+from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
+from relay_server.api.server import serve_app
+from relay_server.api.shards import SHARD_POOL
+from relay_server.core.config import load_config
+from tests.conftest import merged, write_config
+from tests.support.peers import ALLOWED
+from tests.support.training import write_shards
+
+
+class InProcessRelay:
+    """``InProcessRelay(config)``: the relay of that run; ``InProcessRelay(app=app)``: any aiohttp
+    app, served the same way. Also a context manager that stops it on exit."""
+
+    def __init__(self, config: Any = None, *, app: web.Application | None = None, timeout_s: float = 60) -> None:
+        self.config, self.url, self.error = config, "", None
+        self.app = app if app is not None else create_app(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._stop = asyncio.Event()
+        ready = threading.Event()
+
+        def on_ready(url: str) -> None:
+            self.url = url
+            ready.set()
+
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await serve_app(self.app, "127.0.0.1", 0, stop=self._stop, on_ready=on_ready,
+                            connections=config.connections if config is not None else None)
+
+        def main() -> None:
+            try:
+                asyncio.run(serve())  # the loop closed (and its executor shut down) once stopped
+            except BaseException as exc:  # surfaced below
+                self.error = exc
+                ready.set()
+
+        self._thread = threading.Thread(target=main, name="in-process-relay", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s) or self.error:
+            raise RuntimeError(f"the in-process relay did not start: {self.error!r}")
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.config.server.data_dir)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on the relay's event loop (between its tasks), its result returned here."""
+        async def run() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    def status(self) -> dict[str, Any]:
+        return status(self.url)
+
+    def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        token = (self.data_dir / TOKEN_FILE).read_text().strip()
+        return requests.request(method, self.url + ADMIN_PREFIX + path, timeout=30,
+                                headers={"Authorization": f"Bearer {token}"}, **kwargs)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> "InProcessRelay":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def status(url: str) -> dict[str, Any]:
+    return requests.get(url + "/api/status", timeout=10).json()
+
+
+# The demo run (relay_server/defaults/demo.toml) with a model small enough for quick CPU steps.
+TINY_LM = {"model": {"kwargs": {"seq_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}},
+           # strict large-batch steps (max_staleness 0 turns delayed updates off): a lone peer's
+           # accounting is then exact, which these tests check sample for sample
+           "run": {"target_batch": 16, "max_staleness": 0}}
+
+
+@contextmanager
+def running_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[InProcessRelay]:
+    """The demo run with :data:`TINY_LM` (and ``overrides``) on an in-process relay, stopped on exit."""
+    sections = {"server": {"host": "127.0.0.1", "port": 0, "data_dir": str(directory / "relay-data")}}
+    for name, values in {**TINY_LM, **(overrides or {})}.items():
+        sections.setdefault(name, {}).update(values)
+    with InProcessRelay(load_config(None, overrides=sections)) as relay:
+        yield relay
+
+
+def hf_config(tmp_path: Path, hub_url: str, **sections: dict) -> Any:
+    """An hf-mode run (SGD, lr 1: a step is exactly minus the mean gradient) with shard leases."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shards = write_shards(tmp_path / "shards", 3, 5)
+    base = merged({"server": {"data_dir": str(tmp_path / "data"), "port": 0},
+                   "auth": {"mode": "hf", "hf_endpoint": hub_url, "allow_users": ALLOWED},
+                   "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
+                   "run": {"target_batch": 10, "max_staleness": 0, "precision": ""},
+                   "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
+                              "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
+                   **sections})
+    path = write_config(tmp_path / "relay.toml", base)
+    with open(path, "a") as f:  # [dataset] is free-form: written as TOML, as an organizer would
+        f.write(f'\n[dataset]\nkind = "stream"\ncache_dir = {json.dumps(str(tmp_path / "cache"))}\n'
+                f'\n[[dataset.sources]]\nname = "web"\ndata_files = {json.dumps(shards)}\n')
+    return load_config(path)
+
+
+def plain(value: Any, depth: int = 0) -> Any:
+    """Any relay object as comparable data: dataclasses and objects by their fields, arrays by hash."""
+    if depth > 6:
+        return repr(value)
+    if isinstance(value, np.ndarray):
+        return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+    if isinstance(value, dict):
+        return {str(k): plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)) or type(value).__name__ == "deque":
+        items = [plain(v, depth + 1) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}
+    if hasattr(value, "__dict__") and not callable(value):
+        return {k: plain(v, depth + 1) for k, v in vars(value).items() if not k.startswith("__")}
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def snapshot(relay: InProcessRelay) -> dict[str, Any]:
+    """Everything a peer-scoped request could touch (taken on the relay's loop)."""
+    def take() -> dict[str, Any]:
+        collab = relay.app[COLLAB]
+        pool = relay.app.get(SHARD_POOL)
+        experts = relay.app.get(EXPERTS)
+        known = [row[0] for row in collab.store.db.execute("SELECT peer_id FROM peers ORDER BY peer_id")]
+        return {
+            "registry": plain(collab.registry.peers),  # last_seen, samples, claimable, inflight...
+            "departed": [p for p in known if p not in collab.registry.peers],
+            "round": plain(collab.rounds.round),
+            "sum": plain(collab.reducer.sum), "weights": plain(collab.reducer.weights),
+            "rounds_logged": collab.store.recent_rounds(), "contributions": collab.store.contributions(),
+            "leases": None if pool is None else plain({"held": pool._held_by, "granted": pool._granted,
+                                                        "reported": pool._reported,
+                                                        "coverage": pool.coverage().to_json()}),
+            "rates": plain(collab.backbone.planning.peer_rates),
+            "step": collab.step,
+            "experts": None if experts is None else plain({
+                "hosts": experts.directory._host, "version": experts.directory.version,
+                "tasks": experts.broker.tasks, "stats": experts.broker.stats,
+                "checkpoints": sorted(str(f) for f in experts.checkpoints.root.rglob("*"))}),
+        }
+    return relay.call(take)
