@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.training import load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
@@ -94,14 +95,6 @@ def relay_params(url: str, min_step: int = 0) -> np.ndarray:
         return out
     finally:
         client.close()
-
-
-def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()]).view_as(p))
-            offset += p.numel()
 
 
 def flatten(model: torch.nn.Module) -> np.ndarray:
