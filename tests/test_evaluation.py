@@ -1,0 +1,252 @@
+"""``[evaluation]``: held-out validation and live samples, on a real relay with real peers.
+
+An albert-tiny-like masked-LM run (tokenizer trained by the project's own code on the shipped
+text, a validation file of other text) must record a validation loss per evaluated version that
+a separate process -- the version's parameters read from the relay's data dir, the model and the
+batches built with the project's functions -- reproduces to 1e-6; the records and the samples
+must survive a restart; a stopped evaluator process (SIGSTOP: the test holds it) must never stop
+rounds from completing and publishing; the dashboard must draw both curves, the chance line and
+the samples. Hostile configurations are refused at load, in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from relay_server.core.config import ConfigError, load_config
+from tests.conftest import REPO, wait_until
+
+VOCAB = 200
+SEQ_LEN = 24
+ALBERT_TINY = {"model_type": "albert", "vocab_size": VOCAB, "embedding_size": 16, "hidden_size": 32,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+               "max_position_embeddings": 32}
+VALIDATION = [  # held-out text: none of it is in the shipped demo corpus the peers train on
+    "The relay keeps the master parameters and publishes a new version after every round.",
+    "Volunteers join from a notebook cell and train on the shards the relay leases to them.",
+    "A held-out file tells whether the model generalizes beyond the text it was trained on.",
+    "The statement returns a value when the function is called with a list of arguments.",
+    "Each module defines its own classes, and the interpreter imports them on first use.",
+    "Exceptions are raised when an operation fails, and the handler decides what to do next.",
+]
+PROMPTS = ["The function returns a [MASK] value.", "Import the [MASK] module first."]
+
+# The separate process: the version's parameters from the relay's data dir, the model and the
+# validation batches built with the project's functions, the loss computed here (not by the relay's code).
+REFERENCE = r"""
+import json, sys
+import torch, torch.nn.functional as F
+from safetensors import safe_open
+from relay_server.core.config import load_config
+from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches
+from toolkit.data.reading import read_shard
+from toolkit.models import build_model
+
+torch.set_num_threads(1)
+config = load_config(sys.argv[1], overrides={"server": {"data_dir": sys.argv[2]}})
+section = config.evaluation
+tokenizer = load_tokenizer(open(config.tokenizer.file, "rb").read())
+rows = (t for f in section.data_files for t in read_shard(f, text_column=section.text_column))
+batches, count = [], 0
+for batch in objective_batches(rows, tokenizer, ObjectiveConfig.from_dict(config.objective),
+                               batch_size=section.batch_size, seed=section.seed):
+    take = min(len(batch["labels"]), section.samples - count)
+    batches.append({k: v[:take] for k, v in batch.items()})
+    count += take
+    if count >= section.samples:
+        break
+model = build_model(config.model.spec()).eval()
+losses = {}
+for step in map(int, sys.argv[3:]):
+    path = f"{sys.argv[2]}/state/step-{step:08d}.safetensors"
+    with safe_open(path, framework="pt") as f:
+        flat = f.get_tensor("master" if "master" in f.keys() else "params")
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        nll, n = 0.0, 0
+        for batch in batches:
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            keep = batch["labels"] != -100
+            nll += float(F.cross_entropy(logits[keep].double(), batch["labels"][keep], reduction="sum"))
+            n += int(keep.sum())
+    losses[step] = nll / n
+print(json.dumps(losses))
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``relay-server tokenizer train`` on the demo corpus the toolkit ships (once per module)."""
+    where = tmp_path_factory.mktemp("tokenizer")
+    config = where / "tok.toml"
+    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
+                           "--vocab-size", str(VOCAB), "--out", str(where / "tokenizer.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return where / "tokenizer.json"
+
+
+def albert_run(tmp_path: Path, tokenizer: Path, **evaluation) -> dict:
+    """The overrides of an albert-tiny-like masked-LM run validating on a held-out file."""
+    validation = tmp_path / "validation.txt"
+    validation.write_text("\n".join(VALIDATION) + "\n")
+    return {"run": {"name": "eval-run", "target_batch": 8},
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT_TINY},
+            "tokenizer": {"file": str(tokenizer)},
+            "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
+            "dataset": {"kind": "demo_corpus"},
+            "optimizer": {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "schedule": "constant"},
+            "evaluation": {"data_files": [str(validation)], "samples": 6, "batch_size": 4, "every_steps": 1,
+                           "prompts": PROMPTS, **evaluation}}
+
+
+def evaluator_process(relay) -> psutil.Process:
+    """The relay's evaluator: its child started by multiprocessing's spawn (not the resource tracker)."""
+    def found():
+        return [c for c in psutil.Process(relay.proc.pid).children()
+                if "spawn_main" in " ".join(c.cmdline())]
+
+    wait_until(lambda: found(), 60, "the evaluator process")
+    return found()[0]
+
+
+def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_restart(
+        start_relay, launch_peer, tmp_path: Path, tokenizer_file: Path) -> None:
+    relay = start_relay(albert_run(tmp_path, tokenizer_file))
+    # A peer slower than the evaluator (a micro-batch every 0.3 s), stopped once three versions were scored.
+    peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
+    relay.wait_for(lambda s: len(s["evaluations"]) >= 3, timeout_s=180, what="three evaluated versions")
+    peer.stop()
+    peer.wait()
+    # The latest version is never skipped, only those overtaken by a newer one.
+    status = relay.wait_for(lambda s: s["evaluations"][-1]["step"] == s["step"], timeout_s=60,
+                            what="the last version evaluated")
+    evaluations = status["evaluations"]
+    steps = [e["step"] for e in evaluations]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert all(e["targets"] == 6 * round(0.15 * (SEQ_LEN - 2)) for e in evaluations)  # the same masked tokens each time
+    assert all(e["perplexity"] == pytest.approx(2.718281828459045 ** e["loss"]) for e in evaluations)
+    assert all(0 <= e["accuracy"] <= 1 for e in evaluations)
+    assert len({e["loss"] for e in evaluations}) == len(evaluations)  # the model moved between versions
+
+    done = subprocess.run([sys.executable, "-c", REFERENCE, str(relay.config_path), str(relay.data_dir),
+                           *map(str, steps)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    reference = {int(k): v for k, v in json.loads(done.stdout).items()}
+    for e in evaluations:
+        assert abs(e["loss"] - reference[e["step"]]) <= 1e-6, (e["step"], e["loss"], reference[e["step"]])
+
+    # The last record carries the samples: the fixed prompts, fill-mask top tokens from the model.
+    last = evaluations[-1]
+    assert [s["prompt"] for s in last["samples"]] == PROMPTS
+    assert all(s["kind"] == "fill-mask" and len(s["tokens"]) == 5 and s["scores"] == sorted(s["scores"], reverse=True)
+               for s in last["samples"])
+    assert all(e["samples"] == [] for e in evaluations[:-1])  # the status stays small
+
+    # Persisted in the data dir: the same records after a restart.
+    relay.stop()
+    relay.start()
+    again = relay.status()["evaluations"]
+    assert [(e["step"], e["loss"]) for e in again] == [(e["step"], e["loss"]) for e in evaluations]
+    assert again[-1]["samples"] == last["samples"]
+
+
+def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp_path: Path,
+                                                   tokenizer_file: Path) -> None:
+    relay = start_relay(albert_run(tmp_path, tokenizer_file))
+    launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000)
+    status = relay.wait_for(lambda s: s["evaluations"], timeout_s=180, what="a first evaluation")
+    evaluator = evaluator_process(relay)
+    evaluator.send_signal(signal.SIGSTOP)  # held: it cannot score anything until the test lets it go
+    try:
+        held = relay.status()
+        recorded = len(held["evaluations"])
+        after = relay.wait_for(lambda s: s["step"] >= held["step"] + 5, timeout_s=120,
+                               what="rounds completing while the evaluator is stopped")
+        assert len(after["evaluations"]) <= recorded + 1  # at most the one it had already finished
+        assert after["recent_rounds"][-1]["step"] >= held["step"] + 5  # published, not merely counted
+    finally:
+        evaluator.send_signal(signal.SIGCONT)
+    behind = after["step"]
+    caught_up = relay.wait_for(lambda s: s["evaluations"] and s["evaluations"][-1]["step"] >= behind,
+                               timeout_s=120, what="the evaluator catching up with the latest version")
+    steps = [e["step"] for e in caught_up["evaluations"]]
+    assert any(b - a > 1 for a, b in zip(steps, steps[1:]))  # versions published while it was held were skipped
+    assert status["evaluations"][0]["step"] in steps
+
+
+def write_toml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+BASE_TOML = """
+[auth]
+mode = "open"
+[model]
+kind = "transformers"
+architecture = "AutoModelForMaskedLM"
+config = {{ model_type = "albert", vocab_size = 200, embedding_size = 16, hidden_size = 32, num_hidden_layers = 2, num_attention_heads = 2, intermediate_size = 64, max_position_embeddings = 32 }}
+[tokenizer]
+file = "{tokenizer}"
+[objective]
+name = "masked-lm"
+seq_len = 24
+[dataset]
+kind = "stream"
+[[dataset.sources]]
+name = "train"
+data_files = ["train.txt"]
+[evaluation]
+data_files = ["validation.txt"]
+{evaluation}
+"""
+
+
+@pytest.mark.parametrize("evaluation, message", [
+    ('prompts = ["' + "x [MASK] " * 40 + '"]', "evaluation.prompts[0] must be 1 to 256 characters"),
+    ("prompts = [" + ", ".join(['"a [MASK]"'] * 17) + "]", "evaluation.prompts has 17 prompts; at most 16"),
+    ('prompts = "a [MASK]"', "evaluation.prompts must be a list of strings"),
+    ("prompts = [1, 2]", "evaluation.prompts[0] must be a string"),
+    ('prompts = ["no mask token here"]', "evaluation.prompts[0] has no [MASK]"),
+    ('data_files = ["train.txt"]', "evaluation.data_files includes the training shard"),
+    ('repo = "org/val"', "evaluation.repo needs evaluation.revision"),
+    ("every_steps = 0", "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
+    ("threads = 0", "evaluation.threads must be in 1..256"),
+])
+def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, tokenizer_file: Path, evaluation: str,
+                                                       message: str) -> None:
+    (tmp_path / "train.txt").write_text("training text\n")
+    (tmp_path / "validation.txt").write_text("held-out text\n")
+    text = BASE_TOML.format(tokenizer=tokenizer_file, evaluation=evaluation)
+    if evaluation.startswith("data_files"):  # replaces the section's own line
+        text = text.replace('data_files = ["validation.txt"]\n', "", 1)
+    with pytest.raises(ConfigError) as refused:
+        load_config(write_toml(tmp_path / "run.toml", text))
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, tokenizer_file: Path) -> None:
+    (tmp_path / "train.txt").write_text("training text\n")
+    (tmp_path / "validation.txt").write_text("held-out text\n")
+    config = write_toml(tmp_path / "run.toml",
+                        BASE_TOML.format(tokenizer=tokenizer_file, evaluation='prompts = [{ text = "x" }]'))
+    data_dir = tmp_path / "data"
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
+                           "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].count("evaluation.prompts[0] must be a string") == 1
+    assert not data_dir.exists()
