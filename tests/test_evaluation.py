@@ -23,21 +23,8 @@ import pytest
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO, wait_until
+from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run
 
-VOCAB = 200
-SEQ_LEN = 24
-ALBERT_TINY = {"model_type": "albert", "vocab_size": VOCAB, "embedding_size": 16, "hidden_size": 32,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-               "max_position_embeddings": 32}
-VALIDATION = [  # held-out text: none of it is in the shipped demo corpus the peers train on
-    "The relay keeps the master parameters and publishes a new version after every round.",
-    "Volunteers join from a notebook cell and train on the shards the relay leases to them.",
-    "A held-out file tells whether the model generalizes beyond the text it was trained on.",
-    "The statement returns a value when the function is called with a list of arguments.",
-    "Each module defines its own classes, and the interpreter imports them on first use.",
-    "Exceptions are raised when an operation fails, and the handler decides what to do next.",
-]
-PROMPTS = ["The function returns a [MASK] value.", "Import the [MASK] module first."]
 
 # The separate process: the version's parameters from the relay's data dir, the model and the
 # validation batches built with the project's functions, the loss computed here (not by the relay's code).
@@ -85,33 +72,6 @@ print(json.dumps(losses))
 """
 
 
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``relay-server tokenizer train`` on the demo corpus the toolkit ships (once per module)."""
-    where = tmp_path_factory.mktemp("tokenizer")
-    config = where / "tok.toml"
-    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", str(VOCAB), "--out", str(where / "tokenizer.json")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return where / "tokenizer.json"
-
-
-def albert_run(tmp_path: Path, tokenizer: Path, **evaluation) -> dict:
-    """The overrides of an albert-tiny-like masked-LM run validating on a held-out file."""
-    validation = tmp_path / "validation.txt"
-    validation.write_text("\n".join(VALIDATION) + "\n")
-    return {"run": {"name": "eval-run", "target_batch": 8},
-            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT_TINY},
-            "tokenizer": {"file": str(tokenizer)},
-            "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
-            "dataset": {"kind": "demo_corpus"},
-            "optimizer": {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "schedule": "constant"},
-            "evaluation": {"data_files": [str(validation)], "samples": 6, "batch_size": 4, "every_steps": 1,
-                           "prompts": PROMPTS, **evaluation}}
-
-
 def evaluator_process(relay) -> psutil.Process:
     """The relay's evaluator: its child started by multiprocessing's spawn (not the resource tracker)."""
     def found():
@@ -123,8 +83,8 @@ def evaluator_process(relay) -> psutil.Process:
 
 
 def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_restart(
-        start_relay, launch_peer, tmp_path: Path, tokenizer_file: Path) -> None:
-    relay = start_relay(albert_run(tmp_path, tokenizer_file))
+        start_relay, launch_peer, tmp_path: Path, evaluation_tokenizer: Path) -> None:
+    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
     # A peer slower than the evaluator (a micro-batch every 0.3 s), stopped once three versions were scored.
     peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
     relay.wait_for(lambda s: len(s["evaluations"]) >= 3, timeout_s=180, what="three evaluated versions")
@@ -164,8 +124,8 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
 
 
 def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp_path: Path,
-                                                   tokenizer_file: Path) -> None:
-    relay = start_relay(albert_run(tmp_path, tokenizer_file))
+                                                   evaluation_tokenizer: Path) -> None:
+    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
     launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000)
     status = relay.wait_for(lambda s: s["evaluations"], timeout_s=180, what="a first evaluation")
     evaluator = evaluator_process(relay)
@@ -226,11 +186,11 @@ data_files = ["validation.txt"]
     ("every_steps = 0", "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
     ("threads = 0", "evaluation.threads must be in 1..256"),
 ])
-def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, tokenizer_file: Path, evaluation: str,
+def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, evaluation_tokenizer: Path, evaluation: str,
                                                        message: str) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
-    text = BASE_TOML.format(tokenizer=tokenizer_file, evaluation=evaluation)
+    text = BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation=evaluation)
     if evaluation.startswith("data_files"):  # replaces the section's own line
         text = text.replace('data_files = ["validation.txt"]\n', "", 1)
     with pytest.raises(ConfigError) as refused:
@@ -238,11 +198,11 @@ def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, tokenizer_
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, tokenizer_file: Path) -> None:
+def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, evaluation_tokenizer: Path) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
     config = write_toml(tmp_path / "run.toml",
-                        BASE_TOML.format(tokenizer=tokenizer_file, evaluation='prompts = [{ text = "x" }]'))
+                        BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation='prompts = [{ text = "x" }]'))
     data_dir = tmp_path / "data"
     done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
                            "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120,

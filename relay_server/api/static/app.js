@@ -204,10 +204,15 @@ function renderSamples(s) {
   $("samples-step").textContent = fmt.int(last.step);
   $("samples-step").dataset.value = last.step;
   fillTable($("samples"), samples.map((x) => {
-    const answer = x.kind === "fill-mask"
-      ? x.tokens.map((t, i) => `${t} (${fmt.pct(x.scores[i])})`).join(", ")
-      : x.kind === "label" && x.scores.length ? `${x.output} (${fmt.pct(x.scores[0])})` : x.output;
-    return row([el("td", x.prompt, { class: "prompt" }), el("td", answer, { class: `answer ${x.kind}` })]);
+    const answer = el("td", null, { class: `answer ${x.kind}` });
+    if (x.kind === "fill-mask") {  // one token per span: a token may itself be a comma
+      answer.append(...x.tokens.flatMap((t, i) => [el("span", t, { class: "token" }),
+        el("small", ` ${fmt.pct(x.scores[i])} `, { class: "score" })]));
+    } else {
+      answer.append(el("span", x.output, { class: "token" }));
+      if (x.scores.length) answer.append(el("small", ` ${fmt.pct(x.scores[0])}`, { class: "score" }));
+    }
+    return row([el("td", x.prompt, { class: "prompt" }), answer]);
   }));
 }
 
