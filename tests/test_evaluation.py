@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,12 @@ import pytest
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO, wait_until
+from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run
+from tests.support.wandb_records import history_rows, read_wandb_records
+
+HUB_TOKEN = "hf_test_organizer_write_token"
+HUB_REPO = "organizer/eval-ckpt"
 
 
 # The separate process: the version's parameters from the relay's data dir, the model and the
@@ -83,8 +89,15 @@ def evaluator_process(relay) -> psutil.Process:
 
 
 def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_restart(
-        start_relay, launch_peer, tmp_path: Path, evaluation_tokenizer: Path) -> None:
-    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
+        start_relay, launch_peer, tmp_path: Path, evaluation_tokenizer: Path, offline_wandb: Path,
+        hub_standin: HubStandin, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub_standin.add_user(HUB_TOKEN, "organizer", role="write")  # Hub checkpoints: their card states validation
+    monkeypatch.setenv("COLLAB_TEST_HUB_TOKEN", HUB_TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    relay = start_relay({**albert_run(tmp_path, evaluation_tokenizer),
+                         "wandb": {"project": "collab-eval", "mode": "offline"},
+                         "hub": {"repo_id": HUB_REPO, "endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN",
+                                 "every_steps": 1}})
     # A peer slower than the evaluator (a micro-batch every 0.3 s), stopped once three versions were scored.
     peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
     relay.wait_for(lambda s: len(s["evaluations"]) >= 3, timeout_s=180, what="three evaluated versions")
@@ -115,8 +128,21 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
                for s in last["samples"])
     assert all(e["samples"] == [] for e in evaluations[:-1])  # the status stays small
 
+    # W&B: an eval/ row per evaluated version and the samples table; the Hub card: the latest validation.
+    relay.stop()  # closes the observers: W&B's run is on disk, the last upload done
+    run_id = (relay.data_dir / "wandb-run-id").read_text().strip()
+    [log] = offline_wandb.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
+    rows = [r for r in history_rows(read_wandb_records(log)) if "eval/loss" in r]
+    assert [(r["step"], r["eval/loss"], r["eval/accuracy"]) for r in rows] == [
+        (e["step"], e["loss"], e["accuracy"]) for e in evaluations]
+    assert all(r["eval/samples/_type"] == "table-file" and r["eval/samples/nrows"] == len(PROMPTS) for r in rows)
+    table = json.loads((log.parent / "files" / rows[-1]["eval/samples/path"]).read_text())
+    assert table["data"] == [[last["step"], s["prompt"], "fill-mask", s["output"]] for s in last["samples"]]
+    card = hub_standin.commits(HUB_REPO)[-1].files["README.md"].decode()
+    shown = int(re.search(r"Latest validation \(held-out data, version (\d+)", card)[1])
+    assert f"loss {next(e for e in evaluations if e['step'] == shown)['loss']:.4f}" in card
+
     # Persisted in the data dir: the same records after a restart.
-    relay.stop()
     relay.start()
     again = relay.status()["evaluations"]
     assert [(e["step"], e["loss"]) for e in again] == [(e["step"], e["loss"]) for e in evaluations]
