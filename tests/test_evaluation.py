@@ -236,3 +236,88 @@ def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: P
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].count("evaluation.prompts[0] must be a string") == 1
     assert not data_dir.exists()
+
+
+def test_the_readme_evaluation_section_loads(tmp_path: Path, evaluation_tokenizer: Path) -> None:
+    block = re.search(r"\*\*Held-out evaluation.*?```toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
+    (tmp_path / "train.txt").write_text("training text\n")
+    (tmp_path / "validation").mkdir()
+    (tmp_path / "validation" / "a.txt").write_text("held-out text\n")
+    text = BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation="").split("[evaluation]")[0] + block
+    config = load_config(write_toml(tmp_path / "run.toml", text))
+    assert config.evaluation.shards() == [str(tmp_path / "validation" / "a.txt")]
+    assert len(config.evaluation.prompts) == 2
+
+
+# --- every objective, in-process: the scorer's metric is the model's own loss ------------------
+def scorer_for(tmp_path: Path, tokenizer: Path | None, **sections):
+    """The evaluator's scorer for a run written from ``sections`` (validation: tests.support.evaluation's text)."""
+    from relay_server.observers.eval_model import VersionScorer
+    from tests.conftest import write_config
+
+    config = load_config(write_config(tmp_path / "run.toml", {
+        "auth": {"mode": "open"}, **({"tokenizer": {"file": str(tokenizer)}} if tokenizer else {}), **sections}))
+    return VersionScorer(config)
+
+
+def initial_flat(scorer):
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in scorer.model.parameters()])
+
+
+def test_byte_level_demo_model_scores_next_bytes_as_its_own_loss(tmp_path: Path) -> None:
+    import torch
+
+    from tests.support.evaluation import VALIDATION
+
+    (tmp_path / "val.txt").write_text("\n".join(VALIDATION))
+    scorer = scorer_for(tmp_path, None, model={"factory": "toolkit.models:ByteTransformer",
+                                                 "kwargs": {"d_model": 32, "n_head": 2, "n_layer": 1, "seq_len": 32}},
+                        evaluation={"data_files": [str(tmp_path / "val.txt")], "samples": 8, "batch_size": 4,
+                                    "seq_len": 32, "prompts": ["The relay "], "max_new_tokens": 5})
+    record = scorer.evaluate(0, initial_flat(scorer))
+    with torch.no_grad():  # ByteTransformer.loss: the mean next-byte cross-entropy of a batch
+        own = sum(float(scorer.model.loss(b)) for b in scorer.batches) / len(scorer.batches)
+    assert [tuple(b.shape) for b in scorer.batches] == [(4, 33), (4, 33)]
+    assert abs(record.loss - own) <= 1e-6 and record.targets == 8 * 32 and record.accuracy is None
+    [sample] = record.samples
+    assert sample.kind == "continuation" and sample.prompt == "The relay "
+
+
+@pytest.mark.parametrize("objective", ["causal-lm", "classification"])
+def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path, evaluation_tokenizer: Path,
+                                                                  objective: str) -> None:
+    import torch
+
+    from tests.support.evaluation import VALIDATION
+
+    if objective == "causal-lm":
+        model = {"kind": "transformers", "architecture": "AutoModelForCausalLM",
+                 "config": {"model_type": "gpt2", "vocab_size": 200, "n_embd": 16, "n_layer": 1, "n_head": 2,
+                            "n_positions": 32}}
+        (tmp_path / "val.txt").write_text("\n".join(VALIDATION))
+        files, prompts = [str(tmp_path / "val.txt")], ["The relay keeps"]
+    else:
+        model = {"kind": "transformers", "architecture": "AutoModelForSequenceClassification",
+                 "config": {"model_type": "albert", "vocab_size": 200, "embedding_size": 16, "hidden_size": 32,
+                            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                            "max_position_embeddings": 32, "num_labels": 2, "id2label": {"0": "no", "1": "yes"}}}
+        (tmp_path / "val.jsonl").write_text("\n".join(json.dumps({"text": t, "label": i % 2})
+                                                      for i, t in enumerate(VALIDATION)))
+        files, prompts = [str(tmp_path / "val.jsonl")], ["Is this held out?"]
+    scorer = scorer_for(tmp_path, evaluation_tokenizer, model=model,
+                        objective={"name": objective, "seq_len": 16},
+                        evaluation={"data_files": files, "samples": 4, "batch_size": 4, "prompts": prompts})
+    record = scorer.evaluate(3, initial_flat(scorer))
+    [batch] = scorer.batches
+    with torch.no_grad():  # the architecture's own loss: a mean over the batch's targets
+        own = float(scorer.model(**batch).loss)
+    assert abs(record.loss - own) <= 1e-6
+    [sample] = record.samples
+    if objective == "causal-lm":
+        assert record.perplexity == pytest.approx(2.718281828459045 ** record.loss) and record.accuracy is None
+        assert sample.kind == "continuation"
+    else:
+        assert record.perplexity is None and 0 <= record.accuracy <= 1 and record.targets == 4
+        assert sample.kind == "label" and sample.output in ("no", "yes") and 0.5 <= sample.scores[0] <= 1
