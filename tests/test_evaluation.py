@@ -152,7 +152,8 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
 def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp_path: Path,
                                                    evaluation_tokenizer: Path) -> None:
     relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
-    launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000)
+    # A peer that keeps training (and leaves the evaluator some of the machine's CPU meanwhile).
+    launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.1"))
     status = relay.wait_for(lambda s: s["evaluations"], timeout_s=180, what="a first evaluation")
     evaluator = evaluator_process(relay)
     evaluator.send_signal(signal.SIGSTOP)  # held: it cannot score anything until the test lets it go

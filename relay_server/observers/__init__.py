@@ -32,5 +32,5 @@ def build_observers(config: RelayConfig) -> list[Observer]:
 
         evaluator = Evaluator(config)
         evaluator.listeners += [o.on_evaluation for o in observers if hasattr(o, "on_evaluation")]
-        observers.append(evaluator)
+        observers.insert(0, evaluator)  # closed first: no record reaches a listener already closed
     return observers
