@@ -5,9 +5,8 @@ The sections, each a keyword-only dataclass with a docstring per field, live by 
 ``[auth]``, ``[limits]``, ``[admin]``, ``[wandb]``, ``[hub]``, ``[aggregators]`` in
 :mod:`.service_config`; ``[connections]`` in :mod:`.connections`; ``[moe]`` in :mod:`.moe_config`;
 ``[tokenizer]`` (and the checks of ``[objective]``) in :mod:`.run_data`; ``[evaluation]`` in
-:mod:`.evaluation_config`. ``[dataset]`` and
-``[objective]`` are free-form tables the toolkit reads (:class:`RelayConfig` says where).
-Everything is importable from here.
+:mod:`.evaluation_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
+reads (:class:`RelayConfig` says where). Everything is importable from here.
 
 **Types.** Every value is checked against its field's type, from the file and from the
 environment alike (:mod:`.typed` states the rules); a wrong one ends in one line naming the setting.
@@ -23,8 +22,8 @@ command line (``relay-server serve --port/--host/--data-dir``).
 
 **Paths.** A relative path written in the file (``server.data_dir``, ``model.config_file``,
 ``model.init_checkpoint``, ``tokenizer.file``, ``admin.token_file``, local ``data_files`` of
-``[[dataset.sources]]`` and of ``[evaluation]``) is resolved against the file's directory, so ``relay-server serve
---config ../org/run.toml`` finds the same run from anywhere; one given in the environment or on
+``[[dataset.sources]]`` and of ``[evaluation]``) is resolved against the file's directory, so
+``relay-server serve --config ../org/run.toml`` finds the same run from anywhere; one given in the environment or on
 the command line is resolved against the working directory, as any shell path. After loading,
 every path is absolute. ``server.data_dir`` has no default: ``relay-server serve`` refuses
 without one rather than start a new run in whatever directory it was started from.
@@ -59,8 +58,8 @@ except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from 
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection",
-           "EvaluationSection", "HubSection",
-           "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection", "RelayConfig", "RoundsSection",
+           "EvaluationSection", "HubSection", "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection",
+           "RelayConfig", "RoundsSection",
            "RunSection", "ServerSection", "TokenizerSection", "WandbSection", "load_config", "resolve_paths"]
 
 
@@ -142,7 +141,7 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
                           "start at the config file's directory)")
     tokenizer = resolve_run_data(config, base, read_tokenizer=run_data)
     config.validate()
-    check_evaluation(config, tokenizer)
+    check_evaluation(config, tokenizer)  # needs the tokenizer (the mask token) and the other sections
     return config
 
 
@@ -154,8 +153,8 @@ def resolve_paths(config: RelayConfig, base: Path) -> None:
             for name in path_settings(value):
                 if getattr(value, name):
                     setattr(value, name, _absolute(getattr(value, name), base))
-    config.evaluation.data_files = [_local(f, base) for f in config.evaluation.data_files] \
-        if not config.evaluation.repo else config.evaluation.data_files
+    if not config.evaluation.repo:  # local validation files, like [[dataset.sources]] without a repo
+        config.evaluation.data_files = [_local(f, base) for f in config.evaluation.data_files]
     for source in config.dataset.get("sources") or []:
         if isinstance(source, dict) and not source.get("repo"):
             files = source.get("data_files")
