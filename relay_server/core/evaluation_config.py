@@ -51,7 +51,8 @@ class EvaluationSection:
     seed: int = 0
     """Seed of the masked-LM masking: the same masked positions for every version."""
     every_steps: int = 10
-    """Evaluate a version once this many steps passed since the last evaluated one (0 = off)."""
+    """Evaluate a version once this many steps passed since the last evaluated one (0 = off); the
+    run's last step (``run.total_steps``) is always evaluated."""
     every_s: float = 0.0
     """... or once this many seconds passed since the last evaluation (0 = off)."""
     prompts: list[str] = field(default_factory=list)

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +77,7 @@ class Evaluator:
         self.config, self.section = config, config.evaluation
         self.data_dir = Path(config.server.data_dir)
         self.pending_dir = self.data_dir / PENDING_DIR
+        shutil.rmtree(self.pending_dir, ignore_errors=True)  # a crash's leftovers: versions nobody waits for
         self.listeners: list[Callable[[EvalRecord], None]] = []
         self.records: list[EvalRecord] = load_records(self.data_dir / RECORDS_FILE)
         self._last_due: tuple[int, float] | None = (self.records[-1].step, time.monotonic()) if self.records else None
@@ -88,7 +90,7 @@ class Evaluator:
 
     # --- the observers' thread: cheap, never waits on the evaluator ---------------------------
     def on_step(self, event: StepEvent) -> None:
-        if event.state_path is None or not self._due(event.step):
+        if event.state_path is None or not (self._due(event.step) or event.status.finished):
             return
         self.pending_dir.mkdir(parents=True, exist_ok=True)
         link = self.pending_dir / f"{event.step}.safetensors"
@@ -97,6 +99,8 @@ class Evaluator:
             os.link(event.state_path, link)  # the store may prune the version before it is scored
         except FileNotFoundError:
             return  # already pruned: a later version will be due
+        except OSError:  # no hard links here: copy
+            shutil.copyfile(event.state_path, link)
         with self._lock:
             if self._latest is not None:
                 self._latest[1].unlink(missing_ok=True)  # skipped: the evaluator is behind
