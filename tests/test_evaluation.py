@@ -322,3 +322,20 @@ def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path
     else:
         assert record.perplexity is None and 0 <= record.accuracy <= 1 and record.targets == 4
         assert sample.kind == "label" and sample.output in ("no", "yes") and 0.5 <= sample.scores[0] <= 1
+
+
+def test_which_versions_are_due() -> None:
+    from relay_server.observers.evaluation import Schedule
+    from tests.conftest import Clock
+
+    clock = Clock()
+    every_3 = Schedule(3, 0.0, clock=clock)
+    assert [s for s in range(1, 11) if every_3.due(s)] == [1, 4, 7, 10]
+    assert every_3.due(11, finished=True)  # the run's last step, whatever the count
+    assert every_3.due(5)  # a rollback: the version is new again
+    resumed = Schedule(3, 0.0, last_step=20, clock=clock)  # after a restart: counted from the last record
+    assert [s for s in range(21, 27) if resumed.due(s)] == [23, 26]
+    timed = Schedule(0, 30.0, clock=clock)
+    assert timed.due(1) and not timed.due(2)
+    clock.now += 30.0
+    assert timed.due(3) and not timed.due(4)

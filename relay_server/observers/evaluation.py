@@ -70,6 +70,25 @@ def worker_main(config: RelayConfig, jobs: Any, results: Any) -> None:
             results.put(("failed", f"step {step}: {type(exc).__name__}: {exc}"))
 
 
+class Schedule:
+    """Which published versions are due: ``every_steps`` after the last due one, or ``every_s``
+    seconds after it, the first one, the run's last one, and any after a rollback."""
+
+    def __init__(self, every_steps: int, every_s: float, last_step: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_steps, self.every_s, self.clock = every_steps, every_s, clock
+        self.last: tuple[int, float] | None = None if last_step is None else (last_step, clock())
+
+    def due(self, step: int, finished: bool = False) -> bool:
+        now, last = self.clock(), self.last
+        due = last is None or finished or step < last[0] \
+            or (self.every_steps > 0 and step - last[0] >= self.every_steps) \
+            or (self.every_s > 0 and now - last[1] >= self.every_s)
+        if due:
+            self.last = (step, now)
+        return due
+
+
 class Evaluator:
     """Observer scoring the latest due version in its own process (``[evaluation]`` is set)."""
 
@@ -80,7 +99,8 @@ class Evaluator:
         shutil.rmtree(self.pending_dir, ignore_errors=True)  # a crash's leftovers: versions nobody waits for
         self.listeners: list[Callable[[EvalRecord], None]] = []
         self.records: list[EvalRecord] = load_records(self.data_dir / RECORDS_FILE)
-        self._last_due: tuple[int, float] | None = (self.records[-1].step, time.monotonic()) if self.records else None
+        self.schedule = Schedule(self.section.every_steps, self.section.every_s,
+                                 last_step=self.records[-1].step if self.records else None)
         self._latest: tuple[int, Path] | None = None
         self._lock = threading.Condition()
         self._closing = False
@@ -90,7 +110,7 @@ class Evaluator:
 
     # --- the observers' thread: cheap, never waits on the evaluator ---------------------------
     def on_step(self, event: StepEvent) -> None:
-        if event.state_path is None or not (self._due(event.step) or event.status.finished):
+        if event.state_path is None or not self.schedule.due(event.step, event.status.finished):
             return
         self.pending_dir.mkdir(parents=True, exist_ok=True)
         link = self.pending_dir / f"{event.step}.safetensors"
@@ -106,16 +126,6 @@ class Evaluator:
                 self._latest[1].unlink(missing_ok=True)  # skipped: the evaluator is behind
             self._latest = (event.step, link)
             self._lock.notify()
-
-    def _due(self, step: int) -> bool:
-        now = time.monotonic()
-        last = self._last_due
-        due = last is None or step < last[0] \
-            or (self.section.every_steps > 0 and step - last[0] >= self.section.every_steps) \
-            or (self.section.every_s > 0 and now - last[1] >= self.section.every_s)
-        if due:
-            self._last_due = (step, now)
-        return due
 
     # --- the evaluator's thread ----------------------------------------------------------------
     def _run(self) -> None:
