@@ -158,7 +158,10 @@ def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp
     evaluator = evaluator_process(relay)
     evaluator.send_signal(signal.SIGSTOP)  # held: it cannot score anything until the test lets it go
     try:
-        held = relay.status()
+        # A report of a later step is built fresh (the status cache keys on the step): it has every
+        # record the relay got so far; at most one more can come, one the process sent before it stopped.
+        stopped_at = relay.status()["step"]
+        held = relay.wait_for(lambda s: s["step"] > stopped_at, timeout_s=60, what="a step after the stop")
         recorded = len(held["evaluations"])
         after = relay.wait_for(lambda s: s["step"] >= held["step"] + 5, timeout_s=120,
                                what="rounds completing while the evaluator is stopped")

@@ -118,7 +118,7 @@ class Evaluator:
         try:
             os.link(event.state_path, link)  # the store may prune the version before it is scored
         except FileNotFoundError:
-            return  # already pruned: a later version will be due
+            return  # already pruned (the observers fell behind): the next due version is scored
         except OSError:  # no hard links here: copy
             shutil.copyfile(event.state_path, link)
         with self._lock:
