@@ -409,3 +409,11 @@ def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
     yield start
     for relay in relays:
         relay.stop()
+
+
+@pytest.fixture(scope="session")
+def evaluation_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The WordPiece tokenizer of ``tests.support.evaluation``'s run, trained once per session."""
+    from tests.support.evaluation import train_tokenizer
+
+    return train_tokenizer(tmp_path_factory.mktemp("evaluation-tokenizer"))

@@ -201,3 +201,44 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
         assert proc.returncode == 0
     finally:
         proc.kill()
+
+
+def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(start_relay, launch_peer, browser_page,
+                                                                            tmp_path, evaluation_tokenizer):
+    """An ``[evaluation]`` run: the loss chart draws the training and the validation curve over the
+    chance line, and "What the model says now" lists the fixed prompts with the model's own answers
+    for the step the relay reports."""
+    from playwright.sync_api import expect
+
+    from tests.support.evaluation import PROMPTS, albert_run
+
+    page, problems = browser_page
+    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
+    peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
+    relay.wait_for(lambda s: len(s["evaluations"]) >= 2, timeout_s=180, what="two evaluated versions")
+    peer.stop()
+    peer.wait()
+    status = relay.wait_for(lambda s: s["evaluations"][-1]["step"] == s["step"], timeout_s=60,
+                            what="the last version evaluated")
+    page.goto(relay.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    chart = page.locator("#loss-chart")
+    expect(chart.locator("polyline.loss")).to_have_count(1, timeout=UI_TIMEOUT_MS)
+    expect(chart.locator("polyline.validation")).to_have_count(1)
+    assert chart.get_attribute("data-validation-points") == str(len(status["evaluations"]))
+    expect(chart.locator("text.ref-label").first).to_have_text("chance: ln 200 (tokens) = 5.298")
+    expect(page.locator("#validation-key")).to_be_visible()
+    last = status["evaluations"][-1]
+    expect(page.locator("#loss-summary")).to_contain_text(f"Validation loss {last['loss']:.4g} at step {last['step']}")
+
+    expect(page.locator("#samples-panel")).to_be_visible()
+    expect(page.locator("#h-samples")).to_have_text(f"What the model says now (step {last['step']})")
+    expect(page.locator("#samples tbody td.prompt")).to_have_text(PROMPTS)
+    answers = page.locator("#samples tbody td.answer")
+    for i, sample in enumerate(last["samples"]):  # the relay's record of the model's output, token by token
+        expect(answers.nth(i).locator("span.token")).to_have_text(sample["tokens"])
+    page.screenshot(path=str(tmp_path / "dashboard-evaluation.png"), full_page=True)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-evaluation.png"), full_page=True)
+    assert (tmp_path / "dashboard-evaluation.png").stat().st_size > 10_000
+    assert problems.snapshot() == [], problems

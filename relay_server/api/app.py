@@ -67,9 +67,15 @@ async def get_status(request: web.Request) -> web.Response:
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
         status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app),
                                      experts=experts_api.status_summary(request.app),
-                                     loss_references=request.app[LOSS_REFERENCES])
+                                     loss_references=request.app[LOSS_REFERENCES],
+                                     evaluations=_evaluations(collab))
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")
+
+
+def _evaluations(collab: Collaboration) -> list:
+    """``[evaluation]`` runs: the evaluator's recent records (its own lock; never waits on scoring)."""
+    return next((o.status_records() for o in collab.observers.observers if hasattr(o, "status_records")), [])
 
 
 async def get_progress(request: web.Request) -> web.Response:

@@ -4,9 +4,9 @@ The sections, each a keyword-only dataclass with a docstring per field, live by 
 ``[run]``, ``[model]``, ``[optimizer]``, ``[rounds]`` in :mod:`.training_config`; ``[server]``,
 ``[auth]``, ``[limits]``, ``[admin]``, ``[wandb]``, ``[hub]``, ``[aggregators]`` in
 :mod:`.service_config`; ``[connections]`` in :mod:`.connections`; ``[moe]`` in :mod:`.moe_config`;
-``[tokenizer]`` (and the checks of ``[objective]``) in :mod:`.run_data`. ``[dataset]`` and
-``[objective]`` are free-form tables the toolkit reads (:class:`RelayConfig` says where).
-Everything is importable from here.
+``[tokenizer]`` (and the checks of ``[objective]``) in :mod:`.run_data`; ``[evaluation]`` in
+:mod:`.evaluation_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
+reads (:class:`RelayConfig` says where). Everything is importable from here.
 
 **Types.** Every value is checked against its field's type, from the file and from the
 environment alike (:mod:`.typed` states the rules); a wrong one ends in one line naming the setting.
@@ -22,8 +22,8 @@ command line (``relay-server serve --port/--host/--data-dir``).
 
 **Paths.** A relative path written in the file (``server.data_dir``, ``model.config_file``,
 ``model.init_checkpoint``, ``tokenizer.file``, ``admin.token_file``, local ``data_files`` of
-``[[dataset.sources]]``) is resolved against the file's directory, so ``relay-server serve
---config ../org/run.toml`` finds the same run from anywhere; one given in the environment or on
+``[[dataset.sources]]`` and of ``[evaluation]``) is resolved against the file's directory, so
+``relay-server serve --config ../org/run.toml`` finds the same run from anywhere; one given in the environment or on
 the command line is resolved against the working directory, as any shell path. After loading,
 every path is absolute. ``server.data_dir`` has no default: ``relay-server serve`` refuses
 without one rather than start a new run in whatever directory it was started from.
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.connections import ConnectionsSection
+from relay_server.core.evaluation_config import EvaluationSection, check_evaluation
 from relay_server.core.hub_files import download_hub_file
 from relay_server.core.moe_config import MoeSection
 from relay_server.core.overrides import apply_env
@@ -56,8 +57,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection", "HubSection",
-           "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection", "RelayConfig", "RoundsSection",
+__all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection",
+           "EvaluationSection", "HubSection", "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection",
+           "RelayConfig", "RoundsSection",
            "RunSection", "ServerSection", "TokenizerSection", "WandbSection", "load_config", "resolve_paths"]
 
 
@@ -84,6 +86,8 @@ class RelayConfig:
     """Connection caps, idle and body timeouts, upload bytes in flight."""
     moe: MoeSection = field(default_factory=MoeSection)
     """DMoE layers: experts hosted by volunteers, calls brokered by the relay."""
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    """Held-out validation and live samples of the published versions, off the round's path."""
     objective: dict[str, Any] = field(default_factory=dict)
     """What peers train on: name = "masked-lm" | "causal-lm" | "classification", seq_len, ... (see
     toolkit.data.objectives.ObjectiveConfig); empty = the byte-level stream."""
@@ -95,7 +99,7 @@ class RelayConfig:
             *self.run.checks(), *self.model.checks(), *self.optimizer.checks(), *self.rounds.checks(),
             *self.server.checks(), *self.auth.checks(), *self.wandb.checks(), *self.hub.checks(),
             *self.limits.checks(), *self.aggregators.checks(), *self.connections.checks(),
-            *self.moe.checks(self.model),
+            *self.moe.checks(self.model), *self.evaluation.checks(),
             (self.optimizer.schedule == "constant" or self.run.total_steps > 0,
              "optimizer.schedule linear/cosine needs run.total_steps > 0"),
             (not (self.hub.init_from and self.model.init_checkpoint),
@@ -135,8 +139,10 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     if config.model.init_checkpoint and not Path(config.model.init_checkpoint).is_file():
         raise ConfigError(f"model.init_checkpoint: no file {config.model.init_checkpoint} (relative paths "
                           "start at the config file's directory)")
-    resolve_run_data(config, base, read_tokenizer=run_data)
-    return config.validate()
+    tokenizer = resolve_run_data(config, base, read_tokenizer=run_data)
+    config.validate()
+    check_evaluation(config, tokenizer)  # needs the tokenizer (the mask token) and the other sections
+    return config
 
 
 def resolve_paths(config: RelayConfig, base: Path) -> None:
@@ -147,6 +153,8 @@ def resolve_paths(config: RelayConfig, base: Path) -> None:
             for name in path_settings(value):
                 if getattr(value, name):
                     setattr(value, name, _absolute(getattr(value, name), base))
+    if not config.evaluation.repo:  # local validation files, like [[dataset.sources]] without a repo
+        config.evaluation.data_files = [_local(f, base) for f in config.evaluation.data_files]
     for source in config.dataset.get("sources") or []:
         if isinstance(source, dict) and not source.get("repo"):
             files = source.get("data_files")

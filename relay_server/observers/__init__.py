@@ -1,5 +1,6 @@
 """Observers of published steps, fed on their own thread so a slow upload never delays a round:
-W&B (:mod:`.wandb_observer`) and Hub checkpoints (:mod:`.hub_checkpoints`); the event and the
+W&B (:mod:`.wandb_observer`), Hub checkpoints (:mod:`.hub_checkpoints`) and held-out evaluation
+(:mod:`.evaluation`, scoring in a process of its own with :mod:`.eval_model`); the event and the
 delivery thread are in :mod:`.events`. May import :mod:`relay_server.core` and
 :mod:`relay_server.rounds`."""
 
@@ -26,4 +27,10 @@ def build_observers(config: RelayConfig) -> list[Observer]:
         from relay_server.observers.wandb_observer import WandbObserver
 
         observers.append(WandbObserver(config))
+    if config.evaluation.enabled:
+        from relay_server.observers.evaluation import Evaluator
+
+        evaluator = Evaluator(config)
+        evaluator.listeners += [o.on_evaluation for o in observers if hasattr(o, "on_evaluation")]
+        observers.insert(0, evaluator)  # closed first: no record reaches a listener already closed
     return observers

@@ -40,6 +40,7 @@ from relay_server.core.hub_files import download_hub_file, hub_endpoint, hub_tok
 from relay_server.observers.events import StepEvent
 from relay_server.observers.pretrained import (MODEL_FILE, config_json, master_params, parameter_names, unflatten,
                                                write_pretrained)
+from toolkit.wire.protocol import EvalRecord
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class HubCheckpointer:
         self.staging.mkdir(parents=True)
         self.uploaded: list[tuple[int, str]] = []  # (step, commit id), for logs and tests
         self._waiting: _Staged | None = None
+        self.validation: EvalRecord | None = None  # the latest evaluated version ([evaluation]), for the card
         self._closing = False
         self._repo_ready = False
         self._cond = threading.Condition()
@@ -101,6 +103,10 @@ class HubCheckpointer:
                 self._waiting.path.unlink(missing_ok=True)
             self._waiting = staged
             self._cond.notify()
+
+    def on_evaluation(self, record: EvalRecord) -> None:
+        """Keep the latest validation metrics: the next checkpoint's model card states them."""
+        self.validation = record
 
     def close(self) -> None:
         with self._cond:
@@ -168,6 +174,8 @@ class HubCheckpointer:
         self._ensure_repo()
         flat = master_params(staged.path)
         info = {**staged.info, "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+        if (validation := self.validation) is not None:
+            info["validation"] = {k: v for k, v in validation.to_json().items() if k != "samples"}
         with tempfile.TemporaryDirectory(dir=self.staging) as tmp:
             files = write_pretrained(self.config, unflatten(flat, self.names), Path(tmp), {"step": str(staged.step)})
             del flat
@@ -198,7 +206,7 @@ tags:
 
 Checkpoint of a collaborative training run (collabtrain): step {info['step']}, loss {loss},
 {info['samples']} samples from {info['contributors']} peer(s) in the last round.
-
+{_validation_line(info.get("validation"))}
 - `model.safetensors`: parameters by name, for the model `{json.dumps(model)}`
 - `relay-state.safetensors`: the relay's full state (flat parameters and optimizer state)
 - `collabtrain.json`: step, loss and run configuration
@@ -207,6 +215,19 @@ Checkpoint of a collaborative training run (collabtrain): step {info['step']}, l
 
 Start a new run from this checkpoint: `[hub] init_from = "{repo_id}@<commit>"` in the relay's configuration.
 """
+
+
+def _validation_line(validation: dict | None) -> str:
+    """The card's line on held-out validation (``[evaluation]``), empty without it."""
+    if not validation:
+        return ""
+    parts = [f"loss {validation['loss']:.4f}"]
+    if validation.get("perplexity") is not None:
+        parts.append(f"perplexity {validation['perplexity']:.2f}")
+    if validation.get("accuracy") is not None:
+        parts.append(f"accuracy {100 * validation['accuracy']:.1f}%")
+    return (f"\nLatest validation (held-out data, version {validation['step']}, {validation['targets']} targets): "
+            f"{', '.join(parts)}.\n")
 
 
 def _load_snippet(model: dict, repo_id: str) -> str:

@@ -12,6 +12,10 @@ W&B would drop those rows.
 ``wandb.init`` (seconds: it starts W&B's service process) runs on a helper thread at startup, so a
 misconfigured project or a missing API key shows up in the relay log right away, without holding
 up the relay. Any W&B failure turns logging off with one error line; rounds never wait on it.
+
+With ``[evaluation]``, each evaluated version adds a row ``eval/loss``, ``eval/perplexity``,
+``eval/accuracy`` at its step and an ``eval/samples`` table (step, prompt, kind, output): the
+evaluator's thread calls :meth:`WandbObserver.on_evaluation`, so the backlog takes a lock.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 from relay_server.core.config import ConfigError, RelayConfig
 from relay_server.rounds.master import lr_at
 from relay_server.observers.events import StepEvent
-from toolkit.wire.protocol import RoundRecord
+from toolkit.wire.protocol import EvalRecord, RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class WandbObserver:
         self.run: Any = None  # wandb.Run once started
         self._summary_sent = False
         self._backlog: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (run summary, row)
+        self._lock = threading.Lock()  # the observers' thread and the evaluator's both log
         self._ready = threading.Event()
         threading.Thread(target=self._start, name="wandb-init", daemon=True).start()
 
@@ -128,10 +133,27 @@ class WandbObserver:
 
     def on_step(self, event: StepEvent) -> None:
         summary = event.status.config.to_json() if event.status.config is not None else {}
-        self._backlog.append((summary, step_metrics(event, self.config)))
-        del self._backlog[:-MAX_BACKLOG]
-        if self._ready.is_set():
-            self._flush()
+        self._add(summary, step_metrics(event, self.config))
+
+    def on_evaluation(self, record: EvalRecord) -> None:
+        """A version's validation metrics and samples (``[evaluation]``), at its step."""
+        row: dict[str, Any] = {"step": record.step, "eval/loss": record.loss}
+        for name in ("perplexity", "accuracy"):
+            if getattr(record, name) is not None:
+                row[f"eval/{name}"] = getattr(record, name)
+        if record.samples:
+            import wandb
+
+            row["eval/samples"] = wandb.Table(columns=["step", "prompt", "kind", "output"],
+                                              data=[[record.step, s.prompt, s.kind, s.output] for s in record.samples])
+        self._add({}, row)
+
+    def _add(self, summary: dict[str, Any], row: dict[str, Any]) -> None:
+        with self._lock:
+            self._backlog.append((summary, row))
+            del self._backlog[:-MAX_BACKLOG]
+            if self._ready.is_set():
+                self._flush()
 
     def _flush(self) -> None:
         backlog, self._backlog = self._backlog, []
@@ -149,7 +171,8 @@ class WandbObserver:
             log.warning("wandb.init did not finish within %.0fs; %d step(s) not logged", INIT_TIMEOUT_S,
                         len(self._backlog))
             return
-        self._flush()
+        with self._lock:
+            self._flush()
         if self.run is not None:
             self.run.finish()
             self.run = None

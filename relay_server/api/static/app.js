@@ -113,6 +113,7 @@ function render(s) {
   renderCards(s);
   renderRound(s);
   renderCharts(s);
+  renderSamples(s);
   renderPeers(s);
   renderLeaderboard(s);
   renderPlan(s);
@@ -170,19 +171,49 @@ function renderCharts(s) {
   const lossPoints = rounds.filter((r) => r.loss !== null).map((r) => [r.step, r.loss]);
   // Chance level (and the demo text's unigram entropy): dashed lines, so a newcomer sees where the loss stands.
   const refs = s.loss_references || [];
-  lineChart($("loss-chart"), [{ cls: "loss", points: lossPoints }],
+  // [evaluation] runs: the held-out validation loss per evaluated version, on the same step axis.
+  const evals = s.evaluations || [];
+  const valPoints = evals.map((e) => [e.step, e.loss]);
+  lineChart($("loss-chart"), [{ cls: "loss", points: lossPoints }, { cls: "validation", points: valPoints }],
     { x: (v) => fmt.int(v), y: fmt.loss, empty: "No finished round yet.", refs });
+  $("loss-chart").dataset.validationPoints = String(valPoints.length);
+  $("validation-key").hidden = !valPoints.length;
   const refText = refs.map((r) => `${r.label} = ${fmt.loss(r.value)}`).join("; ");
+  const last = evals.at(-1);
+  const valText = last ? `Validation loss ${fmt.loss(last.loss)} at step ${last.step}` +
+    (last.perplexity !== null && last.perplexity !== undefined ? `, perplexity ${fmt.loss(last.perplexity)}` : "") +
+    (last.accuracy !== null && last.accuracy !== undefined ? `, accuracy ${fmt.pct(last.accuracy)}` : "") + ". " : "";
   $("loss-summary").textContent = (lossPoints.length
     ? `${lossPoints.length} rounds shown; first loss ${fmt.loss(lossPoints[0][1])}, ` +
       `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}. `
-    : "") + (refText ? `References: ${refText}.` : "");
+    : "") + valText + (refText ? `References: ${refText}.` : "");
 
   reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.samples_per_s]);
   if (reportedHistory.length > HISTORY) reportedHistory.shift();
   lineChart($("throughput-chart"),
     [{ cls: "rounds", points: roundRates(rounds) }, { cls: "reported", points: reportedHistory }],
     { x: fmt.clock, y: fmt.rate, yFromZero: true, empty: "Waiting for data." });
+}
+
+/** "What the model says now": the fixed prompts answered by the last evaluated version. */
+function renderSamples(s) {
+  const last = (s.evaluations || []).at(-1);
+  const samples = last ? last.samples || [] : [];
+  $("samples-panel").hidden = !samples.length;
+  if (!samples.length) return;
+  $("samples-step").textContent = fmt.int(last.step);
+  $("samples-step").dataset.value = last.step;
+  fillTable($("samples"), samples.map((x) => {
+    const answer = el("td", null, { class: `answer ${x.kind}` });
+    if (x.kind === "fill-mask") {  // one token per span: a token may itself be a comma
+      answer.append(...x.tokens.flatMap((t, i) => [el("span", t, { class: "token" }),
+        el("small", ` ${fmt.pct(x.scores[i])} `, { class: "score" })]));
+    } else {
+      answer.append(el("span", x.output, { class: "token" }));
+      if (x.scores.length) answer.append(el("small", ` ${fmt.pct(x.scores[0])}`, { class: "score" }));
+    }
+    return row([el("td", x.prompt, { class: "prompt" }), answer]);
+  }));
 }
 
 function renderPeers(s) {

@@ -14,7 +14,8 @@ only those above it:
     rounds   RoundInfo, GradientMeta, UploadReceipt, RoundRecord, StateInfo; the version rule
     shards   shard leases and data coverage (ShardLease, ShardReport, ShardsReport, ...)
     peers    join, heartbeat and progress: JoinRequest/Response, Heartbeat, CollabState
-    status   GET /api/status: StatusReport, PeerStatus, LeaderboardEntry, RunSummary, LossReference
+    status   GET /api/status: StatusReport, PeerStatus, LeaderboardEntry, RunSummary, LossReference,
+             EvalRecord, EvalSample
     login    LoginRequest, LoginResponse (the HF login and the access pass)
 """
 
@@ -57,7 +58,7 @@ from toolkit.wire.protocol.slices import (
     TicketRequest,
     TransferSample,
 )
-from toolkit.wire.protocol.status import LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
+from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
     # routes
@@ -77,7 +78,7 @@ __all__ = [
     # peers
     "CollabState", "JoinRequest", "JoinResponse", "Heartbeat",
     # status
-    "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference",
+    "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference", "EvalRecord", "EvalSample",
     # login
     "MAX_PASS_CHARS", "LoginRequest", "LoginResponse",
 ]

@@ -69,6 +69,41 @@ class LossReference(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalSample(Schema):
+    """What the model said to one of the run's fixed prompts (``[evaluation] prompts``)."""
+
+    prompt: str
+    kind: str
+    """"fill-mask" (masked-LM: the top tokens at the first mask), "continuation" (causal and byte
+    models: a short greedy continuation) or "label" (classification: the predicted label)."""
+    output: str
+    """The continuation, the predicted label, or the top tokens joined by spaces."""
+    tokens: list[str] = field(default_factory=list)
+    """fill-mask: the top tokens, best first."""
+    scores: list[float] = field(default_factory=list)
+    """fill-mask and label: each answer's probability."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRecord(Schema):
+    """One published version evaluated on the run's held-out validation batches."""
+
+    step: int
+    loss: float
+    """Mean cross-entropy per target (masked token, next token, label or byte)."""
+    perplexity: float | None = None
+    """exp(loss), for language models (on masked tokens only, for a masked-LM)."""
+    accuracy: float | None = None
+    """Masked-token or label accuracy (masked-LM, classification)."""
+    targets: int = 0
+    """How many targets the loss averages over."""
+    duration_s: float = 0.0
+    """Seconds the evaluation took (on the relay's bounded evaluator threads)."""
+    samples: list[EvalSample] = field(default_factory=list)
+    """The fixed prompts on this version (in /api/status: on the latest record only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class StatusReport(Schema):
     """``GET /api/status``: everything the dashboard and the demo print."""
 
@@ -98,3 +133,6 @@ class StatusReport(Schema):
     experts per host, queued rows (``relay_server.api.experts.Experts.summary``)."""
     loss_references: list[LossReference] = field(default_factory=list)
     """Chance level and, on the demo text, its unigram entropy: where the loss curve stands."""
+    evaluations: list[EvalRecord] = field(default_factory=list)
+    """Runs with ``[evaluation]``: the validation metrics of recent evaluated versions, oldest
+    first; the last one carries the samples ("what the model says now")."""
