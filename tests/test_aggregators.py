@@ -75,6 +75,11 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
     # The plan slices the vector among the relay and both aggregators, solved from measurements.
     peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 4, seed=10,
                                             extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
+    # The planner re-solves when a measurement changes materially: on a loaded machine the first
+    # 3-way plan may predate the peers' first measured download, so wait for the one that has it.
+    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 3 and any(
+        i["role"] == "peer" and i["download_source"] == "measured" for i in s["plan"]["inputs"]),
+        timeout_s=60, what="a 3-way plan solved from a peer's measured download")
     slices = sliced_plan(status)
     assert {s["url"] for s in slices} == {"", *(a.url for a in aggregators)}, slices
     assert slices[0]["start"] == 0 and slices[-1]["end"] == status["num_params"]
