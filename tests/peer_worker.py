@@ -124,7 +124,7 @@ def main() -> int:
             opt.step(loss=loss.item())
             sent = opt.contributed_samples - before
             if sent:
-                emit(event="round", step=opt.version - 1, ids=pending[:sent])
+                emit(event="round", step=opt.last_applied_round, ids=pending[:sent])
                 pending = pending[sent:]
             elif opt.samples == 0 and pending:
                 emit(event="dropped", ids=pending)

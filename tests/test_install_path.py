@@ -293,8 +293,16 @@ def execute(run: GeneratedRun, relay_url: str | None = None,
     nb.cells.append(nbformat.v4.new_code_cell("import toolkit; print('TOOLKIT_FROM', toolkit.__file__)"))
     km = AsyncKernelManager(kernel_name="fresh", kernel_spec_manager=run.specs)
     client = NotebookClient(nb, km=km, timeout=240, resources={"metadata": {"path": str(run.home)}})
+
+    async def run_and_shut_down() -> None:
+        try:
+            await client.async_execute(env=without_checkout(kernel_env(relay_url, run.home)))
+        finally:  # nbclient leaves a kernel it was given running: one left per test otherwise
+            if km.has_kernel:
+                await km.shutdown_kernel(now=True)
+
     try:
-        asyncio.run(client.async_execute(env=without_checkout(kernel_env(relay_url, run.home))))
+        asyncio.run(run_and_shut_down())
     except CellExecutionError as exc:
         return client.nb, exc
     return client.nb, None

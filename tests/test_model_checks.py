@@ -1,9 +1,10 @@
 """Organizer mistakes in the run's model are one line at ``relay-server serve``, before anything exists.
 
-Each case is a real ``relay-server serve --config bad.toml --data-dir D`` process: it must exit
-non-zero with one line on stderr naming the setting and what to set it to (no traceback), and
-leave neither the data dir nor an admin token behind. The tokenizer is the project's own
-(``train_tokenizer`` on the shipped text); the labelled shard is a parquet file written here.
+Each case runs ``relay-server serve --config bad.toml --data-dir D`` (the CLI's ``main``; one case
+as a real process): it must exit non-zero with one line on stderr naming the setting and what to
+set it to (no traceback), and leave neither the data dir nor an admin token behind. The tokenizer
+is the project's own (``train_tokenizer`` on the shipped text); the labelled shard is a parquet
+file written here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from relay_server.cli import main
 from tests.conftest import REPO, write_config
 
 pytest.importorskip("transformers")
@@ -45,17 +47,26 @@ def labelled_shard(directory: Path, labels: list[int]) -> Path:
     return path
 
 
-def serve_refuses(tmp_path: Path, sections: dict) -> str:
-    """Run ``relay-server serve`` on ``sections``; its one stderr line (asserting all the rest)."""
+def serve_refuses(tmp_path: Path, sections: dict, capsys: pytest.CaptureFixture | None = None) -> str:
+    """Run ``relay-server serve`` on ``sections``; its one stderr line (asserting all the rest).
+
+    With ``capsys``, the CLI's ``main`` in this process (the same code path, without paying a
+    process start and a transformers import per case); without, a real ``relay-server`` process,
+    which also shows no traceback reaches the terminal."""
     config = write_config(tmp_path / "bad.toml", {"run": {"name": "bad", "target_batch": 8}, "auth": {"mode": "open"},
                                                   **sections})
     data_dir = tmp_path / "relay-data"
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
-                           "--data-dir", str(data_dir), "--port", "0"], capture_output=True, text=True, timeout=180,
-                          cwd=REPO)
-    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    argv = ["serve", "--config", str(config), "--data-dir", str(data_dir), "--port", "0"]
+    if capsys is not None:
+        capsys.readouterr()
+        code, stderr = main(argv), capsys.readouterr().err
+    else:
+        done = subprocess.run([sys.executable, "-m", "relay_server.cli", *argv], capture_output=True, text=True,
+                              timeout=180, cwd=REPO)
+        code, stderr = done.returncode, done.stderr
+    assert code == 2, (code, stderr[-3000:])
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert lines[0].startswith("relay-server: configuration error: ")
     assert not data_dir.exists() and not list(tmp_path.rglob("admin_token")), "serve created state before refusing"
     return lines[0]
@@ -127,13 +138,21 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_model_mistake_is_one_line_before_anything_is_created(case: str, tmp_path: Path,
-                                                                   tokenizer_file: Path) -> None:
+def test_each_model_mistake_is_one_line_before_anything_is_created(case: str, tmp_path: Path, tokenizer_file: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
     sections, fragments = CASES[case]
-    line = serve_refuses(tmp_path, sections(tokenizer_file, tmp_path))
+    line = serve_refuses(tmp_path, sections(tokenizer_file, tmp_path), capsys)
     missing = [f for f in fragments if f not in line]
     assert not missing, f"{line!r} lacks {missing}"
     assert len(line) < 400, f"one readable line, not {len(line)} characters"
+
+
+def test_a_refusal_from_a_real_relay_server_process_is_one_line(tmp_path: Path, tokenizer_file: Path) -> None:
+    """The cases above run the CLI's ``main`` in this process; one runs as the organizer does, a
+    ``relay-server serve`` process, whose terminal shows the same one line and nothing else."""
+    sections, fragments = CASES["typo_architecture"]
+    line = serve_refuses(tmp_path, sections(tokenizer_file, tmp_path))
+    assert all(f in line for f in fragments), line
 
 
 def test_a_correct_run_with_the_same_pieces_loads(tmp_path: Path, tokenizer_file: Path) -> None:

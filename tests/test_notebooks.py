@@ -119,8 +119,13 @@ def executed(tmp_path_factory: pytest.TempPathFactory, kernel_specs: KernelSpecM
             clients[name] = (client, kernel_env(relays[name].url, home))
 
         async def run_all() -> list[Any]:
-            return await asyncio.gather(*(client.async_execute(env=env) for client, env in clients.values()),
-                                        return_exceptions=True)
+            try:
+                return await asyncio.gather(*(client.async_execute(env=env) for client, env in clients.values()),
+                                            return_exceptions=True)
+            finally:  # nbclient leaves a kernel it was given running
+                for client, _ in clients.values():
+                    if client.km.has_kernel:
+                        await client.km.shutdown_kernel(now=True)
 
         outcomes = dict(zip(clients, asyncio.run(run_all())))
         runs = {name: Execution(notebook=clients[name][0].nb, status=status(relays[name].url),

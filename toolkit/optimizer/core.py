@@ -95,6 +95,9 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._report_lock = threading.Lock()  # one progress report in flight at a time
         self.version = -1
         self.contributed_samples = 0
+        # The step of the round that last applied this peer's samples: the version it produced
+        # may already be older than ``version`` (a download returns the newest one).
+        self.last_applied_round = -1
         self.samples_per_s = 0.0
         self.last_error: CollabError | None = None
         self.finished = joined.state.finished  # joined after the last step: the loop has nothing to do

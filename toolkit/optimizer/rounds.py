@@ -180,6 +180,7 @@ class RoundParticipation:
             self._note_error(outcome.error)
         if outcome.version is not None or outcome.fate == "applied":
             self.contributed_samples += outcome.upload.meta.samples
+            self.last_applied_round = outcome.upload.meta.step
             log.info("round %d: sent %d samples", outcome.upload.meta.step, outcome.upload.meta.samples)
             self._load()
         elif outcome.fate != "dropped":
