@@ -210,16 +210,11 @@ def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(star
     for the step the relay reports."""
     from playwright.sync_api import expect
 
-    from tests.support.evaluation import PROMPTS, albert_run
+    from tests.support.evaluation import PROMPTS, albert_run, train_until_evaluated
 
     page, problems = browser_page
     relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
-    peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
-    relay.wait_for(lambda s: len(s["evaluations"]) >= 2, timeout_s=180, what="two evaluated versions")
-    peer.stop()
-    peer.wait()
-    status = relay.wait_for(lambda s: s["evaluations"][-1]["step"] == s["step"], timeout_s=60,
-                            what="the last version evaluated")
+    status = train_until_evaluated(relay, launch_peer, 2)
     page.goto(relay.url + "/")
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
     chart = page.locator("#loss-chart")

@@ -25,7 +25,7 @@ import pytest
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO, wait_until
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
-from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run
+from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run, train_until_evaluated
 from tests.support.wandb_records import history_rows, read_wandb_records
 
 HUB_TOKEN = "hf_test_organizer_write_token"
@@ -98,14 +98,7 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
                          "wandb": {"project": "collab-eval", "mode": "offline"},
                          "hub": {"repo_id": HUB_REPO, "endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN",
                                  "every_steps": 1}})
-    # A peer slower than the evaluator (a micro-batch every 0.3 s), stopped once three versions were scored.
-    peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
-    relay.wait_for(lambda s: len(s["evaluations"]) >= 3, timeout_s=180, what="three evaluated versions")
-    peer.stop()
-    peer.wait()
-    # The latest version is never skipped, only those overtaken by a newer one.
-    status = relay.wait_for(lambda s: s["evaluations"][-1]["step"] == s["step"], timeout_s=60,
-                            what="the last version evaluated")
+    status = train_until_evaluated(relay, launch_peer, 3)
     evaluations = status["evaluations"]
     steps = [e["step"] for e in evaluations]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)

@@ -369,6 +369,8 @@ def test_a_relay_address_with_a_path_says_which_address_to_use(generated: Genera
     wrong = generated.relay_url + "/dashboard"
     nb, error = execute(generated, wrong)
     stopped_with(nb, error, said("wrong_path", url=wrong, base=generated.relay_url))
+    assert error.evalue.startswith(f"[wrong_path] {wrong} is not the relay's address: the relay answers at "
+                                   f"{generated.relay_url}"), error.evalue
 
 
 def test_a_finished_run_stops_the_cell_before_pip(generated: GeneratedRun, finished_relay: str) -> None:

@@ -46,3 +46,15 @@ def albert_run(tmp_path: Path, tokenizer: Path, **evaluation) -> dict:
             "optimizer": {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "schedule": "constant"},
             "evaluation": {"data_files": [str(validation)], "samples": 6, "batch_size": 4, "every_steps": 1,
                            "prompts": PROMPTS, **evaluation}}
+
+
+def train_until_evaluated(relay, launch_peer, versions: int) -> dict:
+    """A peer slower than the evaluator (a micro-batch every 0.3 s) trains until ``versions``
+    versions were scored, then stops; the relay's status once its last version is scored too
+    (the latest version is never skipped, only those overtaken by a newer one)."""
+    peer = launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.3"))
+    relay.wait_for(lambda s: len(s["evaluations"]) >= versions, timeout_s=180, what=f"{versions} evaluated versions")
+    peer.stop()
+    peer.wait()
+    return relay.wait_for(lambda s: s["evaluations"][-1]["step"] == s["step"], timeout_s=60,
+                          what="the last version evaluated")
