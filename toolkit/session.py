@@ -35,7 +35,7 @@ from toolkit.moe.remote import RelayExpertCaller
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
 from toolkit.runtime.precision import choose_precision
-from toolkit.wire.protocol import RunInfo
+from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, RunInfo
 from toolkit.notebook.wandb_run import WandbTarget, open_wandb_run
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     with ExitStack() as cleanup:
         client, run = _connect(relay_url, token)
         cleanup.callback(client.close)
+        if run.pipeline:  # the model is cut into stages: this machine runs one of them
+            return _run_stage(client, run, data, peer_name, seed, max_steps, max_seconds, started, panel)
         if data is None:
             check_run_data(run)  # a transformers run with nothing to tokenize its text: refused before joining
         info = environment.detect()
@@ -224,6 +226,55 @@ def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: s
     return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
                       last_loss=None, seconds=time.monotonic() - started, finished=False, device=str(host.device),
                       precision="fp32", hosted_experts=True)
+
+
+def _run_stage(client: RelayClient, run: RunInfo, data: Iterable[Any] | None, peer_name: str | None,
+               seed: int | None, max_steps: int | None, max_seconds: float | None, started: float,
+               panel: PanelKind | Panel) -> JoinResult:
+    """A pipeline run: take a stage by this machine's memory, then serve tasks (:mod:`toolkit.pipeline.worker`)."""
+    from toolkit.pipeline.worker import StageWorker  # the stage code: pipeline runs only
+
+    info = environment.detect()
+    name = peer_name or socket.gethostname()[:64]
+    joined = client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION, device=info.to_json(),
+                                     precision=run.precision))
+    peer_id, first_step = joined.peer_id, joined.state.step
+    size = int(run.pipeline["microbatch_size"])
+    batches = iter(data) if data is not None else peer_batches(run, client, peer_id, batch_size=size,
+                                                               seed=seed if seed is not None else peer_id)
+    worker = StageWorker(client, peer_id, run, batches, device=environment.device(info),
+                         memory_bytes=info.memory_bytes or 0)
+    view = open_panel(panel, f"{run.run_name}: {name} on {info.label}, pipeline stage")
+
+    def show(p) -> None:
+        state = client.get_progress()
+        view.update(PeerProgress(peers_online=state.num_peers, samples_per_s=state.samples_per_s,
+                                 global_step=state.step, total_steps=run.total_steps,
+                                 samples_accumulated=p.microbatches_held * size, target_batch=run.target_batch,
+                                 eta_s=state.eta_s, contributed_samples=p.uploads, local_samples_per_s=worker.samples_per_s,
+                                 loss=p.last_loss, first_contribution_s=None, finished=state.finished,
+                                 hosting=f"stage {p.stage + 1} of {p.num_stages}: {p.tasks_done} tasks"))
+
+    def until() -> bool:
+        return (max_seconds is not None and time.monotonic() - started > max_seconds) or (
+            max_steps is not None and worker.version - first_step >= max_steps) or (
+            0 < run.total_steps <= worker.version)
+
+    try:
+        worker.run(until=until, on_progress=show)
+    except KeyboardInterrupt:
+        log.info("interrupted: leaving the pipeline (its tasks go to other workers)")
+    finally:
+        worker.stop()
+        view.close()
+        try:
+            client.leave(peer_id)
+        except CollabError:
+            pass
+    return JoinResult(peer_id=peer_id, final_step=max(worker.version, first_step), contributed_samples=0,
+                      local_steps=worker.tasks_done, last_loss=worker.last_loss, seconds=time.monotonic() - started,
+                      finished=0 < run.total_steps <= worker.version, device=info.label, precision="fp32",
+                      joined_step=first_step)
 
 
 def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:

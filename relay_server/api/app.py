@@ -20,7 +20,7 @@ from aiohttp import web
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
-from relay_server.api import experts as experts_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import experts as experts_api, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -106,6 +106,10 @@ async def post_leave(request: web.Request) -> web.Response:
 
 async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
+    if TICKET_HEADER in request.headers and pipeline_api.PIPELINE in request.app:  # a stage's slice
+        return await pipeline_api.put_stage_gradient(request, request.app[pipeline_api.PIPELINE],
+                                                     collab.backbone.ticket_key,
+                                                     require_digests=collab.config.auth.mode != "open")
     if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
         return json_ok(await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
                                        require_digests=collab.config.auth.mode != "open"))
@@ -132,6 +136,8 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     peer_id = request.query.get("peer_id", "")
     if peer_id:  # before anything is recorded for it (transfer rates, liveness)
         own_peer(request, peer_id)
+    if "start" in request.query and pipeline_api.PIPELINE in request.app:  # one stage's slice
+        return await pipeline_api.get_stage_params(request, request.app[pipeline_api.PIPELINE])
     if "start" in request.query:
         return await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
     min_step = _int_query(request, "min_step", 0)
@@ -235,12 +241,13 @@ ROUTE_TABLE = [
     *tokenizer_api.ROUTES,
     *toolkit_api.ROUTES,
     *experts_api.ROUTE_TABLE,
+    *pipeline_api.ROUTE_TABLE,
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
 PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC})
+                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *pipeline_api.PUBLIC})
 
 
 # Routes whose body is a streamed tensor container (signed by header hash + chunk digests).
@@ -272,7 +279,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
                                                lambda: app[COLLAB].codec.wire_bytes(app[COLLAB].num_params),
-                                               experts_api.container_limits(app))
+                                               experts_api.container_limits(app) | pipeline_api.container_limits(app))
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits
@@ -291,6 +298,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(_loss_references)  # from the tokenizer just loaded
     app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
     app.cleanup_ctx.append(experts_api.lifespan)  # [moe]: the expert directory, broker and checkpoints
+    app.cleanup_ctx.append(pipeline_api.lifespan)  # [pipeline]: the stages, the task pool, the first batch
     return app
 
 

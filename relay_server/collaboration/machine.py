@@ -71,7 +71,9 @@ class Collaboration:
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None
-        if manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
+        if config.pipeline.enabled and step is not None:
+            pass  # every stage resumes from its own store (relay_server.pipeline.stage_owners)
+        elif manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
             self._resume = (step, ParamsManifest.loads(manifest))
         elif step is not None:
             self.publisher.restore(step)
@@ -80,7 +82,7 @@ class Collaboration:
             version = self.publisher.write(0, {"run": config.run.name})
             store.commit(0, version.sha256)
             self.publisher.latest = version
-        if self._resume is None:
+        if self._resume is None and self.publisher.latest is not None:
             self.rounds.publish_local(self.publisher.latest)
         self.started = time.monotonic()
 

@@ -85,6 +85,8 @@ class RoundCycle:
         ``rounds.open_round = "projected"`` the micro-batch each other peer holding samples is
         computing now (it adds it before it sees the round; ``reporter`` just reported, so it is
         not computing). Either way every expected peer then sends all it holds."""
+        if self.config.pipeline.enabled:
+            return  # a pipeline's rounds open when its batch is complete (relay_server.pipeline)
         if self.round is not None or self.finished or self._between_rounds_work():
             return
         staleness = self.run_cfg.max_staleness

@@ -31,7 +31,9 @@ def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, c
         heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=compression, auth=config.auth.mode,
         precision=config.run.precision or None, dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
-        wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {})
+        wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},
+        pipeline={"stages": config.pipeline.stages, "microbatch_size": config.pipeline.microbatch_size,
+                  "boundary_codec": config.pipeline.boundary_codec} if config.pipeline.enabled else {})
 
 
 def round_info(r: Round | None) -> RoundInfo | None:

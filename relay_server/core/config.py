@@ -5,7 +5,7 @@ The sections, each a keyword-only dataclass with a docstring per field, live by 
 ``[auth]``, ``[limits]``, ``[admin]``, ``[wandb]``, ``[hub]``, ``[aggregators]`` in
 :mod:`.service_config`; ``[connections]`` in :mod:`.connections`; ``[moe]`` in :mod:`.moe_config`;
 ``[tokenizer]`` (and the checks of ``[objective]``) in :mod:`.run_data`; ``[evaluation]`` in
-:mod:`.evaluation_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
+:mod:`.evaluation_config`; ``[pipeline]`` in :mod:`.pipeline_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
 reads (:class:`RelayConfig` says where). Everything is importable from here.
 
 **Types.** Every value is checked against its field's type, from the file and from the
@@ -46,6 +46,7 @@ from relay_server.core.evaluation_config import EvaluationSection, check_evaluat
 from relay_server.core.hub_files import download_hub_file
 from relay_server.core.moe_config import MoeSection
 from relay_server.core.overrides import apply_env
+from relay_server.core.pipeline_config import PipelineSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.service_config import (AdminSection, AggregatorsSection, AuthSection, HubSection,
                                               LimitsSection, ServerSection, WandbSection)
@@ -59,7 +60,7 @@ except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from 
 
 __all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection",
            "EvaluationSection", "HubSection", "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection",
-           "RelayConfig", "RoundsSection",
+           "PipelineSection", "RelayConfig", "RoundsSection",
            "RunSection", "ServerSection", "TokenizerSection", "WandbSection", "load_config", "resolve_paths"]
 
 
@@ -86,6 +87,8 @@ class RelayConfig:
     """Connection caps, idle and body timeouts, upload bytes in flight."""
     moe: MoeSection = field(default_factory=MoeSection)
     """DMoE layers: experts hosted by volunteers, calls brokered by the relay."""
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    """A model cut into stages that volunteers run; the relay holds the boundaries."""
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     """Held-out validation and live samples of the published versions, off the round's path."""
     objective: dict[str, Any] = field(default_factory=dict)
@@ -100,6 +103,7 @@ class RelayConfig:
             *self.server.checks(), *self.auth.checks(), *self.wandb.checks(), *self.hub.checks(),
             *self.limits.checks(), *self.aggregators.checks(), *self.connections.checks(),
             *self.moe.checks(self.model), *self.evaluation.checks(),
+            *self.pipeline.checks(self.run.target_batch, self.run.max_staleness, self.moe.enabled),
             (self.optimizer.schedule == "constant" or self.run.total_steps > 0,
              "optimizer.schedule linear/cosine needs run.total_steps > 0"),
             (not (self.hub.init_from and self.model.init_checkpoint),

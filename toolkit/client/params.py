@@ -154,10 +154,11 @@ class ParamsTransfer(Transport):
         raise AssertionError("unreachable")
 
     def _download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
-                        codec: Codec | None, peer_id: str) -> None:
-        """One slice from its owner into its view of ``public``, refused unless it is the
-        manifest's step and hashes to what the relay published."""
-        view = public[s.start:s.end]
+                        codec: Codec | None, peer_id: str, *, view: np.ndarray | None = None) -> None:
+        """One slice from its owner into its view of ``public`` (or into ``view``, the slice
+        alone: a pipeline stage holds nothing else), refused unless it is the manifest's step and
+        hashes to what the relay published."""
+        view = public[s.start:s.end] if view is None else view
         params = {"start": s.start, "end": s.end, "min_step": step, "peer_id": peer_id}
         if have is not None and codec is not None and not codec.lossless:
             params["have"] = have

@@ -17,6 +17,7 @@ only those above it:
     status   GET /api/status: StatusReport, PeerStatus, LeaderboardEntry, RunSummary, LossReference,
              EvalRecord, EvalSample
     login    LoginRequest, LoginResponse (the HF login and the access pass)
+    pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ from toolkit.wire.protocol.slices import (
     TicketRequest,
     TransferSample,
 )
+from toolkit.wire.protocol.pipeline import (
+    TASK_KINDS,
+    PipelineAck,
+    PipelineDone,
+    PipelineResult,
+    PipelineRoundCall,
+    PipelineStatus,
+    PipelineTask,
+    PipelineTicketRequest,
+    PipelineWork,
+    StageAssignment,
+    StageRequest,
+    StageStatus,
+)
 from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
@@ -81,4 +96,7 @@ __all__ = [
     "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference", "EvalRecord", "EvalSample",
     # login
     "MAX_PASS_CHARS", "LoginRequest", "LoginResponse",
+    # pipeline
+    "TASK_KINDS", "StageRequest", "StageAssignment", "PipelineTask", "PipelineRoundCall", "PipelineWork",
+    "PipelineResult", "PipelineAck", "PipelineTicketRequest", "PipelineDone", "StageStatus", "PipelineStatus",
 ]

@@ -42,6 +42,13 @@ ROUTES = {
     "moe_tasks": "/api/moe/hosts/{peer_id}/tasks",
     "moe_result": "/api/moe/hosts/{peer_id}/tasks/{task_id}",
     "moe_checkpoint": "/api/moe/hosts/{peer_id}/experts/{uid}/checkpoint",
+    # the staged pipeline (.pipeline: work and results are tensor containers)
+    "pipeline": "/api/pipeline",
+    "pipeline_stage": "/api/pipeline/workers/{peer_id}/stage",
+    "pipeline_work": "/api/pipeline/workers/{peer_id}/work",
+    "pipeline_result": "/api/pipeline/workers/{peer_id}/tasks/{task_id}",
+    "pipeline_ticket": "/api/pipeline/workers/{peer_id}/rounds/{step}/ticket",
+    "pipeline_done": "/api/pipeline/workers/{peer_id}/rounds/{step}/done",
     # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
     "aggregator_register": "/api/admin/aggregators/register",
     "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",

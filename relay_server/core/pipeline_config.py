@@ -1,0 +1,82 @@
+"""``[pipeline]``: a run whose model is cut into stages that volunteers run (the staged pipeline).
+
+A model larger than any volunteer's accelerator is cut into ``stages`` contiguous ranges of its
+layers; each volunteer runs one stage; the relay holds every boundary (activations forward,
+their gradients backward) and one parameter server per stage (:mod:`relay_server.pipeline`). A
+batch is ``microbatches_per_batch`` micro-batches of ``microbatch_size`` samples; the relay steps
+every stage once all of them finished their backward, so ``run.target_batch`` must equal their
+product (the round counts exactly the batch's samples per stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BOUNDARY_CODECS = ("none", "float16", "int8")
+
+
+@dataclass(kw_only=True)
+class PipelineSection:
+    """``[pipeline]``: the stages, the batch's micro-batches and how boundaries travel."""
+
+    enabled: bool = False
+    """Train the model as a staged pipeline instead of data-parallel copies."""
+    stages: Any = 2
+    """How many stages (an integer >= 2), or "auto": the planner picks the count that minimises
+    the predicted time per batch among those every worker's memory can hold."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Layers of each stage, in order (empty: the planner allocates them by stage compute, or
+    evenly before any worker was measured)."""
+    microbatch_size: int = 4
+    """Samples per micro-batch: the unit a task computes."""
+    microbatches_per_batch: int = 8
+    """Micro-batches per batch; ``microbatch_size x microbatches_per_batch = run.target_batch``."""
+    boundary_codec: str = "none"
+    """How activations and their gradients cross the relay: none (float32, exact), float16 (half
+    the bytes) or int8 (blockwise, about a quarter)."""
+    boundary_memory_mb: int = 256
+    """Boundary tensors the relay keeps in memory until a batch's round closes; beyond it they
+    spill to ``data_dir/boundaries``."""
+    initial_lease_s: float = 30.0
+    """A task's lease before its stage's task time was measured; afterwards the lease is
+    ``lease_factor`` x the measured time, at least ``lease_floor_s``."""
+    lease_factor: float = 4.0
+    lease_floor_s: float = 2.0
+    rebalance_every_batches: int = 4
+    """Between batches, every this many, the planner may move one worker to the bottleneck
+    stage (0: never), when the predicted gain beats the cost of downloading its new stage."""
+
+    @property
+    def batch(self) -> int:
+        return self.microbatch_size * self.microbatches_per_batch
+
+    def num_stages(self) -> int | None:
+        """The configured count, or None for "auto"."""
+        return None if self.stages == "auto" else int(self.stages)
+
+    def checks(self, target_batch: int, max_staleness: int, moe_enabled: bool) -> list[tuple[bool, str]]:
+        if not self.enabled:
+            return []
+        stages_ok = self.stages == "auto" or (isinstance(self.stages, int) and not isinstance(self.stages, bool)
+                                              and 2 <= self.stages <= 64)
+        return [
+            (stages_ok, f'pipeline.stages must be an integer 2..64 or "auto", got {self.stages!r}'),
+            (not self.layers_per_stage or (stages_ok and self.stages != "auto"
+                                           and len(self.layers_per_stage) == self.stages
+                                           and all(n >= 1 for n in self.layers_per_stage)),
+             "pipeline.layers_per_stage must list one count >= 1 per stage (and needs a fixed pipeline.stages)"),
+            (1 <= self.microbatch_size <= 4096 and 1 <= self.microbatches_per_batch <= 4096,
+             "pipeline.microbatch_size and pipeline.microbatches_per_batch must be 1..4096"),
+            (self.batch == target_batch,
+             f"pipeline.microbatch_size x pipeline.microbatches_per_batch = {self.batch}, but run.target_batch "
+             f"= {target_batch}: make them equal (a round counts exactly one batch per stage)"),
+            (max_staleness == 0, "pipeline runs need run.max_staleness = 0 (delayed parameter updates are not "
+             "supported yet): set run.max_staleness = 0"),
+            (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
+            (self.boundary_codec in BOUNDARY_CODECS, f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS}"),
+            (self.boundary_memory_mb >= 1, "pipeline.boundary_memory_mb must be >= 1"),
+            (self.initial_lease_s > 0 and self.lease_factor >= 1 and self.lease_floor_s > 0,
+             "pipeline.initial_lease_s and lease_floor_s must be > 0 and lease_factor >= 1"),
+            (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
+        ]

@@ -1,0 +1,20 @@
+"""The staged pipeline on the relay (the heterogeneous-pipeline paper, seed 004, on our star).
+
+The model is cut into stages, contiguous tensor-aligned ranges of its layers (the flat vector's
+``[start, end)`` per stage); volunteers run stages; the relay holds every stage boundary and one
+parameter server per stage. What lives where:
+
+* :mod:`.boundaries` -- activations, their gradients and each micro-batch's data, held until the
+  batch's round closes (a byte budget, spilled to disk beyond it);
+* :mod:`.ledger` -- the batch and its micro-batches as a state machine: which task comes next,
+  who holds which stage's gradient of which micro-batch, when the batch is complete (exactly once);
+* :mod:`.results` -- validating what workers send (shapes, codecs, finite values) before use;
+* :mod:`.stage_owners` -- one :class:`~relay_server.backbone.slice_owner.SliceOwner` per stage:
+  ticketed uploads, the optimizer step, the published manifest;
+* :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
+  deadlines, re-dispatch), stage assignment, rounds;
+* the planner (:mod:`.timemodel`, :mod:`.partition`, :mod:`.star`) -- pure functions.
+
+May import core, auth, tasks, rounds, planning, backbone and collaboration; the HTTP routes are
+:mod:`relay_server.api.pipeline`.
+"""

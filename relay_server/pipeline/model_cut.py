@@ -1,0 +1,56 @@
+"""The run's model as the relay cuts it: each stage's range of the flat vector, and what every
+boundary looks like (its width, the rows a micro-batch may have, the token ids' range).
+
+The model is built on the meta device (no memory, no initialisation) by the same code peers use
+(:mod:`toolkit.pipeline.stages`), so the relay's cut and a worker's stage agree by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relay_server.core.config import RelayConfig
+from relay_server.pipeline.results import Shapes
+from toolkit.pipeline.stages import cut_stages, meta_model, pipeline_units
+
+
+@dataclass(frozen=True)
+class ModelCut:
+    cuts: list[tuple[int, int]]
+    layers: list[int]
+    shapes: Shapes
+
+    def activation_bytes(self, microbatch_size: int) -> int:
+        """One micro-batch's boundary in float32 (a worker holds a few while computing)."""
+        return 4 * 4 * microbatch_size * (self.shapes.max_positions + 1) * self.shapes.width
+
+
+def even_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage as even as they go, the earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if k < extra else 0) for k in range(num_stages)]
+
+
+def cut_model(config: RelayConfig) -> ModelCut:
+    model = meta_model(config.model.spec())
+    units = pipeline_units(model)
+    cfg = config.pipeline
+    stages = cfg.num_stages()
+    if stages > units.num_layers:
+        raise ValueError(f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
+                         "lower pipeline.stages")
+    layers = list(cfg.layers_per_stage) or even_layers(units.num_layers, stages)
+    cuts = cut_stages(units, layers)
+    return ModelCut(cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=_shapes(model, cfg.microbatch_size))
+
+
+def _shapes(model: torch.nn.Module, microbatch_size: int) -> Shapes:
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:  # the toolkit's ByteTransformer
+        return Shapes(width=cfg.d_model, microbatch_size=microbatch_size, max_positions=cfg.seq_len,
+                      vocab=cfg.vocab_size)
+    hf = model.config
+    return Shapes(width=hf.hidden_size, microbatch_size=microbatch_size,
+                  max_positions=getattr(hf, "n_positions", None) or hf.max_position_embeddings, vocab=hf.vocab_size)

@@ -1,0 +1,91 @@
+"""One parameter server per stage: each a :class:`~relay_server.backbone.slice_owner.SliceOwner`
+of the stage's range of the flat vector, on the relay.
+
+Why slice owners: they are the rounds every sliced run already uses -- ticketed, whole-or-nothing
+uploads with digests and finite checks, the optimizer applied to the mean (exact large-batch
+SGD per stage, the master on the server and no optimizer state on workers), versions a peer
+downloads whole or as a delta and checks against the relay-signed manifest. A pipeline round is a
+sliced round in which each worker uploads only its own stage's slice. Each stage keeps its version
+files in its own store (``data_dir/stages/<k>``), so a restart resumes every stage at the step the
+relay committed last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from relay_server.backbone.slice_owner import SliceOwner
+from relay_server.backbone.slicing import Owner, Published, manifest_version
+from relay_server.core.config import RelayConfig
+from relay_server.rounds.reducer import robust_config
+from relay_server.rounds.store import Store
+from toolkit.wire.compression import Codec
+from toolkit.wire.protocol import ParamSpec
+
+log = logging.getLogger(__name__)
+PLAN_VERSION = "pipeline"
+
+
+class StageOwners:
+    def __init__(self, config: RelayConfig, layout: list[ParamSpec], codec: Codec, params: np.ndarray,
+                 cuts: list[tuple[int, int]], resume_step: int | None) -> None:
+        self.config, self.cuts, self.num_params = config, cuts, int(params.size)
+        data_dir = Path(config.server.data_dir) / "stages"
+        self.stores = [Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
+                       for k in range(len(cuts))]
+        self.owners: list[SliceOwner] = []
+        for k, (start, end) in enumerate(cuts):
+            owner = SliceOwner(layout, {"params": params[start:end]}, start=start, end=end,
+                               step=resume_step or 0, optimizer=config.optimizer,
+                               total_steps=config.run.total_steps, codec=codec, store=self.stores[k],
+                               fsync=config.server.fsync, robust=robust_config(config.rounds),
+                               run_name=config.run.name, plan_version=PLAN_VERSION)
+            if resume_step is not None and self.stores[k].latest_step() == resume_step:
+                owner.publisher.restore(resume_step)
+            else:
+                if resume_step is not None:
+                    raise RuntimeError(f"stage {k}'s store ({data_dir / str(k)}) does not hold step {resume_step}, "
+                                       "which the relay committed last: restore the data dir from one backup")
+                version = owner.write_initial()
+                owner.publisher.publish(version)
+                self.stores[k].commit(version.step, version.sha256)
+            self.owners.append(owner)
+        self.entries = [Owner(f"stage{k}", f"stage {k}", "", start, end, (end - start) / self.num_params)
+                        for k, (start, end) in enumerate(cuts)]
+
+    def close(self) -> None:
+        for owner in self.owners:
+            owner.close()
+        for store in self.stores:
+            store.close()
+
+    @property
+    def step(self) -> int:
+        return self.owners[0].step
+
+    def published(self) -> Published:
+        """The current version: a manifest of every stage's slice and its hash."""
+        shas = {e.owner_id: o.publisher.latest.sha256 for e, o in zip(self.entries, self.owners)}
+        return manifest_version(self.step, self.entries, shas, self.num_params, PLAN_VERSION)
+
+    def stage_of(self, start: int, end: int) -> int | None:
+        return next((k for k, cut in enumerate(self.cuts) if cut == (start, end)), None)
+
+    async def finalize(self, step: int, round_id: str) -> tuple[Published, float]:
+        """Every stage applies its optimizer to the mean of its round (clipping by the global
+        norm over all stages when the run clips); the new manifest and that norm."""
+        clip = self.config.optimizer.clip_grad_norm > 0
+        global_norm = None
+        if clip:
+            squares = await asyncio.gather(*(o.grad_sq_norm(step, round_id) for o in self.owners))
+            global_norm = math.sqrt(sum(squares))
+        done = await asyncio.gather(*(o.finalize(step, round_id, global_norm) for o in self.owners))
+        for store, (version, _, _) in zip(self.stores, done):
+            await asyncio.to_thread(store.commit, version.step, version.sha256)
+        norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))
+        return self.published(), norm

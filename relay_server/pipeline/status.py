@@ -1,0 +1,31 @@
+"""``GET /api/pipeline``: what the Pipeline panel of the dashboard shows."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from toolkit.wire.protocol import PipelineStatus, StageStatus
+
+if TYPE_CHECKING:
+    from relay_server.pipeline.coordinator import PipelineCoordinator
+
+
+def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
+    counts = c.broker.key_counts() if hasattr(c.broker, "key_counts") else {}
+    stages, first = [], 0
+    for k, (start, end) in enumerate(c.owners.cuts):
+        key = f"stage{k}"
+        queued, leased = counts.get(key, (c.broker.queued_rows(key), 0))
+        task_s = c.broker.task_time(key) if hasattr(c.broker, "task_time") else None
+        stages.append(StageStatus(stage=k, layers=[first, first + c.layers[k]], params=end - start,
+                                  workers=c.workers.on_stage(k), queued=queued, leased=leased,
+                                  lease_s=c.broker.lease_deadline(key), task_s=task_s))
+        first += c.layers[k]
+    measured = sum(c.batch_times) / len(c.batch_times) if c.batch_times else None
+    per_sample = (c.boundaries.bytes_in + c.bytes_out) / c.samples_done if c.samples_done else None
+    return PipelineStatus(stages=stages, batch=c.ledger.batch, microbatches=c.d,
+                          finished=sum(mb.finished for mb in c.ledger.microbatches.values()),
+                          round_open=c.round is not None, boundary_memory_bytes=c.boundaries.memory_bytes,
+                          boundary_spilled_bytes=c.boundaries.spilled_bytes, boundary_bytes_per_sample=per_sample,
+                          predicted_batch_s=c.predicted_batch_s, measured_batch_s=measured,
+                          redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused)

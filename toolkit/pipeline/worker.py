@@ -1,0 +1,287 @@
+"""The stage worker: what a volunteer's machine runs in a pipeline run (``toolkit.join`` on one).
+
+It asks the relay for a stage (by its memory and speed), builds only that stage
+(:func:`toolkit.pipeline.stages.build_stage`), downloads only that stage's slice of the published
+version, then pulls tasks until stopped:
+
+* ``first`` -- a micro-batch of its own data through stage 0; sends the output and the data;
+* ``forward`` -- the stage on the input the relay sends; sends the output;
+* ``last`` -- forward, loss and backward at once; sends the gradient of the stage's input;
+* ``backward`` -- recomputes the stage from the stored input (or its own cached copy: the relay
+  leaves the input out when this worker ran the forward and still holds it) and sends the
+  gradient of the stage's input.
+
+The loss is scaled by the micro-batch's samples, so every gradient is a *sum* over samples, as a
+data-parallel peer's is (the relay divides by the batch). A task's parameter gradient is kept
+apart until the relay accepts its result: the first result of a task wins, and a worker whose
+result came second drops that gradient, so no micro-batch is ever counted twice. When the batch
+is complete the relay lists the micro-batches whose stage gradient this worker holds; it uploads
+their sum with a ticket naming exactly them, through the ticketed slice upload every sliced run
+uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from toolkit.client import RelayClient
+from toolkit.errors import CollabError, RelayRejected
+from toolkit.moe import payloads
+from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
+from toolkit.transfer import slice_part
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import (GradientMeta, Heartbeat, PipelineDone, PipelineResult, PipelineRoundCall,
+                                   PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo, StageAssignment,
+                                   StageRequest)
+
+log = logging.getLogger(__name__)
+CACHE_INPUTS = 64
+
+
+@dataclass
+class WorkerProgress:
+    stage: int
+    num_stages: int
+    step: int
+    tasks_done: int
+    tasks_refused: int
+    microbatches_held: int
+    last_loss: float | None
+    uploads: int
+
+
+class StageWorker:
+    def __init__(self, client: RelayClient, peer_id: str, run: RunInfo, batches: Iterator[Any], *,
+                 device: str | torch.device = "cpu", memory_bytes: int = 0,
+                 on_first: Callable[[int, Any], None] | None = None) -> None:
+        """``on_first(microbatch, batch)``: called when the relay accepted this worker's first-stage
+        result for ``microbatch`` (which data went into which batch: tests replay it)."""
+        self.client, self.peer_id, self.run, self.batches = client, peer_id, run, batches
+        self.on_first = on_first
+        self.device, self.memory_bytes = torch.device(device), memory_bytes
+        self.codec = get_codec(run.pipeline.get("boundary_codec", "none"))
+        self.units = units_of(run.model)
+        self.assignment: StageAssignment | None = None
+        self.stage: Stage | None = None
+        self.version = -1
+        self.cache: OrderedDict[int, Any] = OrderedDict()  # micro-batch -> the stage input it ran forward on
+        self._reset_sum()
+        self.tasks_done = self.tasks_refused = self.uploads = 0
+        self.last_loss: float | None = None
+        self.samples_per_s = 0.0
+        self._stop = threading.Event()
+
+    # --- the stage ------------------------------------------------------------------------------
+    def _take_stage(self) -> None:
+        self.assignment = a = self.client.pipeline_stage(
+            self.peer_id, StageRequest(memory_bytes=self.memory_bytes, samples_per_s=self.samples_per_s))
+        cut = cut_stages(self.units, a.layers_per_stage)[a.stage]
+        if (cut.start, cut.end) != (a.start, a.end):
+            raise CollabError("stage_mismatch", f"the relay's stage {a.stage} is [{a.start}, {a.end}), this "
+                              f"toolkit cuts [{cut.start}, {cut.end})", "Install the relay's collabtrain version.")
+        self.stage = build_stage(self.run.model, cut, self.device)
+        self.params = list(self.stage.parameters())
+        self.flat = np.zeros(a.end - a.start, dtype=np.float32)
+        self.version = -1
+        self.cache.clear()
+        self._reset_sum()
+        log.info("pipeline stage %d of %d: layers %s, %d parameters", a.stage, a.num_stages,
+                 a.layers_per_stage, a.end - a.start)
+
+    def _ensure_version(self, version: int) -> None:
+        if self.version == version:
+            return
+        a = self.assignment
+        step = self.client.download_stage(self.peer_id, a.start, a.end, self.flat, min_step=version)
+        if step != version:
+            raise _Stale(step)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(torch.from_numpy(self.flat[offset:offset + p.numel()]).view_as(p))
+                offset += p.numel()
+        self.version = step
+
+    def _reset_sum(self) -> None:
+        self.grad_sum: list[torch.Tensor] | None = None
+        self.held: list[int] = []
+        self.loss_sum = 0.0
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, *, until: Callable[[], bool] = lambda: False, on_progress: Callable[[WorkerProgress], None] | None = None,
+            wait_s: int = 5) -> None:
+        heartbeat = threading.Thread(target=self._heartbeat, daemon=True, name="pipeline-heartbeat")
+        heartbeat.start()
+        self._take_stage()
+        while not self._stop.is_set() and not until():
+            work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
+            if work.stage != self.assignment.stage:
+                self._take_stage()
+                continue
+            if work.round is not None:
+                self._upload(work.round)
+            for i, task in enumerate(work.tasks):
+                try:
+                    self._ensure_version(task.version)
+                except _Stale:
+                    continue  # the batch moved on; its tasks are gone
+                self._do(task, {k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
+            if on_progress is not None:
+                on_progress(self.progress())
+        self._stop.set()
+
+    def progress(self) -> WorkerProgress:
+        a = self.assignment
+        return WorkerProgress(stage=a.stage if a else -1, num_stages=a.num_stages if a else 0, step=self.version,
+                              tasks_done=self.tasks_done, tasks_refused=self.tasks_refused,
+                              microbatches_held=len(self.held), last_loss=self.last_loss, uploads=self.uploads)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.run.heartbeat_interval_s):
+            try:
+                self.client.heartbeat(self.peer_id, Heartbeat(version=max(0, self.version), samples=0,
+                                                              samples_per_s=self.samples_per_s))
+            except CollabError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    # --- tasks ------------------------------------------------------------------------------------
+    def _do(self, task: PipelineTask, inputs: Mapping[str, np.ndarray]) -> None:
+        started = time.monotonic()
+        stage, a = self.stage, self.assignment
+        out: dict[str, np.ndarray] = {}
+        loss_sum, grads = 0.0, None
+        if task.kind == "first":
+            batch = next(self.batches)
+            x = stage.inputs(_to(batch, self.device))
+            with torch.no_grad():
+                y = stage(x)
+            out.update(self._rows("y", y))
+            out.update(_batch_tensors(batch))
+            self._remember(task.microbatch, batch)
+        elif task.kind == "forward":
+            x = self._boundary(inputs, "x")
+            with torch.no_grad():
+                y = stage(x)
+            out.update(self._rows("y", y))
+            self._remember(task.microbatch, x)
+        else:
+            batch = _from_tensors(inputs, self.device) if any(k.startswith("batch") for k in inputs) else None
+            if task.input_cached:
+                x_in = self.cache[task.microbatch]
+            else:
+                x_in = batch if stage.first else self._boundary(inputs, "x")
+            x = stage.inputs(_to(x_in, self.device)) if stage.first else x_in.detach().requires_grad_(True)
+            wrt = [] if stage.first else [x]
+            if task.kind == "last":
+                loss = stage.loss(x, batch)
+                samples = a.microbatch_size
+                self.last_loss = float(loss.detach())
+                loss_sum = self.last_loss * samples
+                results = torch.autograd.grad(loss * samples, wrt + self.params)
+            else:
+                g = self._boundary(inputs, "g")
+                results = torch.autograd.grad(stage(x), wrt + self.params, grad_outputs=g)
+            grads = results[len(wrt):]
+            if wrt and not task.redo:
+                out.update(self._rows("g", results[0]))
+        ack = self.client.pipeline_result(self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum), out)
+        if not ack.accepted:
+            self.tasks_refused += 1
+            return
+        self.tasks_done += 1
+        if task.kind == "first" and self.on_first is not None:
+            self.on_first(task.microbatch, self.cache.get(task.microbatch))
+        elapsed = max(time.monotonic() - started, 1e-6)
+        self.samples_per_s = 0.8 * self.samples_per_s + 0.2 * a.microbatch_size / elapsed if self.samples_per_s else \
+            a.microbatch_size / elapsed
+        if grads is not None:
+            if self.grad_sum is None:
+                self.grad_sum = [g.detach().clone() for g in grads]
+            else:
+                for total, g in zip(self.grad_sum, grads):
+                    total.add_(g)
+            self.held.append(task.microbatch)
+            self.loss_sum += loss_sum
+
+    def _remember(self, microbatch: int, x: Any) -> None:
+        self.cache[microbatch] = x
+        while len(self.cache) > CACHE_INPUTS:
+            self.cache.popitem(last=False)
+
+    def _rows(self, name: str, h: torch.Tensor) -> dict[str, np.ndarray]:
+        return payloads.encode_rows(name, h.detach().to("cpu", torch.float32).reshape(-1, h.shape[-1]).numpy(),
+                                    self.codec)
+
+    def _boundary(self, inputs: Mapping[str, np.ndarray], name: str) -> torch.Tensor:
+        width = self.assignment.width
+        rows = payloads.read_rows(inputs, name, None, width, self.codec)
+        b = self.assignment.microbatch_size
+        return torch.from_numpy(rows.copy()).to(self.device).view(b, rows.shape[0] // b, width)
+
+    # --- rounds -----------------------------------------------------------------------------------
+    def _upload(self, call: PipelineRoundCall) -> None:
+        a = self.assignment
+        if sorted(self.held) != call.microbatches or self.grad_sum is None:
+            log.warning("the relay expects micro-batches %s of stage %d, this worker holds %s: dropping its gradient",
+                        call.microbatches, call.stage, sorted(self.held))
+        vector = torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy() \
+            if self.grad_sum is not None else np.zeros(a.end - a.start, dtype=np.float32)
+        run_codec = get_codec(self.run.compression)
+        tensors = list(run_codec.encode(vector))
+        plan = PlanSlice(aggregator_id=f"stage{a.stage}", name=f"stage {a.stage}", start=a.start, end=a.end,
+                         fraction=0.0)
+        held = sorted(self.held)
+        meta = GradientMeta(peer_id=call.contributor, step=call.step, version=call.step,
+                            samples=max(1, len(held)) * a.microbatch_size, loss_sum=self.loss_sum)
+        part = slice_part(plan, tensors, meta, run_codec.name, signed=self.client.signed)
+        self._reset_sum()  # whatever happens next, this sum is sent once or recomputed by the relay's choice
+        try:
+            ticket = self.client.pipeline_ticket(self.peer_id, call.step, PipelineTicketRequest(
+                round_id=call.round_id, stage=a.stage, microbatches=held, loss_sum=meta.loss_sum,
+                header_sha256=part.header_sha256))
+        except RelayRejected as exc:
+            log.warning("ticket refused (%s): this stage gradient is dropped and recomputed", exc)
+            return
+        error = self.client.upload_slices(call.step, ticket, [part])[0]
+        if error is None:
+            self.uploads += 1
+        else:
+            log.warning("stage gradient upload failed (%s): the relay recomputes its micro-batches", error)
+        self.client.pipeline_done(self.peer_id, call.step, PipelineDone(round_id=call.round_id,
+                                                                         contributor=call.contributor,
+                                                                         delivered=error is None))
+
+
+class _Stale(Exception):
+    """A newer version than the task's was published: the task's batch is over."""
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: v.to(device) for k, v in batch.items()}
+    return batch.to(device)
+
+
+def _batch_tensors(batch: Any) -> dict[str, np.ndarray]:
+    """A data batch as the first stage sends it: ``batch`` or ``batch.<key>`` int64 arrays."""
+    if isinstance(batch, Mapping):
+        return {f"batch.{k}": v.detach().to("cpu", torch.int64).numpy() for k, v in batch.items()}
+    return {"batch": batch.detach().to("cpu", torch.int64).numpy()}
+
+
+def _from_tensors(inputs: Mapping[str, np.ndarray], device: torch.device) -> Any:
+    if "batch" in inputs:
+        return torch.from_numpy(inputs["batch"].copy()).to(device)
+    return {k[len("batch."):]: torch.from_numpy(v.copy()).to(device) for k, v in inputs.items() if k.startswith("batch.")}

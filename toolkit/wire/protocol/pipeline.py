@@ -1,0 +1,158 @@
+"""The staged pipeline's messages (``relay_server.pipeline``, ``toolkit.pipeline``).
+
+A worker asks for a stage (:class:`StageRequest` -> :class:`StageAssignment`), then polls for
+work: the answer is a tensor container whose metadata ``work`` is a :class:`PipelineWork` (the
+tasks, and when a batch is complete the round this worker must upload to) and whose tensors are
+each task's inputs, named ``{i}.x`` (the stage's input activation, or ``{i}.batch.<key>`` the
+micro-batch's data for the first and last stages) and ``{i}.g`` (the gradient of the stage's
+output). A result is a container with metadata ``result`` (:class:`PipelineResult`) and the
+tensors ``y`` (a forward's output activation), ``g`` (a backward's input gradient) and, from the
+first stage, ``batch.<key>`` (the data it read). Activations travel as [rows, width] matrices in
+the run's boundary codec. The stage gradient goes up through the ticketed rounds every sliced run
+uses (:class:`PipelineTicketRequest` -> :class:`~toolkit.wire.protocol.slices.Ticket`, then
+``ROUTES["gradient"]`` with the ticket, then ``ROUTES["pipeline_done"]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from toolkit.wire.protocol.routes import _HEX64, _ID, _NONNEG
+from toolkit.wire.schema import Schema, limits
+
+TASK_KINDS = ("first", "forward", "last", "backward")
+"""``first``: read a micro-batch of your own data, run stage 0, send its output and the data;
+``forward``: run a middle stage on the input; ``last``: the last stage's forward, loss and
+backward at once (1F1B), sending the gradient of its input; ``backward``: recompute the stage
+from its stored input and send the gradient of that input (stage 0 sends none)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageRequest(Schema):
+    """What a worker offers: its accelerator's free memory and measured speed (0: unknown)."""
+
+    memory_bytes: int = field(default=0, metadata=_NONNEG)
+    samples_per_s: float = field(default=0.0, metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageAssignment(Schema):
+    """The stage a worker runs: layers ``[first_layer, end_layer)`` and the flat vector's
+    ``[start, end)``, which is all it downloads, computes and uploads."""
+
+    stage: int = field(metadata=_NONNEG)
+    num_stages: int = field(metadata=limits(ge=2, le=64))
+    layers_per_stage: list[int] = field(metadata=limits(max_len=64))
+    start: int = field(metadata=_NONNEG)
+    end: int = field(metadata=_NONNEG)
+    microbatch_size: int = field(metadata=limits(gt=0))
+    boundary_codec: str = field(metadata=limits(choices=("none", "float16", "int8")))
+    width: int = field(metadata=limits(gt=0))
+    """Features of every boundary activation (rows are samples x tokens)."""
+    step: int = field(metadata=_NONNEG)
+    """The published version the worker's first tasks need."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineTask(Schema):
+    task_id: str = field(metadata=_ID)
+    kind: Literal["first", "forward", "last", "backward"]
+    stage: int = field(metadata=_NONNEG)
+    batch: int = field(metadata=_NONNEG)
+    microbatch: int = field(metadata=_NONNEG)
+    version: int = field(metadata=_NONNEG)
+    """The parameters to compute with: every task of a batch uses the same version."""
+    lease_s: float = field(metadata=limits(gt=0))
+    """The relay re-dispatches the task if no result arrives within this."""
+    input_cached: bool = False
+    """The relay left out ``x``: this worker ran the forward and said it still holds the input."""
+    redo: bool = False
+    """Only the stage's parameter gradient is missing (its worker left before uploading it): the
+    boundary gradient this backward produces was delivered already and is not sent again."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineRoundCall(Schema):
+    """A batch is complete: upload the stage gradient of exactly these micro-batches."""
+
+    step: int = field(metadata=_NONNEG)
+    round_id: str = field(metadata=limits(max_len=32))
+    stage: int = field(metadata=_NONNEG)
+    microbatches: list[int] = field(metadata=limits(max_len=4096))
+    contributor: str = field(metadata=_ID)
+    """The id the upload's gradient metadata names (the ticket is issued to it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineWork(Schema):
+    stage: int = field(metadata=_NONNEG)
+    """The worker's stage now (a different one than it holds: the planner moved it)."""
+    tasks: list[PipelineTask] = field(default_factory=list, metadata=limits(max_len=64))
+    round: PipelineRoundCall | None = None
+    cached: list[int] = field(default_factory=list, metadata=limits(max_len=4096))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineResult(Schema):
+    task_id: str = field(metadata=_ID)
+    loss_sum: float = 0.0
+    """The last stage: the micro-batch's loss times its samples."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineAck(Schema):
+    task_id: str = field(metadata=_ID)
+    accepted: bool
+    """False: another worker's result for this task came first; drop this task's gradient."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineTicketRequest(Schema):
+    round_id: str = field(metadata=limits(max_len=32))
+    stage: int = field(metadata=_NONNEG)
+    microbatches: list[int] = field(metadata=limits(max_len=4096))
+    loss_sum: float = 0.0
+    header_sha256: str = field(metadata=_HEX64)
+    """sha256 of the stage gradient's container header (binds the ticket to the upload)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineDone(Schema):
+    round_id: str = field(metadata=limits(max_len=32))
+    contributor: str = field(metadata=_ID)
+    delivered: bool
+    """False: the upload failed; the relay recomputes those micro-batches' stage gradient."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageStatus(Schema):
+    stage: int
+    layers: list[int]
+    """[first, end) of the model's layers."""
+    params: int
+    workers: list[str]
+    queued: int
+    leased: int
+    lease_s: float
+    task_s: float | None
+    """The measured time of this stage's tasks (None: none finished yet)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStatus(Schema):
+    """``GET /api/pipeline``: the stages, the batch in flight, the boundaries and the plan."""
+
+    stages: list[StageStatus]
+    batch: int
+    microbatches: int
+    finished: int
+    round_open: bool
+    boundary_memory_bytes: int
+    boundary_spilled_bytes: int
+    boundary_bytes_per_sample: float | None
+    predicted_batch_s: float | None
+    measured_batch_s: float | None
+    redispatched: int
+    redone: int
+    refused_results: int
