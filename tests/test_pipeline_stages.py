@@ -225,3 +225,27 @@ def test_only_the_first_stage_reads_batches_and_only_the_last_has_a_loss() -> No
     with pytest.raises(ValueError, match="the last stage computes it"):
         first.loss(first.inputs(batch), batch)
     assert np.isfinite(last.loss(first(first.inputs(batch)), batch).item())
+
+
+def test_a_gpt2_decoder_with_cross_attention_is_refused() -> None:
+    spec = ModelSpec(kind="transformers", architecture="AutoModelForCausalLM",
+                     config=dict(SPECS["gpt2"].config, add_cross_attention=True))
+    with pytest.raises(ModelMismatch) as info:
+        units_of(spec)
+    assert info.value.code == "not_cuttable" and "add_cross_attention = false" in one_line(info)
+
+
+@pytest.mark.parametrize(("name", "change", "words"), [
+    ("byte", lambda batch: {"input_ids": batch}, "takes LongTensor batches [b, t+1]"),
+    ("gpt2", lambda batch: dict(batch, token_type_ids=batch["input_ids"]), "cannot pass ['token_type_ids']"),
+    ("gpt2", lambda batch: {"input_ids": batch["input_ids"]}, "a batch without labels"),
+])
+def test_a_batch_the_stages_cannot_honour_is_refused(name: str, change, words: str) -> None:
+    """Stage 0 checks the batch it reads; the last stage checks the one it scores."""
+    first, last = (build_stage(SPECS[name], cut) for cut in cut_stages(units_of(SPECS[name]), [2, 2]))
+    good = batch_for(name, torch.Generator().manual_seed(5))
+    bad = change(good)
+    with pytest.raises(ModelMismatch) as info:
+        first.inputs(bad)
+        last.loss(first(first.inputs(good)), bad)
+    assert words in one_line(info)

@@ -49,11 +49,14 @@ class GPT2Stage(Stage):
         return "set tie_word_embeddings = false in [model] config" if tied else None
 
     @staticmethod
-    def num_layers(model: nn.Module) -> int:
+    def check(model: nn.Module) -> None:
         if model.config.add_cross_attention or not getattr(model.config, "is_causal", True):
             raise ModelMismatch("not_cuttable", "pipeline stages cut GPT-2 as a causal decoder only (this config has "
                                 "cross-attention or is not causal)", "Set add_cross_attention = false in [model] "
                                 "config, or train this model without [pipeline].")
+
+    @staticmethod
+    def num_layers(model: nn.Module) -> int:
         return len(model.transformer.h)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,10 @@ class Stage(nn.Module):
         raise NotImplementedError
 
     @staticmethod
+    def check(model: nn.Module) -> None:
+        """Refuse a configuration of this architecture that its stages cannot run (none by default)."""
+
+    @staticmethod
     def num_layers(model: nn.Module) -> int:
         """The number of blocks of the full ``model``."""
         raise NotImplementedError
