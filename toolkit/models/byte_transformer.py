@@ -1,7 +1,10 @@
 """A small byte-level GPT: the demo model (a few million parameters, trains on CPU).
 
 Bytes are tokens (vocabulary 256), so the demo needs no tokenizer download. Pre-norm blocks with
-causal self-attention via ``scaled_dot_product_attention`` and tied input/output embeddings.
+causal self-attention via ``scaled_dot_product_attention`` and, by default, tied input/output
+embeddings. ``tie_embeddings = false`` gives the output its own head, registered last: a staged
+pipeline (:mod:`toolkit.pipeline`) needs it, since the first and last stages live on different
+machines and cannot share one matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class TransformerConfig:
     n_layer: int = 4
     n_head: int = 4
     d_ff: int = 1024
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection; False adds ``head`` after ``ln_f``."""
 
 
 class Block(nn.Module):
@@ -46,13 +51,15 @@ class Block(nn.Module):
 class ByteTransformer(nn.Module):
     """``forward(tokens [b, t]) -> logits [b, t, 256]``; ``loss(batch [b, t+1])`` is next-byte CE."""
 
-    def __init__(self, **kwargs: int) -> None:
+    def __init__(self, **kwargs: int | bool) -> None:
         super().__init__()
         self.cfg = cfg = TransformerConfig(**kwargs)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        # Registered after ln_f, so that the flat parameter vector stays in layer order.
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         nn.init.normal_(self.pos, std=0.02)
 
@@ -64,11 +71,24 @@ class ByteTransformer(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.ln_f(x) @ self.tok.weight.T  # tied output embedding
+        return self.logits(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first block's input: token plus position embeddings, [b, t, d_model]."""
+        return self.tok(tokens) + self.pos[: tokens.shape[1]]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of the last block's activation: the tied embedding, or ``head``."""
+        x = self.ln_f(x)
+        return x @ self.tok.weight.T if self.head is None else self.head(x)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return next_byte_loss(self(batch[:, :-1]), batch)
+
+
+def next_byte_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` [b, t, vocab] against the next bytes ``batch[:, 1:]``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))

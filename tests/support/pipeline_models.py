@@ -1,0 +1,54 @@
+"""The models the pipeline tests cut into stages, their batches, and a pipeline run by hand.
+
+Both are sized so that K = 2 stages of 2 blocks each hold about half the parameters (the
+embeddings and the head weigh about a block each), and dropout is 0 so that a forward computed
+twice is the same forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from toolkit.pipeline import Stage
+from toolkit.wire.protocol import ModelSpec
+
+BYTE_SPEC = ModelSpec(factory="toolkit.models:ByteTransformer",
+                      kwargs={"d_model": 32, "n_layer": 4, "n_head": 2, "d_ff": 64, "seq_len": 8,
+                              "tie_embeddings": False})
+GPT2_VOCAB = 100
+GPT2_SPEC = ModelSpec(kind="transformers", architecture="AutoModelForCausalLM",
+                      config={"model_type": "gpt2", "vocab_size": GPT2_VOCAB, "n_embd": 32, "n_layer": 4, "n_head": 2,
+                              "n_positions": 16, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
+                              "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0})
+SPECS = {"byte": BYTE_SPEC, "gpt2": GPT2_SPEC}
+
+
+def batch_for(name: str, generator: torch.Generator, rows: int = 3, seq_len: int = 8) -> Any:
+    """A micro-batch as the run's data gives it: bytes [b, t+1], or a causal-lm dict batch."""
+    if name == "byte":
+        return torch.randint(0, 256, (rows, seq_len + 1), generator=generator)
+    ids = torch.randint(0, GPT2_VOCAB, (rows, seq_len), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def run_pipeline(stages: list[Stage], batch: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Forward then backward through ``stages`` as a pipeline does: each stage's input is the
+    previous output detached (what crosses the relay), the last stage's loss is backpropagated,
+    then each earlier output with the gradient of the next stage's input. Returns the loss and
+    every stage's input (stage k+1's ``.grad`` is stage k's output gradient)."""
+    inputs, outputs = [stages[0].inputs(batch)], []
+    for stage in stages[:-1]:
+        outputs.append(stage(inputs[-1]))
+        inputs.append(outputs[-1].detach().requires_grad_())
+    loss = stages[-1].loss(inputs[-1], batch)
+    loss.backward()
+    for k in reversed(range(len(stages) - 1)):
+        outputs[k].backward(inputs[k + 1].grad)
+    return loss, inputs
+
+
+def worst_relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| relative to the largest |b|: 0 when equal."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))

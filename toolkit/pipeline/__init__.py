@@ -1,0 +1,25 @@
+"""The volunteer's side of the staged pipeline: cutting a model into stages, and the stage worker.
+
+A pipeline run trains a model larger than any one volunteer's memory: the model is cut into K
+stages of consecutive layers, each a contiguous range of the run's flat parameter vector, and a
+worker builds, holds and trains only its own stage (the design notes of issue 23: the heterogeneous
+pipeline with a parameter server per stage and a task pool).
+
+* :mod:`toolkit.pipeline.cuts`: where a model's parts lie in the flat vector
+  (:class:`PipelineUnits`) and how layers are dealt to stages (:func:`cut_stages`), as pure data;
+* :mod:`toolkit.pipeline.stage`: :class:`Stage`, one stage as a module (inputs, forward to the
+  boundary, loss on the last stage), with one subclass per architecture it can cut
+  (:mod:`toolkit.pipeline.byte` for the toolkit's ByteTransformer, :mod:`toolkit.pipeline.gpt2`
+  for transformers' GPT-2);
+* :mod:`toolkit.pipeline.stages`: :func:`pipeline_units` (and its refusals) and
+  :func:`build_stage`, which builds a stage without ever materialising the full model.
+
+Layer: may import toolkit.errors, wire, runtime, models, client, optim_base, optimizer.
+"""
+
+from toolkit.pipeline.cuts import PipelineUnits, StageCut, cut_stages
+from toolkit.pipeline.stage import Stage
+from toolkit.pipeline.stages import build_stage, meta_model, pipeline_units, units_of
+
+__all__ = ["PipelineUnits", "Stage", "StageCut", "build_stage", "cut_stages", "meta_model", "pipeline_units",
+           "units_of"]

@@ -1,0 +1,55 @@
+"""Stages of the toolkit's :class:`~toolkit.models.ByteTransformer` (with ``tie_embeddings = false``).
+
+Batches are LongTensors [b, t+1] of bytes: stage 0 embeds ``batch[:, :-1]``, the last stage
+scores the next bytes ``batch[:, 1:]``, each with the model's own ``embed``, blocks, ``logits``
+and :func:`~toolkit.models.byte_transformer.next_byte_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from toolkit.errors import ModelMismatch
+from toolkit.models.byte_transformer import ByteTransformer, next_byte_loss
+from toolkit.pipeline.cuts import Anatomy
+from toolkit.pipeline.stage import Stage
+
+
+class ByteStage(Stage):
+    anatomy = Anatomy(name="ByteTransformer", prefix=("tok", "pos"), blocks="blocks", suffix=("ln_f", "head"))
+
+    @staticmethod
+    def matches(model: nn.Module) -> bool:
+        return isinstance(model, ByteTransformer)
+
+    @staticmethod
+    def tie_hint(model: nn.Module) -> str | None:
+        return "set tie_embeddings = false in [model] kwargs" if model.cfg.tie_embeddings else None
+
+    @staticmethod
+    def num_layers(model: nn.Module) -> int:
+        return model.cfg.n_layer
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body.embed(tokens)
+
+    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def head_loss(self, h: torch.Tensor, batch: Any) -> torch.Tensor:
+        return next_byte_loss(self.body.logits(h), self._checked(batch))
+
+    def tokens(self, batch: Any) -> torch.Tensor:
+        return self._checked(batch)[:, :-1]
+
+    def _checked(self, batch: Any) -> torch.Tensor:
+        if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.dtype != torch.long or batch.shape[1] < 2:
+            what = f"a {tuple(batch.shape)} {batch.dtype} tensor" if isinstance(batch, torch.Tensor) else type(batch).__name__
+            raise ModelMismatch("bad_batch", f"a ByteTransformer stage takes LongTensor batches [b, t+1] of bytes, "
+                                f"got {what}", "Feed the run's byte batches (toolkit.data), or tokens as a LongTensor.")
+        return batch
