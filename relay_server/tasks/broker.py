@@ -2,9 +2,12 @@
 
 Life of a task::
 
-    submit ──► waiting (on tasks it comes after) ──► queued ──► leased (by one worker) ──► done
-                   │                                   │            │  worker left:        │
-                   └─ a dependency failed ─► failed ◄──┴─ deadline ─┘  requeue or fail      └─ forget / release_group
+    submit ─► waiting ─► queued ──────────────► leased (by one worker) ──────────► done
+    (after)     │          ▲  heap per key,       │  lease deadline passed (tick), ▲  first result wins:
+                │          │  (priority, seq)     │  worker left, requeue()        │  the lessee's, or a
+                │          └──── back in place ◄──┘                                │  previous lessee's
+                │                                                                  │
+                └─ a dependency failed ─► failed ◄── task deadline, cancel(), fail_key, release_group
 
 Rules, and why:
 
@@ -14,16 +17,32 @@ Rules, and why:
 * **Backpressure per key.** A key whose queued rows would pass ``max_queued_rows`` refuses the
   call at once (429): Learning@home treats a busy expert as a failed one, and an unbounded queue
   only turns overload into timeouts.
+* **Leasing order** (:mod:`.queues`): across the keys it asked for, a worker gets the task with
+  the smallest ``(priority, seq)``: oldest first when every priority is ``()`` (DMoE), 1F1B when
+  the pipeline passes ``(0 backward / 1 forward, batch, microbatch)``. A task may ``prefer`` a
+  worker (the one holding its input); the affinity rule is in :mod:`.queues`: a hint, never a hold.
 * **Deadlines.** Every task has one; past it the task fails ``task_timeout`` wherever it is, and
   a late result is refused (the caller has moved on).
+* **Lease deadlines** (:mod:`.timing`), for tasks posted with ``requeue_on_loss``: a lease lasts
+  ``lease_deadline(key)``, derived from the key's measured task time, so a worker that is alive to
+  the registry but stuck loses its micro-batch to another worker. Expert calls have no lease
+  deadline: their task deadline is the caller's timeout, and their parameters live with the host.
+* **First result wins.** A worker whose lease lapsed (or who left) keeps the right to answer
+  while the task is not done: its late result is accepted, and whoever holds the lease by then is
+  refused ``task_done`` (409); a result for a done (or cancelled) task is refused ``task_done`` too.
+  Why: the pipeline's coordinator counts a worker's parameter gradient for a micro-batch only when
+  that worker's result was accepted, so exactly one result per task must be accepted, and
+  refusing a correct result that arrived first would waste the slow worker's work for nothing.
 * **Workers that leave.** The broker is told (the registry's expiry): their leased tasks are
   either requeued (a pipeline's micro-batch, re-dispatched to another worker) or failed at once
   (an expert's call: its parameters left with the host), per task.
-* **Dependencies and groups** (the staged pipeline): a task may come after others and is leased
-  only when they are done (it fails if one fails); tasks of a group keep their payloads and
-  results until :meth:`release_group` (a round closed), so a backward can read its forward's
-  activations.
-* Only the worker holding a task's lease may complete or fail it.
+* **Dependencies and groups**: a task may come after others and is leased only when they are done
+  (it fails if one fails); tasks of a group keep their payloads and results until
+  :meth:`release_group` (a round closed). The pipeline's coordinator keeps boundary tensors in its
+  own store and submits the next task itself, so its tasks may carry an empty payload.
+* **No scans.** Lease calls wait per key (a new task wakes only the calls that can lease it);
+  task deadlines and lease deadlines are heaps; worker, group and key each index their tasks.
+  The relay's tick and every poll stay O(log n) in the number of tasks it holds.
 
 Everything runs on the relay's event loop; no locks.
 """
@@ -34,76 +53,46 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass, field
 
 from relay_server.core.errors import ApiError
-from relay_server.tasks.store import PayloadRef, PayloadStore
+from relay_server.tasks.queues import LazyHeap, ReadyQueues, Waiters
+from relay_server.tasks.store import PayloadStore
+from relay_server.tasks.task import DONE, FAILED, LEASED, QUEUED, WAITING, BrokerStats, Task, timeout_error
+from relay_server.tasks.timing import LeaseBook, LeaseTimer
 
 log = logging.getLogger(__name__)
-
-WAITING, QUEUED, LEASED, DONE, FAILED = "waiting", "queued", "leased", "done", "failed"
-
-
-@dataclass(eq=False)
-class Task:
-    task_id: str
-    seq: int
-    key: str
-    kind: str
-    caller: str
-    call_id: str
-    rows: int
-    payload: PayloadRef
-    deadline: float
-    """``time.monotonic()`` seconds."""
-    after: tuple[str, ...] = ()
-    group: str = ""
-    requeue_on_loss: bool = False
-    state: str = WAITING
-    worker: str | None = None
-    result: PayloadRef | None = None
-    error: ApiError | None = None
-    ended_at: float | None = None
-    leased_at: float | None = None
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def ended(self) -> bool:
-        return self.state in (DONE, FAILED)
-
-
-@dataclass
-class BrokerStats:
-    submitted: int = 0
-    completed: int = 0
-    failed: int = 0
-    refused_busy: int = 0
-    requeued: int = 0
 
 
 class TaskBroker:
     def __init__(self, store: PayloadStore, *, max_queued_rows: int = 4096, retain_s: float = 30.0,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, lease_floor_s: float = 2.0, lease_factor: float = 4.0,
+                 initial_lease_s: float = 30.0, lease_window: int = 32, affinity_prefix: int = 1) -> None:
         self.store = store
         self.max_queued_rows = max_queued_rows
         self.retain_s = retain_s
         self.clock = clock
+        self.timer = LeaseTimer(floor_s=lease_floor_s, factor=lease_factor, initial_s=initial_lease_s,
+                                window=lease_window)
+        self._leases = LeaseBook(self.timer)
         self.tasks: dict[str, Task] = {}
         self._by_call: dict[tuple[str, str], Task] = {}
-        self._queues: dict[str, deque[Task]] = {}
-        self._queued_rows: dict[str, int] = {}
+        self._queues = ReadyQueues(affinity_prefix)
+        self._open_by_key: dict[str, dict[str, Task]] = {}  # tasks not ended
+        self._by_group: dict[str, dict[str, Task]] = {}
+        self._by_worker: dict[str, dict[str, Task]] = {}  # leased tasks
+        self._deadlines = LazyHeap(lambda entry: not entry[-1].ended)  # (deadline, seq, task)
         self._dependents: dict[str, list[Task]] = {}
         self._ended: OrderedDict[str, Task] = OrderedDict()  # by end time, for retention
         self._ids = itertools.count(1)
-        self._waiters: set[asyncio.Future] = set()  # lease calls waiting for a task to arrive
+        self._waiters = Waiters()
         self.stats = BrokerStats()
 
     # --- callers ------------------------------------------------------------------------------
     def submit(self, *, caller: str, call_id: str, key: str, kind: str, rows: int, payload: bytes,
                timeout_s: float, after: Collection[str] = (), group: str = "",
-               requeue_on_loss: bool = False) -> Task:
+               requeue_on_loss: bool = False, priority: tuple = (), prefer: str | None = None) -> Task:
         """Post a task (or find the one this call id already posted)."""
         existing = self._by_call.get((caller, call_id))
         if existing is not None:
@@ -111,9 +100,9 @@ class TaskBroker:
                 raise ApiError(409, "call_id_reused", f"call id {call_id!r} was used for a different call",
                                "Use a fresh call id for every new call (retries reuse theirs).")
             return existing
-        if self._queued_rows.get(key, 0) + rows > self.max_queued_rows:
+        if self._queues.rows(key) + rows > self.max_queued_rows:
             self.stats.refused_busy += 1
-            raise ApiError(429, "queue_busy", f"{key} has {self._queued_rows.get(key, 0)} rows queued "
+            raise ApiError(429, "queue_busy", f"{key} has {self._queues.rows(key)} rows queued "
                            f"(limit {self.max_queued_rows})", "Treat it as a failed call; do not retry at once.")
         for dep in after:
             if dep not in self.tasks:
@@ -121,9 +110,13 @@ class TaskBroker:
         seq = next(self._ids)
         task = Task(task_id=f"t{seq}", seq=seq, key=key, kind=kind, caller=caller, call_id=call_id, rows=rows,
                     payload=self.store.put(payload), deadline=self.clock() + timeout_s, after=tuple(after),
-                    group=group, requeue_on_loss=requeue_on_loss)
+                    group=group, requeue_on_loss=requeue_on_loss, priority=tuple(priority), prefer=prefer)
         self.tasks[task.task_id] = task
         self._by_call[(caller, call_id)] = task
+        self._open_by_key.setdefault(key, {})[task.task_id] = task
+        if group:
+            self._by_group.setdefault(group, {})[task.task_id] = task
+        self._deadlines.push((task.deadline, task.seq, task))
         self.stats.submitted += 1
         pending = [self.tasks[d] for d in task.after if self.tasks[d].state != DONE]
         if any(d.state == FAILED for d in pending):
@@ -155,87 +148,138 @@ class TaskBroker:
 
     def release_group(self, group: str) -> int:
         """End a group (a pipeline round): its tasks and their bytes go."""
-        members = [t for t in self.tasks.values() if t.group == group]
+        members = list(self._by_group.pop(group, {}).values())
         for task in members:
             if not task.ended:
                 self._fail(task, ApiError(410, "group_released", f"group {group!r} was released"))
             self._remove(task)
         return len(members)
 
+    def requeue(self, task_id: str) -> Task:
+        """Put a leased task back in its place in the queue (its lessee becomes a previous lessee,
+        whose result is still accepted while the task is not done); a queued task stays as it is."""
+        task = self._known(task_id)
+        if task.state == LEASED:
+            self._requeue(task)
+        elif task.state != QUEUED:
+            raise ApiError(409, "task_not_leased", f"task {task_id!r} is {task.state}, not leased",
+                           "Only a leased task can be put back.")
+        return task
+
+    def cancel(self, task_id: str, error: ApiError) -> Task:
+        """End a task that is no longer wanted (its micro-batch was finished by someone else):
+        it fails with ``error`` wherever it is, and any result for it is refused ``task_done``.
+        Cancelling an ended task changes nothing."""
+        task = self._known(task_id)
+        if not task.ended:
+            task.cancelled = True
+            self._fail(task, error)
+        return task
+
     # --- workers ------------------------------------------------------------------------------
     async def lease(self, worker: str, keys: Collection[str], *, max_rows: int, wait_s: float) -> list[Task]:
-        """The oldest queued tasks of ``keys`` (at least one, at most ``max_rows`` rows after the
-        first), waiting up to ``wait_s`` for one to arrive."""
+        """The best queued tasks of ``keys`` (at least one, at most ``max_rows`` rows after the
+        first), waiting up to ``wait_s`` for one to arrive on one of them."""
         deadline = self.clock() + wait_s
         while True:
             taken = self._take(worker, keys, max_rows)
             if taken or self.clock() >= deadline:
                 return taken
             arrived = asyncio.get_running_loop().create_future()
-            self._waiters.add(arrived)
+            self._waiters.add(keys, arrived)
             try:
                 await asyncio.wait_for(arrived, deadline - self.clock())
             except asyncio.TimeoutError:
                 pass
             finally:
-                self._waiters.discard(arrived)
+                self._waiters.remove(keys, arrived)
 
     def payload(self, task: Task) -> bytes:
         return self.store.get(task.payload)
 
     def leased(self, worker: str, task_id: str) -> Task:
+        """The task whose result ``worker`` may send now, or the error that refuses it: 410
+        ``task_expired`` (unknown, released, or past its deadline), 409 ``not_your_task`` (never
+        leased to this worker, or failed), 409 ``task_done`` (a result was accepted, or it was
+        cancelled). The lessee and, while the task is not done, its previous lessees may."""
         task = self.tasks.get(task_id)
         if task is None or task.state == FAILED and task.error is not None and task.error.code == "task_timeout":
             raise ApiError(410, "task_expired", f"task {task_id!r} ended (deadline passed or released)",
                            "Drop this result; take the next task.")
-        if task.worker != worker or task.state != LEASED:
+        if not task.held_by(worker):
             raise ApiError(409, "not_your_task", f"task {task_id!r} is not leased to this worker",
+                           "Only send results for tasks your own lease returned.")
+        if task.state == DONE or task.cancelled:
+            raise ApiError(409, "task_done", f"task {task_id!r} already has its result (or was cancelled)",
+                           "Drop this result (it was not counted); take the next task.")
+        if task.state not in (LEASED, QUEUED):
+            raise ApiError(409, "not_your_task", f"task {task_id!r} is {task.state}",
                            "Only send results for tasks your own lease returned.")
         return task
 
     def complete(self, worker: str, task_id: str, result: bytes) -> Task:
+        """Accept ``worker``'s result (first result wins: see the module docstring)."""
         task = self.leased(worker, task_id)
+        now = self.clock()
+        if task.state == LEASED and task.worker == worker:
+            self.timer.record(task.key, now - task.leased_at)
+        else:  # a previous lessee, first: the task is queued again or leased to another worker
+            self.stats.late_accepted += 1
+            if task.state == LEASED:
+                task.previous_workers.append(task.worker)  # its later result gets task_done
+        self._leave_queue_or_lease(task)
+        task.previous_workers = [w for w in task.previous_workers if w != worker]
+        task.worker = worker
         task.result = self.store.put(result)
-        task.state, task.ended_at = DONE, self.clock()
+        task.state, task.ended_at = DONE, now
         self.stats.completed += 1
-        self._ended[task.task_id] = task
-        task.finished.set()
+        self._closed(task)
         for dependent in self._dependents.pop(task.task_id, []):
             if dependent.state == WAITING and all(self.tasks[d].state == DONE for d in dependent.after):
                 self._enqueue(dependent)
         return task
 
     def fail(self, worker: str, task_id: str, error: ApiError) -> Task:
+        """The lessee reports (or the relay finds) its task failed. Only the current lessee: a
+        previous lessee's failure must not end a task another worker is computing."""
         task = self.leased(worker, task_id)
+        if task.state != LEASED or task.worker != worker:
+            raise ApiError(409, "not_your_task", f"your lease on task {task_id!r} lapsed; it was re-dispatched",
+                           "Drop it; take the next task.")
         self._fail(task, error)
         return task
 
     def worker_left(self, worker: str) -> None:
-        """The registry dropped ``worker``: requeue or fail the tasks it held."""
-        for task in [t for t in self.tasks.values() if t.worker == worker and t.state == LEASED]:
+        """The registry dropped ``worker``: requeue or fail the tasks it held; its affinity goes."""
+        for task in list(self._by_worker.get(worker, {}).values()):
             if task.requeue_on_loss and task.deadline > self.clock():
-                task.state, task.worker = QUEUED, None
-                self._queues.setdefault(task.key, deque()).appendleft(task)  # first in line again
-                self._queued_rows[task.key] = self._queued_rows.get(task.key, 0) + task.rows
-                self.stats.requeued += 1
+                self._requeue(task)
             else:
                 self._fail(task, ApiError(410, "worker_gone", f"the worker computing {task.key} left",
                                           "Treat it as a failed call."))
-        self._notify()
+        self._by_worker.pop(worker, None)
+        self._queues.forget_worker(worker)
 
     def fail_key(self, key: str, error: ApiError) -> int:
         """Fail every task of ``key`` not yet done (e.g. its expert left the directory)."""
-        doomed = [t for t in self.tasks.values() if t.key == key and not t.ended]
+        doomed = list(self._open_by_key.get(key, {}).values())
         for task in doomed:
             self._fail(task, error)
         return len(doomed)
 
     # --- upkeep -------------------------------------------------------------------------------
     def tick(self) -> None:
-        """Fail tasks past their deadline; forget ended tasks older than ``retain_s``."""
+        """Fail tasks past their deadline; requeue leases past theirs; forget ended tasks older
+        than ``retain_s``. Each from its own index: the work is what expired, not every task."""
         now = self.clock()
-        for task in [t for t in self.tasks.values() if not t.ended and t.deadline <= now]:
-            self._fail(task, _timeout(task))
+        while (entry := self._deadlines.peek()) is not None and entry[0] <= now:
+            self._deadlines.pop()
+            self._fail(entry[-1], timeout_error(entry[-1]))
+        for task in self._leases.expired(now):
+            self.stats.lease_expired += 1
+            log.info("lease of %s on %s by %s expired after %.1f s; requeued", task.task_id, task.key,
+                     (task.worker or "")[:16], now - task.leased_at)
+            self._requeue(task)
         while self._ended:
             task = next(iter(self._ended.values()))
             if task.ended_at is None or now - task.ended_at < self.retain_s:
@@ -244,71 +288,110 @@ class TaskBroker:
             if not task.group:
                 self._remove(task)
 
+    def lease_deadline(self, key: str) -> float:
+        """Seconds a lease of ``key`` lasts now (:mod:`.timing`)."""
+        return self.timer.deadline(key)
+
+    def timings(self) -> dict[str, dict[str, float | int]]:
+        """Per measured key: ``measured_s`` (median task time), ``samples``, ``lease_deadline_s``."""
+        return self.timer.report()
+
     def queued_rows(self, key: str) -> int:
-        return self._queued_rows.get(key, 0)
+        return self._queues.rows(key)
 
     def summary(self) -> dict[str, int]:
-        return {"tasks": len(self.tasks), "queued": sum(self._queued_rows.values()),
+        return {"tasks": len(self.tasks), "queued": self._queues.total_rows(),
                 "memory_bytes": self.store.memory_bytes, "spilled_bytes": self.store.spilled_bytes,
                 **self.stats.__dict__}
 
     # --- internals ----------------------------------------------------------------------------
+    def _known(self, task_id: str) -> Task:
+        task = self.tasks.get(task_id)
+        if task is None:
+            raise ApiError(404, "unknown_task", f"task {task_id!r} is unknown or was released")
+        return task
+
     def _enqueue(self, task: Task) -> None:
         task.state = QUEUED
-        self._queues.setdefault(task.key, deque()).append(task)
-        self._queued_rows[task.key] = self._queued_rows.get(task.key, 0) + task.rows
-        self._notify()
+        self._queues.push(task)
+        self._notify(task.key)
 
     def _take(self, worker: str, keys: Collection[str], max_rows: int) -> list[Task]:
         taken: list[Task] = []
         rows = 0
-        while True:
-            heads = [q[0] for k in keys if (q := self._queues.get(k))]
-            if not heads:
-                return taken
-            task = min(heads, key=lambda t: t.seq)  # oldest first, across the worker's keys
-            oldest_key = task.key
-            if task.deadline <= self.clock():  # past its deadline: fail it here rather than scan every task per poll
-                self._fail(task, _timeout(task))
+        while (task := self._queues.best(worker, keys)) is not None:
+            now = self.clock()
+            if task.deadline <= now:  # past its deadline: fail it here rather than hand it out
+                self._fail(task, timeout_error(task))
                 continue
             if taken and rows + task.rows > max_rows:
-                return taken
-            self._queues[oldest_key].popleft()
-            self._queued_rows[oldest_key] -= task.rows
-            task.state, task.worker, task.leased_at = LEASED, worker, self.clock()
+                break
+            self._queues.discard(task)
+            task.state, task.worker, task.leased_at = LEASED, worker, now
+            task.attempts += 1
+            self._by_worker.setdefault(worker, {})[task.task_id] = task
+            if task.requeue_on_loss:
+                self._leases.start(task, now)
             taken.append(task)
             rows += task.rows
+        return taken
+
+    def _requeue(self, task: Task) -> None:
+        """A leased task goes back to its place: same priority and seq, so ahead of later ones."""
+        task.previous_workers.append(task.worker)
+        self._leave_queue_or_lease(task)
+        task.worker = None
+        if task.deadline <= self.clock():
+            self._fail(task, timeout_error(task))
+            return
+        self.stats.requeued += 1
+        self._enqueue(task)
+
+    def _leave_queue_or_lease(self, task: Task) -> None:
+        if task.state == QUEUED:
+            self._queues.discard(task)
+        elif task.state == LEASED:
+            held = self._by_worker.get(task.worker)
+            if held is not None:
+                held.pop(task.task_id, None)
+                if not held:
+                    del self._by_worker[task.worker]
+            self._leases.end(task)
 
     def _fail(self, task: Task, error: ApiError) -> None:
         if task.ended:
             return
-        if task.state == QUEUED:
-            queue = self._queues.get(task.key)
-            if queue is not None and task in queue:
-                queue.remove(task)
-                self._queued_rows[task.key] -= task.rows
+        self._leave_queue_or_lease(task)
         task.state, task.error, task.ended_at = FAILED, error, self.clock()
         self.stats.failed += 1
-        self._ended[task.task_id] = task
-        task.finished.set()
+        self._closed(task)
         for dependent in self._dependents.pop(task.task_id, []):
             self._fail(dependent, ApiError(424, "dependency_failed", f"task {task.task_id} it comes after failed: "
                                            f"{error.message}"))
+
+    def _closed(self, task: Task) -> None:
+        """Bookkeeping of a task that just ended."""
+        self._ended[task.task_id] = task
+        open_tasks = self._open_by_key.get(task.key)
+        if open_tasks is not None:
+            open_tasks.pop(task.task_id, None)
+            if not open_tasks:
+                del self._open_by_key[task.key]
+        task.finished.set()
 
     def _remove(self, task: Task) -> None:
         self.tasks.pop(task.task_id, None)
         self._ended.pop(task.task_id, None)
         if self._by_call.get((task.caller, task.call_id)) is task:
             del self._by_call[(task.caller, task.call_id)]
+        members = self._by_group.get(task.group)
+        if members is not None:
+            members.pop(task.task_id, None)
+            if not members:
+                del self._by_group[task.group]
         self.store.drop(task.payload)
         self.store.drop(task.result)
 
-    def _notify(self) -> None:
-        """Wake every waiting lease call (each looks for its own keys)."""
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-
-def _timeout(task: Task) -> ApiError:
-    return ApiError(504, "task_timeout", f"no result for {task.key} within its deadline", "Treat it as a failed call.")
+    def _notify(self, key: str) -> None:
+        """Wake the lease calls waiting on ``key`` (only they can lease its new task)."""
+        self.stats.wakeups += self._waiters.notify(key)

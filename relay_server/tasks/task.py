@@ -1,0 +1,78 @@
+"""A task and the broker's counters: what the broker, its routes and the pipeline's coordinator
+read. The states and how a task moves between them are in :mod:`.broker`'s docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from relay_server.core.errors import ApiError
+from relay_server.tasks.store import PayloadRef
+
+WAITING, QUEUED, LEASED, DONE, FAILED = "waiting", "queued", "leased", "done", "failed"
+
+
+@dataclass(eq=False)
+class Task:
+    task_id: str
+    seq: int
+    key: str
+    kind: str
+    caller: str
+    call_id: str
+    rows: int
+    payload: PayloadRef
+    deadline: float
+    """``time.monotonic()`` seconds."""
+    after: tuple[str, ...] = ()
+    group: str = ""
+    requeue_on_loss: bool = False
+    priority: tuple = ()
+    """Leasing order within and across keys: smaller first, then older (``seq``)."""
+    prefer: str | None = None
+    """The worker that should lease it if it asks (see :mod:`.queues`); anyone may."""
+    state: str = WAITING
+    worker: str | None = None
+    """The lessee while leased; once done, the worker whose result was accepted."""
+    result: PayloadRef | None = None
+    error: ApiError | None = None
+    ended_at: float | None = None
+    leased_at: float | None = None
+    lease_expires_at: float | None = None
+    """While leased with ``requeue_on_loss``: when :meth:`TaskBroker.tick` requeues it."""
+    attempts: int = 0
+    """Times leased."""
+    previous_workers: list[str] = field(default_factory=list)
+    """Lessees whose lease ended without their result (lapsed, left, requeued, superseded), in order."""
+    cancelled: bool = False
+    queue_token: int | None = None
+    lease_token: int | None = None
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in (DONE, FAILED)
+
+    def held_by(self, worker: str) -> bool:
+        return worker == self.worker or worker in self.previous_workers
+
+
+@dataclass
+class BrokerStats:
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    refused_busy: int = 0
+    requeued: int = 0
+    """Leased tasks put back in their queue (lease expired, worker left, :meth:`TaskBroker.requeue`)."""
+    lease_expired: int = 0
+    late_accepted: int = 0
+    """Results accepted from a previous lessee (first result wins)."""
+    wakeups: int = 0
+    """Waiting lease calls woken by a task arriving on one of their keys."""
+
+
+
+def timeout_error(task: Task) -> ApiError:
+    return ApiError(504, "task_timeout", f"no result for {task.key} within its deadline", "Treat it as a failed call.")

@@ -1,0 +1,88 @@
+"""How long a key's tasks take, measured, and the lease deadline derived from it.
+
+A stuck worker (alive to the registry, never answering: SIGSTOP, a hung driver) would hold a
+pipeline's micro-batch forever if only departures requeued work, and a fixed timeout is wrong for
+every stage but one: a stage of 2 layers on a fast GPU and one of 12 on a laptop differ by 100x.
+So the broker measures, per key, the time from lease to accepted result of the tasks leased to
+the worker that answered, and a lease lasts ``max(floor_s, factor x measured)``.
+
+Why the median of a window (the last ``window`` tasks) and not a mean or an EWMA: the tasks a
+deadline exists for are the outliers, and a stuck worker's result that arrives a minute late
+(accepted under first-result-wins, but not measured) or one slow straggler must not stretch the
+deadline of everyone after it; the median ignores up to half of the window, and the window
+follows a stage whose speed changes (a rebalance, a slower worker joining). ``factor`` covers
+the spread between workers of one stage (the paper's slow "2080" workers are ~1.6x). Before a
+key has any measurement its leases last ``initial_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from typing import Any
+
+from relay_server.tasks.queues import LazyHeap
+
+
+class LeaseTimer:
+    def __init__(self, *, floor_s: float = 2.0, factor: float = 4.0, initial_s: float = 30.0, window: int = 32) -> None:
+        if not floor_s > 0:
+            raise ValueError("lease_floor_s must be > 0 seconds (the shortest lease a measured key gets)")
+        if not factor >= 1:
+            raise ValueError("lease_factor must be >= 1 (a lease lasts factor x the measured task time)")
+        if not initial_s > 0:
+            raise ValueError("initial_lease_s must be > 0 seconds (the lease before a key has a measurement)")
+        if window < 1:
+            raise ValueError("lease_window must be >= 1 task (how many recent task times the median covers)")
+        self.floor_s, self.factor, self.initial_s, self.window = floor_s, factor, initial_s, window
+        self._samples: dict[str, deque[float]] = {}
+        self._median: dict[str, float] = {}
+
+    def record(self, key: str, seconds: float) -> None:
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        samples.append(max(0.0, seconds))
+        self._median[key] = statistics.median(samples)
+
+    def measured(self, key: str) -> float | None:
+        """The median lease-to-result time of ``key``'s last ``window`` tasks (``None``: none yet)."""
+        return self._median.get(key)
+
+    def deadline(self, key: str) -> float:
+        """How long a lease of ``key`` lasts: ``max(floor_s, factor x measured)``, or ``initial_s``."""
+        measured = self._median.get(key)
+        return self.initial_s if measured is None else max(self.floor_s, self.factor * measured)
+
+    def report(self) -> dict[str, dict[str, float | int]]:
+        """Per measured key: ``measured_s``, ``samples`` and ``lease_deadline_s`` (for the dashboard)."""
+        return {key: {"measured_s": self._median[key], "samples": len(samples), "lease_deadline_s": self.deadline(key)}
+                for key, samples in self._samples.items()}
+
+
+class LeaseBook:
+    """The leases that have a deadline, by expiry: a heap, so the relay's tick looks only at the
+    leases that expired, never at every task. A lease that ends earlier (a result, a requeue)
+    leaves a stale entry, skipped by its token. A task here needs ``key`` and writable
+    ``lease_token`` and ``lease_expires_at``."""
+
+    def __init__(self, timer: LeaseTimer) -> None:
+        self.timer = timer
+        self._heap = LazyHeap(lambda entry: entry[-1].lease_token == entry[-2])  # (expires, token, task)
+        self._tokens = itertools.count(1)
+
+    def start(self, task: Any, now: float) -> None:
+        task.lease_token = next(self._tokens)
+        task.lease_expires_at = now + self.timer.deadline(task.key)
+        self._heap.push((task.lease_expires_at, task.lease_token, task))
+
+    @staticmethod
+    def end(task: Any) -> None:
+        task.lease_token = task.lease_expires_at = None
+
+    def expired(self, now: float) -> list[Any]:
+        """The tasks whose lease passed its deadline by ``now`` (their leases end here)."""
+        out = []
+        while (entry := self._heap.peek()) is not None and entry[0] <= now:
+            self._heap.pop()
+            out.append(entry[-1])
+        return out
