@@ -47,9 +47,13 @@ class ByteStage(Stage):
     def tokens(self, batch: Any) -> torch.Tensor:
         return self._checked(batch)[:, :-1]
 
-    def _checked(self, batch: Any) -> torch.Tensor:
-        if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.dtype != torch.long or batch.shape[1] < 2:
-            what = f"a {tuple(batch.shape)} {batch.dtype} tensor" if isinstance(batch, torch.Tensor) else type(batch).__name__
-            raise ModelMismatch("bad_batch", f"a ByteTransformer stage takes LongTensor batches [b, t+1] of bytes, "
-                                f"got {what}", "Feed the run's byte batches (toolkit.data), or tokens as a LongTensor.")
-        return batch
+    @staticmethod
+    def _checked(batch: Any) -> torch.Tensor:
+        """The batch, refused unless it is bytes [b, t+1] (t >= 1)."""
+        if isinstance(batch, torch.Tensor) and batch.dim() == 2 and batch.dtype == torch.long and batch.shape[1] >= 2:
+            return batch
+        what = type(batch).__name__
+        if isinstance(batch, torch.Tensor):
+            what = f"a {tuple(batch.shape)} {batch.dtype} tensor"
+        raise ModelMismatch("bad_batch", f"a ByteTransformer stage takes LongTensor batches [b, t+1] of bytes, got "
+                            f"{what}", "Feed the run's byte batches (toolkit.data), or tokens as a LongTensor.")

@@ -121,10 +121,9 @@ def units_from_named(named: Iterable[tuple[str, torch.Tensor]], anatomy: Anatomy
     if num_layers < 1 or missing:
         raise ModelMismatch("not_cuttable", f"this {anatomy.name} has no parameters in block(s) {missing or [0]}",
                             "A stage is cut from whole blocks that have parameters: check the model's config.")
-    prefix = tuple(ranges.get(-1, (0, 0)))
-    suffix = tuple(ranges.get(num_layers, (offset, offset)))
-    return PipelineUnits(num_layers=num_layers, prefix=prefix, blocks=tuple(tuple(ranges[i]) for i in range(num_layers)),
-                         suffix=suffix, total=offset)
+    blocks = tuple(tuple(ranges[i]) for i in range(num_layers))
+    return PipelineUnits(num_layers=num_layers, prefix=tuple(ranges.get(-1, (0, 0))), blocks=blocks,
+                         suffix=tuple(ranges.get(num_layers, (offset, offset))), total=offset)
 
 
 def cut_stages(units: PipelineUnits, layers_per_stage: Sequence[int]) -> list[StageCut]:

@@ -49,7 +49,8 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
     hint = arch.tie_hint(model)
     if hint:
         raise ModelMismatch("tied_embeddings", f"this {arch.anatomy.name} ties its input and output embeddings, and "
-                            "a pipeline's first and last stages cannot share one matrix", hint[0].upper() + hint[1:] + ".")
+                            "a pipeline's first and last stages cannot share one matrix",
+                            hint[0].upper() + hint[1:] + ".")
     arch.check(model)
     num_layers = arch.num_layers(model)
     named, seen = list(model.named_parameters(remove_duplicate=False)), {}
