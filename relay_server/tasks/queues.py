@@ -105,8 +105,12 @@ class ReadyQueues:
         return best[-1]
 
     def forget_worker(self, worker: str) -> None:
-        """A departed worker's affinity: its tasks stay queued for everyone; only the index goes."""
-        self._preferred.pop(worker, None)
+        """A departed worker's affinity goes: the queued tasks that preferred it become nobody's
+        (``prefer = None``; they were leasable by anyone all along), and its index is dropped."""
+        for heap in self._preferred.pop(worker, {}).values():
+            for entry in heap.items:
+                if self._live(entry):
+                    entry[-1].prefer = None
 
     def rows(self, key: str) -> int:
         return self._rows.get(key, 0)
