@@ -7,7 +7,7 @@ Life of a task::
                 │          │  (priority, seq)     │  worker left, requeue()        │  the lessee's, or a
                 │          └──── back in place ◄──┘                                │  previous lessee's
                 │                                                                  │
-                └─ a dependency failed ─► failed ◄── task deadline, cancel(), fail_key, release_group
+                └─ a dependency failed ─► failed ◄── task deadline, fail(), cancel(), fail_key, release_group
 
 Rules, and why:
 
@@ -42,7 +42,8 @@ Rules, and why:
   own store and submits the next task itself, so its tasks may carry an empty payload.
 * **No scans.** Lease calls wait per key (a new task wakes only the calls that can lease it);
   task deadlines and lease deadlines are heaps; worker, group and key each index their tasks.
-  The relay's tick and every poll stay O(log n) in the number of tasks it holds.
+  A tick costs O(log n) per task that expired, a lease O(log n) per key asked and task taken
+  (n: the tasks the relay holds), however many tasks sit in other keys or other rounds.
 
 Everything runs on the relay's event loop; no locks.
 """

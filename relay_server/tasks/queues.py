@@ -15,7 +15,8 @@ twice its live size, so a key that nobody leases does not keep dead entries fore
 The affinity rule (one rule, simple): for a worker, let ``best`` be the best queued task of its
 keys and ``mine`` the best of those that prefer it. It gets ``mine`` when ``mine`` is in the same
 priority class as ``best`` (class = the first ``affinity_prefix`` elements of the priority tuple),
-else ``best``. With the pipeline's priority ``(0 backward / 1 forward, batch, microbatch)`` and the
+else ``best``. (The same as: ``mine`` when its class is equal to or better than that of the best
+task not preferring it.) With the pipeline's priority ``(0 backward / 1 forward, batch, microbatch)`` and the
 default prefix 1, a worker takes the backward of a forward it ran (its input still cached) before
 another backward, but never a forward of its own before somebody's backward. A preference is a
 hint, never a hold: every task stays in its key's heap, so anyone can lease it, and a task that
@@ -43,7 +44,7 @@ class LazyHeap:
 
     def push(self, entry: Entry) -> None:
         heapq.heappush(self.items, entry)
-        if len(self.items) > self._compact_at:  # amortized O(1): at least half of the entries were pushed since the last one
+        if len(self.items) > self._compact_at:  # amortized O(1): half the entries came since the last compaction
             self.items = [e for e in self.items if self.valid(e)]
             heapq.heapify(self.items)
             self._compact_at = max(64, 2 * len(self.items))
@@ -105,8 +106,12 @@ class ReadyQueues:
         return best[-1]
 
     def forget_worker(self, worker: str) -> None:
-        """A departed worker's affinity: its tasks stay queued for everyone; only the index goes."""
-        self._preferred.pop(worker, None)
+        """A departed worker's affinity goes: the queued tasks that preferred it become nobody's
+        (``prefer = None``; they were leasable by anyone all along), and its index is dropped."""
+        for heap in self._preferred.pop(worker, {}).values():
+            for entry in heap.items:
+                if self._live(entry):
+                    entry[-1].prefer = None
 
     def rows(self, key: str) -> int:
         return self._rows.get(key, 0)

@@ -47,7 +47,9 @@ class Task:
     """Lessees whose lease ended without their result (lapsed, left, requeued, superseded), in order."""
     cancelled: bool = False
     queue_token: int | None = None
+    """Internal: which queue entry is live (:mod:`.queues` deletes lazily); ``None`` unless queued."""
     lease_token: int | None = None
+    """Internal: which lease-deadline entry is live (:mod:`.timing`); ``None`` without a lease deadline."""
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
