@@ -309,6 +309,31 @@ def launch_peer(tmp_path: Path) -> Iterator:
             peer.proc.wait(timeout=10)
 
 
+STAGE_WORKER = Path(__file__).resolve().parent / "stage_worker.py"
+
+
+@pytest.fixture
+def launch_stage_worker(tmp_path: Path) -> Iterator:
+    """``launch_stage_worker(relay_url, name, seed=..., until_step=...)`` -> PeerProcess running
+    ``tests/stage_worker.py`` (the toolkit's pipeline StageWorker on deterministic data)."""
+    workers: list[PeerProcess] = []
+
+    def launch(relay_url: str, name: str, *, seed: int, until_step: int, extra: tuple[str, ...] = ()) -> PeerProcess:
+        log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
+        proc = subprocess.Popen(
+            [sys.executable, str(STAGE_WORKER), "--relay", relay_url, "--name", name, "--seed", str(seed),
+             "--until-step", str(until_step), "--events", str(events), *extra],
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+        workers.append(PeerProcess(name, proc, log, events))
+        return workers[-1]
+
+    yield launch
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait(timeout=10)
+
+
 class BytesStream:
     """The ``readexactly`` of aiohttp's StreamReader, over bytes."""
 

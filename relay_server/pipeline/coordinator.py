@@ -78,6 +78,7 @@ class PipelineCoordinator:
         self.samples_done = 0
         self.redone = self.refused = 0
         self.layers: list[int] = []
+        self.counted: list[list[int]] = []  # samples each stage counted, per recent round
         self.predicted_batch_s: float | None = None
 
     # --- batches --------------------------------------------------------------------------------
@@ -133,16 +134,16 @@ class PipelineCoordinator:
 
     def result(self, worker: str, task_id: str, body: bytes) -> PipelineAck:
         """Validate a task's result, then (first result wins) store its boundary and queue the next step."""
-        step = self.steps.get(task_id)
-        if step is None:
-            raise ApiError(410, "task_expired", f"task {task_id!r} is not part of the batch in flight",
-                           "Drop this result and its gradient; take the next task.")
         task = self.broker.tasks.get(task_id)
         if task is not None and task.state == "done":
             if task.worker == worker:  # our own result, retried after a lost answer
                 return PipelineAck(task_id=task_id, accepted=True)
             self.refused += 1
             return PipelineAck(task_id=task_id, accepted=False)
+        step = self.steps.get(task_id)
+        if step is None:
+            raise ApiError(410, "task_expired", f"task {task_id!r} is not part of the batch in flight",
+                           "Drop this result and its gradient; take the next task.")
         mb = self.ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
@@ -242,7 +243,8 @@ class PipelineCoordinator:
     async def finalize(self) -> None:
         """Every stage steps; publish; drop the batch's boundaries; the next batch starts."""
         r = self.round
-        published, grad_norm = await self.owners.finalize(r.step, r.round_id)
+        published, grad_norm, counted = await self.owners.finalize(r.step, r.round_id)
+        self.counted = (self.counted + [counted])[-20:]
         elapsed = self.clock() - self.batch_started
         self.batch_times = (self.batch_times + [elapsed])[-20:]
         self.samples_done += self.d * self.mb_size

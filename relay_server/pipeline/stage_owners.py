@@ -76,9 +76,10 @@ class StageOwners:
     def stage_of(self, start: int, end: int) -> int | None:
         return next((k for k, cut in enumerate(self.cuts) if cut == (start, end)), None)
 
-    async def finalize(self, step: int, round_id: str) -> tuple[Published, float]:
+    async def finalize(self, step: int, round_id: str) -> tuple[Published, float, list[int]]:
         """Every stage applies its optimizer to the mean of its round (clipping by the global
-        norm over all stages when the run clips); the new manifest and that norm."""
+        norm over all stages when the run clips); the new manifest, that norm and the samples
+        each stage's round counted."""
         clip = self.config.optimizer.clip_grad_norm > 0
         global_norm = None
         if clip:
@@ -88,4 +89,4 @@ class StageOwners:
         for store, (version, _, _) in zip(self.stores, done):
             await asyncio.to_thread(store.commit, version.step, version.sha256)
         norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))
-        return self.published(), norm
+        return self.published(), norm, [sum(r.received.values()) for _, r, _ in done]

@@ -11,12 +11,13 @@ if TYPE_CHECKING:
 
 
 def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
-    counts = c.broker.key_counts() if hasattr(c.broker, "key_counts") else {}
+    timings = c.broker.timings()
     stages, first = [], 0
     for k, (start, end) in enumerate(c.owners.cuts):
         key = f"stage{k}"
-        queued, leased = counts.get(key, (c.broker.queued_rows(key), 0))
-        task_s = c.broker.task_time(key) if hasattr(c.broker, "task_time") else None
+        queued = c.broker.queued_rows(key)
+        leased = sum(1 for t in c.broker.tasks.values() if t.key == key and t.state == "leased")
+        task_s = timings.get(key, {}).get("measured_s")
         stages.append(StageStatus(stage=k, layers=[first, first + c.layers[k]], params=end - start,
                                   workers=c.workers.on_stage(k), queued=queued, leased=leased,
                                   lease_s=c.broker.lease_deadline(key), task_s=task_s))
@@ -28,4 +29,5 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
                           round_open=c.round is not None, boundary_memory_bytes=c.boundaries.memory_bytes,
                           boundary_spilled_bytes=c.boundaries.spilled_bytes, boundary_bytes_per_sample=per_sample,
                           predicted_batch_s=c.predicted_batch_s, measured_batch_s=measured,
-                          redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused)
+                          redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused,
+                          counted=[list(x) for x in c.counted])

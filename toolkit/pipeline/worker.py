@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError, RelayRejected
+from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe import payloads
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.transfer import slice_part
@@ -65,7 +65,7 @@ class StageWorker:
                  on_first: Callable[[int, Any], None] | None = None) -> None:
         """``on_first(microbatch, batch)``: called when the relay accepted this worker's first-stage
         result for ``microbatch`` (which data went into which batch: tests replay it)."""
-        self.client, self.peer_id, self.run, self.batches = client, peer_id, run, batches
+        self.client, self.peer_id, self.info, self.batches = client, peer_id, run, batches
         self.on_first = on_first
         self.device, self.memory_bytes = torch.device(device), memory_bytes
         self.codec = get_codec(run.pipeline.get("boundary_codec", "none"))
@@ -88,7 +88,7 @@ class StageWorker:
         if (cut.start, cut.end) != (a.start, a.end):
             raise CollabError("stage_mismatch", f"the relay's stage {a.stage} is [{a.start}, {a.end}), this "
                               f"toolkit cuts [{cut.start}, {cut.end})", "Install the relay's collabtrain version.")
-        self.stage = build_stage(self.run.model, cut, self.device)
+        self.stage = build_stage(self.info.model, cut, self.device)
         self.params = list(self.stage.parameters())
         self.flat = np.zeros(a.end - a.start, dtype=np.float32)
         self.version = -1
@@ -124,23 +124,37 @@ class StageWorker:
             wait_s: int = 5) -> None:
         heartbeat = threading.Thread(target=self._heartbeat, daemon=True, name="pipeline-heartbeat")
         heartbeat.start()
-        self._take_stage()
-        while not self._stop.is_set() and not until():
-            work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
-            if work.stage != self.assignment.stage:
-                self._take_stage()
-                continue
-            if work.round is not None:
-                self._upload(work.round)
-            for i, task in enumerate(work.tasks):
+        try:
+            self._take_stage()
+            while not self._stop.is_set() and not until():
                 try:
-                    self._ensure_version(task.version)
-                except _Stale:
-                    continue  # the batch moved on; its tasks are gone
-                self._do(task, {k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
-            if on_progress is not None:
-                on_progress(self.progress())
-        self._stop.set()
+                    self._serve_once(wait_s)
+                except RelayRejected as exc:
+                    if exc.code not in ("no_stage", "stage_mismatch", "wrong_slice"):
+                        raise
+                    log.info("the relay no longer knows this worker's stage (%s): asking again", exc.code)
+                    self._take_stage()
+                except RelayUnreachable as exc:  # a blip or a relay restart: the transport retried already
+                    log.warning("relay unreachable (%s); trying again", exc)
+                    self._stop.wait(2.0)
+                if on_progress is not None:
+                    on_progress(self.progress())
+        finally:
+            self._stop.set()
+
+    def _serve_once(self, wait_s: int) -> None:
+        work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
+        if work.stage != self.assignment.stage:
+            self._take_stage()
+            return
+        if work.round is not None:
+            self._upload(work.round)
+        for i, task in enumerate(work.tasks):
+            try:
+                self._ensure_version(task.version)
+            except _Stale:
+                continue  # the batch moved on; its tasks are gone
+            self._do(task, {k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
 
     def progress(self) -> WorkerProgress:
         a = self.assignment
@@ -149,7 +163,7 @@ class StageWorker:
                               microbatches_held=len(self.held), last_loss=self.last_loss, uploads=self.uploads)
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self.run.heartbeat_interval_s):
+        while not self._stop.wait(self.info.heartbeat_interval_s):
             try:
                 self.client.heartbeat(self.peer_id, Heartbeat(version=max(0, self.version), samples=0,
                                                               samples_per_s=self.samples_per_s))
@@ -196,7 +210,15 @@ class StageWorker:
             grads = results[len(wrt):]
             if wrt and not task.redo:
                 out.update(self._rows("g", results[0]))
-        ack = self.client.pipeline_result(self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum), out)
+        try:
+            ack = self.client.pipeline_result(self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum),
+                                              out)
+        except RelayRejected as exc:
+            if exc.status not in (409, 410):
+                raise
+            log.info("result for %s refused (%s): dropped", task.task_id, exc.code)
+            self.tasks_refused += 1
+            return
         if not ack.accepted:
             self.tasks_refused += 1
             return
@@ -238,7 +260,7 @@ class StageWorker:
                         call.microbatches, call.stage, sorted(self.held))
         vector = torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy() \
             if self.grad_sum is not None else np.zeros(a.end - a.start, dtype=np.float32)
-        run_codec = get_codec(self.run.compression)
+        run_codec = get_codec(self.info.compression)
         tensors = list(run_codec.encode(vector))
         plan = PlanSlice(aggregator_id=f"stage{a.stage}", name=f"stage {a.stage}", start=a.start, end=a.end,
                          fraction=0.0)

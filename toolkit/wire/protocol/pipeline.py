@@ -156,3 +156,5 @@ class PipelineStatus(Schema):
     redispatched: int
     redone: int
     refused_results: int
+    counted: list[list[int]] = field(default_factory=list)
+    """The samples each stage's parameter server counted, per recent round (exactly the batch's)."""

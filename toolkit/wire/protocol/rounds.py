@@ -62,8 +62,9 @@ class RoundRecord(Schema):
     loss: float | None
     duration_s: float
     deadline_s: float
-    finalized_by: Literal["all_arrived", "deadline", "peers_gone", "rollback", "recovery"]
-    """"recovery": no round; a dead aggregator's slice was restored from the relay's copy."""
+    finalized_by: Literal["all_arrived", "deadline", "peers_gone", "rollback", "recovery", "pipeline"]
+    """"recovery": no round; a dead aggregator's slice was restored from the relay's copy.
+    "pipeline": a pipeline's batch, every stage counting all its micro-batches."""
     finalized_at: float = 0.0
     """Unix time, for throughput curves."""
     lr: float | None = None

@@ -1,0 +1,68 @@
+"""What the pipeline's integration tests share: a pipeline run's configuration, the data each
+accepted micro-batch carried (from the workers' event logs), and the same run replayed in one
+process (the exactness reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.support.training import load_flat
+from toolkit.models import build_model, loss_of
+from toolkit.wire.protocol import ModelSpec
+
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0,
+       "schedule": "constant"}
+
+
+def pipeline_overrides(spec: ModelSpec, *, stages: int, microbatch_size: int = 2, microbatches: int = 4,
+                       **pipeline: Any) -> dict[str, dict[str, Any]]:
+    model = ({"kind": "transformers", "architecture": spec.architecture, "config": spec.config}
+             if spec.kind == "transformers" else {"factory": spec.factory, "kwargs": spec.kwargs})
+    return {"run": {"target_batch": microbatch_size * microbatches, "max_staleness": 0},
+            "model": model, "optimizer": SGD,
+            "pipeline": {"enabled": True, "stages": stages, "microbatch_size": microbatch_size,
+                         "microbatches_per_batch": microbatches, **pipeline}}
+
+
+def accepted_batches(workers) -> dict[int, Any]:
+    """micro-batch id -> the data its first stage read (each id from exactly one worker)."""
+    found: dict[int, Any] = {}
+    for worker in workers:
+        for event in worker.events():
+            if event["event"] == "first":
+                assert event["microbatch"] not in found, f"micro-batch {event['microbatch']} was counted twice"
+                found[event["microbatch"]] = event["batch"]
+    return found
+
+
+def as_batch(plain: Any) -> Any:
+    if isinstance(plain, dict):
+        return {k: torch.tensor(v) for k, v in plain.items()}
+    return torch.tensor(plain)
+
+
+def replay(spec: ModelSpec, initial: np.ndarray, batches: dict[int, Any], *, steps: int, microbatches: int) -> np.ndarray:
+    """One process, the relay's initial parameters, the same global batches (micro-batches
+    ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``."""
+    torch.manual_seed(0)
+    model = build_model(spec)
+    load_flat(model, initial)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
+    for t in range(steps):
+        opt.zero_grad()
+        ids = range(t * microbatches, (t + 1) * microbatches)
+        loss = sum(loss_of(model, as_batch(batches[m])) for m in ids) / microbatches
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def worker_events(worker, kind: str) -> list[dict[str, Any]]:
+    return [e for e in worker.events() if e["event"] == kind]
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
