@@ -67,6 +67,7 @@ async def get_status(request: web.Request) -> web.Response:
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
         status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app),
                                      experts=experts_api.status_summary(request.app),
+                                     pipeline=pipeline_api.status_summary(request.app),
                                      loss_references=request.app[LOSS_REFERENCES],
                                      evaluations=_evaluations(collab))
         cache[:] = [now, key, status.dumps()]

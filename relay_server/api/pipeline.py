@@ -55,6 +55,12 @@ MAX_WAIT_S = 25
 MAX_CACHED = 4096
 
 
+def status_summary(app: web.Application) -> dict | None:
+    """The Pipeline panel's data in ``/api/status`` (None: not a pipeline run)."""
+    coordinator = app.get(PIPELINE)
+    return pipeline_status(coordinator).to_json() if coordinator is not None else None
+
+
 def _pipeline(request: web.Request) -> PipelineCoordinator:
     coordinator = request.app.get(PIPELINE)
     if coordinator is None:

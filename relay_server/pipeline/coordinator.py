@@ -44,7 +44,7 @@ from toolkit.wire.protocol import (PipelineAck, PipelineRoundCall, PipelineTask,
 
 log = logging.getLogger(__name__)
 NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire and they are re-dispatched
-MAX_TASKS_PER_POLL = 4
+MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker would idle another
 
 
 @dataclass

@@ -131,6 +131,9 @@ class StatusReport(Schema):
     experts: dict[str, Any] | None = None
     """Runs with ``[moe]``: experts live/total, calls/s and failure rate over the last minute,
     experts per host, queued rows (``relay_server.api.experts.Experts.summary``)."""
+    pipeline: dict[str, Any] | None = None
+    """Runs with ``[pipeline]``: the stages, their workers and queues, the batch in flight, the
+    boundary bytes, predicted vs measured time per batch (:class:`~toolkit.wire.protocol.PipelineStatus`)."""
     loss_references: list[LossReference] = field(default_factory=list)
     """Chance level and, on the demo text, its unigram entropy: where the loss curve stands."""
     evaluations: list[EvalRecord] = field(default_factory=list)
