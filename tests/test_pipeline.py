@@ -53,3 +53,49 @@ def test_pipeline_equals_one_process(start_relay, launch_stage_worker, model, sp
 def counted(relay) -> list[list[int]]:
     """The samples each stage's parameter server counted, per round."""
     return requests.get(relay.url + "/api/pipeline", timeout=10).json()["counted"]
+
+
+def holds_task_and_gradient(worker) -> bool:
+    """The worker is inside a leased task and holds a stage gradient it has not uploaded."""
+    events = worker.events()
+    uploaded = max((i for i, e in enumerate(events) if e["event"] == "uploaded"), default=-1)
+    held = any(e["event"] == "accepted" and e["kind"] in ("last", "backward") for e in events[uploaded + 1:])
+    return held and bool(events) and events[-1]["event"] == "leased"
+
+
+def test_a_killed_worker_loses_no_sample(start_relay, launch_stage_worker):
+    """SIGKILL a worker holding a leased task and an unsent stage gradient: its task is
+    re-dispatched, its micro-batches' stage gradient recomputed, and every round still counts
+    exactly the batch, equal to one process."""
+    relay, initial, workers = train(start_relay, launch_stage_worker, BYTE_SPEC, stages=2,
+                                    extra=("--sleep-per-task", "0.2"))
+    victim = wait_until(lambda: next((w for w in workers if holds_task_and_gradient(w)), None), 120,
+                        "a worker holding a leased task and an unsent stage gradient")
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    assert check_exact(relay, BYTE_SPEC, initial, workers, STEPS) <= 1e-5
+    assert counted(relay) == [[2 * MICROBATCHES] * 2] * STEPS
+    pipeline = requests.get(relay.url + "/api/pipeline", timeout=10).json()
+    assert pipeline["redispatched"] >= 1 and pipeline["redone"] >= 1, pipeline
+
+
+def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(start_relay, launch_stage_worker):
+    """SIGSTOP a worker inside a task, with a peer TTL far longer than the lease: the task is
+    re-dispatched at the lease deadline (derived from the stage's measured task time), not when
+    the registry would drop the worker; resumed, its late result is refused or first."""
+    relay = start_relay({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, lease_floor_s=1.0),
+                         "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0}})
+    _, initial = relay_params(relay.url)
+    workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.5"))
+               for i in range(4)]
+    wait_until(lambda: relay.status()["step"] >= 1, 120, "a first step (measured task times)")
+    victim = wait_until(lambda: next((w for w in workers if w.events() and w.events()[-1]["event"] == "leased"), None),
+                        60, "a worker inside a task")
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: requests.get(relay.url + "/api/pipeline", timeout=10).json()["redispatched"] >= 1, 60,
+                   "the stuck worker's task re-dispatched")
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    assert check_exact(relay, BYTE_SPEC, initial, workers, STEPS) <= 1e-5
+    assert counted(relay)[-STEPS:] == [[2 * MICROBATCHES] * 2] * STEPS
