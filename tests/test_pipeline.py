@@ -11,10 +11,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
-import time
 
+import numpy as np
 import pytest
 import requests
 
@@ -22,6 +23,8 @@ from tests.conftest import wait_until
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay, worker_events
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
 from tests.support.training import relay_params
+from toolkit.moe import payloads
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, PipelineResult
 
 STEPS = 3
 MICROBATCHES = 4
@@ -99,3 +102,46 @@ def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(start_relay, launc
         os.kill(victim.proc.pid, signal.SIGCONT)
     assert check_exact(relay, BYTE_SPEC, initial, workers, STEPS) <= 1e-5
     assert counted(relay)[-STEPS:] == [[2 * MICROBATCHES] * 2] * STEPS
+
+
+def test_hostile_results_are_refused_and_the_batch_completes(start_relay, launch_stage_worker):
+    """A worker sending NaN, a wrong shape, token ids out of range, an oversized body or a result
+    for a task it does not hold is refused before anything downstream sees it; the relay keeps
+    serving and the batch completes with honest workers, exact."""
+    relay = start_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=2.0))
+    _, initial = relay_params(relay.url)
+    hostile = requests.post(relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION},
+                            timeout=10).json()["peer_id"]
+    stage = requests.post(relay.url + ROUTES["pipeline_stage"].format(peer_id=hostile), json={}, timeout=10).json()
+    assert stage["stage"] == 0
+    work = requests.get(relay.url + ROUTES["pipeline_work"].format(peer_id=hostile), params={"wait": 5}, timeout=30)
+    metadata, _ = payloads.decode(work.content, len(work.content))
+    task = json.loads(metadata["work"])["tasks"][0]
+    assert task["kind"] == "first"
+    rows, width = 2 * BYTE_SPEC.kwargs["seq_len"], BYTE_SPEC.kwargs["d_model"]
+    tokens = np.zeros((2, BYTE_SPEC.kwargs["seq_len"] + 1), dtype=np.int64)
+    good_y = np.zeros((rows, width), dtype=np.float32)
+
+    def send(task_id: str, tensors: dict, headers: dict | None = None) -> requests.Response:
+        body = payloads.encode(tensors, {"result": PipelineResult(task_id=task_id).dumps().decode()})
+        return requests.put(relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task_id),
+                            data=body, headers=headers or {}, timeout=10)
+
+    refusals = [
+        (send(task["task_id"], {"y": np.full((rows, width), np.nan, dtype=np.float32), "batch": tokens}), 422, "non_finite"),
+        (send(task["task_id"], {"y": np.zeros((rows, width + 1), dtype=np.float32), "batch": tokens}), 422, "bad_tensor"),
+        (send(task["task_id"], {"y": good_y, "batch": tokens + 300}), 422, "bad_batch"),
+        (send(task["task_id"], {"y": good_y}), 422, "bad_batch"),
+        (send("t999999", {"y": good_y, "batch": tokens}), 410, "task_expired"),
+        (requests.put(relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task["task_id"]),
+                      data=b"x" * (1 << 20), timeout=10), 413, None),
+    ]
+    for response, status, code in refusals:
+        assert response.status_code == status, response.text
+        assert code is None or response.json()["error"] == code, response.text
+    pipeline = requests.get(relay.url + "/api/pipeline", timeout=10).json()
+    assert pipeline["finished"] == 0 and pipeline["boundary_memory_bytes"] == 0  # nothing of them was kept
+    requests.post(relay.url + ROUTES["leave"].format(peer_id=hostile), timeout=10)
+    workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1) for i in range(2)]
+    assert check_exact(relay, BYTE_SPEC, initial, workers, 1) <= 1e-5
+    assert counted(relay) == [[2 * MICROBATCHES] * 2]
