@@ -2,9 +2,11 @@
 
 A relay (in this process, on 127.0.0.1, state in a temporary directory) and N peer processes
 (``python -m toolkit.peer``, one CPU thread each) train on the text the toolkit ships. Recipes:
-``byte-lm`` (default: the byte-level transformer of ``defaults/demo.toml``) and ``albert-tiny``
+``byte-lm`` (default: the byte-level transformer of ``defaults/demo.toml``), ``albert-tiny``
 (``defaults/albert-tiny.toml``: the sahajBERT recipe in miniature; its WordPiece tokenizer is
-trained on the shipped text first, as ``relay-server tokenizer train`` would). One line per
+trained on the shipped text first, as ``relay-server tokenizer train`` would) and ``pipeline-tiny``
+(``defaults/pipeline-tiny.toml``: the byte-level transformer cut into 2 stages, each peer running
+one; the staged pipeline of ``relay_server.pipeline``). One line per
 optimizer step; the last line is a JSON summary. Both print the loss references the relay
 computes (chance level; the demo text's unigram entropy), so a newcomer can tell learning from noise.
 
@@ -70,7 +72,7 @@ class RelayThread:
         self._thread.join(timeout=30)
 
 
-RECIPES = ("byte-lm", "albert-tiny")
+RECIPES = ("byte-lm", "albert-tiny", "pipeline-tiny")
 OVERSHOOT_POLICY = {
     "reported": ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
                  "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
@@ -84,6 +86,10 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
     """The demo run's configuration (training the recipe's tokenizer into ``directory`` first)."""
     if recipe == "byte-lm":
         return load_config(None, overrides=overrides)
+    if recipe == "pipeline-tiny":  # its batch is its micro-batches': --target-batch does not apply
+        run = {k: v for k, v in overrides.get("run", {}).items() if k != "target_batch"}
+        with resources.as_file(resources.files("relay_server").joinpath("defaults/pipeline-tiny.toml")) as toml:
+            return load_config(toml, overrides={**overrides, "run": run})
     if recipe != "albert-tiny":
         raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}")
     missing = [name for name in ("tokenizers", "transformers") if importlib.util.find_spec(name) is None]
@@ -113,10 +119,16 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
             "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
             "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
             "rounds": {"open_round": open_round}})
+        if config.pipeline.enabled:
+            batch_size, target_batch = config.pipeline.microbatch_size, config.run.target_batch
         header = [f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
+                  *([f"pipeline:  {config.pipeline.stages} stages; each peer runs one"] if config.pipeline.enabled else []),
                   f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
                   f"{steps} steps, compression {compression}",
-                  f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}"]
+                  f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}"
+                  if not config.pipeline.enabled else
+                  f"rounds:    a step applies exactly {target_batch} samples: every stage steps once all "
+                  f"{config.pipeline.microbatches_per_batch} micro-batches of the batch ran forward and backward"]
         return LocalRun("demo", config, directory, peers=peers, batch_size=batch_size, threads=1).run(header, keep=keep)
     finally:
         if tmp is not None:

@@ -126,3 +126,14 @@ def test_the_sahajbert_recipe_is_albert_large_with_lamb() -> None:
     params = sum(p.numel() for p in model.parameters())
     assert 17e6 < params < 19e6, params
     assert [s["probability"] for s in config.dataset["sources"]] == [0.23, 0.77]
+
+
+def test_pipeline_tiny_recipe_runs_a_staged_pipeline() -> None:
+    """``--recipe pipeline-tiny``: the byte-level model cut into 2 stages; the peers (``python -m
+    toolkit.peer``, i.e. ``toolkit.join``) each take a stage and every step applies exactly the batch."""
+    proc = start_demo("--recipe", "pipeline-tiny", "--peers", "3", "--steps", "3")
+    losses, summary, out = finish(proc, timeout_s=300)
+    assert summary["steps"] == 3 and sorted(losses) == [1, 2, 3]
+    assert "pipeline:  2 stages; each peer runs one" in out
+    assert len(re.findall(r"applied 16 of target 16 samples", out)) == 3, out
+    assert summary["last_loss"] < summary["first_loss"]

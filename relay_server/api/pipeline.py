@@ -39,6 +39,7 @@ from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.status import pipeline_status
 from relay_server.pipeline.workers import Workers
+from relay_server.rounds.master import lr_at
 from relay_server.rounds.store import RoundLog
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
@@ -205,7 +206,9 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     def publish(published: Published, loss_sum: float, samples: int, elapsed: float, grad_norm: float,
                 contributions: dict[str, int]) -> None:
         record = RoundLog(contributions=contributions, loss=loss_sum / samples if samples else None,
-                          duration_s=elapsed, deadline_s=0.0, finalized_by="pipeline", lr=0.0, grad_norm=grad_norm)
+                          duration_s=elapsed, deadline_s=0.0, finalized_by="pipeline",
+                          lr=lr_at(published.step - 1, config.optimizer, config.run.total_steps), grad_norm=grad_norm,
+                          samples=samples)
         collab.store.commit(published.step, published.sha256, record, {"manifest": published.manifest.dumps().decode()})
         collab.backbone.board.publish(published)
         if collab.leaderboard is not None:
@@ -221,7 +224,8 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         num_stages=len(cut.cuts), microbatch_size=cfg.microbatch_size, microbatches_per_batch=cfg.microbatches_per_batch,
         owners=owners, broker=broker, boundaries=Boundaries(cfg.boundary_memory_mb << 20, root / "boundaries"),
         workers=Workers([e - s for s, e in cut.cuts], cut.activation_bytes(cfg.microbatch_size)), shapes=cut.shapes,
-        codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish)
+        codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish,
+        dispatch=cfg.dispatch)
     coordinator.layers = cut.layers
     collab.backbone.board.publish(owners.published())
     app[PIPELINE] = coordinator
@@ -247,6 +251,7 @@ async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
                 log.info("pipeline worker %s left: its tasks go back to the pool", worker[:16])
                 coordinator.worker_left(worker)
             coordinator.broker.tick()
+            coordinator.restart_lost()
             coordinator.check_delivered()
             if coordinator.finalizing and (finalizing is None or finalizing.done()):
                 finalizing = asyncio.create_task(coordinator.finalize())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BOUNDARY_CODECS = ("none", "float16", "int8")
+DISPATCH = ("pool", "static", "restart")
 
 
 @dataclass(kw_only=True)
@@ -43,6 +44,12 @@ class PipelineSection:
     ``lease_factor`` x the measured time, at least ``lease_floor_s``."""
     lease_factor: float = 4.0
     lease_floor_s: float = 2.0
+    dispatch: str = "pool"
+    """How tasks reach workers: "pool" (any worker of the stage takes any task; a lost task is
+    re-dispatched, a lost stage gradient recomputed). "static" and "restart" exist only to
+    measure what the pool buys (``benchmarks/pipeline.py``): "static" pins each micro-batch to one
+    worker per stage, which it waits for (a static 1F1B pipeline); "restart" starts a micro-batch
+    whose forward pass lost its worker again from stage 0 (SWARM-like)."""
     rebalance_every_batches: int = 4
     """Between batches, every this many, the planner may move one worker to the bottleneck
     stage (0: never), when the predicted gain beats the cost of downloading its new stage."""
@@ -78,5 +85,6 @@ class PipelineSection:
             (self.boundary_memory_mb >= 1, "pipeline.boundary_memory_mb must be >= 1"),
             (self.initial_lease_s > 0 and self.lease_factor >= 1 and self.lease_floor_s > 0,
              "pipeline.initial_lease_s and lease_floor_s must be > 0 and lease_factor >= 1"),
+            (self.dispatch in DISPATCH, f"pipeline.dispatch must be one of {DISPATCH}"),
             (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
         ]

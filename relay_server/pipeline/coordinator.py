@@ -62,10 +62,12 @@ class PipelineCoordinator:
     def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
                  broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
                  ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
-                 clock=time.monotonic) -> None:
+                 dispatch: str = "pool", clock=time.monotonic) -> None:
         self.K, self.mb_size, self.d = num_stages, microbatch_size, microbatches_per_batch
         self.owners, self.broker, self.boundaries, self.workers = owners, broker, boundaries, workers
         self.shapes, self.codec, self.ticket_key, self.publish, self.clock = shapes, codec, ticket_key, publish, clock
+        self.dispatch = dispatch
+        self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
         self.round: OpenRound | None = None
         self.uploading: set[str] = set()  # contributors whose slice upload is streaming now
@@ -76,7 +78,7 @@ class PipelineCoordinator:
         self.batch_times: list[float] = []
         self.bytes_out = 0
         self.samples_done = 0
-        self.redone = self.refused = 0
+        self.redone = self.refused = self.restarted = 0
         self.layers: list[int] = []
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
         self.predicted_batch_s: float | None = None
@@ -86,6 +88,9 @@ class PipelineCoordinator:
         ledger = Ledger(self.batch_index, self.owners.step, self.K, self.next_microbatch, self.d)
         self.next_microbatch += self.d
         self.ledger = ledger
+        if self.dispatch == "static":  # each stage's micro-batches dealt round-robin to its workers now
+            self.pins = {(k, m): ws[i % len(ws)] for k in range(self.K) if (ws := self.workers.on_stage(k))
+                         for i, m in enumerate(ledger.microbatches)}
         for step in ledger.start():
             self._submit(step)
         return ledger
@@ -94,7 +99,7 @@ class PipelineCoordinator:
         backward_work = step.kind in (LAST, BACKWARD)
         task = self.broker.submit(caller="pipeline", call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
                                   f"{step.microbatch}.{'r' if step.redo else ''}{secrets.token_hex(4)}",
-                                  key=_key(step.stage), kind=step.kind, rows=1, payload=b"", timeout_s=NO_DEADLINE_S,
+                                  key=self._key_of(step), kind=step.kind, rows=1, payload=b"", timeout_s=NO_DEADLINE_S,
                                   requeue_on_loss=True, prefer=step.prefer,
                                   priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch))
         self.steps[task.task_id] = step
@@ -108,7 +113,7 @@ class PipelineCoordinator:
             call = self._round_call(worker)
             if call is not None:
                 return PipelineWork(stage=stage, round=call), {}
-            tasks = await self.broker.lease(worker, [_key(stage)], max_rows=MAX_TASKS_PER_POLL,
+            tasks = await self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"], max_rows=MAX_TASKS_PER_POLL,
                                             wait_s=max(0.0, min(1.0, deadline - self.clock())))
             tasks = [t for t in tasks if self._still_wanted(t)]
             if tasks or self.clock() >= deadline:
@@ -125,6 +130,32 @@ class PipelineCoordinator:
                                     lease_s=self.broker.lease_deadline(task.key), input_cached=cached_input,
                                     redo=step.redo))
         return PipelineWork(stage=stage, tasks=out), tensors
+
+    def _key_of(self, step: Step) -> str:
+        """The queue a step goes to: its stage's (any worker of the stage may take it), or with
+        ``dispatch = "static"`` its pinned worker's (it waits for that worker, whatever happens)."""
+        pinned = self.pins.get((step.stage, step.microbatch)) if self.dispatch == "static" else None
+        return f"{_key(step.stage)}/{pinned}" if pinned else _key(step.stage)
+
+    def restart_lost(self) -> None:
+        """``dispatch = "restart"`` (the SWARM-like baseline): a micro-batch whose forward pass lost
+        its worker (a lease expired or the worker left) starts again from stage 0 as a new
+        micro-batch, its work so far dropped. Losses in the backward pass are recomputed as the
+        pool does (a stage gradient accepted there must not count twice)."""
+        if self.dispatch != "restart":
+            return
+        for task_id, step in list(self.steps.items()):
+            task = self.broker.tasks.get(task_id)
+            if task is None or task.attempts < 1 or task.state != "queued" or step.kind == BACKWARD or step.redo:
+                continue
+            self.broker.cancel(task_id, ApiError(410, "restarted", "the micro-batch restarts from stage 0"))
+            del self.steps[task_id]
+            self.boundaries.drop(step.microbatch)
+            fresh = self.next_microbatch
+            self.next_microbatch += 1
+            self.ledger.replace(step.microbatch, fresh)
+            self.restarted += 1
+            self._submit(Step(FIRST, 0, fresh))
 
     def _still_wanted(self, task) -> bool:
         if task.task_id in self.steps:

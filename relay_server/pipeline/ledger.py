@@ -104,6 +104,12 @@ class Ledger:
             return None
         return Step(BACKWARD, k - 1, mb.index, prefer=mb.forward_workers.get(k - 1))
 
+    def replace(self, microbatch: int, fresh: int) -> None:
+        """Drop ``microbatch`` (nothing of it was accepted past the forward pass) for a new one."""
+        mb = self.microbatches.pop(microbatch)
+        assert not mb.owners, "a micro-batch holding accepted stage gradients cannot be replaced"
+        self.microbatches[fresh] = MicroBatch(fresh)
+
     def owned(self, worker: str) -> dict[int, list[int]]:
         """stage -> the micro-batches whose gradient ``worker`` holds and has not delivered."""
         out: dict[int, list[int]] = {}

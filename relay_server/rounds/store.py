@@ -35,6 +35,9 @@ class RoundLog:
     lr: float
     grad_norm: float
     outcomes: dict[str, str] = field(default_factory=dict)  # peer_id -> refused / partial / banned_*
+    samples: int | None = None
+    """The samples the step applied, when not the sum of the contributions: a pipeline's batch,
+    which every stage's workers contributed to (each credited with the samples of its stage)."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -141,7 +144,8 @@ class Store:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
         self.db.execute("INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
                         "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (step, time.time(), len(r.contributions), sum(r.contributions.values()), r.loss,
+                        (step, time.time(), len(r.contributions),
+                         sum(r.contributions.values()) if r.samples is None else r.samples, r.loss,
                          r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm,
                          json.dumps(r.outcomes, sort_keys=True)))
         self.db.executemany(

@@ -156,5 +156,7 @@ class PipelineStatus(Schema):
     redispatched: int
     redone: int
     refused_results: int
+    restarted: int = 0
+    """``dispatch = "restart"`` only: micro-batches started again from stage 0."""
     counted: list[list[int]] = field(default_factory=list)
     """The samples each stage's parameter server counted, per recent round (exactly the batch's)."""
