@@ -30,6 +30,15 @@ const fmt = {
     return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
   },
   pct: (f) => `${(100 * f).toFixed(f < 0.1 ? 1 : 0)} %`,
+  // task and batch times are often well under a second: milliseconds there, fmt.secs above
+  dur: (s) => (s === null || s === undefined ? "–" : s < 1 ? `${Math.round(s * 1000)} ms` : fmt.secs(s)),
+  bytes: (n) => {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+    return `${i === 0 ? intFmt.format(n) : n.toFixed(n < 10 ? 1 : 0)} ${units[i]}`;
+  },
   clock: (unixS) => new Date((unixS - clockOffsetS) * 1000).toLocaleTimeString("en-GB"),
 };
 
@@ -118,6 +127,7 @@ function render(s) {
   renderLeaderboard(s);
   renderPlan(s);
   renderExperts(s);
+  renderPipeline(s);
   renderConfig(s);
 }
 
@@ -275,6 +285,56 @@ function renderExperts(s) {
   const names = Object.fromEntries((s.peers || []).map((p) => [p.peer_id, p.name]));
   const hosts = Object.entries(e.experts_per_host || {}).sort((a, b) => b[1] - a[1]);
   fillTable($("experts"), hosts.map(([peer, n]) => row([names[peer] || peer.slice(0, 8), num(fmt.int(n))])));
+}
+
+const COUNTED_ROUNDS = 5;  // the Pipeline panel's "last rounds": enough to see a pattern, short enough to read
+
+/** Pipeline runs ([pipeline]): the stages and their workers, the batch in flight, the boundaries
+ * the relay holds, and the planner's predicted time per batch beside the measured one. */
+function renderPipeline(s) {
+  const p = s.pipeline;
+  $("pipeline-panel").hidden = !p;
+  if (!p) return;
+  $("pipeline-summary").textContent = `Batch ${fmt.int(p.batch)}: ${fmt.int(p.finished)} of ` +
+    `${fmt.int(p.microbatches)} micro-batches finished` +
+    (p.round_open ? "; its round is open (every stage uploads its gradient)." : ".");
+  $("pipeline-summary").dataset.finished = p.finished;
+  $("pipeline-progress").max = Math.max(p.microbatches, 1);
+  $("pipeline-progress").value = p.finished;
+
+  const predicted = $("pipeline-predicted");
+  const known = p.predicted_batch_s !== null && p.predicted_batch_s !== undefined;
+  predicted.textContent = known ? fmt.dur(p.predicted_batch_s) : "—";
+  predicted.title = known ? "the planner's time model (the paper's Eq. 1-3) on the workers' measured speeds"
+    : "the planner predicts it once workers are measured";
+  $("pipeline-measured").textContent = p.measured_batch_s === null ? "not yet (no batch finished)"
+    : fmt.dur(p.measured_batch_s);
+  $("pipeline-boundary").textContent = `${fmt.bytes(p.boundary_memory_bytes)} in memory, ` +
+    `${fmt.bytes(p.boundary_spilled_bytes)} spilled to disk, ` +
+    (p.boundary_bytes_per_sample === null ? "– per sample" : `${fmt.bytes(p.boundary_bytes_per_sample)} per sample`);
+  $("pipeline-recovery").textContent = `${fmt.int(p.redispatched)} tasks re-dispatched, ` +
+    `${fmt.int(p.redone)} stage gradients recomputed, ${fmt.int(p.refused_results)} results refused`;
+
+  const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
+  const exact = rounds.every((r) => r.every((n) => n === s.target_batch));
+  const counted = $("pipeline-counted");
+  counted.textContent = !rounds.length ? "no round closed yet"
+    : exact ? `every stage counted exactly the batch's ${fmt.int(s.target_batch)} samples in ` +
+      (rounds.length === 1 ? "the last round" : `each of the last ${rounds.length} rounds`)
+    : `uneven: a stage counted other than the batch's ${fmt.int(s.target_batch)} samples (see the table)`;
+  counted.className = rounds.length && !exact ? "warn" : "";
+
+  const names = Object.fromEntries((s.peers || []).map((peer) => [peer.peer_id, peer.name]));
+  fillTable($("pipeline-stages"), p.stages.map((st) => {
+    const workers = el("td", null, { class: "workers" });
+    if (!st.workers.length) workers.append(el("span", "none", { class: "hint" }));
+    st.workers.forEach((id, i) =>
+      workers.append(i ? ", " : "", el("span", names[id] || id.slice(0, 8), { title: id })));
+    return row([`Stage ${st.stage}`, num(`${st.layers[0]}–${st.layers[1]}`), num(fmt.int(st.params)), workers,
+      num(fmt.int(st.queued)), num(fmt.int(st.leased)), num(fmt.dur(st.lease_s)),
+      num(st.task_s === null ? "not yet" : fmt.dur(st.task_s)),
+      num(rounds.map((r) => fmt.int(r[st.stage])).join(" · ") || "–")]);
+  }));
 }
 
 function renderConfig(s) {
