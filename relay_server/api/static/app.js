@@ -312,8 +312,9 @@ function renderPipeline(s) {
   $("pipeline-boundary").textContent = `${fmt.bytes(p.boundary_memory_bytes)} in memory, ` +
     `${fmt.bytes(p.boundary_spilled_bytes)} spilled to disk, ` +
     (p.boundary_bytes_per_sample === null ? "– per sample" : `${fmt.bytes(p.boundary_bytes_per_sample)} per sample`);
-  $("pipeline-recovery").textContent = `${fmt.int(p.redispatched)} tasks re-dispatched, ` +
-    `${fmt.int(p.redone)} stage gradients recomputed, ${fmt.int(p.refused_results)} results refused`;
+  const many = (n, word) => `${fmt.int(n)} ${word}${n === 1 ? "" : "s"}`;
+  $("pipeline-recovery").textContent = `${many(p.redispatched, "task")} re-dispatched, ` +
+    `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused`;
 
   const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
   const exact = rounds.every((r) => r.every((n) => n === s.target_batch));
