@@ -97,6 +97,7 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#auth-mode")).to_have_text("open")
     expect(page.locator("#loss")).not_to_have_text("–")
     expect(page.locator("#loss-chart polyline")).to_have_count(1)
+    expect(page.locator("#pipeline-panel")).to_be_hidden()  # not a [pipeline] run: no Pipeline panel
 
     first_step = shown_step(page)
     first_points = int(page.locator("#loss-chart").get_attribute("data-points"))
@@ -236,4 +237,62 @@ def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(star
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard-evaluation.png"), full_page=True)
     assert (tmp_path / "dashboard-evaluation.png").stat().st_size > 10_000
+    assert problems.snapshot() == [], problems
+
+
+def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_worker, browser_page):
+    """A ``[pipeline]`` run (ByteTransformer, 2 stages, 4 real stage workers): the Pipeline panel
+    shows a row per stage with its layers, parameters and workers by name, the batch in flight,
+    the measured time per batch beside the (not yet planned) predicted one, and the samples each
+    stage counted per round: exactly the batch's."""
+    from playwright.sync_api import expect
+
+    from tests.support.pipeline import pipeline_overrides
+    from tests.support.pipeline_models import BYTE_SPEC
+
+    page, problems = browser_page
+    relay = start_relay(pipeline_overrides(BYTE_SPEC, stages=2))
+    # Workers that keep training while the page is checked (one that reaches its last step leaves
+    # the registry, and its name with it); a short sleep per task spares the shared CPUs.
+    for i in range(4):
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1_000_000, extra=("--sleep-per-task", "0.05"))
+    status = relay.wait_for(lambda s: s["step"] >= 1 and sum(len(st["workers"]) for st in s["pipeline"]["stages"]) == 4,
+                            timeout_s=120, what="a pipeline step with 4 stage workers")
+    p = status["pipeline"]
+    names = {peer["peer_id"]: peer["name"] for peer in status["peers"]}
+    assert sorted(names[w] for st in p["stages"] for w in st["workers"]) == ["w0", "w1", "w2", "w3"]
+
+    page.goto(relay.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#pipeline-panel")).to_be_visible()
+    rows = page.locator("#pipeline-stages tbody tr")
+    expect(rows).to_have_count(2)
+    for k, stage in enumerate(p["stages"]):
+        cells = rows.nth(k).locator("td")
+        expect(cells.nth(0)).to_have_text(f"Stage {k}")
+        expect(cells.nth(1)).to_have_text(f"{stage['layers'][0]}–{stage['layers'][1]}")
+        expect(cells.nth(2)).to_have_text(f"{stage['params']:,}")
+        for worker in stage["workers"]:  # by display name, the peer id in its tooltip
+            expect(cells.nth(3).locator(f'span[title="{worker}"]')).to_have_text(names[worker])
+        expect(cells.nth(8)).to_contain_text("8")  # the batch's samples, counted by this stage's server
+    assert p["stages"][0]["layers"][1] == p["stages"][1]["layers"][0]  # contiguous stages
+    expect(page.locator("#pipeline-summary")).to_have_text(
+        re.compile(r"Batch \d+: [0-4] of 4 micro-batches finished(\.|; its round is open)"))
+    assert page.locator("#pipeline-progress").get_attribute("max") == "4"
+    expect(page.locator("#pipeline-measured")).to_have_text(re.compile(r"^\d+(\.\d)? (ms|s)$"))
+    predicted = page.locator("#pipeline-predicted")
+    if relay.status()["pipeline"]["predicted_batch_s"] is None:  # the planner has not measured the workers yet
+        expect(predicted).to_have_text("—")
+        expect(predicted).to_have_attribute("title", "the planner predicts it once workers are measured")
+    else:
+        expect(predicted).to_have_text(re.compile(r"^\d+(\.\d)? (ms|s)$"))
+    expect(page.locator("#pipeline-counted")).to_have_text(
+        re.compile(r"every stage counted exactly the batch's 8 samples in (the last round|each of the last \d rounds)"))
+    expect(page.locator("#pipeline-boundary")).to_have_text(
+        re.compile(r"in memory, .+ spilled to disk, \d+(\.\d)? (B|KB|MB) per sample"))
+    expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ tasks? re-dispatched"))
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#pipeline-panel").screenshot(path=str(ARTIFACTS / "dashboard-pipeline.png"))
+    page.screenshot(path=str(ARTIFACTS / "dashboard-pipeline-page.png"), full_page=True)
     assert problems.snapshot() == [], problems

@@ -30,6 +30,15 @@ const fmt = {
     return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
   },
   pct: (f) => `${(100 * f).toFixed(f < 0.1 ? 1 : 0)} %`,
+  // task and batch times are often well under a second: milliseconds there, fmt.secs above
+  dur: (s) => (s === null || s === undefined ? "–" : s < 1 ? `${Math.round(s * 1000)} ms` : fmt.secs(s)),
+  bytes: (n) => {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+    return `${i === 0 ? intFmt.format(n) : n.toFixed(n < 10 ? 1 : 0)} ${units[i]}`;
+  },
   clock: (unixS) => new Date((unixS - clockOffsetS) * 1000).toLocaleTimeString("en-GB"),
 };
 
@@ -118,6 +127,7 @@ function render(s) {
   renderLeaderboard(s);
   renderPlan(s);
   renderExperts(s);
+  renderPipeline(s);
   renderConfig(s);
 }
 
@@ -277,6 +287,57 @@ function renderExperts(s) {
   fillTable($("experts"), hosts.map(([peer, n]) => row([names[peer] || peer.slice(0, 8), num(fmt.int(n))])));
 }
 
+const COUNTED_ROUNDS = 5;  // the Pipeline panel's "last rounds": enough to see a pattern, short enough to read
+
+/** Pipeline runs ([pipeline]): the stages and their workers, the batch in flight, the boundaries
+ * the relay holds, and the planner's predicted time per batch beside the measured one. */
+function renderPipeline(s) {
+  const p = s.pipeline;
+  $("pipeline-panel").hidden = !p;
+  if (!p) return;
+  $("pipeline-summary").textContent = `Batch ${fmt.int(p.batch)}: ${fmt.int(p.finished)} of ` +
+    `${fmt.int(p.microbatches)} micro-batches finished` +
+    (p.round_open ? "; its round is open (every stage uploads its gradient)." : ".");
+  $("pipeline-summary").dataset.finished = p.finished;
+  $("pipeline-progress").max = Math.max(p.microbatches, 1);
+  $("pipeline-progress").value = p.finished;
+
+  const predicted = $("pipeline-predicted");
+  const known = p.predicted_batch_s !== null && p.predicted_batch_s !== undefined;
+  predicted.textContent = known ? fmt.dur(p.predicted_batch_s) : "—";
+  predicted.title = known ? "the planner's time model (the paper's Eq. 1-3) on the workers' measured speeds"
+    : "the planner predicts it once workers are measured";
+  $("pipeline-measured").textContent = p.measured_batch_s === null ? "not yet (no batch finished)"
+    : fmt.dur(p.measured_batch_s);
+  $("pipeline-boundary").textContent = `${fmt.bytes(p.boundary_memory_bytes)} in memory, ` +
+    `${fmt.bytes(p.boundary_spilled_bytes)} spilled to disk, ` +
+    (p.boundary_bytes_per_sample === null ? "– per sample" : `${fmt.bytes(p.boundary_bytes_per_sample)} per sample`);
+  const many = (n, word) => `${fmt.int(n)} ${word}${n === 1 ? "" : "s"}`;
+  $("pipeline-recovery").textContent = `${many(p.redispatched, "task")} re-dispatched, ` +
+    `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused`;
+
+  const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
+  const exact = rounds.every((r) => r.every((n) => n === s.target_batch));
+  const counted = $("pipeline-counted");
+  counted.textContent = !rounds.length ? "no round closed yet"
+    : exact ? `every stage counted exactly the batch's ${fmt.int(s.target_batch)} samples in ` +
+      (rounds.length === 1 ? "the last round" : `each of the last ${rounds.length} rounds`)
+    : `uneven: a stage counted other than the batch's ${fmt.int(s.target_batch)} samples (see the table)`;
+  counted.className = rounds.length && !exact ? "warn" : "";
+
+  const names = Object.fromEntries((s.peers || []).map((peer) => [peer.peer_id, peer.name]));
+  fillTable($("pipeline-stages"), p.stages.map((st) => {
+    const workers = el("td", null, { class: "workers" });
+    if (!st.workers.length) workers.append(el("span", "none", { class: "hint" }));
+    st.workers.forEach((id, i) =>
+      workers.append(i ? ", " : "", el("span", names[id] || id.slice(0, 8), { title: id })));
+    return row([`Stage ${st.stage}`, num(`${st.layers[0]}–${st.layers[1]}`), num(fmt.int(st.params)), workers,
+      num(fmt.int(st.queued)), num(fmt.int(st.leased)), num(fmt.dur(st.lease_s)),
+      num(st.task_s === null ? "not yet" : fmt.dur(st.task_s)),
+      num(rounds.map((r) => fmt.int(r[st.stage])).join(" · ") || "–")]);
+  }));
+}
+
 function renderConfig(s) {
   const c = s.config || {};
   const items = [
@@ -294,59 +355,6 @@ function renderConfig(s) {
   ];
   $("config").replaceChildren(...items.filter(([, v]) => v !== undefined && v !== null).flatMap(
     ([k, v]) => [el("dt", k), el("dd", v)]));
-}
-
-// --- a minimal SVG line chart -------------------------------------------------------------------
-const SVG_NS = "http://www.w3.org/2000/svg";
-const BOX = { w: 600, h: 220, left: 56, right: 12, top: 12, bottom: 30 };
-
-function svg(tag, attrs, text) {
-  const node = document.createElementNS(SVG_NS, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
-/** Draw ``series`` ([{cls, points: [[x, y], ...]}]) into ``target``, keeping its <title>; each of
- * ``opts.refs`` ([{value, label}]) is a labelled horizontal line, inside the y range. */
-function lineChart(target, series, opts) {
-  const title = target.querySelector("title");
-  const all = series.flatMap((s) => s.points);
-  const refs = opts.refs || [];
-  target.replaceChildren(title);
-  target.dataset.points = String(series[0].points.length);
-  if (all.length === 0) {
-    target.append(svg("text", { x: BOX.w / 2, y: BOX.h / 2, class: "empty", "text-anchor": "middle" }, opts.empty));
-    return;
-  }
-  const xs = all.map((p) => p[0]), ys = [...all.map((p) => p[1]), ...refs.map((r) => r.value)];
-  let [x0, x1] = [Math.min(...xs), Math.max(...xs)];
-  let [y0, y1] = [opts.yFromZero ? 0 : Math.min(...ys), Math.max(...ys)];
-  if (x1 === x0) { x0 -= 1; x1 += 1; }
-  if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
-  const px = (x) => BOX.left + ((x - x0) / (x1 - x0)) * (BOX.w - BOX.left - BOX.right);
-  const py = (y) => BOX.h - BOX.bottom - ((y - y0) / (y1 - y0)) * (BOX.h - BOX.top - BOX.bottom);
-
-  for (const frac of [0, 0.5, 1]) {
-    const y = y0 + frac * (y1 - y0);
-    target.append(svg("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: py(y), y2: py(y), class: "grid" }));
-    target.append(svg("text", { x: BOX.left - 6, y: py(y) + 4, "text-anchor": "end", class: "tick" }, opts.y(y)));
-  }
-  target.append(svg("text", { x: BOX.left, y: BOX.h - 8, class: "tick" }, opts.x(x0)));
-  target.append(svg("text", { x: BOX.w - BOX.right, y: BOX.h - 8, "text-anchor": "end", class: "tick" }, opts.x(x1)));
-  for (const r of refs) {
-    target.append(svg("line", { x1: BOX.left, x2: BOX.w - BOX.right, y1: py(r.value), y2: py(r.value), class: "ref" }));
-    const y = py(r.value) < BOX.top + 14 ? py(r.value) + 13 : py(r.value) - 4;  // below the line at the top edge
-    target.append(svg("text", { x: BOX.w - BOX.right - 4, y, "text-anchor": "end", class: "ref-label" },
-      `${r.label} = ${opts.y(r.value)}`));
-  }
-  for (const s of series) {
-    if (!s.points.length) continue;
-    const coords = s.points.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
-    target.append(svg("polyline", { points: coords, class: `line ${s.cls}` }));
-    const [lx, ly] = s.points[s.points.length - 1];
-    target.append(svg("circle", { cx: px(lx), cy: py(ly), r: 3, class: `dot ${s.cls}` }));
-  }
 }
 
 poll();
