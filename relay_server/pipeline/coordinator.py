@@ -74,7 +74,7 @@ class PipelineCoordinator:
         self.batch_index, self.next_microbatch = 0, 0
         self.ledger = self._mint()
         self.finalizing = False
-        self.batch_started = clock()
+        self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time
         self.batch_times: list[float] = []
         self.bytes_out = 0
         self.samples_done = 0
@@ -116,6 +116,8 @@ class PipelineCoordinator:
             tasks = await self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"], max_rows=MAX_TASKS_PER_POLL,
                                             wait_s=max(0.0, min(1.0, deadline - self.clock())))
             tasks = [t for t in tasks if self._still_wanted(t)]
+            if tasks and self.batch_started is None:
+                self.batch_started = self.clock()
             if tasks or self.clock() >= deadline:
                 break
         out, tensors = [], {}
@@ -276,7 +278,7 @@ class PipelineCoordinator:
         r = self.round
         published, grad_norm, counted = await self.owners.finalize(r.step, r.round_id)
         self.counted = (self.counted + [counted])[-20:]
-        elapsed = self.clock() - self.batch_started
+        elapsed = self.clock() - (self.batch_started if self.batch_started is not None else r.opened_at)
         self.batch_times = (self.batch_times + [elapsed])[-20:]
         self.samples_done += self.d * self.mb_size
         contributions: dict[str, int] = {}
@@ -288,7 +290,7 @@ class PipelineCoordinator:
             self.boundaries.drop(m)
         self.round, self.finalizing = None, False
         self.batch_index += 1
-        self.batch_started = self.clock()
+        self.batch_started = None
         self._mint()
 
     # --- membership -----------------------------------------------------------------------------
