@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -96,7 +96,7 @@ def open_tsp_anneal(dist: np.ndarray, seed: int = 0, steps: int = 600, restarts:
     return best_path, best_cost
 
 
-def _neighbours(path: list[int]):
+def path_neighbours(path: list) -> Iterator[list]:
     """Every 2-opt reversal and every single move of ``path``."""
     n = len(path)
     for i in range(n):
@@ -112,7 +112,7 @@ def _descend(rows: list[list[float]], path: list[int], cost: float) -> tuple[lis
     improved = True
     while improved:
         improved = False
-        for cand in _neighbours(path):
+        for cand in path_neighbours(path):
             new = sum(rows[a][b] for a, b in zip(cand, cand[1:]))
             if new < cost - 1e-12:
                 path, cost, improved = cand, new, True

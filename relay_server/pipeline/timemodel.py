@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Hop:
@@ -125,3 +127,38 @@ def balanced_pipeline_time(boundary_times: Sequence[float], microbatch: float, t
     before it has placed clients or layers."""
     dt = balanced_stage_time(microbatch, total_layers, total_compute)
     return pipeline_time([dt] * len(boundary_times), boundary_times, microbatches)
+
+
+def balanced_stage_times(devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, max_layers: int,
+                         bytes_per_sample: float) -> np.ndarray:
+    """Eq. 1 under :func:`balanced_shares` for 1..``max_layers`` layers at once (index h-1): every
+    working device finishes at the water level, so the stage time is the level. Using only the
+    ``r`` devices with the smallest fixed delays gives a level ``T_r`` that is never below the true
+    one, and the true one is some ``T_r``, so it is their minimum. ``inf`` without devices."""
+    if not devices:
+        return np.full(max_layers, math.inf)
+    fixed = np.array([h_in.alpha + h_out.alpha for _, h_in, h_out in devices])
+    moved = np.array([bytes_per_sample / h_in.beta + bytes_per_sample / h_out.beta for _, h_in, h_out in devices])
+    return water_levels(fixed, moved, 1.0 / np.array([c for c, _, _ in devices]), microbatch, max_layers)
+
+
+def water_levels(fixed: Sequence[float], moved: Sequence[float], inv_compute: Sequence[float], microbatch: float,
+                 max_layers: int, capacity: Sequence[float] | None = None) -> np.ndarray:
+    """The arithmetic of :func:`balanced_stage_times`: per device its fixed delay, its transfer
+    seconds per sample and its seconds per sample-layer; a device with a ``capacity`` below h
+    layers sits out at h (``inf`` where nobody can hold h). Plain floats: the partition's brute
+    force calls this thousands of times on a dozen devices, where numpy's per-call cost dominates."""
+    caps = capacity if capacity is not None else [math.inf] * len(fixed)
+    ranked = sorted(zip(fixed, moved, inv_compute, caps))
+    out = []
+    for h in range(1, max_layers + 1):
+        best, inv, weighted = math.inf, 0.0, 0.0
+        for f, mv, ic, cap in ranked:
+            if cap < h:
+                continue
+            per = mv + h * ic
+            inv += 1.0 / per
+            weighted += f / per
+            best = min(best, (microbatch + weighted) / inv)
+        out.append(best)
+    return np.array(out)
