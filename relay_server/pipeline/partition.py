@@ -91,55 +91,84 @@ def order_clusters(ev: Evaluator, clusters: Sequence[frozenset], method: str, se
     return [clusters[i] for i in path]
 
 
-def plan_partition(inst: Instance, order: str = "dp", seed: int = 0, patience: int | None = None,
-                   allocation: str = "minmax", refine: bool = True) -> Partition:
-    """Steps 1-6: split one cluster per level (the split with the lowest predicted time), order,
-    place, allocate; stop after ``patience`` levels in a row whose time rises and return the best
-    level seen. ``patience=1`` is the paper's rule (stop at the first rise)."""
-    if order not in ("dp", "sa"):
-        raise ValueError(f"order must be 'dp' or 'sa', not {order!r}")
-    ev = Evaluator(inst)
-    g = ev.graph()
+class PartitionSearch:
+    """Steps 1-6 on one instance, with every completed clustering cached: the hierarchy's levels,
+    their local-search polish and the final plan all ask for the same clusterings again.
+    ``order`` is "dp" (exact) or "sa" (the paper's annealing); ``allocation`` "minmax" or
+    "proportional" (the paper's step 6); ``refine`` the local-search polish. The paper's own
+    procedure is ``allocation="proportional", refine=False`` with ``patience=1``."""
 
-    def scored(ordered: list[frozenset]) -> tuple[float, list[frozenset], list[int]]:
-        if allocation == "proportional":
-            layers = allocate_layers(ev.compute_of(ordered), inst.layers)
+    def __init__(self, inst: Instance, order: str = "dp", seed: int = 0, allocation: str = "minmax",
+                 refine: bool = True) -> None:
+        if order not in ("dp", "sa"):
+            raise ValueError(f"order must be 'dp' or 'sa', not {order!r}")
+        if allocation not in ("minmax", "proportional"):
+            raise ValueError(f"allocation must be 'minmax' or 'proportional', not {allocation!r}")
+        self.inst, self.order, self.seed, self.allocation, self.refine = inst, order, seed, allocation, refine
+        self.ev = Evaluator(inst)
+        self.completed = lru_cache(maxsize=None)(self._completed)
+
+    def scored(self, ordered: list[frozenset]) -> tuple[float, list[frozenset], list[int]]:
+        """(Eq. 2 time, order, layers) of an ordered clustering, layers by the chosen rule."""
+        if self.allocation == "proportional":
+            layers = allocate_layers(self.ev.compute_of(ordered), self.inst.layers)
         else:
-            layers = minmax_layers(ev.vectors(ordered), inst.layers)[0]
-        return ev.time(ordered, layers), ordered, layers
+            layers = minmax_layers(self.ev.vectors(ordered), self.inst.layers)[0]
+        return self.ev.time(ordered, layers), ordered, layers
 
-    @lru_cache(maxsize=None)
-    def completed(clusters: frozenset) -> tuple[float, list[frozenset], list[int]]:
-        best = scored(order_clusters(ev, sorted(clusters, key=min), order, seed))
-        improved = refine
+    def _completed(self, clusters: frozenset) -> tuple[float, list[frozenset], list[int]]:
+        best = self.scored(order_clusters(self.ev, sorted(clusters, key=min), self.order, self.seed))
+        improved = self.refine
         while improved:
             improved = False
             for cand in path_neighbours(best[1]):
-                trial = scored(cand)
+                trial = self.scored(cand)
                 if trial[0] < best[0] * (1 - 1e-12):
                     best, improved = trial, True
                     break
         return best
 
-    def complete(clusters: Sequence[frozenset]) -> tuple[float, list[frozenset], list[int]]:
-        return completed(frozenset(clusters))
+    def complete(self, clusters: Sequence[frozenset]) -> tuple[float, list[frozenset], list[int]]:
+        """Step 3 (order, polished when refining), steps 4-5 (inside the evaluator) and step 6."""
+        return self.completed(frozenset(clusters))
 
-    level = complete([frozenset(range(len(inst.server_compute)))])
-    levels, rises = [level], 0
-    while rises < (patience or math.inf) and len(level[1]) < min(len(inst.server_compute), inst.layers):
-        candidates = []
-        for c in level[1]:
-            if len(c) > 1:
-                rest = [x for x in level[1] if x != c]
-                candidates.append(complete(rest + list(diana_split(g, c))))
-        nxt = min(candidates, key=lambda r: r[0])
-        rises = rises + 1 if nxt[0] > level[0] else 0
-        level = nxt
-        levels.append(level)
-    best = min(levels, key=lambda r: r[0])
-    if refine:
-        best = min((_refine(lv, complete, inst.layers) for lv in levels), key=lambda r: r[0])
-    return ev.partition(best[1], best[2])
+    def levels(self, patience: int | None = None) -> list[tuple[float, list[frozenset], list[int]]]:
+        """The divisive hierarchy, one more cluster per level, until ``patience`` rises in a row
+        (``None``: to singletons or one layer per stage)."""
+        level = self.complete([frozenset(range(len(self.inst.server_compute)))])
+        found, rises, graph = [level], 0, self.ev.graph()
+        while rises < (patience or math.inf) and len(level[1]) < min(len(self.inst.server_compute), self.inst.layers):
+            candidates = []
+            for c in level[1]:
+                if len(c) > 1:
+                    rest = [x for x in level[1] if x != c]
+                    candidates.append(self.complete(rest + list(diana_split(graph, c))))
+            nxt = min(candidates, key=lambda r: r[0])
+            rises = rises + 1 if nxt[0] > level[0] else 0
+            level = nxt
+            found.append(level)
+        return found
+
+    def plan(self, patience: int | None = None) -> Partition:
+        """The best level, polished from every level when refining."""
+        levels = self.levels(patience)
+        best = min(levels, key=lambda r: r[0])
+        if self.refine:
+            best = min((_refine(lv, self.complete, self.inst.layers) for lv in levels), key=lambda r: r[0])
+        return self.ev.partition(best[1], best[2])
+
+
+def plan_partition(inst: Instance, order: str = "dp", seed: int = 0, patience: int | None = None,
+                   allocation: str = "minmax", refine: bool = True) -> Partition:
+    """The planner's partition of ``inst`` (see :class:`PartitionSearch` for the options)."""
+    return PartitionSearch(inst, order, seed, allocation, refine).plan(patience)
+
+
+def partition_levels(inst: Instance, order: str = "dp", seed: int = 0) -> list[Partition]:
+    """Each level of the divisive hierarchy as a plan (1, 2, ... stages): the predicted time by
+    number of stages that the section 4.4 comparison reads."""
+    search = PartitionSearch(inst, order, seed)
+    return [search.ev.partition(o, h) for _, o, h in search.levels()]
 
 
 def _neighbours(clusters: list[frozenset], max_stages: int):
