@@ -84,8 +84,8 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
     def walk(order: list[frozenset], remaining: frozenset, floor: float) -> None:
         if not remaining:
             alloc, value = minmax_layers(ev.vectors(order), inst.layers)
-            if value * inst.microbatches < best[0]:
-                best[:] = [value * inst.microbatches, list(order), alloc]
+            if value * inst.steps(len(order)) < best[0]:
+                best[:] = [value * inst.steps(len(order)), list(order), alloc]
             return
         if len(order) == inst.layers:
             return

@@ -149,12 +149,17 @@ class PartitionSearch:
             found.append(level)
         return found
 
-    def plan(self, patience: int | None = None) -> Partition:
-        """The best level, polished from every level when refining."""
-        levels = self.levels(patience)
+    def plan(self, patience: int | None = None, stages: int | None = None) -> Partition:
+        """The best level, polished from every level when refining; with ``stages``, the best plan
+        of exactly that many stages (its level, polished without changing the count)."""
+        levels = self.levels(patience if stages is None else None)
+        if stages is not None:
+            levels = [lv for lv in levels if len(lv[1]) == stages]
+            if not levels:
+                raise ValueError(f"no level of the hierarchy has {stages} stages")
         best = min(levels, key=lambda r: r[0])
         if self.refine:
-            best = min((_refine(lv, self.complete, self.inst.layers) for lv in levels), key=lambda r: r[0])
+            best = min((_refine(lv, self.complete, self.inst.layers, stages) for lv in levels), key=lambda r: r[0])
         return self.ev.partition(best[1], best[2])
 
 
@@ -189,7 +194,7 @@ def _neighbours(clusters: list[frozenset], max_stages: int):
             yield [x for k, x in enumerate(clusters) if k not in (a, b)] + [clusters[a] | clusters[b]]
 
 
-def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages: int):
+def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages: int, stages: int | None = None):
     """Local search after the hierarchy: take the first neighbouring clustering (:func:`_neighbours`)
     that lowers the predicted time, until none does. The paper's clustering reads only the
     communication graph; a device's memory or compute can make another cluster its better home."""
@@ -197,6 +202,8 @@ def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages
     while improved:
         improved = False
         for clusters in _neighbours(best[1], max_stages):
+            if stages is not None and len(clusters) != stages:
+                continue
             trial = complete(clusters)
             if trial[0] < best[0] * (1 - 1e-12):
                 best, improved = trial, True

@@ -29,7 +29,8 @@ class Instance:
     (s) and bandwidth (bytes/s) between servers (``alpha[i][j]`` from i to j) and from each client
     to each server (symmetric), the model's layers, the batch: ``microbatches`` (d) of
     ``microbatch`` samples with ``bytes_per_sample`` of activation at every boundary, and
-    optionally how many layers each device can hold."""
+    optionally how many layers each device can hold; ``warmup`` counts 1F1B's fill and drain
+    (:func:`~relay_server.pipeline.timemodel.pipeline_time`)."""
 
     server_compute: tuple[float, ...]
     server_alpha: tuple[tuple[float, ...], ...]
@@ -43,6 +44,11 @@ class Instance:
     microbatches: int
     server_capacity: tuple[float, ...] = ()
     client_capacity: tuple[float, ...] = ()
+    warmup: bool = True
+
+    def steps(self, num_stages: int) -> int:
+        """Bottleneck steps per batch: ``d``, plus the 1F1B fill ``K - 1`` with ``warmup``."""
+        return self.microbatches + (num_stages - 1 if self.warmup else 0)
 
     def capacity(self, server: bool, index: int) -> float:
         """The most layers a device can hold (its memory over a layer's training bytes); no entry
@@ -200,7 +206,7 @@ class Evaluator:
     def time(self, order: Sequence[frozenset], layers: Sequence[int]) -> float:
         """Eq. 2 of an ordered clustering with a layer allocation."""
         vecs = self.vectors(order)
-        return self.inst.microbatches * max(float(v[h - 1]) for v, h in zip(vecs, layers))
+        return self.inst.steps(len(vecs)) * max(float(v[h - 1]) for v, h in zip(vecs, layers))
 
     def partition(self, order: Sequence[frozenset], layers: Sequence[int]) -> Partition:
         """The plan as data: clusters with their frontal/backward servers, clients and layers."""

@@ -22,7 +22,7 @@ Units, and how the paper's inconsistencies are resolved here:
 * Eq. 2 takes, per stage, ``alpha_kf + t/beta_kf`` as the hop that brings the stage its input
   activation from stage k-1 and ``alpha_kb + t/beta_kb`` as the hop that brings it its output
   gradient from stage k+1 (absent at the ends), both for a whole micro-batch; warm-up and drain
-  are ignored as in the paper.
+  are ignored as in the paper unless asked for (``warmup``; the planners ask).
 """
 
 from __future__ import annotations
@@ -107,12 +107,17 @@ def boundary_time(forward: Hop | None, backward: Hop | None, microbatch_bytes: f
     return sum(h.time(microbatch_bytes) for h in (forward, backward) if h is not None)
 
 
-def pipeline_time(stage_times: Sequence[float], boundary_times: Sequence[float], microbatches: int) -> float:
+def pipeline_time(stage_times: Sequence[float], boundary_times: Sequence[float], microbatches: int,
+                  warmup: bool = False) -> float:
     """Eq. 2: under 1F1B the batch's ``d`` micro-batches pass the slowest stage one after another,
-    so a batch takes ``d * max_k (boundary_k + DT_k)`` (warm-up and drain ignored)."""
+    so a batch takes ``d * max_k (boundary_k + DT_k)``. The paper drops warm-up and drain; with
+    ``warmup`` they are kept as DAPPLE counts them, ``(d + K - 1)`` bottleneck steps: the first
+    micro-batch crosses K - 1 stages before the last stage starts. That term is what makes a
+    stage cost something when its boundaries are cheap, so the planners keep it."""
     if len(stage_times) != len(boundary_times) or not stage_times:
         raise ValueError("pipeline_time needs one boundary time per stage and at least one stage")
-    return microbatches * max(b + s for b, s in zip(boundary_times, stage_times))
+    steps = microbatches + (len(stage_times) - 1 if warmup else 0)
+    return steps * max(b + s for b, s in zip(boundary_times, stage_times))
 
 
 def balanced_stage_time(microbatch: float, total_layers: int, total_compute: float) -> float:
@@ -122,11 +127,11 @@ def balanced_stage_time(microbatch: float, total_layers: int, total_compute: flo
 
 
 def balanced_pipeline_time(boundary_times: Sequence[float], microbatch: float, total_layers: int,
-                           total_compute: float, microbatches: int) -> float:
+                           total_compute: float, microbatches: int, warmup: bool = False) -> float:
     """Eq. 2 with every stage's DT_k replaced by Eq. 3: the estimate the clustering search can make
     before it has placed clients or layers."""
     dt = balanced_stage_time(microbatch, total_layers, total_compute)
-    return pipeline_time([dt] * len(boundary_times), boundary_times, microbatches)
+    return pipeline_time([dt] * len(boundary_times), boundary_times, microbatches, warmup)
 
 
 def balanced_stage_times(devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, max_layers: int,
