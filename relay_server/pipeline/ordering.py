@@ -24,7 +24,8 @@ def path_cost(dist: np.ndarray, path: Sequence[int]) -> float:
 
 def open_tsp_dp(dist: np.ndarray) -> tuple[list[int], float]:
     """The optimal open path by Held-Karp: ``best[S][j]`` is the cheapest path over the subset S
-    ending at j, any start. Ties break toward the lexicographically first path found."""
+    ending at j, any start, filled one subset size at a time (each grown subset has exactly one
+    predecessor per last node, so a size's updates never collide)."""
     d = np.asarray(dist, float)
     n = len(d)
     if n == 0:
@@ -36,20 +37,18 @@ def open_tsp_dp(dist: np.ndarray) -> tuple[list[int], float]:
     parent = np.full((full, n), -1, dtype=int)
     for j in range(n):
         best[1 << j, j] = 0.0
-    for subset in range(1, full):
-        row = best[subset]
-        if not np.isfinite(row).any():
-            continue
-        via = row[:, None] + d
-        arrive = np.argmin(via, axis=0)
-        cost = via[arrive, np.arange(n)]
+    subsets = np.arange(full)
+    sizes = np.array([bin(x).count("1") for x in range(full)])
+    for size in range(1, n):
+        grown_from = subsets[sizes == size]
+        via = best[grown_from][:, :, None] + d[None, :, :]
+        arrive = np.argmin(via, axis=1)
+        cost = np.take_along_axis(via, arrive[:, None, :], axis=1)[:, 0, :]
         for nxt in range(n):
-            if subset >> nxt & 1:
-                continue
-            grown = subset | 1 << nxt
-            if cost[nxt] < best[grown, nxt]:
-                best[grown, nxt] = cost[nxt]
-                parent[grown, nxt] = arrive[nxt]
+            free = (grown_from >> nxt) & 1 == 0
+            grown = grown_from[free] | (1 << nxt)
+            best[grown, nxt] = cost[free, nxt]
+            parent[grown, nxt] = arrive[free, nxt]
     end = int(np.argmin(best[full - 1]))
     path, subset = [end], full - 1
     while parent[subset, path[-1]] >= 0:
@@ -60,7 +59,7 @@ def open_tsp_dp(dist: np.ndarray) -> tuple[list[int], float]:
     return path, float(best[full - 1, end])
 
 
-def open_tsp_anneal(dist: np.ndarray, seed: int = 0, steps: int = 600, restarts: int = 6,
+def open_tsp_anneal(dist: np.ndarray, seed: int = 0, steps: int = 400, restarts: int = 5,
                     start_temp: float | None = None) -> tuple[list[int], float]:
     """Simulated annealing over 2-opt reversals and single moves, geometric cooling, a seeded RNG
     (the same seed gives the same path), each run polished by descent to a local optimum.

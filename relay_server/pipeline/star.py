@@ -109,25 +109,23 @@ def build_plan(groups: Sequence[Sequence[Worker]], layers: Sequence[int], model:
     slowest = max(range(k_total), key=lambda k: stages[k].seconds_per_batch)
     placed = tuple(w for g in groups for w in g)
     idle = tuple(w for w in idle_from if w.id not in {p.id for p in placed})
-    return StagePlan(tuple(stages), stages[slowest].seconds_per_batch, slowest,
+    fill = (cfg.microbatches + k_total - 1) / cfg.microbatches
+    return StagePlan(tuple(stages), stages[slowest].seconds_per_batch * fill, slowest,
                      relay_bytes_per_batch(model, cfg, k_total), model, cfg, placed, tuple(candidates), idle)
 
 
 def _plan_k(workers: Sequence[Worker], k: int, model: ModelShape, cfg: PipelineConfig) -> tuple[StagePlan | None, str]:
-    """The best plan with k stages over the two assignments, or why there is none."""
+    """The plan with k stages: LPT's assignment, or where memory leaves it no plan the grouping by
+    memory; or why there is none."""
     if k > model.layers:
         return None, f"stages={k} needs at least {k} layers; the model has {model.layers}"
     if k > len(workers):
         return None, f"stages={k} needs at least {k} workers; there are {len(workers)}"
-    best: StagePlan | None = None
-    for groups in (_lpt(workers, k, model, cfg), _by_memory(workers, k, model, cfg)):
-        if groups is None:
-            continue
-        allocated = _allocate_dropping(groups, model, cfg)
-        if allocated is not None and (best is None or allocated[2] < best.seconds_per_batch):
-            best = build_plan(allocated[0], allocated[1], model, cfg, idle_from=workers)
-    if best is not None:
-        return best, "memory-feasible"
+    for assign in (_lpt, _by_memory):
+        groups = assign(workers, k, model, cfg)
+        allocated = _allocate_dropping(groups, model, cfg) if groups is not None else None
+        if allocated is not None:
+            return build_plan(allocated[0], allocated[1], model, cfg, idle_from=workers), "memory-feasible"
     largest = max(w.memory_bytes for w in workers)
     need = min(stage_memory(model, cfg, s, k, math.ceil(model.layers / k)) for s in range(k))
     return None, (f"stages={k} does not fit the workers' memory: a stage of about {math.ceil(model.layers / k)} "

@@ -10,7 +10,8 @@ in process. What is left is each worker's round trips, bytes and compute per tas
 A task is a whole micro-batch (the task pool leases micro-batches, not slices of one), so a
 stage's workers share the batch's ``d`` micro-batches by speed: a stage finishes its batch in
 ``d / sum_i 1/tau_i`` where ``tau_i`` is worker i's time for one task pair, and the batch takes
-the slowest stage's time (Eq. 2: ``d * max_k DT_k`` with ``DT_k = 1 / sum_i 1/tau_i``). Per
+the slowest stage's time (Eq. 2: ``d * max_k DT_k`` with ``DT_k = 1 / sum_i 1/tau_i``), times
+``(d + K - 1) / d`` for 1F1B's fill and drain (the partition planner's ``warmup``). Per
 micro-batch a worker of stage k (``K > 1`` stages, ``a`` boundary bytes per sample, ``m``
 samples per micro-batch, ``h_k`` layers, ``c_i`` its layer-samples per second):
 
