@@ -153,8 +153,9 @@ def test_minmax_allocation_equals_enumeration() -> None:
 
 def _random_instance(rng: np.random.Generator) -> Instance:
     """Up to 6 servers on up to 3 sites (fast links inside a site, slow across), some relaying
-    only; up to 8 clients behind slow links; up to 12 layers; each device holding between a quarter
-    of the model and all of it."""
+    only; up to 8 clients behind slow links; up to 12 layers; each client holding between a quarter
+    of the model and all of it, each computing server at least its share of the model among the
+    computing servers (so every instance has a plan)."""
     s, u = int(rng.integers(1, 7)), int(rng.integers(0, 9))
     layers = int(rng.integers(max(2, s), 13))
     site = rng.integers(0, 3, s)
@@ -164,7 +165,8 @@ def _random_instance(rng: np.random.Generator) -> Instance:
     compute = rng.uniform(50, 400, s) * (rng.random(s) < 0.85)
     if compute.sum() == 0:
         compute[0] = 100.0
-    caps = [float(c) for c in rng.integers(max(1, layers // 4), layers + 1, s + u)]
+    floor = -(-layers // int((compute > 0).sum()))  # computing servers alone can always hold the model
+    caps = [float(c) for c in np.concatenate([rng.integers(floor, layers + 1, s), rng.integers(max(1, layers // 4), layers + 1, u)])]
     return Instance(tuple(compute.tolist()), _rows(alpha), _rows(beta), tuple(rng.uniform(10, 100, u).tolist()),
                     _rows(rng.uniform(0.02, 0.15, (u, s))), _rows(rng.uniform(5e6, 5e7, (u, s))), layers, 4.0,
                     float(rng.uniform(1e4, 1e6)), 8, tuple(caps[:s]), tuple(caps[s:]))
@@ -173,12 +175,10 @@ def _random_instance(rng: np.random.Generator) -> Instance:
 def test_planner_within_110pct_of_brute_force_on_200_instances() -> None:
     rng = np.random.default_rng(2026)
     ratios, stages = [], []
-    while len(ratios) < 200:
+    for _ in range(200):
         inst = _random_instance(rng)
         plan = plan_partition(inst)
         optimum = brute_force_partition(inst, incumbent=plan)
-        if not math.isfinite(optimum.seconds_per_batch):
-            continue  # no plan can hold the model on these devices; nothing to compare
         assert sum(c.layers for c in plan.stages) == inst.layers and min(c.layers for c in plan.stages) >= 1
         ratios.append(plan.seconds_per_batch / optimum.seconds_per_batch)
         stages.append(len(optimum.stages))

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import lru_cache
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from relay_server.pipeline.partition import minmax_layers, plan_partition
 from relay_server.pipeline.partition_model import Evaluator, Instance, Partition
-from relay_server.pipeline.timemodel import boundary_time
 
 
 def open_tsp_brute(dist: np.ndarray) -> tuple[list[int], float]:
@@ -66,40 +64,34 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
     """The optimum over stages, clusterings, orders and layer allocations (see the module
     docstring for what is enumerated and what follows the paper's rules).
 
-    A depth-first walk over ordered clusterings, pruned by a bound that never exceeds a stage's
-    true time: its boundary transfers plus its layer on the compute of its servers and every
-    client. The planner's plan (or ``incumbent``) is the first best; pruning only skips orders that cannot beat
-    the best found, so the result is the exhaustive optimum."""
+    Every clustering, and for each a depth-first walk over its orders, pruned when the stages
+    placed so far already cost at least the best plan found with one layer each (a stage's time
+    never falls with more layers, so the bound never exceeds the true time). The planner's plan
+    (or ``incumbent``) is the first best; pruning only skips orders that cannot beat the best
+    found, so the result is the exhaustive optimum."""
     ev = Evaluator(inst)
     plan = incumbent if incumbent is not None else plan_partition(inst)
     best = [plan.seconds_per_batch, [frozenset(c.servers) for c in plan.stages], [c.layers for c in plan.stages]]
-    clients = float(ev.cu.sum())
 
-    @lru_cache(maxsize=None)
-    def bound(prev: frozenset | None, cur: frozenset, nxt: frozenset | None) -> float:
-        edge = boundary_time(ev.link(prev, cur) if prev else None, ev.link(nxt, cur) if nxt else None, ev.t)
-        power = float(ev.cs[list(cur)].sum()) + clients
-        return inst.microbatches * (edge + (inst.microbatch / power if power > 0 else math.inf))
-
-    def walk(order: list[frozenset], remaining: frozenset, floor: float) -> None:
-        if not remaining:
+    def walk(order: list[frozenset], rest: list[frozenset], clients: dict, steps: int, floor: float) -> None:
+        if not rest:
+            last = ev.stage_vector(order[-2] if len(order) > 1 else None, order[-1], None, clients[order[-1]])
+            if max(floor, steps * float(last[0])) >= best[0]:
+                return
             alloc, value = minmax_layers(ev.vectors(order), inst.layers)
-            if value * inst.steps(len(order)) < best[0]:
-                best[:] = [value * inst.steps(len(order)), list(order), alloc]
+            if value * steps < best[0]:
+                best[:] = [value * steps, list(order), alloc]
             return
-        if len(order) == inst.layers:
-            return
-        members = sorted(remaining)
-        for size in range(1, len(members) + 1):
-            for chosen in itertools.combinations(members, size):
-                nxt = frozenset(chosen)
-                rest = remaining - nxt
+        for i, nxt in enumerate(rest):
+            low = floor
+            if order:
                 prev = order[-2] if len(order) > 1 else None
-                low = max(floor, bound(prev, order[-1], nxt) if order else 0.0)
-                if not rest:
-                    low = max(low, bound(order[-1] if order else None, nxt, None))
-                if low < best[0]:
-                    walk(order + [nxt], rest, low)
+                low = max(low, steps * float(ev.stage_vector(prev, order[-1], nxt, clients[order[-1]])[0]))
+            if low < best[0]:
+                walk(order + [nxt], rest[:i] + rest[i + 1:], clients, steps, low)
 
-    walk([], frozenset(range(len(inst.server_compute))), 0.0)
+    for part in set_partitions(list(range(len(inst.server_compute)))):
+        if len(part) <= inst.layers:
+            blocks = [frozenset(b) for b in part]
+            walk([], blocks, ev.clients_of(frozenset(blocks)), inst.steps(len(blocks)), 0.0)
     return ev.partition(best[1], best[2])

@@ -91,12 +91,6 @@ def order_clusters(ev: Evaluator, clusters: Sequence[frozenset], method: str, se
     return [clusters[i] for i in path]
 
 
-REFINE_FROM = 3
-"""Local search starts from this many of the best levels: from one it sticks in a local optimum
-about twice as often (measured on the planner test's 200 instances); past three it finds nothing
-more there."""
-
-
 class PartitionSearch:
     """Steps 1-6 on one instance, with every completed clustering cached: the hierarchy's levels,
     their local-search polish and the final plan all ask for the same clusterings again.
@@ -156,7 +150,8 @@ class PartitionSearch:
         return found
 
     def plan(self, patience: int | None = None, stages: int | None = None) -> Partition:
-        """The best level, polished from the best levels when refining; with ``stages``, the best plan
+        """The best level, polished from every level when refining (from the best few alone it sticks
+        in local optima: worst 1.58x against 1.12x on the planner test); with ``stages``, the best plan
         of exactly that many stages (its level, polished without changing the count)."""
         levels = self.levels(patience if stages is None else None)
         if stages is not None:
@@ -165,8 +160,7 @@ class PartitionSearch:
                 raise ValueError(f"no level of the hierarchy has {stages} stages")
         best = min(levels, key=lambda r: r[0])
         if self.refine:
-            seeds = sorted(levels, key=lambda r: r[0])[:REFINE_FROM]
-            best = min((_refine(lv, self.complete, self.inst.layers, stages) for lv in seeds), key=lambda r: r[0])
+            best = min((_refine(lv, self.complete, self.inst.layers, stages) for lv in levels), key=lambda r: r[0])
         return self.ev.partition(best[1], best[2])
 
 

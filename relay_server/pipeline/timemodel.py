@@ -157,13 +157,15 @@ def water_levels(fixed: Sequence[float], moved: Sequence[float], inv_compute: Se
     ranked = sorted(zip(fixed, moved, inv_compute, caps))
     out = []
     for h in range(1, max_layers + 1):
-        best, inv, weighted = math.inf, 0.0, 0.0
+        level, inv, weighted = math.inf, 0.0, 0.0
         for f, mv, ic, cap in ranked:
             if cap < h:
                 continue
+            if f >= level:
+                break  # this device and every later one would start after the others finish
             per = mv + h * ic
             inv += 1.0 / per
             weighted += f / per
-            best = min(best, (microbatch + weighted) / inv)
-        out.append(best)
+            level = (microbatch + weighted) / inv
+        out.append(level)
     return np.array(out)
