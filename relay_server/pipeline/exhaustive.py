@@ -69,14 +69,14 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
     never falls with more layers, so the bound never exceeds the true time). The planner's plan
     (or ``incumbent``) is the first best; pruning only skips orders that cannot beat the best
     found, so the result is the exhaustive optimum."""
-    ev = Evaluator(inst)
+    ev = Evaluator.of(inst)
     plan = incumbent if incumbent is not None else plan_partition(inst)
     best = [plan.seconds_per_batch, [frozenset(c.servers) for c in plan.stages], [c.layers for c in plan.stages]]
 
     def walk(order: list[frozenset], rest: list[frozenset], clients: dict, steps: int, floor: float) -> None:
         if not rest:
-            last = ev.stage_vector(order[-2] if len(order) > 1 else None, order[-1], None, clients[order[-1]])
-            if max(floor, steps * float(last[0])) >= best[0]:
+            last = ev.stage_floor(order[-2] if len(order) > 1 else None, order[-1], None, clients[order[-1]])
+            if max(floor, steps * last) >= best[0]:
                 return
             alloc, value = minmax_layers(ev.vectors(order), inst.layers)
             if value * steps < best[0]:
@@ -86,7 +86,7 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
             low = floor
             if order:
                 prev = order[-2] if len(order) > 1 else None
-                low = max(low, steps * float(ev.stage_vector(prev, order[-1], nxt, clients[order[-1]])[0]))
+                low = max(low, steps * ev.stage_floor(prev, order[-1], nxt, clients[order[-1]]))
             if low < best[0]:
                 walk(order + [nxt], rest[:i] + rest[i + 1:], clients, steps, low)
 

@@ -105,7 +105,7 @@ class PartitionSearch:
         if allocation not in ("minmax", "proportional"):
             raise ValueError(f"allocation must be 'minmax' or 'proportional', not {allocation!r}")
         self.inst, self.order, self.seed, self.allocation, self.refine = inst, order, seed, allocation, refine
-        self.ev = Evaluator(inst)
+        self.ev = Evaluator.of(inst)
         self.completed = lru_cache(maxsize=None)(self._completed)
 
     def scored(self, ordered: list[frozenset]) -> tuple[float, list[frozenset], list[int]]:

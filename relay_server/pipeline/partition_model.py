@@ -83,7 +83,14 @@ class Partition:
 
 class Evaluator:
     """Eq. 1-2 for one instance, with every per-stage quantity cached: the search and the brute
-    force ask for the same (previous, cluster, next) triples many times."""
+    force ask for the same (previous, cluster, next) triples many times. :meth:`of` shares one
+    evaluator per instance between them."""
+
+    @staticmethod
+    @lru_cache(maxsize=4)
+    def of(inst: "Instance") -> "Evaluator":
+        """The shared evaluator of ``inst`` (instances are frozen, so its answers never change)."""
+        return Evaluator(inst)
 
     def __init__(self, inst: Instance) -> None:
         self.inst = inst
@@ -101,6 +108,7 @@ class Evaluator:
         self.client_cost = (self.ua + self.t / self.ub) if len(self.cu) else np.zeros((0, len(self.cs)))
         self.client_rows = self.client_cost.tolist()
         self.stage_vector = lru_cache(maxsize=None)(self._stage_vector)
+        self.stage_setup = lru_cache(maxsize=None)(self._stage_setup)
         self.link = lru_cache(maxsize=None)(self._link)
         self.clients_of = lru_cache(maxsize=None)(self._clients_of)
 
@@ -160,10 +168,11 @@ class Evaluator:
         b = min(side, key=lambda b: pair[j][b])
         return self.alpha_rows[j][b], 1.0 / self.beta_rows[j][b]
 
-    def _stage_vector(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
-                      clients: tuple[int, ...]) -> np.ndarray:
-        """Boundary plus Eq. 1 time of a stage for 1..L layers, shares balanced (water filling):
-        a server computes between its nearest frontal and backward server (itself if it is one),
+    def _stage_setup(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
+                     clients: tuple[int, ...]) -> tuple[float, list, list, list, list]:
+        """A stage's boundary time and, per computing device, its fixed delay, seconds moved per
+        sample, seconds per sample-layer and layer capacity (:meth:`stage_vector` turns them into
+        times). A server computes between its nearest frontal and backward server (itself if it is one),
         a client between the frontal and backward server nearest it. The first stage's devices
         read their own data and the last stage's compute the loss where they are, so those hops
         are local; a device takes part only in layer counts it can hold."""
@@ -188,7 +197,20 @@ class Evaluator:
             caps.append(self.inst.capacity(False, i))
         edge = boundary_time(self.link(prev, cluster) if prev else None,
                              self.link(nxt, cluster) if nxt else None, self.t)
+        return edge, fixed, moved, inv, caps
+
+    def _stage_vector(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
+                      clients: tuple[int, ...]) -> np.ndarray:
+        """Boundary plus Eq. 1 time of a stage for 1..L layers (index h-1), shares balanced."""
+        edge, fixed, moved, inv, caps = self.stage_setup(prev, cluster, nxt, clients)
         return edge + water_levels(fixed, moved, inv, self.inst.microbatch, self.inst.layers, caps)
+
+    def stage_floor(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
+                    clients: tuple[int, ...]) -> float:
+        """The stage's time with one layer: a bound no allocation goes below (the brute force's
+        pruning needs only this, not the whole vector)."""
+        edge, fixed, moved, inv, caps = self.stage_setup(prev, cluster, nxt, clients)
+        return edge + float(water_levels(fixed, moved, inv, self.inst.microbatch, 1, caps)[0])
 
     def vectors(self, order: Sequence[frozenset]) -> list[np.ndarray]:
         """Per-stage time vectors (index h-1) of an ordered clustering, clients placed by step 5."""
