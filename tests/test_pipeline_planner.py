@@ -166,7 +166,8 @@ def _random_instance(rng: np.random.Generator) -> Instance:
     if compute.sum() == 0:
         compute[0] = 100.0
     floor = -(-layers // int((compute > 0).sum()))  # computing servers alone can always hold the model
-    caps = [float(c) for c in np.concatenate([rng.integers(floor, layers + 1, s), rng.integers(max(1, layers // 4), layers + 1, u)])]
+    caps = np.concatenate([rng.integers(floor, layers + 1, s), rng.integers(max(1, layers // 4), layers + 1, u)])
+    caps = [float(c) for c in caps]
     return Instance(tuple(compute.tolist()), _rows(alpha), _rows(beta), tuple(rng.uniform(10, 100, u).tolist()),
                     _rows(rng.uniform(0.02, 0.15, (u, s))), _rows(rng.uniform(5e6, 5e7, (u, s))), layers, 4.0,
                     float(rng.uniform(1e4, 1e6)), 8, tuple(caps[:s]), tuple(caps[s:]))
@@ -235,8 +236,8 @@ def _model(layers: int = 12) -> ModelShape:
 
 
 def _workers(rng: np.random.Generator, n: int) -> list[Worker]:
-    return [Worker(f"w{i}", int(rng.uniform(0.6, 4) * GB), float(rng.uniform(50, 500)), float(rng.uniform(0.01, 0.2)),
-                   float(rng.uniform(5e6, 1e8))) for i in range(n)]
+    return [Worker(f"w{i}", int(rng.uniform(0.6, 4) * GB), float(rng.uniform(50, 500)),
+                   float(rng.uniform(0.01, 0.2)), float(rng.uniform(5e6, 1e8))) for i in range(n)]
 
 
 def test_star_picks_the_fastest_memory_feasible_stage_count() -> None:
@@ -273,7 +274,8 @@ def test_star_picks_the_fastest_memory_feasible_stage_count() -> None:
 def test_star_lpt_spreads_compute_within_the_largest_worker() -> None:
     rng = np.random.default_rng(4)
     for _ in range(30):
-        workers = [Worker(f"w{i}", 64 * GB, float(rng.uniform(10, 500)), 0.01, 1e9) for i in range(int(rng.integers(3, 12)))]
+        count = int(rng.integers(3, 12))
+        workers = [Worker(f"w{i}", 64 * GB, float(rng.uniform(10, 500)), 0.01, 1e9) for i in range(count)]
         for k in range(2, min(4, len(workers)) + 1):
             plan = plan_star(workers, _model(), PipelineConfig(stages=k))
             compute = [s.compute for s in plan.stages]
@@ -282,7 +284,8 @@ def test_star_lpt_spreads_compute_within_the_largest_worker() -> None:
 
 def test_star_memory_infeasible_config_names_the_memory() -> None:
     small = [Worker(f"w{i}", int(0.3 * GB), 100.0, 0.05, 1e7) for i in range(4)]
-    with pytest.raises(PlanError, match=r"stages=2 does not fit the workers' memory: .* needs \d+ bytes .* largest worker memory is \d+ bytes"):
+    fits = r"stages=2 does not fit the workers' memory: .* needs \d+ bytes .* largest worker memory is \d+ bytes"
+    with pytest.raises(PlanError, match=fits):
         plan_star(small, _model(), PipelineConfig(stages=2))
     with pytest.raises(PlanError, match="memory"):
         plan_star(small, _model(), PipelineConfig())

@@ -160,7 +160,9 @@ class PartitionSearch:
                 raise ValueError(f"no level of the hierarchy has {stages} stages")
         best = min(levels, key=lambda r: r[0])
         if self.refine:
-            best = min((_refine(lv, self.complete, self.inst.layers, stages) for lv in levels), key=lambda r: r[0])
+            reached: dict = {}
+            best = min((_refine(lv, self.complete, self.inst.layers, stages, reached) for lv in levels),
+                       key=lambda r: r[0])
         return self.ev.partition(best[1], best[2])
 
 
@@ -195,12 +197,22 @@ def _neighbours(clusters: list[frozenset], max_stages: int):
             yield [x for k, x in enumerate(clusters) if k not in (a, b)] + [clusters[a] | clusters[b]]
 
 
-def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages: int, stages: int | None = None):
+def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages: int, stages: int | None = None,
+            reached: dict | None = None):
     """Local search after the hierarchy: take the first neighbouring clustering (:func:`_neighbours`)
     that lowers the predicted time, until none does. The paper's clustering reads only the
-    communication graph; a device's memory or compute can make another cluster its better home."""
+    communication graph; a device's memory or compute can make another cluster its better home.
+    With ``stages`` only clusterings of that size count. The walk is deterministic, so a clustering
+    in ``reached`` (from an earlier start) ends where it ended then, and the walk stops there."""
+    reached = {} if reached is None else reached
+    path = []
     improved = True
     while improved:
+        key = frozenset(best[1])
+        if key in reached:
+            best = reached[key]
+            break
+        path.append(key)
         improved = False
         for clusters in _neighbours(best[1], max_stages):
             if stages is not None and len(clusters) != stages:
@@ -209,4 +221,6 @@ def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages
             if trial[0] < best[0] * (1 - 1e-12):
                 best, improved = trial, True
                 break
+    for key in path:
+        reached[key] = best
     return best

@@ -19,11 +19,12 @@ from typing import Sequence
 
 from relay_server.pipeline.star_model import (
     Candidate, ModelShape, Move, PipelineConfig, PlanError, Stage, StagePlan, Worker, layer_capacity,
-    relay_bytes_per_batch, stage_memory, stage_seconds,
+    relay_bytes_per_batch, stage_fixed_params, stage_memory, stage_seconds,
 )
 
 
-def _lpt(workers: Sequence[Worker], num_stages: int, model: ModelShape, cfg: PipelineConfig) -> list[list[Worker]] | None:
+def _lpt(workers: Sequence[Worker], num_stages: int, model: ModelShape,
+         cfg: PipelineConfig) -> list[list[Worker]] | None:
     """Workers by decreasing compute, each to the stage with the least compute so far among those
     it can hold one layer of; a low-memory worker goes where it drags the stage's cap least."""
     groups: list[list[Worker]] = [[] for _ in range(num_stages)]
@@ -38,7 +39,8 @@ def _lpt(workers: Sequence[Worker], num_stages: int, model: ModelShape, cfg: Pip
     return groups if all(groups) else None
 
 
-def _by_memory(workers: Sequence[Worker], num_stages: int, model: ModelShape, cfg: PipelineConfig) -> list[list[Worker]] | None:
+def _by_memory(workers: Sequence[Worker], num_stages: int, model: ModelShape,
+               cfg: PipelineConfig) -> list[list[Worker]] | None:
     """The alternative when memory binds: workers of similar memory together (largest memories on
     the stages that carry the embeddings and head), so a small worker does not cap a large one's
     stage; contiguous groups of memory order cut at equal compute."""
@@ -48,7 +50,7 @@ def _by_memory(workers: Sequence[Worker], num_stages: int, model: ModelShape, cf
     acc, k = 0.0, 0
     for i, w in enumerate(ranked):
         left = len(ranked) - i
-        if groups[k] and (acc >= total * (k + 1) / num_stages or left <= num_stages - 1 - k):
+        if k < num_stages - 1 and groups[k] and (acc >= total * (k + 1) / num_stages or left <= num_stages - 1 - k):
             k += 1
         groups[k].append(w)
         acc += w.samples_per_s
@@ -101,7 +103,7 @@ def build_plan(groups: Sequence[Sequence[Worker]], layers: Sequence[int], model:
     workers of ``idle_from`` that no group holds sit out (not enough memory for any stage)."""
     k_total, start, stages = len(groups), 0, []
     for k, (g, h) in enumerate(zip(groups, layers)):
-        params = h * model.layer_params + (model.first_params if k == 0 else 0) + (model.last_params if k == k_total - 1 else 0)
+        params = h * model.layer_params + stage_fixed_params(model, k, k_total)
         stages.append(Stage(k, start, start + h, tuple(w.id for w in g), float(sum(w.samples_per_s for w in g)),
                             params, stage_memory(model, cfg, k, k_total, h),
                             stage_seconds(g, model, cfg, k, k_total, h)))
@@ -135,8 +137,10 @@ def _plan_k(workers: Sequence[Worker], k: int, model: ModelShape, cfg: PipelineC
 
 def plan_star(workers: Sequence[Worker], model: ModelShape, cfg: PipelineConfig) -> StagePlan:
     """The stage plan for measured ``workers``: ``cfg.stages`` stages, or with "auto" the number of
-    stages with the least predicted seconds per batch among those memory allows (ties to fewer).
-    Raises :class:`PlanError` naming the memory (or the count) when no plan exists."""
+    stages with the least predicted seconds per batch among those memory allows (ties to fewer; one
+    stage means the model fits and data parallelism is the better run). Workers no stage fits sit
+    out (``plan.idle``). Raises :class:`PlanError` naming the memory (or the count) when no plan
+    exists."""
     if not workers:
         raise PlanError("no workers to plan for: a stage plan needs at least one measured worker")
     if len({w.id for w in workers}) != len(workers):
@@ -197,7 +201,8 @@ def rebalance(plan: StagePlan, measured: Sequence[Worker]) -> Move | None:
     from ``measured`` have left), the single move of a worker to another stage that saves the most,
     made only when the predicted saving per batch times the batches until the next check
     (``config.rebalance_every_batches``) exceeds the worker's download of its new stage's
-    parameters; ``None`` when no move pays. A worker never leaves a stage it is alone on."""
+    parameters; ``None`` when no move pays. A worker never leaves a stage it is alone on; workers
+    the plan does not hold are ignored (they join through :func:`assign_joiner`)."""
     cfg, model = plan.config, plan.model
     groups = _regroup(plan, measured)
     layers = _layers(plan)
@@ -214,7 +219,10 @@ def rebalance(plan: StagePlan, measured: Sequence[Worker]) -> Move | None:
                 trial[src].remove(w)
                 trial[dst].append(w)
                 after = build_plan(trial, layers, model, cfg).seconds_per_batch
-                gain = current - after if math.isfinite(current) else (math.inf if _idle(trial) < _idle(groups) else 0.0)
+                if math.isfinite(current):
+                    gain = current - after
+                else:
+                    gain = math.inf if _idle(trial) < _idle(groups) else 0.0
                 download = w.rtt_s + stage.params * cfg.wire_bytes_per_param / w.bandwidth
                 net = gain * cfg.rebalance_every_batches - download
                 if gain > 0 and net > 0 and (best is None or net > best[0]):
