@@ -18,6 +18,10 @@ Where this departs from the paper, and why (each measured against the brute forc
 * The TSP order and the clustering are polished by local search on the predicted time: the
   communication graph knows nothing of memory, compute, or that the ends of the pipeline read
   data and compute the loss in place.
+
+On the planner test's 200 instances the paper's procedure as written (``allocation=
+"proportional", refine=False, patience=1``) is within 1.10x of the optimum on 48.5% (and finds no
+plan that fits memory on 2); with the departures above, 99.0%, worst 1.165x.
 """
 
 from __future__ import annotations
