@@ -28,6 +28,7 @@ LAYERS = [
     "toolkit",
     "relay_server.core", "relay_server.auth", "relay_server.tasks", "relay_server.moe", "relay_server.rounds", "relay_server.planning",
     "relay_server.observers", "relay_server.data", "relay_server.backbone", "relay_server.collaboration",
+    "relay_server.pipeline",
     "relay_server.api", "relay_server.aggregator", "relay_server.demo", "relay_server.notebooks", "relay_server.cli", "relay_server",
 ]
 

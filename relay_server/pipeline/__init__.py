@@ -12,8 +12,12 @@ parameter server per stage. What lives where:
 * :mod:`.stage_owners` -- one :class:`~relay_server.backbone.slice_owner.SliceOwner` per stage:
   ticketed uploads, the optimizer step, the published manifest;
 * :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
-  deadlines, re-dispatch), stage assignment, rounds;
-* the planner (:mod:`.timemodel`, :mod:`.partition`, :mod:`.star`) -- pure functions.
+  deadlines, re-dispatch), rounds; :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
+  the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports;
+* the planner, pure computation (no I/O, no torch): :mod:`.timemodel` the paper's Eq. 1-3,
+  :mod:`.ordering` the open-TSP stage order, :mod:`.partition_model` / :mod:`.partition` its
+  graph-clustering partition, :mod:`.exhaustive` the brute-force references the tests compare it
+  with, :mod:`.star_model` / :mod:`.star` what the planning reduces to in our outbound-only star.
 
 May import core, auth, tasks, rounds, planning, backbone and collaboration; the HTTP routes are
 :mod:`relay_server.api.pipeline`.
