@@ -36,6 +36,7 @@ from relay_server.core.http import int_query, json_ok, path_int, read_message, u
 from relay_server.observers.events import StepEvent
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.coordinator import PipelineCoordinator
+from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.status import pipeline_status
 from relay_server.pipeline.workers import Workers
@@ -223,9 +224,10 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     coordinator = PipelineCoordinator(
         num_stages=len(cut.cuts), microbatch_size=cfg.microbatch_size, microbatches_per_batch=cfg.microbatches_per_batch,
         owners=owners, broker=broker, boundaries=Boundaries(cfg.boundary_memory_mb << 20, root / "boundaries"),
-        workers=Workers([e - s for s, e in cut.cuts], cut.activation_bytes(cfg.microbatch_size)), shapes=cut.shapes,
+        workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes()), shapes=cut.shapes,
         codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish,
-        dispatch=cfg.dispatch)
+        dispatch=cfg.dispatch, planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
+        rebalance_every=cfg.rebalance_every_batches)
     coordinator.layers = cut.layers
     collab.backbone.board.publish(owners.published())
     app[PIPELINE] = coordinator
@@ -242,7 +244,6 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
-    finalizing: asyncio.Task | None = None
     while True:
         await asyncio.sleep(TICK_S)
         try:
@@ -252,8 +253,8 @@ async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
                 coordinator.worker_left(worker)
             coordinator.broker.tick()
             coordinator.restart_lost()
-            coordinator.check_delivered()
-            if coordinator.finalizing and (finalizing is None or finalizing.done()):
-                finalizing = asyncio.create_task(coordinator.finalize())
+            coordinator.staff_empty_stages()
+            coordinator.check_delivered()  # an owner's commit no worker reported (it died right after)
+            coordinator.retry_finalize()
         except Exception:  # the ticker must outlive any one bad tick
             log.exception("pipeline tick failed")

@@ -24,8 +24,12 @@ class PipelineSection:
     enabled: bool = False
     """Train the model as a staged pipeline instead of data-parallel copies."""
     stages: Any = 2
-    """How many stages (an integer >= 2), or "auto": the planner picks the count that minimises
-    the predicted time per batch among those every worker's memory can hold."""
+    """How many stages (an integer >= 2), or "auto": the fewest stages that each fit
+    ``worker_memory_mb`` (fewer stages, fewer boundaries through the relay)."""
+    worker_memory_mb: int = 0
+    """The accelerator memory the organizer expects every volunteer to have (e.g. 15000 for a
+    Colab T4); needed by ``stages = "auto"``. Workers report their own memory when they join; a
+    worker that cannot hold any stage is told so."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Layers of each stage, in order (empty: the planner allocates them by stage compute, or
     evenly before any worker was measured)."""
@@ -69,6 +73,9 @@ class PipelineSection:
                                               and 2 <= self.stages <= 64)
         return [
             (stages_ok, f'pipeline.stages must be an integer 2..64 or "auto", got {self.stages!r}'),
+            (self.stages != "auto" or self.worker_memory_mb > 0,
+             'pipeline.stages = "auto" needs pipeline.worker_memory_mb (the memory every volunteer is expected to '
+             'have, in MiB)'),
             (not self.layers_per_stage or (stages_ok and self.stages != "auto"
                                            and len(self.layers_per_stage) == self.stages
                                            and all(n >= 1 for n in self.layers_per_stage)),

@@ -22,6 +22,7 @@ optimizer steps.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -33,6 +34,7 @@ from relay_server.backbone.tickets import sign_ticket
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
+from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
 from relay_server.pipeline.stage_owners import PLAN_VERSION, StageOwners
 from relay_server.pipeline.workers import Workers
@@ -62,11 +64,13 @@ class PipelineCoordinator:
     def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
                  broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
                  ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
-                 dispatch: str = "pool", clock=time.monotonic) -> None:
+                 dispatch: str = "pool", planner: Planner | None = None, rebalance_every: int = 0,
+                 clock=time.monotonic) -> None:
         self.K, self.mb_size, self.d = num_stages, microbatch_size, microbatches_per_batch
         self.owners, self.broker, self.boundaries, self.workers = owners, broker, boundaries, workers
         self.shapes, self.codec, self.ticket_key, self.publish, self.clock = shapes, codec, ticket_key, publish, clock
         self.dispatch = dispatch
+        self.planner, self.rebalance_every, self.moves = planner, rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
         self.round: OpenRound | None = None
@@ -79,6 +83,8 @@ class PipelineCoordinator:
         self.bytes_out = 0
         self.samples_done = 0
         self.redone = self.refused = self.restarted = 0
+        self._round_opened = asyncio.Event()
+        self._finalize_task: asyncio.Task | None = None
         self.layers: list[int] = []
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
         self.predicted_batch_s: float | None = None
@@ -113,8 +119,7 @@ class PipelineCoordinator:
             call = self._round_call(worker)
             if call is not None:
                 return PipelineWork(stage=stage, round=call), {}
-            tasks = await self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"], max_rows=MAX_TASKS_PER_POLL,
-                                            wait_s=max(0.0, min(1.0, deadline - self.clock())))
+            tasks = await self._lease_or_round(worker, stage, max(0.0, deadline - self.clock()))
             tasks = [t for t in tasks if self._still_wanted(t)]
             if tasks and self.batch_started is None:
                 self.batch_started = self.clock()
@@ -159,6 +164,25 @@ class PipelineCoordinator:
             self.restarted += 1
             self._submit(Step(FIRST, 0, fresh))
 
+    async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list:
+        """A task of the worker's stage, or nothing when the round opens first (the worker then
+        gets its upload at once instead of after its long poll)."""
+        lease = asyncio.ensure_future(self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"],
+                                                        max_rows=MAX_TASKS_PER_POLL, wait_s=wait_s))
+        opened = asyncio.ensure_future(self._round_opened.wait())
+        try:
+            await asyncio.wait({lease, opened}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            opened.cancel()
+            if not lease.done():
+                lease.cancel()
+        try:
+            return await lease  # a lease that took its tasks before the cancel landed still returns them
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this request itself is being cancelled
+            return []
+
     def _still_wanted(self, task) -> bool:
         if task.task_id in self.steps:
             return True
@@ -177,15 +201,20 @@ class PipelineCoordinator:
         if step is None:
             raise ApiError(410, "task_expired", f"task {task_id!r} is not part of the batch in flight",
                            "Drop this result and its gradient; take the next task.")
+        if self.workers.by_id.get(worker) is not None and self.workers.stage_of(worker) != step.stage:
+            raise ApiError(410, "stage_moved", f"this worker moved off stage {step.stage}; its result for it is not used",
+                           "Drop it and take the next task of your new stage.")
         mb = self.ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
-            self.broker.complete(worker, task_id, b"")
+            task = self.broker.complete(worker, task_id, b"")
         except ApiError as exc:
             if exc.code in ("task_done",):
                 self.refused += 1
                 return PipelineAck(task_id=task_id, accepted=False)
             raise
+        if self.planner is not None and task.attempts == 1 and task.leased_at is not None:
+            self.planner.observe_task(worker, self.clock() - task.leased_at)
         for name, entry in accepted.entries.items():
             self.boundaries.put(step.microbatch, name, entry)
         if step.redo:
@@ -200,6 +229,8 @@ class PipelineCoordinator:
 
     # --- rounds ---------------------------------------------------------------------------------
     def _open_round(self) -> None:
+        self._round_opened.set()
+        self._round_opened = asyncio.Event()
         self.round = OpenRound(step=self.owners.step, round_id=secrets.token_hex(8), opened_at=self.clock(),
                                tickets={}, issued={})
         log.info("pipeline batch %d complete (%d micro-batches): round %d open", self.ledger.batch, self.d,
@@ -253,6 +284,16 @@ class PipelineCoordinator:
                 del r.tickets[contributor]
         if self.ledger.counted:
             self.finalizing = True
+            self._finalize_task = asyncio.get_running_loop().create_task(self.finalize())
+
+    def retry_finalize(self) -> None:
+        """A finalize that failed (an owner's error) is tried again (owners are idempotent per round)."""
+        task = self._finalize_task
+        if self.finalizing and task is not None and task.done():
+            if not task.cancelled() and task.exception() is not None:
+                log.error("pipeline round %s failed to finalize; retrying", self.round.round_id if self.round else "?",
+                          exc_info=task.exception())
+            self._finalize_task = asyncio.get_running_loop().create_task(self.finalize())
 
     def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
         """A worker says its upload ended; one that failed makes its micro-batches orphans."""
@@ -288,10 +329,43 @@ class PipelineCoordinator:
         self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
         for m in self.ledger.microbatches:
             self.boundaries.drop(m)
+        self._replan(self.clock() - r.opened_at)
         self.round, self.finalizing = None, False
         self.batch_index += 1
         self.batch_started = None
         self._mint()
+
+    # --- the planner ----------------------------------------------------------------------------
+    def _replan(self, round_s: float) -> None:
+        """Between batches: re-time the placement (the predicted time per batch), and every
+        ``rebalance_every`` batches move the one worker whose move the planner says pays."""
+        if self.planner is None:
+            return
+        self.planner.observe_round(round_s)
+        placement = self.workers.placement()
+        due = self.dispatch == "pool" and self.rebalance_every and self.batch_index % self.rebalance_every == 0
+        move = self.planner.move(placement) if due else None
+        self.planner.replan(placement)
+        self.predicted_batch_s = self.planner.predicted_batch_s()
+        if move is not None:
+            self._move(move.worker, move.to_stage, f"predicted {move.gain_s_per_batch:.2f} s per batch faster")
+
+    def staff_empty_stages(self) -> None:
+        """A stage with no worker stalls the batch: move one there now from a stage with two or
+        more, if it holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
+        if self.planner is None or self.dispatch != "pool":
+            return
+        move = self.planner.fill_empty(self.workers.placement())
+        if move is not None and not self.ledger.owned(move.worker):
+            self._move(move.worker, move.to_stage, "its new stage had no worker")
+
+    def _move(self, worker: str, stage: int, why: str) -> None:
+        log.info("pipeline: worker %s moves from stage %d to stage %d (%s)", worker[:16],
+                 self.workers.stage_of(worker), stage, why)
+        self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
+        self.workers.move(worker, stage)
+        self.planner.forget(worker)
+        self.moves += 1
 
     # --- membership -----------------------------------------------------------------------------
     def worker_left(self, worker: str) -> None:
@@ -305,6 +379,8 @@ class PipelineCoordinator:
                 if w == worker and contributor not in self.uploading:
                     del self.round.tickets[contributor]
         self.workers.remove(worker)
+        if self.planner is not None:
+            self.planner.forget(worker)
 
 
 def _contributor(worker: str, serial: int) -> str:

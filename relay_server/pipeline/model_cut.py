@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from relay_server.core.config import RelayConfig
+from relay_server.pipeline.plan import auto_stages, model_shape
 from relay_server.pipeline.results import Shapes
+from relay_server.pipeline.star_model import ModelShape, PipelineConfig, stage_memory
 from toolkit.pipeline.stages import cut_stages, meta_model, pipeline_units
 
 
@@ -21,10 +23,13 @@ class ModelCut:
     cuts: list[tuple[int, int]]
     layers: list[int]
     shapes: Shapes
+    model: ModelShape
+    """What the planner weighs (layers, parameters per layer, embeddings, head, boundary bytes)."""
+    plan_config: PipelineConfig
 
-    def activation_bytes(self, microbatch_size: int) -> int:
-        """One micro-batch's boundary in float32 (a worker holds a few while computing)."""
-        return 4 * 4 * microbatch_size * (self.shapes.max_positions + 1) * self.shapes.width
+    def stage_bytes(self) -> list[int]:
+        """The memory a worker needs for each stage (:func:`.star_model.stage_memory`)."""
+        return [stage_memory(self.model, self.plan_config, k, len(self.layers), h) for k, h in enumerate(self.layers)]
 
 
 def even_layers(num_layers: int, num_stages: int) -> list[int]:
@@ -37,13 +42,19 @@ def cut_model(config: RelayConfig) -> ModelCut:
     model = meta_model(config.model.spec())
     units = pipeline_units(model)
     cfg = config.pipeline
-    stages = cfg.num_stages()
+    shapes = _shapes(model, cfg.microbatch_size)
+    shape = model_shape(units, cfg.boundary_codec, shapes.width, shapes.max_positions)
+    plan_config = PipelineConfig(stages=cfg.stages, microbatch_size=cfg.microbatch_size,
+                                 microbatches=cfg.microbatches_per_batch,
+                                 rebalance_every_batches=max(1, cfg.rebalance_every_batches))
+    stages = cfg.num_stages() or auto_stages(shape, plan_config, cfg.worker_memory_mb << 20)
     if stages > units.num_layers:
         raise ValueError(f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
                          "lower pipeline.stages")
     layers = list(cfg.layers_per_stage) or even_layers(units.num_layers, stages)
     cuts = cut_stages(units, layers)
-    return ModelCut(cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=_shapes(model, cfg.microbatch_size))
+    return ModelCut(cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=shapes, model=shape,
+                    plan_config=plan_config)
 
 
 def _shapes(model: torch.nn.Module, microbatch_size: int) -> Shapes:

@@ -4,9 +4,8 @@ In our star every worker reaches every boundary through the same link (the relay
 paper's "pick the stage with the best bandwidth" reduces to compute balance under memory: a
 worker goes to the stage whose compute per unit of work is lowest (its workers' measured speeds
 over the stage's share of the model's parameters; worker counts before anything was measured),
-among the stages its memory can hold (parameters, their gradient and the gradient sum in
-float32: 12 bytes each, plus the activations of one micro-batch). A stage no live worker can hold
-is said on the dashboard (the run waits for a bigger volunteer) instead of failing silently.
+among the stages its memory can hold (the planner's accounting, :func:`.star_model.stage_memory`).
+A worker that can hold no stage is told so at once, with what it would need.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relay_server.core.errors import ApiError
-
-BYTES_PER_PARAM = 12
 
 
 @dataclass
@@ -27,13 +24,20 @@ class Worker:
 
 
 class Workers:
-    def __init__(self, stage_params: list[int], activation_bytes: int) -> None:
+    def __init__(self, stage_params: list[int], stage_bytes: list[int]) -> None:
         self.stage_params = stage_params
-        self.activation_bytes = activation_bytes
+        self.stage_bytes = stage_bytes
         self.by_id: dict[str, Worker] = {}
 
     def need_bytes(self, stage: int) -> int:
-        return self.stage_params[stage] * BYTES_PER_PARAM + self.activation_bytes
+        return self.stage_bytes[stage]
+
+    def placement(self) -> dict[str, tuple[int, int]]:
+        """worker -> (stage, memory bytes): what the planner re-times."""
+        return {w.peer_id: (w.stage, w.memory_bytes) for w in self.by_id.values()}
+
+    def move(self, peer_id: str, stage: int) -> None:
+        self.by_id[peer_id].stage = stage
 
     def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
         """Keep a worker's stage across polls and rejoins; place a new one at the weakest stage it fits."""
