@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from tests.conftest import wait_until
-from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay, worker_events
+from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
 from tests.support.training import relay_params
 from toolkit.moe import payloads

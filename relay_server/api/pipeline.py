@@ -46,7 +46,7 @@ from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
 from toolkit.moe import payloads
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import (ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest, PipelineWork,
+from toolkit.wire.protocol import (ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
                                    StageAssignment, StageRequest)
 from toolkit.wire.tensor_container import MAX_HEADER
 

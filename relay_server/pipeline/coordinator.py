@@ -10,14 +10,14 @@ optimizer steps.
   The first accepted result of a task wins; a late duplicate is answered ``accepted: false``.
 * **No round trip per boundary.** A stage's output is stored here (:mod:`.boundaries`) and the
   next stage's task is queued the moment it arrives; the next worker downloads it with its task.
-* **Rounds** (:mod:`.ledger` for the bookkeeping): when every micro-batch finished its backward,
-  the round opens; every worker holding stage gradients gets its list of micro-batches with its
-  next poll, asks for a ticket naming exactly those (anything else is refused, and re-done), and
-  uploads its stage's slice to that stage's parameter server (:mod:`.stage_owners`) through the
-  ticketed route every sliced run uses. The round closes when every stage counted every
-  micro-batch; then every stage steps, the new version is published and the next batch starts on
-  it (staleness 0). No barrier waits for a particular worker: a joiner gets tasks of the batch in
-  flight at its first poll.
+* **Rounds** (:mod:`.rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
+  its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
+  its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
+  every stage steps and the next batch starts on the new version (staleness 0). No barrier waits
+  for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
+* **Placement** (:mod:`.plan`): measured task times feed the planner's predicted time per batch
+  and its rebalancing; ``dispatch = "static" | "restart"`` are the baselines the benchmark
+  compares the pool with.
 """
 
 from __future__ import annotations
@@ -27,40 +27,27 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from relay_server.backbone.slicing import Published
-from relay_server.backbone.tickets import sign_ticket
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
-from relay_server.pipeline.stage_owners import PLAN_VERSION, StageOwners
+from relay_server.pipeline.rounds import OpenRound, PipelineRounds
+from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Workers
 from relay_server.tasks.broker import TaskBroker
 from toolkit.moe import payloads
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import (PipelineAck, PipelineRoundCall, PipelineTask, PipelineTicketRequest, PipelineWork,
-                                   SliceDigest, Ticket)
+from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineWork
 
 log = logging.getLogger(__name__)
 NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire and they are re-dispatched
 MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker would idle another
 
 
-@dataclass
-class OpenRound:
-    step: int
-    round_id: str
-    opened_at: float
-    tickets: dict[str, tuple[str, int, list[int]]]
-    """contributor id -> (worker, stage, micro-batches) of every ticket issued and not yet counted."""
-    issued: dict[str, int]
-    """worker -> tickets issued to it in this round (its next contributor id's serial)."""
-
-
-class PipelineCoordinator:
+class PipelineCoordinator(PipelineRounds):
     def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
                  broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
                  ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
@@ -227,114 +214,6 @@ class PipelineCoordinator:
             self._open_round()
         return PipelineAck(task_id=task_id, accepted=True)
 
-    # --- rounds ---------------------------------------------------------------------------------
-    def _open_round(self) -> None:
-        self._round_opened.set()
-        self._round_opened = asyncio.Event()
-        self.round = OpenRound(step=self.owners.step, round_id=secrets.token_hex(8), opened_at=self.clock(),
-                               tickets={}, issued={})
-        log.info("pipeline batch %d complete (%d micro-batches): round %d open", self.ledger.batch, self.d,
-                 self.round.step)
-
-    def _round_call(self, worker: str) -> PipelineRoundCall | None:
-        r = self.round
-        if r is None:
-            return None
-        ticketed = {(s, m) for w, s, ms in r.tickets.values() if w == worker for m in ms}
-        for stage, ms in self.ledger.owned(worker).items():
-            todo = [m for m in ms if (stage, m) not in ticketed]
-            if todo:
-                return PipelineRoundCall(step=r.step, round_id=r.round_id, stage=stage, microbatches=sorted(todo),
-                                         contributor=_contributor(worker, r.issued.get(worker, 0)))
-        return None
-
-    def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
-        r = self.round
-        if r is None or r.step != step or r.round_id != req.round_id:
-            raise ApiError(409, "round_closed", f"no pipeline round {step} ({req.round_id}) is open",
-                           "Drop this gradient; take the next task.")
-        call = self._round_call(worker)
-        if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
-            redo = self.ledger.orphan(worker, keep=self._in_flight())
-            for s in redo:
-                self._submit(s)
-            raise ApiError(409, "wrong_microbatches", f"the relay expected micro-batches "
-                           f"{call.microbatches if call else []} of stage {call.stage if call else req.stage}, "
-                           f"the ticket asks for {sorted(req.microbatches)}",
-                           "Drop this gradient (its micro-batches are being recomputed) and take the next task.")
-        contributor = _contributor(worker, r.issued.get(worker, 0))
-        r.issued[worker] = r.issued.get(worker, 0) + 1
-        r.tickets[contributor] = (worker, req.stage, list(call.microbatches))
-        start, end = self.owners.cuts[req.stage]
-        return sign_ticket(Ticket(round_id=r.round_id, step=step, peer_id=contributor,
-                                  samples=len(call.microbatches) * self.mb_size, version=step,
-                                  plan_version=PLAN_VERSION, expires_at=time.time() + 3600.0,
-                                  slices=[SliceDigest(start=start, end=end, header_sha256=req.header_sha256)]),
-                           self.ticket_key)
-
-    def check_delivered(self) -> None:
-        """Count what every stage's parameter server committed; close the round when all is in."""
-        r = self.round
-        if r is None or self.finalizing:
-            return
-        for contributor, (worker, stage, ms) in list(r.tickets.items()):
-            owner_round = self.owners.owners[stage].round
-            if owner_round is not None and owner_round.round_id == r.round_id and contributor in owner_round.received:
-                self.ledger.deliver(stage, ms)
-                del r.tickets[contributor]
-        if self.ledger.counted:
-            self.finalizing = True
-            self._finalize_task = asyncio.get_running_loop().create_task(self.finalize())
-
-    def retry_finalize(self) -> None:
-        """A finalize that failed (an owner's error) is tried again (owners are idempotent per round)."""
-        task = self._finalize_task
-        if self.finalizing and task is not None and task.done():
-            if not task.cancelled() and task.exception() is not None:
-                log.error("pipeline round %s failed to finalize; retrying", self.round.round_id if self.round else "?",
-                          exc_info=task.exception())
-            self._finalize_task = asyncio.get_running_loop().create_task(self.finalize())
-
-    def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
-        """A worker says its upload ended; one that failed makes its micro-batches orphans."""
-        self.check_delivered()
-        r = self.round
-        if r is None or r.round_id != round_id or delivered or contributor not in r.tickets:
-            return
-        owner, stage, ms = r.tickets[contributor]
-        if owner != worker or contributor in self.uploading:
-            return
-        del r.tickets[contributor]
-        for step in self.ledger.orphan(worker, keep=self._in_flight(), only=(stage, set(ms))):
-            self._submit(step)
-
-    def _in_flight(self) -> set[tuple[int, int]]:
-        r = self.round
-        if r is None:
-            return set()
-        return {(s, m) for c, (_, s, ms) in r.tickets.items() if c in self.uploading for m in ms}
-
-    async def finalize(self) -> None:
-        """Every stage steps; publish; drop the batch's boundaries; the next batch starts."""
-        r = self.round
-        published, grad_norm, counted = await self.owners.finalize(r.step, r.round_id)
-        self.counted = (self.counted + [counted])[-20:]
-        elapsed = self.clock() - (self.batch_started if self.batch_started is not None else r.opened_at)
-        self.batch_times = (self.batch_times + [elapsed])[-20:]
-        self.samples_done += self.d * self.mb_size
-        contributions: dict[str, int] = {}
-        for mb in self.ledger.microbatches.values():
-            for worker in mb.owners.values():
-                contributions[worker] = contributions.get(worker, 0) + self.mb_size
-        self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
-        for m in self.ledger.microbatches:
-            self.boundaries.drop(m)
-        self._replan(self.clock() - r.opened_at)
-        self.round, self.finalizing = None, False
-        self.batch_index += 1
-        self.batch_started = None
-        self._mint()
-
     # --- the planner ----------------------------------------------------------------------------
     def _replan(self, round_s: float) -> None:
         """Between batches: re-time the placement (the predicted time per batch), and every
@@ -381,10 +260,6 @@ class PipelineCoordinator:
         self.workers.remove(worker)
         if self.planner is not None:
             self.planner.forget(worker)
-
-
-def _contributor(worker: str, serial: int) -> str:
-    return f"{worker[:40]}.{serial}"
 
 
 def _key(stage: int) -> str:

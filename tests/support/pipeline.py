@@ -60,9 +60,5 @@ def replay(spec: ModelSpec, initial: np.ndarray, batches: dict[int, Any], *, ste
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
-def worker_events(worker, kind: str) -> list[dict[str, Any]]:
-    return [e for e in worker.events() if e["event"] == kind]
-
-
 def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
