@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--until-step", type=int, required=True)
     ap.add_argument("--sleep-per-task", type=float, default=0.0)
     ap.add_argument("--max-seconds", type=float, default=300.0)
+    ap.add_argument("--hf-token-env", default="", help="log in with the token in this variable (an hf-mode run)")
     args = ap.parse_args()
     started = time.monotonic()
     events = open(args.events, "a", buffering=1)
@@ -47,6 +49,8 @@ def main() -> int:
         events.write(json.dumps(event) + "\n")
 
     client = RelayClient(args.relay)
+    if args.hf_token_env:
+        client.login(os.environ[args.hf_token_env])
     run = client.get_run()
     peer_id = client.join(JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={})).peer_id
     size = int(run.pipeline["microbatch_size"])
@@ -57,7 +61,8 @@ def main() -> int:
 
     class Logged(StageWorker):
         def _do(self, task, inputs) -> None:
-            log(event="leased", task=task.task_id, kind=task.kind, stage=task.stage, microbatch=task.microbatch)
+            log(event="leased", task=task.task_id, kind=task.kind, stage=task.stage, microbatch=task.microbatch,
+                batch=task.batch, cached=task.input_cached)
             time.sleep(args.sleep_per_task)
             before = self.tasks_done
             super()._do(task, inputs)
@@ -69,7 +74,7 @@ def main() -> int:
             log(event="uploaded", step=call.step, microbatches=call.microbatches, stage=call.stage)
 
     worker = Logged(client, peer_id, run, data(run, size, args.seed), on_first=on_first)
-    log(event="joined", peer_id=peer_id)
+    log(event="joined", peer_id=peer_id, step=client.get_state().step)
 
     def until() -> bool:
         return client.get_state().step >= args.until_step or time.monotonic() - started > args.max_seconds

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,11 +23,14 @@ import requests
 from tests.conftest import wait_until
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
+from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.training import relay_params
+from toolkit.client import RelayClient
 from toolkit.moe import payloads
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, PipelineResult
 
 STEPS = 3
+WIDE_BYTE_SPEC = dataclasses.replace(BYTE_SPEC, kwargs={**BYTE_SPEC.kwargs, "d_model": 128, "d_ff": 128})
 MICROBATCHES = 4
 
 
@@ -145,3 +149,66 @@ def test_hostile_results_are_refused_and_the_batch_completes(start_relay, launch
     workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1) for i in range(2)]
     assert check_exact(relay, BYTE_SPEC, initial, workers, 1) <= 1e-5
     assert counted(relay) == [[2 * MICROBATCHES] * 2]
+
+
+def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch):
+    """``auth.mode = "hf"``: every pipeline route is signed (results are streamed containers with
+    chunk digests, stage gradients ticketed slices), and the run still equals one process."""
+    hub = standin()
+    relay = None
+    try:
+        relay = hf_relay(tmp_path, hub, {**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES),
+                                         "limits": {}})
+        reader = RelayClient(relay.url)
+        reader.login(TOKENS["alice"])
+        initial = np.empty(reader.get_run().num_params, dtype=np.float32)
+        reader.download_params(initial, min_step=0, wait_s=30)
+        workers = []
+        for i, user in enumerate(("alice", "alice", "bob", "bob")):
+            monkeypatch.setenv(f"HF_TOKEN_{user.upper()}", TOKENS[user])
+            workers.append(launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=2,
+                                               extra=("--hf-token-env", f"HF_TOKEN_{user.upper()}")))
+        for worker in workers:
+            assert worker.wait(timeout_s=240) == 0, worker.log_path.read_text()[-3000:]
+        final = np.empty_like(initial)
+        step = reader.download_params(final, min_step=2, wait_s=30)
+        reference = replay(BYTE_SPEC, initial, accepted_batches(workers), steps=step, microbatches=MICROBATCHES)
+        assert relative_difference(final, reference) <= 1e-5
+        assert requests.get(relay.url + "/api/pipeline", timeout=10).json()["counted"] == [[8, 8]] * step
+    finally:
+        if relay is not None:
+            relay.stop()
+        hub.stop()
+
+
+@pytest.mark.parametrize("codec", ["int8", "float16"])
+def test_lossy_boundaries_and_workers_joining_mid_batch(start_relay, launch_stage_worker, codec):
+    """Boundaries in the run's lossy codec cut the relay's bytes per sample (to about a quarter
+    or half of float32's) and still train close to exact; workers that join while a batch is in
+    flight get its tasks at their first polls (no barrier), and backward tasks of a worker's own
+    forwards come without their input (the worker cached it)."""
+    spec = WIDE_BYTE_SPEC  # wide enough that the boundaries' bytes, not the containers' headers, dominate
+    relay = start_relay(pipeline_overrides(spec, stages=2, microbatches=MICROBATCHES, boundary_codec=codec))
+    _, initial = relay_params(relay.url)
+    steps, slow = 6, ("--sleep-per-task", "0.2")  # long enough that the joiners arrive mid-run
+    first = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=slow) for i in range(2)]
+    wait_until(lambda: relay.status()["step"] >= 1, 120, "a first step")
+    joiners = [launch_stage_worker(relay.url, f"j{i}", seed=10 + i, until_step=steps, extra=slow) for i in range(2)]
+    workers = first + joiners
+    difference = check_exact(relay, spec, initial, workers, steps)
+    assert difference <= 0.05, difference
+    for joiner in joiners:
+        leased = [e for e in joiner.events() if e["event"] == "leased"]
+        assert leased, joiner.log_path.read_text()[-2000:]
+        # the batch in flight when it joined, or the next one if its stage had nothing left in it
+        assert leased[0]["batch"] <= relay_step_when(joiner) + 1, leased[:1]
+    assert any(e.get("cached") for w in workers for e in w.events() if e["event"] == "leased")
+    pipeline = requests.get(relay.url + "/api/pipeline", timeout=10).json()
+    float32_bytes = (5 * 2 - 6) * 4 * spec.kwargs["seq_len"] * spec.kwargs["d_model"]  # the README's model, K = 2
+    assert pipeline["boundary_bytes_per_sample"] < {"int8": 0.4, "float16": 0.62}[codec] * float32_bytes, pipeline
+    assert counted(relay) == [[2 * MICROBATCHES] * 2] * steps
+
+
+def relay_step_when(worker) -> int:
+    """The step the relay was at when ``worker`` joined (its first event says)."""
+    return next(e["step"] for e in worker.events() if e["event"] == "joined")
