@@ -30,6 +30,7 @@ from toolkit.moe import payloads
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, PipelineResult
 
 STEPS = 3
+EXACT_STEPS = 5
 WIDE_BYTE_SPEC = dataclasses.replace(BYTE_SPEC, kwargs={**BYTE_SPEC.kwargs, "d_model": 128, "d_ff": 128})
 MICROBATCHES = 4
 
@@ -50,11 +51,16 @@ def check_exact(relay, spec, initial, workers, steps: int) -> float:
     return relative_difference(final, reference)
 
 
-@pytest.mark.parametrize("model,spec,stages", [("byte", BYTE_SPEC, 3), ("gpt2", GPT2_SPEC, 2)])
+@pytest.mark.parametrize("model,spec,stages", [
+    ("byte", BYTE_SPEC, 3), ("gpt2", GPT2_SPEC, 2),
+    pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
+    pytest.param("gpt2", GPT2_SPEC, 3, marks=pytest.mark.slow)])
 def test_pipeline_equals_one_process(start_relay, launch_stage_worker, model, spec, stages):
-    relay, initial, workers = train(start_relay, launch_stage_worker, spec, stages=stages)
-    assert check_exact(relay, spec, initial, workers, STEPS) <= 1e-5
-    assert counted(relay) == [[2 * MICROBATCHES] * stages] * STEPS
+    """K stages, 2 workers each, staleness 0, 5 steps: the parameters equal one process on the
+    same global batches, and every stage's every round counted exactly the batch."""
+    relay, initial, workers = train(start_relay, launch_stage_worker, spec, stages=stages, steps=EXACT_STEPS)
+    assert check_exact(relay, spec, initial, workers, EXACT_STEPS) <= 1e-5
+    assert counted(relay) == [[2 * MICROBATCHES] * stages] * EXACT_STEPS
 
 
 def counted(relay) -> list[list[int]]:
@@ -181,7 +187,7 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
         hub.stop()
 
 
-@pytest.mark.parametrize("codec", ["int8", "float16"])
+@pytest.mark.parametrize("codec", ["int8", pytest.param("float16", marks=pytest.mark.slow)])
 def test_lossy_boundaries_and_workers_joining_mid_batch(start_relay, launch_stage_worker, codec):
     """Boundaries in the run's lossy codec cut the relay's bytes per sample (to about a quarter
     or half of float32's) and still train close to exact; workers that join while a batch is in

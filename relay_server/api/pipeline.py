@@ -224,7 +224,8 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     coordinator = PipelineCoordinator(
         num_stages=len(cut.cuts), microbatch_size=cfg.microbatch_size, microbatches_per_batch=cfg.microbatches_per_batch,
         owners=owners, broker=broker, boundaries=Boundaries(cfg.boundary_memory_mb << 20, root / "boundaries"),
-        workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes()), shapes=cut.shapes,
+        workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes(), sticky=cfg.dispatch == "static"),
+        shapes=cut.shapes,
         codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish,
         dispatch=cfg.dispatch, planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
         rebalance_every=cfg.rebalance_every_batches)

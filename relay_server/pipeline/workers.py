@@ -24,9 +24,13 @@ class Worker:
 
 
 class Workers:
-    def __init__(self, stage_params: list[int], stage_bytes: list[int]) -> None:
+    def __init__(self, stage_params: list[int], stage_bytes: list[int], *, sticky: bool = False) -> None:
+        """``sticky``: a worker that left and comes back gets its former stage again (the static
+        pipeline baseline, whose micro-batches wait for their worker)."""
         self.stage_params = stage_params
         self.stage_bytes = stage_bytes
+        self.sticky = sticky
+        self.former: dict[str, int] = {}
         self.by_id: dict[str, Worker] = {}
 
     def need_bytes(self, stage: int) -> int:
@@ -52,7 +56,9 @@ class Workers:
                            f"stage needs {self.need_bytes(smallest) / 2**20:.0f} MiB",
                            "Join from a machine with more accelerator memory, or ask the organizer for more "
                            "pipeline.stages.")
-        worker = Worker(peer_id, min(fits, key=self._strength), memory_bytes, samples_per_s)
+        former = self.former.get(peer_id) if self.sticky else None
+        stage = former if former in fits else min(fits, key=self._strength)
+        worker = Worker(peer_id, stage, memory_bytes, samples_per_s)
         self.by_id[peer_id] = worker
         return worker
 
@@ -69,7 +75,9 @@ class Workers:
         return worker.stage
 
     def remove(self, peer_id: str) -> None:
-        self.by_id.pop(peer_id, None)
+        worker = self.by_id.pop(peer_id, None)
+        if worker is not None and self.sticky:
+            self.former[peer_id] = worker.stage
 
     def on_stage(self, stage: int) -> list[str]:
         return sorted(w.peer_id for w in self.by_id.values() if w.stage == stage)
