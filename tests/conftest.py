@@ -197,6 +197,29 @@ def start_relay(tmp_path: Path) -> Iterator:
         relay.stop()
 
 
+@pytest.fixture
+def serve_relay(tmp_path: Path) -> Iterator:
+    """``serve_relay(overrides)`` -> the same run as ``start_relay``'s, served by
+    ``tests.support.relays.InProcessRelay`` (the relay's real app and real HTTP on 127.0.0.1, in
+    this process: no process start and torch import per relay), its config written to
+    ``tmp_path/<name>.toml`` and its data dir ``tmp_path/<name>-data``; stopped after the test.
+    For tests that never restart, kill or read the log of the relay."""
+    from relay_server.core.config import load_config
+    from tests.support.relays import InProcessRelay
+
+    relays: list[Any] = []
+
+    def start(overrides: dict[str, dict[str, Any]] | None = None, name: str = "relay") -> Any:
+        config = merged(overrides)
+        config["server"] = {**config["server"], "port": 0, "data_dir": str(tmp_path / f"{name}-data")}
+        relays.append(InProcessRelay(load_config(write_config(tmp_path / f"{name}.toml", config))))
+        return relays[-1]
+
+    yield start
+    for relay in relays:
+        relay.stop()
+
+
 @dataclass
 class AggregatorProcess:
     """A real ``relay-server aggregator`` process registered with ``relay``, on port 0 (the port it
@@ -436,9 +459,19 @@ def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
         relay.stop()
 
 
-@pytest.fixture(scope="session")
-def evaluation_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The WordPiece tokenizer of ``tests.support.evaluation``'s run, trained once per session."""
-    from tests.support.evaluation import train_tokenizer
+DEMO_TOKENIZER_VOCAB = 200
 
-    return train_tokenizer(tmp_path_factory.mktemp("evaluation-tokenizer"))
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``relay-server tokenizer train --vocab-size 200`` on the demo corpus the toolkit ships, run
+    once per session: every run with a vocabulary of 200 (evaluation, examples, loop and HF
+    exactness, the dashboard) reads this one file, and training it is a process importing torch."""
+    where = tmp_path_factory.mktemp("demo-tokenizer")
+    config = where / "tok.toml"
+    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
+                           "--vocab-size", str(DEMO_TOKENIZER_VOCAB), "--out", str(where / "tokenizer.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return where / "tokenizer.json"

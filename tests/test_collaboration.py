@@ -1,4 +1,5 @@
-"""Integration: a real relay process and real peer processes on 127.0.0.1."""
+"""Integration: a real relay and real peer processes on 127.0.0.1. The relay is a process where
+the test kills and restarts it, and is served in this process otherwise (conftest's ``serve_relay``)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from toolkit.models import build_model
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
 
 
-def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_peer):
-    relay = start_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
+def test_applied_update_is_the_exact_sample_weighted_mean(serve_relay, launch_peer):
+    relay = serve_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
                          "run": {"target_batch": 150}})
     _, before = relay_params(relay.url)
     # 20 ms per micro-batch: the round fills in ~250 ms, so a peer the scheduler held back for a few
@@ -42,9 +43,9 @@ def test_applied_update_is_the_exact_sample_weighted_mean(start_relay, launch_pe
     assert relay.status()["recent_rounds"][0]["samples"] == len(ids)
 
 
-def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, launch_peer):
+def test_three_peers_equal_one_process_with_the_same_global_batch(serve_relay, launch_peer):
     steps = 5
-    relay = start_relay({"run": {"target_batch": 48}})
+    relay = serve_relay({"run": {"target_batch": 48}})
     _, initial = relay_params(relay.url)
     _, final, rounds = train_together(relay, launch_peer, steps=steps, batch_sizes=(4, 6, 8), seed=10)
     # Samples a peer computed on a version whose round closed without it are dropped (strict
@@ -68,10 +69,10 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(start_relay, l
     assert np.linalg.norm(final - initial) / np.linalg.norm(initial) > 1e-3  # it did train
 
 
-def test_peer_killed_mid_round_does_not_block_the_others(start_relay, launch_peer):
+def test_peer_killed_mid_round_does_not_block_the_others(serve_relay, launch_peer):
     # A 20 s upload window and a 2 s peer TTL: if the round closes well before 20 s, it was
     # because the relay noticed the dead peer, not because the deadline passed.
-    relay = start_relay({"run": {"target_batch": 96, "max_staleness": 1},
+    relay = serve_relay({"run": {"target_batch": 96, "max_staleness": 1},
                          "rounds": {"deadline_floor_s": 20.0, "deadline_initial_s": 20.0}})
     paced = ("--wait-peers", "3", "--sleep-per-batch", "0.02")
     survivors = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=paced) for i in range(2)]
@@ -93,8 +94,8 @@ def test_peer_killed_mid_round_does_not_block_the_others(start_relay, launch_pee
     assert all(p["name"] != "victim" for p in relay.status()["peers"])
 
 
-def test_late_joiner_gets_current_parameters_and_contributes(start_relay, launch_peer):
-    relay = start_relay({"run": {"target_batch": 32}})
+def test_late_joiner_gets_current_parameters_and_contributes(serve_relay, launch_peer):
+    relay = serve_relay({"run": {"target_batch": 32}})
     early = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=10_000) for i in range(2)]
     relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
     late = launch_peer(relay.url, "late", seed=7, batch_size=4, steps=10_000)
@@ -138,9 +139,9 @@ def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):
     assert os.path.exists(relay.data_dir / "state" / f"step-{max(steps):08d}.safetensors")
 
 
-def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(start_relay, launch_peer):
+def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(serve_relay, launch_peer):
     # One step of staleness allowed: peers keep computing on version v while round v runs.
-    relay = start_relay({"run": {"target_batch": 32, "max_staleness": 1}})
+    relay = serve_relay({"run": {"target_batch": 32, "max_staleness": 1}})
     peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=("--delayed", "--wait-peers", "2"))
              for i in range(2)]
     for peer in peers:
@@ -161,11 +162,11 @@ def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(start_r
 
 
 @pytest.mark.parametrize("policy, opens_after", [("reported", 4), ("projected", 3)])
-def test_a_round_opens_when_the_target_is_in_sight(start_relay, policy: str, opens_after: int) -> None:
+def test_a_round_opens_when_the_target_is_in_sight(serve_relay, policy: str, opens_after: int) -> None:
     """Three peers adding micro-batches of 8 toward a target of 32, reporting in turn. "reported"
     opens at 32 reported (each other peer then adds the batch it was computing: up to 48 applied);
     "projected" counts those batches in flight and opens at 24 reported (about 32 applied)."""
-    relay = start_relay({"run": {"target_batch": 32}, "rounds": {"open_round": policy}})
+    relay = serve_relay({"run": {"target_batch": 32}, "rounds": {"open_round": policy}})
     client = RelayClient(relay.url)
     peers = [client.join(JoinRequest(peer_name=f"p{i}", protocol=PROTOCOL_VERSION)).peer_id for i in range(3)]
     opened = None

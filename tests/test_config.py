@@ -199,13 +199,13 @@ def test_betas_from_the_environment_drive_the_relays_optimizer() -> None:
 ALICE, BOB, MALLORY = "hf_alice_token_123456", "hf_bob_token_12345678", "hf_mallory_token_1234"
 
 
-def test_an_allowlist_from_the_environment_admits_both_users(start_relay, hf_standin: HfStandin,
+def test_an_allowlist_from_the_environment_admits_both_users(serve_relay, hf_standin: HfStandin,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """RELAY_AUTH_ALLOW_USERS=alice,bob used to become the set of the string's characters."""
     for token, name in ((ALICE, "alice"), (BOB, "bob"), (MALLORY, "mallory")):
         hf_standin.add_user(token, name)
     monkeypatch.setenv("RELAY_AUTH_ALLOW_USERS", "alice,bob")
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url}})  # the file lists nobody
+    relay = serve_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url}})  # the file lists nobody
     for token, name in ((ALICE, "alice"), (BOB, "bob")):
         client = RelayClient(relay.url, retries=0)
         client.login(token)
@@ -216,9 +216,9 @@ def test_an_allowlist_from_the_environment_admits_both_users(start_relay, hf_sta
     assert relay.status()["num_peers"] == 2
 
 
-def test_a_grid_from_the_environment_shapes_the_relays_experts(start_relay, monkeypatch) -> None:
+def test_a_grid_from_the_environment_shapes_the_relays_experts(serve_relay, monkeypatch) -> None:
     monkeypatch.setenv("RELAY_MOE_GRID", "2,3")
     monkeypatch.setenv("RELAY_MOE_EXPERT", '{ kind = "ffn", d = 8, hidden = 16 }')
-    relay = start_relay({"moe": {"enabled": True, "layers": 2}})
+    relay = serve_relay({"moe": {"enabled": True, "layers": 2}})
     spec = requests.get(relay.url + "/api/moe/spec", timeout=10).json()
     assert spec["grid"] == [2, 3] and spec["expert"] == {"kind": "ffn", "d": 8, "hidden": 16}

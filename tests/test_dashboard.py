@@ -205,7 +205,7 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
 
 
 def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(start_relay, launch_peer, browser_page,
-                                                                            tmp_path, evaluation_tokenizer):
+                                                                            tmp_path, demo_tokenizer):
     """An ``[evaluation]`` run: the loss chart draws the training and the validation curve over the
     chance line, and "What the model says now" lists the fixed prompts with the model's own answers
     for the step the relay reports."""
@@ -214,7 +214,7 @@ def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(star
     from tests.support.evaluation import PROMPTS, albert_run, train_until_evaluated
 
     page, problems = browser_page
-    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
+    relay = start_relay(albert_run(tmp_path, demo_tokenizer))
     status = train_until_evaluated(relay, launch_peer, 2)
     page.goto(relay.url + "/")
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)

@@ -1,8 +1,8 @@
 """``relay-server demo`` as a newcomer runs it: real relay, real peer processes, the JSON last line.
 
-The second test is issue 3's training check for the codec: the demo model trained with 8-bit
-blockwise gradients and 8-bit parameter deltas (error feedback both ways) reaches the same loss
-as float32 within 2%.
+The default suite also runs the demo with 8-bit blockwise gradients and 8-bit parameter deltas
+(error feedback both ways) and sees it learn; issue 3's comparison with float32 (the same loss
+within 2% after 40 steps, two runs side by side, ~77 s) is a benchmark of the codec: ``-m slow``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+loss (\S+)")
@@ -51,15 +53,20 @@ def test_demo_prints_a_line_per_step_and_a_json_summary() -> None:
     assert float(references[2]) == summary["loss_references"]["unigram"] and 0 < float(references[2]) < math.log(256)
 
 
-def test_each_step_says_how_many_samples_it_applied_of_the_target() -> None:
-    """The overshoot is stated, not hidden: the header gives the range, every step line its count."""
-    proc = start_demo("--peers", "2", "--steps", "2", "--target-batch", "8", "--batch-size", "4")
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-3000:]
+def test_each_step_says_how_many_samples_it_applied_of_the_target_with_int8_compression() -> None:
+    """The overshoot is stated, not hidden: the header gives the range, every step line its count.
+    With ``--compression int8`` (8-bit gradients up, 8-bit parameter deltas down to both peers):
+    the demo runs with it and learns (ln 256 = 5.55 at init; the float32 twin is under -m slow)."""
+    proc = start_demo("--peers", "2", "--steps", "3", "--target-batch", "8", "--batch-size", "4",
+                      "--compression", "int8")
+    losses, _, out = finish(proc, timeout_s=240)
     assert ("rounds:    a round opens when the peers' reported samples reach 8; each peer then adds the micro-batch "
             "it was computing, so a step applies 8 to 16 samples") in out
     applied = [int(n) for n in re.findall(r"\(applied (\d+) of target 8 samples from \d+ peers", out)]
-    assert len(applied) == 2 and all(8 <= n <= 16 for n in applied), out
+    assert len(applied) == 3 and all(8 <= n <= 16 for n in applied), out
+    assert ", compression int8" in out, out
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values()), out
+    assert losses[3] < losses[1], losses
 
 
 def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
@@ -82,6 +89,7 @@ def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
         proc.kill()
 
 
+@pytest.mark.slow
 def test_int8_compression_trains_as_well_as_float32() -> None:
     """Both runs at once (one CPU thread per peer), same seeds and data; the mean loss of the
     last 10 of 40 steps of each must agree within 2% (measured: 3.181 vs 3.192, 0.35%; ~70 s)."""

@@ -89,12 +89,12 @@ def evaluator_process(relay) -> psutil.Process:
 
 
 def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_restart(
-        start_relay, launch_peer, tmp_path: Path, evaluation_tokenizer: Path, offline_wandb: Path,
+        start_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path, offline_wandb: Path,
         hub_standin: HubStandin, monkeypatch: pytest.MonkeyPatch) -> None:
     hub_standin.add_user(HUB_TOKEN, "organizer", role="write")  # Hub checkpoints: their card states validation
     monkeypatch.setenv("COLLAB_TEST_HUB_TOKEN", HUB_TOKEN)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    relay = start_relay({**albert_run(tmp_path, evaluation_tokenizer),
+    relay = start_relay({**albert_run(tmp_path, demo_tokenizer),
                          "wandb": {"project": "collab-eval", "mode": "offline"},
                          "hub": {"repo_id": HUB_REPO, "endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN",
                                  "every_steps": 1}})
@@ -143,8 +143,8 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
 
 
 def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp_path: Path,
-                                                   evaluation_tokenizer: Path) -> None:
-    relay = start_relay(albert_run(tmp_path, evaluation_tokenizer))
+                                                   demo_tokenizer: Path) -> None:
+    relay = start_relay(albert_run(tmp_path, demo_tokenizer))
     # A peer that keeps training (and leaves the evaluator some of the machine's CPU meanwhile).
     launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.1"))
     status = relay.wait_for(lambda s: s["evaluations"], timeout_s=180, what="a first evaluation")
@@ -209,11 +209,11 @@ data_files = ["validation.txt"]
     ("every_steps = 0", "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
     ("threads = 0", "evaluation.threads must be in 1..256"),
 ])
-def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, evaluation_tokenizer: Path, evaluation: str,
+def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, demo_tokenizer: Path, evaluation: str,
                                                        message: str) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
-    text = BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation=evaluation)
+    text = BASE_TOML.format(tokenizer=demo_tokenizer, evaluation=evaluation)
     if evaluation.startswith("data_files"):  # replaces the section's own line
         text = text.replace('data_files = ["validation.txt"]\n', "", 1)
     with pytest.raises(ConfigError) as refused:
@@ -221,11 +221,11 @@ def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, evaluation
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, evaluation_tokenizer: Path) -> None:
+def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, demo_tokenizer: Path) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
     config = write_toml(tmp_path / "run.toml",
-                        BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation='prompts = [{ text = "x" }]'))
+                        BASE_TOML.format(tokenizer=demo_tokenizer, evaluation='prompts = [{ text = "x" }]'))
     data_dir = tmp_path / "data"
     done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
                            "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120,
@@ -235,12 +235,12 @@ def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: P
     assert not data_dir.exists()
 
 
-def test_the_readme_evaluation_section_loads(tmp_path: Path, evaluation_tokenizer: Path) -> None:
+def test_the_readme_evaluation_section_loads(tmp_path: Path, demo_tokenizer: Path) -> None:
     block = re.search(r"\*\*Held-out evaluation.*?```toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation").mkdir()
     (tmp_path / "validation" / "a.txt").write_text("held-out text\n")
-    text = BASE_TOML.format(tokenizer=evaluation_tokenizer, evaluation="").split("[evaluation]")[0] + block
+    text = BASE_TOML.format(tokenizer=demo_tokenizer, evaluation="").split("[evaluation]")[0] + block
     config = load_config(write_toml(tmp_path / "run.toml", text))
     assert config.evaluation.shards() == [str(tmp_path / "validation" / "a.txt")]
     assert len(config.evaluation.prompts) == 2
@@ -283,7 +283,7 @@ def test_byte_level_demo_model_scores_next_bytes_as_its_own_loss(tmp_path: Path)
 
 
 @pytest.mark.parametrize("objective", ["causal-lm", "classification"])
-def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path, evaluation_tokenizer: Path,
+def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path, demo_tokenizer: Path,
                                                                   objective: str) -> None:
     import torch
 
@@ -303,7 +303,7 @@ def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path
         (tmp_path / "val.jsonl").write_text("\n".join(json.dumps({"text": t, "label": i % 2})
                                                       for i, t in enumerate(VALIDATION)))
         files, prompts = [str(tmp_path / "val.jsonl")], ["Is this held out?"]
-    scorer = scorer_for(tmp_path, evaluation_tokenizer, model=model,
+    scorer = scorer_for(tmp_path, demo_tokenizer, model=model,
                         objective={"name": objective, "seq_len": 16},
                         evaluation={"data_files": files, "samples": 4, "batch_size": 4, "prompts": prompts})
     record = scorer.evaluate(3, initial_flat(scorer))

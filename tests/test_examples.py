@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import DEMO_TOKENIZER_VOCAB
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = ("plain_loop.py", "hf_trainer.py", "accelerate_loop.py", "lightning_loop.py")
 NEEDS = {"hf_trainer.py": "transformers", "accelerate_loop.py": "accelerate", "lightning_loop.py": "lightning"}
-ALBERT_TINY = {"model_type": "albert", "vocab_size": 200, "embedding_size": 16, "hidden_size": 32,
+ALBERT_TINY = {"model_type": "albert", "vocab_size": DEMO_TOKENIZER_VOCAB, "embedding_size": 16, "hidden_size": 32,
                "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
                "max_position_embeddings": 32}
 
@@ -35,25 +37,18 @@ def test_readme_shows_the_example_files_verbatim() -> None:
         assert f"examples/{name}" in readme_section()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Path:
-    """``relay-server tokenizer train`` on the demo corpus the toolkit ships."""
+@pytest.fixture
+def tokenizer(demo_tokenizer: Path) -> Path:
+    """conftest's ``demo_tokenizer`` (trained once per session), where the loop packages are installed."""
     pytest.importorskip("transformers")
-    work = tmp_path_factory.mktemp("tokenizer")
-    config, out = work / "tok.toml", work / "tokenizer.json"
-    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", "200", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    return out
+    return demo_tokenizer
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_example_trains_a_pinned_run_and_stops_when_it_ends(start_relay, tmp_path, tokenizer, example) -> None:
+def test_example_trains_a_pinned_run_and_stops_when_it_ends(serve_relay, tmp_path, tokenizer, example) -> None:
     pytest.importorskip(NEEDS.get(example, "transformers"))
     steps = 3
-    relay = start_relay({"run": {"target_batch": 16, "total_steps": steps, "precision": "fp32"},
+    relay = serve_relay({"run": {"target_batch": 16, "total_steps": steps, "precision": "fp32"},
                          "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
                                    "config": ALBERT_TINY},
                          "tokenizer": {"file": str(tokenizer)},

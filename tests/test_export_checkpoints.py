@@ -1,7 +1,9 @@
 """A relay's version, exported, is a checkpoint users load in one line and run padded batches on.
 
 End to end as an organizer does it: ``relay-server tokenizer train`` on the shipped text (its size
-from the config), a real relay and a real peer for a few steps, ``relay-server export``; then
+from the config; trained once, both runs read the same text at the same size), a real relay (in
+this process: ``tests.support.relays.InProcessRelay``) and a real peer process for a few steps,
+``relay-server export``; then
 ``AutoTokenizer`` / ``AutoModelFor*.from_pretrained`` on the folder and a ``transformers.pipeline``
 on a batch of texts of different lengths, whose answers must equal the one-text-at-a-time
 answers (padding changes nothing). Masked-LM (ALBERT, fill-mask) and causal-LM (GPT-2,
@@ -11,12 +13,14 @@ text-generation).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from relay_server.cli import main
 from tests.conftest import REPO, merged, write_config
 
 pytest.importorskip("transformers")
@@ -42,30 +46,40 @@ def run_sections(objective: str) -> dict:
             "dataset": {"kind": "demo_corpus"}}
 
 
-@pytest.fixture(params=sorted(RUNS))
-def exported(request, tmp_path: Path, start_relay, launch_peer) -> tuple[str, Path, object]:
-    """(objective, the exported folder, the relay) after a 2-step run of a tokenizer trained by the CLI."""
-    objective = request.param
-    sections = run_sections(objective)
-    config = write_config(tmp_path / "relay.toml", merged(sections))  # the file start_relay serves
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``relay-server tokenizer train`` next to a run's config, its size from model.config.vocab_size."""
+    work = tmp_path_factory.mktemp("tokenizer")
+    config = write_config(work / "relay.toml", merged(run_sections("masked-lm")))
     trained = cli("tokenizer", "train", "--config", str(config), "--max-texts", "600")
     assert trained.returncode == 0, trained.stderr
     assert f"vocabulary size {VOCAB}: the config's model.config.vocab_size" in trained.stdout
-    relay = start_relay(sections)
+    assert RUNS["causal-lm"][1]["vocab_size"] == VOCAB  # the other run's config asks the same size
+    return work / "tokenizer.json"
+
+
+@pytest.fixture(params=sorted(RUNS))
+def exported(request, tmp_path: Path, tokenizer: Path, serve_relay, launch_peer) -> tuple[str, Path, Path]:
+    """(objective, the exported folder, the run's config) after a 2-step run."""
+    objective = request.param
+    shutil.copy(tokenizer, tmp_path / "tokenizer.json")  # the config names it relative to itself
+    relay = serve_relay(run_sections(objective))  # its config: tmp_path/relay.toml
     peer = launch_peer(relay.url, "p0", seed=0, batch_size=4, steps=2)
     assert peer.wait(300) == 0, peer.log_path.read_text()[-2000:]
     out = tmp_path / "ckpt"
-    done = cli("export", "--config", str(relay.config_path), "--data-dir", str(relay.data_dir), "--out", str(out))
+    done = cli("export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir),
+               "--out", str(out))
     assert done.returncode == 0, done.stderr
-    return objective, out, relay
+    assert done.stdout.strip() == f"version 2 written to {out}", done.stdout
+    return objective, out, tmp_path / "relay.toml"
 
 
 def test_exported_checkpoint_loads_in_one_line_and_runs_padded_batches(exported) -> None:
     import transformers
     from tokenizers import Tokenizer
 
-    objective, out, relay = exported
-    trained = Tokenizer.from_file(str(relay.config_path.parent / "tokenizer.json"))
+    objective, out, config = exported
+    trained = Tokenizer.from_file(str(config.parent / "tokenizer.json"))
     assert trained.get_vocab_size() == VOCAB
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -103,20 +117,21 @@ def test_exported_checkpoint_loads_in_one_line_and_runs_padded_batches(exported)
         assert all(b[0]["generated_text"].startswith(p) for b, p in zip(batched, prompts))
 
 
-def test_export_names_the_config_to_pass(tmp_path: Path, start_relay, launch_peer) -> None:
-    """Without --config, or with another run's, export says in one line what to pass (and writes nothing)."""
-    relay = start_relay({"run": {"name": "mlp-run", "target_batch": 8}})
-    peer = launch_peer(relay.url, "p0", seed=0, batch_size=4, steps=1)
-    assert peer.wait(120) == 0, peer.log_path.read_text()[-2000:]
+def test_export_names_the_config_to_pass(tmp_path: Path, serve_relay, capsys: pytest.CaptureFixture) -> None:
+    """Without --config, or with another run's, export says in one line what to pass (and writes
+    nothing). The CLI's ``main`` in this process: the same code path as ``relay-server export``,
+    which the test above runs as a process."""
     other = write_config(tmp_path / "other.toml", merged({"run": {"name": "other"},
                                                           "model": {"kwargs": {"sizes": [8, 4, 1]}}}))
+    relay = serve_relay({"run": {"name": "mlp-run", "target_batch": 8}})  # it stores version 0 at start
     for args, source in (((), "the embedded demo run (no --config)"), (("--config", str(other)), f"--config {other}")):
-        done = cli("export", *args, "--data-dir", str(relay.data_dir), "--out", str(tmp_path / "ckpt"))
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+        capsys.readouterr()
+        code = main(["export", *args, "--data-dir", str(relay.data_dir), "--out", str(tmp_path / "ckpt")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
         assert f"holds run 'mlp-run' (161 parameters), but {source} is run" in lines[0]
         assert "pass --config with the TOML that `relay-server serve` ran 'mlp-run' with" in lines[0]
         assert not (tmp_path / "ckpt").exists()
-    done = cli("export", "--config", str(relay.config_path), "--data-dir", str(relay.data_dir),
-               "--out", str(tmp_path / "ckpt"))
-    assert done.returncode == 0 and (tmp_path / "ckpt" / "model.safetensors").is_file(), done.stderr
+    code = main(["export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir),
+                 "--out", str(tmp_path / "ckpt")])
+    assert code == 0 and (tmp_path / "ckpt" / "model.safetensors").is_file()

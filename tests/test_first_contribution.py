@@ -37,8 +37,8 @@ class DashboardWatcher:
         pass
 
 
-def test_the_panel_the_summary_and_the_dashboard_show_the_relays_one_number(start_relay) -> None:
-    relay = start_relay(TINY_BYTE_LM)
+def test_the_panel_the_summary_and_the_dashboard_show_the_relays_one_number(serve_relay) -> None:
+    relay = serve_relay(TINY_BYTE_LM)
     watcher = DashboardWatcher(relay.url)
     result = join(relay.url, panel=watcher, max_steps=2, batch_size=4)  # two micro-batches a step
     assert result.contributed_samples == 16 and result.first_contribution_s is not None

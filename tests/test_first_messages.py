@@ -38,8 +38,8 @@ def test_a_url_without_a_scheme_says_so() -> None:
     assert info.value.hint == NOT_A_RELAY_HINT
 
 
-def test_a_relay_address_with_a_path_says_which_address_to_use(start_relay) -> None:
-    relay = start_relay()
+def test_a_relay_address_with_a_path_says_which_address_to_use(serve_relay) -> None:
+    relay = serve_relay()
     for wrong in (relay.url + "/dashboard", relay.url + "/api/run"):
         client = RelayClient(wrong, retries=0)
         with pytest.raises(RelayUrlError) as path:
@@ -51,8 +51,8 @@ def test_a_relay_address_with_a_path_says_which_address_to_use(start_relay) -> N
         client.close()
 
 
-def test_shell_peer_without_a_token_says_how_to_give_one(start_relay, hf_standin) -> None:
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
+def test_shell_peer_without_a_token_says_how_to_give_one(serve_relay, hf_standin) -> None:
+    relay = serve_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
     done = subprocess.run([sys.executable, "-m", "toolkit.peer", "--relay", relay.url, "--token-env", "NO_SUCH_VAR",
                            "--max-seconds", "5"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 1
@@ -61,9 +61,9 @@ def test_shell_peer_without_a_token_says_how_to_give_one(start_relay, hf_standin
         in done.stderr
 
 
-def test_shell_peer_logs_in_with_the_token_its_variable_holds(start_relay, hf_standin) -> None:
+def test_shell_peer_logs_in_with_the_token_its_variable_holds(serve_relay, hf_standin) -> None:
     hf_standin.add_user("hf_alice_token_123456", "alice")
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
+    relay = serve_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
                          "run": {"target_batch": 8}, "dataset": {"kind": "demo_corpus"},
                          "model": {"factory": "toolkit.models:ByteTransformer",
                                    "kwargs": {"seq_len": 16, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}}})
@@ -103,9 +103,9 @@ def test_a_relay_that_is_down_says_nothing_listens_and_that_a_restart_is_retried
     ("hf_expired_or_wrong_token", "invalid_hf_token", "Hugging Face rejected the token (wrong, expired or revoked)"),
     ("hf_mallory_token_123456", "not_allowlisted", "Hugging Face user 'mallory' is not allowed to join this run"),
 ])
-def test_a_refused_login_says_why_and_what_to_do(start_relay, hf_standin, token: str, code: str, message: str) -> None:
+def test_a_refused_login_says_why_and_what_to_do(serve_relay, hf_standin, token: str, code: str, message: str) -> None:
     hf_standin.add_user("hf_mallory_token_123456", "mallory")
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
+    relay = serve_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
     done = shell_peer(relay.url, "--max-seconds", "5", env={"HF_TOKEN": token})
     assert done.returncode == 1
     assert f"[{code}] {message}" in done.stderr
@@ -117,8 +117,8 @@ def test_a_refused_login_says_why_and_what_to_do(start_relay, hf_standin, token:
     assert token not in done.stderr  # the token is never echoed back
 
 
-def test_joining_a_finished_run_says_so_instead_of_contributing_nothing(start_relay) -> None:
-    relay = start_relay({**TINY_BYTE_LM, "run": {"target_batch": 8, "total_steps": 1}})
+def test_joining_a_finished_run_says_so_instead_of_contributing_nothing(serve_relay) -> None:
+    relay = serve_relay({**TINY_BYTE_LM, "run": {"target_batch": 8, "total_steps": 1}})
     first = shell_peer(relay.url, "--max-steps", "1")
     assert first.returncode == 0, first.stderr[-2000:]
     late = shell_peer(relay.url, "--max-steps", "1")
@@ -128,7 +128,7 @@ def test_joining_a_finished_run_says_so_instead_of_contributing_nothing(start_re
     assert "ask the organizer for the address of their next run" in late.stderr
 
 
-def test_a_micro_batch_too_large_for_the_device_names_the_batch_size_to_lower(start_relay) -> None:
+def test_a_micro_batch_too_large_for_the_device_names_the_batch_size_to_lower(serve_relay) -> None:
     """A real allocation failure: the batch is a stride-0 view of one sequence, so it costs nothing
     until the model's embedding output needs terabytes."""
     import torch
@@ -137,7 +137,7 @@ def test_a_micro_batch_too_large_for_the_device_names_the_batch_size_to_lower(st
     from toolkit.errors import DeviceOutOfMemory
     from toolkit.runtime import environment
 
-    relay = start_relay(TINY_BYTE_LM)
+    relay = serve_relay(TINY_BYTE_LM)
     huge = torch.zeros(1, 16, dtype=torch.long).expand(2 ** 33, 16)
     with pytest.raises(DeviceOutOfMemory) as full:
         join(relay.url, data=[huge], panel="none", max_steps=1)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from relay_server.rounds.master import flatten
+from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import load_flat, relay_params, train_together
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
@@ -26,7 +27,6 @@ from toolkit.wire.protocol import ModelSpec
 ALBERT_TINY = {"model_type": "albert", "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
                "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32,
                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout_prob": 0.0}
-VOCAB = 200
 SEQ_LEN = 24
 
 
@@ -41,17 +41,6 @@ def reference_optimizer(model: torch.nn.Module, cfg: dict) -> torch.optim.Optimi
     return _make_optimizer(groups, OptimizerSection(**cfg))
 
 
-def train_tokenizer(tmp_path: Path) -> Path:
-    """``relay-server tokenizer train`` on the demo corpus the toolkit ships."""
-    config = tmp_path / "tok.toml"
-    out = tmp_path / "tokenizer.json"
-    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", str(VOCAB), "--out", str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return out
-
-
 def rows_of(peers, ids: list[str]) -> dict[str, torch.Tensor]:
     """The rows ``name/batch/row`` the peers trained on, from the batches each one kept."""
     kept = {p.name: torch.load(str(p.events_path) + ".batches.pt") for p in peers}
@@ -59,16 +48,15 @@ def rows_of(peers, ids: list[str]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([batch[key][r] for batch, r in picked]) for key in picked[0][0]}
 
 
-def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_process(start_relay, launch_peer,
-                                                                                  tmp_path: Path) -> None:
+def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_process(
+        serve_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path) -> None:
     steps = 3
     opt_cfg = {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "betas": [0.9, 0.99], "clip_grad_norm": 0.0,
                "schedule": "constant"}
-    tokenizer = train_tokenizer(tmp_path)
     config = {**ALBERT_TINY, "vocab_size": VOCAB}
-    relay = start_relay({"run": {"target_batch": 36},
+    relay = serve_relay({"run": {"target_batch": 36},
                          "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": config},
-                         "tokenizer": {"file": str(tokenizer)},
+                         "tokenizer": {"file": str(demo_tokenizer)},
                          "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
                          "dataset": {"kind": "demo_corpus"},
                          "optimizer": opt_cfg})
@@ -94,9 +82,9 @@ def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_proces
 
     # The relay's version as a checkpoint users load with transformers, giving the same logits.
     out = tmp_path / "ckpt"
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "export", "--config", str(relay.config_path),
-                           "--data-dir", str(relay.data_dir), "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "export", "--config",
+                           str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     from transformers import AutoModelForMaskedLM, PreTrainedTokenizerFast
 

@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
@@ -49,7 +50,7 @@ from toolkit.wire.protocol import ModelSpec
 REPO = Path(__file__).resolve().parent.parent
 LOOP_PEER = Path(__file__).resolve().parent / "loop_peer.py"
 LOOPS = ("plain", "trainer", "accelerate", "lightning")
-VOCAB, SEQ_LEN, BATCH, STEPS = 200, 16, 2, 3
+SEQ_LEN, BATCH, STEPS = 16, 2, 3
 FP16_SCALE = 2.0**16
 MODELS = {
     "albert": ("AutoModelForMaskedLM", "masked-lm",
@@ -66,20 +67,13 @@ MODELS = {
 OPTIMIZER = {"name": "sgd", "lr": 0.5, "weight_decay": 0.01, "clip_grad_norm": 0.0, "schedule": "constant"}
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Path:
-    """``relay-server tokenizer train`` on the demo corpus the toolkit ships, once per module."""
+@pytest.fixture
+def tokenizer(demo_tokenizer: Path) -> Path:
+    """conftest's ``demo_tokenizer`` (trained once per session), where the loop packages are installed."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     pytest.importorskip("lightning")
-    work = tmp_path_factory.mktemp("tokenizer")
-    config, out = work / "tok.toml", work / "tokenizer.json"
-    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", str(VOCAB), "--out", str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    return out
+    return demo_tokenizer
 
 
 def spec_of(model: str) -> ModelSpec:
@@ -184,14 +178,14 @@ def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: li
     return value
 
 
-def train_and_compare(start_relay, tmp_path: Path, tokenizer: Path, model_name: str, precision: str,
+def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: str, precision: str,
                       peers: list[tuple[str, int]]) -> float:
     """Train ``peers`` through a real relay and replay the rounds in one process; the worst
     relative difference between a relay version and the reference (each step asserted here too)."""
     architecture, objective, _ = MODELS[model_name]
     spec = spec_of(model_name)
     per_round = sum(k * BATCH for _, k in peers)
-    relay = start_relay({"run": {"target_batch": per_round, "total_steps": STEPS, "precision": precision},
+    relay = serve_relay({"run": {"target_batch": per_round, "total_steps": STEPS, "precision": precision},
                          "model": {"kind": "transformers", "architecture": architecture, "config": spec.config},
                          "tokenizer": {"file": str(tokenizer)},
                          "objective": {"name": objective, "seq_len": SEQ_LEN},
@@ -261,31 +255,31 @@ def train_and_compare(start_relay, tmp_path: Path, tokenizer: Path, model_name: 
     return max(worst, relative_difference(final, reference))
 
 
-def test_every_loop_with_accumulation_and_a_skipped_fp16_step_equals_one_process(start_relay, tmp_path, tokenizer):
+def test_every_loop_with_accumulation_and_a_skipped_fp16_step_equals_one_process(serve_relay, tmp_path, tokenizer):
     """ALBERT: the Trainer would not divide its loss (``**kwargs``) and sent twice its gradient."""
-    worst = train_and_compare(start_relay, tmp_path, tokenizer, "albert", "fp16", [(loop, 2) for loop in LOOPS])
+    worst = train_and_compare(serve_relay, tmp_path, tokenizer, "albert", "fp16", [(loop, 2) for loop in LOOPS])
     assert worst <= 1e-5, worst
 
 
-def test_trainer_on_a_model_taking_num_items_in_batch_equals_one_process(start_relay, tmp_path, tokenizer):
+def test_trainer_on_a_model_taking_num_items_in_batch_equals_one_process(serve_relay, tmp_path, tokenizer):
     """GPT-2: the Trainer leaves the division to the model's ``num_items_in_batch``, and the charted
     loss was halved; beside it a plain loop without accumulation."""
-    worst = train_and_compare(start_relay, tmp_path, tokenizer, "gpt2", "fp32", [("trainer", 2), ("plain", 1)])
+    worst = train_and_compare(serve_relay, tmp_path, tokenizer, "gpt2", "fp32", [("trainer", 2), ("plain", 1)])
     assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["albert", "gpt2"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_loop_matrix_equals_one_process(start_relay, tmp_path, tokenizer, model_name, precision):
-    worst = train_and_compare(start_relay, tmp_path, tokenizer, model_name, precision,
+def test_loop_matrix_equals_one_process(serve_relay, tmp_path, tokenizer, model_name, precision):
+    worst = train_and_compare(serve_relay, tmp_path, tokenizer, model_name, precision,
                               [(loop, k) for loop in LOOPS for k in (1, 2)])
     assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["albert", "gpt2"])
-def test_bf16_loops_with_accumulation_4_equal_one_process(start_relay, tmp_path, tokenizer, model_name):
-    worst = train_and_compare(start_relay, tmp_path, tokenizer, model_name, "bf16",
+def test_bf16_loops_with_accumulation_4_equal_one_process(serve_relay, tmp_path, tokenizer, model_name):
+    worst = train_and_compare(serve_relay, tmp_path, tokenizer, model_name, "bf16",
                               [(loop, k) for loop in LOOPS for k in (1, 4)])
     assert worst <= 1e-5, worst

@@ -48,9 +48,9 @@ def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_two_hosts_and_a_trainer_equal_one_process(start_relay, tmp_path: Path) -> None:
+def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) -> None:
     steps = 20
-    relay = start_relay(overrides(steps))
+    relay = serve_relay(overrides(steps))
     _, initial = relay_params(relay.url)
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
@@ -84,9 +84,9 @@ def test_two_hosts_and_a_trainer_equal_one_process(start_relay, tmp_path: Path) 
                                        err_msg=f"{uid}.{name}")
 
 
-def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(start_relay, tmp_path: Path) -> None:
+def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_relay, tmp_path: Path) -> None:
     steps = 24
-    relay = start_relay(overrides(steps))
+    relay = serve_relay(overrides(steps))
     victim = start_host(relay.url, "victim", 4, tmp_path / "victim.log")
     wait_until(lambda: len(directory(relay.url)["live"]) == 4, 60, "the first host's 4 experts")
     victims = set(directory(relay.url)["live"])
@@ -136,10 +136,10 @@ def test_checkpoint_round_trip_restores_parameters_and_optimizer_state_exactly()
         assert torch.equal(optimizer.state[a]["momentum_buffer"], copy_opt.state[b]["momentum_buffer"])
 
 
-def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failure(start_relay) -> None:
+def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failure(serve_relay) -> None:
     from toolkit.errors import RelayRejected
 
-    relay = start_relay(overrides(0))
+    relay = serve_relay(overrides(0))
     mallory, bob, alice = Member(relay.url, "mallory"), Member(relay.url, "bob"), Member(relay.url, "alice")
     caller = RelayExpertCaller(alice.client, alice.peer_id)
     try:
@@ -281,7 +281,7 @@ def test_join_as_expert_host_serves_and_the_panel_says_what_it_hosts(start_relay
 
 
 @pytest.mark.parametrize("codec", ["float16", "int8"])
-def test_activation_codecs_carry_exactly_the_codec_round_trip(start_relay, tmp_path: Path, codec: str) -> None:
+def test_activation_codecs_carry_exactly_the_codec_round_trip(serve_relay, tmp_path: Path, codec: str) -> None:
     """[moe] codec: x, dy, y and dx travel in float16 or int8 (the run's compression codecs) and the
     expert computes in float32: the answers equal the codec round trip of each tensor computed in
     this process (so the relay neither alters nor re-encodes anything), the bodies shrink, and a
@@ -295,7 +295,7 @@ def test_activation_codecs_carry_exactly_the_codec_round_trip(start_relay, tmp_p
         rows = payloads.encode_rows("t", t.detach().numpy(), wire)
         return torch.from_numpy(payloads.read_rows(rows, "t", None, t.shape[1], wire))
 
-    relay = start_relay({**overrides(0), "moe": {**MOE, "codec": codec}})
+    relay = serve_relay({**overrides(0), "moe": {**MOE, "codec": codec}})
     host = start_host(relay.url, "host", 8, tmp_path / "host.log")
     trainer = Member(relay.url, "trainer")
     caller = RelayExpertCaller(trainer.client, trainer.peer_id)

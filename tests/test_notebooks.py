@@ -1,7 +1,7 @@
 """The volunteer notebooks, executed headlessly as a volunteer would run them, plus the helpers
 their cell uses (secret stores, platform hints).
 
-Each notebook runs unchanged in a fresh kernel of this venv's Python (a kernelspec written into
+A notebook runs unchanged in a fresh kernel of this venv's Python (a kernelspec written into
 tmp_path) against a real relay of its own (the demo run with a tiny model): CI only sets the
 environment variables the cell documents (relay URL, a step limit). These are the shipped
 templates, with no toolkit sha256 filled in, so the cell installs nothing and uses the toolkit
@@ -100,44 +100,41 @@ def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
     return kernel_spec_manager(tmp_path_factory.mktemp("kernels"), sys.executable)
 
 
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory: pytest.TempPathFactory, kernel_specs: KernelSpecManager) -> dict[str, Execution]:
-    """The four notebooks, run at the same time (the machine has more than one core), each in a
-    fresh kernel against a relay of its own: every peer is alone, so its numbers are exact."""
+def execute(name: str, home: Path, kernel_specs: KernelSpecManager) -> Execution:
+    """``name`` run in a fresh kernel against a relay of its own: the peer is alone, so its
+    numbers are exact."""
     records, relay_logger = Records(), logging.getLogger("relay_server")
     with ExitStack() as stack:
         stack.callback(relay_logger.setLevel, relay_logger.level)
         stack.callback(relay_logger.removeHandler, records)
         relay_logger.addHandler(records)
         relay_logger.setLevel(logging.DEBUG)  # every line the relay could write, not just warnings
-        clients, relays = {}, {}
-        for name in NOTEBOOKS:
-            home = tmp_path_factory.mktemp(f"notebook-{name}")
-            relays[name] = stack.enter_context(running_relay(home))
-            km = AsyncKernelManager(kernel_name="collab-ci", kernel_spec_manager=kernel_specs)
-            client = NotebookClient(load(name), km=km, timeout=240, resources={"metadata": {"path": str(home)}})
-            clients[name] = (client, kernel_env(relays[name].url, home))
+        relay = stack.enter_context(running_relay(home))
+        km = AsyncKernelManager(kernel_name="collab-ci", kernel_spec_manager=kernel_specs)
+        client = NotebookClient(load(name), km=km, timeout=240, resources={"metadata": {"path": str(home)}})
 
-        async def run_all() -> list[Any]:
+        async def run() -> BaseException | None:
             try:
-                return await asyncio.gather(*(client.async_execute(env=env) for client, env in clients.values()),
-                                            return_exceptions=True)
+                await client.async_execute(env=kernel_env(relay.url, home))
+                return None
+            except Exception as exc:  # reported by the test, with the cell's output
+                return exc
             finally:  # nbclient leaves a kernel it was given running
-                for client, _ in clients.values():
-                    if client.km.has_kernel:
-                        await client.km.shutdown_kernel(now=True)
+                if client.km.has_kernel:
+                    await client.km.shutdown_kernel(now=True)
 
-        outcomes = dict(zip(clients, asyncio.run(run_all())))
-        runs = {name: Execution(notebook=clients[name][0].nb, status=status(relays[name].url),
-                                error=outcome if isinstance(outcome, BaseException) else None)
-                for name, outcome in outcomes.items()}
+        error = asyncio.run(run())
+        execution = Execution(notebook=client.nb, error=error, status=status(relay.url))
     assert records.lines and not any(FAKE_TOKEN in line for line in records.lines), "the HF token was logged"
-    return runs
+    return execution
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_headless_and_contributes(name: str, executed: dict[str, Execution]) -> None:
-    run = executed[name]
+# The four cells are one cell but for the default relay URL (the test above), which the
+# environment overrides here: the default suite executes one of them, -m slow all four.
+@pytest.mark.parametrize("name", [name if name == "colab" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in NOTEBOOKS])
+def test_notebook_runs_headless_and_contributes(name: str, tmp_path: Path, kernel_specs: KernelSpecManager) -> None:
+    run = execute(name, tmp_path, kernel_specs)
     cell = code_cells(run.notebook)[0]
     text = outputs_text(cell)
     assert run.error is None, f"{run.error}\n{text}"

@@ -265,9 +265,9 @@ def test_relay_config_checks_the_tokenizer_against_objective_and_model(tmp_path:
                       "config": {"model_type": "bert", "vocab_size": 100}}}))
 
 
-def test_relay_serves_the_tokenizer_and_the_peer_verifies_it(tmp_path: Path, tok_json: str, start_relay) -> None:
+def test_relay_serves_the_tokenizer_and_the_peer_verifies_it(tmp_path: Path, tok_json: str, serve_relay) -> None:
     (tmp_path / "tok.json").write_text(tok_json)
-    relay = start_relay({"tokenizer": {"file": "tok.json"}, "objective": {"name": "masked-lm", "seq_len": 32}})
+    relay = serve_relay({"tokenizer": {"file": "tok.json"}, "objective": {"name": "masked-lm", "seq_len": 32}})
     client = RelayClient(relay.url, retries=0)
     try:
         run = client.get_run()
@@ -288,14 +288,14 @@ def test_relay_serves_the_tokenizer_and_the_peer_verifies_it(tmp_path: Path, tok
 
 
 def test_a_peer_joins_a_transformers_mlm_run_and_trains_on_its_tokens(tmp_path: Path, tok_json: str,
-                                                                       start_relay) -> None:
+                                                                       serve_relay) -> None:
     pytest.importorskip("transformers")
     from toolkit.session import join
 
     (tmp_path / "tok.json").write_text(tok_json)
     bert = {"model_type": "bert", "vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 1,
             "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}
-    relay = start_relay({"run": {"target_batch": 4, "total_steps": 2, "max_staleness": 0},
+    relay = serve_relay({"run": {"target_batch": 4, "total_steps": 2, "max_staleness": 0},
                          "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": bert},
                          "tokenizer": {"file": "tok.json"}, "objective": {"name": "masked-lm", "seq_len": 32}})
     result = join(relay.url, batch_size=4, panel="none", max_seconds=120)

@@ -1,7 +1,8 @@
 """The relay behind the README's TLS proxy: per-address caps and rate limits see the volunteer.
 
 A real nginx (Debian's, started by the test on 127.0.0.1 with the README's ``server`` block, TLS
-with a certificate made here) in front of a real relay process. Every proxied request reaches
+with a certificate made here) in front of a real relay (served in this process: real HTTP on its
+own port, as ``relay-server serve`` serves it). Every proxied request reaches
 the relay from loopback; the relay must key its caps and buckets by the address nginx puts last
 in X-Forwarded-For, and never exempt a public client because its proxy is local.
 
@@ -142,14 +143,14 @@ def start_nginx(directory: Path, upstream: int) -> Nginx:
 
 
 @pytest.fixture
-def behind_nginx(start_relay, tmp_path: Path) -> Iterator:
-    """``behind_nginx(overrides)`` -> (relay, nginx): a relay process and the README's proxy before it."""
+def behind_nginx(serve_relay, tmp_path: Path) -> Iterator:
+    """``behind_nginx(overrides)`` -> (relay, nginx): a relay and the README's proxy before it."""
     if NGINX is None:
         pytest.skip("nginx is missing: apt-get install -y nginx (Debian's build, with the ssl and realip modules)")
     proxies: list[Nginx] = []
 
     def start(overrides: dict) -> tuple:
-        relay = start_relay(overrides)
+        relay = serve_relay(overrides)
         proxies.append(start_nginx(tmp_path / f"nginx-{len(proxies)}", relay.port))
         return relay, proxies[-1]
 

@@ -32,9 +32,9 @@ def mlp_batch(n: int, seed: int = 0) -> torch.Tensor:
     return torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1)
 
 
-def test_optimizer_is_a_torch_optimizer_citizen(start_relay):
+def test_optimizer_is_a_torch_optimizer_citizen(serve_relay):
     # Warmup makes the relay's lr depend on the step: 0.02 * (step + 1) / 10.
-    relay = start_relay({"run": {"target_batch": 8},
+    relay = serve_relay({"run": {"target_batch": 8},
                          "optimizer": {"lr": 0.02, "warmup_steps": 10, "schedule": "constant"}})
     client_model = build_model(_mlp_spec())
     with CollaborativeOptimizer(client_model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
@@ -92,8 +92,8 @@ class LossOf(torch.nn.Module):
         return self.model.loss(batch)
 
 
-def test_optimizer_takes_the_runs_pinned_precision_and_refuses_another(start_relay):
-    relay = start_relay({"run": {"target_batch": 8, "precision": "fp32"}})
+def test_optimizer_takes_the_runs_pinned_precision_and_refuses_another(serve_relay):
+    relay = serve_relay({"run": {"target_batch": 8, "precision": "fp32"}})
     model = build_model(_mlp_spec())
     with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4) as opt:
         assert opt.precision == "fp32"
@@ -103,11 +103,11 @@ def test_optimizer_takes_the_runs_pinned_precision_and_refuses_another(start_rel
     assert "leave precision out" in refused.value.hint
 
 
-def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(start_relay):
+def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(serve_relay):
     """A model in eval() mode (as from_pretrained returns it) still has its loss noted when it is
     trained; the micro-batch of a step a scaler skipped (gradients zeroed, no step) counts
     nothing: the round holds exactly the next micro-batch's samples, gradient and loss."""
-    relay = start_relay({"run": {"target_batch": 4},
+    relay = serve_relay({"run": {"target_batch": 4},
                          "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"}})
     model = build_model(_mlp_spec())
     wrapped = LossOf(model).eval()
@@ -135,7 +135,7 @@ def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(
             torch.testing.assert_close(p, b - 0.1 * r.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_trainer_logs_the_relays_learning_rate(start_relay, tmp_path):
+def test_trainer_logs_the_relays_learning_rate(serve_relay, tmp_path):
     """The Trainer's own scheduler would log the relay's first lr forever; the callback makes it
     report the relay's (warmup: 0.02 * (version + 1) / 10)."""
     pytest.importorskip("transformers")
@@ -144,7 +144,7 @@ def test_trainer_logs_the_relays_learning_rate(start_relay, tmp_path):
     import toolkit
     from toolkit.integrations.hf import CollaborativeCallback
 
-    relay = start_relay({"run": {"target_batch": 4, "total_steps": 4},
+    relay = serve_relay({"run": {"target_batch": 4, "total_steps": 4},
                          "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
                          "optimizer": {"name": "sgd", "lr": 0.02, "warmup_steps": 10, "weight_decay": 0.0,
                                        "schedule": "constant"}})

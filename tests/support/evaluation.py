@@ -1,13 +1,12 @@
 """What the evaluation tests share: an albert-tiny-like masked-LM run validating on held-out
-text (``[evaluation]``), its fixed prompts, and the tokenizer trained for it."""
+text (``[evaluation]``) and its fixed prompts; its tokenizer is conftest's ``demo_tokenizer``."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-VOCAB = 200
+from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
+
 SEQ_LEN = 24
 ALBERT_TINY = {"model_type": "albert", "vocab_size": VOCAB, "embedding_size": 16, "hidden_size": 32,
                "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
@@ -21,17 +20,6 @@ VALIDATION = [  # held-out text: none of it is in the shipped demo corpus the pe
     "Exceptions are raised when an operation fails, and the handler decides what to do next.",
 ]
 PROMPTS = ["The function returns a [MASK] value.", "Import the [MASK] module first."]
-
-
-def train_tokenizer(where: Path) -> Path:
-    """``relay-server tokenizer train`` on the demo corpus the toolkit ships."""
-    config = where / "tok.toml"
-    config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", str(VOCAB), "--out", str(where / "tokenizer.json")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return where / "tokenizer.json"
 
 
 def albert_run(tmp_path: Path, tokenizer: Path, **evaluation) -> dict:

@@ -31,7 +31,7 @@ from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
 from relay_server.api.server import serve_app
 from relay_server.api.shards import SHARD_POOL
 from relay_server.core.config import load_config
-from tests.conftest import merged, write_config
+from tests.conftest import merged, wait_until, write_config
 from tests.support.peers import ALLOWED
 from tests.support.training import write_shards
 
@@ -84,6 +84,20 @@ class InProcessRelay:
 
     def status(self) -> dict[str, Any]:
         return status(self.url)
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], Any], timeout_s: float = 60,
+                 what: str = "condition") -> dict[str, Any]:
+        """The first ``/api/status`` that ``predicate`` accepts (as ``RelayProcess.wait_for``)."""
+        last: list[dict[str, Any]] = []
+
+        def accepted() -> dict[str, Any] | None:
+            last[:] = [self.status()]
+            return last[0] if predicate(last[0]) else None
+
+        try:
+            return wait_until(accepted, timeout_s, what)
+        except TimeoutError:
+            raise TimeoutError(f"timed out waiting for {what}; last status: {last}") from None
 
     def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         token = (self.data_dir / TOKEN_FILE).read_text().strip()
