@@ -82,6 +82,7 @@ def main() -> int:
     worker.run(until=until, wait_s=1)
     log(event="done", step=client.get_state().step, stage=worker.assignment.stage)
     client.leave(peer_id)
+    client.close()
     return 0
 
 

@@ -35,8 +35,8 @@ WIDE_BYTE_SPEC = dataclasses.replace(BYTE_SPEC, kwargs={**BYTE_SPEC.kwargs, "d_m
 MICROBATCHES = 4
 
 
-def train(start_relay, launch_stage_worker, spec, *, stages: int, steps: int = STEPS, extra=()):
-    relay = start_relay(pipeline_overrides(spec, stages=stages, microbatches=MICROBATCHES))
+def train(serve_relay, launch_stage_worker, spec, *, stages: int, steps: int = STEPS, extra=()):
+    relay = serve_relay(pipeline_overrides(spec, stages=stages, microbatches=MICROBATCHES))
     _, initial = relay_params(relay.url)
     workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=extra)
                for i in range(2 * stages)]
@@ -55,10 +55,10 @@ def check_exact(relay, spec, initial, workers, steps: int) -> float:
     ("byte", BYTE_SPEC, 3), ("gpt2", GPT2_SPEC, 2),
     pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
     pytest.param("gpt2", GPT2_SPEC, 3, marks=pytest.mark.slow)])
-def test_pipeline_equals_one_process(start_relay, launch_stage_worker, model, spec, stages):
+def test_pipeline_equals_one_process(serve_relay, launch_stage_worker, model, spec, stages):
     """K stages, 2 workers each, staleness 0, 5 steps: the parameters equal one process on the
     same global batches, and every stage's every round counted exactly the batch."""
-    relay, initial, workers = train(start_relay, launch_stage_worker, spec, stages=stages, steps=EXACT_STEPS)
+    relay, initial, workers = train(serve_relay, launch_stage_worker, spec, stages=stages, steps=EXACT_STEPS)
     assert check_exact(relay, spec, initial, workers, EXACT_STEPS) <= 1e-5
     assert counted(relay) == [[2 * MICROBATCHES] * stages] * EXACT_STEPS
 
@@ -76,11 +76,11 @@ def holds_task_and_gradient(worker) -> bool:
     return held and bool(events) and events[-1]["event"] == "leased"
 
 
-def test_a_killed_worker_loses_no_sample(start_relay, launch_stage_worker):
+def test_a_killed_worker_loses_no_sample(serve_relay, launch_stage_worker):
     """SIGKILL a worker holding a leased task and an unsent stage gradient: its task is
     re-dispatched, its micro-batches' stage gradient recomputed, and every round still counts
     exactly the batch, equal to one process."""
-    relay, initial, workers = train(start_relay, launch_stage_worker, BYTE_SPEC, stages=2,
+    relay, initial, workers = train(serve_relay, launch_stage_worker, BYTE_SPEC, stages=2,
                                     extra=("--sleep-per-task", "0.2"))
     victim = wait_until(lambda: next((w for w in workers if holds_task_and_gradient(w)), None), 120,
                         "a worker holding a leased task and an unsent stage gradient")
@@ -92,11 +92,11 @@ def test_a_killed_worker_loses_no_sample(start_relay, launch_stage_worker):
     assert pipeline["redispatched"] >= 1 and pipeline["redone"] >= 1, pipeline
 
 
-def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(start_relay, launch_stage_worker):
+def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(serve_relay, launch_stage_worker):
     """SIGSTOP a worker inside a task, with a peer TTL far longer than the lease: the task is
     re-dispatched at the lease deadline (derived from the stage's measured task time), not when
     the registry would drop the worker; resumed, its late result is refused or first."""
-    relay = start_relay({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, lease_floor_s=1.0),
+    relay = serve_relay({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, lease_floor_s=1.0),
                          "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0}})
     _, initial = relay_params(relay.url)
     workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.5"))
@@ -114,11 +114,11 @@ def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(start_relay, launc
     assert counted(relay)[-STEPS:] == [[2 * MICROBATCHES] * 2] * STEPS
 
 
-def test_hostile_results_are_refused_and_the_batch_completes(start_relay, launch_stage_worker):
+def test_hostile_results_are_refused_and_the_batch_completes(serve_relay, launch_stage_worker):
     """A worker sending NaN, a wrong shape, token ids out of range, an oversized body or a result
     for a task it does not hold is refused before anything downstream sees it; the relay keeps
     serving and the batch completes with honest workers, exact."""
-    relay = start_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=2.0))
+    relay = serve_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=2.0))
     _, initial = relay_params(relay.url)
     hostile = requests.post(relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION},
                             timeout=10).json()["peer_id"]
@@ -188,13 +188,13 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
 
 
 @pytest.mark.parametrize("codec", ["int8", pytest.param("float16", marks=pytest.mark.slow)])
-def test_lossy_boundaries_and_workers_joining_mid_batch(start_relay, launch_stage_worker, codec):
+def test_lossy_boundaries_and_workers_joining_mid_batch(serve_relay, launch_stage_worker, codec):
     """Boundaries in the run's lossy codec cut the relay's bytes per sample (to about a quarter
     or half of float32's) and still train close to exact; workers that join while a batch is in
     flight get its tasks at their first polls (no barrier), and backward tasks of a worker's own
     forwards come without their input (the worker cached it)."""
     spec = WIDE_BYTE_SPEC  # wide enough that the boundaries' bytes, not the containers' headers, dominate
-    relay = start_relay(pipeline_overrides(spec, stages=2, microbatches=MICROBATCHES, boundary_codec=codec))
+    relay = serve_relay(pipeline_overrides(spec, stages=2, microbatches=MICROBATCHES, boundary_codec=codec))
     _, initial = relay_params(relay.url)
     steps, slow = 6, ("--sleep-per-task", "0.2")  # long enough that the joiners arrive mid-run
     first = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=slow) for i in range(2)]

@@ -141,6 +141,7 @@ class StageWorker:
                     on_progress(self.progress())
         finally:
             self._stop.set()
+            heartbeat.join(timeout=self.info.heartbeat_interval_s + 30)  # never mid-request at exit
 
     def _serve_once(self, wait_s: int) -> None:
         work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
