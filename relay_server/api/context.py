@@ -46,3 +46,12 @@ def own_peer(request: web.Request, peer_id: str) -> str:
         raise ApiError(403, "not_your_peer", "this peer id belongs to another user",
                        "Use the peer id your own join returned.")
     return peer_id
+
+
+def enabled(request: web.Request, key: web.AppKey, code: str, what: str, hint: str):
+    """The app's state under ``key`` (a feature's: DMoE, the pipeline), or 404 ``code`` when the
+    run does not enable it."""
+    value = request.app.get(key)
+    if value is None:
+        raise ApiError(404, code, what, hint)
+    return value

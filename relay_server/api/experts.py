@@ -32,7 +32,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
+from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
 from relay_server.core.errors import ApiError, unknown_peer
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.core.http import int_query, json_ok, upload_length
@@ -98,11 +98,8 @@ def status_summary(app: web.Application) -> dict | None:
 
 
 def _experts(request: web.Request) -> Experts:
-    experts = request.app.get(EXPERTS)
-    if experts is None:
-        raise ApiError(404, "no_moe", "this run has no mixture-of-experts layers",
-                       "The organizer enables them with [moe] enabled = true in the relay config.")
-    return experts
+    return enabled(request, EXPERTS, "no_moe", "this run has no mixture-of-experts layers",
+                   "The organizer enables them with [moe] enabled = true in the relay config.")
 
 
 def _registered(request: web.Request) -> str:

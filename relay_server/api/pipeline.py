@@ -26,7 +26,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
+from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.backbone.routes import get_slice, put_slice
 from relay_server.backbone.slicing import Published
@@ -64,11 +64,8 @@ def status_summary(app: web.Application) -> dict | None:
 
 
 def _pipeline(request: web.Request) -> PipelineCoordinator:
-    coordinator = request.app.get(PIPELINE)
-    if coordinator is None:
-        raise ApiError(404, "no_pipeline", "this run is not a staged pipeline",
-                       "The organizer enables it with [pipeline] enabled = true in the relay config.")
-    return coordinator
+    return enabled(request, PIPELINE, "no_pipeline", "this run is not a staged pipeline",
+                   "The organizer enables it with [pipeline] enabled = true in the relay config.")
 
 
 def _worker(request: web.Request) -> str:
