@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import wait_until
+from relay_server.core.config import ConfigError, load_config
+from tests.conftest import merged, wait_until, write_config
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
 from tests.support.peers import TOKENS, hf_relay, standin
@@ -218,3 +219,35 @@ def test_lossy_boundaries_and_workers_joining_mid_batch(serve_relay, launch_stag
 def relay_step_when(worker) -> int:
     """The step the relay was at when ``worker`` joined (its first event says)."""
     return next(e["step"] for e in worker.events() if e["event"] == "joined")
+
+
+@pytest.mark.parametrize("change,names", [
+    ({"run": {"target_batch": 10, "max_staleness": 0}}, "run.target_batch"),
+    ({"run": {"target_batch": 8, "max_staleness": 1}}, "run.max_staleness"),
+    ({"pipeline": {"stages": 5}}, "pipeline.stages = 5"),
+    ({"pipeline": {"stages": "auto"}}, "pipeline.worker_memory_mb"),
+    ({"pipeline": {"stages": 2, "layers_per_stage": [1, 2]}}, "pipeline.layers_per_stage"),
+    ({"pipeline": {"boundary_codec": "bf16"}}, "pipeline.boundary_codec"),
+    ({"model": {"factory": "toolkit.models:ByteTransformer", "kwargs": {"d_model": 32, "n_layer": 4, "n_head": 2}}},
+     "tie_embeddings"),
+    ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
+])
+def test_configuration_mistakes_end_in_one_line_before_anything_is_created(tmp_path, change, names):
+    """Each mistake is one ConfigError naming the setting, raised while the configuration loads
+    (before the data dir, the admin token or a model exists)."""
+    sections = pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES)
+    for section, values in change.items():
+        sections[section] = {**sections.get(section, {}), **values} if section != "model" else values
+    config = merged(sections)
+    config["server"] = {**config["server"], "data_dir": str(tmp_path / "data")}
+    with pytest.raises(ConfigError) as refused:
+        load_config(write_config(tmp_path / "relay.toml", config)).validate()
+    assert names in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    assert not (tmp_path / "data").exists()
+
+
+def test_pipeline_routes_on_a_run_without_a_pipeline_say_so(serve_relay):
+    relay = serve_relay()
+    response = requests.get(relay.url + ROUTES["pipeline"], timeout=10)
+    assert response.status_code == 404 and response.json()["error"] == "no_pipeline"
+    assert relay.status()["pipeline"] is None

@@ -41,6 +41,8 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
     is about to write it): the checks that need it are skipped."""
     if config.model.kind in ("toolkit", "module"):
         _check_own_model(config.model)
+    if config.pipeline.enabled:
+        _check_pipeline(config)
     if config.model.kind != "transformers" or not (config.model.architecture and config.model.config):
         return config  # RelayConfig.validate names what a transformers run lacks
     tokenizer = _tokenizer(config) if with_tokenizer else None
@@ -49,6 +51,25 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
         _check_objective(config, cfg)
         _check_token_ids(config, cfg, tokenizer)
     return config
+
+
+def _check_pipeline(config: Any) -> None:
+    """A pipeline run's model can be cut into its stages (an architecture the stages know, untied
+    embeddings, parameters in layer order) and has a layer for each of them."""
+    from toolkit.pipeline.stages import units_of
+
+    try:
+        units = units_of(config.model.spec())
+    except ModelMismatch as exc:
+        raise ConfigError(f"[pipeline] cannot cut [model] into stages: {exc.message}. {exc.hint}") from None
+    pipeline = config.pipeline
+    stages = pipeline.num_stages()
+    if stages is not None and stages > units.num_layers:
+        raise ConfigError(f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
+                          f"set pipeline.stages to {units.num_layers} or fewer")
+    if pipeline.layers_per_stage and sum(pipeline.layers_per_stage) != units.num_layers:
+        raise ConfigError(f"pipeline.layers_per_stage = {list(pipeline.layers_per_stage)} adds up to "
+                          f"{sum(pipeline.layers_per_stage)}, but the model has {units.num_layers} layers")
 
 
 def _check_own_model(model: Any) -> None:
