@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -249,6 +250,10 @@ async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
             for worker in [w for w in coordinator.workers.by_id if w not in live]:
                 log.info("pipeline worker %s left: its tasks go back to the pool", worker[:16])
                 coordinator.worker_left(worker)
+            now = time.monotonic()
+            registry = app[COLLAB].registry
+            coordinator.orphan_silent({w: now - peer.last_seen for w in coordinator.workers.by_id
+                                       if (peer := registry.get(w)) is not None and peer.inflight == 0})
             coordinator.broker.tick()
             coordinator.restart_lost()
             coordinator.staff_empty_stages()

@@ -69,7 +69,7 @@ class PipelineCoordinator(PipelineRounds):
         self.batch_times: list[float] = []
         self.bytes_out = 0
         self.samples_done = 0
-        self.redone = self.refused = self.restarted = 0
+        self.redone = self.refused = self.restarted = self.silenced = 0
         self._round_opened = asyncio.Event()
         self._finalize_task: asyncio.Task | None = None
         self.layers: list[int] = []
@@ -245,6 +245,27 @@ class PipelineCoordinator(PipelineRounds):
         self.workers.move(worker, stage)
         self.planner.forget(worker)
         self.moves += 1
+
+    def orphan_silent(self, silence: dict[str, float]) -> None:
+        """Workers holding stage gradients of this batch and silent (no request, no heartbeat)
+        for longer than their stage's lease deadline: their micro-batches' stage gradient is
+        recomputed by others now, not when the registry drops them (a volunteer whose notebook
+        froze must not hold the round). If such a worker comes back, it holds nothing the relay
+        will count (its ticket request no longer matches) and drops that gradient. Not with
+        ``dispatch = "static"``: that baseline waits for its workers."""
+        if self.dispatch == "static":
+            return
+        for worker, silent_s in silence.items():
+            owned = self.ledger.owned(worker)
+            if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
+                continue
+            redo = self.ledger.orphan(worker, keep=self._in_flight())
+            if redo:
+                log.info("pipeline worker %s silent for %.1f s holding %d stage gradient(s): recomputing them",
+                         worker[:16], silent_s, len(redo))
+                self.silenced += 1
+            for step in redo:
+                self._submit(step)
 
     # --- membership -----------------------------------------------------------------------------
     def worker_left(self, worker: str) -> None:

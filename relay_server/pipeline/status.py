@@ -29,5 +29,5 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
                           round_open=c.round is not None, boundary_memory_bytes=c.boundaries.memory_bytes,
                           boundary_spilled_bytes=c.boundaries.spilled_bytes, boundary_bytes_per_sample=per_sample,
                           predicted_batch_s=c.predicted_batch_s, measured_batch_s=measured,
-                          redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused, restarted=c.restarted,
+                          redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused, restarted=c.restarted, silenced=c.silenced,
                           counted=[list(x) for x in c.counted])

@@ -100,6 +100,9 @@ class StageWorker:
     def _ensure_version(self, version: int) -> None:
         if self.version == version:
             return
+        if self.held:  # a batch ended without our upload (we were silent, the relay recomputed it)
+            log.warning("dropping the stage gradient of micro-batches %s: their batch is over", sorted(self.held))
+            self._reset_sum()
         a = self.assignment
         step = self.client.download_stage(self.peer_id, a.start, a.end, self.flat, min_step=version)
         if step != version:

@@ -156,6 +156,8 @@ class PipelineStatus(Schema):
     redispatched: int
     redone: int
     refused_results: int
+    silenced: int = 0
+    """Workers found silent holding stage gradients, whose gradients were recomputed."""
     restarted: int = 0
     """``dispatch = "restart"`` only: micro-batches started again from stage 0."""
     counted: list[list[int]] = field(default_factory=list)
