@@ -1,7 +1,7 @@
 """Table 2 of the heterogeneous-pipeline paper (cases 1 and 4) in miniature, through the real relay:
 seconds per batch of the task pool (ours) against a static pipeline and a SWARM-like baseline.
 
-    python benchmarks/pipeline.py                       # ~6 minutes on 2 shared cores
+    python benchmarks/pipeline.py                       # ~12 minutes on 2 shared cores
     python benchmarks/pipeline.py --batches 2 --cases 1,4   # quicker
 
 Processes per run: one ``relay-server serve`` with ``[pipeline]`` (a ByteTransformer of 4 blocks
@@ -22,16 +22,30 @@ The cases:
 * **case 4** (case 3 plus disconnections): 2 fast reliable workers (the paper's HPC servers) and
   4 "2080"s, 55% slower, each with 100-150 ms added to every request, each disconnecting with
   probability ``--disconnect-p`` (0.9) per batch at a random moment in the batch's first
-  ``--window-s`` seconds, for ``--offline-s`` (3.5 s: above the relay's peer TTL of 2 s, so the
-  relay drops it, and above the stage's lease) and then rejoining with the same peer id.
+  ``--window-s`` seconds, for ``--offline-s`` and then coming back with the same peer id.
+
+How long a disconnection lasts decides what the relay can do about it:
+
+* default, ``--offline-s 5 --peer-ttl-s 10``: longer than a lease (4 x the stage's measured task
+  time, at least 2 s), shorter than the peer TTL. The relay keeps the worker and its stage; a task
+  it held is re-dispatched at its lease deadline (pool), restarted from stage 0 if it was a
+  forward (restart) or waits for it (static). The stage gradients it holds wait for its return in
+  all three: the relay re-dispatches a silent worker's tasks, not its held gradients. All three
+  complete, side by side.
+* ``--offline-s 3.5 --peer-ttl-s 2``: the relay drops the worker: the pool recomputes its held
+  stage gradients at once (``redone``) and never waits for it. The static baseline then
+  deadlocks: the relay places the returning worker at the weakest stage, often not its old one,
+  and the micro-batches pinned to it on its old stage wait for it forever (its run ends at
+  ``--run-limit-s`` with ``completed: false`` and no seconds per batch).
 
 Seconds per batch are the relay's own (each round's ``duration_s``: from the batch's first lease
 to its step), the first batch of each run left out (warm-up: downloads, first measurements).
 Bytes per sample are the relay's ``boundary_bytes_per_sample`` for ours in case 1 (the boundary
-traffic in and out over the samples trained) against the model in the README: per sample and
-boundary, the activation in and out, its gradient in and out, and the backward's stored input
-unless its worker still holds it, ``tokens x width x bytes per element``; plus the tokens
-(int64) the first stage sends and the last stage and an uncached stage-0 backward fetch.
+traffic in and out over the samples trained) against the model in the README (:func:`bytes_model`):
+per sample and boundary, the activation in and out and its gradient in and out; a middle stage's
+backward re-fetches its stored input unless its worker still holds it (the last stage's forward
+and backward are one task); the micro-batch's tokens (int64) go in from the first stage and out
+to the last and to an uncached stage-0 backward.
 
 Last line: one JSON object with ``case1_vs_static``, ``case4_vs_static``, ``case4_vs_swarm``,
 ``planner_error`` (null while the relay publishes no prediction), ``seconds_per_batch`` per case
@@ -42,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import tempfile
@@ -112,16 +125,22 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
                 cwd=REPO, stdout=open(folder / f"w{i}.log", "w"), stderr=subprocess.STDOUT))
         wait_until(lambda: (folder / "w5.ready").exists() or any(p.poll() is not None for p in procs), 300,
                    "6 workers holding stages")
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a worker exited early: see {folder}")
+        for i, p in enumerate(procs):
+            if p.poll() is not None:
+                log = (folder / f"w{i}.log").read_text()[-3000:]
+                raise RuntimeError(f"worker w{i} exited with {p.returncode}:\n{log}")
         go.write_text("go")
         started = time.monotonic()
         want = args.batches + 1
         try:
-            wait_until(lambda: relay_status(relay.url)["step"] >= want, args.run_limit_s, f"{want} batches")
+            wait_until(lambda: relay.proc.poll() is not None or relay_status(relay.url)["step"] >= want,
+                       args.run_limit_s, f"{want} batches")
             completed = True
         except TimeoutError:
             completed = False
+        if relay.proc.poll() is not None:
+            log = (folder / "relay.log").read_text()[-4000:]
+            raise RuntimeError(f"the relay exited with {relay.proc.returncode}:\n{log}")
         status, pipe = relay_status(relay.url), pipeline(relay.url)
     finally:
         stop_all(procs)
@@ -130,7 +149,7 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
     times = [r["duration_s"] for r in rounds]
     workers = [json.loads((folder / f"w{i}.json").read_text()) for i in range(6) if (folder / f"w{i}.json").exists()]
     measured = times[1:]
-    out = {"seconds_per_batch": round(sum(measured) / len(measured), 3) if measured else None,
+    out = {"seconds_per_batch": round(sum(measured) / len(measured), 3) if measured and completed else None,
            "batch_s": [round(t, 2) for t in times], "completed": completed, "steps": status["step"],
            "wall_s": round(time.monotonic() - started, 1),
            "relay_measured_batch_s": pipe.get("measured_batch_s"), "predicted_batch_s": pipe.get("predicted_batch_s"),
@@ -152,13 +171,16 @@ def relay_status(url: str) -> dict:
     return requests.get(url + "/api/status", timeout=10).json()
 
 
-def bytes_model(args) -> dict:
-    """Bytes per sample the relay moves across the K - 1 = 1 boundary (see the module docstring)."""
+def bytes_model(args, stages: int = 2) -> dict:
+    """Bytes per sample the relay moves across its boundaries, from the README's model:
+    ``(K - 1) x 4a + (K - 2) x a x (1 - c) + t x (3 - c)``, with ``a = tokens x width x bytes per
+    element`` (the codec's: 4, 2, ~1), ``t = 8 x (tokens + 1)`` (the int64 micro-batch) and ``c``
+    the share of backwards whose worker still held the input (1: ``cached``, 0: ``uncached``)."""
     a = args.seq_len * args.width * CODEC_BYTES[args.codec]
-    tokens = 8 * (args.seq_len + 1)
-    return {"activation_bytes": a, "tokens_bytes": tokens,
-            "cached": 4 * a + 2 * tokens,        # every backward ran where its forward did
-            "uncached": 5 * a + 3 * tokens}      # every backward re-fetched its stored input
+    t = 8 * (args.seq_len + 1)
+    return {"activation_bytes": a, "tokens_bytes": t,
+            "cached": (stages - 1) * 4 * a + 2 * t,
+            "uncached": (stages - 1) * 4 * a + (stages - 2) * a + 3 * t}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -177,23 +199,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="none", choices=sorted(CODEC_BYTES))
     parser.add_argument("--unit-ms", type=float, default=40.0, help="emulated forward ms per layer, fast worker")
     parser.add_argument("--disconnect-p", type=float, default=0.9)
-    parser.add_argument("--offline-s", type=float, default=3.5)
+    parser.add_argument("--offline-s", type=float, default=5.0, help="a disconnection's length: above the "
+                        "lease deadline (2-4 s here), below the peer TTL (see the module docstring)")
     parser.add_argument("--window-s", type=float, default=2.0)
-    parser.add_argument("--peer-ttl-s", type=float, default=2.0)
+    parser.add_argument("--peer-ttl-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dispatch", default="ours,static,swarm", help="which of ours, static, swarm to run")
+    parser.add_argument("--logs", help="keep every process's log in this folder (default: a temporary one)")
     parser.add_argument("--run-limit-s", type=float, default=180.0, help="per run, after the workers are ready")
     args = parser.parse_args(argv)
     cases = [int(c) for c in args.cases.split(",")]
     results: dict[str, dict[str, dict]] = {}
+    names = args.dispatch.split(",")
     with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as tmp:
+        logs = Path(args.logs) if args.logs else Path(tmp)
         for case in cases:
-            results[f"case{case}"] = {name: run_once(case, name, args, Path(tmp) / f"case{case}-{name}")
-                                      for name in DISPATCH}
+            results[f"case{case}"] = {name: run_once(case, name, args, logs / f"case{case}-{name}") for name in names}
 
     def spb(case: int, name: str) -> float | None:
         return results.get(f"case{case}", {}).get(name, {}).get("seconds_per_batch")
 
-    ours = [r["ours"] for r in results.values()]
+    ours = [r["ours"] for r in results.values() if "ours" in r]
     errors = [abs(r["predicted_batch_s"] - r["seconds_per_batch"]) / r["seconds_per_batch"] for r in ours
               if r["predicted_batch_s"] is not None and r["seconds_per_batch"]]
     measured_bytes = results.get("case1", {}).get("ours", {}).get("boundary_bytes_per_sample")

@@ -3,7 +3,7 @@
 emulated disconnections.
 
     python benchmarks/pipeline_rig.py --relay URL --name w0 --speed 1 --unit-ms 40 \\
-        [--delay-ms 120] [--disconnect-p 0.9 --offline-s 3.5 --window-s 2] [--after FILE --ready FILE --go FILE]
+        [--delay-ms 120] [--disconnect-p 0.9 --offline-s 5 --window-s 2] [--after FILE --ready FILE --go FILE]
 
 * **Compute**: before the real (tiny) computation of a task, it sleeps ``unit_ms x layers of its
   stage x work / speed``, work being 1 for a forward (``first``, ``forward``) and 3 for a task
@@ -16,11 +16,11 @@ emulated disconnections.
 * **Disconnections**: when the worker first sees a task of a new batch it draws, with
   probability ``disconnect_p``, a moment within ``window_s``; at that moment (checked before
   each poll and when a task's compute ends, whose result is then lost, as on a dropped link) it
-  goes silent for ``offline_s``: no polls, no heartbeats. With ``offline_s`` above the relay's
-  peer TTL the relay drops it (its leased tasks are re-dispatched, its unsent stage gradients
-  recomputed: ``dispatch = "pool"``). Then it comes back with the same peer id; the relay
-  re-admits the known peer, answers ``no_stage``, and StageWorker's own loop asks for a stage
-  again.
+  goes silent for ``offline_s``: no polls, no heartbeats. Above the stage's lease deadline its
+  leased task is re-dispatched; above the relay's peer TTL the relay also drops it (its unsent
+  stage gradients are recomputed with ``dispatch = "pool"``), and when it comes back with the
+  same peer id the relay re-admits the known peer, answers ``no_stage``, and StageWorker's own
+  loop asks for a stage again.
 * **Start**: with ``--after``/``--ready``/``--go``, it waits for the previous worker's ready
   file before asking for its stage (so stages are assigned in a fixed order), writes its own,
   and waits for the go file before its first task (so the first batch is not timed from when
@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -149,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unit-ms", type=float, default=40.0, help="emulated forward time of one layer at speed 1")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="added to every request: a slow link's round trip")
     ap.add_argument("--disconnect-p", type=float, default=0.0, help="chance of a disconnection per batch")
-    ap.add_argument("--offline-s", type=float, default=3.5, help="how long a disconnection lasts")
-    ap.add_argument("--window-s", type=float, default=2.0, help="a disconnection starts within this of a batch's first task")
+    ap.add_argument("--offline-s", type=float, default=5.0, help="how long a disconnection lasts")
+    ap.add_argument("--window-s", type=float, default=2.0,
+                    help="a disconnection starts within this many seconds of the batch's first task")
     ap.add_argument("--after", help="wait for this file before asking for a stage")
     ap.add_argument("--ready", help="write this file once the stage is taken")
     ap.add_argument("--go", help="wait for this file before the first task")
@@ -166,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                          unit_s=args.unit_ms / 1000, speed=args.speed, disconnect_p=args.disconnect_p,
                          offline_s=args.offline_s, window_s=args.window_s, rng=random.Random(args.seed),
                          start_gate=Gate(args.after, args.ready, args.go), stats=stats)
-    import signal
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     try:
         worker.run(wait_s=1)
