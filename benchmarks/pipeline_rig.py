@@ -13,8 +13,9 @@ emulated disconnections.
 * **Link**: every request to the relay (task polls, results, tickets, heartbeats, downloads)
   waits ``delay_ms`` first: one round trip of a slow link. The stage-gradient upload goes
   through the client's slice sessions and is not delayed.
-* **Disconnections**: when the worker first sees a task of a new batch it draws, with
-  probability ``disconnect_p``, a moment within ``window_s``; at that moment (checked before
+* **Disconnections**: when its heartbeat first sees a new batch (the relay's step) it draws,
+  with probability ``disconnect_p``, a moment within ``window_s`` (whether or not it gets a task
+  of that batch); at that moment (checked before
   each poll and when a task's compute ends, whose result is then lost, as on a dropped link) it
   goes silent for ``offline_s``: no polls, no heartbeats. Above the stage's lease deadline its
   leased task is re-dispatched; above the relay's peer TTL the relay also drops it (its unsent
@@ -60,6 +61,13 @@ class SlowLink(RelayClient):
         super().__init__(url)
         self.delay_s = delay_s
         self.offline = threading.Event()
+        self.step = -1
+        """The relay's step (= the batch in flight) as the last heartbeat answered it."""
+
+    def heartbeat(self, peer_id, hb):
+        state = super().heartbeat(peer_id, hb)
+        self.step = max(self.step, state.step)
+        return state
 
     def _request(self, method, path, **kwargs):
         if self.offline.is_set():
@@ -89,16 +97,16 @@ class BenchWorker(StageWorker):
             gate.after()
 
     def _serve_once(self, wait_s: int) -> None:
+        if self.client.step > self.batch_seen:  # a new batch: draw its disconnection, task or no task
+            self.batch_seen = self.client.step
+            if self.rng.random() < self.disconnect_p:
+                self.offline_at = time.monotonic() + self.rng.uniform(0.0, self.window_s)
         if self._due():
             self._go_offline()
             return
         super()._serve_once(wait_s)
 
     def _do(self, task, inputs) -> None:
-        if task.batch > self.batch_seen:
-            self.batch_seen = task.batch
-            if self.rng.random() < self.disconnect_p:
-                self.offline_at = time.monotonic() + self.rng.uniform(0.0, self.window_s)
         layers = self.assignment.layers_per_stage[self.assignment.stage]
         time.sleep(self.unit_s * layers * WORK[task.kind] / self.speed)
         if self._due():  # the link dropped while computing: the result never arrives
