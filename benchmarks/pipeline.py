@@ -1,7 +1,7 @@
 """Table 2 of the heterogeneous-pipeline paper (cases 1 and 4) in miniature, through the real relay:
 seconds per batch of the task pool (ours) against a static pipeline and a SWARM-like baseline.
 
-    python benchmarks/pipeline.py                       # ~12 minutes on 2 shared cores
+    python benchmarks/pipeline.py                       # ~7 minutes on 2 shared cores
     python benchmarks/pipeline.py --batches 2 --cases 1,4   # quicker
 
 Processes per run: one ``relay-server serve`` with ``[pipeline]`` (a ByteTransformer of 4 blocks
