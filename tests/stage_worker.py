@@ -46,7 +46,7 @@ def main() -> int:
     events = open(args.events, "a", buffering=1)
 
     def log(**event) -> None:
-        events.write(json.dumps(event) + "\n")
+        events.write(json.dumps({**event, "t": time.time()}) + "\n")
 
     client = RelayClient(args.relay)
     if args.hf_token_env:

@@ -255,3 +255,21 @@ def test_pipeline_routes_on_a_run_without_a_pipeline_say_so(serve_relay):
     response = requests.get(relay.url + ROUTES["pipeline"], timeout=10)
     assert response.status_code == 404 and response.json()["error"] == "no_pipeline"
     assert relay.status()["pipeline"] is None
+
+
+def test_a_relay_restart_resumes_every_stage(start_relay, launch_stage_worker):
+    """SIGKILL the relay mid-run and start it again on its data dir: every stage resumes at the
+    step the relay committed last, the workers (re-admitted, asking for a stage again) finish
+    the run, and the parameters equal one process on the batches that were counted (the batch in
+    flight at the crash is re-run from its first stage)."""
+    relay, initial, workers = train(start_relay, launch_stage_worker, BYTE_SPEC, stages=2, steps=EXACT_STEPS,
+                                    extra=("--sleep-per-task", "0.1"))
+    wait_until(lambda: relay.status()["step"] >= 2, 120, "two steps before the crash")
+    relay.kill()
+    relay.start()
+    for worker in workers:
+        assert worker.wait(timeout_s=240) == 0, worker.log_path.read_text()[-3000:]
+    step, final = relay_params(relay.url, min_step=EXACT_STEPS)
+    batches = accepted_batches(workers, latest=True)  # a crashed batch's micro-batches were read again
+    assert relative_difference(final, replay(BYTE_SPEC, initial, batches, steps=step,
+                                             microbatches=MICROBATCHES)) <= 1e-5

@@ -62,7 +62,9 @@ class PipelineCoordinator(PipelineRounds):
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
         self.round: OpenRound | None = None
         self.uploading: set[str] = set()  # contributors whose slice upload is streaming now
-        self.batch_index, self.next_microbatch = 0, 0
+        # batch t is version t's (staleness 0) and its micro-batches are t*d ..: the same ids after a restart
+        self.batch_index = owners.step
+        self.next_microbatch = owners.step * microbatches_per_batch
         self.ledger = self._mint()
         self.finalizing = False
         self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time

@@ -45,12 +45,12 @@ class StageOwners:
                                total_steps=config.run.total_steps, codec=codec, store=self.stores[k],
                                fsync=config.server.fsync, robust=robust_config(config.rounds),
                                run_name=config.run.name, plan_version=PLAN_VERSION)
-            if resume_step is not None and self.stores[k].latest_step() == resume_step:
-                owner.publisher.restore(resume_step)
+            if resume_step is not None and self.stores[k].state_path(resume_step).exists():
+                owner.publisher.restore(resume_step)  # a stage may be a step ahead: the relay's commit decides
             else:
                 if resume_step is not None:
                     raise RuntimeError(f"stage {k}'s store ({data_dir / str(k)}) does not hold step {resume_step}, "
-                                       "which the relay committed last: restore the data dir from one backup")
+                                       "which the relay committed last: restore the whole data dir from one backup")
                 version = owner.write_initial()
                 owner.publisher.publish(version)
                 self.stores[k].commit(version.step, version.sha256)

@@ -27,15 +27,18 @@ def pipeline_overrides(spec: ModelSpec, *, stages: int, microbatch_size: int = 2
                          "microbatches_per_batch": microbatches, **pipeline}}
 
 
-def accepted_batches(workers) -> dict[int, Any]:
-    """micro-batch id -> the data its first stage read (each id from exactly one worker)."""
-    found: dict[int, Any] = {}
+def accepted_batches(workers, *, latest: bool = False) -> dict[int, Any]:
+    """micro-batch id -> the data its first stage read (each id from exactly one worker; with
+    ``latest``, the last read of an id: a relay restart re-runs the batch it was in)."""
+    found: dict[int, tuple[float, Any]] = {}
     for worker in workers:
         for event in worker.events():
             if event["event"] == "first":
-                assert event["microbatch"] not in found, f"micro-batch {event['microbatch']} was counted twice"
-                found[event["microbatch"]] = event["batch"]
-    return found
+                m = event["microbatch"]
+                assert latest or m not in found, f"micro-batch {m} was counted twice"
+                if m not in found or event["t"] > found[m][0]:
+                    found[m] = (event["t"], event["batch"])
+    return {m: batch for m, (_, batch) in found.items()}
 
 
 def as_batch(plain: Any) -> Any:
