@@ -35,7 +35,8 @@ from toolkit.moe import payloads
 from toolkit.errors import ProtocolError
 from toolkit.wire.auth import b64u, digest_metadata
 from toolkit.wire.protocol import (ROUTES, DoneRequest, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION,
-                                   ShardLeaseRequest, ShardReport, ShardUpdate, SliceDigest, TicketRequest)
+                                   PipelineDone, PipelineResult, PipelineTicketRequest, ShardLeaseRequest, ShardReport,
+                                   ShardUpdate, SliceDigest, StageRequest, TicketRequest)
 from toolkit.wire.tensor_container import encode_header, parse_header
 
 # --- the whole state, as plain data (tests/support/relays.py's snapshot), once it settled -----------
@@ -113,6 +114,15 @@ def _checkpoint_as(scene: Scene) -> requests.PreparedRequest:
                              f"/api/moe/hosts/{scene.alice.peer_id}/experts/ffn0.0.0/checkpoint")
 
 
+def _result_as(scene: Scene) -> requests.PreparedRequest:
+    """Bob's correctly signed (streamed, chunk digests) pipeline task result as alice's worker."""
+    tensors = [("y", np.zeros((4, 8), np.float32))]
+    metadata = {"result": PipelineResult(task_id="t1").dumps().decode(), **digest_metadata(tensors)}
+    head = encode_header(tensors, metadata)
+    return signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
+                             f"/api/pipeline/workers/{scene.alice.peer_id}/tasks/t1")
+
+
 def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], requests.PreparedRequest]]]:
     """For each peer-scoped route, bob's request(s) acting on alice's peer."""
     a, bob = scene.alice.peer_id, scene.bob
@@ -122,6 +132,8 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
     expert_body = payloads.call_body(np.zeros((2, 8), np.float32))
     ticket = TicketRequest(round_id="r" * 16, version=0, samples=5, loss_sum=1.0,
                            slices=[SliceDigest(start=0, end=1, header_sha256="0" * 64)]).dumps()
+    pipeline_ticket = PipelineTicketRequest(round_id="r" * 16, stage=0, microbatches=[0],
+                                            header_sha256="0" * 64).dumps()
     return {
         ("POST", ROUTES["heartbeat"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/heartbeat", hb)],
         ("POST", ROUTES["leave"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/leave")],
@@ -144,6 +156,16 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
                                                              content_type=TENSORS)],
         ("PUT", ROUTES["moe_checkpoint"]): [lambda: _checkpoint_as(scene)],
         ("GET", ROUTES["moe_checkpoint"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint")],
+        # the staged pipeline: acting as alice's stage worker
+        ("POST", ROUTES["pipeline_stage"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/stage",
+                                                           StageRequest().dumps())],
+        ("GET", ROUTES["pipeline_work"]): [lambda: _json(bob, "GET", f"/api/pipeline/workers/{a}/work?wait=0")],
+        ("PUT", ROUTES["pipeline_result"]): [lambda: _result_as(scene)],
+        ("POST", ROUTES["pipeline_ticket"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/rounds/0/ticket",
+                                                            pipeline_ticket)],
+        ("POST", ROUTES["pipeline_done"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/rounds/0/done",
+                                                          PipelineDone(round_id="r" * 16, contributor=a,
+                                                                       delivered=True).dumps())],
     }
 
 

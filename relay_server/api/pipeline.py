@@ -47,7 +47,7 @@ from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
 from toolkit.moe import payloads
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import (ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
+from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
                                    StageAssignment, StageRequest)
 from toolkit.wire.tensor_container import MAX_HEADER
 
@@ -69,14 +69,16 @@ def _pipeline(request: web.Request) -> PipelineCoordinator:
                    "The organizer enables it with [pipeline] enabled = true in the relay config.")
 
 
-def _worker(request: web.Request) -> str:
-    """The path's peer id, this user's, alive (re-admitted after a relay restart) and touched."""
+def _worker(request: web.Request) -> tuple[PipelineCoordinator, str]:
+    """The pipeline and the path's peer id: this user's (checked before anything else), then
+    alive (re-admitted after a relay restart) and touched."""
     peer_id = own_peer(request, request.match_info["peer_id"])
-    return _collab(request).peer(peer_id).peer_id
+    coordinator = _pipeline(request)
+    return coordinator, _collab(request).peer(peer_id).peer_id
 
 
 async def post_stage(request: web.Request) -> web.Response:
-    coordinator, peer_id = _pipeline(request), _worker(request)
+    coordinator, peer_id = _worker(request)
     req = await read_message(request, StageRequest)
     worker = coordinator.workers.assign(peer_id, req.memory_bytes, req.samples_per_s)
     start, end = coordinator.owners.cuts[worker.stage]
@@ -89,7 +91,7 @@ async def post_stage(request: web.Request) -> web.Response:
 
 
 async def get_work(request: web.Request) -> web.Response:
-    coordinator, peer_id = _pipeline(request), _worker(request)
+    coordinator, peer_id = _worker(request)
     wait = min(int_query(request, "wait", 10), MAX_WAIT_S)
     try:
         cached = {int(m) for m in request.query.get("cached", "").split(",") if m}
@@ -109,7 +111,7 @@ async def get_work(request: web.Request) -> web.Response:
 
 
 async def put_result(request: web.Request) -> web.Response:
-    coordinator, peer_id = _pipeline(request), _worker(request)
+    coordinator, peer_id = _worker(request)
     task_id = request.match_info["task_id"]
     length = upload_length(request, coordinator.shapes.body_limit(coordinator.codec) + MAX_HEADER + 8)
     stream = request.get(BODY_STREAM_KEY, request.content)
@@ -121,13 +123,13 @@ async def put_result(request: web.Request) -> web.Response:
 
 
 async def post_ticket(request: web.Request) -> web.Response:
-    coordinator, peer_id = _pipeline(request), _worker(request)
+    coordinator, peer_id = _worker(request)
     req = await read_message(request, PipelineTicketRequest)
     return json_ok({"ticket": encode_ticket(coordinator.ticket(peer_id, path_int(request, "step"), req))})
 
 
 async def post_done(request: web.Request) -> web.Response:
-    coordinator, peer_id = _pipeline(request), _worker(request)
+    coordinator, peer_id = _worker(request)
     done = await read_message(request, PipelineDone)
     coordinator.done(peer_id, done.round_id, done.contributor, done.delivered)
     return json_ok({"ok": True})
@@ -180,9 +182,9 @@ PUBLIC = frozenset({ROUTES["pipeline"]})
 def container_limits(app: web.Application) -> dict:
     """Results are streamed containers (signed by chunk digests in signed runs): a boundary
     matrix of a real model is far larger than one signed JSON request."""
-    def limit() -> int:
+    def limit() -> int:  # another run: the handler refuses whoever sends one (a body within one request)
         coordinator = app.get(PIPELINE)
-        return coordinator.shapes.body_limit(coordinator.codec) if coordinator is not None else 0
+        return coordinator.shapes.body_limit(coordinator.codec) if coordinator is not None else MAX_JSON_BODY
     return {("PUT", ROUTES["pipeline_result"]): limit}
 
 
