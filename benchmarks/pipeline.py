@@ -29,14 +29,10 @@ How long a disconnection lasts decides what the relay can do about it:
 * default, ``--offline-s 5 --peer-ttl-s 10``: longer than a lease (4 x the stage's measured task
   time, at least 2 s), shorter than the peer TTL. The relay keeps the worker and its stage; a task
   it held is re-dispatched at its lease deadline (pool), restarted from stage 0 if it was a
-  forward (restart) or waits for it (static). The stage gradients it holds wait for its return in
-  all three: the relay re-dispatches a silent worker's tasks, not its held gradients. All three
-  complete, side by side.
-* ``--offline-s 3.5 --peer-ttl-s 2``: the relay drops the worker: the pool recomputes its held
-  stage gradients at once (``redone``) and never waits for it. The static baseline then
-  deadlocks: the relay places the returning worker at the weakest stage, often not its old one,
-  and the micro-batches pinned to it on its old stage wait for it forever (its run ends at
-  ``--run-limit-s`` with ``completed: false`` and no seconds per batch).
+  forward (restart) or waits for it (static); stage gradients it held are recomputed once it has
+  been silent that long (pool and restart; static waits for it).
+* ``--offline-s 3.5 --peer-ttl-s 2``: the relay drops the worker; on its return it is re-admitted
+  (static gives it its former stage back, where its pinned micro-batches wait for it).
 
 Seconds per batch are the relay's own (each round's ``duration_s``: from the batch's first lease
 to its step), the first batch of each run left out (warm-up: downloads, first measurements).
