@@ -260,8 +260,8 @@ class StageWorker:
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
         if sorted(self.held) != call.microbatches or self.grad_sum is None:
-            log.warning("the relay expects micro-batches %s of stage %d, this worker holds %s: dropping its gradient",
-                        call.microbatches, call.stage, sorted(self.held))
+            log.warning("the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
+                        "says so, and the relay recomputes them", call.microbatches, call.stage, sorted(self.held))
         vector = torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy() \
             if self.grad_sum is not None else np.zeros(a.end - a.start, dtype=np.float32)
         run_codec = get_codec(self.info.compression)
