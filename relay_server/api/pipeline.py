@@ -181,8 +181,9 @@ PUBLIC = frozenset({ROUTES["pipeline"]})
 
 def container_limits(app: web.Application) -> dict:
     """Results are streamed containers (signed by chunk digests in signed runs): a boundary
-    matrix of a real model is far larger than one signed JSON request."""
-    def limit() -> int:  # another run: the handler refuses whoever sends one (a body within one request)
+    matrix of a real model is far larger than one signed JSON request. On a run without a
+    pipeline the limit is one request's body: the handler then refuses whoever sends one."""
+    def limit() -> int:
         coordinator = app.get(PIPELINE)
         return coordinator.shapes.body_limit(coordinator.codec) if coordinator is not None else MAX_JSON_BODY
     return {("PUT", ROUTES["pipeline_result"]): limit}
