@@ -111,7 +111,10 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_
         trainer.kill()
         stop([keeper, spare])
     outcome = json.loads(out.strip().splitlines()[-1])
-    assert outcome["final_step"] == steps  # the run reached its last step; the trainer never raised
+    # the run reaches its last step and the trainer never raised; the trainer may leave before it
+    # downloads the version its last batch made (a round still in flight when its data ran out)
+    wait_until(lambda: relay.status()["step"] >= steps, 30, "the run's last step")
+    assert outcome["final_step"] >= steps - 1, outcome
     assert set(outcome["failed_uids"]) <= victims, (outcome["failed_uids"], victims)
     spare_log = (tmp_path / "spare.log").read_text()
     resumed = {uid for uid in victims if f"expert {uid} resumed from its checkpoint ({last[uid]} updates)" in spare_log}
