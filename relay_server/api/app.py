@@ -34,6 +34,7 @@ from relay_server.observers import ObserverThread, build_observers
 from relay_server.backbone.routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
 from relay_server.backbone.state_transfer import check_range, send_state
 from relay_server.rounds.store import Store
+from relay_server.rounds.reducer import set_upload_memory
 from relay_server.backbone.tickets import encode_ticket
 from relay_server.data.loss_references import loss_references
 from toolkit.errors import ProtocolError
@@ -311,6 +312,7 @@ async def _loss_references(app: web.Application) -> AsyncIterator[None]:
 
 async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    set_upload_memory(config.server.upload_memory_mb << 20)
     store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
     observers = ObserverThread(build_observers(config))
     collab = await asyncio.to_thread(Collaboration, config, store, observers)

@@ -33,11 +33,16 @@ class ServerSection:
     """Older step files beyond this many are deleted."""
     fsync: bool = False
     """fsync state files: survives power loss, not just a process crash, at some cost per step."""
+    upload_memory_mb: int = 1024
+    """Gradient uploads in flight wait for their last chunk (whole-or-nothing) in memory up to
+    this many MiB in total, beyond it in files in data_dir. Budget about peers x the model's
+    upload size to keep rounds off the disk; lower it on a small VM (0: always on disk)."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [(0 <= self.port <= 65535, "server.port must be in 0..65535 (0 = any free port)"),
-                (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1")]
+                (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1"),
+                (self.upload_memory_mb >= 0, "server.upload_memory_mb must be >= 0 (0: uploads wait on disk)")]
 
 
 @dataclass(kw_only=True)

@@ -16,8 +16,9 @@ disagree) and one job on the reducer thread adds the spool into the sum, before 
 finalize. An upload refused at chunk ``k`` (NaN, a digest mismatch, a dead connection, the round
 closing) leaves the sum exactly as before it began. Earlier versions reduced each chunk as it
 arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was
-dropped (issue 17). Disk, not memory, holds uploads in flight: one spool per upload in flight,
-at most the run's codec size each (``wire_bytes``).
+dropped (issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the
+process's budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one
+spool per upload in flight, at most the run's codec size each (``wire_bytes``).
 
 Robust mode (``rounds.aggregation = "centered_clip"``) stores each chunk per peer anyway
 (:class:`~relay_server.rounds.robust.RobustAccumulator`, n_peers x P float32 while a round is
@@ -34,9 +35,9 @@ owner's slice is still whole or nothing).
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import tempfile
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,38 +77,96 @@ class UploadProgress:
     on_commit: Callable[[], None] | None = None
 
 
-SPOOL_MEMORY_BYTES = 256 * 1024
-"""An upload in flight up to this size waits in memory, beyond it in a temp file."""
+class MemoryBudget:
+    """Bytes of uploads in flight the process keeps in memory, shared by every reducer (one per
+    slice owner; owners come and go as slices move): memory is the process's, not a slice's."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if they fit; False: the caller spools to disk instead."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+
+UPLOAD_MEMORY = MemoryBudget(1 << 30)
+"""The process's budget for uploads waiting for their last chunk (``[server] upload_memory_mb``
+sets it at start: :func:`set_upload_memory`)."""
+
+
+def set_upload_memory(nbytes: int) -> None:
+    UPLOAD_MEMORY.limit = nbytes
 
 
 class _Spool:
-    """One upload's validated chunks, as received, until it commits: in memory up to
-    :data:`SPOOL_MEMORY_BYTES`, then in an unlinked temp file. The file is made on the reducer
-    thread by the first write past that size: creating one per upload on the event loop cost a
-    1,000-peer relay 10-17% of its loop and a descriptor per upload in flight (issue 15), and
-    most uploads of small models never need one."""
+    """One upload's validated chunks, as received, until it commits.
 
-    def __init__(self, directory: str | None) -> None:
-        self.directory = directory
-        self.file: IO[bytes] = io.BytesIO()
-        self._on_disk = False
+    In memory while the process's :data:`UPLOAD_MEMORY` allows: the spool keeps the received
+    network buffers themselves (:class:`Pieces` views of the bytes the event loop read), so
+    waiting costs no copy at all. Past the budget, every chunk so far and all later ones go to an
+    unlinked temp file in ``directory`` (the data disk). Writing every upload through a file
+    cost a round two extra passes over the bytes (write, read back) and most of the reducer
+    thread's time: 4 peers x 100 MiB measured 0.28-1.97 s of staging per round, against
+    0.02-0.05 s of memory copies (benchmarks/allreduce.py; the README's round breakdown). The file is
+    made on the reducer thread, never on the event loop (a 1,000-peer relay lost 10-17% of its loop
+    to creating one per upload: issue 15)."""
 
-    def write(self, raw: np.ndarray) -> None:
-        data = memoryview(np.ascontiguousarray(raw)).cast("B")
-        if not self._on_disk and self.file.tell() + len(data) > SPOOL_MEMORY_BYTES:
-            spilled = tempfile.TemporaryFile(prefix="collab-upload-", dir=self.directory)
-            spilled.write(self.file.getbuffer())
-            self.file, self._on_disk = spilled, True
-        self.file.write(data)
+    def __init__(self, directory: str | None, budget: MemoryBudget) -> None:
+        self.directory, self.budget = directory, budget
+        self.held: list[Pieces] = []  # in memory, in arrival order
+        self.reserved = 0  # bytes of ``held``, taken from the budget
+        self.file: IO[bytes] | None = None
+        self._next = 0
+
+    def write(self, piece: Pieces, raw: np.ndarray) -> None:
+        """Keep one validated chunk: ``piece`` as received, ``raw`` the same bytes gathered."""
+        nbytes = raw.nbytes
+        if self.file is None and self.budget.take(nbytes):
+            self.held.append(piece)
+            self.reserved += nbytes
+            return
+        if self.file is None:  # over the budget: this upload waits on disk from now on
+            self.file = tempfile.TemporaryFile(prefix="collab-upload-", dir=self.directory)
+            scratch = np.empty(max((p.count * p.dtype.itemsize for p in self.held), default=0), dtype=np.uint8)
+            for held in self.held:
+                self.file.write(memoryview(np.ascontiguousarray(held.gather(scratch))).cast("B"))
+            self._release()
+        self.file.write(memoryview(np.ascontiguousarray(raw)).cast("B"))
+
+    def rewind(self) -> None:
+        self._next = 0
+        if self.file is not None:
+            self.file.seek(0)
 
     def read(self, staging: np.ndarray, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        """The next chunk, in the order written (a view of ``staging`` or of the received buffer)."""
+        if self.file is None:
+            piece = self.held[self._next]
+            self._next += 1
+            return piece.gather(staging)
         view = staging[:nbytes]
         if self.file.readinto(memoryview(view)) != nbytes:
             raise OSError("an upload spool was shorter than what was written to it")
         return view.view(dtype)
 
+    def _release(self) -> None:
+        self.held = []
+        self.budget.give(self.reserved)
+        self.reserved = 0
+
     def close(self) -> None:
-        self.file.close()
+        self._release()
+        if self.file is not None:
+            self.file.close()
 
 
 class Reducer:
@@ -184,7 +243,7 @@ class Reducer:
         except ValueError as exc:
             raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
         loop = asyncio.get_running_loop()
-        spool = _Spool(self.spool_dir) if self._robust is None else None
+        spool = _Spool(self.spool_dir, UPLOAD_MEMORY) if self._robust is None else None
         chunks: list[tuple[int, int]] = []  # (start element, count) of every validated chunk
         pending: asyncio.Future | None = None
         try:
@@ -242,14 +301,14 @@ class Reducer:
         if self._robust is not None:
             self._robust.add_chunk(peer_id, start, values, samples)  # copies: values may be scratch
         elif spool is not None:
-            spool.write(raw)
+            spool.write(piece, raw)
 
     def _commit(self, side: dict[str, np.ndarray], dtype: np.dtype, spool: _Spool | None,
                 chunks: list[tuple[int, int]], samples: int) -> None:
         """Reducer thread: add a verified upload's spooled chunks into the sum, with their weights."""
         try:
             if spool is not None:
-                spool.file.seek(0)
+                spool.rewind()
                 for start, count in chunks:
                     values = self._decoded(side, spool.read(self._staging, count * dtype.itemsize, dtype), start)
                     segment = self.sum[start:start + values.size]
