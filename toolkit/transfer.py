@@ -8,7 +8,8 @@ Pure functions of tensors and container headers; :mod:`toolkit.client` sends and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,16 +64,79 @@ class SizedBody:
         return iter_encoded(self.tensors, self.metadata)
 
 
-def read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec | None) -> None:
-    """Read a parameters body (whole, or a lossy codec's delta against version ``have``) into ``out``."""
+class StreamingHash:
+    """sha256 of a body while it arrives: the ranges :func:`read_container` hands over are hashed
+    on a thread of their own (hashlib releases the GIL), so checking a 100 MB version costs the
+    download no time after its last byte instead of a whole pass over the buffer (0.07 s per
+    100 MB at 1.5 GB/s, per peer, on the round's critical path). Ranges are batched to
+    :data:`STEP` bytes: one thread hop per 4 MiB, and the order of updates is the order of
+    arrival because one thread makes them."""
+
+    STEP = 4 << 20
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collab-hash")
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
+        self._last: Future | None = None
+
+    def __call__(self, view: memoryview) -> None:
+        self._pending.append(view)
+        self._pending_bytes += len(view)
+        if self._pending_bytes >= self.STEP:
+            self._flush()
+
+    def _flush(self) -> None:
+        views, self._pending, self._pending_bytes = self._pending, [], 0
+        if views:
+            self._last = self._pool.submit(_update_all, self._sha, views)
+
+    def hexdigest(self) -> str:
+        """The digest of everything handed over (waits for the thread; closes it)."""
+        self._flush()
+        try:
+            if self._last is not None:
+                self._last.result()
+            return self._sha.hexdigest()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _update_all(sha, views: list[memoryview]) -> None:
+    for view in views:
+        sha.update(view)
+
+
+def read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec | None,
+                on_data: Callable[[memoryview], None] | None = None) -> bool:
+    """Read a parameters body (whole, or a lossy codec's delta against version ``have``) into
+    ``out``; True when it was whole (then ``on_data`` saw every byte of ``out`` as it landed)."""
     if header.metadata.get("kind") == "delta":
         if codec is None or header.metadata.get("base") != str(have):
             raise ProtocolError("bad_delta", f"the server sent a delta against version {header.metadata.get('base')}, "
                                 f"this peer holds {have}")
         _, tensors = read_container(stream, out.nbytes, header=header)
         apply_delta(codec, out, tensors)
-    else:
-        read_container(stream, out.nbytes, out={"params": out}, header=header)
+        return False
+    read_container(stream, out.nbytes, out={"params": out}, header=header, on_data=on_data)
+    return True
+
+
+def read_hashed(stream, header, out: np.ndarray, have: int | None, codec: Codec | None) -> str:
+    """:func:`read_params`, then the sha256 of ``out`` (the parameters the peer now holds), to be
+    compared with the hash the relay signed: computed while a whole body arrives, over the
+    result after a delta."""
+    streaming = StreamingHash()
+    try:
+        whole = read_params(stream, header, out, have, codec, on_data=streaming)
+    except BaseException:
+        streaming.close()
+        raise
+    return streaming.hexdigest() if whole else hashlib.sha256(memoryview(out).cast("B")).hexdigest()
 
 
 def read_checked_params(stream, headers: Mapping[str, str], out: np.ndarray, have: int | None,
@@ -82,12 +146,12 @@ def read_checked_params(stream, headers: Mapping[str, str], out: np.ndarray, hav
     spliced into it, fails here (ProtocolError) instead of in training; ``out`` may then be
     half-written, so the caller downloads the whole version again. Returns the version's step."""
     header = peek_header(stream, out.nbytes)
-    read_params(stream, header, out, have, codec)
+    digest = read_hashed(stream, header, out, have, codec)
     declared = headers.get("Content-Length")
     if declared is not None and stream.tell() != int(declared):
         raise ProtocolError("params_length_mismatch", f"the parameters body ended after {stream.tell()} of "
                             f"{declared} bytes", "Download again (the toolkit does).")
-    if hashlib.sha256(memoryview(out).cast("B")).hexdigest() != headers.get("X-Collab-Sha256", ""):
+    if digest != headers.get("X-Collab-Sha256", ""):
         raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the relay "
                             "published", "Download again; if it repeats, something alters the traffic.")
     return int(header.metadata.get("step", -1))

@@ -191,15 +191,19 @@ async def _sendfile(request: web.Request, response: web.StreamResponse, fh, offs
         raise ConnectionResetError("the peer went away")
     try:
         await asyncio.get_running_loop().sendfile(transport, fh, offset, count)
+        return
+    except NotImplementedError:
+        # A loop without sendfile on its transports (uvloop): copied below. NotImplementedError
+        # is a RuntimeError, so this clause must come before the one that re-raises those.
+        pass
     except RuntimeError:  # "Transport is closing": the peer reset the connection in between
         if transport.is_closing():
             raise ConnectionResetError("the peer went away") from None
         raise
-    except NotImplementedError:
-        fh.seek(offset)
-        while count:
-            piece = await asyncio.to_thread(fh.read, min(count, 4 << 20))
-            if not piece:
-                raise ConnectionResetError("state file ended early")
-            await response.write(piece)
-            count -= len(piece)
+    fh.seek(offset)
+    while count:
+        piece = await asyncio.to_thread(fh.read, min(count, 4 << 20))
+        if not piece:
+            raise ConnectionResetError("state file ended early")
+        await response.write(piece)
+        count -= len(piece)

@@ -10,7 +10,6 @@ caller keeps the relay hearing from it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ import requests
 
 from toolkit.client.transport import Transport, rejected
 from toolkit.errors import CollabError, ProtocolError, RelayUnreachable
-from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_params
+from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_hashed
 from toolkit.wire.auth import BODY_SHA256_HEADER
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import ROUTES, TICKET_HEADER, ParamsManifest, SliceVersion
@@ -173,11 +172,11 @@ class ParamsTransfer(Transport):
                 if int(header.metadata.get("step", -1)) != step:
                     raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
                                         f"{header.metadata.get('step')}, the manifest says {step}")
-                read_params(response.raw, header, view, have, codec)
+                digest = read_hashed(response.raw, header, view, have, codec)
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
                                    f"{s.url or self.url}: {type(exc).__name__}") from None
-        if hashlib.sha256(memoryview(view).cast("B")).hexdigest() != s.sha256:
+        if digest != s.sha256:
             raise ProtocolError("params_hash_mismatch", f"slice [{s.start}, {s.end}) differs from the hash the relay "
                                 "published", "Download again; if it repeats, report the aggregator to the organizer.")
 

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -287,12 +287,14 @@ def peek_header(stream: BinaryIO, max_data_bytes: int) -> Header:
 
 
 def read_container(stream: BinaryIO, max_data_bytes: int, out: dict[str, np.ndarray] | None = None,
-                   header: Header | None = None) -> tuple[Header, dict[str, np.ndarray]]:
+                   header: Header | None = None,
+                   on_data: Callable[[memoryview], None] | None = None) -> tuple[Header, dict[str, np.ndarray]]:
     """Read a whole container from a blocking file-like object (the peer's download path);
     pass ``header`` if :func:`peek_header` already consumed it.
 
     Tensors named in ``out`` are read straight into those preallocated arrays (no extra copy of
-    a 100 MB parameter vector); the others are allocated.
+    a 100 MB parameter vector); the others are allocated. ``on_data`` is handed each range of
+    tensor bytes as it lands, in order (a hash computed while the rest still arrives).
     """
     header = header or peek_header(stream, max_data_bytes)
     result: dict[str, np.ndarray] = {}
@@ -308,6 +310,8 @@ def read_container(stream: BinaryIO, max_data_bytes: int, out: dict[str, np.ndar
             got = stream.readinto(view[position:position + STREAM_CHUNK])  # type: ignore[attr-defined]
             if not got:
                 raise ProtocolError("truncated_body", "the tensor stream ended early")
+            if on_data is not None:
+                on_data(view[position:position + got])
             position += got
         result[entry.name] = target.reshape(entry.shape)
     return header, result
