@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import subprocess
@@ -82,9 +83,10 @@ def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: 
              report: Callable[[tuple], None], samples_per_s: float = 1.0) -> None:
     """Join, wait for ``peers`` peers and a plan of ``slices`` owners, then run ``rounds`` rounds.
 
-    Reports ``(index, step, started, ended, version, owners)`` per round (``owners``: the
-    round's slice fractions by owner name, empty when the relay owns the whole vector) and, from
-    peer 0, ``("params", final_parameters)``. Shared with ``benchmarks/shaped.py``.
+    Reports ``(index, step, started, ended, version, owners, uploaded)`` per round (``owners``:
+    the round's slice fractions by owner name, empty when the relay owns the whole vector;
+    ``uploaded``: when its upload was answered) and, from peer 0, ``("params",
+    final_parameters)``. Shared with ``benchmarks/shaped.py``.
     """
     sys.path.insert(0, str(REPO))
     from toolkit.client import RelayClient
@@ -118,9 +120,10 @@ def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: 
                                                           delivered=[p.plan.start for p in parts]))
         else:
             client.upload_gradient([("payload", grad)], meta, "none")
+        uploaded = time.time()
         version = client.download_params(params, min_step=step + 1, wait_s=300, peer_id=peer_id)
         owners = {s.name: round(s.fraction, 4) for s in state.round.slices}
-        report((index, step, started, time.time(), version, owners))
+        report((index, step, started, time.time(), version, owners, uploaded))
     if index == 0:
         report(("params", params))
     client.leave(peer_id)
@@ -154,14 +157,21 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeou
     return ready.read_text().strip()
 
 
-def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) -> tuple[list[float], np.ndarray]:
+def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0,
+                     breakdown: bool = False) -> tuple[list[float], np.ndarray, list[dict] | None]:
+    """Seconds per round, the final parameters, and with ``breakdown`` each round's phases
+    (:func:`phases`)."""
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
         config = Path(tmp) / "run.toml"
         config.write_text(relay_config(numel, peers))
         ready = Path(tmp) / "ready"
-        relay = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
+        trace = Path(tmp) / "trace"
+        serve = [sys.executable, str(REPO / "benchmarks" / "round_trace.py")] if breakdown else \
+            [sys.executable, "-m", "relay_server.cli"]
+        relay = subprocess.Popen([*serve, "serve", "--config", str(config),
                                   "--port", "0", "--data-dir", str(Path(tmp) / "data"), "--ready-file", str(ready)],
-                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "relay.log", "w"))
+                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "relay.log", "w"),
+                                 env={**os.environ, "ROUND_TRACE": str(trace)})
         helpers: list[subprocess.Popen] = []
         try:
             url = wait_ready(relay, ready, Path(tmp) / "relay.log", "relay")
@@ -172,24 +182,49 @@ def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0) 
                      for i in range(peers)]
             for p in procs:
                 p.start()
-            timings: dict[int, list[tuple[float, float]]] = {}
+            timings: dict[int, list[tuple[float, float, float]]] = {}
             final = None
             for _ in range(peers * rounds + 1):
                 item = out.get(timeout=600)
                 if item[0] == "params":
                     final = item[1]
                     continue
-                _, step, started, ended, version, _ = item
+                _, step, started, ended, version, _, uploaded = item
                 assert version == step + 1, f"peer downloaded version {version} after round {step}"
-                timings.setdefault(step, []).append((started, ended))
+                timings.setdefault(step, []).append((started, ended, uploaded))
             for p in procs:
                 p.join(timeout=60)
         finally:
             for proc in [*helpers, relay]:
                 proc.terminate()
                 proc.wait(timeout=30)
-    seconds = [max(e for _, e in t) - min(s for s, _ in t) for _, t in sorted(timings.items())]
-    return seconds, final
+        rounds_seen = [t for _, t in sorted(timings.items())]
+        table = phases(rounds_seen, trace.read_text().split("\n")) if breakdown else None
+    seconds = [max(e for _, e, _ in t) - min(s for s, _, _ in t) for t in rounds_seen]
+    return seconds, final, table
+
+
+def phases(rounds: list[list[tuple[float, float, float]]], trace: list[str]) -> list[dict]:
+    """Each round's time, split where it goes: ``upload`` (the first peer's upload start to the
+    last upload answered: receiving, validating and staging every chunk, and the commits),
+    ``apply`` (from there to the version written: the last adds, mean, optimizer step, write and
+    hash), ``download`` (from there to the last peer holding the verified version), and the
+    relay's thread time inside them (``stage``, ``commit``, ``mean``, ``step``, ``write``,
+    ``hash``; summed over peers where there is one per upload)."""
+    events = [(w, float(a), float(b)) for w, a, b in (line.split() for line in trace if line.strip())]
+    writes = sorted(b for w, _, b in events if w == "write")
+    table = []
+    for peers in rounds:
+        start = min(s for s, _, _ in peers)
+        uploaded, ended = max(u for _, _, u in peers), max(e for _, e, _ in peers)
+        written = min((w for w in writes if w >= uploaded - 1e-3), default=ended)
+        inside = [(w, a, b) for w, a, b in events if start <= a <= written]
+        row = {"round_s": ended - start, "upload": uploaded - start, "apply": written - uploaded,
+               "download": ended - written}
+        for name in ("stage", "commit", "mean", "step", "write", "hash"):
+            row[name] = sum(b - a for w, a, b in inside if w == name)
+        table.append(row)
+    return table
 
 
 # --- the raw TCP baseline ----------------------------------------------------------------------
@@ -262,11 +297,13 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100.0, help="gradient size per peer in MiB (float32)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--aggregators", type=int, default=0, help="extra aggregator processes (sliced rounds)")
+    parser.add_argument("--breakdown", action="store_true", help="time the round's phases on the relay "
+                        "(benchmarks/round_trace.py) and print where each round's time goes")
     args = parser.parse_args()
     numel = int(args.mb * 2**20) // 4
 
     raw = run_raw_tcp(args.peers, numel * 4, args.rounds)
-    relay, final = run_relay_rounds(args.peers, numel, args.rounds, args.aggregators)
+    relay, final, table = run_relay_rounds(args.peers, numel, args.rounds, args.aggregators, args.breakdown)
     mean = sum(gradient(i, numel).astype(np.float64) for i in range(args.peers)) / (args.peers * SAMPLES)
     max_abs_err = float(np.max(np.abs(final - (-args.rounds * mean))))
 
@@ -275,9 +312,14 @@ def main() -> None:
     print(f"raw TCP rounds (s): {' '.join(f'{s:.3f}' for s in raw)}")
     print(f"{args.peers} peers x {args.mb:g} MiB: relay {round_s:.3f} s/round, raw TCP {raw_s:.3f} s, "
           f"ratio {round_s / raw_s:.2f}; max |error| vs float64 reference {max_abs_err:.2e}")
-    print(json.dumps({"peers": args.peers, "mb": args.mb, "aggregators": args.aggregators,
-                      "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
-                      "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}))
+    result = {"peers": args.peers, "mb": args.mb, "aggregators": args.aggregators,
+              "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
+              "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}
+    if table:
+        names = list(table[0])
+        print("phase medians (s): " + ", ".join(f"{n} {statistics.median(r[n] for r in table):.3f}" for n in names))
+        result["breakdown_s"] = {n: round(statistics.median(r[n] for r in table), 4) for n in names}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def peer(args: argparse.Namespace) -> None:
     def report(item: tuple) -> None:
         if item[0] == "params":
             return
-        index, step, started, ended, version, owners = item
+        index, step, started, ended, version, owners, _ = item
         print(json.dumps({"index": index, "step": step, "started": started, "ended": ended,
                           "version": version, "owners": owners}), flush=True)
 
