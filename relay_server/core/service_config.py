@@ -33,11 +33,20 @@ class ServerSection:
     """Older step files beyond this many are deleted."""
     fsync: bool = False
     """fsync state files: survives power loss, not just a process crash, at some cost per step."""
+    public_params_url: str = ""
+    """An HTTP cache in front of this relay (nginx ``proxy_cache``, a CDN), e.g.
+    ``https://cache.example.org``: peers fetch each version's immutable body from there
+    (``/api/params/v/...``, checked against the hash this relay signs) instead of from the relay.
+    Empty: peers download from the relay, and it serves no immutable body URL."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
+        url = self.public_params_url
         return [(0 <= self.port <= 65535, "server.port must be in 0..65535 (0 = any free port)"),
-                (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1")]
+                (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1"),
+                (not url or re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", url) is not None,
+                 f"server.public_params_url must be an http(s) URL without query or fragment, like "
+                 f"https://cache.example.org (got {url!r}); leave it empty to serve peers from the relay")]
 
 
 @dataclass(kw_only=True)

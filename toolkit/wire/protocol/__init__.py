@@ -18,6 +18,7 @@ only those above it:
              EvalRecord, EvalSample
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
+    params   ParamsRef: a version's immutable body at the run's HTTP cache, and its cache headers
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from toolkit.wire.protocol.pipeline import (
     StageRequest,
     StageStatus,
 )
+from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
 from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
@@ -99,4 +101,6 @@ __all__ = [
     # pipeline
     "TASK_KINDS", "StageRequest", "StageAssignment", "PipelineTask", "PipelineRoundCall", "PipelineWork",
     "PipelineResult", "PipelineAck", "PipelineTicketRequest", "PipelineDone", "StageStatus", "PipelineStatus",
+    # params
+    "PARAMS_REF_TYPE", "BLOB_CACHE_CONTROL", "FRESH_CACHE_CONTROL", "ParamsRef",
 ]
