@@ -170,8 +170,12 @@ def test_immutable_urls_carry_strong_validators_and_the_current_version_is_never
     stale = requests.get(path, headers={"Range": "bytes=0-9", "If-Range": '"other"'}, timeout=10)
     assert stale.status_code == 200 and stale.content == whole.content
     assert requests.get(path, headers={"Range": f"bytes={size}-"}, timeout=10).status_code == 416
-    not_modified = requests.get(path, headers={"If-None-Match": f'"{sha}"'}, timeout=10)
-    assert not_modified.status_code == 304 and not not_modified.content
+    for held in (f'"{sha}"', f'"x", W/"{sha}"', "*"):
+        not_modified = requests.get(path, headers={"If-None-Match": held}, timeout=10)
+        assert not_modified.status_code == 304 and not not_modified.content
+        assert not_modified.headers["ETag"] == f'"{sha}"'
+    assert requests.get(path, headers={"If-None-Match": '"x"'}, timeout=10).status_code == 200
+    assert requests.get(path, headers={"Range": "bytes=9-3"}, timeout=10).status_code == 200  # invalid: ignored
     for unknown in (f"/api/params/v/1/{sha}/full", f"/api/params/v/0/{'0' * 64}/full", f"/api/params/v/0/{sha}/delta"):
         missing = requests.get(relay.url + unknown, timeout=10)
         assert missing.status_code == 404 and "public" not in missing.headers.get("Cache-Control", "")

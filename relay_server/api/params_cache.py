@@ -117,8 +117,8 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
     headers = {"ETag": etag, "Cache-Control": BLOB_CACHE_CONTROL, "Accept-Ranges": "bytes",
                "Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
                "X-Collab-Sha256": sha}
-    if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")] or \
-            request.headers.get("If-None-Match", "").strip() == "*":
+    held = request.headers.get("If-None-Match", "")  # weak comparison, as RFC 9110 asks for this header
+    if held.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in held.split(",")):
         return web.Response(status=304, headers={k: headers[k] for k in ("ETag", "Cache-Control")})
     if kind == "full":
         prefix, path, offset, count = _full_header(version.step, version.numel), version.path, version.offset, version.nbytes
@@ -146,7 +146,7 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
         await response.prepare(request)
         if request.method == "HEAD":
             return response
-        sent = await _write_range(request, response, prefix, fh, offset, first, last)
+        sent = await _write_range(response, prefix, fh, offset, first, last)
     await response.write_eof()
     blobs.egress.immutable += sent
     blobs.egress.immutable_requests += 1
@@ -165,13 +165,14 @@ def _range(request: web.Request, etag: str, size: int) -> tuple[int, int] | str 
     start, end = match.groups()
     if not start:  # the last ``end`` bytes
         return (max(0, size - int(end)), size - 1) if int(end) > 0 else "unsatisfiable"
-    if int(start) >= size or (end and int(end) < int(start)):
+    if end and int(end) < int(start):  # not a valid range: ignored
+        return None
+    if int(start) >= size:
         return "unsatisfiable"
     return int(start), min(size - 1, int(end)) if end else size - 1
 
 
-async def _write_range(request: web.Request, response: web.StreamResponse, prefix: bytes, fh, offset: int,
-                       first: int, last: int) -> int:
+async def _write_range(response: web.StreamResponse, prefix: bytes, fh, offset: int, first: int, last: int) -> int:
     """Bytes ``first..last`` of ``prefix`` + the file's ``[offset, ...)``: the prefix from
     memory, the rest in 4 MiB reads (back-pressure through ``response.write``)."""
     sent = 0
