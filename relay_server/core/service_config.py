@@ -220,7 +220,13 @@ class AggregatorsSection:
     transfers of the whole state through the relay)."""
     state_copy_every: int = 10
     """Pull every aggregator's optimizer state into the relay's recovery copy every this many
-    steps (parameters are pulled after every step)."""
+    steps (parameters are pulled every ``params_copy_every`` steps)."""
+    params_copy_every: int = 1
+    """Pull every remote slice's published parameters into the relay's recovery copy every this
+    many steps: 1 keeps a recovered slice at most one step old, at the price of the remote
+    parameters crossing the relay's link (inbound) every step; ``state_copy_every`` pulls them
+    only with the optimizer state (a recovered slice is then up to that many steps old). The
+    relay's link load per step under the plan is in ``/api/plan`` (``relay_link``)."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
@@ -229,4 +235,5 @@ class AggregatorsSection:
              "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)"),
             (self.default_bandwidth_mbps > 0, "aggregators.default_bandwidth_mbps must be > 0"),
             (self.state_copy_every >= 1, "aggregators.state_copy_every must be >= 1"),
+            (self.params_copy_every >= 1, "aggregators.params_copy_every must be >= 1 (1 = after every step)"),
         ]

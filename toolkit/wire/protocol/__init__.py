@@ -53,6 +53,7 @@ from toolkit.wire.protocol.slices import (
     PlanInfo,
     PlanInput,
     PlanSlice,
+    RelayLinkLoad,
     SliceDigest,
     SliceReport,
     SliceVersion,
@@ -83,7 +84,7 @@ __all__ = [
     # run
     "ParamSpec", "ModelSpec", "RunInfo",
     # slices
-    "PlanSlice", "PlanInput", "AggregatorStatus", "PlanInfo", "SliceDigest", "TicketRequest", "Ticket",
+    "PlanSlice", "PlanInput", "AggregatorStatus", "PlanInfo", "RelayLinkLoad", "SliceDigest", "TicketRequest", "Ticket",
     "DoneRequest", "SliceVersion", "ParamsManifest", "AggregatorRegistration", "AggregatorWelcome",
     "TransferSample", "AggregatorHeartbeat", "FinalizeRequest", "SliceReport", "AssignRequest",
     "GradNormRequest", "GradNormReport",
