@@ -12,13 +12,14 @@ import asyncio
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,85 @@ def on_free_port(start, attempts: int = 5):
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+@dataclass
+class NginxProcess:
+    """A real nginx (Debian's) in the foreground, all its files in ``directory``; no root needed."""
+
+    proc: subprocess.Popen
+    port: int
+    directory: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def run_nginx(directory: Path, http_block: Callable[[int], str], port: int = 0) -> NginxProcess:
+    """nginx on a free port (:func:`on_free_port`: nginx cannot listen on port 0, so a port is
+    picked, and picked again if another process took it first), or on ``port`` (:class:`PortTaken`
+    if it is taken). ``http_block(port)`` is the text inside ``http { }``; its server listens on
+    127.0.0.1:port."""
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / "error.log"
+    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in
+                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    user = "user root;\n" if os.geteuid() == 0 else ""  # workers may read what the test wrote
+
+    def start(port: int) -> NginxProcess:
+        conf = directory / "nginx.conf"
+        conf.write_text(f"{user}worker_processes 1;\nevents {{ worker_connections 1024; }}\nhttp {{\n"
+                        f"    access_log off;\n{temp}\n{http_block(port)}}}\n")
+        log.unlink(missing_ok=True)
+        proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", str(conf), "-g",
+                                 f"daemon off; pid {directory / 'nginx.pid'}; error_log {log} info;"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return NginxProcess(proc, port, directory)
+            except OSError:
+                time.sleep(0.05)
+        proc.kill()
+        proc.wait(timeout=10)
+        text = log.read_text() if log.exists() else ""
+        if "Address already in use" in text:
+            raise PortTaken(port)
+        raise RuntimeError(f"nginx did not start:\n{text[-3000:]}")
+
+    return start(port) if port else on_free_port(start)
+
+
+@pytest.fixture
+def start_nginx(tmp_path: Path) -> Iterator:
+    """``start_nginx(http_block)`` -> a running :class:`NginxProcess`, stopped after the test;
+    ``http_block(port)`` returns what goes inside ``http { }`` for the port nginx will listen on
+    (called again with another port if that one was taken). Skips when nginx is not installed."""
+    if NGINX is None:
+        pytest.skip("nginx is missing: apt-get install -y nginx (Debian's build: ssl, realip, proxy_cache)")
+    started: list[NginxProcess] = []
+
+    def start(http_block: Callable[[int], str]) -> NginxProcess:
+        started.append(run_nginx(tmp_path / f"nginx-{len(started)}", http_block))
+        return started[-1]
+
+    yield start
+    for nginx in started:
+        nginx.stop()
 
 
 def read_ready_url(ready: Path, proc: subprocess.Popen, log_path: Path, timeout_s: float, what: str) -> str:

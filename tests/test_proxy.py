@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import re
 import select
-import shutil
 import socket
 import ssl
-import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +30,13 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, PortTaken, on_free_port, wait_until
+from tests.conftest import REPO, NginxProcess, wait_until
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, JoinRequest
 from toolkit.wire.tensor_container import iter_encoded
 
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 CLIENT = "X-Test-Client-Address"  # the test's stand-in for "this volunteer's address", read by nginx only
 FORWARDED_LINE = "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;"
 ALICE, ALICE_TOKEN = "alice", "hf_alice_proxy_token_0001"
@@ -77,8 +72,9 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def nginx_config(directory: Path, port: int, upstream: int, cert: Path, key: Path) -> str:
-    """nginx.conf: the README's server block with this machine's port, certificate and relay."""
+def nginx_http_block(port: int, upstream: int, cert: Path, key: Path) -> str:
+    """What goes in nginx.conf's ``http { }``: the README's server block with this machine's
+    port, certificate and relay, after the realip lines that let the test name each client."""
     block = readme_nginx_block()
     for old, new in (("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;"),
                      ("/etc/letsencrypt/live/relay.example.org/fullchain.pem", str(cert)),
@@ -86,18 +82,17 @@ def nginx_config(directory: Path, port: int, upstream: int, cert: Path, key: Pat
                      ("proxy_pass http://127.0.0.1:8750;", f"proxy_pass http://127.0.0.1:{upstream};")):
         assert old in block, f"the README's nginx snippet no longer has {old!r}: update this test with it"
         block = block.replace(old, new)
-    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    user = "user root;\n" if os.geteuid() == 0 else ""  # workers may read what the test wrote
-    return (f"{user}worker_processes 1;\nevents {{ worker_connections 256; }}\nhttp {{\n    access_log off;\n"
-            f"{temp}\n    set_real_ip_from 127.0.0.0/8;\n    real_ip_header {CLIENT};\n{block}}}\n")
+    return f"    set_real_ip_from 127.0.0.0/8;\n    real_ip_header {CLIENT};\n{block}"
 
 
 @dataclass
 class Nginx:
-    proc: subprocess.Popen
-    port: int
+    process: NginxProcess
     cert: Path
+
+    @property
+    def port(self) -> int:
+        return self.process.port
 
     @property
     def url(self) -> str:
@@ -112,55 +107,18 @@ class Nginx:
                                 timeout=kwargs.pop("timeout", 30), **kwargs)
 
 
-def start_nginx(directory: Path, upstream: int) -> Nginx:
-    """nginx in the foreground on a free port (conftest's :func:`on_free_port`: nginx cannot
-    listen on port 0, so a port is picked, and picked again if another process took it first)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    cert, key = self_signed(directory)
-    log = directory / "error.log"
-
-    def start(port: int) -> Nginx:
-        conf = directory / "nginx.conf"
-        conf.write_text(nginx_config(directory, port, upstream, cert, key))
-        proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", str(conf), "-g",
-                                 f"daemon off; pid {directory / 'nginx.pid'}; error_log {log} info;"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    return Nginx(proc, port, cert)
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        proc.wait(timeout=10)
-        text = log.read_text() if log.exists() else ""
-        if "Address already in use" in text:
-            raise PortTaken(port)
-        raise RuntimeError(f"nginx did not start:\n{text[-3000:]}")
-
-    return on_free_port(start)
-
-
 @pytest.fixture
-def behind_nginx(serve_relay, tmp_path: Path) -> Iterator:
+def behind_nginx(serve_relay, start_nginx, tmp_path: Path) -> Iterator:
     """``behind_nginx(overrides)`` -> (relay, nginx): a relay and the README's proxy before it."""
-    if NGINX is None:
-        pytest.skip("nginx is missing: apt-get install -y nginx (Debian's build, with the ssl and realip modules)")
-    proxies: list[Nginx] = []
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    cert, key = self_signed(certs)
 
     def start(overrides: dict) -> tuple:
         relay = serve_relay(overrides)
-        proxies.append(start_nginx(tmp_path / f"nginx-{len(proxies)}", relay.port))
-        return relay, proxies[-1]
+        return relay, Nginx(start_nginx(lambda port: nginx_http_block(port, relay.port, cert, key)), cert)
 
     yield start
-    for proxy in proxies:
-        proxy.proc.terminate()
-        try:
-            proxy.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proxy.proc.kill()
 
 
 def test_the_readme_snippet_forwards_the_client_address() -> None:

@@ -20,7 +20,7 @@ from aiohttp import web
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
-from relay_server.api import experts as experts_api, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import experts as experts_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -38,7 +38,7 @@ from relay_server.rounds.reducer import set_upload_memory
 from relay_server.backbone.tickets import encode_ticket
 from relay_server.data.loss_references import loss_references
 from toolkit.errors import ProtocolError
-from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
+from toolkit.wire.protocol import (FRESH_CACHE_CONTROL, MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
                               DoneRequest, Heartbeat, JoinRequest, TicketRequest)
 from toolkit.wire.tensor_container import AsyncContainerReader
 
@@ -133,7 +133,10 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     """The parameters of version >= ``min_step``, long-polling up to ``wait`` seconds: in full,
     or as a delta when the peer says it holds the version before (``have``) and the run's codec
     is lossy. 204 when nothing newer was published in time. When aggregators own slices the
-    answer is the version's manifest (JSON), and ``start``/``end`` ask for the relay's own slice."""
+    answer is the version's manifest (JSON), and ``start``/``end`` ask for the relay's own slice.
+    A peer that says ``ref=1`` on a run with ``[server] public_params_url`` gets a signed
+    :class:`~toolkit.wire.protocol.ParamsRef` instead: the body's immutable URL at the cache.
+    Every answer is ``no-store``: which version is current must never come from a cache."""
     collab = _collab(request)
     peer_id = request.query.get("peer_id", "")
     if peer_id:  # before anything is recorded for it (transfer rates, liveness)
@@ -155,11 +158,16 @@ async def get_params(request: web.Request) -> web.StreamResponse:
             peer.inflight -= 1
             collab.registry.touch(peer)
     if version is None:
-        return web.Response(status=204, headers={"X-Collab-Step": str(collab.step)})
+        return web.Response(status=204, headers={"X-Collab-Step": str(collab.step), "Cache-Control": FRESH_CACHE_CONTROL})
     if version.manifest is not None:  # sliced: each slice comes from its owner (get_slice)
-        return json_ok(version.manifest)
+        manifest = json_ok(version.manifest)
+        manifest.headers["Cache-Control"] = FRESH_CACHE_CONTROL
+        return manifest
+    if request.query.get("ref") == "1" and collab.config.server.public_params_url:  # the body from the run's cache
+        return params_cache.ref_response(request, version.version, have if have >= 0 else None)
     started = time.monotonic()
     response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
+    request.app[params_cache.BLOBS].egress.direct += response.content_length or 0
     collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, sent_bytes(request, response), started)
     return response
 
@@ -244,12 +252,14 @@ ROUTE_TABLE = [
     *toolkit_api.ROUTES,
     *experts_api.ROUTE_TABLE,
     *pipeline_api.ROUTE_TABLE,
+    *params_cache.ROUTE_TABLE,
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
 PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *pipeline_api.PUBLIC})
+                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *pipeline_api.PUBLIC,
+                           *params_cache.PUBLIC})
 
 
 # Routes whose body is a streamed tensor container (signed by header hash + chunk digests).
@@ -301,6 +311,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
     app.cleanup_ctx.append(experts_api.lifespan)  # [moe]: the expert directory, broker and checkpoints
     app.cleanup_ctx.append(pipeline_api.lifespan)  # [pipeline]: the stages, the task pool, the first batch
+    app.cleanup_ctx.append(params_cache.lifespan)  # immutable parameter URLs for a cache; the relay's egress
     return app
 
 

@@ -18,8 +18,8 @@ public copy of exactly that slice on the owner).
 
 Recovery (:mod:`relay_server.backbone.recovery`). When an aggregator dies (silent past ``ttl_s``, or a
 failed grad-norm/finalize/assign/state call) the round completes without it: its slice takes the relay's
-copy -- parameters at most one step old, optimizer state at most ``state_copy_every`` steps
-old -- the plan is re-solved without it, and peers download the new version whole. Peers whose
+copy -- parameters at most ``params_copy_every`` steps old (default one), optimizer state at
+most ``state_copy_every`` steps old -- the plan is re-solved without it, and peers download the new version whole. Peers whose
 upload to it failed lose only that slice's contribution. If it dies between rounds and the
 copy does not hold the published version of its slice, the copy is published as the next
 version right away (a step without a gradient): waiting for a round could wait forever when
@@ -29,6 +29,7 @@ no peer downloaded that version before the owner died.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ import numpy as np
 
 from relay_server.backbone.aggregators import Aggregator, Aggregators
 from relay_server.backbone.closing import RoundCloser
+from relay_server.backbone.link_load import relay_link_load, state_bytes_per_param
 from relay_server.backbone.recovery import RecoveryCopy
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import (RELAY_ONLY, NotReady, Owner, Published, manifest_version, owners_for,
@@ -131,7 +133,10 @@ class Backbone:
         return [] if self.single else [o.plan_slice() for o in self.owners]
 
     def plan_info(self) -> PlanInfo:
-        return plan_info(self.plan, self.plan_version, self.owners, self.planning, self.aggregators.statuses())
+        load = relay_link_load(self.config, self.codec, self.owners, self.num_params, len(self.peer_ids()),
+                               state_bytes_per_param(self.local, self.copy, self.num_params))
+        return dataclasses.replace(plan_info(self.plan, self.plan_version, self.owners, self.planning,
+                                             self.aggregators.statuses()), relay_link=load)
 
     # --- aggregators (:mod:`.aggregators`) -------------------------------------------------------
     def register(self, req: AggregatorRegistration) -> AggregatorWelcome:
@@ -316,9 +321,11 @@ class Backbone:
 
     # --- the recovery copy ------------------------------------------------------------------------
     def after_publish(self, published: Published) -> None:
-        """Start pulling the remote slices of ``published`` into the copy (in the background)."""
+        """Start pulling the remote slices of ``published`` into the copy (in the background), on
+        the steps ``params_copy_every`` and ``state_copy_every`` name."""
         busy = self._copy_task is not None and not self._copy_task.done()
-        if published.manifest is None or self.copy is None or busy:
+        due = published.step % self.cfg.params_copy_every == 0 or published.step % self.cfg.state_copy_every == 0
+        if published.manifest is None or self.copy is None or busy or not due:
             return
         self._copy_task = asyncio.get_running_loop().create_task(self._pull_copy(published.manifest))
 

@@ -4,14 +4,16 @@ Whole-vector arrays in the layout-free state format (``params``, lossy ``public`
 ``opt_scalar.*``; :meth:`relay_server.rounds.master.MasterState.export_state`), plus, per slice range,
 the step its parameters and its optimizer state are from. Filled completely at every plan
 change (the relay has just assembled the whole state), then kept up to date in the background:
-every remote slice's published parameters after each step (P x 4 bytes in per step), its whole
-state every ``aggregators.state_copy_every`` steps. Saved to ``state/recovery-copy.safetensors``
+every remote slice's published parameters every ``aggregators.params_copy_every`` steps (by
+default after each step: P x 4 bytes into the relay per step), its whole state every
+``aggregators.state_copy_every`` steps. Saved to ``state/recovery-copy.safetensors``
 with each state pull, so a relay restart that finds an aggregator gone can still resume.
 
-So a recovered slice has parameters at most one step old -- the step before the round in which
-its owner died, unless that step's pull had not finished -- and optimizer state at most
-``state_copy_every`` steps old. For a lossy codec the copy's parameters are the public ones (what
-peers hold); the lost master is replaced by them (within one quantization step).
+So a recovered slice has parameters at most ``params_copy_every`` steps old (by default one: the
+step before the round in which its owner died, unless that step's pull had not finished) and
+optimizer state at most ``state_copy_every`` steps old. For a lossy codec the copy's parameters
+are the public ones (what peers hold); the lost master is replaced by them (within one
+quantization step).
 """
 
 from __future__ import annotations

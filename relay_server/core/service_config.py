@@ -37,12 +37,21 @@ class ServerSection:
     """Gradient uploads in flight wait for their last chunk (whole-or-nothing) in memory up to
     this many MiB in total, beyond it in files in data_dir. Budget about peers x the model's
     upload size to keep rounds off the disk; lower it on a small VM (0: always on disk)."""
+    public_params_url: str = ""
+    """An HTTP cache in front of this relay (nginx ``proxy_cache``, a CDN), e.g.
+    ``https://cache.example.org``: peers fetch each version's immutable body from there
+    (``/api/params/v/...``, checked against the hash this relay signs) instead of from the relay.
+    Empty: peers download from the relay, and it serves no immutable body URL."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
+        url = self.public_params_url
         return [(0 <= self.port <= 65535, "server.port must be in 0..65535 (0 = any free port)"),
                 (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1"),
-                (self.upload_memory_mb >= 0, "server.upload_memory_mb must be >= 0 (0: uploads wait on disk)")]
+                (self.upload_memory_mb >= 0, "server.upload_memory_mb must be >= 0 (0: uploads wait on disk)"),
+                (not url or re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", url) is not None,
+                 f"server.public_params_url must be an http(s) URL without query or fragment, like "
+                 f"https://cache.example.org (got {url!r}); leave it empty to serve peers from the relay")]
 
 
 @dataclass(kw_only=True)
@@ -216,7 +225,13 @@ class AggregatorsSection:
     transfers of the whole state through the relay)."""
     state_copy_every: int = 10
     """Pull every aggregator's optimizer state into the relay's recovery copy every this many
-    steps (parameters are pulled after every step)."""
+    steps (parameters are pulled every ``params_copy_every`` steps)."""
+    params_copy_every: int = 1
+    """Pull every remote slice's published parameters into the relay's recovery copy every this
+    many steps: 1 keeps a recovered slice at most one step old, at the price of the remote
+    parameters crossing the relay's link (inbound) every step; ``state_copy_every`` pulls them
+    only with the optimizer state (a recovered slice is then up to that many steps old). The
+    relay's link load per step under the plan is in ``/api/plan`` (``relay_link``)."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
@@ -225,4 +240,5 @@ class AggregatorsSection:
              "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)"),
             (self.default_bandwidth_mbps > 0, "aggregators.default_bandwidth_mbps must be > 0"),
             (self.state_copy_every >= 1, "aggregators.state_copy_every must be >= 1"),
+            (self.params_copy_every >= 1, "aggregators.params_copy_every must be >= 1 (1 = after every step)"),
         ]

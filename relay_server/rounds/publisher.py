@@ -165,7 +165,8 @@ class Publisher(Board):
         """A peer holding version ``have`` gets the delta when it is one step behind and the codec
         is lossy; everyone else gets the full parameters."""
         headers = {"Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
-                   "X-Collab-Sha256": version.sha256}  # of the parameters the peer holds afterwards
+                   "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
+                   "Cache-Control": "no-store"}  # the answer depends on the query: caches use the immutable URLs
         if version.delta_path is not None and have == version.step - 1:
             delta = web.FileResponse(version.delta_path, headers=headers)
             sign_response_headers(request, delta, SIGNED_HEADERS)

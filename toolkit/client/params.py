@@ -24,7 +24,7 @@ from toolkit.errors import CollabError, ProtocolError, RelayUnreachable
 from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_hashed
 from toolkit.wire.auth import BODY_SHA256_HEADER
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import ROUTES, TICKET_HEADER, ParamsManifest, SliceVersion
+from toolkit.wire.protocol import PARAMS_REF_TYPE, ROUTES, TICKET_HEADER, ParamsManifest, ParamsRef, SliceVersion
 from toolkit.wire.tensor_container import peek_header
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ giving up until the caller's next try (a dead owner's slices move within seconds
 
 class ParamsTransfer(Transport):
     """Parameter downloads (whole, delta or sliced) and sliced gradient uploads."""
+
+    cache_failures = 0
+    """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
 
     def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
                         min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
@@ -63,21 +66,66 @@ class ParamsTransfer(Transport):
         raise AssertionError("unreachable")
 
     def _download_once(self, public: np.ndarray, have: int | None, codec: Codec | None, min_step: int,
-                       wait_s: float, peer_id: str) -> int | None:
-        """One GET of the parameters: a tensor container read into ``public``, or a manifest
-        whose slices are then fetched from their owners."""
+                       wait_s: float, peer_id: str, *, via_cache: bool = True) -> int | None:
+        """One GET of the parameters: a tensor container read into ``public``, a manifest whose
+        slices are then fetched from their owners, or (``via_cache``: ``ref=1``, which a relay
+        without a cache ignores) a signed ref to the body at the run's HTTP cache."""
         params = {"min_step": min_step, "wait": int(wait_s), "peer_id": peer_id}
         if have is not None and codec is not None and not codec.lossless:
             params["have"] = have
+        if via_cache:
+            params["ref"] = 1
         timeout = (self.timeout[0], self.timeout[1] + wait_s)
         with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
             if response.status_code == 204:
                 return None
+            if response.headers.get("Content-Type", "").startswith(PARAMS_REF_TYPE):
+                ref = self._ref(response)
+                response.close()
+                return self._download_ref(ref, public, have, codec, peer_id)
             if response.headers.get("Content-Type", "").startswith("application/json"):
                 manifest = self._manifest(response)
                 response.close()
                 return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
             return read_checked_params(response.raw, response.headers, public, have, codec)
+
+    # --- through the run's HTTP cache ([server] public_params_url) -------------------------------
+    def _download_ref(self, ref: ParamsRef, public: np.ndarray, have: int | None, codec: Codec | None,
+                      peer_id: str) -> int | None:
+        """The body ``ref`` names, from the cache, checked against the hash the relay signed; a
+        cache that fails or lies is counted, logged, and the version comes from the relay."""
+        if ref.kind == "delta" and ref.base != have:
+            raise ProtocolError("bad_delta", f"the relay named a delta against version {ref.base}, "
+                                f"this peer holds {have}")
+        touched = False  # once bytes land in ``public``, only a whole version restores it
+        try:
+            session, _ = self._owner(ref.url.split("/api/", 1)[0])
+            with session.get(ref.url, stream=True, timeout=self.timeout) as response:
+                if response.status_code != 200:
+                    raise ProtocolError("cache_status", f"HTTP {response.status_code}")
+                touched = True
+                checks = {"X-Collab-Sha256": ref.sha256}  # the relay's word, never the cache's
+                if "Content-Length" in response.headers:
+                    checks["Content-Length"] = response.headers["Content-Length"]
+                step = read_checked_params(response.raw, checks, public, have if ref.kind == "delta" else None, codec)
+            if step != ref.step:
+                raise ProtocolError("cache_step", f"the body is step {step}, the relay named {ref.step}")
+            return step
+        except (ProtocolError, requests.RequestException, *BODY_ERRORS) as exc:
+            self.cache_failures += 1
+            log.warning("the run's parameter cache failed for step %d (%s: %s); downloading it from the relay "
+                        "instead (%d cache failure(s) so far). If this repeats, tell the organizer: the cache at "
+                        "%s serves wrong bytes or is down ([server] public_params_url).", ref.step,
+                        getattr(exc, "code", type(exc).__name__), exc, self.cache_failures, ref.url)
+        return self._download_once(public, None if touched else have, codec, ref.step, 0, peer_id, via_cache=False)
+
+    def _ref(self, response: requests.Response) -> ParamsRef:
+        try:
+            return ParamsRef.from_json(response.json())
+        except ValueError as exc:
+            if isinstance(exc, ProtocolError):
+                raise
+            raise ProtocolError("bad_json", "the relay's parameters ref is not JSON") from None
 
     # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
     def upload_slices(self, step: int, ticket: str, parts: list[SlicePart],

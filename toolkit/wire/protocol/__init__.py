@@ -18,6 +18,7 @@ only those above it:
              EvalRecord, EvalSample
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
+    params   ParamsRef: a version's immutable body at the run's HTTP cache, and its cache headers
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from toolkit.wire.protocol.slices import (
     PlanInfo,
     PlanInput,
     PlanSlice,
+    RelayLinkLoad,
     SliceDigest,
     SliceReport,
     SliceVersion,
@@ -73,6 +75,7 @@ from toolkit.wire.protocol.pipeline import (
     StageRequest,
     StageStatus,
 )
+from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
 from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
@@ -81,7 +84,7 @@ __all__ = [
     # run
     "ParamSpec", "ModelSpec", "RunInfo",
     # slices
-    "PlanSlice", "PlanInput", "AggregatorStatus", "PlanInfo", "SliceDigest", "TicketRequest", "Ticket",
+    "PlanSlice", "PlanInput", "AggregatorStatus", "PlanInfo", "RelayLinkLoad", "SliceDigest", "TicketRequest", "Ticket",
     "DoneRequest", "SliceVersion", "ParamsManifest", "AggregatorRegistration", "AggregatorWelcome",
     "TransferSample", "AggregatorHeartbeat", "FinalizeRequest", "SliceReport", "AssignRequest",
     "GradNormRequest", "GradNormReport",
@@ -99,4 +102,6 @@ __all__ = [
     # pipeline
     "TASK_KINDS", "StageRequest", "StageAssignment", "PipelineTask", "PipelineRoundCall", "PipelineWork",
     "PipelineResult", "PipelineAck", "PipelineTicketRequest", "PipelineDone", "StageStatus", "PipelineStatus",
+    # params
+    "PARAMS_REF_TYPE", "BLOB_CACHE_CONTROL", "FRESH_CACHE_CONTROL", "ParamsRef",
 ]

@@ -22,6 +22,9 @@ ROUTES = {
     "leave": "/api/peers/{peer_id}/leave",
     "gradient": "/api/rounds/{step}/gradient",
     "params": "/api/params",
+    # immutable, content-addressed parameter bodies any HTTP cache may serve (.params)
+    "params_blob": "/api/params/v/{step}/{sha256}/{kind}",
+    "params_egress": "/api/params/egress",
     "state": "/api/state",
     "login": "/api/auth/login",
     "refresh": "/api/auth/refresh",

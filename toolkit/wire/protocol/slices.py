@@ -67,6 +67,29 @@ class AggregatorStatus(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RelayLinkLoad(Schema):
+    """What crosses the relay's own link per step under a plan, in bytes (predicted from the
+    peers online, the codec, the run's cache and the copy intervals, not measured)."""
+
+    peers: int = field(metadata=_NONNEG)
+    out_per_step: float = field(metadata=_NONNEG)
+    in_per_step: float = field(metadata=_NONNEG)
+    parameters_out: float = field(metadata=_NONNEG)
+    """Peers downloading the relay's slice (the int8 delta on lossy runs); with ``[server]
+    public_params_url`` and no aggregators, one body to the cache plus a small ref per peer."""
+    gradients_in: float = field(metadata=_NONNEG)
+    """Peers uploading their gradient of the relay's slice."""
+    recovery_copy_in: float = field(metadata=_NONNEG)
+    """Remote slices pulled into the relay's recovery copy, averaged over steps: parameters every
+    ``aggregators.params_copy_every`` steps, the whole state every ``state_copy_every``."""
+    migration_bytes: float = field(metadata=_NONNEG)
+    """What one plan change moving slices costs the relay's link (once, not per step): the remote
+    owners' state in, the new remote owners' state out."""
+    cached: bool = False
+    """Whether peers fetch the parameters through the run's HTTP cache."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanInfo(Schema):
     """Who aggregates what (DESIGN.md s5); solved and published by the relay only."""
 
@@ -80,6 +103,8 @@ class PlanInfo(Schema):
     solved_at: float = 0.0
     """Unix time of the solve (0 for the relay-only plan)."""
     aggregators: list[AggregatorStatus] = field(default_factory=list)
+    relay_link: RelayLinkLoad | None = None
+    """The relay's link load per step under this plan (None from an older relay)."""
 
 
 @dataclass(frozen=True, kw_only=True)
