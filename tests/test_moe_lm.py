@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, wait_until
+from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, merged, wait_until, write_config
 from tests.dmoe_lm_trainer import BATCH, SEQ_LEN, lm_batches
 from tests.support.moe import MOE, directory, start_host, stop
 from tests.support.training import load_flat, relay_params
@@ -135,3 +135,23 @@ def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(serve_re
 def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
     files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
     return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"moe": {"k": 4}}, "the model's mixture differs from [moe]: model.kwargs.k = 2 (the [moe] section says 4)"),
+    ({"moe": {"expert": {"kind": "ffn", "d": 16, "hidden": 16}}},
+     "the model's mixture differs from [moe]: model.kwargs.hidden = 8 (the [moe] section says 16)"),
+    ({"moe": {"enabled": False}}, "model.factory DMoEByteLM needs [moe] enabled = true (its experts live on hosts)"),
+])
+def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(demo_tokenizer: Path, tmp_path: Path,
+                                                                   change: dict, message: str) -> None:
+    """``relay-server serve`` on a DMoEByteLM run whose [moe] describes other experts: one line
+    naming the setting, exit 2, nothing created."""
+    sections = merged(lm_run(0, demo_tokenizer))
+    sections["moe"] = {**sections["moe"], **change["moe"]}
+    config = write_config(tmp_path / "run.toml", sections)
+    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config), "--data-dir",
+                           str(tmp_path / "data"), "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"relay-server: configuration error: {message}"]
+    assert not (tmp_path / "data").exists()
