@@ -192,15 +192,14 @@ def dense_run(name: str, d_ff: int, batches: list, valid: list, args: argparse.N
 
 
 def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path) -> dict:
-    # How long the relay holds a call for its host (a dropped task fails there after this), and the
-    # trainer's waits: a forward ends 1 s after every token has an answer (a dropped call costs no
-    # more), a backward waits for all its calls up to two round trips and a second (a dropped one
-    # costs that: the mixture's backward has no k_min cut).
-    call_s, trip_s = 1.5, args.latency_ms / 1000
+    # How long the relay holds a call for its host (a dropped task fails there after this: two
+    # round trips through the proxy and 1.5 s of queueing and compute), and the trainer's waits: a
+    # forward ends 1 s after every token has an answer, a backward waits for all its calls (a
+    # dropped one costs the whole wait: the mixture's backward has no k_min cut).
+    call_s = 2 * args.latency_ms / 1000 + 1.5
     kwargs = {"vocab_size": args.vocab, "seq_len": args.seq_len, "hidden": args.d, "heads": args.heads,
               "layers": args.layers, "grid": args.grid, "k": args.k, "expert_hidden": args.expert_hidden,
-              "uid_prefix": "ffn", "expert_seed": 0, "timeout_s": call_s + 2 * trip_s + 1.0,
-              "backward_timeout_s": 2 * trip_s + 1.0, "timeout_after_k_min_s": 1.0}
+              "uid_prefix": "ffn", "expert_seed": 0, "timeout_s": call_s + 0.5, "timeout_after_k_min_s": 1.0}
     sections = run_sections("toolkit.models:DMoEByteLM", kwargs, args)
     sections["moe"] = {"enabled": True, "uid_prefix": "ffn", "seed": 0, "layers": args.layers, "grid": args.grid,
                        "k": args.k, "expert": {"kind": "ffn", "d": args.d, "hidden": args.expert_hidden},
@@ -218,8 +217,8 @@ def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path)
         seconds, result = train(relay.url, model, batches, args)
         steps, flat = final_params(relay.url, args.steps)
     finally:
+        stop_all(hosts)  # a clean stop uploads every expert's last checkpoint (through the proxy: stopped after)
         proxy.stop()
-        stop_all(hosts)  # a clean stop uploads every expert's last checkpoint
         relay.stop()
     stats = [layer.stats for layer in model.moe]
     calls = sum(s.calls + s.backward_calls for s in stats)
@@ -230,10 +229,11 @@ def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path)
     for uid in reference.expert_uids():
         expert = held[uid] = reference.make_expert(uid)
         files = sorted((folder / "dmoe" / "relay-data" / "experts" / uid).glob("*.safetensors"))
-        if files:  # an expert no host ever checkpointed never trained: its initial values
-            stored = payloads.decode(files[-1].read_bytes(), 1 << 26)[1]
-            expert.load_state_dict({name: torch.from_numpy(stored[f"p.{name}"].copy())
-                                    for name, _ in expert.named_parameters()})
+        if not files:  # its host could not hand it back: the validation would score its initial values
+            raise RuntimeError(f"expert {uid} has no checkpoint at the relay: its host did not stop cleanly")
+        stored = payloads.decode(files[-1].read_bytes(), 1 << 26)[1]
+        expert.load_state_dict({name: torch.from_numpy(stored[f"p.{name}"].copy())
+                                for name, _ in expert.named_parameters()})
     with LoopbackCaller(held) as caller:
         loss = validation_loss(reference.attach_caller(caller).eval(), valid)
     dense = sum(p.numel() for p in reference.parameters())
