@@ -3,13 +3,17 @@ be emulated, and a registered trainer whose calls may go through another address
 
     python benchmarks/moe_rig.py host --relay URL --capacity 8 --compute-ms 20   # one host process
     python benchmarks/moe_rig.py host --relay URL --capacity 8 --echo            # answers x (or g)
+    python benchmarks/moe_rig.py host --relay URL --capacity 8 --fail-rate 0.1   # drops 10% of its tasks
 
 The host is the real :class:`toolkit.moe.host.ExpertHost` (join, heartbeats, leases, task long
 polls, results, checkpoints) with its runtime swapped for :class:`EmulatedRuntime`, which sleeps
 ``compute_ms`` per task before the real expert runs (a stand-in for a GPU's time on a big expert
 that costs no CPU here: on a shared 2-core machine real compute would measure the CPU, not the
 system), or, with ``echo``, returns the call's ``x`` (forward) or ``g`` (backward) untouched: the
-broker's overhead alone. Everything between the trainer and the expert is the production path.
+broker's overhead alone. With ``fail_rate`` it drops that fraction of its tasks (seeded per host):
+the real host then sends no result, as one preempted mid-task would, and the relay times the call
+out (``[moe] forward_timeout_s`` / ``backward_timeout_s``), so the trainer sees a failed expert.
+Everything between the trainer and the expert is the production path.
 
 The relay runs as ``relay-server serve --port 0`` (:func:`start_relay`), on the run of
 ``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
@@ -22,11 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from toolkit.client import RelayClient  # noqa: E402
-from toolkit.moe.calls import LoopbackCaller  # noqa: E402
+from toolkit.moe.calls import ExpertFailed, LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
 from toolkit.wire.protocol import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest  # noqa: E402
 
@@ -169,13 +175,18 @@ class Member:
 
 
 class EmulatedRuntime(LoopbackCaller):
-    """A host's runtime that sleeps ``compute_ms`` per task, then computes (or echoes)."""
+    """A host's runtime that sleeps ``compute_ms`` per task, then computes (or echoes), dropping
+    ``fail_rate`` of its tasks (drawn from ``seed``)."""
 
-    def __init__(self, *args: Any, compute_ms: float = 0.0, echo: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compute_ms: float = 0.0, echo: bool = False, fail_rate: float = 0.0,
+                 seed: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.compute_s, self.echo = compute_ms / 1000, echo
+        self.fail_rate, self._draw = fail_rate, random.Random(seed)
 
     def _run(self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> torch.Tensor:
+        if self.fail_rate and self._draw.random() < self.fail_rate:
+            raise ExpertFailed("task_dropped", f"{kind} task for {uid} dropped (--fail-rate {self.fail_rate})")
         if self.compute_s:
             time.sleep(self.compute_s)
         if self.echo:
@@ -184,10 +195,10 @@ class EmulatedRuntime(LoopbackCaller):
 
 
 def start_hosts(relay_url: str, count: int, capacity: int, logs: Path, *, compute_ms: float = 0.0,
-                echo: bool = False, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+                echo: bool = False, env: dict[str, str] | None = None, fail_rate: float = 0.0) -> list[subprocess.Popen]:
     """``count`` host processes of this file, each leasing up to ``capacity`` experts (``env``:
-    extra variables, e.g. ``HF_TOKEN`` for a run with logins)."""
-    extra = ["--echo"] if echo else []
+    extra variables, e.g. ``HF_TOKEN`` for a run with logins), each dropping ``fail_rate`` of its tasks."""
+    extra = (["--echo"] if echo else []) + (["--fail-rate", str(fail_rate)] if fail_rate else [])
     return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "host", "--relay", relay_url,
                               "--capacity", str(capacity), "--compute-ms", str(compute_ms), "--name", f"host{i}",
                               *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT,
@@ -222,13 +233,14 @@ def _host_main(argv: list[str]) -> int:
     parser.add_argument("--capacity", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=0.0, help="sleep per task before computing")
     parser.add_argument("--echo", action="store_true", help="answer x (forward) or g (backward) as they came")
+    parser.add_argument("--fail-rate", type=float, default=0.0, help="drop this fraction of tasks (no result sent)")
     parser.add_argument("--name", default="bench-host")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     host = ExpertHost(args.relay, capacity=args.capacity, name=args.name, token=os.environ.get("HF_TOKEN") or None)
     runtime = host.runtime
     host.runtime = EmulatedRuntime({}, optimizer_factory=runtime.optimizer_factory, compute_ms=args.compute_ms,
-                                   echo=args.echo)
+                                   echo=args.echo, fail_rate=args.fail_rate, seed=zlib.crc32(args.name.encode()))
     runtime.close()
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     host.run()

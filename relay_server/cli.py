@@ -81,10 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave the relay and its dashboard up after the last step, until Ctrl-C")
     demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
                       help="codec for gradients and parameters on the wire (default none)")
-    demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny", "pipeline-tiny"), default="byte-lm",
+    demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny", "pipeline-tiny", "dmoe-lm-tiny"), default="byte-lm",
                       help="byte-lm: the byte-level demo model; albert-tiny: the sahajBERT recipe in miniature "
                       "(tokenizer trained on the shipped text, ALBERT masked-LM, LAMB); pipeline-tiny: the byte-level "
-                      "model cut into 2 stages, each peer running one (a staged pipeline)")
+                      "model cut into 2 stages, each peer running one (a staged pipeline); dmoe-lm-tiny: Learning@home's "
+                      "language model in miniature (mixture-of-experts feed-forward blocks, 2 expert host processes)")
     demo.add_argument("--verbose", "-v", action="store_true", help="log debug details")
 
     trial = sub.add_parser("trial", help="try a run's configuration on this machine: its model, objective and data "

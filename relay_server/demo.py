@@ -4,9 +4,12 @@ A relay (in this process, on 127.0.0.1, state in a temporary directory) and N pe
 (``python -m toolkit.peer``, one CPU thread each) train on the text the toolkit ships. Recipes:
 ``byte-lm`` (default: the byte-level transformer of ``defaults/demo.toml``), ``albert-tiny``
 (``defaults/albert-tiny.toml``: the sahajBERT recipe in miniature; its WordPiece tokenizer is
-trained on the shipped text first, as ``relay-server tokenizer train`` would) and ``pipeline-tiny``
+trained on the shipped text first, as ``relay-server tokenizer train`` would), ``pipeline-tiny``
 (``defaults/pipeline-tiny.toml``: the byte-level transformer cut into 2 stages, each peer running
-one; the staged pipeline of ``relay_server.pipeline``). One line per
+one; the staged pipeline of ``relay_server.pipeline``) and ``dmoe-lm-tiny``
+(``defaults/dmoe-lm-tiny.toml``: Learning@home's language model in miniature, a decoder whose
+feed-forward blocks are mixtures of experts; a BPE tokenizer is trained first, and two expert
+host processes, ``python -m toolkit.moe.host``, hold the experts before the peers start). One line per
 optimizer step; the last line is a JSON summary. Both print the loss references the relay
 computes (chance level; the demo text's unigram entropy), so a newcomer can tell learning from noise.
 
@@ -28,10 +31,13 @@ from pathlib import Path
 
 from importlib import resources
 
+import requests
+
 from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.api.server import serve
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
+from toolkit.wire.protocol import ROUTES
 
 
 class RelayThread:
@@ -72,7 +78,11 @@ class RelayThread:
         self._thread.join(timeout=30)
 
 
-RECIPES = ("byte-lm", "albert-tiny", "pipeline-tiny")
+RECIPES = ("byte-lm", "albert-tiny", "pipeline-tiny", "dmoe-lm-tiny")
+TOKENIZED = {"albert-tiny": "wordpiece", "dmoe-lm-tiny": "bpe"}
+"""Recipes whose tokenizer the demo trains on the shipped text first, and its model."""
+EXPERT_HOSTS = 2
+"""Expert host processes a demo of a run with [moe] starts, together holding every expert."""
 OVERSHOOT_POLICY = {
     "reported": ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
                  "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
@@ -90,19 +100,22 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
         run = {k: v for k, v in overrides.get("run", {}).items() if k != "target_batch"}
         with resources.as_file(resources.files("relay_server").joinpath("defaults/pipeline-tiny.toml")) as toml:
             return load_config(toml, overrides={**overrides, "run": run})
-    if recipe != "albert-tiny":
+    if recipe not in TOKENIZED:
         raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}")
-    missing = [name for name in ("tokenizers", "transformers") if importlib.util.find_spec(name) is None]
+    # albert-tiny's model is transformers'; dmoe-lm-tiny's is the toolkit's own, which needs only the tokenizer
+    needed = ("tokenizers", "transformers") if recipe == "albert-tiny" else ("tokenizers",)
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise ConfigError(f"--recipe albert-tiny needs {' and '.join(missing)}: "
+        raise ConfigError(f"--recipe {recipe} needs {' and '.join(missing)}: "
                           "pip install -e '.[hf]' (or pip install 'collabtrain[hf]')")
     from relay_server.data.tokenizer_train import train_for_run
 
-    path = resources.files("relay_server").joinpath("defaults/albert-tiny.toml")
+    path = resources.files("relay_server").joinpath(f"defaults/{recipe}.toml")
     with resources.as_file(path) as toml:
         config = load_config(toml, overrides=overrides, run_data=False)
         tokenizer = directory / "tokenizer.json"
-        train_for_run(config, str(tokenizer), vocab_size=int(config.model.config["vocab_size"]))
+        vocab = config.model.config["vocab_size"] if config.model.kind == "transformers" else config.model.kwargs["vocab_size"]
+        train_for_run(config, str(tokenizer), vocab_size=int(vocab), model=TOKENIZED[recipe])
         return load_config(toml, overrides={**overrides, "tokenizer": {"file": str(tokenizer)}})
 
 
@@ -172,6 +185,7 @@ class LocalRun:
         self.samples: dict[int, int] = {}
         self.times: dict[int, float] = {}
         self.references: dict[str, float] = {}
+        self.hosts: list[subprocess.Popen] = []
 
     def run(self, header: list[str], *, keep: bool, interrupt_ends: bool = False) -> int:
         """Start, follow until the run finishes (or ``stop_after`` steps, or Ctrl-C when
@@ -194,6 +208,8 @@ class LocalRun:
             self.references = {r.name: round(r.value, 4) for r in references}
             if references:
                 print("losses:    " + "; ".join(f"{r.label} = {r.value:.4f}" for r in references), flush=True)
+            if self.config.moe.enabled:  # the experts live on hosts: they hold them all before anyone trains
+                self.hosts = start_expert_hosts(url, self.config.moe, self.directory)
             extra = ["--max-steps", str(self.stop_after)] if self.stop_after else []
             if self.config.model.kind == "module":  # the organizer's own package, on the organizer's machine
                 extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
@@ -218,6 +234,7 @@ class LocalRun:
             code = 1
         finally:
             _stop_peers(procs, grace_s=0 if code or interrupt_ends else 20)
+            _stop_peers(self.hosts, grace_s=0)
             client.close()
             relay.stop()
         ordered = [self.losses[s] for s in sorted(self.losses)]
@@ -250,6 +267,30 @@ class LocalRun:
                 print("all peers exited early; the end of peer-0's log:", *tail, sep="\n  ", file=sys.stderr)
                 return 1
             time.sleep(0.25)
+
+
+def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -> list[subprocess.Popen]:
+    """:data:`EXPERT_HOSTS` expert host processes that together lease every expert of ``moe``
+    (the run's [moe] section), started and waited for until the relay's directory lists them all."""
+    experts = len(moe.uids())
+    capacity = -(-experts // EXPERT_HOSTS)
+    hosts = [subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", url, "--capacity", str(capacity),
+                               "--name", f"host-{i}"], stdout=subprocess.DEVNULL,
+                              stderr=open(directory / f"host-{i}.log", "w"))
+             for i in range(EXPERT_HOSTS)]
+    print(f"experts:   {experts} ({moe.layers} layers of {'x'.join(map(str, moe.grid))}, top {moe.k}) on "
+          f"{EXPERT_HOSTS} expert hosts (python -m toolkit.moe.host --capacity {capacity})", flush=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(requests.get(url + ROUTES["moe_directory"], timeout=10).json()["live"]) < experts:
+            if time.monotonic() > deadline or any(h.poll() is not None for h in hosts):
+                raise CollabError("experts_not_hosted", f"the expert hosts did not lease all {experts} experts",
+                                  f"Read {directory}/host-0.log.")
+            time.sleep(0.25)
+    except BaseException:
+        _stop_peers(hosts, grace_s=0)
+        raise
+    return hosts
 
 
 def _rate(samples: dict[int, int], times: dict[int, float]) -> float:

@@ -119,6 +119,20 @@ def test_albert_tiny_recipe_trains_a_tokenizer_and_a_masked_lm() -> None:
     assert summary["last_loss"] < summary["first_loss"]  # ln(2000) = 7.6 at init
 
 
+def test_dmoe_lm_tiny_recipe_trains_a_mixture_of_experts_language_model() -> None:
+    """``--recipe dmoe-lm-tiny``: a BPE tokenizer trained on the shipped text (no hub), two expert
+    host processes holding all 32 experts, peers (``toolkit.join``) training the DMoEByteLM on
+    the causal-LM objective; it learns."""
+    proc = start_demo("--recipe", "dmoe-lm-tiny", "--peers", "2", "--steps", "6", "--target-batch", "16",
+                      "--batch-size", "4")
+    losses, summary, out = finish(proc, timeout_s=400)
+    assert summary["steps"] == 6 and sorted(losses) == list(range(1, 7))
+    assert "experts:   32 (2 layers of 4x4, top 4) on 2 expert hosts" in out, out
+    assert re.search(r"^losses:    chance: ln 1000 \(tokens\) = 6.9078", out, re.M), out
+    assert all(math.isfinite(v) and v > 0 for v in losses.values())
+    assert summary["last_loss"] < summary["first_loss"]  # ln(1000) = 6.9 at init
+
+
 def test_the_sahajbert_recipe_is_albert_large_with_lamb() -> None:
     """The shipped recipe loads (its tokenizer is the organizer's first command) and builds
     ALBERT-large: ~18M parameters with shared layers and a 32k vocabulary."""

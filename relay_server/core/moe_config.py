@@ -106,8 +106,9 @@ class MoeSection:
         """A DMoE model's kwargs and this section describe one mixture: the same names, widths,
         grid and seed, or trainers would call experts the hosts do not have."""
         if model is None or not self.enabled:
-            return [(model is None or not str(getattr(model, "factory", "")).endswith(":DMoEMLP"),
-                     "model.factory DMoEMLP needs [moe] enabled = true (its experts live on hosts)")]
+            factory = str(getattr(model, "factory", ""))
+            return [(model is None or not factory.endswith((":DMoEMLP", ":DMoEByteLM")),
+                     f"model.factory {factory.rpartition(':')[2]} needs [moe] enabled = true (its experts live on hosts)")]
         kwargs, expected = model.kwargs, {"hidden": self.expert.get("d"), "expert_hidden": self.expert.get("hidden"),
                                           "layers": self.layers, "grid": list(self.grid), "k": self.k,
                                           "uid_prefix": self.uid_prefix, "expert_seed": self.seed}

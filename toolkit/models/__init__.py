@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from toolkit.errors import ModelMismatch
 from toolkit.models.byte_transformer import ByteTransformer, TransformerConfig
 from toolkit.models.dmoe import DMoEMLP
+from toolkit.models.dmoe_lm import DMoEByteLM
 from toolkit.models.hf import build_transformers, loss_of
 from toolkit.models.mlp import MLP
 from toolkit.models.vector import Vector
@@ -24,10 +25,10 @@ from toolkit.wire.protocol import ModelSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteTransformer", "DMoEMLP", "MLP", "TransformerConfig", "Vector", "build_model", "build_own_model", "check_trusted",
+__all__ = ["ByteTransformer", "DMoEByteLM", "DMoEMLP", "MLP", "TransformerConfig", "Vector", "build_model", "build_own_model", "check_trusted",
            "loss_of"]
 
-_FACTORIES = {"ByteTransformer": ByteTransformer, "DMoEMLP": DMoEMLP, "MLP": MLP, "Vector": Vector}
+_FACTORIES = {"ByteTransformer": ByteTransformer, "DMoEByteLM": DMoEByteLM, "DMoEMLP": DMoEMLP, "MLP": MLP, "Vector": Vector}
 
 
 def check_trusted(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> None:

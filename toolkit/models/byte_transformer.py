@@ -5,10 +5,17 @@ causal self-attention via ``scaled_dot_product_attention`` and, by default, tied
 embeddings. ``tie_embeddings = false`` gives the output its own head, registered last: a staged
 pipeline (:mod:`toolkit.pipeline`) needs it, since the first and last stages live on different
 machines and cannot share one matrix.
+
+It also speaks the causal-LM dialect of ``transformers`` (``model(input_ids=..., labels=...)``
+-> ``.loss``, ``.logits``), so a run may give it a trained tokenizer (``vocab_size`` its size)
+and ``[objective] name = "causal-lm"``: the objective's dict batches then train it through
+:func:`toolkit.models.loss_of`, and the relay's evaluation scores it, as any decoder of
+``transformers``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +37,27 @@ class TransformerConfig:
     """Share the token embedding with the output projection; False adds ``head`` after ``ln_f``."""
 
 
+@dataclass(frozen=True)
+class CausalLMOutput:
+    """What a ``transformers`` causal LM returns, as far as the toolkit reads it."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    """``x + attn(ln1(x))``, then ``x + ff(ln2(x))``; ``ff`` is the dense feed-forward
+    ``d_model -> d_ff -> d_model`` unless another module (a mixture of experts) is given."""
+
+    def __init__(self, cfg: TransformerConfig, ff: nn.Module | None = None) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.ff = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
+        self.ff = ff if ff is not None else nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(),
+                                                          nn.Linear(cfg.d_ff, cfg.d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -49,14 +68,18 @@ class Block(nn.Module):
 
 
 class ByteTransformer(nn.Module):
-    """``forward(tokens [b, t]) -> logits [b, t, 256]``; ``loss(batch [b, t+1])`` is next-byte CE."""
+    """``forward(tokens [b, t]) -> logits [b, t, vocab]``; ``loss(batch [b, t+1])`` is next-token
+    CE; ``forward(input_ids=..., labels=...)`` is the ``transformers`` dialect (module docstring).
 
-    def __init__(self, **kwargs: int | bool) -> None:
+    ``feed_forward(layer) -> module`` replaces block ``layer``'s dense feed-forward (a subclass's
+    hook: :class:`~toolkit.models.dmoe_lm.DMoEByteLM` puts mixtures of experts there)."""
+
+    def __init__(self, *, feed_forward: Callable[[int], nn.Module] | None = None, **kwargs: int | bool) -> None:
         super().__init__()
         self.cfg = cfg = TransformerConfig(**kwargs)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, feed_forward(i) if feed_forward else None) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         # Registered after ln_f, so that the flat parameter vector stays in layer order.
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -70,11 +93,32 @@ class ByteTransformer(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | None = None, *, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor | CausalLMOutput:
+        """``tokens -> logits``, or, called as ``transformers`` calls a causal LM, its output:
+        ``loss`` (with ``labels``: the mean CE of each next token whose label is not -100, the
+        labels shifted here as in ``transformers``) and ``logits``. ``attention_mask`` is
+        accepted and not needed: the causal-lm objective pads only a block's end, which no
+        earlier position attends to, and its labels there are -100."""
+        if input_ids is None:
+            if tokens is None:
+                raise TypeError("forward() needs tokens or input_ids")
+            return self.logits(self.hidden_states(tokens))
+        logits = self.logits(self.hidden_states(input_ids))
+        loss = None if labels is None else F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                           labels[:, 1:].reshape(-1), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The last block's output, [b, t, d_model]."""
+        if tokens.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"{tokens.shape[1]} tokens per row, the model embeds {self.cfg.seq_len} positions: "
+                             "feed rows of at most seq_len tokens (the run's objective.seq_len <= model seq_len)")
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.logits(x)
+        return x
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The first block's input: token plus position embeddings, [b, t, d_model]."""
