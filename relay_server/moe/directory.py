@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from toolkit.wire.protocol import MoeDirectory
+
 
 class ExpertDirectory:
     def __init__(self, uids: list[str]) -> None:
@@ -70,8 +72,8 @@ class ExpertDirectory:
         """Release every host not in ``live_hosts``; returns {departed host: its orphaned uids}."""
         return {host: self.release(host) for host in [h for h in self._hosted if h not in live_hosts]}
 
-    def snapshot(self) -> dict:
-        return {"version": self.version, "live": self.live(), "total": len(self.uids)}
+    def snapshot(self) -> MoeDirectory:
+        return MoeDirectory(version=self.version, live=self.live(), total=len(self.uids))
 
 
 def _spread(uids: list[str]) -> list[str]:
