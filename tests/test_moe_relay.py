@@ -344,3 +344,66 @@ def test_the_mixture_agreement_check_compares_effective_values() -> None:
     assert not holds and "model.kwargs.k = 3" in line
     [(holds, line)] = MoeSection(**{**MOE, "enabled": False})._model_checks(lm)
     assert not holds and "DMoEByteLM needs [moe] enabled = true" in line
+
+
+def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_answer(serve_relay,
+                                                                                       tmp_path: Path) -> None:
+    """Calls queued for one expert while its host is paused (SIGSTOP) reach it in one lease: 8
+    forwards from 4 callers run as ONE forward, then 6 backwards as ONE backward and ONE SGD step
+    on the summed gradient. Each call's answer equals that call computed alone at the parameters
+    the batch ran at, and the expert's next checkpoint is one step on the sum of the per-call
+    parameter gradients (to 1e-5)."""
+    from relay_server.api.experts import EXPERTS
+
+    uid = "ffn0.1.0"
+    relay = serve_relay({**overrides(0), "rounds": {"peer_ttl_s": 120.0}})  # paused hosts stay registered
+    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
+    members = [Member(relay.url, f"trainer{i}") for i in range(4)]
+    callers = [RelayExpertCaller(m.client, m.peer_id) for m in members]
+    broker = relay.app[EXPERTS].broker
+
+    def queued_while_paused(send) -> list:
+        """Pause the host, wait until its long poll ended, queue the calls, then let it go."""
+        host.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: relay.call(lambda: broker._waiters.waiting(uid)) == 0, 30, "the host's poll to end")
+            futures = send()
+            rows = sum(int(f[1].shape[0]) for f in futures)
+            wait_until(lambda: relay.call(lambda: broker.queued_rows(uid)) == rows, 30, "every call queued")
+        finally:
+            host.send_signal(signal.SIGCONT)
+        return futures
+
+    try:
+        wait_until(lambda: len(callers[0].live()) == 8, 60, "the host's experts")
+        gen = torch.Generator().manual_seed(3)
+        expert = DMoEMLP(**KWARGS).make_expert(uid)
+        forwards = queued_while_paused(lambda: [
+            (callers[i % 4].forward(uid, x), x) for i, x in enumerate(torch.randn(i + 1, 8, generator=gen)
+                                                                         for i in range(8))])
+        for future, x in forwards:
+            torch.testing.assert_close(future.result(timeout=60), expert(x).detach(), rtol=1e-5, atol=1e-6)
+
+        calls = [(torch.randn(i + 2, 8, generator=gen), torch.randn(i + 2, 8, generator=gen)) for i in range(6)]
+        backwards = queued_while_paused(lambda: [(callers[i % 4].backward(uid, x, g), x, g)
+                                                 for i, (x, g) in enumerate(calls)])
+        summed = {name: torch.zeros_like(p) for name, p in expert.named_parameters()}
+        for future, x, g in backwards:  # each call alone at the parameters the batch ran at
+            expert.zero_grad()
+            x_alone = x.clone().requires_grad_(True)
+            expert(x_alone).backward(g)
+            torch.testing.assert_close(future.result(timeout=60), x_alone.grad, rtol=1e-5, atol=1e-6)
+            for name, p in expert.named_parameters():
+                summed[name] += p.grad
+    finally:
+        for caller, member in zip(callers, members):
+            caller.close()
+            member.close()
+        stop([host])  # its final checkpoint
+    stored = latest_checkpoint(relay.data_dir, uid)
+    for name, p in expert.named_parameters():  # one SGD step on the summed gradient
+        np.testing.assert_allclose(stored[f"p.{name}"], (p - LR * summed[name]).detach().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    log = (tmp_path / "host.log").read_text()
+    assert f"ran 8 forward calls of {uid} (36 rows) as one batch" in log, log[-3000:]
+    assert f"ran 6 backward calls of {uid} (27 rows) as one batch" in log, log[-3000:]

@@ -187,6 +187,7 @@ class ExpertHost:
             log.warning("%d %s calls for %s: %s", len(group), head.kind, head.uid, exc.message)
             return
         self.batches_done += 1
+        log.info("ran %d %s calls of %s (%d rows) as one batch", len(group), head.kind, head.uid, x.shape[0])
         rows = out.float().cpu().numpy()
         offset = 0
         for task, _ in group:
