@@ -407,3 +407,110 @@ def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_
     log = (tmp_path / "host.log").read_text()
     assert f"ran 8 forward calls of {uid} (36 rows) as one batch" in log, log[-3000:]
     assert f"ran 6 backward calls of {uid} (27 rows) as one batch" in log, log[-3000:]
+
+
+def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restart(serve_relay,
+                                                                                  tmp_path: Path) -> None:
+    """The host reaches the relay through a proxy that cuts it off until the relay has expired it
+    and a second TTL has passed: its experts are orphaned and their calls fail meanwhile. When the
+    link is back the same host process (never restarted, never exiting) is re-admitted under its
+    peer id, leases its experts again, keeps the copies it holds (no host trained them since)
+    and answers calls exactly."""
+    from tests.support.blip import BlipProxy
+
+    relay = serve_relay(overrides(0))
+    ttl = relay.config.rounds.peer_ttl_s
+    proxy = BlipProxy(relay.port)
+    host = start_host(proxy.url, "host", 8, tmp_path / "host.log")
+    trainer = Member(relay.url, "trainer")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id, refresh_s=0.0)
+    expert = DMoEMLP(**KWARGS).make_expert("ffn1.1.0")
+    x = torch.randn(5, 8)
+    try:
+        wait_until(lambda: len(caller.live()) == 8, 60, "the host's experts")
+        torch.testing.assert_close(caller.forward("ffn1.1.0", x).result(timeout=30), expert(x).detach())
+        proxy.drop()
+        wait_until(lambda: caller.live() == frozenset(), 30, "the relay to expire the cut-off host")
+        with pytest.raises(ExpertFailed):
+            caller.forward("ffn1.1.0", x).result(timeout=30)  # its expert has no host now
+        wait_until(lambda: "host" not in {p["name"] for p in relay.status()["peers"]}, 30, "the host to leave")
+        threading.Event().wait(ttl)  # cut off for a second TTL (not an assertion: the blip's length)
+        assert host.poll() is None, "the host exited during the blip"
+        proxy.restore()
+        wait_until(lambda: len(caller.live()) == 8, 60, "the same host to lease its experts again")
+        torch.testing.assert_close(caller.forward("ffn1.1.0", x).result(timeout=30), expert(x).detach())
+        assert host.poll() is None
+        assert [p["name"] for p in relay.status()["peers"]].count("host") == 1
+    finally:
+        caller.close()
+        trainer.close()
+        proxy.restore()
+        stop([host])
+        proxy.close()
+    log = (tmp_path / "host.log").read_text()
+    assert "the relay holds no lease of this host" in log, log[-3000:]
+    assert "ffn1.1.0 leased again; kept this host's copy" in log, log[-3000:]
+
+
+def test_a_host_outlives_a_relay_restart_and_serves_again(start_relay, tmp_path: Path) -> None:
+    """The relay is SIGKILLed and started again on its port and data dir: the host process waits
+    (unreachable), is re-admitted under its peer id (the relay's store knows it), leases again
+    (a restarted relay holds no lease) and answers calls exactly, without a restart of its own."""
+    relay = start_relay(overrides(0))
+    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
+    expert = DMoEMLP(**KWARGS).make_expert("ffn0.0.1")
+    x = torch.randn(3, 8)
+
+    def forward_once() -> torch.Tensor:
+        trainer = Member(relay.url, "trainer")
+        caller = RelayExpertCaller(trainer.client, trainer.peer_id)
+        try:
+            return caller.forward("ffn0.0.1", x).result(timeout=30)
+        finally:
+            caller.close()
+            trainer.close()
+
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host's experts")
+        torch.testing.assert_close(forward_once(), expert(x).detach())
+        relay.kill()
+        relay.start()
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to lease again after the restart")
+        torch.testing.assert_close(forward_once(), expert(x).detach())
+        assert host.poll() is None, "the host exited"
+    finally:
+        stop([host])
+    log = (tmp_path / "host.log").read_text()
+    # which it meets first (a refused connection, or the restarted relay's empty lease table) is a race
+    assert "waiting for the relay" in log or "the relay holds no lease of this host" in log, log[-3000:]
+    assert "ffn0.0.1 leased again" in log, log[-3000:]
+
+
+def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_relay) -> None:
+    """describe() (the panel's "you host" line) names what the host waits for while the relay
+    is out of reach, and drops it once the host serves again."""
+    from tests.support.blip import BlipProxy
+    from toolkit.moe.host import ExpertHost
+
+    relay = serve_relay(overrides(0))
+    proxy = BlipProxy(relay.port)
+    host = ExpertHost(proxy.url, capacity=2, name="panel-host", device="cpu")
+    lines: list[str] = []
+    worker = threading.Thread(target=host.run, kwargs={"on_progress": lambda h: lines.append(h.describe())})
+    worker.start()
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 2, 60, "the host's 2 experts")
+        proxy.drop()
+        wait_until(lambda: any("waiting for the relay (unreachable" in line for line in lines), 60,
+                   "the panel to say the host waits for the relay")
+        seen = len(lines)
+        proxy.restore()
+        wait_until(lambda: any("waiting" not in line and "retrying" not in line and "leasing" not in line
+                               for line in lines[seen:]), 60, "the panel to show the host serving again")
+        assert worker.is_alive()
+    finally:
+        proxy.restore()
+        host.stop()
+        worker.join(60)
+        proxy.close()
+    assert lines[-1].startswith("2 experts ("), lines[-1]

@@ -135,10 +135,8 @@ class ExpertHost:
         """An expert leased again after a lapse: keep what this host holds unless the relay's
         checkpoint is ahead of it (another host trained it in between)."""
         body = self.client.moe_get_checkpoint(self.peer_id, uid)
-        if body is None:
-            return
         module, optimizer = self.runtime.experts[uid], self.runtime.optimizers.get(uid)
-        ahead, _ = payloads.read_checkpoint(body, self.shapes)
+        ahead = -1 if body is None else payloads.read_checkpoint(body, self.shapes)[0]
         if ahead > self.updates.get(uid, 0):
             self.updates[uid] = restore(module, optimizer, body, self.shapes)
             log.info("expert %s leased again; its checkpoint is ahead (%d updates): restored", uid, ahead)
@@ -258,7 +256,7 @@ class ExpertHost:
         cure (the relay lost this host's leases, or its peer id)."""
         code = getattr(exc, "code", "")
         if code == "no_lease":
-            self.waiting = "leasing experts again (the relay had ended this host's leases)"
+            self.waiting, self.leased = "leasing experts again (the relay had ended this host's leases)", frozenset()
             log.warning("the relay holds no lease of this host (away past the peer TTL, or a relay restart); "
                         "leasing again")
             return True
@@ -271,8 +269,8 @@ class ExpertHost:
                 self.waiting = f"waiting for the relay to take this host back: {again.message}"
                 return False
             return True
-        if isinstance(exc, RelayUnreachable):
-            self.waiting = f"waiting for the relay (unreachable: {exc.message})"
+        if isinstance(exc, RelayUnreachable):  # its leases may have lapsed meanwhile: check each expert
+            self.waiting, self.leased = f"waiting for the relay (unreachable: {exc.message})", frozenset()
         elif isinstance(exc, RelayRejected):
             self.waiting = f"retrying: the relay refused [{code}] {exc.message}"
         else:
