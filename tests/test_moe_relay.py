@@ -7,7 +7,10 @@ brokered by the relay (hosts cannot be reached), checked against the in-process 
 * failover: a host SIGKILLed mid-run: the trainer never raises, only the dead host's experts fail,
   a spare host takes them over from their checkpoints, the run reaches its last step;
 * hostile hosts: NaN, wrong shapes, oversized results, results for tasks a host does not hold,
-  checkpoints for experts it does not lease: refused with a 4xx, the caller sees a failed expert.
+  checkpoints for experts it does not lease: refused with a 4xx, the caller sees a failed expert;
+* the [moe]/[model] agreement check, on the model's effective values.
+
+How hosts batch and recover: tests/test_moe_hosts.py.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from tests.conftest import REPO, wait_until
 from tests.moe_trainer import batches
-from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, overrides, start_host, stop
+from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, overrides, start_host, stop
 from tests.support.training import load_flat, relay_params
 from toolkit.models import DMoEMLP
 from toolkit.moe import payloads
@@ -34,11 +37,6 @@ from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import checkpoint_of, expert_shapes, make_optimizer, restore
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.wire.protocol import ROUTES
-
-
-def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
-    files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
-    return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
 
 
 def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
@@ -345,172 +343,3 @@ def test_the_mixture_agreement_check_compares_effective_values() -> None:
     [(holds, line)] = MoeSection(**{**MOE, "enabled": False})._model_checks(lm)
     assert not holds and "DMoEByteLM needs [moe] enabled = true" in line
 
-
-def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_answer(serve_relay,
-                                                                                       tmp_path: Path) -> None:
-    """Calls queued for one expert while its host is paused (SIGSTOP) reach it in one lease: 8
-    forwards from 4 callers run as ONE forward, then 6 backwards as ONE backward and ONE SGD step
-    on the summed gradient. Each call's answer equals that call computed alone at the parameters
-    the batch ran at, and the expert's next checkpoint is one step on the sum of the per-call
-    parameter gradients (to 1e-5)."""
-    from relay_server.api.experts import EXPERTS
-
-    uid = "ffn0.1.0"
-    relay = serve_relay({**overrides(0), "rounds": {"peer_ttl_s": 120.0}})  # paused hosts stay registered
-    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
-    members = [Member(relay.url, f"trainer{i}") for i in range(4)]
-    callers = [RelayExpertCaller(m.client, m.peer_id) for m in members]
-    broker = relay.app[EXPERTS].broker
-
-    def queued_while_paused(send) -> list:
-        """Pause the host, wait until its long poll ended, queue the calls, then let it go."""
-        host.send_signal(signal.SIGSTOP)
-        try:
-            wait_until(lambda: relay.call(lambda: broker._waiters.waiting(uid)) == 0, 30, "the host's poll to end")
-            futures = send()
-            rows = sum(int(f[1].shape[0]) for f in futures)
-            wait_until(lambda: relay.call(lambda: broker.queued_rows(uid)) == rows, 30, "every call queued")
-        finally:
-            host.send_signal(signal.SIGCONT)
-        return futures
-
-    try:
-        wait_until(lambda: len(callers[0].live()) == 8, 60, "the host's experts")
-        gen = torch.Generator().manual_seed(3)
-        expert = DMoEMLP(**KWARGS).make_expert(uid)
-        forwards = queued_while_paused(lambda: [
-            (callers[i % 4].forward(uid, x), x) for i, x in enumerate(torch.randn(i + 1, 8, generator=gen)
-                                                                         for i in range(8))])
-        for future, x in forwards:
-            torch.testing.assert_close(future.result(timeout=60), expert(x).detach(), rtol=1e-5, atol=1e-6)
-
-        calls = [(torch.randn(i + 2, 8, generator=gen), torch.randn(i + 2, 8, generator=gen)) for i in range(6)]
-        backwards = queued_while_paused(lambda: [(callers[i % 4].backward(uid, x, g), x, g)
-                                                 for i, (x, g) in enumerate(calls)])
-        summed = {name: torch.zeros_like(p) for name, p in expert.named_parameters()}
-        for future, x, g in backwards:  # each call alone at the parameters the batch ran at
-            expert.zero_grad()
-            x_alone = x.clone().requires_grad_(True)
-            expert(x_alone).backward(g)
-            torch.testing.assert_close(future.result(timeout=60), x_alone.grad, rtol=1e-5, atol=1e-6)
-            for name, p in expert.named_parameters():
-                summed[name] += p.grad
-    finally:
-        for caller, member in zip(callers, members):
-            caller.close()
-            member.close()
-        stop([host])  # its final checkpoint
-    stored = latest_checkpoint(relay.data_dir, uid)
-    for name, p in expert.named_parameters():  # one SGD step on the summed gradient
-        np.testing.assert_allclose(stored[f"p.{name}"], (p - LR * summed[name]).detach().numpy(),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
-    log = (tmp_path / "host.log").read_text()
-    assert f"ran 8 forward calls of {uid} (36 rows) as one batch" in log, log[-3000:]
-    assert f"ran 6 backward calls of {uid} (27 rows) as one batch" in log, log[-3000:]
-
-
-def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restart(serve_relay,
-                                                                                  tmp_path: Path) -> None:
-    """The host reaches the relay through a proxy that cuts it off until the relay has expired it
-    and a second TTL has passed: its experts are orphaned and their calls fail meanwhile. When the
-    link is back the same host process (never restarted, never exiting) is re-admitted under its
-    peer id, leases its experts again, keeps the copies it holds (no host trained them since)
-    and answers calls exactly."""
-    from tests.support.blip import BlipProxy
-
-    relay = serve_relay(overrides(0))
-    ttl = relay.config.rounds.peer_ttl_s
-    proxy = BlipProxy(relay.port)
-    host = start_host(proxy.url, "host", 8, tmp_path / "host.log")
-    trainer = Member(relay.url, "trainer")
-    caller = RelayExpertCaller(trainer.client, trainer.peer_id, refresh_s=0.0)
-    expert = DMoEMLP(**KWARGS).make_expert("ffn1.1.0")
-    x = torch.randn(5, 8)
-    try:
-        wait_until(lambda: len(caller.live()) == 8, 60, "the host's experts")
-        torch.testing.assert_close(caller.forward("ffn1.1.0", x).result(timeout=30), expert(x).detach())
-        proxy.drop()
-        wait_until(lambda: caller.live() == frozenset(), 30, "the relay to expire the cut-off host")
-        with pytest.raises(ExpertFailed):
-            caller.forward("ffn1.1.0", x).result(timeout=30)  # its expert has no host now
-        wait_until(lambda: "host" not in {p["name"] for p in relay.status()["peers"]}, 30, "the host to leave")
-        threading.Event().wait(ttl)  # cut off for a second TTL (not an assertion: the blip's length)
-        assert host.poll() is None, "the host exited during the blip"
-        proxy.restore()
-        wait_until(lambda: len(caller.live()) == 8, 60, "the same host to lease its experts again")
-        torch.testing.assert_close(caller.forward("ffn1.1.0", x).result(timeout=30), expert(x).detach())
-        assert host.poll() is None
-        assert [p["name"] for p in relay.status()["peers"]].count("host") == 1
-    finally:
-        caller.close()
-        trainer.close()
-        proxy.restore()
-        stop([host])
-        proxy.close()
-    log = (tmp_path / "host.log").read_text()
-    assert "the relay holds no lease of this host" in log, log[-3000:]
-    assert "ffn1.1.0 leased again; kept this host's copy" in log, log[-3000:]
-
-
-def test_a_host_outlives_a_relay_restart_and_serves_again(start_relay, tmp_path: Path) -> None:
-    """The relay is SIGKILLed and started again on its port and data dir: the host process waits
-    (unreachable), is re-admitted under its peer id (the relay's store knows it), leases again
-    (a restarted relay holds no lease) and answers calls exactly, without a restart of its own."""
-    relay = start_relay(overrides(0))
-    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
-    expert = DMoEMLP(**KWARGS).make_expert("ffn0.0.1")
-    x = torch.randn(3, 8)
-
-    def forward_once() -> torch.Tensor:
-        trainer = Member(relay.url, "trainer")
-        caller = RelayExpertCaller(trainer.client, trainer.peer_id)
-        try:
-            return caller.forward("ffn0.0.1", x).result(timeout=30)
-        finally:
-            caller.close()
-            trainer.close()
-
-    try:
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host's experts")
-        torch.testing.assert_close(forward_once(), expert(x).detach())
-        relay.kill()
-        relay.start()
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to lease again after the restart")
-        torch.testing.assert_close(forward_once(), expert(x).detach())
-        assert host.poll() is None, "the host exited"
-    finally:
-        stop([host])
-    log = (tmp_path / "host.log").read_text()
-    # which it meets first (a refused connection, or the restarted relay's empty lease table) is a race
-    assert "waiting for the relay" in log or "the relay holds no lease of this host" in log, log[-3000:]
-    assert "ffn0.0.1 leased again" in log, log[-3000:]
-
-
-def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_relay) -> None:
-    """describe() (the panel's "you host" line) names what the host waits for while the relay
-    is out of reach, and drops it once the host serves again."""
-    from tests.support.blip import BlipProxy
-    from toolkit.moe.host import ExpertHost
-
-    relay = serve_relay(overrides(0))
-    proxy = BlipProxy(relay.port)
-    host = ExpertHost(proxy.url, capacity=2, name="panel-host", device="cpu")
-    lines: list[str] = []
-    worker = threading.Thread(target=host.run, kwargs={"on_progress": lambda h: lines.append(h.describe())})
-    worker.start()
-    try:
-        wait_until(lambda: len(directory(relay.url)["live"]) == 2, 60, "the host's 2 experts")
-        proxy.drop()
-        wait_until(lambda: any("waiting for the relay (unreachable" in line for line in lines), 60,
-                   "the panel to say the host waits for the relay")
-        seen = len(lines)
-        proxy.restore()
-        wait_until(lambda: any("waiting" not in line and "retrying" not in line and "leasing" not in line
-                               for line in lines[seen:]), 60, "the panel to show the host serving again")
-        assert worker.is_alive()
-    finally:
-        proxy.restore()
-        host.stop()
-        worker.join(60)
-        proxy.close()
-    assert lines[-1].startswith("2 experts ("), lines[-1]
