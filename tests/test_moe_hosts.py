@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,8 +137,10 @@ def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restar
 def test_a_host_outlives_a_relay_restart_and_serves_again(start_relay, tmp_path: Path) -> None:
     """The relay is SIGKILLed and started again on its port and data dir: the host process waits
     (unreachable), is re-admitted under its peer id (the relay's store knows it), leases again
-    (a restarted relay holds no lease) and answers calls exactly, without a restart of its own."""
-    relay = start_relay(overrides(0))
+    (a restarted relay holds no lease) and answers calls exactly, without a restart of its own.
+    Then again with the data dir gone: the relay does not know the peer id (404 unknown_peer), and
+    the host joins again."""
+    relay = start_relay({**overrides(0), "rounds": {"peer_ttl_s": 15.0}})  # what expires is the relay, not the host
     host = start_host(relay.url, "host", 8, tmp_path / "host.log")
     expert = DMoEMLP(**KWARGS).make_expert("ffn0.0.1")
     x = torch.randn(3, 8)
@@ -159,9 +162,17 @@ def test_a_host_outlives_a_relay_restart_and_serves_again(start_relay, tmp_path:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to lease again after the restart")
         torch.testing.assert_close(forward_once(), expert(x).detach())
         assert host.poll() is None, "the host exited"
+
+        relay.kill()  # a relay that lost its data dir: it never knew this host's peer id
+        shutil.rmtree(relay.data_dir)
+        relay.start()
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to join and lease again")
+        torch.testing.assert_close(forward_once(), expert(x).detach())
+        assert host.poll() is None, "the host exited"
     finally:
         stop([host])
     log = (tmp_path / "host.log").read_text()
+    assert "the relay no longer knows this host; joining again" in log, log[-3000:]
     # which it meets first (a refused connection, or the restarted relay's empty lease table) is a race
     assert "waiting for the relay" in log or "the relay holds no lease of this host" in log, log[-3000:]
     assert "ffn0.0.1 leased again" in log, log[-3000:]
