@@ -134,48 +134,60 @@ def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restar
     assert "ffn1.1.0 leased again; kept this host's copy" in log, log[-3000:]
 
 
-def test_a_host_outlives_a_relay_restart_and_serves_again(start_relay, tmp_path: Path) -> None:
-    """The relay is SIGKILLed and started again on its port and data dir: the host process waits
-    (unreachable), is re-admitted under its peer id (the relay's store knows it), leases again
-    (a restarted relay holds no lease) and answers calls exactly, without a restart of its own.
-    Then again with the data dir gone: the relay does not know the peer id (404 unknown_peer), and
-    the host joins again."""
-    relay = start_relay({**overrides(0), "rounds": {"peer_ttl_s": 15.0}})  # what expires is the relay, not the host
-    host = start_host(relay.url, "host", 8, tmp_path / "host.log")
-    expert = DMoEMLP(**KWARGS).make_expert("ffn0.0.1")
+def test_hosts_outlive_a_relay_restart_each_taking_back_its_own_experts(start_relay, tmp_path: Path) -> None:
+    """The relay is SIGKILLed and started again on its port and data dir while host0 is paused:
+    host1, back first, leases again and takes back its own 4 experts (not host0's, the first in
+    the relay's order), then host0 its own; each keeps its copies, nothing is dropped, calls are
+    answered exactly, no host restarts. Then again with the data dir gone: the relay does not
+    know the peer ids (404 unknown_peer) and the hosts join again."""
+    relay = start_relay({**overrides(0), "rounds": {"peer_ttl_s": 15.0}})  # what expires is the relay, not a host
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+    hosts = [start_host(relay.url, "host0", 4, logs[0])]
+    wait_until(lambda: len(directory(relay.url)["live"]) == 4, 60, "host0's experts")
+    hosts.append(start_host(relay.url, "host1", 4, logs[1]))
+    wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "host1's experts")
     x = torch.randn(3, 8)
 
-    def forward_once() -> torch.Tensor:
+    def hosting(log: Path) -> list[set[str]]:
+        return [set(line.split(": ")[-1].split()) for line in log.read_text().splitlines() if "hosting 4 experts" in line]
+
+    def answers_exactly() -> None:
         trainer = Member(relay.url, "trainer")
         caller = RelayExpertCaller(trainer.client, trainer.peer_id)
         try:
-            return caller.forward("ffn0.0.1", x).result(timeout=30)
+            for uid in (min(hosting(logs[0])[0]), min(hosting(logs[1])[0])):
+                expert = DMoEMLP(**KWARGS).make_expert(uid)
+                torch.testing.assert_close(caller.forward(uid, x).result(timeout=30), expert(x).detach())
         finally:
             caller.close()
             trainer.close()
 
     try:
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host's experts")
-        torch.testing.assert_close(forward_once(), expert(x).detach())
+        wait_until(lambda: all(hosting(log) for log in logs), 30, "both hosts to log their experts")
+        answers_exactly()
+        first = [hosting(log)[0] for log in logs]
+        hosts[0].send_signal(signal.SIGSTOP)
         relay.kill()
         relay.start()
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to lease again after the restart")
-        torch.testing.assert_close(forward_once(), expert(x).detach())
-        assert host.poll() is None, "the host exited"
+        wait_until(lambda: len(directory(relay.url)["live"]) == 4, 60, "host1 to lease again")
+        hosts[0].send_signal(signal.SIGCONT)
+        wait_until(lambda: all(len(hosting(log)) == 2 for log in logs), 60, "host0 to lease again")
+        assert [hosting(log)[-1] for log in logs] == first  # each took back its own experts
+        answers_exactly()
 
-        relay.kill()  # a relay that lost its data dir: it never knew this host's peer id
+        relay.kill()  # a relay that lost its data dir: it never knew these peer ids
         shutil.rmtree(relay.data_dir)
         relay.start()
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the host to join and lease again")
-        torch.testing.assert_close(forward_once(), expert(x).detach())
-        assert host.poll() is None, "the host exited"
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the hosts to join and lease again")
+        answers_exactly()
+        assert all(host.poll() is None for host in hosts), "a host exited"
     finally:
-        stop([host])
-    log = (tmp_path / "host.log").read_text()
-    assert "the relay no longer knows this host; joining again" in log, log[-3000:]
-    # which it meets first (a refused connection, or the restarted relay's empty lease table) is a race
-    assert "waiting for the relay" in log or "the relay holds no lease of this host" in log, log[-3000:]
-    assert "ffn0.0.1 leased again" in log, log[-3000:]
+        hosts[0].send_signal(signal.SIGCONT)
+        stop(hosts)
+    for log in logs:
+        text = log.read_text()
+        assert "no longer leased here" not in text and "leased again; kept this host's copy" in text, text[-3000:]
+        assert "the relay no longer knows this host; joining again" in text, text[-3000:]
 
 
 def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_relay) -> None:

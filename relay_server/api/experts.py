@@ -7,7 +7,8 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit
 * ``PUT  /api/moe/peers/{peer_id}/calls/{uid}?kind=&call_id=``   a trainer's call; answered (long
   poll) with the expert's result, or 410 ``expert_gone`` / 429 ``queue_busy`` / 504 ``task_timeout``
   / 502 ``bad_result``: each a failed expert for the trainer, never garbage
-* ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now
+* ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now (body, optional:
+  a :class:`~toolkit.wire.protocol.LeaseRequest` naming the copies it holds, taken back first)
 * ``GET  /api/moe/hosts/{peer_id}/tasks?max_rows=&wait=``        a batch of tasks (204: none yet)
 * ``PUT  /api/moe/hosts/{peer_id}/tasks/{task_id}``   a task's result, validated before the caller
   sees it (a bad one fails the call and is refused 422)
@@ -32,12 +33,12 @@ from aiohttp import web
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.core.errors import ApiError
-from relay_server.core.http import int_query, json_ok, upload_length
+from relay_server.core.http import int_query, json_ok, read_message, upload_length
 from relay_server.moe.state import Experts, expire_hosts
 from relay_server.tasks.broker import DONE
 from toolkit.errors import ProtocolError
 from toolkit.moe import payloads
-from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, ResultAck, TaskHead
+from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, ResultAck, TaskHead
 from toolkit.wire.tensor_container import MAX_HEADER
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ async def post_lease(request: web.Request) -> web.Response:
     capacity = int_query(request, "capacity")
     if not 0 <= capacity <= 4096:
         raise ApiError(400, "bad_query", "capacity must be 0..4096")
-    uids = experts.directory.lease(host, capacity)
+    held = (await read_message(request, LeaseRequest)).held if request.can_read_body else []
+    uids = experts.directory.lease(host, capacity, prefer=held)
     return json_ok(ExpertLease(uids=uids, spec=experts.config.spec()))
 
 

@@ -40,11 +40,13 @@ class ExpertDirectory:
     def hosts(self) -> dict[str, int]:
         return {host: len(uids) for host, uids in self._hosted.items()}
 
-    def lease(self, host: str, capacity: int) -> list[str]:
+    def lease(self, host: str, capacity: int, prefer: Collection[str] = ()) -> list[str]:
         """The experts ``host`` holds after asking for ``capacity`` (never fewer than it held:
-        a host keeps its experts while it lives; extra capacity takes orphans)."""
+        a host keeps its experts while it lives; extra capacity takes orphans, those in
+        ``prefer`` first: the copies a host still holds after its leases lapsed)."""
         held = self._hosted.setdefault(host, [])
-        for uid in self._order:
+        known = set(self.uids)
+        for uid in [*(u for u in prefer if u in known), *self._order]:
             if len(held) >= capacity:
                 break
             if uid not in self._host:

@@ -13,7 +13,8 @@ from toolkit.client.transport import Transport
 from toolkit.errors import RelayRejected
 from toolkit.transfer import SizedBody
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, MoeDirectory, MoeSpec, ResultAck
+from toolkit.wire.protocol import (ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec,
+                                   ResultAck)
 
 BINARY = {"Content-Type": "application/octet-stream"}
 
@@ -32,9 +33,11 @@ class MoeCalls(Transport):
                                  params={"kind": kind, "call_id": call_id}, data=body, headers=BINARY)
         return response.content
 
-    def moe_lease(self, peer_id: str, capacity: int) -> ExpertLease:
+    def moe_lease(self, peer_id: str, capacity: int, held: list[str] | None = None) -> ExpertLease:
+        """Up to ``capacity`` experts: those this host holds, then its ``held`` copies if they have
+        no host, then orphans."""
         return self._call("POST", ROUTES["moe_lease"].format(peer_id=peer_id), ExpertLease,
-                          params={"capacity": capacity})
+                          LeaseRequest(held=list(held or [])), params={"capacity": capacity})
 
     def moe_tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
         """A task batch (:func:`toolkit.moe.payloads.read_task_batch` reads it), or None when no

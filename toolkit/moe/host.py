@@ -104,8 +104,9 @@ class ExpertHost:
 
     # --- experts --------------------------------------------------------------------------------
     def lease(self) -> list[str]:
-        """Ask for ``capacity`` experts; adopt the new ones, drop those leased elsewhere now."""
-        uids = self.client.moe_lease(self.peer_id, self.capacity).uids
+        """Ask for ``capacity`` experts (the ones held here first, should their leases have lapsed);
+        adopt the new ones, drop those leased elsewhere now."""
+        uids = self.client.moe_lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts)).uids
         for uid in [u for u in self.runtime.experts if u not in uids]:
             log.warning("expert %s is no longer leased here (another host holds it); dropping it", uid)
             self._drop(uid)

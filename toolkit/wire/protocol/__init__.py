@@ -18,7 +18,7 @@ only those above it:
              EvalRecord, EvalSample
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
-    moe      the expert routes: MoeSpec, MoeDirectory, ExpertLease, TaskBatch/TaskHead, ResultAck,
+    moe      the expert routes: MoeSpec, MoeDirectory, LeaseRequest/ExpertLease, TaskBatch/TaskHead, ResultAck,
              CheckpointReceipt
 """
 
@@ -75,7 +75,7 @@ from toolkit.wire.protocol.pipeline import (
     StageRequest,
     StageStatus,
 )
-from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
+from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
 from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
@@ -103,5 +103,5 @@ __all__ = [
     "TASK_KINDS", "StageRequest", "StageAssignment", "PipelineTask", "PipelineRoundCall", "PipelineWork",
     "PipelineResult", "PipelineAck", "PipelineTicketRequest", "PipelineDone", "StageStatus", "PipelineStatus",
     # moe
-    "MoeSpec", "MoeDirectory", "ExpertLease", "TaskHead", "TaskBatch", "ResultAck", "CheckpointReceipt",
+    "MoeSpec", "MoeDirectory", "LeaseRequest", "ExpertLease", "TaskHead", "TaskBatch", "ResultAck", "CheckpointReceipt",
 ]

@@ -3,7 +3,8 @@
 Tensors travel as containers (:mod:`toolkit.moe.payloads`): a call's ``x`` (and ``g``), a task
 batch (whose metadata ``tasks`` is a :class:`TaskBatch`), a result, a checkpoint. The JSON bodies
 are these: the run's ``[moe]`` as trainers and hosts need it (:class:`MoeSpec`), the directory
-trainers route by (:class:`MoeDirectory`), a host's lease (:class:`ExpertLease`) and the receipts
+trainers route by (:class:`MoeDirectory`), a host's lease (:class:`LeaseRequest` ->
+:class:`ExpertLease`) and the receipts
 of its checkpoints (:class:`CheckpointReceipt`) and results (:class:`ResultAck`).
 """
 
@@ -52,6 +53,15 @@ class MoeDirectory(Schema):
     version: int = field(metadata=_NONNEG)
     live: list[str] = field(metadata=limits(max_len=100_000))
     total: int = field(metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRequest(Schema):
+    """The body of ``POST /api/moe/hosts/{peer_id}/lease`` (optional): the experts this host still
+    holds in memory, which it takes back first when they have no host (after a blip past the peer
+    TTL, or a relay restart), so its copies are not traded for another host's older checkpoints."""
+
+    held: list[str] = field(default_factory=list, metadata=limits(max_len=4096))
 
 
 @dataclass(frozen=True, kw_only=True)
