@@ -140,8 +140,9 @@ async def post_lease(request: web.Request) -> web.Response:
     if not 0 <= capacity <= 4096:
         raise ApiError(400, "bad_query", "capacity must be 0..4096")
     held = (await read_message(request, LeaseRequest)).held if request.can_read_body else []
+    before = set(experts.directory.hosted_by(host))
     uids = experts.directory.lease(host, capacity, prefer=held)
-    return json_ok(ExpertLease(uids=uids, spec=experts.config.spec()))
+    return json_ok(ExpertLease(uids=uids, spec=experts.config.spec(), granted=[u for u in uids if u not in before]))
 
 
 async def get_tasks(request: web.Request) -> web.Response:

@@ -86,8 +86,6 @@ class ExpertHost:
         self.codec = get_codec(self.spec.codec)
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec.optimizer, m))
         self.updates: dict[str, int] = {}
-        self.leased: frozenset[str] = frozenset()
-        """The uids of the relay's last lease answer."""
         self._uploads = concurrent.futures.ThreadPoolExecutor(RESULT_UPLOADERS, thread_name_prefix="collab-host-result")
         self.tasks_done = self.batches_done = 0
         self.last_checkpoint: float | None = None
@@ -106,11 +104,12 @@ class ExpertHost:
     def lease(self) -> list[str]:
         """Ask for ``capacity`` experts (the ones held here first, should their leases have lapsed);
         adopt the new ones, drop those leased elsewhere now."""
-        uids = self.client.moe_lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts)).uids
+        lease = self.client.moe_lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts))
+        uids = lease.uids
         for uid in [u for u in self.runtime.experts if u not in uids]:
             log.warning("expert %s is no longer leased here (another host holds it); dropping it", uid)
             self._drop(uid)
-        regained = [uid for uid in uids if uid in self.runtime.experts and uid not in self.leased]
+        regained = [uid for uid in lease.granted if uid in self.runtime.experts]
         new = [uid for uid in uids if uid not in self.runtime.experts]
         for uid in regained:
             self._catch_up(uid)
@@ -118,7 +117,6 @@ class ExpertHost:
             self._adopt(uid)
         if new or regained:
             log.info("hosting %d experts: %s", len(uids), " ".join(uids))
-        self.leased = frozenset(uids)
         return uids
 
     def _adopt(self, uid: str) -> None:
@@ -149,7 +147,11 @@ class ExpertHost:
         self.runtime.optimizers.pop(uid, None)
         self.updates.pop(uid, None)
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
+        """Upload every expert's checkpoint; False if the relay holds no lease of this host on
+        some of them (its leases lapsed: the next lease takes them back or drops them; a copy is
+        not thrown away on a checkpoint's refusal)."""
+        stored = True
         for uid, module in list(self.runtime.experts.items()):
             tensors = checkpoint_state(module, self.runtime.optimizers.get(uid))
             try:
@@ -157,8 +159,9 @@ class ExpertHost:
             except RelayRejected as exc:
                 if exc.code != "not_your_expert":
                     raise
-                log.warning("expert %s is no longer leased here; dropping it", uid)
-                self._drop(uid)
+                log.warning("the relay holds no lease of this host on expert %s: not checkpointed", uid)
+                stored = False
+        return stored
 
     # --- tasks ----------------------------------------------------------------------------------
     def serve_once(self) -> int:
@@ -227,7 +230,8 @@ class ExpertHost:
                     else:
                         self.serve_once()
                         if now - last_checkpoint >= self.spec.checkpoint_every_s:
-                            self.checkpoint()
+                            if not self.checkpoint():
+                                last_lease = float("-inf")  # lease again at once
                             last_checkpoint = self.last_checkpoint = now
                         self.waiting = None
                     backoff = BACKOFF_S[0]
@@ -257,7 +261,7 @@ class ExpertHost:
         cure (the relay lost this host's leases, or its peer id)."""
         code = getattr(exc, "code", "")
         if code == "no_lease":
-            self.waiting, self.leased = "leasing experts again (the relay had ended this host's leases)", frozenset()
+            self.waiting = "leasing experts again (the relay had ended this host's leases)"
             log.warning("the relay holds no lease of this host (away past the peer TTL, or a relay restart); "
                         "leasing again")
             return True
@@ -265,13 +269,13 @@ class ExpertHost:
             self.waiting = "joining again (the relay no longer knows this host)"
             log.warning("the relay no longer knows this host; joining again")
             try:
-                self.peer_id, self.leased = self._join(), frozenset()
+                self.peer_id = self._join()
             except CollabError as again:
                 self.waiting = f"waiting for the relay to take this host back: {again.message}"
                 return False
             return True
-        if isinstance(exc, RelayUnreachable):  # its leases may have lapsed meanwhile: check each expert
-            self.waiting, self.leased = f"waiting for the relay (unreachable: {exc.message})", frozenset()
+        if isinstance(exc, RelayUnreachable):
+            self.waiting = f"waiting for the relay (unreachable: {exc.message})"
         elif isinstance(exc, RelayRejected):
             self.waiting = f"retrying: the relay refused [{code}] {exc.message}"
         else:

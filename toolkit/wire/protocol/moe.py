@@ -70,6 +70,9 @@ class ExpertLease(Schema):
 
     uids: list[str] = field(metadata=limits(max_len=4096))
     spec: MoeSpec
+    granted: list[str] = field(default_factory=list, metadata=limits(max_len=4096))
+    """The uids of ``uids`` this request leased (the host held no lease on them before it): a host
+    that still has a copy of one was away long enough to lose it, and checks the checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
