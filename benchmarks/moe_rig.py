@@ -195,10 +195,13 @@ class EmulatedRuntime(LoopbackCaller):
 
 
 def start_hosts(relay_url: str, count: int, capacity: int, logs: Path, *, compute_ms: float = 0.0,
-                echo: bool = False, env: dict[str, str] | None = None, fail_rate: float = 0.0) -> list[subprocess.Popen]:
+                echo: bool = False, env: dict[str, str] | None = None, fail_rate: float = 0.0,
+                batching: bool = True) -> list[subprocess.Popen]:
     """``count`` host processes of this file, each leasing up to ``capacity`` experts (``env``:
-    extra variables, e.g. ``HF_TOKEN`` for a run with logins), each dropping ``fail_rate`` of its tasks."""
-    extra = (["--echo"] if echo else []) + (["--fail-rate", str(fail_rate)] if fail_rate else [])
+    extra variables, e.g. ``HF_TOKEN`` for a run with logins), each dropping ``fail_rate`` of its
+    tasks (``batching=False``: every call run alone)."""
+    extra = ((["--echo"] if echo else []) + (["--fail-rate", str(fail_rate)] if fail_rate else [])
+             + ([] if batching else ["--no-batching"]))
     return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "host", "--relay", relay_url,
                               "--capacity", str(capacity), "--compute-ms", str(compute_ms), "--name", f"host{i}",
                               *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT,
@@ -235,16 +238,18 @@ def _host_main(argv: list[str]) -> int:
     parser.add_argument("--echo", action="store_true", help="answer x (forward) or g (backward) as they came")
     parser.add_argument("--fail-rate", type=float, default=0.0, help="drop this fraction of tasks (no result sent)")
     parser.add_argument("--name", default="bench-host")
+    parser.add_argument("--no-batching", action="store_true", help="run every call alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name, token=os.environ.get("HF_TOKEN") or None)
+    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name, token=os.environ.get("HF_TOKEN") or None,
+                      batching=not args.no_batching)
     runtime = host.runtime
     host.runtime = EmulatedRuntime({}, optimizer_factory=runtime.optimizer_factory, compute_ms=args.compute_ms,
                                    echo=args.echo, fail_rate=args.fail_rate, seed=zlib.crc32(args.name.encode()))
     runtime.close()
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     host.run()
-    print(f"{args.name}: {host.tasks_done} tasks", flush=True)
+    print(f"{args.name}: {host.tasks_done} tasks in {host.batches_done} batches", flush=True)
     return 0
 
 

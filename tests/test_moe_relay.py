@@ -7,7 +7,10 @@ brokered by the relay (hosts cannot be reached), checked against the in-process 
 * failover: a host SIGKILLed mid-run: the trainer never raises, only the dead host's experts fail,
   a spare host takes them over from their checkpoints, the run reaches its last step;
 * hostile hosts: NaN, wrong shapes, oversized results, results for tasks a host does not hold,
-  checkpoints for experts it does not lease: refused with a 4xx, the caller sees a failed expert.
+  checkpoints for experts it does not lease: refused with a 4xx, the caller sees a failed expert;
+* the [moe]/[model] agreement check, on the model's effective values.
+
+How hosts batch and recover: tests/test_moe_hosts.py.
 """
 
 from __future__ import annotations
@@ -26,19 +29,14 @@ import torch
 
 from tests.conftest import REPO, wait_until
 from tests.moe_trainer import batches
-from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, overrides, start_host, stop
+from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, overrides, start_host, stop
 from tests.support.training import load_flat, relay_params
 from toolkit.models import DMoEMLP
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
-from toolkit.moe.host import checkpoint_of, expert_shapes, make_optimizer, restore
+from toolkit.moe.experts import checkpoint_of, expert_shapes, make_optimizer, restore
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.wire.protocol import ROUTES
-
-
-def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
-    files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
-    return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
 
 
 def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
@@ -123,15 +121,15 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_
 
 def test_checkpoint_round_trip_restores_parameters_and_optimizer_state_exactly() -> None:
     spec = {"expert": MOE["expert"], "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "seed": 0}
-    shapes = expert_shapes(spec)
+    shapes = expert_shapes(spec["expert"])
     source = DMoEMLP(**KWARGS).make_expert("ffn0.1.0")
-    optimizer = make_optimizer(spec, source)
+    optimizer = make_optimizer(spec["optimizer"], source)
     for _ in range(3):
         source(torch.randn(5, 8)).square().sum().backward()
         optimizer.step()
     body = checkpoint_of(source, optimizer, updates=3)
     copy = DMoEMLP(**KWARGS).make_expert("ffn1.1.1")
-    copy_opt = make_optimizer(spec, copy)
+    copy_opt = make_optimizer(spec["optimizer"], copy)
     assert restore(copy, copy_opt, body, shapes) == 3
     for (name, a), (_, b) in zip(source.named_parameters(), copy.named_parameters()):
         assert torch.equal(a, b), name
@@ -161,7 +159,7 @@ def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failu
             call = caller.forward("ffn0.0.0", x)
             task = _next_task(mallory)
             with pytest.raises(RelayRejected) as refused:
-                mallory.request("PUT", "moe_result", task_id=task["task_id"], data=body)
+                mallory.request("PUT", "moe_result", task_id=task.task_id, data=body)
             assert (refused.value.status, refused.value.code) == (422, code), (what, refused.value)
             with pytest.raises(ExpertFailed) as failed:
                 call.result(timeout=30)
@@ -172,16 +170,16 @@ def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failu
         task = _next_task(mallory)
         good = payloads.encode({"y": np.ones((rows, 8), np.float32)})
         with pytest.raises(RelayRejected) as not_held:
-            bob.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+            bob.request("PUT", "moe_result", task_id=task.task_id, data=good)
         assert (not_held.value.status, not_held.value.code) == (409, "not_your_task")
-        mallory.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+        mallory.request("PUT", "moe_result", task_id=task.task_id, data=good)
         assert torch.equal(call.result(timeout=30), torch.ones(rows, 8))  # the honest answer got through
         with pytest.raises(RelayRejected) as again:
-            mallory.request("PUT", "moe_result", task_id=task["task_id"], data=good)
+            mallory.request("PUT", "moe_result", task_id=task.task_id, data=good)
         assert again.value.status in (409, 410)
 
         # Checkpoints: only for leased experts, only finite tensors of the expert's shapes.
-        shapes = expert_shapes(MOE)
+        shapes = expert_shapes(MOE["expert"])
         zeros = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         with pytest.raises(RelayRejected) as not_leased:
             bob.request("PUT", "moe_checkpoint", uid="ffn0.0.0", data=payloads.checkpoint_body(zeros, {}, 1))
@@ -321,3 +319,27 @@ def test_activation_codecs_carry_exactly_the_codec_round_trip(serve_relay, tmp_p
         caller.close()
         trainer.close()
         stop([host])
+
+
+def test_the_mixture_agreement_check_compares_effective_values() -> None:
+    """[moe] and the model's kwargs are compared on what the model will run with: a kwarg left
+    out is the model class's default (DMoEMLP's k is 4), refused in one line naming the field."""
+    from relay_server.core.config import ConfigError, load_config
+    from relay_server.core.moe_config import MoeSection
+    from relay_server.core.training_config import ModelSection
+
+    without_k = {key: value for key, value in KWARGS.items() if key != "k"}
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env={}, overrides={**overrides(1), "model": {"factory": "toolkit.models:DMoEMLP",
+                                                                       "kwargs": without_k}})
+    message = str(refused.value)
+    assert "\n" not in message and "model.kwargs.k = 4 (the default of DMoEMLP)" in message and "says 2" in message
+    load_config(None, env={}, overrides=overrides(1))  # the same mixture on both sides loads
+
+    # The language model is checked by name (its class may come with another branch of the toolkit).
+    lm = ModelSection(factory="toolkit.models:DMoEByteLM", kwargs={**without_k, "k": 3})
+    [(holds, line)] = MoeSection(**MOE)._model_checks(lm)
+    assert not holds and "model.kwargs.k = 3" in line
+    [(holds, line)] = MoeSection(**{**MOE, "enabled": False})._model_checks(lm)
+    assert not holds and "DMoEByteLM needs [moe] enabled = true" in line
+

@@ -7,7 +7,8 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit
 * ``PUT  /api/moe/peers/{peer_id}/calls/{uid}?kind=&call_id=``   a trainer's call; answered (long
   poll) with the expert's result, or 410 ``expert_gone`` / 429 ``queue_busy`` / 504 ``task_timeout``
   / 502 ``bad_result``: each a failed expert for the trainer, never garbage
-* ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now
+* ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now (body, optional:
+  a :class:`~toolkit.wire.protocol.LeaseRequest` naming the copies it holds, taken back first)
 * ``GET  /api/moe/hosts/{peer_id}/tasks?max_rows=&wait=``        a batch of tasks (204: none yet)
 * ``PUT  /api/moe/hosts/{peer_id}/tasks/{task_id}``   a task's result, validated before the caller
   sees it (a bad one fails the call and is refused 422)
@@ -24,69 +25,25 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
-from relay_server.core.errors import ApiError, unknown_peer
 from relay_server.auth.verify import BODY_STREAM_KEY
-from relay_server.core.http import int_query, json_ok, upload_length
-from relay_server.core.moe_config import MoeSection
-from relay_server.moe.checkpoints import CheckpointStore
-from relay_server.moe.directory import ExpertDirectory
-from relay_server.tasks.broker import DONE, TaskBroker
-from relay_server.tasks.store import PayloadStore
+from relay_server.core.errors import ApiError
+from relay_server.core.http import int_query, json_ok, read_message, upload_length
+from relay_server.moe.state import Experts, expire_hosts
+from relay_server.tasks.broker import DONE
 from toolkit.errors import ProtocolError
 from toolkit.moe import payloads
-from toolkit.wire.compression import Codec, get_codec
+from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, ResultAck, TaskHead
 from toolkit.wire.tensor_container import MAX_HEADER
-from toolkit.wire.protocol import ROUTES
 
 log = logging.getLogger(__name__)
-TICK_S = 0.25
 MAX_TASK_WAIT_S = 25
 _CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_RATE_WINDOW_S = 60.0
-
-
-@dataclass
-class Experts:
-    """The relay's DMoE state: one per app, present only when ``[moe] enabled``."""
-
-    config: MoeSection
-    directory: ExpertDirectory
-    broker: TaskBroker
-    checkpoints: CheckpointStore
-    shapes: dict[str, tuple[int, ...]]
-    """Every expert's parameter shapes (all experts of a run share one architecture)."""
-    known: frozenset[str] = frozenset()
-    codec: Codec = field(default_factory=lambda: get_codec("none"))
-    """How activations travel (``[moe] codec``), built once."""
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        return payloads.checkpoint_limit(self.shapes)
-    calls: deque = field(default_factory=deque)
-    """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
-
-    def note_call(self, failed: bool) -> None:
-        now = time.monotonic()
-        self.calls.append((now, failed))
-        while self.calls and now - self.calls[0][0] > _RATE_WINDOW_S:
-            self.calls.popleft()
-
-    def summary(self) -> dict:
-        window = [c for c in self.calls if time.monotonic() - c[0] <= _RATE_WINDOW_S]
-        failed = sum(1 for _, f in window if f)
-        return {"live": len(self.directory.live()), "total": len(self.directory.uids),
-                "calls_per_s": round(len(window) / _RATE_WINDOW_S, 2),
-                "failure_rate": round(failed / len(window), 4) if window else 0.0,
-                "experts_per_host": self.directory.hosts(), "queued_rows": self.broker.summary()["queued"]}
 
 
 EXPERTS = web.AppKey("experts", Experts)
@@ -102,13 +59,14 @@ def _experts(request: web.Request) -> Experts:
                    "The organizer enables them with [moe] enabled = true in the relay config.")
 
 
-def _registered(request: web.Request) -> str:
-    """The path's peer id: this user's (signed runs) and still in the registry (a pure read:
-    nothing here refreshes a peer's liveness; heartbeats do)."""
+def _registered(request: web.Request) -> tuple[Experts, str]:
+    """The DMoE state and the path's peer id: this user's (signed runs, checked before anything
+    else), then alive: re-admitted as the round routes do when the relay knew it (a host back
+    from a blip longer than the peer TTL, or from before a relay restart) and touched. A peer
+    the relay never knew is 404 ``unknown_peer`` (join again)."""
     peer_id = own_peer(request, request.match_info["peer_id"])
-    if _collab(request).registry.get(peer_id) is None:
-        raise unknown_peer(peer_id)
-    return peer_id
+    experts = _experts(request)
+    return experts, _collab(request).peer(peer_id).peer_id
 
 
 def _uid(experts: Experts, uid: str) -> str:
@@ -137,8 +95,7 @@ async def get_directory(request: web.Request) -> web.Response:
 
 
 async def put_call(request: web.Request) -> web.Response:
-    caller = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    experts, caller = _registered(request)  # who may act on what, before anything else
     uid = _uid(experts, request.match_info["uid"])
     kind, call_id = request.query.get("kind", ""), request.query.get("call_id", "")
     if kind not in payloads.KINDS or not _CALL_ID.fullmatch(call_id):
@@ -178,36 +135,37 @@ async def put_call(request: web.Request) -> web.Response:
 
 
 async def post_lease(request: web.Request) -> web.Response:
-    host = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    experts, host = _registered(request)  # who may act on what, before anything else
     capacity = int_query(request, "capacity")
     if not 0 <= capacity <= 4096:
         raise ApiError(400, "bad_query", "capacity must be 0..4096")
-    uids = experts.directory.lease(host, capacity)
-    return json_ok({"uids": uids, "spec": experts.config.spec()})
+    held = (await read_message(request, LeaseRequest)).held if request.can_read_body else []
+    before = set(experts.directory.hosted_by(host))
+    uids = experts.directory.lease(host, capacity, prefer=held)
+    return json_ok(ExpertLease(uids=uids, spec=experts.config.spec(), granted=[u for u in uids if u not in before]))
 
 
 async def get_tasks(request: web.Request) -> web.Response:
-    host = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    """Every queued call of the host's experts, oldest first, up to ``max_rows`` rows (at least
+    one call): the host runs the calls of one expert and kind as one batch. The bodies go out as
+    they came in (validated when the call was taken): nothing is decoded here."""
+    experts, host = _registered(request)  # who may act on what, before anything else
     max_rows = int_query(request, "max_rows", experts.config.max_rows_per_call)
     wait = min(int_query(request, "wait", 10), MAX_TASK_WAIT_S)
     keys = experts.directory.hosted_by(host)
-    tasks = await experts.broker.lease(host, keys, max_rows=max(1, max_rows), wait_s=wait) if keys else []
+    if not keys:
+        raise ApiError(409, "no_lease", "this host holds no experts (its leases ended, or the relay restarted)",
+                       "Lease experts again: POST .../lease (the toolkit's host does this by itself).")
+    tasks = await experts.broker.lease(host, keys, max_rows=max(1, max_rows), wait_s=wait)
     if not tasks:
         return web.Response(status=204)
-    width = experts.config.width()
-    arrays = []
-    for task in tasks:
-        _, tensors = payloads.decode(experts.broker.payload(task), 2 * experts.config.max_rows_per_call * width * 4)
-        arrays.append(tensors)
-    heads = [{"task_id": t.task_id, "uid": t.key, "kind": t.kind, "rows": t.rows} for t in tasks]
-    return web.Response(body=payloads.task_batch(heads, arrays), content_type="application/octet-stream")
+    heads = [TaskHead(task_id=t.task_id, uid=t.key, kind=t.kind, rows=t.rows) for t in tasks]
+    body = payloads.task_batch(heads, [experts.broker.payload(t) for t in tasks])
+    return web.Response(body=body, content_type="application/octet-stream")
 
 
 async def put_result(request: web.Request) -> web.Response:
-    host = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    experts, host = _registered(request)  # who may act on what, before anything else
     task = experts.broker.leased(host, request.match_info["task_id"])  # 409/410 before any byte is read
     body = await request.read()
     name = "y" if task.kind == "forward" else "g"
@@ -224,12 +182,11 @@ async def put_result(request: web.Request) -> web.Response:
         raise ApiError(422, exc.code, exc.message, "The result was refused and the call failed; fix the host.") \
             from None
     experts.broker.complete(host, task.task_id, body)
-    return json_ok({"ok": True})
+    return json_ok(ResultAck(ok=True))
 
 
 async def put_checkpoint(request: web.Request) -> web.Response:
-    host = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    experts, host = _registered(request)  # who may act on what, before anything else
     uid = _leased(experts, request, host)
     length = upload_length(request, experts.checkpoint_bytes + MAX_HEADER + 8)
     stream = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
@@ -242,12 +199,11 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     except ProtocolError as exc:
         raise ApiError(422, exc.code, exc.message, "The checkpoint was refused; the previous one stays.") from None
     number = await asyncio.to_thread(experts.checkpoints.save, uid, body)
-    return json_ok({"uid": uid, "checkpoint": number, "updates": updates})
+    return json_ok(CheckpointReceipt(uid=uid, checkpoint=number, updates=updates))
 
 
 async def get_checkpoint(request: web.Request) -> web.Response:
-    host = _registered(request)  # who may act on what, before anything else
-    experts = _experts(request)
+    experts, host = _registered(request)  # who may act on what, before anything else
     uid = _leased(experts, request, host)
     body = await asyncio.to_thread(experts.checkpoints.latest, uid)
     if body is None:
@@ -284,36 +240,14 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     if not config.moe.enabled:
         yield
         return
-    from toolkit.moe.host import expert_shapes  # torch: only relays that run DMoE pay for it
-
     cfg = config.moe
-    root = config.server.data_dir
-    experts = Experts(config=cfg, directory=ExpertDirectory(cfg.uids()),
-                      broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, Path(root) / "tasks"),
-                                        max_queued_rows=cfg.max_queued_rows),
-                      checkpoints=CheckpointStore(Path(root) / "experts", cfg.keep_checkpoints),
-                      shapes=expert_shapes(cfg.spec()), known=frozenset(cfg.uids()),
-                      codec=get_codec(cfg.codec))
-    app[EXPERTS] = experts
+    experts = app[EXPERTS] = Experts.create(cfg, Path(config.server.data_dir))
     log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
              cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)
-    ticker = asyncio.create_task(_tick(app, experts))
+    ticker = asyncio.create_task(expire_hosts(experts, lambda: app[COLLAB].registry.peers))
     try:
         yield
     finally:
         ticker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await ticker
-
-
-async def _tick(app: web.Application, experts: Experts) -> None:
-    while True:
-        await asyncio.sleep(TICK_S)
-        live = app[COLLAB].registry.peers
-        for host, orphans in experts.directory.expire(live).items():
-            failed = sum(experts.broker.fail_key(uid, ApiError(410, "expert_gone", f"the host of {uid} left",
-                                                               "Treat it as a failed expert."))
-                         for uid in orphans)
-            experts.broker.worker_left(host)
-            log.info("expert host %s left: %d experts orphaned, %d calls failed", host[:16], len(orphans), failed)
-        experts.broker.tick()

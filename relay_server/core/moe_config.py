@@ -8,17 +8,19 @@ Hosts build experts from :data:`EXPERT_KINDS` only: the network never chooses co
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.wire.protocol import MAX_JSON_BODY
+from toolkit.wire.protocol import MAX_JSON_BODY, MoeSpec
 
 EXPERT_KINDS = ("ffn",)
 """Expert architectures a host builds (``toolkit.moe.experts``): ``ffn`` is the paper's block."""
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("none", "sgd", "adam")
+"""``none``: frozen experts (a backward call returns d loss / d x and changes nothing)."""
 
 
 @dataclass(kw_only=True)
@@ -92,8 +94,9 @@ class MoeSection:
             (isinstance(self.expert.get("d"), int) and 1 <= self.expert["d"] <= 65536
              and isinstance(self.expert.get("hidden"), int) and 1 <= self.expert["hidden"] <= 262144,
              "moe.expert needs integer d (1..65536) and hidden (1..262144)"),
-            (self.optimizer.get("name") in OPTIMIZERS and isinstance(self.optimizer.get("lr"), (int, float))
-             and self.optimizer["lr"] > 0, f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0"),
+            (self.optimizer.get("name") in OPTIMIZERS and (self.optimizer["name"] == "none" or (
+                isinstance(self.optimizer.get("lr"), (int, float)) and self.optimizer["lr"] > 0)),
+             f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (except none)"),
             (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
              "moe timeouts and checkpoint_every_s must be > 0"),
             (self.codec in ("none", "float16", "int8"), "moe.codec must be none, float16 or int8"),
@@ -103,23 +106,52 @@ class MoeSection:
         ]
 
     def _model_checks(self, model: Any) -> list[tuple[bool, str]]:
-        """A DMoE model's kwargs and this section describe one mixture: the same names, widths,
-        grid and seed, or trainers would call experts the hosts do not have."""
-        if model is None or not self.enabled:
-            factory = str(getattr(model, "factory", ""))
-            return [(model is None or not factory.endswith((":DMoEMLP", ":DMoEByteLM")),
-                     f"model.factory {factory.rpartition(':')[2]} needs [moe] enabled = true (its experts live on hosts)")]
-        kwargs, expected = model.kwargs, {"hidden": self.expert.get("d"), "expert_hidden": self.expert.get("hidden"),
-                                          "layers": self.layers, "grid": list(self.grid), "k": self.k,
-                                          "uid_prefix": self.uid_prefix, "expert_seed": self.seed}
-        wrong = [f"model.kwargs.{k} = {kwargs.get(k)!r} (the [moe] section says {v!r})"
-                 for k, v in expected.items() if k in kwargs and (list(kwargs[k]) if k == "grid" else kwargs[k]) != v]
+        """A DMoE model and this section describe one mixture: the same names, widths, grid, k
+        and seed, or trainers would call experts the hosts do not have (or route rows to k
+        experts the run did not size for). Compared on the model's EFFECTIVE values: its class's
+        defaults overlaid with ``model.kwargs`` (a kwarg left out is the class's default, not a
+        match)."""
+        name = str(getattr(model, "factory", "")).rpartition(":")[2] if model is not None else ""
+        if name not in DMOE_MODELS:
+            return []
+        if not self.enabled:
+            return [(False, f"model.factory {name} needs [moe] enabled = true (its experts live on hosts)")]
+        effective = {**_defaults(name), **model.kwargs}
+        expected = {"hidden": self.expert.get("d"), "expert_hidden": self.expert.get("hidden"),
+                    "layers": self.layers, "grid": list(self.grid), "k": self.k,
+                    "uid_prefix": self.uid_prefix, "expert_seed": self.seed}
+        wrong = [f"model.kwargs.{k} = {effective[k]!r}{'' if k in model.kwargs else ' (the default of ' + name + ')'} "
+                 f"but [moe] says {v!r}: set both to one value"
+                 for k, v in expected.items() if k in effective and _plain(effective[k]) != v]
         return [(not wrong, "the model's mixture differs from [moe]: " + "; ".join(wrong))]
 
-    def spec(self) -> dict[str, Any]:
+    def spec(self) -> MoeSpec:
         """What trainers and hosts need to know (``GET /api/moe/spec``)."""
-        return {"uid_prefix": self.uid_prefix, "layers": self.layers, "grid": list(self.grid), "k": self.k,
-                "k_min": self.k_min, "expert": dict(self.expert), "optimizer": dict(self.optimizer),
-                "seed": self.seed, "forward_timeout_s": self.forward_timeout_s,
-                "backward_timeout_s": self.backward_timeout_s, "checkpoint_every_s": self.checkpoint_every_s,
-                "max_rows_per_call": self.max_rows_per_call, "codec": self.codec}
+        return MoeSpec(uid_prefix=self.uid_prefix, layers=self.layers, grid=list(self.grid), k=self.k,
+                       k_min=self.k_min, expert=dict(self.expert), optimizer=dict(self.optimizer), seed=self.seed,
+                       forward_timeout_s=self.forward_timeout_s, backward_timeout_s=self.backward_timeout_s,
+                       checkpoint_every_s=self.checkpoint_every_s, max_rows_per_call=self.max_rows_per_call,
+                       codec=self.codec)
+
+
+DMOE_MODELS = ("DMoEMLP", "DMoEByteLM")
+"""The toolkit's models whose layers are DMoE mixtures (``toolkit.models``); each takes the
+mixture kwargs hidden, expert_hidden, layers, grid, k, uid_prefix and expert_seed."""
+
+
+def _defaults(name: str) -> dict[str, Any]:
+    """The keyword defaults of ``toolkit.models.<name>`` (imported only for a DMoE run: torch).
+    A toolkit without that class yet compares the given kwargs only: its factory is refused by
+    the model checks anyway, with the close matches it has."""
+    import toolkit.models
+
+    cls = getattr(toolkit.models, name, None)
+    if cls is None:
+        return {}
+    return {p.name: p.default for p in inspect.signature(cls).parameters.values()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _plain(value: Any) -> Any:
+    """A grid as a list whatever its type (a class default is a tuple, TOML gives a list)."""
+    return list(value) if isinstance(value, (list, tuple)) else value

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from toolkit.wire.protocol import MoeDirectory
+
 
 class ExpertDirectory:
     def __init__(self, uids: list[str]) -> None:
@@ -38,11 +40,13 @@ class ExpertDirectory:
     def hosts(self) -> dict[str, int]:
         return {host: len(uids) for host, uids in self._hosted.items()}
 
-    def lease(self, host: str, capacity: int) -> list[str]:
+    def lease(self, host: str, capacity: int, prefer: Collection[str] = ()) -> list[str]:
         """The experts ``host`` holds after asking for ``capacity`` (never fewer than it held:
-        a host keeps its experts while it lives; extra capacity takes orphans)."""
+        a host keeps its experts while it lives; extra capacity takes orphans, those in
+        ``prefer`` first: the copies a host still holds after its leases lapsed)."""
         held = self._hosted.setdefault(host, [])
-        for uid in self._order:
+        known = set(self.uids)
+        for uid in [*(u for u in prefer if u in known), *self._order]:
             if len(held) >= capacity:
                 break
             if uid not in self._host:
@@ -70,8 +74,8 @@ class ExpertDirectory:
         """Release every host not in ``live_hosts``; returns {departed host: its orphaned uids}."""
         return {host: self.release(host) for host in [h for h in self._hosted if h not in live_hosts]}
 
-    def snapshot(self) -> dict:
-        return {"version": self.version, "live": self.live(), "total": len(self.uids)}
+    def snapshot(self) -> MoeDirectory:
+        return MoeDirectory(version=self.version, live=self.live(), total=len(self.uids))
 
 
 def _spread(uids: list[str]) -> list[str]:

@@ -150,6 +150,9 @@ class Waiters:
                 if not waiting:
                     del self._by_key[key]
 
+    def waiting(self, key: str) -> int:
+        return sum(1 for waiter in self._by_key.get(key, ()) if not waiter.done())
+
     def notify(self, key: str) -> int:
         """Wake the calls waiting on ``key``; returns how many were woken."""
         woken = 0

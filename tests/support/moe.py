@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
 from tests.conftest import REPO
 from tests.moe_trainer import BATCH, IN_FEATURES
+from toolkit.moe import payloads
 
 LR = 0.05
 MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
@@ -41,3 +44,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.send_signal(signal.SIGTERM)  # a clean stop uploads the final checkpoints
     for proc in procs:
         proc.wait(timeout=30)
+
+
+def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
+    """The tensors of the newest checkpoint the relay keeps of expert ``uid``."""
+    files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
+    return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]

@@ -13,6 +13,7 @@ import urllib.parse
 import numpy as np
 import requests
 
+from toolkit.client.moe import MoeCalls
 from toolkit.client.pipeline import PipelineCalls
 from toolkit.errors import MESSAGES, CollabError, ProtocolError, RelayRejected, RelayUrlError
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, RelayKeyPins, SignedAuth
@@ -27,7 +28,7 @@ RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass",
 """Refusals of a pass refresh that a full login (with the Hugging Face token) fixes."""
 
 
-class RelayClient(PipelineCalls):
+class RelayClient(PipelineCalls, MoeCalls):
     """Typed calls to the relay API. ``auth`` (optional) signs requests (see toolkit.signing)."""
 
     def login(self, hf_token: str, *, pins: RelayKeyPins | None = None) -> AccessPassHolder:

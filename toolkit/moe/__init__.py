@@ -3,8 +3,10 @@
 Owns the math: the expert grid, product-key gating and the paper's beam search (``grid``), the
 interface a trainer calls experts through and its in-process implementation (``calls``), the
 mixture layers, remote and local reference (``layer``; the expert calls as an autograd node in
-``dispatch``), and the paper's FFN expert (``experts``). It imports only ``toolkit.errors`` and torch: no HTTP, nothing from the relay, so
-``toolkit.models`` can build a DMoE trainer model from a run's spec.
+``dispatch``), and what an expert is (``experts``: the paper's FFN block, how every process builds,
+trains and checkpoints it; the relay imports it too) with the bytes of calls and checkpoints
+(``payloads``). It imports only ``toolkit.errors``, ``toolkit.wire`` and torch: no HTTP, nothing
+from the relay, so ``toolkit.models`` can build a DMoE trainer model from a run's spec.
 """
 
 from toolkit.moe.calls import CallRecord, ExpertCaller, ExpertFailed, LoopbackCaller

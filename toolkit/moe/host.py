@@ -6,11 +6,26 @@ is gone) that cannot be reached: everything is outbound. It leases experts from 
 tasks of the experts it holds, computes them, and sends results back; every
 ``checkpoint_every_s`` (and when it stops) it uploads each expert's parameters and optimizer state.
 
-The computation is :class:`~toolkit.moe.calls.LoopbackCaller`'s, on one runtime thread in task
-order: forward under ``no_grad``, backward by recomputing the forward (Appendix D) then one
-optimizer step per backward call. The in-process reference the tests compare against runs the
-very same code. Experts are built from the run's ``[moe] expert`` among the toolkit's own
-architectures: nothing the network sends is imported or executed.
+**Batches** (Learning@home s3.3 and Appendix D; hivemind's TaskPool): one poll takes every queued
+call of the host's experts up to ``max_rows`` rows, and the calls of one expert and kind run as
+ONE forward or ONE backward on their rows stacked, the answer split back per call. Per expert, a
+batch's forwards run first, then its backwards as one backward pass and ONE optimizer step on the
+summed parameter gradient (hivemind's rule: one step per batch of backward tasks). Every row of
+the expert is computed independently of the others, so each call's answer (its ``y``, or its
+``d loss / d x``) is exactly what it would get computed alone at the parameters the batch ran at;
+what batching changes is how many steps the expert takes, not what any caller receives.
+
+**Recovery**: a host never exits on an error it can wait out. The relay unreachable (a blip, a
+restart), a refused lease or checkpoint, a poll that finds its leases gone (``no_lease``: the
+host was away longer than the peer TTL, or the relay restarted), its peer id forgotten
+(``unknown_peer``: it joins again): each is logged, said on the panel (:meth:`describe`) and
+retried with backoff. Back from a blip, the host leases again; an expert it still holds in memory
+is kept unless the relay's checkpoint is ahead of it (another host trained it meanwhile), an
+expert it no longer leases is dropped.
+
+The computation is :class:`~toolkit.moe.calls.LoopbackCaller`'s on one runtime thread: forward
+under ``no_grad``, backward by recomputing the forward (Appendix D). Experts are built from the
+run's ``[moe] expert`` (:mod:`toolkit.moe.experts`): nothing the network sends is executed.
 """
 
 from __future__ import annotations
@@ -22,22 +37,18 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
-from toolkit.moe.experts import FFNExpert
-from toolkit.transfer import SizedBody
+from toolkit.moe.experts import build_expert, checkpoint_state, expert_shapes, make_optimizer, restore
 from toolkit.wire.compression import get_codec
-from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, CollabState, Heartbeat, JoinRequest
+from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, TaskHead
 
 log = logging.getLogger(__name__)
 RESULT_UPLOADERS = 4
@@ -45,199 +56,193 @@ RESULT_UPLOADERS = 4
 runtime thread, each result cost the host a round trip to the relay (at 200 ms, 9 tasks/s instead
 of 100; benchmarks/moe_latency.py --hosts-through-proxy)."""
 LEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
+BACKOFF_S = (1.0, 8.0)
+"""First and longest wait before retrying after an error (doubling in between)."""
 
-
-def build_expert(spec: Mapping[str, Any], uid: str) -> nn.Module:
-    """Expert ``uid`` as every process of the run initializes it (the run's seed and the uid)."""
-    expert = spec["expert"]
-    if expert.get("kind") != "ffn":
-        raise CollabError("unknown_expert_kind", f"this toolkit cannot build expert kind {expert.get('kind')!r}",
-                          "Upgrade collabtrain on this machine to the relay's version.")
-    return FFNExpert.for_uid(uid, int(expert["d"]), int(expert["hidden"]), int(spec.get("seed", 0)))
-
-
-def expert_shapes(spec: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of every expert of the run (they share one architecture)."""
-    return {name: tuple(p.shape) for name, p in build_expert(spec, "shape.0").named_parameters()}
-
-
-def make_optimizer(spec: Mapping[str, Any], module: nn.Module) -> torch.optim.Optimizer:
-    """The run's expert optimizer (``[moe] optimizer``), one per expert."""
-    opt = spec["optimizer"]
-    if opt["name"] == "sgd":
-        return torch.optim.SGD(module.parameters(), lr=opt["lr"], momentum=opt.get("momentum", 0.0))
-    if opt["name"] == "adam":
-        return torch.optim.Adam(module.parameters(), lr=opt["lr"], betas=tuple(opt.get("betas", (0.9, 0.999))))
-    raise CollabError("unknown_optimizer", f"this toolkit has no expert optimizer {opt['name']!r}",
-                      "Upgrade collabtrain on this machine to the relay's version.")
-
-
-def checkpoint_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, updates: int) -> bytes:
-    return payloads.encode(dict(checkpoint_state(module, optimizer)), {"updates": str(updates)})
-
-
-def checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, np.ndarray]]:
-    """The tensors of an expert's checkpoint: ``p.<param>``, ``opt.<param>.<state>``."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    params = {name: p.detach().cpu().numpy().astype(np.float32) for name, p in module.named_parameters()}
-    state = {}
-    if optimizer is not None:
-        for param, values in optimizer.state.items():
-            for key, value in values.items():
-                state[f"{names[id(param)]}.{key}"] = torch.as_tensor(value, dtype=torch.float32).cpu().numpy()
-    return payloads.checkpoint_tensors(params, state)
-
-
-def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
-            shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """Load a checkpoint the relay kept into ``module`` and ``optimizer``; returns its updates."""
-    updates, tensors = payloads.read_checkpoint(body, shapes)
-    params = dict(module.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(torch.from_numpy(tensors[f"p.{name}"]))
-    for key, array in tensors.items():
-        if key.startswith("opt."):
-            name, state_key = key[4:].rsplit(".", 1)
-            value = torch.from_numpy(array.copy())
-            optimizer.state[params[name]][state_key] = value.reshape(()) if state_key == "step" \
-                else value.to(params[name].device)
-    return updates
+Task = tuple[TaskHead, dict[str, np.ndarray]]
 
 
 class ExpertHost:
-    """One host process: ``run()`` until ``stop()`` (or SIGTERM via the CLI)."""
+    """One host process: ``run()`` until ``stop()`` (or SIGTERM via the CLI). ``batching=False``
+    runs every call alone (benchmarks/moe_batching.py's baseline)."""
 
     def __init__(self, relay_url: str, *, capacity: int, token: str | None = None, name: str = "expert-host",
-                 max_rows: int = 4096, poll_s: int = 2, device: str | None = None) -> None:
+                 max_rows: int = 4096, poll_s: int = 2, device: str | None = None, batching: bool = True) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.client = RelayClient(relay_url)
-        run = self.client.get_run()
+        self.run_info = run = self.client.get_run()
         if run.auth == "hf":
             if not token:
                 raise CollabError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
                                   "export HF_TOKEN=... (python -m toolkit.moe.host --token-env NAME reads another)")
             self.client.login(token)
-        joined = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION, precision=run.precision or None,
-                                              device={"role": "expert_host"}))
-        self.peer_id, self.interval_s = joined.peer_id, run.heartbeat_interval_s
+        self.name, self.interval_s = name, run.heartbeat_interval_s
+        self.peer_id = self._join()
         self._stop, self._left = threading.Event(), threading.Event()
         threading.Thread(target=self._heartbeat, name="collab-host-heartbeat", daemon=True).start()
-        self.capacity, self.max_rows, self.poll_s = capacity, max_rows, poll_s
-        self.spec: dict[str, Any] = self.client._request("GET", ROUTES["moe_spec"]).json()
-        self.shapes = expert_shapes(self.spec)
-        self.codec = get_codec(self.spec.get("codec", "none"))
-        self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec, m))
+        self.capacity, self.max_rows, self.poll_s, self.batching = capacity, max_rows, poll_s, batching
+        self.spec = self.client.moe_spec()
+        self.shapes = expert_shapes(self.spec.expert)
+        self.codec = get_codec(self.spec.codec)
+        self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec.optimizer, m))
         self.updates: dict[str, int] = {}
         self._uploads = concurrent.futures.ThreadPoolExecutor(RESULT_UPLOADERS, thread_name_prefix="collab-host-result")
-        self.tasks_done = 0
+        self.tasks_done = self.batches_done = 0
         self.last_checkpoint: float | None = None
+        self.waiting: str | None = None
+        """What the host is waiting for now (None while it serves): the panel's last words."""
         self.collab_state: CollabState | None = None
         """The relay's last answer to this host's heartbeat (for a panel)."""
 
+    def _join(self) -> str:
+        joined = self.client.join(JoinRequest(peer_name=self.name, protocol=PROTOCOL_VERSION,
+                                              precision=self.run_info.precision or None,
+                                              device={"role": "expert_host"}))
+        return joined.peer_id
+
     # --- experts --------------------------------------------------------------------------------
     def lease(self) -> list[str]:
-        path = ROUTES["moe_lease"].format(peer_id=self.peer_id)
-        uids = self.client._request("POST", path, params={"capacity": self.capacity}).json()["uids"]
+        """Ask for ``capacity`` experts (the ones held here first, should their leases have lapsed);
+        adopt the new ones, drop those leased elsewhere now."""
+        lease = self.client.moe_lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts))
+        uids = lease.uids
+        for uid in [u for u in self.runtime.experts if u not in uids]:
+            log.warning("expert %s is no longer leased here (another host holds it); dropping it", uid)
+            self._drop(uid)
+        regained = [uid for uid in lease.granted if uid in self.runtime.experts]
         new = [uid for uid in uids if uid not in self.runtime.experts]
+        for uid in regained:
+            self._catch_up(uid)
         for uid in new:
             self._adopt(uid)
-        if new:
+        if new or regained:
             log.info("hosting %d experts: %s", len(uids), " ".join(uids))
         return uids
 
     def _adopt(self, uid: str) -> None:
-        module = build_expert(self.spec, uid).to(self.device)
-        optimizer = make_optimizer(self.spec, module)
-        path = ROUTES["moe_checkpoint"].format(peer_id=self.peer_id, uid=uid)
-        try:
-            body = self.client._request("GET", path).content
+        module = build_expert(self.spec.expert, uid, self.spec.seed).to(self.device)
+        optimizer = make_optimizer(self.spec.optimizer, module)
+        body = self.client.moe_get_checkpoint(self.peer_id, uid)
+        self.updates[uid] = 0  # a fresh expert: the run's seed and the uid give its weights
+        if body is not None:
             self.updates[uid] = restore(module, optimizer, body, self.shapes)
             log.info("expert %s resumed from its checkpoint (%d updates)", uid, self.updates[uid])
-        except RelayRejected as exc:
-            if exc.code != "no_checkpoint":
-                raise
-            self.updates[uid] = 0  # a fresh expert: the run's seed and the uid give its weights
         self.runtime.experts[uid] = module
         self.runtime.optimizers[uid] = optimizer
 
-    def checkpoint(self) -> None:
+    def _catch_up(self, uid: str) -> None:
+        """An expert leased again after a lapse: keep what this host holds unless the relay's
+        checkpoint is ahead of it (another host trained it in between)."""
+        body = self.client.moe_get_checkpoint(self.peer_id, uid)
+        module, optimizer = self.runtime.experts[uid], self.runtime.optimizers.get(uid)
+        ahead = -1 if body is None else payloads.read_checkpoint(body, self.shapes)[0]
+        if ahead > self.updates.get(uid, 0):
+            self.updates[uid] = restore(module, optimizer, body, self.shapes)
+            log.info("expert %s leased again; its checkpoint is ahead (%d updates): restored", uid, ahead)
+        else:
+            log.info("expert %s leased again; kept this host's copy (%d updates)", uid, self.updates.get(uid, 0))
+
+    def _drop(self, uid: str) -> None:
+        self.runtime.experts.pop(uid, None)
+        self.runtime.optimizers.pop(uid, None)
+        self.updates.pop(uid, None)
+
+    def checkpoint(self) -> bool:
+        """Upload every expert's checkpoint; False if the relay holds no lease of this host on
+        some of them (its leases lapsed: the next lease takes them back or drops them; a copy is
+        not thrown away on a checkpoint's refusal)."""
+        stored = True
         for uid, module in list(self.runtime.experts.items()):
             tensors = checkpoint_state(module, self.runtime.optimizers.get(uid))
-            metadata = {"updates": str(self.updates.get(uid, 0))}
-            headers = {"Content-Type": "application/octet-stream"}
-            if self.client.signed:  # streamed like a gradient: the relay checks each chunk's digest
-                metadata.update(digest_metadata(tensors))
-                headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
-            path = ROUTES["moe_checkpoint"].format(peer_id=self.peer_id, uid=uid)
             try:
-                self.client._request("PUT", path, data=SizedBody(tensors, metadata), headers=headers)
+                self.client.moe_put_checkpoint(self.peer_id, uid, tensors, {"updates": str(self.updates.get(uid, 0))})
             except RelayRejected as exc:
                 if exc.code != "not_your_expert":
                     raise
-                log.warning("expert %s is no longer leased here; dropping it", uid)
-                self.runtime.experts.pop(uid, None)
+                log.warning("the relay holds no lease of this host on expert %s: not checkpointed", uid)
+                stored = False
+        return stored
 
     # --- tasks ----------------------------------------------------------------------------------
     def serve_once(self) -> int:
-        path = ROUTES["moe_tasks"].format(peer_id=self.peer_id)
-        response = self.client._request("GET", path, params={"max_rows": self.max_rows, "wait": self.poll_s})
-        if response.status_code == 204:
+        """One poll: the leased tasks, run in batches (or one by one); returns how many."""
+        body = self.client.moe_tasks(self.peer_id, max_rows=self.max_rows, wait_s=self.poll_s)
+        if body is None:
             return 0
-        width = int(self.spec["expert"]["d"])
-        batch = payloads.read_task_batch(response.content, 2 * self.max_rows * width * 4 * 64, width, self.codec)
-        for head, arrays in batch:
-            x = torch.from_numpy(arrays["x"].copy()).to(self.device)
-            try:
-                if head["kind"] == "forward":
-                    out, name = self.runtime.forward(head["uid"], x).result(), "y"
-                else:
-                    grad_y = torch.from_numpy(arrays["g"].copy()).to(self.device)
-                    out = self.runtime.backward(head["uid"], x, grad_y).result()
-                    name = "g"
-                    self.updates[head["uid"]] = self.updates.get(head["uid"], 0) + 1
-            except ExpertFailed as exc:  # not ours any more (a lease moved)
-                log.warning("task %s for %s: %s", head["task_id"], head["uid"], exc.message)
-                continue
-            result_path = ROUTES["moe_result"].format(peer_id=self.peer_id, task_id=head["task_id"])
-            try:
-                body = payloads.encode(payloads.encode_rows(name, out.float().cpu().numpy(), self.codec))
-            except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
-                log.warning("result of %s for %s not sent: %s", head["kind"], head["uid"], exc)
-                continue
-            self._uploads.submit(self._send_result, head, result_path, body)
-            self.tasks_done += 1
-        return len(batch)
+        tasks = payloads.read_task_batch(body, len(body), self.spec.width, self.codec)
+        for group in batches(tasks) if self.batching else [[task] for task in tasks]:
+            self._run(group)
+        return len(tasks)
 
-    def _send_result(self, head: dict, path: str, body: bytes) -> None:
+    def _run(self, group: list[Task]) -> None:
+        """One forward or backward of one expert over the rows of ``group``'s calls."""
+        head = group[0][0]
+        x = torch.from_numpy(np.concatenate([arrays["x"] for _, arrays in group])).to(self.device)
         try:
-            self.client._request("PUT", path, data=body, headers={"Content-Type": "application/octet-stream"})
-        except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
-            log.info("result for %s refused: [%s] %s", head["uid"], exc.code, exc.message)
-        except CollabError as exc:  # the relay is unreachable: the call will time out there
-            log.warning("result for %s not delivered: %s", head["uid"], exc.message)
+            if head.kind == "forward":
+                out, name = self.runtime.forward(head.uid, x).result(), "y"
+            else:
+                grad_y = torch.from_numpy(np.concatenate([arrays["g"] for _, arrays in group])).to(self.device)
+                out, name = self.runtime.backward(head.uid, x, grad_y).result(), "g"
+                self.updates[head.uid] = self.updates.get(head.uid, 0) + 1
+        except ExpertFailed as exc:  # not ours any more (a lease moved): the calls time out there
+            log.warning("%d %s calls for %s: %s", len(group), head.kind, head.uid, exc.message)
+            return
+        self.batches_done += 1
+        log.info("ran %d %s calls of %s (%d rows) as one batch", len(group), head.kind, head.uid, x.shape[0])
+        rows = out.float().cpu().numpy()
+        offset = 0
+        for task, _ in group:
+            answer, offset = rows[offset:offset + task.rows], offset + task.rows
+            try:
+                body = payloads.encode(payloads.encode_rows(name, answer, self.codec))
+            except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
+                log.warning("result of %s for %s not sent: %s", task.kind, task.uid, exc)
+                continue
+            self._uploads.submit(self._send_result, task, body)
+            self.tasks_done += 1
 
+    def _send_result(self, task: TaskHead, body: bytes) -> None:
+        try:
+            self.client.moe_result(self.peer_id, task.task_id, body)
+        except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
+            log.info("result for %s refused: [%s] %s", task.uid, exc.code, exc.message)
+        except CollabError as exc:  # the relay is unreachable: the call will time out there
+            log.warning("result for %s not delivered: %s", task.uid, exc.message)
+
+    # --- the loop -------------------------------------------------------------------------------
     def run(self, max_seconds: float | None = None, on_progress: Callable[[ExpertHost], None] | None = None) -> None:
-        """Serve until stopped; ``on_progress(self)`` after every poll (a panel's update)."""
-        started = last_lease = last_checkpoint = time.monotonic()
-        self.lease()
-        every = float(self.spec["checkpoint_every_s"])
+        """Serve until stopped; ``on_progress(self)`` after every poll (a panel's update). Errors
+        the host can wait out never leave this loop (:meth:`_recover` says which)."""
+        started = last_checkpoint = time.monotonic()
+        last_lease = float("-inf")
+        backoff = BACKOFF_S[0]
         try:
             while not self._stop.is_set() and (max_seconds is None or time.monotonic() - started < max_seconds):
                 try:
-                    self.serve_once()
-                    if on_progress is not None:
-                        on_progress(self)
                     now = time.monotonic()
                     if now - last_lease >= LEASE_EVERY_S:
                         self.lease()
                         last_lease = now
-                    if now - last_checkpoint >= every:
-                        self.checkpoint()
-                        last_checkpoint = self.last_checkpoint = now
-                except RelayUnreachable as exc:
-                    log.warning("relay unreachable (%s); retrying", exc.message)
-                    time.sleep(1.0)
+                    if not self.runtime.experts:
+                        self.waiting = "waiting for an expert to host (every expert of the run has a host)"
+                        self._stop.wait(LEASE_EVERY_S)
+                    else:
+                        self.serve_once()
+                        if now - last_checkpoint >= self.spec.checkpoint_every_s:
+                            if not self.checkpoint():
+                                last_lease = float("-inf")  # lease again at once
+                            last_checkpoint = self.last_checkpoint = now
+                        self.waiting = None
+                    backoff = BACKOFF_S[0]
+                except CollabError as exc:
+                    if self._recover(exc):
+                        last_lease = float("-inf")  # lease again at once
+                    else:
+                        self._stop.wait(backoff)
+                        backoff = min(2 * backoff, BACKOFF_S[1])
+                if on_progress is not None:
+                    on_progress(self)
         finally:
             self._stop.set()
             self._uploads.shutdown(wait=True)  # results in flight reach the relay before the host leaves
@@ -251,13 +256,41 @@ class ExpertHost:
             self.runtime.close()
             self.client.close()
 
+    def _recover(self, exc: CollabError) -> bool:
+        """Say what went wrong and what the host waits for; True when leasing again at once is the
+        cure (the relay lost this host's leases, or its peer id)."""
+        code = getattr(exc, "code", "")
+        if code == "no_lease":
+            self.waiting = "leasing experts again (the relay had ended this host's leases)"
+            log.warning("the relay holds no lease of this host (away past the peer TTL, or a relay restart); "
+                        "leasing again")
+            return True
+        if code == "unknown_peer":
+            self.waiting = "joining again (the relay no longer knows this host)"
+            log.warning("the relay no longer knows this host; joining again")
+            try:
+                self.peer_id = self._join()
+            except CollabError as again:
+                self.waiting = f"waiting for the relay to take this host back: {again.message}"
+                return False
+            return True
+        if isinstance(exc, RelayUnreachable):
+            self.waiting = f"waiting for the relay (unreachable: {exc.message})"
+        elif isinstance(exc, RelayRejected):
+            self.waiting = f"retrying: the relay refused [{code}] {exc.message}"
+        else:
+            self.waiting = f"retrying after [{code}] {exc.message}"
+        log.warning("%s", self.waiting)
+        return False
+
     def describe(self) -> str:
-        """One line for a panel: what this host holds and has served."""
+        """One line for a panel: what this host holds and has served, and what it waits for."""
         held = sorted(self.runtime.experts)
         since = "" if self.last_checkpoint is None else \
             f", last checkpoint {time.monotonic() - self.last_checkpoint:.0f} s ago"
-        return (f"{len(held)} experts ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) on {self.device}, "
-                f"{self.tasks_done:,} tasks served{since}")
+        line = (f"{len(held)} experts ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) on {self.device}, "
+                f"{self.tasks_done:,} tasks served in {self.batches_done:,} batches{since}")
+        return line if self.waiting is None else f"{line}; {self.waiting}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -274,6 +307,17 @@ class ExpertHost:
                 return
 
 
+def batches(tasks: list[Task]) -> list[list[Task]]:
+    """The leased calls grouped by expert and kind, in the order the host runs them: the forward
+    batches, then the backward batches, each in the order its first call came (a forward leased
+    with a backward of its expert runs at the parameters before that backward's step, as if it
+    had been leased just before it)."""
+    groups: dict[tuple[str, str], list[Task]] = {}
+    for task in tasks:
+        groups.setdefault((task[0].uid, task[0].kind), []).append(task)
+    return sorted(groups.values(), key=lambda g: g[0][0].kind != "forward")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.moe.host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--relay", required=True, help="relay URL, e.g. http://127.0.0.1:8750")
@@ -284,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", default=None, help="where experts run (default: cuda if available, else cpu)")
+    parser.add_argument("--no-batching", action="store_true", help="run every call alone (a benchmark's baseline)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log each lease and checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -291,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         host = ExpertHost(args.relay, capacity=args.capacity, token=os.environ.get(args.token_env) or None,
-                          name=args.name, device=args.device)
+                          name=args.name, device=args.device, batching=not args.no_batching)
     except CollabError as exc:
         print(f"{args.name}: {exc}", flush=True)
         return 1

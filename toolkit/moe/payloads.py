@@ -7,8 +7,9 @@ Every body is one safetensors container (:mod:`toolkit.wire.tensor_container`), 
   With an activation codec (``[moe] codec``: float16 or int8, :mod:`toolkit.wire.compression`)
   each of these travels as the codec's tensors ``<name>.<part>`` (e.g. ``x.scales``,
   ``x.payload``), validated against the codec's layout and decoded to float32 by its reader;
-* a task batch (relay -> host): ``{i}.x`` (and ``{i}.g``) per task, metadata ``tasks`` = a JSON
-  list of {task_id, uid, kind, rows}; a result (host -> relay) is the call's answer;
+* a task batch (relay -> host): tensor ``{i}`` (uint8) is task ``i``'s call body verbatim, metadata
+  ``tasks`` a :class:`~toolkit.wire.protocol.TaskBatch` (task_id, uid, kind, rows of each); a
+  result (host -> relay) is the call's answer;
 * a checkpoint: ``p.<param>`` and ``opt.<param>.<state>`` tensors, metadata ``updates``.
 
 :func:`decode` refuses anything but exactly one container with nothing after it, and
@@ -19,7 +20,6 @@ shape from a hostile host never reaches a trainer.
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections.abc import Mapping
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from toolkit.errors import ProtocolError
 from toolkit.wire.compression import Codec, get_codec
+from toolkit.wire.protocol import TaskBatch, TaskHead
 from toolkit.wire.tensor_container import encode_header, peek_header, read_container
 
 KINDS = ("forward", "backward")
@@ -35,7 +36,8 @@ NONE = get_codec("none")
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
     items = [(name, np.ascontiguousarray(array)) for name, array in tensors.items()]
-    return encode_header(items, dict(metadata or {})) + b"".join(a.tobytes() for _, a in items)
+    # one copy of each tensor's bytes (into the joined body), none in between
+    return b"".join([encode_header(items, dict(metadata or {})), *(memoryview(a.reshape(-1).view(np.uint8)) for _, a in items)])
 
 
 def decode(body: bytes, max_bytes: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
@@ -100,22 +102,33 @@ def call_body(x: np.ndarray, g: np.ndarray | None = None, codec: Codec = NONE) -
     return encode(tensors)
 
 
-def task_batch(tasks: list[dict], arrays: list[dict[str, np.ndarray]]) -> bytes:
-    tensors = {f"{i}.{name}": array for i, named in enumerate(arrays) for name, array in named.items()}
-    return encode(tensors, {"tasks": json.dumps(tasks)})
+def task_batch(heads: list[TaskHead], bodies: list[bytes]) -> bytes:
+    """The tasks a host leased, each call's body as it came (validated once, when the relay took
+    the call): tensor ``{i}`` holds task ``i``'s container bytes verbatim, so a lease costs one
+    copy of the bytes and no decoding or re-encoding of any tensor."""
+    tensors = {str(i): np.frombuffer(body, dtype=np.uint8) for i, body in enumerate(bodies)}
+    return encode(tensors, {"tasks": TaskBatch(tasks=list(heads)).dumps().decode()})
 
 
 def read_task_batch(body: bytes, max_bytes: int, width: int,
-                    codec: Codec = NONE) -> list[tuple[dict, dict[str, np.ndarray]]]:
+                    codec: Codec = NONE) -> list[tuple[TaskHead, dict[str, np.ndarray]]]:
+    """Each task of a batch and its rows (``x``, and ``g`` for a backward), every tensor checked
+    against the task's head and the run's codec: a host trusts no byte it did not validate."""
     metadata, tensors = decode(body, max_bytes)
     try:
-        tasks = json.loads(metadata.get("tasks", ""))
-    except json.JSONDecodeError:
-        raise ProtocolError("bad_meta", "the task batch has no task list") from None
+        heads = TaskBatch.loads(metadata.get("tasks", "")).tasks
+    except ProtocolError:
+        raise ProtocolError("bad_meta", "the task batch has no readable task list") from None
+    if set(tensors) != {str(i) for i in range(len(heads))}:
+        raise ProtocolError("bad_body", f"a batch of {len(heads)} tasks carries tensors 0..{len(heads) - 1}")
     out = []
-    for i, task in enumerate(tasks):
-        names = ("x", "g") if task.get("kind") == "backward" else ("x",)
-        out.append((task, {n: read_rows(tensors, f"{i}.{n}", task.get("rows"), width, codec) for n in names}))
+    for i, head in enumerate(heads):
+        call = tensors[str(i)]
+        if call.dtype != np.uint8 or call.ndim != 1:
+            raise ProtocolError("bad_body", f"task {i}'s body must be uint8 bytes")
+        _, inner = decode(call.tobytes(), call.size)
+        names = ("x", "g") if head.kind == "backward" else ("x",)
+        out.append((head, {n: read_rows(inner, n, head.rows, width, codec) for n in names}))
     return out
 
 

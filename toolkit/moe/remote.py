@@ -1,6 +1,6 @@
 """Expert calls through the relay: the :class:`~toolkit.moe.calls.ExpertCaller` a trainer uses.
 
-Each call is one HTTP request (``PUT /api/moe/peers/{peer_id}/calls/{uid}``) that the relay holds
+Each call is one HTTP request (``PUT /api/moe/peers/{peer_id}/calls/{uid}``, :meth:`RelayClient.moe_call`) that the relay holds
 until the expert's host answered: the relay is the only address volunteers can reach. Calls run on
 a thread pool, so a layer's calls to its k experts (and several micro-batches) are in flight at
 once: Learning@home's answer to latency. Every call carries a fresh call id, which makes the
@@ -16,7 +16,6 @@ import concurrent.futures
 import threading
 import time
 import uuid
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from toolkit.errors import CollabError
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import ROUTES
+from toolkit.wire.protocol import MoeSpec
 
 DIRECTORY_REFRESH_S = 1.0
 
@@ -41,9 +40,9 @@ class RelayExpertCaller:
         # round trips on exactly the slow links DMoE is for. Keep one connection per worker.
         client.session.mount(client.url + "/", HTTPAdapter(pool_connections=1,
                                                           pool_maxsize=max(max_workers, DEFAULT_POOLSIZE)))
-        self.spec: dict[str, Any] = client._request("GET", ROUTES["moe_spec"]).json()
-        self.width = int(self.spec["expert"]["d"])
-        self.codec = get_codec(self.spec.get("codec", "none"))  # activations on the wire
+        self.spec: MoeSpec = client.moe_spec()
+        self.width = self.spec.width
+        self.codec = get_codec(self.spec.codec)  # activations on the wire
         self.refresh_s = refresh_s
         self._live: frozenset[str] = frozenset()
         self._live_at = float("-inf")
@@ -56,7 +55,7 @@ class RelayExpertCaller:
         with self._lock:
             if time.monotonic() - self._live_at >= self.refresh_s:
                 try:
-                    self._live = frozenset(self.client._request("GET", ROUTES["moe_directory"]).json()["live"])
+                    self._live = frozenset(self.client.moe_directory().live)
                 except CollabError:
                     pass  # keep the last snapshot; calls to experts that left fail and are masked
                 self._live_at = time.monotonic()
@@ -76,11 +75,9 @@ class RelayExpertCaller:
             body = payloads.call_body(_f32(x), None if grad_y is None else _f32(grad_y), self.codec)
         except ValueError as exc:  # NaN or beyond the codec's range: this call cannot be made
             raise ExpertFailed("bad_input", f"{kind} call to {uid}: {exc}") from None
-        path = ROUTES["moe_call"].format(peer_id=self.peer_id, uid=uid)
         try:
-            response = self.client._request("PUT", path, params={"kind": kind, "call_id": uuid.uuid4().hex},
-                                            data=body, headers={"Content-Type": "application/octet-stream"})
-            _, tensors = payloads.decode(response.content, x.shape[0] * self.width * 4 + 4096)
+            answer = self.client.moe_call(self.peer_id, uid, kind=kind, call_id=uuid.uuid4().hex, body=body)
+            _, tensors = payloads.decode(answer, x.shape[0] * self.width * 4 + 4096)
             out = payloads.read_rows(tensors, "y" if kind == "forward" else "g", x.shape[0], self.width, self.codec)
         except CollabError as exc:
             raise ExpertFailed(getattr(exc, "code", "expert_failed"), f"{kind} call to {uid}: {exc.message}") from None

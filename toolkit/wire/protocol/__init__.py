@@ -19,6 +19,8 @@ only those above it:
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
     params   ParamsRef: a version's immutable body at the run's HTTP cache, and its cache headers
+    moe      the expert routes: MoeSpec, MoeDirectory, LeaseRequest/ExpertLease, TaskBatch/TaskHead, ResultAck,
+             CheckpointReceipt
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from toolkit.wire.protocol.pipeline import (
     StageStatus,
 )
 from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
+from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
 from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
 
 __all__ = [
@@ -104,4 +107,6 @@ __all__ = [
     "PipelineResult", "PipelineAck", "PipelineTicketRequest", "PipelineDone", "StageStatus", "PipelineStatus",
     # params
     "PARAMS_REF_TYPE", "BLOB_CACHE_CONTROL", "FRESH_CACHE_CONTROL", "ParamsRef",
+    # moe
+    "MoeSpec", "MoeDirectory", "LeaseRequest", "ExpertLease", "TaskHead", "TaskBatch", "ResultAck", "CheckpointReceipt",
 ]

@@ -1,0 +1,93 @@
+"""The relay's DMoE state (:class:`Experts`: directory, broker, checkpoints, call rates) and its
+upkeep (:func:`expire_hosts`): what the HTTP routes of :mod:`relay_server.api.experts` act on.
+
+Kept apart from the routes so the state can be built, ticked and read (the dashboard's summary,
+the tests' snapshots) without an HTTP request, and so the routes only translate requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relay_server.core.errors import ApiError
+from relay_server.core.moe_config import MoeSection
+from relay_server.moe.checkpoints import CheckpointStore
+from relay_server.moe.directory import ExpertDirectory
+from relay_server.tasks.broker import TaskBroker
+from relay_server.tasks.store import PayloadStore
+from toolkit.moe import payloads
+from toolkit.wire.compression import Codec, get_codec
+
+log = logging.getLogger(__name__)
+TICK_S = 0.25
+RATE_WINDOW_S = 60.0
+
+
+@dataclass
+class Experts:
+    """The relay's DMoE state: one per app, present only when ``[moe] enabled``."""
+
+    config: MoeSection
+    directory: ExpertDirectory
+    broker: TaskBroker
+    checkpoints: CheckpointStore
+    shapes: dict[str, tuple[int, ...]]
+    """Every expert's parameter shapes (all experts of a run share one architecture)."""
+    known: frozenset[str] = frozenset()
+    codec: Codec = field(default_factory=lambda: get_codec("none"))
+    """How activations travel (``[moe] codec``), built once."""
+    calls: deque = field(default_factory=deque)
+    """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
+
+    @classmethod
+    def create(cls, cfg: MoeSection, data_dir: Path) -> Experts:
+        """The state of a run that starts (or restarts: no lease survives, hosts lease again)."""
+        from toolkit.moe.experts import expert_shapes  # torch: only relays that run DMoE pay for it
+
+        return cls(config=cfg, directory=ExpertDirectory(cfg.uids()),
+                   broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
+                                     max_queued_rows=cfg.max_queued_rows),
+                   checkpoints=CheckpointStore(data_dir / "experts", cfg.keep_checkpoints),
+                   shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec))
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return payloads.checkpoint_limit(self.shapes)
+
+    def note_call(self, failed: bool) -> None:
+        now = time.monotonic()
+        self.calls.append((now, failed))
+        while self.calls and now - self.calls[0][0] > RATE_WINDOW_S:
+            self.calls.popleft()
+
+    def summary(self) -> dict:
+        window = [c for c in self.calls if time.monotonic() - c[0] <= RATE_WINDOW_S]
+        failed = sum(1 for _, f in window if f)
+        return {"live": len(self.directory.live()), "total": len(self.directory.uids),
+                "calls_per_s": round(len(window) / RATE_WINDOW_S, 2),
+                "failure_rate": round(failed / len(window), 4) if window else 0.0,
+                "experts_per_host": self.directory.hosts(), "queued_rows": self.broker.summary()["queued"]}
+
+    def expire(self, live_peers: Collection[str]) -> None:
+        """Hosts that left the registry lose their leases; their experts' open calls fail at once
+        (their parameters left with the host) and the next host that asks takes them over."""
+        for host, orphans in self.directory.expire(live_peers).items():
+            failed = sum(self.broker.fail_key(uid, ApiError(410, "expert_gone", f"the host of {uid} left",
+                                                            "Treat it as a failed expert."))
+                         for uid in orphans)
+            self.broker.worker_left(host)
+            log.info("expert host %s left: %d experts orphaned, %d calls failed", host[:16], len(orphans), failed)
+        self.broker.tick()
+
+
+async def expire_hosts(experts: Experts, live_peers: Callable[[], Collection[str]]) -> None:
+    """:meth:`Experts.expire` every ``TICK_S``, until cancelled (the app's cleanup)."""
+    while True:
+        await asyncio.sleep(TICK_S)
+        experts.expire(live_peers())
