@@ -18,7 +18,10 @@ from toolkit.wire.protocol import MAX_JSON_BODY
 
 EXPERT_KINDS = ("ffn",)
 """Expert architectures a host builds (``toolkit.moe.experts``): ``ffn`` is the paper's block."""
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "none")
+"""Expert optimizers a host applies after each backward call; ``none`` freezes the experts (hosts
+only compute: the exactness tests of several micro-batches in flight, whose expert updates
+would otherwise land in call order)."""
 
 
 @dataclass(kw_only=True)
@@ -40,7 +43,8 @@ class MoeSection:
     expert: dict[str, Any] = field(default_factory=lambda: {"kind": "ffn", "d": 32, "hidden": 64})
     """The expert architecture: ``kind`` (one of EXPERT_KINDS) and its arguments."""
     optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
-    """How hosts update their experts after each backward call: ``name`` sgd|adam, ``lr``,
+    """How hosts update their experts after each backward call: ``name`` sgd|adam|none, ``lr``
+    (not for none),
     ``momentum`` (sgd), ``betas`` (adam). Hosts keep this optimizer's state for the experts they
     host: the one exception to "volunteers hold no optimizer state"; the relay keeps checkpoints."""
     seed: int = 0
@@ -92,8 +96,9 @@ class MoeSection:
             (isinstance(self.expert.get("d"), int) and 1 <= self.expert["d"] <= 65536
              and isinstance(self.expert.get("hidden"), int) and 1 <= self.expert["hidden"] <= 262144,
              "moe.expert needs integer d (1..65536) and hidden (1..262144)"),
-            (self.optimizer.get("name") in OPTIMIZERS and isinstance(self.optimizer.get("lr"), (int, float))
-             and self.optimizer["lr"] > 0, f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0"),
+            (self.optimizer.get("name") in OPTIMIZERS and (self.optimizer["name"] == "none" or (
+                isinstance(self.optimizer.get("lr"), (int, float)) and self.optimizer["lr"] > 0)),
+             f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (none: experts are not trained)"),
             (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
              "moe timeouts and checkpoint_every_s must be > 0"),
             (self.codec in ("none", "float16", "int8"), "moe.codec must be none, float16 or int8"),

@@ -61,9 +61,12 @@ def expert_shapes(spec: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in build_expert(spec, "shape.0").named_parameters()}
 
 
-def make_optimizer(spec: Mapping[str, Any], module: nn.Module) -> torch.optim.Optimizer:
-    """The run's expert optimizer (``[moe] optimizer``), one per expert."""
+def make_optimizer(spec: Mapping[str, Any], module: nn.Module) -> torch.optim.Optimizer | None:
+    """The run's expert optimizer (``[moe] optimizer``), one per expert; None for ``none``
+    (frozen experts: the host only computes)."""
     opt = spec["optimizer"]
+    if opt["name"] == "none":
+        return None
     if opt["name"] == "sgd":
         return torch.optim.SGD(module.parameters(), lr=opt["lr"], momentum=opt.get("momentum", 0.0))
     if opt["name"] == "adam":
@@ -88,7 +91,7 @@ def checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer | None)
     return payloads.checkpoint_tensors(params, state)
 
 
-def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
+def restore(module: nn.Module, optimizer: torch.optim.Optimizer | None, body: bytes,
             shapes: Mapping[str, tuple[int, ...]]) -> int:
     """Load a checkpoint the relay kept into ``module`` and ``optimizer``; returns its updates."""
     updates, tensors = payloads.read_checkpoint(body, shapes)
@@ -97,7 +100,7 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer, body: bytes,
         for name, p in params.items():
             p.copy_(torch.from_numpy(tensors[f"p.{name}"]))
     for key, array in tensors.items():
-        if key.startswith("opt."):
+        if key.startswith("opt.") and optimizer is not None:
             name, state_key = key[4:].rsplit(".", 1)
             value = torch.from_numpy(array.copy())
             optimizer.state[params[name]][state_key] = value.reshape(()) if state_key == "step" \
