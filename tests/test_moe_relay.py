@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, wait_until
-from tests.moe_trainer import batches
+from tests.moe_trainer import BATCH, batches
 from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, overrides, start_host, stop
 from tests.support.training import load_flat, relay_params
 from toolkit.models import DMoEMLP
@@ -41,8 +41,8 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
     return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
 
 
-def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
-    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s)],
+def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
+    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -82,6 +82,68 @@ def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) 
         for name, p in experts[uid].named_parameters():
             np.testing.assert_allclose(stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6,
                                        err_msg=f"{uid}.{name}")
+
+
+def test_four_micro_batches_in_flight_through_join_equal_one_process(serve_relay, tmp_path: Path) -> None:
+    """join() with J = 4 (each micro-batch on its own replica, results summed in data order) is
+    exactly large-batch SGD over the same micro-batches. The experts are frozen (``[moe]
+    optimizer = none``): with learning experts, J > 1 changes the order in which hosts apply the
+    backward calls' updates (Learning@home's asynchrony), which no sequential reference has."""
+    steps, per_step = 10, 4
+    relay = serve_relay(overrides(steps, micro_batches_per_step=per_step, experts_learn=False))
+    _, initial = relay_params(relay.url)
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4")
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["failed_uids"] == {} and outcome["in_flight"] == 4, outcome
+    assert outcome["local_steps"] == steps * per_step and outcome["contributed"] == steps * per_step * BATCH
+
+    torch.manual_seed(0)
+    model = DMoEMLP(**KWARGS)
+    load_flat(model, initial)
+    with LoopbackCaller({uid: model.make_expert(uid) for uid in UIDS}) as caller:  # frozen: no optimizer
+        model.attach_caller(caller)
+        dense = torch.optim.SGD(model.parameters(), lr=LR)
+        data = batches(steps * per_step)
+        losses = []
+        for step in range(steps):
+            dense.zero_grad()
+            for batch in data[step * per_step:(step + 1) * per_step]:
+                loss = model.loss(batch)
+                (loss / per_step).backward()  # the mean over the step's samples, as the relay averages
+                losses.append(loss.item())
+            dense.step()
+    np.testing.assert_allclose(outcome["losses"], losses, rtol=1e-5, atol=1e-6)  # the same order, step by step
+    _, final = relay_params(relay.url, min_step=steps)
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_counts(serve_relay,
+                                                                                    tmp_path: Path) -> None:
+    """Learning experts, J = 4: no sequential reference exists (hosts apply the backward calls in
+    the order they arrive), but the run must still learn, and the relay must count exactly the
+    samples the trainer computed: none overshoots a round or is lost."""
+    steps, per_step = 12, 4
+    relay = serve_relay(overrides(steps, micro_batches_per_step=per_step))
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4",
+                              "--repeat", str(per_step))
+        status = relay.status()
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["in_flight"] == 4, outcome
+    assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"])
+    computed = outcome["local_steps"] * BATCH
+    assert outcome["local_steps"] == steps * per_step and outcome["contributed"] == computed, outcome
+    assert sum(entry["samples"] for entry in status["leaderboard"]) == computed, status["leaderboard"]
+    first, last = np.mean(outcome["losses"][:per_step]), np.mean(outcome["losses"][-per_step:])
+    assert last < 0.7 * first, outcome["losses"]
 
 
 def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_relay, tmp_path: Path) -> None:
