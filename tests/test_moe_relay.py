@@ -146,6 +146,64 @@ def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_co
     assert last < 0.7 * first, outcome["losses"]
 
 
+class FailsOnMarkedBatch(DMoEMLP):
+    """The run's model, raising ``error`` on a batch whose first value is :data:`MARK` (in whichever
+    worker thread computes it)."""
+
+    MARK = 1234.0
+
+    def __init__(self, error: BaseException, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.error = error
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch[0, 0].item() == self.MARK:
+            raise self.error
+        return super().loss(batch)
+
+
+def test_micro_batches_in_flight_raise_in_the_cell_and_leave_no_thread_behind(serve_relay, tmp_path: Path) -> None:
+    """With J = 4: a worker's out-of-memory error is join's DeviceOutOfMemory (what to do, not a
+    traceback), any other exception is raised as it was, an interrupted cell returns its result;
+    every time the micro-batch threads and the expert call threads are gone afterwards."""
+    from toolkit import join
+    from toolkit.errors import DeviceOutOfMemory
+
+    relay = serve_relay(overrides(100, micro_batches_per_step=4))
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+
+    def data(marked_at: int):
+        for i, batch in enumerate(batches(12)):
+            if i == marked_at:
+                batch = batch.clone()
+                batch[0, 0] = FailsOnMarkedBatch.MARK
+            yield batch
+
+    def interrupted():
+        yield from batches(12)[:6]
+        raise KeyboardInterrupt  # the volunteer stops the cell while micro-batches are in flight
+
+    def threads_left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("collab-micro-batch", "collab-expert-call"))]
+
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        for error, expected in ((RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), DeviceOutOfMemory),
+                                (ValueError("a bug in the model's loss"), ValueError)):
+            model = FailsOnMarkedBatch(error, **KWARGS)
+            with pytest.raises(expected) as raised:
+                join(relay.url, model=model, data=data(5), batch_size=BATCH, panel="none", moe_in_flight=4)
+            assert "out of memory on a micro-batch of 16 samples" in str(raised.value) if expected is DeviceOutOfMemory \
+                else str(raised.value) == "a bug in the model's loss"
+            wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
+        result = join(relay.url, model=FailsOnMarkedBatch(ValueError("unused"), **KWARGS), data=interrupted(),
+                      batch_size=BATCH, panel="none", moe_in_flight=4)
+        assert result.in_flight == 4 and result.local_steps <= 6, result
+        wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
+    finally:
+        stop(hosts)
+
+
 def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_relay, tmp_path: Path) -> None:
     steps = 24
     relay = serve_relay(overrides(steps))

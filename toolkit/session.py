@@ -31,7 +31,7 @@ from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import MESSAGES, AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.moe.host import ExpertHost
-from toolkit.moe.inflight import InFlightTrainer
+from toolkit.moe.inflight import InFlightTrainer, call_threads
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
@@ -152,7 +152,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         cleanup.callback(opt.close)
         flight: InFlightTrainer | None = None
         if hasattr(model, "attach_caller"):  # mixture-of-experts layers: their experts live on volunteer hosts
-            caller = RelayExpertCaller(client, opt.peer_id)
+            caller = RelayExpertCaller(client, opt.peer_id, max_workers=call_threads(moe_in_flight))
             cleanup.callback(caller.close)
             model.attach_caller(caller)
             if moe_in_flight != 1 and info.kind != "tpu":  # XLA's lazy graphs are built by one thread

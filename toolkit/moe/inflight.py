@@ -65,6 +65,18 @@ of compute per micro-batch, and bounds the replicas' memory (32 copies of the de
 POLL_S = 0.1
 """While every micro-batch is held back for a round: how often the collaboration is asked."""
 
+CALLS_PER_MICRO_BATCH = 4
+"""Expert calls one micro-batch has in flight at once, for sizing the caller's threads: a layer
+sends one call per distinct expert its rows chose (k for one row, up to the grid for many)."""
+
+
+def call_threads(jobs: int | None) -> int:
+    """Threads (and connections) the expert caller needs for ``jobs`` micro-batches in flight
+    (None: sized from measurements, up to :data:`MAX_IN_FLIGHT`): fewer would queue the calls
+    of micro-batches in flight behind each other, the latency J exists to hide."""
+    return max(16, CALLS_PER_MICRO_BATCH * (jobs or MAX_IN_FLIGHT))
+
+
 Compute = Callable[[nn.Module, Any, Any], tuple[float, bool]]
 """``compute(replica, policy, batch) -> (loss, finite)``: forward and backward of one micro-batch
 on ``replica`` under ``policy``; ``finite`` False when the gradients must be skipped (fp16
