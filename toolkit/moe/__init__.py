@@ -3,8 +3,10 @@
 Owns the math: the expert grid, product-key gating and the paper's beam search (``grid``), the
 interface a trainer calls experts through and its in-process implementation (``calls``), the
 mixture layers, remote and local reference (``layer``; the expert calls as an autograd node in
-``dispatch``), and the paper's FFN expert (``experts``). It imports only ``toolkit.errors`` and torch: no HTTP, nothing from the relay, so
-``toolkit.models`` can build a DMoE trainer model from a run's spec.
+``dispatch``), the paper's FFN expert (``experts``), and the trainer that keeps J micro-batches in
+flight to hide the calls' latency (``inflight``, which :func:`toolkit.join` uses). It imports
+only ``toolkit.errors`` and torch: no HTTP, nothing from the relay, so ``toolkit.models`` can
+build a DMoE trainer model from a run's spec.
 """
 
 from toolkit.moe.calls import CallRecord, ExpertCaller, ExpertFailed, LoopbackCaller
