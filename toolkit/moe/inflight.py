@@ -24,9 +24,15 @@ so the compute of one overlaps the others' waits. :class:`InFlightTrainer` does 
   ``max_staleness = 0`` this makes J > 1 exactly large-batch training (tests/test_moe_relay.py).
 * **J from measurements.** A micro-batch's critical path is its local compute ``c`` plus its waits
   ``w`` for expert calls (:class:`~toolkit.moe.dispatch.WaitMeter`). While one micro-batch waits,
-  ``w / c`` others can compute, so ``J = clamp(ceil((c + w) / c), 1, J_max)`` keeps the device busy;
+  ``w / c`` others can compute, so ``J = clamp(ceil((c + w) / c), 1, J_max)`` keeps the device busy.
+  ``c`` is the worker thread's CPU time for the micro-batch, or its wall time less ``w`` if that
+  is smaller: wall time alone also counts the time other threads held the CPU, and on a loaded
+  machine it sized J at 13 where 32 kept 0.91 of the throughput (benchmarks/moe_latency.py);
   ``c`` and ``w`` are running averages, so J follows the network as it changes. J starts at 1 and
   replicas are built as J grows (each holds a copy of the dense parameters and its activations).
+  Where the hosts, not the trainer, are the bottleneck, their queues count as waits too and J
+  climbs to ``J_max`` without raising throughput (the benchmark's 0 ms case): harmless but for
+  the replicas' memory, which ``join(moe_in_flight=J)`` bounds.
 
 Workers are daemon threads: :meth:`InFlightTrainer.close` stops them without waiting for a call
 still in flight (it ends by its own timeout, its result unused). An exception in a worker (a
@@ -253,13 +259,13 @@ class InFlightTrainer:
                         for p, value in zip(params, job.snapshot.tensors):
                             p.copy_(value)
                     version = job.snapshot.version
-                started, waited = time.monotonic(), meter.seconds
+                started, cpu, waited = time.monotonic(), time.thread_time(), meter.seconds
                 loss, finite = self.compute(replica, policy, job.batch)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                 for p in params:
                     p.grad = None
-                wall, waited = time.monotonic() - started, meter.seconds - waited
+                wall, cpu, waited = time.monotonic() - started, time.thread_time() - cpu, meter.seconds - waited
                 job.future.set_result(Result(grads, job.samples, loss, finite, job.snapshot.version,
-                                             max(wall - waited, 0.0), waited))
+                                             max(min(wall - waited, cpu), 0.0), waited))
             except BaseException as exc:  # raised in the main thread when this micro-batch's turn comes
                 job.future.set_exception(exc)
