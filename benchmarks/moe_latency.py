@@ -19,8 +19,10 @@ records when. After ``--warmup-s`` from the first report (J grows from 1 as join
 compute and waits), the reports in the next ``--seconds`` give micro-batches/s (one at a time:
 first to last report in the window, as a slow trainer finishes only a few). The run's
 ``target_batch`` is set far beyond what a trainer computes here, so no round falls in the window:
-this measures the trainer's pipeline, not the rounds (whose cost is the same for any J: the
-trainer holds no micro-batch back except at a round's end, see toolkit/moe/inflight.py).
+this measures the trainer's pipeline, not the rounds. ``--target-batch N`` gives the run real
+rounds (strict, ``max_staleness = 0``): the trainer then drains at each round's end, holding back
+the micro-batches that would be computed on parameters about to be replaced
+(toolkit/moe/inflight.py), and each round's own time counts too.
 
 Where the latency sits. By default only the trainer's link is delayed; hosts reach the relay
 directly, so one expert call costs delta more. That is the paper's emulation (a delay per
@@ -141,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                         "micro-batch: J grows as join measures, and J micro-batches must have gone round once")
     parser.add_argument("--seconds", type=float, default=12.0, help="measured window per (mode, delta)")
     parser.add_argument("--hosts-through-proxy", action="store_true", help="delay the hosts' link too")
+    parser.add_argument("--target-batch", type=int, default=None, help="the run's target_batch, for real rounds "
+                        "in the window (max_staleness 0: the trainer drains at each round's end); default: beyond "
+                        "reach, no round")
     args = parser.parse_args(argv)
     deltas = [float(d) for d in args.deltas.split(",")]
     experts = args.layers * args.grid
     config = relay_overrides(d=args.d, expert_hidden=args.d, layers=args.layers, grid=[args.grid], k=args.k)
-    config["run"]["target_batch"] = 1 << 30  # no round in the window: the trainer's pipeline is measured
+    # by default no round in the window: the trainer's pipeline is measured
+    config["run"]["target_batch"] = args.target_batch or 1 << 30
     load = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory(prefix="moe-latency-") as tmp_name:
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         "j_little": round(j_little, 1), "j_meets_bound": in_flight >= j_little,
         "path_latency_s": path_latency_s, "delta_ms": deltas, "batch": args.batch, "layers": args.layers,
         "grid": args.grid, "k": args.k, "hosts": args.hosts, "compute_ms": args.compute_ms,
-        "hosts_through_proxy": args.hosts_through_proxy, "load_1min_before": round(load, 2),
+        "hosts_through_proxy": args.hosts_through_proxy, "target_batch": args.target_batch,
+        "load_1min_before": round(load, 2),
         "load_1min_after": round(os.getloadavg()[0], 2),
         "batches_per_s": {mode: {d: round(r["batches_per_s"], 2) for d, r in runs.items()}
                           for mode, runs in results.items()},
