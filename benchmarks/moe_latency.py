@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     config = relay_overrides(d=args.d, expert_hidden=args.d, layers=args.layers, grid=[args.grid], k=args.k)
     # by default no round in the window: the trainer's pipeline is measured
     config["run"]["target_batch"] = args.target_batch or 1 << 30
+    # random data through many steps: at the tests' dense lr (0.05) the gate and head grew until the
+    # experts' updates overflowed (NaN results, every call failing); the experts' small lr, as theirs
+    config["optimizer"]["lr"] = config["moe"]["optimizer"]["lr"]
     load = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory(prefix="moe-latency-") as tmp_name:
