@@ -164,7 +164,9 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         micro-batches at once, each on its own replica (:mod:`toolkit.moe.inflight`), hand in a
         gradient computed before the latest download: one older than the run's ``max_staleness``
         allows could never join a round, so it is dropped, counted in ``dropped_stale_samples``
-        and said on the panel (``last_error``), never silently. Returns whether it was added.
+        and said on the panel (``last_error``), never silently. ``started``: when the micro-batch's
+        compute began (step() passes it, so the local samples/s counts compute, not round waits;
+        default now: the interval since the last contribution). Returns whether it was added.
         """
         started = time.monotonic() if started is None else started
         self._finish_pending()
