@@ -1,8 +1,10 @@
 """A trainer of a mixture-of-experts run, as a real process: ``toolkit.join`` on fixed batches.
 
-``python tests/moe_trainer.py URL STEPS [--sleep S]`` trains on :func:`batches` (seeded, so the
-test's in-process reference sees the same data) and prints one JSON line: the result and, per
-mixture layer, its call counters and the uids whose calls failed.
+``python tests/moe_trainer.py URL STEPS [--sleep S] [--batches N] [--in-flight J] [--repeat R]``
+trains on the first N (default STEPS) of :func:`batches` (or its first R, over and over) (seeded, so the test's in-process reference sees the
+same data), with at most J micro-batches in flight (default: join's own sizing), and prints one
+JSON line: the result, the loss of every micro-batch in data order, the most micro-batches kept in
+flight and, per mixture layer, its call counters and the uids whose calls failed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def main() -> int:
     parser.add_argument("url")
     parser.add_argument("steps", type=int)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--in-flight", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=None, help="cycle the first R batches (a task to learn)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from toolkit import join
@@ -70,12 +75,25 @@ def main() -> int:
     from toolkit.client import RelayClient
 
     kwargs = RelayClient(args.url).get_run().model.kwargs
-    result = join(args.url, model=Recorder(**kwargs), data=Paced(batches(args.steps), args.sleep),
-                  batch_size=BATCH, max_steps=args.steps, panel="none", peer_name="moe-trainer")
+    losses: list[float] = []
+
+    class Losses:  # a panel: join reports every micro-batch's loss to it
+        def update(self, progress) -> None:
+            losses.append(progress.loss)
+
+        def close(self) -> None:
+            pass
+
+    count = args.batches or args.steps
+    data = batches(count) if args.repeat is None else [batches(args.repeat)[i % args.repeat] for i in range(count)]
+    result = join(args.url, model=Recorder(**kwargs), data=Paced(data, args.sleep),
+                  batch_size=BATCH, max_steps=args.steps, panel=Losses(), peer_name="moe-trainer",
+                  moe_in_flight=args.in_flight)
     stats = [dict(calls=m.stats.calls, failures=m.stats.failures, backward_failures=m.stats.backward_failures,
                   dropped_rows=m.stats.dropped_rows) for m in model_box[0].moe]
     print(json.dumps({"final_step": result.final_step, "local_steps": result.local_steps,
-                      "contributed": result.contributed_samples, "layers": stats, "failed_uids": failed}), flush=True)
+                      "contributed": result.contributed_samples, "layers": stats, "failed_uids": failed,
+                      "losses": losses, "in_flight": result.in_flight}), flush=True)
     return 0
 
 

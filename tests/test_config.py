@@ -16,6 +16,7 @@ from relay_server.core.config import ConfigError, load_config
 from relay_server.core.typed import parse_env
 from relay_server.rounds.master import MasterState
 from tests.hf_standin import HfStandin
+from tests.support.moe import overrides as moe_run
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, ParamSpec
@@ -222,3 +223,15 @@ def test_a_grid_from_the_environment_shapes_the_relays_experts(serve_relay, monk
     relay = serve_relay({"moe": {"enabled": True, "layers": 2}})
     spec = requests.get(relay.url + "/api/moe/spec", timeout=10).json()
     assert spec["grid"] == [2, 3] and spec["expert"] == {"kind": "ffn", "d": 8, "hidden": 16}
+
+
+def test_frozen_experts_need_no_learning_rate_and_training_ones_do() -> None:
+    """``[moe] optimizer = { name = "none" }``: hosts only compute (the exactness test of several
+    micro-batches in flight); sgd or adam without an lr is refused in one line that says so."""
+    frozen = moe_run(3, experts_learn=False)
+    assert load_config(None, env={}, overrides=frozen).moe.optimizer == {"name": "none"}
+    frozen["moe"] = {**frozen["moe"], "optimizer": {"name": "sgd"}}
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env={}, overrides=frozen)
+    assert str(refused.value) == ("moe.optimizer needs name in ('sgd', 'adam', 'none') and lr > 0 "
+                                  "(none: experts are not trained)")

@@ -4,8 +4,9 @@ their acceptance thresholds; and the latency proxy they stand on.
 * ``benchmarks/moe_broker.py`` (A8): an expert call's round trip through a real relay and a real
   host stays within median 10 ms / p99 50 ms, and the relay moves 4 x payload per forward call
   plus headers (ratio 1.00-1.05);
-* ``benchmarks/moe_latency.py`` (A9, Figure 4): with J micro-batches in flight, throughput at
-  200 ms injected latency keeps >= 80% of its 0 ms value and is >= 3x the one-at-a-time baseline;
+* ``benchmarks/moe_latency.py`` (A9, Figure 4; issue 24): trainers started by ``toolkit.join()``
+  keep J micro-batches in flight, and at 200 ms injected latency keep >= 80% of their 0 ms
+  throughput and are >= 3x join with one micro-batch at a time (``moe_in_flight=1``);
 * ``benchmarks/moe_failures.py`` (A10, Figure 5): training with 10% failed expert calls costs
   <= 1.5 points of validation accuracy (mean over 3 seeds; see the test for the reading that
   keeps failing at evaluation, which does not meet 1.5).
@@ -115,21 +116,21 @@ def test_broker_round_trip_and_bytes_per_call() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_dmoe_throughput_holds_under_latency_and_beats_model_parallel() -> None:
+def test_join_keeps_its_throughput_under_latency_and_beats_one_at_a_time() -> None:
     out = run_benchmark("moe_latency.py", "--deltas", "0,200", "--seconds", "8")
-    assert out["failures"] == 0 and out["j_meets_bound"], out
+    assert out["failures"] == 0 and out["j_meets_bound"] and out["in_flight"] > 1, out
     assert out["keep_200ms"] >= 0.8, out
-    assert out["vs_model_parallel_200ms"] >= 3, out
+    assert out["vs_one_at_a_time_200ms"] >= 3, out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hosts_behind_latency_still_serve_many_calls_in_flight() -> None:
-    """Hosts behind the delay too: results leave the host on their own threads, so DMoE still
+    """Hosts behind the delay too: results leave the host on their own threads, so join still
     beats one-at-a-time by 3x at 200 ms (when the runtime thread sent them: 0 micro-batches)."""
     out = run_benchmark("moe_latency.py", "--deltas", "0,200", "--seconds", "8", "--hosts-through-proxy")
     assert out["failures"] == 0, out
-    assert out["vs_model_parallel_200ms"] >= 3, out
+    assert out["vs_one_at_a_time_200ms"] >= 3, out
 
 
 @pytest.mark.slow

@@ -138,9 +138,9 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"moe": {"k": 4}}, "the model's mixture differs from [moe]: model.kwargs.k = 2 (the [moe] section says 4)"),
+    ({"moe": {"k": 4}}, "the model's mixture differs from [moe]: model.kwargs.k = 2 but [moe] says 4: set both to one value"),
     ({"moe": {"expert": {"kind": "ffn", "d": 16, "hidden": 16}}},
-     "the model's mixture differs from [moe]: model.kwargs.hidden = 8 (the [moe] section says 16)"),
+     "the model's mixture differs from [moe]: model.kwargs.hidden = 8 but [moe] says 16: set both to one value"),
     ({"moe": {"enabled": False}}, "model.factory DMoEByteLM needs [moe] enabled = true (its experts live on hosts)"),
 ])
 def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(demo_tokenizer: Path, tmp_path: Path,

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, wait_until
-from tests.moe_trainer import batches
+from tests.moe_trainer import BATCH, batches
 from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, overrides, start_host, stop
 from tests.support.training import load_flat, relay_params
 from toolkit.models import DMoEMLP
@@ -39,8 +39,8 @@ from toolkit.moe.remote import RelayExpertCaller
 from toolkit.wire.protocol import ROUTES
 
 
-def run_trainer(url: str, steps: int, sleep_s: float = 0.0) -> dict:
-    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s)],
+def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
+    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,6 +80,126 @@ def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) 
         for name, p in experts[uid].named_parameters():
             np.testing.assert_allclose(stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6,
                                        err_msg=f"{uid}.{name}")
+
+
+def test_four_micro_batches_in_flight_through_join_equal_one_process(serve_relay, tmp_path: Path) -> None:
+    """join() with J = 4 (each micro-batch on its own replica, results summed in data order) is
+    exactly large-batch SGD over the same micro-batches. The experts are frozen (``[moe]
+    optimizer = none``): with learning experts, J > 1 changes the order in which hosts apply the
+    backward calls' updates (Learning@home's asynchrony), which no sequential reference has."""
+    steps, per_step = 10, 4
+    relay = serve_relay(overrides(steps, micro_batches_per_step=per_step, experts_learn=False))
+    _, initial = relay_params(relay.url)
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4")
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["failed_uids"] == {} and outcome["in_flight"] == 4, outcome
+    assert outcome["local_steps"] == steps * per_step and outcome["contributed"] == steps * per_step * BATCH
+
+    torch.manual_seed(0)
+    model = DMoEMLP(**KWARGS)
+    load_flat(model, initial)
+    with LoopbackCaller({uid: model.make_expert(uid) for uid in UIDS}) as caller:  # frozen: no optimizer
+        model.attach_caller(caller)
+        dense = torch.optim.SGD(model.parameters(), lr=LR)
+        data = batches(steps * per_step)
+        losses = []
+        for step in range(steps):
+            dense.zero_grad()
+            for batch in data[step * per_step:(step + 1) * per_step]:
+                loss = model.loss(batch)
+                (loss / per_step).backward()  # the mean over the step's samples, as the relay averages
+                losses.append(loss.item())
+            dense.step()
+    np.testing.assert_allclose(outcome["losses"], losses, rtol=1e-5, atol=1e-6)  # the same order, step by step
+    _, final = relay_params(relay.url, min_step=steps)
+    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_counts(serve_relay,
+                                                                                    tmp_path: Path) -> None:
+    """Learning experts, J = 4: no sequential reference exists (hosts apply the backward calls in
+    the order they arrive), but the run must still learn, and the relay must count exactly the
+    samples the trainer computed: none overshoots a round or is lost."""
+    steps, per_step = 12, 4
+    relay = serve_relay(overrides(steps, micro_batches_per_step=per_step))
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4",
+                              "--repeat", str(per_step))
+        status = relay.status()
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["in_flight"] == 4, outcome
+    assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"])
+    computed = outcome["local_steps"] * BATCH
+    assert outcome["local_steps"] == steps * per_step and outcome["contributed"] == computed, outcome
+    assert sum(entry["samples"] for entry in status["leaderboard"]) == computed, status["leaderboard"]
+    first, last = np.mean(outcome["losses"][:per_step]), np.mean(outcome["losses"][-per_step:])
+    assert last < 0.7 * first, outcome["losses"]
+
+
+class FailsOnMarkedBatch(DMoEMLP):
+    """The run's model, raising ``error`` on a batch whose first value is :data:`MARK` (in whichever
+    worker thread computes it)."""
+
+    MARK = 1234.0
+
+    def __init__(self, error: BaseException, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.error = error
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch[0, 0].item() == self.MARK:
+            raise self.error
+        return super().loss(batch)
+
+
+def test_micro_batches_in_flight_raise_in_the_cell_and_leave_no_thread_behind(serve_relay, tmp_path: Path) -> None:
+    """With J = 4: a worker's out-of-memory error is join's DeviceOutOfMemory (what to do, not a
+    traceback), any other exception is raised as it was, an interrupted cell returns its result;
+    every time the micro-batch threads and the expert call threads are gone afterwards."""
+    from toolkit import join
+    from toolkit.errors import DeviceOutOfMemory
+
+    relay = serve_relay(overrides(100, micro_batches_per_step=4))
+    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
+
+    def data(marked_at: int):
+        for i, batch in enumerate(batches(12)):
+            if i == marked_at:
+                batch = batch.clone()
+                batch[0, 0] = FailsOnMarkedBatch.MARK
+            yield batch
+
+    def interrupted():
+        yield from batches(12)[:6]
+        raise KeyboardInterrupt  # the volunteer stops the cell while micro-batches are in flight
+
+    def threads_left() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("collab-micro-batch", "collab-expert-call"))]
+
+    try:
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        for error, expected in ((RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), DeviceOutOfMemory),
+                                (ValueError("a bug in the model's loss"), ValueError)):
+            model = FailsOnMarkedBatch(error, **KWARGS)
+            with pytest.raises(expected) as raised:
+                join(relay.url, model=model, data=data(5), batch_size=BATCH, panel="none", moe_in_flight=4)
+            assert "out of memory on a micro-batch of 16 samples" in str(raised.value) if expected is DeviceOutOfMemory \
+                else str(raised.value) == "a bug in the model's loss"
+            wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
+        result = join(relay.url, model=FailsOnMarkedBatch(ValueError("unused"), **KWARGS), data=interrupted(),
+                      batch_size=BATCH, panel="none", moe_in_flight=4)
+        assert result.in_flight == 4 and result.local_steps <= 6, result
+        wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
+    finally:
+        stop(hosts)
 
 
 def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_relay, tmp_path: Path) -> None:

@@ -103,6 +103,36 @@ def test_optimizer_takes_the_runs_pinned_precision_and_refuses_another(serve_rel
     assert "leave precision out" in refused.value.hint
 
 
+def test_contribute_adds_handed_in_gradients_exactly_and_drops_a_stale_one_saying_so(serve_relay):
+    """contribute() is step()'s path with the gradients handed in, as a trainer with micro-batches
+    in flight on replicas does (toolkit.moe.inflight): one computed on the current version makes
+    the exact SGD update; one computed before the version just loaded, in a run allowing no
+    staleness, could join no round: it is dropped, counted, and named on the panel."""
+    from toolkit.notebook.panel import PeerProgress
+
+    relay = serve_relay({"run": {"target_batch": 4, "max_staleness": 0},
+                         "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"}})
+    model = build_model(_mlp_spec())
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        joined_at = opt.version
+        replica = build_model(_mlp_spec())
+        replica.load_state_dict(model.state_dict())
+        before = [p.detach().clone() for p in model.parameters()]
+        batch = mlp_batch(4, seed=3)
+        loss = replica.loss(batch)
+        loss.backward()
+        grads = [p.grad for p in replica.parameters()]
+        assert opt.contribute(grads, batch_size=4, loss=loss.item(), version=joined_at)
+        assert opt.version == joined_at + 1 and opt.contributed_samples == 4  # the round ran within it
+        with torch.no_grad():
+            for p, b, g in zip(model.parameters(), before, grads):
+                torch.testing.assert_close(p, b - 0.1 * g, rtol=1e-5, atol=1e-6)
+        assert not opt.contribute(grads, batch_size=4, loss=loss.item(), version=joined_at)
+        assert opt.dropped_stale_samples == 4 and opt.samples == 0 and opt.last_error.code == "stale_gradient"
+        shown = PeerProgress.from_optimizer(opt, loss=None, first_contribution_s=None).problem
+        assert "dropped a micro-batch of 4 samples computed on step" in shown, shown
+
+
 def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(serve_relay):
     """A model in eval() mode (as from_pretrained returns it) still has its loss noted when it is
     trained; the micro-batch of a step a scaler skipped (gradients zeroed, no step) counts

@@ -74,8 +74,9 @@ class Accumulator:
         elif self.on_host:
             grads = [g.cpu() for g in grads]  # e.g. MPS/XLA: a plain copy
         with self.lock:
-            if self.samples == 0:
-                self.version = version
+            # the oldest version in the sum: a trainer with micro-batches in flight may add one
+            # computed before the one already added (toolkit.moe.inflight)
+            self.version = version if self.samples == 0 else min(self.version, version)
             alpha = float(samples if weight is None else weight)
             torch._foreach_add_(self._views, [g.to(torch.float32) for g in grads], alpha=alpha)
             self.samples += samples

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None, help="leave after this many seconds")
     parser.add_argument("--delayed-updates", action="store_true",
                         help="compute the next batch while a round is in flight (needs run.max_staleness >= 1)")
+    parser.add_argument("--moe-in-flight", type=int, default=None, metavar="J",
+                        help="a run with mixture layers: J micro-batches in flight (default: sized from "
+                             "the measured compute and expert latency; 1: one at a time)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log each step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         result = join(args.relay, token=os.environ.get(args.token_env) or None, trusted_models=args.trusted_model,
                       batch_size=args.batch_size, peer_name=args.name, seed=args.seed,
                       max_steps=args.max_steps, max_seconds=args.max_seconds,
-                      delayed_updates=args.delayed_updates, verbose=args.verbose)
+                      delayed_updates=args.delayed_updates, moe_in_flight=args.moe_in_flight, verbose=args.verbose)
     except CollabError as exc:
         print(f"{args.name}: {exc}", file=sys.stderr)
         return 1

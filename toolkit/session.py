@@ -31,10 +31,11 @@ from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import MESSAGES, AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.moe.host import ExpertHost
+from toolkit.moe.inflight import InFlightTrainer, call_threads
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.notebook.panel import Panel, PanelKind, PeerProgress, open_panel
-from toolkit.runtime.precision import choose_precision
+from toolkit.runtime.precision import PrecisionPolicy, choose_precision
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, RunInfo
 from toolkit.notebook.wandb_run import WandbTarget, open_wandb_run
 
@@ -61,6 +62,8 @@ class JoinResult:
     """The global step when this peer joined."""
     hosted_experts: bool = False
     """``join(role="expert_host")``: ``local_steps`` counts expert tasks served, not micro-batches."""
+    in_flight: int = 1
+    """The most micro-batches this trainer kept in flight at once (a run with mixture layers)."""
 
     def summary(self) -> str:
         """One readable sentence, e.g. "Contributed 16 samples over 2 steps (first contribution
@@ -86,7 +89,7 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
          seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
          delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
          trusted_models: Sequence[str] = (), accumulate_on_host: bool = False, verbose: bool = False,
-         role: str = "trainer", capacity: int = 8) -> JoinResult:
+         role: str = "trainer", capacity: int = 8, moe_in_flight: int | None = None) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
 
@@ -109,9 +112,16 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
 
     ``role="expert_host"`` contributes to a run with mixture-of-experts layers by hosting
     ``capacity`` of its experts instead of training (:mod:`toolkit.moe.host`): until ``max_seconds``
-    or the cell is interrupted. A trainer of such a run reaches the experts through the relay.
+    or the cell is interrupted. A trainer of such a run reaches the experts through the relay,
+    and keeps several micro-batches in flight so their waits overlap (:mod:`toolkit.moe.inflight`):
+    as many as its measured compute and expert waits call for (at most
+    :data:`~toolkit.moe.inflight.MAX_IN_FLIGHT`), or exactly ``moe_in_flight`` (1: one micro-batch at
+    a time, the plain loop; a number bounds the replicas' memory).
     """
     started = time.monotonic()
+    if moe_in_flight is not None and (not isinstance(moe_in_flight, int) or moe_in_flight < 1):
+        raise ValueError(f"moe_in_flight must be an integer >= 1 (or None: sized from measurements), "
+                         f"got {moe_in_flight!r}")
     if role == "expert_host":
         return _host_experts(relay_url, token, capacity, peer_name, max_seconds, started, panel)
     if role != "trainer":
@@ -140,10 +150,15 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                                      device_info={**info.to_json(), "precision": policy.to_json()},
                                      precision=policy.name, accumulate_on_host=accumulate_on_host, verbose=verbose)
         cleanup.callback(opt.close)
+        flight: InFlightTrainer | None = None
         if hasattr(model, "attach_caller"):  # mixture-of-experts layers: their experts live on volunteer hosts
-            caller = RelayExpertCaller(client, opt.peer_id)
+            caller = RelayExpertCaller(client, opt.peer_id, max_workers=call_threads(moe_in_flight))
             cleanup.callback(caller.close)
             model.attach_caller(caller)
+            if moe_in_flight != 1 and info.kind != "tpu":  # XLA's lazy graphs are built by one thread
+                flight = InFlightTrainer(model, lambda m, p, b: _micro_batch(m, p, b, info, device), policy,
+                                         shared=(caller,), jobs=moe_in_flight)
+                cleanup.callback(flight.close)
         if opt.collab_state.finished:  # joined after the last step: say so rather than return 0 samples
             raise RunFinished("run_finished", MESSAGES["run_finished"][0].format(run=run.run_name,
                                                                                  step=opt.collab_state.step))
@@ -162,33 +177,34 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
         first_step, local_steps, loss_value, first_contribution_s = opt.version, 0, None, None
         asked_at = 0  # contributed samples when the relay was last asked for the first contribution
         progress: PeerProgress | None = None
+
+        def should_stop() -> bool:
+            return opt.finished or (max_steps is not None and opt.version - first_step >= max_steps) or (
+                max_seconds is not None and time.monotonic() - started > max_seconds)
+
+        def after_micro_batch(loss: float) -> bool:
+            """Panel, W&B and the first contribution after each micro-batch; True: stop."""
+            nonlocal local_steps, loss_value, first_contribution_s, asked_at, progress
+            local_steps, loss_value = local_steps + 1, loss
+            if first_contribution_s is None and opt.contributed_samples > asked_at:
+                asked_at = opt.contributed_samples
+                first_contribution_s = relay_first_contribution(client, opt.peer_id)
+            progress = PeerProgress.from_optimizer(opt, loss=loss_value, first_contribution_s=first_contribution_s)
+            view.update(progress)
+            tracker.update(progress)
+            return should_stop()
+
         try:
-            for batch in batches:
-                try:
-                    batch = to_device(batch, device)
+            if flight is not None:
+                flight.run(opt, batches, batch_size_of, lambda r: after_micro_batch(r.loss), should_stop)
+            else:
+                for batch in batches:
                     opt.zero_grad()
-                    with policy.autocast():
-                        loss = loss_of(model, batch)
-                    policy.scale_loss(loss).backward()
-                except RuntimeError as exc:
-                    if not is_out_of_memory(exc):
-                        raise
-                    raise DeviceOutOfMemory("out_of_memory", f"the {info.label} ran out of memory on a micro-batch "
-                                            f"of {batch_size_of(batch)} samples") from None
-                finite = policy.unscale_and_check(model.parameters())
-                loss_value = loss.item()
-                environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_value, skip=not finite)
-                local_steps += 1
-                if first_contribution_s is None and opt.contributed_samples > asked_at:
-                    asked_at = opt.contributed_samples
-                    first_contribution_s = relay_first_contribution(client, opt.peer_id)
-                progress = PeerProgress.from_optimizer(opt, loss=loss_value, first_contribution_s=first_contribution_s)
-                view.update(progress)
-                tracker.update(progress)
-                if opt.finished or (max_steps is not None and opt.version - first_step >= max_steps):
-                    break
-                if max_seconds is not None and time.monotonic() - started > max_seconds:
-                    break
+                    loss_now, finite = _micro_batch(model, policy, batch, info, device)
+                    environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_now,
+                                               skip=not finite)
+                    if after_micro_batch(loss_now):
+                        break
         except KeyboardInterrupt:
             log.info("interrupted: leaving the collaboration")
         except CollabError as exc:
@@ -198,7 +214,26 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     return JoinResult(peer_id=opt.peer_id, final_step=opt.version, contributed_samples=opt.contributed_samples,
                       local_steps=local_steps, last_loss=loss_value, seconds=time.monotonic() - started,
                       finished=opt.finished, device=info.label, precision=policy.name,
-                      first_contribution_s=first_contribution_s, joined_step=first_step)
+                      first_contribution_s=first_contribution_s, joined_step=first_step,
+                      in_flight=flight.most_jobs if flight is not None else 1)
+
+
+def _micro_batch(model: torch.nn.Module, policy: PrecisionPolicy, batch: Any, info: DeviceInfo,
+                 device: torch.device) -> tuple[float, bool]:
+    """Forward and backward of one micro-batch under the precision policy: (loss, whether its
+    gradients are finite); an out-of-memory error becomes :class:`DeviceOutOfMemory`, which says
+    what to do."""
+    try:
+        batch = to_device(batch, device)
+        with policy.autocast():
+            loss = loss_of(model, batch)
+        policy.scale_loss(loss).backward()
+    except RuntimeError as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise DeviceOutOfMemory("out_of_memory", f"the {info.label} ran out of memory on a micro-batch "
+                                f"of {batch_size_of(batch)} samples") from None
+    return loss.item(), policy.unscale_and_check(model.parameters())
 
 
 def _host_experts(relay_url: str, token: str | None, capacity: int, peer_name: str | None,

@@ -42,7 +42,8 @@ class MoeSection:
     expert: dict[str, Any] = field(default_factory=lambda: {"kind": "ffn", "d": 32, "hidden": 64})
     """The expert architecture: ``kind`` (one of EXPERT_KINDS) and its arguments."""
     optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "sgd", "lr": 0.01})
-    """How hosts update their experts after each backward call: ``name`` sgd|adam, ``lr``,
+    """How hosts update their experts after each backward call: ``name`` sgd|adam|none, ``lr``
+    (not for none),
     ``momentum`` (sgd), ``betas`` (adam). Hosts keep this optimizer's state for the experts they
     host: the one exception to "volunteers hold no optimizer state"; the relay keeps checkpoints."""
     seed: int = 0

@@ -26,9 +26,13 @@ KWARGS = {"in_features": IN_FEATURES, "hidden": 8, "out_features": 1, "layers": 
 UIDS = [f"ffn{layer}.{i}.{j}" for layer in range(2) for i in range(2) for j in range(2)]
 
 
-def overrides(steps: int) -> dict:
-    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": MOE,
-            "run": {"target_batch": BATCH, "max_staleness": 0, "total_steps": steps},
+def overrides(steps: int, *, micro_batches_per_step: int = 1, experts_learn: bool = True) -> dict:
+    """The run: ``steps`` strict large-batch steps of ``micro_batches_per_step`` trainer micro-batches;
+    ``experts_learn=False`` freezes the experts (``[moe] optimizer = none``): hosts only compute, so
+    the order their backward calls arrive in (several micro-batches in flight) changes nothing."""
+    moe = MOE if experts_learn else {**MOE, "optimizer": {"name": "none"}}
+    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": moe,
+            "run": {"target_batch": BATCH * micro_batches_per_step, "max_staleness": 0, "total_steps": steps},
             "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
 
 

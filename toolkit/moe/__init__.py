@@ -3,10 +3,12 @@
 Owns the math: the expert grid, product-key gating and the paper's beam search (``grid``), the
 interface a trainer calls experts through and its in-process implementation (``calls``), the
 mixture layers, remote and local reference (``layer``; the expert calls as an autograd node in
-``dispatch``), and what an expert is (``experts``: the paper's FFN block, how every process builds,
+``dispatch``), what an expert is (``experts``: the paper's FFN block, how every process builds,
 trains and checkpoints it; the relay imports it too) with the bytes of calls and checkpoints
-(``payloads``). It imports only ``toolkit.errors``, ``toolkit.wire`` and torch: no HTTP, nothing
-from the relay, so ``toolkit.models`` can build a DMoE trainer model from a run's spec.
+(``payloads``), and the trainer that keeps J micro-batches in flight to hide the calls' latency
+(``inflight``, which :func:`toolkit.join` uses). It imports only ``toolkit.errors``,
+``toolkit.wire`` and torch: no HTTP, nothing from the relay, so ``toolkit.models`` can build a
+DMoE trainer model from a run's spec.
 """
 
 from toolkit.moe.calls import CallRecord, ExpertCaller, ExpertFailed, LoopbackCaller

@@ -56,6 +56,29 @@ class MoEStats:
                 self.failure_codes[code] += 1
 
 
+class WaitMeter:
+    """Seconds one trainer thread's micro-batches spent waiting for expert calls (forward and
+    backward). A trainer sizes how many micro-batches it keeps in flight from it
+    (:mod:`toolkit.moe.inflight`): compute is a micro-batch's wall time minus this.
+
+    Per thread, captured by the plan at forward time: on CUDA autograd runs a backward on its own
+    device thread, and that wait still belongs to the thread whose micro-batch it is."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+_METERS = threading.local()
+
+
+def wait_meter() -> WaitMeter:
+    """This thread's :class:`WaitMeter` (made on first use)."""
+    meter = getattr(_METERS, "meter", None)
+    if meter is None:
+        meter = _METERS.meter = WaitMeter()
+    return meter
+
+
 @dataclass(frozen=True)
 class Group:
     """The rows of one micro-batch routed to one expert: ``rows [r]`` and their top-k ``slots [r]``."""
@@ -94,6 +117,7 @@ class CallPlan:
     k_min: int = 1
     timeout_after_k_min_s: float | None = None
     answered: list[bool] = field(default_factory=list)
+    meter: WaitMeter = field(default_factory=wait_meter)
 
 
 def wait_all(futures: list[concurrent.futures.Future], timeout_s: float, shapes: list[tuple[int, int]],
@@ -167,8 +191,10 @@ class _CallExperts(torch.autograd.Function):
         futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
         plan.stats.add(calls=len(futures))
         shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
+        started = time.monotonic()
         results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device,
                            k_min_reached(plan.groups, x.shape[0], plan.k_min), plan.timeout_after_k_min_s)
+        plan.meter.seconds += time.monotonic() - started
         y = x.new_zeros(x.shape[0], plan.k, plan.out_features)
         answered = torch.zeros(x.shape[0], plan.k, dtype=torch.bool, device=x.device)
         plan.answered = []
@@ -194,8 +220,10 @@ class _CallExperts(torch.autograd.Function):
         todo = [g for g, ok in zip(plan.groups, plan.answered) if ok]
         futures = [plan.caller.backward(g.uid, x[g.rows], grad_y[g.rows, g.slots]) for g in todo]
         plan.stats.add(backward_calls=len(futures))
+        started = time.monotonic()
         results = wait_all(futures, plan.backward_timeout_s, [(len(g.rows), x.shape[1]) for g in todo],
                            x.dtype, x.device)
+        plan.meter.seconds += time.monotonic() - started
         grad_x = torch.zeros_like(x)
         for g, res in zip(todo, results):
             if isinstance(res, torch.Tensor):

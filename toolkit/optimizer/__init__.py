@@ -25,6 +25,11 @@ thread while the next batches compute on the previous parameters: one step of st
 the relay must allow (``run.max_staleness >= 1``). With it off, ``step()`` blocks for the round,
 and training is exactly large-batch training.
 
+A trainer that computes several micro-batches at once on replicas of the model (a run with
+mixture layers, :mod:`toolkit.moe.inflight`) hands each one's gradients to ``contribute(grads,
+batch_size=, loss=, version=)``, the method ``step()`` itself calls with ``.grad``; ``room()`` says
+how many samples the collaboration may still gather before the round.
+
 The package: :mod:`.core` (the loop API), :mod:`.rounds` (taking part in a round),
 :mod:`.own_loop` (the run's model and data for a loop of one's own).
 """

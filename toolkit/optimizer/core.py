@@ -95,6 +95,8 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._report_lock = threading.Lock()  # one progress report in flight at a time
         self.version = -1
         self.contributed_samples = 0
+        self.dropped_stale_samples = 0  # handed to contribute() computed on too old a version
+        self._reported_samples = 0  # this peer's samples in the relay's last answer (see room())
         # The step of the round that last applied this peer's samples: the version it produced
         # may already be older than ``version`` (a download returns the newest one).
         self.last_applied_round = -1
@@ -139,25 +141,74 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
             raise ValueError(f"step(batch_size={batch_size}) but the noted micro-batches hold {noted_n} samples: "
                              "pass no batch_size when the loop notes its losses")
         value = next((float(v) for v in (explicit, noted_loss, loss) if v is not None), None)
-        self._finish_pending()
-        if self.finished:
-            return loss
         n = batch_size or noted_n or self.batch_size_per_step
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
         if value is None and not self._warned_no_loss:
             self._warned_no_loss = True
             log.warning("step() got no loss: pass step(loss=..., batch_size=...) or note it (toolkit.integrations."
                         "watch_loss); the relay charts this peer's samples without a loss")
-        if skip:
+        self.contribute(grads, batch_size=n, loss=value, skip=skip, weight=self.grad_unit if mode == "sum" else n,
+                        started=started)
+        return loss
+
+    @torch.no_grad()
+    def contribute(self, grads: list[torch.Tensor], *, batch_size: int, loss: float | None = None,
+                   version: int | None = None, skip: bool = False, weight: float | None = None,
+                   started: float | None = None) -> bool:
+        """Add one micro-batch's gradients, computed on parameters ``version``, to the local
+        accumulator; take part in a round if due. :meth:`step` is this with ``.grad``.
+
+        ``grads`` are in ``model.parameters()`` order, per-sample means over ``batch_size``
+        samples (``weight``: what they are multiplied by instead, see :meth:`Accumulator.add`).
+        ``version`` (default: the parameters loaded now) lets a trainer that computes several
+        micro-batches at once, each on its own replica (:mod:`toolkit.moe.inflight`), hand in a
+        gradient computed before the latest download: one older than the run's ``max_staleness``
+        allows could never join a round, so it is dropped, counted in ``dropped_stale_samples``
+        and said on the panel (``last_error``), never silently. ``started``: when the micro-batch's
+        compute began (step() passes it, so the local samples/s counts compute, not round waits;
+        default now: the interval since the last contribution). Returns whether it was added.
+        """
+        started = time.monotonic() if started is None else started
+        self._finish_pending()
+        if self.finished:
+            return False
+        version = self.version if version is None else version
+        added = False
+        if self.version - version > self.run.max_staleness:
+            self.dropped_stale_samples += batch_size
+            self._note_error(CollabError("stale_gradient", f"dropped a micro-batch of {batch_size} samples computed on "
+                                         f"step {version}: step {self.version} was loaded meanwhile and the run "
+                                         f"allows {self.run.max_staleness} step(s) of staleness "
+                                         f"({self.dropped_stale_samples} samples dropped so far)"))
+        elif skip:
             log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
         elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
             log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
         else:
-            self.accumulator.add(grads, n, value, self.version, weight=self.grad_unit if mode == "sum" else n)
-            self._update_speed(n, started)
+            self.accumulator.add(grads, batch_size, loss, version, weight=weight)
+            self._update_speed(batch_size, started)
+            added = True
         self._sync()
         self._last_step_end = time.monotonic()
-        return loss
+        return added
+
+    def sync(self) -> None:
+        """Settle a finished background round and report, contribute or resync as the collaboration's
+        state says, with nothing to add: what a trainer that holds micro-batches back calls while
+        it waits for the round they would overshoot (:meth:`room`)."""
+        self._finish_pending()
+        if not self.finished:
+            self._sync()
+
+    def room(self) -> int:
+        """Samples the collaboration may still gather before it reaches ``target_batch``: the
+        target less the others' samples (the relay's count less what this peer last reported),
+        less this peer's accumulator. A trainer with micro-batches in flight issues another only
+        while its in-flight samples stay below this, so it never computes on parameters a round
+        is about to replace (with ``max_staleness = 0`` such a gradient would be wasted)."""
+        state = self.collab_state
+        others = 0 if self.version > state.step else max(0, state.samples_accumulated - self._reported_samples)
+        return state.target_batch - others - self.samples
 
     def batches(self, data: Iterable[Any] | None = None, *, batch_size: int | None = None,
                 seed: int | str | None = None) -> Iterator[Any]:
@@ -213,7 +264,9 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         never sees an older, smaller count after the one an upload relies on.
         """
         with self._report_lock:
-            self.collab_state = (client or self.client).heartbeat(self.peer_id, self.heartbeat_message())
+            message = self.heartbeat_message()
+            self.collab_state = (client or self.client).heartbeat(self.peer_id, message)
+            self._reported_samples = message.samples
             self.last_report_at = time.monotonic()
             return self.collab_state
 
