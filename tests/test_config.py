@@ -233,5 +233,5 @@ def test_frozen_experts_need_no_learning_rate_and_training_ones_do() -> None:
     frozen["moe"] = {**frozen["moe"], "optimizer": {"name": "sgd"}}
     with pytest.raises(ConfigError) as refused:
         load_config(None, env={}, overrides=frozen)
-    assert str(refused.value) == ("moe.optimizer needs name in ('sgd', 'adam', 'none') and lr > 0 "
+    assert str(refused.value) == ("moe.optimizer needs name in ('none', 'sgd', 'adam') and lr > 0 "
                                   "(none: experts are not trained)")

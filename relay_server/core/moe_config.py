@@ -97,7 +97,7 @@ class MoeSection:
              "moe.expert needs integer d (1..65536) and hidden (1..262144)"),
             (self.optimizer.get("name") in OPTIMIZERS and (self.optimizer["name"] == "none" or (
                 isinstance(self.optimizer.get("lr"), (int, float)) and self.optimizer["lr"] > 0)),
-             f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (except none)"),
+             f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (none: experts are not trained)"),
             (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
              "moe timeouts and checkpoint_every_s must be > 0"),
             (self.codec in ("none", "float16", "int8"), "moe.codec must be none, float16 or int8"),
