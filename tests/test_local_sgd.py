@@ -1,0 +1,192 @@
+"""Low-bandwidth mode, ``run.mode = "local_sgd"`` (issue 26): peers run the inner optimizer for a
+budget, upload one pseudo-gradient (global - local) per outer round, the relay applies the outer
+SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed), real clients.
+
+- H = 1 with inner SGD lr 1 and outer SGD lr 1 without momentum is sync mode: same parameters
+  after three rounds, to 1e-5 relative.
+- One outer round with inner AdamW and outer Nesterov SGD equals ``init - lr (1 + mu) (init -
+  local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
+- A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL).
+- Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
+- What the mode does not support yet is refused at load time in one line.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from relay_server.core.config import ConfigError, load_config
+from tests.conftest import merged, wait_until, write_config
+from tests.support.peers import RawPeer
+from tests.support.relays import snapshot
+from toolkit.client import RelayClient
+from toolkit.models import build_model
+from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.optimizer.local_sgd import inner_optimizer
+
+BATCH = 8
+SGD1 = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "clip_grad_norm": 0.0}
+PATIENT = {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}  # a loaded machine: no deadline closes
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, BATCH, 8, generator=g)
+    return [torch.cat([b, torch.tanh(b.sum(1, keepdim=True))], dim=1) for b in x]
+
+
+def relay_params(url: str, min_step: int = 0) -> np.ndarray:
+    client = RelayClient(url)
+    try:
+        out = np.empty(client.get_run().num_params, dtype=np.float32)
+        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
+        return out
+    finally:
+        client.close()
+
+
+def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
+    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
+    client = RelayClient(url)
+    model = build_model(client.get_run().model)
+    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+    i = 0
+    while opt.version < until_step:
+        opt.zero_grad()
+        loss = model.loss(data[i % len(data)])
+        loss.backward()
+        opt.step(loss=loss.item())
+        i += 1
+    opt.close()
+    return opt
+
+
+def local_run(inner: dict, **local_sgd) -> dict:
+    return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
+            "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
+    data = batches(3)
+    sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0}, "optimizer": SGD1, "rounds": PATIENT},
+                       name="sync")
+    local = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+                        name="local")
+    init = relay_params(sync.url)
+    np.testing.assert_array_equal(init, relay_params(local.url))  # same seed, same start
+    train(sync.url, data, 3)
+    opt = train(local.url, data, 3)
+    assert opt.local_sgd is not None and opt.local_sgd.outer_rounds == 3
+    a, b = relay_params(sync.url, 3), relay_params(local.url, 3)
+    assert relative_difference(a, init) > 1e-3  # three real steps were taken
+    assert relative_difference(b, a) <= 1e-5
+
+
+def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_relay) -> None:
+    inner = {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
+    relay = serve_relay(local_run(inner, inner_steps=5, outer_lr=0.7, outer_momentum=0.9, nesterov=True))
+    fixed = batches(1, seed=7)
+    init = relay_params(relay.url)
+    train(relay.url, fixed, 1)
+    after = relay_params(relay.url, 1)
+    # the same inner loop, in this process
+    model = build_model(RelayClient(relay.url).get_run().model)
+    offset = 0
+    for p in model.parameters():
+        p.data.copy_(torch.from_numpy(init[offset:offset + p.numel()]).view_as(p))
+        offset += p.numel()
+    named = list(model.named_parameters())
+    optimizer = inner_optimizer(named, {**inner, "momentum": 0.0})
+    for _ in range(5):
+        optimizer.zero_grad()
+        model.loss(fixed[0]).backward()
+        optimizer.step()
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    expected = init - 0.7 * (1 + 0.9) * (init - local)  # Nesterov's first step: (1 + mu) x the gradient
+    assert relative_difference(after, expected) <= 1e-5
+
+    def loss_at(flat: np.ndarray) -> float:
+        at = 0
+        for p in model.parameters():
+            p.data.copy_(torch.from_numpy(flat[at:at + p.numel()]).view_as(p))
+            at += p.numel()
+        with torch.no_grad():
+            return float(model.loss(fixed[0]))
+
+    assert loss_at(after) < loss_at(init)
+
+
+def test_a_peer_killed_mid_inner_loop_does_not_stall_the_outer_round(serve_relay, launch_peer) -> None:
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=4, outer_lr=1.0, outer_momentum=0.0,
+                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 10_000,
+                                                             "max_staleness": 0}})
+    slow = launch_peer(relay.url, "slow", seed=1, batch_size=BATCH, steps=5, extra=("--sleep-per-batch", "600"))
+    wait_until(lambda: relay.status()["num_peers"] == 1, 120, "the slow peer to join")
+    fast = launch_peer(relay.url, "fast", seed=2, batch_size=BATCH, steps=2)
+    # the fast peer finished its budget; the relay waits for the live slow one
+    wait_until(lambda: relay.status()["samples_accumulated"] >= 4 * BATCH, 120, "the fast peer's pseudo-gradient")
+    status = relay.status()
+    assert status["step"] == 0 and status["round"] is None
+    slow.proc.send_signal(signal.SIGKILL)
+    assert fast.wait(180) == 0  # rounds 1 and 2 happened without the dead peer
+    assert relay.status()["step"] >= 2
+
+
+def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
+    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    init = relay_params(relay.url)
+    num = init.size
+    finite = np.full(num, 0.5, np.float32)
+    nan = finite.copy()
+    nan[3] = np.nan
+    attacks = {"nan": lambda p: p.container(nan),
+               "wrong_shape": lambda p: p.container(finite[:-1]),
+               "oversized": lambda p: p.container(finite) + b"\0" * (4 << 20)}
+    for name, body in attacks.items():
+        peer = RawPeer(relay).join(name)
+        assert peer.heartbeat(10).ok
+        before = snapshot(relay)
+        response = peer.upload(body(peer))
+        assert response.status_code >= 400, (name, response.status_code, response.text)
+        after = snapshot(relay)
+        assert (after["sum"], after["weights"]) == (before["sum"], before["weights"]), name
+        assert relay.status()["step"] == 0, name
+        np.testing.assert_array_equal(relay_params(relay.url), init)
+    honest = RawPeer(relay).join("honest")
+    assert honest.heartbeat(10).ok
+    wait_until(lambda: relay.status()["round"], 30, "an outer round")
+    assert honest.upload(honest.container(finite * 10)).ok  # pseudo-gradient 0.5, weighted by 10 samples
+    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "names"), [
+    ({"run": {"mode": "fast"}}, "run.mode"),
+    ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
+    ({"local_sgd": {"outer_lr": 0.0}}, "local_sgd.outer_lr"),
+    ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
+    ({"run": {"compression": "int8"}}, "run.compression"),
+    ({"run": {"max_staleness": 1}}, "run.max_staleness"),
+    ({"rounds": {"aggregation": "centered_clip"}}, "rounds.aggregation"),
+    ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
+    ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10}}, "optimizer.schedule"),
+    ({"moe": {"enabled": True}}, "[moe]"),
+])
+def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names) -> None:
+    config = merged({"run": {"mode": "local_sgd", "max_staleness": 0}})
+    for section, values in overrides.items():
+        config.setdefault(section, {}).update(values)
+    config["server"]["data_dir"] = str(tmp_path / "data")
+    with pytest.raises(ConfigError) as error:
+        load_config(write_config(tmp_path / "run.toml", config), env={})
+    message = str(error.value)
+    assert names in message and "\n" not in message, message
+    assert not (tmp_path / "data").exists()
