@@ -190,3 +190,18 @@ def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names
     message = str(error.value)
     assert names in message and "\n" not in message, message
     assert not (tmp_path / "data").exists()
+
+
+def test_the_readme_configuration_loads(tmp_path) -> None:
+    """The README's low-bandwidth block is a valid run, in local SGD mode with its outer SGD."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## Organizer: low-bandwidth mode.*?```toml\n(.*?)```", readme, re.S)[1]
+    path = tmp_path / "run.toml"
+    path.write_text(block + f'\n[server]\ndata_dir = "{tmp_path / "data"}"\n[auth]\nmode = "open"\n')
+    config = load_config(path, env={})
+    assert config.run.mode == "local_sgd" and config.local_sgd.inner_steps == 30
+    outer = config.master_optimizer()
+    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.9, True)
