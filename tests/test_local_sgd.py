@@ -8,6 +8,7 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
   local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
 - A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL).
 - Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
+- With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
 - What the mode does not support yet is refused at load time in one line.
 """
 
@@ -205,3 +206,30 @@ def test_the_readme_configuration_loads(tmp_path) -> None:
     assert config.run.mode == "local_sgd" and config.local_sgd.inner_steps == 30
     outer = config.master_optimizer()
     assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.9, True)
+
+
+def test_an_aggregator_cannot_join_a_local_sgd_run(serve_relay) -> None:
+    """Aggregators (each owning a slice of the outer step) are not supported yet: refused, saying so."""
+    from toolkit.wire.protocol import PROTOCOL_VERSION
+
+    relay = serve_relay(local_run(SGD1, inner_steps=2))
+    response = relay.admin("POST", "/aggregators/register",
+                           json={"name": "agg", "url": "http://127.0.0.1:9", "protocol": PROTOCOL_VERSION})
+    assert response.status_code == 409 and "run.mode" in response.text, response.text
+    assert relay.status()["plan"]["aggregators"] == []
+
+
+@pytest.mark.slow  # two peer processes: their torch imports dominate (seconds each on a loaded machine)
+def test_with_a_time_budget_peers_of_different_speeds_all_contribute(serve_relay, launch_peer) -> None:
+    """``inner_seconds``: a peer 20x slower finishes its budget with the fast one, and the relay
+    waits for every live peer on the version, so each outer round holds both."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=0, inner_seconds=1.0, outer_lr=1.0,
+                                  outer_momentum=0.0, nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    peers = [launch_peer(relay.url, "fast", seed=1, batch_size=BATCH, steps=2, extra=("--wait-peers", "2")),
+             launch_peer(relay.url, "slow", seed=2, batch_size=BATCH, steps=2,
+                         extra=("--wait-peers", "2", "--sleep-per-batch", "0.1"))]
+    for peer in peers:
+        assert peer.wait(180) == 0, peer.log_path.read_text()[-2000:]
+    rounds = {r["step"]: r for r in relay.status()["recent_rounds"]}
+    assert rounds[1]["contributors"] == 2 and rounds[2]["contributors"] == 2, rounds
