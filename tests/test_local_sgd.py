@@ -6,7 +6,8 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
   after three rounds, to 1e-5 relative.
 - One outer round with inner AdamW and outer Nesterov SGD equals ``init - lr (1 + mu) (init -
   local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
-- A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL).
+- A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL);
+  a pseudo-gradient that misses its round is dropped, counted, and its peer moves on.
 - Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
 - With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
 - What the mode does not support yet is refused at load time in one line.
@@ -139,6 +140,41 @@ def test_a_peer_killed_mid_inner_loop_does_not_stall_the_outer_round(serve_relay
     slow.proc.send_signal(signal.SIGKILL)
     assert fast.wait(180) == 0  # rounds 1 and 2 happened without the dead peer
     assert relay.status()["step"] >= 2
+
+
+def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_relay) -> None:
+    """The fast peer alone holds the target batch, so its outer round does not wait; the slow
+    peer's pseudo-gradient, computed on version 0, arrives with the relay at 1: dropped (never
+    applied), counted on the peer, and the peer continues from version 1."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
+                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH,
+                                                             "max_staleness": 0}})
+    data = batches(2)
+
+    def peer() -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+        client = RelayClient(relay.url)
+        model = build_model(client.get_run().model)
+        return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+
+    def step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        opt.step(loss=loss.item())
+
+    (fast_model, fast), (slow_model, slow) = peer(), peer()
+    step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
+    step(fast_model, fast, data[0])
+    step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
+    assert fast.version == 1 and fast.local_sgd.outer_rounds == 1
+    step(slow_model, slow, data[1])  # budget spent, on version 0: late
+    assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
+    status = relay.status()
+    assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
+    np.testing.assert_array_equal(torch.cat([p.detach().reshape(-1) for p in slow_model.parameters()]).numpy(),
+                                  relay_params(relay.url, 1))  # back on the global parameters
+    fast.close()
+    slow.close()
 
 
 def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
