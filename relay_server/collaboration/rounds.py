@@ -184,8 +184,8 @@ class RoundCycle:
     async def _finalize_sliced(self, r: Round, outcome: RoundLog) -> Published:
         """Every owner finalizes its slice (dead ones are recovered inside), then commit and publish."""
         published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
-        outcome = dataclasses.replace(outcome, lr=lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps),
-                                      grad_norm=grad_norm)
+        lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
+        outcome = dataclasses.replace(outcome, lr=lr, grad_norm=grad_norm)
         manifest = published.manifest.dumps().decode() if published.manifest else ""
         await asyncio.to_thread(self.store.commit, published.step, published.sha256, outcome, {"manifest": manifest})
         self.backbone.board.publish(published)

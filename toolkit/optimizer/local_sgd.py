@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from toolkit.errors import CollabError
+
 if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
 
@@ -109,8 +111,8 @@ class LocalSgd:
             return
         try:
             state = opt.report_progress()
-        except Exception as exc:  # noqa: BLE001 -- a lost report costs nothing; the next one retries
-            log.info("progress report failed (%s); training on", exc)
+        except CollabError as exc:  # a lost report costs nothing; the next one retries
+            opt._note_error(exc)
             return
         if state.finished:
             opt.finished = True
