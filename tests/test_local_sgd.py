@@ -7,7 +7,8 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
 - One outer round with inner AdamW and outer Nesterov SGD equals ``init - lr (1 + mu) (init -
   local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
 - A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL);
-  a pseudo-gradient that misses its round is dropped, counted, and its peer moves on.
+  a pseudo-gradient that misses its round is dropped, counted, and its peer moves on; a live
+  peer that never finishes delays the round only for ``local_sgd.straggler_wait_s``.
 - Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
 - With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
 - What the mode does not support yet is refused at load time in one line.
@@ -177,6 +178,21 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
     slow.close()
 
 
+def test_a_live_peer_that_never_finishes_delays_the_outer_round_only_for_the_straggler_wait(serve_relay) -> None:
+    """A paused notebook keeps heartbeating with nothing to send: after ``straggler_wait_s`` the
+    relay opens the outer round for the peer that finished, and applies its pseudo-gradient."""
+    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
+                                  straggler_wait_s=1.0)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+                           "rounds": {**PATIENT, "peer_ttl_s": 600.0}})  # nobody times out here
+    init = relay_params(relay.url)
+    paused, done = RawPeer(relay).join("paused"), RawPeer(relay).join("done")
+    assert paused.heartbeat(0).ok and done.heartbeat(10).ok
+    assert wait_until(lambda: relay.status()["round"], 60, "the outer round")["expected_peers"] == 1
+    assert done.upload(done.container(np.full(init.size, 2.0, np.float32))).ok
+    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.2, rtol=1e-6)
+
+
 def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
     relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
                         | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
@@ -209,6 +225,7 @@ def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) ->
     ({"run": {"mode": "fast"}}, "run.mode"),
     ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
     ({"local_sgd": {"outer_lr": 0.0}}, "local_sgd.outer_lr"),
+    ({"local_sgd": {"straggler_wait_s": 0.0}}, "local_sgd.straggler_wait_s"),
     ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
     ({"run": {"compression": "int8"}}, "run.compression"),
     ({"run": {"max_staleness": 1}}, "run.max_staleness"),

@@ -28,7 +28,7 @@ from relay_server.backbone.slicing import Published
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.observers.events import ObserverThread, StepEvent
-from relay_server.rounds.local_sgd import outer_round_due
+from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.master import MasterState, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
 from relay_server.rounds.publisher import Publisher, Version
@@ -49,6 +49,7 @@ class RoundCycle:
         self.observers, self.status = observers, status  # status: what a StepEvent carries
         self.run_cfg = config.run
         self.deadlines = DeadlinePolicy(config.rounds)
+        self.outer_rule = OuterRoundRule(config.run.target_batch, config.local_sgd.straggler_wait_s)
         self.round: Round | None = None
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
@@ -97,7 +98,7 @@ class RoundCycle:
             if reporter is not None and reporter.samples > 0 and 0 <= self.step - reporter.version <= staleness:
                 ahead -= reporter.batch
         if self.run_cfg.mode == "local_sgd":
-            if not outer_round_due(self.registry, self.step, self.run_cfg.target_batch):
+            if not self.outer_rule.due(self.registry, self.step):
                 return
         elif self.registry.collected(self.step, staleness) + ahead < self.run_cfg.target_batch:
             return  # the common case on every heartbeat: O(1), no scan of the registry

@@ -30,6 +30,9 @@ class LocalSgdSection:
     """Seconds of inner training per outer round (0 = only ``inner_steps`` counts). With both set,
     whichever ends first ends the inner loop: a time budget lets peers of different speeds all
     contribute to every outer round."""
+    straggler_wait_s: float = 120.0
+    """Once a peer finished its budget, open the outer round after at most this many seconds even
+    if other live peers have not finished (a paused notebook still heartbeats)."""
     outer_lr: float = 0.7
     """The outer SGD's learning rate on the averaged pseudo-gradient (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9
@@ -57,6 +60,7 @@ class LocalSgdSection:
              "local_sgd.inner_steps and local_sgd.inner_seconds must be >= 0"),
             (self.inner_steps > 0 or self.inner_seconds > 0,
              "local_sgd: set inner_steps (e.g. 30) or inner_seconds (e.g. 60), or both: the inner loop needs a budget"),
+            (self.straggler_wait_s > 0, "local_sgd.straggler_wait_s must be > 0 (seconds)"),
             (self.outer_lr > 0, "local_sgd.outer_lr must be > 0 (DiLoCo uses 0.7)"),
             (0 <= self.outer_momentum < 1, "local_sgd.outer_momentum must be in [0, 1) (DiLoCo uses 0.9)"),
             (not self.nesterov or self.outer_momentum > 0,
