@@ -70,6 +70,9 @@ class Aggregators(Mapping[str, Aggregator]):
         if self.config.optimizer.state_bits != 32:
             raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
                            "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
+        if self.config.run.mode != "sync":
+            raise ApiError(409, "mode_unsupported", f"aggregators are not supported with run.mode = "
+                           f"{self.config.run.mode!r} yet", "Run the relay alone, or set run.mode = \"sync\".")
         if not req.url.startswith(("http://", "https://")):
             raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
                            "Pass --public-url with the address peers can reach.")

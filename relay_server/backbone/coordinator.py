@@ -69,7 +69,7 @@ class Backbone:
         self.config, self.store, self.layout, self.codec, self.run_info = config, store, layout, codec, run_info
         self.cfg = config.aggregators
         self.num_params = int(params.size)
-        self.boundaries = slice_boundaries(layout, config.optimizer)  # where the plan may cut (None: anywhere)
+        self.boundaries = slice_boundaries(layout, config.master_optimizer())  # where the plan may cut (None: anywhere)
         self.planning = Planning(self.cfg, self.num_params, config.run.target_batch)
         self.local: SliceOwner | None = self._new_owner({"params": params}, 0, self.num_params, 0, RELAY_ONLY,
                                                         adopt=True)
@@ -90,7 +90,7 @@ class Backbone:
 
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:
-        return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.optimizer,
+        return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.master_optimizer(),
                           total_steps=self.config.run.total_steps, codec=self.codec, store=self.store,
                           fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
                           run_name=self.config.run.name, plan_version=plan_version,
@@ -185,7 +185,7 @@ class Backbone:
         global norm when clipping); returns version ``step + 1`` and the mean gradient's global
         norm. An owner that does not answer is dead: its slice is recovered and the slices re-planned."""
         closer = RoundCloser(self.owners, self.local, self.aggregators, self.client, self.plan_version)
-        closed = await closer.close(step, round_id, clip=self.config.optimizer.clip_grad_norm > 0)
+        closed = await closer.close(step, round_id, clip=self.config.master_optimizer().clip_grad_norm > 0)
         if closed.dead:
             return await self._recover(step + 1, closed.dead), closed.grad_norm
         shas = {o.owner_id: closed.reports[o.owner_id].sha256 for o in self.owners}

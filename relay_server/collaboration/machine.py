@@ -146,7 +146,7 @@ class Collaboration:
 
     def state(self) -> CollabState:
         return collab_state(self.registry, self.run_cfg, self.step, self.rounds.round, self.finished,
-                            self.config.optimizer)
+                            self.config.master_optimizer())
 
     # --- registry -----------------------------------------------------------------------------
     def join(self, req: JoinRequest, username: str) -> JoinResponse:

@@ -28,6 +28,7 @@ from relay_server.backbone.slicing import Published
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.observers.events import ObserverThread, StepEvent
+from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.master import MasterState, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
 from relay_server.rounds.publisher import Publisher, Version
@@ -48,6 +49,7 @@ class RoundCycle:
         self.observers, self.status = observers, status  # status: what a StepEvent carries
         self.run_cfg = config.run
         self.deadlines = DeadlinePolicy(config.rounds)
+        self.outer_rule = OuterRoundRule(config.run.target_batch, config.local_sgd.straggler_wait_s)
         self.round: Round | None = None
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
@@ -95,10 +97,13 @@ class RoundCycle:
             ahead = self.registry.in_flight(self.step, staleness)
             if reporter is not None and reporter.samples > 0 and 0 <= self.step - reporter.version <= staleness:
                 ahead -= reporter.batch
-        if self.registry.collected(self.step, staleness) + ahead < self.run_cfg.target_batch:
+        if self.run_cfg.mode == "local_sgd":
+            if not self.outer_rule.due(self.registry, self.step):
+                return
+        elif self.registry.collected(self.step, staleness) + ahead < self.run_cfg.target_batch:
             return  # the common case on every heartbeat: O(1), no scan of the registry
         eligible = self.registry.eligible(self.step, staleness)
-        if sum(p.samples for p in eligible) + ahead < self.run_cfg.target_batch:
+        if self.run_cfg.mode != "local_sgd" and sum(p.samples for p in eligible) + ahead < self.run_cfg.target_batch:
             return
         self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
                            deadline_s=self.deadlines.window_s(), plan_version=self.backbone.plan_version,
@@ -180,8 +185,8 @@ class RoundCycle:
     async def _finalize_sliced(self, r: Round, outcome: RoundLog) -> Published:
         """Every owner finalizes its slice (dead ones are recovered inside), then commit and publish."""
         published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
-        outcome = dataclasses.replace(outcome, lr=lr_at(r.step, self.config.optimizer, self.run_cfg.total_steps),
-                                      grad_norm=grad_norm)
+        lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
+        outcome = dataclasses.replace(outcome, lr=lr, grad_norm=grad_norm)
         manifest = published.manifest.dumps().decode() if published.manifest else ""
         await asyncio.to_thread(self.store.commit, published.step, published.sha256, outcome, {"manifest": manifest})
         self.backbone.board.publish(published)

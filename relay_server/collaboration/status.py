@@ -32,6 +32,7 @@ def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, c
         precision=config.run.precision or None, dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},
+        local_sgd=config.local_sgd.run_info(config.optimizer) if config.run.mode == "local_sgd" else {},
         pipeline={"stages": config.pipeline.stages, "microbatch_size": config.pipeline.microbatch_size,
                   "boundary_codec": config.pipeline.boundary_codec} if config.pipeline.enabled else {})
 
@@ -61,7 +62,7 @@ def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | 
 
 
 def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
-    opt, run_cfg = config.optimizer, config.run
+    opt, run_cfg = config.master_optimizer(), config.run
     return RunSummary(model=config.model.label(), num_params=num_params, optimizer=opt.name,
                       lr=opt.lr, schedule=opt.schedule, target_batch=run_cfg.target_batch,
                       max_staleness=run_cfg.max_staleness, precision=run_cfg.precision or None,

@@ -44,6 +44,7 @@ from typing import Any
 from relay_server.core.connections import ConnectionsSection
 from relay_server.core.evaluation_config import EvaluationSection, check_evaluation
 from relay_server.core.hub_files import download_hub_file
+from relay_server.core.local_sgd_config import LocalSgdSection, mode_checks
 from relay_server.core.moe_config import MoeSection
 from relay_server.core.overrides import apply_env
 from relay_server.core.pipeline_config import PipelineSection
@@ -59,7 +60,7 @@ except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from 
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection",
-           "EvaluationSection", "HubSection", "LimitsSection", "ModelSection", "MoeSection", "OptimizerSection",
+           "EvaluationSection", "HubSection", "LimitsSection", "LocalSgdSection", "ModelSection", "MoeSection", "OptimizerSection",
            "PipelineSection", "RelayConfig", "RoundsSection",
            "RunSection", "ServerSection", "TokenizerSection", "WandbSection", "load_config", "resolve_paths"]
 
@@ -91,6 +92,8 @@ class RelayConfig:
     """A model cut into stages that volunteers run; the relay holds the boundaries."""
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     """Held-out validation and live samples of the published versions, off the round's path."""
+    local_sgd: LocalSgdSection = field(default_factory=LocalSgdSection)
+    """The inner budget and outer optimizer of ``run.mode = "local_sgd"``."""
     objective: dict[str, Any] = field(default_factory=dict)
     """What peers train on: name = "masked-lm" | "causal-lm" | "classification", seq_len, ... (see
     toolkit.data.objectives.ObjectiveConfig); empty = the byte-level stream."""
@@ -111,11 +114,17 @@ class RelayConfig:
             (not (self.pipeline.enabled and (self.hub.repo_id or self.hub.init_from)),
              "hub.repo_id / hub.init_from: Hub checkpoints of [pipeline] runs are not supported yet (each stage "
              "keeps its own version files): clear them, or train without [pipeline]"),
+            *mode_checks(self),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         return self
+
+    def master_optimizer(self) -> OptimizerSection:
+        """The optimizer the relay applies to the master parameters: ``[optimizer]`` in sync mode,
+        the outer SGD of ``[local_sgd]`` in local SGD mode (where ``[optimizer]`` runs on the peers)."""
+        return self.local_sgd.outer_optimizer() if self.run.mode == "local_sgd" else self.optimizer
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,

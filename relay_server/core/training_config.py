@@ -36,6 +36,9 @@ class RunSection:
     """Pin one precision policy for every peer ("bf16", "fp16", "fp32"); empty = each peer picks."""
     compression: str = "none"
     """Codec for gradients and parameters on the wire: "none", "float16" or "int8" (blockwise)."""
+    mode: str = "sync"
+    """"sync": every step's gradient goes to the relay (DeDLOC); "local_sgd": peers train locally
+    for ``[local_sgd]``'s budget and send one pseudo-gradient per outer round (low bandwidth)."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
@@ -45,6 +48,7 @@ class RunSection:
             (0 <= self.max_staleness <= 8, "run.max_staleness must be in 0..8"),
             (self.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
             (self.compression in ("none", "float16", "int8"), "run.compression must be none, float16 or int8"),
+            (self.mode in ("sync", "local_sgd"), 'run.mode must be "sync" or "local_sgd"'),
         ]
 
 
@@ -112,6 +116,8 @@ class OptimizerSection:
     """Adam / AdamW / LAMB betas: the decay rates of the first and second moment, each in [0, 1)."""
     momentum: float = 0.0
     """SGD momentum."""
+    nesterov: bool = False
+    """SGD: Nesterov momentum (needs momentum > 0)."""
     eps: float = 1e-8
     """Added to the second moment's square root (Adam family): keeps tiny moments from exploding a step."""
     lamb_clamp: float = 10.0
@@ -139,6 +145,8 @@ class OptimizerSection:
             (self.schedule in ("constant", "linear", "cosine"),
              "optimizer.schedule must be constant, linear or cosine"),
             (self.state_bits in (8, 32), "optimizer.state_bits must be 8 or 32"),
+            (not self.nesterov or (self.name == "sgd" and self.momentum > 0),
+             "optimizer.nesterov = true needs optimizer.name = sgd and optimizer.momentum > 0"),
             (self.state_bits == 32 or self.name == "adamw" or (self.name == "adam" and self.weight_decay == 0),
              "optimizer.state_bits = 8 needs optimizer.name = adamw (8-bit Adam decays weights like AdamW)"),
         ]

@@ -65,7 +65,7 @@ def step_metrics(event: StepEvent, config: RelayConfig) -> dict[str, Any]:
         "deadline_s": record.deadline_s,
         "finalized_by": record.finalized_by,
         # the update that produced version `step` used the schedule's value at `step - 1`
-        "lr": lr_at(event.step - 1, config.optimizer, config.run.total_steps),
+        "lr": lr_at(event.step - 1, config.master_optimizer(), config.run.total_steps),
     }
     if record.loss is not None:
         row["loss"] = record.loss

@@ -206,7 +206,7 @@ def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Op
 
         return make_adamw8bit(groups, cfg)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
     if cfg.name == "lamb":
         from relay_server.rounds.lamb import Lamb

@@ -20,6 +20,7 @@ from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
 from toolkit.optim_base import CollabOptimizerBase
+from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
 from toolkit.optimizer.rounds import Outcome, RoundParticipation
 from toolkit.wire.compression import get_codec
@@ -112,6 +113,8 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._warned_no_loss = False
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self._load_latest()
+        # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
+        self.local_sgd = LocalSgd(self, self.run.local_sgd) if self.run.local_sgd else None
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
         self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
                                   self.run.heartbeat_interval_s)
@@ -184,11 +187,18 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
             log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
         elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
             log.warning("skipping a micro-batch with non-finite gradients (loss scaling overflow?)")
+        elif self.local_sgd is not None:  # an inner step on the model's .grad (step()'s path; the run has no mixtures)
+            self.local_sgd.inner_step(batch_size, loss, batch_size if weight is None else weight)
+            self._update_speed(batch_size, started)
+            added = True
         else:
             self.accumulator.add(grads, batch_size, loss, version, weight=weight)
             self._update_speed(batch_size, started)
             added = True
-        self._sync()
+        if self.local_sgd is not None:
+            self.local_sgd.after_step()
+        else:
+            self._sync()
         self._last_step_end = time.monotonic()
         return added
 

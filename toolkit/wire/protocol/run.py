@@ -62,6 +62,9 @@ class RunInfo(Schema):
     """sha256 of the run's ``tokenizer.json`` (``GET /api/tokenizer``); empty: the run has none."""
     objective: dict[str, Any] = field(default_factory=dict)
     """The run's ``[objective]`` (:class:`toolkit.data.objectives.ObjectiveConfig`); empty: none."""
+    local_sgd: dict[str, Any] = field(default_factory=dict)
+    """``run.mode = "local_sgd"``: the inner optimizer and budget (:mod:`toolkit.optimizer.local_sgd`);
+    empty: sync mode, every step's gradient goes to the relay."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """The run's ``[pipeline]`` as workers need it (stages, micro-batch size, boundary codec) when
     the model is cut into stages (:mod:`toolkit.pipeline`); empty: every peer trains the whole model."""

@@ -1,0 +1,288 @@
+"""Low-bandwidth mode, ``run.mode = "local_sgd"`` (issue 26): peers run the inner optimizer for a
+budget, upload one pseudo-gradient (global - local) per outer round, the relay applies the outer
+SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed), real clients.
+
+- H = 1 with inner SGD lr 1 and outer SGD lr 1 without momentum is sync mode: same parameters
+  after three rounds, to 1e-5 relative.
+- One outer round with inner AdamW and outer Nesterov SGD equals ``init - lr (1 + mu) (init -
+  local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
+- A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL);
+  a pseudo-gradient that misses its round is dropped, counted, and its peer moves on; a live
+  peer that never finishes delays the round only for ``local_sgd.straggler_wait_s``.
+- Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
+- With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
+- What the mode does not support yet is refused at load time in one line.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from relay_server.core.config import ConfigError, load_config
+from tests.conftest import merged, wait_until, write_config
+from tests.support.peers import RawPeer
+from tests.support.relays import snapshot
+from toolkit.client import RelayClient
+from toolkit.models import build_model
+from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.optimizer.local_sgd import inner_optimizer
+
+BATCH = 8
+SGD1 = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "clip_grad_norm": 0.0}
+PATIENT = {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}  # a loaded machine: no deadline closes
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, BATCH, 8, generator=g)
+    return [torch.cat([b, torch.tanh(b.sum(1, keepdim=True))], dim=1) for b in x]
+
+
+def relay_params(url: str, min_step: int = 0) -> np.ndarray:
+    client = RelayClient(url)
+    try:
+        out = np.empty(client.get_run().num_params, dtype=np.float32)
+        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
+        return out
+    finally:
+        client.close()
+
+
+def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
+    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
+    client = RelayClient(url)
+    model = build_model(client.get_run().model)
+    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+    i = 0
+    while opt.version < until_step:
+        opt.zero_grad()
+        loss = model.loss(data[i % len(data)])
+        loss.backward()
+        opt.step(loss=loss.item())
+        i += 1
+    opt.close()
+    return opt
+
+
+def local_run(inner: dict, **local_sgd) -> dict:
+    return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
+            "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
+    data = batches(3)
+    sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0}, "optimizer": SGD1, "rounds": PATIENT},
+                       name="sync")
+    local = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+                        name="local")
+    init = relay_params(sync.url)
+    np.testing.assert_array_equal(init, relay_params(local.url))  # same seed, same start
+    train(sync.url, data, 3)
+    opt = train(local.url, data, 3)
+    assert opt.local_sgd is not None and opt.local_sgd.outer_rounds == 3
+    a, b = relay_params(sync.url, 3), relay_params(local.url, 3)
+    assert relative_difference(a, init) > 1e-3  # three real steps were taken
+    assert relative_difference(b, a) <= 1e-5
+
+
+def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_relay) -> None:
+    inner = {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
+    relay = serve_relay(local_run(inner, inner_steps=5, outer_lr=0.7, outer_momentum=0.9, nesterov=True))
+    fixed = batches(1, seed=7)
+    init = relay_params(relay.url)
+    train(relay.url, fixed, 1)
+    after = relay_params(relay.url, 1)
+    # the same inner loop, in this process
+    model = build_model(RelayClient(relay.url).get_run().model)
+    offset = 0
+    for p in model.parameters():
+        p.data.copy_(torch.from_numpy(init[offset:offset + p.numel()]).view_as(p))
+        offset += p.numel()
+    named = list(model.named_parameters())
+    optimizer = inner_optimizer(named, {**inner, "momentum": 0.0})
+    for _ in range(5):
+        optimizer.zero_grad()
+        model.loss(fixed[0]).backward()
+        optimizer.step()
+    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    expected = init - 0.7 * (1 + 0.9) * (init - local)  # Nesterov's first step: (1 + mu) x the gradient
+    assert relative_difference(after, expected) <= 1e-5
+
+    def loss_at(flat: np.ndarray) -> float:
+        at = 0
+        for p in model.parameters():
+            p.data.copy_(torch.from_numpy(flat[at:at + p.numel()]).view_as(p))
+            at += p.numel()
+        with torch.no_grad():
+            return float(model.loss(fixed[0]))
+
+    assert loss_at(after) < loss_at(init)
+
+
+def test_a_peer_killed_mid_inner_loop_does_not_stall_the_outer_round(serve_relay, launch_peer) -> None:
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=4, outer_lr=1.0, outer_momentum=0.0,
+                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 10_000,
+                                                             "max_staleness": 0}})
+    slow = launch_peer(relay.url, "slow", seed=1, batch_size=BATCH, steps=5, extra=("--sleep-per-batch", "600"))
+    wait_until(lambda: relay.status()["num_peers"] == 1, 120, "the slow peer to join")
+    fast = launch_peer(relay.url, "fast", seed=2, batch_size=BATCH, steps=2)
+    # the fast peer finished its budget; the relay waits for the live slow one
+    wait_until(lambda: relay.status()["samples_accumulated"] >= 4 * BATCH, 120, "the fast peer's pseudo-gradient")
+    status = relay.status()
+    assert status["step"] == 0 and status["round"] is None
+    slow.proc.send_signal(signal.SIGKILL)
+    assert fast.wait(180) == 0  # rounds 1 and 2 happened without the dead peer
+    assert relay.status()["step"] >= 2
+
+
+def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_relay) -> None:
+    """The fast peer alone holds the target batch, so its outer round does not wait; the slow
+    peer's pseudo-gradient, computed on version 0, arrives with the relay at 1: dropped (never
+    applied), counted on the peer, and the peer continues from version 1."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
+                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH,
+                                                             "max_staleness": 0}})
+    data = batches(2)
+
+    def peer() -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+        client = RelayClient(relay.url)
+        model = build_model(client.get_run().model)
+        return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+
+    def step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss = model.loss(batch)
+        loss.backward()
+        opt.step(loss=loss.item())
+
+    (fast_model, fast), (slow_model, slow) = peer(), peer()
+    step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
+    step(fast_model, fast, data[0])
+    step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
+    assert fast.version == 1 and fast.local_sgd.outer_rounds == 1
+    step(slow_model, slow, data[1])  # budget spent, on version 0: late
+    assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
+    status = relay.status()
+    assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
+    np.testing.assert_array_equal(torch.cat([p.detach().reshape(-1) for p in slow_model.parameters()]).numpy(),
+                                  relay_params(relay.url, 1))  # back on the global parameters
+    fast.close()
+    slow.close()
+
+
+def test_a_live_peer_that_never_finishes_delays_the_outer_round_only_for_the_straggler_wait(serve_relay) -> None:
+    """A paused notebook keeps heartbeating with nothing to send: after ``straggler_wait_s`` the
+    relay opens the outer round for the peer that finished, and applies its pseudo-gradient."""
+    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
+                                  straggler_wait_s=1.0)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+                           "rounds": {**PATIENT, "peer_ttl_s": 600.0}})  # nobody times out here
+    init = relay_params(relay.url)
+    paused, done = RawPeer(relay).join("paused"), RawPeer(relay).join("done")
+    assert paused.heartbeat(0).ok and done.heartbeat(10).ok
+    assert wait_until(lambda: relay.status()["round"], 60, "the outer round")["expected_peers"] == 1
+    assert done.upload(done.container(np.full(init.size, 2.0, np.float32))).ok
+    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.2, rtol=1e-6)
+
+
+def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
+    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    init = relay_params(relay.url)
+    num = init.size
+    finite = np.full(num, 0.5, np.float32)
+    nan = finite.copy()
+    nan[3] = np.nan
+    attacks = {"nan": lambda p: p.container(nan),
+               "wrong_shape": lambda p: p.container(finite[:-1]),
+               "oversized": lambda p: p.container(finite) + b"\0" * (4 << 20)}
+    for name, body in attacks.items():
+        peer = RawPeer(relay).join(name)
+        assert peer.heartbeat(10).ok
+        before = snapshot(relay)
+        response = peer.upload(body(peer))
+        assert response.status_code >= 400, (name, response.status_code, response.text)
+        after = snapshot(relay)
+        assert (after["sum"], after["weights"]) == (before["sum"], before["weights"]), name
+        assert relay.status()["step"] == 0, name
+        np.testing.assert_array_equal(relay_params(relay.url), init)
+    honest = RawPeer(relay).join("honest")
+    assert honest.heartbeat(10).ok
+    wait_until(lambda: relay.status()["round"], 30, "an outer round")
+    assert honest.upload(honest.container(finite * 10)).ok  # pseudo-gradient 0.5, weighted by 10 samples
+    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.5, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "names"), [
+    ({"run": {"mode": "fast"}}, "run.mode"),
+    ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
+    ({"local_sgd": {"outer_lr": 0.0}}, "local_sgd.outer_lr"),
+    ({"local_sgd": {"straggler_wait_s": 0.0}}, "local_sgd.straggler_wait_s"),
+    ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
+    ({"run": {"compression": "int8"}}, "run.compression"),
+    ({"run": {"max_staleness": 1}}, "run.max_staleness"),
+    ({"rounds": {"aggregation": "centered_clip"}}, "rounds.aggregation"),
+    ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
+    ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10}}, "optimizer.schedule"),
+    ({"moe": {"enabled": True}}, "[moe]"),
+])
+def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names) -> None:
+    config = merged({"run": {"mode": "local_sgd", "max_staleness": 0}})
+    for section, values in overrides.items():
+        config.setdefault(section, {}).update(values)
+    config["server"]["data_dir"] = str(tmp_path / "data")
+    with pytest.raises(ConfigError) as error:
+        load_config(write_config(tmp_path / "run.toml", config), env={})
+    message = str(error.value)
+    assert names in message and "\n" not in message, message
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_readme_configuration_loads(tmp_path) -> None:
+    """The README's low-bandwidth block is a valid run, in local SGD mode with its outer SGD."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## Organizer: low-bandwidth mode.*?```toml\n(.*?)```", readme, re.S)[1]
+    path = tmp_path / "run.toml"
+    path.write_text(block + f'\n[server]\ndata_dir = "{tmp_path / "data"}"\n[auth]\nmode = "open"\n')
+    config = load_config(path, env={})
+    assert config.run.mode == "local_sgd" and config.local_sgd.inner_steps == 30
+    outer = config.master_optimizer()
+    assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.9, True)
+
+
+def test_an_aggregator_cannot_join_a_local_sgd_run(serve_relay) -> None:
+    """Aggregators (each owning a slice of the outer step) are not supported yet: refused, saying so."""
+    from toolkit.wire.protocol import PROTOCOL_VERSION
+
+    relay = serve_relay(local_run(SGD1, inner_steps=2))
+    response = relay.admin("POST", "/aggregators/register",
+                           json={"name": "agg", "url": "http://127.0.0.1:9", "protocol": PROTOCOL_VERSION})
+    assert response.status_code == 409 and "run.mode" in response.text, response.text
+    assert relay.status()["plan"]["aggregators"] == []
+
+
+@pytest.mark.slow  # two peer processes: their torch imports dominate (seconds each on a loaded machine)
+def test_with_a_time_budget_peers_of_different_speeds_all_contribute(serve_relay, launch_peer) -> None:
+    """``inner_seconds``: a peer 20x slower finishes its budget with the fast one, and the relay
+    waits for every live peer on the version, so each outer round holds both."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=0, inner_seconds=1.0, outer_lr=1.0,
+                                  outer_momentum=0.0, nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    peers = [launch_peer(relay.url, "fast", seed=1, batch_size=BATCH, steps=2, extra=("--wait-peers", "2")),
+             launch_peer(relay.url, "slow", seed=2, batch_size=BATCH, steps=2,
+                         extra=("--wait-peers", "2", "--sleep-per-batch", "0.1"))]
+    for peer in peers:
+        assert peer.wait(180) == 0, peer.log_path.read_text()[-2000:]
+    rounds = {r["step"]: r for r in relay.status()["recent_rounds"]}
+    assert rounds[1]["contributors"] == 2 and rounds[2]["contributors"] == 2, rounds
