@@ -20,7 +20,31 @@ from toolkit.moe.experts import FFNExpert
 from toolkit.moe.layer import RemoteMixtureOfExperts
 
 
-class DMoEMLP(nn.Module):
+class ExpertModel:
+    """What every DMoE trainer model offers besides its forward: a caller to attach (the relay's,
+    or a loopback one), its experts' uids, and how an expert is built. A mixin: the model sets
+    ``moe`` (its mixture layers), ``hidden``, ``expert_hidden`` and ``expert_seed``."""
+
+    moe: Sequence[RemoteMixtureOfExperts]
+    hidden: int
+    expert_hidden: int
+    expert_seed: int
+
+    def attach_caller(self, caller: ExpertCaller):
+        for layer in self.moe:
+            layer.caller = caller
+        return self
+
+    def expert_uids(self) -> list[str]:
+        """Every expert uid of every block's full grid (hosts lease a subset)."""
+        return [uid for layer in self.moe for uid in layer.grid.all_uids()]
+
+    def make_expert(self, uid: str) -> FFNExpert:
+        """Expert ``uid`` as a host or an in-process reference initialises it."""
+        return FFNExpert.for_uid(uid, self.hidden, self.expert_hidden, self.expert_seed)
+
+
+class DMoEMLP(ExpertModel, nn.Module):
     """``forward(x [b, in_features]) -> [b, out_features]``; ``loss(batch [b, in_features + 1])``:
     mean squared error of the last column when ``out_features == 1``, else cross-entropy with the
     last column as the class index; plus ``balancing_coef`` times the mixtures' mean balancing loss.
@@ -46,19 +70,6 @@ class DMoEMLP(nn.Module):
                                                         timeout_after_k_min_s=timeout_after_k_min_s, beam_size=beam_size)
                                  for i in range(layers))
         self.head = nn.Linear(hidden, out_features)
-
-    def attach_caller(self, caller: ExpertCaller) -> DMoEMLP:
-        for layer in self.moe:
-            layer.caller = caller
-        return self
-
-    def expert_uids(self) -> list[str]:
-        """Every expert uid of every block's full grid (hosts lease a subset)."""
-        return [uid for layer in self.moe for uid in layer.grid.all_uids()]
-
-    def make_expert(self, uid: str) -> FFNExpert:
-        """Expert ``uid`` as a host or an in-process reference initialises it."""
-        return FFNExpert.for_uid(uid, self.hidden, self.expert_hidden, self.expert_seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)

@@ -27,12 +27,12 @@ from collections.abc import Sequence
 import torch
 
 from toolkit.models.byte_transformer import ByteTransformer, CausalLMOutput
+from toolkit.models.dmoe import ExpertModel
 from toolkit.moe.calls import ExpertCaller
-from toolkit.moe.experts import FFNExpert
 from toolkit.moe.layer import RemoteMixtureOfExperts
 
 
-class DMoEByteLM(ByteTransformer):
+class DMoEByteLM(ExpertModel, ByteTransformer):
     """``forward(tokens [b, t]) -> logits [b, t, vocab_size]``; ``loss(batch [b, t+1])`` and
     ``forward(input_ids=..., labels=...).loss`` are the next-token CE plus ``balancing_coef``
     times the mixtures' mean balancing loss.
@@ -62,19 +62,6 @@ class DMoEByteLM(ByteTransformer):
     def moe(self) -> list[RemoteMixtureOfExperts]:
         """The mixture of each block, in layer order (registered in the blocks, not twice)."""
         return [block.ff for block in self.blocks]
-
-    def attach_caller(self, caller: ExpertCaller) -> DMoEByteLM:
-        for layer in self.moe:
-            layer.caller = caller
-        return self
-
-    def expert_uids(self) -> list[str]:
-        """Every expert uid of every block's full grid (hosts lease a subset)."""
-        return [uid for layer in self.moe for uid in layer.grid.all_uids()]
-
-    def make_expert(self, uid: str) -> FFNExpert:
-        """Expert ``uid`` as a host or an in-process reference initialises it."""
-        return FFNExpert.for_uid(uid, self.hidden, self.expert_hidden, self.expert_seed)
 
     def balancing(self) -> torch.Tensor:
         """``balancing_coef`` times the mean balancing loss of this thread's last forward."""
