@@ -184,6 +184,27 @@ def test_remote_equals_local(dead: frozenset[str], workers: int) -> None:
     assert remote.stats.failures == remote.stats.dropped_rows == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the device machine runs it)")
+def test_a_remote_mixture_on_cuda_equals_its_cpu_reference() -> None:
+    """The remote layer on an accelerator: its call node works on a CPU copy of the rows (the
+    groups' indices come along), and the output and input gradient come back to the device
+    equal to the local reference's on the CPU (a mixture on CUDA once indexed CPU rows with
+    CUDA indices: join() on a GPU could not run a DMoE model at all)."""
+    local, remote, _ = make_pair()
+    remote.to("cuda")
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(7))
+    x_l = x.clone().requires_grad_(True)
+    (local(x_l) * grad_out).sum().backward()
+    x_r = x.cuda().requires_grad_(True)
+    y_r = remote(x_r)
+    (y_r * grad_out.cuda()).sum().backward()
+    with torch.no_grad():
+        assert y_r.device.type == "cuda" and rel_err(y_r.cpu(), local(x)) < 1e-5
+    assert rel_err(x_r.grad.cpu(), x_l.grad) < 1e-5
+    assert rel_err(remote.gate.proj.weight.grad.cpu(), local.gate.proj.weight.grad) < 1e-5
+
+
 def chosen_by(layer: LocalMixtureOfExperts, x: torch.Tensor) -> dict[str, list[int]]:
     """Which rows of ``x`` (flattened) choose each expert."""
     rows = x.reshape(-1, D)

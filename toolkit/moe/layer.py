@@ -152,6 +152,8 @@ class RemoteMixtureOfExperts(_Mixture):
                                "toolkit.moe.remote provides the relay's caller, LoopbackCaller runs experts here.")
         rows = self._rows(x)
         _, logits, valid, _, groups = self.select(rows, self.caller.live())
+        if rows.device.type != "cpu":  # the node below indexes its CPU copy of the rows with these
+            groups = [Group(g.uid, g.rows.cpu(), g.slots.cpu()) for g in groups]
         plan = CallPlan(self.caller, groups, self.k, self.out_features, self.timeout_s, self.backward_timeout_s,
                         self.stats, self.k_min, self.timeout_after_k_min_s)
         # The calls' autograd node works on a CPU copy of the rows (their bytes leave from the CPU
