@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from toolkit.wire.schema import Schema, limits
 
-PROTOCOL_VERSION = 3  # 3: rounds through extra aggregators (tickets, slices, manifests)
+PROTOCOL_VERSION = 4  # 4: local SGD runs (RunInfo.local_sgd), HTTP-cache refs, typed DMoE messages; 3: aggregators
 
 ROUTES = {
     "run": "/api/run",
