@@ -119,6 +119,7 @@ def test_albert_tiny_recipe_trains_a_tokenizer_and_a_masked_lm() -> None:
     assert summary["last_loss"] < summary["first_loss"]  # ln(2000) = 7.6 at init
 
 
+@pytest.mark.slow  # 38 s; the DMoE LM's exactness through a relay is tests/test_moe_lm.py's (default)
 def test_dmoe_lm_tiny_recipe_trains_a_mixture_of_experts_language_model() -> None:
     """``--recipe dmoe-lm-tiny``: a BPE tokenizer trained on the shipped text (no hub), two expert
     host processes holding all 32 experts, peers (``toolkit.join``) training the DMoEByteLM on

@@ -389,7 +389,7 @@ def test_lamb_config_is_validated():
     assert load_config(None, overrides={"optimizer": {"name": "lamb"}}).optimizer.name == "lamb"
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
+@pytest.mark.parametrize("clip", [pytest.param(0.0, marks=pytest.mark.slow), 0.05])  # one default run: clipping on
 def test_lamb_through_a_relay_and_two_aggregator_processes(start_relay, start_aggregators, launch_peer, clip):
     """Real processes: relay + 2 aggregators + 3 peers under LAMB. The installed slices hold
     whole tensors, and the published versions are the relay-alone LAMB steps (one MasterState

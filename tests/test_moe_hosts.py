@@ -134,6 +134,7 @@ def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restar
     assert "ffn1.1.0 leased again; kept this host's copy" in log, log[-3000:]
 
 
+@pytest.mark.slow  # 34 s; re-admission after a blip is the default test above
 def test_hosts_outlive_a_relay_restart_each_taking_back_its_own_experts(start_relay, tmp_path: Path) -> None:
     """The relay is SIGKILLed and started again on its port and data dir while host0 is paused:
     host1, back first, leases again and takes back its own 4 experts (not host0's, the first in

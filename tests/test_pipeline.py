@@ -93,6 +93,7 @@ def test_a_killed_worker_loses_no_sample(serve_relay, launch_stage_worker):
     assert pipeline["redispatched"] >= 1 and pipeline["redone"] >= 1, pipeline
 
 
+@pytest.mark.slow  # 25 s; lost tasks are redone in test_a_killed_worker_loses_no_sample (default)
 def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(serve_relay, launch_stage_worker):
     """SIGSTOP a worker inside a task, with a peer TTL far longer than the lease: the task is
     re-dispatched at the lease deadline (derived from the stage's measured task time), and any
@@ -162,6 +163,7 @@ def test_hostile_results_are_refused_and_the_batch_completes(serve_relay, launch
     assert counted(relay) == [[2 * MICROBATCHES] * 2]
 
 
+@pytest.mark.slow  # 25 s; signed whole-vector rounds stay in the default run (tests/test_auth_relay.py)
 def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch):
     """``auth.mode = "hf"``: every pipeline route is signed (results are streamed containers with
     chunk digests, stage gradients ticketed slices), and the run still equals one process."""
@@ -258,6 +260,7 @@ def test_pipeline_routes_on_a_run_without_a_pipeline_say_so(serve_relay):
     assert relay.status()["pipeline"] is None
 
 
+@pytest.mark.slow  # 32 s; a relay restart's resume is tests/test_collaboration.py's for the whole vector (default)
 def test_a_relay_restart_resumes_every_stage(start_relay, launch_stage_worker):
     """SIGKILL the relay mid-run and start it again on its data dir: every stage resumes at the
     step the relay committed last, the workers (re-admitted, asking for a stage again) finish
