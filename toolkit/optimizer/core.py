@@ -112,6 +112,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._limbo: Outcome | None = None  # a gradient whose round ended without applying it
         self._warned_no_loss = False
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
+        self.local_sgd: LocalSgd | None = None
         self._load_latest()
         # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
         self.local_sgd = LocalSgd(self, self.run.local_sgd) if self.run.local_sgd else None
@@ -261,10 +262,12 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         return self.accumulator.samples
 
     def heartbeat_message(self) -> Heartbeat:
-        acc = self.accumulator
+        acc, local = self.accumulator, self.local_sgd
         with acc.lock:
             return Heartbeat(version=acc.version if acc.samples else max(self.version, 0),
-                             samples=acc.samples, samples_per_s=self.samples_per_s)
+                             samples=acc.samples, samples_per_s=self.samples_per_s,
+                             inner_steps=local.steps if local is not None else 0,
+                             busy_fraction=local.busy_fraction if local is not None else None)
 
     def report_progress(self, client: RelayClient | None = None) -> CollabState:
         """Send progress.

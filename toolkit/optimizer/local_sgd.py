@@ -69,6 +69,8 @@ class LocalSgd:
         self.clip = float(self.inner.get("clip_grad_norm", 0.0))
         self.late_rounds = 0  # outer rounds whose pseudo-gradient came too late (dropped)
         self.outer_rounds = 0  # outer rounds this peer's pseudo-gradient counted in
+        self.first_step_at: float | None = None  # when this peer's first inner step began
+        self.waited_s = 0.0  # seconds step() spent in outer rounds rather than training
         self._restart()
 
     def _restart(self) -> None:
@@ -83,6 +85,8 @@ class LocalSgd:
             torch._foreach_mul_([p.grad for _, p in self.opt._named if p.grad is not None], weight / n)
         if self.started is None:
             self.started = time.monotonic()
+        if self.first_step_at is None:
+            self.first_step_at = self.started
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.opt._named], self.clip)
         self.optimizer.step()
@@ -96,6 +100,15 @@ class LocalSgd:
             self.outer_round()
         else:
             self.check_in()
+
+    @property
+    def busy_fraction(self) -> float | None:
+        """Share of the time since the first inner step not spent waiting in outer rounds (the
+        accelerator's busy fraction as far as the collaboration is concerned); None before that."""
+        if self.first_step_at is None:
+            return None
+        elapsed = time.monotonic() - self.first_step_at
+        return None if elapsed <= 0 else min(1.0, max(0.0, 1.0 - self.waited_s / elapsed))
 
     def budget_spent(self) -> bool:
         if self.inner_steps and self.steps >= self.inner_steps:
@@ -132,6 +145,14 @@ class LocalSgd:
         if self.samples == 0:
             self._restart()
             return
+        began = time.monotonic()
+        try:
+            self._outer_round()
+        finally:
+            self.waited_s += time.monotonic() - began
+
+    def _outer_round(self) -> None:
+        opt = self.opt
         public = torch.from_numpy(opt._public)
         with torch.no_grad():
             pseudo = [public[spec.offset:spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()

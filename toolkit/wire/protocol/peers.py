@@ -54,3 +54,8 @@ class Heartbeat(Schema):
     version: int = field(metadata=_NONNEG)
     samples: int = field(metadata=limits(ge=0, le=10**9))
     samples_per_s: float = field(metadata=limits(ge=0, le=1e7))
+    inner_steps: int = field(default=0, metadata=limits(ge=0, le=10**9))
+    """``run.mode = "local_sgd"``: inner steps this peer took since its last outer round (0 otherwise)."""
+    busy_fraction: float | None = field(default=None, metadata=limits(ge=0, le=1))
+    """``run.mode = "local_sgd"``: the share of this peer's training time spent computing rather than
+    waiting for outer rounds (None: not measured yet, or sync mode)."""
