@@ -11,6 +11,8 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
   peer that never finishes delays the round only for ``local_sgd.straggler_wait_s``.
 - Hostile pseudo-gradients (NaN, wrong shape, oversized) are refused and change nothing.
 - With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
+- CenteredClip bounds a huge (finite) pseudo-gradient; an aggregator owns a slice of the outer
+  step in a signed run, with the outer optimizer and its momentum.
 - What the mode does not support yet is refused at load time in one line.
 """
 
@@ -229,7 +231,6 @@ def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) ->
     ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
     ({"run": {"compression": "int8"}}, "run.compression"),
     ({"run": {"max_staleness": 1}}, "run.max_staleness"),
-    ({"rounds": {"aggregation": "centered_clip"}}, "rounds.aggregation"),
     ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
     ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10}}, "optimizer.schedule"),
     ({"moe": {"enabled": True}}, "[moe]"),
@@ -261,15 +262,91 @@ def test_the_readme_configuration_loads(tmp_path) -> None:
     assert (outer.name, outer.lr, outer.momentum, outer.nesterov) == ("sgd", 0.7, 0.9, True)
 
 
-def test_an_aggregator_cannot_join_a_local_sgd_run(serve_relay) -> None:
-    """Aggregators (each owning a slice of the outer step) are not supported yet: refused, saying so."""
-    from toolkit.wire.protocol import PROTOCOL_VERSION
+def test_centered_clip_bounds_a_huge_pseudo_gradient_and_the_outer_step_takes_the_center(serve_relay) -> None:
+    """``rounds.aggregation = "centered_clip"`` on pseudo-gradients: three honest peers and one
+    sending a finite pseudo-gradient 1000x larger; the outer step is the CenteredClip center of the
+    four per-peer means (each chunk as the relay cuts them), so the attacker moves it by about one
+    honest deviation, where the mean would have moved it ~250x further."""
+    from relay_server.rounds.reducer import CHUNK_ELEMS
+    from relay_server.rounds.robust import CenteredClipConfig, RobustAccumulator
 
-    relay = serve_relay(local_run(SGD1, inner_steps=2))
-    response = relay.admin("POST", "/aggregators/register",
-                           json={"name": "agg", "url": "http://127.0.0.1:9", "protocol": PROTOCOL_VERSION})
-    assert response.status_code == 409 and "run.mode" in response.text, response.text
-    assert relay.status()["plan"]["aggregators"] == []
+    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": 40, "max_staleness": 0},
+                           "rounds": PATIENT | {"aggregation": "centered_clip"}})
+    init = relay_params(relay.url)
+    rng = np.random.default_rng(3)
+    means = [(0.5 + 0.05 * rng.standard_normal(init.size)).astype(np.float32) for _ in range(3)]
+    means.append(np.full(init.size, 500.0, np.float32))  # finite, so only the robust center can stop it
+    peers = [RawPeer(relay).join(f"p{i}") for i in range(4)]
+    for peer in peers:
+        assert peer.heartbeat(10).ok
+    wait_until(lambda: relay.status()["round"], 30, "the outer round")
+    for peer, mean in zip(peers, means):
+        assert peer.upload(peer.container(mean * 10)).ok  # a SUM over 10 samples
+    reference = RobustAccumulator(init.size, CHUNK_ELEMS, CenteredClipConfig())
+    for peer, mean in zip(peers, means):
+        reference.add_chunk(peer.peer_id, 0, mean * 10, 10)
+    center = np.empty_like(init)
+    assert reference.finish_into(center) == {peers[3].peer_id: 1}  # the attacker, and only it, was clipped
+    after = relay_params(relay.url, 1)
+    np.testing.assert_allclose(after, init - center, rtol=1e-5, atol=1e-6)
+    honest = np.mean(means[:3], axis=0)
+    assert np.linalg.norm(center - honest) < 0.02 * np.linalg.norm(means[3] - honest)
+
+
+def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(start_relay, start_aggregators, launch_peer,
+                                                                      hf_standin, monkeypatch) -> None:
+    """Relay + one aggregator + three peer processes logged in with HF (signed tickets, chunk
+    digests, the signed manifest), inner SGD at lr 0.05 and outer SGD at lr 0.7 with momentum 0.9:
+    across the slices, every sliced outer step is exactly ``params -= 0.7 * buffer`` with ``buffer
+    = 0.9 * buffer + mean pseudo-gradient``, i.e. the aggregator steps with the OUTER optimizer
+    (the relay once sent it the inner one), its momentum kept; and every peer holds the relay's bits."""
+    from relay_server.core.training_config import OptimizerSection
+    from relay_server.rounds.master import MasterState
+    from tests.support.training import FAST_AGGREGATORS, sliced_plan, stored_params, train_sliced
+    from toolkit.wire.tensor_container import read_file_header
+    from safetensors.numpy import load_file
+
+    token = "hf_local_sgd_token_42"
+    hf_standin.add_user(token, "alice")
+    monkeypatch.setenv("COLLAB_TEST_TOKEN", token)
+    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
+                         "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+                         "optimizer": SGD1 | {"lr": 0.05},
+                         "local_sgd": {"inner_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": False},
+                         "aggregators": FAST_AGGREGATORS})
+    aggregators = start_aggregators(relay, "agg0", wait=False)
+    peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 3, seed=20,
+                                            extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
+    assert {s["url"] for s in sliced_plan(status)} == {"", aggregators[0].url}
+    for peer in peers:
+        peer.proc.terminate()
+        assert peer.wait() == 0, peer.log_path.read_text()[-3000:]
+    data_dirs = [relay.data_dir, aggregators[0].data_dir]
+    num = status["num_params"]
+
+    layout = RelayClient(relay.url).get_run().layout
+    outer = OptimizerSection(name="sgd", lr=0.7, momentum=0.9)
+
+    def buffer(step: int) -> np.ndarray:  # the outer momentum, put together from every owner's file
+        out = np.full(num, np.nan, dtype=np.float32)
+        for data_dir in data_dirs:
+            path = data_dir / "state" / f"step-{step:08d}.safetensors"
+            if path.exists():
+                meta = read_file_header(path).metadata
+                start, end = int(meta.get("start", 0)), int(meta.get("end", num))
+                tensors = {k: torch.from_numpy(v) for k, v in load_file(str(path)).items()}
+                owner = MasterState(layout, tensors["params"].numpy(), outer, 0, start=start, end=end)
+                owner.load_state_tensors(tensors, step)
+                out[start:end] = owner.export_state()["opt.momentum_buffer"]
+        assert not np.isnan(out).any(), f"no owner stored the outer momentum of step {step}"
+        return out
+
+    step = sliced_at + 2
+    before, after = stored_params(step, data_dirs, num), stored_params(step + 1, data_dirs, num)
+    np.testing.assert_allclose(after, before - 0.7 * buffer(step + 1), rtol=1e-5, atol=1e-6)
+    pseudo = buffer(step + 1) - 0.9 * buffer(step)  # the mean pseudo-gradient of that outer round
+    assert np.linalg.norm(pseudo) > 0
 
 
 @pytest.mark.slow  # two peer processes: their torch imports dominate (seconds each on a loaded machine)

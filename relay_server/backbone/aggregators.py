@@ -70,9 +70,6 @@ class Aggregators(Mapping[str, Aggregator]):
         if self.config.optimizer.state_bits != 32:
             raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
                            "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
-        if self.config.run.mode != "sync":
-            raise ApiError(409, "mode_unsupported", f"aggregators are not supported with run.mode = "
-                           f"{self.config.run.mode!r} yet", "Run the relay alone, or set run.mode = \"sync\".")
         if not req.url.startswith(("http://", "https://")):
             raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
                            "Pass --public-url with the address peers can reach.")
@@ -81,7 +78,8 @@ class Aggregators(Mapping[str, Aggregator]):
         self.add(agg)
         log.info("aggregator %s (%s) registered at %s", agg.name, agg.aggregator_id, agg.url)
         return AggregatorWelcome(aggregator_id=agg.aggregator_id, ticket_key=self.ticket_key, run=self.run_info,
-                                 optimizer=dataclasses.asdict(self.config.optimizer),
+                                 # what steps the master: local SGD's outer SGD, not the peers' inner optimizer
+                                 optimizer=dataclasses.asdict(self.config.master_optimizer()),
                                  rounds=dataclasses.asdict(self.config.rounds),
                                  heartbeat_interval_s=self.cfg.heartbeat_interval_s)
 

@@ -81,8 +81,6 @@ def mode_checks(config: RelayConfig) -> Checks:
         (config.run.max_staleness == 0,
          "run.mode = \"local_sgd\" needs run.max_staleness = 0: a late pseudo-gradient is dropped (no staleness "
          "rule yet)"),
-        (config.rounds.aggregation == "mean",
-         f"rounds.aggregation = \"centered_clip\" {not_yet}: set rounds.aggregation = \"mean\""),
         (not config.pipeline.enabled, f"[pipeline] {not_yet}: set run.mode = \"sync\" or disable [pipeline]"),
         (not config.moe.enabled, f"[moe] {not_yet}: set run.mode = \"sync\" or disable [moe]"),
         (opt.name in ("adamw", "adam", "sgd"),
