@@ -178,14 +178,22 @@ def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: li
     return value
 
 
+# Local SGD with one inner SGD step and the outer SGD at lr 1 without momentum is sync SGD: the mean
+# pseudo-gradient is lr * (mean gradient + weight_decay * params), which the outer step subtracts.
+LOCAL_SGD_H1 = {"run": {"mode": "local_sgd", "max_staleness": 0},
+                "local_sgd": {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}}
+
+
 def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: str, precision: str,
-                      peers: list[tuple[str, int]]) -> float:
+                      peers: list[tuple[str, int]], mode: dict | None = None) -> float:
     """Train ``peers`` through a real relay and replay the rounds in one process; the worst
-    relative difference between a relay version and the reference (each step asserted here too)."""
+    relative difference between a relay version and the reference (each step asserted here too).
+    ``mode``: sections merged into the run (``LOCAL_SGD_H1``)."""
     architecture, objective, _ = MODELS[model_name]
     spec = spec_of(model_name)
     per_round = sum(k * BATCH for _, k in peers)
-    relay = serve_relay({"run": {"target_batch": per_round, "total_steps": STEPS, "precision": precision},
+    run = {"target_batch": per_round, "total_steps": STEPS, "precision": precision, **(mode or {}).get("run", {})}
+    relay = serve_relay({**(mode or {}), "run": run,
                          "model": {"kind": "transformers", "architecture": architecture, "config": spec.config},
                          "tokenizer": {"file": str(tokenizer)},
                          "objective": {"name": objective, "seq_len": SEQ_LEN},
@@ -193,6 +201,7 @@ def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: 
                          # a loaded machine: no round closes for a deadline while a peer computes
                          "rounds": {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}})
     initial = relay_params(relay.url)
+    assert bool(RelayClient(relay.url).get_run().local_sgd) == bool(mode)  # the mode the test asked for
     fp16 = precision == "fp16"
     procs = {}
     barrier = tmp_path / "barrier"
@@ -265,6 +274,14 @@ def test_trainer_on_a_model_taking_num_items_in_batch_equals_one_process(serve_r
     """GPT-2: the Trainer leaves the division to the model's ``num_items_in_batch``, and the charted
     loss was halved; beside it a plain loop without accumulation."""
     worst = train_and_compare(serve_relay, tmp_path, tokenizer, "gpt2", "fp32", [("trainer", 2), ("plain", 1)])
+    assert worst <= 1e-5, worst
+
+
+def test_every_loop_in_local_sgd_mode_equals_one_process(serve_relay, tmp_path, tokenizer):
+    """``run.mode = "local_sgd"`` through every loop, with accumulation 2 and a skipped fp16 window:
+    the inner step takes what the loop's step() hands over, exactly (H = 1, outer lr 1: sync SGD)."""
+    worst = train_and_compare(serve_relay, tmp_path, tokenizer, "albert", "fp16", [(loop, 2) for loop in LOOPS],
+                              mode=LOCAL_SGD_H1)
     assert worst <= 1e-5, worst
 
 

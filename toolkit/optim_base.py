@@ -2,8 +2,8 @@
 the training loops people already use (HF ``Trainer``, Accelerate, Lightning) can hold, and how it
 learns what each micro-batch contributed.
 
-- ``param_groups[i]["lr"]`` is the relay's learning rate for the next update, copied in whenever a
-  collaboration state arrives (:attr:`CollabOptimizerBase.collab_state`). The relay applies the
+- ``param_groups[i]["lr"]`` is the relay's learning rate for the next update (in local SGD, the
+  inner optimizer's, which this peer's steps apply), copied in whenever a collaboration state arrives (:attr:`CollabOptimizerBase.collab_state`). The relay applies the
   run's optimizer and schedule, so a torch LR scheduler attached here is harmless: it may write
   the groups' ``lr`` between syncs, and the relay's value wins at the next one.
 - ``state`` stays torch's (empty) per-parameter state, and ``state_dict()`` / ``load_state_dict()``
@@ -118,6 +118,9 @@ class CollabOptimizerBase(torch.optim.Optimizer):
         super().__init__(list(params), defaults={"lr": 0.0})  # 0 until the relay says (older relays never do)
         self._loss_notes = LossNotes()
         self._collab_state: CollabState | None = None
+        # The lr this peer's own steps apply, carried by the groups instead of the relay's: local
+        # SGD's inner optimizer runs here, the relay's (outer) lr is not what the loop's steps use.
+        self.local_lr: float | None = None
         self.grad_unit = float(grad_unit)
         self.scaler = scaler
 
@@ -134,8 +137,10 @@ class CollabOptimizerBase(torch.optim.Optimizer):
         self.restore_lr()
 
     def restore_lr(self) -> None:
-        """Put the relay's lr back into every group (a loop's scheduler may have written its own)."""
+        """Put the relay's lr (or ``local_lr``) back into every group (a loop's scheduler may have
+        written its own)."""
         lr = self._collab_state.lr if self._collab_state is not None else None
+        lr = self.local_lr if self.local_lr is not None else lr
         if lr is not None:
             for group in self.param_groups:
                 group["lr"] = lr

@@ -116,6 +116,9 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._load_latest()
         # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
         self.local_sgd = LocalSgd(self, self.run.local_sgd) if self.run.local_sgd else None
+        if self.local_sgd is not None:
+            self.local_lr = float(self.local_sgd.inner["lr"])
+            self.restore_lr()
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
         self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
                                   self.run.heartbeat_interval_s)
