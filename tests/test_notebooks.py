@@ -100,16 +100,17 @@ def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
     return kernel_spec_manager(tmp_path_factory.mktemp("kernels"), sys.executable)
 
 
-def execute(name: str, home: Path, kernel_specs: KernelSpecManager) -> Execution:
-    """``name`` run in a fresh kernel against a relay of its own: the peer is alone, so its
-    numbers are exact."""
+def execute(name: str, home: Path, kernel_specs: KernelSpecManager,
+            overrides: dict[str, dict[str, Any]] | None = None) -> Execution:
+    """``name`` run in a fresh kernel against a relay of its own (the tiny demo run, ``overrides``
+    merged in): the peer is alone, so its numbers are exact."""
     records, relay_logger = Records(), logging.getLogger("relay_server")
     with ExitStack() as stack:
         stack.callback(relay_logger.setLevel, relay_logger.level)
         stack.callback(relay_logger.removeHandler, records)
         relay_logger.addHandler(records)
         relay_logger.setLevel(logging.DEBUG)  # every line the relay could write, not just warnings
-        relay = stack.enter_context(running_relay(home))
+        relay = stack.enter_context(running_relay(home, overrides))
         km = AsyncKernelManager(kernel_name="collab-ci", kernel_spec_manager=kernel_specs)
         client = NotebookClient(load(name), km=km, timeout=240, resources={"metadata": {"path": str(home)}})
 
@@ -153,6 +154,26 @@ def test_notebook_runs_headless_and_contributes(name: str, tmp_path: Path, kerne
     assert len(cell.outputs) <= 4, [o.output_type for o in cell.outputs]
     assert all(hint in text for hint in notebook.platform_hints())  # here: the no-platform branch
     assert FAKE_TOKEN not in text
+
+
+def test_the_same_cell_joins_a_local_sgd_run(tmp_path: Path, kernel_specs: KernelSpecManager) -> None:
+    """Nothing new to type in the low-bandwidth mode: the cell's ``join()`` runs the inner loop and
+    the outer rounds by itself, and the relay's books agree with what the notebook says it gave."""
+    inner_steps = 3
+    run = execute("colab", tmp_path, kernel_specs, {
+        "run": {**TINY_LM["run"], "mode": "local_sgd"},
+        "local_sgd": {"inner_steps": inner_steps, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}})
+    text = outputs_text(code_cells(run.notebook)[0])
+    assert run.error is None, f"{run.error}\n{text}"
+    result = re.search(r"^Contributed ([\d,]+) samples over (\d+) steps", text, re.M)
+    assert result, f"no summary in the output:\n{text}"
+    contributed = int(result.group(1).replace(",", ""))
+    assert int(result.group(2)) == MAX_STEPS == run.status["step"]
+    rounds = run.status["recent_rounds"]
+    assert [r["contributors"] for r in rounds] == [1] * MAX_STEPS
+    # each outer round holds exactly one inner loop of this peer: inner_steps micro-batches
+    assert len({r["samples"] for r in rounds}) == 1 and rounds[0]["samples"] % inner_steps == 0, rounds
+    assert [e["samples"] for e in run.status["leaderboard"]] == [contributed] == [sum(r["samples"] for r in rounds)]
 
 
 # --- the helpers the cell uses ---------------------------------------------------------------
