@@ -17,7 +17,8 @@ import threading
 import pytest
 import requests
 
-from tests.support.local_sgd import BATCH, SGD1, batches, join, local_run, train_until
+from tests.conftest import wait_until
+from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, join, local_run, train, train_until
 from tests.support.peers import RawPeer
 from toolkit.errors import ProtocolError
 from toolkit.notebook.panel import PeerProgress
@@ -107,3 +108,22 @@ def test_the_relay_refuses_such_a_heartbeat_and_keeps_the_last_good_one(serve_re
         assert response.status_code == 400 and "busy_fraction" in response.text, (bad, response.text)
     [shown] = relay.status()["peers"]
     assert (shown["inner_steps"], shown["busy_fraction"]) == (2, 0.5)
+
+
+def test_every_run_counts_what_the_relay_sends_full_and_delta(serve_relay) -> None:
+    """A sync int8 run: a peer one version behind downloads the int8 delta, sent like the full body
+    (its length known, so counted; it once went out as a file response the counters saw as 0 bytes)."""
+    relay = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0, "compression": "int8"},
+                         "optimizer": SGD1 | {"lr": 0.1}, "rounds": PATIENT})
+    train(relay.url, batches(2), 2)  # joins (full body), then a delta after each of its two steps
+    counted = relay.status()["traffic"]["down_bytes"]
+    get = lambda **query: requests.get(relay.url + "/api/params", params={"min_step": 2, **query}, timeout=30)  # noqa: E731
+    full, delta = get(), get(have=1)
+    assert full.headers["X-Collab-Step"] == delta.headers["X-Collab-Step"] == "2"
+    assert b'"kind":"delta"' in delta.content and b'"dtype":"I8"' in delta.content  # int8, not float32
+    assert counted == len(full.content) + 2 * len(delta.content)  # the peer took both deltas, no fallback
+    # /api/status is shared for up to a second while the step and the peers stay the same
+    traffic = wait_until(lambda: (t := relay.status()["traffic"])["down_bytes"] != counted and t, 30, "a new report")
+    assert traffic["down_bytes"] == counted + len(full.content) + len(delta.content)
+    assert requests.get(relay.url + "/api/params/egress", timeout=10).json()["direct"] == traffic["down_bytes"]
+    assert traffic["samples"] == 2 * BATCH and traffic["down_bytes_per_sample"] == traffic["down_bytes"] / (2 * BATCH)
