@@ -163,7 +163,9 @@ class Publisher(Board):
     # --- event loop side ------------------------------------------------------------------------
     async def send(self, request: web.Request, version: Version, have: int | None) -> web.StreamResponse:
         """A peer holding version ``have`` gets the delta when it is one step behind and the codec
-        is lossy; everyone else gets the full parameters."""
+        is lossy; everyone else gets the full parameters. Both are written here (``sendfile``), so
+        the answer's ``content_length`` is what went out when this returns: the relay's traffic
+        counters (:mod:`relay_server.rounds.traffic`) add it."""
         headers = {"Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
                    "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
                    "Cache-Control": "no-store"}  # the answer depends on the query: caches use the immutable URLs
