@@ -65,7 +65,9 @@ def shown_step(page) -> int:
     return int(page.locator("#step").get_attribute("data-value") or -1)
 
 
-def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browser_page):
+def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browser_page, serve_relay):
+    """A sync run followed live, then (same browser) a local SGD run's outer round, inner steps
+    and busy fractions, and the bytes per sample both ways the relay measured."""
     from playwright.sync_api import expect
 
     page, problems = browser_page
@@ -112,6 +114,12 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#throughput-chart polyline.rounds")).to_have_count(1)
     expect(page.locator("#last-applied")).to_contain_text(re.compile(r"Step \d+ applied \d+ of target 32 samples "
                                                                     r"from \d peers\."))
+    for way in ("up", "down"):  # every run: the training bytes per applied sample, measured on the relay
+        expect(page.locator(f"#bytes-{way}")).to_have_text(re.compile(r"^\d+(\.\d)? (B|KB|MB)$"))
+    expect(page.locator("#step-label")).to_have_text("Global step")  # a sync run: no local SGD figures
+    expect(page.locator("#busy-card")).to_be_hidden()
+    expect(page.locator("#peers th.local-sgd")).to_have_count(2)
+    expect(page.locator("#peers th.local-sgd").first).to_be_hidden()
 
     ARTIFACTS.mkdir(exist_ok=True)
     screenshot = ARTIFACTS / "dashboard.png"
@@ -134,6 +142,53 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
     expect(page.locator("#unreachable")).to_be_hidden()
     assert page.evaluate("window.__sameDocument") is True
+    show_a_local_sgd_run(page, problems, serve_relay)
+
+
+def show_a_local_sgd_run(page, problems: PageProblems, serve_relay) -> None:
+    """Two hand-driven peers (exact bytes): carol finished her H = 3 inner steps and uploads her
+    pseudo-gradient, the outer round applies it, one full download follows; then carol is at inner
+    step 1 of round 2 and dave at step 2 of round 1. The page shows those numbers as the relay does."""
+    import numpy as np
+    import requests
+    from playwright.sync_api import expect
+
+    from tests.conftest import wait_until
+    from tests.support.local_sgd import BATCH, PATIENT, SGD1, local_run
+    from tests.support.peers import RawPeer
+
+    seen = len(problems.snapshot())  # the sync relay's outage above was reported, as it should be
+    local = serve_relay(local_run(SGD1, inner_steps=3) | {"rounds": {**PATIENT, "peer_ttl_s": 600.0}}, name="local")
+    carol, dave = RawPeer(local).join("carol"), RawPeer(local).join("dave")
+    assert dave.heartbeat(0, inner_steps=2, busy_fraction=0.45).ok
+    assert carol.heartbeat(BATCH, inner_steps=3, busy_fraction=0.75).ok  # her budget ended: she holds the target
+    wait_until(lambda: local.status()["round"], 30, "the outer round")
+    upload = carol.container(np.full(local.status()["num_params"], 0.01, np.float32), carol.meta(samples=BATCH))
+    assert carol.upload(upload).ok
+    download = requests.get(local.url + "/api/params", params={"min_step": 1, "wait": 30}, timeout=60)
+    assert download.status_code == 200 and download.headers["X-Collab-Step"] == "1"
+    assert carol.heartbeat(0, version=1, inner_steps=1, busy_fraction=0.75).ok
+
+    page.goto(local.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#step-label")).to_have_text("Outer round")
+    expect(page.locator("#step")).to_have_text("1")
+    expect(page.locator("#inner-budget")).to_have_text("H = 3 inner steps")
+    expect(page.locator("#peers th.local-sgd").first).to_be_visible()
+    rows = page.locator("#peers tbody tr")
+    expect(rows).to_have_count(2)
+    for i, (name, steps, busy) in enumerate([("carol", "1 of 3", "75 %"), ("dave", "2 of 3", "45 %")]):
+        expect(rows.nth(i).locator("td").first).to_have_text(name)
+        expect(rows.nth(i).locator("td.inner-steps")).to_have_text(steps)
+        expect(rows.nth(i).locator("td.busy")).to_have_text(busy)
+    expect(page.locator("#busy-fraction")).to_have_text("60 %")  # the mean over the peers online
+    expect(page.locator("#inner-last-round")).to_have_text("3.0 inner steps per peer in the last outer round")
+    for way, body in (("up", upload), ("down", download.content)):  # all the relay moved, over the round's samples
+        expect(page.locator(f"#bytes-{way}")).to_have_attribute("data-value", re.compile(r"."))
+        assert float(page.locator(f"#bytes-{way}").get_attribute("data-value")) == pytest.approx(len(body) / BATCH)
+    expect(page.locator("#config")).to_contain_text("local SGD: H = 3 inner steps per outer round")
+    page.screenshot(path=str(ARTIFACTS / "dashboard-local-sgd.png"), full_page=True)
+    assert problems.snapshot()[seen:] == [], problems
 
 
 def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page, tmp_path):

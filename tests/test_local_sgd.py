@@ -26,57 +26,13 @@ import torch
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import merged, wait_until, write_config
+from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, local_run, relative_difference, relay_params, train
 from tests.support.peers import RawPeer
 from tests.support.relays import snapshot
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.optimizer.local_sgd import inner_optimizer
-
-BATCH = 8
-SGD1 = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "clip_grad_norm": 0.0}
-PATIENT = {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}  # a loaded machine: no deadline closes
-
-
-def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, BATCH, 8, generator=g)
-    return [torch.cat([b, torch.tanh(b.sum(1, keepdim=True))], dim=1) for b in x]
-
-
-def relay_params(url: str, min_step: int = 0) -> np.ndarray:
-    client = RelayClient(url)
-    try:
-        out = np.empty(client.get_run().num_params, dtype=np.float32)
-        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
-        return out
-    finally:
-        client.close()
-
-
-def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
-    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
-    client = RelayClient(url)
-    model = build_model(client.get_run().model)
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
-    i = 0
-    while opt.version < until_step:
-        opt.zero_grad()
-        loss = model.loss(data[i % len(data)])
-        loss.backward()
-        opt.step(loss=loss.item())
-        i += 1
-    opt.close()
-    return opt
-
-
-def local_run(inner: dict, **local_sgd) -> dict:
-    return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
-            "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
-
-
-def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:

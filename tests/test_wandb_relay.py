@@ -9,6 +9,7 @@ wandb's own protobuf schema (``wandb.proto.wandb_internal_pb2.Record``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -19,8 +20,9 @@ from relay_server.core.config import load_config
 from relay_server.observers.events import StepEvent
 from relay_server.observers.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
 from tests.support.wandb_records import history_rows, read_wandb_records, run_config
-from toolkit.wire.protocol import (LeaderboardEntry, PlanInfo, PlanSlice, RoundRecord, RunSummary,
-                              StatusReport)
+from relay_server.rounds.traffic import Traffic
+from toolkit.wire.protocol import (LeaderboardEntry, LocalSgdStatus, PlanInfo, PlanSlice, RoundRecord, RunSummary,
+                                   StatusReport, TrafficStatus)
 
 
 def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_relay, launch_peer):
@@ -62,6 +64,16 @@ def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_rela
     assert last["samples_total"] == sum(e["samples"] for e in final["leaderboard"])
     assert last["samples_per_s_measured"] > 0
 
+    # Bytes per sample, both ways, since the relay started: at each row the uploads are exactly the
+    # rounds' contributions so far, each the float32 vector plus a container header.
+    vector, contributions = 4 * final["num_params"], 0
+    for step in sorted(rows):
+        row, contributions = rows[step], contributions + rows[step]["contributors"]
+        up = row["bytes_per_sample/up"] * row["samples_total"]
+        assert contributions * vector < up <= contributions * (vector + 1024) + 1e-6 * up, (step, up)
+        assert row["bytes_per_sample/down"] > 0
+    assert up <= final["traffic"]["up_bytes"] and "local_sgd/busy_fraction" not in last  # a sync run
+
 
 # --- the observer in-process --------------------------------------------------------------------
 def _event(step: int, rounds: list[RoundRecord]) -> StepEvent:
@@ -91,6 +103,20 @@ def test_step_metrics_follow_the_schedule_and_the_plan():
     assert (row["plan/aggregators"], row["plan/version"], row["plan/steps_per_s"]) == (2, "lp-7", 0.25)
     assert row["samples_per_s_measured"] == pytest.approx(30 / 6)  # 3 rounds of 10 samples in 6 s
     assert (row["loss"], row["samples_total"], row["peers_online"]) == (0.25, 40, 3)
+
+
+def test_step_metrics_carry_bytes_per_sample_and_the_local_sgd_figures():
+    config = load_config(None, env={}, overrides={"run": {"mode": "local_sgd", "max_staleness": 0}})
+    event = _event(4, _rounds(4))
+    quiet = step_metrics(dataclasses.replace(event, status=dataclasses.replace(
+        event.status, traffic=TrafficStatus(up_bytes=0, down_bytes=700, samples=0))), config)
+    assert not any(k.startswith(("bytes_per_sample/", "local_sgd/")) for k in quiet)  # nothing applied yet
+    status = dataclasses.replace(event.status, traffic=Traffic(up_bytes=4000, down_bytes=1000, samples=40).report(),
+                                 local_sgd=LocalSgdStatus(outer_round=4, inner_steps=30, inner_seconds=0.0,
+                                                          busy_fraction=0.9, inner_steps_last_round=27.5))
+    row = step_metrics(dataclasses.replace(event, status=status), config)
+    assert (row["bytes_per_sample/up"], row["bytes_per_sample/down"]) == (100.0, 25.0)
+    assert (row["local_sgd/busy_fraction"], row["local_sgd/inner_steps"]) == (0.9, 27.5)
 
 
 def test_measured_rate_needs_two_rounds_and_uses_a_window():

@@ -113,8 +113,10 @@ async def put_gradient(request: web.Request) -> web.Response:
                                                      collab.backbone.ticket_key,
                                                      require_digests=collab.config.auth.mode != "open")
     if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
-        return json_ok(await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
-                                       require_digests=collab.config.auth.mode != "open"))
+        receipt = await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
+                                  require_digests=collab.config.auth.mode != "open")
+        collab.traffic.up_bytes += request.content_length or 0  # accepted (a refusal raised)
+        return json_ok(receipt)
     step = _path_int(request, "step")
     peer_id = own_peer(request, request.query.get("peer_id", ""))
     limit = collab.codec.wire_bytes(collab.num_params)
@@ -144,7 +146,9 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     if "start" in request.query and pipeline_api.PIPELINE in request.app:  # one stage's slice
         return await pipeline_api.get_stage_params(request, request.app[pipeline_api.PIPELINE])
     if "start" in request.query:
-        return await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
+        response = await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
+        collab.traffic.down_bytes += response.content_length or 0
+        return response
     min_step = _int_query(request, "min_step", 0)
     have = _int_query(request, "have", -1)
     wait = min(MAX_LONG_POLL_S, max(0.0, float(_int_query(request, "wait", 0))))
@@ -164,10 +168,13 @@ async def get_params(request: web.Request) -> web.StreamResponse:
         manifest.headers["Cache-Control"] = FRESH_CACHE_CONTROL
         return manifest
     if request.query.get("ref") == "1" and collab.config.server.public_params_url:  # the body from the run's cache
-        return params_cache.ref_response(request, version.version, have if have >= 0 else None)
+        ref = params_cache.ref_response(request, version.version, have if have >= 0 else None)
+        collab.traffic.down_bytes += ref.content_length or 0
+        return ref
     started = time.monotonic()
     response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
     request.app[params_cache.BLOBS].egress.direct += response.content_length or 0
+    collab.traffic.down_bytes += response.content_length or 0
     collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, sent_bytes(request, response), started)
     return response
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from relay_server.api.context import CONFIG
+from relay_server.api.context import COLLAB, CONFIG
 from relay_server.core.errors import ApiError
 from relay_server.core.http import json_ok
 from relay_server.rounds.publisher import Version, _full_header
@@ -149,6 +149,7 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
         sent = await _write_range(response, prefix, fh, offset, first, last)
     await response.write_eof()
     blobs.egress.immutable += sent
+    request.app[COLLAB].traffic.down_bytes += sent
     blobs.egress.immutable_requests += 1
     key = blob_path(version.step, sha, kind)
     if (version.step, sha) in blobs.versions:

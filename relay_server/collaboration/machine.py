@@ -68,6 +68,7 @@ class Collaboration:
         self.backbone.peer_ids = lambda: list(self.registry.peers)
         self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status)
         self.leaderboard = self.rounds.leaderboard = Leaderboard(store, self.registry)
+        self.traffic = self.rounds.traffic
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None
@@ -232,6 +233,7 @@ class Collaboration:
                 raise (round_closed_partial(step) if reduced else round_closed(step, self.step)) from None
             raise
         else:
+            self.traffic.up_bytes += header.header_bytes + header.data_bytes  # accepted whole: it counts
             self.backbone.planning.record_transfer(peer_id, "up", step, header.header_bytes + header.data_bytes, started)
         finally:
             peer.inflight -= 1
@@ -252,6 +254,8 @@ class Collaboration:
 
     def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
         r.complete(peer.peer_id, samples, loss_sum)
+        r.inner_steps += peer.held_steps[1]  # local SGD: the inner steps behind this pseudo-gradient
+        peer.held_steps = (-1, 0)
         self.registry.set_samples(peer, max(0, peer.samples - samples))
         peer.contributed += samples
         peer.claimable = max(0, peer.claimable - samples)
@@ -338,7 +342,7 @@ class Collaboration:
 
     def status(self) -> StatusReport:
         return status_report(self.config, self.store, self.registry, self.state(), self.plan_info(), self.num_params,
-                             self.started, self.leaderboard)
+                             self.started, self.leaderboard, self.traffic, self.rounds.inner_steps_last_round)
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:

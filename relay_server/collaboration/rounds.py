@@ -35,6 +35,7 @@ from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
+from relay_server.rounds.traffic import Traffic
 from toolkit.wire.protocol import StatusReport
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class RoundCycle:
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
         self.leaderboard = None  # a status.Leaderboard, credited as each round commits (set by the machine)
+        self.traffic = Traffic()  # bytes both ways; the samples are counted here as rounds apply
+        self.inner_steps_last_round: float | None = None  # local SGD: mean over the last round's contributors
 
     @property
     def step(self) -> int:
@@ -165,6 +168,8 @@ class RoundCycle:
             published = self.publish_local(version)
         if self.leaderboard is not None:
             self.leaderboard.credit(outcome.contributions)  # what the store committed, nothing else
+        self.traffic.samples += r.samples
+        self.inner_steps_last_round = r.inner_steps / len(r.received)
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,

@@ -17,8 +17,9 @@ from relay_server.rounds.master import lr_at
 from relay_server.rounds.membership import Round
 from relay_server.rounds.registry import Registry
 from relay_server.rounds.store import Store
-from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, ParamSpec, PeerStatus,
-                                   PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
+from relay_server.rounds.traffic import Traffic
+from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, LocalSgdStatus, ParamSpec,
+                                   PeerStatus, PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
 
 
 def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str) -> RunInfo:
@@ -66,7 +67,7 @@ def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
     return RunSummary(model=config.model.label(), num_params=num_params, optimizer=opt.name,
                       lr=opt.lr, schedule=opt.schedule, target_batch=run_cfg.target_batch,
                       max_staleness=run_cfg.max_staleness, precision=run_cfg.precision or None,
-                      compression="none", auth_mode=config.auth.mode)
+                      compression="none", auth_mode=config.auth.mode, mode=run_cfg.mode)
 
 
 class Leaderboard:
@@ -98,16 +99,32 @@ class Leaderboard:
         return self._top
 
 
+def local_sgd_status(config: RelayConfig, registry: Registry, step: int,
+                     inner_steps_last_round: float | None) -> LocalSgdStatus | None:
+    """The outer loop of a ``run.mode = "local_sgd"`` run (None in sync mode)."""
+    if config.run.mode != "local_sgd":
+        return None
+    busy = [p.busy_fraction for p in registry.peers.values() if p.busy_fraction is not None]
+    return LocalSgdStatus(outer_round=step, inner_steps=config.local_sgd.inner_steps,
+                          inner_seconds=config.local_sgd.inner_seconds,
+                          busy_fraction=sum(busy) / len(busy) if busy else None,
+                          inner_steps_last_round=inner_steps_last_round)
+
+
 def status_report(config: RelayConfig, store: Store, registry: Registry, state: CollabState, plan: PlanInfo,
-                  num_params: int, started: float, leaderboard: Leaderboard) -> StatusReport:
+                  num_params: int, started: float, leaderboard: Leaderboard, traffic: Traffic,
+                  inner_steps_last_round: float | None = None) -> StatusReport:
     """Everything the dashboard shows, ``state`` being the collaboration's progress just now.
     O(peers online + the leaderboard's size), whatever the number of peers that ever joined."""
     run_cfg, now = config.run, time.monotonic()
     online = registry.peers.values()
+    local = run_cfg.mode == "local_sgd"
     peers = [PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device=p.device_label,
                         version=p.version, samples_per_s=p.samples_per_s,
                         samples_contributed=p.contributed, last_seen_s=now - p.last_seen,
-                        online=True, precision=p.precision, first_contribution_s=p.first_contribution_s)
+                        online=True, precision=p.precision, first_contribution_s=p.first_contribution_s,
+                        inner_steps=p.inner_steps if local else None,
+                        busy_fraction=p.busy_fraction if local else None)
              for p in online]
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # issue 17: refused / partial / banned uploads
@@ -124,4 +141,5 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
                         loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
                         recent_rounds=rounds, round=state.round, auth_mode=config.auth.mode,
                         uptime_s=now - started, leaderboard=board, plan=plan,
-                        config=run_summary(config, num_params))
+                        config=run_summary(config, num_params), traffic=traffic.report(),
+                        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round))

@@ -9,6 +9,11 @@ restart continues the same run. Rows carry an explicit ``step`` metric that ever
 its x axis, rather than W&B's own monotonic ``_step``: a rollback makes steps go backwards, and
 W&B would drop those rows.
 
+Every row carries the training bytes per applied sample both ways (``bytes_per_sample/up`` and
+``/down``, since the relay started: :mod:`relay_server.rounds.traffic`); a ``run.mode =
+"local_sgd"`` run adds the peers' mean busy fraction and the mean inner steps behind the outer
+round (``local_sgd/busy_fraction``, ``local_sgd/inner_steps``).
+
 ``wandb.init`` (seconds: it starts W&B's service process) runs on a helper thread at startup, so a
 misconfigured project or a missing API key shows up in the relay log right away, without holding
 up the relay. Any W&B failure turns logging off with one error line; rounds never wait on it.
@@ -77,6 +82,16 @@ def step_metrics(event: StepEvent, config: RelayConfig) -> dict[str, Any]:
         row["plan/version"] = status.plan.version
         if status.plan.steps_per_s is not None:
             row["plan/steps_per_s"] = status.plan.steps_per_s
+    traffic = status.traffic
+    if traffic is not None and traffic.samples:  # since the relay started: what issue 26's benchmark compares
+        row["bytes_per_sample/up"] = traffic.up_bytes_per_sample
+        row["bytes_per_sample/down"] = traffic.down_bytes_per_sample
+    local = status.local_sgd
+    if local is not None:
+        if local.busy_fraction is not None:
+            row["local_sgd/busy_fraction"] = local.busy_fraction
+        if local.inner_steps_last_round is not None:
+            row["local_sgd/inner_steps"] = local.inner_steps_last_round
     return row
 
 

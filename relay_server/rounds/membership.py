@@ -32,6 +32,7 @@ class Round:
     ``RoundRecord.outcomes``): refused, partial (slices), or banned after counting."""
     arrival_s: dict[str, float] = field(default_factory=dict)
     loss_sum: float = 0.0
+    inner_steps: int = 0  # run.mode = "local_sgd": inner steps behind the received pseudo-gradients, summed
     closed: bool = False
     finalized_by: str = ""
     plan_version: str = ""

@@ -163,24 +163,25 @@ class Publisher(Board):
     # --- event loop side ------------------------------------------------------------------------
     async def send(self, request: web.Request, version: Version, have: int | None) -> web.StreamResponse:
         """A peer holding version ``have`` gets the delta when it is one step behind and the codec
-        is lossy; everyone else gets the full parameters."""
+        is lossy; everyone else gets the full parameters. Both are written here (``sendfile``), so
+        the answer's ``content_length`` is what went out when this returns: the relay's traffic
+        counters (:mod:`relay_server.rounds.traffic`) add it."""
         headers = {"Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
                    "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
                    "Cache-Control": "no-store"}  # the answer depends on the query: caches use the immutable URLs
-        if version.delta_path is not None and have == version.step - 1:
-            delta = web.FileResponse(version.delta_path, headers=headers)
-            sign_response_headers(request, delta, SIGNED_HEADERS)
-            return delta
-        header = _full_header(version.step, version.numel)
+        delta = version.delta_path is not None and have == version.step - 1
+        header = b"" if delta else _full_header(version.step, version.numel)
         # Open the file before any byte goes out: an error here (out of descriptors) is still a
         # clean 503; once the headers are sent, an error can only cut the connection (core.http).
-        with open(version.path, "rb") as fh:  # an open file outlives the store pruning it
+        with open(version.delta_path if delta else version.path, "rb") as fh:  # outlives the store pruning it
+            offset, count = (0, fh.seek(0, 2)) if delta else (version.offset, version.nbytes)
             response = web.StreamResponse(headers=headers)
             sign_response_headers(request, response, SIGNED_HEADERS)
-            response.content_length = len(header) + version.nbytes
+            response.content_length = len(header) + count  # what the relay's traffic counters add
             await response.prepare(request)
-            await response.write(header)
-            await _sendfile(request, response, fh, version.offset, version.nbytes)
+            if header:
+                await response.write(header)
+            await _sendfile(request, response, fh, offset, count)
         await response.write_eof()
         return response
 

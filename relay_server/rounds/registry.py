@@ -39,6 +39,13 @@ class Peer:
     inflight: int = 0
     first_contribution_s: float | None = None  # join -> first accepted gradient
     contributed: int = 0  # samples accepted since the relay (re)admitted it (the dashboard's column)
+    # run.mode = "local_sgd" (issue 26), from the latest heartbeat: inner steps since its last outer
+    # round, and the share of its training time spent computing (None: not measured yet)
+    inner_steps: int = 0
+    busy_fraction: float | None = None
+    # (version, the most inner steps reported while holding samples on it): the inner steps behind the
+    # pseudo-gradient it uploads, whatever it reports while uploading (it may already compute the next)
+    held_steps: tuple[int, int] = (-1, 0)
 
     @property
     def device_label(self) -> str:
@@ -76,6 +83,10 @@ class Registry:
         peer.version, peer.samples, peer.samples_per_s = hb.version, hb.samples, hb.samples_per_s
         self._account(peer, +1)
         peer.claimable = max(peer.claimable, hb.samples)
+        peer.inner_steps, peer.busy_fraction = hb.inner_steps, hb.busy_fraction
+        if hb.samples > 0:
+            held = peer.held_steps[1] if peer.held_steps[0] == hb.version else 0
+            peer.held_steps = (hb.version, max(held, hb.inner_steps))
         self.touch(peer)
 
     def set_samples(self, peer: Peer, samples: int) -> None:

@@ -131,9 +131,10 @@ class RawPeer:
         self.peer_id = requests.post(self.relay.url + "/api/peers/join", json=body, timeout=10).json()["peer_id"]
         return self
 
-    def heartbeat(self, samples: int, version: int = 0) -> requests.Response:
+    def heartbeat(self, samples: int, version: int = 0, **fields: Any) -> requests.Response:
+        """``fields``: more of the heartbeat (a local SGD peer's ``inner_steps``, ``busy_fraction``)."""
         return requests.post(f"{self.relay.url}/api/peers/{self.peer_id}/heartbeat", timeout=10,
-                             json={"version": version, "samples": samples, "samples_per_s": 10.0})
+                             json={"version": version, "samples": samples, "samples_per_s": 10.0, **fields})
 
     def meta(self, **changes) -> GradientMeta:
         fields = dict(peer_id=self.peer_id, step=0, version=0, samples=10, loss_sum=1.0) | changes

@@ -70,6 +70,9 @@ class PeerProgress:
     hosting: str | None = None
     """An expert host's own line (``join(role="expert_host")``): what it hosts and serves; it
     then trains nothing, so its contribution, loss and first contribution are not shown."""
+    local_sgd: str | None = None
+    """``run.mode = "local_sgd"``: where this peer's inner loop stands, e.g. "inner step 12 of 30,
+    4 outer rounds counted, 0 late, busy 93 %" (:func:`local_sgd_line`)."""
 
     @classmethod
     def from_optimizer(cls, opt: "CollaborativeOptimizer", *, loss: float | None,
@@ -84,7 +87,8 @@ class PeerProgress:
                    eta_s=None if stale else state.eta_s, contributed_samples=opt.contributed_samples,
                    local_samples_per_s=opt.samples_per_s, loss=loss, first_contribution_s=first_contribution_s,
                    problem=error.message if error else None, hint=error.hint if error else None,
-                   finished=opt.finished or state.finished)
+                   finished=opt.finished or state.finished,
+                   local_sgd=local_sgd_line(local) if (local := getattr(opt, "local_sgd", None)) is not None else None)
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs, in display order; every panel renders these same strings."""
@@ -106,8 +110,19 @@ class PeerProgress:
             ("your contribution", f"{self.contributed_samples:,} samples ({self.local_samples_per_s:,.1f} samples/s)"),
             ("loss", "n/a" if self.loss is None else f"{self.loss:.4f}"),
             ("first contribution", first),
+            *([("local SGD", self.local_sgd)] if self.local_sgd is not None else []),
             ("last problem", problem),
         ]
+
+
+def local_sgd_line(local: Any) -> str:
+    """A local SGD peer's state (a :class:`toolkit.optimizer.local_sgd.LocalSgd`, only read): the
+    inner step it is at, of H when the budget counts steps; the outer rounds its pseudo-gradients
+    counted in and those that came too late (dropped); its busy fraction once measured."""
+    of = f" of {local.inner_steps}" if local.inner_steps else ""
+    busy = "busy: not measured yet" if local.busy_fraction is None else f"busy {100 * local.busy_fraction:.0f} %"
+    return (f"inner step {local.steps}{of}, {local.outer_rounds} outer round{'' if local.outer_rounds == 1 else 's'} "
+            f"counted, {local.late_rounds} late, {busy}")
 
 
 class Panel(Protocol):
@@ -223,10 +238,11 @@ class TqdmPanel(_Throttled):
             self._joined_at_step = self.bar.initial = progress.global_step
         self.bar.n = progress.global_step
         values = dict(progress.rows())
+        local = f" | {progress.local_sgd}" if progress.local_sgd is not None else ""
         self.bar.set_postfix_str(
             f"peers {values['peers online']} | {values['collaboration']} | next {values['next step']} | "
             f"you {progress.contributed_samples:,} samples | loss {values['loss']} | "
-            f"first {values['first contribution']}", refresh=False)
+            f"first {values['first contribution']}{local}", refresh=False)
         if not self._closing:  # the bar's close() draws the final line, once
             self.bar.refresh()
             self._on_screen = progress

@@ -131,13 +131,34 @@ function render(s) {
   renderConfig(s);
 }
 
+/** run.mode = "local_sgd": "H = 30 inner steps", "60 s of inner training", or both. */
+function innerBudget(l) {
+  const steps = l.inner_steps ? `H = ${fmt.int(l.inner_steps)} inner steps` : "";
+  const secs = l.inner_seconds ? `${fmt.secs(l.inner_seconds)} of inner training` : "";
+  return steps && secs ? `${steps} or ${secs}` : steps || secs;
+}
+
 function renderCards(s) {
+  const local = s.local_sgd;  // a low-bandwidth run: the step is the outer round
+  $("step-label").textContent = local ? "Outer round" : "Global step";
   $("step").textContent = fmt.int(s.step);
   $("step").dataset.value = s.step;
   $("total-steps").textContent = s.total_steps ? `of ${fmt.int(s.total_steps)}` : "no step limit";
+  $("inner-budget").hidden = !local;
+  $("inner-budget").textContent = local ? innerBudget(local) : "";
   $("loss").textContent = fmt.loss(s.loss);
   $("samples-per-s").textContent = fmt.rate(s.samples_per_s);
   $("num-peers").textContent = fmt.int(s.num_peers);
+  const t = s.traffic;
+  for (const [id, value] of [["bytes-up", t && t.up_bytes_per_sample], ["bytes-down", t && t.down_bytes_per_sample]]) {
+    $(id).textContent = fmt.bytes(value);
+    $(id).dataset.value = value === null || value === undefined ? "" : String(value);
+  }
+  $("busy-card").hidden = !local;
+  if (!local) return;
+  $("busy-fraction").textContent = local.busy_fraction === null ? "–" : fmt.pct(local.busy_fraction);
+  $("inner-last-round").textContent = local.inner_steps_last_round === null ? "no outer round yet"
+    : `${local.inner_steps_last_round.toFixed(1)} inner steps per peer in the last outer round`;
 }
 
 function renderRound(s) {
@@ -149,7 +170,8 @@ function renderRound(s) {
     text = "The run reached its last step.";
   } else if (s.round) {
     const r = s.round;
-    text = `Averaging round for step ${r.step}: ${r.received_peers} of ${r.expected_peers} peers uploaded, ` +
+    text = `${s.local_sgd ? "Outer" : "Averaging"} round for step ${r.step}: ` +
+      `${r.received_peers} of ${r.expected_peers} peers uploaded, ` +
       `deadline in ${fmt.secs(r.deadline_in_s)}.`;
   } else {
     const eta = s.eta_s === null ? "waiting for peers" : `ETA ${fmt.secs(s.eta_s)}`;
@@ -228,6 +250,14 @@ function renderSamples(s) {
 
 function renderPeers(s) {
   const peers = s.peers.filter((p) => p.online !== false).sort((a, b) => a.name.localeCompare(b.name));
+  const local = s.local_sgd;  // local SGD runs: each peer's inner steps (of H) and busy fraction
+  for (const th of $("peers").querySelectorAll("th.local-sgd")) th.hidden = !local;
+  const H = local && local.inner_steps ? ` of ${fmt.int(local.inner_steps)}` : "";
+  const localCells = (p) => !local ? [] : [
+    el("td", `${fmt.int(p.inner_steps)}${H}`, { class: "num inner-steps" }),
+    el("td", p.busy_fraction === null || p.busy_fraction === undefined ? "not yet" : fmt.pct(p.busy_fraction),
+      { class: "num busy" }),
+  ];
   fillTable($("peers"), peers.map((p) => row([
     el("td", p.name, { title: p.peer_id }),
     p.username,
@@ -237,6 +267,7 @@ function renderPeers(s) {
     num(fmt.int(p.samples_contributed)),
     num(`${fmt.secs(p.last_seen_s)} ago`),
     num(p.first_contribution_s === null || p.first_contribution_s === undefined ? "not yet" : fmt.secs(p.first_contribution_s)),
+    ...localCells(p),
   ])), "peers-empty");
 }
 
@@ -344,7 +375,8 @@ function renderConfig(s) {
     ["Run", s.run_name],
     ["Model", c.model],
     ["Parameters", fmt.int(s.num_params)],
-    ["Optimizer", c.optimizer && `${c.optimizer}, lr ${c.lr}, ${c.schedule} schedule`],
+    ["Mode", s.local_sgd ? `local SGD: ${innerBudget(s.local_sgd)} per outer round` : c.mode],
+    [s.local_sgd ? "Outer optimizer" : "Optimizer", c.optimizer && `${c.optimizer}, lr ${c.lr}, ${c.schedule} schedule`],
     ["Target batch", fmt.int(s.target_batch)],
     ["Total steps", s.total_steps ? fmt.int(s.total_steps) : "until stopped"],
     ["Max staleness", c.max_staleness],

@@ -15,7 +15,7 @@ only those above it:
     shards   shard leases and data coverage (ShardLease, ShardReport, ShardsReport, ...)
     peers    join, heartbeat and progress: JoinRequest/Response, Heartbeat, CollabState
     status   GET /api/status: StatusReport, PeerStatus, LeaderboardEntry, RunSummary, LossReference,
-             EvalRecord, EvalSample
+             EvalRecord, EvalSample, TrafficStatus, LocalSgdStatus
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
     params   ParamsRef: a version's immutable body at the run's HTTP cache, and its cache headers
@@ -79,7 +79,8 @@ from toolkit.wire.protocol.pipeline import (
 )
 from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
 from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
-from toolkit.wire.protocol.status import EvalRecord, EvalSample, LeaderboardEntry, LossReference, PeerStatus, RunSummary, StatusReport
+from toolkit.wire.protocol.status import (EvalRecord, EvalSample, LeaderboardEntry, LocalSgdStatus, LossReference,
+                                          PeerStatus, RunSummary, StatusReport, TrafficStatus)
 
 __all__ = [
     # routes
@@ -100,6 +101,7 @@ __all__ = [
     "CollabState", "JoinRequest", "JoinResponse", "Heartbeat",
     # status
     "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference", "EvalRecord", "EvalSample",
+    "TrafficStatus", "LocalSgdStatus",
     # login
     "MAX_PASS_CHARS", "LoginRequest", "LoginResponse",
     # pipeline

@@ -28,6 +28,12 @@ class PeerStatus(Schema):
     """The precision policy the peer trains with (the collaboration must see every choice)."""
     first_contribution_s: float | None = None
     """Seconds from this peer's join to its first accepted gradient (None: not yet)."""
+    inner_steps: int | None = None
+    """``run.mode = "local_sgd"``: inner steps the peer took since its last outer round, as its
+    last heartbeat said (None in sync mode)."""
+    busy_fraction: float | None = None
+    """``run.mode = "local_sgd"``: the share of the peer's training time spent computing rather
+    than waiting in outer rounds, as its last heartbeat said (None: not measured yet, or sync mode)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +60,42 @@ class RunSummary(Schema):
     precision: str | None
     compression: str
     auth_mode: str
+    mode: str = "sync"
+    """``run.mode``: "sync" (one averaging round per optimizer step) or "local_sgd"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficStatus(Schema):
+    """The training bytes this relay moved since it started, per sample its rounds applied: what
+    low-bandwidth runs are judged by (issue 26). ``up_bytes``: the bodies of the gradient or
+    pseudo-gradient uploads it accepted (header included); ``down_bytes``: the parameter bodies
+    it served (full and delta, on ``GET /api/params`` and the immutable cache URLs), and the
+    cache refs. With aggregators, the slices other owners receive and serve are not in here."""
+
+    up_bytes: int
+    down_bytes: int
+    samples: int
+    """Samples of the rounds applied since the relay started."""
+    up_bytes_per_sample: float | None = None
+    """``up_bytes / samples`` (None before the first applied round)."""
+    down_bytes_per_sample: float | None = None
+    """``down_bytes / samples`` (None before the first applied round)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSgdStatus(Schema):
+    """``run.mode = "local_sgd"``: where the outer loop stands and how the peers spend their time."""
+
+    outer_round: int
+    """Outer rounds applied: the run's step."""
+    inner_steps: int
+    """H: inner steps per outer round (0: only the time budget counts)."""
+    inner_seconds: float
+    """The inner time budget per outer round (0: only H counts)."""
+    busy_fraction: float | None = None
+    """The mean of the online peers' busy fractions (None: none measured yet)."""
+    inner_steps_last_round: float | None = None
+    """Mean inner steps behind the pseudo-gradients of the last outer round (None: none yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,3 +181,7 @@ class StatusReport(Schema):
     evaluations: list[EvalRecord] = field(default_factory=list)
     """Runs with ``[evaluation]``: the validation metrics of recent evaluated versions, oldest
     first; the last one carries the samples ("what the model says now")."""
+    traffic: TrafficStatus | None = None
+    """Training bytes both ways per applied sample (every run)."""
+    local_sgd: LocalSgdStatus | None = None
+    """Runs with ``run.mode = "local_sgd"``: the outer round, H and the time budget, the peers' busy fraction."""

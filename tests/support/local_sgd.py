@@ -1,0 +1,69 @@
+"""A ``run.mode = "local_sgd"`` run and its peers, for the tests of the mode (``tests/test_local_sgd.py``)
+and of what observers see of it (``tests/test_local_sgd_status.py``): the MLP of conftest on
+deterministic batches, peers in this process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from toolkit.client import RelayClient
+from toolkit.models import build_model
+from toolkit.optimizer import CollaborativeOptimizer
+
+BATCH = 8
+SGD1 = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "clip_grad_norm": 0.0}
+PATIENT = {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}  # a loaded machine: no deadline closes
+
+
+def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, BATCH, 8, generator=g)
+    return [torch.cat([b, torch.tanh(b.sum(1, keepdim=True))], dim=1) for b in x]
+
+
+def relay_params(url: str, min_step: int = 0) -> np.ndarray:
+    client = RelayClient(url)
+    try:
+        out = np.empty(client.get_run().num_params, dtype=np.float32)
+        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
+        return out
+    finally:
+        client.close()
+
+
+def join(url: str) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+    """A peer in this process: the run's model and its optimizer (joined; reports every 50 ms)."""
+    client = RelayClient(url)
+    model = build_model(client.get_run().model)
+    return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+
+
+def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, data: list[torch.Tensor],
+                until_step: int) -> None:
+    """Train on ``data`` (cycled) until the peer holds version ``until_step``."""
+    i = 0
+    while opt.version < until_step:
+        opt.zero_grad()
+        loss = model.loss(data[i % len(data)])
+        loss.backward()
+        opt.step(loss=loss.item())
+        i += 1
+
+
+def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
+    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
+    model, opt = join(url)
+    train_until(model, opt, data, until_step)
+    opt.close()
+    return opt
+
+
+def local_run(inner: dict, **local_sgd) -> dict:
+    return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
+            "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
