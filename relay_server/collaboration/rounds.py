@@ -165,6 +165,7 @@ class RoundCycle:
             published = self.publish_local(version)
         if self.leaderboard is not None:
             self.leaderboard.credit(outcome.contributions)  # what the store committed, nothing else
+        self.outer_rule.published(published.step, r.received)  # local SGD: they work on this step now
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
