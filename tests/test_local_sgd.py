@@ -60,22 +60,6 @@ def relay_params(url: str, min_step: int = 0) -> np.ndarray:
         client.close()
 
 
-def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
-    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
-    client = RelayClient(url)
-    model = build_model(client.get_run().model)
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
-    i = 0
-    while opt.version < until_step:
-        opt.zero_grad()
-        loss = model.loss(data[i % len(data)])
-        loss.backward()
-        opt.step(loss=loss.item())
-        i += 1
-    opt.close()
-    return opt
-
-
 def local_run(inner: dict, **local_sgd) -> dict:
     return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
             "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
@@ -112,6 +96,17 @@ def inner_step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch
     opt.step(loss=loss.item())
 
 
+def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeOptimizer:
+    """One peer in this process training on ``data`` (cycled) until the relay reaches ``until_step``."""
+    model, opt = joined(url)
+    i = 0
+    while opt.version < until_step:
+        inner_step(model, opt, data[i % len(data)])
+        i += 1
+    opt.close()
+    return opt
+
+
 def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
     data = batches(3)
     sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0}, "optimizer": SGD1, "rounds": PATIENT},
@@ -137,25 +132,19 @@ def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_re
     after = relay_params(relay.url, 1)
     # the same inner loop, in this process
     model = build_model(RelayClient(relay.url).get_run().model)
-    offset = 0
-    for p in model.parameters():
-        p.data.copy_(torch.from_numpy(init[offset:offset + p.numel()]).view_as(p))
-        offset += p.numel()
+    set_flat(model, init)
     named = list(model.named_parameters())
     optimizer = inner_optimizer(named, {**inner, "momentum": 0.0})
     for _ in range(5):
         optimizer.zero_grad()
         model.loss(fixed[0]).backward()
         optimizer.step()
-    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    local = flat(model)
     expected = init - 0.7 * (1 + 0.9) * (init - local)  # Nesterov's first step: (1 + mu) x the gradient
     assert relative_difference(after, expected) <= 1e-5
 
-    def loss_at(flat: np.ndarray) -> float:
-        at = 0
-        for p in model.parameters():
-            p.data.copy_(torch.from_numpy(flat[at:at + p.numel()]).view_as(p))
-            at += p.numel()
+    def loss_at(params: np.ndarray) -> float:
+        set_flat(model, params)
         with torch.no_grad():
             return float(model.loss(fixed[0]))
 
@@ -186,29 +175,16 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
                                   nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH,
                                                              "max_staleness": 0}})
     data = batches(2)
-
-    def peer() -> tuple[torch.nn.Module, CollaborativeOptimizer]:
-        client = RelayClient(relay.url)
-        model = build_model(client.get_run().model)
-        return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
-
-    def step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
-        opt.zero_grad()
-        loss = model.loss(batch)
-        loss.backward()
-        opt.step(loss=loss.item())
-
-    (fast_model, fast), (slow_model, slow) = peer(), peer()
-    step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
-    step(fast_model, fast, data[0])
-    step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
+    (fast_model, fast), (slow_model, slow) = joined(relay.url), joined(relay.url)
+    inner_step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
+    inner_step(fast_model, fast, data[0])
+    inner_step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
     assert fast.version == 1 and fast.local_sgd.outer_rounds == 1
-    step(slow_model, slow, data[1])  # budget spent, on version 0: late
+    inner_step(slow_model, slow, data[1])  # budget spent, on version 0: late
     assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
     status = relay.status()
     assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
-    np.testing.assert_array_equal(torch.cat([p.detach().reshape(-1) for p in slow_model.parameters()]).numpy(),
-                                  relay_params(relay.url, 1))  # back on the global parameters
+    np.testing.assert_array_equal(flat(slow_model), relay_params(relay.url, 1))  # back on the global parameters
     fast.close()
     slow.close()
 
