@@ -390,6 +390,27 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
         np.testing.assert_array_equal(flat(peer_model), relay_params(relay.url, 2))
 
 
+def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_report_the_new_version() -> None:
+    """A peer that sent its pseudo-gradient to the round that made version 1 works on 1 from then
+    on, even before it reports it (with overlap it may not have heard of 1 yet): the round on 1
+    waits for it as for a peer that reported 1, and never for a peer that did not contribute."""
+    from relay_server.rounds.local_sgd import OuterRoundRule
+    from relay_server.rounds.registry import Peer, Registry
+    from toolkit.wire.protocol import Heartbeat
+
+    registry, rule = Registry(ttl_s=60.0), OuterRoundRule(target_batch=10_000, straggler_wait_s=600.0)
+    a, b, _idle = (registry.add(Peer(peer_id=n, name=n, username="u", device={}, precision=None))
+                   for n in ("a", "b", "idle"))
+    registry.report(a, Heartbeat(version=1, samples=BATCH, samples_per_s=1.0))  # finished on 1
+    assert rule.due(registry, 1)  # b and idle are on 0: not waited for
+    rule.published(1, ["a", "b"])
+    assert not rule.due(registry, 1)  # b made 1 with a: its loop on 1 runs
+    registry.report(b, Heartbeat(version=1, samples=0, samples_per_s=1.0))
+    assert not rule.due(registry, 1)
+    registry.report(b, Heartbeat(version=1, samples=BATCH, samples_per_s=1.0))
+    assert rule.due(registry, 1)  # everyone working on 1 finished; idle (on 0, never contributed) is not waited for
+
+
 def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_relay) -> None:
     """As without overlap, but the slow peer's late pseudo-gradient is dropped at its budget end and
     the peer rebases at once (nothing carried yet): back on the global parameters exactly."""
