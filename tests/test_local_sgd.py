@@ -31,6 +31,8 @@ import pytest
 import torch
 
 from relay_server.core.config import ConfigError, load_config
+from relay_server.rounds.local_sgd import OuterRoundRule
+from relay_server.rounds.registry import Peer, Registry
 from tests.conftest import merged, wait_until, write_config
 from tests.support.peers import RawPeer
 from tests.support.relays import snapshot
@@ -38,6 +40,7 @@ from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.optimizer.local_sgd import inner_optimizer
+from toolkit.wire.protocol import Heartbeat
 
 BATCH = 8
 SGD1 = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0, "clip_grad_norm": 0.0}
@@ -394,10 +397,6 @@ def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_repor
     """A peer that sent its pseudo-gradient to the round that made version 1 works on 1 from then
     on, even before it reports it (with overlap it may not have heard of 1 yet): the round on 1
     waits for it as for a peer that reported 1, and never for a peer that did not contribute."""
-    from relay_server.rounds.local_sgd import OuterRoundRule
-    from relay_server.rounds.registry import Peer, Registry
-    from toolkit.wire.protocol import Heartbeat
-
     registry, rule = Registry(ttl_s=60.0), OuterRoundRule(target_batch=10_000, straggler_wait_s=600.0)
     a, b, _idle = (registry.add(Peer(peer_id=n, name=n, username="u", device={}, precision=None))
                    for n in ("a", "b", "idle"))
