@@ -15,9 +15,9 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
   of the one-step-delayed update with the rebases where the peer made them (its inner steps
   carried onto each new global version, the inner momentum kept), and the run ends with the model
   on the final global parameters; a peer whose round is in flight reports the version it will
-  rebase onto, so the next round waits for it; a late one is dropped and rebased; a peer
-  SIGKILLed mid-round does not stall the other; ``close()`` with a round in flight returns, on
-  global parameters.
+  rebase onto, and the relay counts the last round's contributors as working on the new version,
+  so the next round waits for them; a late one is dropped and rebased; a peer SIGKILLed mid-round
+  does not stall the other; ``close()`` with a round in flight returns, on global parameters.
 - What the mode does not support yet is refused at load time in one line.
 """
 
