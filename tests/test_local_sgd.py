@@ -13,26 +13,42 @@ SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed
 - With a time budget a peer 20x slower contributes to every outer round beside the fast one (slow).
 - CenteredClip bounds a huge (finite) pseudo-gradient; an aggregator owns a slice of the outer
   step in a signed run, with the outer optimizer and its momentum.
+- ``[local_sgd] overlap``: three outer rounds of one peer equal, to 1e-5, a replay in this process
+  of the one-step-delayed update with the rebases where the peer made them (its inner steps
+  carried onto each new global version, the inner momentum kept), and the run ends with the model
+  on the final global parameters; a peer whose round is in flight reports the version it will
+  rebase onto, and the relay counts the last round's contributors as working on the new version,
+  so the next round waits for them; a late one is dropped and rebased; a peer SIGKILLed mid-round
+  does not stall the other; ``close()`` with a round in flight returns, on global parameters.
 - What the mode does not support yet is refused at load time in one line.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from relay_server.core.config import ConfigError, load_config
+from relay_server.rounds.local_sgd import OuterRoundRule
+from relay_server.rounds.registry import Peer, Registry
 from tests.conftest import merged, wait_until, write_config
-from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, local_run, relative_difference, relay_params, train
+from tests.support.local_sgd import (BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference,
+                                     relay_params, train)
 from tests.support.peers import RawPeer
+from tests.support.training import load_flat
 from tests.support.relays import snapshot
 from toolkit.client import RelayClient
 from toolkit.models import build_model
-from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.optimizer.local_sgd import inner_optimizer
+from toolkit.wire.protocol import Heartbeat
+
+
+def flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
 def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
@@ -60,25 +76,19 @@ def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_re
     after = relay_params(relay.url, 1)
     # the same inner loop, in this process
     model = build_model(RelayClient(relay.url).get_run().model)
-    offset = 0
-    for p in model.parameters():
-        p.data.copy_(torch.from_numpy(init[offset:offset + p.numel()]).view_as(p))
-        offset += p.numel()
+    load_flat(model, init)
     named = list(model.named_parameters())
     optimizer = inner_optimizer(named, {**inner, "momentum": 0.0})
     for _ in range(5):
         optimizer.zero_grad()
         model.loss(fixed[0]).backward()
         optimizer.step()
-    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    local = flat(model)
     expected = init - 0.7 * (1 + 0.9) * (init - local)  # Nesterov's first step: (1 + mu) x the gradient
     assert relative_difference(after, expected) <= 1e-5
 
-    def loss_at(flat: np.ndarray) -> float:
-        at = 0
-        for p in model.parameters():
-            p.data.copy_(torch.from_numpy(flat[at:at + p.numel()]).view_as(p))
-            at += p.numel()
+    def loss_at(params: np.ndarray) -> float:
+        load_flat(model, params)
         with torch.no_grad():
             return float(model.loss(fixed[0]))
 
@@ -109,29 +119,16 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
                                   nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH,
                                                              "max_staleness": 0}})
     data = batches(2)
-
-    def peer() -> tuple[torch.nn.Module, CollaborativeOptimizer]:
-        client = RelayClient(relay.url)
-        model = build_model(client.get_run().model)
-        return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
-
-    def step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
-        opt.zero_grad()
-        loss = model.loss(batch)
-        loss.backward()
-        opt.step(loss=loss.item())
-
-    (fast_model, fast), (slow_model, slow) = peer(), peer()
-    step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
-    step(fast_model, fast, data[0])
-    step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
+    (fast_model, fast), (slow_model, slow) = join(relay.url), join(relay.url)
+    inner_step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
+    inner_step(fast_model, fast, data[0])
+    inner_step(fast_model, fast, data[1])  # budget spent: the round opens for the fast peer's samples alone
     assert fast.version == 1 and fast.local_sgd.outer_rounds == 1
-    step(slow_model, slow, data[1])  # budget spent, on version 0: late
+    inner_step(slow_model, slow, data[1])  # budget spent, on version 0: late
     assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
     status = relay.status()
     assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
-    np.testing.assert_array_equal(torch.cat([p.detach().reshape(-1) for p in slow_model.parameters()]).numpy(),
-                                  relay_params(relay.url, 1))  # back on the global parameters
+    np.testing.assert_array_equal(flat(slow_model), relay_params(relay.url, 1))  # back on the global parameters
     fast.close()
     slow.close()
 
@@ -319,3 +316,171 @@ def test_with_a_time_budget_peers_of_different_speeds_all_contribute(serve_relay
         assert peer.wait(180) == 0, peer.log_path.read_text()[-2000:]
     rounds = {r["step"]: r for r in relay.status()["recent_rounds"]}
     assert rounds[1]["contributors"] == 2 and rounds[2]["contributors"] == 2, rounds
+
+
+OVERLAP = {"inner_steps": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "overlap": True}
+
+
+def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_relay) -> None:
+    """One peer, H = 4, inner SGD with momentum, outer Nesterov SGD, three outer rounds. After the
+    first inner step of each round in flight the test lets the round's result arrive, so the
+    peer rebases after 1 or 2 carried steps (it records which); the replay applies the same
+    rebases: x <- theta_{t+1} + (x - x_snapshot), pseudo-gradient theta_t - x at each budget end."""
+    inner = SGD1 | {"lr": 0.05, "momentum": 0.9}
+    h, rounds = 4, 3
+    relay = serve_relay(local_run(inner, inner_steps=h, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=True)
+                        | {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0,
+                                   "compression": "none", "total_steps": rounds}})
+    data = batches(5)
+    init = relay_params(relay.url)
+    model, opt = join(relay.url)
+    local = opt.local_sgd
+    assert local is not None and local.overlap
+    i = 0
+    while not opt.finished:
+        inner_step(model, opt, data[i % len(data)])
+        i += 1
+        if local.snapshot is not None and local.steps == 1:  # a round in flight: let its result arrive
+            wait_until(lambda: local.snapshot is None or (opt._pending is not None and opt._pending.done()), 60,
+                       "the outer round's result")
+    final = relay_params(relay.url, rounds)
+    np.testing.assert_array_equal(flat(model), final)  # the run ended with the model on the global parameters
+    assert (local.outer_rounds, local.late_rounds, opt.samples) == (rounds, 0, 0)
+    carried = dict(local.rebases)
+    assert sorted(carried)[:rounds - 1] == list(range(1, rounds)) and all(1 <= carried[v] < h for v in carried)
+    assert 0 < local.busy_fraction <= 1
+
+    replay = build_model(RelayClient(relay.url).get_run().model)
+    load_flat(replay, init)
+    inner_opt = inner_optimizer(list(replay.named_parameters()), inner)
+    theta = torch.nn.Parameter(torch.from_numpy(init.copy()))
+    outer = torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True)
+    snapshot, j = None, 0
+    for version in range(rounds):  # the inner loop whose pseudo-gradient is on version `version`
+        base = theta.detach().clone()
+        for step in range(1, h + 1):
+            replay.zero_grad()
+            replay.loss(data[j % len(data)]).backward()
+            inner_opt.step()
+            j += 1
+            if snapshot is not None and step == carried[version]:
+                load_flat(replay, base + (torch.from_numpy(flat(replay)) - snapshot))
+                snapshot = None
+        snapshot = torch.from_numpy(flat(replay).copy())
+        theta.grad = base - snapshot
+        outer.step()
+    assert relative_difference(final, theta.detach().numpy()) <= 1e-5
+    assert relative_difference(final, init) > 1e-3
+    opt.close()
+
+
+def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version(serve_relay) -> None:
+    """Both peers' pseudo-gradients on version 0 go out in the background; peer b has not taken a
+    step since, so it still holds version 0 -- but it reports version 1, the one it will rebase
+    onto, and the outer round on 1 waits for it instead of opening for a alone."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+                           "local_sgd": {**OVERLAP, "inner_steps": 2, "straggler_wait_s": 600.0}})
+    data = batches(4)
+    (model_a, a), (model_b, b) = join(relay.url, "a"), join(relay.url, "b")
+    for peer_model, peer in ((model_a, a), (model_b, b)):
+        inner_step(peer_model, peer, data[0])
+        inner_step(peer_model, peer, data[1])  # budget spent: round 0 opens once both finished
+    wait_until(lambda: relay.status()["step"] == 1, 60, "outer round 0")
+    wait_until(lambda: b._pending is not None and b._pending.done(), 60, "peer b's round result")
+    b.report_progress()  # learns that the relay is at 1 ...
+    b.report_progress()  # ... and says so
+    assert b.version == 0 and b.local_sgd.snapshot is not None  # not rebased: no step since
+    wait_until(lambda: {p["name"]: p["version"] for p in relay.status()["peers"]}["b"] == 1, 10,
+               "the relay to list b on version 1")  # (its status is cached for a second)
+    wait_until(lambda: a._pending is not None and a._pending.done(), 60, "peer a's round result")
+    inner_step(model_a, a, data[2])  # rebases onto 1
+    inner_step(model_a, a, data[3])  # budget spent on version 1
+    assert a.version == 1 and a.local_sgd.flight_version == 1 and a.local_sgd.rebases == [(1, 1)]
+    status = relay.status()
+    assert status["step"] == 1 and status["round"] is None  # waiting for b, working on 1
+    inner_step(model_b, b, data[2])
+    inner_step(model_b, b, data[3])
+    status = wait_until(lambda: (s := relay.status())["step"] == 2 and s, 60, "outer round 1")
+    assert [r["contributors"] for r in status["recent_rounds"]] == [2, 2]
+    a.close()
+    b.close()
+    for peer_model in (model_a, model_b):  # close() left both on the newest global parameters
+        np.testing.assert_array_equal(flat(peer_model), relay_params(relay.url, 2))
+
+
+def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_report_the_new_version() -> None:
+    """A peer that sent its pseudo-gradient to the round that made version 1 works on 1 from then
+    on, even before it reports it (with overlap it may not have heard of 1 yet): the round on 1
+    waits for it as for a peer that reported 1, and never for a peer that did not contribute."""
+    registry, rule = Registry(ttl_s=60.0), OuterRoundRule(target_batch=10_000, straggler_wait_s=600.0)
+    a, b, _idle = (registry.add(Peer(peer_id=n, name=n, username="u", device={}, precision=None))
+                   for n in ("a", "b", "idle"))
+    registry.report(a, Heartbeat(version=1, samples=BATCH, samples_per_s=1.0))  # finished on 1
+    assert rule.due(registry, 1)  # b and idle are on 0: not waited for
+    rule.published(1, ["a", "b"])
+    assert not rule.due(registry, 1)  # b made 1 with a: its loop on 1 runs
+    registry.report(b, Heartbeat(version=1, samples=0, samples_per_s=1.0))
+    assert not rule.due(registry, 1)
+    registry.report(b, Heartbeat(version=1, samples=BATCH, samples_per_s=1.0))
+    assert rule.due(registry, 1)  # everyone working on 1 finished; idle (on 0, never contributed) is not waited for
+
+
+def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_relay) -> None:
+    """As without overlap, but the slow peer's late pseudo-gradient is dropped at its budget end and
+    the peer rebases at once (nothing carried yet): back on the global parameters exactly."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+                        | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH, "max_staleness": 0}})
+    data = batches(2)
+    (fast_model, fast), (slow_model, slow) = join(relay.url), join(relay.url)
+    inner_step(slow_model, slow, data[0])
+    inner_step(fast_model, fast, data[0])
+    inner_step(fast_model, fast, data[1])  # the round opens for the fast peer's samples alone
+    wait_until(lambda: relay.status()["step"] == 1, 60, "the fast peer's outer round")
+    inner_step(slow_model, slow, data[1])  # budget spent, on version 0: late
+    assert (slow.local_sgd.late_rounds, slow.local_sgd.outer_rounds, slow.version, slow.samples) == (1, 0, 1, 0)
+    np.testing.assert_array_equal(flat(slow_model), relay_params(relay.url, 1))
+    assert [r["contributors"] for r in relay.status()["recent_rounds"]] == [1]
+    fast.close()
+    slow.close()
+
+
+def test_overlap_close_with_a_round_in_flight_returns_on_global_parameters(serve_relay) -> None:
+    """A raw peer that reported samples and never uploads holds the round open (patient deadline):
+    the toolkit peer's upload is in, its wait for the result in flight when it closes."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 1})
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+                           "rounds": {**PATIENT, "peer_ttl_s": 600.0}})
+    init = relay_params(relay.url)
+    silent = RawPeer(relay).join("silent")
+    assert silent.heartbeat(10).ok  # finished its budget: the round will expect it
+    model, opt = join(relay.url)
+    inner_step(model, opt, batches(1)[0])  # budget spent: the round opens, the upload goes out
+    wait_until(lambda: (relay.status()["round"] or {}).get("received_peers") == 1, 60, "the peer's upload")
+    assert opt._pending is not None and not opt._pending.done()
+    opt.close(finish_round_s=0.2)
+    assert relay.status()["step"] == 0 and opt.samples == 0 and opt.local_sgd.snapshot is None
+    np.testing.assert_array_equal(flat(model), init)  # the global parameters it holds, not its own
+
+
+def test_overlap_a_peer_killed_mid_round_does_not_stall_the_other(serve_relay, launch_peer) -> None:
+    """The slow peer process takes part in round 0, reports version 1 (it will rebase onto it) and
+    is SIGKILLed during its next inner loop, which the round on 1 waits for: the relay drops it
+    at its TTL and the in-process peer goes on to step 3."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    slow = launch_peer(relay.url, "slow", seed=1, batch_size=BATCH, steps=100, extra=("--sleep-per-batch", "3"))
+    wait_until(lambda: relay.status()["num_peers"] == 1, 120, "the slow peer to join")
+
+    def kill_once_on_version_one() -> None:
+        wait_until(lambda: any(p["name"] == "slow" and p["version"] == 1 for p in relay.status()["peers"]), 180,
+                   "the slow peer on version 1")
+        slow.proc.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_on_version_one, daemon=True)
+    killer.start()
+    train(relay.url, batches(4), 3)
+    killer.join(timeout=5)
+    assert slow.proc.poll() is not None
+    rounds = {r["step"]: r for r in relay.status()["recent_rounds"]}
+    assert rounds[1]["contributors"] == 2 and rounds[3]["contributors"] == 1, rounds

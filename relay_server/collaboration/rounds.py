@@ -170,6 +170,7 @@ class RoundCycle:
             self.leaderboard.credit(outcome.contributions)  # what the store committed, nothing else
         self.traffic.samples += r.samples
         self.inner_steps_last_round = r.inner_steps / len(r.received)
+        self.outer_rule.published(published.step, r.received)  # local SGD: they work on this step now
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,

@@ -30,6 +30,13 @@ class LocalSgdSection:
     """Seconds of inner training per outer round (0 = only ``inner_steps`` counts). With both set,
     whichever ends first ends the inner loop: a time budget lets peers of different speeds all
     contribute to every outer round."""
+    overlap: bool = False
+    """Hide the outer round behind compute: a peer whose budget ended starts the upload and the
+    wait in the background and keeps training, then rebases its inner progress onto the new global
+    parameters (a one-step-delayed outer update, :mod:`toolkit.optimizer.local_sgd`). Off by
+    default: it changes the math (with H = 1 local SGD is no longer sync mode) and costs one more
+    copy of the parameters on the peer; turn it on when rounds (upload, slowest peer, download)
+    take a sizeable share of the inner budget, as on volunteers' uplinks."""
     straggler_wait_s: float = 120.0
     """Once a peer finished its budget, open the outer round after at most this many seconds even
     if other live peers have not finished (a paused notebook still heartbeats)."""
@@ -51,7 +58,7 @@ class LocalSgdSection:
         return {"inner": {"name": inner.name, "lr": inner.lr, "betas": list(inner.betas), "eps": inner.eps,
                           "weight_decay": inner.weight_decay, "momentum": inner.momentum,
                           "clip_grad_norm": inner.clip_grad_norm},
-                "inner_steps": self.inner_steps, "inner_seconds": self.inner_seconds}
+                "inner_steps": self.inner_steps, "inner_seconds": self.inner_seconds, "overlap": self.overlap}
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
@@ -79,8 +86,8 @@ def mode_checks(config: RelayConfig) -> Checks:
          f"run.compression = {config.run.compression!r} {not_yet} (lossy pseudo-gradients need error feedback): "
          "set run.compression = \"none\""),
         (config.run.max_staleness == 0,
-         "run.mode = \"local_sgd\" needs run.max_staleness = 0: a late pseudo-gradient is dropped (no staleness "
-         "rule yet)"),
+         "run.mode = \"local_sgd\" needs run.max_staleness = 0: a late pseudo-gradient is dropped, never applied "
+         "late (toolkit.optimizer.local_sgd says why; [local_sgd] overlap hides rounds instead)"),
         (not config.pipeline.enabled, f"[pipeline] {not_yet}: set run.mode = \"sync\" or disable [pipeline]"),
         (not config.moe.enabled, f"[moe] {not_yet}: set run.mode = \"sync\" or disable [moe]"),
         (opt.name in ("adamw", "adam", "sgd"),

@@ -33,11 +33,21 @@ def relay_params(url: str, min_step: int = 0) -> np.ndarray:
         client.close()
 
 
-def join(url: str) -> tuple[torch.nn.Module, CollaborativeOptimizer]:
-    """A peer in this process: the run's model and its optimizer (joined; reports every 50 ms)."""
+def join(url: str, name: str = "peer") -> tuple[torch.nn.Module, CollaborativeOptimizer]:
+    """A peer in this process: the run's model and its optimizer (joined; reports every 50 ms; its
+    rounds run in its own worker thread)."""
     client = RelayClient(url)
     model = build_model(client.get_run().model)
-    return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05)
+    return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05,
+                                         peer_name=name)
+
+
+def inner_step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
+    """One micro-batch through the peer's ``step()`` (an inner step, and whatever round is due)."""
+    opt.zero_grad()
+    loss = model.loss(batch)
+    loss.backward()
+    opt.step(loss=loss.item())
 
 
 def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, data: list[torch.Tensor],
@@ -45,10 +55,7 @@ def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, data: list[
     """Train on ``data`` (cycled) until the peer holds version ``until_step``."""
     i = 0
     while opt.version < until_step:
-        opt.zero_grad()
-        loss = model.loss(data[i % len(data)])
-        loss.backward()
-        opt.step(loss=loss.item())
+        inner_step(model, opt, data[i % len(data)])
         i += 1
 
 

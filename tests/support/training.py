@@ -37,11 +37,13 @@ def rounds_from_events(peers) -> dict[int, list[int]]:
     return rounds
 
 
-def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
+def load_flat(model: torch.nn.Module, flat: np.ndarray | torch.Tensor) -> None:
+    """Copy a flat vector (the run's layout order) into the model's parameters."""
+    flat = torch.as_tensor(flat)
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()]).view_as(p))
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
 

@@ -29,6 +29,10 @@ from toolkit.worker import PeerWorker, shutdown
 
 log = logging.getLogger("toolkit.optimizer")
 
+STOP_WAIT_S = 8.0
+"""How long ``close()`` waits, after ``finish_round_s``, for a stopped round job to end its current
+poll (a long poll lasts 5 s) so that the worker leaves the public parameters whole."""
+
 
 class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
     """A ``torch.optim.Optimizer`` whose ``step()`` trains with every other peer of the run
@@ -110,6 +114,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._last_round_id = ""  # the round this peer last uploaded to
         self._pending: Future | None = None
         self._limbo: Outcome | None = None  # a gradient whose round ended without applying it
+        self._sending = None  # the meta of a gradient taken from the accumulator until its upload ended
         self._warned_no_loss = False
         self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self.local_sgd: LocalSgd | None = None
@@ -176,7 +181,8 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         default now: the interval since the last contribution). Returns whether it was added.
         """
         started = time.monotonic() if started is None else started
-        self._finish_pending()
+        if self.local_sgd is None:  # local SGD settles its round after the inner step (LocalSgd.after_step)
+            self._finish_pending()
         if self.finished:
             return False
         version = self.version if version is None else version
@@ -241,17 +247,29 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
     def close(self, finish_round_s: float = 10.0) -> None:
         """Leave the collaboration and stop the background thread (idempotent).
 
-        A round still in flight (delayed updates) is waited for, up to ``finish_round_s``: its
-        samples are already on the relay, and this peer's own count should say whether they
-        counted. An interrupted cell never waits longer than that.
+        A round still in flight (delayed updates, local SGD's overlap) is waited for, up to
+        ``finish_round_s``: its samples are already on the relay, and this peer's own count should
+        say whether they counted. Then it is stopped, and waited for up to ``STOP_WAIT_S`` more
+        (it ends at its next poll), so that no download is left half-written: in local SGD the
+        model ends on the newest global parameters the peer holds (the inner steps since its last
+        outer round are not sent).
         """
         pending, self._pending = self._pending, None
-        if pending is not None and self._finalizer.alive:
+        alive = self._finalizer.alive
+        if pending is not None and alive:
             try:
                 self._settle(pending.result(timeout=finish_round_s))
-            except (TimeoutError, CollabError) as exc:
+            except TimeoutError:
+                self._worker.stopping.set()  # the round's wait ends at its next poll, the public copy whole
+                try:
+                    self._settle(pending.result(timeout=STOP_WAIT_S))
+                except (TimeoutError, CollabError) as exc:
+                    log.info("left with a round in flight (%s)", type(exc).__name__)
+            except CollabError as exc:
                 log.info("left with a round in flight (%s)", type(exc).__name__)
         self._finalizer()
+        if self.local_sgd is not None and alive:  # local SGD: the model ends on global parameters
+            self.local_sgd.leave(public_whole=pending is None or pending.done() or not self._worker.is_alive())
 
     def __enter__(self) -> "CollaborativeOptimizer":
         return self
@@ -265,10 +283,19 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         return self.accumulator.samples
 
     def heartbeat_message(self) -> Heartbeat:
-        acc, local = self.accumulator, self.local_sgd
+        """What a report says (built under the report lock): the samples not yet credited by the
+        relay -- the accumulator's, else those of an upload still under way -- and the version
+        they were computed on; with nothing to send, the version this peer computes on (in local
+        SGD with a round in flight, the one it will rebase onto: :meth:`LocalSgd.working_version`)."""
+        acc, local, sending = self.accumulator, self.local_sgd, self._sending
         with acc.lock:
-            return Heartbeat(version=acc.version if acc.samples else max(self.version, 0),
-                             samples=acc.samples, samples_per_s=self.samples_per_s,
+            if acc.samples:
+                version, samples = acc.version, acc.samples
+            elif sending is not None:
+                version, samples = sending.version, sending.samples
+            else:
+                version, samples = (local.working_version() if local is not None else max(self.version, 0)), 0
+            return Heartbeat(version=version, samples=samples, samples_per_s=self.samples_per_s,
                              inner_steps=local.steps if local is not None else 0,
                              busy_fraction=local.busy_fraction if local is not None else None)
 

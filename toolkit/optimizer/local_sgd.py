@@ -9,15 +9,41 @@ whichever first) the peer puts its pseudo-gradient ``global - local`` times the 
 processed into the accumulator -- the same sum a sync peer sends, so the upload path (signing,
 digests, finite checks, whole-or-nothing, byte caps) and the relay's sample-weighted mean apply
 unchanged -- and takes part in the outer round through the sync machinery
-(:meth:`CollaborativeOptimizer._sync`), which downloads the new global parameters into the model.
-The relay applies ``params -= outer_lr * mean_pseudo_grad`` (with Nesterov momentum): a pseudo-
-gradient points uphill like a gradient, so the outer step lowers the loss.
+(:meth:`CollaborativeOptimizer._sync`, :mod:`toolkit.optimizer.rounds`). The relay applies
+``params -= outer_lr * mean_pseudo_grad`` (with Nesterov momentum): a pseudo-gradient points
+uphill like a gradient, so the outer step lowers the loss. The inner optimizer's state (Adam's
+moments) stays on the peer across outer rounds, as DiLoCo keeps it: that is the mode's memory cost.
 
-Until its budget ends the peer reports no samples, so the relay waits for it
-(:mod:`relay_server.rounds.local_sgd`); if the relay moved on meanwhile (the others held the
-target batch), the inner steps are late: dropped, counted in ``late_rounds``, and the peer
-restarts from the new global parameters. The inner optimizer's state (Adam's moments) stays on
-the peer across outer rounds, as DiLoCo keeps it: that is the mode's memory cost.
+**Without overlap** (``[local_sgd] overlap = false``, the default) ``step()`` blocks for the outer
+round and loads the new global parameters: with H = 1, inner SGD lr 1 and outer SGD lr 1 this is
+sync mode exactly.
+
+**With overlap** (``overlap = true``) the round runs behind the next inner steps, and the steps
+taken while it is in flight are carried onto the new global parameters: a one-step-delayed outer
+update, not Streaming DiLoCo's fragments (:mod:`toolkit.optimizer.overlap` says why).
+
+**A late pseudo-gradient is dropped, never applied late** (``run.max_staleness = 0`` is
+required). Until its budget ends the peer reports no samples, so the relay waits for it
+(:mod:`relay_server.rounds.local_sgd`); if the relay moved on meanwhile (the others held the target
+batch, or ``straggler_wait_s`` ran out), the inner steps are late: dropped, counted in
+``late_rounds``, and the peer goes on from the new global parameters (with overlap, keeping the
+steps taken since the snapshot). Why not apply it with a weight such as ``1 / (1 + staleness)``
+(staleness-aware ASGD, Zhang et al. 2016): that rule was made for per-step gradients, where one
+version of staleness is one small step; here one version is a whole outer step (H inner steps)
+and the relay's Nesterov momentum would carry a stale pseudo-gradient into later steps as well --
+Liu et al. 2024 ("Asynchronous Local-SGD Training for Language Modeling") found exactly that
+stale pseudo-gradients under outer Nesterov momentum hurt, and needed a delayed-momentum variant
+to recover. DiLoCo (Douillard et al. 2023) shows the other side: dropping a share of the
+replicas' outer gradients at random costs little. With the time budget and the outer-round rule
+waiting for every live peer, lateness is rare (a peer past ``straggler_wait_s``, a lost
+upload), dropping keeps each outer step the exact sample-weighted mean of pseudo-gradients on
+one version, and overlap -- not late application -- is how this mode keeps peers busy.
+
+Every failure ends with the accumulator empty and the model on global parameters (plus, with
+overlap, the peer's own steps since its snapshot): a lost round (relay restart) is retried while
+the relay stays on its version (``_limbo``); a round that never opens is dropped after
+``round_wait_s``; the run finishing and ``close()`` leave the model on the newest global
+parameters the peer holds (:meth:`LocalSgd.leave`).
 """
 
 from __future__ import annotations
@@ -29,15 +55,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit.errors import CollabError
+from toolkit.optimizer.overlap import WAIT_POLL_S, OverlappedRound
 
 if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
 
 log = logging.getLogger("toolkit.optimizer")
-
-WAIT_POLL_S = 0.05
-"""How often a peer whose budget ended looks for its outer round (reports stay rate-limited by
-``report_interval_s``)."""
 
 
 def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str, Any]) -> torch.optim.Optimizer:
@@ -57,20 +80,25 @@ def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str,
     raise ValueError(f"inner optimizer {name!r} is not supported: the relay should have refused this run")
 
 
-class LocalSgd:
-    """Inner-loop state of one peer: the inner optimizer, and what this outer round processed."""
+class LocalSgd(OverlappedRound):
+    """Inner-loop state of one peer: the inner optimizer, what this inner loop processed, and (with
+    overlap) the snapshot whose pseudo-gradient is in its outer round."""
 
     def __init__(self, opt: CollaborativeOptimizer, settings: dict[str, Any]) -> None:
         self.opt = opt
         self.inner = settings["inner"]
         self.inner_steps = int(settings.get("inner_steps", 0))
         self.inner_seconds = float(settings.get("inner_seconds", 0.0))
+        self.overlap = bool(settings.get("overlap", False))
+        opt.delayed_updates = self.overlap  # rounds run in the background worker iff they overlap compute
         self.optimizer = inner_optimizer(opt._named, self.inner)
         self.clip = float(self.inner.get("clip_grad_norm", 0.0))
-        self.late_rounds = 0  # outer rounds whose pseudo-gradient came too late (dropped)
+        self.late_rounds = 0  # outer rounds whose pseudo-gradient did not count (late or lost: dropped)
         self.outer_rounds = 0  # outer rounds this peer's pseudo-gradient counted in
         self.first_step_at: float | None = None  # when this peer's first inner step began
-        self.waited_s = 0.0  # seconds step() spent in outer rounds rather than training
+        self.waited_s = 0.0  # seconds step() spent on the collaboration (reports, outer rounds) rather than training
+        self.snapshot, self.flight_version, self.give_up = None, -1, 0.0  # overlap (OverlappedRound)
+        self.rebases: list[tuple[int, int]] = []
         self._restart()
 
     def _restart(self) -> None:
@@ -95,16 +123,25 @@ class LocalSgd:
         self.loss_sum += (loss or 0.0) * n
 
     def after_step(self) -> None:
-        """What ``step()`` does after the inner step: the outer round when the budget is spent."""
-        if self.budget_spent():
-            self.outer_round()
-        else:
-            self.check_in()
+        """What ``step()`` does after the inner step: report, and the outer round when the budget is
+        spent (blocking, or with overlap started in the background and settled by a later step).
+        Its time is what :attr:`busy_fraction` counts as not training."""
+        began = time.monotonic()
+        try:
+            if self.overlap:
+                self._overlap_step()
+            elif self.budget_spent():
+                self.outer_round()
+            else:
+                self.check_in()
+        finally:
+            self.waited_s += time.monotonic() - began
 
     @property
     def busy_fraction(self) -> float | None:
-        """Share of the time since the first inner step not spent waiting in outer rounds (the
-        accelerator's busy fraction as far as the collaboration is concerned); None before that."""
+        """Share of the time since the first inner step not spent in ``step()``'s collaboration
+        work (reports, outer rounds, waiting for one): the accelerator's busy fraction as far as
+        the collaboration is concerned; None before that."""
         if self.first_step_at is None:
             return None
         elapsed = time.monotonic() - self.first_step_at
@@ -116,6 +153,7 @@ class LocalSgd:
         return bool(self.inner_seconds and self.started is not None
                     and time.monotonic() - self.started >= self.inner_seconds)
 
+    # --- without overlap: the outer round blocks step() -------------------------------------------
     def check_in(self) -> None:
         """While the inner loop runs: report when due (liveness, the run finishing), and start over
         from the new global parameters if the relay moved past the version this loop started on."""
@@ -145,20 +183,8 @@ class LocalSgd:
         if self.samples == 0:
             self._restart()
             return
-        began = time.monotonic()
-        try:
-            self._outer_round()
-        finally:
-            self.waited_s += time.monotonic() - began
-
-    def _outer_round(self) -> None:
-        opt = self.opt
-        public = torch.from_numpy(opt._public)
-        with torch.no_grad():
-            pseudo = [public[spec.offset:spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()
-                      for spec, (_, p) in zip(opt.run.layout, opt._named)]
-        loss = self.loss_sum / self.samples
-        opt.accumulator.add(pseudo, self.samples, loss, self.version, weight=self.samples)
+        opt.accumulator.add(self._pseudo_gradient(), self.samples, self.loss_sum / self.samples, self.version,
+                            weight=self.samples)
         contributed = opt.contributed_samples
         give_up = time.monotonic() + opt.round_wait_s
         while opt.samples and not opt.finished and time.monotonic() < give_up:
@@ -174,7 +200,27 @@ class LocalSgd:
         if opt.version <= self.version and not opt.finished:
             opt._load_latest()  # the model still holds the local parameters: back to the global ones
             if opt.version <= self.version:  # the relay did not move: reload this version anyway
-                opt._public_version = -1
-                opt.version = -1
-                opt._load_latest()
+                opt._load(force=True)
         self._restart()
+
+    def _pseudo_gradient(self) -> list[torch.Tensor]:
+        """``global - local``: the public parameters (the version this loop started on) minus the model's."""
+        opt = self.opt
+        public = torch.from_numpy(opt._public)
+        with torch.no_grad():
+            return [public[spec.offset:spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()
+                    for spec, (_, p) in zip(opt.run.layout, opt._named)]
+
+    def leave(self, *, public_whole: bool) -> None:
+        """End of the run or ``close()``: nothing stays to send, and the model holds global
+        parameters -- the newest this peer has, unless the worker may still be writing them
+        (``public_whole`` False), when the model keeps its own and the log says so."""
+        opt = self.opt
+        opt.accumulator.discard()
+        opt._limbo = None
+        self.snapshot = None
+        self._restart()
+        if public_whole and opt._public_version >= 0:
+            opt._load(force=True)
+        else:
+            log.info("left with a download in flight: the model keeps its local parameters")

@@ -11,6 +11,7 @@ gradient is put back only where that can never count it twice.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -25,9 +26,10 @@ from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable, RoundLost
 from toolkit.transfer import slice_part
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import CollabState, DoneRequest, RunInfo, TicketRequest
+from toolkit.wire.protocol import CollabState, DoneRequest, GradientMeta, RunInfo, TicketRequest
 
 if TYPE_CHECKING:
+    from toolkit.optimizer.local_sgd import LocalSgd
     from toolkit.worker import PeerWorker
 
 log = logging.getLogger("toolkit.optimizer")
@@ -72,27 +74,41 @@ class RoundParticipation:
     _public_version: int
     _pending: Future | None
     _limbo: Outcome | None
+    _sending: GradientMeta | None  # taken from the accumulator, upload not ended yet
     _last_round_id: str
+    _report_lock: threading.Lock
     _worker: PeerWorker
+    local_sgd: LocalSgd | None
     report_progress: Callable[..., CollabState]
 
     def _contribute(self, round_step: int, round_id: str) -> None:
         """Send the accumulated gradient to the open round ``round_id`` (in the background with
-        delayed updates), after a last progress report: the relay caps our weight by it."""
-        state = self.report_progress()
-        if state.round is None or state.round.round_id != round_id:
+        delayed updates)."""
+        upload = self._take_upload(self.client, round_step, round_id)
+        if upload is None:
             return
-        meta, grad = self.accumulator.take(self.peer_id, round_step)
-        try:
-            upload = self.accumulator.encode(meta, grad, state.round.slices)
-        except ValueError as exc:  # e.g. a sum that overflowed float16's range
-            self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
-            return
-        self._last_round_id = round_id
         if self.delayed_updates:
             self._pending = self._worker.submit(lambda client: self._round_job(client, upload, round_id))
         else:
             self._settle(self._round_job(self.client, upload, round_id))
+
+    def _take_upload(self, client: RelayClient, round_step: int, round_id: str) -> Upload | None:
+        """The accumulated gradient, encoded for the open round ``round_id``, after a last progress
+        report (the relay caps our weight by it); None if that round is gone or encoding failed."""
+        state = self.report_progress(client)
+        if state.round is None or state.round.round_id != round_id:
+            return None
+        with self._report_lock:  # a report between the take and the upload must still say what we send
+            meta, grad = self.accumulator.take(self.peer_id, round_step)
+            self._sending = meta
+        try:
+            upload = self.accumulator.encode(meta, grad, state.round.slices)
+        except ValueError as exc:  # e.g. a sum that overflowed float16's range
+            self._sent()
+            self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
+            return None
+        self._last_round_id = round_id
+        return upload
 
     def _round_job(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome:
         """Upload, then wait for the version the round produces (in the worker thread with delayed
@@ -104,22 +120,15 @@ class RoundParticipation:
         into the accumulator.
         """
         meta = upload.meta
-        if upload.parts:
-            failed = self._upload_sliced(client, upload, round_id)
-            if failed is not None:
-                return failed
-        else:
-            try:
-                client.upload_gradient(upload.tensors, meta, self.codec.name)
-            except RelayRejected as exc:
-                if exc.code in NOT_RECEIVED:  # never received: reusable if still fresh enough
-                    return Outcome(upload, error=exc, fate="not_received")
-                return Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
-            except RelayUnreachable as exc:
-                return Outcome(upload, error=exc, fate="unknown")
+        try:
+            failed = self._upload(client, upload, round_id)
+        finally:
+            self._sent()
+        if failed is not None:
+            return failed
         give_up = time.monotonic() + self.round_wait_s
         try:
-            while time.monotonic() < give_up:
+            while time.monotonic() < give_up and not self._worker.stopping.is_set():
                 try:
                     step = self._download(client, min_step=meta.step + 1, wait_s=5)
                 except RelayUnreachable:  # the new version is there but a slice is not (yet)
@@ -134,8 +143,30 @@ class RoundParticipation:
                     return Outcome(upload, error=lost, fate="not_received")
         except RelayUnreachable as exc:
             return Outcome(upload, error=exc, fate="unknown")
+        if self._worker.stopping.is_set():  # close(): a background wait ends here, between downloads
+            return Outcome(upload, error=RoundLost("closing", f"left before round {meta.step} ended"), fate="unknown")
         timeout = RoundLost("round_timeout", f"no result for round {meta.step} after {self.round_wait_s:.0f}s")
         return Outcome(upload, error=timeout, fate="unknown")
+
+    def _upload(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome | None:
+        """Send the gradient, whole or sliced; None when (part of) it reached the round."""
+        if upload.parts:
+            return self._upload_sliced(client, upload, round_id)
+        try:
+            client.upload_gradient(upload.tensors, upload.meta, self.codec.name)
+        except RelayRejected as exc:
+            if exc.code in NOT_RECEIVED:  # never received: reusable if still fresh enough
+                return Outcome(upload, error=exc, fate="not_received")
+            return Outcome(upload, error=exc, fate="dropped")  # duplicate, stale, invalid or partly used
+        except RelayUnreachable as exc:
+            return Outcome(upload, error=exc, fate="unknown")
+        return None
+
+    def _sent(self) -> None:
+        """The upload ended (the relay credited it, refused it, or never saw it): reports say what
+        the accumulator holds again."""
+        with self._report_lock:
+            self._sending = None
 
     def _upload_sliced(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome | None:
         """Ticket from the relay, each slice to its owner (in parallel), then "done".
@@ -174,8 +205,11 @@ class RoundParticipation:
                                          f"not delivered ({failures[0]}); only their contribution is lost"))
         return None
 
-    def _settle(self, outcome: Outcome) -> None:
-        """Apply a round's outcome in the training thread."""
+    def _settle(self, outcome: Outcome | None) -> None:
+        """Apply a round's outcome in the training thread (None: a background job that ended
+        before uploading anything, see :meth:`LocalSgd.outer_job`)."""
+        if outcome is None:
+            return
         if outcome.error is not None:
             self._note_error(outcome.error)
         if outcome.version is not None or outcome.fate == "applied":
@@ -231,17 +265,26 @@ class RoundParticipation:
         self._download(self.client)
         self._load()
 
-    def _load(self) -> None:
-        """Copy the public parameters into the model (training thread)."""
+    def _load(self, *, force: bool = False) -> None:
+        """Copy the public parameters into the model (training thread) if they are newer, or
+        ``force``: again. In local SGD with overlap a round's snapshot turns the copy into the
+        rebase (:meth:`LocalSgd.rebase_carry <toolkit.optimizer.local_sgd.LocalSgd.rebase_carry>`)."""
         step = self._public_version
-        if step <= self.version:
+        if step < 0 or (step <= self.version and not force):
             return
+        params = [p for _, p in self._named]
+        carry = self.local_sgd.rebase_carry(params) if self.local_sgd is not None else None
         flat = torch.from_numpy(self._public)
-        for spec, (_, p) in zip(self.run.layout, self._named):
-            p.data.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
+        with torch.no_grad():
+            for spec, p in zip(self.run.layout, params):
+                p.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
+            if carry is not None:
+                torch._foreach_sub_(params, carry)  # carry = snapshot - local: theta + (local - snapshot)
         self.version = step
         self.step_times.append((step, time.time()))
-        log.info("step %d loaded", step)
+        if self.local_sgd is not None:
+            self.local_sgd.loaded(step, rebased=carry is not None)
+        log.info("step %d loaded%s", step, " (rebased)" if carry is not None else "")
 
     def _note_error(self, exc: CollabError) -> None:
         self.last_error = exc
