@@ -47,12 +47,12 @@ from toolkit.wire.compression.codecs import (
 )
 from toolkit.wire.compression.feedback import DeltaEncoder, ErrorFeedback, apply_delta
 from toolkit.wire.compression.registry import CHOICES, DENSE_CHOICES, codec_error, get_codec
-from toolkit.wire.compression.sparse import CHUNK, TOPK2_INPUT_MAX, TopK2Codec
+from toolkit.wire.compression.sparse import CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, TopK2Codec
 
 __all__ = [
     "Codec", "Tensors", "TensorSpec",
     "BLOCK", "CODECS", "INT8_INPUT_MAX", "SCALE_MAX", "NoneCodec", "Float16Codec", "Int8Codec",
-    "CHUNK", "TOPK2_INPUT_MAX", "TopK2Codec",
+    "CHUNK", "TOPK2_INPUT_MAX", "TOPK2_SCALE_MAX", "TopK2Codec",
     "CHOICES", "DENSE_CHOICES", "codec_error", "get_codec",
     "ErrorFeedback", "DeltaEncoder", "apply_delta",
 ]

@@ -22,9 +22,12 @@ chunk's largest value is exact up to rounding and every kept value lies within s
 of its code. Error feedback owes the rest (the dropped values entirely) to the next step.
 Bits per value: (K * 18 + 32) / 4096, 0.289 for K = 64 (float32 is 32).
 
-Finite output, proven: a validated scale is finite, >= 0 and <= SCALE_MAX (FLT_MAX / 128, as
-int8's), so every decoded value is 0 or a level times a scale, |value| <= 1.5 * FLT_MAX / 128:
-finite whatever the payload bytes, so the relay skips its NaN/Inf scan for this codec too.
+Finite output, proven: a validated scale is finite, >= 0 and <= TOPK2_SCALE_MAX = 2^100, so
+every decoded value is 0 or a level times a scale (one rounding), |value| <= 1.5 * 2^100: finite
+whatever the payload bytes, so the relay skips its NaN/Inf scan for this codec; and a relay's
+float32 sum of up to 2^26 such uploads stays below FLT_MAX (~2^128), so hostile but valid
+scales cannot overflow the round's sum either. The price: |x| above 1.5 * 2^100 (1.9e30) is
+refused at encode; a gradient or parameter delta there has diverged anyway.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from toolkit.wire.compression.base import _WORK, Codec, TensorSpec, _bad
-from toolkit.wire.compression.codecs import SCALE_MAX, _raise_out_of_range
+from toolkit.wire.compression.codecs import _raise_out_of_range
 
 CHUNK = 4096  # values per chunk: positions fit uint16, and it divides _WORK and the relay's 1 << 20
 K_MIN, K_MAX = 4, 2048  # K: a multiple of 4 (whole code bytes); above C / 2 dense int8 is smaller
 NAME = re.compile(r"topk2-([0-9]+)")
 _LEVELS = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
-TOPK2_INPUT_MAX = float(SCALE_MAX) * 1.5  # the largest |x| whose scale stays <= SCALE_MAX
+TOPK2_SCALE_MAX = np.float32(2.0 ** 100)  # see the module docstring: decoded sums stay finite
+TOPK2_INPUT_MAX = float(TOPK2_SCALE_MAX) * 1.5  # the largest |x| whose scale stays <= TOPK2_SCALE_MAX
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 assert _WORK % CHUNK == 0 and (1 << 20) % CHUNK == 0
 
@@ -64,7 +68,7 @@ class TopK2Codec(Codec):
 
     payload_dtype = np.dtype("u1")
     alignment = CHUNK
-    finite_output = True  # |level| <= 1.5 and scales <= SCALE_MAX: |value| <= 1.5 * FLT_MAX / 128
+    finite_output = True  # |level| <= 1.5 and scales <= 2^100: |value| <= 1.5 * 2^100
 
     def __init__(self, k: int) -> None:
         if not (K_MIN <= k <= K_MAX and k % 4 == 0):
@@ -89,9 +93,9 @@ class TopK2Codec(Codec):
 
     def _check_side_values(self, side: Mapping[str, np.ndarray]) -> None:
         scales = side["scales"]
-        if scales.size and not (scales.min() >= 0 and scales.max() <= SCALE_MAX):  # False for NaN
-            bad = np.flatnonzero(~((scales >= 0) & (scales <= SCALE_MAX)))
-            raise _bad(f"codec {self.name!r}: scales must be finite, >= 0 and <= {float(SCALE_MAX):.4g}; "
+        if scales.size and not (scales.min() >= 0 and scales.max() <= TOPK2_SCALE_MAX):  # False for NaN
+            bad = np.flatnonzero(~((scales >= 0) & (scales <= TOPK2_SCALE_MAX)))
+            raise _bad(f"codec {self.name!r}: scales must be finite, >= 0 and <= 2^100; "
                        f"{bad.size} are not (first: chunk {bad[0]} = {scales[bad[0]]!r})")
 
     # --- encode ---------------------------------------------------------------------------------
