@@ -83,6 +83,9 @@ class DeltaEncoder:
     same ``apply_delta`` peers run. The error is re-measured against the master every step, so
     ``|master - public|`` stays within half a step of the latest delta's block (one step with
     float rounding) and never accumulates; after a big jump (a rollback) it shrinks ~127x per step.
+    A sparse codec (topk2) sends each chunk's K largest gaps per step: the gaps it leaves are
+    carried the same way and go out in later steps, so ``public`` converges to a master that
+    stops moving instead of tracking it within one step.
     """
 
     def __init__(self, codec: Codec, public: np.ndarray) -> None:
