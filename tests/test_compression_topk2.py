@@ -288,7 +288,8 @@ def test_padding_bits_and_wrong_sizes_and_dtypes_are_refused() -> None:
     for tensors, match in cases:
         with pytest.raises(ProtocolError, match=match):
             CODEC.decode(tensors, n=N)
-    header = [TensorSpec("scales", np.dtype("<f4"), (3,)), TensorSpec("payload", np.dtype("u1"), (CODEC.payload_size(N) + 1,))]
+    header = [TensorSpec("scales", np.dtype("<f4"), (3,)),
+              TensorSpec("payload", np.dtype("u1"), (CODEC.payload_size(N) + 1,))]
     with pytest.raises(ProtocolError, match="expects tensors"):
         CODEC.check_layout(header, N)
 
