@@ -17,9 +17,16 @@ Records of whole chunks have one size, 9K/4 bytes, so the values ``[start, start
 chunk-aligned range while the upload streams. Each received vector has one canonical encoding:
 a duplicate, unsorted or out-of-range position, or a set padding bit, is refused, naming the chunk.
 
-Levels: the four codes are ``{-1.5, -0.5, 0.5, 1.5} * s`` with ``s = absmax / 1.5``, so the
-chunk's largest value is exact up to rounding and every kept value lies within s/2 (half a step)
-of its code. Error feedback owes the rest (the dropped values entirely) to the next step.
+Levels: the four codes are ``{-1.5, -0.5, 0.5, 1.5} * s``. The decoder needs nothing more; the
+encoder picks s. ``s = absmax / 1.5`` would put every kept value within s/2 (half a step) of its
+code, but the kept values are a chunk's largest, bunched in magnitude between the K-th largest
+and the largest (for Gaussian data 2.4 and 3.7 sigma at K = 64), so the inner levels +-absmax/3
+sit below all of them: 13% relative squared error on the kept values. The encoder starts there
+and runs FIT_ROUNDS Lloyd iterations (the least-squares s for the current codes, then the
+nearest codes for that s), which never increase the squared error: 2% on the same data. Every
+kept value is then within s/2 of its code unless it lies beyond the outer level (|x| > 1.5 s),
+where it takes the outer code. Error feedback owes the rest (the dropped values entirely) to the
+next step.
 Bits per value: (K * 18 + 32) / 4096, 0.289 for K = 64 (float32 is 32).
 
 Finite output, proven: a validated scale is finite, >= 0 and <= TOPK2_SCALE_MAX = 2^100, so
@@ -47,6 +54,7 @@ _LEVELS = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
 TOPK2_SCALE_MAX = np.float32(2.0 ** 100)  # see the module docstring: decoded sums stay finite
 TOPK2_INPUT_MAX = float(TOPK2_SCALE_MAX) * 1.5  # the largest |x| whose scale stays <= TOPK2_SCALE_MAX
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
+FIT_ROUNDS = 2  # Lloyd iterations of the scale: the kept values' squared error 13% -> 2% (Gaussian, K = 64)
 assert _WORK % CHUNK == 0 and (1 << 20) % CHUNK == 0
 
 
@@ -128,12 +136,13 @@ class TopK2Codec(Codec):
         else:
             positions = np.broadcast_to(np.arange(length), x.shape)
         values = np.take_along_axis(x, positions, axis=1)  # (chunks, k)
-        np.divide(absmax, np.float32(1.5), out=scales)
-        q = np.zeros_like(values)
-        np.divide(values, scales[:, None], out=q, where=scales[:, None] > 0)  # |q| <= 1.5 (+ rounding)
-        q += np.float32(1.5)
-        np.rint(q, out=q)
-        codes = np.clip(q, 0, 3).astype(np.uint8)
+        np.divide(absmax, np.float32(1.5), out=scales)  # the start: every kept value within s/2
+        codes = _nearest_codes(values, scales)
+        for _ in range(FIT_ROUNDS):  # Lloyd: the least-squares scale for these codes, then the nearest codes
+            levels = _LEVELS[codes].astype(np.float64)
+            fit = (values * levels).sum(axis=1) / (levels * levels).sum(axis=1)  # >= 0: codes carry x's sign
+            np.copyto(scales, np.minimum(fit, TOPK2_SCALE_MAX), casting="same_kind")
+            codes = _nearest_codes(values, scales)
         records[:, :2 * k] = positions.astype("<u2").view(np.uint8).reshape(len(x), 2 * k)
         records[:, 2 * k:] = _pack(codes)
 
@@ -189,6 +198,16 @@ class TopK2Codec(Codec):
                        f"strictly increasing and < {length}, unused code bits zero (got positions "
                        f"{positions[c, :8].tolist()}{'...' if k > 8 else ''})")
         return positions
+
+
+def _nearest_codes(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The code (0..3) of the level ``(code - 1.5) * s`` nearest each value (chunks, k); a
+    chunk with s = 0 (all zero) gets code 2, which decodes to 0."""
+    q = np.zeros_like(values)
+    np.divide(values, scales[:, None], out=q, where=scales[:, None] > 0)
+    q += np.float32(1.5)
+    np.rint(q, out=q)
+    return np.clip(q, 0, 3).astype(np.uint8)
 
 
 def _pack(codes: np.ndarray) -> np.ndarray:
