@@ -139,8 +139,9 @@ class TopK2Codec(Codec):
         np.divide(absmax, np.float32(1.5), out=scales)  # the start: every kept value within s/2
         codes = _nearest_codes(values, scales)
         for _ in range(FIT_ROUNDS):  # Lloyd: the least-squares scale for these codes, then the nearest codes
-            levels = _LEVELS[codes].astype(np.float64)
-            fit = (values * levels).sum(axis=1) / (levels * levels).sum(axis=1)  # >= 0: codes carry x's sign
+            levels = _LEVELS[codes]  # the sums in float64: no underflow for subnormal values
+            fit = np.einsum("ij,ij->i", values, levels, dtype=np.float64)  # >= 0: codes carry x's sign
+            fit /= np.einsum("ij,ij->i", levels, levels, dtype=np.float64)
             np.copyto(scales, np.minimum(fit, TOPK2_SCALE_MAX), casting="same_kind")
             codes = _nearest_codes(values, scales)
         records[:, :2 * k] = positions.astype("<u2").view(np.uint8).reshape(len(x), 2 * k)
