@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 from relay_server.core.config import ConfigError, load_config
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress
+from relay_server.rounds.robust import CenteredClipConfig
 from tests.conftest import merged, write_config
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected
@@ -310,7 +311,7 @@ def test_padding_bits_and_wrong_sizes_and_dtypes_are_refused() -> None:
         CODEC.check_layout(header, N)
 
 
-def reduce_body(reducer: Reducer, body: bytes) -> UploadProgress:
+def reduce_body(reducer: Reducer, body: bytes, peer_id: str = "") -> UploadProgress:
     """One upload through the relay's streaming reducer (fed the bytes, in-process)."""
     async def go() -> UploadProgress:
         stream = asyncio.StreamReader()
@@ -320,7 +321,7 @@ def reduce_body(reducer: Reducer, body: bytes) -> UploadProgress:
         header = await reader.read_header()
         reducer.check(header)
         progress = UploadProgress()
-        await reducer.reduce(reader, header, 8, lambda: True, progress)
+        await reducer.reduce(reader, header, 8, lambda: True, progress, peer_id)
         return progress
     return asyncio.run(go())
 
@@ -345,6 +346,28 @@ def test_the_reducer_streams_topk2_chunks_and_refuses_a_bad_later_chunk_whole() 
                 reduce_body(reducer, body)
             assert getattr(info.value, "code", "") in ("bad_tensor", "truncated_body"), info.value
         assert np.array_equal(reducer.sum, expected)  # whole or nothing
+    finally:
+        reducer.close()
+
+
+def test_centered_clip_reduces_topk2_uploads_and_forgets_a_refused_one() -> None:
+    """Robust mode stores each peer's decoded chunks: a hostile upload refused in its second relay
+    chunk leaves nothing behind (kept, its first chunk would move the center by ~400), so the
+    honest upload alone is the center."""
+    n, codec = CHUNK_ELEMS + 3 * CHUNK, get_codec("topk2-64")
+    reducer = Reducer(np.zeros(n, np.float32), codec, robust=CenteredClipConfig())
+    try:
+        good = codec.encode(np.random.default_rng(4).standard_normal(n).astype(np.float32))
+        bad = {name: array.copy() for name, array in good}
+        offset = codec.payload_size(CHUNK_ELEMS)  # the first record of the second relay chunk
+        bad["payload"][offset:offset + 2] = np.frombuffer((4096).to_bytes(2, "little"), np.uint8)
+        bad["scales"][:CHUNK_ELEMS // CHUNK] *= 1000  # its first relay chunk, valid, would pull the center
+        with pytest.raises(Exception) as info:
+            reduce_body(reducer, b"".join(iter_encoded(list(bad.items()))), "mallory")
+        assert getattr(info.value, "code", "") == "bad_tensor", info.value
+        assert reduce_body(reducer, b"".join(iter_encoded(good)), "alice").committed
+        asyncio.run(reducer.run(reducer.finish_mean))
+        np.testing.assert_allclose(reducer.sum, codec.decode(good, n=n) / 8, rtol=0, atol=1e-6)  # per sample
     finally:
         reducer.close()
 
