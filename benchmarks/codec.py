@@ -4,7 +4,9 @@
     python benchmarks/codec.py --n 16M --reps 5
 
 Human lines first, then one JSON line:
-``{"int8_bytes_ratio", "cosine", "encode_MBps", "decode_MBps"}`` for the int8 codec. MB/s are
+``{"int8_bytes_ratio", "cosine", "encode_MBps", "decode_MBps", "topk2_64"}`` for the int8 codec, and
+under ``"topk2_64"`` the sparse codec's ``{"bits_per_param", "encode_MBps", "decode_MBps",
+"feedback_MBps"}`` (its cosine to one vector is low by design: error feedback sends the rest later). MB/s are
 1e6 bytes of float32 *input* per second (4 bytes per value, whatever the codec sends), single
 thread, best of ``--reps`` runs because the machine is shared. The JSON speeds are the steady
 state of a training loop (encode into the previous step's buffers, decode into a preallocated
@@ -71,17 +73,17 @@ def main() -> None:
     print("  steady state: encode into the previous step's buffers, decode into a preallocated vector "
           "(fresh: new buffers every call, paying the page faults)")
     results: dict[str, dict[str, float]] = {}
-    for name in ("none", "float16", "int8"):
+    for name in ("none", "float16", "int8", "topk2-64"):
         codec = get_codec(name)
         tensors = codec.encode(x)
         fresh_encode_s = best_seconds(lambda: codec.encode(x), args.reps)
         encode_s = best_seconds(lambda: codec.encode(x, out=tensors), args.reps)
-        fresh_decode_s = best_seconds(lambda: codec.decode(tensors), args.reps)
+        fresh_decode_s = best_seconds(lambda: codec.decode(tensors, n=n), args.reps)
         decode_s = best_seconds(lambda: codec.decode(tensors, out=out), args.reps)
         cosine, max_error = cosine_and_max_error(x, out)
         ratio = encoded_size(tensors, {"codec": name}) / (4 * n)
         results[name] = {"ratio": ratio, "cosine": cosine, "encode": mb / encode_s, "decode": mb / decode_s}
-        print(f"  {name:8s} {ratio:6.4f} x float32 on the wire, cosine {cosine:.7f}, max |err| {max_error:.3g}; "
+        print(f"  {name:8s} {ratio:6.4f} x float32 ({ratio * 32:.3f} bits/value) on the wire, cosine {cosine:.7f}, max |err| {max_error:.3g}; "
               f"encode {mb / encode_s:5.0f} MB/s (fresh {mb / fresh_encode_s:5.0f}), "
               f"decode {mb / decode_s:5.0f} MB/s (fresh {mb / fresh_decode_s:5.0f})")
         del tensors
@@ -108,9 +110,19 @@ def main() -> None:
     feedback_s = best_seconds(lambda: feedback.compress(x, out=previous), args.reps)
     print(f"  int8 peer path: ErrorFeedback.compress (encode + decode the residual) {mb / feedback_s:.0f} MB/s")
 
-    int8 = results["int8"]
+    del previous, feedback
+    sparse = get_codec("topk2-64")
+    feedback = ErrorFeedback(sparse, n)
+    previous = feedback.compress(x)
+    sparse_feedback_s = best_seconds(lambda: feedback.compress(x, out=previous), args.reps)
+    print(f"  topk2-64 peer path: ErrorFeedback.compress {mb / sparse_feedback_s:.0f} MB/s")
+
+    int8, topk2 = results["int8"], results["topk2-64"]
     print(json.dumps({"int8_bytes_ratio": round(int8["ratio"], 5), "cosine": round(int8["cosine"], 7),
-                      "encode_MBps": round(int8["encode"]), "decode_MBps": round(int8["decode"])}))
+                      "encode_MBps": round(int8["encode"]), "decode_MBps": round(int8["decode"]),
+                      "topk2_64": {"bits_per_param": round(topk2["ratio"] * 32, 4), "encode_MBps": round(topk2["encode"]),
+                                   "decode_MBps": round(topk2["decode"]),
+                                   "feedback_MBps": round(mb / sparse_feedback_s)}}))
 
 
 if __name__ == "__main__":

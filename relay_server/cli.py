@@ -31,6 +31,16 @@ def version() -> str:
         return "unknown (not installed)"
 
 
+def _codec_name(name: str) -> str:
+    """``--compression``'s type: a codec name the run accepts (one line naming the choices otherwise)."""
+    from toolkit.wire.compression import codec_error
+
+    problem = codec_error(name)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return name
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="relay-server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "more) or projected (counting the micro-batches in flight: about the target)")
     demo.add_argument("--keep", action="store_true",
                       help="leave the relay and its dashboard up after the last step, until Ctrl-C")
-    demo.add_argument("--compression", choices=("none", "float16", "int8"), default="none",
-                      help="codec for gradients and parameters on the wire (default none)")
+    demo.add_argument("--compression", type=_codec_name, default="none",
+                      help="codec for gradients and parameters on the wire: none (default), float16, int8 or "
+                      "topk2-<K> (the K largest of every 4096 values, 2 bits each: topk2-64 is 0.29 bits/parameter)")
     demo.add_argument("--recipe", choices=("byte-lm", "albert-tiny", "pipeline-tiny", "dmoe-lm-tiny"), default="byte-lm",
                       help="byte-lm: the byte-level demo model; albert-tiny: the sahajBERT recipe in miniature "
                       "(tokenizer trained on the shipped text, ALBERT masked-LM, LAMB); pipeline-tiny: the byte-level "

@@ -131,11 +131,12 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
 
 
 @pytest.mark.slow
-def test_relay_restart_gathers_the_slices_back(start_relay, start_aggregators, launch_peer):
+@pytest.mark.parametrize("compression", ["int8", "topk2-64"])
+def test_relay_restart_gathers_the_slices_back(start_relay, start_aggregators, launch_peer, compression):
     """SIGKILL the relay while an aggregator owns a slice: the restarted relay pulls that slice's
     state from the aggregator, resumes at the same step, and training goes on with no step lost.
-    With int8 compression: slices travel as quantized deltas, error feedback per slice range."""
-    relay = start_relay({"optimizer": SGD, "run": {"target_batch": 32, "compression": "int8"},
+    With lossy compression (int8, sparse topk2): slices travel as deltas, error feedback per slice range."""
+    relay = start_relay({"optimizer": SGD, "run": {"target_batch": 32, "compression": compression},
                          "aggregators": FAST_AGGREGATORS})
     (agg,) = start_aggregators(relay, "agg", wait=False)
     peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=10_000,

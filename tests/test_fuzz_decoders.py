@@ -420,8 +420,9 @@ test_fuzz_container_header_parser, test_fuzz_container_header_parser_slow = fuzz
 
 
 LOOP = asyncio.new_event_loop()  # one loop for the whole module: the reducer hops to its own thread
-NUM = 600  # parameters of the fuzzed run: three int8 blocks, the last one short
-REDUCERS = {name: Reducer(np.zeros(NUM, np.float32), get_codec(name)) for name in ("none", "float16", "int8")}
+NUM = 600  # parameters of the fuzzed run: three int8 blocks, the last one short; one short topk2 chunk
+FUZZED_CODECS = ("none", "float16", "int8", "topk2-4")  # topk2-4: a 9-byte record, often canonical by chance
+REDUCERS = {name: Reducer(np.zeros(NUM, np.float32), get_codec(name)) for name in FUZZED_CODECS}
 
 
 def _meta_value() -> st.SearchStrategy:
@@ -471,7 +472,7 @@ test_fuzz_upload_body, test_fuzz_upload_body_slow = fuzz(st.tuples(
     st.sampled_from(sorted(REDUCERS)),
     st.one_of(_meta_value(), st.dictionaries(st.text(max_size=6), TEXT, max_size=2)),
     st.binary(min_size=1, max_size=64), st.integers(0, 4000), st.booleans(),
-    st.sampled_from(["none", "float16", "int8"]), st.sampled_from([NUM, NUM, NUM, NUM - 1, NUM + 256])))(_upload_body)
+    st.sampled_from(FUZZED_CODECS), st.sampled_from([NUM, NUM, NUM, NUM - 1, NUM + 256])))(_upload_body)
 
 
 def _gradient_meta_decoder(meta: Any) -> None:

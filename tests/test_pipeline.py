@@ -234,6 +234,8 @@ def relay_step_when(worker) -> int:
     ({"pipeline": {"stages": "auto"}}, "pipeline.worker_memory_mb"),
     ({"pipeline": {"stages": 2, "layers_per_stage": [1, 2]}}, "pipeline.layers_per_stage"),
     ({"pipeline": {"boundary_codec": "bf16"}}, "pipeline.boundary_codec"),
+    ({"pipeline": {"boundary_codec": "topk2-64"}}, "topk2-<K> is for run.compression only"),
+    ({"run": {"target_batch": 8, "max_staleness": 0, "compression": "topk2-64"}}, "without error feedback"),
     ({"model": {"factory": "toolkit.models:ByteTransformer", "kwargs": {"d_model": 32, "n_layer": 4, "n_head": 2}}},
      "tie_embeddings"),
     ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),

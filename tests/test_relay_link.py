@@ -25,7 +25,7 @@ def join(url: str, count: int) -> None:
         assert answer.status_code == 200, answer.text
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
+@pytest.mark.parametrize("compression", ["none", "int8", "topk2-64"])
 def test_the_plan_states_what_one_relay_sends_and_receives_per_step(serve_relay, compression: str) -> None:
     relay = serve_relay({"run": {"compression": compression}})
     join(relay.url, 3)

@@ -100,7 +100,8 @@ class MoeSection:
              f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (none: experts are not trained)"),
             (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
              "moe timeouts and checkpoint_every_s must be > 0"),
-            (self.codec in ("none", "float16", "int8"), "moe.codec must be none, float16 or int8"),
+            (self.codec in ("none", "float16", "int8"), f"moe.codec must be none, float16 or int8 (a dense codec: "
+             f"got {self.codec!r}; topk2-<K> is for run.compression only)"),
             (self.keep_checkpoints >= 1 and self.max_queued_rows >= 1 and self.max_rows_per_call >= 1
              and self.task_memory_mb >= 1, "moe.keep_checkpoints, max_queued_rows, max_rows_per_call and "
              "task_memory_mb must be >= 1"),

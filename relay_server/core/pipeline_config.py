@@ -88,7 +88,8 @@ class PipelineSection:
             (max_staleness == 0, "pipeline runs need run.max_staleness = 0 (delayed parameter updates are not "
              "supported yet): set run.max_staleness = 0"),
             (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
-            (self.boundary_codec in BOUNDARY_CODECS, f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS}"),
+            (self.boundary_codec in BOUNDARY_CODECS, f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS} "
+             f"(a dense codec: got {self.boundary_codec!r}; topk2-<K> is for run.compression only)"),
             (self.boundary_memory_mb >= 1, "pipeline.boundary_memory_mb must be >= 1"),
             (self.initial_lease_s > 0 and self.lease_factor >= 1 and self.lease_floor_s > 0,
              "pipeline.initial_lease_s and lease_floor_s must be > 0 and lease_factor >= 1"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay_server.core.typed import PATH
+from toolkit.wire.compression import codec_error
 from toolkit.wire.protocol import ModelSpec
 
 Checks = list[tuple[bool, str]]
@@ -35,7 +36,9 @@ class RunSection:
     precision: str = ""
     """Pin one precision policy for every peer ("bf16", "fp16", "fp32"); empty = each peer picks."""
     compression: str = "none"
-    """Codec for gradients and parameters on the wire: "none", "float16" or "int8" (blockwise)."""
+    """Codec for gradients and parameters on the wire: "none", "float16", "int8" (blockwise) or
+    "topk2-<K>" (the K largest of every 4096 values with 2-bit values, error feedback both ways:
+    "topk2-64" is 0.29 bits per parameter)."""
     mode: str = "sync"
     """"sync": every step's gradient goes to the relay (DeDLOC); "local_sgd": peers train locally
     for ``[local_sgd]``'s budget and send one pseudo-gradient per outer round (low bandwidth)."""
@@ -47,7 +50,7 @@ class RunSection:
             (self.total_steps >= 0, "run.total_steps must be >= 0"),
             (0 <= self.max_staleness <= 8, "run.max_staleness must be in 0..8"),
             (self.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
-            (self.compression in ("none", "float16", "int8"), "run.compression must be none, float16 or int8"),
+            (codec_error(self.compression) is None, f"run.compression: {codec_error(self.compression)}"),
             (self.mode in ("sync", "local_sgd"), 'run.mode must be "sync" or "local_sgd"'),
         ]
 

@@ -181,7 +181,11 @@ class Reducer:
         self.weights = np.zeros(-(-buffer.size // CHUNK_ELEMS), dtype=np.float64)  # samples per chunk
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reducer")
         self._scratch = np.empty(min(CHUNK_ELEMS, max(buffer.size, 1)), dtype=np.float32)
-        self._staging = np.empty(CHUNK_ELEMS * 4, dtype=np.uint8)  # a chunk that arrived in pieces
+        # One chunk's payload: payload_size(CHUNK_ELEMS) elements encode CHUNK_ELEMS values (all
+        # codecs' alignments divide CHUNK_ELEMS, so chunks are whole value ranges of any codec).
+        self._chunk_payload = codec.payload_size(CHUNK_ELEMS)
+        self._staging = np.empty(max(CHUNK_ELEMS * 4, self._chunk_payload * codec.payload_dtype.itemsize),
+                                 dtype=np.uint8)  # a chunk that arrived in pieces
         self.robust_config = robust
         self._robust = self._new_accumulator()
         self._excluded: set[str] = set()  # peers removed this round: their further chunks are refused
@@ -244,15 +248,16 @@ class Reducer:
             raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
         loop = asyncio.get_running_loop()
         spool = _Spool(self.spool_dir, UPLOAD_MEMORY) if self._robust is None else None
-        chunks: list[tuple[int, int]] = []  # (start element, count) of every validated chunk
+        chunks: list[tuple[int, int]] = []  # (first value, payload elements) of every validated chunk
         pending: asyncio.Future | None = None
         try:
-            async for start, piece in reader.iter_chunk_pieces(payload, CHUNK_ELEMS):
+            async for offset, piece in reader.iter_chunk_pieces(payload, self._chunk_payload):
                 if pending is not None:
                     await pending
                     pending, progress.chunks_staged = None, progress.chunks_staged + 1
                 if not still_open():
                     raise _Closed()
+                start = offset // self._chunk_payload * CHUNK_ELEMS  # the chunk's first value
                 pending = loop.run_in_executor(self._thread, self._stage, side, piece, start, samples, peer_id, spool)
                 chunks.append((start, piece.count))
             if pending is not None:
@@ -283,9 +288,11 @@ class Reducer:
                 spool.close()
 
     def _decoded(self, side: dict[str, np.ndarray], raw: np.ndarray, start: int) -> np.ndarray:
+        """The values ``[start, start + CHUNK_ELEMS)`` (fewer at the end) of one chunk's payload."""
         if self.codec.lossless and raw.dtype == np.float32:
             return raw  # float32 on the wire: use the received bytes as they are
-        return self.codec.decode_range(side, raw, start, out=self._scratch[:raw.size])
+        count = min(CHUNK_ELEMS, self.numel - start)
+        return self.codec.decode_range(side, raw, start, out=self._scratch[:count])
 
     def _stage(self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int, peer_id: str,
                spool: _Spool | None) -> None:
@@ -294,7 +301,10 @@ class Reducer:
         raw = piece.gather(self._staging)
         if peer_id in self._excluded:
             raise _removed()
-        values = self._decoded(side, raw, start)
+        try:
+            values = self._decoded(side, raw, start)  # sparse codecs check their records here
+        except ValueError as exc:
+            raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
         if not self.codec.finite_output and not np.isfinite(values).all():
             raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
                            "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT)

@@ -69,21 +69,21 @@ def rows_of(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, widt
 def encode_rows(name: str, array: np.ndarray, codec: Codec = NONE) -> dict[str, np.ndarray]:
     """``array`` [rows, d] as the tensors of ``codec`` (just ``{name: array}`` without one)."""
     array = np.ascontiguousarray(array, dtype=np.float32)
-    if codec.name == "none":
+    if _dense(codec).name == "none":
         return {name: array}
     return {f"{name}.{part}": tensor for part, tensor in codec.encode(array.reshape(-1))}
 
 
 def row_names(name: str, codec: Codec = NONE) -> set[str]:
     """The tensor names :func:`encode_rows` gives ``name``."""
-    return {name} if codec.name == "none" else {f"{name}.{spec.name}" for spec in codec.layout(1)}
+    return {name} if _dense(codec).name == "none" else {f"{name}.{spec.name}" for spec in codec.layout(1)}
 
 
 def read_rows(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, width: int,
               codec: Codec = NONE) -> np.ndarray:
     """The float32 [rows, width] matrix ``name`` encodes with ``codec``: layout checked against
     the codec before decoding, values finite (:func:`rows_of`)."""
-    if codec.name == "none":
+    if _dense(codec).name == "none":
         return rows_of(tensors, name, rows, width)
     parts = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
     payload = parts.get("payload")
@@ -93,6 +93,15 @@ def read_rows(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, wi
     codec.validate(side, payload.dtype, payload.size)
     decoded = codec.decode([*side.items(), ("payload", payload)]).reshape(-1, width)
     return rows_of({name: decoded}, name, rows, width)
+
+
+def _dense(codec: Codec) -> Codec:
+    """``codec`` if it is dense (element i of its payload encodes value i of the rows); a sparse
+    codec (``topk2-<K>``) cannot carry activations and is refused in one line."""
+    if not codec.dense:
+        raise ValueError(f"codec {codec.name!r} is sparse: activations and boundaries travel in a dense codec "
+                         "(none, float16 or int8); topk2-<K> is for run.compression only")
+    return codec
 
 
 def call_body(x: np.ndarray, g: np.ndarray | None = None, codec: Codec = NONE) -> bytes:

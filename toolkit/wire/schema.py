@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import types
 import typing
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
@@ -26,9 +27,11 @@ MAX_LIST = 1_000_000
 
 
 def limits(*, ge: float | None = None, le: float | None = None, gt: float | None = None,
-           max_len: int | None = None, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Field metadata with the bounds :func:`Schema.from_json` enforces."""
-    return {k: v for k, v in dict(ge=ge, le=le, gt=gt, max_len=max_len, choices=choices).items()
+           max_len: int | None = None, choices: tuple[str, ...] | None = None,
+           pattern: str | None = None) -> dict[str, Any]:
+    """Field metadata with the bounds :func:`Schema.from_json` enforces (``pattern``: a regular
+    expression the whole string must match, for a family of names such as ``topk2-<K>``)."""
+    return {k: v for k, v in dict(ge=ge, le=le, gt=gt, max_len=max_len, choices=choices, pattern=pattern).items()
             if v is not None}
 
 
@@ -153,6 +156,8 @@ def _check(value: Any, tp: Any, where: str, meta: Any) -> Any:
             raise ProtocolError("bad_schema", f"{where}: string too long")
         if "choices" in meta and value not in meta["choices"]:
             raise ProtocolError("bad_schema", f"{where}: must be one of {meta['choices']}")
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+            raise ProtocolError("bad_schema", f"{where}: must match {meta['pattern']}")
         return value
     raise TypeError(f"schema type {tp!r} at {where} is not supported")  # a bug, not bad input
 

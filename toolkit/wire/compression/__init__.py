@@ -2,10 +2,13 @@
 
 A run picks one codec by name (``get_codec("int8")``); peers and relay build the same one. A codec
 turns a float32 vector (n,) into named tensors **in wire order**: small side tensors first, then
-exactly one big ``"payload"`` whose element i encodes value i. That order is what lets the relay
+exactly one big ``"payload"`` of ``payload_size(n)`` elements. That order is what lets the relay
 reduce a 100 MB gradient chunk by chunk while it is still arriving: it reads the side tensors
-whole, validates them once, then decodes each payload chunk the moment its bytes are in
-(``decode_range``), and the peer streams the tensors straight from their buffers.
+whole, validates them once, then decodes each chunk of values the moment its payload bytes are in
+(``decode_range``: a value range starting on the codec's ``alignment``, whose payload elements
+``payload_range`` computes from sizes alone), and the peer streams the tensors straight from
+their buffers. Dense codecs (``payload_size(n) == n``: element i encodes value i) are the only
+ones that carry row matrices (pipeline boundaries, DMoE activations).
 
 Wire layouts for n values (``Codec.layout(n)``; dtypes as safetensors codes):
 
@@ -13,6 +16,8 @@ Wire layouts for n values (``Codec.layout(n)``; dtypes as safetensors codes):
     float16  payload F16 (n,)                        2 bytes/value, |x| < 65520
     int8     scales  F32 (ceil(n/256),)              1 + 4/256 bytes/value = 0.254 x float32
              payload I8  (n,)   value i = payload[i] * scales[i // 256]
+    topk2-K  scales  F32 (ceil(n/4096),)             (18 K + 32) / 4096 bits/value (0.29 for K = 64)
+             payload U8  (one 9K/4-byte record per 4096 values: K uint16 positions, K 2-bit codes)
 
 Two helpers carry the quantization error across steps so it never accumulates:
 ``ErrorFeedback`` (peer -> relay gradient sums) and ``DeltaEncoder`` / ``apply_delta``
@@ -22,7 +27,9 @@ torch, so the relay's reduction path and the codec stay light.
 Import from here (``from toolkit.wire.compression import get_codec``); the modules, lowest first:
 
     base      Codec (the contract: layout, validation, chunked encode / decode_range), TensorSpec
-    codecs    NoneCodec, Float16Codec, Int8Codec, their input ranges, CODECS and get_codec
+    codecs    NoneCodec, Float16Codec, Int8Codec (the dense codecs), their input ranges, CODECS
+    sparse    TopK2Codec ("topk2-<K>": top-K per 4096-value chunk, 2-bit values)
+    registry  get_codec (by run-config name), codec_error, CHOICES
     feedback  ErrorFeedback, DeltaEncoder, apply_delta
 """
 
@@ -37,12 +44,15 @@ from toolkit.wire.compression.codecs import (
     Float16Codec,
     Int8Codec,
     NoneCodec,
-    get_codec,
 )
 from toolkit.wire.compression.feedback import DeltaEncoder, ErrorFeedback, apply_delta
+from toolkit.wire.compression.registry import CHOICES, DENSE_CHOICES, codec_error, get_codec
+from toolkit.wire.compression.sparse import CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, TopK2Codec
 
 __all__ = [
     "Codec", "Tensors", "TensorSpec",
-    "BLOCK", "CODECS", "INT8_INPUT_MAX", "SCALE_MAX", "NoneCodec", "Float16Codec", "Int8Codec", "get_codec",
+    "BLOCK", "CODECS", "INT8_INPUT_MAX", "SCALE_MAX", "NoneCodec", "Float16Codec", "Int8Codec",
+    "CHUNK", "TOPK2_INPUT_MAX", "TOPK2_SCALE_MAX", "TopK2Codec",
+    "CHOICES", "DENSE_CHOICES", "codec_error", "get_codec",
     "ErrorFeedback", "DeltaEncoder", "apply_delta",
 ]

@@ -70,9 +70,29 @@ class Codec(ABC):
         """The side tensors that precede the payload, in wire order."""
         return []
 
+    def payload_size(self, n: int) -> int:
+        """Elements of the payload of an n-vector: n for the dense codecs (element i encodes value
+        i). Any codec's sizes add up at its alignment: ``payload_size(a + b) == payload_size(a) +
+        payload_size(b)`` when ``a`` is a multiple of ``alignment``, so the values ``[start, start
+        + count)`` (``start`` aligned) are payload elements ``payload_range(start, count)`` and a
+        receiver can cut the payload into pieces of whole value ranges without reading it."""
+        return n
+
+    def payload_range(self, start: int, count: int) -> tuple[int, int]:
+        """The payload elements ``[a, b)`` that encode values ``[start, start + count)``; ``start``
+        a multiple of ``alignment``, ``count`` too unless the range ends the vector."""
+        a = self.payload_size(start)
+        return a, a + self.payload_size(count)
+
+    @property
+    def dense(self) -> bool:
+        """Whether payload element i encodes value i (``payload_size(n) == n``): the only codecs
+        that can carry row matrices (pipeline boundaries, DMoE activations)."""
+        return type(self).payload_size is Codec.payload_size
+
     def layout(self, n: int) -> list[TensorSpec]:
         """Every tensor of an encoded n-vector, in wire order; the payload comes last."""
-        return [*self.side_layout(n), TensorSpec("payload", self.payload_dtype, (n,))]
+        return [*self.side_layout(n), TensorSpec("payload", self.payload_dtype, (self.payload_size(n),))]
 
     def wire_bytes(self, n: int) -> int:
         """Tensor bytes of an encoded n-vector (the container adds a header of ~100-200 bytes)."""
@@ -105,6 +125,11 @@ class Codec(ABC):
     def _check_side_values(self, side: Mapping[str, np.ndarray]) -> None:
         """Content checks beyond dtype and shape (int8: scales finite, >= 0, <= SCALE_MAX)."""
 
+    def check_payload(self, side: Mapping[str, np.ndarray], payload: np.ndarray, n: int) -> None:
+        """Check a whole received payload's content (n values, ``validate`` passed) without
+        decoding it, for a receiver that must refuse before changing anything (``apply_delta``).
+        ``decode_range`` checks each piece anyway; dense codecs accept any payload bytes."""
+
     # --- encode / decode ------------------------------------------------------------------------
     def encode(self, x: np.ndarray, out: Tensors | None = None) -> Tensors:
         """``[(name, array), ...]`` in wire order for a float32 vector ``x`` (n,).
@@ -136,7 +161,8 @@ class Codec(ABC):
 
     @abstractmethod
     def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
-        """Encode x, elements ``[start, start + len(x))`` of the vector, into ``out``'s tensors.
+        """Encode x, values ``[start, start + len(x))`` of the vector, into ``out``'s tensors (the
+        payload's elements ``payload_range(start, len(x))``).
 
         ``start`` is a multiple of ``_WORK``; ``scratch`` is float32 with at least len(x) values.
         Slices are independent, which lets ErrorFeedback and DeltaEncoder fuse their own passes
@@ -144,15 +170,19 @@ class Codec(ABC):
         """
 
     def decode_range(self, side: Mapping[str, np.ndarray], payload_piece: np.ndarray, start: int,
-                     out: np.ndarray | None = None) -> np.ndarray:
-        """Decode payload elements ``[start, start + len(payload_piece))`` into float32.
+                     out: np.ndarray | None = None, count: int | None = None) -> np.ndarray:
+        """Decode the values ``[start, start + count)`` from the payload elements that encode
+        them (``payload_piece``, exactly ``payload_range(start, count)`` of the payload) into float32.
 
-        ``start`` must be a multiple of ``alignment`` (256 for int8: a piece must begin on a
-        block boundary; its length is free, so the vector's last, short block decodes too). ``out``
-        (same shape as the piece, float32) avoids an allocation; the result is bit-identical
-        however the payload is split, so streamed and whole decodes agree exactly. Assumes
-        ``validate`` passed for ``side``. Returns ``out`` (or a new array). Unless
-        ``finite_output``, a hostile payload can decode to NaN/Inf: the receiver still checks.
+        ``start`` is a VALUE index, a multiple of ``alignment`` (256 for int8: a piece begins on a
+        block boundary; 4096 for topk2). ``count`` is the number of values the piece covers:
+        ``out.size`` when ``out`` is given, else ``count``, else (dense codecs only) the piece's
+        length; it must be a multiple of ``alignment`` unless the range ends the vector. ``out``
+        (float32, ``count`` values) avoids an allocation; the result is bit-identical however the
+        payload is split, so streamed and whole decodes agree exactly. Assumes ``validate`` passed
+        for ``side``; the payload bytes themselves are untrusted and checked here (``ProtocolError``
+        ``bad_tensor``). Returns ``out`` (or a new array). Unless ``finite_output``, a hostile
+        payload can decode to NaN/Inf: the receiver still checks.
         """
         if not isinstance(payload_piece, np.ndarray) or payload_piece.dtype != self.payload_dtype \
                 or payload_piece.ndim != 1:
@@ -161,41 +191,67 @@ class Codec(ABC):
         if start < 0 or start % self.alignment:
             raise ValueError(f"codec {self.name!r}: decode_range start {start} is not a multiple of "
                              f"the codec's alignment {self.alignment}")
+        if out is not None:
+            if out.dtype != np.float32 or out.ndim != 1 or (count is not None and out.size != count):
+                raise ValueError(f"out must be 1-D float32 of {count} values, got {_array_label(out)}")
+            count = out.size
+        elif count is None:
+            if not self.dense:
+                raise ValueError(f"codec {self.name!r}: decode_range needs out or count (values the piece covers)")
+            count = payload_piece.size
+        if payload_piece.size != self.payload_size(count):  # the caller cut the payload wrong
+            raise ValueError(f"out must be float32 of the values the piece covers: codec {self.name!r} "
+                             f"encodes {count} values in {self.payload_size(count)} payload elements, "
+                             f"the piece has {payload_piece.size} (cut it with payload_range)")
         if out is None:
-            out = np.empty(payload_piece.size, dtype=np.float32)
-        elif out.dtype != np.float32 or out.shape != payload_piece.shape:
-            raise ValueError(f"out must be float32 of shape {payload_piece.shape}, got {_array_label(out)}")
+            out = np.empty(count, dtype=np.float32)
         self._decode_range(side, payload_piece, start, out)
         return out
 
     @abstractmethod
     def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None: ...
+                      out: np.ndarray) -> None:
+        """Decode values ``[start, start + out.size)`` from ``piece`` (checked: its length is
+        ``payload_size(out.size)`` and ``start`` is aligned) into ``out``."""
 
-    def decode(self, tensors: Mapping[str, np.ndarray] | Tensors, out: np.ndarray | None = None) -> np.ndarray:
-        """The whole float32 vector (n,) from ``encode``'s output (a list or a dict); validates."""
+    def decode(self, tensors: Mapping[str, np.ndarray] | Tensors, out: np.ndarray | None = None,
+               n: int | None = None) -> np.ndarray:
+        """The whole float32 vector (n,) from ``encode``'s output (a list or a dict); validates.
+        ``n``: the vector's length, ``out.size`` when ``out`` is given (dense codecs: the payload's)."""
         tensors = dict(tensors)
         payload = tensors.pop("payload", None)
         if not isinstance(payload, np.ndarray) or payload.ndim != 1:
             raise _bad(f"codec {self.name!r}: a 1-D 'payload' tensor is required")
-        self.validate(tensors, payload.dtype, payload.size)
+        if out is not None:
+            if out.dtype != np.float32 or out.ndim != 1 or (n is not None and out.size != n):
+                raise ValueError(f"out must be 1-D float32 of {n} values, got {_array_label(out)}")
+            n = out.size
+        elif n is None:
+            if not self.dense:
+                raise ValueError(f"codec {self.name!r}: decode needs out or n (the vector's length)")
+            n = payload.size
+        if payload.size != self.payload_size(n):
+            raise _bad(f"codec {self.name!r}: {n} values take {self.payload_size(n)} payload elements, "
+                       f"got {payload.size}")
+        self.validate(tensors, payload.dtype, n)
         if out is None:
-            out = np.empty(payload.size, dtype=np.float32)
-        elif out.dtype != np.float32 or out.shape != payload.shape:
-            raise ValueError(f"out must be float32 of shape {payload.shape}, got {_array_label(out)}")
-        for start in range(0, payload.size, _WORK):  # cache-sized slices; _WORK % alignment == 0
-            self.decode_range(tensors, payload[start:start + _WORK], start, out[start:start + _WORK])
+            out = np.empty(n, dtype=np.float32)
+        for _ in _iter_decoded(self, tensors, payload, n, out):
+            pass
         return out
 
 
-def _iter_decoded(codec: Codec, side: Mapping[str, np.ndarray],
-                  payload: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Decode ``payload`` slice by slice into one reused cache-sized scratch: yields
-    ``(start, float32 view)``, valid until the next iteration. Assumes ``validate`` passed."""
-    scratch = np.empty(min(_WORK, payload.size), dtype=np.float32)
-    for start in range(0, payload.size, _WORK):  # _WORK is a multiple of every alignment
-        piece = payload[start:start + _WORK]
-        yield start, codec.decode_range(side, piece, start, scratch[:piece.size])
+def _iter_decoded(codec: Codec, side: Mapping[str, np.ndarray], payload: np.ndarray, n: int,
+                  out: np.ndarray | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """Decode the n values of ``payload`` slice by slice: yields ``(start, float32 values)``, into
+    ``out`` (n,) when given, else into one reused cache-sized scratch (valid until the next
+    iteration). Assumes ``validate`` passed and ``payload.size == codec.payload_size(n)``."""
+    scratch = np.empty(min(_WORK, n), dtype=np.float32) if out is None else None
+    for start in range(0, n, _WORK):  # _WORK is a multiple of every alignment
+        count = min(_WORK, n - start)
+        a, b = codec.payload_range(start, count)
+        target = out[start:start + count] if scratch is None else scratch[:count]
+        yield start, codec.decode_range(side, payload[a:b], start, target)
 
 
 def _describe(specs: Sequence[tuple[str, np.dtype, tuple[int, ...]]]) -> str:

@@ -1,5 +1,5 @@
-"""The three codecs a run may name -- "none", "float16" and "int8" (blockwise absmax) -- their
-input ranges, and :func:`get_codec`, which builds one by name."""
+"""The three dense codecs -- "none", "float16" and "int8" (blockwise absmax): payload element i
+encodes value i -- and their input ranges."""
 
 from __future__ import annotations
 
@@ -160,7 +160,8 @@ def _check_within(x: np.ndarray, offset: int, limit: float, codec: str) -> None:
 
 
 _RANGES = {"none": "finite float32", "float16": "|x| < 65520, where float16 overflows; use codec 'int8' or 'none'",
-           "int8": f"|x| <= {INT8_INPUT_MAX:.4g} = 127/128 of float32's max"}
+           "int8": f"|x| <= {INT8_INPUT_MAX:.4g} = 127/128 of float32's max",
+           "topk2": "|x| <= 1.5 * 2^100 = 1.9e30, so that sums of decoded uploads stay finite"}
 
 
 def _raise_out_of_range(x: np.ndarray, offset: int, codec: str) -> NoReturn:
@@ -176,11 +177,4 @@ def _raise_out_of_range(x: np.ndarray, offset: int, codec: str) -> NoReturn:
 
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, Float16Codec, Int8Codec)}
-
-
-def get_codec(name: str) -> Codec:
-    """A fresh codec by its run-config name: "none", "float16" or "int8"."""
-    try:
-        return CODECS[name]()
-    except KeyError:
-        raise ValueError(f"unknown compression codec {name!r}; choose one of {sorted(CODECS)}") from None
+"""The dense codecs by name (``topk2-<K>`` is a family: :func:`~.registry.get_codec` parses it)."""

@@ -46,7 +46,8 @@ class ErrorFeedback:
                 owed = residual[lo:lo + _WORK]
                 np.add(owed, x[lo:lo + owed.size], out=owed)  # the target x + residual
                 self.codec._encode_slice(owed, buffers, lo, scratch)
-                self.codec.decode_range(side, buffers["payload"][lo:lo + owed.size], lo, decoded[:owed.size])
+                a, b = self.codec.payload_range(lo, owed.size)
+                self.codec.decode_range(side, buffers["payload"][a:b], lo, decoded[:owed.size])
                 np.subtract(owed, decoded[:owed.size], out=owed)
         except ValueError:
             residual.fill(0.0)  # x + residual is unusable; drop the debt with the bad step
@@ -58,13 +59,13 @@ class ErrorFeedback:
         goes back into the peer's accumulator: restore the residual to what it was before, so x
         is not owed twice (once in the accumulator, once in the residual)."""
         payload = tensors[-1][1]
-        if payload.shape != x.shape or not 0 <= start <= self.residual.size - x.size:
-            raise ValueError(f"undo needs the x (and start) that produced tensors of {payload.size} values")
+        if payload.shape != (self.codec.payload_size(x.size),) or not 0 <= start <= self.residual.size - x.size:
+            raise ValueError(f"undo needs the x (and start) that produced tensors of {payload.size} payload elements")
         if self.codec.lossless:
             return
         residual = self.residual[start:start + x.size]
         side = {name: array for name, array in tensors[:-1]}
-        for lo, decoded in _iter_decoded(self.codec, side, payload):
+        for lo, decoded in _iter_decoded(self.codec, side, payload, x.size):
             owed = residual[lo:lo + decoded.size]
             np.add(owed, decoded, out=owed)
             np.subtract(owed, x[lo:lo + decoded.size], out=owed)
@@ -82,6 +83,9 @@ class DeltaEncoder:
     same ``apply_delta`` peers run. The error is re-measured against the master every step, so
     ``|master - public|`` stays within half a step of the latest delta's block (one step with
     float rounding) and never accumulates; after a big jump (a rollback) it shrinks ~127x per step.
+    A sparse codec (topk2) sends each chunk's K largest gaps per step: the gaps it leaves are
+    carried the same way and go out in later steps, so ``public`` converges to a master that
+    stops moving instead of tracking it within one step.
     """
 
     def __init__(self, codec: Codec, public: np.ndarray) -> None:
@@ -107,15 +111,20 @@ class DeltaEncoder:
 
 def apply_delta(codec: Codec, public: np.ndarray, tensors: Mapping[str, np.ndarray] | Tensors) -> None:
     """Add a decoded delta into ``public`` (n,) float32 in place: the peer's (and the relay's) side
-    of ``DeltaEncoder``. Validates the tensors first. Streaming alternative with the same bits:
-    ``np.add(public[a:b], codec.decode_range(side, piece, a), out=public[a:b])`` per piece."""
+    of ``DeltaEncoder``. Validates the tensors (the payload's content too) before changing ``public``.
+    Streaming alternative with the same bits, per aligned value range ``[lo, hi)``:
+    ``np.add(public[lo:hi], codec.decode_range(side, payload[a:b], lo, count=hi - lo), out=public[lo:hi])``
+    with ``a, b = codec.payload_range(lo, hi - lo)``."""
     tensors = dict(tensors)
     payload = tensors.pop("payload", None)
-    if not isinstance(payload, np.ndarray) or payload.ndim != 1 or payload.size != public.size:
-        raise _bad(f"delta payload must be a 1-D tensor of {public.size} values, got {_array_label(payload)}")
     if public.dtype != np.float32 or public.ndim != 1:
         raise ValueError(f"public must be a 1-D float32 array, got {_array_label(public)}")
-    codec.validate(tensors, payload.dtype, payload.size)
-    for lo, decoded in _iter_decoded(codec, tensors, payload):
+    size = codec.payload_size(public.size)
+    if not isinstance(payload, np.ndarray) or payload.ndim != 1 or payload.size != size:
+        raise _bad(f"delta payload for {public.size} values must be a 1-D tensor of {size} elements, "
+                   f"got {_array_label(payload)}")
+    codec.validate(tensors, payload.dtype, public.size)
+    codec.check_payload(tensors, payload, public.size)  # refused whole: public stays as it was
+    for lo, decoded in _iter_decoded(codec, tensors, payload, public.size):
         segment = public[lo:lo + decoded.size]
         np.add(segment, decoded, out=segment)

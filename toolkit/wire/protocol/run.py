@@ -53,8 +53,9 @@ class RunInfo(Schema):
     precision: str | None = None
     auth: str = field(default="open", metadata=limits(choices=("open", "hf")))
     """"hf": log in with a Hugging Face token (``RelayClient.login``) before joining."""
-    compression: str = field(default="none", metadata=limits(choices=("none", "float16", "int8")))
-    """The codec of gradient uploads and parameter deltas (:mod:`toolkit.wire.compression`)."""
+    compression: str = field(default="none", metadata=limits(pattern=r"none|float16|int8|topk2-[0-9]{1,4}"))
+    """The codec of gradient uploads and parameter deltas (:mod:`toolkit.wire.compression`; the
+    peer's ``get_codec`` checks a ``topk2-<K>``'s K)."""
     dataset: dict[str, Any] = field(default_factory=dict)
     wandb: dict[str, str] = field(default_factory=dict)
     """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""

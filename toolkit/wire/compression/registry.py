@@ -1,0 +1,31 @@
+"""Codecs by their run-config names: the dense "none", "float16", "int8" and the sparse family
+"topk2-<K>"."""
+
+from __future__ import annotations
+
+from toolkit.wire.compression.base import Codec
+from toolkit.wire.compression.codecs import CODECS
+from toolkit.wire.compression.sparse import TopK2Codec, topk2_keep
+
+CHOICES = ("none, float16, int8 or topk2-<K> (K values kept per 4096: a multiple of 4 from 4 to 2048, "
+           "e.g. topk2-64)")
+DENSE_CHOICES = tuple(CODECS)
+
+
+def get_codec(name: str) -> Codec:
+    """A fresh codec by its run-config name; ValueError (one line, naming the choices) otherwise."""
+    if name in CODECS:
+        return CODECS[name]()
+    k = topk2_keep(name) if isinstance(name, str) else None
+    if k is None:
+        raise ValueError(f"unknown compression codec {name!r}; choose {CHOICES}")
+    return TopK2Codec(k)
+
+
+def codec_error(name: str) -> str | None:
+    """Why ``name`` is not a codec a run may use (one line), or None when it is."""
+    try:
+        get_codec(name)
+    except ValueError as exc:
+        return str(exc)
+    return None
