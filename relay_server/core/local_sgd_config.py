@@ -82,9 +82,6 @@ def mode_checks(config: RelayConfig) -> Checks:
     opt, not_yet = config.optimizer, "is not supported with run.mode = \"local_sgd\" yet"
     return [
         *config.local_sgd.checks(),
-        (config.run.compression == "none",
-         f"run.compression = {config.run.compression!r} {not_yet} (lossy pseudo-gradients need error feedback): "
-         "set run.compression = \"none\""),
         (config.run.max_staleness == 0,
          "run.mode = \"local_sgd\" needs run.max_staleness = 0: a late pseudo-gradient is dropped, never applied "
          "late (toolkit.optimizer.local_sgd says why; [local_sgd] overlap hides rounds instead)"),
