@@ -124,6 +124,7 @@ class Aggregator:
                 SliceOwner, run.layout, state, start=req.start, end=req.end, step=req.step,
                 optimizer=OptimizerSection(**self.welcome.optimizer), total_steps=run.total_steps,
                 codec=get_codec(run.compression), store=self.store, run_name=run.run_name,
+                download_codec=get_codec(run.download_compression or run.compression),
                 robust=robust_config(RoundsSection(**self.welcome.rounds)),
                 plan_version=req.plan_version, on_transfer=self.record)
             version: Version = await owner.reducer.run(owner.write_initial)

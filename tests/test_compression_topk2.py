@@ -377,6 +377,7 @@ def test_dense_only_places_refuse_topk2_in_one_line(tmp_path: Path) -> None:
     pipeline.boundary_codec) keep to the dense codecs, and so do the row payloads themselves."""
     for section, overrides, field in (
             ("run", {"run": {"compression": "topk2-6"}}, "run.compression"),
+            ("download", {"run": {"download_compression": "topk3-64"}}, "run.download_compression"),
             ("moe", {"moe": {"enabled": True, "codec": "topk2-64"}}, "moe.codec")):  # pipeline: test_pipeline.py
         with pytest.raises(ConfigError) as info:
             load_config(write_config(tmp_path / f"{section}.toml", merged(overrides)))
@@ -391,9 +392,10 @@ VECTOR = CHUNK_ELEMS + 3 * CHUNK + 1000  # two relay chunks; the last chunk's ta
 SGD = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0}
 
 
-def vector_relay(start_relay, compression: str):
+def vector_relay(start_relay, compression: str, download: str = ""):
     return start_relay({"model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": VECTOR}},
-                        "optimizer": SGD, "run": {"target_batch": 8, "compression": compression},
+                        "optimizer": SGD, "run": {"target_batch": 8, "compression": compression,
+                                                  "download_compression": download},
                         "rounds": {"deadline_initial_s": 60.0, "deadline_floor_s": 30.0}})
 
 
@@ -441,20 +443,22 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
     client.close()
 
 
-@pytest.mark.parametrize("compression", ["int8", "topk2-64"])
-def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compression: str) -> None:
-    """Sync mode, two peers with error feedback; the relay broadcasts deltas against ``public``:
-    after every step both peers (one always on deltas, one that rejoins with a full download)
-    hold the relay's stored ``params`` bit for bit, and the master is exactly the SGD of what the
-    relay decoded."""
-    relay = vector_relay(start_relay, compression)
-    codec = get_codec(compression)
+@pytest.mark.parametrize(("compression", "download"), [("int8", ""), ("topk2-64", ""), ("topk2-64", "topk2-256"),
+                                                      ("topk2-64", "int8")])
+def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compression: str, download: str) -> None:
+    """Sync mode, two peers with error feedback; the relay broadcasts deltas against ``public``
+    (in ``run.download_compression`` where it is set): after every step both peers (one always on
+    deltas, one that rejoins with a full download) hold the relay's stored ``params`` bit for bit,
+    and the master is exactly the SGD of what the relay decoded."""
+    relay = vector_relay(start_relay, compression, download)
+    codec, down = get_codec(compression), get_codec(download or compression)
+    assert RelayClient(relay.url).get_run().download_compression == download  # peers are told
     peers = []
     for name in ("a", "b"):
         client = RelayClient(relay.url)
         joined = client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION))
         public = np.empty(VECTOR, np.float32)
-        assert client.download_params(public, codec=codec, peer_id=joined.peer_id) == 0
+        assert client.download_params(public, codec=down, peer_id=joined.peer_id) == 0
         peers.append((client, joined.peer_id, public, ErrorFeedback(codec, VECTOR)))
     rng = np.random.default_rng(11)
     master = np.zeros(VECTOR, np.float32)
@@ -471,7 +475,7 @@ def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compress
         master = master - total / np.float32(8)
         for i, (client, peer, public, _) in enumerate(peers):
             have = None if (i == 1 and step == 2) else step  # b re-downloads once in full
-            assert client.download_params(public, have=have, codec=codec, min_step=step + 1, wait_s=30,
+            assert client.download_params(public, have=have, codec=down, min_step=step + 1, wait_s=30,
                                           peer_id=peer) == step + 1
         state = stored(relay, step + 1)
         np.testing.assert_allclose(state["master"], master, rtol=0, atol=1e-5)

@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 
 class Backbone:
     def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codec: Codec,
-                 params: np.ndarray, run_info: RunInfo) -> None:
+                 params: np.ndarray, run_info: RunInfo, download_codec: Codec | None = None) -> None:
         self.config, self.store, self.layout, self.codec, self.run_info = config, store, layout, codec, run_info
+        self.download_codec = download_codec or codec  # of the parameter deltas (codec: of the uploads)
         self.cfg = config.aggregators
         self.num_params = int(params.size)
         self.boundaries = slice_boundaries(layout, config.master_optimizer())  # where the plan may cut (None: anywhere)
@@ -92,6 +93,7 @@ class Backbone:
                    adopt: bool = False) -> SliceOwner:
         return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.master_optimizer(),
                           total_steps=self.config.run.total_steps, codec=self.codec, store=self.store,
+                          download_codec=self.download_codec,
                           fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
                           run_name=self.config.run.name, plan_version=plan_version,
                           on_transfer=self.planning.record_transfer, adopt=adopt)
@@ -133,7 +135,8 @@ class Backbone:
         return [] if self.single else [o.plan_slice() for o in self.owners]
 
     def plan_info(self) -> PlanInfo:
-        load = relay_link_load(self.config, self.codec, self.owners, self.num_params, len(self.peer_ids()),
+        load = relay_link_load(self.config, self.codec, self.download_codec, self.owners, self.num_params,
+                               len(self.peer_ids()),
                                state_bytes_per_param(self.local, self.copy, self.num_params))
         return dataclasses.replace(plan_info(self.plan, self.plan_version, self.owners, self.planning,
                                              self.aggregators.statuses()), relay_link=load)

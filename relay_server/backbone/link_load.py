@@ -22,11 +22,11 @@ from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import ROUTES, ParamsRef, RelayLinkLoad
 
 
-def relay_link_load(config: RelayConfig, codec: Codec, owners: list[Owner], num_params: int, peers: int,
-                    state_bytes_per_param: float) -> RelayLinkLoad:
+def relay_link_load(config: RelayConfig, codec: Codec, download_codec: Codec, owners: list[Owner], num_params: int,
+                    peers: int, state_bytes_per_param: float) -> RelayLinkLoad:
     mine = sum(o.end - o.start for o in owners if o.owner_id == RELAY_ID)
     remote = num_params - mine
-    body = 4 * mine if codec.lossless else codec.wire_bytes(mine)  # a peer in step gets the delta
+    body = 4 * mine if download_codec.lossless else download_codec.wire_bytes(mine)  # a peer in step gets the delta
     cached = bool(config.server.public_params_url) and remote == 0  # sliced versions come from each owner
     parameters_out = body + peers * ref_bytes(config.server.public_params_url) if cached else peers * body
     gradients_in = peers * codec.wire_bytes(mine)

@@ -64,11 +64,14 @@ class SliceOwner:
     def __init__(self, layout: list[ParamSpec], state: dict[str, np.ndarray], *, start: int, end: int, step: int,
                  optimizer: OptimizerSection, total_steps: int, codec: Codec, store: Store, fsync: bool = False,
                  robust: CenteredClipConfig | None = None, run_name: str = "", plan_version: str = "",
-                 on_transfer: TransferHook | None = None, adopt: bool = False) -> None:
+                 on_transfer: TransferHook | None = None, adopt: bool = False,
+                 download_codec: Codec | None = None) -> None:
         """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
         (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
-        ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy)."""
+        ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codec``
+        decodes uploads; ``download_codec`` (default the same) encodes the published deltas."""
         self.start, self.end, self.codec, self.store = start, end, codec, store
+        self.download_codec = download_codec or codec
         self.run_name, self.plan_version = run_name, plan_version
         self.master = MasterState(layout, state["params"], optimizer, total_steps, step=step, start=start, end=end,
                                   adopt=adopt)
@@ -76,7 +79,7 @@ class SliceOwner:
             self.master.import_state(state, step)
         # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
         self.reducer = Reducer(self.master.grad.numpy(), codec, robust=robust, spool_dir=str(store.dir))
-        self.publisher = Publisher(store, codec, self.master, public=state.get("public"), fsync=fsync)
+        self.publisher = Publisher(store, self.download_codec, self.master, public=state.get("public"), fsync=fsync)
         self.on_transfer = on_transfer
         self.round: SliceRound | None = None
         self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)
@@ -121,7 +124,7 @@ class SliceOwner:
     def export(self) -> tuple[int, dict[str, np.ndarray]]:
         """Reducer thread: the slice's state (master ``params``, optimizer, lossy ``public``)."""
         state = self.master.export_state()
-        if not self.codec.lossless:
+        if not self.download_codec.lossless:
             state["public"] = self.publisher.public.copy()
         return self.master.step, state
 

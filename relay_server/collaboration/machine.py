@@ -61,9 +61,10 @@ class Collaboration:
         self.layout = layout_of(model)
         params = flatten(model)
         del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
-        self.codec = get_codec(config.run.compression)
-        self.run_info = run_info_of(config, self.layout, int(params.size), self.codec.name)
-        self.backbone = Backbone(config, store, self.layout, self.codec, params, self.run_info)
+        self.codec = get_codec(config.run.compression)  # uploads
+        self.download_codec = get_codec(config.run.download_compression or config.run.compression)  # deltas
+        self.run_info = run_info_of(config, self.layout, int(params.size), self.codec.name, self.download_codec.name)
+        self.backbone = Backbone(config, store, self.layout, self.codec, params, self.run_info, self.download_codec)
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.backbone.peer_ids = lambda: list(self.registry.peers)
         self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status)

@@ -22,7 +22,8 @@ from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEnt
                                    PeerStatus, PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
 
 
-def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str) -> RunInfo:
+def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str,
+                download_compression: str = "") -> RunInfo:
     """What a joining peer needs to train with the others."""
     return RunInfo(
         run_name=config.run.name, protocol=PROTOCOL_VERSION,
@@ -30,6 +31,7 @@ def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, c
         layout=layout, num_params=num_params, target_batch=config.run.target_batch,
         total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
         heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=compression, auth=config.auth.mode,
+        download_compression="" if download_compression == compression else download_compression,
         precision=config.run.precision or None, dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},

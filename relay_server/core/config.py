@@ -117,6 +117,8 @@ class RelayConfig:
             (not (self.pipeline.enabled and self.run.compression.startswith("topk2-")),
              f"run.compression = {self.run.compression!r}: pipeline stages upload their gradients without "
              "error feedback, so a sparse codec would drop most of each; use none, float16 or int8 with [pipeline]"),
+            (not (self.pipeline.enabled and self.run.download_compression not in ("", self.run.compression)),
+             "run.download_compression: [pipeline] stages publish in run.compression; leave it empty"),
             *mode_checks(self),
         ]
         for ok, message in checks:

@@ -39,6 +39,12 @@ class RunSection:
     """Codec for gradients and parameters on the wire: "none", "float16", "int8" (blockwise) or
     "topk2-<K>" (the K largest of every 4096 values with 2-bit values, error feedback both ways:
     "topk2-64" is 0.29 bits per parameter)."""
+    download_compression: str = ""
+    """Codec of the parameter deltas the relay broadcasts, when it should differ from
+    ``compression`` (which then codes uploads only); empty = the same. E.g. ``compression =
+    "topk2-64"`` with ``download_compression = "topk2-256"``: peers' sparse uploads overlap in
+    different places, so their mean is denser than any one of them, and a broadcast as sparse as one
+    upload would leave the public copy lagging the master (it is still error-fed, never lost)."""
     mode: str = "sync"
     """"sync": every step's gradient goes to the relay (DeDLOC); "local_sgd": peers train locally
     for ``[local_sgd]``'s budget and send one pseudo-gradient per outer round (low bandwidth)."""
@@ -51,6 +57,9 @@ class RunSection:
             (0 <= self.max_staleness <= 8, "run.max_staleness must be in 0..8"),
             (self.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
             (codec_error(self.compression) is None, f"run.compression: {codec_error(self.compression)}"),
+            (not self.download_compression or codec_error(self.download_compression) is None,
+             f"run.download_compression: {codec_error(self.download_compression or 'none')} (or leave it empty: "
+             "the same as run.compression)"),
             (self.mode in ("sync", "local_sgd"), 'run.mode must be "sync" or "local_sgd"'),
         ]
 

@@ -89,7 +89,8 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         if delayed_updates and self.run.max_staleness < 1:
             log.warning("the run allows no staleness (max_staleness=0): delayed updates turned off")
             self.delayed_updates = False
-        self.codec = get_codec(self.run.compression)
+        self.codec = get_codec(self.run.compression)  # of this peer's uploads
+        self.download_codec = get_codec(self.run.download_compression or self.run.compression)  # of the deltas
         self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
                                        on_host=accumulate_on_host)
         # The parameters every peer shares (deltas apply to it), at version `_public_version`.

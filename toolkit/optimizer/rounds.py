@@ -62,6 +62,7 @@ class RoundParticipation:
     run: RunInfo
     peer_id: str
     codec: Codec
+    download_codec: Codec
     accumulator: Accumulator
     delayed_updates: bool
     round_wait_s: float
@@ -252,7 +253,7 @@ class RoundParticipation:
     def _download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
         try:
-            step = client.download_params(self._public, have=self._public_version, codec=self.codec,
+            step = client.download_params(self._public, have=self._public_version, codec=self.download_codec,
                                           min_step=min_step, wait_s=wait_s, peer_id=self.peer_id)
         except BaseException:
             self._public_version = -1  # possibly half-overwritten: the next download is a full one

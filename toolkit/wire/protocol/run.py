@@ -56,6 +56,8 @@ class RunInfo(Schema):
     compression: str = field(default="none", metadata=limits(pattern=r"none|float16|int8|topk2-[0-9]{1,4}"))
     """The codec of gradient uploads and parameter deltas (:mod:`toolkit.wire.compression`; the
     peer's ``get_codec`` checks a ``topk2-<K>``'s K)."""
+    download_compression: str = field(default="", metadata=limits(pattern=r"|none|float16|int8|topk2-[0-9]{1,4}"))
+    """The codec of parameter deltas when it differs from ``compression`` (empty: the same)."""
     dataset: dict[str, Any] = field(default_factory=dict)
     wandb: dict[str, str] = field(default_factory=dict)
     """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""
