@@ -13,8 +13,9 @@ either is large enough that parameter bytes, not heartbeats or JSON, make up a v
 **Variants**, each one relay process and ``--peers`` peer processes, every peer ``--steps``
 micro-batches of ``--batch`` samples (so every variant processes the same samples):
 
-* ``sync``: ``run.compression = "int8"`` (``--sync-compression``), one round per micro-batch of
-  every peer (``target_batch = peers * batch``), the relay's AdamW;
+* ``sync``: ``run.compression = "int8"`` (``--sync-compression``), the relay's AdamW, a round as
+  soon as ``peers * batch`` samples arrived (peers keep computing while a round is in flight, so a
+  round often holds two micro-batches of each: the lines say how many rounds there were);
 * ``local_sgd H=<h>`` for each ``--h``: ``run.mode = "local_sgd"``, the same AdamW as the inner
   optimizer on every peer, DiLoCo's outer SGD (lr 0.7, Nesterov momentum 0.9), float32 both ways;
 * ``local_sgd+<codec> H=<h>`` (``--sparse``, H = the largest ``--h``): ``run.compression =
@@ -68,6 +69,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce import REPO, wait_ready  # noqa: E402
+from low_bandwidth_figures import bars, summarize_model, summarize_variant, worst  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
 
 sys.path.insert(0, str(REPO))
@@ -82,9 +84,6 @@ MODELS: dict[str, dict[str, Any]] = {
     "gpt2": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_BYTES},
 }
 SEQ_LEN = 64
-BARS = {"bytes_ratio": (">=", 100.0), "loss_gap": ("|x| <=", 0.02), "shaped_speedup": (">=", 5.0),
-        "down_bits_per_param": ("<=", 4.0), "busy_fraction": (">= (aim)", 0.9)}
-
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -262,7 +261,8 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
         while len(list(barrier.glob("joined-*"))) < args.peers:
             failed = [i for i, p in enumerate(peers) if p.poll() is not None]
             if failed or time.monotonic() > deadline:
-                raise SystemExit(f"{name}: peer {failed} did not join:\n{(tmp / f'peer{failed[0] if failed else 0}.log').read_text()[-3000:]}")
+                log_of = tmp / f"peer{failed[0] if failed else 0}.log"
+                raise SystemExit(f"{name}: peer {failed or 'all'} did not join:\n{log_of.read_text()[-3000:]}")
             time.sleep(0.05)
         (barrier / "go").touch()
         results = []
@@ -284,24 +284,6 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
     return summarize_variant(name, model, results, loss, shaped=links.star is not None)
 
 
-def summarize_variant(name: str, model: str, results: list[dict], loss: float, shaped: bool) -> dict[str, Any]:
-    samples = sum(r["samples"] for r in results)
-    elapsed = max(r["ended"] for r in results) - min(r["started"] for r in results)
-    rounds = [r["rounds"] for r in results]
-    busy = [r["busy_fraction"] for r in results if r["busy_fraction"] is not None]
-    per_round = [r["down"] / r["rounds"] for r in results if r["rounds"] > 0]
-    num_params = results[0]["num_params"]
-    return {"variant": name, "model": model, "num_params": num_params, "samples": samples,
-            "up_bytes_per_sample": sum(r["up"] for r in results) / samples,
-            "down_bytes_per_sample": sum(r["down"] for r in results) / samples,
-            "join_down_bytes": sum(r["join_down"] for r in results) / len(results),
-            "join_bytes_per_sample": sum(r["join_up"] + r["join_down"] for r in results) / samples,
-            "final_loss": loss, "samples_per_s": samples / elapsed, "shaped": shaped, "rounds": max(rounds),
-            "late_rounds": sum(r["late_rounds"] for r in results),
-            "busy_fraction": sum(busy) / len(busy) if busy else None,
-            "down_bits_per_param": sum(per_round) / len(per_round) * 8 / num_params if per_round else None}
-
-
 # --- the benchmark -------------------------------------------------------------------------------
 def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, Any]]]]:
     common = {"rounds": {"peer_ttl_s": 60.0, "deadline_floor_s": 60.0, "deadline_initial_s": 120.0}}
@@ -318,50 +300,6 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, An
         out.append((f"local_sgd+{args.sparse} H={max(hs)}", {
             **common, **inner, "run": {**local, "compression": args.sparse},
             "local_sgd": {"inner_steps": max(hs), "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}}))
-    return out
-
-
-def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> dict[str, Any]:
-    """The issue's figures for one model: the best local SGD variant is the one moving the fewest
-    bytes per sample (up + down) among those that ran."""
-    def total(v: dict) -> float:
-        return v["up_bytes_per_sample"] + v["down_bytes_per_sample"]
-
-    sync = lines[0]
-    ran = [v for v in lines[1:] if "refused" not in v]
-    best = min(ran, key=total)
-    speedup = best["samples_per_s"] / sync["samples_per_s"] if sync["shaped"] else None
-    return {"model": model, "sync": sync["variant"], "best": best["variant"],
-            "variants": [v["variant"] for v in lines], "refused": {v["variant"]: v["refused"] for v in lines if "refused" in v},
-            "bytes_ratio": total(sync) / total(best),
-            "bytes_ratio_with_join": (total(sync) + sync["join_bytes_per_sample"]) / (total(best) + best["join_bytes_per_sample"]),
-            "loss_gap": (best["final_loss"] - sync["final_loss"]) / sync["final_loss"],
-            "shaped_speedup": speedup, "shaped": shaped_note or "yes",
-            "busy_fraction": best["busy_fraction"],
-            "down_bits_per_param": min(v["down_bits_per_param"] for v in ran if v["down_bits_per_param"] is not None)}
-
-
-def worst(per_model: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's keys, each the worst over the models (None where a model has none)."""
-    def pick(key: str, fn: Any) -> Any:
-        values = [m[key] for m in per_model]
-        return None if any(v is None for v in values) else fn(values)
-
-    return {"bytes_ratio": pick("bytes_ratio", min), "loss_gap": pick("loss_gap", lambda v: max(v, key=abs)),
-            "shaped_speedup": pick("shaped_speedup", min), "busy_fraction": pick("busy_fraction", min),
-            "down_bits_per_param": pick("down_bits_per_param", max)}
-
-
-def bars(figures: dict[str, Any]) -> dict[str, str]:
-    """Each bar of the issue beside its figure: "met", "not met", or why it is not measured."""
-    out = {}
-    for key, (op, bar) in BARS.items():
-        value = figures[key]
-        if value is None:
-            out[key] = f"{op} {bar}: not measured"
-            continue
-        ok = abs(value) <= bar if op.startswith("|x|") else (value <= bar if op == "<=" else value >= bar)
-        out[key] = f"{op} {bar}: {'met' if ok else 'not met'}"
     return out
 
 

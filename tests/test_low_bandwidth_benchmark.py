@@ -34,7 +34,9 @@ def test_low_bandwidth_benchmark_smallest_setting_reports_every_variant(tmp_path
             continue
         assert VARIANT_KEYS <= set(v), v
         assert v["up_bytes_per_sample"] > 0 and v["down_bytes_per_sample"] > 0 and v["join_down_bytes"] > 0, v
-        assert v["final_loss"] > 0 and v["rounds"] == 2 and v["samples"] == 2 * 4 * 2, v
+        assert v["final_loss"] > 0 and v["samples"] == 2 * 4 * 2, v
+        # local SGD: 4 steps / H = 2 outer rounds; sync: as many rounds as the samples' arrival made
+        assert v["rounds"] == 2 if v["variant"].startswith("local_sgd") else v["rounds"] >= 1, v
         assert v["down_bits_per_param"] > 0, v
     assert variants[0]["busy_fraction"] is None and 0 <= variants[1]["busy_fraction"] <= 1
     assert model["model"] == "demo" and model["sync"] == "sync"
