@@ -4,7 +4,7 @@ Each host is a namespace with one veth link to a bridge in the root namespace (a
 volunteers and servers on one internet). ``tbf`` on the host's end of the link limits what it
 sends (its upload); ``tbf`` on the bridge's end limits what it receives (its download). Every
 name and address here is created by this module and removed on exit, and processes only ever
-talk to those addresses (10.77.0.0/24), never outside.
+talk to those addresses (10.77.0.0/24 unless ``Star(subnet=...)``), never outside.
 
 Needs root (or CAP_NET_ADMIN) and iproute2; :func:`unavailable` says why not where it fails.
 """
@@ -18,7 +18,6 @@ import uuid
 from dataclasses import dataclass, field
 
 SUBNET = "10.77.0"
-_BRIDGE_IP = f"{SUBNET}.254"
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -75,13 +74,15 @@ class Star:
 
     hosts: list[Host] = field(default_factory=list)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
+    subnet: str = SUBNET
+    """The /24 its hosts live in: two stars up at once on one machine each need their own."""
 
     @property
     def bridge(self) -> str:
         return f"ctbr{self.tag}"
 
     def add(self, name: str, upload_mbit: float, download_mbit: float | None = None) -> Host:
-        host = Host(name, f"{SUBNET}.{len(self.hosts) + 1}", upload_mbit,
+        host = Host(name, f"{self.subnet}.{len(self.hosts) + 1}", upload_mbit,
                     upload_mbit if download_mbit is None else download_mbit)
         self.hosts.append(host)
         return host
@@ -99,7 +100,7 @@ class Star:
 
     def _build(self) -> None:
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{_BRIDGE_IP}/24", "dev", self.bridge)
+        _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
         for i, host in enumerate(self.hosts):
             host.netns = f"ct{self.tag}h{i}"
