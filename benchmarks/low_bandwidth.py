@@ -18,12 +18,14 @@ micro-batches of ``--batch`` samples (so every variant processes the same sample
   round often holds two micro-batches of each: the lines say how many rounds there were);
 * ``local_sgd H=<h>`` for each ``--h``: ``run.mode = "local_sgd"``, the same AdamW as the inner
   optimizer on every peer, DiLoCo's outer SGD (lr 0.7, Nesterov momentum 0.9), float32 both ways;
-* ``local_sgd+<codec> H=<h>`` (``--sparse``, H = the largest ``--h``): ``run.compression =
-  <codec>`` (``topk2-64``: the top 64 of each 4096-value chunk, 2-bit values, error feedback on
-  the peer, the relay broadcasting deltas in the same code) with SparseLoCo's outer step (lr 1.0,
-  no momentum). A relay that refuses the configuration (before the codec is merged: local SGD
-  refuses lossy compression) gives a line ``{"variant", "refused": <the relay's sentence>}`` and
-  the benchmark goes on without it.
+* ``local_sgd+<codec>[/<down>] H=<h>`` (``--sparse``, H = the largest ``--h``), one per
+  ``--sparse-down``: ``run.compression = <codec>`` (``topk2-64``: the top 64 of each 4096-value
+  chunk, 2-bit values, error feedback on the peer) with the relay broadcasting deltas in the same
+  code or in ``run.download_compression = <down>`` (``topk2-256``: the mean of sparse uploads is
+  denser than one of them), and SparseLoCo's outer step (lr 1.0, no momentum). A relay that refuses
+  a configuration gives a line ``{"variant", "refused": <the relay's sentence>}`` and the
+  benchmark goes on without it. ``--no-dense`` skips the float32 variants, ``--overlap`` sets
+  ``local_sgd.overlap`` in every local SGD variant.
 
 **What is measured.** Each peer counts the bytes its sockets send and receive (every request:
 joins, heartbeats, uploads, downloads): what a volunteer's link carries, both ways. Bytes per
@@ -34,7 +36,8 @@ short. samples/s is the collaboration's, from the barrier to the last peer's las
 ``busy_fraction`` is the peers' mean ``opt.local_sgd.busy_fraction`` (time not spent waiting in
 outer rounds). ``down_bits_per_param`` is the relay's broadcast per outer round: download bytes
 per peer per outer round (after the join) * 8 / parameters. The final global parameters are
-evaluated on fixed batches of the corpus drawn with a seed no peer uses.
+evaluated on fixed batches of the corpus drawn with a seed no peer uses: ``final_loss`` is the
+master's (the run's model: what a checkpoint exports), ``public_loss`` the copy peers hold.
 
 **Shaped links** (``benchmarks/netns.py``; root and iproute2): the relay and every peer are
 processes in network namespaces of their own; peers upload at ``--peer-up`` (10) and download at
@@ -193,26 +196,38 @@ def write_run(path: Path, model: str, overrides: dict[str, dict[str, Any]]) -> P
     return path
 
 
-def evaluate(url: str, model_name: str) -> float:
-    """Mean loss of the relay's current parameters on fixed held-out batches of the corpus."""
+def evaluate(url: str, model_name: str, data_dir: Path) -> tuple[float, float]:
+    """Mean loss on fixed held-out batches of the corpus of the run's model -- the relay's master
+    parameters, which a checkpoint exports -- and of the public copy peers hold (the same with a
+    lossless broadcast; with a lossy one it follows the master through error-fed deltas)."""
     import numpy as np
     import torch
 
+    from relay_server.observers.pretrained import master_params
+    from relay_server.rounds.store import Store
     from toolkit.client import RelayClient
     from toolkit.models import build_model, loss_of
 
     client = RelayClient(url)
     run = client.get_run()
-    flat = np.empty(run.num_params, dtype=np.float32)
-    client.download_params(flat)
+    public = np.empty(run.num_params, dtype=np.float32)
+    step = client.download_params(public)
     client.close()
+    store = Store(data_dir)
+    try:
+        master = master_params(store.state_path(step)).numpy()
+    finally:
+        store.close()
     model = build_model(run.model)
-    for spec, p in zip(run.layout, model.parameters()):
-        p.data.copy_(torch.from_numpy(flat[spec.offset:spec.offset + p.numel()]).view_as(p))
     model.eval()
-    data = batches(model_name, 16, EVAL_SEED)
-    with torch.no_grad():
-        return sum(float(loss_of(model, next(data))) for _ in range(EVAL_BATCHES)) / EVAL_BATCHES
+    losses = []
+    for flat in (master, public):
+        for spec, p in zip(run.layout, model.parameters()):
+            p.data.copy_(torch.from_numpy(flat[spec.offset:spec.offset + p.numel()]).view_as(p))
+        data = batches(model_name, 16, EVAL_SEED)
+        with torch.no_grad():
+            losses.append(sum(float(loss_of(model, next(data))) for _ in range(EVAL_BATCHES)) / EVAL_BATCHES)
+    return losses[0], losses[1]
 
 
 class Links:
@@ -234,7 +249,7 @@ class Links:
 def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], args: argparse.Namespace,
                 links: Links, work: Path) -> dict[str, Any]:
     """One relay and ``--peers`` peers; the variant's line (or ``refused`` with the relay's reason)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '')}-", dir=work))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '').replace('/', '_')}-", dir=work))
     config = write_run(tmp / "run.toml", model, overrides)
     ready, log = tmp / "ready", tmp / "relay.log"
     relay = subprocess.Popen(links.relay_argv([sys.executable, "-m", "relay_server.cli", "serve", "--config",
@@ -272,7 +287,7 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
                 raise SystemExit(f"{name}: peer {i} failed (exit {peer.returncode}):\n"
                                  f"{(tmp / f'peer{i}.log').read_text()[-3000:]}")
             results.append(json.loads(out.strip().splitlines()[-1]))
-        loss = evaluate(url, model)
+        loss, public_loss = evaluate(url, model, tmp / "data")
     finally:
         for proc in [*peers, relay]:
             if proc.poll() is None:
@@ -281,7 +296,8 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return summarize_variant(name, model, results, loss, shaped=links.star is not None)
+    return {**summarize_variant(name, model, results, loss, shaped=links.star is not None),
+            "public_loss": public_loss}
 
 
 # --- the benchmark -------------------------------------------------------------------------------
@@ -292,14 +308,19 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, An
     out = [("sync", {**common, "run": {"target_batch": args.peers * args.batch, "max_staleness": 0,
                                        "compression": args.sync_compression}})]
     hs = [int(x) for x in args.h.split(",")]
+    overlap = {"overlap": True} if args.overlap else {}
     for h in hs:
-        out.append((f"local_sgd H={h}", {**common, **inner, "run": {**local, "compression": "none"},
-                                         "local_sgd": {"inner_steps": h, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                                       "nesterov": True}}))
+        if args.dense:
+            out.append((f"local_sgd H={h}", {**common, **inner, "run": {**local, "compression": "none"},
+                                             "local_sgd": {"inner_steps": h, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                                           "nesterov": True, **overlap}}))
     if args.sparse != "none":
-        out.append((f"local_sgd+{args.sparse} H={max(hs)}", {
-            **common, **inner, "run": {**local, "compression": args.sparse},
-            "local_sgd": {"inner_steps": max(hs), "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}}))
+        for down in args.sparse_down.split(","):
+            down = "" if down in ("", "same") else down
+            out.append((f"local_sgd+{args.sparse}{'/' + down if down else ''} H={max(hs)}", {
+                **common, **inner, "run": {**local, "compression": args.sparse, "download_compression": down},
+                "local_sgd": {"inner_steps": max(hs), "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
+                              **overlap}}))
     return out
 
 
@@ -324,6 +345,11 @@ def main() -> None:
     parser.add_argument("--h", default="10,50", help="inner steps per outer round, comma-separated")
     parser.add_argument("--sync-compression", default="int8", choices=("none", "float16", "int8"))
     parser.add_argument("--sparse", default="topk2-64", help='the sparse variant\'s run.compression ("none": skip it)')
+    parser.add_argument("--sparse-down", default="same,topk2-256",
+                        help="comma-separated run.download_compression of the sparse variants (same: --sparse's)")
+    parser.add_argument("--no-dense", dest="dense", action="store_false",
+                        help="skip the float32 local SGD variants (one per --h)")
+    parser.add_argument("--overlap", action="store_true", help="local_sgd.overlap = true in every local SGD variant")
     parser.add_argument("--inner-lr", type=float, default=0.003)
     parser.add_argument("--no-shape", action="store_true", help="run on 127.0.0.1 (no namespaces needed)")
     parser.add_argument("--peer-up", type=float, default=10.0, help="Mbit/s each peer sends")
