@@ -33,13 +33,16 @@ def summarize_variant(name: str, model: str, results: list[dict], loss: float, s
 
 def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> dict[str, Any]:
     """The issue's figures for one model: the best local SGD variant is the one moving the fewest
-    bytes per sample (up + down) among those that ran."""
+    bytes per sample (up + down) among those that ran and whose model is no more than the loss bar
+    worse than sync's (a lower loss is no reason to pass a variant over); among all that ran when
+    none is."""
     def total(v: dict) -> float:
         return v["up_bytes_per_sample"] + v["down_bytes_per_sample"]
 
     sync = lines[0]
     ran = [v for v in lines[1:] if "refused" not in v]
-    best = min(ran, key=total)
+    good = [v for v in ran if (v["final_loss"] - sync["final_loss"]) / sync["final_loss"] <= BARS["loss_gap"][1]]
+    best = min(good or ran, key=total)
     speedup = best["samples_per_s"] / sync["samples_per_s"] if sync["shaped"] else None
     with_join = (total(sync) + sync["join_bytes_per_sample"]) / (total(best) + best["join_bytes_per_sample"])
     return {"model": model, "sync": sync["variant"], "best": best["variant"],
@@ -49,7 +52,7 @@ def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> d
             "loss_gap": (best["final_loss"] - sync["final_loss"]) / sync["final_loss"],
             "shaped_speedup": speedup, "shaped": shaped_note or "yes",
             "busy_fraction": best["busy_fraction"],
-            "down_bits_per_param": min(v["down_bits_per_param"] for v in ran if v["down_bits_per_param"] is not None)}
+            "down_bits_per_param": best["down_bits_per_param"]}
 
 
 def worst(per_model: list[dict[str, Any]]) -> dict[str, Any]:
