@@ -16,11 +16,11 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from relay_server.rounds.reducer import CHUNK_ELEMS
+from tests.support.properties import twin_property
 from toolkit.wire.compression import (BLOCK, CODECS, INT8_INPUT_MAX, SCALE_MAX, Codec, DeltaEncoder,
                                  ErrorFeedback, TensorSpec, apply_delta, get_codec)
 from toolkit.errors import ProtocolError
@@ -35,11 +35,7 @@ TINY = 2.0 ** -149  # float32's smallest subnormal
 
 
 def _property(check: Callable[..., None], **strategies: Any) -> tuple[Callable, Callable]:
-    """The same property as a default-run test (FAST examples) and a ``slow`` twin (SLOW)."""
-    def variant(n: int) -> Callable:
-        return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                        database=None)(given(**strategies)(check))
-    return variant(FAST), pytest.mark.slow(variant(SLOW))
+    return twin_property(check, FAST, SLOW, **strategies)
 
 
 @st.composite

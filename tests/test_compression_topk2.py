@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
@@ -22,6 +21,7 @@ from relay_server.core.config import ConfigError, load_config
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress
 from relay_server.rounds.robust import CenteredClipConfig
 from tests.conftest import merged, write_config
+from tests.support.properties import twin_property
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected
 from toolkit.moe import payloads
@@ -35,11 +35,7 @@ KS = (4, 64, 2048)
 
 
 def _property(check: Callable[..., None], **strategies: Any) -> tuple[Callable, Callable]:
-    """The same property as a default-run test (FAST examples) and a ``slow`` twin (SLOW)."""
-    def variant(n: int) -> Callable:
-        return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                        database=None)(given(**strategies)(check))
-    return variant(FAST), pytest.mark.slow(variant(SLOW))
+    return twin_property(check, FAST, SLOW, **strategies)
 
 
 @st.composite

@@ -36,11 +36,10 @@ from relay_server.core.config import ConfigError, load_config
 from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.registry import Peer, Registry
 from tests.conftest import merged, wait_until, write_config
-from tests.support.local_sgd import (BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference,
-                                     relay_params, train)
+from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
 from tests.support.peers import RawPeer
-from tests.support.training import load_flat
 from tests.support.relays import snapshot
+from tests.support.training import load_flat, params_of
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
@@ -58,12 +57,12 @@ def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
                        name="sync")
     local = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
                         name="local")
-    init = relay_params(sync.url)
-    np.testing.assert_array_equal(init, relay_params(local.url))  # same seed, same start
+    init = params_of(sync.url)
+    np.testing.assert_array_equal(init, params_of(local.url))  # same seed, same start
     train(sync.url, data, 3)
     opt = train(local.url, data, 3)
     assert opt.local_sgd is not None and opt.local_sgd.outer_rounds == 3
-    a, b = relay_params(sync.url, 3), relay_params(local.url, 3)
+    a, b = params_of(sync.url, 3), params_of(local.url, 3)
     assert relative_difference(a, init) > 1e-3  # three real steps were taken
     assert relative_difference(b, a) <= 1e-5
 
@@ -72,9 +71,9 @@ def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_re
     inner = {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "betas": [0.9, 0.99], "eps": 1e-8}
     relay = serve_relay(local_run(inner, inner_steps=5, outer_lr=0.7, outer_momentum=0.9, nesterov=True))
     fixed = batches(1, seed=7)
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     train(relay.url, fixed, 1)
-    after = relay_params(relay.url, 1)
+    after = params_of(relay.url, 1)
     # the same inner loop, in this process
     model = build_model(RelayClient(relay.url).get_run().model)
     load_flat(model, init)
@@ -129,7 +128,7 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
     assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
     status = relay.status()
     assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
-    np.testing.assert_array_equal(flat(slow_model), relay_params(relay.url, 1))  # back on the global parameters
+    np.testing.assert_array_equal(flat(slow_model), params_of(relay.url, 1))  # back on the global parameters
     fast.close()
     slow.close()
 
@@ -141,18 +140,18 @@ def test_a_live_peer_that_never_finishes_delays_the_outer_round_only_for_the_str
                                   straggler_wait_s=1.0)
                         | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
                            "rounds": {**PATIENT, "peer_ttl_s": 600.0}})  # nobody times out here
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     paused, done = RawPeer(relay).join("paused"), RawPeer(relay).join("done")
     assert paused.heartbeat(0).ok and done.heartbeat(10).ok
     assert wait_until(lambda: relay.status()["round"], 60, "the outer round")["expected_peers"] == 1
     assert done.upload(done.container(np.full(init.size, 2.0, np.float32))).ok
-    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.2, rtol=1e-6)
+    np.testing.assert_allclose(params_of(relay.url, 1), init - 0.2, rtol=1e-6)
 
 
 def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
     relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
                         | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     num = init.size
     finite = np.full(num, 0.5, np.float32)
     nan = finite.copy()
@@ -169,12 +168,12 @@ def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) ->
         after = snapshot(relay)
         assert (after["sum"], after["weights"]) == (before["sum"], before["weights"]), name
         assert relay.status()["step"] == 0, name
-        np.testing.assert_array_equal(relay_params(relay.url), init)
+        np.testing.assert_array_equal(params_of(relay.url), init)
     honest = RawPeer(relay).join("honest")
     assert honest.heartbeat(10).ok
     wait_until(lambda: relay.status()["round"], 30, "an outer round")
     assert honest.upload(honest.container(finite * 10)).ok  # pseudo-gradient 0.5, weighted by 10 samples
-    np.testing.assert_allclose(relay_params(relay.url, 1), init - 0.5, rtol=1e-6)
+    np.testing.assert_allclose(params_of(relay.url, 1), init - 0.5, rtol=1e-6)
 
 
 def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hostile_ones_change_nothing(
@@ -194,7 +193,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
                         | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0,
                                    "compression": "topk2-64"},
                            "model": {"kwargs": {"sizes": [8, 256, 256, 1]}}})  # 68,609: a delta is ~2% of a full copy
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     codec = get_codec("topk2-64")
     raw = RelayClient(relay.url)
     peer = raw.join(JoinRequest(peer_name="hostile", protocol=PROTOCOL_VERSION)).peer_id
@@ -217,7 +216,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     raw.leave(peer)
     raw.close()
     assert relay.status()["step"] == 0
-    np.testing.assert_array_equal(relay_params(relay.url), init)
+    np.testing.assert_array_equal(params_of(relay.url), init)
     data = batches(4)
     done: list[CollaborativeOptimizer] = []
     threads = [threading.Thread(target=lambda seed=seed: done.append(train(relay.url, data[seed:] + data[:seed], 4)))
@@ -228,7 +227,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
         thread.join(timeout=300)
     assert len(done) == 2 and all(opt.local_sgd.outer_rounds >= 3 for opt in done), [o.version for o in done]
     sent = relay.status()["traffic"]["down_bytes"]  # before this test's own full downloads below
-    public = relay_params(relay.url, 4)
+    public = params_of(relay.url, 4)
     assert not np.array_equal(public, init)
     for opt in done:
         assert opt.version == 4 and np.array_equal(opt._public.view(np.uint32), public.view(np.uint32))
@@ -286,7 +285,7 @@ def test_centered_clip_bounds_a_huge_pseudo_gradient_and_the_outer_step_takes_th
     relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
                         | {"run": {"mode": "local_sgd", "target_batch": 40, "max_staleness": 0},
                            "rounds": PATIENT | {"aggregation": "centered_clip"}})
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     rng = np.random.default_rng(3)
     means = [(0.5 + 0.05 * rng.standard_normal(init.size)).astype(np.float32) for _ in range(3)]
     means.append(np.full(init.size, 500.0, np.float32))  # finite, so only the robust center can stop it
@@ -301,7 +300,7 @@ def test_centered_clip_bounds_a_huge_pseudo_gradient_and_the_outer_step_takes_th
         reference.add_chunk(peer.peer_id, 0, mean * 10, 10)
     center = np.empty_like(init)
     assert reference.finish_into(center) == {peers[3].peer_id: 1}  # the attacker, and only it, was clipped
-    after = relay_params(relay.url, 1)
+    after = params_of(relay.url, 1)
     np.testing.assert_allclose(after, init - center, rtol=1e-5, atol=1e-6)
     honest = np.mean(means[:3], axis=0)
     assert np.linalg.norm(center - honest) < 0.02 * np.linalg.norm(means[3] - honest)
@@ -392,7 +391,7 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
                         | {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0,
                                    "compression": "none", "total_steps": rounds}})
     data = batches(5)
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     model, opt = join(relay.url)
     local = opt.local_sgd
     assert local is not None and local.overlap
@@ -403,7 +402,7 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
         if local.snapshot is not None and local.steps == 1:  # a round in flight: let its result arrive
             wait_until(lambda: local.snapshot is None or (opt._pending is not None and opt._pending.done()), 60,
                        "the outer round's result")
-    final = relay_params(relay.url, rounds)
+    final = params_of(relay.url, rounds)
     np.testing.assert_array_equal(flat(model), final)  # the run ended with the model on the global parameters
     assert (local.outer_rounds, local.late_rounds, opt.samples) == (rounds, 0, 0)
     carried = dict(local.rebases)
@@ -466,7 +465,7 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
     a.close()
     b.close()
     for peer_model in (model_a, model_b):  # close() left both on the newest global parameters
-        np.testing.assert_array_equal(flat(peer_model), relay_params(relay.url, 2))
+        np.testing.assert_array_equal(flat(peer_model), params_of(relay.url, 2))
 
 
 def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_report_the_new_version() -> None:
@@ -499,7 +498,7 @@ def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_re
     wait_until(lambda: relay.status()["step"] == 1, 60, "the fast peer's outer round")
     inner_step(slow_model, slow, data[1])  # budget spent, on version 0: late
     assert (slow.local_sgd.late_rounds, slow.local_sgd.outer_rounds, slow.version, slow.samples) == (1, 0, 1, 0)
-    np.testing.assert_array_equal(flat(slow_model), relay_params(relay.url, 1))
+    np.testing.assert_array_equal(flat(slow_model), params_of(relay.url, 1))
     assert [r["contributors"] for r in relay.status()["recent_rounds"]] == [1]
     fast.close()
     slow.close()
@@ -511,7 +510,7 @@ def test_overlap_close_with_a_round_in_flight_returns_on_global_parameters(serve
     relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 1})
                         | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
                            "rounds": {**PATIENT, "peer_ttl_s": 600.0}})
-    init = relay_params(relay.url)
+    init = params_of(relay.url)
     silent = RawPeer(relay).join("silent")
     assert silent.heartbeat(10).ok  # finished its budget: the round will expect it
     model, opt = join(relay.url)

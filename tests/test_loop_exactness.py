@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
-from tests.support.training import load_flat
+from tests.support.training import load_flat, params_of
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
@@ -79,16 +79,6 @@ def tokenizer(demo_tokenizer: Path) -> Path:
 def spec_of(model: str) -> ModelSpec:
     architecture, _, config = MODELS[model]
     return ModelSpec(kind="transformers", architecture=architecture, config={**config, "vocab_size": VOCAB})
-
-
-def relay_params(url: str, min_step: int = 0) -> np.ndarray:
-    client = RelayClient(url)
-    try:
-        out = np.empty(client.get_run().num_params, dtype=np.float32)
-        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
-        return out
-    finally:
-        client.close()
 
 
 def flatten(model: torch.nn.Module) -> np.ndarray:
@@ -200,7 +190,7 @@ def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: 
                          "dataset": {"kind": "demo_corpus"}, "optimizer": OPTIMIZER,
                          # a loaded machine: no round closes for a deadline while a peer computes
                          "rounds": {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}})
-    initial = relay_params(relay.url)
+    initial = params_of(relay.url)
     assert bool(RelayClient(relay.url).get_run().local_sgd) == bool(mode)  # the mode the test asked for
     fp16 = precision == "fp16"
     procs = {}
@@ -234,7 +224,7 @@ def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: 
         results.append((name, result, torch.load(str(tmp_path / name / "result.json") + ".batches.pt")))
     rounds = rounds_of(results)
     assert sorted(rounds) == list(range(STEPS)), sorted(rounds)
-    final = relay_params(relay.url, min_step=STEPS)
+    final = params_of(relay.url, min_step=STEPS)
 
     model = build_model(spec)
     model.train()

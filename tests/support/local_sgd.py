@@ -23,16 +23,6 @@ def batches(n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.cat([b, torch.tanh(b.sum(1, keepdim=True))], dim=1) for b in x]
 
 
-def relay_params(url: str, min_step: int = 0) -> np.ndarray:
-    client = RelayClient(url)
-    try:
-        out = np.empty(client.get_run().num_params, dtype=np.float32)
-        assert client.download_params(out, min_step=min_step, wait_s=60) is not None
-        return out
-    finally:
-        client.close()
-
-
 def join(url: str, name: str = "peer") -> tuple[torch.nn.Module, CollaborativeOptimizer]:
     """A peer in this process: the run's model and its optimizer (joined; reports every 50 ms; its
     rounds run in its own worker thread)."""

@@ -18,14 +18,21 @@ from toolkit.wire.tensor_container import read_file_header
 MODEL_KWARGS = {"sizes": [8, 16, 1]}
 
 
-def relay_params(url: str, min_step: int = 0) -> tuple[int, np.ndarray]:
+def relay_params(url: str, min_step: int = 0, wait_s: float = 30) -> tuple[int, np.ndarray]:
+    """The relay's published version >= ``min_step`` (the parameters peers hold) and its step."""
     client = RelayClient(url)
-    num_params = client.get_run().num_params
-    out = np.empty(num_params, dtype=np.float32)
-    step = client.download_params(out, min_step=min_step, wait_s=30)
-    client.close()
+    try:
+        out = np.empty(client.get_run().num_params, dtype=np.float32)
+        step = client.download_params(out, min_step=min_step, wait_s=wait_s)
+    finally:
+        client.close()
     assert step is not None
     return step, out
+
+
+def params_of(url: str, min_step: int = 0) -> np.ndarray:
+    """The parameters of the relay's version >= ``min_step`` (waiting up to 60 s: a loaded machine)."""
+    return relay_params(url, min_step, wait_s=60)[1]
 
 
 def rounds_from_events(peers) -> dict[int, list[int]]:

@@ -191,14 +191,7 @@ class Codec(ABC):
         if start < 0 or start % self.alignment:
             raise ValueError(f"codec {self.name!r}: decode_range start {start} is not a multiple of "
                              f"the codec's alignment {self.alignment}")
-        if out is not None:
-            if out.dtype != np.float32 or out.ndim != 1 or (count is not None and out.size != count):
-                raise ValueError(f"out must be 1-D float32 of {count} values, got {_array_label(out)}")
-            count = out.size
-        elif count is None:
-            if not self.dense:
-                raise ValueError(f"codec {self.name!r}: decode_range needs out or count (values the piece covers)")
-            count = payload_piece.size
+        count = self._values(out, count, payload_piece, "decode_range needs out or count (values the piece covers)")
         if payload_piece.size != self.payload_size(count):  # the caller cut the payload wrong
             raise ValueError(f"out must be float32 of the values the piece covers: codec {self.name!r} "
                              f"encodes {count} values in {self.payload_size(count)} payload elements, "
@@ -207,6 +200,19 @@ class Codec(ABC):
             out = np.empty(count, dtype=np.float32)
         self._decode_range(side, payload_piece, start, out)
         return out
+
+    def _values(self, out: np.ndarray | None, count: int | None, payload: np.ndarray, needs: str) -> int:
+        """How many values a decode writes: ``out``'s size (checked against ``count``), else
+        ``count``, else -- dense codecs only -- one per payload element."""
+        if out is not None:
+            if out.dtype != np.float32 or out.ndim != 1 or (count is not None and out.size != count):
+                raise ValueError(f"out must be 1-D float32 of {count} values, got {_array_label(out)}")
+            return out.size
+        if count is not None:
+            return count
+        if not self.dense:
+            raise ValueError(f"codec {self.name!r}: {needs}")
+        return payload.size
 
     @abstractmethod
     def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
@@ -222,14 +228,7 @@ class Codec(ABC):
         payload = tensors.pop("payload", None)
         if not isinstance(payload, np.ndarray) or payload.ndim != 1:
             raise _bad(f"codec {self.name!r}: a 1-D 'payload' tensor is required")
-        if out is not None:
-            if out.dtype != np.float32 or out.ndim != 1 or (n is not None and out.size != n):
-                raise ValueError(f"out must be 1-D float32 of {n} values, got {_array_label(out)}")
-            n = out.size
-        elif n is None:
-            if not self.dense:
-                raise ValueError(f"codec {self.name!r}: decode needs out or n (the vector's length)")
-            n = payload.size
+        n = self._values(out, n, payload, "decode needs out or n (the vector's length)")
         if payload.size != self.payload_size(n):
             raise _bad(f"codec {self.name!r}: {n} values take {self.payload_size(n)} payload elements, "
                        f"got {payload.size}")
