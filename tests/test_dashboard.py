@@ -61,6 +61,12 @@ def browser_page() -> Iterator[tuple[object, PageProblems]]:
             browser.close()
 
 
+def to_precision_4(x: float) -> str:
+    """What the dashboard's ``n.toPrecision(4)`` shows for a loss: four significant digits, trailing
+    zeros kept (5.310, where Python's ``.4g`` writes 5.31); ``#`` keeps them."""
+    return f"{x:#.4g}"
+
+
 def shown_step(page) -> int:
     return int(page.locator("#step").get_attribute("data-value") or -1)
 
@@ -243,7 +249,7 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
         expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
         expect(page.locator("#loss-chart line.ref")).to_have_count(2, timeout=UI_TIMEOUT_MS)
         labels = page.locator("#loss-chart text.ref-label")
-        expect(labels).to_have_text([f"{r['label']} = {r['value']:.4g}" for r in references])  # toPrecision(4)
+        expect(labels).to_have_text([f"{r['label']} = {to_precision_4(r['value'])}" for r in references])
         expect(page.locator("#loss-summary")).to_contain_text("References: chance: ln 256 (bytes) = 5.545; "
                                                               "unigram entropy of the demo text (bytes) = ")
         # Each line sits at its value on the chart's scale: the chance line above the entropy one.
@@ -280,7 +286,8 @@ def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(star
     expect(chart.locator("text.ref-label").first).to_have_text("chance: ln 200 (tokens) = 5.298")
     expect(page.locator("#validation-key")).to_be_visible()
     last = status["evaluations"][-1]
-    expect(page.locator("#loss-summary")).to_contain_text(f"Validation loss {last['loss']:.4g} at step {last['step']}")
+    expect(page.locator("#loss-summary")).to_contain_text(
+        f"Validation loss {to_precision_4(last['loss'])} at step {last['step']}")
 
     expect(page.locator("#samples-panel")).to_be_visible()
     expect(page.locator("#h-samples")).to_have_text(f"What the model says now (step {last['step']})")
