@@ -7,7 +7,9 @@
   with the published parameters (a proxy on 127.0.0.1 does the cutting);
 * a gradient upload that stalls half-way is cut after ``connections.body_idle_timeout_s`` and its
   peer expires by its TTL;
-* 50 slowloris connections (slow headers, slow bodies) do not stop rounds.
+* 50 slowloris connections (slow headers, slow bodies) do not stop rounds;
+* a relay whose own event loop stalls past the peers' TTL does not hold that deafness against
+  them: its peers are still members afterwards.
 
 No timing assertions: every wait is a bound on something that must happen.
 """
@@ -280,6 +282,16 @@ def test_stalled_upload_is_cut_and_its_peer_expires(start_relay) -> None:
     client.close()
     log = relay.log_path.read_text()
     assert closed and "no body byte" in log and "peer staller timed out" in log, log[-3000:]
+
+
+def test_a_stall_of_the_relay_itself_expires_nobody(serve_relay) -> None:
+    relay = serve_relay({"rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 2.0}})
+    client = RelayClient(relay.url)
+    joined = client.join(JoinRequest(peer_name="patient", protocol=PROTOCOL_VERSION, device={"kind": "cpu"}))
+    client.heartbeat(joined.peer_id, Heartbeat(version=0, samples=0, samples_per_s=10.0))
+    relay.call(functools.partial(time.sleep, 3.0))  # the relay's loop blocked for longer than peer_ttl_s
+    assert relay.status()["num_peers"] == 1  # the ticks that ran after the stall kept the peer
+    client.close()
 
 
 def test_slowloris_connections_do_not_stop_rounds(limited_relay, launch_peer) -> None:

@@ -99,6 +99,11 @@ class Aggregators(Mapping[str, Aggregator]):
             agg.alive = False
             log.warning("aggregator %s (%s) is dead: %s", agg.name, aggregator_id, why)
 
+    def excuse_silence(self, seconds: float) -> None:
+        """The relay was deaf for ``seconds``: no aggregator's silence grows by them."""
+        for agg in self._by_id.values():
+            agg.last_seen += seconds
+
     def expire(self, owners: set[str]) -> None:
         """Declare the silent dead; forget the long dead that own none of ``owners``' slices."""
         now = time.monotonic()

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 _gradient_meta = gradient_meta  # its old home (tools and tests import it from here)
 
 
+STALL_S = 1.0  # a tick later than this beyond its period means the relay was not listening
+
+
 class Collaboration:
     def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None) -> None:
         self.config, self.store = config, store
@@ -326,9 +329,25 @@ class Collaboration:
             self.rounds.maybe_open()  # also starts a pending plan change
 
     async def run_ticker(self, period_s: float = 0.1) -> None:
+        last = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - last > period_s + STALL_S:
+                self.excuse_silence(now - last - period_s)
+            last = now
             await self.tick()
             await asyncio.sleep(period_s)
+
+    def excuse_silence(self, seconds: float) -> None:
+        """The relay itself did not listen for ``seconds`` (its event loop stalled: a slow disk,
+        swap, a starved VM): heartbeats sent meanwhile wait unread in its sockets, so that time
+        counts toward no peer's or aggregator's silence. Without this, one stall longer than a TTL
+        declares every peer and aggregator dead at the next tick, and a sliced run recovers slices
+        from the relay's (older) copy for nothing."""
+        log.warning("the relay's event loop stalled for %.1fs; silence during it is not held against anyone",
+                    seconds)
+        self.registry.excuse_silence(seconds)
+        self.backbone.aggregators.excuse_silence(seconds)
 
     def state_info(self) -> StateInfo:
         latest = self.backbone.board.latest

@@ -122,6 +122,11 @@ class Registry:
             self._rate = 0.0  # no float residue from many +/- once everyone left
         return peer
 
+    def excuse_silence(self, seconds: float) -> None:
+        """The relay was deaf for ``seconds``: nobody's silence grows by them."""
+        for peer in self.peers.values():
+            peer.last_seen += seconds
+
     def expire(self, now: float | None = None) -> list[Peer]:
         """Drop peers that went silent; returns them so their round share can be released."""
         now = time.monotonic() if now is None else now
