@@ -3,7 +3,8 @@ budget, upload one pseudo-gradient (global - local) per outer round, the relay a
 SGD. Real relays on 127.0.0.1 (in-process, or a peer process where one is killed), real clients.
 
 - H = 1 with inner SGD lr 1 and outer SGD lr 1 without momentum is sync mode: same parameters
-  after three rounds, to 1e-5 relative.
+  after three rounds, to 1e-5 relative; with a warmup and a decay, the inner steps follow the
+  schedule sync mode's relay applies.
 - One outer round with inner AdamW and outer Nesterov SGD equals ``init - lr (1 + mu) (init -
   local)`` computed in this process (the sign others shipped wrong), and lowers the loss.
 - A peer SIGKILLed mid-inner-loop does not stall the outer round (the relay drops it at its TTL);
@@ -51,18 +52,23 @@ def flat(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
-def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay) -> None:
-    data = batches(3)
-    sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0}, "optimizer": SGD1, "rounds": PATIENT},
-                       name="sync")
-    local = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
-                        name="local")
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "linear", "warmup_steps": 2}], ids=["constant", "schedule"])
+def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay, schedule) -> None:
+    """With a schedule (lr 0.5, 1, 1, 0.5: warmup over 2 steps, linear decay to 0 at step 4) the
+    inner steps follow the relay's schedule step for step."""
+    steps = 4 if schedule else 3
+    data = batches(steps)
+    inner, run = {**SGD1, **schedule}, {"total_steps": steps} if schedule else {}
+    sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0, **run}, "optimizer": inner,
+                        "rounds": PATIENT}, name="sync")
+    local = local_run(inner, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    local = serve_relay(local | {"run": {**local["run"], **run}}, name="local")
     init = params_of(sync.url)
     np.testing.assert_array_equal(init, params_of(local.url))  # same seed, same start
-    train(sync.url, data, 3)
-    opt = train(local.url, data, 3)
-    assert opt.local_sgd is not None and opt.local_sgd.outer_rounds == 3
-    a, b = params_of(sync.url, 3), params_of(local.url, 3)
+    train(sync.url, data, steps)
+    opt = train(local.url, data, steps)
+    assert opt.local_sgd is not None and opt.local_sgd.outer_rounds == steps
+    a, b = params_of(sync.url, steps), params_of(local.url, steps)
     assert relative_difference(a, init) > 1e-3  # three real steps were taken
     assert relative_difference(b, a) <= 1e-5
 
@@ -244,7 +250,8 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
     ({"run": {"max_staleness": 1}}, "run.max_staleness"),
     ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
-    ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10}}, "optimizer.schedule"),
+    ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10},
+      "local_sgd": {"inner_steps": 0, "inner_seconds": 30.0}}, "local_sgd.inner_steps"),
     ({"moe": {"enabled": True}}, "[moe]"),
 ])
 def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names) -> None:

@@ -35,7 +35,7 @@ def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, c
         precision=config.run.precision or None, dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},
-        local_sgd=config.local_sgd.run_info(config.optimizer) if config.run.mode == "local_sgd" else {},
+        local_sgd=config.local_sgd.run_info(config.optimizer, config.run.total_steps) if config.run.mode == "local_sgd" else {},
         pipeline={"stages": config.pipeline.stages, "microbatch_size": config.pipeline.microbatch_size,
                   "boundary_codec": config.pipeline.boundary_codec} if config.pipeline.enabled else {})
 

@@ -53,11 +53,13 @@ class LocalSgdSection:
         return OptimizerSection(name="sgd", lr=self.outer_lr, momentum=self.outer_momentum,
                                 nesterov=self.nesterov and self.outer_momentum > 0, weight_decay=0.0)
 
-    def run_info(self, inner: OptimizerSection) -> dict[str, Any]:
-        """What peers need to run the inner loop (``RunInfo.local_sgd``)."""
+    def run_info(self, inner: OptimizerSection, total_steps: int) -> dict[str, Any]:
+        """What peers need to run the inner loop (``RunInfo.local_sgd``). The inner schedule counts
+        inner steps: ``total_steps`` outer rounds are ``total_steps * inner_steps`` of them."""
         return {"inner": {"name": inner.name, "lr": inner.lr, "betas": list(inner.betas), "eps": inner.eps,
                           "weight_decay": inner.weight_decay, "momentum": inner.momentum,
-                          "clip_grad_norm": inner.clip_grad_norm},
+                          "clip_grad_norm": inner.clip_grad_norm, "schedule": inner.schedule,
+                          "warmup_steps": inner.warmup_steps, "total_steps": total_steps * self.inner_steps},
                 "inner_steps": self.inner_steps, "inner_seconds": self.inner_seconds, "overlap": self.overlap}
 
     def checks(self) -> Checks:
@@ -90,7 +92,8 @@ def mode_checks(config: RelayConfig) -> Checks:
         (opt.name in ("adamw", "adam", "sgd"),
          f"optimizer.name = {opt.name!r} as the inner optimizer {not_yet}: use adamw, adam or sgd"),
         (opt.state_bits == 32, f"optimizer.state_bits = 8 {not_yet}: set optimizer.state_bits = 32"),
-        (opt.schedule == "constant" and opt.warmup_steps == 0,
-         f"an inner learning-rate schedule {not_yet}: set optimizer.schedule = \"constant\" and "
-         "optimizer.warmup_steps = 0"),
+        (config.local_sgd.inner_steps > 0 or (opt.schedule == "constant" and opt.warmup_steps == 0),
+         "an inner learning-rate schedule (optimizer.schedule, optimizer.warmup_steps) needs local_sgd.inner_steps "
+         "> 0: it counts outer round x inner_steps + the inner step (with only inner_seconds, set schedule = "
+         "\"constant\" and warmup_steps = 0)"),
     ]

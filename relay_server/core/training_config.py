@@ -15,6 +15,7 @@ from typing import Any
 from relay_server.core.typed import PATH
 from toolkit.wire.compression import codec_error
 from toolkit.wire.protocol import ModelSpec
+from toolkit.wire.schedule import SCHEDULES
 
 Checks = list[tuple[bool, str]]
 
@@ -154,7 +155,7 @@ class OptimizerSection:
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              f"optimizer.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {self.betas}"),
             (self.lamb_clamp >= 0, "optimizer.lamb_clamp must be >= 0 (0 = no clamp)"),
-            (self.schedule in ("constant", "linear", "cosine"),
+            (self.schedule in SCHEDULES,
              "optimizer.schedule must be constant, linear or cosine"),
             (self.state_bits in (8, 32), "optimizer.state_bits must be 8 or 32"),
             (not self.nesterov or (self.name == "sgd" and self.momentum > 0),

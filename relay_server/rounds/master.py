@@ -25,6 +25,7 @@ import torch
 from relay_server.core.config import OptimizerSection
 from relay_server.core.typed import ConfigError
 from toolkit.wire.protocol import ParamSpec
+from toolkit.wire.schedule import lr_at as schedule_lr
 
 
 def layout_of(model: torch.nn.Module) -> list[ParamSpec]:
@@ -41,15 +42,8 @@ def flatten(model: torch.nn.Module) -> np.ndarray:
 
 
 def lr_at(step: int, cfg: OptimizerSection, total_steps: int) -> float:
-    """Learning rate for the update that produces version ``step + 1``."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant" or total_steps <= cfg.warmup_steps:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
-    if cfg.schedule == "linear":
-        return cfg.lr * (1.0 - progress)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    """Learning rate for the update that produces version ``step + 1`` (:func:`toolkit.wire.schedule.lr_at`)."""
+    return schedule_lr(step, lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps)
 
 
 @dataclass

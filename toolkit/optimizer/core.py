@@ -123,7 +123,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
         self.local_sgd = LocalSgd(self, self.run.local_sgd) if self.run.local_sgd else None
         if self.local_sgd is not None:
-            self.local_lr = float(self.local_sgd.inner["lr"])
+            self.local_lr = self.local_sgd.lr_now()
             self.restore_lr()
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
         self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),

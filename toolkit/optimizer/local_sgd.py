@@ -56,6 +56,7 @@ import torch
 
 from toolkit.errors import CollabError
 from toolkit.optimizer.overlap import WAIT_POLL_S, OverlappedRound
+from toolkit.wire.schedule import lr_at
 
 if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
@@ -117,10 +118,25 @@ class LocalSgd(OverlappedRound):
             self.first_step_at = self.started
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.opt._named], self.clip)
+        lr = self.lr_now()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if lr != self.opt.local_lr:  # the loop's own param groups show the rate this step applies
+            self.opt.local_lr = lr
+            self.opt.restore_lr()
         self.optimizer.step()
         self.steps += 1
         self.samples += n
         self.loss_sum += (loss or 0.0) * n
+
+    def lr_now(self) -> float:
+        """The inner rate of the next step: the run's schedule at ``version x inner_steps + the
+        steps since`` -- the same position on every peer, whichever round it joined in (the relay
+        refuses a schedule without ``inner_steps``)."""
+        inner = self.inner
+        return lr_at(self.version * self.inner_steps + self.steps, lr=float(inner["lr"]),
+                     schedule=inner.get("schedule", "constant"), warmup_steps=int(inner.get("warmup_steps", 0)),
+                     total_steps=int(inner.get("total_steps", 0)))
 
     def after_step(self) -> None:
         """What ``step()`` does after the inner step: report, and the outer round when the budget is

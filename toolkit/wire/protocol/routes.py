@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from toolkit.wire.schema import Schema, limits
 
-# 5: RunInfo.download_compression and topk2 codecs; 4: local SGD runs (RunInfo.local_sgd),
-# HTTP-cache refs, typed DMoE messages; 3: aggregators
-PROTOCOL_VERSION = 5
+# 6: the inner learning-rate schedule in RunInfo.local_sgd; 5: RunInfo.download_compression and topk2
+# codecs; 4: local SGD runs (RunInfo.local_sgd), HTTP-cache refs, typed DMoE messages; 3: aggregators
+PROTOCOL_VERSION = 6
 
 ROUTES = {
     "run": "/api/run",
