@@ -36,7 +36,7 @@ from relay_server.backbone.routes import get_slice, put_slice
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.state_transfer import CallFailed, InternalClient, check_range, send_state
 from relay_server.rounds.store import Store
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import (MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration,
                               AggregatorWelcome, AssignRequest, FinalizeRequest, GradNormReport, GradNormRequest,
                               SliceReport, TransferSample)
@@ -123,8 +123,7 @@ class Aggregator:
             owner = await asyncio.to_thread(  # builds the optimizer: keep the event loop (heartbeats) free
                 SliceOwner, run.layout, state, start=req.start, end=req.end, step=req.step,
                 optimizer=OptimizerSection(**self.welcome.optimizer), total_steps=run.total_steps,
-                codec=get_codec(run.compression), store=self.store, run_name=run.run_name,
-                download_codec=get_codec(run.download_compression or run.compression),
+                codecs=run_codecs(run.compression, run.download_compression), store=self.store, run_name=run.run_name,
                 robust=robust_config(RoundsSection(**self.welcome.rounds)),
                 plan_version=req.plan_version, on_transfer=self.record)
             version: Version = await owner.reducer.run(owner.write_initial)

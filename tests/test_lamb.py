@@ -29,7 +29,7 @@ from relay_server.backbone.state_transfer import CallFailed, cut
 from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, load_flat, relay_params, rounds_from_events,
                                     sliced_plan, stored_params, train_sliced)
 from toolkit.models import build_model
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, ModelSpec, RunInfo
 
 K = 6
@@ -139,7 +139,7 @@ def _backbone(tmp_path, optimizer: dict) -> Backbone:
     run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
                   layout=layout, num_params=params.size, target_batch=64, total_steps=K, max_staleness=1,
                   heartbeat_interval_s=1.0)
-    return Backbone(config, Store(tmp_path / "data"), layout, get_codec("none"), params, run)
+    return Backbone(config, Store(tmp_path / "data"), layout, run_codecs("none"), params, run)
 
 
 def _plan(n: int, fractions: dict[str, float]) -> Plan:
@@ -246,7 +246,7 @@ def _sliced_servers(tmp_path, backbone, plan, params):
     owners, client, slices = backbone._owners_for(plan), Loopback(), []
     for o in owners:
         so = SliceOwner(backbone.layout, {"params": params[o.start:o.end].copy()}, start=o.start, end=o.end, step=0,
-                        optimizer=backbone.config.optimizer, total_steps=K, codec=get_codec("none"),
+                        optimizer=backbone.config.optimizer, total_steps=K, codecs=run_codecs("none"),
                         store=Store(tmp_path / o.owner_id), plan_version=plan.version)
         slices.append(so)
         if o.owner_id != RELAY_ID:

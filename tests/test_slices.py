@@ -20,7 +20,7 @@ from relay_server.planning.planner import solve_plan
 from relay_server.backbone.state_transfer import cut
 from relay_server.rounds.store import Store
 from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import run_codecs
 from toolkit.models import build_model
 from toolkit.wire.protocol import (PROTOCOL_VERSION, AggregatorHeartbeat, AggregatorRegistration, ModelSpec, RunInfo,
                               SliceDigest, Ticket, TransferSample)
@@ -147,7 +147,7 @@ def _backbone(tmp_path, numel: int = 100_000) -> Backbone:
     run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
                   layout=layout, num_params=numel, target_batch=64, total_steps=0, max_staleness=1,
                   heartbeat_interval_s=1.0)
-    return Backbone(config, Store(tmp_path / "data"), layout, get_codec("none"), flatten(model), run)
+    return Backbone(config, Store(tmp_path / "data"), layout, run_codecs("none"), flatten(model), run)
 
 
 def test_measured_rates_drive_the_plan_and_the_slices(tmp_path):

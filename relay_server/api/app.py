@@ -119,7 +119,7 @@ async def put_gradient(request: web.Request) -> web.Response:
         return json_ok(receipt)
     step = _path_int(request, "step")
     peer_id = own_peer(request, request.query.get("peer_id", ""))
-    limit = collab.codec.wire_bytes(collab.num_params)
+    limit = collab.codecs.up.wire_bytes(collab.num_params)
     upload_length(request, limit)
     body = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
     reader = AsyncContainerReader(body, limit, total_bytes=request.content_length)
@@ -297,7 +297,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line (issue 17)
     app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
-                                               lambda: app[COLLAB].codec.wire_bytes(app[COLLAB].num_params),
+                                               lambda: app[COLLAB].codecs.up.wire_bytes(app[COLLAB].num_params),
                                                experts_api.container_limits(app) | pipeline_api.container_limits(app))
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))

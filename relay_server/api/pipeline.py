@@ -201,7 +201,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     cfg = config.pipeline
     cut = await asyncio.to_thread(cut_model, config)
     resume = collab.store.latest_step() if collab.store.get_meta("manifest") else None
-    owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codec, collab.master.flat.numpy(),
+    owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codecs, collab.master.flat.numpy(),
                                      cut.cuts, resume)
     root = Path(config.server.data_dir)
 

@@ -55,7 +55,7 @@ from relay_server.rounds.master import slice_boundaries
 from relay_server.rounds.publisher import Board
 from relay_server.rounds.reducer import Reducer, robust_config
 from relay_server.rounds.store import Store
-from toolkit.wire.compression import Codec
+from toolkit.wire.compression import RunCodecs
 from toolkit.wire.protocol import (ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome,
                                    AssignRequest, ParamSpec, ParamsManifest, PlanInfo, PlanSlice, RunInfo,
                                    SliceReport)
@@ -64,10 +64,9 @@ log = logging.getLogger(__name__)
 
 
 class Backbone:
-    def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codec: Codec,
-                 params: np.ndarray, run_info: RunInfo, download_codec: Codec | None = None) -> None:
-        self.config, self.store, self.layout, self.codec, self.run_info = config, store, layout, codec, run_info
-        self.download_codec = download_codec or codec  # of the parameter deltas (codec: of the uploads)
+    def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codecs: RunCodecs,
+                 params: np.ndarray, run_info: RunInfo) -> None:
+        self.config, self.store, self.layout, self.codecs, self.run_info = config, store, layout, codecs, run_info
         self.cfg = config.aggregators
         self.num_params = int(params.size)
         self.boundaries = slice_boundaries(layout, config.master_optimizer())  # where the plan may cut (None: anywhere)
@@ -92,8 +91,7 @@ class Backbone:
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:
         return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.master_optimizer(),
-                          total_steps=self.config.run.total_steps, codec=self.codec, store=self.store,
-                          download_codec=self.download_codec,
+                          total_steps=self.config.run.total_steps, codecs=self.codecs, store=self.store,
                           fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
                           run_name=self.config.run.name, plan_version=plan_version,
                           on_transfer=self.planning.record_transfer, adopt=adopt)
@@ -118,7 +116,7 @@ class Backbone:
     def empty_reducer(self) -> Reducer:
         """A reducer over no elements, for callers of the relay's reducer when it owns no slice."""
         if self._empty_reducer is None:
-            self._empty_reducer = Reducer(np.zeros(0, dtype=np.float32), self.codec)
+            self._empty_reducer = Reducer(np.zeros(0, dtype=np.float32), self.codecs.up)
         return self._empty_reducer
 
     # --- what the rest of the relay asks ----------------------------------------------------------
@@ -135,7 +133,7 @@ class Backbone:
         return [] if self.single else [o.plan_slice() for o in self.owners]
 
     def plan_info(self) -> PlanInfo:
-        load = relay_link_load(self.config, self.codec, self.download_codec, self.owners, self.num_params,
+        load = relay_link_load(self.config, self.codecs, self.owners, self.num_params,
                                len(self.peer_ids()),
                                state_bytes_per_param(self.local, self.copy, self.num_params))
         return dataclasses.replace(plan_info(self.plan, self.plan_version, self.owners, self.planning,

@@ -18,18 +18,18 @@ from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import Owner
 from relay_server.core.config import RelayConfig
 from relay_server.planning.policy import RELAY_ID
-from toolkit.wire.compression import Codec
+from toolkit.wire.compression import RunCodecs
 from toolkit.wire.protocol import ROUTES, ParamsRef, RelayLinkLoad
 
 
-def relay_link_load(config: RelayConfig, codec: Codec, download_codec: Codec, owners: list[Owner], num_params: int,
+def relay_link_load(config: RelayConfig, codecs: RunCodecs, owners: list[Owner], num_params: int,
                     peers: int, state_bytes_per_param: float) -> RelayLinkLoad:
     mine = sum(o.end - o.start for o in owners if o.owner_id == RELAY_ID)
     remote = num_params - mine
-    body = 4 * mine if download_codec.lossless else download_codec.wire_bytes(mine)  # a peer in step gets the delta
+    body = 4 * mine if codecs.down.lossless else codecs.down.wire_bytes(mine)  # a peer in step gets the delta
     cached = bool(config.server.public_params_url) and remote == 0  # sliced versions come from each owner
     parameters_out = body + peers * ref_bytes(config.server.public_params_url) if cached else peers * body
-    gradients_in = peers * codec.wire_bytes(mine)
+    gradients_in = peers * codecs.up.wire_bytes(mine)
     a = config.aggregators
     params_only = 1 / a.params_copy_every - 1 / math.lcm(a.params_copy_every, a.state_copy_every)
     recovery_in = remote * (4 * params_only + state_bytes_per_param / a.state_copy_every)

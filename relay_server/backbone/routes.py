@@ -40,7 +40,7 @@ async def put_slice(request: web.Request, owner: SliceOwner | None, ticket_key: 
             raise ApiError(400, "bad_ticket", f"the ticket is for round {ticket.step}, the path says {step}")
         if owner is None:
             raise _moved(owner)
-        limit = owner.codec.wire_bytes(owner.numel)
+        limit = owner.codecs.up.wire_bytes(owner.numel)
         total = upload_length(request, limit)
         body = request.get(BODY_STREAM_KEY)
         if body is not None:  # the relay's auth middleware already verified the head; it replays it

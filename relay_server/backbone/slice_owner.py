@@ -37,7 +37,7 @@ from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.robust import CenteredClipConfig
 from relay_server.rounds.membership import RoundClosedMidUpload
 from relay_server.rounds.store import Store
-from toolkit.wire.compression import Codec
+from toolkit.wire.compression import RunCodecs
 from toolkit.errors import ProtocolError
 from toolkit.wire.protocol import GradientMeta, ParamSpec, Ticket, UploadReceipt
 from toolkit.wire.tensor_container import AsyncContainerReader
@@ -62,24 +62,22 @@ class SliceRound:
 
 class SliceOwner:
     def __init__(self, layout: list[ParamSpec], state: dict[str, np.ndarray], *, start: int, end: int, step: int,
-                 optimizer: OptimizerSection, total_steps: int, codec: Codec, store: Store, fsync: bool = False,
+                 optimizer: OptimizerSection, total_steps: int, codecs: RunCodecs, store: Store, fsync: bool = False,
                  robust: CenteredClipConfig | None = None, run_name: str = "", plan_version: str = "",
-                 on_transfer: TransferHook | None = None, adopt: bool = False,
-                 download_codec: Codec | None = None) -> None:
+                 on_transfer: TransferHook | None = None, adopt: bool = False) -> None:
         """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
         (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
-        ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codec``
-        decodes uploads; ``download_codec`` (default the same) encodes the published deltas."""
-        self.start, self.end, self.codec, self.store = start, end, codec, store
-        self.download_codec = download_codec or codec
+        ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codecs.up``
+        decodes uploads, ``codecs.down`` encodes the published deltas."""
+        self.start, self.end, self.codecs, self.store = start, end, codecs, store
         self.run_name, self.plan_version = run_name, plan_version
         self.master = MasterState(layout, state["params"], optimizer, total_steps, step=step, start=start, end=end,
                                   adopt=adopt)
         if any(name.startswith("opt") for name in state):
             self.master.import_state(state, step)
         # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
-        self.reducer = Reducer(self.master.grad.numpy(), codec, robust=robust, spool_dir=str(store.dir))
-        self.publisher = Publisher(store, self.download_codec, self.master, public=state.get("public"), fsync=fsync)
+        self.reducer = Reducer(self.master.grad.numpy(), codecs.up, robust=robust, spool_dir=str(store.dir))
+        self.publisher = Publisher(store, codecs.down, self.master, public=state.get("public"), fsync=fsync)
         self.on_transfer = on_transfer
         self.round: SliceRound | None = None
         self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)
@@ -124,7 +122,7 @@ class SliceOwner:
     def export(self) -> tuple[int, dict[str, np.ndarray]]:
         """Reducer thread: the slice's state (master ``params``, optimizer, lossy ``public``)."""
         state = self.master.export_state()
-        if not self.download_codec.lossless:
+        if not self.codecs.down.lossless:
             state["public"] = self.publisher.public.copy()
         return self.master.step, state
 

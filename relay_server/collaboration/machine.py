@@ -41,7 +41,7 @@ from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 from toolkit.models import build_own_model
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest, JoinResponse,
                                    ParamsManifest, PlanInfo, RunSummary, StateInfo, StatusReport, Ticket,
                                    TicketRequest, UploadReceipt)
@@ -64,10 +64,9 @@ class Collaboration:
         self.layout = layout_of(model)
         params = flatten(model)
         del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
-        self.codec = get_codec(config.run.compression)  # uploads
-        self.download_codec = get_codec(config.run.download_compression or config.run.compression)  # deltas
-        self.run_info = run_info_of(config, self.layout, int(params.size), self.codec.name, self.download_codec.name)
-        self.backbone = Backbone(config, store, self.layout, self.codec, params, self.run_info, self.download_codec)
+        self.codecs = run_codecs(config.run.compression, config.run.download_compression)
+        self.run_info = run_info_of(config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name)
+        self.backbone = Backbone(config, store, self.layout, self.codecs, params, self.run_info)
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.backbone.peer_ids = lambda: list(self.registry.peers)
         self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status)

@@ -24,7 +24,7 @@ from relay_server.backbone.slicing import Owner, Published, manifest_version
 from relay_server.core.config import RelayConfig
 from relay_server.rounds.reducer import robust_config
 from relay_server.rounds.store import Store
-from toolkit.wire.compression import Codec
+from toolkit.wire.compression import RunCodecs
 from toolkit.wire.protocol import ParamSpec
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ PLAN_VERSION = "pipeline"
 
 
 class StageOwners:
-    def __init__(self, config: RelayConfig, layout: list[ParamSpec], codec: Codec, params: np.ndarray,
+    def __init__(self, config: RelayConfig, layout: list[ParamSpec], codecs: RunCodecs, params: np.ndarray,
                  cuts: list[tuple[int, int]], resume_step: int | None) -> None:
         self.config, self.cuts, self.num_params = config, cuts, int(params.size)
         data_dir = Path(config.server.data_dir) / "stages"
@@ -42,7 +42,7 @@ class StageOwners:
         for k, (start, end) in enumerate(cuts):
             owner = SliceOwner(layout, {"params": params[start:end]}, start=start, end=end,
                                step=resume_step or 0, optimizer=config.optimizer,
-                               total_steps=config.run.total_steps, codec=codec, store=self.stores[k],
+                               total_steps=config.run.total_steps, codecs=codecs, store=self.stores[k],
                                fsync=config.server.fsync, robust=robust_config(config.rounds),
                                run_name=config.run.name, plan_version=PLAN_VERSION)
             if resume_step is not None and self.stores[k].state_path(resume_step).exists():

@@ -23,7 +23,7 @@ from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
 from toolkit.optimizer.rounds import Outcome, RoundParticipation
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
 from toolkit.worker import PeerWorker, shutdown
 
@@ -89,8 +89,8 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         if delayed_updates and self.run.max_staleness < 1:
             log.warning("the run allows no staleness (max_staleness=0): delayed updates turned off")
             self.delayed_updates = False
-        self.codec = get_codec(self.run.compression)  # of this peer's uploads
-        self.download_codec = get_codec(self.run.download_compression or self.run.compression)  # of the deltas
+        codecs = run_codecs(self.run.compression, self.run.download_compression)
+        self.codec, self.download_codec = codecs.up, codecs.down  # of this peer's uploads, of the deltas
         self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
                                        on_host=accumulate_on_host)
         # The parameters every peer shares (deltas apply to it), at version `_public_version`.

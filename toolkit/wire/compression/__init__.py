@@ -46,13 +46,13 @@ from toolkit.wire.compression.codecs import (
     NoneCodec,
 )
 from toolkit.wire.compression.feedback import DeltaEncoder, ErrorFeedback, apply_delta
-from toolkit.wire.compression.registry import CHOICES, DENSE_CHOICES, codec_error, get_codec
+from toolkit.wire.compression.registry import CHOICES, DENSE_CHOICES, RunCodecs, codec_error, get_codec, run_codecs
 from toolkit.wire.compression.sparse import CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, TopK2Codec
 
 __all__ = [
     "Codec", "Tensors", "TensorSpec",
     "BLOCK", "CODECS", "INT8_INPUT_MAX", "SCALE_MAX", "NoneCodec", "Float16Codec", "Int8Codec",
     "CHUNK", "TOPK2_INPUT_MAX", "TOPK2_SCALE_MAX", "TopK2Codec",
-    "CHOICES", "DENSE_CHOICES", "codec_error", "get_codec",
+    "CHOICES", "DENSE_CHOICES", "RunCodecs", "codec_error", "get_codec", "run_codecs",
     "ErrorFeedback", "DeltaEncoder", "apply_delta",
 ]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from toolkit.wire.compression.base import Codec
 from toolkit.wire.compression.codecs import CODECS
 from toolkit.wire.compression.sparse import TopK2Codec, topk2_keep
@@ -20,6 +22,22 @@ def get_codec(name: str) -> Codec:
     if k is None:
         raise ValueError(f"unknown compression codec {name!r}; choose {CHOICES}")
     return TopK2Codec(k)
+
+
+@dataclass(frozen=True)
+class RunCodecs:
+    """A run's two codecs: ``up`` encodes gradient and pseudo-gradient uploads, ``down`` the
+    parameter deltas the relay broadcasts (``run.download_compression``; by default ``up``: the mean
+    of sparse uploads is denser than one of them, so a run may want the broadcast denser)."""
+
+    up: Codec
+    down: Codec
+
+
+def run_codecs(compression: str, download_compression: str = "") -> RunCodecs:
+    """The codecs of a run configured with these names ("" for the download: the same as the upload)."""
+    up = get_codec(compression)
+    return RunCodecs(up, get_codec(download_compression) if download_compression else up)
 
 
 def codec_error(name: str) -> str | None:
