@@ -207,6 +207,7 @@ def evaluate(url: str, model_name: str, data_dir: Path) -> tuple[float, float]:
     from relay_server.rounds.store import Store
     from toolkit.client import RelayClient
     from toolkit.models import build_model, loss_of
+    from toolkit.models.flat import load_flat
 
     client = RelayClient(url)
     run = client.get_run()
@@ -222,8 +223,7 @@ def evaluate(url: str, model_name: str, data_dir: Path) -> tuple[float, float]:
     model.eval()
     losses = []
     for flat in (master, public):
-        for spec, p in zip(run.layout, model.parameters()):
-            p.data.copy_(torch.from_numpy(flat[spec.offset:spec.offset + p.numel()]).view_as(p))
+        load_flat(model, flat)
         data = batches(model_name, 16, EVAL_SEED)
         with torch.no_grad():
             losses.append(sum(float(loss_of(model, next(data))) for _ in range(EVAL_BATCHES)) / EVAL_BATCHES)

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.latency_proxy import spawn  # noqa: E402
 from benchmarks.moe_rig import BASE_RUN, directory, start_hosts, start_relay, stop_all, wait_until  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
+from toolkit.models.flat import load_flat  # noqa: E402
 from toolkit.corpus import demo_paragraphs  # noqa: E402
 from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, objective_batches  # noqa: E402
 from toolkit.models import ByteTransformer, DMoEByteLM  # noqa: E402
@@ -155,14 +156,6 @@ def final_params(url: str, steps: int) -> tuple[int, np.ndarray]:
     if got is None:
         raise RuntimeError(f"the relay at {url} has no parameters of step {last}")
     return got, out
-
-
-def load_flat(model: torch.nn.Module, flat: np.ndarray) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()]).view_as(p))
-            offset += p.numel()
 
 
 def train(url: str, model: torch.nn.Module, batches: list, args: argparse.Namespace) -> tuple[float, Any]:

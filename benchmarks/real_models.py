@@ -138,7 +138,8 @@ def relay_case(model_name: str, flat: Any, layout: list, opt: str, bits: int, st
 
 
 def relay_rows(model_name: str, steps: int) -> list[dict[str, Any]]:
-    from relay_server.rounds.master import flatten, layout_of
+    from relay_server.rounds.master import layout_of
+    from toolkit.models.flat import flatten
 
     model = build(model_name)
     layout, flat = layout_of(model), flatten(model)

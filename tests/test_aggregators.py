@@ -17,10 +17,11 @@ import pytest
 import requests
 import torch
 
-from relay_server.rounds.master import flatten
+from toolkit.models.flat import flatten
 from tests.peer_worker import make_dataset
-from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, load_flat, rounds_from_events, sliced_plan,
-                                    stored_params, train_sliced)
+from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, rounds_from_events, sliced_plan, stored_params,
+                                    train_sliced)
+from toolkit.models.flat import load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from relay_server.rounds.master import flatten
+from toolkit.models.flat import flatten
 from tests.peer_worker import make_dataset
-from tests.support.training import MODEL_KWARGS, load_flat, relay_params, rounds_from_events, train_together
+from tests.support.training import MODEL_KWARGS, relay_params, rounds_from_events, train_together
+from toolkit.models.flat import load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec

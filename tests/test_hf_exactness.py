@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relay_server.rounds.master import flatten
+from toolkit.models.flat import flatten
 from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
-from tests.support.training import load_flat, relay_params, train_together
+from tests.support.training import relay_params, train_together
+from toolkit.models.flat import load_flat
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
 

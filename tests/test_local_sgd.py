@@ -40,16 +40,13 @@ from tests.conftest import merged, wait_until, write_config
 from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
 from tests.support.peers import RawPeer
 from tests.support.relays import snapshot
-from tests.support.training import load_flat, params_of
+from tests.support.training import params_of
+from toolkit.models.flat import flatten, load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.optimizer.local_sgd import inner_optimizer
 from toolkit.wire.protocol import Heartbeat
-
-
-def flat(model: torch.nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
 @pytest.mark.parametrize("schedule", [{}, {"schedule": "linear", "warmup_steps": 2}], ids=["constant", "schedule"])
@@ -89,7 +86,7 @@ def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_re
         optimizer.zero_grad()
         model.loss(fixed[0]).backward()
         optimizer.step()
-    local = flat(model)
+    local = flatten(model)
     expected = init - 0.7 * (1 + 0.9) * (init - local)  # Nesterov's first step: (1 + mu) x the gradient
     assert relative_difference(after, expected) <= 1e-5
 
@@ -134,7 +131,7 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
     assert slow.local_sgd.late_rounds == 1 and slow.local_sgd.outer_rounds == 0 and slow.version == 1
     status = relay.status()
     assert status["step"] == 1 and [r["contributors"] for r in status["recent_rounds"]] == [1]
-    np.testing.assert_array_equal(flat(slow_model), params_of(relay.url, 1))  # back on the global parameters
+    np.testing.assert_array_equal(flatten(slow_model), params_of(relay.url, 1))  # back on the global parameters
     fast.close()
     slow.close()
 
@@ -410,7 +407,7 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
             wait_until(lambda: local.snapshot is None or (opt._pending is not None and opt._pending.done()), 60,
                        "the outer round's result")
     final = params_of(relay.url, rounds)
-    np.testing.assert_array_equal(flat(model), final)  # the run ended with the model on the global parameters
+    np.testing.assert_array_equal(flatten(model), final)  # the run ended with the model on the global parameters
     assert (local.outer_rounds, local.late_rounds, opt.samples) == (rounds, 0, 0)
     carried = dict(local.rebases)
     assert sorted(carried)[:rounds - 1] == list(range(1, rounds)) and all(1 <= carried[v] < h for v in carried)
@@ -430,9 +427,9 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
             inner_opt.step()
             j += 1
             if snapshot is not None and step == carried[version]:
-                load_flat(replay, base + (torch.from_numpy(flat(replay)) - snapshot))
+                load_flat(replay, base + (torch.from_numpy(flatten(replay)) - snapshot))
                 snapshot = None
-        snapshot = torch.from_numpy(flat(replay).copy())
+        snapshot = torch.from_numpy(flatten(replay).copy())
         theta.grad = base - snapshot
         outer.step()
     assert relative_difference(final, theta.detach().numpy()) <= 1e-5
@@ -472,7 +469,7 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
     a.close()
     b.close()
     for peer_model in (model_a, model_b):  # close() left both on the newest global parameters
-        np.testing.assert_array_equal(flat(peer_model), params_of(relay.url, 2))
+        np.testing.assert_array_equal(flatten(peer_model), params_of(relay.url, 2))
 
 
 def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_report_the_new_version() -> None:
@@ -505,7 +502,7 @@ def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_re
     wait_until(lambda: relay.status()["step"] == 1, 60, "the fast peer's outer round")
     inner_step(slow_model, slow, data[1])  # budget spent, on version 0: late
     assert (slow.local_sgd.late_rounds, slow.local_sgd.outer_rounds, slow.version, slow.samples) == (1, 0, 1, 0)
-    np.testing.assert_array_equal(flat(slow_model), params_of(relay.url, 1))
+    np.testing.assert_array_equal(flatten(slow_model), params_of(relay.url, 1))
     assert [r["contributors"] for r in relay.status()["recent_rounds"]] == [1]
     fast.close()
     slow.close()
@@ -526,7 +523,7 @@ def test_overlap_close_with_a_round_in_flight_returns_on_global_parameters(serve
     assert opt._pending is not None and not opt._pending.done()
     opt.close(finish_round_s=0.2)
     assert relay.status()["step"] == 0 and opt.samples == 0 and opt.local_sgd.snapshot is None
-    np.testing.assert_array_equal(flat(model), init)  # the global parameters it holds, not its own
+    np.testing.assert_array_equal(flatten(model), init)  # the global parameters it holds, not its own
 
 
 def test_overlap_a_peer_killed_mid_round_does_not_stall_the_other(serve_relay, launch_peer) -> None:

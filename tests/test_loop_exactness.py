@@ -42,7 +42,8 @@ import pytest
 import torch
 
 from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
-from tests.support.training import load_flat, params_of
+from tests.support.training import params_of
+from toolkit.models.flat import flatten, load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.wire.protocol import ModelSpec
@@ -79,10 +80,6 @@ def tokenizer(demo_tokenizer: Path) -> Path:
 def spec_of(model: str) -> ModelSpec:
     architecture, _, config = MODELS[model]
     return ModelSpec(kind="transformers", architecture=architecture, config={**config, "vocab_size": VOCAB})
-
-
-def flatten(model: torch.nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
 
 def relay_version(data_dir: Path, step: int) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +18,9 @@ import torch
 from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, merged, wait_until, write_config
 from tests.dmoe_lm_trainer import BATCH, SEQ_LEN, lm_batches
 from tests.support.moe import MOE, directory, start_host, stop
-from tests.support.training import load_flat, relay_params
-from toolkit.models import ByteTransformer, DMoEByteLM, build_model, loss_of
+from tests.support.training import relay_params
+from toolkit.models.flat import load_flat
+from toolkit.models import ByteTransformer, DMoEByteLM, loss_of
 from toolkit.moe import LocalMixtureOfExperts, LoopbackCaller, payloads
 
 LR = 0.05

@@ -16,7 +16,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from relay_server.rounds.master import flatten, layout_of
+from relay_server.rounds.master import layout_of
+from toolkit.models.flat import flatten
 from tests.support.pipeline_models import SPECS, batch_for, run_pipeline, worst_relative
 from toolkit.errors import ModelMismatch
 from toolkit.models import build_model, loss_of

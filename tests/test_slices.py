@@ -14,7 +14,8 @@ import torch
 from relay_server.backbone.coordinator import RELAY_ID, Backbone
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.errors import ApiError
-from relay_server.rounds.master import MasterState, flatten, layout_of
+from relay_server.rounds.master import MasterState, layout_of
+from toolkit.models.flat import flatten
 from relay_server.planning.measure import PEAK_WINDOW, PeerRates, RecentPeak, ServerMeter, delivered
 from relay_server.planning.planner import solve_plan
 from relay_server.backbone.state_transfer import cut

@@ -34,7 +34,8 @@ from relay_server.collaboration.status import Leaderboard, collab_state, run_inf
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
 from relay_server.observers.events import ObserverThread
-from relay_server.rounds.master import MasterState, flatten, layout_of
+from relay_server.rounds.master import MasterState, layout_of
+from toolkit.models.flat import flatten
 from relay_server.rounds.membership import Round, RoundClosedMidUpload
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress

@@ -27,6 +27,7 @@ from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, Specials, loa
 from toolkit.data.reading import read_shard
 from toolkit.data.stages import byte_tokenize, pack
 from toolkit.models import build_own_model
+from toolkit.models.flat import load_flat
 from toolkit.wire.protocol import EvalRecord, EvalSample
 
 Batch = Any  # a dict batch (objective runs) or a [b, t + 1] LongTensor (byte-level runs)
@@ -123,18 +124,6 @@ def score(model: torch.nn.Module, batches: list[Batch], objective: str) -> dict[
     if objective in ("masked-lm", "classification"):
         metrics["accuracy"] = correct / max(count, 1)
     return metrics
-
-
-def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    """The master vector into the model's parameters (``named_parameters`` order, as the relay's layout)."""
-    expected = sum(p.numel() for p in model.parameters())
-    if flat.numel() != expected:
-        raise ValueError(f"the version holds {flat.numel()} parameters, the model has {expected}")
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p).to(p.dtype))
-            offset += p.numel()
 
 
 class VersionScorer:

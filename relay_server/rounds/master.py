@@ -37,10 +37,6 @@ def layout_of(model: torch.nn.Module) -> list[ParamSpec]:
     return specs
 
 
-def flatten(model: torch.nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).numpy()
-
-
 def lr_at(step: int, cfg: OptimizerSection, total_steps: int) -> float:
     """Learning rate for the update that produces version ``step + 1`` (:func:`toolkit.wire.schedule.lr_at`)."""
     return schedule_lr(step, lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, total_steps=total_steps)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tests.support.training import load_flat
+from toolkit.models.flat import load_flat
 from toolkit.models import build_model, loss_of
 from toolkit.wire.protocol import ModelSpec
 

@@ -9,7 +9,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.numpy import load_file
 
 from toolkit.client import RelayClient
@@ -42,16 +41,6 @@ def rounds_from_events(peers) -> dict[int, list[int]]:
             if event["event"] == "round":
                 rounds[event["step"]] += event["ids"]
     return rounds
-
-
-def load_flat(model: torch.nn.Module, flat: np.ndarray | torch.Tensor) -> None:
-    """Copy a flat vector (the run's layout order) into the model's parameters."""
-    flat = torch.as_tensor(flat)
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
 
 
 def train_together(relay, launch_peer, *, steps: int, batch_sizes: tuple[int, ...], seed: int):
