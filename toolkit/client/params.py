@@ -11,7 +11,6 @@ caller keeps the relay hearing from it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import wait
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import requests
 
-from toolkit.client.transport import Transport, rejected
+from toolkit.client.transport import Transport, json_answer, rejected
 from toolkit.errors import CollabError, ProtocolError, RelayUnreachable
 from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_hashed
 from toolkit.wire.auth import BODY_SHA256_HEADER
@@ -120,12 +119,7 @@ class ParamsTransfer(Transport):
         return self._download_once(public, None if touched else have, codec, ref.step, 0, peer_id, via_cache=False)
 
     def _ref(self, response: requests.Response) -> ParamsRef:
-        try:
-            return ParamsRef.from_json(response.json())
-        except ValueError as exc:
-            if isinstance(exc, ProtocolError):
-                raise
-            raise ProtocolError("bad_json", "the relay's parameters ref is not JSON") from None
+        return json_answer(response, ParamsRef, "bad_json", "the relay's parameters ref is not JSON")
 
     # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
     def upload_slices(self, step: int, ticket: str, parts: list[SlicePart],
@@ -185,7 +179,7 @@ class ParamsTransfer(Transport):
                 raise RelayUnreachable("slices_unavailable", f"{len(failed)} slice(s) of step {manifest.step} could "
                                        f"not be downloaded: {failed[0][1]}") from failed[0][1]
             log.info("%d slice(s) failed (%s); asking the relay where they are now", len(failed), failed[0][1])
-            time.sleep(self.backoff_s * 2 ** attempt)
+            self._sleep(attempt, "slice download")
             with self._request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
                                stream=True) as response:
                 if not response.headers.get("Content-Type", "").startswith("application/json"):
@@ -230,9 +224,4 @@ class ParamsTransfer(Transport):
 
     def _manifest(self, response: requests.Response) -> ParamsManifest:
         """The relay's list of slices and where each lives (a JSON answer to a params request)."""
-        try:
-            return ParamsManifest.from_json(response.json())
-        except ValueError as exc:
-            if isinstance(exc, ProtocolError):
-                raise
-            raise ProtocolError("bad_json", "the relay's manifest is not JSON") from None
+        return json_answer(response, ParamsManifest, "bad_json", "the relay's manifest is not JSON")

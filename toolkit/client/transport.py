@@ -40,6 +40,17 @@ RENEW_PASS = {"pass_expired", "stale_timestamp"}
 USER_AGENT = "collabtrain-peer"
 
 
+
+def json_answer(response: requests.Response, schema: type[S], code: str, message: str, hint: str = "") -> S:
+    """``response``'s JSON body as ``schema``. A body that is not JSON is ``ProtocolError(code,
+    message)``; one that is JSON but breaks the schema keeps the schema's own error (which field)."""
+    try:
+        return schema.from_json(response.json())
+    except ValueError as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(code, message, hint) from None
+
 class Transport:
     """The relay's address, the sessions that reach it and its slice owners, and the retry policy."""
 
@@ -116,13 +127,8 @@ class Transport:
             kwargs["data"] = body.dumps()
             kwargs["headers"] = {"Content-Type": "application/json"}
         response = self._request(method, path, **kwargs)
-        try:
-            return schema.from_json(response.json())
-        except ValueError as exc:
-            if isinstance(exc, ProtocolError):
-                raise
-            raise ProtocolError("not_a_relay", not_a_relay_message(response.url, response.status_code,
-                                response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT) from None
+        return json_answer(response, schema, "not_a_relay", not_a_relay_message(
+            response.url, response.status_code, response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT)
 
     def _owner(self, url: str) -> tuple[requests.Session, str]:
         """The session for a slice owner and its base URL ("" = the relay: signed like every
