@@ -89,6 +89,27 @@ def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
         proc.kill()
 
 
+def test_a_demo_killed_outright_takes_its_peers_with_it() -> None:
+    """SIGKILL gives the demo no chance to stop its peers, and a peer whose relay is gone keeps
+    retrying (as a volunteer's should): the kernel ends them with the demo (Linux)."""
+    psutil = pytest.importorskip("psutil")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the peers die with the demo through Linux's PR_SET_PDEATHSIG")
+    proc = start_demo("--peers", "2", "--steps", "1000", "--target-batch", "8", "--batch-size", "4")
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if STEP_LINE.match(line):
+                break  # the peers are training
+        peers = [c for c in psutil.Process(proc.pid).children() if "toolkit.peer" in " ".join(c.cmdline())]
+        assert len(peers) == 2
+        proc.kill()
+        gone, alive = psutil.wait_procs(peers, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.mark.slow
 def test_int8_compression_trains_as_well_as_float32() -> None:
     """Both runs at once (one CPU thread per peer), same seeds and data; the mean loss of the
