@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -240,6 +241,18 @@ class RelayProcess:
 
     def status(self) -> dict[str, Any]:
         return requests.get(self.url + "/api/status", timeout=10).json()
+
+    def durable_step(self) -> int:
+        """The step the relay's database says is durable (read while the relay is down: what a
+        restart must resume at)."""
+        with sqlite3.connect(self.data_dir / "relay.sqlite") as db:
+            return int(db.execute("SELECT value FROM meta WHERE key = 'step'").fetchone()[0])
+
+    def round_steps(self) -> list[int]:
+        """Every step the relay recorded a round for, in order (contiguous from 1 when no step was
+        lost or applied twice)."""
+        with sqlite3.connect(self.data_dir / "relay.sqlite") as db:
+            return [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
 
     def wait_for(self, predicate, timeout_s: float = 60, what: str = "condition") -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s

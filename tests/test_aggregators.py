@@ -132,8 +132,7 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
 
     # No step lost or applied twice; every peer holds the relay's bits at every version it loaded.
     final_step, final = signed_params(relay.url)
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        steps = [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
+    steps = relay.round_steps()
     assert steps == list(range(1, final_step + 1)), steps
     hashes = peer_hashes(peers)
     assert all(len(shas) == 1 for shas in hashes.values()), hashes
@@ -174,8 +173,7 @@ def test_relay_restart_gathers_the_slices_back(start_relay, start_aggregators, l
     status = relay.wait_for(lambda s: len(sliced_plan(s)) == 2 and s["step"] >= 3, timeout_s=90,
                             what="steps under a sliced plan")
     relay.kill()
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        persisted = int(db.execute("SELECT value FROM meta WHERE key = 'step'").fetchone()[0])
+    persisted = relay.durable_step()
     assert persisted >= status["step"]
     relay.start()
     assert relay.status()["step"] == persisted  # every slice came back from its owner: nothing lost
@@ -184,8 +182,7 @@ def test_relay_restart_gathers_the_slices_back(start_relay, start_aggregators, l
     for peer in peers:
         peer.proc.terminate()
         assert peer.wait() == 0, peer.log_path.read_text()[-3000:]
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        steps = [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
+    steps = relay.round_steps()
     assert steps == list(range(1, max(steps) + 1)), steps
     hashes = peer_hashes(peers)
     assert all(len(shas) == 1 for shas in hashes.values()), hashes

@@ -124,15 +124,13 @@ def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):
     peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=8) for i in range(2)]
     relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
     relay.kill()
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        persisted = int(db.execute("SELECT value FROM meta WHERE key = 'step'").fetchone()[0])
+    persisted = relay.durable_step()
     time.sleep(1.0)
     relay.start()
     assert relay.status()["step"] == persisted  # resumed exactly where the durable state was
     for peer in peers:
         assert peer.wait(timeout_s=120) == 0, peer.log_path.read_text()[-3000:]
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        steps = [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
+    steps = relay.round_steps()
     assert steps == list(range(1, max(steps) + 1)) and max(steps) >= 8  # contiguous: none lost, none twice
     for peer in peers:
         versions = [e["step"] for e in peer.events() if e["event"] == "version"]

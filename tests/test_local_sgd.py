@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import signal
-import sqlite3
 import threading
 
 import numpy as np
@@ -562,14 +561,12 @@ def test_overlap_survives_a_relay_killed_and_restarted_mid_run(start_relay, laun
              for i in range(2)]
     relay.wait_for(lambda s: s["step"] >= 3, timeout_s=120, what="outer round 3")
     relay.kill()
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        persisted = int(db.execute("SELECT value FROM meta WHERE key = 'step'").fetchone()[0])
+    persisted = relay.durable_step()
     relay.start()
     assert relay.status()["step"] == persisted  # resumed exactly where the durable state was
     for peer in peers:
         assert peer.wait(timeout_s=180) == 0, peer.log_path.read_text()[-3000:]
-    with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
-        steps = [s for (s,) in db.execute("SELECT step FROM rounds ORDER BY step")]
+    steps = relay.round_steps()
     assert steps == list(range(1, max(steps) + 1)) and max(steps) >= 8, steps  # contiguous: none lost or twice
     for peer in peers:
         events = peer.events()
