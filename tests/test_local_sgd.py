@@ -43,9 +43,9 @@ from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, j
 from tests.support.peers import RawPeer
 from tests.support.relays import snapshot
 from tests.support.training import params_of
-from toolkit.models.flat import flatten, load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.models.flat import flatten, load_flat
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.optimizer.local_sgd import inner_optimizer
 from toolkit.wire.protocol import Heartbeat

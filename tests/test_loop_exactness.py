@@ -43,9 +43,9 @@ import torch
 
 from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import params_of
-from toolkit.models.flat import flatten, load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.protocol import ModelSpec
 
 REPO = Path(__file__).resolve().parent.parent

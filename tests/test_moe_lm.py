@@ -19,8 +19,8 @@ from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, merged, wait_until, write
 from tests.dmoe_lm_trainer import BATCH, SEQ_LEN, lm_batches
 from tests.support.moe import MOE, directory, start_host, stop
 from tests.support.training import relay_params
-from toolkit.models.flat import load_flat
 from toolkit.models import ByteTransformer, DMoEByteLM, loss_of
+from toolkit.models.flat import load_flat
 from toolkit.moe import LocalMixtureOfExperts, LoopbackCaller, payloads
 
 LR = 0.05

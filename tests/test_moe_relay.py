@@ -31,8 +31,8 @@ from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, batches
 from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, overrides, start_host, stop
 from tests.support.training import relay_params
-from toolkit.models.flat import load_flat
 from toolkit.models import DMoEMLP
+from toolkit.models.flat import load_flat
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import checkpoint_of, expert_shapes, make_optimizer, restore

@@ -14,9 +14,9 @@ from safetensors.torch import load, save
 from relay_server.rounds import optim8bit
 from relay_server.core.config import ConfigError, OptimizerSection
 from relay_server.rounds.master import MasterState, layout_of
-from toolkit.models.flat import flatten
 from tests.peer_worker import make_dataset
 from toolkit.models import build_model
+from toolkit.models.flat import flatten
 from toolkit.wire.protocol import ModelSpec
 
 try:

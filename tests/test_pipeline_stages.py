@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from relay_server.rounds.master import layout_of
-from toolkit.models.flat import flatten
 from tests.support.pipeline_models import SPECS, batch_for, run_pipeline, worst_relative
 from toolkit.errors import ModelMismatch
 from toolkit.models import build_model, loss_of
+from toolkit.models.flat import flatten
 from toolkit.pipeline import build_stage, cut_stages, pipeline_units, units_of
 from toolkit.wire.protocol import ModelSpec
 

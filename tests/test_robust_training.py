@@ -39,12 +39,12 @@ import torch
 from relay_server.core.config import ConfigError, load_config
 from relay_server.core.errors import ApiError
 from relay_server.rounds.master import MasterState, layout_of
-from toolkit.models.flat import flatten
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
 from relay_server.rounds.robust import CenteredClipConfig, centered_clip
 from tests.conftest import BytesStream, merged
 from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
+from toolkit.models.flat import flatten
 from toolkit.wire.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model

@@ -35,13 +35,13 @@ from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
 from relay_server.observers.events import ObserverThread
 from relay_server.rounds.master import MasterState, layout_of
-from toolkit.models.flat import flatten
 from relay_server.rounds.membership import Round, RoundClosedMidUpload
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 from toolkit.models import build_own_model
+from toolkit.models.flat import flatten
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest, JoinResponse,
                                    ParamsManifest, PlanInfo, RunSummary, StateInfo, StatusReport, Ticket,

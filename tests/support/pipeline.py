@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.models.flat import load_flat
 from toolkit.models import build_model, loss_of
+from toolkit.models.flat import load_flat
 from toolkit.wire.protocol import ModelSpec
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0,
