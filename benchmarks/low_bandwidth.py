@@ -22,8 +22,9 @@ micro-batches of ``--batch`` samples (so every variant processes the same sample
   ``--sparse-down``: ``run.compression = <codec>`` (``topk2-64``: the top 64 of each 4096-value
   chunk, 2-bit values, error feedback on the peer) with the relay broadcasting deltas in the same
   code or in ``run.download_compression = <down>`` (``topk2-256``: the mean of sparse uploads is
-  denser than one of them), and SparseLoCo's outer step (lr 1.0, no momentum). A relay that refuses
-  a configuration gives a line ``{"variant", "refused": <the relay's sentence>}`` and the
+  denser than one of them), SparseLoCo's outer step (lr 1.0, no momentum) and
+  ``run.download_feedback = --download-feedback`` (0.5: the master keeps half the broadcast's
+  residual per round). A relay that refuses a configuration gives a line ``{"variant", "refused": <the relay's sentence>}`` and the
   benchmark goes on without it. ``--no-dense`` skips the float32 variants, ``--overlap`` sets
   ``local_sgd.overlap`` in every local SGD variant.
 
@@ -318,7 +319,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, An
         for down in args.sparse_down.split(","):
             down = "" if down in ("", "same") else down
             out.append((f"local_sgd+{args.sparse}{'/' + down if down else ''} H={max(hs)}", {
-                **common, **inner, "run": {**local, "compression": args.sparse, "download_compression": down},
+                **common, **inner, "run": {**local, "compression": args.sparse, "download_compression": down,
+                                           "download_feedback": args.download_feedback},
                 "local_sgd": {"inner_steps": max(hs), "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
                               **overlap}}))
     return out
@@ -347,6 +349,8 @@ def main() -> None:
     parser.add_argument("--sparse", default="topk2-64", help='the sparse variant\'s run.compression ("none": skip it)')
     parser.add_argument("--sparse-down", default="same,topk2-256",
                         help="comma-separated run.download_compression of the sparse variants (same: --sparse's)")
+    parser.add_argument("--download-feedback", type=float, default=0.5,
+                        help="run.download_feedback of the sparse variants (1: the master keeps the whole residual)")
     parser.add_argument("--no-dense", dest="dense", action="store_false",
                         help="skip the float32 local SGD variants (one per --h)")
     parser.add_argument("--overlap", action="store_true", help="local_sgd.overlap = true in every local SGD variant")

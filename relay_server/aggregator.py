@@ -124,6 +124,7 @@ class Aggregator:
                 SliceOwner, run.layout, state, start=req.start, end=req.end, step=req.step,
                 optimizer=OptimizerSection(**self.welcome.optimizer), total_steps=run.total_steps,
                 codecs=run_codecs(run.compression, run.download_compression), store=self.store, run_name=run.run_name,
+                download_feedback=run.download_feedback,
                 robust=robust_config(RoundsSection(**self.welcome.rounds)),
                 plan_version=req.plan_version, on_transfer=self.record)
             version: Version = await owner.reducer.run(owner.write_initial)

@@ -241,6 +241,27 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     assert sent <= 4 * full + 2 * 4 * (delta + 4096) < 5 * full, (sent, full, delta)
 
 
+@pytest.mark.parametrize("feedback", [1.0, 0.0])
+def test_download_feedback_sets_how_much_of_the_broadcast_residual_the_master_keeps(serve_relay, feedback) -> None:
+    """A sparse broadcast (``topk2-64``) leaves part of each outer step unsent. With
+    ``run.download_feedback = 1`` the master keeps all of it (error feedback: later deltas send it);
+    with 0 the master is pulled back onto the public copy bit for bit after every version. Either
+    way the peer downloads the public copy exactly."""
+    relay = serve_relay(local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
+                                  nesterov=False)
+                        | {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0,
+                                   "compression": "topk2-64", "download_feedback": feedback},
+                           "model": {"kwargs": {"sizes": [8, 256, 256, 1]}}})
+    train(relay.url, batches(4), 2)
+    state = load_file(str(relay.data_dir / "state" / "step-00000002.safetensors"))
+    np.testing.assert_array_equal(params_of(relay.url, 2), state["params"])  # peers get the public copy
+    residual = state["master"] - state["params"]
+    if feedback == 0.0:
+        assert not residual.any()  # the master is the public copy
+    else:
+        assert residual.any()  # what the 2-bit sparse delta did not carry is kept for the next ones
+
+
 @pytest.mark.parametrize(("overrides", "names"), [
     ({"run": {"mode": "fast"}}, "run.mode"),
     ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
@@ -248,6 +269,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     ({"local_sgd": {"straggler_wait_s": 0.0}}, "local_sgd.straggler_wait_s"),
     ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
     ({"run": {"max_staleness": 1}}, "run.max_staleness"),
+    ({"run": {"download_feedback": 1.5}}, "run.download_feedback"),
     ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
     ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10},
       "local_sgd": {"inner_steps": 0, "inner_seconds": 30.0}}, "local_sgd.inner_steps"),

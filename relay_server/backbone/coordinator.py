@@ -92,6 +92,7 @@ class Backbone:
                    adopt: bool = False) -> SliceOwner:
         return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.master_optimizer(),
                           total_steps=self.config.run.total_steps, codecs=self.codecs, store=self.store,
+                          download_feedback=self.config.run.download_feedback,
                           fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
                           run_name=self.config.run.name, plan_version=plan_version,
                           on_transfer=self.planning.record_transfer, adopt=adopt)

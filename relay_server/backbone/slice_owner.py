@@ -64,7 +64,7 @@ class SliceOwner:
     def __init__(self, layout: list[ParamSpec], state: dict[str, np.ndarray], *, start: int, end: int, step: int,
                  optimizer: OptimizerSection, total_steps: int, codecs: RunCodecs, store: Store, fsync: bool = False,
                  robust: CenteredClipConfig | None = None, run_name: str = "", plan_version: str = "",
-                 on_transfer: TransferHook | None = None, adopt: bool = False) -> None:
+                 on_transfer: TransferHook | None = None, adopt: bool = False, download_feedback: float = 1.0) -> None:
         """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
         (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
         ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codecs.up``
@@ -77,7 +77,8 @@ class SliceOwner:
             self.master.import_state(state, step)
         # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
         self.reducer = Reducer(self.master.grad.numpy(), codecs.up, robust=robust, spool_dir=str(store.dir))
-        self.publisher = Publisher(store, codecs.down, self.master, public=state.get("public"), fsync=fsync)
+        self.publisher = Publisher(store, codecs.down, self.master, public=state.get("public"), fsync=fsync,
+                                   feedback=download_feedback)
         self.on_transfer = on_transfer
         self.round: SliceRound | None = None
         self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)

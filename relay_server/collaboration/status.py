@@ -32,6 +32,7 @@ def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, c
         total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
         heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=compression, auth=config.auth.mode,
         download_compression="" if download_compression == compression else download_compression,
+        download_feedback=config.run.download_feedback,
         precision=config.run.precision or None, dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},

@@ -97,9 +97,10 @@ class Publisher(Board):
     latest: Version | None
 
     def __init__(self, store: Store, codec: Codec, master: MasterState, public: np.ndarray | None = None,
-                 *, fsync: bool = False) -> None:
+                 *, fsync: bool = False, feedback: float = 1.0) -> None:
         super().__init__()
         self.store, self.codec, self.master, self.fsync = store, codec, master, fsync
+        self.feedback = feedback  # run.download_feedback: the share of master - public kept per version
         self.deltas = None if codec.lossless else DeltaEncoder(
             codec, public if public is not None else master.flat.numpy().copy())
 
@@ -115,6 +116,11 @@ class Publisher(Board):
         delta_path = None
         if self.deltas is not None and step > 0 and delta:
             delta = self.deltas.encode_step(self.master.flat.numpy())
+            if self.feedback < 1.0:  # master <- public + feedback * (master - public); 0: exactly public
+                master = self.master.flat.numpy()
+                np.subtract(master, self.public, out=master)
+                master *= self.feedback
+                np.add(master, self.public, out=master)
             delta_path = self.store.state_path(step).with_suffix(".delta")
             write_file(delta_path, delta, {"step": str(step), "base": str(step - 1), "kind": "delta",
                                            "codec": self.codec.name}, fsync=self.fsync)

@@ -58,6 +58,9 @@ class RunInfo(Schema):
     peer's ``get_codec`` checks a ``topk2-<K>``'s K)."""
     download_compression: str = field(default="", metadata=limits(pattern=r"|none|float16|int8|topk2-[0-9]{1,4}"))
     """The codec of parameter deltas when it differs from ``compression`` (empty: the same)."""
+    download_feedback: float = field(default=1.0, metadata=limits(ge=0, le=1))
+    """Share of the broadcast's residual an owner of the master keeps per version (aggregators
+    publish their slices' deltas with it; peers need not read it)."""
     dataset: dict[str, Any] = field(default_factory=dict)
     wandb: dict[str, str] = field(default_factory=dict)
     """Where peers log their own W&B runs: {"project", "entity"} (empty: nowhere)."""
