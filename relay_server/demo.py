@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.api.server import serve
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
+from toolkit.runtime.parent import child_env
 from toolkit.wire.protocol import ROUTES
 
 
@@ -216,7 +216,7 @@ class LocalRun:
                 extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
             procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
                                         "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
-                                        "--threads", str(self.threads), *extra], preexec_fn=die_with_parent,
+                                        "--threads", str(self.threads), *extra], env=child_env(),
                                        stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
                       for i in range(self.peers)]
             code = self._follow(client, procs)
@@ -276,7 +276,7 @@ def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -
     experts = len(moe.uids())
     capacity = -(-experts // EXPERT_HOSTS)
     hosts = [subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", url, "--capacity", str(capacity),
-                               "--name", f"host-{i}"], preexec_fn=die_with_parent, stdout=subprocess.DEVNULL,
+                               "--name", f"host-{i}"], env=child_env(), stdout=subprocess.DEVNULL,
                               stderr=open(directory / f"host-{i}.log", "w"))
              for i in range(EXPERT_HOSTS)]
     print(f"experts:   {experts} ({moe.layers} layers of {'x'.join(map(str, moe.grid))}, top {moe.k}) on "
@@ -292,19 +292,6 @@ def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -
         _stop_peers(hosts, grace_s=0)
         raise
     return hosts
-
-
-def die_with_parent() -> None:
-    """In a child before it runs (``preexec_fn``): on Linux, SIGTERM it when the demo dies, however
-    it dies. A demo killed outright (SIGKILL, an OOM kill, a closed terminal's session) cannot stop
-    its peers itself, and a peer whose relay is gone keeps retrying, as a volunteer's should: the
-    demo's own peers would train against nothing until someone found them. SIGTERM makes a peer
-    leave as a closed tab does. Elsewhere nothing is set up (the demo's own shutdown still stops them)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _rate(samples: dict[int, int], times: dict[int, float]) -> float:

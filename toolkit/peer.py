@@ -12,6 +12,7 @@ import sys
 import torch
 
 from toolkit.errors import CollabError
+from toolkit.runtime.parent import die_with_parent
 from toolkit.session import join
 
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, _interrupt)  # terminate = leave cleanly, like closing the tab
+    die_with_parent()  # started by the demo: SIGTERM when it dies, however it dies
     try:
         result = join(args.relay, token=os.environ.get(args.token_env) or None, trusted_models=args.trusted_model,
                       batch_size=args.batch_size, peer_name=args.name, seed=args.seed,

@@ -40,7 +40,6 @@ RENEW_PASS = {"pass_expired", "stale_timestamp"}
 USER_AGENT = "collabtrain-peer"
 
 
-
 def json_answer(response: requests.Response, schema: type[S], code: str, message: str, hint: str = "") -> S:
     """``response``'s JSON body as ``schema``. A body that is not JSON is ``ProtocolError(code,
     message)``; one that is JSON but breaks the schema keeps the schema's own error (which field)."""
@@ -50,6 +49,7 @@ def json_answer(response: requests.Response, schema: type[S], code: str, message
         if isinstance(exc, ProtocolError):
             raise
         raise ProtocolError(code, message, hint) from None
+
 
 class Transport:
     """The relay's address, the sessions that reach it and its slice owners, and the retry policy."""

@@ -47,6 +47,7 @@ from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import build_expert, checkpoint_state, expert_shapes, make_optimizer, restore
+from toolkit.runtime.parent import die_with_parent
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, TaskHead
 
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     signal.signal(signal.SIGUSR1, lambda *_: host.stop())
+    die_with_parent()  # started by the demo: SIGTERM when it dies, however it dies
     try:
         host.run(args.max_seconds)
     except KeyboardInterrupt:
