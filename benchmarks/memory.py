@@ -17,6 +17,9 @@ peer also reports ``torch.cuda.max_memory_allocated`` (the allocator's view of t
 ``--bits 8`` runs the relay with 8-bit AdamW state (:mod:`relay_server.rounds.optim8bit`, bitsandbytes
 on CPU): through ``optimizer.state_bits = 8`` once config/master support it, else by swapping
 ``relay_server.rounds.master._make_optimizer`` in the relay process this script starts.
+``--local-sgd`` runs ``run.mode = "local_sgd"`` (2 inner steps per outer round) instead: AdamW then
+runs on the peer, and ``--bits`` sets *its* moments (:mod:`toolkit.optimizer.inner`); the relay
+holds the outer SGD's momentum. The peer reports its inner optimizer's state bytes.
 
 What a peer holds per parameter (bytes), and where:
   training device: parameters 4, gradients 4, accumulator (sum of gradient x samples) 4;
@@ -124,6 +127,10 @@ def peer_main(args: argparse.Namespace) -> int:
               "param_bytes": 4 * P, "grad_bytes": grads,
               "optimizer_buffers": held, "activations_saved": activations, "batch": args.batch, "seq_len": seq_len,
               "fwd_bwd_s": sorted(step_s)[len(step_s) // 2] if step_s else None, "version": opt.version}
+    if opt.local_sgd is not None:
+        from relay_server.rounds.optim8bit import state_nbytes
+
+        report["inner_state_bytes"] = state_nbytes(opt.local_sgd.optimizer)
     if torch.cuda.is_available():
         report["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     opt.close()
@@ -194,11 +201,13 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
     case = workdir / f"{model}-{bits}"
     case.mkdir()
     kwargs = MODELS[model]
+    local = ['mode = "local_sgd"'] if args.local_sgd else []
     (case / "run.toml").write_text("\n".join([
-        "[run]", 'name = "memory"', f"target_batch = {args.target_batch}", "max_staleness = 0",
+        "[run]", 'name = "memory"', f"target_batch = {args.target_batch}", "max_staleness = 0", *local,
         "[model]", 'factory = "toolkit.models:ByteTransformer"',
         "kwargs = { " + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + " }",
         "[optimizer]", 'name = "adamw"', "lr = 0.0003", "weight_decay = 0.01",
+        *([f"state_bits = {bits}", "[local_sgd]", "inner_steps = 2"] if args.local_sgd else []),
         "[rounds]", "deadline_initial_s = 600.0", "deadline_ceiling_s = 600.0", "peer_ttl_s = 600.0",
         "[server]", "keep_checkpoints = 2", "[auth]", 'mode = "open"', ""]))
     ready, timings = case / "ready", case / "timings.jsonl"  # the relay binds port 0 and writes its URL there
@@ -206,7 +215,7 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
     me = [sys.executable, str(Path(__file__).resolve())]
     relay = subprocess.Popen(me + ["_relay", "--config", str(case / "run.toml"), "--port", "0",
                                    "--data-dir", str(case / "data"), "--ready-file", str(ready),
-                                   "--timings", str(timings), "--state-bits", str(bits)],
+                                   "--timings", str(timings), "--state-bits", str(32 if args.local_sgd else bits)],
                              stdout=open(case / "relay.log", "w"), stderr=subprocess.STDOUT, env=env)
     peer = None
     try:
@@ -256,7 +265,9 @@ def print_table(cases: list[dict[str, Any]]) -> None:
         print(f"{c['model']} {c['state_bits']}-bit: runtime (after imports) peer {p['runtime_rss'] / MB:.0f} MB, relay "
               f"{r['runtime_rss'] / MB:.0f} MB (bitsandbytes import {r['bnb_import'] / MB:.0f} MB); peer tensors: "
               + ", ".join(f"{k} {v / MB:.0f}" for k, v in p["optimizer_buffers"].items())
-              + f", params {p['param_bytes'] / MB:.0f}, grads {p['grad_bytes'] / MB:.0f} MB")
+              + f", params {p['param_bytes'] / MB:.0f}, grads {p['grad_bytes'] / MB:.0f} MB"
+              + (f"; inner optimizer state {p['inner_state_bytes'] / MB:.0f} MB "
+                 f"({p['inner_state_bytes'] / p['params']:.2f} B/param)" if "inner_state_bytes" in p else ""))
 
 
 def main() -> int:
@@ -274,7 +285,9 @@ def main() -> int:
     relay.add_argument("--port", type=int, required=True)
     relay.add_argument("--state-bits", type=int, choices=(8, 32), default=32)
     parser.add_argument("--models", default="small,100m", help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--bits", default="32,8", help="relay optimizer state bits to run: 32, 8 or both")
+    parser.add_argument("--bits", default="32,8", help="relay optimizer state bits to run: 32, 8 or both "
+                        "(with --local-sgd: the peer's inner optimizer)")
+    parser.add_argument("--local-sgd", action="store_true", help='run.mode = "local_sgd": AdamW on the peer')
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per case")
     parser.add_argument("--batch", type=int, default=4, help="peer micro-batch (sequences)")
     parser.add_argument("--target-batch", type=int, default=8, help="samples per optimizer step")

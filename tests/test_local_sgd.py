@@ -47,7 +47,7 @@ from toolkit.client import RelayClient
 from toolkit.models import build_model
 from toolkit.models.flat import flatten, load_flat
 from toolkit.optimizer import CollaborativeOptimizer
-from toolkit.optimizer.local_sgd import inner_optimizer
+from toolkit.optimizer.inner import inner_optimizer
 from toolkit.wire.protocol import Heartbeat
 
 

@@ -67,7 +67,7 @@ class Aggregators(Mapping[str, Aggregator]):
         if req.protocol != PROTOCOL_VERSION:
             raise ApiError(400, "protocol_mismatch", f"aggregator speaks protocol {req.protocol}, relay "
                            f"{PROTOCOL_VERSION}", "Install the same collabtrain version on both.")
-        if self.config.optimizer.state_bits != 32:
+        if self.config.master_optimizer().state_bits != 32:  # local SGD: [optimizer] runs on the peers
             raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
                            "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
         if not req.url.startswith(("http://", "https://")):

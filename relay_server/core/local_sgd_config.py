@@ -59,7 +59,8 @@ class LocalSgdSection:
         return {"inner": {"name": inner.name, "lr": inner.lr, "betas": list(inner.betas), "eps": inner.eps,
                           "weight_decay": inner.weight_decay, "momentum": inner.momentum,
                           "clip_grad_norm": inner.clip_grad_norm, "schedule": inner.schedule,
-                          "warmup_steps": inner.warmup_steps, "total_steps": total_steps * self.inner_steps},
+                          "warmup_steps": inner.warmup_steps, "total_steps": total_steps * self.inner_steps,
+                          "state_bits": inner.state_bits},
                 "inner_steps": self.inner_steps, "inner_seconds": self.inner_seconds, "overlap": self.overlap}
 
     def checks(self) -> Checks:
@@ -91,7 +92,6 @@ def mode_checks(config: RelayConfig) -> Checks:
         (not config.moe.enabled, f"[moe] {not_yet}: set run.mode = \"sync\" or disable [moe]"),
         (opt.name in ("adamw", "adam", "sgd"),
          f"optimizer.name = {opt.name!r} as the inner optimizer {not_yet}: use adamw, adam or sgd"),
-        (opt.state_bits == 32, f"optimizer.state_bits = 8 {not_yet}: set optimizer.state_bits = 32"),
         (config.local_sgd.inner_steps > 0 or (opt.schedule == "constant" and opt.warmup_steps == 0),
          "an inner learning-rate schedule (optimizer.schedule, optimizer.warmup_steps) needs local_sgd.inner_steps "
          "> 0: it counts outer round x inner_steps + the inner step (with only inner_seconds, set schedule = "

@@ -154,8 +154,9 @@ class OptimizerSection:
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to ``lr`` before the schedule starts."""
     state_bits: int = 32
-    """32, or 8: AdamW's moments stored blockwise-quantized (bitsandbytes, CPU): 2.03 instead of 8
-    bytes per parameter on the backbone, each step ~5x slower (see benchmarks/memory.py)."""
+    """32, or 8: AdamW's moments stored blockwise-quantized (bitsandbytes): 2.03 instead of 8 bytes
+    per parameter -- on the backbone (CPU, each step ~5x slower; see benchmarks/memory.py), or in
+    ``run.mode = "local_sgd"`` on each peer's accelerator, where the inner optimizer runs."""
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""

@@ -31,9 +31,9 @@ batch_size=, loss=, version=)``, the method ``step()`` itself calls with ``.grad
 how many samples the collaboration may still gather before the round.
 
 The package: :mod:`.core` (the loop API), :mod:`.rounds` (taking part in a round),
-:mod:`.local_sgd` (``run.mode = "local_sgd"``: the inner loop and the outer round) and
-:mod:`.overlap` (that round behind the next inner steps), :mod:`.own_loop` (the run's model and
-data for a loop of one's own).
+:mod:`.local_sgd` (``run.mode = "local_sgd"``: the inner loop and the outer round), :mod:`.inner`
+(its inner optimizer), :mod:`.overlap` (that round behind the next inner steps), :mod:`.own_loop`
+(the run's model and data for a loop of one's own).
 """
 
 from toolkit.optimizer.core import CollaborativeOptimizer

@@ -2,9 +2,9 @@
 
 :class:`~toolkit.optimizer.CollaborativeOptimizer` hands every ``step()`` to :class:`LocalSgd`
 when the run says so, so the loops, ``join()`` and the notebooks need nothing new. Each step
-takes one step of the inner optimizer (the run's ``[optimizer]``, built here with the relay's
-parameter groups: decay on tensors with two or more dimensions) on the peer's own copy of the
-parameters. When the inner budget ends (``inner_steps`` steps or ``inner_seconds`` of training,
+takes one step of the inner optimizer (the run's ``[optimizer]``, :mod:`toolkit.optimizer.inner`:
+8-bit moments where ``state_bits = 8`` asks and bitsandbytes runs) on the peer's own copy of
+the parameters. When the inner budget ends (``inner_steps`` steps or ``inner_seconds`` of training,
 whichever first) the peer puts its pseudo-gradient ``global - local`` times the samples it
 processed into the accumulator -- the same sum a sync peer sends, so the upload path (signing,
 digests, finite checks, whole-or-nothing, byte caps) and the relay's sample-weighted mean apply
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from toolkit.errors import CollabError
+from toolkit.optimizer.inner import inner_optimizer
 from toolkit.optimizer.overlap import WAIT_POLL_S, OverlappedRound
 from toolkit.wire.schedule import lr_at
 
@@ -62,23 +63,6 @@ if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
 
 log = logging.getLogger("toolkit.optimizer")
-
-
-def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str, Any]) -> torch.optim.Optimizer:
-    """The run's ``[optimizer]`` as the relay would build it (``relay_server.rounds.master``),
-    over the peer's own parameters."""
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": float(cfg["weight_decay"])}, {"params": no_decay, "weight_decay": 0.0}]
-    lr, name = float(cfg["lr"]), cfg["name"]
-    if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=float(cfg.get("momentum", 0.0)))
-    betas = (float(cfg["betas"][0]), float(cfg["betas"][1]))
-    if name == "adam":
-        return torch.optim.Adam(groups, lr=lr, betas=betas, eps=float(cfg["eps"]))
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=float(cfg["eps"]))
-    raise ValueError(f"inner optimizer {name!r} is not supported: the relay should have refused this run")
 
 
 class LocalSgd(OverlappedRound):
