@@ -53,6 +53,9 @@ Output: one JSON line per variant, one summary line per model, and last one JSON
 ``down_bits_per_param`` (of the variant with the fewest), each the worst over ``--models`` (the
 per-model values are under ``models``), and ``bars``: the issue's bars and whether each is met.
 
+``--repeat R`` draws the same comparison again: initial parameters from ``run.seed = R``, peer
+i's data from seed ``100 R + i``, the same held-out batches (R < 100).
+
 Internal: ``--peer`` runs one peer (the benchmark starts it).
 """
 
@@ -251,7 +254,8 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
                 links: Links, work: Path) -> dict[str, Any]:
     """One relay and ``--peers`` peers; the variant's line (or ``refused`` with the relay's reason)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '').replace('/', '_')}-", dir=work))
-    config = write_run(tmp / "run.toml", model, overrides)
+    seeded = {**overrides, "run": {**overrides.get("run", {}), "seed": args.repeat}}
+    config = write_run(tmp / "run.toml", model, seeded)
     ready, log = tmp / "ready", tmp / "relay.log"
     relay = subprocess.Popen(links.relay_argv([sys.executable, "-m", "relay_server.cli", "serve", "--config",
                                                str(config), "--port", "0", "--data-dir", str(tmp / "data"),
@@ -270,8 +274,8 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
         barrier.mkdir()
         for i in range(args.peers):
             peers.append(subprocess.Popen(links.peer_argv(i, [
-                sys.executable, __file__, "--peer", "--relay", url, "--seed", str(i), "--model", model,
-                "--batch", str(args.batch), "--steps", str(args.steps), "--barrier", str(barrier)]),
+                sys.executable, __file__, "--peer", "--relay", url, "--seed", str(100 * args.repeat + i),
+                "--model", model, "--batch", str(args.batch), "--steps", str(args.steps), "--barrier", str(barrier)]),
                 stdout=subprocess.PIPE, stderr=open(tmp / f"peer{i}.log", "w"), text=True, cwd=REPO))
         deadline = time.monotonic() + 600
         while len(list(barrier.glob("joined-*"))) < args.peers:
@@ -359,6 +363,9 @@ def main() -> None:
     parser.add_argument("--peer-up", type=float, default=10.0, help="Mbit/s each peer sends")
     parser.add_argument("--peer-down", type=float, default=50.0, help="Mbit/s each peer receives")
     parser.add_argument("--relay-mbit", type=float, default=200.0, help="Mbit/s the relay sends and receives")
+    parser.add_argument("--repeat", type=int, default=0,
+                        help="another draw of the same comparison: run.seed (the initial parameters) = REPEAT, "
+                        "peer i's data seed 100 * REPEAT + i (the held-out batches stay the same)")
     parser.add_argument("--work-dir", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--relay", help=argparse.SUPPRESS)
