@@ -1,10 +1,11 @@
 """``relay-server notebook``: the one-cell notebook an organizer shares, pinned to what the relay serves.
 
 The templates ship as package data (``defaults/notebooks/<platform>.ipynb``; the repository's
-``notebooks/`` holds the same bytes). Their cell installs ``collabtrain[hf]`` from
+``notebooks/`` holds the same bytes). Their cell installs ``collabtrain[<TOOLKIT_EXTRAS>]`` from
 ``<RELAY_URL>/toolkit/<TOOLKIT_WHEEL>#sha256=<TOOLKIT_SHA256>``, and with those left empty it
 installs nothing. Filling them in is the main thing this module does: it asks the relay at
-``--url`` which wheel it serves (``GET /api/toolkit``) and writes the three values into the cell's
+``--url`` which wheel it serves (``GET /api/toolkit``) and writes the three values, and the
+extras the run needs (``TOOLKIT_EXTRAS``: bitsandbytes for 8-bit inner state), into the cell's
 assignment lines, so the volunteer's pip accepts exactly the toolkit the relay runs and nothing a
 package index or a later swap on the relay's disk could hand it.
 
@@ -44,10 +45,13 @@ HOSTED = ("colab", "kaggle", "tpu")
 URL_PATTERN = re.compile(r"https?://[^\s\"'\\]+")
 WHEEL_PATTERN = re.compile(r"[A-Za-z0-9_.]+-[A-Za-z0-9_.+!]+-py3-none-any\.whl")
 SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
-# The cell's three assignment lines; the template holds exactly one of each.
+EXTRAS_PATTERN = re.compile(r"[a-z0-9]+(,[a-z0-9]+)*")
+"""Extras as the relay names them ("hf", "hf,peer8bit"): nothing else reaches the cell's source."""
+# The cell's four assignment lines; the template holds exactly one of each.
 RELAY_LINE = re.compile(r'^(RELAY_URL = os\.environ\.get\("COLLAB_RELAY_URL", )"[^"]*"', re.M)
 WHEEL_LINE = re.compile(r'^(TOOLKIT_WHEEL = )"[^"]*"', re.M)
 SHA256_LINE = re.compile(r'^(TOOLKIT_SHA256 = )"[^"]*"', re.M)
+EXTRAS_LINE = re.compile(r'^(TOOLKIT_EXTRAS = )"[^"]*"', re.M)
 GENERATED_START = "# --- generated from toolkit/errors.py by `relay-server notebook`"
 GENERATED_END = "# --- end of the generated block"
 GENERATED_BLOCK = re.compile(rf"^{re.escape(GENERATED_START)}.*?^{re.escape(GENERATED_END)}[^\n]*$", re.M | re.S)
@@ -55,12 +59,14 @@ GENERATED_BLOCK = re.compile(rf"^{re.escape(GENERATED_START)}.*?^{re.escape(GENE
 
 @dataclass(frozen=True)
 class ToolkitPin:
-    """What a notebook pins: the relay, the wheel it serves there and that wheel's sha256."""
+    """What a notebook pins: the relay, the wheel it serves there and that wheel's sha256, and
+    the extras the run needs beside it (``hf``; ``hf,peer8bit`` for 8-bit inner state)."""
 
     relay_url: str
     wheel: str
     sha256: str
     version: str = ""
+    extras: str = "hf"
 
 
 def template(platform: str) -> str:
@@ -98,7 +104,8 @@ def render(template_text: str, pin: ToolkitPin) -> str:
     source = "".join(cells[0]["source"])
     block = generated_block()
     for pattern, value in ((RELAY_LINE, f'"{pin.relay_url}"'), (WHEEL_LINE, f'"{pin.wheel}"'),
-                           (SHA256_LINE, f'"{pin.sha256}"'), (GENERATED_BLOCK, block)):
+                           (SHA256_LINE, f'"{pin.sha256}"'), (EXTRAS_LINE, f'"{pin.extras}"'),
+                           (GENERATED_BLOCK, block)):
         source, count = pattern.subn(lambda match: (match.group(1) if match.groups() else "") + value, source)
         if count != 1:
             raise ConfigError(f"the notebook template has no line matching {pattern.pattern!r}: reinstall collabtrain")
@@ -163,10 +170,11 @@ def fetch_pin(relay_url: str, timeout_s: float = 15.0) -> ToolkitPin:
         raise ConfigError(f"{url} answered HTTP {response.status_code}: {body.get('message', body)}. "
                           f"{body.get('hint') or 'Upgrade the relay to a collabtrain that serves its toolkit.'}")
     pin = ToolkitPin(relay_url=base, wheel=str(body.get("wheel", "")), sha256=str(body.get("sha256", "")),
-                     version=str(body.get("version", "")))
-    if not (WHEEL_PATTERN.fullmatch(pin.wheel) and SHA256_PATTERN.fullmatch(pin.sha256)):
-        raise ConfigError(f"{url} answered without a wheel name and sha256 ({body}): is this a collabtrain relay? "
-                          f"{NOT_A_RELAY_HINT}")
+                     version=str(body.get("version", "")), extras=str(body.get("extras", "hf")))  # older relays: hf
+    if not (WHEEL_PATTERN.fullmatch(pin.wheel) and SHA256_PATTERN.fullmatch(pin.sha256)
+            and EXTRAS_PATTERN.fullmatch(pin.extras)):
+        raise ConfigError(f"{url} answered without a wheel name, sha256 and extras ({body}): is this a collabtrain "
+                          f"relay? {NOT_A_RELAY_HINT}")
     return pin
 
 

@@ -154,7 +154,7 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
         assert generated_block() in cell, f"notebooks/{platform}.ipynb: run python -m relay_server.notebooks"
         assert render(shipped, ToolkitPin(relay_url=default, wheel="", sha256="")) == shipped
     pin = ToolkitPin(relay_url="https://relay.example.net", wheel="collabtrain-1.2.3-py3-none-any.whl",
-                     sha256="ab" * 32)
+                     sha256="ab" * 32, extras="hf,peer8bit")
     filled = code_cells(nbformat.reads(render(template("kaggle"), pin), as_version=4))[0].source
     shipped_cell = code_cells(nbformat.reads(template("kaggle"), as_version=4))[0].source
     changed = set(filled.splitlines()) - set(shipped_cell.splitlines())
@@ -163,7 +163,26 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
                        f'TOOLKIT_WHEEL = "{pin.wheel}"  # the toolkit wheel that relay serves and its sha256, filled '
                        "in by `relay-server notebook`:",
                        f'TOOLKIT_SHA256 = "{pin.sha256}"  # pip installs exactly those bytes or nothing. Empty: the '
-                       "template, which installs nothing."}
+                       "template, which installs nothing.",
+                       'TOOLKIT_EXTRAS = "hf,peer8bit"  # what the run needs beside it (hf; hf,peer8bit for 8-bit inner '
+                       "state), filled in too."}
+
+
+def test_a_run_with_eight_bit_inner_state_has_its_notebook_install_bitsandbytes(serve_relay) -> None:
+    """Local SGD with ``optimizer.state_bits = 8``: the relay names the ``peer8bit`` extra, the
+    notebook's one cell asks pip for it, and the relay's wheel provides it (pip would refuse an
+    extra the wheel does not declare). Every other run installs ``hf`` alone."""
+    local = serve_relay({"run": {"mode": "local_sgd", "max_staleness": 0},
+                         "optimizer": {"name": "adamw", "state_bits": 8}, "local_sgd": {"inner_steps": 2}})
+    sync = serve_relay({}, name="sync")
+    assert fetch_pin(sync.url).extras == "hf"
+    pin = fetch_pin(local.url)
+    assert pin.extras == "hf,peer8bit"
+    cell = code_cells(nbformat.reads(render(template("colab"), pin), as_version=4))[0].source
+    assert 'TOOLKIT_EXTRAS = "hf,peer8bit"' in cell and "collabtrain[{TOOLKIT_EXTRAS}] @" in cell
+    metadata = zipfile.ZipFile(io.BytesIO(build_wheel_bytes()[1])).read(
+        f"collabtrain-{installed_distribution().version}.dist-info/METADATA").decode()
+    assert "Provides-Extra: peer8bit" in metadata and 'bitsandbytes>=0.50; extra == "peer8bit"' in metadata
 
 
 def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str, closed_url: str,

@@ -71,8 +71,9 @@ def test_the_four_cells_differ_only_in_the_default_relay_url() -> None:
     assert source.index("check_relay(RELAY_URL)") < source.index('pip_install("the toolkit"')
     assert 'CPU_TORCH = "https://download.pytorch.org/whl/cpu"' in source and '"--index-url", CPU_TORCH' in source
     # Only the relay's wheel, pinned by sha256; the templates pin nothing, so they install nothing.
-    assert "collabtrain[hf] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}" in source
-    assert 'TOOLKIT_WHEEL = ""' in source and 'TOOLKIT_SHA256 = ""' in source
+    assert ("collabtrain[{TOOLKIT_EXTRAS}] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}"
+            in source)
+    assert 'TOOLKIT_WHEEL = ""' in source and 'TOOLKIT_SHA256 = ""' in source and 'TOOLKIT_EXTRAS = "hf"' in source
     assert "COLLAB_TOOLKIT" not in source
 
 

@@ -2,11 +2,12 @@
 
 At start the relay writes the wheel of its own installed toolkit into ``<data_dir>/toolkit/``
 (:mod:`relay_server.core.distribution`; the same bytes as last time are left untouched) and
-keeps its sha256. ``relay-server notebook`` asks ``/api/toolkit`` for the file name and sha256
-and writes them into the organizer's notebook; the notebook's pip fetches ``/toolkit/<wheel>``
-and refuses any other bytes. The file is read from disk on every request, on purpose: the
-relay never claims bytes it does not serve, so a file changed on disk is what pip receives and
-what its hash check catches. Only that one file name is served; anything else is a 404.
+keeps its sha256. ``relay-server notebook`` asks ``/api/toolkit`` for the file name, its sha256
+and the extras the run needs, and writes them into the organizer's notebook; the notebook's pip
+fetches ``/toolkit/<wheel>`` and refuses any other bytes. The file is read from disk on every
+request, on purpose: the relay never claims bytes it does not serve, so a file changed on disk is
+what pip receives and what its hash check catches. Only that one file name is served; anything
+else is a 404.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _wheel(request: web.Request) -> ToolkitWheel:
 async def get_toolkit_info(request: web.Request) -> web.Response:
     wheel = _wheel(request)
     return json_ok({"wheel": wheel.filename, "sha256": wheel.sha256, "version": wheel.version,
-                    "url": WHEEL_PREFIX + wheel.filename})
+                    "url": WHEEL_PREFIX + wheel.filename, "extras": request.app[CONFIG].volunteer_extras()})
 
 
 async def get_wheel(request: web.Request) -> web.Response:

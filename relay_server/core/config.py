@@ -126,6 +126,13 @@ class RelayConfig:
                 raise ConfigError(message)
         return self
 
+    def volunteer_extras(self) -> str:
+        """The collabtrain extras a volunteer's install needs for this run, comma-separated
+        (``GET /api/toolkit``; ``relay-server notebook`` writes them into the one cell): ``hf``
+        always, ``peer8bit`` (bitsandbytes) where local SGD keeps the peers' inner state in 8 bits."""
+        eight_bit = self.run.mode == "local_sgd" and self.optimizer.state_bits == 8
+        return "hf,peer8bit" if eight_bit else "hf"
+
     def master_optimizer(self) -> OptimizerSection:
         """The optimizer the relay applies to the master parameters: ``[optimizer]`` in sync mode,
         the outer SGD of ``[local_sgd]`` in local SGD mode (where ``[optimizer]`` runs on the peers)."""
