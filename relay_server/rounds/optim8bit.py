@@ -41,11 +41,10 @@ from typing import Any
 import torch
 
 from relay_server.core.config import ConfigError
+from toolkit.optimizer.inner import MIN_8BIT_SIZE, probe_adamw8bit
 
 log = logging.getLogger(__name__)
 
-MIN_8BIT_SIZE = 4096
-"""Tensors with fewer elements keep float32 moments (bitsandbytes' default)."""
 BLOCK = 256
 """Values per absmax block: fixed by bitsandbytes' 8-bit blockwise optimizers since 0.44."""
 _PIP_HINT = 'pip install -U "bitsandbytes>=0.50" on the relay, or set optimizer.state_bits = 32'
@@ -58,22 +57,11 @@ class EightBitUnavailable(ConfigError):
 @functools.cache
 def bitsandbytes_cpu() -> ModuleType:
     """``bitsandbytes``, once one 8-bit AdamW step on a CPU tensor has worked (cached)."""
-    try:
-        import bitsandbytes
-    except Exception as exc:  # ImportError, or a broken native library
-        raise EightBitUnavailable(f"optimizer.state_bits = 8 needs bitsandbytes ({type(exc).__name__}: {exc}); "
-                                  f"{_PIP_HINT}") from None
-    try:
-        p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, MIN_8BIT_SIZE))
-        p.grad = torch.ones_like(p)
-        before = p.detach().clone()
-        bitsandbytes.optim.AdamW8bit([p], lr=1e-2, weight_decay=0.0).step()
-        if not torch.isfinite(p).all() or torch.equal(p.detach(), before):
-            raise RuntimeError("the probe step did not update the parameter")
-    except Exception as exc:
-        version = getattr(bitsandbytes, "__version__", "?")
-        raise EightBitUnavailable(f"bitsandbytes {version} cannot run 8-bit optimizers on CPU "
-                                  f"({type(exc).__name__}: {str(exc)[:200]}); {_PIP_HINT}") from None
+    found = probe_adamw8bit(torch.device("cpu"))
+    if isinstance(found, str):
+        raise EightBitUnavailable(f"optimizer.state_bits = 8 on the relay: {found}; {_PIP_HINT}")
+    import bitsandbytes
+
     return bitsandbytes
 
 

@@ -56,8 +56,15 @@ def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str,
 
 @functools.cache
 def adamw8bit(device: torch.device) -> type[torch.optim.Optimizer] | str:
-    """``bitsandbytes.optim.AdamW8bit`` once one step on a ``device`` tensor worked, or why not
-    (cached per device: the probe costs one tiny step)."""
+    """:func:`probe_adamw8bit`, once per device (the probe costs one tiny step)."""
+    return probe_adamw8bit(device)
+
+
+def probe_adamw8bit(device: torch.device) -> type[torch.optim.Optimizer] | str:
+    """``bitsandbytes.optim.AdamW8bit`` once one step on a ``device`` tensor worked, or why not:
+    probed by running it, not by reading a version number (older releases refuse CPU tensors,
+    and a build without kernels for the device imports fine). The relay's 8-bit state asks too
+    (:func:`relay_server.rounds.optim8bit.bitsandbytes_cpu`)."""
     try:
         import bitsandbytes
     except Exception as exc:  # ImportError, or a native library that fails to load
