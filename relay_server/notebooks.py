@@ -169,8 +169,9 @@ def fetch_pin(relay_url: str, timeout_s: float = 15.0) -> ToolkitPin:
     if response.status_code != 200:
         raise ConfigError(f"{url} answered HTTP {response.status_code}: {body.get('message', body)}. "
                           f"{body.get('hint') or 'Upgrade the relay to a collabtrain that serves its toolkit.'}")
+    extras = body.get("extras", "hf")  # a relay older than the extras names none: hf
     pin = ToolkitPin(relay_url=base, wheel=str(body.get("wheel", "")), sha256=str(body.get("sha256", "")),
-                     version=str(body.get("version", "")), extras=str(body.get("extras", "hf")))  # older relays: hf
+                     version=str(body.get("version", "")), extras=extras if isinstance(extras, str) else "")
     if not (WHEEL_PATTERN.fullmatch(pin.wheel) and SHA256_PATTERN.fullmatch(pin.sha256)
             and EXTRAS_PATTERN.fullmatch(pin.extras)):
         raise ConfigError(f"{url} answered without a wheel name, sha256 and extras ({body}): is this a collabtrain "

@@ -16,12 +16,15 @@ import asyncio
 import base64
 import hashlib
 import http.client
+import http.server
 import io
+import json
 import os
 import re
 import subprocess
 import sys
 import sysconfig
+import threading
 import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from nbclient.exceptions import CellExecutionError
 
 from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
+from relay_server.core.typed import ConfigError
 from relay_server.notebooks import PLATFORMS, ToolkitPin, fetch_pin, generated_block, render, template
 from tests.conftest import REPO
 from tests.support.relays import TINY_LM, running_relay, status
@@ -183,6 +187,32 @@ def test_a_run_with_eight_bit_inner_state_has_its_notebook_install_bitsandbytes(
     metadata = zipfile.ZipFile(io.BytesIO(build_wheel_bytes()[1])).read(
         f"collabtrain-{installed_distribution().version}.dist-info/METADATA").decode()
     assert "Provides-Extra: peer8bit" in metadata and 'bitsandbytes>=0.50; extra == "peer8bit"' in metadata
+
+
+@pytest.mark.parametrize("extras", ['hf"; import os; os.system("x")  #', "hf,", "HF", "hf peer8bit", 7])
+def test_extras_that_are_not_extra_names_never_reach_the_cell(extras) -> None:
+    """The extras are written into the cell's Python source: anything but comma-separated
+    lowercase names is refused, naming the answer, before a notebook exists."""
+    answer = json.dumps({"wheel": "collabtrain-1.2.3-py3-none-any.whl", "sha256": "ab" * 32, "extras": extras})
+
+    class Liar(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(answer.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="without a wheel name, sha256 and extras"):
+            fetch_pin(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str, closed_url: str,
