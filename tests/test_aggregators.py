@@ -18,6 +18,7 @@ import requests
 import torch
 
 from toolkit.models.flat import flatten
+from tests.conftest import wait_until
 from tests.peer_worker import make_dataset
 from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, rounds_from_events, sliced_plan, stored_params,
                                     train_sliced)
@@ -115,8 +116,12 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
     assert inputs["relay"]["role"] == "relay" and inputs["relay"]["samples_per_s"] == 0
     measured_peers = [i for i in inputs.values() if i["role"] == "peer" and i["download_source"] == "measured"]
     assert measured_peers and all(i["download"] > 0 and i["samples_per_s"] > 0 for i in measured_peers), inputs
-    plan = requests.get(relay.url + "/api/plan", timeout=10).json()
-    assert plan["version"] == status["plan"]["version"] and plan["slices"] == slices
+    def one_plan():  # a re-plan may land between the two requests: read them until they agree on the version
+        plan, now = requests.get(relay.url + "/api/plan", timeout=10).json(), relay.status()
+        return (plan, now) if plan["version"] == now["plan"]["version"] else None
+
+    plan, now = wait_until(one_plan, 30, "/api/plan and /api/status on the same plan version")
+    assert plan["slices"] == sliced_plan(now)
 
     # SIGKILL one aggregator mid-run; the others go on.
     victim = aggregators[0]
