@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from servers import ServerRun, start_aggregator, start_relay
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 8  # each peer's gradient is a sum over this many samples
@@ -133,49 +133,19 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices:
     run_peer(url, index, numel, rounds, peers, slices, out.put)
 
 
-def start_aggregators(url: str, tmp: Path, count: int) -> list[subprocess.Popen]:
-    procs, ready = [], []
-    for i in range(count):
-        ready.append(tmp / f"agg{i}.ready")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", url, "--port", "0",
-             "--data-dir", str(tmp / f"agg{i}"), "--admin-token-file", str(tmp / "data" / "admin_token"),
-             "--name", f"agg{i}", "--ready-file", str(ready[-1])],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"agg{i}.log", "w")))
-    for i, (proc, path) in enumerate(zip(procs, ready)):
-        wait_ready(proc, path, tmp / f"agg{i}.log", f"aggregator {i}")
-    return procs
-
-
-def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
-    """The URL a server wrote to its ``--ready-file``; exits with its log if it died or hung."""
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists() or not ready.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    return ready.read_text().strip()
-
-
 def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0,
                      breakdown: bool = False) -> tuple[list[float], np.ndarray, list[dict] | None]:
     """Seconds per round, the final parameters, and with ``breakdown`` each round's phases
     (:func:`phases`)."""
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
-        config = Path(tmp) / "run.toml"
-        config.write_text(relay_config(numel, peers))
-        ready = Path(tmp) / "ready"
         trace = Path(tmp) / "trace"
-        serve = [sys.executable, str(REPO / "benchmarks" / "round_trace.py")] if breakdown else \
-            [sys.executable, "-m", "relay_server.cli"]
-        relay = subprocess.Popen([*serve, "serve", "--config", str(config),
-                                  "--port", "0", "--data-dir", str(Path(tmp) / "data"), "--ready-file", str(ready)],
-                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "relay.log", "w"),
-                                 env={**os.environ, "ROUND_TRACE": str(trace)})
-        helpers: list[subprocess.Popen] = []
+        tracer = [sys.executable, str(REPO / "benchmarks" / "round_trace.py")] if breakdown else None
+        relay = start_relay(Path(tmp), relay_config(numel, peers), command=tracer,
+                            env={**os.environ, "ROUND_TRACE": str(trace)})
+        helpers: list[ServerRun] = []
         try:
-            url = wait_ready(relay, ready, Path(tmp) / "relay.log", "relay")
-            helpers = start_aggregators(url, Path(tmp), aggregators)
+            url = relay.url
+            helpers = [start_aggregator(Path(tmp), relay, f"agg{i}") for i in range(aggregators)]
             ctx = mp.get_context("spawn")
             out: mp.Queue = ctx.Queue()
             procs = [ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, aggregators + 1, out))
@@ -195,9 +165,8 @@ def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0,
             for p in procs:
                 p.join(timeout=60)
         finally:
-            for proc in [*helpers, relay]:
-                proc.terminate()
-                proc.wait(timeout=30)
+            for server in [*helpers, relay]:
+                server.stop()
         rounds_seen = [t for _, t in sorted(timings.items())]
         table = phases(rounds_seen, trace.read_text().split("\n")) if breakdown else None
     seconds = [max(e for _, e, _ in t) - min(s for s, _, _ in t) for t in rounds_seen]

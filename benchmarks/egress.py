@@ -25,7 +25,6 @@ import argparse
 import json
 import multiprocessing as mp
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.servers import start_relay  # noqa: E402
 
 
 def relay_config(numel: int, cache_url: str) -> str:
@@ -64,39 +65,6 @@ enabled = false
 [auth]
 mode = "open"
 """
-
-
-class Relay:
-    """``relay-server serve`` on port 0 (the port read back from its ready file)."""
-
-    def __init__(self, tmp: Path, config: str) -> None:
-        (tmp / "relay.toml").write_text(config)
-        ready = tmp / "ready"
-        self.log = open(tmp / "relay.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(tmp / "relay.toml"), "--port", "0",
-             "--data-dir", str(tmp / "data"), "--ready-file", str(ready)], cwd=REPO, stdout=self.log,
-            stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"relay did not start:\n{(tmp / 'relay.log').read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.url = ready.read_text().strip()
-        self.port = int(self.url.rsplit(":", 1)[1])
-
-    def egress(self) -> dict:
-        import requests
-
-        return requests.get(self.url + "/api/params/egress", timeout=30).json()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 # --- light peers -------------------------------------------------------------------------------
@@ -131,7 +99,7 @@ def start_servers(tmp: Path, numel: int, cached: bool):
         directory = tmp / f"try-{attempt}"
         directory.mkdir(parents=True)
         port = free_port() if cached else 0
-        relay = Relay(directory, relay_config(numel, f"http://127.0.0.1:{port}" if cached else ""))
+        relay = start_relay(directory, relay_config(numel, f"http://127.0.0.1:{port}" if cached else ""))
         if not cached:
             return relay, None
         try:
@@ -173,7 +141,7 @@ def run_level(peers: int, steps: int, numel: int, processes: int, cached: bool, 
             trainer.upload_gradient(codec.encode(grad), GradientMeta(peer_id=peer_id, step=step, version=step,
                                                                      samples=1, loss_sum=1.0), "none")
         elapsed = time.monotonic() - started
-        sent = relay.egress()
+        sent = relay.get("/api/params/egress")
     finally:
         for w in workers:
             w.join(timeout=60)

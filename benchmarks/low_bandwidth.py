@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce import REPO, wait_ready  # noqa: E402
+from servers import REPO, ServerFailed, start_server  # noqa: E402
 from low_bandwidth_figures import bars, summarize_model, summarize_variant, worst  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
 
@@ -256,20 +256,17 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
     tmp = Path(tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '').replace('/', '_')}-", dir=work))
     seeded = {**overrides, "run": {**overrides.get("run", {}), "seed": args.repeat}}
     config = write_run(tmp / "run.toml", model, seeded)
-    ready, log = tmp / "ready", tmp / "relay.log"
-    relay = subprocess.Popen(links.relay_argv([sys.executable, "-m", "relay_server.cli", "serve", "--config",
-                                               str(config), "--port", "0", "--data-dir", str(tmp / "data"),
-                                               "--ready-file", str(ready)]),
-                             stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        relay = start_server(tmp, "relay", ["serve", "--config", str(config), "--data-dir", str(tmp / "data")],
+                             tmp / "data", wrap=links.relay_argv)
+    except ServerFailed as failed:
+        if not failed.returncode:  # it hung, or exited cleanly without listening: not a refusal
+            raise
+        lines = [line for line in (tmp / "relay.log").read_text().splitlines() if line.strip()]
+        return {"variant": name, "model": model, "refused": lines[-1] if lines else f"exit {failed.returncode}"}
+    url = relay.url
     peers: list[subprocess.Popen] = []
     try:
-        try:
-            url = wait_ready(relay, ready, log, f"{name}: the relay")
-        except SystemExit:
-            if relay.wait(timeout=30) is None or relay.returncode == 0:
-                raise
-            lines = [line for line in log.read_text().splitlines() if line.strip()]
-            return {"variant": name, "model": model, "refused": lines[-1] if lines else f"exit {relay.returncode}"}
         barrier = tmp / "barrier"
         barrier.mkdir()
         for i in range(args.peers):
@@ -294,13 +291,14 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
             results.append(json.loads(out.strip().splitlines()[-1]))
         loss, public_loss = evaluate(url, model, tmp / "data")
     finally:
-        for proc in [*peers, relay]:
+        for proc in peers:
             if proc.poll() is None:
                 proc.terminate()
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        relay.stop()
     return {**summarize_variant(name, model, results, loss, shaped=links.star is not None),
             "public_loss": public_loss}
 

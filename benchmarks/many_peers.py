@@ -36,7 +36,6 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks.servers import start_relay  # noqa: E402
+
 LR = 0.1
 HEARTBEAT_S = 1.0
 
@@ -90,20 +92,14 @@ enabled = false
 
 # --- the relay process and what it costs -------------------------------------------------------
 class Relay:
+    """The relay (:func:`servers.start_relay`, its descriptors capped at ``soft_limit``) and what
+    this benchmark reads of its process: CPU seconds, peak RSS and open descriptors."""
+
     def __init__(self, tmp: Path, config: str, soft_limit: int) -> None:
-        (tmp / "relay.toml").write_text(config)
-        ready, hard = tmp / "ready", resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        self.log = open(tmp / "relay.log", "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(tmp / "relay.toml"), "--port", "0",
-             "--data-dir", str(tmp / "data"), "--ready-file", str(ready)], cwd=REPO, stdout=self.log,
-            stderr=subprocess.STDOUT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, hard)))
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"relay did not start:\n{(tmp / 'relay.log').read_text()[-3000:]}")
-            time.sleep(0.05)
-        self.url = ready.read_text().strip()
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        self.server = start_relay(tmp, config,
+                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, hard)))
+        self.url, self.proc = self.server.url, self.server.proc
         self.peak_rss_mb, self.peak_fds = 0.0, 0
 
     def cpu_s(self) -> float:
@@ -117,17 +113,10 @@ class Relay:
         self.peak_fds = max(self.peak_fds, len(os.listdir(f"/proc/{self.proc.pid}/fd")))
 
     def status(self) -> dict:
-        import requests
-
-        return requests.get(self.url + "/api/status", timeout=30).json()
+        return self.server.get("/api/status")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        self.server.stop()
 
 
 # --- light peers -------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency_proxy import ProxyProcess, spawn  # noqa: E402
-from moe_rig import directory, relay_overrides, start_hosts, start_relay, stop_all, wait_until  # noqa: E402
+from moe_rig import directory, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
+from servers import start_relay  # noqa: E402
 
 
 def trainer_main(argv: list[str]) -> int:

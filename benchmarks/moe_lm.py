@@ -52,7 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.latency_proxy import spawn  # noqa: E402
-from benchmarks.moe_rig import BASE_RUN, directory, start_hosts, start_relay, stop_all, wait_until  # noqa: E402
+from benchmarks.moe_rig import BASE_RUN, directory, start_hosts, stop_all, wait_until  # noqa: E402
+from benchmarks.servers import start_relay  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.corpus import demo_paragraphs  # noqa: E402
 from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, objective_batches  # noqa: E402

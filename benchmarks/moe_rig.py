@@ -15,7 +15,7 @@ the real host then sends no result, as one preempted mid-task would, and the rel
 out (``[moe] forward_timeout_s`` / ``backward_timeout_s``), so the trainer sees a failed expert.
 Everything between the trainer and the expert is the production path.
 
-The relay runs as ``relay-server serve --port 0`` (:func:`start_relay`), on the run of
+The relay runs as ``relay-server serve --port 0`` (``servers.start_relay``), on the run of
 ``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
 no conftest (the one helper they share with the tests is the HF stand-in, ``tests/hf_standin.py``,
 for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from here.
@@ -24,7 +24,6 @@ for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -33,7 +32,6 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +47,8 @@ from toolkit.moe.calls import ExpertFailed, LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
 from toolkit.wire.protocol import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest  # noqa: E402
 
-__all__ = ["EmulatedRuntime", "Member", "RelayRun", "caller_for", "directory", "relay_overrides", "start_hosts",
-           "start_relay", "stop_all", "wait_until"]
+__all__ = ["EmulatedRuntime", "Member", "caller_for", "directory", "relay_overrides", "start_hosts", "stop_all",
+           "wait_until"]
 
 # The run of tests/support/moe.py, which relay_overrides resizes: strict large-batch SGD steps,
 # one DMoE model, open auth on 127.0.0.1 (a benchmark turns hf mode on in its [auth]).
@@ -99,51 +97,6 @@ def wait_until(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.05)
     raise TimeoutError(f"timed out waiting for {what}")
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return json.dumps(value)
-
-
-@dataclass
-class RelayRun:
-    """A ``relay-server serve`` process; ``url`` has the port it bound (it was started on port 0)."""
-
-    proc: subprocess.Popen
-    url: str
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def start_relay(folder: Path, sections: dict[str, dict[str, Any]], timeout_s: float = 120) -> RelayRun:
-    """Write ``sections`` as ``folder/relay.toml`` and serve it on port 0, its state in ``folder``."""
-    config, ready, log = folder / "relay.toml", folder / "relay.ready", folder / "relay.log"
-    config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in values.items())
-                              for name, values in sections.items()))
-    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config), "--port", "0",
-                             "--data-dir", str(folder / "relay-data"), "--ready-file", str(ready)],
-                            cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    wait_until(lambda: ready.exists() or proc.poll() is not None, timeout_s, "the relay to listen")
-    if proc.poll() is not None:
-        raise RuntimeError(f"the relay exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-    return RelayRun(proc, ready.read_text().strip())
 
 
 def directory(url: str) -> dict:

@@ -61,7 +61,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_rig import REPO, start_relay, stop_all, wait_until  # noqa: E402
+from moe_rig import REPO, stop_all, wait_until  # noqa: E402
+from servers import start_relay  # noqa: E402
 
 RIG = Path(__file__).resolve().parent / "pipeline_rig.py"
 DISPATCH = {"ours": "pool", "static": "static", "swarm": "restart"}
