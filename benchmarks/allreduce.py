@@ -18,11 +18,21 @@ The baseline moves the same bytes the same way with plain sockets on 127.0.0.1 (
 send ``--mb`` MiB each into one receiver, which then sends ``--mb`` MiB back to each), so the
 ratio shows what the relay costs over the raw transfer limit of this machine. Last line:
 ``{"peers", "mb", "round_s", "raw_tcp_s", "ratio", "max_abs_err"}``.
+
+``--floor`` times the raw transfer again doing only the work no relay keeping its guarantees can
+skip: the receiver hashes each upload (the chunk digests checked before use), sums them and hashes
+the sum (the version's hash) before replying, and each sender hashes what it got back (a peer
+verifying its parameters). ``floor_ratio`` (that over raw TCP) is about the lowest ``ratio`` a relay
+could reach on this machine with that hash (``--floor-hash``: sha256, the protocol's, or blake3;
+a relay could still overlap the version's hash with sending it, about 0.06 s of one core here).
+
+    python benchmarks/allreduce.py --peers 4 --mb 100 --rounds 5 --floor
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -206,17 +216,44 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def raw_receiver(port_queue: mp.Queue, peers: int, nbytes: int, rounds: int) -> None:
+def hasher(name: str) -> Callable[[bytes | bytearray], bytes]:
+    """``sha256`` (the protocol's hash) or ``blake3`` (not a dependency: ``pip install blake3``, one
+    thread), for the checked floor; both release the GIL on large buffers."""
+    if name == "blake3":
+        try:
+            from blake3 import blake3
+        except ImportError:
+            raise SystemExit("--floor-hash blake3 needs the blake3 package: pip install blake3") from None
+        return lambda data: blake3(data).digest()
+    return lambda data: hashlib.sha256(data).digest()
+
+
+def raw_receiver(port_queue: mp.Queue, peers: int, nbytes: int, rounds: int, checked: str = "") -> None:
+    """One round: every sender's bytes in, then the same number of bytes back to each. With
+    ``checked`` (a hash's name), also the work no relay keeping the issue's guarantees can skip:
+    each upload's hash once it is in (its chunk digests), the sum of the uploads and the hash of
+    what is sent back (the version's), the sum and that hash once per round before any reply."""
+    digest = hasher(checked) if checked else None
     server = socket.create_server(("127.0.0.1", 0))
     port_queue.put(server.getsockname()[1])
     conns = [server.accept()[0] for _ in range(peers)]
     buffers = [bytearray(nbytes) for _ in range(peers)]
     reply = bytearray(nbytes)
+    total = np.frombuffer(reply, dtype=np.float32)
+
+    def reduce_and_hash() -> None:
+        np.copyto(total, np.frombuffer(buffers[0], dtype=np.float32))
+        for buffer in buffers[1:]:
+            np.add(total, np.frombuffer(buffer, dtype=np.float32), out=total)
+        digest(reply)
+
     for _ in range(rounds):
-        received = threading.Barrier(peers)
+        received = threading.Barrier(peers, action=reduce_and_hash if checked else None)
 
         def serve(i: int) -> None:
             _recv_exactly(conns[i], memoryview(buffers[i]))
+            if checked:
+                digest(buffers[i])
             received.wait()  # everyone's upload is in before anyone gets the result, as in a round
             conns[i].sendall(reply)
 
@@ -229,7 +266,10 @@ def raw_receiver(port_queue: mp.Queue, peers: int, nbytes: int, rounds: int) -> 
             t.join()
 
 
-def raw_sender(port: int, index: int, nbytes: int, rounds: int, out: mp.Queue) -> None:
+def raw_sender(port: int, index: int, nbytes: int, rounds: int, out: mp.Queue, checked: str = "") -> None:
+    """Sends its gradient and receives the reply; with ``checked``, hashes the reply (a peer
+    verifying the parameters it downloaded)."""
+    digest = hasher(checked) if checked else None
     sock = socket.create_connection(("127.0.0.1", port))
     data = gradient(index, nbytes // 4).tobytes()
     back = bytearray(nbytes)
@@ -238,17 +278,19 @@ def raw_sender(port: int, index: int, nbytes: int, rounds: int, out: mp.Queue) -
         started = time.time()
         sock.sendall(data)
         _recv_exactly(sock, memoryview(back))
+        if checked:
+            digest(back)
         out.put((step, started, time.time()))
 
 
-def run_raw_tcp(peers: int, nbytes: int, rounds: int) -> list[float]:
+def run_raw_tcp(peers: int, nbytes: int, rounds: int, checked: str = "") -> list[float]:
     ctx = mp.get_context("spawn")
     ports: mp.Queue = ctx.Queue()
     out: mp.Queue = ctx.Queue()
-    receiver = ctx.Process(target=raw_receiver, args=(ports, peers, nbytes, rounds))
+    receiver = ctx.Process(target=raw_receiver, args=(ports, peers, nbytes, rounds, checked))
     receiver.start()
     port = ports.get(timeout=60)
-    senders = [ctx.Process(target=raw_sender, args=(port, i, nbytes, rounds, out)) for i in range(peers)]
+    senders = [ctx.Process(target=raw_sender, args=(port, i, nbytes, rounds, out, checked)) for i in range(peers)]
     for p in senders:
         p.start()
     timings: dict[int, list[tuple[float, float]]] = {}
@@ -268,10 +310,16 @@ def main() -> None:
     parser.add_argument("--aggregators", type=int, default=0, help="extra aggregator processes (sliced rounds)")
     parser.add_argument("--breakdown", action="store_true", help="time the round's phases on the relay "
                         "(benchmarks/round_trace.py) and print where each round's time goes")
+    parser.add_argument("--floor", action="store_true", help="also time raw TCP doing the checks no relay may skip "
+                        "(each upload's hash, the sum, the reply's hash, each peer hashing what it got): "
+                        "checked_tcp_s, and floor_ratio = checked_tcp_s / raw_tcp_s")
+    parser.add_argument("--floor-hash", default="sha256", choices=("sha256", "blake3"),
+                        help="the hash of --floor (sha256: the protocol's)")
     args = parser.parse_args()
     numel = int(args.mb * 2**20) // 4
 
     raw = run_raw_tcp(args.peers, numel * 4, args.rounds)
+    checked = run_raw_tcp(args.peers, numel * 4, args.rounds, checked=args.floor_hash) if args.floor else None
     relay, final, table = run_relay_rounds(args.peers, numel, args.rounds, args.aggregators, args.breakdown)
     mean = sum(gradient(i, numel).astype(np.float64) for i in range(args.peers)) / (args.peers * SAMPLES)
     max_abs_err = float(np.max(np.abs(final - (-args.rounds * mean))))
@@ -284,6 +332,12 @@ def main() -> None:
     result = {"peers": args.peers, "mb": args.mb, "aggregators": args.aggregators,
               "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
               "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}
+    if checked:
+        checked_s = statistics.median(checked)
+        print(f"raw TCP with the checks (s): {' '.join(f'{s:.3f}' for s in checked)}; "
+              f"floor ratio {checked_s / raw_s:.2f}")
+        result |= {"floor_hash": args.floor_hash, "checked_tcp_s": round(checked_s, 4),
+                   "floor_ratio": round(checked_s / raw_s, 3)}
     if table:
         names = list(table[0])
         print("phase medians (s): " + ", ".join(f"{n} {statistics.median(r[n] for r in table):.3f}" for n in names))
