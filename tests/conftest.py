@@ -568,3 +568,11 @@ def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return where / "tokenizer.json"
+
+
+@pytest.fixture
+def env():
+    """A relay verifier and an honest peer 'alice' under one fake clock (``tests/support/auth.py``)."""
+    from tests.support.auth import Env
+
+    return Env()
