@@ -92,7 +92,7 @@ def light_peers(url: str, count: int, steps: int, reports) -> None:
 def start_servers(tmp: Path, numel: int, cached: bool):
     """The relay, and nginx in front of it when ``cached``: nginx cannot bind port 0, so its port
     is picked first (the relay's public_params_url names it), again if another process took it."""
-    from tests.conftest import PortTaken, free_port, run_nginx
+    from tests.support.processes import PortTaken, free_port, run_nginx
     from tests.support.http_cache import cache_http_block
 
     for attempt in range(5):

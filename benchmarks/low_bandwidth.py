@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import REPO, ServerFailed, start_server  # noqa: E402
+from servers import REPO, ServerFailed, start_server, toml_text  # noqa: E402
 from low_bandwidth_figures import bars, summarize_model, summarize_variant, worst  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
 
@@ -176,27 +176,13 @@ def run_peer(args: argparse.Namespace) -> None:
 
 
 # --- one variant ---------------------------------------------------------------------------------
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(value)
-
-
 def write_run(path: Path, model: str, overrides: dict[str, dict[str, Any]]) -> Path:
     """The demo run with ``model``'s [model] and ``overrides`` merged in, as a TOML file."""
     config = tomllib.loads((REPO / "relay_server/defaults/demo.toml").read_text())
     config["model"] = dict(MODELS[model])
     for section, values in overrides.items():
         config.setdefault(section, {}).update(values)
-    lines = []
-    for section, values in config.items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(toml_text(config))
     return path
 
 

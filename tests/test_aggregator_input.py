@@ -11,7 +11,7 @@ import json
 import numpy as np
 import requests
 
-from tests.conftest import RelayProcess
+from tests.support.processes import RelayProcess
 from tests.support.peers import RawPeer, raw_http
 from toolkit.client import RelayClient
 from toolkit.wire.protocol import GradientMeta, Ticket

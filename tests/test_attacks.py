@@ -27,7 +27,7 @@ import requests
 
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
-from tests.conftest import RelayProcess
+from tests.support.processes import RelayProcess
 from tests.hf_standin import HfStandin
 from tests.support.peers import FLOOD_LIMITS, SAMPLES, TOKENS, SignedPeer, hf_relay, raw_http, round_state, standin
 from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 from relay_server.core.config import ConfigError, load_config
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress
 from relay_server.rounds.robust import CenteredClipConfig
-from tests.conftest import merged, write_config
+from tests.support.processes import merged, write_config
 from tests.support.properties import twin_property
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected

@@ -250,7 +250,7 @@ def test_the_readme_evaluation_section_loads(tmp_path: Path, demo_tokenizer: Pat
 def scorer_for(tmp_path: Path, tokenizer: Path | None, **sections):
     """The evaluator's scorer for a run written from ``sections`` (validation: tests.support.evaluation's text)."""
     from relay_server.observers.eval_model import VersionScorer
-    from tests.conftest import write_config
+    from tests.support.processes import write_config
 
     config = load_config(write_config(tmp_path / "run.toml", {
         "auth": {"mode": "open"}, **({"tokenizer": {"file": str(tokenizer)}} if tokenizer else {}), **sections}))

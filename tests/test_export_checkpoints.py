@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO, merged, write_config
+from tests.conftest import REPO
+from tests.support.processes import merged, write_config
 
 pytest.importorskip("transformers")
 

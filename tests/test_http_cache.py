@@ -21,7 +21,8 @@ import pytest
 import requests
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import REPO, merged, write_config
+from tests.conftest import REPO
+from tests.support.processes import merged, write_config
 from tests.hf_standin import HfStandin
 from tests.support.http_cache import cache_http_block
 from toolkit.client import RelayClient

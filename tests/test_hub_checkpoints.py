@@ -26,7 +26,8 @@ from relay_server.observers.hub_checkpoints import (INFO_FILE, STATE_FILE, HubCh
                                                    load_hub_checkpoint, parse_init_from)
 from relay_server.observers.pretrained import MODEL_FILE, master_params
 from relay_server.observers.events import StepEvent
-from tests.conftest import BASE_CONFIG, wait_until, write_config
+from tests.conftest import wait_until
+from tests.support.processes import BASE_CONFIG, write_config
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
 from tests.support.training import relay_params

@@ -29,7 +29,8 @@ import torch
 from safetensors.numpy import load_file
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import merged, wait_until, write_config
+from tests.conftest import wait_until
+from tests.support.processes import merged, write_config
 from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
 from tests.support.peers import RawPeer
 from tests.support.relays import snapshot

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO, write_config
+from tests.conftest import REPO
+from tests.support.processes import write_config
 
 pytest.importorskip("transformers")
 

@@ -36,7 +36,8 @@ from relay_server.core.config import load_config
 from relay_server.core.errors import ApiError
 from relay_server.api.moderation import TOKEN_FILE, AdminToken
 from relay_server.api.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
-from tests.conftest import REPO, Clock, merged
+from tests.conftest import REPO, Clock
+from tests.support.processes import merged
 from tests.support.peers import TOKENS, SignedPeer, hf_relay, standin
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES
 

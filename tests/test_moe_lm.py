@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, merged, wait_until, write_config
+from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, wait_until
+
+from tests.support.processes import merged, write_config
 from tests.dmoe_lm_trainer import BATCH, SEQ_LEN, lm_batches
 from tests.support.moe import MOE, directory, start_host, stop
 from tests.support.training import relay_params

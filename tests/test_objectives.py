@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 from relay_server.cli import main as cli_main  # noqa: E402
 from relay_server.core.config import ConfigError, load_config  # noqa: E402
 from relay_server.data.tokenizer_train import train_tokenizer  # noqa: E402
-from tests.conftest import write_config  # noqa: E402
+from tests.support.processes import write_config  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.corpus import demo_paragraphs, demo_texts  # noqa: E402
 from toolkit.data import Background, ObjectiveConfig, batches_for_run, load_tokenizer, objective_batches  # noqa: E402

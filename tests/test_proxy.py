@@ -30,7 +30,9 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, NginxProcess, wait_until
+from tests.conftest import REPO, wait_until
+
+from tests.support.processes import NginxProcess
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec

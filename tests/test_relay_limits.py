@@ -33,7 +33,9 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, RelayProcess, merged, wait_until, write_config
+from tests.conftest import REPO, wait_until
+
+from tests.support.processes import RelayProcess, merged, write_config
 from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec

@@ -12,7 +12,7 @@ from relay_server.api.context import COLLAB
 from relay_server.backbone.link_load import ref_bytes
 from relay_server.core.config import ConfigError, load_config
 from relay_server.planning.policy import RELAY_ID
-from tests.conftest import merged, write_config
+from tests.support.processes import merged, write_config
 from tests.support.training import FAST_AGGREGATORS, train_sliced
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES

@@ -41,7 +41,8 @@ from relay_server.core.errors import ApiError
 from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
 from relay_server.rounds.robust import CenteredClipConfig, centered_clip
-from tests.conftest import BytesStream, merged
+from tests.conftest import BytesStream
+from tests.support.processes import merged
 from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
 from toolkit.models.flat import flatten

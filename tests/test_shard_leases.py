@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, RelayProcess, merged, wait_until, write_config
+from tests.conftest import REPO, wait_until
+
+from tests.support.processes import RelayProcess, merged, write_config
 from tests.support.training import write_shards
 from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import requests
 
-from tests.conftest import RelayProcess, merged, write_config
+from tests.support.processes import RelayProcess, merged, write_config
 from tests.hf_standin import HfStandin
 from toolkit.client import RelayClient
 from toolkit.signing import SignedAuth
