@@ -1,5 +1,5 @@
 """Shared fixtures: real relay, aggregator, peer and nginx processes on 127.0.0.1, always cleaned up
-(the process classes themselves are ``tests/support/processes.py``'s).
+(the process classes themselves are ``tests/support/processes.py``'s, nginx ``benchmarks/nginx.py``'s).
 
 Every server a test starts binds port 0 and says which port it got (``--ready-file``), so no two
 tests can race for a port. The one fake clock is :class:`Clock`; the one in-process relay is
@@ -23,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.processes import (NGINX, REPO, AggregatorProcess, NginxProcess, PeerProcess, RelayProcess, merged,
-                                     run_nginx, spawn_relay, write_config)
+from benchmarks.nginx import NGINX, NginxProcess, run_nginx
+from tests.support.processes import (REPO, AggregatorProcess, PeerProcess, RelayProcess, merged, spawn_relay,
+                                     write_config)
 
 pytest_plugins = ["tests.hf_standin"]  # the `hf_standin` fixture: a local stand-in for the HF Hub API
 

@@ -1,5 +1,5 @@
 """Parameter downloads through a standard HTTP cache: a real nginx (``proxy_cache``, configured by
-``examples/nginx_params_cache.conf`` as written: ``tests/support/http_cache.py``) in front of a
+``examples/nginx_params_cache.conf`` as written: ``benchmarks/nginx.py``) in front of a
 real relay.
 
 The relay names each version's immutable body URL in a small signed answer that is never cached;
@@ -24,7 +24,7 @@ from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO
 from tests.support.processes import merged, write_config
 from tests.hf_standin import HfStandin
-from tests.support.http_cache import cache_http_block
+from benchmarks.nginx import cache_http_block
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (BLOB_CACHE_CONTROL, PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta,

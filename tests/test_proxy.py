@@ -32,7 +32,7 @@ import requests
 
 from tests.conftest import REPO, wait_until
 
-from tests.support.processes import NginxProcess
+from benchmarks.nginx import NginxProcess
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec

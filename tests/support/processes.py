@@ -1,25 +1,21 @@
-"""Real server and peer processes for tests: the relay, aggregators, peers and nginx, each started
-the way a user starts it (the CLI, or the peer script), always on port 0 or a port found free.
+"""Real server and peer processes for tests: the relay, aggregators and peers, each started the way
+a user starts it (the CLI, or the peer script).
 
 Every server binds port 0 and says which port it got (``--ready-file``), so no two tests (nor two
-xdist workers) can race for a port; nginx, which cannot, is started on a free port and retried
-when another process took it (:func:`on_free_port`). The fixtures that start and always stop these
-are ``tests/conftest.py``'s; runs are written from :data:`BASE_CONFIG` merged with a test's
-overrides (:func:`merged`, :func:`write_config`).
+xdist workers) can race for a port (nginx, which cannot, is ``benchmarks/nginx.py``'s). The
+fixtures that start and always stop these are ``tests/conftest.py``'s; runs are written from
+:data:`BASE_CONFIG` merged with a test's overrides (:func:`merged`, :func:`write_config`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,93 +50,6 @@ def merged(overrides: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, A
     for section, values in (overrides or {}).items():
         config.setdefault(section, {}).update(values)
     return config
-
-
-def free_port() -> int:
-    """A port nothing listens on right now, for third-party servers that cannot bind port 0 and
-    report it (nginx): another process may take it before the server binds it, so start such a
-    server through :func:`on_free_port`, which picks again when that happens. Our own servers
-    (relay, aggregator, demo) bind port 0 and say which port they got: never pick one for them."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PortTaken(Exception):
-    """Raised by a ``start(port)`` given to :func:`on_free_port` when the port was taken meanwhile."""
-
-
-def on_free_port(start, attempts: int = 5):
-    """``start(port)`` on a free port, again on another one while it raises :class:`PortTaken`: the
-    race between picking a port and a third-party server binding it, closed by retrying."""
-    for attempt in range(attempts):
-        try:
-            return start(free_port())
-        except PortTaken:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-
-
-@dataclass
-class NginxProcess:
-    """A real nginx (Debian's) in the foreground, all its files in ``directory``; no root needed."""
-
-    proc: subprocess.Popen
-    port: int
-    directory: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def run_nginx(directory: Path, http_block: Callable[[int], str], port: int = 0) -> NginxProcess:
-    """nginx on a free port (:func:`on_free_port`: nginx cannot listen on port 0, so a port is
-    picked, and picked again if another process took it first), or on ``port`` (:class:`PortTaken`
-    if it is taken). ``http_block(port)`` is the text inside ``http { }``; its server listens on
-    127.0.0.1:port."""
-    directory.mkdir(parents=True, exist_ok=True)
-    log = directory / "error.log"
-    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    user = "user root;\n" if os.geteuid() == 0 else ""  # workers may read what the test wrote
-
-    def start(port: int) -> NginxProcess:
-        conf = directory / "nginx.conf"
-        conf.write_text(f"{user}worker_processes 1;\nevents {{ worker_connections 1024; }}\nhttp {{\n"
-                        f"    access_log off;\n{temp}\n{http_block(port)}}}\n")
-        log.unlink(missing_ok=True)
-        proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", str(conf), "-g",
-                                 f"daemon off; pid {directory / 'nginx.pid'}; error_log {log} info;"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    return NginxProcess(proc, port, directory)
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        proc.wait(timeout=10)
-        text = log.read_text() if log.exists() else ""
-        if "Address already in use" in text:
-            raise PortTaken(port)
-        raise RuntimeError(f"nginx did not start:\n{text[-3000:]}")
-
-    return start(port) if port else on_free_port(start)
 
 
 def read_ready_url(ready: Path, proc: subprocess.Popen, log_path: Path, timeout_s: float, what: str) -> str:
