@@ -26,7 +26,7 @@ from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO, wait_until
 from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run, train_until_evaluated
-from tests.support.wandb_records import history_rows, read_wandb_records
+from tests.support.wandb_records import finished_run_records, history_rows
 
 HUB_TOKEN = "hf_test_organizer_write_token"
 HUB_REPO = "organizer/eval-ckpt"
@@ -125,7 +125,7 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
     relay.stop()  # closes the observers: W&B's run is on disk, the last upload done
     run_id = (relay.data_dir / "wandb-run-id").read_text().strip()
     [log] = offline_wandb.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
-    rows = [r for r in history_rows(read_wandb_records(log)) if "eval/loss" in r]
+    rows = [r for r in history_rows(finished_run_records(log)) if "eval/loss" in r]
     assert [(r["step"], r["eval/loss"], r["eval/accuracy"]) for r in rows] == [
         (e["step"], e["loss"], e["accuracy"]) for e in evaluations]
     assert all(r["eval/samples/_type"] == "table-file" and r["eval/samples/nrows"] == len(PROMPTS) for r in rows)

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.progress import progress
 from tests.support.relays import running_relay
-from tests.support.wandb_records import history_rows, read_wandb_records, run_config
+from tests.support.wandb_records import finished_run_records, history_rows, run_config
 from toolkit.session import join
 from toolkit.notebook.wandb_run import NullRun, WandbRun, WandbTarget, open_wandb_run
 
@@ -26,7 +26,7 @@ def offline_run(wandb_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, An
     """(the run record, its config, the history rows) of the one offline run under ``wandb_dir``."""
     files = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1, list(wandb_dir.rglob("*"))
-    records = read_wandb_records(files[0])
+    records = finished_run_records(files[0])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     return run, run_config(records), history_rows(records)
 

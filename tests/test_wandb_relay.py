@@ -19,7 +19,7 @@ import pytest
 from relay_server.core.config import load_config
 from relay_server.observers.events import StepEvent
 from relay_server.observers.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
-from tests.support.wandb_records import history_rows, read_wandb_records, run_config
+from tests.support.wandb_records import finished_run_records, history_rows, run_config
 from relay_server.rounds.traffic import Traffic
 from toolkit.wire.protocol import (LeaderboardEntry, LocalSgdStatus, PlanInfo, PlanSlice, RoundRecord, RunSummary,
                                    StatusReport, TrafficStatus)
@@ -38,7 +38,7 @@ def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_rela
     run_id = (relay.data_dir / "wandb-run-id").read_text().strip()
     files = list(offline_wandb.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(files) == 1, list(offline_wandb.rglob("*"))
-    records = read_wandb_records(files[0])
+    records = finished_run_records(files[0])
 
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.display_name, run.project, run.run_id) == ("wandb-run", "collab-test", run_id)

@@ -1,10 +1,11 @@
 """Reading what W&B wrote offline: the records of a ``.wandb`` transaction log (checksums verified),
-the history rows and the run config in them."""
+those of a finished run once they are all on disk, the history rows and the run config in them."""
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,22 @@ def read_wandb_records(path: Path) -> list[Any]:
             record.ParseFromString(pending)
             records.append(record)
     return records
+
+
+def finished_run_records(path: Path, timeout_s: float = 60) -> list[Any]:
+    """The records of a finished run's log, once its ``exit`` record is in. wandb-core writes the
+    log from its own process and can still be flushing it when ``finish()`` (or the process that
+    called it) has returned: seen once in a CI run with two test workers, where the log read right
+    after ``close()`` held no ``run`` record yet. ``TimeoutError`` if the run never ends."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_wandb_records(path) if path.exists() else []
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        if time.monotonic() > deadline:
+            kinds = [r.WhichOneof("record_type") for r in records]
+            raise TimeoutError(f"{path} has no exit record after {timeout_s:.0f} s; its records: {kinds}")
+        time.sleep(0.1)
 
 
 def history_rows(records: list[Any]) -> list[dict[str, Any]]:
