@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.servers import REPO, stop_process
+
 CACHE_CONF = REPO / "examples" / "nginx_params_cache.conf"
 
 
@@ -64,13 +65,7 @@ class NginxProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, timeout_s=10)
 
 
 def run_nginx(directory: Path, http_block: Callable[[int], str], port: int = 0) -> NginxProcess:

@@ -50,6 +50,17 @@ def toml_text(sections: dict[str, dict[str, Any]]) -> str:
                    for name, values in sections.items())
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM (a server's clean shutdown), SIGKILL if it has not exited after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+
+
 def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
     """The URL a server wrote to its ``--ready-file``; :class:`ServerFailed` with its log's tail
     if it exited first or has not listened within ``timeout_s``."""
@@ -85,14 +96,7 @@ class ServerRun:
         return answer.json()
 
     def stop(self) -> None:
-        """SIGTERM (the server's clean shutdown), SIGKILL after 30 s."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)
 
 
 def start_server(folder: Path, name: str, args: list[str], data_dir: Path, *, command: list[str] | None = None,
