@@ -14,7 +14,7 @@ step, once every light peer holds the version before, so every peer downloads ev
 "Without cache": ``[server] public_params_url`` unset, every body comes from the relay. "With
 cache": a real nginx (``examples/nginx_params_cache.conf``, ``benchmarks/nginx.py``) in
 front, and the relay's public_params_url names it. The relay's figures are its own counters
-(``GET /api/params/egress``: bodies it wrote, plus the refs' JSON), over the S+1 versions
+(``GET /api/admin/params/egress``: bodies it wrote, plus the refs' JSON), over the S+1 versions
 (the initial one included). The last line is one JSON object; ``relay_bytes_per_step_ratio`` is
 with-cache / without at the largest N.
 """
@@ -112,7 +112,7 @@ def start_servers(tmp: Path, numel: int, cached: bool):
 def run_level(peers: int, steps: int, numel: int, processes: int, cached: bool, tmp: Path) -> dict:
     from toolkit.client import RelayClient
     from toolkit.wire.compression import get_codec
-    from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
+    from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, JoinRequest
 
     relay, nginx = start_servers(tmp, numel, cached)
     ctx = mp.get_context("spawn")
@@ -140,7 +140,7 @@ def run_level(peers: int, steps: int, numel: int, processes: int, cached: bool, 
             trainer.upload_gradient(codec.encode(grad), GradientMeta(peer_id=peer_id, step=step, version=step,
                                                                      samples=1, loss_sum=1.0), "none")
         elapsed = time.monotonic() - started
-        sent = relay.get("/api/params/egress")
+        sent = relay.get(ROUTES["params_egress"], admin=True)
     finally:
         for w in workers:
             w.join(timeout=60)

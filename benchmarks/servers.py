@@ -87,11 +87,13 @@ class ServerRun:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
-    def get(self, route: str, timeout_s: float = 30) -> Any:
-        """``GET route`` as JSON (``/api/status``, ``/api/params/egress``, ...)."""
+    def get(self, route: str, timeout_s: float = 30, *, admin: bool = False) -> Any:
+        """``GET route`` as JSON (``/api/status``, ...); ``admin``: with the admin token from the
+        data folder, for the organizer's routes (``/api/admin/params/egress``, ...)."""
         import requests
 
-        answer = requests.get(self.url + route, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {(self.data_dir / 'admin_token').read_text().strip()}"} if admin else {}
+        answer = requests.get(self.url + route, timeout=timeout_s, headers=headers)
         answer.raise_for_status()
         return answer.json()
 

@@ -14,17 +14,20 @@ so the flood test (which runs after the round closed) trips within a second.
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 import requests
 
+from relay_server.api.app import PUBLIC_ROUTES
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
 from tests.support.processes import RelayProcess
@@ -34,7 +37,7 @@ from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER,
                                TIMESTAMP_HEADER, PassClaims, b64u, decode_pass, digest_metadata)
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
-from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat
+from toolkit.wire.protocol import PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, ParamsRef
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
 from toolkit.wire.tensor_container import encode_header
 
@@ -79,8 +82,10 @@ def world(tmp_path_factory) -> Iterator[World]:
     directory = tmp_path_factory.mktemp("attacks")
     hub = standin()
     relay = None
+    cache = socket.socket()  # the run's HTTP cache, where nothing listens: peers fall back to the relay,
+    cache.bind(("127.0.0.1", 0))  # and the relay hands out the immutable URLs the issue-41 attacks try
     try:
-        relay = hf_relay(directory, hub)
+        relay = hf_relay(directory, hub, {"server": {"public_params_url": f"http://127.0.0.1:{cache.getsockname()[1]}"}})
         alice = SignedPeer.login(relay, "alice").join("alice-notebook")
         bob = SignedPeer.login(relay, "bob").join("bob-notebook")
         num_params = relay.status()["num_params"]
@@ -95,6 +100,7 @@ def world(tmp_path_factory) -> Iterator[World]:
         if relay is not None:
             relay.stop()
         hub.stop()
+        cache.close()
 
 
 @pytest.fixture
@@ -322,6 +328,96 @@ def test_timestamp_with_a_non_ascii_digit(world: World, unchanged) -> None:
               and k != TIMESTAMP_HEADER]
     response = raw_http(world.relay.port, "\r\n".join(lines + [f"{TIMESTAMP_HEADER}: \xb2"]))
     assert error_of(response) == (401, "malformed_auth")
+
+
+# --- what a non-member can read (issue 41): the organizer's report, parameter URLs, Range ------------
+HUGE = "9" * 5000  # more digits than Python converts to an int (4300): once a 500
+
+
+def public_reads(world: World) -> dict[str, requests.Response]:
+    """Every public GET route without a path parameter, read by a client that never logged in (the
+    app's own list: a public route added later is read here too), and the dashboard's script."""
+    paths = sorted(p for p in PUBLIC_ROUTES if "{" not in p and p not in ("/static", ROUTES["login"]))
+    return {p: requests.get(world.relay.url + p, timeout=30) for p in [*paths, "/static/app.js"]}
+
+
+def signed_ref(world: World) -> ParamsRef:
+    """The current version's ref, as the relay hands it to a logged-in peer (alice)."""
+    response = world.alice.send(world.alice.prepared("GET", ROUTES["params"] + "?ref=1"))
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith(PARAMS_REF_TYPE)
+    return ParamsRef.loads(response.content)
+
+
+def test_the_egress_report_is_the_organizers(world: World, unchanged) -> None:
+    """It was public and listed every body URL with its sha256; now only the admin token reads it
+    (a member's pass does not)."""
+    url = world.relay.url + ROUTES["params_egress"]
+    assert error_of(requests.get(url, timeout=10)) == (401, "admin_auth_required")
+    assert error_of(world.alice.send(world.alice.prepared("GET", ROUTES["params_egress"]))) == (401, "admin_auth_required")
+    report = admin(world, "GET", ROUTES["params_egress"].removeprefix("/api/admin"))
+    assert report.status_code == 200 and report.json()["refs"] >= 1
+
+
+def test_no_url_a_non_member_can_learn_downloads_the_parameters(world: World, unchanged) -> None:
+    """A client that never logged in got the parameters of this hf run at /api/params/v/0/<sha256>/full
+    (the sha256 was on the public egress report). Now a body's URL is a capability only the signed
+    ref names: nothing a public route answers contains it, and every URL built from what a
+    non-member may know -- the sha256 itself included -- is a 403 that says to log in."""
+    ref = signed_ref(world)
+    capability = urlsplit(ref.url).path
+    tag = capability.split("/")[5]
+    assert tag != ref.sha256 and capability == f"/api/params/v/{ref.step}/{tag}/full"
+    assert error_of(requests.get(world.relay.url + ROUTES["params"], params={"ref": 1}, timeout=10)) == \
+        (401, "missing_auth")
+    reads = public_reads(world)
+    assert all(r.status_code < 500 for r in reads.values()), {p: r.status_code for p, r in reads.items()}
+    public_text = "".join(r.text for r in reads.values())
+    assert tag not in public_text
+    guesses = {ref.sha256, *re.findall(r"[0-9a-f]{64}", public_text)}
+    for guess in guesses:
+        for kind in ("full", "delta"):
+            for method in ("GET", "HEAD"):
+                refused = requests.request(method, f"{world.relay.url}/api/params/v/{ref.step}/{guess}/{kind}",
+                                           timeout=10)
+                assert refused.status_code == 403 and "public" not in refused.headers.get("Cache-Control", "")
+                if method == "GET":
+                    assert error_of(refused) == (403, "params_url_not_issued")
+    # the capability itself needs no pass (a shared cache fills itself with it) and is the version
+    body = requests.get(world.relay.url + capability, timeout=30)
+    assert body.status_code == 200 and body.headers["X-Collab-Sha256"] == ref.sha256
+    assert hashlib.sha256(body.content[-4 * world.num_params:]).hexdigest() == ref.sha256
+
+
+def test_hostile_range_headers_never_answer_500(world: World, unchanged) -> None:
+    """``Range: bytes=<5000 digits>-`` answered 500 (Python's int() refuses more than 4300 digits).
+    Now, as RFC 9110 section 14 says: a first position past the end is 416 with a hint, a suffix or
+    last position past it means to the end (206), an invalid or foreign one is ignored (200). Every
+    public route (and the dashboard's files, served with ranges by aiohttp) is asked the same: none
+    answers 500."""
+    capability = world.relay.url + urlsplit(signed_ref(world).url).path
+    whole = requests.get(capability, timeout=30).content
+    size = len(whole)
+
+    def get(value: str, url: str = capability) -> requests.Response:
+        return requests.get(url, headers={"Range": value}, timeout=30)
+
+    past = get(f"bytes={HUGE}-")
+    assert error_of(past) == (416, "range_not_satisfiable") and past.headers["Content-Range"] == f"bytes */{size}"
+    for value in (f"bytes=-{HUGE}", f"bytes=0-{HUGE}", f"BYTES=-{HUGE}"):
+        answer = get(value)
+        assert (answer.status_code, answer.content) == (206, whole), value[:40]
+        assert answer.headers["Content-Range"] == f"bytes 0-{size - 1}/{size}"
+    shifted = get("bytes=" + "0" * 5000 + "1-")  # leading zeros are still the position 1
+    assert (shifted.status_code, shifted.content) == (206, whole[1:])
+    ignored = (f"bytes={HUGE}-{HUGE[:2000]}", "bytes=abc", "bytes=--", "bytes=0-1,5-9", "items=0-9", "bytes=", HUGE)
+    for value in ignored:
+        answer = get(value)
+        assert (answer.status_code, answer.content) == (200, whole), value[:40]
+    hostile = (f"bytes={HUGE}-", f"bytes=-{HUGE}", f"bytes=0-{HUGE}", "bytes=abc", "bytes=0-1,5-9")
+    for path, plain in public_reads(world).items():  # each answers as without the header, or 206/416
+        for value in hostile:
+            status = get(value, world.relay.url + path).status_code
+            assert status < 500 and status in (plain.status_code, 206, 416), (path, value[:40], status)
 
 
 # --- the round survived all of the above --------------------------------------------------------------

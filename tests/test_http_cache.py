@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.api.moderation import ADMIN_PREFIX
+from relay_server.cli import main as cli_main
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO
 from tests.support.processes import merged, write_config
@@ -69,10 +72,13 @@ def published_sha(relay) -> str:
 
 
 def egress(relay) -> dict:
-    return requests.get(relay.url + ROUTES["params_egress"], timeout=10).json()
+    """The relay's own parameter bytes: the organizer's report, read with the admin token."""
+    report = relay.admin("GET", ROUTES["params_egress"].removeprefix(ADMIN_PREFIX))
+    assert report.status_code == 200, report.text
+    return report.json()
 
 
-def test_eight_peers_download_one_version_and_the_relay_sends_its_bytes_once(cached_relay) -> None:
+def test_eight_peers_download_one_version_and_the_relay_sends_its_bytes_once(cached_relay, capsys) -> None:
     relay, nginx = cached_relay()
     with ThreadPoolExecutor(PEERS) as pool:
         results = list(pool.map(download, [relay.url] * PEERS))
@@ -86,6 +92,11 @@ def test_eight_peers_download_one_version_and_the_relay_sends_its_bytes_once(cac
     assert size > params.nbytes  # the container: a header, then the float32 parameters
     assert sent["refs"] == PEERS and sent["direct"] == 0
     assert sent["immutable_requests"] == 1 and sent["immutable"] == size == sent["by_url"][body_url]
+    capsys.readouterr()  # the organizer's CLI reads the same report with the admin token
+    assert cli_main(["admin", "--url", relay.url, "--data-dir", str(relay.data_dir), "--json", "egress"]) == 0
+    assert json.loads(capsys.readouterr().out) == sent
+    assert cli_main(["admin", "--url", relay.url, "--data-dir", str(relay.data_dir), "egress"]) == 0
+    assert f"{size} B to the cache (1 request(s)); {PEERS} refs" in capsys.readouterr().out
     # the cache answers with the relay's validators, byte ranges from its own copy
     cached = requests.get(nginx.url + body_url, headers={"Range": "bytes=100-199"}, timeout=10)
     assert cached.status_code == 206 and len(cached.content) == 100
@@ -115,7 +126,9 @@ def test_a_cache_serving_tampered_bytes_is_caught_and_the_relay_serves_the_versi
 
 def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_standin: HfStandin) -> None:
     """``auth = "hf"``: the ref is signed by the relay (the client checks), the body URL needs no
-    pass (nginx fills itself unsigned), and a peer one version behind gets the int8 delta."""
+    pass (nginx fills itself unsigned) but is a capability the ref alone hands out, and a peer one
+    version behind gets the int8 delta. Whoever knows only the sha256 gets a 403 from the cache
+    (which does not keep it) as from the relay."""
     hf_standin.add_user("hf_alice_cache_token_01", "alice")
     relay, nginx = cached_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
                                  "run": {"compression": "int8", "target_batch": 8}})
@@ -136,10 +149,16 @@ def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_st
     assert state.step == 1 and hashlib.sha256(public.tobytes()).hexdigest() == state.sha256
     sent = egress(relay)
     assert alice.cache_failures == 0 and sent["direct"] == 0 and sent["refs"] == 2
-    full, delta = f"/api/params/v/0/{first}/full", f"/api/params/v/1/{state.sha256}/delta"
-    assert sorted(sent["by_url"]) == sorted([full, delta])
+    full, delta = sorted(sent["by_url"], key=lambda path: path.split("/")[4])  # by step: 0, then 1
+    assert re.fullmatch(r"/api/params/v/0/[0-9a-f]{64}/full", full) and first not in full
+    assert re.fullmatch(r"/api/params/v/1/[0-9a-f]{64}/delta", delta) and state.sha256 not in delta
     body = requests.get(nginx.url + delta, timeout=10)
     assert body.headers["X-Cache-Status"] == "HIT" and b'"kind":"delta"' in body.content[:400]
+    for _ in range(2):  # the cache passes the refusal on, and keeps none
+        for base in (nginx.url, relay.url):
+            refused = requests.get(f"{base}/api/params/v/1/{state.sha256}/delta", timeout=10)
+            assert (refused.status_code, refused.json()["error"]) == (403, "params_url_not_issued")
+            assert refused.json()["hint"] and refused.headers.get("X-Cache-Status") in (None, "MISS")
     alice.close()
 
 
@@ -177,6 +196,11 @@ def test_immutable_urls_carry_strong_validators_and_the_current_version_is_never
         assert not_modified.headers["ETag"] == f'"{sha}"'
     assert requests.get(path, headers={"If-None-Match": '"x"'}, timeout=10).status_code == 200
     assert requests.get(path, headers={"Range": "bytes=9-3"}, timeout=10).status_code == 200  # invalid: ignored
+    huge = "9" * 5000  # more digits than int() converts: a 500 once
+    past = requests.get(path, headers={"Range": f"bytes={huge}-"}, timeout=10)
+    assert past.status_code == 416 and past.headers["Content-Range"] == f"bytes */{size}" and past.json()["hint"]
+    for value in (f"bytes=-{huge}", f"bytes=0-{huge}"):  # past the end: to the end (RFC 9110 14.1.2)
+        assert requests.get(path, headers={"Range": value}, timeout=10).content == whole.content
     for unknown in (f"/api/params/v/1/{sha}/full", f"/api/params/v/0/{'0' * 64}/full", f"/api/params/v/0/{sha}/delta"):
         missing = requests.get(relay.url + unknown, timeout=10)
         assert missing.status_code == 404 and "public" not in missing.headers.get("Cache-Control", "")

@@ -125,5 +125,5 @@ def test_every_run_counts_what_the_relay_sends_full_and_delta(serve_relay) -> No
     # /api/status is shared for up to a second while the step and the peers stay the same
     traffic = wait_until(lambda: (t := relay.status()["traffic"])["down_bytes"] != counted and t, 30, "a new report")
     assert traffic["down_bytes"] == counted + len(full.content) + len(delta.content)
-    assert requests.get(relay.url + "/api/params/egress", timeout=10).json()["direct"] == traffic["down_bytes"]
+    assert relay.admin("GET", "/params/egress").json()["direct"] == traffic["down_bytes"]
     assert traffic["samples"] == 2 * BATCH and traffic["down_bytes_per_sample"] == traffic["down_bytes"] / (2 * BATCH)

@@ -20,6 +20,8 @@ Routes (JSON in and out; errors are the usual ``{"error", "message", "hint"}``):
   bans and how often CenteredClip clipped them.
 * ``GET /api/admin/checkpoints``; ``POST /api/admin/rollback`` ``{"to_step"}``: publish a stored
   version's parameters and optimizer state as the next version (see ``Collaboration.rollback``).
+* ``GET /api/admin/params/egress``: the parameter bytes the relay sent itself, and per body URL
+  (:mod:`relay_server.api.params_cache` answers it; on signed runs those URLs are capabilities).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from aiohttp import web
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from toolkit.wire.auth import USERNAME_RE
+from toolkit.wire.protocol import ROUTES
 from toolkit.wire.schema import Schema, limits
 
 if TYPE_CHECKING:
@@ -307,6 +310,7 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     actions.add_parser("checkpoints", help="stored versions a rollback can return to")
     actions.add_parser("rollback", help="publish stored step STEP as the next version").add_argument(
         "step", type=int, help="a stored step (see 'checkpoints')")
+    actions.add_parser("egress", help="parameter bytes the relay sent itself (what an HTTP cache in front saves)")
 
 
 def run_admin(args: argparse.Namespace) -> int:
@@ -330,6 +334,7 @@ def run_admin(args: argparse.Namespace) -> int:
         "contributions": ("GET", "/contributions", None),
         "checkpoints": ("GET", "/checkpoints", None),
         "rollback": ("POST", "/rollback", {"to_step": getattr(args, "step", 0)}),
+        "egress": ("GET", ROUTES["params_egress"].removeprefix(ADMIN_PREFIX), None),
     }[args.action]
     import requests  # the relay itself never needs it
 
@@ -367,6 +372,9 @@ def _render(action: str, answer: dict[str, Any]) -> str:
         rows = [f"step {c['step']:>8}  {c['bytes'] / 1e6:9.1f} MB  "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c['saved_at']))}" for c in answer["checkpoints"]]
         return "\n".join([f"current step {answer['step']}", *rows])
+    if action == "egress":
+        return (f"bodies {answer['direct']} B to peers, {answer['immutable']} B to the cache "
+                f"({answer['immutable_requests']} request(s)); {answer['refs']} refs, {answer['ref_bytes']} B")
     if action == "rollback":
         return f"rolled back to the state of step {answer['rolled_back_to']}, published as step {answer['step']}"
     if action == "ban":

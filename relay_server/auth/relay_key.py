@@ -7,6 +7,8 @@ it lets anyone mint passes, so it is created 0600 and never logged.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import stat
@@ -53,6 +55,15 @@ class RelayKey:
 
     def sign(self, message: bytes) -> bytes:
         return self._private.sign(message)
+
+    def derive_secret(self, purpose: str) -> bytes:
+        """32 bytes only this key's holder can compute, one secret per ``purpose``: HMAC-SHA256
+        over the purpose, keyed with the private key. Why derived and not a file of its own: it
+        lives and dies with the key (a relay that loses its key, and so everyone's passes, also
+        changes what it derived), and it survives restarts as the key does. The purpose label
+        keeps each derived secret useless for any other purpose, and none is a signature."""
+        label = b"collabtrain relay secret\0" + purpose.encode("ascii")
+        return hmac.new(self._private.private_bytes_raw(), label, hashlib.sha256).digest()
 
     def __repr__(self) -> str:
         return f"RelayKey(key_id={self.key_id})"

@@ -40,7 +40,7 @@ def relay_link_load(config: RelayConfig, codecs: RunCodecs, owners: list[Owner],
 
 def ref_bytes(base_url: str) -> int:
     """The size of one :class:`ParamsRef` (what each peer still gets from the relay per version)."""
-    path = ROUTES["params_blob"].format(step=10 ** 9, sha256="0" * 64, kind="delta")
+    path = ROUTES["params_blob"].format(step=10 ** 9, tag="0" * 64, kind="delta")
     return len(ParamsRef(step=10 ** 9, sha256="0" * 64, kind="delta", base=10 ** 9 - 1,
                          url=base_url.rstrip("/") + path).dumps())
 

@@ -1,8 +1,9 @@
 """Parameter bodies any HTTP cache can serve.
 
 A published version is immutable: its body (and, on lossy runs, the int8 delta from the version
-before) lives at a content-addressed URL, ``ROUTES["params_blob"]`` (step, the sha256 of the
-parameters a peer holds afterwards, and ``full`` or ``delta``), answered with a strong ``ETag``,
+before) lives at an immutable URL, ``ROUTES["params_blob"]`` (step; a tag: the sha256 of the
+parameters a peer holds afterwards on open runs, an unguessable capability on signed runs that
+only the signed ref hands out; and ``full`` or ``delta``), answered with a strong ``ETag``,
 ``Cache-Control: public, immutable`` and byte ranges, so nginx, Varnish or a CDN in front of the
 relay can fan it out. What must stay fresh and signed -- which version is current and the hash
 its bytes must have -- is the small :class:`ParamsRef` the relay answers ``GET /api/params`` with

@@ -24,9 +24,10 @@ ROUTES = {
     "leave": "/api/peers/{peer_id}/leave",
     "gradient": "/api/rounds/{step}/gradient",
     "params": "/api/params",
-    # immutable, content-addressed parameter bodies any HTTP cache may serve (.params)
-    "params_blob": "/api/params/v/{step}/{sha256}/{kind}",
-    "params_egress": "/api/params/egress",
+    # immutable parameter bodies any HTTP cache may serve (.params); ``tag``: the sha256 on open
+    # runs, a capability on signed ones (relay_server/api/params_cache.py says why)
+    "params_blob": "/api/params/v/{step}/{tag}/{kind}",
+    "params_egress": "/api/admin/params/egress",  # the organizer's: the admin token, as under /api/admin
     "state": "/api/state",
     "login": "/api/auth/login",
     "refresh": "/api/auth/refresh",
