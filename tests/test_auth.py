@@ -260,6 +260,15 @@ def test_relay_key_created_0600_and_reloaded(tmp_path) -> None:
         RelayKey.load_or_create(tmp_path / "data")
 
 
+def test_derived_secrets_follow_the_relay_key(tmp_path) -> None:
+    """The parameter-URL capabilities' secret (relay_server/api/params_cache.py): the same after a
+    restart (the cache's copies stay hits), another per purpose, another with another key."""
+    first = RelayKey.load_or_create(tmp_path / "data").derive_secret("params-url")
+    assert RelayKey.load_or_create(tmp_path / "data").derive_secret("params-url") == first
+    assert len(first) == 32 and RelayKey.load_or_create(tmp_path / "data").derive_secret("other") != first
+    assert RelayKey.generate().derive_secret("params-url") != first
+
+
 def test_relay_signature_binds_body_and_nonce() -> None:
     key = RelayKey.generate()
     header = sign_response(key, b'{"step":3}', request_nonce="n" * 22)
