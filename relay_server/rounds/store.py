@@ -73,8 +73,9 @@ class Store:
     @classmethod
     def reader(cls, data_dir: str | Path) -> "Store":
         """A read-only view of ``data_dir`` while its relay may be running (``relay-server export``),
-        without taking the relay's lock and without writing a byte there; ``FileNotFoundError``
-        where no relay has written a database yet.
+        without taking the relay's lock; ``FileNotFoundError`` where no relay has written a
+        database yet. It writes nothing the relay keeps: SQLite may record its read in the
+        ``-shm`` index, and creates empty ``-wal``/``-shm`` files where no relay has them open.
 
         Why what it reads is consistent: SQLite in WAL mode gives every read a snapshot of the
         last committed transaction, never part of one; a version's file is written to a
