@@ -25,6 +25,7 @@ from aiohttp import web
 
 from relay_server.core import logsafe
 from relay_server.core.config import OptimizerSection, RoundsSection
+from relay_server.core.data_lock import DataDirLock
 from relay_server.core.errors import ApiError
 from relay_server.core.http import error_middleware, int_query, json_ok, read_message
 from relay_server.planning.measure import ServerMeter
@@ -271,15 +272,18 @@ async def serve_aggregator(*, coordinator: str, host: str, port: int, public_url
                            stop: asyncio.Event | None = None) -> None:
     """Listen, then register with the relay at ``coordinator`` (once the URL peers use is known:
     with ``port`` 0 the bound port is in it, the ``ready_file`` gets it, and an unnamed aggregator
-    is named after it)."""
-    agg = Aggregator(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
-                     name=name or "", keep_versions=keep_versions)
+    is named after it). Its data dir is locked first, as a relay's is (:mod:`relay_server.core.data_lock`):
+    two aggregators on one directory would write one slice's versions over each other."""
+    with DataDirLock.acquire(data_dir, "aggregator") as lock:
+        agg = Aggregator(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
+                         name=name or "", keep_versions=keep_versions)
 
-    def ready(url: str) -> None:
-        agg.public_url = (public_url or url).rstrip("/")
-        agg.name = agg.name or agg.public_url.split("://")[-1][:128]
-        agg.task = asyncio.get_running_loop().create_task(agg.run())
-        log.info("aggregator %r listening on %s (reachable as %s), relay %s", agg.name, url, agg.public_url,
-                 coordinator)
+        def ready(url: str) -> None:
+            lock.announce(url)
+            agg.public_url = (public_url or url).rstrip("/")
+            agg.name = agg.name or agg.public_url.split("://")[-1][:128]
+            agg.task = asyncio.get_running_loop().create_task(agg.run())
+            log.info("aggregator %r listening on %s (reachable as %s), relay %s", agg.name, url, agg.public_url,
+                     coordinator)
 
-    await serve_app(create_app(agg), host, port, ready_file=ready_file, stop=stop, on_ready=ready)
+        await serve_app(create_app(agg), host, port, ready_file=ready_file, stop=stop, on_ready=ready)

@@ -22,6 +22,7 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from relay_server.core.config import ConfigError, load_config
+from relay_server.core.data_lock import DataDirInUse
 
 
 def version() -> str:
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                         open_round=args.open_round)
     except ConfigError as exc:
         print(f"relay-server: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except DataDirInUse as exc:  # a second relay or aggregator on one state: nothing was touched
+        print(f"relay-server: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -34,6 +34,7 @@ from importlib import resources
 import requests
 
 from relay_server.core.config import ConfigError, RelayConfig, load_config
+from relay_server.core.data_lock import DataDirInUse
 from relay_server.api.server import serve
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
@@ -55,6 +56,8 @@ class RelayThread:
     def start(self, timeout_s: float = 60) -> str:
         self._thread.start()
         if not self._ready.wait(timeout_s) or self.error:
+            if isinstance(self.error, DataDirInUse):  # demo --data-dir of a running relay: its one line
+                raise self.error
             raise RuntimeError(f"the relay did not start: {self.error}")
         return self.url
 

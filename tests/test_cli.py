@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -114,6 +115,23 @@ def test_init_writes_a_commented_config_with_login_on_and_an_allowlist_to_fill(t
     assert main(["init", str(path)]) == 2  # never overwrites an edited file
     assert "exists: edit it, or pass --force" in capsys.readouterr().err
     assert main(["init", str(path), "--force"]) == 0 and "allow_users = []" in path.read_text()
+
+
+def test_a_config_missing_only_its_allowlist_is_refused_before_the_model_is_built(tmp_path: Path) -> None:
+    """The file ``init`` writes, served as is: the missing allowlist is a check of the file's own
+    settings, so it is refused before the model checks build the model (seconds of CPU) --
+    measured as the CLI process's CPU time, whatever the machine's load."""
+    path = tmp_path / "run.toml"
+    assert main(["init", str(path)]) == 0
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = relay_server("serve", "--config", str(path))
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert done.returncode == 2 and done.stderr == (
+        "relay-server: configuration error: auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or "
+        "auth.allow_any_hf_user = true (or auth.mode = 'open' for a local experiment)\n")
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu_s < 1.0, f"{cpu_s:.2f} s of CPU to refuse a missing allowlist"
+    assert not (tmp_path / "relay-data").exists()
 
 
 def _options(parser: argparse.ArgumentParser, where: str = "relay-server"):

@@ -13,6 +13,7 @@ from aiohttp import web
 from relay_server.api.app import create_app
 from relay_server.core.config import RelayConfig
 from relay_server.core.connections import ConnectionGuard, ConnectionsSection
+from relay_server.core.data_lock import DataDirLock
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +22,21 @@ READ_BUFSIZE = 4 << 20  # per-connection receive buffer: whole 4 MiB chunks per 
 
 async def serve(config: RelayConfig, *, ready_file: str | None = None, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None, extra_middlewares: tuple = ()) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread)."""
-    def ready(url: str) -> None:
-        log.info("relay for run %r listening on %s (status: %s/api/status)", config.run.name, url, url)
-        if on_ready:
-            on_ready(url)
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread).
 
-    await serve_app(create_app(config, extra_middlewares), config.server.host, config.server.port,
-                    ready_file=ready_file, stop=stop, on_ready=ready, connections=config.connections,
-                    trust_forwarded_for=config.limits.trust_forwarded_for)
+    The data dir's lock comes first (:mod:`relay_server.core.data_lock`): a second relay on the
+    same state raises :class:`~relay_server.core.data_lock.DataDirInUse` before it reads or
+    writes anything there; the address goes into the lock file once bound."""
+    with DataDirLock.acquire(config.server.data_dir, "relay") as lock:
+        def ready(url: str) -> None:
+            lock.announce(url)
+            log.info("relay for run %r listening on %s (status: %s/api/status)", config.run.name, url, url)
+            if on_ready:
+                on_ready(url)
+
+        await serve_app(create_app(config, extra_middlewares), config.server.host, config.server.port,
+                        ready_file=ready_file, stop=stop, on_ready=ready, connections=config.connections,
+                        trust_forwarded_for=config.limits.trust_forwarded_for)
 
 
 async def serve_app(app: web.Application, host: str, port: int, *, ready_file: str | None = None,

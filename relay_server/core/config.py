@@ -28,7 +28,9 @@ the command line is resolved against the working directory, as any shell path. A
 every path is absolute. ``server.data_dir`` has no default: ``relay-server serve`` refuses
 without one rather than start a new run in whatever directory it was started from.
 
-Cross-section checks fail before anything is created and name the setting to change.
+Cross-section checks fail before anything is created and name the setting to change. They run
+before the checks that build the model or read the tokenizer (:mod:`.model_checks`, seconds of CPU
+for a transformers model), so a mistake in the file's own settings is refused at once.
 """
 
 from __future__ import annotations
@@ -167,8 +169,8 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     if config.model.init_checkpoint and not Path(config.model.init_checkpoint).is_file():
         raise ConfigError(f"model.init_checkpoint: no file {config.model.init_checkpoint} (relative paths "
                           "start at the config file's directory)")
-    tokenizer = resolve_run_data(config, base, read_tokenizer=run_data)
-    config.validate()
+    config.validate()  # cheap checks first: a missing allowlist must not wait for the model to be built
+    tokenizer = resolve_run_data(config, base, read_tokenizer=run_data)  # the tokenizer, then the model's checks
     check_evaluation(config, tokenizer)  # needs the tokenizer (the mask token) and the other sections
     return config
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -97,7 +98,12 @@ def master_params(state_path: Path) -> torch.Tensor:
     """The master parameters (P,) of a relay state file. With a lossy wire codec the file holds
     both the copy peers hold ("params") and the exact master ("master"); a checkpoint is the master."""
     with safe_open(str(state_path), framework="pt") as f:
-        return f.get_tensor("master" if "master" in f.keys() else "params")
+        return _master_of(f)
+
+
+def _master_of(state: Any) -> torch.Tensor:
+    """The master parameters of an open state file (``safe_open``'s handle)."""
+    return state.get_tensor("master" if "master" in state.keys() else "params")
 
 
 def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None, *,
@@ -105,17 +111,21 @@ def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int
     """Write version ``step`` (default: the latest) of the relay state in ``data_dir`` as a
     loadable folder; returns the step written. A ``config`` of another run than the one in
     ``data_dir`` (``config_source`` says where it came from) is refused before anything is written."""
-    store = Store(data_dir)
+    try:  # a read-only snapshot: the relay may be running (Store.reader says why it is consistent)
+        store = Store.reader(data_dir)
+    except FileNotFoundError:
+        raise ConfigError(f"{data_dir} holds no version yet: point --data-dir at the relay's server.data_dir") from None
     try:
         step = store.latest_step() if step is None else step
         if step is None:
             raise ConfigError(f"{data_dir} holds no version yet: point --data-dir at the relay's server.data_dir")
         path = store.state_path(step)
-        if not path.is_file():
-            raise ConfigError(f"version {step} is not in {data_dir} (pruned? see server.keep_checkpoints)")
-        flat = master_params(path)
-        with safe_open(str(path), framework="pt") as f:
-            run = (f.metadata() or {}).get("run", "?")
+        try:  # opened once: the file stays readable even if the relay prunes it meanwhile
+            with safe_open(str(path), framework="pt") as f:
+                flat = _master_of(f)
+                run = (f.metadata() or {}).get("run", "?")
+        except FileNotFoundError:
+            raise ConfigError(f"version {step} is not in {data_dir} (pruned? see server.keep_checkpoints)") from None
     finally:
         store.close()
     names = parameter_names(config)

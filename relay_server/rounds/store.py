@@ -58,6 +58,8 @@ class Store:
     """SQLite + tensor files in ``data_dir``; one instance per relay process."""
 
     def __init__(self, data_dir: str | Path, *, keep: int = 3, fsync: bool = False) -> None:
+        """The writer's store: one per data dir, opened by the process holding its lock
+        (:mod:`relay_server.core.data_lock`). Read-only commands open :meth:`reader` instead."""
         self.dir = Path(data_dir)
         (self.dir / "state").mkdir(parents=True, exist_ok=True)
         self.keep, self.fsync = keep, fsync
@@ -67,6 +69,29 @@ class Store:
         if "outcomes" not in {row[1] for row in self.db.execute("PRAGMA table_info(rounds)")}:  # older data dirs
             self.db.execute("ALTER TABLE rounds ADD COLUMN outcomes TEXT NOT NULL DEFAULT '{}'")
         self._banned = {u.casefold() for (u,) in self.db.execute("SELECT username FROM bans")}
+
+    @classmethod
+    def reader(cls, data_dir: str | Path) -> "Store":
+        """A read-only view of ``data_dir`` while its relay may be running (``relay-server export``),
+        without taking the relay's lock; ``FileNotFoundError`` where no relay has written a
+        database yet. It writes nothing the relay keeps: SQLite may record its read in the
+        ``-shm`` index, and creates empty ``-wal``/``-shm`` files where no relay has them open.
+
+        Why what it reads is consistent: SQLite in WAL mode gives every read a snapshot of the
+        last committed transaction, never part of one; a version's file is written to a
+        temporary name and renamed into place before :meth:`commit` records its step, so a
+        committed step's file is whole; and pruning keeps at least the two newest versions, so
+        the latest one's file is only removed after two more commits (open it at once: an open
+        file stays readable after it is unlinked)."""
+        path = Path(data_dir) / "relay.sqlite"
+        if not path.is_file():
+            raise FileNotFoundError(path)
+        store = cls.__new__(cls)
+        store.dir, store.keep, store.fsync = Path(data_dir), 0, False
+        store.db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False)
+        store._banned = {u.casefold() for (u,) in store.db.execute("SELECT username FROM bans")}
+        return store
 
     def close(self) -> None:
         self.db.close()
