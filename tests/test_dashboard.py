@@ -398,6 +398,9 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     p = status["pipeline"]
     names = {peer["peer_id"]: peer["name"] for peer in status["peers"]}
     assert sorted(names[w] for st in p["stages"] for w in st["workers"]) == ["w0", "w1", "w2", "w3"]
+    stage_of = {w: st["stage"] for st in p["stages"] for w in st["workers"]}  # each peer in its role, with its stage
+    assert {peer["peer_id"]: (peer["role"], peer["stage"]) for peer in status["peers"]} == {
+        w: ("stage_worker", k) for w, k in stage_of.items()}
 
     page.goto(relay.url + "/")
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
@@ -413,6 +416,7 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
             expect(cells.nth(3).locator(f'span[title="{worker}"]')).to_have_text(names[worker])
         expect(cells.nth(8)).to_contain_text("8")  # the batch's samples, counted by this stage's server
     assert p["stages"][0]["layers"][1] == p["stages"][1]["layers"][0]  # contiguous stages
+    expect(page.locator("#peers td.role")).to_have_text([re.compile(r"^stage worker · stage [01]$")] * 4)
     expect(page.locator("#pipeline-summary")).to_have_text(
         re.compile(r"Batch \d+: [0-4] of 4 micro-batches finished(\.|; its round is open)"))
     assert page.locator("#pipeline-progress").get_attribute("max") == "4"
