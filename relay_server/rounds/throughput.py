@@ -55,10 +55,6 @@ class RoundRate:
         with self._lock:
             self._points.append((finalized_at, samples))
 
-    def clear(self) -> None:
-        with self._lock:
-            self._points.clear()
-
     def samples_per_s(self, now: float | None = None) -> tuple[float, int]:
         """(samples/s, rounds measured over): 0.0 and 0 before two rounds finished."""
         with self._lock:
