@@ -20,8 +20,10 @@ model, objective and data with one local peer and a small target batch (:func:`r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,12 +90,52 @@ TOKENIZED = {"albert-tiny": "wordpiece", "dmoe-lm-tiny": "bpe"}
 EXPERT_HOSTS = 2
 """Expert host processes a demo of a run with [moe] starts, together holding every expert."""
 OVERSHOOT_POLICY = {
-    "reported": ("a round opens when the peers' reported samples reach {target}; each peer then adds the "
-                 "micro-batch it was computing, so a step applies {target} to {most} samples (each line says "
-                 "how many; --open-round projected or a smaller --batch-size keeps it closer to the target)"),
+    "reported": ("a round opens when the peers' reported samples reach {target}; each peer (reporting after "
+                 "every micro-batch) then adds at most the micro-batch it was computing, so a step applies "
+                 "{target} to {most} samples (each line says how many; --open-round projected or a smaller "
+                 "--batch-size keeps it closer to the target)"),
     "projected": ("a round opens when the reported samples plus the micro-batch each other peer is computing "
-                  "reach {target}: steps land closer to {target} (each line says how many)"),
+                  "reach {target}: steps land closer to {target}, so a step applies {least} to {most} samples "
+                  "(below {target} when a peer's micro-batch misses the round; each line says how many)"),
 }
+"""What the header says of a step's samples. The bounds hold because the demo's peers report after
+every micro-batch (``python -m toolkit.peer --report-interval 0``): a peer that reports at most every
+0.5 s, with micro-batches faster than that, adds what it computed meanwhile, however many."""
+
+CLOSED_DASHBOARD = ("dashboard: closed with the demo ({url}/ no longer answers); run the demo with --keep to keep "
+                    "the relay and its dashboard up after the last step, until Ctrl-C")
+"""The line just before the JSON summary of a demo without ``--keep`` (the summary stays the last line)."""
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""Besides Ctrl-C (SIGINT): what ends a demo or a trial as an interruption, its cleanup included."""
+
+
+@contextlib.contextmanager
+def ending_signals():
+    """SIGTERM and SIGHUP end the demo as Ctrl-C does (KeyboardInterrupt in the main thread): its
+    peers, expert hosts and relay are stopped and its temporary directory removed, instead of the
+    process vanishing with them left behind. Only the first signal interrupts: the cleanup it
+    starts is not cut short by another. Outside the main thread (an embedding app) nothing changes."""
+    def interrupt(signum: int, frame: object) -> None:
+        for number in (signal.SIGINT, *ENDING_SIGNALS):
+            signal.signal(number, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGINT, *ENDING_SIGNALS)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def applied_range(target: int, peers: int, batch_size: int) -> dict[str, int]:
+    """The samples a demo step may apply (:data:`OVERSHOOT_POLICY`): at most the target plus one
+    micro-batch per peer; at least the target, or with ``projected`` rounds the target less the
+    other peers' micro-batches that may miss the round."""
+    return {"target": target, "most": target + peers * batch_size, "least": max(1, target - (peers - 1) * batch_size)}
 
 
 def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
@@ -128,28 +170,38 @@ def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_s
              keep: bool = False, open_round: str = "reported") -> int:
     """Run the demo; with ``keep`` the relay and its dashboard stay up after the last step until
     Ctrl-C, so the finished run can be looked at."""
-    tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
-    directory = Path(data_dir or tmp.name)  # type: ignore[union-attr]
+    with ending_signals():
+        tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
+        try:
+            return _demo(Path(data_dir or tmp.name), peers=peers, steps=steps,  # type: ignore[union-attr]
+                         target_batch=target_batch, batch_size=batch_size, port=port, compression=compression,
+                         recipe=recipe, keep=keep, open_round=open_round, temporary=tmp is not None)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
+
+
+def _demo(directory: Path, *, peers: int, steps: int, target_batch: int, batch_size: int, port: int,
+          compression: str, recipe: str, keep: bool, open_round: str, temporary: bool) -> int:
     directory.mkdir(parents=True, exist_ok=True)
-    try:
-        config = recipe_config(recipe, directory, {
-            "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-            "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
-            "rounds": {"open_round": open_round}})
-        if config.pipeline.enabled:
-            batch_size, target_batch = config.pipeline.microbatch_size, config.run.target_batch
-        header = [f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
-                  *([f"pipeline:  {config.pipeline.stages} stages; each peer runs one"] if config.pipeline.enabled else []),
-                  f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
-                  f"{steps} steps, compression {compression}",
-                  f"rounds:    {OVERSHOOT_POLICY[open_round].format(target=target_batch, most=target_batch + peers * batch_size)}"
-                  if not config.pipeline.enabled else
-                  f"rounds:    a step applies exactly {target_batch} samples: every stage steps once all "
-                  f"{config.pipeline.microbatches_per_batch} micro-batches of the batch ran forward and backward"]
-        return LocalRun("demo", config, directory, peers=peers, batch_size=batch_size, threads=1).run(header, keep=keep)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    config = recipe_config(recipe, directory, {
+        "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
+        "rounds": {"open_round": open_round}})
+    if config.pipeline.enabled:
+        batch_size, target_batch = config.pipeline.microbatch_size, config.run.target_batch
+    header = [f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
+              *([f"pipeline:  {config.pipeline.stages} stages; each peer runs one"] if config.pipeline.enabled else []),
+              f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
+              f"{steps} steps, compression {compression}",
+              f"rounds:    {OVERSHOOT_POLICY[open_round].format(**applied_range(target_batch, peers, batch_size))}"
+              if not config.pipeline.enabled else
+              f"rounds:    a step applies exactly {target_batch} samples: every stage steps once all "
+              f"{config.pipeline.microbatches_per_batch} micro-batches of the batch ran forward and backward",
+              f"state:     {directory} (" + ("temporary: removed when the demo ends, whatever ends it; --data-dir DIR "
+                                            "keeps it)" if temporary else "kept after the demo)")]
+    return LocalRun("demo", config, directory, peers=peers, batch_size=batch_size, threads=1).run(
+        header, keep=keep, closing=None if keep else CLOSED_DASHBOARD)
 
 
 def run_trial(path: str, *, steps: int | None = None, target_batch: int = 16, batch_size: int = 8, port: int = 0,
@@ -159,7 +211,7 @@ def run_trial(path: str, *, steps: int | None = None, target_batch: int = 16, ba
     state in a temporary directory, Hub pushes and W&B off. The dashboard stays up until Ctrl-C
     (or ``steps`` optimizer steps, then it exits). ``run.total_steps`` is kept: the learning-rate
     schedule is the run's own."""
-    with tempfile.TemporaryDirectory(prefix="collab-trial-") as tmp:
+    with ending_signals(), tempfile.TemporaryDirectory(prefix="collab-trial-") as tmp:
         directory = Path(tmp)
         config = load_config(path, overrides={
             "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
@@ -191,10 +243,11 @@ class LocalRun:
         self.references: dict[str, float] = {}
         self.hosts: list[subprocess.Popen] = []
 
-    def run(self, header: list[str], *, keep: bool, interrupt_ends: bool = False) -> int:
+    def run(self, header: list[str], *, keep: bool, interrupt_ends: bool = False, closing: str | None = None) -> int:
         """Start, follow until the run finishes (or ``stop_after`` steps, or Ctrl-C when
         ``interrupt_ends``: then it is the normal end), stop; with ``keep`` the relay stays up
-        after the last step until Ctrl-C. Returns the exit code."""
+        after the last step until Ctrl-C. ``closing`` (with ``{url}``): printed once the relay
+        stopped, just before the JSON summary. Returns the exit code."""
         relay = RelayThread(self.config)
         try:
             url = relay.start()
@@ -219,7 +272,8 @@ class LocalRun:
                 extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
             procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
                                         "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
-                                        "--threads", str(self.threads), *extra], env=child_env(),
+                                        "--threads", str(self.threads), "--report-interval", "0", *extra],
+                                       env=child_env(),
                                        stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
                       for i in range(self.peers)]
             code = self._follow(client, procs)
@@ -241,6 +295,8 @@ class LocalRun:
             _stop_peers(self.hosts, grace_s=0)
             client.close()
             relay.stop()
+        if closing:
+            print(closing.format(url=url), flush=True)
         ordered = [self.losses[s] for s in sorted(self.losses)]
         print(json.dumps({"steps": max(self.losses, default=0), "peers": self.peers,
                           "first_loss": round(ordered[0], 4) if ordered else None,

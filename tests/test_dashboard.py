@@ -220,6 +220,81 @@ def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page,
     assert problems.snapshot() == [], problems
 
 
+def test_a_dmoe_run_shows_the_samples_per_s_its_rounds_measured_and_its_expert_hosts_as_hosts(browser_page):
+    """Issue 35: a DMoE run's dashboard showed 32,574 samples/s "reported by peers" while its rounds
+    applied 0.8, and listed its expert hosts as trainers (device unknown, 0.0 samples/s, first
+    contribution not yet). The DMoE demo (two expert hosts, two trainers with micro-batches in
+    flight): the headline figure is the rounds' own rate, the trainers' self-reports are labelled
+    as such, and each host is listed as a host with the experts it holds."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from playwright.sync_api import expect
+
+    from relay_server.rounds.throughput import RATE_WINDOW
+
+    page, problems = browser_page
+    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "demo", "--recipe", "dmoe-lm-tiny", "--peers",
+                             "2", "--steps", "1000", "--target-batch", "16", "--batch-size", "4"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            url = url or (re.match(r"relay:\s+(\S+)", line) or [None, None])[1]
+            step = re.match(r"step\s+(\d+)/", line)
+            if step and int(step[1]) > RATE_WINDOW + 1:
+                break  # a full window of rounds behind it
+        assert url, "the demo printed no relay line"
+        with urllib.request.urlopen(url + "/api/status", timeout=30) as answer:
+            status = json.load(answer)
+        rounds = status["recent_rounds"]
+        elapsed = rounds[-1]["finalized_at"] - rounds[-1 - RATE_WINDOW]["finalized_at"]
+        measured = sum(r["samples"] for r in rounds[-RATE_WINDOW:]) / elapsed
+        assert status["samples_per_s_rounds"] == RATE_WINDOW
+        assert status["samples_per_s"] == pytest.approx(measured, rel=0.10), (status["samples_per_s"], measured)
+        roles = {p["name"]: p for p in status["peers"]}
+        for host in ("host-0", "host-1"):
+            assert roles[host]["role"] == "expert_host" and roles[host]["experts_hosted"] == 16, roles[host]
+        assert {roles[name]["role"] for name in ("peer-0", "peer-1")} == {"trainer"}
+        trainers = sum(p["samples_per_s"] for p in status["peers"] if p["role"] == "trainer")
+        assert status["reported_samples_per_s"] == pytest.approx(trainers)
+
+        page.goto(url + "/")
+        expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#samples-per-s-basis")).to_have_text(f"measured over the last {RATE_WINDOW} rounds")
+        expect(page.locator("#samples-per-s-reported")).to_contain_text("trainers report ")
+        chart = page.locator("#throughput-chart")
+        expect(chart).to_have_attribute("data-rounds-rate", re.compile(r"."), timeout=UI_TIMEOUT_MS)
+        card = page.locator("#samples-per-s")
+        # One poll: the card's figure (the relay's) and the chart's rounds line (the page's own sum over the
+        # same rounds) agree, where the peers' reports had been 10^4 times the rounds' rate.
+        shown, rounds_rate = page.evaluate("""() => [Number(document.getElementById('samples-per-s').dataset.value),
+            Number(document.getElementById('throughput-chart').dataset.roundsRate)]""")
+        assert shown == pytest.approx(rounds_rate, rel=0.10), (shown, rounds_rate)
+        expect(card).not_to_have_text("–")
+        rows = {name: page.locator("#peers tbody tr", has=page.locator("td", has_text=name))
+                for name in ("host-0", "host-1", "peer-0", "peer-1")}
+        for host in ("host-0", "host-1"):
+            expect(rows[host].locator("td.role")).to_have_text("expert host · 16 experts")
+            # device, precision, samples/s, contributed, first contribution: a host has none of them
+            expect(rows[host].locator("td.na")).to_have_text(["–"] * 5)
+            cells = " | ".join(rows[host].locator("td").all_inner_texts())
+            assert "unknown" not in cells and "not yet" not in cells, cells
+        for trainer in ("peer-0", "peer-1"):
+            expect(rows[trainer].locator("td.role")).to_have_text("trainer")
+            expect(rows[trainer].locator("td.reported")).to_have_text(re.compile(r"^(≤ )?\d"))
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-dmoe.png"), full_page=True)
+        assert problems.snapshot() == [], problems
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+
+
 def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
     """An organizer's trial of the byte-level demo run: the loss chart carries a labelled
     dashed line per reference the relay computed, and the summary under it names them."""
@@ -323,6 +398,9 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     p = status["pipeline"]
     names = {peer["peer_id"]: peer["name"] for peer in status["peers"]}
     assert sorted(names[w] for st in p["stages"] for w in st["workers"]) == ["w0", "w1", "w2", "w3"]
+    stage_of = {w: st["stage"] for st in p["stages"] for w in st["workers"]}  # each peer in its role, with its stage
+    assert {peer["peer_id"]: (peer["role"], peer["stage"]) for peer in status["peers"]} == {
+        w: ("stage_worker", k) for w, k in stage_of.items()}
 
     page.goto(relay.url + "/")
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
@@ -338,6 +416,7 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
             expect(cells.nth(3).locator(f'span[title="{worker}"]')).to_have_text(names[worker])
         expect(cells.nth(8)).to_contain_text("8")  # the batch's samples, counted by this stage's server
     assert p["stages"][0]["layers"][1] == p["stages"][1]["layers"][0]  # contiguous stages
+    expect(page.locator("#peers td.role")).to_have_text([re.compile(r"^stage worker · stage [01]$")] * 4)
     expect(page.locator("#pipeline-summary")).to_have_text(
         re.compile(r"Batch \d+: [0-4] of 4 micro-batches finished(\.|; its round is open)"))
     assert page.locator("#pipeline-progress").get_attribute("max") == "4"

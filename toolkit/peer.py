@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-in-flight", type=int, default=None, metavar="J",
                         help="a run with mixture layers: J micro-batches in flight (default: sized from "
                              "the measured compute and expert latency; 1: one at a time)")
+    parser.add_argument("--report-interval", type=float, default=0.5, metavar="S",
+                        help="least seconds between two progress reports (default 0.5; 0: after every micro-batch, "
+                             "so a step applies at most one micro-batch of this peer's beyond the target)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log each step")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -47,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         result = join(args.relay, token=os.environ.get(args.token_env) or None, trusted_models=args.trusted_model,
                       batch_size=args.batch_size, peer_name=args.name, seed=args.seed,
                       max_steps=args.max_steps, max_seconds=args.max_seconds,
-                      delayed_updates=args.delayed_updates, moe_in_flight=args.moe_in_flight, verbose=args.verbose)
+                      delayed_updates=args.delayed_updates, moe_in_flight=args.moe_in_flight,
+                      report_interval_s=args.report_interval, verbose=args.verbose)
     except CollabError as exc:
         print(f"{args.name}: {exc}", file=sys.stderr)
         return 1

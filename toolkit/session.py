@@ -89,7 +89,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
          seed: int | None = None, max_steps: int | None = None, max_seconds: float | None = None,
          delayed_updates: bool | None = None, panel: PanelKind | Panel = "auto", wandb_project: str | None = None,
          trusted_models: Sequence[str] = (), accumulate_on_host: bool = False, verbose: bool = False,
-         role: str = "trainer", capacity: int = 8, moe_in_flight: int | None = None) -> JoinResult:
+         role: str = "trainer", capacity: int = 8, moe_in_flight: int | None = None,
+         report_interval_s: float = 0.5) -> JoinResult:
     """Contribute to the run at ``relay_url`` until it finishes (or ``max_steps`` global steps /
     ``max_seconds`` pass, or the cell is interrupted).
 
@@ -108,7 +109,10 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
     "widgets", "tqdm", "none" or your own :class:`~toolkit.notebook.panel.Panel`. ``wandb_project``
     ("project" or "entity/project") starts this peer's own W&B run (default: the project the run
     names, if any). ``delayed_updates`` (default: on when the run allows one step of staleness)
-    keeps computing the next batch while a round is in flight.
+    keeps computing the next batch while a round is in flight. ``report_interval_s``: the least
+    time between two progress reports of a trainer (0: one after every micro-batch, which keeps a
+    step within the target plus one micro-batch per peer even when micro-batches take less than
+    that: the demo's peers; a report costs the relay a request).
 
     ``role="expert_host"`` contributes to a run with mixture-of-experts layers by hosting
     ``capacity`` of its experts instead of training (:mod:`toolkit.moe.host`): until ``max_seconds``
@@ -148,7 +152,8 @@ def join(relay_url: str, *, token: str | None = None, model: torch.nn.Module | N
                                      delayed_updates=run.max_staleness >= 1 if delayed_updates is None
                                      else delayed_updates,
                                      device_info={**info.to_json(), "precision": policy.to_json()},
-                                     precision=policy.name, accumulate_on_host=accumulate_on_host, verbose=verbose)
+                                     precision=policy.name, accumulate_on_host=accumulate_on_host,
+                                     report_interval_s=report_interval_s, verbose=verbose)
         cleanup.callback(opt.close)
         flight: InFlightTrainer | None = None
         if hasattr(model, "attach_caller"):  # mixture-of-experts layers: their experts live on volunteer hosts

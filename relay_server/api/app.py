@@ -19,6 +19,7 @@ from aiohttp import web
 
 from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
+from relay_server.collaboration.status import place_peers
 from relay_server.core.config import RelayConfig
 from relay_server.api import experts as experts_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
@@ -66,10 +67,11 @@ async def get_status(request: web.Request) -> web.Response:
     key = (collab.step, len(collab.registry.peers), r and (r.round_id, len(r.received), len(r.expected), r.closed))
     now = time.monotonic()
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
-        status = dataclasses.replace(collab.status(), shards=shards_api.status_summary(request.app),
-                                     experts=experts_api.status_summary(request.app),
-                                     pipeline=pipeline_api.status_summary(request.app),
-                                     loss_references=request.app[LOSS_REFERENCES],
+        experts, pipeline = experts_api.status_summary(request.app), pipeline_api.status_summary(request.app)
+        stage_of = {w: st["stage"] for st in (pipeline or {}).get("stages", []) for w in st["workers"]}
+        status = dataclasses.replace(place_peers(collab.status(), (experts or {}).get("experts_per_host", {}), stage_of),
+                                     shards=shards_api.status_summary(request.app), experts=experts,
+                                     pipeline=pipeline, loss_references=request.app[LOSS_REFERENCES],
                                      evaluations=_evaluations(collab))
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")

@@ -151,7 +151,7 @@ class Collaboration:
 
     def state(self) -> CollabState:
         return collab_state(self.registry, self.run_cfg, self.step, self.rounds.round, self.finished,
-                            self.config.master_optimizer())
+                            self.config.master_optimizer(), self.store.rate.samples_per_s()[0])
 
     # --- registry -----------------------------------------------------------------------------
     def join(self, req: JoinRequest, username: str) -> JoinResponse:

@@ -9,14 +9,16 @@ read-only views over the registry, the store and the open round, which the machi
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 
 from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
 from relay_server.rounds.membership import Round
-from relay_server.rounds.registry import Registry
+from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import Store
+from relay_server.rounds.throughput import bounded_report
 from relay_server.rounds.traffic import Traffic
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, LocalSgdStatus, ParamSpec,
                                    PeerStatus, PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
@@ -51,11 +53,12 @@ def round_info(r: Round | None) -> RoundInfo | None:
 
 
 def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | None, finished: bool,
-                 optimizer: OptimizerSection | None = None) -> CollabState:
+                 optimizer: OptimizerSection | None = None, samples_per_s: float = 0.0) -> CollabState:
     """Progress as peers see it; with ``optimizer``, the lr of the next update (peers show it in
-    their optimizer's ``param_groups``)."""
+    their optimizer's ``param_groups``). ``samples_per_s``: the relay's measured figure
+    (:class:`~relay_server.rounds.throughput.RoundRate`), which the ETA divides by."""
     collected = registry.collected(step, run_cfg.max_staleness)
-    rate = registry.samples_per_s()
+    rate = samples_per_s
     remaining = max(0, run_cfg.target_batch - collected)
     return CollabState(step=step, target_batch=run_cfg.target_batch,
                        samples_accumulated=collected, samples_per_s=rate,
@@ -122,13 +125,9 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
     run_cfg, now = config.run, time.monotonic()
     online = registry.peers.values()
     local = run_cfg.mode == "local_sgd"
-    peers = [PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device=p.device_label,
-                        version=p.version, samples_per_s=p.samples_per_s,
-                        samples_contributed=p.contributed, last_seen_s=now - p.last_seen,
-                        online=True, precision=p.precision, first_contribution_s=p.first_contribution_s,
-                        inner_steps=p.inner_steps if local else None,
-                        busy_fraction=p.busy_fraction if local else None)
-             for p in online]
+    pipeline = config.pipeline.enabled
+    peers = [peer_status(p, now, local, pipeline) for p in online]
+    measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # issue 17: refused / partial / banned uploads
     rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
@@ -140,9 +139,45 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
     return StatusReport(run_name=run_cfg.name, step=state.step, total_steps=run_cfg.total_steps,
                         finished=state.finished, target_batch=run_cfg.target_batch,
                         num_params=num_params, samples_accumulated=state.samples_accumulated,
-                        samples_per_s=state.samples_per_s, eta_s=state.eta_s,
+                        samples_per_s=measured, samples_per_s_rounds=measured_over, eta_s=state.eta_s,
+                        reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer"),
                         loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
                         recent_rounds=rounds, round=state.round, auth_mode=config.auth.mode,
                         uptime_s=now - started, leaderboard=board, plan=plan,
                         config=run_summary(config, num_params), traffic=traffic.report(),
                         local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round))
+
+
+def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:
+    """One peer online as the dashboard lists it, in its role: an expert host (it joined saying so)
+    shows no device, samples/s or contribution, since it trains nothing; a pipeline run's peers are
+    stage workers (:func:`place_peers` adds their stage); the rest are trainers, whose self-reported
+    samples/s is bounded by what their reports' growth makes plausible."""
+    host = p.device.get("role") == "expert_host"
+    role = "expert_host" if host else "stage_worker" if pipeline else "trainer"
+    reported, capped = bounded_report(p.samples_per_s, p.accumulated, now - p.joined_at) if role == "trainer" \
+        else (0.0, False)
+    return PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device="" if host else p.device_label,
+                      version=p.version, samples_per_s=reported, samples_per_s_capped=capped, role=role,
+                      samples_contributed=p.contributed, last_seen_s=now - p.last_seen,
+                      online=True, precision=p.precision, first_contribution_s=p.first_contribution_s,
+                      inner_steps=p.inner_steps if local else None,
+                      busy_fraction=p.busy_fraction if local else None)
+
+
+def place_peers(report: StatusReport, experts_per_host: dict[str, int], stage_of: dict[str, int]) -> StatusReport:
+    """``report`` with each expert host's experts and each stage worker's stage (what the relay's
+    expert directory and pipeline coordinator know; a peer holding experts is a host whatever it
+    said when it joined)."""
+    def placed(p: PeerStatus) -> PeerStatus:
+        if p.peer_id in experts_per_host:
+            return dataclasses.replace(p, role="expert_host", experts_hosted=experts_per_host[p.peer_id], device="",
+                                       samples_per_s=0.0, samples_per_s_capped=False)
+        if p.role == "expert_host":
+            return dataclasses.replace(p, experts_hosted=0)
+        if p.role == "stage_worker":
+            return dataclasses.replace(p, stage=stage_of.get(p.peer_id))
+        return p
+    peers = [placed(p) for p in report.peers]
+    return dataclasses.replace(report, peers=peers,
+                               reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer"))

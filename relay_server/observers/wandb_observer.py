@@ -34,6 +34,7 @@ from typing import Any
 
 from relay_server.core.config import ConfigError, RelayConfig
 from relay_server.rounds.master import lr_at
+from relay_server.rounds.throughput import RATE_WINDOW, measured_samples_per_s as measured
 from relay_server.observers.events import StepEvent
 from toolkit.wire.protocol import EvalRecord, RoundRecord
 
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 60.0  # close() waits this long for a wandb.init still starting
 MAX_BACKLOG = 10_000  # rows kept while wandb.init is still starting (the observer thread never waits)
-RATE_WINDOW = 5  # rounds per measured samples/s value, as on the dashboard: one round is too spiky
 RUN_ID_FILE = "wandb-run-id"
 
 
@@ -49,11 +49,7 @@ def measured_samples_per_s(rounds: list[RoundRecord], window: int = RATE_WINDOW)
     """Samples/s over the last ``window`` rounds, from their finalization times (None: < 2 rounds).
 
     Unlike the peers' self-reported rates this counts only samples that made it into a step."""
-    if len(rounds) < 2:
-        return None
-    k = min(window, len(rounds) - 1)
-    elapsed = rounds[-1].finalized_at - rounds[-1 - k].finalized_at
-    return sum(r.samples for r in rounds[-k:]) / elapsed if elapsed > 0 else None
+    return measured([(r.finalized_at, r.samples) for r in rounds], window)[0]
 
 
 def step_metrics(event: StepEvent, config: RelayConfig) -> dict[str, Any]:

@@ -8,7 +8,7 @@ and the TTL runs from there.
 
 Every heartbeat asks how many samples the collaboration holds toward the next round: with a
 thousand peers a scan per heartbeat is quadratic work per second, so the registry keeps the sums
-(samples by parameter version, samples/s, rounds of peers online by user) up to date as peers
+(samples by parameter version, peers online by user) up to date as peers
 report, join and leave. :meth:`Registry.set_samples` is the one way to change a peer's samples.
 """
 
@@ -35,7 +35,8 @@ class Peer:
     samples: int = 0  # accumulated on `version`, not yet uploaded (the latest report)
     batch: int = 0  # samples its last growing report added: what it adds per step (a micro-batch, or several)
     claimable: int = 0  # the most reported since the last upload: caps an upload's weight
-    samples_per_s: float = 0.0
+    samples_per_s: float = 0.0  # its own report: shown as such, bounded (relay_server.rounds.throughput)
+    accumulated: int = 0  # the samples its progress reports added up since it joined: what bounds that report
     inflight: int = 0
     first_contribution_s: float | None = None  # join -> first accepted gradient
     contributed: int = 0  # samples accepted since the relay (re)admitted it (the dashboard's column)
@@ -58,14 +59,12 @@ class Registry:
         self.peers: dict[str, Peer] = {}
         self._by_version: Counter[int] = Counter()  # unsent samples by the version they were computed on
         self._batch_by_version: Counter[int] = Counter()  # Peer.batch of peers holding samples, by version
-        self._rate = 0.0  # sum of samples_per_s
         self.online_by_user: Counter[str] = Counter()
 
     def add(self, peer: Peer) -> Peer:
         self.remove(peer.peer_id)
         self.peers[peer.peer_id] = peer
         self._by_version[peer.version] += peer.samples
-        self._rate += peer.samples_per_s
         self.online_by_user[peer.username] += 1
         return peer
 
@@ -80,6 +79,7 @@ class Registry:
         added = hb.samples - (peer.samples if hb.version == peer.version else 0)
         if added > 0:
             peer.batch = added
+            peer.accumulated += added
         peer.version, peer.samples, peer.samples_per_s = hb.version, hb.samples, hb.samples_per_s
         self._account(peer, +1)
         peer.claimable = max(peer.claimable, hb.samples)
@@ -105,7 +105,6 @@ class Registry:
             self._batch_by_version[peer.version] += sign * peer.batch
             if not self._batch_by_version[peer.version]:
                 del self._batch_by_version[peer.version]
-        self._rate += sign * peer.samples_per_s
 
     def remove(self, peer_id: str) -> Peer | None:
         peer = self.peers.get(peer_id)
@@ -119,7 +118,6 @@ class Registry:
         if not self.peers:
             self._by_version.clear()
             self._batch_by_version.clear()
-            self._rate = 0.0  # no float residue from many +/- once everyone left
         return peer
 
     def excuse_silence(self, seconds: float) -> None:
@@ -147,6 +145,3 @@ class Registry:
         """What the peers holding samples toward round ``step`` add per step (their last growth):
         the samples they are computing now and will send with the rest. O(max_staleness)."""
         return sum(self._batch_by_version.get(v, 0) for v in range(step - max_staleness, step + 1))
-
-    def samples_per_s(self) -> float:
-        return max(0.0, self._rate)

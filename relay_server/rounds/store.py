@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from relay_server.rounds.throughput import RATE_WINDOW, RoundRate
+
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +71,8 @@ class Store:
         if "outcomes" not in {row[1] for row in self.db.execute("PRAGMA table_info(rounds)")}:  # older data dirs
             self.db.execute("ALTER TABLE rounds ADD COLUMN outcomes TEXT NOT NULL DEFAULT '{}'")
         self._banned = {u.casefold() for (u,) in self.db.execute("SELECT username FROM bans")}
+        self.rate = RoundRate([(at, n) for _, _, n, _, _, _, _, at, _, _ in self.recent_rounds(RATE_WINDOW + 1)])
+        """The measured samples/s over the last rounds committed (kept in memory: heartbeats read it)."""
 
     @classmethod
     def reader(cls, data_dir: str | Path) -> "Store":
@@ -130,9 +134,12 @@ class Store:
         self.set_meta("sha256", sha256)
         for key, value in (meta or {}).items():
             self.set_meta(key, value)
+        finalized_at = time.time()
         if round_log is not None:
-            self._record_round(step, round_log)
+            self._record_round(step, round_log, finalized_at)
         self.db.execute("COMMIT")
+        if round_log is not None:
+            self.rate.add(finalized_at, _applied(round_log))
         self._prune(step)
 
     def latest_step(self) -> int | None:
@@ -165,12 +172,11 @@ class Store:
         return self.db.execute("SELECT name, username, device FROM peers WHERE peer_id = ?",
                                (peer_id,)).fetchone()
 
-    def _record_round(self, step: int, r: RoundLog) -> None:
+    def _record_round(self, step: int, r: RoundLog, finalized_at: float) -> None:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
         self.db.execute("INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
                         "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (step, time.time(), len(r.contributions),
-                         sum(r.contributions.values()) if r.samples is None else r.samples, r.loss,
+                        (step, finalized_at, len(r.contributions), _applied(r), r.loss,
                          r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm,
                          json.dumps(r.outcomes, sort_keys=True)))
         self.db.executemany(
@@ -204,3 +210,8 @@ class Store:
         return self.db.execute(
             "SELECT username, SUM(samples_contributed) AS samples, SUM(rounds_contributed) FROM peers "
             "GROUP BY username HAVING samples > 0 ORDER BY samples DESC, username LIMIT ?", (limit,)).fetchall()
+
+
+def _applied(r: RoundLog) -> int:
+    """The samples a round's step applied."""
+    return sum(r.contributions.values()) if r.samples is None else r.samples

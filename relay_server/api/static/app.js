@@ -13,7 +13,7 @@ const HISTORY = 600;           // client-side samples/s history points kept (~15
 const RATE_WINDOW = 5;         // rounds per throughput point: one round alone is too spiky
 
 const $ = (id) => document.getElementById(id);
-const reportedHistory = [];    // [server unix seconds, samples/s reported by peers]
+const reportedHistory = [];    // [server unix seconds, the trainers' bounded self-reports, summed]
 let clockOffsetS = 0;          // server clock - browser clock, from the response's Date header
 let failures = 0;             // consecutive polls the relay answered with an error status
 
@@ -147,7 +147,13 @@ function renderCards(s) {
   $("inner-budget").hidden = !local;
   $("inner-budget").textContent = local ? innerBudget(local) : "";
   $("loss").textContent = fmt.loss(s.loss);
-  $("samples-per-s").textContent = fmt.rate(s.samples_per_s);
+  // The relay's own measurement (samples its rounds applied over their time); the peers' reports beside it, as such.
+  $("samples-per-s").textContent = s.samples_per_s_rounds ? fmt.rate(s.samples_per_s) : "–";
+  $("samples-per-s").dataset.value = String(s.samples_per_s);
+  $("samples-per-s-basis").textContent = s.samples_per_s_rounds
+    ? `measured over the last ${s.samples_per_s_rounds} round${s.samples_per_s_rounds === 1 ? "" : "s"}`
+    : "measured once two rounds finished";
+  $("samples-per-s-reported").textContent = `trainers report ${fmt.rate(s.reported_samples_per_s)}`;
   $("num-peers").textContent = fmt.int(s.num_peers);
   const t = s.traffic;
   for (const [id, value] of [["bytes-up", t && t.up_bytes_per_sample], ["bytes-down", t && t.down_bytes_per_sample]]) {
@@ -220,10 +226,12 @@ function renderCharts(s) {
       `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}. `
     : "") + valText + (refText ? `References: ${refText}.` : "");
 
-  reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.samples_per_s]);
+  reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.reported_samples_per_s || 0]);
   if (reportedHistory.length > HISTORY) reportedHistory.shift();
+  const measured = roundRates(rounds);
+  $("throughput-chart").dataset.roundsRate = measured.length ? String(measured.at(-1)[1]) : "";
   lineChart($("throughput-chart"),
-    [{ cls: "rounds", points: roundRates(rounds) }, { cls: "reported", points: reportedHistory }],
+    [{ cls: "rounds", points: measured }, { cls: "reported", points: reportedHistory }],
     { x: fmt.clock, y: fmt.rate, yFromZero: true, empty: "Waiting for data." });
 }
 
@@ -261,14 +269,41 @@ function renderPeers(s) {
   fillTable($("peers"), peers.map((p) => row([
     el("td", p.name, { title: p.peer_id }),
     p.username,
-    p.device,
-    p.precision || "–",
-    num(fmt.rate(p.samples_per_s)),
-    num(fmt.int(p.samples_contributed)),
+    el("td", roleText(p), { class: `role ${p.role || "trainer"}` }),
+    ...roleCells(p),
     num(`${fmt.secs(p.last_seen_s)} ago`),
-    num(p.first_contribution_s === null || p.first_contribution_s === undefined ? "not yet" : fmt.secs(p.first_contribution_s)),
+    ...(p.role === "trainer" || !p.role ? [num(p.first_contribution_s === null || p.first_contribution_s === undefined
+      ? "not yet" : fmt.secs(p.first_contribution_s))] : [notApplicable(p)]),
     ...localCells(p),
   ])), "peers-empty");
+}
+
+const ROLES = { trainer: "trainer", expert_host: "expert host", stage_worker: "stage worker" };
+
+/** "trainer", "expert host · 16 experts", "stage worker · stage 1". */
+function roleText(p) {
+  const role = ROLES[p.role] || ROLES.trainer;
+  if (p.role === "expert_host") return `${role} · ${fmt.int(p.experts_hosted || 0)} expert${p.experts_hosted === 1 ? "" : "s"}`;
+  if (p.role === "stage_worker") return p.stage === null || p.stage === undefined ? `${role} · no stage yet`
+    : `${role} · stage ${p.stage}`;
+  return role;
+}
+
+/** A cell for a figure the peer's role does not have (an expert host trains nothing). */
+function notApplicable(p) {
+  return el("td", "–", { class: "num na", title: `not applicable to a ${ROLES[p.role] || p.role}` });
+}
+
+/** Device, precision, samples/s (reported) and samples contributed: what a trainer has; an expert
+ * host only hosts; a stage worker's work is counted per stage in the Pipeline panel. */
+function roleCells(p) {
+  if (p.role === "expert_host") return [notApplicable(p), notApplicable(p), notApplicable(p), notApplicable(p)];
+  const device = [p.device || "–", p.precision || "–"];
+  if (p.role === "stage_worker") return [...device, notApplicable(p), notApplicable(p)];
+  const rate = el("td", p.samples_per_s_capped ? `≤ ${fmt.rate(p.samples_per_s)}` : fmt.rate(p.samples_per_s),
+    { class: `num reported${p.samples_per_s_capped ? " capped" : ""}` });
+  if (p.samples_per_s_capped) rate.title = "capped: the peer reported more than 10x the rate its progress reports grew";
+  return [...device, rate, num(fmt.int(p.samples_contributed))];
 }
 
 function renderLeaderboard(s) {

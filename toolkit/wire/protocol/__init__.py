@@ -80,7 +80,7 @@ from toolkit.wire.protocol.pipeline import (
 from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
 from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
 from toolkit.wire.protocol.status import (EvalRecord, EvalSample, LeaderboardEntry, LocalSgdStatus, LossReference,
-                                          PeerStatus, RunSummary, StatusReport, TrafficStatus)
+                                          PEER_ROLES, PeerStatus, RunSummary, StatusReport, TrafficStatus)
 
 __all__ = [
     # routes
@@ -100,7 +100,7 @@ __all__ = [
     # peers
     "CollabState", "JoinRequest", "JoinResponse", "Heartbeat",
     # status
-    "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference", "EvalRecord", "EvalSample",
+    "PEER_ROLES", "PeerStatus", "LeaderboardEntry", "RunSummary", "StatusReport", "LossReference", "EvalRecord", "EvalSample",
     "TrafficStatus", "LocalSgdStatus",
     # login
     "MAX_PASS_CHARS", "LoginRequest", "LoginResponse",

@@ -22,6 +22,7 @@ class CollabState(Schema):
     target_batch: int
     samples_accumulated: int = field(metadata=_NONNEG)
     samples_per_s: float = field(metadata=_NONNEG)
+    """The collaboration's samples/s as the relay measured it from its last rounds (not the peers' reports)."""
     eta_s: float | None
     num_peers: int = field(metadata=_NONNEG)
     round: RoundInfo | None

@@ -13,17 +13,37 @@ from toolkit.wire.protocol.slices import PlanInfo
 from toolkit.wire.schema import Schema
 
 
+PEER_ROLES = ("trainer", "expert_host", "stage_worker")
+"""What a peer does in the run, and so which of :class:`PeerStatus`'s fields apply to it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerStatus(Schema):
+    """One peer online, in its role: a ``trainer`` (data-parallel: device, its reported samples/s,
+    samples contributed, first contribution), an ``expert_host`` (``experts_hosted``; it trains
+    nothing, so it has no samples/s or contribution) or a ``stage_worker`` of a pipeline run
+    (``stage``; its work is counted per stage in ``StatusReport.pipeline``)."""
+
     peer_id: str
     name: str
     username: str
     device: str
     version: int
     samples_per_s: float
+    """The peer's own report (trainers), bounded: at most ten times the rate at which its progress
+    reports said its samples grew since it joined, 0 before any grew (``samples_per_s_capped`` says
+    when it was cut). A self-report, never the collaboration's measured figure."""
     samples_contributed: int
     last_seen_s: float
     online: bool
+    role: str = "trainer"
+    """One of :data:`PEER_ROLES`."""
+    samples_per_s_capped: bool = False
+    """The peer reported more samples/s than its reports' growth makes plausible: shown at the bound."""
+    experts_hosted: int | None = None
+    """``expert_host``: the experts it holds now."""
+    stage: int | None = None
+    """``stage_worker``: the pipeline stage it runs (None: not assigned yet)."""
     precision: str | None = None
     """The precision policy the peer trains with (the collaboration must see every choice)."""
     first_contribution_s: float | None = None
@@ -157,6 +177,9 @@ class StatusReport(Schema):
     num_params: int
     samples_accumulated: int
     samples_per_s: float
+    """Measured by the relay: the samples its last rounds applied over the time they took
+    (``samples_per_s_rounds`` of them; 0 before two rounds finished), falling while no round
+    finishes. Not the peers' reports (``reported_samples_per_s``)."""
     eta_s: float | None
     loss: float | None
     num_peers: int
@@ -185,3 +208,8 @@ class StatusReport(Schema):
     """Training bytes both ways per applied sample (every run)."""
     local_sgd: LocalSgdStatus | None = None
     """Runs with ``run.mode = "local_sgd"``: the outer round, H and the time budget, the peers' busy fraction."""
+    samples_per_s_rounds: int = 0
+    """How many finished rounds ``samples_per_s`` was measured over."""
+    reported_samples_per_s: float = 0.0
+    """The trainers' self-reported samples/s, each bounded (``PeerStatus.samples_per_s``), summed:
+    what the peers say they compute, beside what the rounds applied."""
