@@ -130,8 +130,10 @@ class TaskBroker:
         return task
 
     async def wait(self, task: Task) -> Task:
-        """Until the task ends (its deadline bounds this: :meth:`tick` fails it then)."""
-        await asyncio.wait_for(task.finished.wait(), max(0.0, task.deadline - self.clock()) + 1.0)
+        """Until the task ends: past its deadline on the broker's clock (:meth:`Task.until_ended`)
+        it fails ``task_timeout`` (here or in :meth:`tick`), the answer its caller knows."""
+        if not await task.until_ended(self.clock):
+            self._fail(task, timeout_error(task))
         return task
 
     def result(self, task: Task) -> bytes:
