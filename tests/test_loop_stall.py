@@ -108,6 +108,12 @@ def test_stalls_are_reported_in_one_line_a_minute_with_their_count_and_the_worst
     assert len(lines) == 2 and "stalled 3 times" in lines[1] and "worst 6.0 s" in lines[1], lines
     listen(200.0)  # no stall since: no line
     assert len(caplog.records) == 2
+    stall(2.0)  # reported at once (a minute since the last line) ...
+    stall(4.0)
+    assert len(caplog.records) == 3
+    clock.report.flush(final=True)  # ... and the one since, when the relay stops
+    assert len(caplog.records) == 4 and "stalled 1 time " in caplog.records[3].getMessage()
+    assert "worst 4.0 s" in caplog.records[3].getMessage()
 
 
 def test_the_stall_hook_is_off_unless_the_process_environment_sets_it() -> None:

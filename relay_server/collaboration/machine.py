@@ -335,13 +335,16 @@ class Collaboration:
         """Beat the relay's clock (:mod:`relay_server.core.loop_clock`: a stall it finds is
         excused before this tick expires anyone), then :meth:`tick`, every ``period_s``."""
         self.loop_clock.resume()
-        while True:
-            self.loop_clock.beat()
-            try:
-                await self.tick()
-            except Exception:  # the ticker (and the relay's clock) must outlive any one bad tick
-                log.exception("relay tick failed")
-            await asyncio.sleep(period_s)
+        try:
+            while True:
+                self.loop_clock.beat()
+                try:
+                    await self.tick()
+                except Exception:  # the ticker (and the relay's clock) must outlive any one bad tick
+                    log.exception("relay tick failed")
+                await asyncio.sleep(period_s)
+        finally:
+            self.loop_clock.report.flush(final=True)
 
     def excuse_silence(self, seconds: float) -> None:
         """The relay itself did not listen for ``seconds`` (its event loop stalled: a slow disk,

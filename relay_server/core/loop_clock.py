@@ -44,10 +44,11 @@ class StallReport:
         self.worst_s = max(self.worst_s, seconds)
         self.total_s += seconds
 
-    def flush(self) -> None:
-        """Log what was noted, if a minute passed since the last line (or there was none)."""
+    def flush(self, *, final: bool = False) -> None:
+        """Log what was noted, if a minute passed since the last line (or there was none), or
+        ``final``ly (the relay stops: no stall goes unreported)."""
         now = self.clock()
-        if not self.count or self._logged_at is not None and now - self._logged_at < self.every_s:
+        if not self.count or not final and self._logged_at is not None and now - self._logged_at < self.every_s:
             return
         span = "" if self._logged_at is None else f" in the last {now - self._logged_at:.0f} s"
         log.warning("the relay's event loop stalled %d time%s%s (worst %.1f s, %.1f s in all); time during a stall "
