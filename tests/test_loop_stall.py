@@ -21,17 +21,21 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.api.experts import EXPERTS
 from relay_server.api.stall_hook import ENV, parse, stall_middlewares
 from relay_server.core.loop_clock import LoopClock, StallReport
 from relay_server.core.typed import ConfigError
 from relay_server.tasks.broker import DONE, FAILED
 from tests.conftest import Clock, wait_until
-from tests.support.moe import MOE, directory, one_process_reference, overrides, run_trainer, start_host, stop
+from tests.support.moe import MOE, Member, directory, one_process_reference, overrides, run_trainer, start_host, stop
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.processes import RelayProcess, merged, write_config
 from tests.support.tasks import broker, run, submit
 from tests.support.training import relay_params
+from toolkit.client import RelayClient
+from toolkit.errors import RelayRejected
+from toolkit.moe import payloads
 
 STALL_S = 3.0
 
@@ -124,6 +128,28 @@ def test_the_stall_hook_is_off_unless_the_process_environment_sets_it() -> None:
                        ("seconds=0,every=2", "seconds"), ("seconds=1,every=2,path=(", "regular")]:
         with pytest.raises(ConfigError, match=field):
             parse(bad)
+
+
+def test_a_call_past_its_deadline_is_answered_once_not_retried(serve_relay) -> None:
+    """``task_timeout`` (504) is the relay's answer about that call: the trainer's client takes it
+    at once (a failed expert). Asking again with the same call id finds the same failed task, so
+    the 4 retries the client gave any 504 only added seconds of backoff to every timed-out call."""
+    config = overrides(0)
+    config["moe"] = {**MOE, "forward_timeout_s": 0.5}
+    relay = serve_relay(config)
+    host, trainer = Member(relay.url, "silent-host"), Member(relay.url, "trainer")
+    client = RelayClient(relay.url)  # a trainer's retries
+    try:
+        host.request("POST", "moe_lease", params={"capacity": 8})  # leased, never answered
+        with pytest.raises(RelayRejected) as refused:
+            client.moe_call(trainer.peer_id, "ffn0.0.0", kind="forward", call_id="c1",
+                            body=payloads.call_body(np.zeros((2, 8), np.float32)))
+        assert (refused.value.status, refused.value.code) == (504, "task_timeout")
+        assert relay.call(lambda: len(relay.app[EXPERTS].calls)) == 1  # calls the relay answered
+    finally:
+        client.close()
+        host.close()
+        trainer.close()
 
 
 # --- end to end ---------------------------------------------------------------------------------------
