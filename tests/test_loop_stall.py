@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+import torch
 
 from relay_server.api.experts import EXPERTS
 from relay_server.api.stall_hook import ENV, parse, stall_middlewares
@@ -35,7 +36,10 @@ from tests.support.tasks import broker, run, submit
 from tests.support.training import relay_params
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
+from toolkit.models import build_model
 from toolkit.moe import payloads
+from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.wire.protocol import ModelSpec
 
 STALL_S = 3.0
 
@@ -164,6 +168,29 @@ def check_log(relay: RelayProcess, stalls: int) -> None:
     assert text.count("test hook: blocking the event loop") == stalls, text[-3000:]
     assert "unhandled error" not in text and "Traceback" not in text, text[-3000:]
     assert "event loop stalled" in text, text[-3000:]  # the report saw them
+
+
+def test_a_gradient_that_waited_out_a_stall_still_makes_its_round(tmp_path: Path) -> None:
+    """A round with a 2 s window and the relay's loop blocked 3 s as the gradient arrives: on the
+    wall clock the window closed before the upload was read; on the relay's clock it did not. The
+    round closes because everyone arrived, with the gradient in it."""
+    config = {"run": {"target_batch": 4, "max_staleness": 1},
+              "rounds": {"deadline_floor_s": 2.0, "deadline_initial_s": 2.0, "peer_ttl_s": 30.0},
+              "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}}
+    relay = stalled_relay(tmp_path, config, f"seconds={STALL_S},every=1,times=1,path=/gradient$")
+    try:
+        model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]}))
+        with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+            loss = model.loss(torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1))
+            loss.backward()
+            opt.step(loss=loss.item())  # reports, the round opens, the upload is stalled, then read
+            assert opt.contributed_samples == 4 and opt.version == 1 and opt.last_error is None
+        [first] = relay.status()["recent_rounds"][:1]
+    finally:
+        relay.stop()
+    check_log(relay, stalls=1)
+    assert first["step"] == 1 and first["finalized_by"] == "all_arrived", first
 
 
 @pytest.mark.timeout(300)

@@ -54,8 +54,6 @@ log = logging.getLogger(__name__)
 _gradient_meta = gradient_meta  # its old home (tools and tests import it from here)
 
 
-
-
 class Collaboration:
     def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None) -> None:
         self.config, self.store = config, store
