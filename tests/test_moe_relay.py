@@ -29,7 +29,8 @@ import torch
 
 from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, batches
-from tests.support.moe import KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, overrides, start_host, stop
+from tests.support.moe import (KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, one_process_reference,
+                               overrides, run_trainer, start_host, stop)
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
@@ -38,13 +39,6 @@ from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import checkpoint_of, expert_shapes, make_optimizer, restore
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.wire.protocol import ROUTES
-
-
-def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
-    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) -> None:
@@ -60,21 +54,8 @@ def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) 
     assert outcome["final_step"] == steps and outcome["failed_uids"] == {}
     assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"])
 
-    # The same model, data and update order in one process: experts behind a LoopbackCaller that
-    # steps each expert's SGD once per backward call, as a host does.
-    torch.manual_seed(0)
-    model = DMoEMLP(**KWARGS)
-    load_flat(model, initial)
-    experts = {uid: model.make_expert(uid) for uid in UIDS}
-    with LoopbackCaller(experts, optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=LR)) as caller:
-        model.attach_caller(caller)
-        dense = torch.optim.SGD(model.parameters(), lr=LR)
-        for batch in batches(steps):
-            dense.zero_grad()
-            model.loss(batch).backward()
-            dense.step()
+    reference, experts = one_process_reference(initial, steps)
     _, final = relay_params(relay.url, min_step=steps)
-    reference = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
     for uid in UIDS:
         stored = latest_checkpoint(relay.data_dir, uid)

@@ -30,6 +30,24 @@ def two_lines(code: str, message: str, hint: str) -> list[str]:
     return [f"[{code}] {message}"] + ([f"What to do: {hint}"] if hint else [])
 
 
+HANDLED_BY_PEER = frozenset({"round_closed", "round_closed_partial", "round_lost", "round_timeout", "closing"})
+"""Codes of what a running peer recovers from by itself: a round that closed before (or while) its
+gradient arrived, or ended without a result. The peer keeps the gradient for the next round where
+that can never count it twice and drops it otherwise; the relay's hint for these ("keep the
+gradient if its version is still eligible") is the toolkit's own rule, not something a volunteer
+can do. So they are logged at debug, never shown (a busy relay closes many rounds this way)."""
+
+
+def handled_by_peer(exc: BaseException) -> bool:
+    return getattr(exc, "code", None) in HANDLED_BY_PEER
+
+
+def volunteer_line(exc: CollabError) -> str:
+    """A problem the peer cannot fix by itself, as the volunteer reads it in the log: what
+    happened, then what to do, in one line (no code: that is for the panel and bug reports)."""
+    return f"{exc.message}. What to do: {exc.hint}" if exc.hint else exc.message
+
+
 NOT_A_RELAY_HINT = ("Check the relay URL: it is the address the organizer gave you, with http:// or https:// "
                     "and the port; opened in a browser, it shows the run's dashboard.")
 CHECK_RELAY_HINT = ("Check the relay URL, that the relay is running, and that this notebook has internet access "

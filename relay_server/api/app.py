@@ -30,6 +30,7 @@ from relay_server.core.errors import ApiError
 from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.api.moderation import build_admin, read_token, token_path
 from relay_server.api.ratelimit import build_rate_limits
+from relay_server.api.stall_hook import stall_middlewares
 from relay_server.auth.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
 from relay_server.backbone.routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
@@ -297,7 +298,8 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line (issue 17)
-    app = web.Application(middlewares=[error_middleware, *middlewares], client_max_size=MAX_JSON_BODY)
+    app = web.Application(middlewares=[error_middleware, *stall_middlewares(), *middlewares],  # stalls: tests only
+                          client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
                                                lambda: app[COLLAB].codecs.up.wire_bytes(app[COLLAB].num_params),
                                                experts_api.container_limits(app) | pipeline_api.container_limits(app))

@@ -6,7 +6,8 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit
 * ``GET  /api/moe/directory``                         {version, live: [uid], total}
 * ``PUT  /api/moe/peers/{peer_id}/calls/{uid}?kind=&call_id=``   a trainer's call; answered (long
   poll) with the expert's result, or 410 ``expert_gone`` / 429 ``queue_busy`` / 504 ``task_timeout``
-  / 502 ``bad_result``: each a failed expert for the trainer, never garbage
+  / 502 ``bad_result``: each a failed expert for the trainer, never garbage (the deadline counts on
+  the relay's clock: a stall of its event loop never fails a call, :mod:`relay_server.core.loop_clock`)
 * ``POST /api/moe/hosts/{peer_id}/lease?capacity=``   the experts this host serves now (body, optional:
   a :class:`~toolkit.wire.protocol.LeaseRequest` naming the copies it holds, taken back first)
 * ``GET  /api/moe/hosts/{peer_id}/tasks?max_rows=&wait=``        a batch of tasks (204: none yet)
@@ -241,7 +242,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     cfg = config.moe
-    experts = app[EXPERTS] = Experts.create(cfg, Path(config.server.data_dir))
+    experts = app[EXPERTS] = Experts.create(cfg, Path(config.server.data_dir), clock=app[COLLAB].loop_clock)
     log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
              cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)
     ticker = asyncio.create_task(expire_hosts(experts, lambda: app[COLLAB].registry.peers))

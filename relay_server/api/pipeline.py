@@ -221,7 +221,8 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
                                                state_path=None))
 
     broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
-                        lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor)
+                        lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,
+                        clock=collab.loop_clock)  # leases count on the relay's clock: a stall expires none
     coordinator = PipelineCoordinator(
         num_stages=len(cut.cuts), microbatch_size=cfg.microbatch_size, microbatches_per_batch=cfg.microbatches_per_batch,
         owners=owners, broker=broker, boundaries=Boundaries(cfg.boundary_memory_mb << 20, root / "boundaries"),
@@ -229,7 +230,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         shapes=cut.shapes,
         codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish,
         dispatch=cfg.dispatch, planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
-        rebalance_every=cfg.rebalance_every_batches)
+        rebalance_every=cfg.rebalance_every_batches, clock=collab.loop_clock)
     coordinator.layers = cut.layers
     collab.backbone.board.publish(owners.published())
     app[PIPELINE] = coordinator
@@ -249,6 +250,7 @@ async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
     while True:
         await asyncio.sleep(TICK_S)
         try:
+            app[COLLAB].loop_clock.beat()  # a stall just ended is excused before silence is judged below
             live = app[COLLAB].registry.peers
             for worker in [w for w in coordinator.workers.by_id if w not in live]:
                 log.info("pipeline worker %s left: its tasks go back to the pool", worker[:16])

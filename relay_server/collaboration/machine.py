@@ -33,6 +33,7 @@ from relay_server.collaboration.rounds import RoundCycle
 from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
+from relay_server.core.loop_clock import LoopClock
 from relay_server.observers.events import ObserverThread
 from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.membership import Round, RoundClosedMidUpload
@@ -53,9 +54,6 @@ log = logging.getLogger(__name__)
 _gradient_meta = gradient_meta  # its old home (tools and tests import it from here)
 
 
-STALL_S = 1.0  # a tick later than this beyond its period means the relay was not listening
-
-
 class Collaboration:
     def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None) -> None:
         self.config, self.store = config, store
@@ -69,8 +67,11 @@ class Collaboration:
         self.run_info = run_info_of(config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name)
         self.backbone = Backbone(config, store, self.layout, self.codecs, params, self.run_info)
         self.registry = Registry(config.rounds.peer_ttl_s)
+        self.loop_clock = LoopClock()  # the relay's clock: deadlines on the relay count on it
+        self.loop_clock.on_stall.append(self.excuse_silence)
         self.backbone.peer_ids = lambda: list(self.registry.peers)
-        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status)
+        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status,
+                                 clock=self.loop_clock)
         self.leaderboard = self.rounds.leaderboard = Leaderboard(store, self.registry)
         self.traffic = self.rounds.traffic
         step = store.latest_step()
@@ -282,7 +283,7 @@ class Collaboration:
             raise ApiError(422, "bad_slices", "the ticket request does not list this round's slices",
                            "Split the gradient by the round's slices (RoundInfo.slices).")
         r.tickets[peer_id] = (req.samples, req.loss_sum, r.begin(peer_id))
-        expires = time.time() + max(0.0, r.deadline - time.monotonic()) + 30.0
+        expires = time.time() + r.remaining_s + 30.0
         return sign_ticket(Ticket(round_id=r.round_id, step=step, peer_id=peer_id, samples=req.samples,
                                   version=req.version, plan_version=r.plan_version, expires_at=expires,
                                   slices=list(req.slices)), self.backbone.ticket_key)
@@ -329,23 +330,26 @@ class Collaboration:
             self.rounds.maybe_open()  # also starts a pending plan change
 
     async def run_ticker(self, period_s: float = 0.1) -> None:
-        last = time.monotonic()
-        while True:
-            now = time.monotonic()
-            if now - last > period_s + STALL_S:
-                self.excuse_silence(now - last - period_s)
-            last = now
-            await self.tick()
-            await asyncio.sleep(period_s)
+        """Beat the relay's clock (:mod:`relay_server.core.loop_clock`: a stall it finds is
+        excused before this tick expires anyone), then :meth:`tick`, every ``period_s``."""
+        self.loop_clock.resume()
+        try:
+            while True:
+                self.loop_clock.beat()
+                try:
+                    await self.tick()
+                except Exception:  # the ticker (and the relay's clock) must outlive any one bad tick
+                    log.exception("relay tick failed")
+                await asyncio.sleep(period_s)
+        finally:
+            self.loop_clock.report.flush(final=True)
 
     def excuse_silence(self, seconds: float) -> None:
         """The relay itself did not listen for ``seconds`` (its event loop stalled: a slow disk,
         swap, a starved VM): heartbeats sent meanwhile wait unread in its sockets, so that time
         counts toward no peer's or aggregator's silence. Without this, one stall longer than a TTL
         declares every peer and aggregator dead at the next tick, and a sliced run recovers slices
-        from the relay's (older) copy for nothing."""
-        log.warning("the relay's event loop stalled for %.1fs; silence during it is not held against anyone",
-                    seconds)
+        from the relay's (older) copy for nothing. (The loop clock's report logs the stalls.)"""
         self.registry.excuse_silence(seconds)
         self.backbone.aggregators.excuse_silence(seconds)
 

@@ -45,8 +45,10 @@ class RoundCycle:
     """The open round (``round``, None between rounds) and the steps rounds make."""
 
     def __init__(self, config: RelayConfig, store: Store, backbone: Backbone, registry: Registry,
-                 observers: ObserverThread, status: Callable[[], StatusReport]) -> None:
+                 observers: ObserverThread, status: Callable[[], StatusReport],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.store, self.backbone, self.registry = config, store, backbone, registry
+        self.clock = clock  # the relay's: rounds' deadlines and durations count on it
         self.observers, self.status = observers, status  # status: what a StepEvent carries
         self.run_cfg = config.run
         self.deadlines = DeadlinePolicy(config.rounds)
@@ -109,8 +111,8 @@ class RoundCycle:
         if self.run_cfg.mode != "local_sgd" and sum(p.samples for p in eligible) + ahead < self.run_cfg.target_batch:
             return
         self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
-                           deadline_s=self.deadlines.window_s(), plan_version=self.backbone.plan_version,
-                           slices=self.backbone.round_slices())
+                           deadline_s=self.deadlines.window_s(), clock=self.clock,
+                           plan_version=self.backbone.plan_version, slices=self.backbone.round_slices())
         log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
 
     def update_membership(self, peer: Peer) -> None:
@@ -136,7 +138,7 @@ class RoundCycle:
         r = self.round
         if r is None or r.closed:
             return
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if r.received and r.everyone_arrived():
             reason = "all_arrived"
         elif now >= r.deadline:
@@ -156,7 +158,7 @@ class RoundCycle:
             self.round = None
             self.maybe_open()
             return
-        outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=time.monotonic() - r.opened_at,
+        outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=self.clock() - r.opened_at,
                            deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0,
                            outcomes=dict(r.outcomes))  # issue 17: the record says what was not counted whole
         if r.slices:
@@ -174,7 +176,7 @@ class RoundCycle:
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
-                 f"{r.loss:.4f}" if r.loss is not None else "n/a", time.monotonic() - r.opened_at, r.finalized_by)
+                 f"{r.loss:.4f}" if r.loss is not None else "n/a", self.clock() - r.opened_at, r.finalized_by)
         self.maybe_open()
         if self.observers.observers:
             status = self.status()

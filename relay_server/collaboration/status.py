@@ -47,7 +47,7 @@ def round_info(r: Round | None) -> RoundInfo | None:
     """The open round as peers see it (None between rounds)."""
     if r is None or r.closed:
         return None
-    return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=max(0.0, r.deadline - time.monotonic()),
+    return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=r.remaining_s,
                      expected_peers=len(r.expected), received_peers=len(r.received),
                      plan_version=r.plan_version, slices=r.slices)
 

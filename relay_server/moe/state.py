@@ -46,13 +46,14 @@ class Experts:
     """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
 
     @classmethod
-    def create(cls, cfg: MoeSection, data_dir: Path) -> Experts:
-        """The state of a run that starts (or restarts: no lease survives, hosts lease again)."""
+    def create(cls, cfg: MoeSection, data_dir: Path, clock: Callable[[], float] = time.monotonic) -> Experts:
+        """The state of a run that starts (or restarts: no lease survives, hosts lease again).
+        ``clock``: the relay's (:mod:`relay_server.core.loop_clock`), on which calls' deadlines count."""
         from toolkit.moe.experts import expert_shapes  # torch: only relays that run DMoE pay for it
 
         return cls(config=cfg, directory=ExpertDirectory(cfg.uids()),
                    broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
-                                     max_queued_rows=cfg.max_queued_rows),
+                                     max_queued_rows=cfg.max_queued_rows, clock=clock),
                    checkpoints=CheckpointStore(data_dir / "experts", cfg.keep_checkpoints),
                    shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec))
 

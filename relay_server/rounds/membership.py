@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,10 @@ class Round:
     round_id: str
     expected: set[str]
     deadline_s: float
-    opened_at: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic
+    """The relay's clock (:mod:`relay_server.core.loop_clock`): a stall of its event loop, while
+    uploads wait unread in its sockets, does not run the round's deadline down."""
+    opened_at: float = field(init=False)
     uploading: set[str] = field(default_factory=set)
     received: dict[str, int] = field(default_factory=dict)  # peer_id -> samples
     partial: set[str] = field(default_factory=set)  # sliced uploads that delivered only some slices
@@ -39,15 +43,23 @@ class Round:
     slices: list = field(default_factory=list)  # PlanSlice: empty when the relay owns the whole vector
     tickets: dict[str, tuple[int, float, bool]] = field(default_factory=dict)  # peer -> (samples, loss, was expected)
 
+    def __post_init__(self) -> None:
+        self.opened_at = self.clock()
+
     @property
     def deadline(self) -> float:
         return self.opened_at + self.deadline_s
+
+    @property
+    def remaining_s(self) -> float:
+        """Seconds left before the deadline, on the round's clock (0 once passed)."""
+        return max(0.0, self.deadline - self.clock())
 
     def complete(self, peer_id: str, samples: int, loss_sum: float) -> None:
         self.uploading.discard(peer_id)
         self.received[peer_id] = samples
         self.outcomes.pop(peer_id, None)  # a retry after a refusal that counted nothing
-        self.arrival_s[peer_id] = time.monotonic() - self.opened_at
+        self.arrival_s[peer_id] = self.clock() - self.opened_at
         self.loss_sum += loss_sum
 
     def begin(self, peer_id: str) -> bool:

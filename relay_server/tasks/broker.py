@@ -21,8 +21,8 @@ Rules, and why:
   the smallest ``(priority, seq)``: oldest first when every priority is ``()`` (DMoE), 1F1B when
   the pipeline passes ``(0 backward / 1 forward, batch, microbatch)``. A task may ``prefer`` a
   worker (the one holding its input); the affinity rule is in :mod:`.queues`: a hint, never a hold.
-* **Deadlines.** Every task has one; past it the task fails ``task_timeout`` wherever it is, and
-  a late result is refused (the caller has moved on).
+* **Deadlines**, on the broker's clock (the relay's: a stall of its loop counts toward none). Past
+  it the task fails ``task_timeout`` wherever it is; a late result is refused (the caller moved on).
 * **Lease deadlines** (:mod:`.timing`), for tasks posted with ``requeue_on_loss``: a lease lasts
   ``lease_deadline(key)``, derived from the key's measured task time, so a worker that is alive to
   the registry but stuck loses its micro-batch to another worker. Expert calls have no lease
@@ -130,8 +130,10 @@ class TaskBroker:
         return task
 
     async def wait(self, task: Task) -> Task:
-        """Until the task ends (its deadline bounds this: :meth:`tick` fails it then)."""
-        await asyncio.wait_for(task.finished.wait(), max(0.0, task.deadline - self.clock()) + 1.0)
+        """Until the task ends: past its deadline on the broker's clock (:meth:`Task.until_ended`)
+        it fails ``task_timeout`` (here or in :meth:`tick`), the answer its caller knows."""
+        if not await task.until_ended(self.clock):
+            self._fail(task, timeout_error(task))
         return task
 
     def result(self, task: Task) -> bytes:

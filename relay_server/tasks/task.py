@@ -5,6 +5,7 @@ read. The states and how a task moves between them are in :mod:`.broker`'s docst
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay_server.core.errors import ApiError
@@ -24,7 +25,7 @@ class Task:
     rows: int
     payload: PayloadRef
     deadline: float
-    """``time.monotonic()`` seconds."""
+    """On the broker's clock (the relay's: :mod:`relay_server.core.loop_clock`)."""
     after: tuple[str, ...] = ()
     group: str = ""
     requeue_on_loss: bool = False
@@ -58,6 +59,22 @@ class Task:
 
     def held_by(self, worker: str) -> bool:
         return worker == self.worker or worker in self.previous_workers
+
+    async def until_ended(self, clock: Callable[[], float]) -> bool:
+        """Wait until the task ended (True) or its deadline passed on ``clock`` (False), never
+        raising on time. A wake-up after a stall of the relay's event loop first asks ``clock``
+        (the relay's, stopped during the stall) whether time is left: the result may be waiting
+        unread in a socket, and a timer that fires before it is read must not fail the task."""
+        while not self.ended:
+            remaining = self.deadline - clock()
+            if remaining <= 0:
+                return False
+            finished = asyncio.ensure_future(self.finished.wait())
+            try:
+                await asyncio.wait({finished}, timeout=remaining)
+            finally:
+                finished.cancel()
+        return True
 
 
 @dataclass

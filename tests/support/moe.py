@@ -5,17 +5,22 @@ host or a trainer, and the relay's expert ``directory``."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
 from tests.conftest import REPO
-from tests.moe_trainer import BATCH, IN_FEATURES
+from tests.moe_trainer import BATCH, IN_FEATURES, batches
+from toolkit.models import DMoEMLP
+from toolkit.models.flat import load_flat
 from toolkit.moe import payloads
+from toolkit.moe.calls import LoopbackCaller
 
 LR = 0.05
 MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
@@ -54,3 +59,30 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
     """The tensors of the newest checkpoint the relay keeps of expert ``uid``."""
     files = sorted((data_dir / "experts" / uid).glob("*.safetensors"))
     return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
+
+
+def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
+    """``tests/moe_trainer.py`` against ``url``: its JSON outcome line."""
+    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_process_reference(initial: np.ndarray, steps: int) -> tuple[np.ndarray, dict[str, torch.nn.Module]]:
+    """The run of :func:`overrides` ``(steps)`` in one process, from the relay's ``initial``
+    parameters: the same model, data and update order, experts behind a LoopbackCaller that steps
+    each expert's SGD once per backward call, as a host does. Returns the flat dense parameters
+    and the experts by uid."""
+    torch.manual_seed(0)
+    model = DMoEMLP(**KWARGS)
+    load_flat(model, initial)
+    experts = {uid: model.make_expert(uid) for uid in UIDS}
+    with LoopbackCaller(experts, optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=LR)) as caller:
+        model.attach_caller(caller)
+        dense = torch.optim.SGD(model.parameters(), lr=LR)
+        for batch in batches(steps):
+            dense.zero_grad()
+            model.loss(batch).backward()
+            dense.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(), experts

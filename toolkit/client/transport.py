@@ -31,6 +31,11 @@ S = TypeVar("S", bound=Schema)
 RETRY_STATUS = {502, 503, 504}
 """Answers from a relay (or its proxy) that is busy or restarting: worth asking again."""
 
+FINAL_ANSWERS = {"task_timeout", "bad_result"}
+"""The relay's own 502/504 answers about one call (its task ran past its deadline, its host sent
+an invalid result): asking again with the same call id finds the same failed task, so the caller
+hears the answer at once instead of after seconds of backoff (a failed expert, for a trainer)."""
+
 MAX_RETRY_AFTER_S = 30.0
 """The longest Retry-After honoured: a relay asking for more is waited on for this long."""
 
@@ -99,7 +104,8 @@ class Transport:
                                            f"{message} after {attempts} tries ({method} {path})") from None
                 self._sleep(attempt, type(exc).__name__)
                 continue
-            if response.status_code in (*RETRY_STATUS, 429) and attempt + 1 < attempts:
+            if (response.status_code in (*RETRY_STATUS, 429) and attempt + 1 < attempts
+                    and rejected(response).code not in FINAL_ANSWERS):
                 self._sleep(attempt, f"HTTP {response.status_code}", retry_after_s(response.headers))
                 response.close()
                 continue

@@ -207,7 +207,7 @@ class ExpertHost:
         try:
             self.client.moe_result(self.peer_id, task.task_id, body)
         except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
-            log.info("result for %s refused: [%s] %s", task.uid, exc.code, exc.message)
+            log.debug("result for %s refused: [%s] %s", task.uid, exc.code, exc.message)
         except CollabError as exc:  # the relay is unreachable: the call will time out there
             log.warning("result for %s not delivered: %s", task.uid, exc.message)
 

@@ -23,7 +23,7 @@ import torch
 
 from toolkit.accumulator import Accumulator, Upload
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError, RelayRejected, RelayUnreachable, RoundLost
+from toolkit.errors import CollabError, RelayRejected, RelayUnreachable, RoundLost, handled_by_peer, volunteer_line
 from toolkit.transfer import slice_part
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import CollabState, DoneRequest, GradientMeta, RunInfo, TicketRequest
@@ -236,7 +236,7 @@ class RoundParticipation:
         if fresh and (outcome.fate == "not_received" or state.step == meta.step):
             self.accumulator.restore(outcome.upload)
             self._last_round_id = ""
-            log.info("round %d: kept %d samples for the next round", meta.step, meta.samples)
+            log.debug("round %d: kept %d samples for the next round", meta.step, meta.samples)
         else:
             log.info("round %d: dropped %d samples (their round is gone)", meta.step, meta.samples)
 
@@ -288,5 +288,11 @@ class RoundParticipation:
         log.info("step %d loaded%s", step, " (rebased)" if carry is not None else "")
 
     def _note_error(self, exc: CollabError) -> None:
+        """What the peer recovers from by itself (:data:`toolkit.errors.HANDLED_BY_PEER`: the
+        round it sent to had closed, ...) goes to the debug log only; anything else to the panel
+        (``last_error``) and the log, in one line saying what to do."""
+        if handled_by_peer(exc):
+            log.debug("handled by this peer: %s", exc)
+            return
         self.last_error = exc
-        log.warning("%s", exc)
+        log.warning("%s", volunteer_line(exc))

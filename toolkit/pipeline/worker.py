@@ -101,7 +101,7 @@ class StageWorker:
         if self.version == version:
             return
         if self.held:  # a batch ended without our upload (we were silent, the relay recomputed it)
-            log.warning("dropping the stage gradient of micro-batches %s: their batch is over", sorted(self.held))
+            log.debug("dropping the stage gradient of micro-batches %s: their batch is over", sorted(self.held))
             self._reset_sum()
         a = self.assignment
         step = self.client.download_stage(self.peer_id, a.start, a.end, self.flat, min_step=version)
@@ -135,7 +135,7 @@ class StageWorker:
                 except RelayRejected as exc:
                     if exc.code not in ("no_stage", "stage_mismatch", "wrong_slice"):
                         raise
-                    log.info("the relay no longer knows this worker's stage (%s): asking again", exc.code)
+                    log.debug("the relay no longer knows this worker's stage (%s): asking again", exc.code)
                     self._take_stage()
                 except RelayUnreachable as exc:  # a blip or a relay restart: the transport retried already
                     log.warning("relay unreachable (%s); trying again", exc)
@@ -220,7 +220,7 @@ class StageWorker:
         except RelayRejected as exc:
             if exc.status not in (409, 410):
                 raise
-            log.info("result for %s refused (%s): dropped", task.task_id, exc.code)
+            log.debug("result for %s refused (%s): dropped", task.task_id, exc.code)
             self.tasks_refused += 1
             return
         if not ack.accepted:
@@ -260,7 +260,7 @@ class StageWorker:
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
         if sorted(self.held) != call.microbatches or self.grad_sum is None:
-            log.warning("the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
+            log.debug("the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
                         "says so, and the relay recomputes them", call.microbatches, call.stage, sorted(self.held))
         vector = torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy() \
             if self.grad_sum is not None else np.zeros(a.end - a.start, dtype=np.float32)
@@ -278,13 +278,13 @@ class StageWorker:
                 round_id=call.round_id, stage=a.stage, microbatches=held, loss_sum=meta.loss_sum,
                 header_sha256=part.header_sha256))
         except RelayRejected as exc:
-            log.warning("ticket refused (%s): this stage gradient is dropped and recomputed", exc)
+            log.debug("ticket refused (%s): this stage gradient is dropped and recomputed", exc)
             return
         error = self.client.upload_slices(call.step, ticket, [part])[0]
         if error is None:
             self.uploads += 1
         else:
-            log.warning("stage gradient upload failed (%s): the relay recomputes its micro-batches", error)
+            log.debug("stage gradient upload failed (%s): the relay recomputes its micro-batches", error)
         self.client.pipeline_done(self.peer_id, call.step, PipelineDone(round_id=call.round_id,
                                                                          contributor=call.contributor,
                                                                          delivered=error is None))
