@@ -5,16 +5,19 @@ new parameters are exactly minus the mean gradient and every stray value is visi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
+from relay_server.api.context import COLLAB
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.core.config import OptimizerSection
 from relay_server.rounds.master import MasterState, NonFiniteStep
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import CHUNK_ELEMS
-from relay_server.rounds.store import Store
+from relay_server.rounds.store import RoundLog, Store
 from tests.support.peers import SignedPeer, signed_container
 from tests.support.relays import InProcessRelay, snapshot
 from toolkit.wire.auth import digest_metadata
@@ -174,6 +177,22 @@ def test_one_upload_whose_squares_overflow_float32_cannot_blind_the_status(relay
     record = relay.status()["recent_rounds"][-1]
     assert record["grad_norm"] == pytest.approx(np.sqrt(NUM), rel=1e-6)
     assert record["outcomes"] == {alice.peer_id: "refused"}
+
+
+def test_an_inf_grad_norm_already_in_the_round_log_cannot_break_the_status(relay_factory) -> None:
+    """A data dir written before the fix may hold the attack's inf grad_norm: the status shows
+    it as null, and a record committed now stores NULL rather than inf."""
+    relay = relay_factory(**TWO_CHUNKS)
+    store = relay.app[COLLAB].store
+    relay.call(lambda: store.db.execute(
+        "INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, finalized_by, "
+        "lr, grad_norm) VALUES (1, 0, 1, 5, 1e308 * 10, 1.0, 1.0, 'all_arrived', 1.0, 1e308 * 10)"))
+    record = relay.status()["recent_rounds"][-1]
+    assert (record["step"], record["loss"], record["grad_norm"]) == (1, None, None)
+    relay.call(lambda: store.commit(2, "0" * 64, RoundLog(contributions={}, loss=math.inf, duration_s=1.0,
+                                                          deadline_s=1.0, finalized_by="all_arrived", lr=1.0,
+                                                          grad_norm=math.nan)))
+    assert relay.call(lambda: store.recent_rounds()[-1][3]) is None  # loss, as stored
 
 
 def test_a_step_that_would_overflow_the_parameters_is_refused_counted_and_not_applied(relay_factory) -> None:

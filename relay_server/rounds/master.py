@@ -128,16 +128,18 @@ class MasterState:
         return StepReport(self.step, lr, grad_norm)
 
     def non_finite(self) -> str:
-        """The first of the parameters and the optimizer's floating-point state holding NaN or
-        Inf ("" if none). One ``aminmax`` per tensor: a read pass, multithreaded, no temporary
-        (NaN propagates to both ends, an infinity is one of them) -- 4 ms per 100 MB where
-        ``isfinite().all()`` took 180 ms and allocated a bool per value. Adam's ``exp_avg_sq``
-        (g * g) can overflow while the parameters stay finite, hence the state too."""
-        if self.flat.numel() and not _finite(self.flat):
+        """The first of the parameters (NaN, Inf or beyond :data:`PARAM_LIMIT`) and the
+        optimizer's floating-point state (NaN or Inf) that is not fit to publish; "" if none.
+        One ``aminmax`` per tensor: a read pass, multithreaded, no temporary (NaN propagates to
+        both ends, an infinity is one of them) -- 4 ms per 100 MB where ``isfinite().all()`` took
+        180 ms and allocated a bool per value. Adam's ``exp_avg_sq`` (g * g) can overflow while
+        the parameters stay finite, hence the state too."""
+        if self.flat.numel() and not _extent(self.flat) <= PARAM_LIMIT:  # NaN compares False
             return "the parameters"
         for p, state in self.optimizer.state.items():
             for key, value in state.items():
-                if torch.is_tensor(value) and value.is_floating_point() and value.numel() and not _finite(value):
+                if (torch.is_tensor(value) and value.is_floating_point() and value.numel()
+                        and not math.isfinite(_extent(value))):
                     return f"the optimizer state {key!r}"
         return ""
 
@@ -206,9 +208,16 @@ class MasterState:
         self.step = step
 
 
-def _finite(tensor: torch.Tensor) -> bool:
+PARAM_LIMIT = float(np.finfo(np.float32).max) / 2
+"""The largest parameter magnitude a step may publish: the difference of two parameters (a lossy
+codec's delta between versions) then stays finite too."""
+
+
+def _extent(tensor: torch.Tensor) -> float:
+    """``max |x|`` of a non-empty tensor, NaN if it holds one (one pass: min and max together)."""
     low, high = torch.aminmax(tensor.detach().reshape(-1))
-    return math.isfinite(float(low)) and math.isfinite(float(high))
+    low, high = float(low), float(high)
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def tensor_boundaries(layout: list[ParamSpec]) -> list[int]:
