@@ -108,13 +108,13 @@ class MasterState:
         Raises :class:`NonFiniteStep` instead of making anything non-finite (issue 41): before
         the step when the gradient's norm is not finite (nothing changed), after it when the
         parameters or the optimizer state are (``touched``: the caller reloads the state; the
-        step counter has not moved). The norm is accumulated in float64: in float32 the squares
-        of a finite gradient overflowed (1e22 per value made the round's grad_norm inf, and the
-        status that stored it unserializable)."""
+        step counter has not moved). The norm is overflow-safe (:func:`overflow_safe_norm`): in
+        float32 the squares of a finite gradient overflowed (1e22 per value made the round's
+        grad_norm inf, and the status that stored it unserializable)."""
         lr = lr_at(self.step, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        grad_norm = float(torch.linalg.vector_norm(self.grad, dtype=torch.float64))
+        grad_norm = overflow_safe_norm(self.grad)
         clip_by = grad_norm if global_norm is None else global_norm
         if not (math.isfinite(grad_norm) and math.isfinite(clip_by)):
             raise NonFiniteStep(f"the mean gradient's norm is {clip_by:g}", touched=False)
@@ -206,6 +206,14 @@ class MasterState:
                 values = fp32_state(values)
             self.optimizer.state[self.params[i]] = values
         self.step = step
+
+
+def overflow_safe_norm(tensor: torch.Tensor) -> float:
+    """The L2 norm, finite for any finite tensor: float32 first (4 ms per 100 MB), and only if
+    its squares overflowed, again accumulated in float64 (73 ms per 100 MB here: too slow for
+    every round's critical path, and no honest gradient needs it)."""
+    norm = float(torch.linalg.vector_norm(tensor))
+    return norm if math.isfinite(norm) else float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
 
 
 PARAM_LIMIT = float(np.finfo(np.float32).max) / 2

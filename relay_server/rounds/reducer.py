@@ -2,23 +2,23 @@
 
 Peers upload the SUM of their gradients (so the relay only adds), encoded by the run's codec
 (:mod:`toolkit.wire.compression`). The event loop reads chunk ``k + 1`` off the socket while chunk
-``k`` is decoded and validated (finite and bounded: :func:`check_chunk`) on one dedicated reducer thread -- numpy releases the GIL,
-so receiving and checking use two cores (DESIGN.md s6), and with a single writer the adds never
-race. Work that must see every add (the mean, the optimizer step) is submitted to the same
-thread with :meth:`Reducer.run`, so it is ordered after them without locks.
+``k`` is decoded and validated (finite and bounded: :func:`check_chunk`) on one dedicated reducer
+thread -- numpy releases the GIL, so receiving and checking use two cores (DESIGN.md s6), and with
+a single writer the adds never race. Work that must see every add (the mean, the optimizer step)
+is submitted to the same thread with :meth:`Reducer.run`, so it is ordered after them without locks.
 
-**A contribution counts whole or not at all.** Each validated chunk goes to a per-upload spool
-(an unlinked temporary file: the wire bytes, so memory stays at one chunk whatever the model's
-size); only when the LAST chunk verified -- every digest, every chunk within :func:`check_chunk`'s bound, the round still
-open, the peer not removed -- is the upload committed: ``UploadProgress.on_commit`` runs on the
-event loop (the caller credits the samples there, so the round's record and the sum can never
-disagree) and one job on the reducer thread adds the spool into the sum, before any later
+**A contribution counts whole or not at all.** Each validated chunk goes to a per-upload spool (an
+unlinked temporary file: the wire bytes, so memory stays at one chunk whatever the model's size);
+only when the LAST chunk verified -- every digest, every chunk within :func:`check_chunk`'s bound,
+the round still open, the peer not removed -- is the upload committed: ``UploadProgress.on_commit``
+runs on the event loop (the caller credits the samples there, so the round's record and the sum can
+never disagree) and one job on the reducer thread adds the spool into the sum, before any later
 finalize. An upload refused at chunk ``k`` (NaN, a digest mismatch, a dead connection, the round
 closing) leaves the sum exactly as before it began. Earlier versions reduced each chunk as it
-arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was
-dropped (issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the
-process's budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one
-spool per upload in flight, at most the run's codec size each (``wire_bytes``).
+arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was dropped
+(issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the process's
+budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one spool per
+upload in flight, at most the run's codec size each (``wire_bytes``).
 
 Robust mode (``rounds.aggregation = "centered_clip"``) stores each chunk per peer anyway
 (:class:`~relay_server.rounds.robust.RobustAccumulator`, n_peers x P float32 while a round is
@@ -346,7 +346,7 @@ class Reducer:
 
 _REFUSED_HINT = "Nothing of this upload was counted: the round's sum is as it was before it began."
 
-CHUNK_NORM_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.8e19: the chunk's float32 sum of squares overflows beyond
+CHUNK_NORM_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.8e19: beyond, a chunk's float32 v.v overflows
 
 
 def check_chunk(values: np.ndarray) -> None:
