@@ -269,14 +269,7 @@ class SliceReport(Schema):
     """Finalize: the slice's mean-gradient norm before clipping (the relay sums the squares)."""
     refused: bool = False
     """Finalize: the step would have made this slice non-finite, so the version holds the slice
-    unchanged (issue 41; the relay counts it in ``StatusReport.refused_steps``). Left out of the
-    body when false, so a finalize answer is the same bytes as before this field existed."""
-
-    def to_json(self) -> dict:
-        body = super().to_json()
-        if not body["refused"]:
-            del body["refused"]
-        return body
+    unchanged (issue 41; the relay counts it in ``StatusReport.refused_steps``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
