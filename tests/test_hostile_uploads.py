@@ -5,6 +5,7 @@ new parameters are exactly minus the mean gradient and every stray value is visi
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -22,7 +23,7 @@ from tests.support.peers import SignedPeer, signed_container
 from tests.support.relays import InProcessRelay, snapshot
 from toolkit.wire.auth import digest_metadata
 from toolkit.wire.compression import get_codec, run_codecs
-from toolkit.wire.protocol import GradientMeta, Heartbeat, ParamSpec
+from toolkit.wire.protocol import GradientMeta, Heartbeat, ParamSpec, StatusReport
 from toolkit.wire.tensor_container import encode_header
 
 NUM = CHUNK_ELEMS + 4096  # two chunks: the first is reduced before the second arrives
@@ -193,6 +194,16 @@ def test_an_inf_grad_norm_already_in_the_round_log_cannot_break_the_status(relay
                                                           deadline_s=1.0, finalized_by="all_arrived", lr=1.0,
                                                           grad_norm=math.nan)))
     assert relay.call(lambda: store.recent_rounds()[-1][3]) is None  # loss, as stored
+
+
+def test_the_status_report_serializes_whatever_number_reaches_it() -> None:
+    """The last guard: should any statistic still be NaN or Inf, ``GET /api/status`` shows null
+    there instead of failing for every observer (json.dumps with allow_nan=False raised)."""
+    report = StatusReport(run_name="r", step=1, total_steps=0, finished=False, target_batch=10, num_params=4,
+                          samples_accumulated=0, samples_per_s=math.inf, eta_s=None, loss=math.nan, num_peers=0,
+                          peers=[], recent_rounds=[], round=None, auth_mode="hf", uptime_s=1.0)
+    body = json.loads(report.dumps())
+    assert (body["samples_per_s"], body["loss"], body["step"]) == (None, None, 1)
 
 
 def test_a_step_that_would_overflow_the_parameters_is_refused_counted_and_not_applied(relay_factory) -> None:
