@@ -218,14 +218,14 @@ def overflow_safe_norm(tensor: torch.Tensor, chunk: int = 1 << 14) -> float:
     round's critical path."""
     flat = tensor.detach().reshape(-1).numpy()
     total = 0.0
-    for start in range(0, flat.size, chunk):
-        part = flat[start:start + chunk]
-        with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is retried below, not a warning
+        for start in range(0, flat.size, chunk):
+            part = flat[start:start + chunk]
             square = float(np.dot(part, part))
-        if not math.isfinite(square):
-            wide = part.astype(np.float64)
-            square = float(np.dot(wide, wide))
-        total += square
+            if not math.isfinite(square):
+                wide = part.astype(np.float64)
+                square = float(np.dot(wide, wide))
+            total += square
     return math.sqrt(total)
 
 
