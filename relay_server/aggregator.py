@@ -146,7 +146,7 @@ class Aggregator:
         owner = self._owner(req.plan_version)
         version, r, norm = await owner.finalize(req.step, req.round_id, req.grad_norm)
         return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
-                           peers=len(r.received), grad_norm=norm)
+                           peers=len(r.received), grad_norm=norm, refused=r.refused)
 
     def _owner(self, plan_version: str | None = None) -> SliceOwner:
         if self.owner is None:

@@ -35,6 +35,11 @@ class Closed:
     dead: list[Owner]
     grad_norm: float
 
+    @property
+    def refused(self) -> int:
+        """Owners whose step was refused (issue 41): their slices were published unchanged."""
+        return sum(report.refused for report in self.reports.values())
+
 
 @dataclass
 class RoundCloser:
@@ -91,7 +96,7 @@ class RoundCloser:
         if owner.owner_id == RELAY_ID:
             version, r, norm = await self.local.finalize(step, round_id, global_norm)
             return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
-                               peers=len(r.received), grad_norm=norm)
+                               peers=len(r.received), grad_norm=norm, refused=r.refused)
         report = await self.client.call("POST", self._url(owner, "finalize"), SliceReport, FinalizeRequest(
             step=step, round_id=round_id, plan_version=self.plan_version, grad_norm=global_norm))
         if (report.step, report.start, report.end) != (step + 1, owner.start, owner.end):

@@ -87,6 +87,7 @@ class Backbone:
         self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
         self._checked = -math.inf
         self._empty_reducer: Reducer | None = None
+        self.refused_rounds = 0  # sliced rounds in which some owner refused its step (issue 41)
 
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:
@@ -188,6 +189,10 @@ class Backbone:
         norm. An owner that does not answer is dead: its slice is recovered and the slices re-planned."""
         closer = RoundCloser(self.owners, self.local, self.aggregators, self.client, self.plan_version)
         closed = await closer.close(step, round_id, clip=self.config.master_optimizer().clip_grad_norm > 0)
+        if closed.refused:  # those slices hold version step + 1 unchanged: nothing non-finite is published
+            self.refused_rounds += 1
+            log.error("step %d: %d slice(s) refused their step (it would have been non-finite)", step + 1,
+                      closed.refused)
         if closed.dead:
             return await self._recover(step + 1, closed.dead), closed.grad_norm
         shas = {o.owner_id: closed.reports[o.owner_id].sha256 for o in self.owners}

@@ -31,7 +31,7 @@ import numpy as np
 
 from relay_server.core.config import OptimizerSection
 from relay_server.core.errors import ApiError, round_closed
-from relay_server.rounds.master import MasterState, StepReport
+from relay_server.rounds.master import MasterState, NonFiniteStep, StepReport
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.robust import CenteredClipConfig
@@ -58,6 +58,7 @@ class SliceRound:
     partial: set[str] = field(default_factory=set)
     closed: bool = False
     sq_norm: float | None = None  # set once the sum became the mean (grad_sq_norm, before finalize)
+    refused: bool = False  # the step was refused and the slice published unchanged (issue 41)
 
 
 class SliceOwner:
@@ -80,9 +81,10 @@ class SliceOwner:
         self.publisher = Publisher(store, codecs.down, self.master, public=state.get("public"), fsync=fsync,
                                    feedback=download_feedback)
         self.on_transfer = on_transfer
+        self.refused_steps = 0  # steps that would have made this slice non-finite, published unchanged
         self.round: SliceRound | None = None
         self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)
-        self._finalized: dict[str, tuple[Version, float]] = {}  # round id -> (version, grad norm): idempotent
+        self._finalized: dict[str, tuple[Version, float, bool]] = {}  # round id -> (version, norm, refused): idempotent
         self._switch = asyncio.Lock()
 
     def close(self) -> None:
@@ -117,7 +119,17 @@ class SliceOwner:
         (``reducer.submit(reducer.reset)``), off the critical path."""
         if not meaned:
             self.reducer.finish_mean()
-        report = self.master.apply_gradient(global_norm)
+        try:
+            report = self.publisher.apply_step(global_norm)
+        except NonFiniteStep as exc:
+            # Issue 41: nothing non-finite is published. The owners of a sliced round step in
+            # lock-step (the relay commits version step + 1 of every slice together), so this
+            # slice publishes its state unchanged -- exactly as before the step -- as that version.
+            self.refused_steps += 1
+            log.error("step %d refused on slice [%d, %d): %s; the slice is published unchanged",
+                      self.master.step + 1, self.start, self.end, exc)
+            self.master.step += 1
+            report = StepReport(self.master.step, 0.0, 0.0, refused=True)
         return self.publisher.write(report.step, self.meta()), report
 
     def export(self) -> tuple[int, dict[str, np.ndarray]]:
@@ -224,8 +236,8 @@ class SliceOwner:
         Idempotent: a repeated finalize (the relay retrying) answers with the same version.
         Returns the version, the round and the slice's mean-gradient norm (before clipping)."""
         if round_id in self._finalized:
-            version, norm = self._finalized[round_id]
-            return version, SliceRound(step=step, round_id=round_id, closed=True), norm
+            version, norm, refused = self._finalized[round_id]
+            return version, SliceRound(step=step, round_id=round_id, closed=True, refused=refused), norm
         if step != self.step:
             raise ApiError(409, "wrong_step", f"finalize for step {step}, but this slice is at {self.step}")
         async with self._switch:
@@ -234,7 +246,8 @@ class SliceOwner:
             version, report = await self.reducer.run(self.apply_round, r.sq_norm is not None, global_norm)
         self.publisher.publish(version)
         self.reducer.submit(self.reducer.reset)  # before any add of the next round
-        self._finalized[round_id] = (version, report.grad_norm)
+        r.refused = report.refused
+        self._finalized[round_id] = (version, report.grad_norm, report.refused)
         if len(self._finalized) > 8:
             self._finalized.pop(next(iter(self._finalized)))
         return version, r, report.grad_norm

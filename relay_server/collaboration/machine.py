@@ -366,7 +366,8 @@ class Collaboration:
 
     def status(self) -> StatusReport:
         return status_report(self.config, self.store, self.registry, self.state(), self.plan_info(), self.num_params,
-                             self.started, self.leaderboard, self.traffic, self.rounds.inner_steps_last_round)
+                             self.started, self.leaderboard, self.traffic, self.rounds.inner_steps_last_round,
+                             self.rounds.refused_steps + self.backbone.refused_rounds)
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:

@@ -29,7 +29,7 @@ from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.observers.events import ObserverThread, StepEvent
 from relay_server.rounds.local_sgd import OuterRoundRule
-from relay_server.rounds.master import MasterState, lr_at
+from relay_server.rounds.master import MasterState, NonFiniteStep, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer
@@ -59,6 +59,7 @@ class RoundCycle:
         self.leaderboard = None  # a status.Leaderboard, credited as each round commits (set by the machine)
         self.traffic = Traffic()  # bytes both ways; the samples are counted here as rounds apply
         self.inner_steps_last_round: float | None = None  # local SGD: mean over the last round's contributors
+        self.refused_steps = int(store.get_meta("refused_steps", "0") or 0)  # steps that would have been non-finite
 
     @property
     def step(self) -> int:
@@ -165,6 +166,11 @@ class RoundCycle:
             published = await self._finalize_sliced(r, outcome)
         else:
             version = await self.reducer.run(self._apply, outcome)
+            if version is None:  # refused: nothing published, the next round is on the same version
+                self.reducer.submit(self.reducer.reset)
+                self.round = None
+                self.maybe_open()
+                return
             self.publisher.publish(version)
             self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
             published = self.publish_local(version)
@@ -233,10 +239,22 @@ class RoundCycle:
             self._migration = None
             self.maybe_open()
 
-    def _apply(self, outcome: RoundLog) -> Version:
-        """Reducer thread, after every add of the round: mean, optimizer step, persist, commit."""
+    def _apply(self, outcome: RoundLog) -> Version | None:
+        """Reducer thread, after every add of the round: mean, optimizer step, persist, commit.
+        None: the step was refused (issue 41) -- it would have made the parameters or the
+        optimizer state non-finite; the master is exactly as before it (:meth:`Publisher.apply_step`),
+        nothing is written or published, and ``refused_steps`` (in ``GET /api/status``, kept in
+        the store across restarts) counts it. The peers' uploads of that round are lost, as the
+        step they would have made was."""
         self.reducer.finish_mean()
-        report = self.master.apply_gradient()
+        try:
+            report = self.publisher.apply_step()
+        except NonFiniteStep as exc:
+            self.refused_steps += 1
+            self.store.set_meta("refused_steps", str(self.refused_steps))
+            log.error("step %d refused (%d contributor(s)): %s; the parameters stay at version %d",
+                      self.master.step + 1, len(outcome.contributions), exc, self.master.step)
+            return None
         version = self.publisher.write(report.step, {"run": self.run_cfg.name})
         self.store.commit(report.step, version.sha256,
                           dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))

@@ -17,7 +17,7 @@ from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
 from relay_server.rounds.membership import Round
 from relay_server.rounds.registry import Peer, Registry
-from relay_server.rounds.store import Store
+from relay_server.rounds.store import Store, finite_or_none
 from relay_server.rounds.throughput import bounded_report
 from relay_server.rounds.traffic import Traffic
 from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, LocalSgdStatus, ParamSpec,
@@ -119,7 +119,7 @@ def local_sgd_status(config: RelayConfig, registry: Registry, step: int,
 
 def status_report(config: RelayConfig, store: Store, registry: Registry, state: CollabState, plan: PlanInfo,
                   num_params: int, started: float, leaderboard: Leaderboard, traffic: Traffic,
-                  inner_steps_last_round: float | None = None) -> StatusReport:
+                  inner_steps_last_round: float | None = None, refused_steps: int = 0) -> StatusReport:
     """Everything the dashboard shows, ``state`` being the collaboration's progress just now.
     O(peers online + the leaderboard's size), whatever the number of peers that ever joined."""
     run_cfg, now = config.run, time.monotonic()
@@ -130,8 +130,10 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
     measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # issue 17: refused / partial / banned uploads
-    rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=loss, duration_s=d, deadline_s=dl,
-                          finalized_by=by, finalized_at=at, lr=lr, grad_norm=norm, outcomes=outcomes.get(s, {}))
+    # finite_or_none: a data dir written before issue 41 may hold an inf grad_norm; JSON cannot carry it
+    rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=finite_or_none(loss), duration_s=d, deadline_s=dl,
+                          finalized_by=by, finalized_at=at, lr=finite_or_none(lr), grad_norm=finite_or_none(norm),
+                          outcomes=outcomes.get(s, {}))
               for s, c, n, loss, d, dl, by, at, lr, norm in recent]
     by_user = registry.online_by_user
     board = [LeaderboardEntry(username=u, samples=n, rounds=r, peers_online=by_user.get(u, 0))
@@ -145,7 +147,8 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
                         recent_rounds=rounds, round=state.round, auth_mode=config.auth.mode,
                         uptime_s=now - started, leaderboard=board, plan=plan,
                         config=run_summary(config, num_params), traffic=traffic.report(),
-                        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round))
+                        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round),
+                        refused_steps=refused_steps)
 
 
 def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:

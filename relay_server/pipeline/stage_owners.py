@@ -39,6 +39,7 @@ class StageOwners:
         self.stores = [Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
                        for k in range(len(cuts))]
         self.owners: list[SliceOwner] = []
+        self.refused_rounds = 0  # batches in which some stage refused its step
         for k, (start, end) in enumerate(cuts):
             owner = SliceOwner(layout, {"params": params[start:end]}, start=start, end=end,
                                step=resume_step or 0, optimizer=config.optimizer,
@@ -86,6 +87,10 @@ class StageOwners:
             squares = await asyncio.gather(*(o.grad_sq_norm(step, round_id) for o in self.owners))
             global_norm = math.sqrt(sum(squares))
         done = await asyncio.gather(*(o.finalize(step, round_id, global_norm) for o in self.owners))
+        refused = [k for k, (_, r, _) in enumerate(done) if r.refused]
+        if refused:  # issue 41: those stages publish their slice unchanged, never a non-finite one
+            self.refused_rounds += 1
+            log.error("step %d: stage(s) %s refused their step (it would have been non-finite)", step + 1, refused)
         for store, (version, _, _) in zip(self.stores, done):
             await asyncio.to_thread(store.commit, version.step, version.sha256)
         norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))

@@ -27,7 +27,7 @@ import numpy as np
 from aiohttp import web
 
 from relay_server.auth.verify import sign_response_headers
-from relay_server.rounds.master import MasterState
+from relay_server.rounds.master import MasterState, NonFiniteStep, StepReport
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import Codec, DeltaEncoder
 from toolkit.wire.tensor_container import encode_header_for, read_file_header, write_file
@@ -137,6 +137,20 @@ class Publisher(Board):
         return Version(step=step, path=path, offset=header.header_bytes + entry.begin, nbytes=entry.end - entry.begin,
                        numel=entry.numel, sha256=sha or "", delta_path=delta_path)
 
+    def apply_step(self, global_norm: float | None = None) -> StepReport:
+        """The master's optimizer step (reducer thread), or :class:`NonFiniteStep` with the master
+        exactly as before it (issue 41). The version the master holds is on disk in full --
+        parameters, master copy, optimizer state (:meth:`write`) -- so a step that broke the state
+        is undone by reloading that file: no snapshot in memory (one would cost the parameters
+        plus the optimizer state, 12 bytes per parameter with Adam, on every round), and a read
+        of one state file only on the refusal path, which no honest round takes."""
+        try:
+            return self.master.apply_gradient(global_norm)
+        except NonFiniteStep as exc:
+            if exc.touched:
+                self.load(self.master.step)  # the step counter did not move: the published version
+            raise
+
     def restore(self, step: int) -> None:
         """Resume at version ``step`` (after a restart): load it and make it the latest."""
         self.load(step)
@@ -147,7 +161,8 @@ class Publisher(Board):
         tensors = self.store.load_state(step)
         master = tensors.pop("master", None)
         public = tensors["params"]
-        self.master.load_state_tensors({"params": public if master is None else master, **tensors}, step, adopt=True)
+        # "params" last: the file's own "params" is the public copy, not the master (lossy codecs)
+        self.master.load_state_tensors({**tensors, "params": public if master is None else master}, step, adopt=True)
         if self.deltas is not None:
             self.deltas = DeltaEncoder(self.codec, public.numpy().copy())
 

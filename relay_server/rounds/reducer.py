@@ -2,23 +2,23 @@
 
 Peers upload the SUM of their gradients (so the relay only adds), encoded by the run's codec
 (:mod:`toolkit.wire.compression`). The event loop reads chunk ``k + 1`` off the socket while chunk
-``k`` is decoded and validated (finite) on one dedicated reducer thread -- numpy releases the GIL,
-so receiving and checking use two cores (DESIGN.md s6), and with a single writer the adds never
-race. Work that must see every add (the mean, the optimizer step) is submitted to the same
-thread with :meth:`Reducer.run`, so it is ordered after them without locks.
+``k`` is decoded and validated (finite and bounded: :func:`check_chunk`) on one dedicated reducer
+thread -- numpy releases the GIL, so receiving and checking use two cores (DESIGN.md s6), and with
+a single writer the adds never race. Work that must see every add (the mean, the optimizer step)
+is submitted to the same thread with :meth:`Reducer.run`, so it is ordered after them without locks.
 
-**A contribution counts whole or not at all.** Each validated chunk goes to a per-upload spool
-(an unlinked temporary file: the wire bytes, so memory stays at one chunk whatever the model's
-size); only when the LAST chunk verified -- every digest, every value finite, the round still
-open, the peer not removed -- is the upload committed: ``UploadProgress.on_commit`` runs on the
-event loop (the caller credits the samples there, so the round's record and the sum can never
-disagree) and one job on the reducer thread adds the spool into the sum, before any later
+**A contribution counts whole or not at all.** Each validated chunk goes to a per-upload spool (an
+unlinked temporary file: the wire bytes, so memory stays at one chunk whatever the model's size);
+only when the LAST chunk verified -- every digest, every chunk within :func:`check_chunk`'s bound,
+the round still open, the peer not removed -- is the upload committed: ``UploadProgress.on_commit``
+runs on the event loop (the caller credits the samples there, so the round's record and the sum can
+never disagree) and one job on the reducer thread adds the spool into the sum, before any later
 finalize. An upload refused at chunk ``k`` (NaN, a digest mismatch, a dead connection, the round
 closing) leaves the sum exactly as before it began. Earlier versions reduced each chunk as it
-arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was
-dropped (issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the
-process's budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one
-spool per upload in flight, at most the run's codec size each (``wire_bytes``).
+arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was dropped
+(issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the process's
+budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one spool per
+upload in flight, at most the run's codec size each (``wire_bytes``).
 
 Robust mode (``rounds.aggregation = "centered_clip"``) stores each chunk per peer anyway
 (:class:`~relay_server.rounds.robust.RobustAccumulator`, n_peers x P float32 while a round is
@@ -305,9 +305,7 @@ class Reducer:
             values = self._decoded(side, raw, start)  # sparse codecs check their records here
         except ValueError as exc:
             raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
-        if not self.codec.finite_output and not np.isfinite(values).all():
-            raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
-                           "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT)
+        check_chunk(values)
         if self._robust is not None:
             self._robust.add_chunk(peer_id, start, values, samples)  # copies: values may be scratch
         elif spool is not None:
@@ -347,6 +345,32 @@ class Reducer:
 
 
 _REFUSED_HINT = "Nothing of this upload was counted: the round's sum is as it was before it began."
+
+CHUNK_NORM_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.8e19: beyond, a chunk's float32 v.v overflows
+
+
+def check_chunk(values: np.ndarray) -> None:
+    """Refuse a chunk holding NaN or Inf, or whose L2 norm exceeds :data:`CHUNK_NORM_MAX` (issue 41).
+
+    One float32 dot product (BLAS, no temporary) decides both: ``v . v`` is non-finite iff some
+    value is NaN/Inf or the squares add past float32's largest value, i.e. the norm passes
+    ~1.8e19. Checking finiteness alone let two finite uploads of 3e38 per value add up to inf in
+    the float32 sum (and codecs whose decoded values are finite by construction -- int8 up to
+    FLT_MAX, topk2 up to 1.9e30 -- skipped the check altogether). With the bound every accepted
+    value has ``|v| < 1.8e19``: a sum of any realistic number of uploads stays finite, and so do
+    the mean, its square (Adam's second moment) and the float64 norms of the step. No real
+    gradient comes near: a summed gradient of 1.8e19 is a run that already diverged.
+    ``np.isfinite`` runs only on the refusal path, to name what was wrong."""
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the answer, not a warning
+        square = np.dot(values, values)
+    if np.isfinite(square):
+        return
+    if not np.isfinite(values).all():
+        raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
+                       "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT)
+    raise ApiError(422, "gradient_too_large", f"a {CHUNK_ELEMS}-value chunk of the gradient has an L2 norm above "
+                   f"{CHUNK_NORM_MAX:.3g}, beyond what the relay can sum in float32",
+                   "The run has diverged on this peer: lower the learning rate, or clip gradients. " + _REFUSED_HINT)
 
 
 def _removed() -> ApiError:

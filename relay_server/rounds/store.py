@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,12 @@ CREATE TABLE IF NOT EXISTS rounds (
     samples INTEGER NOT NULL, loss REAL, duration_s REAL NOT NULL, deadline_s REAL NOT NULL,
     finalized_by TEXT NOT NULL, lr REAL, grad_norm REAL, outcomes TEXT NOT NULL DEFAULT '{}');
 """
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """A round's statistic as stored and shown: None (NULL) rather than NaN or Inf, which JSON
+    cannot carry -- one inf ``grad_norm`` in the log broke every ``GET /api/status`` (issue 41)."""
+    return value if value is None or math.isfinite(value) else None
 
 
 class Store:
@@ -176,8 +183,8 @@ class Store:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
         self.db.execute("INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
                         "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (step, finalized_at, len(r.contributions), _applied(r), r.loss,
-                         r.duration_s, r.deadline_s, r.finalized_by, r.lr, r.grad_norm,
+                        (step, finalized_at, len(r.contributions), _applied(r), finite_or_none(r.loss),
+                         r.duration_s, r.deadline_s, r.finalized_by, finite_or_none(r.lr), finite_or_none(r.grad_norm),
                          json.dumps(r.outcomes, sort_keys=True)))
         self.db.executemany(
             "UPDATE peers SET samples_contributed = samples_contributed + ?, "

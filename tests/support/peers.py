@@ -21,6 +21,7 @@ from tests.hf_standin import HfStandin
 from toolkit.client import RelayClient
 from toolkit.signing import SignedAuth
 from toolkit.wire.auth import BODY_SHA256_HEADER, CONTAINER_TYPE, container_body_sha256, digest_metadata
+from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
 from toolkit.wire.tensor_container import encode_header
 
@@ -93,13 +94,14 @@ class SignedPeer:
     def send(self, prepared: requests.PreparedRequest) -> requests.Response:
         return self.client.session.send(prepared, timeout=30)
 
-    def upload(self, grad: np.ndarray, **meta_changes: Any) -> requests.Response:
-        """A correctly signed upload (chunk digests and all) of ``grad``: whatever the relay
-        refuses here, it refuses on content, not on the signature."""
+    def upload(self, grad: np.ndarray, codec: str = "none", **meta_changes: Any) -> requests.Response:
+        """A correctly signed upload (chunk digests and all) of ``grad``, encoded with ``codec``
+        (the toolkit's own encoder): whatever the relay refuses here, it refuses on content, not
+        on the signature or the codec's format."""
         fields = dict(peer_id=self.peer_id, step=0, version=0, samples=SAMPLES, loss_sum=1.0) | meta_changes
-        tensors = [("payload", grad)]
-        metadata = {"collab": GradientMeta(**fields).dumps().decode(), "codec": "none", **digest_metadata(tensors)}
-        body = encode_header(tensors, metadata) + grad.tobytes()
+        tensors = [("payload", grad)] if codec == "none" else get_codec(codec).encode(grad)
+        metadata = {"collab": GradientMeta(**fields).dumps().decode(), "codec": codec, **digest_metadata(tensors)}
+        body = encode_header(tensors, metadata) + b"".join(t.tobytes() for _, t in tensors)
         headers = {"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: container_body_sha256(tensors, metadata)}
         request = requests.Request("PUT", f"{self.relay.url}/api/rounds/{fields['step']}/gradient",
                                    params={"peer_id": self.peer_id}, data=iter([body]), headers=headers).prepare()

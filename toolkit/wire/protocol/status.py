@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,3 +215,28 @@ class StatusReport(Schema):
     reported_samples_per_s: float = 0.0
     """The trainers' self-reported samples/s, each bounded (``PeerStatus.samples_per_s``), summed:
     what the peers say they compute, beside what the rounds applied."""
+    refused_steps: int = 0
+    """Rounds whose step the relay refused because it would have made the parameters or the
+    optimizer state non-finite: on a single relay nothing was published (the next round starts
+    from the same version); in a sliced round the refusing slices were published unchanged.
+    Non-zero means some accepted gradients or the run's settings were extreme: look at the
+    round's peers and the learning rate."""
+
+    def dumps(self) -> bytes:
+        """Never fails on a number (issue 41): one inf that reached a statistic made every poll
+        of the dashboard and every observer fail. The relay keeps its statistics finite; should
+        one still be NaN or Inf, it is shown as null (the fast path is the plain dump)."""
+        try:
+            return super().dumps()
+        except ValueError:  # allow_nan=False met a NaN or Inf
+            return json.dumps(_finite_json(self.to_json()), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_json(v) for v in value]
+    return value
