@@ -203,6 +203,7 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
 
     def result(self, worker: str, task_id: str, body: bytes) -> PipelineAck:
         """Validate a task's result, then (first result wins) store its boundary and queue the next step."""
+        self._seen(worker)
         task = self.broker.tasks.get(task_id)
         if task is not None and task.state == "done":
             if task.worker == worker:  # our own result, retried after a lost answer
@@ -256,11 +257,12 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
             self._move(move.worker, move.to_stage, f"predicted {move.gain_s_per_batch:.2f} s per batch faster")
 
     def staff_empty_stages(self) -> None:
-        """A stage with no worker stalls the batch: move one there now from a stage with two or
-        more, any that holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
+        """A stage with no worker that serves it (only idle or struck ones, or none) stalls the
+        batch: move one there now from a stage with two or more that serve theirs, any that
+        holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.workers.placement(), can_move=lambda w: not self.ledger.owned(w))
+        move = self.planner.fill_empty(self.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
         if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 

@@ -6,9 +6,9 @@ look at what it *does*, measured on the relay, never at what it says:
 
 * **Held stage gradients have a deadline.** From the moment the round opens (or the gradient was
   accepted, if later) a holder has the stage's *measured* hold time (round open to the parameter
-  server's commit, median of recent holds, times the lease factor, at least the lease floor, the
-  initial lease before anything was measured: :class:`~relay_server.tasks.timing.LeaseTimer`'s
-  rule) to get it committed. Past it, its micro-batches are recomputed by others whatever its
+  server's commit, median of recent holds, times the lease factor, at least the lease floor:
+  :class:`~relay_server.tasks.timing.LeaseTimer`'s rule; the stage's lease deadline before a
+  hold was measured) to get it committed. Past it, its micro-batches are recomputed by others whatever its
   heartbeats say, and its tickets are void. That bounds every round: each gradient the round
   waits for is either being uploaded or at most one hold deadline away from being recomputed.
 * **A cap on leases per worker** (:data:`MAX_LEASES_PER_WORKER`): an honest worker computes one
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 
 from relay_server.pipeline.ledger import BACKWARD, LAST, Step
 from relay_server.pipeline.workers import Worker
@@ -59,8 +60,15 @@ class PipelineGuard:
             self.held_since[worker] = self.clock()
 
     def hold_deadline(self, stage: int) -> float:
-        """Seconds a holder of ``stage``'s gradient has, from the round's opening, to commit it."""
-        return self.hold_timer.deadline(f"stage{stage}")
+        """Seconds a holder of ``stage``'s gradient has, from the round's opening, to commit it:
+        the stage's measured holds' deadline, or before one was measured the stage's lease
+        deadline (measured by then: the round opens after its tasks). Never the initial lease:
+        a first round must not wait ``initial_lease_s`` for a hoarder. An honest holder is
+        polling when the round opens and starts its upload at once, and an upload in flight is
+        never recomputed, so this bounds only the wait for it to begin."""
+        key = f"stage{stage}"
+        measured = self.hold_timer.measured(key) is not None
+        return self.hold_timer.deadline(key) if measured else self.broker.lease_deadline(key)
 
     def _committed(self, worker: str, stage: int) -> None:
         """``worker``'s upload of ``stage``'s gradient committed: how long it held it, measured."""
@@ -115,9 +123,25 @@ class PipelineGuard:
         return self.benched.get(worker, -1) <= self.batch_index
 
     def _active(self, worker: str, stage: int) -> bool:
-        """Asking for work now, or lately (within its stage's lease deadline)."""
-        return self.polls.get(worker, 0) > 0 or \
-            self.clock() - self.polled_at.get(worker, -1e18) <= self.broker.lease_deadline(f"stage{stage}")
+        """Asking for work now, uploading, or lately active (placed, polled, answered: within its
+        stage's lease deadline). A worker that only heartbeats is not: it serves nobody."""
+        if self.polls.get(worker, 0) > 0 or worker in self._uploaders():
+            return True
+        return self.clock() - self.polled_at.get(worker, -1e18) <= self.broker.lease_deadline(f"stage{stage}")
+
+    def _uploaders(self) -> set[str]:
+        r = self.round
+        return {r.tickets[c][0] for c in self.uploading if r is not None and c in r.tickets}
+
+    def _seen(self, worker: str) -> None:
+        """A request that shows the worker at work (placement, a result, a ticket)."""
+        self.polled_at[worker] = self.clock()
+
+    def serving_placement(self) -> dict[str, tuple[int, int]]:
+        """worker -> (stage, memory) of the workers that serve their stage now (active, not
+        struck): a stage none of them is on is as good as empty, whoever else is placed there."""
+        return {w: (stage, memory) for w, (stage, memory) in self.workers.placement().items()
+                if self._serves(w) and self._active(w, stage)}
 
     def _others_serve(self, worker: str, stage: int) -> bool:
         """Another worker of ``stage``, not struck and asking for work, may take its tasks: a
@@ -159,5 +183,13 @@ class PipelineGuard:
     # --- placement -------------------------------------------------------------------------------
     def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
         """The worker's stage: kept across polls, a joiner's from measured task rates only."""
-        task_s = self.planner.task_seconds if self.planner is not None else (lambda worker: None)
+        measured = self.planner.task_seconds if self.planner is not None else (lambda worker: None)
+
+        def task_s(worker: str) -> float | None:
+            """Measured seconds per task; infinite for one that serves nobody (it adds nothing)."""
+            known = self.workers.by_id.get(worker)
+            idle = known is not None and not (self._serves(worker) and self._active(worker, known.stage))
+            return math.inf if idle else measured(worker)
+        if peer_id not in self.workers.by_id:
+            self._seen(peer_id)
         return self.workers.assign(peer_id, memory_bytes, samples_per_s, task_s=task_s)

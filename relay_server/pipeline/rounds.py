@@ -65,8 +65,10 @@ class PipelineRounds:
             raise ApiError(409, "round_closed", f"no pipeline round {step} ({req.round_id}) is open",
                            "Drop this gradient; take the next task.")
         call = self._round_call(worker)
+        self._seen(worker)
         if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
-            self._recompute(worker)
+            if self._recompute(worker):
+                self._strike(worker)  # its gradients are recomputed by others while any serve its stage
             raise ApiError(409, "wrong_microbatches", f"the relay expected micro-batches "
                            f"{call.microbatches if call else []} of stage {call.stage if call else req.stage}, "
                            f"the ticket asks for {sorted(req.microbatches)}",

@@ -77,7 +77,7 @@ class Workers:
     def _rate(self, stage: int, task_s: Callable[[str], float | None]) -> float | None:
         """Tasks per second ``stage``'s workers do, measured (None: none of them measured; 0: none)."""
         members = self.on_stage(stage)
-        measured = [1.0 / t for w in members if (t := task_s(w))]
+        measured = [1.0 / t for w in members if (t := task_s(w))]  # inf (serves nobody): 0 tasks/s
         if not members:
             return 0.0
         if not measured:
