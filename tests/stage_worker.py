@@ -27,6 +27,87 @@ def data(run, microbatch_size: int, seed: int):
         yield torch.randint(0, 256, (microbatch_size, seq + 1), generator=g)
 
 
+def hoarder(base, relay: str, log):
+    """Holds the stage gradients the relay accepted from it and keeps heartbeating and polling,
+    but never asks for a ticket: without a deadline on held gradients the round waits forever."""
+    class Hoarder(base):
+        def _upload(self, call) -> None:
+            log(event="hoarding", step=call.step, microbatches=call.microbatches)
+            time.sleep(0.2)
+    return Hoarder
+
+
+def ticket_reuser(base, relay: str, log):
+    """Gets its ticket, then asks for a second one naming other micro-batches (refused: they are
+    recomputed), then uploads with the first ticket anyway."""
+    import dataclasses
+
+    from toolkit.errors import RelayRejected
+
+    class Reuser(base):
+        def _upload(self, call) -> None:
+            client, real = self.client, self.client.pipeline_ticket
+
+            def twice(peer_id, step, req):
+                ticket = real(peer_id, step, req)
+                try:
+                    real(peer_id, step, dataclasses.replace(req, microbatches=[10**6]))
+                except RelayRejected as exc:
+                    log(event="second_ticket_refused", code=exc.code)
+                return ticket
+            client.pipeline_ticket = twice
+            try:
+                super()._upload(call)
+            finally:
+                client.pipeline_ticket = real
+    return Reuser
+
+
+def lease_hog(base, relay: str, log):
+    """Polls for work from four connections at once and never answers: every task it gets sits
+    out its lease, and without a cap and a no-re-lease rule it takes each again as it lapses."""
+    import threading
+
+    from toolkit.client import RelayClient
+
+    class Hog(base):
+        def _serve_once(self, wait_s: int) -> None:
+            if not getattr(self, "_hogs", None):
+                self._hogs = [threading.Thread(target=self._hog, daemon=True) for _ in range(4)]
+                for thread in self._hogs:
+                    thread.start()
+            time.sleep(0.5)
+
+        def _hog(self) -> None:
+            client = RelayClient(relay)
+            while not self._stop.is_set():
+                try:
+                    work, _ = client.pipeline_work(self.peer_id, wait_s=2, cached=[])
+                    for task in work.tasks:
+                        log(event="hogged", task=task.task_id, kind=task.kind, stage=task.stage,
+                            microbatch=task.microbatch)
+                except Exception as exc:  # noqa: BLE001 -- an attacker shrugs
+                    log(event="hog_error", error=str(exc)[:200])
+                    time.sleep(0.2)
+    return Hog
+
+
+def liar(base, relay: str, log):
+    """Claims 1e12 samples/s for its stage and never asks for work (it only heartbeats): placed
+    by self-reports, every honest joiner would go to the other stages and its own is never served."""
+    class Liar(base):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.samples_per_s = 1e12
+
+        def _serve_once(self, wait_s: int) -> None:
+            time.sleep(0.5)
+    return Liar
+
+
+HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": liar}
+
+
 def main() -> int:
     from toolkit.client import RelayClient
     from toolkit.pipeline.worker import StageWorker
@@ -41,6 +122,8 @@ def main() -> int:
     ap.add_argument("--sleep-per-task", type=float, default=0.0)
     ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--hf-token-env", default="", help="log in with the token in this variable (an hf-mode run)")
+    ap.add_argument("--hostile", choices=sorted(HOSTILE), default="",
+                    help="misbehave as one of the hostile workers of tests/test_hostile_pipeline.py")
     args = ap.parse_args()
     started = time.monotonic()
     events = open(args.events, "a", buffering=1)
@@ -73,7 +156,8 @@ def main() -> int:
             super()._upload(call)
             log(event="uploaded", step=call.step, microbatches=call.microbatches, stage=call.stage)
 
-    worker = Logged(client, peer_id, run, data(run, size, args.seed), on_first=on_first)
+    kind = HOSTILE[args.hostile](Logged, args.relay, log) if args.hostile else Logged
+    worker = kind(client, peer_id, run, data(run, size, args.seed), on_first=on_first)
     log(event="joined", peer_id=peer_id, step=client.get_state().step)
 
     def until() -> bool:

@@ -331,3 +331,31 @@ def test_rebalance_moves_only_when_the_gain_beats_the_download() -> None:
     gone = [w for w in workers if w.id not in small.workers]
     rescue = rebalance(plan, gone)
     assert rescue is not None and rescue.to_stage == small.index and math.isinf(rescue.gain_s_per_batch)
+
+
+def test_an_empty_stage_is_staffed_by_any_worker_that_can_move() -> None:
+    """Stage 2 left empty: the first worker (by id) of the most crowded stage holds a stage
+    gradient it has not uploaded, so the next one is tried, then the next stage's (issue 41:
+    only the first was ever tried, and the stage stayed empty)."""
+    from relay_server.pipeline.plan import Planner
+
+    planner = Planner(_model(6), PipelineConfig(stages=3, microbatch_size=2, microbatches=4), [2, 2, 2])
+    placement = {"a": (0, 0), "b": (0, 0), "c": (0, 0), "d": (1, 0), "e": (1, 0)}
+    move = planner.fill_empty(placement, can_move=lambda w: w != "a")
+    assert (move.worker, move.from_stage, move.to_stage) == ("b", 0, 2)
+    move = planner.fill_empty(placement, can_move=lambda w: w in ("d", "e"))
+    assert (move.worker, move.from_stage, move.to_stage) == ("d", 1, 2)
+    assert planner.fill_empty(placement, can_move=lambda w: False) is None
+
+
+def test_a_joiner_is_placed_by_measured_task_rates_never_by_a_claimed_speed() -> None:
+    """An idle worker claiming 1e12 samples/s on stage 0 drew every joiner to stage 1 (issue 41);
+    claims are ignored: worker counts until every stage is measured, then measured task rates."""
+    from relay_server.pipeline.workers import Workers
+
+    workers = Workers([1000, 1000], [0, 0])
+    assert workers.assign("liar", 0, 1e12).stage == 0
+    assert workers.assign("h1", 0, 1.0).stage == 1
+    assert workers.assign("h2", 0, 1.0).stage == 0  # 1 worker each: counts, not the claim
+    measured = {"h1": 1.0, "h2": 0.1}.get  # seconds per task; the liar never finished one
+    assert workers.assign("h3", 0, 1e12, task_s=measured).stage == 1  # stage 0: 2 x 10 tasks/s, stage 1: 1

@@ -136,6 +136,25 @@ def test_first_result_wins_a_late_result_from_a_lapsed_lease_is_accepted_while_t
     run(scenario())
 
 
+def test_a_task_is_never_leased_again_to_the_worker_that_let_its_lease_lapse(tmp_path: Path) -> None:
+    """``skip_lapsed`` (the pipeline asks it while another worker serves the stage): the hog gets
+    the next task instead, in 1F1B order, and the lapsed one keeps its place for the others."""
+    async def scenario() -> None:
+        clock = Clock(1000.0)
+        b = broker(tmp_path, clock, initial_lease_s=5.0)
+        first, second = micro(b, "m1", 1, 0, 0), micro(b, "m2", 1, 0, 1)
+        assert await lease_one(b, "hog") is first
+        clock.now += 5
+        b.tick()
+        assert first.lapsed_by == ["hog"]
+        got = await b.lease("hog", ["stage.0"], max_rows=1, wait_s=0, skip_lapsed=True)
+        assert got == [second]
+        assert await b.lease("hog", ["stage.0"], max_rows=1, wait_s=0, skip_lapsed=True) == []
+        assert await lease_one(b, "honest") is first  # still in its place for everyone else
+
+    run(scenario())
+
+
 def test_first_result_wins_a_late_result_after_the_new_lessee_answered_is_refused_task_done(tmp_path: Path) -> None:
     async def scenario() -> None:
         clock = Clock(1000.0)

@@ -80,7 +80,7 @@ def _worker(request: web.Request) -> tuple[PipelineCoordinator, str]:
 async def post_stage(request: web.Request) -> web.Response:
     coordinator, peer_id = _worker(request)
     req = await read_message(request, StageRequest)
-    worker = coordinator.workers.assign(peer_id, req.memory_bytes, req.samples_per_s)
+    worker = coordinator.assign(peer_id, req.memory_bytes, req.samples_per_s)
     start, end = coordinator.owners.cuts[worker.stage]
     config = request.app[CONFIG].pipeline
     return json_ok(StageAssignment(stage=worker.stage, num_stages=coordinator.K,
@@ -260,6 +260,8 @@ async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
             coordinator.orphan_silent({w: now - peer.last_seen for w in coordinator.workers.by_id
                                        if (peer := registry.get(w)) is not None and peer.inflight == 0})
             coordinator.broker.tick()
+            coordinator.note_lapses()
+            coordinator.expire_holds()
             coordinator.restart_lost()
             coordinator.staff_empty_stages()
             coordinator.check_delivered()  # an owner's commit no worker reported (it died right after)

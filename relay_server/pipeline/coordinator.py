@@ -15,6 +15,8 @@ optimizer steps.
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
   every stage steps and the next batch starts on the new version (staleness 0). No barrier waits
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
+* **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
+  speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
 * **Placement** (:mod:`.plan`): measured task times feed the planner's predicted time per batch
   and its rebalancing; ``dispatch = "static" | "restart"`` are the baselines the benchmark
   compares the pool with.
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from relay_server.backbone.slicing import Published
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.boundaries import Boundaries
+from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, PipelineGuard
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
@@ -47,7 +50,7 @@ NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire 
 MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker would idle another
 
 
-class PipelineCoordinator(PipelineRounds):
+class PipelineCoordinator(PipelineRounds, PipelineGuard):
     def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
                  broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
                  ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
@@ -77,6 +80,7 @@ class PipelineCoordinator(PipelineRounds):
         self.layers: list[int] = []
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
         self.predicted_batch_s: float | None = None
+        self._init_guard()
 
     # --- batches --------------------------------------------------------------------------------
     def _mint(self) -> Ledger:
@@ -102,13 +106,27 @@ class PipelineCoordinator(PipelineRounds):
     # --- workers: tasks -------------------------------------------------------------------------
     async def work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
         """The worker's next tasks with their inputs, or the round it must upload to."""
+        with self._polling(worker):
+            return await self._work(worker, cached, wait_s)
+
+    async def _work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
         stage = self.workers.stage_of(worker)
         deadline = self.clock() + wait_s
         while True:
             call = self._round_call(worker)
             if call is not None:
                 return PipelineWork(stage=stage, round=call), {}
+            if not self._may_lease(worker, stage):  # struck, or at its lease cap: no task now
+                await self._idle(max(0.0, deadline - self.clock()))
+                tasks = []
+                if self.clock() >= deadline:
+                    break
+                continue
             tasks = await self._lease_or_round(worker, stage, max(0.0, deadline - self.clock()))
+            if tasks and self._leases_held(worker) > MAX_LEASES_PER_WORKER:  # parallel polls all leased at once
+                for task in tasks:
+                    self.broker.requeue(task.task_id)
+                continue
             tasks = [t for t in tasks if self._still_wanted(t)]
             if tasks and self.batch_started is None:
                 self.batch_started = self.clock()
@@ -157,7 +175,8 @@ class PipelineCoordinator(PipelineRounds):
         """A task of the worker's stage, or nothing when the round opens first (the worker then
         gets its upload at once instead of after its long poll)."""
         lease = asyncio.ensure_future(self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"],
-                                                        max_rows=MAX_TASKS_PER_POLL, wait_s=wait_s))
+                                                        max_rows=MAX_TASKS_PER_POLL, wait_s=wait_s,
+                                                        skip_lapsed=self._others_serve(worker, stage)))
         opened = asyncio.ensure_future(self._round_opened.wait())
         try:
             await asyncio.wait({lease, opened}, return_when=asyncio.FIRST_COMPLETED)
@@ -173,13 +192,18 @@ class PipelineCoordinator(PipelineRounds):
             return []
 
     def _still_wanted(self, task) -> bool:
-        if task.task_id in self.steps:
+        step = self.steps.get(task.task_id)
+        if step is not None and all(self.boundaries.has(step.microbatch, name) for name in step.inputs()):
             return True
+        if step is not None:  # a bug, not a worker's doing: never hand out a task without its inputs
+            log.error("pipeline task %s (%s) has lost its inputs; cancelled", task.task_id, step)
+            del self.steps[task.task_id]
         self.broker.cancel(task.task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
         return False
 
     def result(self, worker: str, task_id: str, body: bytes) -> PipelineAck:
         """Validate a task's result, then (first result wins) store its boundary and queue the next step."""
+        self._seen(worker)
         task = self.broker.tasks.get(task_id)
         if task is not None and task.state == "done":
             if task.worker == worker:  # our own result, retried after a lost answer
@@ -209,6 +233,7 @@ class PipelineCoordinator(PipelineRounds):
         if step.redo:
             self.redone += 1
         following = self.ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
+        self._now_holds(worker, step)
         del self.steps[task_id]
         if following is not None:
             self._submit(following)
@@ -232,12 +257,13 @@ class PipelineCoordinator(PipelineRounds):
             self._move(move.worker, move.to_stage, f"predicted {move.gain_s_per_batch:.2f} s per batch faster")
 
     def staff_empty_stages(self) -> None:
-        """A stage with no worker stalls the batch: move one there now from a stage with two or
-        more, if it holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
+        """A stage with no worker that serves it (only idle or struck ones, or none) stalls the
+        batch: move one there now from a stage with two or more that serve theirs, any that
+        holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.workers.placement())
-        if move is not None and not self.ledger.owned(move.worker):
+        move = self.planner.fill_empty(self.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
+        if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
     def _move(self, worker: str, stage: int, why: str) -> None:
@@ -261,21 +287,18 @@ class PipelineCoordinator(PipelineRounds):
             owned = self.ledger.owned(worker)
             if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
                 continue
-            redo = self.ledger.orphan(worker, keep=self._in_flight())
+            redo = self._recompute(worker)
             if redo:
                 log.info("pipeline worker %s silent for %.1f s holding %d stage gradient(s): recomputing them",
-                         worker[:16], silent_s, len(redo))
+                         worker[:16], silent_s, redo)
                 self.silenced += 1
-            for step in redo:
-                self._submit(step)
 
     # --- membership -----------------------------------------------------------------------------
     def worker_left(self, worker: str) -> None:
         """Its leased tasks go back to the front of the queue (the broker); the stage gradients it
         held and had not delivered are recomputed by others (``redo``)."""
         self.broker.worker_left(worker)
-        for step in self.ledger.orphan(worker, keep=self._in_flight()):
-            self._submit(step)
+        self._recompute(worker)
         if self.round is not None:
             for contributor, (w, _, _) in list(self.round.tickets.items()):
                 if w == worker and contributor not in self.uploading:

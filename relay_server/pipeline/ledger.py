@@ -119,9 +119,13 @@ class Ledger:
                     out.setdefault(k, []).append(mb.index)
         return out
 
-    def deliver(self, stage: int, microbatches: list[int]) -> None:
+    def deliver(self, stage: int, microbatches: list[int], worker: str) -> None:
+        """``worker``'s upload of ``stage``'s gradient of ``microbatches`` committed: each counts,
+        if ``worker`` still holds it (one sent to be recomputed is its redo's to deliver)."""
         for m in microbatches:
-            self.microbatches[m].delivered.add(stage)
+            mb = self.microbatches[m]
+            if mb.owners.get(stage) == worker:
+                mb.delivered.add(stage)
 
     def orphan(self, worker: str, keep: set[tuple[int, int]] = frozenset(),
                only: tuple[int, set[int]] | None = None) -> list[Step]:

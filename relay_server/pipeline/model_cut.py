@@ -64,4 +64,5 @@ def _shapes(model: torch.nn.Module, microbatch_size: int) -> Shapes:
                       vocab=cfg.vocab_size)
     hf = model.config
     return Shapes(width=hf.hidden_size, microbatch_size=microbatch_size,
-                  max_positions=getattr(hf, "n_positions", None) or hf.max_position_embeddings, vocab=hf.vocab_size)
+                  max_positions=getattr(hf, "n_positions", None) or hf.max_position_embeddings, vocab=hf.vocab_size,
+                  tokens_key="input_ids", label_columns=0)

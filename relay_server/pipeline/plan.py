@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay_server.pipeline.star import build_plan, rebalance
@@ -76,6 +77,11 @@ class Planner:
     def observe_round(self, seconds: float) -> None:
         self.round_s = seconds if self.round_s is None else (1 - EWMA) * self.round_s + EWMA * seconds
 
+    def task_seconds(self, worker: str) -> float | None:
+        """``worker``'s measured seconds per task (None until one of its results was accepted)."""
+        m = self.measured.get(worker)
+        return m.task_s if m is not None else None
+
     def forget(self, worker: str) -> None:
         self.measured.pop(worker, None)
 
@@ -114,16 +120,18 @@ class Planner:
             return self.fill_empty(placement)
         return rebalance(plan, plan.workers)
 
-    def fill_empty(self, placement: dict[str, tuple[int, int]]) -> Move | None:
-        """A stage nobody runs stalls every batch: move a worker there from the most crowded stage
-        (memory permitting), whatever the measurements say."""
+    def fill_empty(self, placement: dict[str, tuple[int, int]],
+                   can_move: Callable[[str], bool] = lambda worker: True) -> Move | None:
+        """A stage nobody runs stalls every batch: move a worker there from a stage with two or
+        more (the most crowded first), whatever the measurements say -- the first, in that
+        order, whose memory fits and that ``can_move`` (one holding a stage gradient it has not
+        uploaded cannot: the next one is tried, never none while any other could)."""
         counts = [sum(1 for s, _ in placement.values() if s == k) for k in range(len(self.layers))]
-        empty = [k for k, n in enumerate(counts) if n == 0]
-        if not empty or max(counts) < 2:
-            return None
-        src = max(range(len(counts)), key=lambda k: counts[k])
-        need = stage_memory(self.model, self.config, empty[0], len(self.layers), self.layers[empty[0]])
-        for worker, (stage, memory) in sorted(placement.items()):
-            if stage == src and (not memory or memory >= need):
-                return Move(worker, src, empty[0], math.inf, 0.0, math.inf)
+        sources = sorted((k for k, n in enumerate(counts) if n >= 2), key=lambda k: (-counts[k], k))
+        for empty in (k for k, n in enumerate(counts) if n == 0):
+            need = stage_memory(self.model, self.config, empty, len(self.layers), self.layers[empty])
+            for src in sources:
+                for worker, (stage, memory) in sorted(placement.items()):
+                    if stage == src and (not memory or memory >= need) and can_move(worker):
+                        return Move(worker, src, empty, math.inf, 0.0, math.inf)
         return None

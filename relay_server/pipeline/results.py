@@ -39,6 +39,25 @@ class Shapes:
     microbatch_size: int
     max_positions: int
     vocab: int
+    tokens_key: str = ""
+    """The data tensor holding the input tokens (``""``: ``batch`` itself, ``input_ids``: ``batch.input_ids``)."""
+    label_columns: int = 1
+    """Columns of that tensor that are labels, not inputs (the byte model's rows are ``[b, t + 1]``)."""
+
+    def rows_of_batch(self, found: dict[str, np.ndarray]) -> int:
+        """The rows every boundary matrix of a micro-batch with this data has: samples x input
+        tokens (what the stages compute on), so a first-stage result is tied to its own data."""
+        tokens = found.get(self.tokens_key)
+        if tokens is None:
+            raise ProtocolError("bad_batch", f"a first-stage result carries the input tokens as "
+                                f"{'batch.' + self.tokens_key if self.tokens_key else 'batch'!r}")
+        if tokens.shape[1] - self.label_columns < 1:
+            raise ProtocolError("bad_batch", f"data tensor has {tokens.shape[1]} columns, fewer than "
+                                f"{self.label_columns + 1}")
+        widths = {array.shape[1] for array in found.values()}
+        if len(widths) != 1:
+            raise ProtocolError("bad_batch", f"the data tensors have different token counts {sorted(widths)}")
+        return tokens.shape[0] * (tokens.shape[1] - self.label_columns)
 
     @property
     def max_rows(self) -> int:
@@ -70,9 +89,9 @@ def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shap
     entries: dict[str, bytes] = {}
     rows = expected_rows
     try:
-        if step.kind == FIRST:
-            entries["batch"] = _batch(tensors, shapes)
-            rows = _rows(tensors, "y", None, shapes, codec)
+        if step.kind == FIRST:  # the rows follow from the data it carries: samples x tokens
+            entries["batch"], rows = _batch(tensors, shapes)
+            _rows(tensors, "y", rows, shapes, codec)
             entries["a0"] = _group(tensors, "y")
         elif step.kind == FORWARD:
             _rows(tensors, "y", expected_rows, shapes, codec)
@@ -104,7 +123,8 @@ def _group(tensors: dict[str, np.ndarray], name: str) -> bytes:
                             if key == name or key.startswith(name + ".")})
 
 
-def _batch(tensors: dict[str, np.ndarray], shapes: Shapes) -> bytes:
+def _batch(tensors: dict[str, np.ndarray], shapes: Shapes) -> tuple[bytes, int]:
+    """The micro-batch's data, re-wrapped, and the rows its boundary matrices must have."""
     found = {key[len("batch."):]: array for key, array in tensors.items() if key.startswith("batch.")}
     if "batch" in tensors:
         found[""] = tensors["batch"]
@@ -122,4 +142,5 @@ def _batch(tensors: dict[str, np.ndarray], shapes: Shapes) -> bytes:
         if array.size and (array.min() < -100 or array.max() >= shapes.vocab):
             raise ProtocolError("bad_batch", f"data tensor {key or 'batch'!r} holds token ids outside "
                                 f"[-100, {shapes.vocab})")
-    return payloads.encode({("batch." + key) if key else "batch": array for key, array in found.items()})
+    rows = shapes.rows_of_batch(found)
+    return payloads.encode({("batch." + key) if key else "batch": array for key, array in found.items()}), rows

@@ -65,10 +65,10 @@ class PipelineRounds:
             raise ApiError(409, "round_closed", f"no pipeline round {step} ({req.round_id}) is open",
                            "Drop this gradient; take the next task.")
         call = self._round_call(worker)
+        self._seen(worker)
         if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
-            redo = self.ledger.orphan(worker, keep=self._in_flight())
-            for s in redo:
-                self._submit(s)
+            if self._recompute(worker):
+                self._strike(worker)  # its gradients are recomputed by others while any serve its stage
             raise ApiError(409, "wrong_microbatches", f"the relay expected micro-batches "
                            f"{call.microbatches if call else []} of stage {call.stage if call else req.stage}, "
                            f"the ticket asks for {sorted(req.microbatches)}",
@@ -91,7 +91,8 @@ class PipelineRounds:
         for contributor, (worker, stage, ms) in list(r.tickets.items()):
             owner_round = self.owners.owners[stage].round
             if owner_round is not None and owner_round.round_id == r.round_id and contributor in owner_round.received:
-                self.ledger.deliver(stage, ms)
+                self.ledger.deliver(stage, ms, worker)
+                self._committed(worker, stage)
                 del r.tickets[contributor]
         if self.ledger.counted:
             self.finalizing = True
@@ -116,8 +117,23 @@ class PipelineRounds:
         if owner != worker or contributor in self.uploading:
             return
         del r.tickets[contributor]
-        for step in self.ledger.orphan(worker, keep=self._in_flight(), only=(stage, set(ms))):
+        self._recompute(worker, only=(stage, set(ms)))
+
+    def _recompute(self, worker: str, only: tuple[int, set[int]] | None = None) -> int:
+        """``worker``'s undelivered stage gradients (``only`` those of one stage) are recomputed
+        by others, except what it is uploading now; every ticket of it naming one of them is void
+        at once (an upload with it is refused ``round_closed``), so a gradient is never counted
+        from both its old holder and its redo. How many were sent to be recomputed."""
+        redo = self.ledger.orphan(worker, keep=self._in_flight(), only=only)
+        gone = {(s.stage, s.microbatch) for s in redo}
+        r = self.round
+        if r is not None and gone:
+            for contributor, (w, stage, ms) in list(r.tickets.items()):
+                if w == worker and contributor not in self.uploading and any((stage, m) in gone for m in ms):
+                    del r.tickets[contributor]
+        for step in redo:
             self._submit(step)
+        return len(redo)
 
     def _in_flight(self) -> set[tuple[int, int]]:
         r = self.round
@@ -138,6 +154,10 @@ class PipelineRounds:
             for worker in mb.owners.values():
                 contributions[worker] = contributions.get(worker, 0) + self.mb_size
         self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
+        for task_id in list(self.steps):  # nothing of the finished batch may be leased after its boundaries go
+            self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
+        self.steps.clear()
+        self._batch_over()
         for m in self.ledger.microbatches:
             self.boundaries.drop(m)
         self._replan(self.clock() - r.opened_at)

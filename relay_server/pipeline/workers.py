@@ -2,14 +2,19 @@
 
 In our star every worker reaches every boundary through the same link (the relay's), so the
 paper's "pick the stage with the best bandwidth" reduces to compute balance under memory: a
-worker goes to the stage whose compute per unit of work is lowest (its workers' measured speeds
-over the stage's share of the model's parameters; worker counts before anything was measured),
-among the stages its memory can hold (the planner's accounting, :func:`.star_model.stage_memory`).
+worker goes to the stage whose measured task rate is lowest (the sum of its workers' tasks per
+second as the relay timed them; a worker not measured yet counts as its stage's median; worker
+counts while some stage has no measurement), among the stages its memory can hold (the
+planner's accounting, :func:`.star_model.stage_memory`). A worker's self-reported speed is kept
+for the dashboard but never places anyone: any number can be claimed, and one idle worker
+claiming a huge one would draw every joiner away from its stage.
 A worker that can hold no stage is told so at once, with what it would need.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from relay_server.core.errors import ApiError
@@ -43,8 +48,10 @@ class Workers:
     def move(self, peer_id: str, stage: int) -> None:
         self.by_id[peer_id].stage = stage
 
-    def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
-        """Keep a worker's stage across polls and rejoins; place a new one at the weakest stage it fits."""
+    def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float,
+               task_s: Callable[[str], float | None] = lambda worker: None) -> Worker:
+        """Keep a worker's stage across polls and rejoins; place a new one at the weakest stage it
+        fits (``task_s``: a worker's measured seconds per task, None until measured)."""
         known = self.by_id.get(peer_id)
         if known is not None:
             known.memory_bytes, known.samples_per_s = memory_bytes, samples_per_s
@@ -57,15 +64,25 @@ class Workers:
                            "Join from a machine with more accelerator memory, or ask the organizer for more "
                            "pipeline.stages.")
         former = self.former.get(peer_id) if self.sticky else None
-        stage = former if former in fits else min(fits, key=self._strength)
+        rates = {k: self._rate(k, task_s) for k in fits}
+        if all(rate is not None for rate in rates.values()):
+            weakest = min(fits, key=lambda k: (rates[k], len(self.on_stage(k))))
+        else:  # some stage unmeasured: fewest workers first
+            weakest = min(fits, key=lambda k: len(self.on_stage(k)))
+        stage = former if former in fits else weakest
         worker = Worker(peer_id, stage, memory_bytes, samples_per_s)
         self.by_id[peer_id] = worker
         return worker
 
-    def _strength(self, stage: int) -> tuple[float, int]:
-        members = [w for w in self.by_id.values() if w.stage == stage]
-        speed = sum(w.samples_per_s for w in members)
-        return (speed / max(1, self.stage_params[stage]), len(members))
+    def _rate(self, stage: int, task_s: Callable[[str], float | None]) -> float | None:
+        """Tasks per second ``stage``'s workers do, measured (None: none of them measured; 0: none)."""
+        members = self.on_stage(stage)
+        measured = [1.0 / t for w in members if (t := task_s(w))]  # inf (serves nobody): 0 tasks/s
+        if not members:
+            return 0.0
+        if not measured:
+            return None
+        return sum(measured) + (len(members) - len(measured)) * statistics.median(measured)
 
     def stage_of(self, peer_id: str) -> int:
         worker = self.by_id.get(peer_id)

@@ -180,12 +180,13 @@ class TaskBroker:
         return task
 
     # --- workers ------------------------------------------------------------------------------
-    async def lease(self, worker: str, keys: Collection[str], *, max_rows: int, wait_s: float) -> list[Task]:
+    async def lease(self, worker: str, keys: Collection[str], *, max_rows: int, wait_s: float,
+                    skip_lapsed: bool = False) -> list[Task]:
         """The best queued tasks of ``keys`` (at least one, at most ``max_rows`` rows after the
-        first), waiting up to ``wait_s`` for one to arrive on one of them."""
+        first), waiting up to ``wait_s`` for one to arrive on one of them (``skip_lapsed``: :mod:`.queues`)."""
         deadline = self.clock() + wait_s
         while True:
-            taken = self._take(worker, keys, max_rows)
+            taken = self._take(worker, keys, max_rows, skip_lapsed)
             if taken or self.clock() >= deadline:
                 return taken
             arrived = asyncio.get_running_loop().create_future()
@@ -319,10 +320,10 @@ class TaskBroker:
         self._queues.push(task)
         self._notify(task.key)
 
-    def _take(self, worker: str, keys: Collection[str], max_rows: int) -> list[Task]:
+    def _take(self, worker: str, keys: Collection[str], max_rows: int, skip_lapsed: bool = False) -> list[Task]:
         taken: list[Task] = []
         rows = 0
-        while (task := self._queues.best(worker, keys)) is not None:
+        while (task := self._queues.best(worker, keys, skip_lapsed)) is not None:
             now = self.clock()
             if task.deadline <= now:  # past its deadline: fail it here rather than hand it out
                 self._fail(task, timeout_error(task))

@@ -95,8 +95,23 @@ class ReadyQueues:
             task.queue_token = None
             self._rows[task.key] -= task.rows
 
-    def best(self, worker: str, keys: Collection[str]) -> Any | None:
-        """The task ``worker`` should lease next among ``keys`` (the rule in the module docstring)."""
+    def best(self, worker: str, keys: Collection[str], skip_lapsed: bool = False) -> Any | None:
+        """The task ``worker`` should lease next among ``keys`` (the rule in the module docstring).
+
+        ``skip_lapsed``: never one whose lease ``worker`` let lapse (``task.lapsed_by``): a worker
+        that sits on its leases would take each task again as it comes back, and hold the batch
+        for a lease deadline each time. The caller asks it only when another worker can take it."""
+        if not skip_lapsed:
+            return self._best(worker, keys)
+        aside = []
+        while (task := self._best(worker, keys)) is not None and worker in task.lapsed_by:
+            self.discard(task)
+            aside.append(task)
+        for other in aside:  # back in their places: (priority, seq) keeps the order
+            self.push(other)
+        return task
+
+    def _best(self, worker: str, keys: Collection[str]) -> Any | None:
         best = _min_head(self._by_key, keys)
         if best is None:
             return None

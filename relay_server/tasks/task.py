@@ -46,6 +46,8 @@ class Task:
     """Times leased."""
     previous_workers: list[str] = field(default_factory=list)
     """Lessees whose lease ended without their result (lapsed, left, requeued, superseded), in order."""
+    lapsed_by: list[str] = field(default_factory=list)
+    """Lessees whose lease on it passed its deadline (a ``skip_lapsed`` lease never gives it back to them)."""
     cancelled: bool = False
     queue_token: int | None = None
     """Internal: which queue entry is live (:mod:`.queues` deletes lazily); ``None`` unless queued."""

@@ -62,8 +62,8 @@ class LeaseTimer:
 class LeaseBook:
     """The leases that have a deadline, by expiry: a heap, so the relay's tick looks only at the
     leases that expired, never at every task. A lease that ends earlier (a result, a requeue)
-    leaves a stale entry, skipped by its token. A task here needs ``key`` and writable
-    ``lease_token`` and ``lease_expires_at``."""
+    leaves a stale entry, skipped by its token. A task here needs ``key``, ``worker``, ``lapsed_by``
+    and writable ``lease_token`` and ``lease_expires_at``."""
 
     def __init__(self, timer: LeaseTimer) -> None:
         self.timer = timer
@@ -80,9 +80,11 @@ class LeaseBook:
         task.lease_token = task.lease_expires_at = None
 
     def expired(self, now: float) -> list[Any]:
-        """The tasks whose lease passed its deadline by ``now`` (their leases end here)."""
+        """The tasks whose lease passed its deadline by ``now`` (their leases end here, and their
+        ``lapsed_by`` names the lessee that let it: see :meth:`.queues.ReadyQueues.best`)."""
         out = []
         while (entry := self._heap.peek()) is not None and entry[0] <= now:
             self._heap.pop()
+            entry[-1].lapsed_by.append(entry[-1].worker)
             out.append(entry[-1])
         return out

@@ -162,3 +162,9 @@ class PipelineStatus(Schema):
     """``dispatch = "restart"`` only: micro-batches started again from stage 0."""
     counted: list[list[int]] = field(default_factory=list)
     """The samples each stage's parameter server counted, per recent round (exactly the batch's)."""
+    expired_holds: int = 0
+    """Workers whose held stage gradients passed the hold deadline uncommitted and were recomputed."""
+    lapsed_leases: int = 0
+    """Leases that passed their deadline without a result (each a strike against its worker)."""
+    hold_deadline_s: list[float] = field(default_factory=list)
+    """Per stage: the seconds a holder has, from the round's opening, to commit its stage gradient."""
