@@ -203,22 +203,12 @@ class TaskBroker:
 
     def leased(self, worker: str, task_id: str) -> Task:
         """The task whose result ``worker`` may send now, or the error that refuses it: 410
-        ``task_expired`` (unknown, released, or past its deadline), 409 ``not_your_task`` (never
-        leased to this worker, or failed), 409 ``task_done`` (a result was accepted, or it was
-        cancelled). The lessee and, while the task is not done, its previous lessees may."""
+        ``task_expired`` (unknown, released, or past its deadline), else :meth:`Task.check_answer_from`."""
         task = self.tasks.get(task_id)
         if task is None or task.state == FAILED and task.error is not None and task.error.code == "task_timeout":
             raise ApiError(410, "task_expired", f"task {task_id!r} ended (deadline passed or released)",
                            "Drop this result; take the next task.")
-        if not task.held_by(worker):
-            raise ApiError(409, "not_your_task", f"task {task_id!r} is not leased to this worker",
-                           "Only send results for tasks your own lease returned.")
-        if task.state == DONE or task.cancelled:
-            raise ApiError(409, "task_done", f"task {task_id!r} already has its result (or was cancelled)",
-                           "Drop this result (it was not counted); take the next task.")
-        if task.state not in (LEASED, QUEUED):
-            raise ApiError(409, "not_your_task", f"task {task_id!r} is {task.state}",
-                           "Only send results for tasks your own lease returned.")
+        task.check_answer_from(worker)
         return task
 
     def complete(self, worker: str, task_id: str, result: bytes) -> Task:

@@ -62,6 +62,21 @@ class Task:
     def held_by(self, worker: str) -> bool:
         return worker == self.worker or worker in self.previous_workers
 
+    def check_answer_from(self, worker: str) -> None:
+        """Refuse a result ``worker`` may not send now: 409 ``not_your_task`` (never leased to this
+        worker, or failed), 409 ``task_done`` (a result was accepted, or it was cancelled). The
+        lessee and, while the task is not done, its previous lessees may (first result wins:
+        :mod:`.broker`)."""
+        if not self.held_by(worker):
+            raise ApiError(409, "not_your_task", f"task {self.task_id!r} is not leased to this worker",
+                           "Only send results for tasks your own lease returned.")
+        if self.state == DONE or self.cancelled:
+            raise ApiError(409, "task_done", f"task {self.task_id!r} already has its result (or was cancelled)",
+                           "Drop this result (it was not counted); take the next task.")
+        if self.state not in (LEASED, QUEUED):
+            raise ApiError(409, "not_your_task", f"task {self.task_id!r} is {self.state}",
+                           "Only send results for tasks your own lease returned.")
+
     async def until_ended(self, clock: Callable[[], float]) -> bool:
         """Wait until the task ended (True) or its deadline passed on ``clock`` (False), never
         raising on time. A wake-up after a stall of the relay's event loop first asks ``clock``
