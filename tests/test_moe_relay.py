@@ -30,7 +30,7 @@ import torch
 from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, batches
 from tests.support.moe import (KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, one_process_reference,
-                               overrides, run_trainer, start_host, stop)
+                               overrides, run_trainer, start_host, stop, train_with_two_hosts)
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
@@ -44,15 +44,7 @@ from toolkit.wire.protocol import ROUTES
 def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) -> None:
     steps = 20
     relay = serve_relay(overrides(steps))
-    _, initial = relay_params(relay.url)
-    hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
-    try:
-        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        outcome = run_trainer(relay.url, steps)
-    finally:
-        stop(hosts)
-    assert outcome["final_step"] == steps and outcome["failed_uids"] == {}
-    assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"])
+    initial, _ = train_with_two_hosts(relay.url, steps, tmp_path)
 
     reference, experts = one_process_reference(initial, steps)
     _, final = relay_params(relay.url, min_step=steps)

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, IN_FEATURES, batches
+from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
 from toolkit.moe import payloads
@@ -67,6 +68,22 @@ def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def train_with_two_hosts(url: str, steps: int, logs: Path) -> tuple[np.ndarray, dict]:
+    """Two expert hosts of 4 experts each (logs in ``logs``) and one trainer for ``steps`` steps
+    against the relay at ``url``: the parameters the trainer started from and its outcome.
+    Checks that the trainer reached its last step with no failed call in any layer."""
+    _, initial = relay_params(url)
+    hosts = [start_host(url, f"host{i}", 4, logs / f"host{i}.log") for i in range(2)]
+    try:
+        wait_until(lambda: len(directory(url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
+        outcome = run_trainer(url, steps)
+    finally:
+        stop(hosts)
+    assert outcome["final_step"] == steps and outcome["failed_uids"] == {}, outcome
+    assert all(layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"]), outcome
+    return initial, outcome
 
 
 def one_process_reference(initial: np.ndarray, steps: int) -> tuple[np.ndarray, dict[str, torch.nn.Module]]:
