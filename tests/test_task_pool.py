@@ -108,6 +108,50 @@ def test_a_lease_lasts_factor_times_the_measured_task_time_then_the_task_is_requ
     run(scenario())
 
 
+def test_a_lease_taken_before_the_first_measurement_is_cut_to_the_measured_deadline(tmp_path: Path) -> None:
+    """The first batch's leases are taken before any result of their key: a worker sitting on one
+    must lose it at ``leased at + the measured deadline`` once a measurement exists, not after
+    ``initial_lease_s``. Only that key's leases, never lengthened, and the cut one still expires
+    through the tick's heap (a late result from its lessee still wins while it is not done)."""
+    async def scenario() -> None:
+        clock = Clock(1000.0)
+        b = broker(tmp_path, clock, initial_lease_s=30.0)  # defaults: floor 2 s, factor 4
+        hogged, early = micro(b, "m0", 1, 0, 0), micro(b, "m1", 1, 0, 1)
+        answered, elsewhere = micro(b, "m2", 1, 0, 2), micro(b, "x0", 1, 0, 0, key="stage.1")
+        assert await lease_one(b, "hog", ["stage.0"]) is hogged
+        assert await lease_one(b, "hog", ["stage.1"]) is elsewhere
+        clock.now += 0.5
+        assert await lease_one(b, "slow", ["stage.0"]) is early
+        assert await lease_one(b, "honest", ["stage.0"]) is answered
+        assert hogged.lease_expires_at == 1030.0 and early.lease_expires_at == 1030.5
+        clock.now += 1.0
+        b.complete("honest", answered.task_id, b"")  # measured 1 s: leases of stage.0 last 4 s
+        assert b.lease_deadline("stage.0") == pytest.approx(4.0)
+        assert hogged.lease_expires_at == pytest.approx(1004.0) and early.lease_expires_at == pytest.approx(1004.5)
+        assert elsewhere.lease_expires_at == 1030.0  # another key: no measurement, no cut
+
+        clock.now = 1003.9
+        b.tick()
+        assert hogged.state == LEASED and b.stats.lease_expired == 0
+        clock.now = 1004.0
+        b.tick()
+        assert hogged.state == QUEUED and hogged.lapsed_by == ["hog"] and b.stats.lease_expired == 1
+        assert early.state == LEASED and elsewhere.state == LEASED
+
+        slower = micro(b, "m3", 1, 0, 3)
+        assert await lease_one(b, "honest", ["stage.0"]) is hogged
+        assert await lease_one(b, "fast", ["stage.0"]) is slower
+        clock.now += 3.0
+        b.complete("fast", slower.task_id, b"")  # median of 1 s and 3 s: 8 s, longer: nothing is lengthened
+        assert b.lease_deadline("stage.0") == pytest.approx(8.0) and early.lease_expires_at == pytest.approx(1004.5)
+        b.complete("hog", hogged.task_id, b"late but first")  # first result wins, as before
+        assert hogged.state == DONE and hogged.worker == "hog"
+        b.tick()
+        assert early.state == QUEUED and early.lapsed_by == ["slow"] and b.stats.lease_expired == 2
+
+    run(scenario())
+
+
 def test_first_result_wins_a_late_result_from_a_lapsed_lease_is_accepted_while_the_task_is_not_done(
         tmp_path: Path) -> None:
     async def scenario() -> None:

@@ -24,9 +24,10 @@ Rules, and why:
 * **Deadlines**, on the broker's clock (the relay's: a stall of its loop counts toward none). Past
   it the task fails ``task_timeout`` wherever it is; a late result is refused (the caller moved on).
 * **Lease deadlines** (:mod:`.timing`), for tasks posted with ``requeue_on_loss``: a lease lasts
-  ``lease_deadline(key)``, derived from the key's measured task time, so a worker that is alive to
-  the registry but stuck loses its micro-batch to another worker. Expert calls have no lease
-  deadline: their task deadline is the caller's timeout, and their parameters live with the host.
+  ``lease_deadline(key)``, derived from the key's measured task time (a lease taken before the
+  first measurement is cut to it), so a worker alive to the registry but stuck loses its
+  micro-batch to another worker. Expert calls have no lease deadline: their task deadline is
+  the caller's timeout, and their parameters live with the host.
 * **First result wins.** A worker whose lease lapsed (or who left) keeps the right to answer
   while the task is not done: its late result is accepted, and whoever holds the lease by then is
   refused ``task_done`` (409); a result for a done (or cancelled) task is refused ``task_done`` too.
@@ -216,7 +217,7 @@ class TaskBroker:
         task = self.leased(worker, task_id)
         now = self.clock()
         if task.state == LEASED and task.worker == worker:
-            self.timer.record(task.key, now - task.leased_at)
+            self._leases.record(task.key, now - task.leased_at)  # may cut the key's other leases
         else:  # a previous lessee, first: the task is queued again or leased to another worker
             self.stats.late_accepted += 1
             if task.state == LEASED:

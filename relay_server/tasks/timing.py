@@ -12,7 +12,11 @@ deadline exists for are the outliers, and a stuck worker's result that arrives a
 deadline of everyone after it; the median ignores up to half of the window, and the window
 follows a stage whose speed changes (a rebalance, a slower worker joining). ``factor`` covers
 the spread between workers of one stage (the paper's slow "2080" workers are ~1.6x). Before a
-key has any measurement its leases last ``initial_s``.
+key has any measurement its leases last ``initial_s``, but only until one exists: a lease never
+outlives ``leased at + the key's deadline now`` (:meth:`LeaseBook.record`). Why: the leases taken
+before the first result are the first batch's, and a worker that sits on them (a lease hog, a
+hung driver) would otherwise hold that batch for ``initial_s`` (30 s) against a measured deadline
+of a few seconds.
 """
 
 from __future__ import annotations
@@ -61,23 +65,38 @@ class LeaseTimer:
 
 class LeaseBook:
     """The leases that have a deadline, by expiry: a heap, so the relay's tick looks only at the
-    leases that expired, never at every task. A lease that ends earlier (a result, a requeue)
-    leaves a stale entry, skipped by its token. A task here needs ``key``, ``worker``, ``lapsed_by``
-    and writable ``lease_token`` and ``lease_expires_at``."""
+    leases that expired, never at every task. A lease that ends earlier (a result, a requeue) or
+    gets a new expiry (:meth:`record`) leaves a stale entry, skipped by its token. A task here
+    needs ``key``, ``worker``, ``lapsed_by`` and writable ``lease_token`` and ``lease_expires_at``."""
 
     def __init__(self, timer: LeaseTimer) -> None:
         self.timer = timer
         self._heap = LazyHeap(lambda entry: entry[-1].lease_token == entry[-2])  # (expires, token, task)
         self._tokens = itertools.count(1)
+        self._live: dict[str, dict[int, tuple[Any, float]]] = {}  # key -> id(task) -> (task, leased at)
 
     def start(self, task: Any, now: float) -> None:
-        task.lease_token = next(self._tokens)
-        task.lease_expires_at = now + self.timer.deadline(task.key)
-        self._heap.push((task.lease_expires_at, task.lease_token, task))
+        self._live.setdefault(task.key, {})[id(task)] = (task, now)
+        self._expire_at(task, now + self.timer.deadline(task.key))
 
-    @staticmethod
-    def end(task: Any) -> None:
+    def end(self, task: Any) -> None:
+        self._forget(task)
         task.lease_token = task.lease_expires_at = None
+
+    def record(self, key: str, seconds: float) -> None:
+        """A measured task time of ``key`` (:meth:`LeaseTimer.record`). If it shortens the key's
+        deadline (its first measurement ends the ``initial_s`` leases), every live lease of ``key``
+        is cut to ``leased at + the new deadline`` (never lengthened): a lease taken before the
+        measurement lasts no longer than one taken after it. O(live leases of ``key``), and only
+        when the deadline shrinks."""
+        before = self.timer.deadline(key)
+        self.timer.record(key, seconds)
+        deadline = self.timer.deadline(key)
+        if deadline >= before:
+            return
+        for task, leased_at in list(self._live.get(key, {}).values()):
+            if leased_at + deadline < task.lease_expires_at:
+                self._expire_at(task, leased_at + deadline)
 
     def expired(self, now: float) -> list[Any]:
         """The tasks whose lease passed its deadline by ``now`` (their leases end here, and their
@@ -86,5 +105,18 @@ class LeaseBook:
         while (entry := self._heap.peek()) is not None and entry[0] <= now:
             self._heap.pop()
             entry[-1].lapsed_by.append(entry[-1].worker)
+            self._forget(entry[-1])
             out.append(entry[-1])
         return out
+
+    def _expire_at(self, task: Any, expires_at: float) -> None:
+        """A new expiry for ``task``'s lease: a fresh token, so its earlier heap entry goes stale."""
+        task.lease_token = next(self._tokens)
+        task.lease_expires_at = expires_at
+        self._heap.push((expires_at, task.lease_token, task))
+
+    def _forget(self, task: Any) -> None:
+        """``task``'s lease leaves the per-key index (a later measurement cuts it no more)."""
+        live = self._live.get(task.key)
+        if live is not None and live.pop(id(task), None) is not None and not live:
+            del self._live[task.key]
