@@ -161,10 +161,27 @@ class Recorder:
             param = next(module.parameters())
             handle = param.register_hook(lambda g: (handle.remove(), g * float("inf"))[1])
 
+    def wait_for_every_first_add(self) -> None:
+        """Each peer's first window reaches its accumulator before any peer reports it: the
+        first barrier only starts the loops together, and a loop with a larger window (the HF
+        Trainer at k = 2) could otherwise report two windows, reach the target alone and close
+        every round before a slower peer's first report (a clean-clone CI race: no gradient of
+        plain-k1 counted). After this, every peer's first samples are reported within
+        milliseconds of each other, long before anyone computes its next window."""
+        directory, name, peers = self.barrier
+        added = directory.parent / (directory.name + "-first-add")
+        added.mkdir(exist_ok=True)
+        (added / name).touch()
+        deadline = time.monotonic() + 120  # a peer that never adds (its run ended) holds no one forever
+        while len(list(added.iterdir())) < peers and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def wrap(self, name: str, method):
         def recorded(*a, **kw):
             out = method(*a, **kw)
             if name == "add":
+                if self.barrier is not None and not any(e[0] == "add" for e in self.events):
+                    self.wait_for_every_first_add()
                 self.events.append(["add", a[1], len(self.forwards)])  # samples, forwards so far
             elif name == "take":
                 meta = out[0]
