@@ -105,7 +105,32 @@ def liar(base, relay: str, log):
     return Liar
 
 
-HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": liar}
+def trickler(base, relay: str, log):
+    """Uploads its stage gradient honestly up to its last 200 bytes, then sends one byte every
+    2 s: never silent for ``body_idle_timeout_s``, and an upload in flight is not recomputed, so
+    without a bound on an upload's duration it holds the round 400 s per batch."""
+    import toolkit.transfer
+
+    def slowly(self):
+        body = b"".join(toolkit.transfer.iter_encoded(self.tensors, self.metadata))
+        yield body[:-200]
+        log(event="trickling", size=len(body))
+        for i in range(len(body) - 200, len(body)):
+            time.sleep(2.0)
+            yield body[i:i + 1]
+
+    class Trickler(base):
+        def _upload(self, call) -> None:
+            honest = toolkit.transfer.SizedBody.__iter__
+            toolkit.transfer.SizedBody.__iter__ = slowly
+            try:
+                super()._upload(call)
+            finally:
+                toolkit.transfer.SizedBody.__iter__ = honest
+    return Trickler
+
+
+HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": liar, "trickle": trickler}
 
 
 def main() -> int:

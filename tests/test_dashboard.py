@@ -106,6 +106,7 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     expect(page.locator("#loss")).not_to_have_text("–")
     expect(page.locator("#loss-chart polyline")).to_have_count(1)
     expect(page.locator("#pipeline-panel")).to_be_hidden()  # not a [pipeline] run: no Pipeline panel
+    expect(page.locator("#refused-steps")).to_be_hidden()  # no step refused: no warning
 
     first_step = shown_step(page)
     first_points = int(page.locator("#loss-chart").get_attribute("data-points"))
@@ -432,8 +433,36 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     expect(page.locator("#pipeline-boundary")).to_have_text(
         re.compile(r"in memory, .+ spilled to disk, \d+(\.\d)? (B|KB|MB) per sample"))
     expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ tasks? re-dispatched"))
+    expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ uploads? cut at the hold deadline"))
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#pipeline-panel").screenshot(path=str(ARTIFACTS / "dashboard-pipeline.png"))
     page.screenshot(path=str(ARTIFACTS / "dashboard-pipeline-page.png"), full_page=True)
     assert problems.snapshot() == [], problems
+
+
+def test_the_dashboard_says_when_the_relay_refused_a_step(relay_factory, browser_page):
+    """Two accepted uploads whose step at lr 1e30 would overflow the parameters: the relay refuses
+    the step (``refused_steps`` in ``/api/status``), and the page says so beside the round, not only
+    the JSON."""
+    import numpy as np
+    from playwright.sync_api import expect
+
+    from tests.support.peers import SignedPeer
+    from toolkit.wire.protocol import Heartbeat
+
+    page, problems = browser_page
+    relay = relay_factory(model={"factory": "toolkit.models:Vector", "kwargs": {"numel": 64}},
+                          optimizer={"name": "sgd", "lr": 1e30, "weight_decay": 0.0, "momentum": 0.0})
+    peers = [SignedPeer.login(relay, name).join(f"{name}-nb") for name in ("alice", "bob")]
+    for peer in peers:
+        peer.client.heartbeat(peer.peer_id, Heartbeat(version=0, samples=5, samples_per_s=10.0))
+    for peer in peers:
+        assert peer.upload(np.full(64, 1e10, np.float32), samples=5).status_code == 200
+    relay.wait_for(lambda s: s["refused_steps"] == 1, what="the refused step")
+    page.goto(relay.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#refused-steps")).to_be_visible()
+    expect(page.locator("#refused-steps")).to_contain_text("1 step refused")
+    expect(page.locator("#step")).to_have_text("0")
+    assert problems.snapshot() == []

@@ -10,6 +10,8 @@ one process replaying the batches that were counted.
   tasks still queued and their boundaries dropped (honest workers got ``internal_error``);
 * ``hog`` polls from four connections and never answers: without a cap and a no-re-lease rule it
   takes every task again as its lease lapses;
+* ``trickle`` uploads its stage gradient up to its last bytes, then one byte every 2 s: never
+  silent long enough to be cut as idle, and an upload in flight is never recomputed;
 * ``liar`` claims 1e12 samples/s and never asks for work: placed by self-reports, every honest
   joiner went to the other stage and its own was never served.
 
@@ -87,6 +89,13 @@ def test_a_reused_ticket_is_void_once_its_microbatches_are_recomputed(serve_rela
     assert not [e for e in events if e["event"] == "uploaded" and e["microbatches"]] or status["redone"] >= 1
     for worker in honest:
         assert "internal_error" not in worker.log_path.read_text()
+
+
+def test_a_trickled_stage_gradient_upload_is_cut_at_its_deadline(serve_relay, launch_stage_worker):
+    status, (trickler,), _ = hostile_run(serve_relay, launch_stage_worker, ["trickle"])
+    assert [e for e in trickler.events() if e["event"] == "trickling"], trickler.log_path.read_text()[-2000:]
+    # each batch it is let in costs at most one upload deadline; strikes bench it for 1, 2, .. batches
+    assert 1 <= status["cut_uploads"] <= STEPS, status
 
 
 def test_a_lease_hog_holds_at_most_two_tasks_and_never_the_same_one_twice(serve_relay, launch_stage_worker):

@@ -150,10 +150,24 @@ async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordina
     if stage is None or ticket.peer_id not in (coordinator.round.tickets if coordinator.round else {}):
         raise ApiError(409, "round_closed", "this ticket is not part of the pipeline's open round",
                        "Drop this gradient; take the next task.")
+    owner, worker = coordinator.owners.owners[stage], coordinator.round.tickets[ticket.peer_id][0]
+    deadline = coordinator.upload_deadline(stage)
     coordinator.uploading.add(ticket.peer_id)
     try:
-        receipt = await put_slice(request, coordinator.owners.owners[stage], ticket_key,
-                                  require_digests=require_digests)
+        async with asyncio.timeout(deadline):
+            receipt = await put_slice(request, owner, ticket_key, require_digests=require_digests)
+    except TimeoutError:
+        receipt = owner.receipt(ticket)  # cut while its commit ran: it counted
+        if receipt is None:
+            coordinator.uploading.discard(ticket.peer_id)
+            coordinator.upload_cut(worker, stage, deadline)
+            response = web.json_response(
+                {"error": "upload_too_slow", "message": f"stage {stage}'s gradient took more than {deadline:.1f} s "
+                 "to upload (the stage's measured hold deadline): cut, its micro-batches are recomputed",
+                 "hint": "Nothing to do: take the next task. A worker whose uplink is this slow serves the run "
+                         "better on a smaller stage."}, status=408)
+            response.force_close()  # the rest of the body is not read
+            return response
     finally:
         coordinator.uploading.discard(ticket.peer_id)
         coordinator.check_delivered()

@@ -180,6 +180,15 @@ class SliceOwner:
             self.on_transfer(peer_id, "up", ticket.step, header.header_bytes + header.data_bytes, started)
         return UploadReceipt(step=ticket.step, accepted_samples=ticket.samples, received_peers=len(r.received))
 
+    def receipt(self, ticket: Ticket) -> UploadReceipt | None:
+        """The receipt of ``ticket``'s upload if it committed in the current round (an upload cut
+        by a deadline while its commit ran still counts, and must be answered as counted)."""
+        r = self.round
+        if r is None or r.round_id != ticket.round_id or ticket.peer_id not in r.received:
+            return None
+        return UploadReceipt(step=ticket.step, accepted_samples=r.received[ticket.peer_id],
+                             received_peers=len(r.received))
+
     async def _round_for(self, ticket: Ticket) -> SliceRound:
         if ticket.plan_version != self.plan_version:
             raise ApiError(409, "plan_changed", f"the ticket is for plan {ticket.plan_version}, this server "

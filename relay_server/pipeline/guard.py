@@ -50,7 +50,7 @@ class PipelineGuard:
         self.strikes: dict[str, int] = {}
         self.benched: dict[str, int] = {}  # worker -> the first batch it gets tasks of again
         self.lapses_seen: dict[str, int] = {}  # task id -> lapses already struck
-        self.expired_holds = self.lapsed_leases = 0
+        self.expired_holds = self.lapsed_leases = self.cut_uploads = 0
         self.polls: dict[str, int] = {}  # worker -> its work requests in flight
         self.polled_at: dict[str, float] = {}  # worker -> when its last work request ended
 
@@ -69,6 +69,25 @@ class PipelineGuard:
         key = f"stage{stage}"
         measured = self.hold_timer.measured(key) is not None
         return self.hold_timer.deadline(key) if measured else self.broker.lease_deadline(key)
+
+    def upload_deadline(self, stage: int) -> float:
+        """Seconds one upload of ``stage``'s gradient may take, from its first byte. An upload in
+        flight is never recomputed, so without a bound a worker sending one byte every few
+        seconds (never silent long enough for ``body_idle_timeout_s``) would hold the round as
+        long as it liked. An honest upload fits in a measured hold (round open to commit, which
+        includes the upload); before a hold was measured, the run's initial lease bounds it."""
+        key = f"stage{stage}"
+        return self.hold_timer.deadline(key) if self.hold_timer.measured(key) is not None \
+            else max(self.broker.timer.initial_s, self.broker.lease_deadline(key))
+
+    def upload_cut(self, worker: str, stage: int, seconds: float) -> None:
+        """An upload ran past :meth:`upload_deadline` and was cut (it did not commit): no longer
+        in flight, so its micro-batches are recomputed at the next tick, and its worker struck."""
+        self.cut_uploads += 1
+        log.info("pipeline worker %s took more than %.1f s to upload stage %d's gradient: cut; its micro-batches "
+                 "are recomputed", worker[:16], seconds, stage)
+        self._recompute(worker)
+        self._strike(worker)
 
     def _committed(self, worker: str, stage: int) -> None:
         """``worker``'s upload of ``stage``'s gradient committed: how long it held it, measured."""

@@ -30,6 +30,7 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
                           boundary_spilled_bytes=c.boundaries.spilled_bytes, boundary_bytes_per_sample=per_sample,
                           predicted_batch_s=c.predicted_batch_s, measured_batch_s=measured,
                           redispatched=c.broker.stats.requeued, redone=c.redone, refused_results=c.refused, restarted=c.restarted, silenced=c.silenced,
-                          expired_holds=c.expired_holds, lapsed_leases=c.lapsed_leases,
+                          expired_holds=c.expired_holds, lapsed_leases=c.lapsed_leases, cut_uploads=c.cut_uploads,
+                          refused_steps=c.owners.refused_rounds,
                           hold_deadline_s=[c.hold_deadline(k) for k in range(c.K)],
                           counted=[list(x) for x in c.counted])

@@ -97,8 +97,10 @@ class MasterState:
         return self.end - self.start
 
     def grad_sq_norm(self) -> float:
-        """Squared L2 norm of ``self.grad`` (accumulated in float64: owners' squares are summed)."""
-        return float(torch.linalg.vector_norm(self.grad, dtype=torch.float64)) ** 2
+        """Squared L2 norm of ``self.grad`` (owners' squares are summed into the global norm):
+        :func:`overflow_safe_norm`'s ~8 ms per 100 MB, not a float64 ``vector_norm``'s ~80 ms, on
+        the sliced round's critical path."""
+        return overflow_safe_norm(self.grad) ** 2
 
     def apply_gradient(self, global_norm: float | None = None) -> StepReport:
         """One optimizer step with the mean gradient already in ``self.grad``. ``clip_grad_norm``

@@ -160,6 +160,12 @@ function renderCards(s) {
     $(id).textContent = fmt.bytes(value);
     $(id).dataset.value = value === null || value === undefined ? "" : String(value);
   }
+  // Steps the relay refused to publish (they would have made parameters non-finite): the run kept its last version.
+  const refused = (s.refused_steps || 0) + (s.pipeline ? s.pipeline.refused_steps || 0 : 0);
+  $("refused-steps").hidden = !refused;
+  $("refused-steps").dataset.value = String(refused);
+  $("refused-steps").textContent = refused ? `${fmt.int(refused)} step${refused === 1 ? "" : "s"} refused: ` +
+    "they would have made the parameters non-finite; the last good version stays published" : "";
   $("busy-card").hidden = !local;
   if (!local) return;
   $("busy-fraction").textContent = local.busy_fraction === null ? "–" : fmt.pct(local.busy_fraction);
@@ -380,7 +386,8 @@ function renderPipeline(s) {
     (p.boundary_bytes_per_sample === null ? "– per sample" : `${fmt.bytes(p.boundary_bytes_per_sample)} per sample`);
   const many = (n, word) => `${fmt.int(n)} ${word}${n === 1 ? "" : "s"}`;
   $("pipeline-recovery").textContent = `${many(p.redispatched, "task")} re-dispatched, ` +
-    `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused`;
+    `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused, ` +
+    `${many(p.cut_uploads || 0, "upload")} cut at the hold deadline`;
 
   const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
   const exact = rounds.every((r) => r.every((n) => n === s.target_batch));

@@ -168,3 +168,7 @@ class PipelineStatus(Schema):
     """Leases that passed their deadline without a result (each a strike against its worker)."""
     hold_deadline_s: list[float] = field(default_factory=list)
     """Per stage: the seconds a holder has, from the round's opening, to commit its stage gradient."""
+    cut_uploads: int = 0
+    """Stage-gradient uploads cut for running past their stage's hold deadline (recomputed)."""
+    refused_steps: int = 0
+    """Batches in which some stage refused its step because it would have made parameters non-finite."""

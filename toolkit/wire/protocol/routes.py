@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from toolkit.wire.schema import Schema, limits
 
-# 6: the inner learning-rate schedule in RunInfo.local_sgd; 5: RunInfo.download_compression and topk2
+# 7: refusal counts (StatusReport.refused_steps, SliceReport's refused step, PipelineStatus.cut_uploads
+# and refused_steps), capability parameter URLs on hf runs; 6: the inner learning-rate schedule in RunInfo.local_sgd; 5: RunInfo.download_compression and topk2
 # codecs; 4: local SGD runs (RunInfo.local_sgd), HTTP-cache refs, typed DMoE messages; 3: aggregators
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 ROUTES = {
     "run": "/api/run",
