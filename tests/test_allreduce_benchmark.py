@@ -1,4 +1,4 @@
-"""``benchmarks/allreduce.py`` (the README's round figure) in its smallest setting, so its code path
+"""``benchmarks/allreduce.py`` (the round figure of the README and docs/benchmarks.md) in its smallest setting, so its code path
 cannot rot: two peers, 1 MiB each, through a real relay, beside raw TCP with and without the checked
 floor. Checks the last line's keys and that the relay's parameters are the exact mean's steps; the
 timings are the benchmark's to report at full settings, never asserted here.

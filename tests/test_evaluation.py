@@ -235,8 +235,8 @@ def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: P
     assert not data_dir.exists()
 
 
-def test_the_readme_evaluation_section_loads(tmp_path: Path, demo_tokenizer: Path) -> None:
-    block = re.search(r"\*\*Held-out evaluation.*?```toml\n(.*?)```", (REPO / "README.md").read_text(), re.S)[1]
+def test_the_docs_evaluation_block_loads(tmp_path: Path, demo_tokenizer: Path) -> None:
+    block = re.search(r"```toml\n(\[evaluation\]\n.*?)```", (REPO / "docs" / "evaluation.md").read_text(), re.S)[1]
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation").mkdir()
     (tmp_path / "validation" / "a.txt").write_text("held-out text\n")

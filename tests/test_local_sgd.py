@@ -279,13 +279,13 @@ def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names
     assert not (tmp_path / "data").exists()
 
 
-def test_the_readme_configuration_loads(tmp_path) -> None:
-    """The README's low-bandwidth block is a valid run, in local SGD mode with its outer SGD."""
+def test_the_docs_configuration_loads(tmp_path) -> None:
+    """docs/local-sgd.md's first TOML block is a valid run, in local SGD mode with its outer SGD."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = re.search(r"## Organizer: low-bandwidth mode.*?```toml\n(.*?)```", readme, re.S)[1]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "local-sgd.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", page, re.S)[1]
     path = tmp_path / "run.toml"
     path.write_text(block + f'\n[server]\ndata_dir = "{tmp_path / "data"}"\n[auth]\nmode = "open"\n')
     config = load_config(path, env={})

@@ -176,7 +176,7 @@ def test_a_flood_from_one_address_gets_429_and_nothing_else_does(tmp_path: Path)
 
 
 def test_behind_a_local_proxy_each_client_has_its_own_bucket(tmp_path: Path) -> None:
-    """Default settings, as in the README's Caddy/nginx setup: every request arrives from
+    """Default settings, as in docs/organizer.md's Caddy/nginx setup: every request arrives from
     loopback, the proxy's X-Forwarded-For names the client."""
     async def scenario(client: TestClient, data_dir: Path) -> None:
         flood = {"X-Forwarded-For": "198.51.100.7"}

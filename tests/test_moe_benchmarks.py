@@ -12,7 +12,7 @@ their acceptance thresholds; and the latency proxy they stand on.
   keeps failing at evaluation, which does not meet 1.5).
 
 Each runs the script as a process and reads its last stdout line (one JSON object). Thresholds are
-A8-A10's; the numbers measured at full settings are in the README's performance table. One
+A8-A10's; the numbers measured at full settings are in docs/benchmarks.md. One
 default-run test checks a fix the benchmarks led to: the relay caller's connection pool.
 """
 

@@ -223,7 +223,7 @@ def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_rela
 
 @pytest.mark.slow
 def test_host_batching_benchmark_reports_its_gain() -> None:
-    """benchmarks/moe_batching.py (shortened): its last line is the JSON the README quotes, and
+    """benchmarks/moe_batching.py (shortened): its last line is the JSON docs/benchmarks.md quotes, and
     batching serves more tasks per second than one call at a time with 8 callers."""
     done = subprocess.run([sys.executable, "benchmarks/moe_batching.py", "--seconds", "6", "--warmup", "2"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -164,7 +164,7 @@ def test_the_moe_lm_benchmark_compares_the_dmoe_lm_with_its_dense_baselines_unde
     """``benchmarks/moe_lm.py`` (Learning@home s4.3) at a tiny size: a DMoE LM whose experts sit on
     2 host processes behind 500 ms, dropping 10% of their tasks, and the small and base dense
     models, the same tokens each; the last line is the comparison. What it measures at its
-    defaults is in the README (the paper's dmoe_vs_small < 1 is reported there, not asserted: a
+    defaults is in docs/experts.md (the paper's dmoe_vs_small < 1 is reported there, not asserted: a
     tiny run says little about it)."""
     done = subprocess.run([sys.executable, "benchmarks/moe_lm.py", "--steps", "4", "--d", "32", "--expert-hidden", "32",
                            "--vocab", "300", "--grid", "2", "4", "--k", "2"], cwd=REPO, capture_output=True, text=True,

@@ -218,7 +218,7 @@ def test_lossy_boundaries_and_workers_joining_mid_batch(serve_relay, launch_stag
         assert leased[0]["batch"] <= relay_step_when(joiner) + 1, leased[:1]
     assert any(e.get("cached") for w in workers for e in w.events() if e["event"] == "leased")
     pipeline = requests.get(relay.url + "/api/pipeline", timeout=10).json()
-    float32_bytes = (5 * 2 - 6) * 4 * spec.kwargs["seq_len"] * spec.kwargs["d_model"]  # the README's model, K = 2
+    float32_bytes = (5 * 2 - 6) * 4 * spec.kwargs["seq_len"] * spec.kwargs["d_model"]  # docs/pipeline.md's model, K = 2
     assert pipeline["boundary_bytes_per_sample"] < {"int8": 0.4, "float16": 0.62}[codec] * float32_bytes, pipeline
     assert counted(relay) == [[2 * MICROBATCHES] * 2] * steps
 

@@ -2,7 +2,7 @@
 batch per run, cases 1 and 4, the three dispatch modes. It checks the JSON line's shape and that
 ours (the task pool) completed every batch with every stage counting the whole batch, whatever
 disconnected; the ratios themselves (and their bars) are the benchmark's to report, measured at
-full settings in the README's performance table, not asserted on a shared machine.
+full settings in docs/benchmarks.md, not asserted on a shared machine.
 """
 
 from __future__ import annotations

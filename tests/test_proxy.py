@@ -1,6 +1,6 @@
-"""The relay behind the README's TLS proxy: per-address caps and rate limits see the volunteer.
+"""The relay behind the TLS proxy of docs/organizer.md: per-address caps and rate limits see the volunteer.
 
-A real nginx (Debian's, started by the test on 127.0.0.1 with the README's ``server`` block, TLS
+A real nginx (Debian's, started by the test on 127.0.0.1 with docs/organizer.md's ``server`` block, TLS
 with a certificate made here) in front of a real relay (served in this process: real HTTP on its
 own port, as ``relay-server serve`` serves it). Every proxied request reaches
 the relay from loopback; the relay must key its caps and buckets by the address nginx puts last
@@ -8,7 +8,7 @@ in X-Forwarded-For, and never exempt a public client because its proxy is local.
 
 The test's volunteers all run on this machine, so to come from different addresses they pass
 through nginx's realip module first: ``set_real_ip_from 127.0.0.0/8; real_ip_header
-X-Test-Client-Address`` (outside the README's block, which is used as written) makes nginx see
+X-Test-Client-Address`` (outside the page's block, which is used as written) makes nginx see
 each request as coming from the address the test names, exactly as it sees a volunteer on the
 internet. What a client writes into X-Forwarded-For itself stays its own word: the tests send a
 forged first hop and the relay must ignore it.
@@ -45,9 +45,9 @@ ALICE, ALICE_TOKEN = "alice", "hf_alice_proxy_token_0001"
 
 
 def readme_nginx_block() -> str:
-    """The README's nginx snippet, verbatim."""
-    blocks = re.findall(r"```nginx\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-    assert len(blocks) == 1, "the README should hold exactly one nginx snippet"
+    """docs/organizer.md's nginx snippet, verbatim."""
+    blocks = re.findall(r"```nginx\n(.*?)```", (REPO / "docs" / "organizer.md").read_text(), re.S)
+    assert len(blocks) == 1, "docs/organizer.md should hold exactly one nginx snippet"
     return blocks[0]
 
 
@@ -75,14 +75,14 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
 
 
 def nginx_http_block(port: int, upstream: int, cert: Path, key: Path) -> str:
-    """What goes in nginx.conf's ``http { }``: the README's server block with this machine's
+    """What goes in nginx.conf's ``http { }``: docs/organizer.md's server block with this machine's
     port, certificate and relay, after the realip lines that let the test name each client."""
     block = readme_nginx_block()
     for old, new in (("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;"),
                      ("/etc/letsencrypt/live/relay.example.org/fullchain.pem", str(cert)),
                      ("/etc/letsencrypt/live/relay.example.org/privkey.pem", str(key)),
                      ("proxy_pass http://127.0.0.1:8750;", f"proxy_pass http://127.0.0.1:{upstream};")):
-        assert old in block, f"the README's nginx snippet no longer has {old!r}: update this test with it"
+        assert old in block, f"docs/organizer.md's nginx snippet no longer has {old!r}: update this test with it"
         block = block.replace(old, new)
     return f"    set_real_ip_from 127.0.0.0/8;\n    real_ip_header {CLIENT};\n{block}"
 
@@ -111,7 +111,7 @@ class Nginx:
 
 @pytest.fixture
 def behind_nginx(serve_relay, start_nginx, tmp_path: Path) -> Iterator:
-    """``behind_nginx(overrides)`` -> (relay, nginx): a relay and the README's proxy before it."""
+    """``behind_nginx(overrides)`` -> (relay, nginx): a relay and docs/organizer.md's proxy before it."""
     certs = tmp_path / "certs"
     certs.mkdir()
     cert, key = self_signed(certs)

@@ -4,7 +4,7 @@ The optimizer as a torch.optim.Optimizer citizen (state_dict round trip, the rel
 param groups, an LR scheduler that changes nothing the relay decides, losses noted by loops that
 call step() bare), the run's pinned precision taken by itself, and the notes of watched losses
 (eval mode, a skipped step). The four loops themselves, exact under accumulation and fp16, are
-tests/test_loop_exactness.py; the README's snippets, tests/test_examples.py.
+tests/test_loop_exactness.py; the snippets of docs/models.md, tests/test_examples.py.
 """
 
 from __future__ import annotations

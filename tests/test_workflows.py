@@ -19,7 +19,7 @@ def load(name: str) -> dict:
 
 
 def readme_test_command() -> str:
-    block = re.search(r"\*\*Run the tests\*\*.*?```bash\n(.+?)\n```", (REPO / "README.md").read_text(), re.S)
+    block = re.search(r"\n### Run the tests\n.*?```bash[^\n]*\n(.+?)\n```", (REPO / "README.md").read_text(), re.S)
     assert block, "README.md lost its 'Run the tests' block"
     return block[1].strip()
 
