@@ -31,7 +31,7 @@ second proxy), so a call costs 2 x delta, and the host's own loop meets the late
 polls and lease renewals wait a round trip each: at 200 ms the hosts, not the trainer, set the
 throughput).
 
-Bound (README, DMoE): a micro-batch waits for 2 x layers sequential call rounds, each delta
+Bound (docs/experts.md): a micro-batch waits for 2 x layers sequential call rounds, each delta
 longer at delta; join keeps J = ceil((c + w) / c) in flight (c: its compute per micro-batch,
 w: its waits for expert calls), so throughput holds while J <= J_max (32). The benchmark prints
 the J join used and ``j_little = X0 x path_latency_s``, the extra micro-batches in flight that

@@ -1,5 +1,5 @@
 """A real nginx (Debian's), started without root on 127.0.0.1 for the tests and the benchmarks that
-put it in front of a relay: the TLS proxy of the README (tests/test_proxy.py) and the parameter
+put it in front of a relay: the TLS proxy of docs/organizer.md (tests/test_proxy.py) and the parameter
 cache of ``examples/nginx_params_cache.conf`` (tests/test_http_cache.py, ``benchmarks/egress.py``).
 
 nginx cannot listen on port 0 and say which port it got, as our own servers do, so a port is

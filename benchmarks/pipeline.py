@@ -37,7 +37,7 @@ How long a disconnection lasts decides what the relay can do about it:
 Seconds per batch are the relay's own (each round's ``duration_s``: from the batch's first lease
 to its step), the first batch of each run left out (warm-up: downloads, first measurements).
 Bytes per sample are the relay's ``boundary_bytes_per_sample`` for ours in case 1 (the boundary
-traffic in and out over the samples trained) against the model in the README (:func:`bytes_model`):
+traffic in and out over the samples trained) against the model in docs/benchmarks.md (:func:`bytes_model`):
 per sample and boundary, the activation in and out and its gradient in and out; a middle stage's
 backward re-fetches its stored input unless its worker still holds it (the last stage's forward
 and backward are one task); the micro-batch's tokens (int64) go in from the first stage and out
@@ -169,7 +169,7 @@ def relay_status(url: str) -> dict:
 
 
 def bytes_model(args, stages: int = 2) -> dict:
-    """Bytes per sample the relay moves across its boundaries, from the README's model:
+    """Bytes per sample the relay moves across its boundaries, from docs/benchmarks.md's model:
     ``(K - 1) x 4a + (K - 2) x a x (1 - c) + t x (3 - c)``, with ``a = tokens x width x bytes per
     element`` (the codec's: 4, 2, ~1), ``t = 8 x (tokens + 1)`` (the int64 micro-batch) and ``c``
     the share of backwards whose worker still held the input (1: ``cached``, 0: ``uncached``)."""
