@@ -1,5 +1,5 @@
 """Who computes and who aggregates which slice: DeDLOC's linear program (:mod:`.planner`, on
-:mod:`.problem`, :mod:`.plan`, :mod:`.lp` and :mod:`.timemodel`), the transfer and compute rates
+:mod:`.problem`, :mod:`.plan`, :mod:`.highs` and :mod:`.timemodel`), the transfer and compute rates
 it is solved from (:mod:`.measure`) and when to solve it again (:mod:`.policy`). Pure
 computation plus :mod:`relay_server.core`'s config; no HTTP, no torch.
 

@@ -1,9 +1,9 @@
-"""LP plumbing (HiGHS, sparse rows) and the paper's own LP, kept for reference.
+"""The paper's own LP, kept for reference.
 
-:func:`_linprog` and :class:`_Rows` serve every LP of the planner. The rest is eq. 5 of the
-paper with continuous c, in its literal O(n^3) form and a compact O(n^2) one (proved equal in
-tests); :mod:`.planner` explains why the published plan does not come from it, and tests use it
-to check that the plan it does publish is exactly the best eq. 5 + eq. 6 can deploy.
+Eq. 5 of the paper with continuous c, in its literal O(n^3) form and a compact O(n^2) one
+(proved equal in tests), solved through :mod:`.highs` like every plan LP; :mod:`.planner`
+explains why the published plan does not come from it, and tests use it to check that the plan
+it does publish is exactly the best eq. 5 + eq. 6 can deploy.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import linprog
 
+from relay_server.planning.highs import SparseRows, solve_lp
 from relay_server.planning.plan import Plan, _make_plan
 from relay_server.planning.problem import (
     Pairwise,
@@ -27,47 +27,6 @@ from relay_server.planning.problem import (
 
 # c_k at or above this counts as "computes" in the relaxed reference LP (HiGHS tolerance ~1e-7).
 COMPUTE_THRESHOLD = 1.0 - 1e-6
-
-
-def _linprog(cost: np.ndarray, a_ub: sp.csr_array, b_ub: np.ndarray, lb: np.ndarray,
-             ub: np.ndarray, what: str, a_eq: sp.csr_array | None = None,
-             b_eq: np.ndarray | None = None) -> np.ndarray:
-    # Dual simplex with HiGHS defaults: serial and deterministic (same inputs, same vertex).
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq,
-                  bounds=np.column_stack([lb, ub]), method="highs-ds")
-    if res.status != 0 or res.x is None:
-        raise PlanError(f"the {what} LP failed ({res.status}: {res.message}); the inputs are "
-                        "probably degenerate (check for zero or absurd bandwidths)")
-    return np.asarray(res.x)
-
-
-class _Rows:
-    """Accumulates ``A x <= b`` (or ``= b``) as COO triplets, one block of rows at a time."""
-
-    def __init__(self) -> None:
-        self.r: list[np.ndarray] = []
-        self.c: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
-        self.b: list[np.ndarray] = []
-        self.count = 0
-
-    def add(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | float,
-            rhs: np.ndarray | float) -> None:
-        """``rows`` index into this block (0 .. len(rhs)-1)."""
-        rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
-        self.r.append(rows + self.count)
-        self.c.append(cols)
-        self.v.append(np.broadcast_to(np.asarray(vals, float), rows.shape))
-        rhs = np.atleast_1d(np.asarray(rhs, float))
-        self.b.append(rhs)
-        self.count += rhs.size
-
-    def matrix(self, n_vars: int) -> tuple[sp.csr_array, np.ndarray]:
-        if not self.r:
-            return sp.csr_array((0, n_vars)), np.zeros(0)
-        a = sp.coo_array((np.concatenate(self.v), (np.concatenate(self.r), np.concatenate(self.c))),
-                         shape=(self.count, n_vars))
-        return a.tocsr(), np.concatenate(self.b)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +88,7 @@ def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.nd
     n = len(prob.ids)
     cap, big = _caps(prob)
     part, agg = lay.receivers, lay.agg
-    rows = _Rows()
+    rows = SparseRows()
     free = part[prob.pin[part] == -1]
     # xi <= sum_k s_k c_k (pinned-on peers are constants on the right-hand side)
     rows.add(np.zeros(free.size + 1), np.r_[0, lay.c_col[free]], np.r_[1.0, -prob.s[free]],
@@ -178,7 +137,7 @@ def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.nd
     return a_ub, b_ub, lb, ub
 
 
-def _triple_rows(rows: _Rows, prob: _Problem, lay: _Layout, big: np.ndarray) -> None:
+def _triple_rows(rows: SparseRows, prob: _Problem, lay: _Layout, big: np.ndarray) -> None:
     """The literal O(n^3) constraint g_ij <= a_ki + (1 - c_k) M_i, one row per (i, j, k)."""
     for i in lay.agg:
         g_cols = lay.g_col[lay.g_i == i]
@@ -213,7 +172,7 @@ def _solve_relaxed(prob: _Problem, form: str, sliced: bool = True) -> _Relaxed:
     a_ub, b_ub, lb, ub = _build(prob, lay, form)
     cost = np.zeros(lay.n_vars)
     cost[0] = -1.0
-    x = _linprog(cost, a_ub, b_ub, lb, ub, "eq. 5")
+    x = solve_lp(cost, a_ub, b_ub, lb, ub, "eq. 5")
     xi = float(x[0])
     if sliced and xi > 0:
         x = _max_sliced(prob, lay, a_ub, b_ub, lb, ub, xi * (1 - 1e-7))[0]
@@ -231,7 +190,7 @@ def _max_sliced(prob: _Problem, lay: _Layout, a_ub: sp.csr_array, b_ub: np.ndarr
     the fastest sliced plan among them. Returns (x without w, sum w)."""
     n_agg, nv = lay.agg.size, lay.n_vars
     w = nv + np.arange(n_agg)
-    rows = _Rows()
+    rows = SparseRows()
     r = np.arange(lay.g_col.size)
     rows.add(np.r_[r, r], np.r_[w[np.repeat(np.arange(n_agg), lay.receivers.size)], lay.g_col],
              np.r_[np.ones(r.size), -np.ones(r.size)], np.zeros(r.size))
@@ -241,7 +200,7 @@ def _max_sliced(prob: _Problem, lay: _Layout, a_ub: sp.csr_array, b_ub: np.ndarr
     lb2, ub2 = np.r_[lb, np.zeros(n_agg)], np.r_[ub, cap[lay.agg]]
     lb2[0] = xi_min
     cost = np.r_[np.zeros(nv), -np.ones(n_agg)]
-    x = _linprog(cost, a2, np.r_[b_ub, b_extra], lb2, ub2, "sliced (phase 2)")
+    x = solve_lp(cost, a2, np.r_[b_ub, b_extra], lb2, ub2, "sliced (phase 2)")
     return x[:nv], float(x[nv:].sum())
 
 

@@ -59,8 +59,8 @@ stall every round.
 
 The package's modules, lowest first: :mod:`.problem` (inputs, :class:`PlanError`),
 :mod:`.timemodel` (seconds per round for any slicing), :mod:`.plan` (:class:`Plan` and how a
-solution becomes one), :mod:`.lp` (HiGHS plumbing and the paper's relaxed LP) and this one, the
-entry point.
+solution becomes one), :mod:`.highs` (HiGHS plumbing) and this one, the entry point; the paper's
+relaxed LP, :mod:`.lp`, is kept beside them for reference and tests.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from relay_server.planning.lp import _linprog, _Rows
+from relay_server.planning.highs import SparseRows, solve_lp
 from relay_server.planning.plan import Plan, _make_plan
 from relay_server.planning.problem import (
     Pairwise,
@@ -153,7 +153,7 @@ def _max_xi(part: _Partition) -> float:
     """Phase 1: the most steps/s this computing set allows (variables [xi, m_1..m_nA])."""
     n_agg = part.agg.size
     m = 1 + np.arange(n_agg)
-    rows = _Rows()
+    rows = SparseRows()
     rows.add(np.r_[np.arange(n_agg), np.arange(n_agg)], np.r_[m, np.zeros(n_agg)],
              np.r_[part.k, part.own], part.cap)
     p_rows, p_cols, p_vals, p_rhs = part.pairs
@@ -164,7 +164,7 @@ def _max_xi(part: _Partition) -> float:
     ub = np.full(1 + n_agg, part.xi_ub)
     cost = np.zeros(1 + n_agg)
     cost[0] = -1.0
-    return float(_linprog(cost, a_ub, b_ub, np.zeros(1 + n_agg), ub, "plan", a_eq, np.zeros(1))[0])
+    return float(solve_lp(cost, a_ub, b_ub, np.zeros(1 + n_agg), ub, "plan", a_eq, np.zeros(1))[0])
 
 
 def _spread(part: _Partition, xi: float) -> np.ndarray:
@@ -174,7 +174,7 @@ def _spread(part: _Partition, xi: float) -> np.ndarray:
     Variables [tau, m_1..m_nA]; returns m."""
     n_agg = part.agg.size
     spare = np.maximum(part.cap - part.own * xi, 0.0)
-    rows = _Rows()
+    rows = SparseRows()
     pos = np.flatnonzero(part.k > 0)
     rows.add(np.r_[np.arange(pos.size), np.arange(pos.size)], np.r_[1 + pos, np.zeros(pos.size)],
              np.r_[part.k[pos], -spare[pos]], np.zeros(pos.size))
@@ -188,7 +188,7 @@ def _spread(part: _Partition, xi: float) -> np.ndarray:
     ub = np.r_[math.inf, np.full(n_agg, xi)]
     cost = np.zeros(1 + n_agg)
     cost[0] = 1.0
-    return _linprog(cost, a_ub, b_ub, np.zeros(1 + n_agg), ub, "share", a_eq, np.array([xi]))[1:]
+    return solve_lp(cost, a_ub, b_ub, np.zeros(1 + n_agg), ub, "share", a_eq, np.array([xi]))[1:]
 
 
 def _choose_computing(prob: _Problem) -> tuple[np.ndarray, float]:
