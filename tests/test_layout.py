@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ("toolkit", "relay_server")
+ROOTS = ("toolkit", "relay_server", "research")
 MAX_LINES = 400
 
 # Lowest first. A unit imports only units listed before it (and modules of its own unit).
@@ -30,6 +30,7 @@ LAYERS = [
     "relay_server.observers", "relay_server.data", "relay_server.backbone", "relay_server.collaboration",
     "relay_server.pipeline",
     "relay_server.api", "relay_server.aggregator", "relay_server.demo", "relay_server.notebooks", "relay_server.cli", "relay_server",
+    "research",  # the papers' algorithms, reproduced to test against: above the product, which never imports them
 ]
 
 

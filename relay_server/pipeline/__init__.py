@@ -14,10 +14,10 @@ parameter server per stage. What lives where:
 * :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
   deadlines, re-dispatch), rounds; :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
   the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports;
-* the planner, pure computation (no I/O, no torch): :mod:`.timemodel` the paper's Eq. 1-3,
-  :mod:`.ordering` the open-TSP stage order, :mod:`.partition_model` / :mod:`.partition` its
-  graph-clustering partition, :mod:`.exhaustive` the brute-force references the tests compare it
-  with, :mod:`.star_model` / :mod:`.star` what the planning reduces to in our outbound-only star.
+* the planner, pure computation (no I/O, no torch): :mod:`.star_model` / :mod:`.star` what the
+  paper's planning reduces to in our outbound-only star (the paper's general planning, its time
+  model, stage ordering and partition search, is reproduced in ``research.hetero_pipeline``,
+  which the relay does not run).
 
 May import core, auth, tasks, rounds, planning, backbone and collaboration; the HTTP routes are
 :mod:`relay_server.api.pipeline`.

@@ -1,6 +1,7 @@
-"""The star's inputs, outputs and time model: what the paper's Eq. 1-2 (:mod:`.timemodel`) reduce
-to when one relay holds every stage boundary and volunteers only dial out. :mod:`.star` plans
-with it; the relay publishes :meth:`StagePlan.to_json` at ``/api/pipeline``.
+"""The star's inputs, outputs and time model: what the paper's Eq. 1-2
+(``research.hetero_pipeline.timemodel``) reduce to when one relay holds every stage boundary and
+volunteers only dial out. :mod:`.star` plans with it; the relay publishes
+:meth:`StagePlan.to_json` at ``/api/pipeline``.
 
 Why it is simpler than the paper's: every worker reaches every stage through the same link (its
 own to the relay), so there is no server graph, no stage order to search and no frontal/backward

@@ -1,7 +1,7 @@
 """LP plumbing every plan LP uses: one deterministic HiGHS call and sparse rows built a block at a time.
 
 :mod:`.planner` solves its partition and share LPs through these; the paper's own relaxed LP
-(:mod:`.lp`, not run by the relay) is written on them too, so that the tests comparing
+(``research.dedloc_lp``, not run by the relay) is written on them too, so that the tests comparing
 the two compare formulations, not solver settings.
 """
 

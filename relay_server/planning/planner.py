@@ -42,8 +42,9 @@ all cost the aggregators the same; brute-force tested); with peers that also agg
 heuristic (on ~1000 random small swarms without pairwise limits: optimal on all but one, which
 got 93%; with pairwise limits 2 of 350 missed, worst 75%). The shares are then spread so that
 every aggregator keeps, as far as possible, the same fraction of its spare capacity free, instead
-of whichever optimal vertex HiGHS returns first. The paper's relaxed LP stays available as
-:func:`.lp.solve_plan_reference` (literal O(n^3) or compact O(n^2) form, proved equal in tests).
+of whichever optimal vertex HiGHS returns first. The paper's relaxed LP is reproduced outside the
+product as ``research.dedloc_lp.solve_plan_reference`` (literal O(n^3) or compact O(n^2) form,
+proved equal in tests), for tests to compare this one with.
 
 Semantics (issue 3): aggregators are the peers with ``can_receive=True``; nothing exists for a
 client-mode peer as aggregator, not even its own share. A peer with ``samples_per_s == 0`` (an
@@ -59,8 +60,7 @@ stall every round.
 
 The package's modules, lowest first: :mod:`.problem` (inputs, :class:`PlanError`),
 :mod:`.timemodel` (seconds per round for any slicing), :mod:`.plan` (:class:`Plan` and how a
-solution becomes one), :mod:`.highs` (HiGHS plumbing) and this one, the entry point; the paper's
-relaxed LP, :mod:`.lp`, is kept beside them for reference and tests.
+solution becomes one), :mod:`.highs` (HiGHS plumbing) and this one, the entry point.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The paper's time model (heterogeneous-pipeline seed, section 3.3): Eq. 1 the time of one
 pipeline stage for one micro-batch, Eq. 2 the 1F1B pipeline time of a batch, Eq. 3 the balanced
-approximation used while searching. Pure functions; the partition search (:mod:`.partition`) and
-the star planner (:mod:`.star`) are written on them.
+approximation used while searching. Pure functions; the partition search (:mod:`.partition`) is
+written on them, and the relay's star planner (:mod:`relay_server.pipeline.star_model`) is what
+they reduce to on collabtrain's star.
 
 Units, and how the paper's inconsistencies are resolved here:
 

@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from relay_server.pipeline.partition import minmax_layers, plan_partition
-from relay_server.pipeline.partition_model import Evaluator, Instance, Partition
+from research.hetero_pipeline.partition import minmax_layers, plan_partition
+from research.hetero_pipeline.partition_model import Evaluator, Instance, Partition
 
 
 def open_tsp_brute(dist: np.ndarray) -> tuple[list[int], float]:

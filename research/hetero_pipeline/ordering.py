@@ -3,7 +3,7 @@
 that adjacent stages are the clusters nearest each other. Exact by dynamic programming over
 subsets (Held-Karp, as DT-FM's scheduler does) up to :data:`DP_LIMIT` clusters; simulated annealing
 for the paper's fidelity and for more clusters. Pure numpy; the brute force the tests compare both
-with is :func:`relay_server.pipeline.exhaustive.open_tsp_brute`."""
+with is :func:`research.hetero_pipeline.exhaustive.open_tsp_brute`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The paper's partition search (heterogeneous-pipeline seed, section 3.3.3) for reliable servers
 S and unreliable clients U: a communication graph over S, divisive clustering one split per
 level, an open-TSP order of the clusters, then frontal/backward servers, clients and layers. In
-collabtrain's star this degenerates (one server holds every boundary; :mod:`.star`), but the
-general form is what the paper claims, so it is kept and checked against brute force
-(:mod:`.exhaustive`): within 1.10x of the optimum on >= 90% of small random instances.
+collabtrain's star this degenerates (one server holds every boundary;
+:mod:`relay_server.pipeline.star`), but the general form is what the paper claims, so it is kept
+and checked against brute force (:mod:`.exhaustive`): within 1.10x of the optimum on >= 90% of
+small random instances.
 
 Where this departs from the paper, and why (each measured against the brute force):
 
@@ -32,8 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
-from relay_server.pipeline.ordering import open_tsp_anneal, open_tsp_dp, path_neighbours
-from relay_server.pipeline.partition_model import Evaluator, Instance, Partition
+from research.hetero_pipeline.ordering import open_tsp_anneal, open_tsp_dp, path_neighbours
+from research.hetero_pipeline.partition_model import Evaluator, Instance, Partition
 
 
 def allocate_layers(compute: Sequence[float], layers: int) -> list[int]:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from relay_server.pipeline.timemodel import Hop, boundary_time, water_levels
+from research.hetero_pipeline.timemodel import Hop, boundary_time, water_levels
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Instance:
     to each server (symmetric), the model's layers, the batch: ``microbatches`` (d) of
     ``microbatch`` samples with ``bytes_per_sample`` of activation at every boundary, and
     optionally how many layers each device can hold; ``warmup`` counts 1F1B's fill and drain
-    (:func:`~relay_server.pipeline.timemodel.pipeline_time`)."""
+    (:func:`~research.hetero_pipeline.timemodel.pipeline_time`)."""
 
     server_compute: tuple[float, ...]
     server_alpha: tuple[tuple[float, ...], ...]

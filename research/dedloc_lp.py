@@ -1,9 +1,9 @@
-"""The paper's own LP, kept for reference.
+"""DeDLOC's own LP (Appendix B), kept for reference; the relay never solves it.
 
 Eq. 5 of the paper with continuous c, in its literal O(n^3) form and a compact O(n^2) one
-(proved equal in tests), solved through :mod:`.highs` like every plan LP; :mod:`.planner`
-explains why the published plan does not come from it, and tests use it to check that the plan
-it does publish is exactly the best eq. 5 + eq. 6 can deploy.
+(proved equal in tests), solved through :mod:`relay_server.planning.highs` like every plan LP;
+:mod:`relay_server.planning.planner` explains why the published plan does not come from it, and
+tests use it to check that the plan it does publish is exactly the best eq. 5 + eq. 6 can deploy.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def solve_plan_reference(peers: Sequence[PeerCapacity], num_params: int, target_
                          form: str = "literal") -> Plan:
     """The paper's own LP (eq. 5 with continuous c, then eq. 6), literal O(n^3) rows or the
     compact O(n^2) form. For comparison and tests, small n only: its c is degenerate (see
-    :mod:`.planner`); ``steps_per_s`` is its xi, an upper bound, not a promise."""
+    :mod:`relay_server.planning.planner`); ``steps_per_s`` is its xi, an upper bound, not a promise."""
     prob = _normalize(peers, num_params, target_batch, bytes_per_param, pairwise)
     sol = _solve_relaxed(prob, form)
     if sol.xi <= 1e-12:

@@ -1,0 +1,1 @@
+"""Tests of the papers' algorithms reproduced in ``research/`` (not run by the relay)."""
