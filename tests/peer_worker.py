@@ -34,7 +34,7 @@ def params_sha(model: torch.nn.Module) -> str:
 
 
 def main() -> int:
-    from toolkit.data.pipeline import peer_batches
+    from toolkit.data.input_pipeline import peer_batches
     from toolkit.models import build_model, loss_of
     from toolkit.optimizer import CollaborativeOptimizer
     from toolkit.client import RelayClient

@@ -26,7 +26,7 @@ import torch
 
 from toolkit.runtime import environment
 from toolkit.client import RelayClient
-from toolkit.data.pipeline import check_run_data, peer_batches
+from toolkit.data.input_pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import MESSAGES, AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from relay_server.core.config import ConfigError, RelayConfig
 from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, Specials, load_tokenizer, objective_batches
 from toolkit.data.reading import read_shard
-from toolkit.data.stages import byte_tokenize, pack
+from toolkit.data.stream_ops import byte_tokenize, pack
 from toolkit.models import build_own_model
 from toolkit.models.flat import load_flat
 from toolkit.wire.protocol import EvalRecord, EvalSample

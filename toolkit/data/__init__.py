@@ -13,11 +13,11 @@ DeDLOC section 3.3 / Appendix I.4, with one change of seam (DESIGN.md s8):
 * A **shuffle buffer** of S rows (paper: S = 10,000) per dataset, fed by the chained shards, so it
   mixes across shard boundaries; **mixing** several datasets by probability (sahajBERT: 0.23
   Wikipedia / 0.77 OSCAR); **tokenization** on the fly by a user callable ``text -> list[int]``,
-  then **packing** into ``[batch, seq_len + 1]`` LongTensor batches (:mod:`.stages`).
+  then **packing** into ``[batch, seq_len + 1]`` LongTensor batches (:mod:`.stream_ops`).
 * The run's ``[dataset]`` section, typed (:mod:`.config`), and the assembled stream (:mod:`.stream`).
 * The run's ``[objective]`` (:mod:`.objectives`): its tokenizer, packing into ``seq_len`` blocks,
-  masked-LM / causal-LM / classification dict batches; a peer's pipeline (:mod:`.pipeline`) runs
-  it on a worker thread (:mod:`.background`).
+  masked-LM / causal-LM / classification dict batches; a peer's input pipeline
+  (:mod:`.input_pipeline`) runs it on a worker thread (:mod:`.background`).
 
 ``datasets`` reads ``HF_DATASETS_OFFLINE`` once, when it is first imported: set it before
 anything imports ``datasets`` (it is imported lazily here, on the first shard read).
@@ -33,7 +33,7 @@ from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_b
 from toolkit.data.reading import check_offline_env, infer_format, read_shard
 from toolkit.data.shards import (LocalShardOrder, RelayShardSource, ShardLeaseClient, ShardSource,
                                  relay_shard_sources, shard_sources_for_run)
-from toolkit.data.stages import BYTE_EOS, Tokenizer, byte_tokenize, mix, pack, shuffle_buffer
+from toolkit.data.stream_ops import BYTE_EOS, Tokenizer, byte_tokenize, mix, pack, shuffle_buffer
 from toolkit.data.stream import ShardSourceFactory, batches_for_run, stream_batches, stream_texts
 from toolkit.errors import DataConfigError, DataSourceError
 

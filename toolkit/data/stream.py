@@ -1,4 +1,4 @@
-"""Putting the stages together: a peer's mixed, shuffled, tokenized, packed stream."""
+"""Putting the operations together: a peer's mixed, shuffled, tokenized, packed stream."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from toolkit.data.config import DatasetSpec, StreamConfig
 from toolkit.data.objectives import ObjectiveConfig, objective_batches
 from toolkit.data.reading import _ShardStream, check_offline_env
 from toolkit.data.shards import LocalShardOrder, ShardSource
-from toolkit.data.stages import Tokenizer, byte_tokenize, mix, pack, shuffle_buffer
+from toolkit.data.stream_ops import Tokenizer, byte_tokenize, mix, pack, shuffle_buffer
 from toolkit.errors import DataConfigError
 
 ShardSourceFactory = Callable[[DatasetSpec], ShardSource]

@@ -48,7 +48,7 @@ def until_finished(opt: CollaborativeOptimizer, data: Iterable[Any] | None, batc
                    seed: int | str) -> Iterator[Any]:
     """The micro-batches of :meth:`CollaborativeOptimizer.batches` (see there)."""
     if data is None:
-        from toolkit.data.pipeline import peer_batches  # the data stack only for a loop that asks for it
+        from toolkit.data.input_pipeline import peer_batches  # the data stack only for a loop that asks for it
 
         source: Iterator[Any] = peer_batches(opt.run, opt.client, opt.peer_id, batch_size=batch_size, seed=seed)
     else:

@@ -1,4 +1,4 @@
-"""The stream's pure stages: shuffle buffer, mixing, tokenization, packing.
+"""The stream's pure operations: shuffle buffer, mixing, tokenization, packing.
 
 Why our own buffer and sampler rather than ``IterableDataset.shuffle`` / ``interleave_datasets``:
 an ``IterableDataset`` fixes its shard list when it is built (``data_files``), and ``shuffle``
