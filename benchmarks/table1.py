@@ -33,7 +33,7 @@ import json
 
 from relay_server.planning.planner import solve_plan
 from relay_server.planning.problem import PeerCapacity
-from relay_server.planning.timemodel import allreduce_round_s, parameter_server_round_s
+from relay_server.planning.round_time import allreduce_round_s, parameter_server_round_s
 
 PARAMS = 25_600_000  # ResNet-50
 GBIT = 1e9 / 8  # bytes/s per Gb/s

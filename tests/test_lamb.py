@@ -20,7 +20,7 @@ import torch
 from relay_server.backbone.coordinator import RELAY_ID, Backbone
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.typed import ConfigError
-from relay_server.planning.plan import Plan
+from relay_server.planning.averaging_plan import Plan
 from relay_server.rounds import master as master_mod
 from relay_server.rounds.lamb import Lamb
 from relay_server.rounds.master import MasterState, layout_of, tensor_boundaries
@@ -373,7 +373,7 @@ def test_grad_norm_messages_are_validated():
 
 
 def test_cuts_snap_to_the_nearest_tensor_boundary():
-    from relay_server.planning.plan import snap_cuts
+    from relay_server.planning.averaging_plan import snap_cuts
 
     bounds = [0, 120, 140, 380, 392, 428, 431]
     assert snap_cuts([0, 129, 323, 431], bounds) == [0, 120, 380, 431]  # nearest, ties to the lower

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from relay_server.planning import planner as pm
 from relay_server.planning import problem as pbm
-from relay_server.planning.plan import Plan
+from relay_server.planning.averaging_plan import Plan
 from relay_server.planning.planner import solve_plan
 from relay_server.planning.problem import PeerCapacity, PlanError
-from relay_server.planning.timemodel import (
+from relay_server.planning.round_time import (
     allreduce_round_s,
     parameter_server_round_s,
     predict_round_s,

@@ -59,8 +59,8 @@ bandwidth) raise :class:`PlanError` saying what to change. No silent fallback: a
 stall every round.
 
 The package's modules, lowest first: :mod:`.problem` (inputs, :class:`PlanError`),
-:mod:`.timemodel` (seconds per round for any slicing), :mod:`.plan` (:class:`Plan` and how a
-solution becomes one), :mod:`.highs` (HiGHS plumbing) and this one, the entry point.
+:mod:`.round_time` (seconds per round for any slicing), :mod:`.averaging_plan` (:class:`Plan` and
+how a solution becomes one), :mod:`.highs` (HiGHS plumbing) and this one, the entry point.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from relay_server.planning.highs import SparseRows, solve_lp
-from relay_server.planning.plan import Plan, _make_plan
+from relay_server.planning.averaging_plan import Plan, _make_plan
 from relay_server.planning.problem import (
     Pairwise,
     PeerCapacity,

@@ -18,7 +18,7 @@ from relay_server.planning import planner as pm
 from relay_server.planning import problem as pbm
 from relay_server.planning.planner import solve_plan
 from relay_server.planning.problem import PeerCapacity
-from relay_server.planning.timemodel import allreduce_round_s
+from relay_server.planning.round_time import allreduce_round_s
 from research import dedloc_lp as lpm
 from research.dedloc_lp import solve_plan_reference
 from tests.support.swarms import MB, brute_force_best, equal_peers, random_pairwise, random_swarm, solvable

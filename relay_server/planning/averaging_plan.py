@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relay_server.planning.problem import PlanError, _Problem
-from relay_server.planning.timemodel import predict_round_s
+from relay_server.planning.round_time import predict_round_s
 
 # Shares below this fraction of the total are solver noise, not a role.
 _MIN_SHARE = 1e-9
@@ -28,7 +28,7 @@ class Plan:
     computes: dict[str, float]  # every peer -> c_i
     version: str
     num_params: int
-    predicted_round_s: float  # averaging seconds per round (.timemodel)
+    predicted_round_s: float  # averaging seconds per round (.round_time)
     aggregators: tuple[str, ...] = field(default=())
     computing: tuple[str, ...] = field(default=())  # peers that send gradients and get parameters
 
