@@ -13,7 +13,7 @@ import pytest
 
 from relay_server.pipeline.star import apply_move, assign_joiner, plan_star, rebalance
 from relay_server.pipeline.star_model import (
-    ModelShape, PipelineConfig, PlanError, Worker, boundary_bytes_per_sample, stage_seconds,
+    MeasuredWorker, ModelShape, PipelineConfig, StagePlanError, boundary_bytes_per_sample, stage_seconds,
 )
 
 GB = 1 << 30
@@ -25,8 +25,8 @@ def _model(layers: int = 12) -> ModelShape:
     return ModelShape(layers, 7_000_000, 40_000_000, 40_000_000, boundary_bytes_per_sample("float16", 768, 128))
 
 
-def _workers(rng: np.random.Generator, n: int) -> list[Worker]:
-    return [Worker(f"w{i}", int(rng.uniform(0.6, 4) * GB), float(rng.uniform(50, 500)),
+def _workers(rng: np.random.Generator, n: int) -> list[MeasuredWorker]:
+    return [MeasuredWorker(f"w{i}", int(rng.uniform(0.6, 4) * GB), float(rng.uniform(50, 500)),
                    float(rng.uniform(0.01, 0.2)), float(rng.uniform(5e6, 1e8))) for i in range(n)]
 
 
@@ -38,14 +38,14 @@ def test_star_picks_the_fastest_memory_feasible_stage_count() -> None:
         workers = _workers(rng, int(rng.integers(2, 9)))
         try:
             plan = plan_star(workers, model, PipelineConfig())
-        except PlanError as err:
+        except StagePlanError as err:
             assert "memory" in str(err)
             continue
         feasible = {}
         for k in range(1, min(model.layers, len(workers)) + 1):
             try:
                 feasible[k] = plan_star(workers, model, PipelineConfig(stages=k)).seconds_per_batch
-            except PlanError as err:
+            except StagePlanError as err:
                 assert "memory" in str(err) or "workers" in str(err)
         assert plan.seconds_per_batch == pytest.approx(min(feasible.values()), rel=1e-12)
         assert len(plan.stages) == min(feasible, key=lambda k: (feasible[k], k))
@@ -65,7 +65,7 @@ def test_star_lpt_spreads_compute_within_the_largest_worker() -> None:
     rng = np.random.default_rng(4)
     for _ in range(30):
         count = int(rng.integers(3, 12))
-        workers = [Worker(f"w{i}", 64 * GB, float(rng.uniform(10, 500)), 0.01, 1e9) for i in range(count)]
+        workers = [MeasuredWorker(f"w{i}", 64 * GB, float(rng.uniform(10, 500)), 0.01, 1e9) for i in range(count)]
         for k in range(2, min(4, len(workers)) + 1):
             plan = plan_star(workers, _model(), PipelineConfig(stages=k))
             compute = [s.compute for s in plan.stages]
@@ -73,37 +73,37 @@ def test_star_lpt_spreads_compute_within_the_largest_worker() -> None:
 
 
 def test_star_memory_infeasible_config_names_the_memory() -> None:
-    small = [Worker(f"w{i}", int(0.3 * GB), 100.0, 0.05, 1e7) for i in range(4)]
+    small = [MeasuredWorker(f"w{i}", int(0.3 * GB), 100.0, 0.05, 1e7) for i in range(4)]
     fits = r"stages=2 does not fit the workers' memory: .* needs \d+ bytes .* largest worker memory is \d+ bytes"
-    with pytest.raises(PlanError, match=fits):
+    with pytest.raises(StagePlanError, match=fits):
         plan_star(small, _model(), PipelineConfig(stages=2))
-    with pytest.raises(PlanError, match="memory"):
+    with pytest.raises(StagePlanError, match="memory"):
         plan_star(small, _model(), PipelineConfig())
-    with pytest.raises(PlanError, match="stages must be a positive number"):
+    with pytest.raises(StagePlanError, match="stages must be a positive number"):
         plan_star(small, _model(), PipelineConfig(stages=0))
     # A worker too small for any stage sits out instead of making the plan impossible.
-    plan = plan_star(small[:1] + [Worker("big", 8 * GB, 100.0, 0.05, 1e7)], _model(), PipelineConfig(stages=1))
+    plan = plan_star(small[:1] + [MeasuredWorker("big", 8 * GB, 100.0, 0.05, 1e7)], _model(), PipelineConfig(stages=1))
     assert [w.id for w in plan.idle] == ["w0"] and plan.stages[0].workers == ("big",)
 
 
 def test_star_joiner_goes_to_the_bottleneck_it_can_hold() -> None:
-    workers = [Worker("a", 4 * GB, 400.0, 0.02, 1e8), Worker("b", 4 * GB, 100.0, 0.02, 1e8),
-               Worker("c", 4 * GB, 90.0, 0.02, 1e8)]
+    workers = [MeasuredWorker("a", 4 * GB, 400.0, 0.02, 1e8), MeasuredWorker("b", 4 * GB, 100.0, 0.02, 1e8),
+               MeasuredWorker("c", 4 * GB, 90.0, 0.02, 1e8)]
     plan = plan_star(workers, _model(), PipelineConfig(stages=2))
     slowest = plan.bottleneck
-    joined = assign_joiner(plan, Worker("j", 4 * GB, 200.0, 0.02, 1e8))
+    joined = assign_joiner(plan, MeasuredWorker("j", 4 * GB, 200.0, 0.02, 1e8))
     assert joined.stage_of("j") == slowest and joined.seconds_per_batch < plan.seconds_per_batch
     need = min(s.memory_bytes for s in plan.stages)
-    with pytest.raises(PlanError, match=f"needs {need} bytes"):
-        assign_joiner(plan, Worker("tiny", need - 1, 200.0, 0.02, 1e8))
+    with pytest.raises(StagePlanError, match=f"needs {need} bytes"):
+        assign_joiner(plan, MeasuredWorker("tiny", need - 1, 200.0, 0.02, 1e8))
 
 
 def test_rebalance_moves_only_when_the_gain_beats_the_download() -> None:
-    model, workers = _model(), [Worker(f"w{i}", 4 * GB, 200.0, 0.02, 1e8) for i in range(5)]
+    model, workers = _model(), [MeasuredWorker(f"w{i}", 4 * GB, 200.0, 0.02, 1e8) for i in range(5)]
     plan = plan_star(workers, model, PipelineConfig(stages=2, rebalance_every_batches=50))
     assert rebalance(plan, workers) is None  # as planned: no move gains
     small = min(plan.stages, key=lambda s: len(s.workers))
-    slowed = [Worker(w.id, w.memory_bytes, 5.0, w.rtt_s, w.bandwidth) if w.id == small.workers[0] else w
+    slowed = [MeasuredWorker(w.id, w.memory_bytes, 5.0, w.rtt_s, w.bandwidth) if w.id == small.workers[0] else w
               for w in workers]
     current = max(stage_seconds([w for w in slowed if w.id in s.workers], model, plan.config, s.index, 2,
                                 s.layer_end - s.layer_start) for s in plan.stages) * 9 / 8
@@ -114,7 +114,7 @@ def test_rebalance_moves_only_when_the_gain_beats_the_download() -> None:
     assert after.seconds_per_batch == pytest.approx(move.seconds_per_batch_after)
     assert after.seconds_per_batch == pytest.approx(current - move.gain_s_per_batch)
     # The same imbalance, checked every batch, behind a slow link: the download costs more.
-    thin = [Worker(w.id, w.memory_bytes, w.samples_per_s, w.rtt_s, 1e5) for w in slowed]
+    thin = [MeasuredWorker(w.id, w.memory_bytes, w.samples_per_s, w.rtt_s, 1e5) for w in slowed]
     thin_plan = plan_star(workers, model, PipelineConfig(stages=2, rebalance_every_batches=1))
     assert rebalance(thin_plan, thin) is None
     # A stage everyone left: a move to it always pays.

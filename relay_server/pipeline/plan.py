@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay_server.pipeline.star import build_plan, rebalance
-from relay_server.pipeline.star_model import (Move, ModelShape, PipelineConfig, PlanError, StagePlan, Worker,
-                                              boundary_bytes_per_sample, stage_memory)
+from relay_server.pipeline.star_model import (MeasuredWorker, ModelShape, Move, PipelineConfig, StagePlan,
+                                              StagePlanError, boundary_bytes_per_sample, stage_memory)
 from toolkit.pipeline.cuts import PipelineUnits
 
 UNKNOWN_BANDWIDTH = 1e15  # measured task times already hold each worker's link: the model adds none
@@ -46,7 +46,7 @@ def auto_stages(model: ModelShape, cfg: PipelineConfig, memory_bytes: int) -> in
         layers = [model.layers // k + (1 if i < model.layers % k else 0) for i in range(k)]
         if all(stage_memory(model, cfg, i, k, h) <= memory_bytes for i, h in enumerate(layers)):
             return max(k, 2)
-    raise PlanError(f"pipeline.stages = \"auto\": even one layer per stage needs "
+    raise StagePlanError(f"pipeline.stages = \"auto\": even one layer per stage needs "
                     f"{stage_memory(model, cfg, 0, model.layers, 1)} bytes, more than pipeline.worker_memory_mb "
                     f"({memory_bytes >> 20} MiB): raise worker_memory_mb or use a smaller model")
 
@@ -85,19 +85,19 @@ class Planner:
     def forget(self, worker: str) -> None:
         self.measured.pop(worker, None)
 
-    def _worker(self, worker: str, stage: int, memory_bytes: int) -> Worker | None:
+    def _worker(self, worker: str, stage: int, memory_bytes: int) -> MeasuredWorker | None:
         m = self.measured.get(worker)
         if m is None or not m.task_s:
             return None
         k_total, h = len(self.layers), self.layers[stage]
         tasks, work = (1, 1.0) if stage == k_total - 1 else (2, 4.0 / 3.0)  # the star model's per-stage work
         per_layer = work * self.config.microbatch_size * h / (tasks * m.task_s)
-        return Worker(worker, memory_bytes or (1 << 62), per_layer, 0.0, UNKNOWN_BANDWIDTH)
+        return MeasuredWorker(worker, memory_bytes or (1 << 62), per_layer, 0.0, UNKNOWN_BANDWIDTH)
 
     def replan(self, placement: dict[str, tuple[int, int]]) -> StagePlan | None:
         """The plan of the current placement (worker -> (stage, memory bytes)) on fresh
         measurements; None until every stage has a measured worker."""
-        groups: list[list[Worker]] = [[] for _ in self.layers]
+        groups: list[list[MeasuredWorker]] = [[] for _ in self.layers]
         for worker, (stage, memory) in placement.items():
             w = self._worker(worker, stage, memory)
             if w is not None:

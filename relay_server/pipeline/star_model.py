@@ -41,7 +41,7 @@ CODEC_BYTES = {"float32": 4, "none": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 """Bytes per boundary element by codec; int8 adds one float32 scale per token row."""
 
 
-class PlanError(ValueError):
+class StagePlanError(ValueError):
     """A stage plan that cannot exist (memory, too few workers or layers); the message says which
     input to change."""
 
@@ -50,7 +50,7 @@ def boundary_bytes_per_sample(codec: str, width: int, tokens: int) -> float:
     """Bytes of one sample's activation (or gradient) at a stage boundary: ``tokens`` rows of
     ``width`` values in ``codec``."""
     if codec not in CODEC_BYTES:
-        raise PlanError(f"boundary codec {codec!r} is not one of {sorted(CODEC_BYTES)}")
+        raise StagePlanError(f"boundary codec {codec!r} is not one of {sorted(CODEC_BYTES)}")
     return float(tokens * (width * CODEC_BYTES[codec] + (4 if codec == "int8" else 0)))
 
 
@@ -71,7 +71,7 @@ class _Json:
 
 
 @dataclass(frozen=True)
-class Worker(_Json):
+class MeasuredWorker(_Json):
     """A volunteer as measured: memory for its stage (bytes), training throughput over one layer
     (samples/s: samples through one layer's forward and backward per second), heartbeat round trip
     (s) and bandwidth to the relay (bytes/s)."""
@@ -113,7 +113,7 @@ class PipelineConfig(_Json):
 
 
 @dataclass(frozen=True)
-class Stage(_Json):
+class PlannedStage(_Json):
     """One stage of a plan: layers ``[layer_start, layer_end)``, its workers, their summed
     throughput, its parameters, the memory each worker needs for it, and its predicted seconds
     per batch."""
@@ -143,15 +143,15 @@ class StagePlan(_Json):
     stage's), the bottleneck stage, the relay's boundary bytes per batch, the inputs it was made
     from (so joiners and rebalancing need nothing else) and the alternatives weighed."""
 
-    stages: tuple[Stage, ...]
+    stages: tuple[PlannedStage, ...]
     seconds_per_batch: float
     bottleneck: int
     relay_bytes_per_batch: float
     model: ModelShape
     config: PipelineConfig
-    workers: tuple[Worker, ...]
+    workers: tuple[MeasuredWorker, ...]
     candidates: tuple[Candidate, ...] = ()
-    idle: tuple[Worker, ...] = ()
+    idle: tuple[MeasuredWorker, ...] = ()
 
     def stage_of(self, worker_id: str) -> int:
         """The stage a worker is placed on."""
@@ -185,13 +185,14 @@ def stage_memory(model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int
     return int(math.ceil(params * cfg.bytes_per_param))
 
 
-def layer_capacity(worker: Worker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int) -> int:
+def layer_capacity(worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int) -> int:
     """The most layers ``worker`` can hold as stage k (0 when not even one fits)."""
     spare = worker.memory_bytes / cfg.bytes_per_param - stage_fixed_params(model, k, num_stages)
     return max(0, int(spare // model.layer_params)) if model.layer_params else model.layers
 
 
-def task_time(worker: Worker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int, layers: int) -> float:
+def task_time(worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int,
+              layers: int) -> float:
     """tau: one worker's seconds for one micro-batch on stage k (the module docstring's terms)."""
     m = cfg.microbatch_size
     if num_stages == 1:
@@ -206,7 +207,7 @@ def task_time(worker: Worker, model: ModelShape, cfg: PipelineConfig, k: int, nu
     return link + work * m * layers / worker.samples_per_s
 
 
-def stage_seconds(workers: Sequence[Worker], model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int,
+def stage_seconds(workers: Sequence[MeasuredWorker], model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int,
                   layers: int) -> float:
     """A stage's seconds per batch: its workers share the ``d`` micro-batches by speed (``inf``
     with no worker)."""
