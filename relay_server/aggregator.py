@@ -48,7 +48,7 @@ AGGREGATOR = web.AppKey("aggregator", object)
 MAX_PENDING_TRANSFERS = 4096
 
 
-class Aggregator:
+class AggregatorServer:
     def __init__(self, *, coordinator: str, public_url: str, data_dir: str | Path, token: str, name: str,
                  keep_versions: int = 3, call_timeout_s: float = 60.0) -> None:
         self.coordinator, self.public_url, self.name, self.token = coordinator.rstrip("/"), public_url, name, token
@@ -175,11 +175,11 @@ def _warm_up() -> None:
 
 
 # --- HTTP -------------------------------------------------------------------------------------------
-def _agg(request: web.Request) -> Aggregator:
+def _agg(request: web.Request) -> AggregatorServer:
     return request.app[AGGREGATOR]
 
 
-def _internal(request: web.Request) -> Aggregator:
+def _internal(request: web.Request) -> AggregatorServer:
     """The relay's calls (grad norm, finalize, assign, state): the organizer's admin token."""
     agg = _agg(request)
     agg.admin.check(request.headers.get("Authorization"))
@@ -245,7 +245,7 @@ ROUTE_TABLE = [
 ]
 
 
-def create_app(agg: Aggregator) -> web.Application:
+def create_app(agg: AggregatorServer) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_JSON_BODY)
     app[AGGREGATOR] = agg
@@ -275,7 +275,7 @@ async def serve_aggregator(*, coordinator: str, host: str, port: int, public_url
     is named after it). Its data dir is locked first, as a relay's is (:mod:`relay_server.core.data_lock`):
     two aggregators on one directory would write one slice's versions over each other."""
     with DataDirLock.acquire(data_dir, "aggregator") as lock:
-        agg = Aggregator(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
+        agg = AggregatorServer(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
                          name=name or "", keep_versions=keep_versions)
 
         def ready(url: str) -> None:

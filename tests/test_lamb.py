@@ -238,7 +238,7 @@ class Loopback:
 
 def _sliced_servers(tmp_path, backbone, plan, params):
     """The relay's own slice and two in-process aggregators owning the plan's (snapped) slices."""
-    from relay_server.aggregator import Aggregator as AggregatorServer
+    from relay_server.aggregator import AggregatorServer
     from relay_server.backbone.aggregators import Aggregator
     from relay_server.backbone.closing import RoundCloser
     from relay_server.backbone.slice_owner import SliceOwner
