@@ -1,0 +1,124 @@
+"""Names that explain themselves: no two modules or classes of the package share a name for different things.
+
+A reader who meets ``stages`` or ``PlanError`` must not have to ask "which one?". Scanned: every
+module file of ``toolkit/`` and ``relay_server/`` (``__init__`` excluded) by its basename, and every
+public class defined at a module's top level by its name (a private ``_Helper`` is its module's own
+business). Two classes of one name are always two things: were they one, the second module would
+import it.
+
+A basename may name *one* concept in several layers, e.g. the DMoE's wire messages
+(``toolkit/wire/protocol/moe.py``) and its client calls (``toolkit/client/moe.py``): the folder says
+the layer and the name says the concept. :data:`ONE_CONCEPT` lists those, path by path, so a new
+module that reuses such a name for something else fails here too.
+
+:data:`KNOWN_COLLISIONS` lists the collisions that other work in progress (issue 36) restructures;
+each is to be renamed there and then dropped from the list. The list only shrinks: an entry that no
+longer collides, exactly as listed, fails the test, so a rename must also remove its line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("toolkit", "relay_server")
+
+ONE_CONCEPT: dict[str, set[str]] = {
+    # one feature, one module per layer: its wire messages, its client calls, its relay routes/state
+    "moe": {"toolkit/client/moe.py", "toolkit/wire/protocol/moe.py"},
+    "params": {"toolkit/client/params.py", "toolkit/wire/protocol/params.py"},
+    "pipeline": {"toolkit/client/pipeline.py", "toolkit/wire/protocol/pipeline.py", "relay_server/api/pipeline.py"},
+    "shards": {"toolkit/data/shards.py", "toolkit/wire/protocol/shards.py", "relay_server/api/shards.py"},
+    "experts": {"toolkit/moe/experts.py", "relay_server/api/experts.py"},
+    "local_sgd": {"toolkit/optimizer/local_sgd.py", "relay_server/rounds/local_sgd.py"},
+    "status": {"toolkit/wire/protocol/status.py", "relay_server/collaboration/status.py",
+               "relay_server/pipeline/status.py"},
+    # each side's errors: the relay's ApiError is a toolkit CollabError with an HTTP status
+    "errors": {"toolkit/errors.py", "relay_server/core/errors.py"},
+}
+"""Basenames that name one concept in several layers, with every module that carries each."""
+
+KNOWN_COLLISIONS: dict[str, set[str]] = {
+    # Different things under one name, left for the issue-36 work that restructures their files (a
+    # rename now would collide with it at merge). Clear an entry once that work has landed.
+    # optimizer's round participation, round messages, the after-publish sequence, the pipeline's
+    # rounds mixin: owner (toolkit/optimizer), shared (toolkit/wire), features (collaboration, pipeline)
+    "rounds": {"toolkit/optimizer/rounds.py", "toolkit/wire/protocol/rounds.py",
+               "relay_server/collaboration/rounds.py", "relay_server/pipeline/rounds.py"},
+    # the trainer's background thread (PeerWorker: owner) vs the stage worker (roles)
+    "worker": {"toolkit/worker.py", "toolkit/pipeline/worker.py"},
+    # the slice coordinator vs the pipeline's task coordinator (features)
+    "coordinator": {"relay_server/backbone/coordinator.py", "relay_server/pipeline/coordinator.py"},
+    # the route table vs the slice owners' handlers; the latter is imported by api/app.py and
+    # api/pipeline.py (features)
+    "routes": {"toolkit/wire/protocol/routes.py", "relay_server/backbone/routes.py"},
+    # codecs by name vs who is online; the latter is imported by collaboration/rounds.py (features)
+    "registry": {"toolkit/wire/compression/registry.py", "relay_server/rounds/registry.py"},
+    # durable relay state vs task payloads in memory/on disk; tasks/store.py is imported by
+    # api/pipeline.py (features), rounds/store.py is on owner's tests/test_ownership.py list
+    "store": {"relay_server/rounds/store.py", "relay_server/tasks/store.py"},
+    # HF Trainer callbacks vs building transformers models: shared (toolkit/models); owner's
+    # tests/test_ownership.py lists integrations/hf.py by path
+    "hf": {"toolkit/integrations/hf.py", "toolkit/models/hf.py"},
+    # the run's [dataset] section (read by both sides) vs the relay's whole configuration: shared is
+    # deciding where the shared layer's modules live
+    "config": {"toolkit/data/config.py", "relay_server/core/config.py"},
+}
+"""Collisions waiting for a rename, ``name`` for modules and ``class Name`` for classes. Only shrinks."""
+
+
+def names_in_use(repo: Path = REPO) -> dict[str, set[str]]:
+    """Every module basename and every ``class Name`` under ``repo``'s package roots, with the files
+    that carry it."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for path in (p for root in ROOTS for p in sorted((repo / root).rglob("*.py"))):
+        rel = path.relative_to(repo).as_posix()
+        if path.name != "__init__.py":
+            found[path.stem].add(rel)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                found[f"class {node.name}"].add(rel)
+    return found
+
+
+def collisions(repo: Path = REPO) -> dict[str, set[str]]:
+    return {name: files for name, files in names_in_use(repo).items() if len(files) > 1}
+
+
+def test_no_two_modules_or_classes_share_a_name() -> None:
+    unexplained = {name: sorted(files) for name, files in collisions().items()
+                   if files != ONE_CONCEPT.get(name) and files != KNOWN_COLLISIONS.get(name)}
+    assert not unexplained, (
+        "names carried by more than one module or class:\n"
+        + "\n".join(f"  {name}: {', '.join(files)}" for name, files in sorted(unexplained.items()))
+        + "\nRename one so the name says which thing it is (e.g. toolkit/data/input_pipeline.py, not "
+          "data/pipeline.py). Only if modules are one concept in different layers, list them in ONE_CONCEPT.")
+
+
+def test_allowlists_only_hold_collisions_that_exist() -> None:
+    """A rename that ends a listed collision removes its line: the lists only shrink."""
+    now = collisions()
+    stale = {name: sorted(files) for lists in (ONE_CONCEPT, KNOWN_COLLISIONS) for name, files in lists.items()
+             if now.get(name) != files}
+    assert not stale, ("these entries no longer match the tree (drop the line, or fix its files):\n"
+                       + "\n".join(f"  {name}: {', '.join(files)} (now: {sorted(now.get(name, ()))})"
+                                    for name, files in sorted(stale.items())))
+    assert not set(ONE_CONCEPT) & set(KNOWN_COLLISIONS)
+
+
+def test_the_scan_finds_modules_and_classes_of_one_name(tmp_path: Path) -> None:
+    """Not vacuous: across the two roots, a shared basename, a shared public class and nested
+    packages are all seen; ``__init__`` and private classes are not."""
+    files = {"toolkit/data/stages.py": "class Plan:\n    pass\n\n\nclass _Json:\n    pass\n",
+             "relay_server/pipeline/deep/stages.py": "class _Json:\n    pass\n",
+             "relay_server/planning/problem.py": "class Plan:\n    pass\n",
+             "toolkit/__init__.py": "", "relay_server/__init__.py": ""}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert collisions(tmp_path) == {
+        "stages": {"toolkit/data/stages.py", "relay_server/pipeline/deep/stages.py"},
+        "class Plan": {"toolkit/data/stages.py", "relay_server/planning/problem.py"},
+    }
