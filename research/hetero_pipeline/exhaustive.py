@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from research.hetero_pipeline.partition import minmax_layers, plan_partition
-from research.hetero_pipeline.partition_model import Evaluator, Instance, Partition
+from research.hetero_pipeline.partition_model import Instance, Partition, PartitionEvaluator
 
 
 def open_tsp_brute(dist: np.ndarray) -> tuple[list[int], float]:
@@ -69,7 +69,7 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
     never falls with more layers, so the bound never exceeds the true time). The planner's plan
     (or ``incumbent``) is the first best; pruning only skips orders that cannot beat the best
     found, so the result is the exhaustive optimum."""
-    ev = Evaluator.of(inst)
+    ev = PartitionEvaluator.of(inst)
     plan = incumbent if incumbent is not None else plan_partition(inst)
     best = [plan.seconds_per_batch, [frozenset(c.servers) for c in plan.stages], [c.layers for c in plan.stages]]
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from research.hetero_pipeline.ordering import open_tsp_anneal, open_tsp_dp, path_neighbours
-from research.hetero_pipeline.partition_model import Evaluator, Instance, Partition
+from research.hetero_pipeline.partition_model import Instance, Partition, PartitionEvaluator
 
 
 def allocate_layers(compute: Sequence[float], layers: int) -> list[int]:
@@ -83,7 +83,7 @@ def diana_split(dist: np.ndarray, cluster: frozenset) -> tuple[frozenset, frozen
     return frozenset(rest), frozenset(splinter)
 
 
-def order_clusters(ev: Evaluator, clusters: Sequence[frozenset], method: str, seed: int) -> list[frozenset]:
+def order_clusters(ev: PartitionEvaluator, clusters: Sequence[frozenset], method: str, seed: int) -> list[frozenset]:
     """Step 3: the coarse graph H (mean edge weight between clusters) and its open TSP path."""
     g = ev.graph()
     k = len(clusters)
@@ -110,7 +110,7 @@ class PartitionSearch:
         if allocation not in ("minmax", "proportional"):
             raise ValueError(f"allocation must be 'minmax' or 'proportional', not {allocation!r}")
         self.inst, self.order, self.seed, self.allocation, self.refine = inst, order, seed, allocation, refine
-        self.ev = Evaluator.of(inst)
+        self.ev = PartitionEvaluator.of(inst)
         self.completed = lru_cache(maxsize=None)(self._completed)
 
     def scored(self, ordered: list[frozenset]) -> tuple[float, list[frozenset], list[int]]:

@@ -1,7 +1,7 @@
 """A partition of the paper's general setting (heterogeneous-pipeline seed, section 3.3.3) as
 data, and its predicted time: the measured :class:`Instance`, the :class:`Cluster` stages of a
-:class:`Partition`, and the :class:`Evaluator` that scores an ordered clustering with Eq. 1-2
-(:mod:`.timemodel`), placing frontal/backward servers (step 4) and clients (step 5) by the
+:class:`Partition`, and the :class:`PartitionEvaluator` that scores an ordered clustering with
+Eq. 1-2 (:mod:`.timemodel`), placing frontal/backward servers (step 4) and clients (step 5) by the
 paper's rules. :mod:`.partition` searches with it; :mod:`.exhaustive` enumerates with it.
 
 Where the paper is silent: adjacent stages exchange through all server pairs evenly (the section
@@ -81,16 +81,16 @@ class Partition:
     seconds_per_batch: float
 
 
-class Evaluator:
+class PartitionEvaluator:
     """Eq. 1-2 for one instance, with every per-stage quantity cached: the search and the brute
     force ask for the same (previous, cluster, next) triples many times. :meth:`of` shares one
     evaluator per instance between them."""
 
     @staticmethod
     @lru_cache(maxsize=4)
-    def of(inst: "Instance") -> "Evaluator":
+    def of(inst: "Instance") -> "PartitionEvaluator":
         """The shared evaluator of ``inst`` (instances are frozen, so its answers never change)."""
-        return Evaluator(inst)
+        return PartitionEvaluator(inst)
 
     def __init__(self, inst: Instance) -> None:
         self.inst = inst

@@ -15,7 +15,7 @@ import pytest
 from research.hetero_pipeline.exhaustive import best_layers_by_enumeration, brute_force_partition, open_tsp_brute
 from research.hetero_pipeline.ordering import open_tsp_anneal, open_tsp_dp, path_cost
 from research.hetero_pipeline.partition import PartitionSearch, allocate_layers, minmax_layers, plan_partition
-from research.hetero_pipeline.partition_model import Evaluator, Instance
+from research.hetero_pipeline.partition_model import Instance, PartitionEvaluator
 from research.hetero_pipeline.timemodel import (
     LOCAL, DeviceLoad, Hop, balanced_pipeline_time, balanced_shares, balanced_stage_times, boundary_time,
     compute_shares, pipeline_time, stage_time,
@@ -55,7 +55,7 @@ def test_eq1_and_eq2_equal_hand_computed_values() -> None:
     inst = Instance((10.0, 20.0), ((0.0, 0.01), (0.02, 0.0)), ((math.inf, 1e6), (2e6, math.inf)),
                     (), (), (), layers=3, microbatch=2.0, bytes_per_sample=1e4, microbatches=4)
     order = [frozenset({0}), frozenset({1})]
-    assert Evaluator(inst).time(order, [1, 2]) == pytest.approx(5 * 0.23, abs=1e-12)
+    assert PartitionEvaluator(inst).time(order, [1, 2]) == pytest.approx(5 * 0.23, abs=1e-12)
 
 
 def test_eq3_equals_eq2_when_stages_are_balanced() -> None:
@@ -215,7 +215,7 @@ def test_section_4_4_structure_gives_three_stages() -> None:
     assert plan.seconds_per_batch == pytest.approx(by_k[3])
     assert sum(c.layers for c in plan.stages) == 24 and min(c.layers for c in plan.stages) >= 1
     # the paper's step 6 on the chosen clusters: proportional to compute within one layer
-    ev = Evaluator(inst)
+    ev = PartitionEvaluator(inst)
     order = [frozenset(c.servers) for c in plan.stages]
     compute = ev.compute_of(order)
     alloc = allocate_layers(compute, 24)
