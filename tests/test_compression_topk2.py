@@ -24,7 +24,7 @@ from tests.support.processes import merged, write_config
 from tests.support.properties import twin_property
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.compression import (CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, DeltaEncoder, ErrorFeedback,
                                       TensorSpec, apply_delta, get_codec)
 from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest

@@ -31,8 +31,8 @@ from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
 from relay_server.auth.verify import ChunkDigests
 from tests.support.peers import ALLOWED, TOKENS, SignedPeer, signed_container
 from tests.support.relays import InProcessRelay, snapshot
-from toolkit.moe import payloads
 from toolkit.errors import ProtocolError
+from toolkit.wire import payloads
 from toolkit.wire.auth import b64u, digest_metadata
 from toolkit.wire.protocol import (ROUTES, DoneRequest, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION,
                                    PipelineDone, PipelineResult, PipelineTicketRequest, ShardLeaseRequest, ShardReport,

@@ -32,7 +32,7 @@ from tests.conftest import wait_until
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.training import relay_params
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, PipelineResult
 
 MICROBATCHES = 4

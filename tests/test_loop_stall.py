@@ -37,8 +37,8 @@ from tests.support.training import relay_params
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
 from toolkit.models import build_model
-from toolkit.moe import payloads
 from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.wire import payloads
 from toolkit.wire.protocol import ModelSpec
 
 STALL_S = 3.0

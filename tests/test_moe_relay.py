@@ -34,10 +34,10 @@ from tests.support.moe import (KWARGS, LR, MOE, UIDS, Member, directory, latest_
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
-from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import checkpoint_of, expert_shapes, make_optimizer, restore
 from toolkit.moe.remote import RelayExpertCaller
+from toolkit.wire import payloads
 from toolkit.wire.protocol import ROUTES
 
 

@@ -28,7 +28,7 @@ from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
 from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.training import relay_params
 from toolkit.client import RelayClient
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, PipelineResult
 
 STEPS = 3

@@ -1,6 +1,6 @@
 """HTTP face of Learning@home on the relay: expert calls in, tasks out, results back.
 
-Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit.moe.payloads`):
+Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit.wire.payloads`):
 
 * ``GET  /api/moe/spec``                              the run's ``[moe]`` as trainers and hosts need it
 * ``GET  /api/moe/directory``                         {version, live: [uid], total}
@@ -38,7 +38,7 @@ from relay_server.core.http import int_query, json_ok, read_message, upload_leng
 from relay_server.moe.state import Experts, expire_hosts
 from relay_server.tasks.broker import DONE
 from toolkit.errors import ProtocolError
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, ResultAck, TaskHead
 from toolkit.wire.tensor_container import MAX_HEADER
 

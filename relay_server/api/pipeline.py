@@ -45,7 +45,7 @@ from relay_server.rounds.master import lr_at
 from relay_server.rounds.store import RoundLog
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
                                    StageAssignment, StageRequest)

@@ -2,7 +2,7 @@
 
 Hosts upload ``p.*`` (parameters) and ``opt.*`` (their optimizer state) every
 ``moe.checkpoint_every_s``; the relay validates them against the expert's parameter shapes
-(:func:`toolkit.moe.payloads.read_checkpoint`), writes them atomically under
+(:func:`toolkit.wire.payloads.read_checkpoint`), writes them atomically under
 ``data_dir/experts/<uid>/`` and keeps the last ``keep``. A host that dies loses at most one period
 of its experts' training; an organizer can roll an expert back by deleting newer files.
 """

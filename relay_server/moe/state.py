@@ -21,7 +21,7 @@ from relay_server.moe.checkpoints import CheckpointStore
 from relay_server.moe.directory import ExpertDirectory
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.compression import Codec, get_codec
 
 log = logging.getLogger(__name__)

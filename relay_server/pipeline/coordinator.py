@@ -41,7 +41,7 @@ from relay_server.pipeline.rounds import OpenRound, PipelineRounds
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Workers
 from relay_server.tasks.broker import TaskBroker
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineWork
 

@@ -22,7 +22,7 @@ import numpy as np
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.ledger import FIRST, FORWARD, Step
 from toolkit.errors import ProtocolError
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import PipelineResult
 

@@ -20,8 +20,8 @@ from tests.moe_trainer import BATCH, IN_FEATURES, batches
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
-from toolkit.moe import payloads
 from toolkit.moe.calls import LoopbackCaller
+from toolkit.wire import payloads
 
 LR = 0.05
 MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,

@@ -1,7 +1,7 @@
 """The expert routes (``ROUTES["moe_*"]``): one typed method per route.
 
 JSON answers are :mod:`toolkit.wire.protocol.moe`'s messages; tensor bodies are containers built
-and checked by :mod:`toolkit.moe.payloads` (the caller validates what it reads: a task batch
+and checked by :mod:`toolkit.wire.payloads` (the caller validates what it reads: a task batch
 against the run's width and codec, an answer against the call's rows).
 """
 
@@ -40,7 +40,7 @@ class MoeCalls(Transport):
                           LeaseRequest(held=list(held or [])), params={"capacity": capacity})
 
     def moe_tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
-        """A task batch (:func:`toolkit.moe.payloads.read_task_batch` reads it), or None when no
+        """A task batch (:func:`toolkit.wire.payloads.read_task_batch` reads it), or None when no
         task came within ``wait_s``."""
         response = self._request("GET", ROUTES["moe_tasks"].format(peer_id=peer_id),
                                  params={"max_rows": max_rows, "wait": wait_s},

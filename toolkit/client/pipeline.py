@@ -12,8 +12,8 @@ import numpy as np
 
 from toolkit.client.params import ParamsTransfer
 from toolkit.errors import ProtocolError
-from toolkit.moe import payloads
 from toolkit.transfer import SizedBody
+from toolkit.wire import payloads
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import (ROUTES, ParamsManifest, PipelineAck, PipelineDone, PipelineResult,

@@ -4,11 +4,12 @@ Owns the math: the expert grid, product-key gating and the paper's beam search (
 interface a trainer calls experts through and its in-process implementation (``calls``), the
 mixture layers, remote and local reference (``layer``; the expert calls as an autograd node in
 ``dispatch``), what an expert is (``experts``: the paper's FFN block, how every process builds,
-trains and checkpoints it; the relay imports it too) with the bytes of calls and checkpoints
-(``payloads``), and the trainer that keeps J micro-batches in flight to hide the calls' latency
-(``inflight``, which :func:`toolkit.join` uses). It imports only ``toolkit.errors``,
-``toolkit.wire`` and torch: no HTTP, nothing from the relay, so ``toolkit.models`` can build a
-DMoE trainer model from a run's spec.
+trains and checkpoints it; the relay imports it too), and the trainer that keeps J micro-batches
+in flight to hide the calls' latency (``inflight``, which :func:`toolkit.join` uses). These import
+only ``toolkit.errors``, ``toolkit.wire`` and torch: no HTTP, nothing from the relay, so
+``toolkit.models`` can build a DMoE trainer model from a run's spec and the relay can import them
+(they are in the shared layer, :mod:`toolkit`). The two modules that talk to the relay, expert
+calls through it (``remote``) and the expert host (``host``), are peer-side units of their own.
 """
 
 from toolkit.moe.calls import CallRecord, ExpertCaller, ExpertFailed, LoopbackCaller

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from toolkit.errors import CollabError
-from toolkit.moe import payloads
+from toolkit.wire import payloads
 
 UPGRADE = "Upgrade collabtrain on this machine to the relay's version."
 

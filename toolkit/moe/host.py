@@ -44,10 +44,10 @@ import torch
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
-from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import build_expert, checkpoint_state, expert_shapes, make_optimizer, restore
 from toolkit.runtime.parent import die_with_parent
+from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, TaskHead
 

@@ -23,8 +23,8 @@ from requests.adapters import DEFAULT_POOLSIZE, HTTPAdapter
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError
-from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed
+from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import MoeSpec
 

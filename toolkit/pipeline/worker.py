@@ -35,9 +35,9 @@ import torch
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
-from toolkit.moe import payloads
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.transfer import slice_part
+from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (GradientMeta, Heartbeat, PipelineDone, PipelineResult, PipelineRoundCall,
                                    PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo, StageAssignment,

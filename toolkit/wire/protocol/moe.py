@@ -1,6 +1,6 @@
 """Decentralized mixture-of-experts (``ROUTES["moe_*"]``): the JSON messages of the expert routes.
 
-Tensors travel as containers (:mod:`toolkit.moe.payloads`): a call's ``x`` (and ``g``), a task
+Tensors travel as containers (:mod:`toolkit.wire.payloads`): a call's ``x`` (and ``g``), a task
 batch (whose metadata ``tasks`` is a :class:`TaskBatch`), a result, a checkpoint. The JSON bodies
 are these: the run's ``[moe]`` as trainers and hosts need it (:class:`MoeSpec`), the directory
 trainers route by (:class:`MoeDirectory`), a host's lease (:class:`LeaseRequest` ->

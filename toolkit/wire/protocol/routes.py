@@ -41,7 +41,7 @@ ROUTES = {
     "plan": "/api/plan",
     "ticket": "/api/rounds/{step}/ticket",
     "done": "/api/rounds/{step}/done",
-    # decentralized mixture-of-experts (toolkit.moe.payloads: bodies are tensor containers)
+    # decentralized mixture-of-experts (toolkit.wire.payloads: bodies are tensor containers)
     "moe_spec": "/api/moe/spec",
     "moe_directory": "/api/moe/directory",
     "moe_call": "/api/moe/peers/{peer_id}/calls/{uid}",

@@ -1,4 +1,5 @@
-"""The bytes of expert calls, tasks and checkpoints, shared by trainers, hosts and the relay.
+"""The bytes of expert calls, tasks and checkpoints, shared by trainers, hosts, stage workers and
+the relay: the tensor-message codec both DMoE and the staged pipeline speak.
 
 Every body is one safetensors container (:mod:`toolkit.wire.tensor_container`), float32 only:
 
