@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from relay_server.core.config import ConfigError
-from toolkit.optimizer.inner import MIN_8BIT_SIZE, probe_adamw8bit
+from toolkit.runtime.eight_bit import MIN_8BIT_SIZE, probe_adamw8bit
 
 log = logging.getLogger(__name__)
 
