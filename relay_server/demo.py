@@ -38,10 +38,9 @@ import requests
 from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.core.data_lock import DataDirInUse
 from relay_server.api.server import serve
-from toolkit.client import RelayClient
 from toolkit.errors import CollabError
 from toolkit.runtime.parent import child_env
-from toolkit.wire.protocol import ROUTES
+from toolkit.wire.protocol import ROUTES, StatusReport
 
 
 class RelayThread:
@@ -257,11 +256,11 @@ class LocalRun:
         print(f"relay:     {url}   (dashboard: {url}/ , status JSON: {url}/api/status)", flush=True)
         for line in header:
             print(line, flush=True)
-        client = RelayClient(url, retries=1)
+        client = requests.Session()  # the demo follows /api/status as any observer does, not as a peer
         procs: list[subprocess.Popen] = []
         code, kept = 0, False
         try:
-            references = client.get_status().loss_references
+            references = _status(client, url).loss_references
             self.references = {r.name: round(r.value, 4) for r in references}
             if references:
                 print("losses:    " + "; ".join(f"{r.label} = {r.value:.4f}" for r in references), flush=True)
@@ -276,7 +275,7 @@ class LocalRun:
                                        env=child_env(),
                                        stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
                       for i in range(self.peers)]
-            code = self._follow(client, procs)
+            code = self._follow(client, url, procs)
             _stop_peers(procs)
             if keep and code == 0:
                 kept = True
@@ -287,7 +286,7 @@ class LocalRun:
             if not kept and not interrupt_ends:
                 print(f"{self.name} stopped: interrupted", file=sys.stderr)
                 code = 1
-        except CollabError as exc:
+        except (CollabError, requests.RequestException) as exc:
             print(f"{self.name} stopped: {exc}", file=sys.stderr)
             code = 1
         finally:
@@ -305,12 +304,12 @@ class LocalRun:
                           "loss_references": self.references}), flush=True)
         return code
 
-    def _follow(self, client: RelayClient, procs: list[subprocess.Popen]) -> int:
+    def _follow(self, client: requests.Session, url: str, procs: list[subprocess.Popen]) -> int:
         """Print each new step until the run finishes or ``stop_after``; 1 if every peer died first."""
         total = self.config.run.total_steps
         target = self.config.run.target_batch
         while True:
-            status = client.get_status()
+            status = _status(client, url)
             for r in status.recent_rounds:
                 if r.step not in self.losses:
                     self.losses[r.step], self.samples[r.step] = r.loss or float("nan"), r.samples
@@ -327,6 +326,14 @@ class LocalRun:
                 print("all peers exited early; the end of peer-0's log:", *tail, sep="\n  ", file=sys.stderr)
                 return 1
             time.sleep(0.25)
+
+
+def _status(session: requests.Session, url: str) -> StatusReport:
+    """The run's ``/api/status``, what the dashboard reads: the demo watches its relay from outside,
+    so it needs no peer's client (the relay imports only the toolkit's shared layer)."""
+    response = session.get(url + ROUTES["status"], timeout=30)
+    response.raise_for_status()
+    return StatusReport.loads(response.content)
 
 
 def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -> list[subprocess.Popen]:
