@@ -1,17 +1,24 @@
 """collabtrain's relay: the backbone a collaboration's peers talk to.
 
-Subpackages, lowest first; a package imports only from those listed before it (and from
-``toolkit.errors``, ``toolkit.wire``, ``toolkit.models``, ``toolkit.data.config``, the peer side's
-shared layers). ``tests/test_layout.py`` walks every import, lazy ones included, and holds this.
+Units, lowest first; a unit imports only from those listed before it, and from the toolkit only
+its shared layer (the units :mod:`toolkit`'s docstring lists under "The shared layer"). This list
+is the one statement of the relay's layering: ``tests/test_layout.py`` reads it from here, walks
+every import, lazy ones included, and checks that ARCHITECTURE.md draws the same order.
 
 * :mod:`relay_server.core`          configuration, error types, HTTP helpers every layer uses
 * :mod:`relay_server.auth`          who is asking: relay key, HF identity, access passes, signed requests
+* :mod:`relay_server.tasks`         the task broker: payloads posted to keys, pulled by outbound-only workers
+* :mod:`relay_server.moe`           the expert directory, expert checkpoints, the relay's DMoE state
 * :mod:`relay_server.rounds`        one averaging round: registry, membership, reduction, master state, versions, store
 * :mod:`relay_server.planning`      DeDLOC's LP, the measurements it is solved from, when to re-plan
-* :mod:`relay_server.observers`     W&B and Hub checkpoints, fed step events off the round's path
-* :mod:`relay_server.data`          the shard-lease pool (the data task pool)
+* :mod:`relay_server.observers`     W&B and Hub checkpoints, evaluation, fed step events off the round's path
+* :mod:`relay_server.data`          the shard-lease pool (the data task pool), training the run's tokenizer
 * :mod:`relay_server.backbone`      slices of the vector owned by the relay and aggregators, tickets, recovery
 * :mod:`relay_server.collaboration` the state machine composing rounds, backbone, planning and observers
+* :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger
 * :mod:`relay_server.api`           the aiohttp app: each concern's routes, auth, rate limits, moderation, dashboard
-* entry points: :mod:`relay_server.cli`, :mod:`relay_server.aggregator`, :mod:`relay_server.demo`
+* :mod:`relay_server.aggregator`    entry point: an aggregator process
+* :mod:`relay_server.demo`          entry point: a relay and peer processes on this machine
+* :mod:`relay_server.notebooks`     entry point: the notebook templates
+* :mod:`relay_server.cli`           entry point: ``relay-server``
 """

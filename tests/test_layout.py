@@ -2,9 +2,12 @@
 
 Walks every import statement of the project's modules (lazy ones inside functions included, but
 not those under ``if TYPE_CHECKING:``, which never run) and asserts that there is no cycle among
-modules, that each subpackage imports only from the layers declared below it (the order the
-packages' ``__init__`` docstrings state), that the peer side never imports the relay, that no
-module outgrows what a reader takes in at one sitting, and that none was squeezed to stay under it.
+modules nor among subpackages, that each unit imports only from the units declared below it (the
+order the ``toolkit`` and ``relay_server`` ``__init__`` docstrings state, read from there: they are
+the one statement of the layering), that the relay imports only the toolkit's shared layer (the
+units ``toolkit/__init__.py`` lists under "The shared layer"), that ARCHITECTURE.md draws the same
+order, that the peer side never imports the relay, that no module outgrows what a reader takes in
+at one sitting, and that none was squeezed to stay under it.
 """
 
 from __future__ import annotations
@@ -21,17 +24,29 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("toolkit", "relay_server", "research")
 MAX_LINES = 400
 
+SHARED_HEADING, PEER_HEADING = "The shared layer", "The peer side"
+"""The paragraphs of ``toolkit/__init__.py``'s docstring that open its two lists of units."""
+
+
+def declared_units(package: str) -> list[str]:
+    """The units ``package``'s ``__init__`` docstring lists, lowest first: its ``* :mod:`name```
+    lines, the one place the layering is stated."""
+    doc = ast.get_docstring(ast.parse((REPO / package / "__init__.py").read_text())) or ""
+    return re.findall(r"^\* :mod:`([\w.]+)`", doc, re.M)
+
+
+def shared_layer() -> list[str]:
+    """The toolkit units the relay may import: those listed between the docstring's two headings."""
+    doc = ast.get_docstring(ast.parse((REPO / "toolkit" / "__init__.py").read_text())) or ""
+    assert SHARED_HEADING in doc and PEER_HEADING in doc, (
+        f"toolkit/__init__.py's docstring must open its unit lists with {SHARED_HEADING!r} and {PEER_HEADING!r}")
+    return re.findall(r"^\* :mod:`([\w.]+)`", doc[doc.index(SHARED_HEADING):doc.index(PEER_HEADING)], re.M)
+
+
 # Lowest first. A unit imports only units listed before it (and modules of its own unit).
-LAYERS = [
-    "toolkit.errors", "toolkit.wire", "toolkit.runtime", "toolkit.corpus", "toolkit.moe", "toolkit.models", "toolkit.signing", "toolkit.transfer", "toolkit.client", "toolkit.moe.remote", "toolkit.moe.host", "toolkit.accumulator", "toolkit.worker",
-    "toolkit.data", "toolkit.optim_base", "toolkit.optimizer", "toolkit.pipeline", "toolkit.integrations", "toolkit.notebook", "toolkit.session", "toolkit.peer",
-    "toolkit",
-    "relay_server.core", "relay_server.auth", "relay_server.tasks", "relay_server.moe", "relay_server.rounds", "relay_server.planning",
-    "relay_server.observers", "relay_server.data", "relay_server.backbone", "relay_server.collaboration",
-    "relay_server.pipeline",
-    "relay_server.api", "relay_server.aggregator", "relay_server.demo", "relay_server.notebooks", "relay_server.cli", "relay_server",
-    "research",  # the papers' algorithms, reproduced to test against: above the product, which never imports them
-]
+LAYERS = [*declared_units("toolkit"), "toolkit", *declared_units("relay_server"), "relay_server",
+          "research"]  # the papers' algorithms, reproduced to test against: above the product, which never imports them
+SHARED = shared_layer()
 
 
 def module_files() -> dict[str, Path]:
@@ -77,35 +92,121 @@ def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
 
 
 def unit_of(module: str) -> str:
+    """The longest declared unit ``module`` is or lies in (``toolkit.moe.host`` inside ``toolkit.moe``)."""
     return max((u for u in LAYERS if module == u or module.startswith(u + ".")), key=len)
 
 
-GRAPH = {name: imports_of(name, path, module_files()) for name, path in module_files().items()}
+def subpackage_of(module: str) -> str:
+    """``toolkit.moe`` for ``toolkit.moe.host``: the package's direct child a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep, stack + [dep])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (cycle := visit(name, [name])):
+            return cycle
+    return None
+
+
+MODULES = module_files()
+GRAPH = {name: imports_of(name, path, MODULES) for name, path in MODULES.items()}
 
 
 def test_no_import_cycle_among_modules() -> None:
-    state: dict[str, int] = {}  # 1 visiting, 2 done
+    cycle = find_cycle(GRAPH)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
 
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for dep in sorted(GRAPH[node]):
-            if state.get(dep) == 1:
-                cycle = stack[stack.index(dep):] + [dep] if dep in stack else [node, dep]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if dep not in state:
-                visit(dep, stack + [dep])
-        state[node] = 2
 
-    for name in sorted(GRAPH):
-        if name not in state:
-            visit(name, [name])
+def test_no_import_cycle_among_subpackages() -> None:
+    """Units inside one subpackage may sit in different layers (``toolkit.moe``'s math is shared,
+    its ``host`` is the peer's), so the layer order alone would let ``toolkit.moe.host`` import
+    ``toolkit.client`` while ``toolkit.client`` imports ``toolkit.moe``: this refuses that."""
+    packages: dict[str, set[str]] = {}
+    for mod, deps in GRAPH.items():
+        packages.setdefault(subpackage_of(mod), set()).update(
+            subpackage_of(d) for d in deps if subpackage_of(d) != subpackage_of(mod))
+    cycle = find_cycle(packages)
+    assert not cycle, ("subpackage cycle: " + " -> ".join(cycle) + ". Move the module both sides need into the "
+                       "lower subpackage (or the shared layer), so the imports go one way.")
+
+
+def test_every_module_lies_in_a_declared_unit_and_every_unit_exists() -> None:
+    declaring = ("toolkit", "relay_server")  # these roots hold only their __init__: their docstrings list the units
+    units = [u for u in LAYERS if u not in declaring]
+    stray = sorted(m for m in MODULES if m not in declaring and not any(m == u or m.startswith(u + ".") for u in units))
+    assert not stray, (f"modules in no declared unit: {stray}. List each new subpackage or module in its package's "
+                       "__init__ docstring (toolkit/__init__.py or relay_server/__init__.py), at its layer")
+    missing = sorted(u for u in LAYERS if u not in MODULES)
+    assert not missing, f"units the __init__ docstrings list but the tree lacks: {missing}"
+    assert SHARED and SHARED == declared_units("toolkit")[:len(SHARED)], (
+        "the shared layer is the toolkit's lowest units: list them first in toolkit/__init__.py")
+
+
+def test_the_relay_imports_only_the_shared_layer() -> None:
+    outside = sorted(f"{mod} -> {dep} (unit {unit_of(dep)})" for mod, deps in GRAPH.items()
+                     if mod.startswith("relay_server") for dep in deps
+                     if dep.startswith("toolkit") and unit_of(dep) not in SHARED)
+    assert not outside, ("the relay imports toolkit modules outside the shared layer (toolkit/__init__.py lists it):\n"
+                         + "\n".join(outside) + "\nMove what both sides need into a shared unit, or find the seam "
+                         "that keeps the relay off the peer side.")
+
+
+def test_the_toolkit_never_imports_the_relay() -> None:
+    upward = sorted(f"{mod} -> {dep}" for mod, deps in GRAPH.items() if mod.startswith("toolkit")
+                    for dep in deps if dep.startswith("relay_server"))
+    assert not upward, "the peer side imports the relay:\n" + "\n".join(upward)
+
+
+def architecture_drawing() -> tuple[list[str], list[str], list[str]]:
+    """ARCHITECTURE.md's two columns, each turned into unit names, lowest first: the toolkit's,
+    the shared layer's (the toolkit rows below the ``shared layer`` line), and the relay's."""
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Two packages, each layered"):]
+    lines = section.split("```")[1].strip("\n").splitlines()
+    split = lines[0].index("relay_server/")
+    toolkit: list[str] = []
+    relay: list[str] = []
+    shared_from = None
+    for line in lines[1:]:
+        left, right = line[:split], line[split:]
+        if "shared layer" in left:
+            shared_from = len(toolkit)
+        elif left.strip():
+            toolkit.append("toolkit." + left.split()[0].rstrip("/").replace("/", "."))
+        if right.strip():
+            relay.append("relay_server." + right.split()[0].rstrip("/").replace("/", "."))
+    assert shared_from is not None, "ARCHITECTURE.md's drawing lost its 'the shared layer' line"
+    return toolkit[::-1], toolkit[shared_from:][::-1], relay[::-1]
+
+
+def test_architecture_md_draws_the_layering_the_code_states() -> None:
+    toolkit, shared, relay = architecture_drawing()
+    assert toolkit == declared_units("toolkit"), (
+        f"ARCHITECTURE.md draws the toolkit's units as {toolkit}, toolkit/__init__.py lists {declared_units('toolkit')}")
+    assert shared == SHARED, f"ARCHITECTURE.md's shared layer is {shared}, toolkit/__init__.py's is {SHARED}"
+    assert relay == declared_units("relay_server"), (
+        f"ARCHITECTURE.md draws the relay's units as {relay}, relay_server/__init__.py lists "
+        f"{declared_units('relay_server')}")
 
 
 def test_units_import_only_downward() -> None:
     rank = {unit: i for i, unit in enumerate(LAYERS)}
     upward = sorted(f"{mod} -> {dep}" for mod, deps in GRAPH.items() for dep in deps
                     if unit_of(dep) != unit_of(mod) and rank[unit_of(dep)] > rank[unit_of(mod)])
-    assert not upward, "imports against the layer order (see relay_server/__init__.py):\n" + "\n".join(upward)
+    assert not upward, "imports against the layer order (toolkit/__init__.py and relay_server/__init__.py state it):\n" + "\n".join(upward)
 
 
 def test_every_subpackage_says_what_it_owns() -> None:

@@ -19,6 +19,10 @@ DeDLOC section 3.3 / Appendix I.4, with one change of seam (DESIGN.md s8):
   masked-LM / causal-LM / classification dict batches; a peer's input pipeline
   (:mod:`.input_pipeline`) runs it on a worker thread (:mod:`.background`).
 
+All but :mod:`.input_pipeline` are in the shared layer (:mod:`toolkit`): the relay streams the
+same text to train a tokenizer, evaluate and compute loss references. :mod:`.input_pipeline` leases
+shards through the relay client, so it is a peer-side unit of its own.
+
 ``datasets`` reads ``HF_DATASETS_OFFLINE`` once, when it is first imported: set it before
 anything imports ``datasets`` (it is imported lazily here, on the first shard read).
 

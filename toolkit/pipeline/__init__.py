@@ -14,7 +14,8 @@ pipeline with a parameter server per stage and a task pool).
 * :mod:`toolkit.pipeline.stages`: :func:`pipeline_units` (and its refusals) and
   :func:`build_stage`, which builds a stage without ever materialising the full model.
 
-Layer: may import toolkit.errors, wire, runtime, models, client, optim_base, optimizer.
+All but the worker are in the shared layer (:mod:`toolkit`): the relay cuts the same stages. The
+stage worker (:mod:`toolkit.pipeline.worker`), which talks to the relay, is a peer-side unit.
 """
 
 from toolkit.pipeline.cuts import PipelineUnits, StageCut, cut_stages
