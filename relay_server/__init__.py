@@ -3,7 +3,8 @@
 Units, lowest first; a unit imports only from those listed before it, and from the toolkit only
 its shared layer (the units :mod:`toolkit`'s docstring lists under "The shared layer"). This list
 is the one statement of the relay's layering: ``tests/test_layout.py`` reads it from here, walks
-every import, lazy ones included, and checks that ARCHITECTURE.md draws the same order.
+every import, lazy ones included, and checks that ARCHITECTURE.md's drawing and docs/layout.md
+follow the same order.
 
 * :mod:`relay_server.core`          configuration, error types, HTTP helpers every layer uses
 * :mod:`relay_server.auth`          who is asking: relay key, HF identity, access passes, signed requests

@@ -216,6 +216,38 @@ def test_every_subpackage_says_what_it_owns() -> None:
             assert doc and len(doc) > 60, f"{name}/__init__.py needs a docstring saying what it owns"
 
 
+def layout_doc() -> tuple[list[str], list[str], list[str]]:
+    """docs/layout.md's list (README's "Layout" links to it) as unit names, lowest first: the
+    toolkit's entries, those under its ``-- the shared layer`` line (up to the next ``--`` line),
+    and the relay's. An entry is a line indented two spaces, naming its paths before the first
+    wide gap (``signing.py, transfer.py, client/``); paths that are no module (``defaults/``) are
+    not units."""
+    block = (REPO / "docs" / "layout.md").read_text().split("```")[1]
+    names: dict[str, list[str]] = {"toolkit": [], "relay_server": []}
+    package, shared, in_shared = "toolkit", [], False
+    for line in block.splitlines():
+        if re.match(r"(toolkit|relay_server)/ ", line):
+            package = line.split("/")[0]
+        elif line.startswith("  --"):
+            in_shared = "shared layer" in line
+        elif re.match(r"  \S", line) and package in names:
+            for path in re.split(r"\s{2,}", line.strip())[0].split(", "):
+                unit = f"{package}." + path.rstrip("/").removesuffix(".py").replace("/", ".")
+                if unit in MODULES:
+                    names[package].append(unit)
+                    shared += [unit] if in_shared else []
+    return names["toolkit"], shared, names["relay_server"]
+
+
+def test_docs_layout_lists_the_units_in_the_order_the_code_states() -> None:
+    toolkit, shared, relay = layout_doc()
+    assert toolkit == declared_units("toolkit"), (
+        f"docs/layout.md lists the toolkit as {toolkit}, toolkit/__init__.py as {declared_units('toolkit')}")
+    assert shared == SHARED, f"docs/layout.md puts {shared} in the shared layer, toolkit/__init__.py {SHARED}"
+    assert relay == declared_units("relay_server"), (
+        f"docs/layout.md lists the relay as {relay}, relay_server/__init__.py as {declared_units('relay_server')}")
+
+
 def test_modules_stay_small() -> None:
     big = {name: n for name, path in module_files().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not big, (f"modules over {MAX_LINES} lines: {big}. Split each along a seam: a class or concern that stands "
@@ -275,7 +307,7 @@ def test_docstrings_cite_documents_that_exist() -> None:
     sections = {int(n) for n in re.findall(r"^## (\d+)\.", (REPO / "DESIGN.md").read_text(), re.M)}
     for name, path in module_files().items():
         text = path.read_text()
-        for doc in set(re.findall(r"\b([A-Za-z_]+\.md)\b", text)):
+        for doc in set(re.findall(r"\b([A-Za-z_][\w/]*\.md)\b", text)):
             assert (REPO / doc).is_file(), f"{name} cites {doc}, which is not in the repository"
         for first, last in re.findall(r"DESIGN\.md (?:s|sections? )(\d+)(?:-(\d+))?", text):
             cited = range(int(first), int(last or first) + 1)

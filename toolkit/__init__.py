@@ -10,7 +10,7 @@ Units, lowest first: a unit imports only from the units listed before it and fro
 modules (a unit is a subpackage or module; the longest name that matches a module is its unit, so
 ``toolkit.moe.host`` is a unit of its own inside ``toolkit.moe``). This list is the one statement
 of the toolkit's layering: ``tests/test_layout.py`` reads it from here, and checks that
-ARCHITECTURE.md draws the same order.
+ARCHITECTURE.md's drawing and docs/layout.md follow the same order.
 
 The shared layer, what both sides build on and all the relay may import from the toolkit (no
 HTTP client, no peer's process in it):
