@@ -36,7 +36,7 @@ import requests
 
 from relay_server.core.distribution import TOOLKIT_INFO_PATH
 from relay_server.core.typed import ConfigError
-from toolkit import errors
+import toolkit.errors as errors
 from toolkit.errors import NOT_A_RELAY_HINT, not_a_relay_message
 
 PLATFORMS = ("colab", "kaggle", "tpu", "local")
