@@ -53,9 +53,6 @@ KNOWN: dict[str, int] = {
     "relay_server/pipeline/rounds.py": 7,
     "relay_server/rounds/store.py": 1,
     "toolkit/integrations/hf.py": 1,
-    "toolkit/optimizer/local_sgd.py": 14,
-    "toolkit/optimizer/overlap.py": 32,
-    "toolkit/optimizer/rounds.py": 8,
     "toolkit/wire/compression/feedback.py": 4,
 }
 """Files other work restructures (issue 36): path -> cross-object private accesses it holds now."""
