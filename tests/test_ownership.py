@@ -10,10 +10,11 @@ shows up as one or the other; the fix is a narrow public interface on the object
 field.
 
 Not counted: dunders (``__name__``), ``super()._x`` and ``type(self)._x`` (still the object's
-own), names the standard library and torch document as public despite the underscore
+own), an alternate constructor's own instance (``store = cls.__new__(cls); store._x = ...``), names the standard library and torch document as public despite the underscore
 (``namedtuple._replace``, ``sys._getframe``, ``torch._foreach_*``), and attributes of a module
 (``torch._C``): a module's private helpers are its own business, and an import from another module
-is what ``tests/test_layout.py`` looks at.
+is what ``tests/test_layout.py`` looks at. ``FOREIGN`` names the few third-party objects reachable
+only through a private attribute, each with its reason.
 
 ``KNOWN`` lists the files other work in progress restructures, with how many accesses each holds
 today: the count is an upper bound, and a file that holds fewer than listed fails too, so the list
@@ -47,13 +48,16 @@ PUBLIC_PRIVATES = {
 }
 """Attribute names with an underscore that their owners document as public API."""
 
+FOREIGN = {
+    ("toolkit/integrations/hf.py", "lr_scheduler._last_lr"):
+        "the Trainer logs its scheduler's get_last_lr(), which torch's LRScheduler can only be told through "
+        "_last_lr: the callback shows the relay's lr there",
+}
+"""Accesses to a third party's object whose only way in is a private attribute: (path, source) -> why."""
+
 KNOWN: dict[str, int] = {
-    "relay_server/aggregator.py": 1,
     "relay_server/pipeline/guard.py": 2,
     "relay_server/pipeline/rounds.py": 7,
-    "relay_server/rounds/store.py": 1,
-    "toolkit/integrations/hf.py": 1,
-    "toolkit/wire/compression/feedback.py": 4,
 }
 """Files other work restructures (issue 36): path -> cross-object private accesses it holds now."""
 
@@ -95,12 +99,41 @@ def _dotted_module(node: ast.expr, modules: set[str]) -> bool:
     return isinstance(node, ast.Name) and node.id in modules and node.id not in OWN
 
 
+def _constructed(tree: ast.Module) -> dict[int, set[str]]:
+    """For each node inside a function, the local names that function binds to an instance it
+    builds of its own class (``store = cls.__new__(cls)``, ``peer = cls(...)``: an alternate
+    constructor setting up its own object)."""
+    names: dict[int, set[str]] = {}
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        own = {t.id for node in ast.walk(func) if isinstance(node, ast.Assign) and _builds_cls(node.value)
+               for t in node.targets if isinstance(t, ast.Name)}
+        if own:
+            for node in ast.walk(func):
+                names.setdefault(id(node), set()).update(own)
+    return names
+
+
+def _builds_cls(value: ast.expr) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    if isinstance(func, ast.Attribute) and func.attr == "__new__":
+        func = func.value
+    return isinstance(func, ast.Name) and func.id == "cls"
+
+
 def offenders(path: Path) -> list[tuple[int, str, str]]:
     """(line, "write" or "read", source) of each cross-object private access in ``path``."""
     tree = ast.parse(path.read_text())
     modules = _module_names(tree)
+    constructed = _constructed(tree)
     found = []
     for node in ast.walk(tree):
+        value = getattr(node, "value", None)
+        if isinstance(value, ast.Name) and value.id in constructed.get(id(node), ()):
+            continue
         if isinstance(node, ast.Attribute) and _private(node.attr) and not _owned(node.value, modules):
             kind = "read" if isinstance(node.ctx, ast.Load) else "write"
             found.append((node.lineno, kind, ast.unparse(node)))
@@ -191,12 +224,20 @@ def findings(path: Path) -> list[tuple[int, str, str]]:
     return offenders(path) + mixin_uses(path, project_classes())
 
 
+def counted(name: str) -> list[tuple[int, str, str]]:
+    """:func:`findings` of the module at ``name`` (relative to the repository), less ``FOREIGN``."""
+    path = REPO / name
+    hits = findings(path) if path.exists() else []
+    return [hit for hit in hits if (name, hit[2]) not in FOREIGN]
+
+
 def census() -> dict[str, list[tuple[int, str, str]]]:
     result = {}
     for path in module_files():
-        found = findings(path)
+        name = str(path.relative_to(REPO))
+        found = counted(name)
         if found:
-            result[str(path.relative_to(REPO))] = found
+            result[name] = found
     return result
 
 
@@ -212,11 +253,17 @@ def test_no_module_touches_another_objects_private_state() -> None:
 @pytest.mark.parametrize("path", sorted(KNOWN))
 def test_known_offenders_only_shrink(path: str) -> None:
     """A file in ``KNOWN`` holds at most its listed count, and exactly it: one fixed lowers the number."""
-    hits = findings(REPO / path) if (REPO / path).exists() else []
+    hits = counted(path)
     listing = "\n".join(f"{path}:{line}: {kind} {code}" for line, kind, code in hits)
     assert len(hits) <= KNOWN[path], f"{path} gained cross-object private accesses:\n{listing}"
     assert len(hits) == KNOWN[path], (f"{path} now holds {len(hits)} cross-object private accesses, fewer than the "
                                       f"{KNOWN[path]} KNOWN lists: lower its count in tests/test_ownership.py")
+
+
+@pytest.mark.parametrize("path, code", sorted(FOREIGN))
+def test_foreign_accesses_are_still_there(path: str, code: str) -> None:
+    """An exemption whose access is gone is dropped from ``FOREIGN``, so none outlives its reason."""
+    assert code in {hit[2] for hit in findings(REPO / path)}, f"{path} no longer has {code}: drop it from FOREIGN"
 
 
 def test_the_check_sees_writes_and_reads() -> None:
@@ -227,6 +274,7 @@ def test_the_check_sees_writes_and_reads() -> None:
               "    opt._pending = 1\n    opt._n += 1\n    del opt._x\n    setattr(opt, '_y', 2)\n"
               "    a = opt._worker.submit\n"
               "    self._own = torch._C\n    super()._setup()\n    t = p._replace(a=1)\n"
+              "    @classmethod\n    def make(cls):\n        made = cls.__new__(cls)\n        made._ready = True\n"
               "class Half:\n    def g(self):\n        return self._host_field + self._mine()\n"
               "    def _mine(self):\n        return 1\n"
               "class Host(Half):\n    def __init__(self):\n        self._host_field = 1\n")
