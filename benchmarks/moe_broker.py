@@ -64,7 +64,7 @@ def round_trips(caller, x: torch.Tensor, calls: int) -> list[float]:
 
 def hosted(trainer: Member) -> list[str]:
     """The relay's live uids, asked as the trainer (a run with logins answers signed requests only)."""
-    return trainer.client._request("GET", ROUTES["moe_directory"]).json()["live"]
+    return trainer.client.transport.request("GET", ROUTES["moe_directory"]).json()["live"]
 
 
 TOKENS = {"bench-trainer": "hf_bench_trainer_token_1", "bench-host": "hf_bench_host_token_123"}

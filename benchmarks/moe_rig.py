@@ -120,7 +120,7 @@ class Member:
 
     def request(self, method: str, route: str, **kwargs):
         fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
-        return self.client._request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
+        return self.client.transport.request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
 
     def close(self) -> None:
         self._stop.set()

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from toolkit.client import RelayClient  # noqa: E402
+from toolkit.client.transport import Transport  # noqa: E402
 from toolkit.errors import RelayUnreachable  # noqa: E402
 from toolkit.pipeline.worker import StageWorker  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
@@ -53,14 +54,29 @@ from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
 WORK = {"first": 1, "forward": 1, "last": 3, "backward": 3}
 
 
-class SlowLink(RelayClient):
-    """A relay client whose every request first waits a round trip, and that is silent while
-    its worker is offline (a request then fails as an unreachable relay would)."""
+class SlowTransport(Transport):
+    """A transport whose every request first waits a round trip, and that is silent while its
+    worker is offline (a request then fails as an unreachable relay would)."""
 
     def __init__(self, url: str, delay_s: float) -> None:
         super().__init__(url)
         self.delay_s = delay_s
         self.offline = threading.Event()
+
+    def request(self, method, path, **kwargs):
+        if self.offline.is_set():
+            raise RelayUnreachable("relay_unreachable", "emulated disconnection")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().request(method, path, **kwargs)
+
+
+class SlowLink(RelayClient):
+    """A relay client over a :class:`SlowTransport` (every call of it, stage routes included)."""
+
+    def __init__(self, url: str, delay_s: float) -> None:
+        super().__init__(url, transport=SlowTransport(url, delay_s))
+        self.offline = self.transport.offline
         self.step = -1
         """The relay's step (= the batch in flight) as the last heartbeat answered it."""
 
@@ -68,13 +84,6 @@ class SlowLink(RelayClient):
         state = super().heartbeat(peer_id, hb)
         self.step = max(self.step, state.step)
         return state
-
-    def _request(self, method, path, **kwargs):
-        if self.offline.is_set():
-            raise RelayUnreachable("relay_unreachable", "emulated disconnection")
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return super()._request(method, path, **kwargs)
 
 
 class BenchWorker(StageWorker):

@@ -138,17 +138,18 @@ class AggregatorServer:
 
     async def grad_norm(self, req: GradNormRequest) -> GradNormReport:
         """Close the round and report its mean gradient's squared norm (global-norm clipping)."""
-        owner = self._owner(req.plan_version)
+        owner = self.current_owner(req.plan_version)
         sq_norm = await owner.grad_sq_norm(req.step, req.round_id)
         return GradNormReport(step=req.step, round_id=req.round_id, start=owner.start, end=owner.end, sq_norm=sq_norm)
 
     async def finalize(self, req: FinalizeRequest) -> SliceReport:
-        owner = self._owner(req.plan_version)
+        owner = self.current_owner(req.plan_version)
         version, r, norm = await owner.finalize(req.step, req.round_id, req.grad_norm)
         return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
                            peers=len(r.received), grad_norm=norm, refused=r.refused)
 
-    def _owner(self, plan_version: str | None = None) -> SliceOwner:
+    def current_owner(self, plan_version: str | None = None) -> SliceOwner:
+        """The slice this aggregator owns, refused (409) when it owns none or follows another plan."""
         if self.owner is None:
             raise ApiError(409, "no_slice", "this aggregator owns no slice")
         if plan_version is not None and plan_version != self.owner.plan_version:
@@ -217,7 +218,7 @@ async def post_assign(request: web.Request) -> web.Response:
 async def get_state(request: web.Request) -> web.StreamResponse:
     """The slice's whole state at ``step`` (the relay's recovery copy, and plan changes)."""
     agg = _internal(request)
-    owner = agg._owner()
+    owner = agg.current_owner()
     step = int_query(request, "step")
     if step != owner.step:
         raise ApiError(409, "wrong_step", f"this slice is at step {owner.step}, not {step}")

@@ -138,14 +138,14 @@ class Recorder:
         acc = opt.accumulator
         for name in ("add", "take", "discard", "restore"):
             setattr(acc, name, self.wrap(name, getattr(acc, name)))
-        settle = opt._settle  # what became of each upload: applied, or not (a round closed without it)
+        settle = opt.rounds.settle  # what became of each upload: applied, or not (a round closed without it)
 
         def settled(outcome: Any) -> None:
             applied = outcome.version is not None or outcome.fate == "applied"
             self.events.append(["settle", outcome.upload.meta.step, applied])
             settle(outcome)
 
-        opt._settle = settled
+        opt.rounds.settle = settled
 
     def on_forward(self, module, args, kwargs) -> None:
         if not torch.is_grad_enabled():

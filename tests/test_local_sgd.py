@@ -227,7 +227,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     public = params_of(relay.url, 4)
     assert not np.array_equal(public, init)
     for opt in done:
-        assert opt.version == 4 and np.array_equal(opt._public.view(np.uint32), public.view(np.uint32))
+        assert opt.version == 4 and np.array_equal(opt.rounds.public.view(np.uint32), public.view(np.uint32))
     full, delta = 4 * init.size, codec.wire_bytes(init.size)
     # in full: this test's two reads above and the two joins; then each peer's four versions as deltas
     assert sent <= 4 * full + 2 * 4 * (delta + 4096) < 5 * full, (sent, full, delta)

@@ -59,7 +59,7 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
         inner_step(model, opt, data[i % len(data)])
         i += 1
         if local.snapshot is not None and local.steps == 1:  # a round in flight: let its result arrive
-            wait_until(lambda: local.snapshot is None or (opt._pending is not None and opt._pending.done()), 60,
+            wait_until(lambda: local.snapshot is None or (opt.rounds.pending is not None and opt.rounds.pending.done()), 60,
                        "the outer round's result")
     final = params_of(relay.url, rounds)
     np.testing.assert_array_equal(flatten(model), final)  # the run ended with the model on the global parameters
@@ -105,13 +105,13 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
         inner_step(peer_model, peer, data[0])
         inner_step(peer_model, peer, data[1])  # budget spent: round 0 opens once both finished
     wait_until(lambda: relay.status()["step"] == 1, 60, "outer round 0")
-    wait_until(lambda: b._pending is not None and b._pending.done(), 60, "peer b's round result")
+    wait_until(lambda: b.rounds.pending is not None and b.rounds.pending.done(), 60, "peer b's round result")
     b.report_progress()  # learns that the relay is at 1 ...
     b.report_progress()  # ... and says so
     assert b.version == 0 and b.local_sgd.snapshot is not None  # not rebased: no step since
     wait_until(lambda: {p["name"]: p["version"] for p in relay.status()["peers"]}["b"] == 1, 10,
                "the relay to list b on version 1")  # (its status is cached for a second)
-    wait_until(lambda: a._pending is not None and a._pending.done(), 60, "peer a's round result")
+    wait_until(lambda: a.rounds.pending is not None and a.rounds.pending.done(), 60, "peer a's round result")
     inner_step(model_a, a, data[2])  # rebases onto 1
     inner_step(model_a, a, data[3])  # budget spent on version 1
     assert a.version == 1 and a.local_sgd.flight_version == 1 and a.local_sgd.rebases == [(1, 1)]
@@ -175,7 +175,7 @@ def test_overlap_close_with_a_round_in_flight_returns_on_global_parameters(serve
     model, opt = join(relay.url)
     inner_step(model, opt, batches(1)[0])  # budget spent: the round opens, the upload goes out
     wait_until(lambda: (relay.status()["round"] or {}).get("received_peers") == 1, 60, "the peer's upload")
-    assert opt._pending is not None and not opt._pending.done()
+    assert opt.rounds.pending is not None and not opt.rounds.pending.done()
     opt.close(finish_round_s=0.2)
     assert relay.status()["step"] == 0 and opt.samples == 0 and opt.local_sgd.snapshot is None
     np.testing.assert_array_equal(flatten(model), init)  # the global parameters it holds, not its own

@@ -284,8 +284,9 @@ def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failu
         assert (non_finite.value.status, non_finite.value.code) == (422, "non_finite")
         assert not (relay.data_dir / "experts" / "ffn0.0.0").exists()  # nothing stored
         with pytest.raises(RelayRejected) as unknown:
-            caller.client._request("PUT", ROUTES["moe_call"].format(peer_id=alice.peer_id, uid="../../etc"),
-                                   params={"kind": "forward", "call_id": "x1"}, data=payloads.call_body(x.numpy()))
+            caller.client.transport.request("PUT", ROUTES["moe_call"].format(peer_id=alice.peer_id, uid="../../etc"),
+                                            params={"kind": "forward", "call_id": "x1"},
+                                            data=payloads.call_body(x.numpy()))
         assert unknown.value.status == 404
     finally:
         caller.close()

@@ -356,7 +356,8 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
         sock.close()
     host = RelayClient(relay.url)
     host_id = host.join(JoinRequest(peer_name="host", protocol=PROTOCOL_VERSION)).peer_id
-    [uid] = host._request("POST", ROUTES["moe_lease"].format(peer_id=host_id), params={"capacity": 1}).json()["uids"]
+    lease = ROUTES["moe_lease"].format(peer_id=host_id)
+    [uid] = host.transport.request("POST", lease, params={"capacity": 1}).json()["uids"]
     checkpoint = ROUTES["moe_checkpoint"].format(peer_id=host_id, uid=uid)
 
     def upload(path: str, length: int) -> socket.socket:

@@ -136,6 +136,11 @@ class CollabOptimizerBase(torch.optim.Optimizer):
         self._collab_state = state
         self.restore_lr()
 
+    def use_local_lr(self, lr: float) -> None:
+        """The lr this peer's own steps apply from now on (local SGD's inner rate), shown in every group."""
+        self.local_lr = lr
+        self.restore_lr()
+
     def restore_lr(self) -> None:
         """Put the relay's lr (or ``local_lr``) back into every group (a loop's scheduler may have
         written its own)."""

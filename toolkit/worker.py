@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,15 +49,13 @@ class PeerWorker(threading.Thread):
                 future.set_exception(exc)
 
     def _heartbeat(self) -> None:
+        """The owner reports if it has been quiet for ``interval_s`` (its :meth:`keep_alive
+        <toolkit.optimizer.CollaborativeOptimizer.keep_alive>` decides and keeps what it heard)."""
         owner = self.owner()
         if owner is None:
             return
-        if time.monotonic() - owner.last_report_at < self.interval_s:
-            return
         try:
-            owner.report_progress(self.client)
-        except CollabError as exc:
-            owner.last_error = exc
+            owner.keep_alive(self.client, self.interval_s)
         finally:
             del owner
 

@@ -1,35 +1,89 @@
 """:class:`RelayClient`: one typed method per relay route.
 
 Each method names its route (:data:`toolkit.wire.protocol.ROUTES`), sends a schema and gets a
-schema back; retries, errors and the bulk bodies are the layers below (:mod:`.transport`,
-:mod:`.params`).
+schema back; retries and errors are its :class:`~toolkit.client.transport.Transport`'s, the bulk
+bodies, the expert and the stage routes are the objects it holds (:mod:`.params`, :mod:`.moe`,
+:mod:`.pipeline`), each reaching the relay through that same transport.
 """
 
 from __future__ import annotations
 
 import hashlib
 import urllib.parse
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import requests
 
 from toolkit.client.moe import MoeCalls
+from toolkit.client.params import ParamsTransfer
 from toolkit.client.pipeline import PipelineCalls
+from toolkit.client.transport import Transport
 from toolkit.errors import MESSAGES, CollabError, ProtocolError, RelayRejected, RelayUrlError
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, RelayKeyPins, SignedAuth
-from toolkit.transfer import SizedBody
+from toolkit.transfer import SizedBody, SlicePart
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.protocol import (ROUTES, CollabState, DoneRequest, GradientMeta, Heartbeat, JoinRequest,
-                                   JoinResponse, LoginRequest, LoginResponse, PlanInfo, RunInfo, ShardLease,
-                                   ShardLeaseRequest, ShardReport, ShardReportAck, ShardsReport, StateInfo,
+from toolkit.wire.compression import Codec
+from toolkit.wire.protocol import (ROUTES, CheckpointReceipt, CollabState, DoneRequest, ExpertLease, GradientMeta,
+                                   Heartbeat, JoinRequest, JoinResponse, LoginRequest, LoginResponse, MoeDirectory,
+                                   MoeSpec, PipelineAck, PipelineDone, PipelineResult, PipelineTicketRequest,
+                                   PipelineWork, PlanInfo, ResultAck, RunInfo, ShardLease, ShardLeaseRequest,
+                                   ShardReport, ShardReportAck, ShardsReport, StageAssignment, StageRequest, StateInfo,
                                    StatusReport, TicketRequest, UploadReceipt)
 
 RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
 """Refusals of a pass refresh that a full login (with the Hugging Face token) fixes."""
 
 
-class RelayClient(PipelineCalls, MoeCalls):
-    """Typed calls to the relay API. ``auth`` (optional) signs requests (see toolkit.signing)."""
+class RelayClient:
+    """Typed calls to the relay API. ``auth`` (optional) signs requests (see toolkit.signing).
+
+    Composed, not inherited: :attr:`transport` (:class:`~toolkit.client.transport.Transport`)
+    owns the sessions and the retry policy, and each concern's calls hold a reference to it --
+    :attr:`params` (the bulk parameter and slice bodies), :attr:`moe` (the expert routes),
+    :attr:`pipeline` (the stage routes). The core routes are methods here; so are the others,
+    under their historical names (``moe_call``, ``pipeline_work``, ``download_params``, ...),
+    each passing the call on.
+    """
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 120.0,
+                 retries: int = 4, backoff_s: float = 0.5, auth: requests.auth.AuthBase | None = None,
+                 transport: Transport | None = None) -> None:
+        """The settings are the :class:`~toolkit.client.transport.Transport`'s; ``transport``: one
+        already built instead (a test rig's that delays every request), whose own settings apply."""
+        self.transport = transport or Transport(url, connect_timeout_s=connect_timeout_s,
+                                                read_timeout_s=read_timeout_s, retries=retries, backoff_s=backoff_s,
+                                                auth=auth)
+        self.params = ParamsTransfer(self.transport)
+        self.moe = MoeCalls(self.transport)
+        self.pipeline = PipelineCalls(self.transport, self.params)
+
+    # --- the transport's settings, as callers have always read them ----------------------------
+    @property
+    def url(self) -> str:
+        return self.transport.url
+
+    @property
+    def timeout(self) -> tuple[float, float]:
+        return self.transport.timeout
+
+    @property
+    def session(self) -> requests.Session:
+        """The relay's session (``session.auth`` is how requests get signed)."""
+        return self.transport.session
+
+    @property
+    def signed(self) -> bool:
+        return self.transport.signed
+
+    @property
+    def cache_failures(self) -> int:
+        """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
+        return self.params.cache_failures
+
+    def close(self) -> None:
+        self.transport.close()
 
     def login(self, hf_token: str, *, pins: RelayKeyPins | None = None) -> AccessPassHolder:
         """Prove this peer's Hugging Face identity once; from then on every request is signed with a
@@ -41,13 +95,13 @@ class RelayClient(PipelineCalls, MoeCalls):
             answer = None
             if previous is not None:
                 try:
-                    answer = self._call("POST", ROUTES["refresh"], LoginResponse, retry=False)
+                    answer = self.transport.call("POST", ROUTES["refresh"], LoginResponse, retry=False)
                 except RelayRejected as exc:
                     if exc.code not in RELOGIN:
                         raise
             if answer is None:
-                answer = self._call("POST", ROUTES["login"], LoginResponse,
-                                    LoginRequest(hf_token=hf_token, peer_public_key=peer_key.public_b64))
+                answer = self.transport.call("POST", ROUTES["login"], LoginResponse,
+                                             LoginRequest(hf_token=hf_token, peer_public_key=peer_key.public_b64))
             return AccessPass.from_login(answer, peer_key=peer_key, relay_url=self.url, pins=pins)
 
         holder = AccessPassHolder(obtain)
@@ -60,7 +114,7 @@ class RelayClient(PipelineCalls, MoeCalls):
         """What the run trains and how. The first call a peer makes, so a URL that is a relay's
         address plus a path (a dashboard link, ``.../api/run``) says which address to use."""
         try:
-            return self._call("GET", ROUTES["run"], RunInfo)
+            return self.transport.call("GET", ROUTES["run"], RunInfo)
         except (RelayRejected, ProtocolError) as exc:
             base = _origin(self.url)
             if getattr(exc, "status", 200) == 404 or exc.code == "not_a_relay":
@@ -71,7 +125,7 @@ class RelayClient(PipelineCalls, MoeCalls):
 
     def get_tokenizer(self, expected_sha256: str) -> bytes:
         """The run's ``tokenizer.json``, refused unless its sha256 is the one RunInfo publishes."""
-        body = self._request("GET", ROUTES["tokenizer"]).content
+        body = self.transport.request("GET", ROUTES["tokenizer"]).content
         got = hashlib.sha256(body).hexdigest()
         if got != expected_sha256:
             raise ProtocolError("tokenizer_mismatch", f"the relay's tokenizer.json has sha256 {got[:12]}..., the run "
@@ -81,36 +135,36 @@ class RelayClient(PipelineCalls, MoeCalls):
 
     def get_status(self) -> StatusReport:
         """What the dashboard shows: peers online, recent rounds, leaderboard, configuration."""
-        return self._call("GET", ROUTES["status"], StatusReport)
+        return self.transport.call("GET", ROUTES["status"], StatusReport)
 
     def get_progress(self) -> CollabState:
         """The collaboration's progress toward the next step, as a heartbeat's answer has it."""
-        return self._call("GET", ROUTES["progress"], CollabState)
+        return self.transport.call("GET", ROUTES["progress"], CollabState)
 
     def get_state(self) -> StateInfo:
-        return self._call("GET", ROUTES["state"], StateInfo)
+        return self.transport.call("GET", ROUTES["state"], StateInfo)
 
     # --- membership ----------------------------------------------------------------------------
     def join(self, request: JoinRequest) -> JoinResponse:
-        return self._call("POST", ROUTES["join"], JoinResponse, request)
+        return self.transport.call("POST", ROUTES["join"], JoinResponse, request)
 
     def heartbeat(self, peer_id: str, hb: Heartbeat) -> CollabState:
         """Report this peer's progress; the answer is the collaboration's."""
-        return self._call("POST", ROUTES["heartbeat"].format(peer_id=peer_id), CollabState, hb)
+        return self.transport.call("POST", ROUTES["heartbeat"].format(peer_id=peer_id), CollabState, hb)
 
     def leave(self, peer_id: str) -> None:
         """Tell the relay this peer is gone (best effort, short timeouts: it runs on the way out)."""
-        self._request("POST", ROUTES["leave"].format(peer_id=peer_id), retry=False, timeout=(3, 5))
+        self.transport.request("POST", ROUTES["leave"].format(peer_id=peer_id), retry=False, timeout=(3, 5))
 
     # --- data shards ---------------------------------------------------------------------------
     def lease_shard(self, peer_id: str, request: ShardLeaseRequest) -> ShardLease:
-        return self._call("POST", ROUTES["shard_lease"].format(peer_id=peer_id), ShardLease, request)
+        return self.transport.call("POST", ROUTES["shard_lease"].format(peer_id=peer_id), ShardLease, request)
 
     def report_shards(self, peer_id: str, report: ShardReport) -> ShardReportAck:
-        return self._call("POST", ROUTES["shard_report"].format(peer_id=peer_id), ShardReportAck, report)
+        return self.transport.call("POST", ROUTES["shard_report"].format(peer_id=peer_id), ShardReportAck, report)
 
     def get_shards(self, source: str | None = None) -> ShardsReport:
-        return self._call("GET", ROUTES["shards"], ShardsReport, params={"source": source} if source else None)
+        return self.transport.call("GET", ROUTES["shards"], ShardsReport, params={"source": source} if source else None)
 
     # --- gradients -----------------------------------------------------------------------------
     def upload_gradient(self, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str) -> UploadReceipt:
@@ -122,19 +176,20 @@ class RelayClient(PipelineCalls, MoeCalls):
         if self.signed:  # the relay checks every chunk against its digest before using it
             metadata.update(digest_metadata(tensors))
             headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
-        response = self._request(
-            "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
-            params={"peer_id": meta.peer_id}, data=SizedBody(tensors, metadata), headers=headers)
+        response = self.transport.request(
+                     "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
+                     params={"peer_id": meta.peer_id}, data=SizedBody(tensors, metadata), headers=headers)
         return UploadReceipt.from_json(response.json())
 
     def get_plan(self) -> PlanInfo:
         """Which aggregators own which slices of the parameter vector (empty: the relay alone)."""
-        return self._call("GET", ROUTES["plan"], PlanInfo)
+        return self.transport.call("GET", ROUTES["plan"], PlanInfo)
 
     def request_ticket(self, step: int, peer_id: str, request: TicketRequest) -> str:
         """The relay's permission to upload this gradient's slices (the header value to present)."""
-        response = self._request("POST", ROUTES["ticket"].format(step=step), retry=False, params={"peer_id": peer_id},
-                                 data=request.dumps(), headers={"Content-Type": "application/json"})
+        response = self.transport.request("POST", ROUTES["ticket"].format(step=step), retry=False,
+                                          params={"peer_id": peer_id},
+                                          data=request.dumps(), headers={"Content-Type": "application/json"})
         try:
             return str(response.json()["ticket"])
         except (ValueError, KeyError, TypeError):
@@ -142,8 +197,69 @@ class RelayClient(PipelineCalls, MoeCalls):
 
     def report_done(self, step: int, peer_id: str, request: DoneRequest) -> UploadReceipt:
         """Every slice is uploaded (or failed): the relay counts this peer's gradient in the round."""
-        return self._call("POST", ROUTES["done"].format(step=step), UploadReceipt, request,
-                          params={"peer_id": peer_id}, retry=False)
+        return self.transport.call("POST", ROUTES["done"].format(step=step), UploadReceipt, request,
+                                   params={"peer_id": peer_id}, retry=False)
+
+
+    # --- the bulk bodies (:attr:`params`) ----------------------------------------------------------
+    def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
+                        min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
+        """:meth:`ParamsTransfer.download_params <toolkit.client.params.ParamsTransfer.download_params>`."""
+        return self.params.download_params(public, have=have, codec=codec, min_step=min_step, wait_s=wait_s,
+                                           peer_id=peer_id)
+
+    def upload_slices(self, step: int, ticket: str, parts: list[SlicePart], keepalive: Callable[[], Any] | None = None,
+                      keepalive_s: float = 1.0) -> list[CollabError | None]:
+        """:meth:`ParamsTransfer.upload_slices <toolkit.client.params.ParamsTransfer.upload_slices>`."""
+        return self.params.upload_slices(step, ticket, parts, keepalive, keepalive_s)
+
+    # --- the expert routes (:attr:`moe`, :class:`~toolkit.client.moe.MoeCalls`) -------------------
+    def moe_spec(self) -> MoeSpec:
+        return self.moe.spec()
+
+    def moe_directory(self) -> MoeDirectory:
+        return self.moe.directory()
+
+    def moe_call(self, peer_id: str, uid: str, *, kind: str, call_id: str, body: bytes) -> bytes:
+        return self.moe.call(peer_id, uid, kind=kind, call_id=call_id, body=body)
+
+    def moe_lease(self, peer_id: str, capacity: int, held: list[str] | None = None) -> ExpertLease:
+        return self.moe.lease(peer_id, capacity, held)
+
+    def moe_tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
+        return self.moe.tasks(peer_id, max_rows=max_rows, wait_s=wait_s)
+
+    def moe_result(self, peer_id: str, task_id: str, body: bytes) -> ResultAck:
+        return self.moe.result(peer_id, task_id, body)
+
+    def moe_put_checkpoint(self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]],
+                           metadata: dict[str, str]) -> CheckpointReceipt:
+        return self.moe.put_checkpoint(peer_id, uid, tensors, metadata)
+
+    def moe_get_checkpoint(self, peer_id: str, uid: str) -> bytes | None:
+        return self.moe.get_checkpoint(peer_id, uid)
+
+    # --- the stage routes (:attr:`pipeline`, :class:`~toolkit.client.pipeline.PipelineCalls`) -----
+    def pipeline_stage(self, peer_id: str, request: StageRequest) -> StageAssignment:
+        return self.pipeline.stage(peer_id, request)
+
+    def pipeline_work(self, peer_id: str, *, wait_s: int,
+                      cached: list[int]) -> tuple[PipelineWork, dict[str, np.ndarray]]:
+        return self.pipeline.work(peer_id, wait_s=wait_s, cached=cached)
+
+    def pipeline_result(self, peer_id: str, result: PipelineResult, tensors: dict[str, np.ndarray]) -> PipelineAck:
+        return self.pipeline.result(peer_id, result, tensors)
+
+    def pipeline_ticket(self, peer_id: str, step: int, request: PipelineTicketRequest) -> str:
+        return self.pipeline.ticket(peer_id, step, request)
+
+    def pipeline_done(self, peer_id: str, step: int, done: PipelineDone) -> None:
+        self.pipeline.done(peer_id, step, done)
+
+    def download_stage(self, peer_id: str, start: int, end: int, out: np.ndarray, *, min_step: int,
+                       have: int | None = None, codec: Codec | None = None, wait_s: int = 30) -> int:
+        return self.pipeline.download_stage(peer_id, start, end, out, min_step=min_step, have=have, codec=codec,
+                                            wait_s=wait_s)
 
 
 def _origin(url: str) -> str:

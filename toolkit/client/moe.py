@@ -19,53 +19,59 @@ from toolkit.wire.protocol import (ROUTES, CheckpointReceipt, ExpertLease, Lease
 BINARY = {"Content-Type": "application/octet-stream"}
 
 
-class MoeCalls(Transport):
-    def moe_spec(self) -> MoeSpec:
-        return self._call("GET", ROUTES["moe_spec"], MoeSpec)
+class MoeCalls:
+    """The expert routes over ``transport`` (what :class:`~toolkit.client.RelayClient`'s ``moe_*``
+    methods call)."""
 
-    def moe_directory(self) -> MoeDirectory:
-        return self._call("GET", ROUTES["moe_directory"], MoeDirectory)
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
 
-    def moe_call(self, peer_id: str, uid: str, *, kind: str, call_id: str, body: bytes) -> bytes:
+    def spec(self) -> MoeSpec:
+        return self.transport.call("GET", ROUTES["moe_spec"], MoeSpec)
+
+    def directory(self) -> MoeDirectory:
+        return self.transport.call("GET", ROUTES["moe_directory"], MoeDirectory)
+
+    def call(self, peer_id: str, uid: str, *, kind: str, call_id: str, body: bytes) -> bytes:
         """A trainer's forward or backward call, answered when the expert's host has (a repeat of
         ``call_id`` after a broken connection waits on the same task, so retrying is safe)."""
-        response = self._request("PUT", ROUTES["moe_call"].format(peer_id=peer_id, uid=uid),
-                                 params={"kind": kind, "call_id": call_id}, data=body, headers=BINARY)
+        response = self.transport.request("PUT", ROUTES["moe_call"].format(peer_id=peer_id, uid=uid),
+                                          params={"kind": kind, "call_id": call_id}, data=body, headers=BINARY)
         return response.content
 
-    def moe_lease(self, peer_id: str, capacity: int, held: list[str] | None = None) -> ExpertLease:
+    def lease(self, peer_id: str, capacity: int, held: list[str] | None = None) -> ExpertLease:
         """Up to ``capacity`` experts: those this host holds, then its ``held`` copies if they have
         no host, then orphans."""
-        return self._call("POST", ROUTES["moe_lease"].format(peer_id=peer_id), ExpertLease,
-                          LeaseRequest(held=list(held or [])), params={"capacity": capacity})
+        return self.transport.call("POST", ROUTES["moe_lease"].format(peer_id=peer_id), ExpertLease,
+                                   LeaseRequest(held=list(held or [])), params={"capacity": capacity})
 
-    def moe_tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
+    def tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
         """A task batch (:func:`toolkit.wire.payloads.read_task_batch` reads it), or None when no
         task came within ``wait_s``."""
-        response = self._request("GET", ROUTES["moe_tasks"].format(peer_id=peer_id),
-                                 params={"max_rows": max_rows, "wait": wait_s},
-                                 timeout=(self.timeout[0], self.timeout[1] + wait_s))
+        response = self.transport.request("GET", ROUTES["moe_tasks"].format(peer_id=peer_id),
+                                          params={"max_rows": max_rows, "wait": wait_s},
+                                          timeout=(self.transport.timeout[0], self.transport.timeout[1] + wait_s))
         return None if response.status_code == 204 else response.content
 
-    def moe_result(self, peer_id: str, task_id: str, body: bytes) -> ResultAck:
-        return self._call("PUT", ROUTES["moe_result"].format(peer_id=peer_id, task_id=task_id), ResultAck,
-                          data=body, headers=BINARY)
+    def result(self, peer_id: str, task_id: str, body: bytes) -> ResultAck:
+        return self.transport.call("PUT", ROUTES["moe_result"].format(peer_id=peer_id, task_id=task_id), ResultAck,
+                                   data=body, headers=BINARY)
 
-    def moe_put_checkpoint(self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]],
-                           metadata: dict[str, str]) -> CheckpointReceipt:
+    def put_checkpoint(self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]],
+                       metadata: dict[str, str]) -> CheckpointReceipt:
         """One expert's parameters and optimizer state, streamed like a gradient (in a signed run
         the relay checks each chunk against the digests the signed header carries)."""
         metadata, headers = dict(metadata), dict(BINARY)
-        if self.signed:
+        if self.transport.signed:
             metadata.update(digest_metadata(tensors))
             headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
-        return self._call("PUT", ROUTES["moe_checkpoint"].format(peer_id=peer_id, uid=uid), CheckpointReceipt,
-                          data=SizedBody(tensors, metadata), headers=headers)
+        return self.transport.call("PUT", ROUTES["moe_checkpoint"].format(peer_id=peer_id, uid=uid), CheckpointReceipt,
+                                   data=SizedBody(tensors, metadata), headers=headers)
 
-    def moe_get_checkpoint(self, peer_id: str, uid: str) -> bytes | None:
+    def get_checkpoint(self, peer_id: str, uid: str) -> bytes | None:
         """The expert's latest checkpoint, or None if it has none yet (a fresh expert)."""
         try:
-            return self._request("GET", ROUTES["moe_checkpoint"].format(peer_id=peer_id, uid=uid)).content
+            return self.transport.request("GET", ROUTES["moe_checkpoint"].format(peer_id=peer_id, uid=uid)).content
         except RelayRejected as exc:
             if exc.code == "no_checkpoint":
                 return None

@@ -36,11 +36,14 @@ SLICE_ATTEMPTS = 4
 giving up until the caller's next try (a dead owner's slices move within seconds)."""
 
 
-class ParamsTransfer(Transport):
-    """Parameter downloads (whole, delta or sliced) and sliced gradient uploads."""
+class ParamsTransfer:
+    """Parameter downloads (whole, delta or sliced) and sliced gradient uploads, over ``transport``
+    (its sessions, its slice owners' sessions and thread pool, its retry policy)."""
 
-    cache_failures = 0
-    """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.cache_failures = 0
+        """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
 
     def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
                         min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
@@ -61,7 +64,7 @@ class ParamsTransfer(Transport):
                     raise RelayUnreachable("download_failed", repr(exc)) from None
                 log.info("parameter download failed (%s); downloading them again in full", exc)
                 have = None  # ``public`` may be half-written: only a whole version restores it
-                self._sleep(attempt, type(exc).__name__)
+                self.transport.backoff(attempt, type(exc).__name__)
         raise AssertionError("unreachable")
 
     def _download_once(self, public: np.ndarray, have: int | None, codec: Codec | None, min_step: int,
@@ -74,8 +77,8 @@ class ParamsTransfer(Transport):
             params["have"] = have
         if via_cache:
             params["ref"] = 1
-        timeout = (self.timeout[0], self.timeout[1] + wait_s)
-        with self._request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
+        timeout = (self.transport.timeout[0], self.transport.timeout[1] + wait_s)
+        with self.transport.request("GET", ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
             if response.status_code == 204:
                 return None
             if response.headers.get("Content-Type", "").startswith(PARAMS_REF_TYPE):
@@ -83,7 +86,7 @@ class ParamsTransfer(Transport):
                 response.close()
                 return self._download_ref(ref, public, have, codec, peer_id)
             if response.headers.get("Content-Type", "").startswith("application/json"):
-                manifest = self._manifest(response)
+                manifest = self.manifest(response)
                 response.close()
                 return self._download_slices(manifest, public, have=have, codec=codec, peer_id=peer_id)
             return read_checked_params(response.raw, response.headers, public, have, codec)
@@ -98,8 +101,8 @@ class ParamsTransfer(Transport):
                                 f"this peer holds {have}")
         touched = False  # once bytes land in ``public``, only a whole version restores it
         try:
-            session, _ = self._owner(ref.url.split("/api/", 1)[0])
-            with session.get(ref.url, stream=True, timeout=self.timeout) as response:
+            session, _ = self.transport.owner_session(ref.url.split("/api/", 1)[0])
+            with session.get(ref.url, stream=True, timeout=self.transport.timeout) as response:
                 if response.status_code != 200:
                     raise ProtocolError("cache_status", f"HTTP {response.status_code}")
                 touched = True
@@ -129,7 +132,7 @@ class ParamsTransfer(Transport):
 
         ``keepalive`` runs every ``keepalive_s`` in the calling thread while they stream (the
         relay must keep hearing from a peer whose uploads go elsewhere)."""
-        futures = [self._pool_().submit(self._upload_slice, step, ticket, part) for part in parts]
+        futures = [self.transport.pool().submit(self._upload_slice, step, ticket, part) for part in parts]
         while True:
             done, pending = wait(futures, timeout=keepalive_s)
             if not pending:
@@ -144,14 +147,14 @@ class ParamsTransfer(Transport):
     def _upload_slice(self, step: int, ticket: str, part: SlicePart) -> CollabError | None:
         """One slice to its owner, with the relay's ticket; the error is returned, not raised,
         so the other slices' outcomes are kept."""
-        session, base = self._owner(part.plan.url)
+        session, base = self.transport.owner_session(part.plan.url)
         headers = {"Content-Type": "application/octet-stream", TICKET_HEADER: ticket}
-        if self.signed and not part.plan.url:  # the relay's own slice goes through its signed session
+        if self.transport.signed and not part.plan.url:  # the relay's own slice goes through its signed session
             headers[BODY_SHA256_HEADER] = part.header_sha256
         try:
             response = session.put(base + ROUTES["gradient"].format(step=step),
                                    data=SizedBody(part.tensors, part.metadata), headers=headers,
-                                   timeout=self.timeout)
+                                   timeout=self.transport.timeout)
         except (requests.ConnectionError, requests.Timeout) as exc:
             return RelayUnreachable("owner_unreachable", f"slice [{part.plan.start}, {part.plan.end}) to "
                                     f"{part.plan.name}: {type(exc).__name__}")
@@ -168,8 +171,9 @@ class ParamsTransfer(Transport):
             raise ProtocolError("bad_manifest",
                                 f"manifest of {manifest.num_params} parameters, model has {public.size}")
         todo = list(manifest.slices)
+        pool = self.transport.pool()
         for attempt in range(SLICE_ATTEMPTS):
-            futures = {self._pool_().submit(self._download_slice, s, manifest.step, public, have, codec, peer_id): s
+            futures = {pool.submit(self.download_slice, s, manifest.step, public, have, codec, peer_id): s
                        for s in todo}
             wait(futures)
             failed = [(s, f.exception()) for f, s in futures.items() if f.exception() is not None]
@@ -179,12 +183,12 @@ class ParamsTransfer(Transport):
                 raise RelayUnreachable("slices_unavailable", f"{len(failed)} slice(s) of step {manifest.step} could "
                                        f"not be downloaded: {failed[0][1]}") from failed[0][1]
             log.info("%d slice(s) failed (%s); asking the relay where they are now", len(failed), failed[0][1])
-            self._sleep(attempt, "slice download")
-            with self._request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
-                               stream=True) as response:
+            self.transport.backoff(attempt, "slice download")
+            with self.transport.request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
+                                        stream=True) as response:
                 if not response.headers.get("Content-Type", "").startswith("application/json"):
                     raise ProtocolError("bad_manifest", "the relay stopped slicing mid-download; download again")
-                latest = self._manifest(response)
+                latest = self.manifest(response)
             have = None  # a failed slice may be half-written: whole slices from now on
             if latest.step != manifest.step:  # a newer version: take every slice of it
                 manifest, todo = latest, list(latest.slices)
@@ -194,8 +198,8 @@ class ParamsTransfer(Transport):
                 todo = [s for s in latest.slices if (s.start, s.end) in wanted] or list(latest.slices)
         raise AssertionError("unreachable")
 
-    def _download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
-                        codec: Codec | None, peer_id: str, *, view: np.ndarray | None = None) -> None:
+    def download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
+                       codec: Codec | None, peer_id: str, *, view: np.ndarray | None = None) -> None:
         """One slice from its owner into its view of ``public`` (or into ``view``, the slice
         alone: a pipeline stage holds nothing else), refused unless it is the manifest's step and
         hashes to what the relay published."""
@@ -203,9 +207,10 @@ class ParamsTransfer(Transport):
         params = {"start": s.start, "end": s.end, "min_step": step, "peer_id": peer_id}
         if have is not None and codec is not None and not codec.lossless:
             params["have"] = have
-        session, base = self._owner(s.url)
+        session, base = self.transport.owner_session(s.url)
+        timeout = self.transport.timeout
         try:
-            with session.get(base + ROUTES["params"], params=params, stream=True, timeout=self.timeout) as response:
+            with session.get(base + ROUTES["params"], params=params, stream=True, timeout=timeout) as response:
                 if response.status_code >= 400:
                     raise rejected(response)
                 if response.status_code == 204:
@@ -217,11 +222,11 @@ class ParamsTransfer(Transport):
                 digest = read_hashed(response.raw, header, view, have, codec)
         except (requests.ConnectionError, requests.Timeout) as exc:
             raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
-                                   f"{s.url or self.url}: {type(exc).__name__}") from None
+                                   f"{s.url or self.transport.url}: {type(exc).__name__}") from None
         if digest != s.sha256:
             raise ProtocolError("params_hash_mismatch", f"slice [{s.start}, {s.end}) differs from the hash the relay "
                                 "published", "Download again; if it repeats, report the aggregator to the organizer.")
 
-    def _manifest(self, response: requests.Response) -> ParamsManifest:
+    def manifest(self, response: requests.Response) -> ParamsManifest:
         """The relay's list of slices and where each lives (a JSON answer to a params request)."""
         return json_answer(response, ParamsManifest, "bad_json", "the relay's manifest is not JSON")

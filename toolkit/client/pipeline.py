@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from toolkit.client.params import ParamsTransfer
+from toolkit.client.transport import Transport
 from toolkit.errors import ProtocolError
 from toolkit.transfer import SizedBody
 from toolkit.wire import payloads
@@ -22,55 +23,64 @@ from toolkit.wire.protocol import (ROUTES, ParamsManifest, PipelineAck, Pipeline
 MAX_WORK_BYTES = 1 << 31
 
 
-class PipelineCalls(ParamsTransfer):
-    def pipeline_stage(self, peer_id: str, request: StageRequest) -> StageAssignment:
-        return self._call("POST", ROUTES["pipeline_stage"].format(peer_id=peer_id), StageAssignment, request)
+class PipelineCalls:
+    """The pipeline routes over ``transport``; a stage's parameters through ``params`` (what
+    :class:`~toolkit.client.RelayClient`'s ``pipeline_*`` and ``download_stage`` methods call)."""
 
-    def pipeline_work(self, peer_id: str, *, wait_s: int, cached: list[int]) -> tuple[PipelineWork, dict[str, np.ndarray]]:
+    def __init__(self, transport: Transport, params: ParamsTransfer) -> None:
+        self.transport, self.params = transport, params
+
+    def stage(self, peer_id: str, request: StageRequest) -> StageAssignment:
+        return self.transport.call("POST", ROUTES["pipeline_stage"].format(peer_id=peer_id), StageAssignment, request)
+
+    def work(self, peer_id: str, *, wait_s: int, cached: list[int]) -> tuple[PipelineWork, dict[str, np.ndarray]]:
         params = {"wait": wait_s, "cached": ",".join(map(str, cached[-1024:]))}
-        response = self._request("GET", ROUTES["pipeline_work"].format(peer_id=peer_id), params=params,
-                                 timeout=(self.timeout[0], self.timeout[1] + wait_s))
+        response = self.transport.request("GET", ROUTES["pipeline_work"].format(peer_id=peer_id), params=params,
+                                          timeout=(self.transport.timeout[0], self.transport.timeout[1] + wait_s))
         metadata, tensors = payloads.decode(response.content, MAX_WORK_BYTES)
         try:
             return PipelineWork.loads(metadata.get("work", "").encode()), tensors
         except ValueError as exc:
             raise ProtocolError("bad_work", f"the relay's work answer is not readable: {exc}") from None
 
-    def pipeline_result(self, peer_id: str, result: PipelineResult, tensors: dict[str, np.ndarray]) -> PipelineAck:
+    def result(self, peer_id: str, result: PipelineResult, tensors: dict[str, np.ndarray]) -> PipelineAck:
         items = [(name, np.ascontiguousarray(array)) for name, array in tensors.items()]
         metadata = {"result": result.dumps().decode()}
         headers = {"Content-Type": "application/octet-stream"}
-        if self.signed:  # a streamed container: the signature covers its header, the header every chunk
+        if self.transport.signed:  # a streamed container: the signature covers its header, the header every chunk
             metadata.update(digest_metadata(items))
             headers[BODY_SHA256_HEADER] = container_body_sha256(items, metadata)
-        response = self._request("PUT", ROUTES["pipeline_result"].format(peer_id=peer_id, task_id=result.task_id),
-                                 data=SizedBody(items, metadata), headers=headers)
+        route = ROUTES["pipeline_result"].format(peer_id=peer_id, task_id=result.task_id)
+        response = self.transport.request("PUT", route, data=SizedBody(items, metadata), headers=headers)
         return PipelineAck.from_json(response.json())
 
-    def pipeline_ticket(self, peer_id: str, step: int, request: PipelineTicketRequest) -> str:
+    def ticket(self, peer_id: str, step: int, request: PipelineTicketRequest) -> str:
         """The relay-signed ticket (its wire form) for this stage's upload in round ``step``."""
-        response = self._request("POST", ROUTES["pipeline_ticket"].format(peer_id=peer_id, step=step),
-                                 data=request.dumps(), headers={"Content-Type": "application/json"}, retry=False)
+        response = self.transport.request("POST", ROUTES["pipeline_ticket"].format(peer_id=peer_id, step=step),
+                                          data=request.dumps(), headers={"Content-Type": "application/json"},
+                                          retry=False)
         try:
             return str(response.json()["ticket"])
         except (ValueError, KeyError, TypeError):
             raise ProtocolError("bad_json", "the relay's ticket answer is malformed") from None
 
-    def pipeline_done(self, peer_id: str, step: int, done: PipelineDone) -> None:
-        self._request("POST", ROUTES["pipeline_done"].format(peer_id=peer_id, step=step), data=done.dumps(),
-                      headers={"Content-Type": "application/json"})
+    def done(self, peer_id: str, step: int, done: PipelineDone) -> None:
+        self.transport.request("POST", ROUTES["pipeline_done"].format(peer_id=peer_id, step=step), data=done.dumps(),
+                               headers={"Content-Type": "application/json"})
 
     def download_stage(self, peer_id: str, start: int, end: int, out: np.ndarray, *, min_step: int,
                        have: int | None = None, codec: Codec | None = None, wait_s: int = 30) -> int:
         """Stage ``[start, end)`` of version >= ``min_step`` into ``out``; its step."""
-        with self._request("GET", ROUTES["params"], params={"min_step": min_step, "peer_id": peer_id, "wait": wait_s},
-                           stream=True, timeout=(self.timeout[0], self.timeout[1] + wait_s)) as response:
+        connect_s, read_s = self.transport.timeout
+        with self.transport.request("GET", ROUTES["params"], params={"min_step": min_step, "peer_id": peer_id,
+                                                                     "wait": wait_s},
+                                    stream=True, timeout=(connect_s, read_s + wait_s)) as response:
             if response.status_code == 204:
                 raise ProtocolError("no_version", f"no version >= {min_step} was published in {wait_s} s")
-            manifest: ParamsManifest = self._manifest(response)
+            manifest: ParamsManifest = self.params.manifest(response)
         s = next((s for s in manifest.slices if (s.start, s.end) == (start, end)), None)
         if s is None:
             raise ProtocolError("wrong_slice", f"the relay's manifest has no stage [{start}, {end})",
                                 "Ask for a stage again: the relay's stages changed.")
-        self._download_slice(s, manifest.step, out, have, codec, peer_id, view=out)
+        self.params.download_slice(s, manifest.step, out, have, codec, peer_id, view=out)
         return manifest.step

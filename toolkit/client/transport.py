@@ -2,7 +2,7 @@
 
 :class:`Transport` owns the connections: one keep-alive ``requests.Session`` for the relay and
 one per slice owner (an aggregator the relay's plan names), plus the small thread pool that
-moves slices in parallel. Its :meth:`Transport._request` is the one place that decides what a
+moves slices in parallel. Its :meth:`Transport.request` is the one place that decides what a
 failed request means: no answer (retried, then :class:`~toolkit.errors.RelayUnreachable`), busy
 or rate-limited (retried after the relay's Retry-After), an expired pass (signed again with a
 fresh one), an error body (:class:`~toolkit.errors.RelayRejected` with the relay's hint), or a
@@ -86,7 +86,7 @@ class Transport:
         """Whether requests carry a signature (the run requires login and this peer logged in)."""
         return isinstance(self.session.auth, SignedAuth)
 
-    def _request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> requests.Response:
+    def request(self, method: str, path: str, *, retry: bool = True, **kwargs: Any) -> requests.Response:
         """``method path`` on the relay; a response below 400, or a typed error.
 
         With ``retry`` (for requests safe to repeat), connection failures and busy answers are
@@ -102,11 +102,11 @@ class Transport:
                     message = MESSAGES["relay_unreachable"][0].format(url=self.url, reason=unreachable_reason(exc))
                     raise RelayUnreachable("relay_unreachable",
                                            f"{message} after {attempts} tries ({method} {path})") from None
-                self._sleep(attempt, type(exc).__name__)
+                self.backoff(attempt, type(exc).__name__)
                 continue
             if (response.status_code in (*RETRY_STATUS, 429) and attempt + 1 < attempts
                     and rejected(response).code not in FINAL_ANSWERS):
-                self._sleep(attempt, f"HTTP {response.status_code}", retry_after_s(response.headers))
+                self.backoff(attempt, f"HTTP {response.status_code}", retry_after_s(response.headers))
                 response.close()
                 continue
             if (response.status_code == 401 and attempt + 1 < attempts and isinstance(self.session.auth, SignedAuth)
@@ -118,7 +118,7 @@ class Transport:
             return response
         raise AssertionError("unreachable")
 
-    def _sleep(self, attempt: int, why: str, retry_after: float | None = None) -> None:
+    def backoff(self, attempt: int, why: str, retry_after: float | None = None) -> None:
         """Backoff (or the relay's Retry-After) plus jitter: a thousand refused peers must not
         return at once."""
         base = min(MAX_RETRY_AFTER_S, retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
@@ -126,17 +126,17 @@ class Transport:
         log.debug("relay request failed (%s); retrying in %.1fs", why, delay)
         time.sleep(delay)
 
-    def _call(self, method: str, path: str, schema: type[S], body: Schema | None = None, **kwargs: Any) -> S:
+    def call(self, method: str, path: str, schema: type[S], body: Schema | None = None, **kwargs: Any) -> S:
         """A JSON route: ``body`` sent as JSON, the answer parsed as ``schema``. An answer that is
         not the relay's JSON (a web page at the wrong address) is ``not_a_relay``."""
         if body is not None:
             kwargs["data"] = body.dumps()
             kwargs["headers"] = {"Content-Type": "application/json"}
-        response = self._request(method, path, **kwargs)
+        response = self.request(method, path, **kwargs)
         return json_answer(response, schema, "not_a_relay", not_a_relay_message(
             response.url, response.status_code, response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT)
 
-    def _owner(self, url: str) -> tuple[requests.Session, str]:
+    def owner_session(self, url: str) -> tuple[requests.Session, str]:
         """The session for a slice owner and its base URL ("" = the relay: signed like every
         relay request)."""
         session = self._owners.get(url)
@@ -147,7 +147,7 @@ class Transport:
                 session.auth = self.session.auth
         return session, (url or self.url).rstrip("/")
 
-    def _pool_(self) -> ThreadPoolExecutor:
+    def pool(self) -> ThreadPoolExecutor:
         """The threads slices move on, started on first use (most runs never slice)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="collab-slices")

@@ -30,10 +30,13 @@ mixture layers, :mod:`toolkit.moe.inflight`) hands each one's gradients to ``con
 batch_size=, loss=, version=)``, the method ``step()`` itself calls with ``.grad``; ``room()`` says
 how many samples the collaboration may still gather before the round.
 
-The package: :mod:`.core` (the loop API), :mod:`.rounds` (taking part in a round),
-:mod:`.local_sgd` (``run.mode = "local_sgd"``: the inner loop and the outer round), :mod:`.inner`
-(its inner optimizer), :mod:`.overlap` (that round behind the next inner steps), :mod:`.own_loop`
-(the run's model and data for a loop of one's own).
+The package, one object per owner of state (each reaches the others through public methods, as
+hivemind's Optimizer is made of its ProgressTracker and averagers): :mod:`.core` (the loop API:
+the accumulator, the reports, the worker, leaving), :mod:`.rounds` (``opt.rounds``: taking part
+in a round, the public copy of the parameters and the version loaded), :mod:`.local_sgd`
+(``opt.local_sgd``, ``run.mode = "local_sgd"``: the inner loop and the outer round), :mod:`.inner`
+(its inner optimizer), :mod:`.overlap` (``opt.local_sgd.flight``: that round behind the next inner
+steps), :mod:`.own_loop` (the run's model and data for a loop of one's own).
 """
 
 from toolkit.optimizer.core import CollaborativeOptimizer

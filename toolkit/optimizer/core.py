@@ -10,19 +10,18 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 
 from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
+from toolkit.errors import (CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable,
+                            handled_by_peer, volunteer_line)
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
-from toolkit.optimizer.rounds import Outcome, RoundParticipation
+from toolkit.optimizer.rounds import RoundParticipation
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
 from toolkit.worker import PeerWorker, shutdown
@@ -34,9 +33,15 @@ STOP_WAIT_S = 8.0
 poll (a long poll lasts 5 s) so that the worker leaves the public parameters whole."""
 
 
-class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
+class CollaborativeOptimizer(CollabOptimizerBase):
     """A ``torch.optim.Optimizer`` whose ``step()`` trains with every other peer of the run
-    (:mod:`toolkit.optimizer`)."""
+    (:mod:`toolkit.optimizer`).
+
+    Made of collaborators that each own their state: :attr:`rounds` (:class:`RoundParticipation`:
+    the public copy of the parameters, the version loaded, the round in flight) and, in a local
+    SGD run, :attr:`local_sgd` (:class:`LocalSgd`: the inner loop, and its overlapped outer round).
+    This class owns the loop's side: the accumulator, the progress reports and what they last
+    said, the background worker and leaving."""
 
     def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
                  client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
@@ -93,41 +98,27 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self.codec, self.download_codec = codecs.up, codecs.down  # of this peer's uploads, of the deltas
         self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
                                        on_host=accumulate_on_host)
-        # The parameters every peer shares (deltas apply to it), at version `_public_version`.
-        # Written by downloads only: in the training thread, or in the worker while a round is
-        # pending (never both); loaded into the model by the training thread.
-        self._public = np.empty(self.run.num_params, dtype=np.float32)
-        self._public_version = -1
         self._report_lock = threading.Lock()  # one progress report in flight at a time
-        self.version = -1
-        self.contributed_samples = 0
         self.dropped_stale_samples = 0  # handed to contribute() computed on too old a version
         self._reported_samples = 0  # this peer's samples in the relay's last answer (see room())
-        # The step of the round that last applied this peer's samples: the version it produced
-        # may already be older than ``version`` (a download returns the newest one).
-        self.last_applied_round = -1
         self.samples_per_s = 0.0
         self.last_error: CollabError | None = None
         self.finished = joined.state.finished  # joined after the last step: the loop has nothing to do
         self.collab_state = joined.state
         self.last_report_at = 0.0
         self._last_step_end: float | None = None
-        self._last_round_id = ""  # the round this peer last uploaded to
-        self._pending: Future | None = None
-        self._limbo: Outcome | None = None  # a gradient whose round ended without applying it
-        self._sending = None  # the meta of a gradient taken from the accumulator until its upload ended
         self._warned_no_loss = False
-        self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
         self.local_sgd: LocalSgd | None = None
-        self._load_latest()
+        self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
+                                  self.run.heartbeat_interval_s)  # started once the peer is set up
+        self.rounds = RoundParticipation(self, [p for _, p in self._named], self._report_lock, self._worker)
+        self.rounds.load_latest()
         # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
         self.local_sgd = LocalSgd(self, self.run.local_sgd) if self.run.local_sgd else None
         if self.local_sgd is not None:
-            self.local_lr = self.local_sgd.lr_now()
-            self.restore_lr()
+            self.delayed_updates = self.local_sgd.overlap  # rounds run in the background iff they overlap compute
+            self.use_local_lr(self.local_sgd.lr_now())
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
-        self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
-                                  self.run.heartbeat_interval_s)
         self._worker.start()
         self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.peer_id)
 
@@ -183,14 +174,14 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         """
         started = time.monotonic() if started is None else started
         if self.local_sgd is None:  # local SGD settles its round after the inner step (LocalSgd.after_step)
-            self._finish_pending()
+            self.rounds.finish_pending()
         if self.finished:
             return False
         version = self.version if version is None else version
         added = False
         if self.version - version > self.run.max_staleness:
             self.dropped_stale_samples += batch_size
-            self._note_error(CollabError("stale_gradient", f"dropped a micro-batch of {batch_size} samples computed on "
+            self.note_error(CollabError("stale_gradient", f"dropped a micro-batch of {batch_size} samples computed on "
                                          f"step {version}: step {self.version} was loaded meanwhile and the run "
                                          f"allows {self.run.max_staleness} step(s) of staleness "
                                          f"({self.dropped_stale_samples} samples dropped so far)"))
@@ -217,7 +208,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         """Settle a finished background round and report, contribute or resync as the collaboration's
         state says, with nothing to add: what a trainer that holds micro-batches back calls while
         it waits for the round they would overshoot (:meth:`room`)."""
-        self._finish_pending()
+        self.rounds.finish_pending()
         if not self.finished:
             self._sync()
 
@@ -255,15 +246,15 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         model ends on the newest global parameters the peer holds (the inner steps since its last
         outer round are not sent).
         """
-        pending, self._pending = self._pending, None
+        pending = self.rounds.take_pending()
         alive = self._finalizer.alive
         if pending is not None and alive:
             try:
-                self._settle(pending.result(timeout=finish_round_s))
+                self.rounds.settle(pending.result(timeout=finish_round_s))
             except TimeoutError:
                 self._worker.stopping.set()  # the round's wait ends at its next poll, the public copy whole
                 try:
-                    self._settle(pending.result(timeout=STOP_WAIT_S))
+                    self.rounds.settle(pending.result(timeout=STOP_WAIT_S))
                 except (TimeoutError, CollabError) as exc:
                     log.info("left with a round in flight (%s)", type(exc).__name__)
             except CollabError as exc:
@@ -288,7 +279,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         relay -- the accumulator's, else those of an upload still under way -- and the version
         they were computed on; with nothing to send, the version this peer computes on (in local
         SGD with a round in flight, the one it will rebase onto: :meth:`LocalSgd.working_version`)."""
-        acc, local, sending = self.accumulator, self.local_sgd, self._sending
+        acc, local, sending = self.accumulator, self.local_sgd, self.rounds.sending
         with acc.lock:
             if acc.samples:
                 version, samples = acc.version, acc.samples
@@ -314,6 +305,47 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
             self.last_report_at = time.monotonic()
             return self.collab_state
 
+    def keep_alive(self, client: RelayClient, interval_s: float) -> None:
+        """The background worker's heartbeat while the loop is busy: a report if none went out for
+        ``interval_s``; a failed one goes to ``last_error`` (the next report retries)."""
+        if time.monotonic() - self.last_report_at < interval_s:
+            return
+        try:
+            self.report_progress(client)
+        except CollabError as exc:
+            self.last_error = exc
+
+    def note_error(self, exc: CollabError) -> None:
+        """What the peer recovers from by itself (:data:`toolkit.errors.HANDLED_BY_PEER`: the
+        round it sent to had closed, ...) goes to the debug log only; anything else to the panel
+        (``last_error``) and the log, in one line saying what to do."""
+        if handled_by_peer(exc):
+            log.debug("handled by this peer: %s", exc)
+            return
+        self.last_error = exc
+        log.warning("%s", volunteer_line(exc))
+
+    # --- what the rounds own, as the loop API has always shown it ------------------------------
+    @property
+    def version(self) -> int:
+        """The version of the parameters loaded into the model (-1 before the first)."""
+        return self.rounds.version
+
+    @property
+    def contributed_samples(self) -> int:
+        """This peer's samples that rounds applied."""
+        return self.rounds.contributed_samples
+
+    @property
+    def last_applied_round(self) -> int:
+        """The step of the round that last applied this peer's samples (-1: none yet)."""
+        return self.rounds.last_applied_round
+
+    @property
+    def step_times(self) -> list[tuple[int, float]]:
+        """(version, wall time loaded) of each version loaded, for the panel."""
+        return self.rounds.step_times
+
     # --- internals ----------------------------------------------------------------------------
     def _check_layout(self, run: RunInfo) -> None:
         local = [(n, list(p.shape)) for n, p in self._named]
@@ -333,23 +365,24 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         due = time.monotonic() - self.last_report_at >= self.report_interval_s
         expected = self.collab_state.samples_accumulated + self.samples >= self.collab_state.target_batch
         try:
-            if due or expected or self.collab_state.round or self._limbo:
+            rounds = self.rounds
+            if due or expected or self.collab_state.round or rounds.limbo:
                 state = self.report_progress()
             else:
                 state = self.collab_state
             if state.finished:
                 self.finished = True
                 return
-            self._settle_limbo(state)
+            rounds.settle_limbo(state)
             if self.samples and state.step - self.accumulator.version > self.run.max_staleness:
-                self._discard(f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; "
+                rounds.discard(f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; "
                               "resyncing")
             behind = self.version < state.step - self.run.max_staleness
-            if self._pending is None and (behind or (not self.samples and self.version < state.step)):
-                self._load_latest()
+            if rounds.pending is None and (behind or (not self.samples and self.version < state.step)):
+                rounds.load_latest()
             r = state.round
-            if (r is not None and self.samples and r.round_id != self._last_round_id and self._pending is None
+            if (r is not None and self.samples and rounds.new_round(r.round_id) and rounds.pending is None
                     and 0 <= r.step - self.accumulator.version <= self.run.max_staleness):
-                self._contribute(r.step, r.round_id)
+                rounds.contribute(r.step, r.round_id)
         except (RelayUnreachable, RelayRejected) as exc:
-            self._note_error(exc)
+            self.note_error(exc)

@@ -9,7 +9,7 @@ whichever first) the peer puts its pseudo-gradient ``global - local`` times the 
 processed into the accumulator -- the same sum a sync peer sends, so the upload path (signing,
 digests, finite checks, whole-or-nothing, byte caps) and the relay's sample-weighted mean apply
 unchanged -- and takes part in the outer round through the sync machinery
-(:meth:`CollaborativeOptimizer._sync`, :mod:`toolkit.optimizer.rounds`). The relay applies
+(:meth:`CollaborativeOptimizer.sync`, :mod:`toolkit.optimizer.rounds`). The relay applies
 ``params -= outer_lr * mean_pseudo_grad`` (with Nesterov momentum): a pseudo-gradient points
 uphill like a gradient, so the outer step lowers the loss. The inner optimizer's state (Adam's
 moments) stays on the peer across outer rounds, as DiLoCo keeps it: that is the mode's memory cost.
@@ -41,7 +41,7 @@ one version, and overlap -- not late application -- is how this mode keeps peers
 
 Every failure ends with the accumulator empty and the model on global parameters (plus, with
 overlap, the peer's own steps since its snapshot): a lost round (relay restart) is retried while
-the relay stays on its version (``_limbo``); a round that never opens is dropped after
+the relay stays on its version (``RoundParticipation.limbo``); a round that never opens is dropped after
 ``round_wait_s``; the run finishing and ``close()`` leave the model on the newest global
 parameters the peer holds (:meth:`LocalSgd.leave`).
 """
@@ -65,28 +65,72 @@ if TYPE_CHECKING:
 log = logging.getLogger("toolkit.optimizer")
 
 
-class LocalSgd(OverlappedRound):
-    """Inner-loop state of one peer: the inner optimizer, what this inner loop processed, and (with
-    overlap) the snapshot whose pseudo-gradient is in its outer round."""
+class LocalSgd:
+    """Inner-loop state of one peer: the inner optimizer, what this inner loop processed and the
+    outer rounds' counts; with overlap, the round in flight is its :attr:`flight`
+    (:class:`~toolkit.optimizer.overlap.OverlappedRound`). It reaches the optimizer's rounds
+    through :attr:`CollaborativeOptimizer.rounds <toolkit.optimizer.rounds.RoundParticipation>`;
+    the optimizer runs its rounds in the background iff :attr:`overlap`."""
 
     def __init__(self, opt: CollaborativeOptimizer, settings: dict[str, Any]) -> None:
-        self.opt = opt
+        self.opt, self.rounds = opt, opt.rounds
+        self.named = list(opt.model.named_parameters())  # the optimizer's parameters, in its order
         self.inner = settings["inner"]
         self.inner_steps = int(settings.get("inner_steps", 0))
         self.inner_seconds = float(settings.get("inner_seconds", 0.0))
         self.overlap = bool(settings.get("overlap", False))
-        opt.delayed_updates = self.overlap  # rounds run in the background worker iff they overlap compute
-        self.optimizer = inner_optimizer(opt._named, self.inner)
+        self.optimizer = inner_optimizer(self.named, self.inner)
         self.clip = float(self.inner.get("clip_grad_norm", 0.0))
         self.late_rounds = 0  # outer rounds whose pseudo-gradient did not count (late or lost: dropped)
         self.outer_rounds = 0  # outer rounds this peer's pseudo-gradient counted in
         self.first_step_at: float | None = None  # when this peer's first inner step began
         self.waited_s = 0.0  # seconds step() spent on the collaboration (reports, outer rounds) rather than training
-        self.snapshot, self.flight_version, self.give_up = None, -1, 0.0  # overlap (OverlappedRound)
-        self.rebases: list[tuple[int, int]] = []
-        self._restart()
+        self.rebases: list[tuple[int, int]] = []  # with overlap: (version rebased onto, inner steps carried)
+        self.flight = OverlappedRound(self, opt) if self.overlap else None
+        self.restart()
 
-    def _restart(self) -> None:
+    @property
+    def snapshot(self) -> list[torch.Tensor] | None:
+        """With overlap, the local parameters whose pseudo-gradient is in its outer round."""
+        return self.flight.snapshot if self.flight is not None else None
+
+    @property
+    def flight_version(self) -> int:
+        """With overlap, the version of the pseudo-gradient last sent to an outer round (-1: none)."""
+        return self.flight.flight_version if self.flight is not None else -1
+
+    def working_version(self) -> int:
+        """The version reports say this peer computes on while it has nothing to send
+        (:meth:`OverlappedRound.working_version <toolkit.optimizer.overlap.OverlappedRound.working_version>`)."""
+        if self.flight is not None:
+            return self.flight.working_version()
+        return max(self.opt.version, 0)
+
+    def rebase_carry(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """What the rounds subtract from global parameters they load (None: a plain load;
+        :meth:`OverlappedRound.rebase_carry <toolkit.optimizer.overlap.OverlappedRound.rebase_carry>`)."""
+        return self.flight.rebase_carry(params) if self.flight is not None else None
+
+    def loaded(self, step: int, *, rebased: bool) -> None:
+        """After a load (overlap only; the blocking path keeps its own counts). A rebase resolves
+        the round in flight: counted if the relay applied it, else late (dropped). A plain load
+        during an inner loop means the relay moved past this loop's version: its steps are
+        dropped (late) and the loop starts over on ``step``."""
+        if self.flight is None:
+            return
+        if rebased:
+            applied = self.opt.last_applied_round == self.flight.flight_version
+            self.outer_rounds += applied
+            self.late_rounds += not applied
+            self.rebases.append((step, self.steps))
+            self.version = step
+        elif self.steps or self.samples:
+            self.late_rounds += 1
+            self.restart()
+        else:
+            self.version = step
+
+    def restart(self) -> None:
         """A new inner loop from the global parameters now in the model (version ``opt.version``)."""
         self.steps, self.samples, self.loss_sum, self.started = 0, 0, 0.0, None
         self.version = self.opt.version
@@ -95,19 +139,18 @@ class LocalSgd(OverlappedRound):
         """One step of the inner optimizer on the ``.grad`` the loop computed: ``.grad * weight`` is
         the sum over the ``n`` samples (``weight = n`` for a plain loop's mean, as the accumulator's)."""
         if weight != n:  # a hooked backward's .grad is sum / unit: the inner step wants the mean
-            torch._foreach_mul_([p.grad for _, p in self.opt._named if p.grad is not None], weight / n)
+            torch._foreach_mul_([p.grad for _, p in self.named if p.grad is not None], weight / n)
         if self.started is None:
             self.started = time.monotonic()
         if self.first_step_at is None:
             self.first_step_at = self.started
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.opt._named], self.clip)
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.clip)
         lr = self.lr_now()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if lr != self.opt.local_lr:  # the loop's own param groups show the rate this step applies
-            self.opt.local_lr = lr
-            self.opt.restore_lr()
+            self.opt.use_local_lr(lr)
         self.optimizer.step()
         self.steps += 1
         self.samples += n
@@ -128,8 +171,8 @@ class LocalSgd(OverlappedRound):
         Its time is what :attr:`busy_fraction` counts as not training."""
         began = time.monotonic()
         try:
-            if self.overlap:
-                self._overlap_step()
+            if self.flight is not None:
+                self.flight.step()
             elif self.budget_spent():
                 self.outer_round()
             else:
@@ -163,7 +206,7 @@ class LocalSgd(OverlappedRound):
         try:
             state = opt.report_progress()
         except CollabError as exc:  # a lost report costs nothing; the next one retries
-            opt._note_error(exc)
+            opt.note_error(exc)
             return
         if state.finished:
             opt.finished = True
@@ -174,53 +217,53 @@ class LocalSgd(OverlappedRound):
         self.late_rounds += 1
         log.info("outer round %d closed without this peer's %d inner steps: dropped; continuing from step %d",
                  self.version, self.steps, step)
-        self.opt._load_latest()
-        self._restart()
+        self.rounds.load_latest()
+        self.restart()
 
     def outer_round(self) -> None:
         """The budget ended: send the pseudo-gradient, wait for the outer round's result, load it."""
-        opt = self.opt
+        opt, rounds = self.opt, self.rounds
         if self.samples == 0:
-            self._restart()
+            self.restart()
             return
-        opt.accumulator.add(self._pseudo_gradient(), self.samples, self.loss_sum / self.samples, self.version,
+        opt.accumulator.add(self.pseudo_gradient(), self.samples, self.loss_sum / self.samples, self.version,
                             weight=self.samples)
         contributed = opt.contributed_samples
         give_up = time.monotonic() + opt.round_wait_s
         while opt.samples and not opt.finished and time.monotonic() < give_up:
-            opt._sync()  # reports; uploads once the round is open (waits for its version); drops if late
+            opt.sync()  # reports; uploads once the round is open (waits for its version); drops if late
             if opt.samples:
                 time.sleep(WAIT_POLL_S)
         if opt.samples:  # no round within round_wait_s: the relay is gone or stuck; keep what is global
-            opt._discard(f"no outer round for step {self.version} within {opt.round_wait_s:.0f}s; dropped")
+            rounds.discard(f"no outer round for step {self.version} within {opt.round_wait_s:.0f}s; dropped")
         if opt.contributed_samples > contributed:
             self.outer_rounds += 1
         elif not opt.finished:
             self.late_rounds += 1
         if opt.version <= self.version and not opt.finished:
-            opt._load_latest()  # the model still holds the local parameters: back to the global ones
+            rounds.load_latest()  # the model still holds the local parameters: back to the global ones
             if opt.version <= self.version:  # the relay did not move: reload this version anyway
-                opt._load(force=True)
-        self._restart()
+                rounds.load(force=True)
+        self.restart()
 
-    def _pseudo_gradient(self) -> list[torch.Tensor]:
+    def pseudo_gradient(self) -> list[torch.Tensor]:
         """``global - local``: the public parameters (the version this loop started on) minus the model's."""
-        opt = self.opt
-        public = torch.from_numpy(opt._public)
+        public = torch.from_numpy(self.rounds.public)
         with torch.no_grad():
             return [public[spec.offset:spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()
-                    for spec, (_, p) in zip(opt.run.layout, opt._named)]
+                    for spec, (_, p) in zip(self.opt.run.layout, self.named)]
 
     def leave(self, *, public_whole: bool) -> None:
         """End of the run or ``close()``: nothing stays to send, and the model holds global
         parameters -- the newest this peer has, unless the worker may still be writing them
         (``public_whole`` False), when the model keeps its own and the log says so."""
-        opt = self.opt
-        opt.accumulator.discard()
-        opt._limbo = None
-        self.snapshot = None
-        self._restart()
-        if public_whole and opt._public_version >= 0:
-            opt._load(force=True)
+        rounds = self.rounds
+        self.opt.accumulator.discard()
+        rounds.drop_limbo()
+        if self.flight is not None:
+            self.flight.drop()
+        self.restart()
+        if public_whole and rounds.public_version >= 0:
+            rounds.load(force=True)
         else:
             log.info("left with a download in flight: the model keeps its local parameters")

@@ -21,15 +21,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from toolkit.accumulator import Accumulator, Upload
+from toolkit.accumulator import Upload
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError, RelayRejected, RelayUnreachable, RoundLost, handled_by_peer, volunteer_line
+from toolkit.errors import CollabError, RelayRejected, RelayUnreachable, RoundLost
 from toolkit.transfer import slice_part
-from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import CollabState, DoneRequest, GradientMeta, RunInfo, TicketRequest
+from toolkit.wire.protocol import CollabState, DoneRequest, GradientMeta, TicketRequest
 
 if TYPE_CHECKING:
-    from toolkit.optimizer.local_sgd import LocalSgd
+    from toolkit.optimizer.core import CollaborativeOptimizer
     from toolkit.worker import PeerWorker
 
 log = logging.getLogger("toolkit.optimizer")
@@ -55,63 +54,121 @@ class Outcome:
 
 
 class RoundParticipation:
-    """The round half of :class:`~toolkit.optimizer.CollaborativeOptimizer` (see the module
-    docstring); the attributes below are set by the optimizer's constructor."""
+    """This peer's part in the rounds (module docstring), for one
+    :class:`~toolkit.optimizer.CollaborativeOptimizer`, whose public fields it reads (the client,
+    the run, the accumulator, ...).
 
-    client: RelayClient
-    run: RunInfo
-    peer_id: str
-    codec: Codec
-    download_codec: Codec
-    accumulator: Accumulator
-    delayed_updates: bool
-    round_wait_s: float
-    version: int
-    contributed_samples: int
-    last_error: CollabError | None
-    step_times: list[tuple[int, float]]
-    _named: list[tuple[str, torch.nn.Parameter]]
-    _public: np.ndarray
-    _public_version: int
-    _pending: Future | None
-    _limbo: Outcome | None
-    _sending: GradientMeta | None  # taken from the accumulator, upload not ended yet
-    _last_round_id: str
-    _report_lock: threading.Lock
-    _worker: PeerWorker
-    local_sgd: LocalSgd | None
-    report_progress: Callable[..., CollabState]
+    It owns the public copy of the parameters and the version loaded into the model (with the
+    round counts that go with them), and the round in flight: the background job (``pending``),
+    the gradient taken for an upload not ended yet (``sending``), one whose round ended without
+    applying it (``limbo``), the round last uploaded to. The optimizer, local SGD and its overlap
+    go through the methods below.
+    """
 
-    def _contribute(self, round_step: int, round_id: str) -> None:
+    def __init__(self, opt: CollaborativeOptimizer, params: list[torch.nn.Parameter], report_lock: threading.Lock,
+                 worker: PeerWorker) -> None:
+        """``report_lock``: the lock the optimizer builds its reports under, so that a report
+        never sees a gradient neither in the accumulator nor ``sending``; ``worker``: the thread
+        background rounds run on."""
+        self.opt = opt
+        self.params = params
+        self._report_lock = report_lock
+        self._worker = worker
+        # The parameters every peer shares (deltas apply to it), at version `_public_version`.
+        # Written by downloads only: in the training thread, or in the worker while a round is
+        # pending (never both); loaded into the model by the training thread.
+        self._public = np.empty(opt.run.num_params, dtype=np.float32)
+        self._public_version = -1
+        self.version = -1  # loaded into the model
+        self.contributed_samples = 0
+        # The step of the round that last applied this peer's samples: the version it produced
+        # may already be older than ``version`` (a download returns the newest one).
+        self.last_applied_round = -1
+        self.step_times: list[tuple[int, float]] = []  # (version, wall time loaded) for the panel
+        self._last_round_id = ""  # the round this peer last uploaded to
+        self._pending: Future | None = None
+        self._limbo: Outcome | None = None  # a gradient whose round ended without applying it
+        self._sending: GradientMeta | None = None  # taken from the accumulator, upload not ended yet
+
+    # --- what the others may look at ---------------------------------------------------------------
+    @property
+    def public(self) -> np.ndarray:
+        """The public copy of the parameters (flat float32, version :attr:`public_version`); read only."""
+        return self._public
+
+    @property
+    def public_version(self) -> int:
+        """The public copy's version; -1 when it is missing or may be half-written."""
+        return self._public_version
+
+    @property
+    def pending(self) -> Future | None:
+        """The round job in the background worker, until :meth:`finish_pending` settles it."""
+        return self._pending
+
+    @property
+    def sending(self) -> GradientMeta | None:
+        """The meta of a gradient taken from the accumulator whose upload has not ended (reports count it)."""
+        return self._sending
+
+    @property
+    def limbo(self) -> Outcome | None:
+        """A gradient whose round ended without applying it, decided by the next state seen."""
+        return self._limbo
+
+    def new_round(self, round_id: str) -> bool:
+        """Whether ``round_id`` is not the round this peer last uploaded to."""
+        return round_id != self._last_round_id
+
+    @property
+    def stopping(self) -> threading.Event:
+        """Set when the optimizer closes: background waits end at their next poll."""
+        return self._worker.stopping
+
+    def submit(self, job: Callable[[RelayClient], Outcome | None]) -> None:
+        """Run a round job in the background worker; :meth:`finish_pending` settles its outcome."""
+        self._pending = self._worker.submit(job)
+
+    def take_pending(self) -> Future | None:
+        """The job in the background, handed over to a caller that settles it (closing, the run's end)."""
+        pending, self._pending = self._pending, None
+        return pending
+
+    def drop_limbo(self) -> None:
+        """Forget a gradient whose round ended without it (the caller discards what it holds)."""
+        self._limbo = None
+
+    def contribute(self, round_step: int, round_id: str) -> None:
         """Send the accumulated gradient to the open round ``round_id`` (in the background with
         delayed updates)."""
-        upload = self._take_upload(self.client, round_step, round_id)
+        upload = self.take_upload(self.opt.client, round_step, round_id)
         if upload is None:
             return
-        if self.delayed_updates:
-            self._pending = self._worker.submit(lambda client: self._round_job(client, upload, round_id))
+        if self.opt.delayed_updates:
+            self._pending = self._worker.submit(lambda client: self.round_job(client, upload, round_id))
         else:
-            self._settle(self._round_job(self.client, upload, round_id))
+            self.settle(self.round_job(self.opt.client, upload, round_id))
 
-    def _take_upload(self, client: RelayClient, round_step: int, round_id: str) -> Upload | None:
+    def take_upload(self, client: RelayClient, round_step: int, round_id: str) -> Upload | None:
         """The accumulated gradient, encoded for the open round ``round_id``, after a last progress
         report (the relay caps our weight by it); None if that round is gone or encoding failed."""
-        state = self.report_progress(client)
+        state = self.opt.report_progress(client)
         if state.round is None or state.round.round_id != round_id:
             return None
         with self._report_lock:  # a report between the take and the upload must still say what we send
-            meta, grad = self.accumulator.take(self.peer_id, round_step)
+            meta, grad = self.opt.accumulator.take(self.opt.peer_id, round_step)
             self._sending = meta
         try:
-            upload = self.accumulator.encode(meta, grad, state.round.slices)
+            upload = self.opt.accumulator.encode(meta, grad, state.round.slices)
         except ValueError as exc:  # e.g. a sum that overflowed float16's range
             self._sent()
-            self._note_error(CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped"))
+            self.opt.note_error(CollabError("encode_failed",
+                                            f"round {round_step}: {exc}; {meta.samples} samples dropped"))
             return None
         self._last_round_id = round_id
         return upload
 
-    def _round_job(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome:
+    def round_job(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome:
         """Upload, then wait for the version the round produces (in the worker thread with delayed
         updates).
 
@@ -127,11 +184,11 @@ class RoundParticipation:
             self._sent()
         if failed is not None:
             return failed
-        give_up = time.monotonic() + self.round_wait_s
+        give_up = time.monotonic() + self.opt.round_wait_s
         try:
             while time.monotonic() < give_up and not self._worker.stopping.is_set():
                 try:
-                    step = self._download(client, min_step=meta.step + 1, wait_s=5)
+                    step = self.download(client, min_step=meta.step + 1, wait_s=5)
                 except RelayUnreachable:  # the new version is there but a slice is not (yet)
                     if client.get_progress().step > meta.step:
                         return Outcome(upload, fate="applied")  # loaded by the next sync
@@ -146,7 +203,7 @@ class RoundParticipation:
             return Outcome(upload, error=exc, fate="unknown")
         if self._worker.stopping.is_set():  # close(): a background wait ends here, between downloads
             return Outcome(upload, error=RoundLost("closing", f"left before round {meta.step} ended"), fate="unknown")
-        timeout = RoundLost("round_timeout", f"no result for round {meta.step} after {self.round_wait_s:.0f}s")
+        timeout = RoundLost("round_timeout", f"no result for round {meta.step} after {self.opt.round_wait_s:.0f}s")
         return Outcome(upload, error=timeout, fate="unknown")
 
     def _upload(self, client: RelayClient, upload: Upload, round_id: str) -> Outcome | None:
@@ -154,7 +211,7 @@ class RoundParticipation:
         if upload.parts:
             return self._upload_sliced(client, upload, round_id)
         try:
-            client.upload_gradient(upload.tensors, upload.meta, self.codec.name)
+            client.upload_gradient(upload.tensors, upload.meta, self.opt.codec.name)
         except RelayRejected as exc:
             if exc.code in NOT_RECEIVED:  # never received: reusable if still fresh enough
                 return Outcome(upload, error=exc, fate="not_received")
@@ -177,23 +234,23 @@ class RoundParticipation:
         contribution.
         """
         meta = upload.meta
-        parts = [slice_part(plan, tensors, meta, self.codec.name, signed=client.signed)
+        parts = [slice_part(plan, tensors, meta, self.opt.codec.name, signed=client.signed)
                  for plan, tensors in upload.parts]
         try:
-            ticket = client.request_ticket(meta.step, self.peer_id, TicketRequest(
+            ticket = client.request_ticket(meta.step, self.opt.peer_id, TicketRequest(
                 round_id=round_id, version=meta.version, samples=meta.samples, loss_sum=meta.loss_sum,
                 slices=[p.digest for p in parts]))
         except RelayRejected as exc:
             return Outcome(upload, error=exc, fate="not_received" if exc.code in NOT_RECEIVED else "dropped")
         except RelayUnreachable as exc:  # no ticket in hand: nothing was sent anywhere
             return Outcome(upload, error=exc, fate="not_received")
-        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self.report_progress(client),
-                                      keepalive_s=self.run.heartbeat_interval_s)
+        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self.opt.report_progress(client),
+                                      keepalive_s=self.opt.run.heartbeat_interval_s)
         delivered = [p.plan.start for p, e in zip(parts, errors) if e is None]
         failures = [e for e in errors if e is not None]
         partial = any(not (isinstance(e, RelayRejected) and e.code in NOT_RECEIVED) for e in failures)
         try:
-            client.report_done(meta.step, self.peer_id, DoneRequest(round_id=round_id, delivered=delivered,
+            client.report_done(meta.step, self.opt.peer_id, DoneRequest(round_id=round_id, delivered=delivered,
                                                                      partial=partial))
         except (RelayRejected, RelayUnreachable) as exc:
             if not delivered:
@@ -202,26 +259,27 @@ class RoundParticipation:
         if not delivered:
             return Outcome(upload, error=failures[0], fate="dropped" if partial else "not_received")
         if failures:
-            self._note_error(CollabError("slice_lost", f"round {meta.step}: {len(failures)} of {len(parts)} slices "
+            self.opt.note_error(CollabError("slice_lost", f"round {meta.step}: {len(failures)} of {len(parts)} slices "
                                          f"not delivered ({failures[0]}); only their contribution is lost"))
         return None
 
-    def _settle(self, outcome: Outcome | None) -> None:
+    def settle(self, outcome: Outcome | None) -> None:
         """Apply a round's outcome in the training thread (None: a background job that ended
-        before uploading anything, see :meth:`LocalSgd.outer_job`)."""
+        before uploading anything, see :meth:`OverlappedRound.outer_job
+        <toolkit.optimizer.overlap.OverlappedRound.outer_job>`)."""
         if outcome is None:
             return
         if outcome.error is not None:
-            self._note_error(outcome.error)
+            self.opt.note_error(outcome.error)
         if outcome.version is not None or outcome.fate == "applied":
             self.contributed_samples += outcome.upload.meta.samples
             self.last_applied_round = outcome.upload.meta.step
             log.info("round %d: sent %d samples", outcome.upload.meta.step, outcome.upload.meta.samples)
-            self._load()
+            self.load()
         elif outcome.fate != "dropped":
             self._limbo = outcome  # decided by the next collaboration state we see
 
-    def _settle_limbo(self, state: CollabState) -> None:
+    def settle_limbo(self, state: CollabState) -> None:
         """Put an unapplied gradient back into the accumulator when that cannot double-count it.
 
         A gradient the relay never received may join any round its version is fresh enough for;
@@ -232,29 +290,29 @@ class RoundParticipation:
         if outcome is None:
             return
         meta = outcome.upload.meta
-        fresh = state.step - meta.version <= self.run.max_staleness
+        fresh = state.step - meta.version <= self.opt.run.max_staleness
         if fresh and (outcome.fate == "not_received" or state.step == meta.step):
-            self.accumulator.restore(outcome.upload)
+            self.opt.accumulator.restore(outcome.upload)
             self._last_round_id = ""
             log.debug("round %d: kept %d samples for the next round", meta.step, meta.samples)
         else:
             log.info("round %d: dropped %d samples (their round is gone)", meta.step, meta.samples)
 
-    def _finish_pending(self) -> None:
+    def finish_pending(self) -> None:
         """Settle the background round, if it ended (delayed updates)."""
         if self._pending is not None and self._pending.done():
             pending, self._pending = self._pending, None
-            self._settle(pending.result())
+            self.settle(pending.result())
 
-    def _discard(self, why: str) -> None:
+    def discard(self, why: str) -> None:
         log.info(why)
-        self.accumulator.discard()
+        self.opt.accumulator.discard()
 
-    def _download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
+    def download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
         try:
-            step = client.download_params(self._public, have=self._public_version, codec=self.download_codec,
-                                          min_step=min_step, wait_s=wait_s, peer_id=self.peer_id)
+            step = client.download_params(self._public, have=self._public_version, codec=self.opt.download_codec,
+                                          min_step=min_step, wait_s=wait_s, peer_id=self.opt.peer_id)
         except BaseException:
             self._public_version = -1  # possibly half-overwritten: the next download is a full one
             raise
@@ -262,37 +320,27 @@ class RoundParticipation:
             self._public_version = step
         return step
 
-    def _load_latest(self) -> None:
-        self._download(self.client)
-        self._load()
+    def load_latest(self) -> None:
+        self.download(self.opt.client)
+        self.load()
 
-    def _load(self, *, force: bool = False) -> None:
+    def load(self, *, force: bool = False) -> None:
         """Copy the public parameters into the model (training thread) if they are newer, or
         ``force``: again. In local SGD with overlap a round's snapshot turns the copy into the
-        rebase (:meth:`LocalSgd.rebase_carry <toolkit.optimizer.local_sgd.LocalSgd.rebase_carry>`)."""
+        rebase (:meth:`OverlappedRound.rebase_carry <toolkit.optimizer.overlap.OverlappedRound.rebase_carry>`)."""
         step = self._public_version
         if step < 0 or (step <= self.version and not force):
             return
-        params = [p for _, p in self._named]
-        carry = self.local_sgd.rebase_carry(params) if self.local_sgd is not None else None
+        params = self.params
+        carry = self.opt.local_sgd.rebase_carry(params) if self.opt.local_sgd is not None else None
         flat = torch.from_numpy(self._public)
         with torch.no_grad():
-            for spec, p in zip(self.run.layout, params):
+            for spec, p in zip(self.opt.run.layout, params):
                 p.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
             if carry is not None:
                 torch._foreach_sub_(params, carry)  # carry = snapshot - local: theta + (local - snapshot)
         self.version = step
         self.step_times.append((step, time.time()))
-        if self.local_sgd is not None:
-            self.local_sgd.loaded(step, rebased=carry is not None)
+        if self.opt.local_sgd is not None:
+            self.opt.local_sgd.loaded(step, rebased=carry is not None)
         log.info("step %d loaded%s", step, " (rebased)" if carry is not None else "")
-
-    def _note_error(self, exc: CollabError) -> None:
-        """What the peer recovers from by itself (:data:`toolkit.errors.HANDLED_BY_PEER`: the
-        round it sent to had closed, ...) goes to the debug log only; anything else to the panel
-        (``last_error``) and the log, in one line saying what to do."""
-        if handled_by_peer(exc):
-            log.debug("handled by this peer: %s", exc)
-            return
-        self.last_error = exc
-        log.warning("%s", volunteer_line(exc))

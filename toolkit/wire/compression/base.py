@@ -1,7 +1,8 @@
 """The codec contract every codec implements: the wire layout (side tensors, then one payload),
 validation of received tensors, and chunked encode / ``decode_range`` on cache-sized slices.
 
-``Codec`` is stateless; subclasses supply ``_encode_slice`` and ``_decode_range`` (see
+``Codec`` is stateless; subclasses supply ``encode_slice`` (public: :mod:`.feedback` fuses its own passes
+with it, slice by slice, into ``output_tensors``) and ``_decode_range`` (see
 :mod:`.codecs`). Helpers shared with :mod:`.feedback` (``_WORK``, ``_iter_decoded``, ``_bad``,
 ``_array_label``) are private to this package.
 """
@@ -142,14 +143,14 @@ class Codec(ABC):
         """
         if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1:
             raise ValueError(f"codec {self.name!r} encodes a 1-D float32 array, got {_array_label(x)}")
-        tensors = self._output(x.size, out)
+        tensors = self.output_tensors(x.size, out)
         buffers = dict(tensors)
         scratch = np.empty(min(_WORK, x.size), dtype=np.float32)
         for start in range(0, x.size, _WORK):  # cache-sized slices
-            self._encode_slice(x[start:start + _WORK], buffers, start, scratch)
+            self.encode_slice(x[start:start + _WORK], buffers, start, scratch)
         return tensors
 
-    def _output(self, n: int, out: Tensors | None) -> Tensors:
+    def output_tensors(self, n: int, out: Tensors | None) -> Tensors:
         """``out`` checked against ``layout(n)``, or fresh tensors for n values."""
         if out is None:
             return [(spec.name, np.empty(spec.shape, spec.dtype)) for spec in self.layout(n)]
@@ -160,7 +161,7 @@ class Codec(ABC):
         return out
 
     @abstractmethod
-    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+    def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         """Encode x, values ``[start, start + len(x))`` of the vector, into ``out``'s tensors (the
         payload's elements ``payload_range(start, len(x))``).
 

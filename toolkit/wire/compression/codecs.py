@@ -48,7 +48,7 @@ class NoneCodec(Codec):
             _check_within(x[start:start + _WORK], start, _F32_MAX, self.name)
         return [("payload", x)]
 
-    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+    def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         _check_within(x, start, _F32_MAX, self.name)
         out["payload"][start:start + x.size] = x
 
@@ -64,7 +64,7 @@ class Float16Codec(Codec):
     name = "float16"
     payload_dtype = np.dtype("<f2")
 
-    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+    def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         _check_within(x, start, _F16_MAX_INPUT, self.name)
         np.copyto(out["payload"][start:start + x.size], x, casting="same_kind")
 
@@ -94,7 +94,7 @@ class Int8Codec(Codec):
             raise _bad(f"codec 'int8': scales must be finite, >= 0 and <= {float(SCALE_MAX):.4g}; "
                        f"{bad.size} are not (first: block {bad[0]} = {scales[bad[0]]!r})")
 
-    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+    def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         size, first = x.size, start // BLOCK
         full = size - size % BLOCK  # only the vector's last slice can end mid-block
         scales, payload = out["scales"][first:], out["payload"][start:start + size]

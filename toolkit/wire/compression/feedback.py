@@ -37,7 +37,7 @@ class ErrorFeedback:
         if self.codec.lossless:
             return self.codec.encode(x, out)  # nothing is ever owed
         residual = self.residual[start:start + x.size]
-        tensors = self.codec._output(x.size, out)
+        tensors = self.codec.output_tensors(x.size, out)
         buffers = dict(tensors)
         side = {name: array for name, array in tensors[:-1]}
         scratch, decoded = (np.empty(min(_WORK, x.size), dtype=np.float32) for _ in range(2))
@@ -45,7 +45,7 @@ class ErrorFeedback:
             for lo in range(0, x.size, _WORK):  # all four passes on one cache-sized slice
                 owed = residual[lo:lo + _WORK]
                 np.add(owed, x[lo:lo + owed.size], out=owed)  # the target x + residual
-                self.codec._encode_slice(owed, buffers, lo, scratch)
+                self.codec.encode_slice(owed, buffers, lo, scratch)
                 a, b = self.codec.payload_range(lo, owed.size)
                 self.codec.decode_range(side, buffers["payload"][a:b], lo, decoded[:owed.size])
                 np.subtract(owed, decoded[:owed.size], out=owed)
@@ -98,13 +98,13 @@ class DeltaEncoder:
         if not isinstance(master, np.ndarray) or master.shape != self.public.shape:
             raise ValueError(f"master must have shape {self.public.shape}, got {_array_label(master)}")
         n = master.size
-        tensors = self.codec._output(n, None)
+        tensors = self.codec.output_tensors(n, None)
         buffers = dict(tensors)
         delta, scratch = (np.empty(min(_WORK, n), dtype=np.float32) for _ in range(2))
         for lo in range(0, n, _WORK):  # encode every slice first: a bad value leaves public as is
             piece = delta[:min(_WORK, n - lo)]
             np.subtract(master[lo:lo + piece.size], self.public[lo:lo + piece.size], out=piece)
-            self.codec._encode_slice(piece, buffers, lo, scratch)
+            self.codec.encode_slice(piece, buffers, lo, scratch)
         apply_delta(self.codec, self.public, tensors)
         return tensors
 

@@ -107,7 +107,7 @@ class TopK2Codec(Codec):
                        f"{bad.size} are not (first: chunk {bad[0]} = {scales[bad[0]]!r})")
 
     # --- encode ---------------------------------------------------------------------------------
-    def _encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
+    def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         size, first = x.size, start // CHUNK
         full = size - size % CHUNK  # only the vector's last slice can end mid-chunk
         a, b = self.payload_range(start, size)
