@@ -34,7 +34,6 @@ from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import encode_ticket, verify_ticket
 from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, path_int, read_message, upload_length
-from relay_server.observers.events import StepEvent
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.plan import Planner
@@ -205,20 +204,13 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
                                      cut.cuts, resume)
     root = Path(config.server.data_dir)
 
-    def publish(published: Published, loss_sum: float, samples: int, elapsed: float, grad_norm: float,
-                contributions: dict[str, int]) -> None:
+    async def publish(published: Published, loss_sum: float, samples: int, elapsed: float, grad_norm: float,
+                      contributions: dict[str, int]) -> None:
         record = RoundLog(contributions=contributions, loss=loss_sum / samples if samples else None,
                           duration_s=elapsed, deadline_s=0.0, finalized_by="pipeline",
                           lr=lr_at(published.step - 1, config.optimizer, config.run.total_steps), grad_norm=grad_norm,
                           samples=samples)
-        collab.store.commit(published.step, published.sha256, record, {"manifest": published.manifest.dumps().decode()})
-        collab.backbone.board.publish(published)
-        if collab.leaderboard is not None:
-            collab.leaderboard.credit(contributions)
-        if collab.observers.observers:
-            status = collab.status()
-            collab.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
-                                               state_path=None))
+        await collab.after_publish.step(published, record, samples)
 
     broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
                         lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from relay_server.backbone.slicing import Published
 from relay_server.core.errors import ApiError
@@ -53,7 +53,8 @@ MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker w
 class PipelineCoordinator(PipelineRounds, PipelineGuard):
     def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
                  broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
-                 ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
+                 ticket_key: str,
+                 publish: Callable[[Published, float, int, float, float, dict[str, int]], Awaitable[None]],
                  dispatch: str = "pool", planner: Planner | None = None, rebalance_every: int = 0,
                  clock=time.monotonic) -> None:
         self.K, self.mb_size, self.d = num_stages, microbatch_size, microbatches_per_batch

@@ -153,7 +153,7 @@ class PipelineRounds:
         for mb in self.ledger.microbatches.values():
             for worker in mb.owners.values():
                 contributions[worker] = contributions.get(worker, 0) + self.mb_size
-        self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
+        await self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
         for task_id in list(self.steps):  # nothing of the finished batch may be leased after its boundaries go
             self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
         self.steps.clear()
