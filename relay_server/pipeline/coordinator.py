@@ -29,15 +29,15 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from relay_server.backbone.slicing import Published
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, PipelineGuard
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
-from relay_server.pipeline.rounds import OpenRound, PipelineRounds
+from relay_server.pipeline.rounds import BatchOutcome, OpenRound, PipelineRounds
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Workers
 from relay_server.tasks.broker import TaskBroker
@@ -50,25 +50,52 @@ NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire 
 MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker would idle another
 
 
+@dataclass(frozen=True)
+class PipelineShape:
+    """What the run's ``[pipeline]`` and its cut model fix for the coordinator's whole life."""
+
+    layers: list[int]
+    """Layers per stage (one entry per stage)."""
+    microbatch_size: int
+    microbatches_per_batch: int
+    shapes: Shapes
+    codec: Codec
+    """How boundaries travel (``[pipeline] boundary_codec``)."""
+    dispatch: str = "pool"
+    rebalance_every: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineDeps:
+    """The collaborators the coordinator works through (each owns its own state)."""
+
+    owners: StageOwners
+    broker: TaskBroker
+    boundaries: Boundaries
+    workers: Workers
+    ticket_key: str
+    publish: Callable[[BatchOutcome], Awaitable[None]]
+    """The relay's after-publish sequence for a batch's step (:class:`relay_server.pipeline.service.PipelinePublisher`)."""
+    planner: Planner | None = None
+    clock: Callable[[], float] = time.monotonic
+
+
 class PipelineCoordinator(PipelineRounds, PipelineGuard):
-    def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
-                 broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
-                 ticket_key: str,
-                 publish: Callable[[Published, float, int, float, float, dict[str, int]], Awaitable[None]],
-                 dispatch: str = "pool", planner: Planner | None = None, rebalance_every: int = 0,
-                 clock=time.monotonic) -> None:
-        self.K, self.mb_size, self.d = num_stages, microbatch_size, microbatches_per_batch
-        self.owners, self.broker, self.boundaries, self.workers = owners, broker, boundaries, workers
-        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = shapes, codec, ticket_key, publish, clock
-        self.dispatch = dispatch
-        self.planner, self.rebalance_every, self.moves = planner, rebalance_every, 0
+    def __init__(self, shape: PipelineShape, deps: PipelineDeps) -> None:
+        self.K, self.layers = len(shape.layers), list(shape.layers)
+        self.mb_size, self.d = shape.microbatch_size, shape.microbatches_per_batch
+        self.owners, self.broker, self.boundaries, self.workers = deps.owners, deps.broker, deps.boundaries, deps.workers
+        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = (shape.shapes, shape.codec, deps.ticket_key,
+                                                                                deps.publish, deps.clock)
+        self.dispatch = shape.dispatch
+        self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
         self.round: OpenRound | None = None
         self.uploading: set[str] = set()  # contributors whose slice upload is streaming now
         # batch t is version t's (staleness 0) and its micro-batches are t*d ..: the same ids after a restart
-        self.batch_index = owners.step
-        self.next_microbatch = owners.step * microbatches_per_batch
+        self.batch_index = self.owners.step
+        self.next_microbatch = self.owners.step * self.d
         self.ledger = self._mint()
         self.finalizing = False
         self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time
@@ -78,7 +105,6 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
         self.redone = self.refused = self.restarted = self.silenced = 0
         self._round_opened = asyncio.Event()
         self._finalize_task: asyncio.Task | None = None
-        self.layers: list[int] = []
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
         self.predicted_batch_s: float | None = None
         self._init_guard()

@@ -18,12 +18,25 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import sign_ticket
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.stage_owners import PLAN_VERSION
 from toolkit.wire.protocol import PipelineRoundCall, PipelineTicketRequest, SliceDigest, Ticket
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchOutcome:
+    """A finished batch, as the coordinator hands it to its publisher."""
+
+    published: Published
+    loss_sum: float
+    samples: int
+    elapsed_s: float
+    grad_norm: float
+    contributions: dict[str, int]
 
 
 @dataclass
@@ -153,7 +166,8 @@ class PipelineRounds:
         for mb in self.ledger.microbatches.values():
             for worker in mb.owners.values():
                 contributions[worker] = contributions.get(worker, 0) + self.mb_size
-        await self.publish(published, self.ledger.loss_sum, self.d * self.mb_size, elapsed, grad_norm, contributions)
+        await self.publish(BatchOutcome(published=published, loss_sum=self.ledger.loss_sum, samples=self.d * self.mb_size,
+                                        elapsed_s=elapsed, grad_norm=grad_norm, contributions=contributions))
         for task_id in list(self.steps):  # nothing of the finished batch may be leased after its boundaries go
             self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
         self.steps.clear()
