@@ -117,9 +117,9 @@ class PipelineService:
         coordinator.orphan_silent({w: now - peer.last_seen for w in coordinator.workers.by_id
                                    if (peer := registry.get(w)) is not None and peer.inflight == 0})
         coordinator.broker.tick()
-        coordinator.note_lapses()
-        coordinator.expire_holds()
+        coordinator.guard.note_lapses()
+        coordinator.guard.expire_holds()
         coordinator.restart_lost()
         coordinator.staff_empty_stages()
         coordinator.check_delivered()  # an owner's commit no worker reported (it died right after)
-        coordinator.retry_finalize()
+        coordinator.rounds.retry_finalize()
