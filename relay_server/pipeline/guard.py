@@ -145,10 +145,10 @@ class PipelineGuard:
         log.info("pipeline worker %s: strike %d, no tasks before batch %d while others serve its stage",
                  worker[:16], strikes, self.benched[worker])
 
-    def serves(self, worker: str) -> bool:
+    def _serves(self, worker: str) -> bool:
         return self.benched.get(worker, -1) <= self.deps.batch_index()
 
-    def active(self, worker: str, stage: int) -> bool:
+    def _active(self, worker: str, stage: int) -> bool:
         """Asking for work now, uploading, or lately active (placed, polled, answered: within its
         stage's lease deadline). A worker that only heartbeats is not: it serves nobody."""
         if self.polls.get(worker, 0) > 0 or worker in self.rounds.uploaders():
@@ -163,7 +163,7 @@ class PipelineGuard:
         """worker -> (stage, memory) of the workers that serve their stage now (active, not
         struck): a stage none of them is on is as good as empty, whoever else is placed there."""
         return {w: (stage, memory) for w, (stage, memory) in self.workers.placement().items()
-                if self.serves(w) and self.active(w, stage)}
+                if self._serves(w) and self._active(w, stage)}
 
     def others_serve(self, worker: str, stage: int) -> bool:
         """Another worker of ``stage``, not struck and asking for work, may take its tasks: a
@@ -171,7 +171,7 @@ class PipelineGuard:
         worker that never polls serves nobody)."""
         if self.dispatch == "static":
             return False  # a static pin waits for its own worker, whatever it did
-        return any(w != worker and self.serves(w) and self.active(w, stage) for w in self.workers.on_stage(stage))
+        return any(w != worker and self._serves(w) and self._active(w, stage) for w in self.workers.on_stage(stage))
 
     @contextlib.contextmanager
     def polling(self, worker: str):
@@ -189,7 +189,7 @@ class PipelineGuard:
     def may_lease(self, worker: str, stage: int) -> bool:
         if self.leases_held(worker) >= MAX_LEASES_PER_WORKER:
             return False
-        return self.serves(worker) or not self.others_serve(worker, stage)
+        return self._serves(worker) or not self.others_serve(worker, stage)
 
     async def idle(self, wait_s: float) -> None:
         """A worker that may not lease now waits (a while, or until the round opens) instead of
@@ -210,7 +210,7 @@ class PipelineGuard:
         def task_s(worker: str) -> float | None:
             """Measured seconds per task; infinite for one that serves nobody (it adds nothing)."""
             known = self.workers.by_id.get(worker)
-            idle = known is not None and not (self.serves(worker) and self.active(worker, known.stage))
+            idle = known is not None and not (self._serves(worker) and self._active(worker, known.stage))
             return math.inf if idle else measured(worker)
         if peer_id not in self.workers.by_id:
             self.seen(peer_id)
