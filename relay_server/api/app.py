@@ -21,7 +21,8 @@ from relay_server.backbone.coordinator import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.status import place_peers
 from relay_server.core.config import RelayConfig
-from relay_server.api import experts as experts_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import evaluation as evaluation_api, experts as experts_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api.feature import RUNNING, SLICE_PARAMS, TAKEN_OVER, TICKETED_GRADIENT, FeatureSet
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
 from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
@@ -55,6 +56,9 @@ async def get_run(request: web.Request) -> web.Response:
     return json_ok(_collab(request).run_info)
 
 
+FEATURES = FeatureSet((experts_api.FEATURE, pipeline_api.FEATURE, evaluation_api.FEATURE))
+"""Every feature the relay can plug in (:mod:`relay_server.api.feature`); a run enables some."""
+
 STATUS_CACHE_S = 1.0  # dashboards poll every 1.5 s: any number of them costs about one report a second
 _STATUS_CACHE = web.AppKey("status_cache", list)
 LOSS_REFERENCES = web.AppKey("loss_references", list)
@@ -68,19 +72,13 @@ async def get_status(request: web.Request) -> web.Response:
     key = (collab.step, len(collab.registry.peers), r and (r.round_id, len(r.received), len(r.expected), r.closed))
     now = time.monotonic()
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
-        experts, pipeline = experts_api.status_summary(request.app), pipeline_api.status_summary(request.app)
-        stage_of = {w: st["stage"] for st in (pipeline or {}).get("stages", []) for w in st["workers"]}
-        status = dataclasses.replace(place_peers(collab.status(), (experts or {}).get("experts_per_host", {}), stage_of),
-                                     shards=shards_api.status_summary(request.app), experts=experts,
-                                     pipeline=pipeline, loss_references=request.app[LOSS_REFERENCES],
-                                     evaluations=_evaluations(collab))
+        fields, places = FEATURES.status(request.app)
+        status = dataclasses.replace(place_peers(collab.status(), places.experts_hosted, places.stage_of),
+                                     shards=shards_api.status_summary(request.app),
+                                     loss_references=request.app[LOSS_REFERENCES],
+                                     **fields)
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")
-
-
-def _evaluations(collab: Collaboration) -> list:
-    """``[evaluation]`` runs: the evaluator's recent records (its own lock; never waits on scoring)."""
-    return next((o.status_records() for o in collab.observers.observers if hasattr(o, "status_records")), [])
 
 
 async def get_progress(request: web.Request) -> web.Response:
@@ -111,10 +109,9 @@ async def post_leave(request: web.Request) -> web.Response:
 
 async def put_gradient(request: web.Request) -> web.Response:
     collab = _collab(request)
-    if TICKET_HEADER in request.headers and pipeline_api.PIPELINE in request.app:  # a stage's slice
-        return await pipeline_api.put_stage_gradient(request, request.app[pipeline_api.PIPELINE],
-                                                     collab.backbone.ticket_key,
-                                                     require_digests=collab.config.auth.mode != "open")
+    takeover = request.app[TAKEN_OVER].get(TICKETED_GRADIENT)
+    if TICKET_HEADER in request.headers and takeover is not None:  # a running feature's slice (a pipeline stage's)
+        return await takeover(request)
     if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
         receipt = await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
                                   require_digests=collab.config.auth.mode != "open")
@@ -146,8 +143,9 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     peer_id = request.query.get("peer_id", "")
     if peer_id:  # before anything is recorded for it (transfer rates, liveness)
         own_peer(request, peer_id)
-    if "start" in request.query and pipeline_api.PIPELINE in request.app:  # one stage's slice
-        return await pipeline_api.get_stage_params(request, request.app[pipeline_api.PIPELINE])
+    takeover = request.app[TAKEN_OVER].get(SLICE_PARAMS)
+    if "start" in request.query and takeover is not None:  # a running feature's slice (a pipeline stage's)
+        return await takeover(request)
     if "start" in request.query:
         response = await get_slice(request, collab.backbone.local, collab.backbone.planning.record_transfer)
         collab.traffic.down_bytes += response.content_length or 0
@@ -260,16 +258,15 @@ ROUTE_TABLE = [
     *shards_api.ROUTES,
     *tokenizer_api.ROUTES,
     *toolkit_api.ROUTES,
-    *experts_api.ROUTE_TABLE,
-    *pipeline_api.ROUTE_TABLE,
+    *FEATURES.routes,
     *params_cache.ROUTE_TABLE,
 ]
 
 
 # What an observer or a peer that has not logged in yet may read.
 PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *pipeline_api.PUBLIC,
-                           *params_cache.PUBLIC})
+                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *params_cache.PUBLIC,
+                           *FEATURES.public})
 
 
 # Routes whose body is a streamed tensor container (signed by header hash + chunk digests).
@@ -292,7 +289,7 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
                            reauth_after_s=a.reauth_after_s)
     verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
     return [auth_middleware(verifier, PUBLIC_ROUTES, container_routes=CONTAINER_ROUTES,
-                            container_limit=container_limit, binary_routes=experts_api.BINARY_ROUTES,
+                            container_limit=container_limit, binary_routes=FEATURES.binary_routes,
                             container_limits=container_limits)], service.routes()
 
 
@@ -302,7 +299,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
                           client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
                                                lambda: app[COLLAB].codecs.up.wire_bytes(app[COLLAB].num_params),
-                                               experts_api.container_limits(app) | pipeline_api.container_limits(app))
+                                               FEATURES.container_limits(app))
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits
@@ -310,6 +307,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app[CONFIG] = config
     app[_STATUS_CACHE] = [0.0, None, b""]  # (built at, what it was built for, the JSON)
     app[LOSS_REFERENCES] = []
+    app[RUNNING], app[TAKEN_OVER] = {}, {}
     for method, path, handler in [*ROUTE_TABLE, *auth_routes, *admin_routes]:
         app.router.add_route(method, path, handler)
     static_dir = resources.files("relay_server.api").joinpath("static")
@@ -320,8 +318,7 @@ def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     app.cleanup_ctx.append(tokenizer_api.lifespan)  # the run's tokenizer sha256 and objective into RunInfo
     app.cleanup_ctx.append(_loss_references)  # from the tokenizer just loaded
     app.cleanup_ctx.append(toolkit_api.lifespan)  # the toolkit's wheel, served to notebooks
-    app.cleanup_ctx.append(experts_api.lifespan)  # [moe]: the expert directory, broker and checkpoints
-    app.cleanup_ctx.append(pipeline_api.lifespan)  # [pipeline]: the stages, the task pool, the first batch
+    app.cleanup_ctx.append(FEATURES.lifespan)  # the enabled features' services ([moe], [pipeline]...)
     app.cleanup_ctx.append(params_cache.lifespan)  # immutable parameter URLs for a cache; the relay's egress
     return app
 

@@ -18,24 +18,28 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`; bodies in :mod:`toolkit
 Hosts and trainers are registered peers (join, heartbeats): a host that leaves the registry loses
 its experts' leases at the next tick, its queued and leased calls fail at once with
 ``expert_gone``, and the next host that asks takes the orphans with their last checkpoint.
+
+:data:`FEATURE` plugs DMoE into the relay: these routes, the state (:class:`~relay_server.moe.state.Experts`,
+built from ``[moe]`` outside HTTP and ticked by the app's lifespan) and the Experts panel's data.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
+from relay_server.api.context import collab as _collab, enabled, own_peer
+from relay_server.api.feature import Feature, PeerPlaces
 from relay_server.auth.verify import BODY_STREAM_KEY
+from relay_server.collaboration.machine import Collaboration
+from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, read_message, upload_length
-from relay_server.moe.state import Experts, expire_hosts
+from relay_server.moe.state import Experts
 from relay_server.tasks.broker import DONE
 from toolkit.errors import ProtocolError
 from toolkit.wire import payloads
@@ -48,11 +52,6 @@ _CALL_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 EXPERTS = web.AppKey("experts", Experts)
-
-
-def status_summary(app: web.Application) -> dict | None:
-    experts = app.get(EXPERTS)
-    return experts.summary() if experts is not None else None
 
 
 def _experts(request: web.Request) -> Experts:
@@ -217,11 +216,12 @@ BINARY_ROUTES = frozenset({("PUT", ROUTES["moe_call"]), ("PUT", ROUTES["moe_resu
 """Routes whose body is a small tensor container, signed whole (the auth middleware's list)."""
 
 
-def container_limits(app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
+def _checkpoint_limit(experts: Experts | None) -> int:
     """Checkpoints are streamed containers (signed by chunk digests, like gradients), at most
     one expert's parameters plus three optimizer states each: an expert may be far larger than
     one signed request."""
-    return {("PUT", ROUTES["moe_checkpoint"]): lambda: app[EXPERTS].checkpoint_bytes if EXPERTS in app else 0}
+    return experts.checkpoint_bytes if experts is not None else 0
+
 
 ROUTE_TABLE = [
     ("GET", ROUTES["moe_spec"], get_spec),
@@ -235,20 +235,22 @@ ROUTE_TABLE = [
 ]
 
 
-async def lifespan(app: web.Application) -> AsyncIterator[None]:
-    """Build the DMoE state when ``[moe] enabled``, and expire departed hosts every tick."""
-    config = app[CONFIG]
-    if not config.moe.enabled:
-        yield
-        return
+async def build(config: RelayConfig, collab: Collaboration) -> Experts:
+    """The DMoE state of ``[moe]``; its ticker expires departed hosts once started."""
     cfg = config.moe
-    experts = app[EXPERTS] = Experts.create(cfg, Path(config.server.data_dir), clock=app[COLLAB].loop_clock)
+    experts = Experts.create(cfg, Path(config.server.data_dir), clock=collab.loop_clock,
+                             live_peers=lambda: collab.registry.peers)
     log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
              cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)
-    ticker = asyncio.create_task(expire_hosts(experts, lambda: app[COLLAB].registry.peers))
-    try:
-        yield
-    finally:
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
+    return experts
+
+
+def _places(experts: Experts) -> PeerPlaces:
+    return PeerPlaces(experts_hosted=experts.directory.hosts())
+
+
+FEATURE = Feature(
+    name="moe", section="moe", enabled=lambda config: config.moe.enabled, key=EXPERTS, build=build,
+    routes=tuple(ROUTE_TABLE), binary_routes=BINARY_ROUTES,
+    container_limits={("PUT", ROUTES["moe_checkpoint"]): _checkpoint_limit},
+    status=lambda experts: {"experts": experts.summary()}, places=_places)

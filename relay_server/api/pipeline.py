@@ -14,59 +14,43 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`, bodies in :mod:`toolkit
 
 Workers are registered peers (join, heartbeats); one that leaves the registry has its tasks
 re-dispatched and its undelivered stage gradients recomputed (:meth:`PipelineCoordinator.worker_left`).
+
+:data:`FEATURE` plugs it into the relay: the service (:class:`~relay_server.pipeline.service.PipelineService`,
+built and ticked outside HTTP), these routes, and its takeover of the core gradient and params routes
+for ticketed stage slices.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.api.context import COLLAB, CONFIG, collab as _collab, enabled, own_peer
+from relay_server.api.context import CONFIG, collab as _collab, enabled, own_peer
+from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, PeerPlaces
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.backbone.routes import get_slice, put_slice
-from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import encode_ticket, verify_ticket
 from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, path_int, read_message, upload_length
-from relay_server.observers.events import StepEvent
-from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.coordinator import PipelineCoordinator
-from relay_server.pipeline.plan import Planner
-from relay_server.pipeline.stage_owners import StageOwners
+from relay_server.pipeline.service import PipelineService
 from relay_server.pipeline.status import pipeline_status
-from relay_server.pipeline.workers import Workers
-from relay_server.rounds.master import lr_at
-from relay_server.rounds.store import RoundLog
-from relay_server.tasks.broker import TaskBroker
-from relay_server.tasks.store import PayloadStore
 from toolkit.wire import payloads
-from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
                                    StageAssignment, StageRequest)
 from toolkit.wire.tensor_container import MAX_HEADER
 
 log = logging.getLogger(__name__)
-PIPELINE = web.AppKey("pipeline", PipelineCoordinator)
-TICK_S = 0.1
+PIPELINE = web.AppKey("pipeline", PipelineService)
 MAX_WAIT_S = 25
 MAX_CACHED = 4096
 
 
-def status_summary(app: web.Application) -> dict | None:
-    """The Pipeline panel's data in ``/api/status`` (None: not a pipeline run)."""
-    coordinator = app.get(PIPELINE)
-    return pipeline_status(coordinator).to_json() if coordinator is not None else None
-
-
 def _pipeline(request: web.Request) -> PipelineCoordinator:
     return enabled(request, PIPELINE, "no_pipeline", "this run is not a staged pipeline",
-                   "The organizer enables it with [pipeline] enabled = true in the relay config.")
+                   "The organizer enables it with [pipeline] enabled = true in the relay config.").coordinator
 
 
 def _worker(request: web.Request) -> tuple[PipelineCoordinator, str]:
@@ -151,7 +135,7 @@ async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordina
         raise ApiError(409, "round_closed", "this ticket is not part of the pipeline's open round",
                        "Drop this gradient; take the next task.")
     owner, worker = coordinator.owners.owners[stage], coordinator.round.tickets[ticket.peer_id][0]
-    deadline = coordinator.upload_deadline(stage)
+    deadline = coordinator.guard.upload_deadline(stage)
     coordinator.uploading.add(ticket.peer_id)
     try:
         async with asyncio.timeout(deadline):
@@ -160,7 +144,7 @@ async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordina
         receipt = owner.receipt(ticket)  # cut while its commit ran: it counted
         if receipt is None:
             coordinator.uploading.discard(ticket.peer_id)
-            coordinator.upload_cut(worker, stage, deadline)
+            coordinator.guard.upload_cut(worker, stage, deadline)
             response = web.json_response(
                 {"error": "upload_too_slow", "message": f"stage {stage}'s gradient took more than {deadline:.1f} s "
                  "to upload (the stage's measured hold deadline): cut, its micro-batches are recomputed",
@@ -193,92 +177,34 @@ ROUTE_TABLE = [
 PUBLIC = frozenset({ROUTES["pipeline"]})
 
 
-def container_limits(app: web.Application) -> dict:
+def _result_limit(service: PipelineService | None) -> int:
     """Results are streamed containers (signed by chunk digests in signed runs): a boundary
     matrix of a real model is far larger than one signed JSON request. On a run without a
     pipeline the limit is one request's body: the handler then refuses whoever sends one."""
-    def limit() -> int:
-        coordinator = app.get(PIPELINE)
-        return coordinator.shapes.body_limit(coordinator.codec) if coordinator is not None else MAX_JSON_BODY
-    return {("PUT", ROUTES["pipeline_result"]): limit}
+    coordinator = service.coordinator if service is not None else None
+    return coordinator.shapes.body_limit(coordinator.codec) if coordinator is not None else MAX_JSON_BODY
 
 
-async def lifespan(app: web.Application) -> AsyncIterator[None]:
-    """Build the stages, the pool and the first batch when ``[pipeline] enabled``; tick."""
-    config = app[CONFIG]
-    if not config.pipeline.enabled:
-        yield
-        return
-    from relay_server.pipeline.model_cut import cut_model  # torch and the stage code: pipeline relays only
-
-    collab = app[COLLAB]
-    cfg = config.pipeline
-    cut = await asyncio.to_thread(cut_model, config)
-    resume = collab.store.latest_step() if collab.store.get_meta("manifest") else None
-    owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codecs, collab.master.flat.numpy(),
-                                     cut.cuts, resume)
-    root = Path(config.server.data_dir)
-
-    def publish(published: Published, loss_sum: float, samples: int, elapsed: float, grad_norm: float,
-                contributions: dict[str, int]) -> None:
-        record = RoundLog(contributions=contributions, loss=loss_sum / samples if samples else None,
-                          duration_s=elapsed, deadline_s=0.0, finalized_by="pipeline",
-                          lr=lr_at(published.step - 1, config.optimizer, config.run.total_steps), grad_norm=grad_norm,
-                          samples=samples)
-        collab.store.commit(published.step, published.sha256, record, {"manifest": published.manifest.dumps().decode()})
-        collab.backbone.board.publish(published)
-        if collab.leaderboard is not None:
-            collab.leaderboard.credit(contributions)
-        if collab.observers.observers:
-            status = collab.status()
-            collab.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
-                                               state_path=None))
-
-    broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
-                        lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,
-                        clock=collab.loop_clock)  # leases count on the relay's clock: a stall expires none
-    coordinator = PipelineCoordinator(
-        num_stages=len(cut.cuts), microbatch_size=cfg.microbatch_size, microbatches_per_batch=cfg.microbatches_per_batch,
-        owners=owners, broker=broker, boundaries=Boundaries(cfg.boundary_memory_mb << 20, root / "boundaries"),
-        workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes(), sticky=cfg.dispatch == "static"),
-        shapes=cut.shapes,
-        codec=get_codec(cfg.boundary_codec), ticket_key=collab.backbone.ticket_key, publish=publish,
-        dispatch=cfg.dispatch, planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
-        rebalance_every=cfg.rebalance_every_batches, clock=collab.loop_clock)
-    coordinator.layers = cut.layers
-    collab.backbone.board.publish(owners.published())
-    app[PIPELINE] = coordinator
-    log.info("pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",
-             len(cut.cuts), cut.layers, cfg.microbatches_per_batch, cfg.microbatch_size)
-    ticker = asyncio.create_task(_tick(app, coordinator))
-    try:
-        yield
-    finally:
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
-        owners.close()
+async def _ticketed_gradient(request: web.Request, service: PipelineService) -> web.Response:
+    """The relay's gradient route, for an upload with a ticket: a stage's slice."""
+    collab = _collab(request)
+    return await put_stage_gradient(request, service.coordinator, collab.backbone.ticket_key,
+                                    require_digests=collab.config.auth.mode != "open")
 
 
-async def _tick(app: web.Application, coordinator: PipelineCoordinator) -> None:
-    while True:
-        await asyncio.sleep(TICK_S)
-        try:
-            app[COLLAB].loop_clock.beat()  # a stall just ended is excused before silence is judged below
-            live = app[COLLAB].registry.peers
-            for worker in [w for w in coordinator.workers.by_id if w not in live]:
-                log.info("pipeline worker %s left: its tasks go back to the pool", worker[:16])
-                coordinator.worker_left(worker)
-            now = time.monotonic()
-            registry = app[COLLAB].registry
-            coordinator.orphan_silent({w: now - peer.last_seen for w in coordinator.workers.by_id
-                                       if (peer := registry.get(w)) is not None and peer.inflight == 0})
-            coordinator.broker.tick()
-            coordinator.note_lapses()
-            coordinator.expire_holds()
-            coordinator.restart_lost()
-            coordinator.staff_empty_stages()
-            coordinator.check_delivered()  # an owner's commit no worker reported (it died right after)
-            coordinator.retry_finalize()
-        except Exception:  # the ticker must outlive any one bad tick
-            log.exception("pipeline tick failed")
+async def _slice_params(request: web.Request, service: PipelineService) -> web.StreamResponse:
+    """The relay's params route, for ``start``/``end``: one stage's slice."""
+    return await get_stage_params(request, service.coordinator)
+
+
+def _places(service: PipelineService) -> PeerPlaces:
+    coordinator = service.coordinator
+    return PeerPlaces(stage_of={w: k for k in range(coordinator.K) for w in coordinator.workers.on_stage(k)})
+
+
+FEATURE = Feature(
+    name="pipeline", section="pipeline", enabled=lambda config: config.pipeline.enabled, key=PIPELINE,
+    build=PipelineService.build, routes=tuple(ROUTE_TABLE), public=PUBLIC,
+    container_limits={("PUT", ROUTES["pipeline_result"]): _result_limit},
+    takeovers={TICKETED_GRADIENT: _ticketed_gradient, SLICE_PARAMS: _slice_params},
+    status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()}, places=_places)

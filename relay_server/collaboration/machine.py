@@ -29,6 +29,7 @@ from relay_server.backbone.coordinator import Backbone
 from relay_server.backbone.slice_owner import gradient_meta
 from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import sign_ticket
+from relay_server.collaboration.publishing import AfterPublish
 from relay_server.collaboration.rounds import RoundCycle
 from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
 from relay_server.core.config import RelayConfig
@@ -41,6 +42,7 @@ from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
+from relay_server.rounds.traffic import Traffic
 from toolkit.models import build_own_model
 from toolkit.models.flat import flatten
 from toolkit.wire.compression import run_codecs
@@ -70,10 +72,11 @@ class Collaboration:
         self.loop_clock = LoopClock()  # the relay's clock: deadlines on the relay count on it
         self.loop_clock.on_stall.append(self.excuse_silence)
         self.backbone.peer_ids = lambda: list(self.registry.peers)
-        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.observers, self.status,
-                                 clock=self.loop_clock)
-        self.leaderboard = self.rounds.leaderboard = Leaderboard(store, self.registry)
-        self.traffic = self.rounds.traffic
+        self.leaderboard = Leaderboard(store, self.registry)
+        self.traffic = Traffic()  # bytes both ways; the samples are counted as steps are published
+        self.after_publish = AfterPublish(store, self.backbone, self.leaderboard, self.traffic, self.observers,
+                                          self.status)  # every publisher's (rounds, the pipeline) last steps
+        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock)
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None

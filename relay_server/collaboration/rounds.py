@@ -6,8 +6,8 @@ follows what peers report while it is open; it closes when every expected peer d
 or failed, at the adaptive deadline, or when nobody is left to wait for
 (:meth:`RoundCycle.maybe_finalize`). Closing applies the step -- on the relay's reducer thread
 (single relay) or by every slice owner (:meth:`relay_server.backbone.coordinator.Backbone.finalize`)
---, commits it to the store and publishes the version. A rollback publishes a stored state the
-same way.
+--, then runs the relay's one after-publish sequence (:mod:`.publishing`: commit, publish, credit,
+count, step event). A rollback publishes a stored state the same way.
 
 Split from :mod:`.machine`, which admits peers and their gradients and calls in here whenever
 something a round waits on changes; this module owns the open round and the tasks that finalize
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 from relay_server.backbone.coordinator import Backbone
 from relay_server.backbone.slicing import Published
+from relay_server.collaboration.publishing import AfterPublish
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
-from relay_server.observers.events import ObserverThread, StepEvent
 from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.master import MasterState, NonFiniteStep, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
@@ -35,8 +35,6 @@ from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer
 from relay_server.rounds.registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
-from relay_server.rounds.traffic import Traffic
-from toolkit.wire.protocol import StatusReport
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +43,16 @@ class RoundCycle:
     """The open round (``round``, None between rounds) and the steps rounds make."""
 
     def __init__(self, config: RelayConfig, store: Store, backbone: Backbone, registry: Registry,
-                 observers: ObserverThread, status: Callable[[], StatusReport],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 after_publish: AfterPublish, clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.store, self.backbone, self.registry = config, store, backbone, registry
         self.clock = clock  # the relay's: rounds' deadlines and durations count on it
-        self.observers, self.status = observers, status  # status: what a StepEvent carries
+        self.after_publish = after_publish  # commit, publish, credit, count, step event: every step's end
         self.run_cfg = config.run
         self.deadlines = DeadlinePolicy(config.rounds)
         self.outer_rule = OuterRoundRule(config.run.target_batch, config.local_sgd.straggler_wait_s)
         self.round: Round | None = None
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
-        self.leaderboard = None  # a status.Leaderboard, credited as each round commits (set by the machine)
-        self.traffic = Traffic()  # bytes both ways; the samples are counted here as rounds apply
         self.inner_steps_last_round: float | None = None  # local SGD: mean over the last round's contributors
         self.refused_steps = int(store.get_meta("refused_steps", "0") or 0)  # steps that would have been non-finite
 
@@ -162,10 +157,13 @@ class RoundCycle:
         outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=self.clock() - r.opened_at,
                            deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0,
                            outcomes=dict(r.outcomes))  # issue 17: the record says what was not counted whole
-        if r.slices:
-            published = await self._finalize_sliced(r, outcome)
+        if r.slices:  # every owner finalizes its slice (dead ones are recovered inside)
+            published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
+            lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
+            outcome = dataclasses.replace(outcome, lr=lr, grad_norm=grad_norm)
+            committed = False
         else:
-            version = await self.reducer.run(self._apply, outcome)
+            version = await self.reducer.run(self._apply, outcome)  # commits with the version file
             if version is None:  # refused: nothing published, the next round is on the same version
                 self.reducer.submit(self.reducer.reset)
                 self.round = None
@@ -173,10 +171,13 @@ class RoundCycle:
                 return
             self.publisher.publish(version)
             self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
-            published = self.publish_local(version)
-        if self.leaderboard is not None:
-            self.leaderboard.credit(outcome.contributions)  # what the store committed, nothing else
-        self.traffic.samples += r.samples
+            published, committed = Published(step=version.step, sha256=version.sha256, version=version), True
+        await self.after_publish.step(published, outcome, r.samples, committed=committed,
+                                      bookkeeping=lambda: self._round_applied(r, published))
+
+    def _round_applied(self, r: Round, published: Published) -> None:
+        """This cycle's own bookkeeping once ``r``'s step is out: the inner steps behind it, the
+        local SGD rule, the adaptive deadline; then the next round may open."""
         self.inner_steps_last_round = r.inner_steps / len(r.received)
         self.outer_rule.published(published.step, r.received)  # local SGD: they work on this step now
         self.deadlines.observe(r)
@@ -184,27 +185,11 @@ class RoundCycle:
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
                  f"{r.loss:.4f}" if r.loss is not None else "n/a", self.clock() - r.opened_at, r.finalized_by)
         self.maybe_open()
-        if self.observers.observers:
-            status = self.status()
-            path = published.version.path if published.version else None
-            self.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
-                                             state_path=path))
 
     def publish_local(self, version: Version) -> Published:
         """The relay's own version is the published one (single relay)."""
         published = Published(step=version.step, sha256=version.sha256, version=version)
         self.backbone.board.publish(published)
-        return published
-
-    async def _finalize_sliced(self, r: Round, outcome: RoundLog) -> Published:
-        """Every owner finalizes its slice (dead ones are recovered inside), then commit and publish."""
-        published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
-        lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
-        outcome = dataclasses.replace(outcome, lr=lr, grad_norm=grad_norm)
-        manifest = published.manifest.dumps().decode() if published.manifest else ""
-        await asyncio.to_thread(self.store.commit, published.step, published.sha256, outcome, {"manifest": manifest})
-        self.backbone.board.publish(published)
-        self.backbone.after_publish(published)
         return published
 
     # --- plan changes, between rounds ------------------------------------------------------------
@@ -226,13 +211,9 @@ class RoundCycle:
         try:
             published, new_version = await self.backbone.migrate(self.step)
             if published is not None:
-                manifest = published.manifest.dumps().decode() if published.manifest else ""
                 record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0,
                                   finalized_by="recovery", lr=0.0, grad_norm=0.0) if new_version else None
-                await asyncio.to_thread(self.store.commit, published.step, published.sha256, record,
-                                        {"manifest": manifest})
-                self.backbone.board.publish(published)
-                self.backbone.after_publish(published)
+                await self.after_publish.commit_and_publish(published, record)
         except Exception:
             log.exception("moving slices failed; the relay keeps the current plan")
         finally:

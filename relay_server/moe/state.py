@@ -1,5 +1,5 @@
 """The relay's DMoE state (:class:`Experts`: directory, broker, checkpoints, call rates) and its
-upkeep (:func:`expire_hosts`): what the HTTP routes of :mod:`relay_server.api.experts` act on.
+upkeep (:func:`expire_hosts`, started and stopped with the relay as the DMoE feature's service): what the HTTP routes of :mod:`relay_server.api.experts` act on.
 
 Kept apart from the routes so the state can be built, ticked and read (the dashboard's summary,
 the tests' snapshots) without an HTTP request, and so the routes only translate requests.
@@ -8,6 +8,7 @@ the tests' snapshots) without an HTTP request, and so the routes only translate 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -44,9 +45,13 @@ class Experts:
     """How activations travel (``[moe] codec``), built once."""
     calls: deque = field(default_factory=deque)
     """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
+    live_peers: Callable[[], Collection[str]] = frozenset
+    """The registry's live peers: a host not among them loses its leases (:meth:`expire`)."""
+    ticker: asyncio.Task | None = None
 
     @classmethod
-    def create(cls, cfg: MoeSection, data_dir: Path, clock: Callable[[], float] = time.monotonic) -> Experts:
+    def create(cls, cfg: MoeSection, data_dir: Path, clock: Callable[[], float] = time.monotonic,
+               live_peers: Callable[[], Collection[str]] = frozenset) -> Experts:
         """The state of a run that starts (or restarts: no lease survives, hosts lease again).
         ``clock``: the relay's (:mod:`relay_server.core.loop_clock`), on which calls' deadlines count."""
         from toolkit.moe.experts import expert_shapes  # torch: only relays that run DMoE pay for it
@@ -55,7 +60,18 @@ class Experts:
                    broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
                                      max_queued_rows=cfg.max_queued_rows, clock=clock),
                    checkpoints=CheckpointStore(data_dir / "experts", cfg.keep_checkpoints),
-                   shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec))
+                   shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec),
+                   live_peers=live_peers)
+
+    async def start(self) -> None:
+        """Expire departed hosts every ``TICK_S`` until :meth:`stop`."""
+        self.ticker = asyncio.create_task(expire_hosts(self, self.live_peers))
+
+    async def stop(self) -> None:
+        if self.ticker is not None:
+            self.ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ticker
 
     @property
     def checkpoint_bytes(self) -> int:

@@ -13,7 +13,9 @@ parameter server per stage. What lives where:
   ticketed uploads, the optimizer step, the published manifest;
 * :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
   deadlines, re-dispatch), rounds; :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
-  the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports;
+  the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports; :mod:`.service`
+  the whole built from the config and the collaboration's services, ticked, publishing each
+  batch's step through the relay's after-publish sequence;
 * the planner, pure computation (no I/O, no torch): :mod:`.star_model` / :mod:`.star` what the
   paper's planning reduces to in our outbound-only star (the paper's general planning, its time
   model, stage ordering and partition search, is reproduced in ``research.hetero_pipeline``,

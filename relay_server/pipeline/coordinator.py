@@ -28,59 +28,91 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from relay_server.backbone.slicing import Published
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.boundaries import Boundaries
-from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, PipelineGuard
+from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
-from relay_server.pipeline.rounds import OpenRound, PipelineRounds
+from relay_server.pipeline.rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
 from relay_server.pipeline.stage_owners import StageOwners
-from relay_server.pipeline.workers import Workers
+from relay_server.pipeline.workers import Worker, Workers
 from relay_server.tasks.broker import TaskBroker
 from toolkit.wire import payloads
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineWork
+from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineTicketRequest, PipelineWork, Ticket
 
 log = logging.getLogger(__name__)
 NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire and they are re-dispatched
 MAX_TASKS_PER_POLL = 1  # one at a time: a second task leased to a busy worker would idle another
 
 
-class PipelineCoordinator(PipelineRounds, PipelineGuard):
-    def __init__(self, *, num_stages: int, microbatch_size: int, microbatches_per_batch: int, owners: StageOwners,
-                 broker: TaskBroker, boundaries: Boundaries, workers: Workers, shapes: Shapes, codec: Codec,
-                 ticket_key: str, publish: Callable[[Published, float, int, float, float, dict[str, int]], None],
-                 dispatch: str = "pool", planner: Planner | None = None, rebalance_every: int = 0,
-                 clock=time.monotonic) -> None:
-        self.K, self.mb_size, self.d = num_stages, microbatch_size, microbatches_per_batch
-        self.owners, self.broker, self.boundaries, self.workers = owners, broker, boundaries, workers
-        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = shapes, codec, ticket_key, publish, clock
-        self.dispatch = dispatch
-        self.planner, self.rebalance_every, self.moves = planner, rebalance_every, 0
+@dataclass(frozen=True)
+class PipelineShape:
+    """What the run's ``[pipeline]`` and its cut model fix for the coordinator's whole life."""
+
+    layers: list[int]
+    """Layers per stage (one entry per stage)."""
+    microbatch_size: int
+    microbatches_per_batch: int
+    shapes: Shapes
+    codec: Codec
+    """How boundaries travel (``[pipeline] boundary_codec``)."""
+    dispatch: str = "pool"
+    rebalance_every: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineDeps:
+    """The collaborators the coordinator works through (each owns its own state)."""
+
+    owners: StageOwners
+    broker: TaskBroker
+    boundaries: Boundaries
+    workers: Workers
+    ticket_key: str
+    publish: Callable[[BatchOutcome], Awaitable[None]]
+    """The relay's after-publish sequence for a batch's step (:class:`relay_server.pipeline.service.PipelinePublisher`)."""
+    planner: Planner | None = None
+    clock: Callable[[], float] = time.monotonic
+
+
+class PipelineCoordinator:
+    """The task pool and the batch in flight. The batch's round (:attr:`rounds`,
+    :class:`~relay_server.pipeline.rounds.PipelineRounds`) and the rules that bound a hostile
+    worker (:attr:`guard`, :class:`~relay_server.pipeline.guard.PipelineGuard`) are collaborators
+    owning their own state; each sees the rest through its deps, never through this object's fields."""
+
+    def __init__(self, shape: PipelineShape, deps: PipelineDeps) -> None:
+        self.K, self.layers = len(shape.layers), list(shape.layers)
+        self.mb_size, self.d = shape.microbatch_size, shape.microbatches_per_batch
+        self.owners, self.broker, self.boundaries, self.workers = deps.owners, deps.broker, deps.boundaries, deps.workers
+        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = (shape.shapes, shape.codec, deps.ticket_key,
+                                                                                deps.publish, deps.clock)
+        self.dispatch = shape.dispatch
+        self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
-        self.round: OpenRound | None = None
-        self.uploading: set[str] = set()  # contributors whose slice upload is streaming now
         # batch t is version t's (staleness 0) and its micro-batches are t*d ..: the same ids after a restart
-        self.batch_index = owners.step
-        self.next_microbatch = owners.step * microbatches_per_batch
+        self.batch_index = self.owners.step
+        self.next_microbatch = self.owners.step * self.d
         self.ledger = self._mint()
-        self.finalizing = False
-        self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time
-        self.batch_times: list[float] = []
         self.bytes_out = 0
-        self.samples_done = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
-        self._round_opened = asyncio.Event()
-        self._finalize_task: asyncio.Task | None = None
-        self.layers: list[int] = []
-        self.counted: list[list[int]] = []  # samples each stage counted, per recent round
+        self.rounds = PipelineRounds(RoundDeps(
+            owners=self.owners, ledger=lambda: self.ledger, clock=self.clock, microbatch_size=self.mb_size,
+            microbatches_per_batch=self.d, ticket_key=self.ticket_key, publish=self.publish,
+            seen=lambda worker: self.guard.seen(worker), strike=lambda worker: self.guard.strike(worker),
+            committed=lambda worker, stage: self.guard.committed(worker, stage), resubmit=self._submit,
+            batch_over=self._next_batch))
+        self.guard = PipelineGuard(GuardDeps(
+            broker=self.broker, workers=self.workers, rounds=self.rounds, ledger=lambda: self.ledger,
+            steps=lambda: self.steps, batch_index=lambda: self.batch_index, clock=self.clock, dispatch=self.dispatch,
+            planner=self.planner))
         self.predicted_batch_s: float | None = None
-        self._init_guard()
 
     # --- batches --------------------------------------------------------------------------------
     def _mint(self) -> Ledger:
@@ -103,33 +135,69 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
                                   priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch))
         self.steps[task.task_id] = step
 
+    def _next_batch(self, round_s: float) -> None:
+        """The batch's step is published: nothing of it may be leased after its boundaries go;
+        re-time the placement; the next batch starts on the new version."""
+        for task_id in list(self.steps):
+            self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
+        self.steps.clear()
+        self.guard.batch_over()
+        for m in self.ledger.microbatches:
+            self.boundaries.drop(m)
+        self._replan(round_s)
+        self.batch_index += 1
+        self._mint()
+
+    # --- the round (:class:`~relay_server.pipeline.rounds.PipelineRounds` owns it) -----------------
+    @property
+    def round(self) -> OpenRound | None:
+        return self.rounds.round
+
+    @property
+    def uploading(self) -> set[str]:
+        """Contributors whose slice upload is streaming now (the upload route adds and discards)."""
+        return self.rounds.uploading
+
+    def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
+        """The worker's stage (:meth:`PipelineGuard.assign`: by measured task rates only)."""
+        return self.guard.assign(peer_id, memory_bytes, samples_per_s)
+
+    def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
+        return self.rounds.ticket(worker, step, req)
+
+    def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
+        self.rounds.done(worker, round_id, contributor, delivered)
+
+    def check_delivered(self) -> None:
+        self.rounds.check_delivered()
+
     # --- workers: tasks -------------------------------------------------------------------------
     async def work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
         """The worker's next tasks with their inputs, or the round it must upload to."""
-        with self._polling(worker):
+        with self.guard.polling(worker):
             return await self._work(worker, cached, wait_s)
 
     async def _work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
         stage = self.workers.stage_of(worker)
         deadline = self.clock() + wait_s
         while True:
-            call = self._round_call(worker)
+            call = self.rounds.call(worker)
             if call is not None:
                 return PipelineWork(stage=stage, round=call), {}
-            if not self._may_lease(worker, stage):  # struck, or at its lease cap: no task now
-                await self._idle(max(0.0, deadline - self.clock()))
+            if not self.guard.may_lease(worker, stage):  # struck, or at its lease cap: no task now
+                await self.guard.idle(max(0.0, deadline - self.clock()))
                 tasks = []
                 if self.clock() >= deadline:
                     break
                 continue
             tasks = await self._lease_or_round(worker, stage, max(0.0, deadline - self.clock()))
-            if tasks and self._leases_held(worker) > MAX_LEASES_PER_WORKER:  # parallel polls all leased at once
+            if tasks and self.guard.leases_held(worker) > MAX_LEASES_PER_WORKER:  # parallel polls all leased at once
                 for task in tasks:
                     self.broker.requeue(task.task_id)
                 continue
             tasks = [t for t in tasks if self._still_wanted(t)]
-            if tasks and self.batch_started is None:
-                self.batch_started = self.clock()
+            if tasks:
+                self.rounds.batch_began()
             if tasks or self.clock() >= deadline:
                 break
         out, tensors = [], {}
@@ -176,8 +244,8 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
         gets its upload at once instead of after its long poll)."""
         lease = asyncio.ensure_future(self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"],
                                                         max_rows=MAX_TASKS_PER_POLL, wait_s=wait_s,
-                                                        skip_lapsed=self._others_serve(worker, stage)))
-        opened = asyncio.ensure_future(self._round_opened.wait())
+                                                        skip_lapsed=self.guard.others_serve(worker, stage)))
+        opened = asyncio.ensure_future(self.rounds.opened.wait())
         try:
             await asyncio.wait({lease, opened}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -203,7 +271,7 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
 
     def result(self, worker: str, task_id: str, body: bytes) -> PipelineAck:
         """Validate a task's result, then (first result wins) store its boundary and queue the next step."""
-        self._seen(worker)
+        self.guard.seen(worker)
         task = self.broker.tasks.get(task_id)
         if task is not None and task.state == "done":
             if task.worker == worker:  # our own result, retried after a lost answer
@@ -233,12 +301,12 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
         if step.redo:
             self.redone += 1
         following = self.ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
-        self._now_holds(worker, step)
+        self.guard.now_holds(worker, step)
         del self.steps[task_id]
         if following is not None:
             self._submit(following)
         elif self.ledger.complete and self.round is None:
-            self._open_round()
+            self.rounds.open()
         return PipelineAck(task_id=task_id, accepted=True)
 
     # --- the planner ----------------------------------------------------------------------------
@@ -262,7 +330,7 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
         holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
+        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
         if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
@@ -287,7 +355,7 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
             owned = self.ledger.owned(worker)
             if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
                 continue
-            redo = self._recompute(worker)
+            redo = self.rounds.recompute(worker)
             if redo:
                 log.info("pipeline worker %s silent for %.1f s holding %d stage gradient(s): recomputing them",
                          worker[:16], silent_s, redo)
@@ -298,11 +366,8 @@ class PipelineCoordinator(PipelineRounds, PipelineGuard):
         """Its leased tasks go back to the front of the queue (the broker); the stage gradients it
         held and had not delivered are recomputed by others (``redo``)."""
         self.broker.worker_left(worker)
-        self._recompute(worker)
-        if self.round is not None:
-            for contributor, (w, _, _) in list(self.round.tickets.items()):
-                if w == worker and contributor not in self.uploading:
-                    del self.round.tickets[contributor]
+        self.rounds.recompute(worker)
+        self.rounds.worker_left(worker)
         self.workers.remove(worker)
         if self.planner is not None:
             self.planner.forget(worker)

@@ -22,7 +22,8 @@ look at what it *does*, measured on the relay, never at what it says:
   rate is lowest; a worker's self-reported speed is never used (an idle worker claiming 1e12
   samples/s would otherwise draw every joiner away from its stage).
 
-A mixin of :class:`~relay_server.pipeline.coordinator.PipelineCoordinator`, whose state it shares.
+:class:`PipelineGuard` owns these measurements, strikes and counters; it reads the rest of the
+pipeline through :class:`GuardDeps` (the pool's broker, the workers, the open round, the batch).
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from relay_server.pipeline.ledger import BACKWARD, LAST, Step
-from relay_server.pipeline.workers import Worker
+from relay_server.pipeline.ledger import BACKWARD, LAST, Ledger, Step
+from relay_server.pipeline.plan import Planner
+from relay_server.pipeline.rounds import PipelineRounds
+from relay_server.pipeline.workers import Worker, Workers
+from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.timing import LeaseTimer
 
 log = logging.getLogger(__name__)
@@ -41,8 +47,28 @@ MAX_LEASES_PER_WORKER = 2  # one task in hand, and one whose answer was lost on 
 IDLE_POLL_S = 1.0  # a worker refused a task re-checks this often within its long poll
 
 
+@dataclass(frozen=True)
+class GuardDeps:
+    """What the guard reads, each owned elsewhere."""
+
+    broker: TaskBroker
+    workers: Workers
+    rounds: PipelineRounds
+    ledger: Callable[[], Ledger]
+    """The batch in flight's."""
+    steps: Callable[[], Mapping[str, Step]]
+    """Task id -> step, of the batch in flight's tasks."""
+    batch_index: Callable[[], int]
+    clock: Callable[[], float]
+    dispatch: str = "pool"
+    planner: Planner | None = None
+
+
 class PipelineGuard:
-    def _init_guard(self) -> None:
+    def __init__(self, deps: GuardDeps) -> None:
+        self.deps = deps
+        self.broker, self.workers, self.rounds, self.clock = deps.broker, deps.workers, deps.rounds, deps.clock
+        self.dispatch, self.planner = deps.dispatch, deps.planner
         timer = self.broker.timer
         self.hold_timer = LeaseTimer(floor_s=timer.floor_s, factor=timer.factor, initial_s=timer.initial_s,
                                      window=timer.window)
@@ -55,7 +81,7 @@ class PipelineGuard:
         self.polled_at: dict[str, float] = {}  # worker -> when its last work request ended
 
     # --- held stage gradients -------------------------------------------------------------------
-    def _now_holds(self, worker: str, step: Step) -> None:
+    def now_holds(self, worker: str, step: Step) -> None:
         if step.kind in (LAST, BACKWARD):
             self.held_since[worker] = self.clock()
 
@@ -86,12 +112,12 @@ class PipelineGuard:
         self.cut_uploads += 1
         log.info("pipeline worker %s took more than %.1f s to upload stage %d's gradient: cut; its micro-batches "
                  "are recomputed", worker[:16], seconds, stage)
-        self._recompute(worker)
-        self._strike(worker)
+        self.rounds.recompute(worker)
+        self.strike(worker)
 
-    def _committed(self, worker: str, stage: int) -> None:
+    def committed(self, worker: str, stage: int) -> None:
         """``worker``'s upload of ``stage``'s gradient committed: how long it held it, measured."""
-        r = self.round
+        r = self.rounds.round
         if r is not None:
             self.hold_timer.record(f"stage{stage}", self.clock() - max(r.opened_at, self.held_since.get(worker, 0.0)))
 
@@ -99,60 +125,56 @@ class PipelineGuard:
         """Recompute every stage gradient held past its deadline (except what is being uploaded
         now): the holder's heartbeats and polls do not matter, only the parameter server's commit.
         Not with ``dispatch = "static"``: that baseline waits for its workers."""
-        r = self.round
-        if r is None or self.finalizing or self.dispatch == "static":
+        r = self.rounds.round
+        if r is None or self.rounds.finalizing or self.dispatch == "static":
             return
         now = self.clock()
-        holders = {w for mb in self.ledger.microbatches.values() for w in mb.owners.values()}
+        holders = {w for mb in self.deps.ledger().microbatches.values() for w in mb.owners.values()}
         for worker in sorted(holders):
-            owned = self.ledger.owned(worker)
+            owned = self.deps.ledger().owned(worker)
             if not owned:
                 continue
             held_s = now - max(r.opened_at, self.held_since.get(worker, r.opened_at))
             if held_s <= max(self.hold_deadline(k) for k in owned):
                 continue
-            redo = self._recompute(worker)
+            redo = self.rounds.recompute(worker)
             if redo:
                 log.info("pipeline worker %s held %d stage gradient(s) %.1f s into the round without committing "
                          "them: recomputing them", worker[:16], redo, held_s)
                 self.expired_holds += 1
-                self._strike(worker)
+                self.strike(worker)
 
     # --- leases -----------------------------------------------------------------------------------
     def note_lapses(self) -> None:
         """Strike every worker that let a lease of this batch lapse since the last tick while
         another worker served its stage (alone, it holds up nobody a strike would help)."""
-        for task_id, step in self.steps.items():
+        for task_id, step in self.deps.steps().items():
             task = self.broker.tasks.get(task_id)
             if task is None or len(task.lapsed_by) <= self.lapses_seen.get(task_id, 0):
                 continue
             for worker in task.lapsed_by[self.lapses_seen.get(task_id, 0):]:
                 self.lapsed_leases += 1
-                if self._others_serve(worker, step.stage):
-                    self._strike(worker)
+                if self.others_serve(worker, step.stage):
+                    self.strike(worker)
             self.lapses_seen[task_id] = len(task.lapsed_by)
 
-    def _strike(self, worker: str) -> None:
+    def strike(self, worker: str) -> None:
         strikes = self.strikes[worker] = self.strikes.get(worker, 0) + 1
-        self.benched[worker] = self.batch_index + 2 ** (strikes - 1)
+        self.benched[worker] = self.deps.batch_index() + 2 ** (strikes - 1)
         log.info("pipeline worker %s: strike %d, no tasks before batch %d while others serve its stage",
                  worker[:16], strikes, self.benched[worker])
 
     def _serves(self, worker: str) -> bool:
-        return self.benched.get(worker, -1) <= self.batch_index
+        return self.benched.get(worker, -1) <= self.deps.batch_index()
 
     def _active(self, worker: str, stage: int) -> bool:
         """Asking for work now, uploading, or lately active (placed, polled, answered: within its
         stage's lease deadline). A worker that only heartbeats is not: it serves nobody."""
-        if self.polls.get(worker, 0) > 0 or worker in self._uploaders():
+        if self.polls.get(worker, 0) > 0 or worker in self.rounds.uploaders():
             return True
         return self.clock() - self.polled_at.get(worker, -1e18) <= self.broker.lease_deadline(f"stage{stage}")
 
-    def _uploaders(self) -> set[str]:
-        r = self.round
-        return {r.tickets[c][0] for c in self.uploading if r is not None and c in r.tickets}
-
-    def _seen(self, worker: str) -> None:
+    def seen(self, worker: str) -> None:
         """A request that shows the worker at work (placement, a result, a ticket)."""
         self.polled_at[worker] = self.clock()
 
@@ -162,7 +184,7 @@ class PipelineGuard:
         return {w: (stage, memory) for w, (stage, memory) in self.workers.placement().items()
                 if self._serves(w) and self._active(w, stage)}
 
-    def _others_serve(self, worker: str, stage: int) -> bool:
+    def others_serve(self, worker: str, stage: int) -> bool:
         """Another worker of ``stage``, not struck and asking for work, may take its tasks: a
         worker is never refused its stage's tasks when nobody else would take them (an idle
         worker that never polls serves nobody)."""
@@ -171,7 +193,7 @@ class PipelineGuard:
         return any(w != worker and self._serves(w) and self._active(w, stage) for w in self.workers.on_stage(stage))
 
     @contextlib.contextmanager
-    def _polling(self, worker: str):
+    def polling(self, worker: str):
         self.polls[worker] = self.polls.get(worker, 0) + 1
         try:
             yield
@@ -179,23 +201,23 @@ class PipelineGuard:
             self.polls[worker] -= 1
             self.polled_at[worker] = self.clock()
 
-    def _leases_held(self, worker: str) -> int:
-        return sum(1 for task_id in self.steps
+    def leases_held(self, worker: str) -> int:
+        return sum(1 for task_id in self.deps.steps()
                    if (t := self.broker.tasks.get(task_id)) is not None and t.state == "leased" and t.worker == worker)
 
-    def _may_lease(self, worker: str, stage: int) -> bool:
-        if self._leases_held(worker) >= MAX_LEASES_PER_WORKER:
+    def may_lease(self, worker: str, stage: int) -> bool:
+        if self.leases_held(worker) >= MAX_LEASES_PER_WORKER:
             return False
-        return self._serves(worker) or not self._others_serve(worker, stage)
+        return self._serves(worker) or not self.others_serve(worker, stage)
 
-    async def _idle(self, wait_s: float) -> None:
+    async def idle(self, wait_s: float) -> None:
         """A worker that may not lease now waits (a while, or until the round opens) instead of
         polling again at once."""
-        opened = self._round_opened
+        opened = self.rounds.opened
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(opened.wait(), min(wait_s, IDLE_POLL_S))
 
-    def _batch_over(self) -> None:
+    def batch_over(self) -> None:
         self.held_since.clear()
         self.lapses_seen.clear()
 
@@ -210,5 +232,5 @@ class PipelineGuard:
             idle = known is not None and not (self._serves(worker) and self._active(worker, known.stage))
             return math.inf if idle else measured(worker)
         if peer_id not in self.workers.by_id:
-            self._seen(peer_id)
+            self.seen(peer_id)
         return self.workers.assign(peer_id, memory_bytes, samples_per_s, task_s=task_s)

@@ -1,0 +1,47 @@
+"""The relay plugs its features in through one interface (issue 36): the core app names none.
+
+``relay_server/api/app.py`` may name a feature's module only where it lists the features; every
+other use -- routes, public routes, body limits, services, status, the takeover of a core route
+-- goes through :class:`relay_server.api.feature.FeatureSet`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from relay_server.api.app import FEATURES
+from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, FeatureSet
+
+APP = Path(__file__).resolve().parents[1] / "relay_server" / "api" / "app.py"
+FEATURE_MODULES = {"experts_api", "pipeline_api", "evaluation_api"}
+
+
+def test_the_app_names_a_feature_only_in_its_list_of_features() -> None:
+    tree = ast.parse(APP.read_text())
+    listing = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FEATURES")
+    listed = {id(n) for n in ast.walk(listing)}
+    named = sorted(f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Name) and n.id in FEATURE_MODULES and id(n) not in listed)
+    assert not named, "app.py names a feature outside FEATURES:\n" + "\n".join(named)
+    assert {f.name for f in FEATURES.features} == {"moe", "pipeline", "evaluation"}
+
+
+def test_only_the_pipeline_takes_over_core_routes() -> None:
+    taken = {name: f.name for f in FEATURES.features for name in f.takeovers}
+    assert taken == {TICKETED_GRADIENT: "pipeline", SLICE_PARAMS: "pipeline"}
+
+
+async def _handler(request, service):  # pragma: no cover - never called
+    raise AssertionError
+
+
+def test_two_features_may_not_take_over_one_core_route() -> None:
+    one = Feature(name="a", section="a", enabled=lambda config: True, takeovers={TICKETED_GRADIENT: _handler})
+    two = Feature(name="b", section="b", enabled=lambda config: True, takeovers={TICKETED_GRADIENT: _handler})
+    with pytest.raises(ValueError, match="both take over 'ticketed_gradient'"):
+        FeatureSet((one, two))
+    with pytest.raises(ValueError, match="not one of"):
+        FeatureSet((Feature(name="c", section="c", enabled=lambda config: True, takeovers={"params": _handler}),))
