@@ -32,6 +32,7 @@ ONE_CONCEPT: dict[str, set[str]] = {
     "pipeline": {"toolkit/client/pipeline.py", "toolkit/wire/protocol/pipeline.py", "relay_server/api/pipeline.py"},
     "shards": {"toolkit/data/shards.py", "toolkit/wire/protocol/shards.py", "relay_server/api/shards.py"},
     "experts": {"toolkit/moe/experts.py", "relay_server/api/experts.py"},
+    "evaluation": {"relay_server/observers/evaluation.py", "relay_server/api/evaluation.py"},
     "local_sgd": {"toolkit/optimizer/local_sgd.py", "relay_server/rounds/local_sgd.py"},
     "status": {"toolkit/wire/protocol/status.py", "relay_server/collaboration/status.py",
                "relay_server/pipeline/status.py"},
