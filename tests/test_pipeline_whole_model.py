@@ -1,0 +1,101 @@
+"""A pipeline run's versions are whole-model versions: what users load and the relay evaluates.
+
+End to end: a real relay (in this process) and real stage-worker processes train a few batches;
+then ``relay-server export`` writes the latest version as a folder, loaded the way a user loads
+it (``AutoModelForCausalLM.from_pretrained`` for GPT-2, ``build_model`` + ``load_state_dict``
+for the toolkit's model, as the folder's ``collabtrain-model.json`` says), and its logits must
+equal those of the relay's own stages -- each built from its cut and loaded with the slice the
+relay publishes for it -- chained as the workers chain them. And ``[evaluation]`` on a pipeline
+run scores those versions: its records reach ``/api/status``, the dashboard's source.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relay_server.cli import main
+from relay_server.core.config import load_config
+from relay_server.pipeline.model_cut import cut_model
+from tests.support.pipeline import pipeline_overrides
+from tests.support.pipeline_models import GPT2_SPEC, GPT2_VOCAB
+from tests.support.training import relay_params
+from toolkit.models import build_model
+from toolkit.pipeline import build_stage, cut_stages, units_of
+from toolkit.wire.protocol import ModelSpec
+
+RECIPE = Path(__file__).resolve().parent.parent / "relay_server" / "defaults" / "pipeline-tiny.toml"
+STEPS = 2
+
+
+def recipe_overrides() -> dict:
+    """The ``pipeline-tiny`` recipe as shipped, but for its port (the harness picks one) and its
+    fp32 pin (the test's workers join without a device, as they do in tests/test_pipeline.py)."""
+    sections = tomllib.loads(RECIPE.read_text())
+    sections["server"] = {k: v for k, v in sections["server"].items() if k != "port"}
+    sections["run"] = {k: v for k, v in sections["run"].items() if k != "precision"}
+    return sections
+
+
+RUNS = {"pipeline-tiny": recipe_overrides, "gpt2": lambda: pipeline_overrides(GPT2_SPEC, stages=2)}
+
+
+def train(serve_relay, launch_stage_worker, overrides: dict):
+    """Two workers (a stage each) train ``STEPS`` batches; the relay and its published version."""
+    relay = serve_relay(overrides)
+    workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS) for i in range(2)]
+    for worker in workers:
+        assert worker.wait(timeout_s=300) == 0, worker.log_path.read_text()[-3000:]
+    return relay, *relay_params(relay.url, min_step=STEPS)
+
+
+def stages_logits(config, flat, tokens: torch.Tensor) -> torch.Tensor:
+    """The relay's stages, each loaded with its published slice, chained on ``tokens``."""
+    spec = config.model.spec()
+    stages = [build_stage(spec, cut) for cut in cut_stages(units_of(spec), cut_model(config).layers)]
+    for stage in stages:
+        stage.load_flat(flat[stage.cut.start:stage.cut.end])
+        stage.eval()
+    with torch.no_grad():
+        h = tokens
+        for stage in stages:
+            h = stage(h)
+        body = stages[-1].body
+        return body.logits(h) if spec.kind != "transformers" else body.lm_head(body.transformer.ln_f(h))
+
+
+def load_exported(folder: Path) -> torch.nn.Module:
+    """The folder as a user loads it."""
+    if (folder / "config.json").exists():
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = build_model(ModelSpec.from_json(json.loads((folder / "collabtrain-model.json").read_text())))
+    model.load_state_dict(load_file(folder / "model.safetensors"))
+    return model.eval()
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launch_stage_worker, tmp_path, capsys,
+                                                              run):
+    relay, step, flat = train(serve_relay, launch_stage_worker, RUNS[run]())
+    out = tmp_path / "export"
+    assert main(["export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(tmp_path / "relay-data"),
+                 "--out", str(out)]) == 0
+    assert f"version {step} written" in capsys.readouterr().out  # the latest version, not the initial one
+    config = load_config(tmp_path / "relay.toml")
+    model = load_exported(out)
+    vocab = GPT2_VOCAB if config.model.kind == "transformers" else 256
+    tokens = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        exported = model(tokens)
+    exported = exported.logits if hasattr(exported, "logits") else exported
+    expected = stages_logits(config, torch.from_numpy(flat), tokens)
+    assert exported.shape == expected.shape
+    assert float((exported - expected).abs().max()) <= 1e-5
+
