@@ -21,11 +21,13 @@ from safetensors.torch import load_file
 
 from relay_server.cli import main
 from relay_server.core.config import load_config
+from relay_server.observers.eval_model import score, validation_batches
 from relay_server.pipeline.model_cut import cut_model
 from tests.support.pipeline import pipeline_overrides
 from tests.support.pipeline_models import GPT2_SPEC, GPT2_VOCAB
 from tests.support.training import relay_params
 from toolkit.models import build_model
+from toolkit.models.flat import load_flat
 from toolkit.pipeline import build_stage, cut_stages, units_of
 from toolkit.wire.protocol import ModelSpec
 
@@ -99,3 +101,22 @@ def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launc
     assert exported.shape == expected.shape
     assert float((exported - expected).abs().max()) <= 1e-5
 
+
+def test_evaluation_of_a_pipeline_run_reaches_the_status(serve_relay, launch_stage_worker, tmp_path):
+    """``[evaluation]`` on the ``pipeline-tiny`` recipe: the last version's record is in
+    ``/api/status``, and its loss is that of the relay's published parameters of that version,
+    scored here on the same held-out windows."""
+    held_out = tmp_path / "valid.txt"
+    held_out.write_text("Held-out text the stage workers never see, to validate the whole model on.\n" * 8)
+    overrides = {**recipe_overrides(), "evaluation": {"data_files": [str(held_out)], "samples": 4, "batch_size": 2,
+                                                      "seq_len": 32, "every_steps": 1}}
+    relay, step, flat = train(serve_relay, launch_stage_worker, overrides)
+    status = relay.wait_for(lambda s: s["evaluations"] and s["evaluations"][-1]["step"] == step, timeout_s=120,
+                            what=f"version {step} evaluated")
+    record = status["evaluations"][-1]
+    config = load_config(tmp_path / "relay.toml")
+    model = build_model(config.model.spec()).eval()
+    load_flat(model, flat)
+    expected = score(model, validation_batches(config, None), "")
+    assert record["targets"] == expected["targets"] == 4 * 32  # 4 windows of 33 bytes: 32 next bytes each
+    assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5)
