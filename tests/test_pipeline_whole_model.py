@@ -5,8 +5,9 @@ then ``relay-server export`` writes the latest version as a folder, loaded the w
 it (``AutoModelForCausalLM.from_pretrained`` for GPT-2, ``build_model`` + ``load_state_dict``
 for the toolkit's model, as the folder's ``collabtrain-model.json`` says), and its logits must
 equal those of the relay's own stages -- each built from its cut and loaded with the slice the
-relay publishes for it -- chained as the workers chain them. And ``[evaluation]`` on a pipeline
-run scores those versions: its records reach ``/api/status``, the dashboard's source.
+relay publishes for it -- chained as the workers chain them. ``[evaluation]`` on a pipeline run
+scores those versions: its records reach ``/api/status``, the dashboard's source. And Hub
+checkpoints (against tests/hub_standin.py) upload them, and a new pipeline run starts from one.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import json
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from relay_server.cli import main
 from relay_server.core.config import load_config
 from relay_server.observers.eval_model import score, validation_batches
 from relay_server.pipeline.model_cut import cut_model
+from relay_server.observers.hub_checkpoints import INFO_FILE
+from relay_server.observers.pretrained import MODEL_FILE
+from tests.conftest import wait_until
+from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.support.pipeline import pipeline_overrides
-from tests.support.pipeline_models import GPT2_SPEC, GPT2_VOCAB
+from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC, GPT2_VOCAB
 from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.models.flat import load_flat
@@ -120,3 +126,30 @@ def test_evaluation_of_a_pipeline_run_reaches_the_status(serve_relay, launch_sta
     expected = score(model, validation_batches(config, None), "")
     assert record["targets"] == expected["targets"] == 4 * 32  # 4 windows of 33 bytes: 32 next bytes each
     assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+TOKEN = "hf_test_organizer_write_token"  # a fake
+REPO_ID = "organizer/pipeline-ckpt"
+
+
+def test_hub_checkpoints_of_a_pipeline_run_and_a_pipeline_run_from_one(serve_relay, launch_stage_worker, tmp_path,
+                                                                       hub_standin: HubStandin, monkeypatch):
+    """Every version is uploaded as the whole model by name; a new pipeline run with
+    ``hub.init_from`` that commit starts every stage from exactly those parameters."""
+    hub_standin.add_user(TOKEN, "organizer", role="write")
+    monkeypatch.setenv("COLLAB_TEST_HUB_TOKEN", TOKEN)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    hub = {"endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN"}
+    run = pipeline_overrides(BYTE_SPEC, stages=2)
+    relay, step, flat = train(serve_relay, launch_stage_worker, {**run, "hub": {**hub, "repo_id": REPO_ID,
+                                                                                 "every_steps": 1}})
+    wait_until(lambda: any(json.loads(c.files[INFO_FILE])["step"] == step for c in hub_standin.commits(REPO_ID)),
+               120, f"the checkpoint of step {step}")
+    commit = next(c for c in hub_standin.commits(REPO_ID) if json.loads(c.files[INFO_FILE])["step"] == step)
+    named = load(commit.files[MODEL_FILE])
+    model = build_model(BYTE_SPEC)
+    assert np.array_equal(torch.cat([named[name].reshape(-1) for name, _ in model.named_parameters()]).numpy(), flat)
+
+    fresh = serve_relay({**run, "hub": {**hub, "init_from": f"{REPO_ID}@{commit.oid}"}}, name="from-hub")
+    fresh_step, params = relay_params(fresh.url)
+    assert fresh_step == 0 and np.array_equal(params, flat)  # each stage's slice, as the checkpoint holds it
