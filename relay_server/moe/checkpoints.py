@@ -49,11 +49,15 @@ class CheckpointStore:
         return number
 
     def latest(self, uid: str) -> bytes | None:
-        """The newest checkpoint's bytes (None: none yet). Another process may read while the
-        relay saves: a file pruned between listing and reading is skipped for the newer one."""
+        newest = self.newest(uid)
+        return newest[1] if newest is not None else None
+
+    def newest(self, uid: str) -> tuple[int, bytes] | None:
+        """The newest checkpoint's number and bytes (None: none yet). Another process may read
+        while the relay saves: a file pruned between listing and reading is skipped for the newer one."""
         while versions := self.versions(uid):
             try:
-                return (self._dir(uid) / f"{versions[-1]:010d}.safetensors").read_bytes()
+                return versions[-1], (self._dir(uid) / f"{versions[-1]:010d}.safetensors").read_bytes()
             except FileNotFoundError:
                 continue
         return None

@@ -17,7 +17,6 @@ expert from the average, so a version's score depends on its parameters and the 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from pathlib import Path
 
 import torch
@@ -27,36 +26,47 @@ from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from toolkit.moe.calls import ExpertFailed
 from toolkit.moe.experts import build_expert, expert_shapes, restore
 
-log = logging.getLogger(__name__)
-
 
 class RelayExperts:
-    """Every expert of the run, loaded from the relay's checkpoints (:meth:`refresh`)."""
+    """The run's experts as the relay's checkpoints hold them, each built on its first call and
+    reloaded by :meth:`refresh` when a newer checkpoint arrived (the evaluator holds only the
+    experts its validation rows reach, and reads a checkpoint once)."""
 
     def __init__(self, config: RelayConfig) -> None:
-        section = config.moe
-        self.store = CheckpointStore(Path(config.server.data_dir) / CHECKPOINTS_DIR, section.keep_checkpoints)
-        self.shapes = expert_shapes(section.expert)
-        self.experts = {uid: build_expert(section.expert, uid, section.seed).eval() for uid in section.uids()}
-        self.updates: dict[str, int] = {}
-        """uid -> the updates of the checkpoint loaded (absent: the expert's initial weights)."""
+        self.section = config.moe
+        self.store = CheckpointStore(Path(config.server.data_dir) / CHECKPOINTS_DIR, self.section.keep_checkpoints)
+        self.shapes = expert_shapes(self.section.expert)
+        self.uids = frozenset(self.section.uids())
+        self.experts: dict[str, torch.nn.Module] = {}
+        self.loaded: dict[str, int] = {}
+        """uid -> the number of the checkpoint its module holds (absent: its initial weights)."""
 
     def refresh(self) -> None:
-        """Load each expert's newest checkpoint (those the relay holds)."""
+        """Reload the experts built so far whose newest checkpoint is not the one they hold."""
         for uid, module in self.experts.items():
-            body = self.store.latest(uid)
-            if body is not None:
-                self.updates[uid] = restore(module, None, body, self.shapes)
-        log.debug("evaluation experts: %d of %d from checkpoints", len(self.updates), len(self.experts))
+            self._load(uid, module)
+
+    def _expert(self, uid: str) -> torch.nn.Module:
+        module = self.experts.get(uid)
+        if module is None:
+            module = self.experts[uid] = build_expert(self.section.expert, uid, self.section.seed).eval()
+            self._load(uid, module)
+        return module
+
+    def _load(self, uid: str, module: torch.nn.Module) -> None:
+        versions = self.store.versions(uid)
+        if versions and self.loaded.get(uid) != versions[-1] and (newest := self.store.newest(uid)) is not None:
+            restore(module, None, newest[1], self.shapes)
+            self.loaded[uid] = newest[0]
 
     # --- ExpertCaller ---------------------------------------------------------------------------
     def live(self) -> frozenset[str]:
-        return frozenset(self.experts)
+        return self.uids
 
     def forward(self, uid: str, x: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
         future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
         with torch.no_grad():
-            future.set_result(self.experts[uid](x))
+            future.set_result(self._expert(uid)(x))
         return future
 
     def backward(self, uid: str, x: torch.Tensor, grad_y: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
