@@ -40,7 +40,6 @@ from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.status import pipeline_status
-from relay_server.pipeline.whole_model import write_whole_version
 from relay_server.pipeline.workers import Workers
 from relay_server.rounds.master import lr_at
 from relay_server.rounds.store import RoundLog
@@ -203,7 +202,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
     cut = await asyncio.to_thread(cut_model, config)
     resume = collab.store.latest_step() if collab.store.get_meta("manifest") else None
     owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codecs, collab.master.flat.numpy(),
-                                     cut.cuts, resume)
+                                     cut.cuts, resume, collab.store)
     root = Path(config.server.data_dir)
 
     def publish(published: Published, loss_sum: float, samples: int, elapsed: float, grad_norm: float,
@@ -212,8 +211,6 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
                           duration_s=elapsed, deadline_s=0.0, finalized_by="pipeline",
                           lr=lr_at(published.step - 1, config.optimizer, config.run.total_steps), grad_norm=grad_norm,
                           samples=samples)
-        state_path = write_whole_version(collab.store, owners.owners, owners.num_params, published.step,
-                                         config.run.name, config.server.fsync)  # export, [evaluation], [hub]
         collab.store.commit(published.step, published.sha256, record, {"manifest": published.manifest.dumps().decode()})
         collab.backbone.board.publish(published)
         if collab.leaderboard is not None:
@@ -221,7 +218,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         if collab.observers.observers:
             status = collab.status()
             collab.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
-                                               state_path=state_path))
+                                               state_path=owners.whole_path))
 
     broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
                         lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,
