@@ -240,7 +240,6 @@ def relay_step_when(worker) -> int:
     ({"model": {"factory": "toolkit.models:ByteTransformer", "kwargs": {"d_model": 32, "n_layer": 4, "n_head": 2}}},
      "tie_embeddings"),
     ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
-    ({"hub": {"repo_id": "someone/run"}}, "hub.repo_id"),
 ])
 def test_configuration_mistakes_end_in_one_line_before_anything_is_created(tmp_path, change, names):
     """Each mistake is one ConfigError naming the setting, raised while the configuration loads
@@ -281,14 +280,3 @@ def test_a_relay_restart_resumes_every_stage(start_relay, launch_stage_worker):
     assert relative_difference(final, replay(BYTE_SPEC, initial, batches, steps=step,
                                              microbatches=MICROBATCHES)) <= 1e-5
 
-
-def test_evaluation_of_a_pipeline_run_is_refused_in_one_line(tmp_path):
-    """No whole-model version file exists on a pipeline run: [evaluation] says so at load time."""
-    held_out = tmp_path / "valid.txt"
-    held_out.write_text("held-out text\n" * 20)
-    config = merged({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES),
-                     "evaluation": {"data_files": [str(held_out)]}})
-    config["server"] = {**config["server"], "data_dir": str(tmp_path / "data")}
-    with pytest.raises(ConfigError, match=r"evaluation is not supported for \[pipeline\] runs"):
-        load_config(write_config(tmp_path / "relay.toml", config)).validate()
-    assert not (tmp_path / "data").exists()

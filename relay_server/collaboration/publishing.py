@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 from relay_server.backbone.coordinator import Backbone
 from relay_server.backbone.slicing import Published
@@ -47,11 +48,12 @@ class AfterPublish:
         self.backbone.after_publish(published)
 
     async def step(self, published: Published, record: RoundLog, samples: int, *, committed: bool = False,
-                   bookkeeping: Callable[[], None] = lambda: None) -> None:
+                   bookkeeping: Callable[[], None] = lambda: None, state_path: Path | None = None) -> None:
         """A new step, applied: commit (unless ``committed``: the single relay's reducer thread
         commits with the version file it writes), publish, credit ``record``'s contributions,
         count ``samples``, run the publisher's ``bookkeeping``, then the observers' step event
-        (its status already shows the bookkeeping: the next round open, the deadline moved)."""
+        (its status already shows the bookkeeping: the next round open, the deadline moved), with
+        the whole model's file at ``state_path`` (default: the version's own)."""
         if committed:
             self.announce(published)
         else:
@@ -61,6 +63,6 @@ class AfterPublish:
         bookkeeping()
         if self.observers.observers:
             status = self.status()
-            path = published.version.path if published.version else None
+            path = state_path or (published.version.path if published.version else None)
             self.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
                                              state_path=path))

@@ -113,9 +113,6 @@ class RelayConfig:
              "optimizer.schedule linear/cosine needs run.total_steps > 0"),
             (not (self.hub.init_from and self.model.init_checkpoint),
              "set only one of model.init_checkpoint and hub.init_from"),
-            (not (self.pipeline.enabled and (self.hub.repo_id or self.hub.init_from)),
-             "hub.repo_id / hub.init_from: Hub checkpoints of [pipeline] runs are not supported yet (each stage "
-             "keeps its own version files): clear them, or train without [pipeline]"),
             (not (self.pipeline.enabled and self.run.compression.startswith("topk2-")),
              f"run.compression = {self.run.compression!r}: pipeline stages upload their gradients without "
              "error feedback, so a sparse codec would drop most of each; use none, float16 or int8 with [pipeline]"),

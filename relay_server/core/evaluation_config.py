@@ -110,12 +110,6 @@ def check_evaluation(config: Any, tokenizer_json: bytes | None) -> None:
     if not section.enabled:
         return
     objective = (config.objective or {}).get("name", "")
-    if config.moe.enabled:
-        raise ConfigError("evaluation is not supported for [moe] runs (experts live on volunteers): remove "
-                          "[evaluation] data_files")
-    if config.pipeline.enabled:
-        raise ConfigError("evaluation is not supported for [pipeline] runs yet (each stage keeps its own version "
-                          "files; nothing holds the whole model): remove [evaluation] data_files")
     if objective not in SUPPORTED_OBJECTIVES and not (config.model.kind == "toolkit" and
                                                       config.model.factory == BYTE_MODEL):
         raise ConfigError(f"evaluation needs an [objective] ({', '.join(SUPPORTED_OBJECTIVES)}) or the model "

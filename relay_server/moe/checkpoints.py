@@ -14,6 +14,9 @@ import re
 from pathlib import Path
 
 _NAME = re.compile(r"(\d{10})\.safetensors")
+CHECKPOINTS_DIR = "experts"
+"""Where under ``server.data_dir`` the relay keeps them (read also by ``[evaluation]``:
+:mod:`relay_server.observers.eval_experts`)."""
 
 
 class CheckpointStore:
@@ -46,5 +49,15 @@ class CheckpointStore:
         return number
 
     def latest(self, uid: str) -> bytes | None:
-        versions = self.versions(uid)
-        return (self._dir(uid) / f"{versions[-1]:010d}.safetensors").read_bytes() if versions else None
+        newest = self.newest(uid)
+        return newest[1] if newest is not None else None
+
+    def newest(self, uid: str) -> tuple[int, bytes] | None:
+        """The newest checkpoint's number and bytes (None: none yet). Another process may read
+        while the relay saves: a file pruned between listing and reading is skipped for the newer one."""
+        while versions := self.versions(uid):
+            try:
+                return versions[-1], (self._dir(uid) / f"{versions[-1]:010d}.safetensors").read_bytes()
+            except FileNotFoundError:
+                continue
+        return None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from relay_server.core.errors import ApiError
 from relay_server.core.moe_config import MoeSection
-from relay_server.moe.checkpoints import CheckpointStore
+from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from relay_server.moe.directory import ExpertDirectory
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.store import PayloadStore
@@ -59,7 +59,7 @@ class Experts:
         return cls(config=cfg, directory=ExpertDirectory(cfg.uids()),
                    broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
                                      max_queued_rows=cfg.max_queued_rows, clock=clock),
-                   checkpoints=CheckpointStore(data_dir / "experts", cfg.keep_checkpoints),
+                   checkpoints=CheckpointStore(data_dir / CHECKPOINTS_DIR, cfg.keep_checkpoints),
                    shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec),
                    live_peers=live_peers)
 

@@ -1,7 +1,8 @@
 """Observers of published steps, fed on their own thread so a slow upload never delays a round:
 W&B (:mod:`.wandb_observer`), Hub checkpoints (:mod:`.hub_checkpoints`) and held-out evaluation
-(:mod:`.evaluation`, scoring in a process of its own with :mod:`.eval_model`); the event and the
-delivery thread are in :mod:`.events`. May import :mod:`relay_server.core` and
+(:mod:`.evaluation`, scoring in a process of its own with :mod:`.eval_model`, a ``[moe]`` run's
+experts from the relay's checkpoints with :mod:`.eval_experts`); the event and the delivery
+thread are in :mod:`.events`. May import :mod:`relay_server.core`, :mod:`relay_server.moe` and
 :mod:`relay_server.rounds`."""
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ only because the model did. The metric is the mean cross-entropy per target:
 * causal-LM: over the next tokens (labels shifted by one, padding ignored); perplexity;
 * classification: over the rows' labels (plus accuracy);
 * the byte-level demo model (no ``[objective]``): over next bytes of packed UTF-8 windows.
+
+The model is the run's whole model (``model.spec()``): a pipeline run's versions are its stages
+assembled (:mod:`relay_server.pipeline.whole_model`), and a ``[moe]`` run's dense version calls
+the relay's copies of its experts (:mod:`.eval_experts`).
 """
 
 from __future__ import annotations
@@ -135,11 +139,19 @@ class VersionScorer:
         self.objective = objective.name if objective is not None else ""
         self.tokenizer = run_tokenizer(config)
         self.model = build_own_model(config.model.spec()).eval()
+        self.experts = None
+        if config.moe.enabled:  # the flat vector is the dense part: the experts are the relay's copies
+            from relay_server.observers.eval_experts import RelayExperts
+
+            self.experts = RelayExperts(config)
+            self.model.attach_caller(self.experts)
         self.batches = validation_batches(config, self.tokenizer)
 
     def evaluate(self, step: int, flat: torch.Tensor) -> EvalRecord:
         started = time.monotonic()
         load_flat(self.model, flat)
+        if self.experts is not None:
+            self.experts.refresh()
         metrics = score(self.model, self.batches, self.objective)
         samples = [self.answer(prompt) for prompt in self.section.prompts]
         return EvalRecord(step=step, **metrics, duration_s=time.monotonic() - started, samples=samples)

@@ -39,8 +39,8 @@ class PipelinePublisher:
     """A batch's step, recorded as the pipeline's round and sent through the relay's one
     after-publish sequence (:class:`relay_server.collaboration.publishing.AfterPublish`)."""
 
-    def __init__(self, config: RelayConfig, after_publish: AfterPublish) -> None:
-        self.config, self.after_publish = config, after_publish
+    def __init__(self, config: RelayConfig, after_publish: AfterPublish, owners: StageOwners) -> None:
+        self.config, self.after_publish, self.owners = config, after_publish, owners
 
     async def __call__(self, batch: BatchOutcome) -> None:
         record = RoundLog(contributions=batch.contributions,
@@ -48,7 +48,8 @@ class PipelinePublisher:
                           duration_s=batch.elapsed_s, deadline_s=0.0, finalized_by="pipeline",
                           lr=lr_at(batch.published.step - 1, self.config.optimizer, self.config.run.total_steps),
                           grad_norm=batch.grad_norm, samples=batch.samples)
-        await self.after_publish.step(batch.published, record, batch.samples)
+        # the whole model the stages' finalize wrote: what export, evaluation and Hub checkpoints read
+        await self.after_publish.step(batch.published, record, batch.samples, state_path=self.owners.whole_path)
 
 
 class PipelineService:
@@ -68,7 +69,7 @@ class PipelineService:
         cut = await asyncio.to_thread(cut_model, config)
         resume = collab.store.latest_step() if collab.store.get_meta("manifest") else None
         owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codecs, collab.master.flat.numpy(),
-                                         cut.cuts, resume)
+                                         cut.cuts, resume, collab.store)
         broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
                             lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,
                             clock=collab.loop_clock)  # leases count on the relay's clock: a stall expires none
@@ -80,7 +81,7 @@ class PipelineService:
                             boundaries=Boundaries(cfg.boundary_memory_mb << 20, Path(config.server.data_dir) / "boundaries"),
                             workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes(), sticky=cfg.dispatch == "static"),
                             planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
-                            ticket_key=collab.backbone.ticket_key, publish=PipelinePublisher(config, collab.after_publish),
+                            ticket_key=collab.backbone.ticket_key, publish=PipelinePublisher(config, collab.after_publish, owners),
                             clock=collab.loop_clock)
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
         collab.backbone.board.publish(owners.published())

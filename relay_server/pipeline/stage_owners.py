@@ -7,7 +7,8 @@ SGD per stage, the master on the server and no optimizer state on workers), vers
 downloads whole or as a delta and checks against the relay-signed manifest. A pipeline round is a
 sliced round in which each worker uploads only its own stage's slice. Each stage keeps its version
 files in its own store (``data_dir/stages/<k>``), so a restart resumes every stage at the step the
-relay committed last.
+relay committed last; every step is also written whole into the relay's own store
+(:mod:`.whole_model`), off the event loop like the stages' commits, for what reads a run's versions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import Owner, Published, manifest_version
 from relay_server.core.config import RelayConfig
+from relay_server.pipeline.whole_model import write_whole_version
 from relay_server.rounds.reducer import robust_config
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import RunCodecs
@@ -33,8 +35,12 @@ PLAN_VERSION = "pipeline"
 
 class StageOwners:
     def __init__(self, config: RelayConfig, layout: list[ParamSpec], codecs: RunCodecs, params: np.ndarray,
-                 cuts: list[tuple[int, int]], resume_step: int | None) -> None:
+                 cuts: list[tuple[int, int]], resume_step: int | None, whole_store: Store) -> None:
+        """``whole_store``: the relay's own store, where each step's whole model goes."""
         self.config, self.cuts, self.num_params = config, cuts, int(params.size)
+        self.whole_store = whole_store
+        self.whole_path: Path | None = None
+        """The whole model's file of the step :meth:`finalize` last wrote (observers read it)."""
         data_dir = Path(config.server.data_dir) / "stages"
         self.stores = [Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
                        for k in range(len(cuts))]
@@ -79,8 +85,8 @@ class StageOwners:
 
     async def finalize(self, step: int, round_id: str) -> tuple[Published, float, list[int]]:
         """Every stage applies its optimizer to the mean of its round (clipping by the global
-        norm over all stages when the run clips); the new manifest, that norm and the samples
-        each stage's round counted."""
+        norm over all stages when the run clips) and the whole model is written (:attr:`whole_path`);
+        the new manifest, that norm and the samples each stage's round counted."""
         clip = self.config.optimizer.clip_grad_norm > 0
         global_norm = None
         if clip:
@@ -93,5 +99,8 @@ class StageOwners:
             log.error("step %d: stage(s) %s refused their step (it would have been non-finite)", step + 1, refused)
         for store, (version, _, _) in zip(self.stores, done):
             await asyncio.to_thread(store.commit, version.step, version.sha256)
+        # before the relay commits the step (the caller): a committed step always has its file
+        self.whole_path = await asyncio.to_thread(write_whole_version, self.whole_store, self.owners, self.num_params,
+                                                  done[0][0].step, self.config.run.name, self.config.server.fsync)
         norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))
         return self.published(), norm, [sum(r.received.values()) for _, r, _ in done]
