@@ -59,7 +59,8 @@ from toolkit.corpus import demo_paragraphs  # noqa: E402
 from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, objective_batches  # noqa: E402
 from toolkit.models import ByteTransformer, DMoEByteLM  # noqa: E402
 from toolkit.models.flat import load_flat  # noqa: E402
-from toolkit.moe import LoopbackCaller, payloads  # noqa: E402
+from toolkit.moe import LoopbackCaller  # noqa: E402
+from toolkit.wire import payloads  # noqa: E402
 
 HELD_OUT = 0.1
 """The fraction of the shipped paragraphs kept for validation (the last ones)."""

@@ -22,8 +22,7 @@ import torch
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from tests.conftest import REPO, wait_until
 from tests.support.evaluation import VALIDATION
-from tests.support.moe import MOE, UIDS, directory, start_host, stop
-from tests.test_moe_lm import lm_run
+from tests.support.moe import MOE, UIDS, directory, lm_run, start_host, stop
 from toolkit.moe.experts import build_expert, checkpoint_of
 
 STEPS = 3
@@ -45,12 +44,16 @@ def reference_loss(config_path: str, state_path: str) -> float:
     """(In a separate process.) The version's dense parameters and the relay's expert checkpoints
     as a decoder with local mixtures, scored on the run's validation batches."""
     from relay_server.core.config import load_config
-    from relay_server.observers.eval_model import run_tokenizer, score, validation_batches
+    from relay_server.observers.eval_model import (
+        run_tokenizer,
+        score,
+        validation_batches,
+    )
     from relay_server.observers.pretrained import master_params
     from tests.test_moe_lm import local_reference
     from toolkit.models import build_model
     from toolkit.models.flat import load_flat
-    from toolkit.moe import payloads
+    from toolkit.wire import payloads
 
     config = load_config(config_path)
     model = build_model(config.model.spec())

@@ -15,28 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, wait_until
-
+from tests.conftest import REPO, wait_until
+from tests.dmoe_lm_trainer import lm_batches
+from tests.support.moe import LM_KWARGS as KWARGS
+from tests.support.moe import LM_LR as LR
+from tests.support.moe import directory, lm_run, start_host, stop
 from tests.support.processes import merged, write_config
-from tests.dmoe_lm_trainer import BATCH, SEQ_LEN, lm_batches
-from tests.support.moe import MOE, directory, start_host, stop
 from tests.support.training import relay_params
 from toolkit.models import ByteTransformer, DMoEByteLM, loss_of
 from toolkit.models.flat import load_flat
-from toolkit.moe import LocalMixtureOfExperts, LoopbackCaller, payloads
-
-LR = 0.05
-KWARGS = {"vocab_size": DEMO_TOKENIZER_VOCAB, "seq_len": SEQ_LEN, "hidden": 8, "heads": 2, "layers": 2, "grid": [2, 2],
-          "k": 2, "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
-
-
-def lm_run(steps: int, tokenizer: Path) -> dict:
-    """A causal-LM run of :data:`KWARGS` over [moe] ``MOE`` (2 layers of 2x2 FFN experts, d 8),
-    SGD everywhere, one micro-batch per step."""
-    return {"model": {"factory": "toolkit.models:DMoEByteLM", "kwargs": KWARGS}, "moe": MOE,
-            "tokenizer": {"file": str(tokenizer)}, "objective": {"name": "causal-lm", "seq_len": SEQ_LEN},
-            "run": {"target_batch": BATCH, "max_staleness": 0, "total_steps": steps},
-            "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
+from toolkit.moe import LocalMixtureOfExperts, LoopbackCaller
+from toolkit.wire import payloads
 
 
 def local_reference(model: DMoEByteLM, experts: dict[str, torch.nn.Module]) -> ByteTransformer:

@@ -15,7 +15,9 @@ import numpy as np
 import torch
 
 from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
-from tests.conftest import REPO, wait_until
+from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, wait_until
+from tests.dmoe_lm_trainer import BATCH as LM_BATCH
+from tests.dmoe_lm_trainer import SEQ_LEN
 from tests.moe_trainer import BATCH, IN_FEATURES, batches
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
@@ -103,3 +105,18 @@ def one_process_reference(initial: np.ndarray, steps: int) -> tuple[np.ndarray, 
             model.loss(batch).backward()
             dense.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy(), experts
+
+
+# The DMoE language model run (tests/test_moe_lm.py, tests/test_moe_evaluation.py)
+LM_LR = 0.05
+LM_KWARGS = {"vocab_size": DEMO_TOKENIZER_VOCAB, "seq_len": SEQ_LEN, "hidden": 8, "heads": 2, "layers": 2,
+             "grid": [2, 2], "k": 2, "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
+
+
+def lm_run(steps: int, tokenizer: Path) -> dict:
+    """A causal-LM run of :data:`LM_KWARGS` over [moe] ``MOE`` (2 layers of 2x2 FFN experts, d 8),
+    SGD everywhere, one micro-batch per step."""
+    return {"model": {"factory": "toolkit.models:DMoEByteLM", "kwargs": LM_KWARGS}, "moe": MOE,
+            "tokenizer": {"file": str(tokenizer)}, "objective": {"name": "causal-lm", "seq_len": SEQ_LEN},
+            "run": {"target_batch": LM_BATCH, "max_staleness": 0, "total_steps": steps},
+            "optimizer": {"name": "sgd", "lr": LM_LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
