@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import multiprocessing.process
 import socket
 import subprocess
 import sys
@@ -30,6 +31,36 @@ from tests.support.processes import (REPO, AggregatorProcess, PeerProcess, Relay
 pytest_plugins = ["tests.hf_standin"]  # the `hf_standin` fixture: a local stand-in for the HF Hub API
 
 PEER_WORKER = Path(__file__).resolve().parent / "peer_worker.py"
+
+# Fixtures that start a process or a server: a test using one is an integration test.
+INTEGRATION_FIXTURES = frozenset({
+    "start_nginx", "start_relay", "serve_relay", "start_aggregators", "launch_peer", "launch_stage_worker",
+    "web_page", "hub", "hf_standin", "relay_factory", "demo_tokenizer", "browser_page"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``integration`` every test that starts a process or a server (by the fixtures above,
+    or by a ``browser``/``netns`` mark); modules that start them inline say ``pytestmark =
+    pytest.mark.integration``. ``python -m pytest -m "not integration"`` is then the fast tier
+    CONTRIBUTING.md names, and :func:`_unit_tests_start_nothing` keeps the marks honest."""
+    for item in items:
+        if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+                item.get_closest_marker(m) for m in ("browser", "netns")):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test not marked ``integration`` that starts a process or listens on a socket fails at
+    once, naming the fix: the fast tier stays fast because it cannot start anything."""
+    if request.node.get_closest_marker("integration") is None:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(f"{request.node.nodeid} starts a process or a server: mark it integration "
+                               "(pytestmark = pytest.mark.integration, or use a fixture of INTEGRATION_FIXTURES)")
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        monkeypatch.setattr(socket.socket, "listen", refuse)
+    yield
 
 
 @pytest.fixture

@@ -10,7 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
 
 def test_allreduce_benchmark_smallest_setting_reports_the_round_and_the_checked_floor() -> None:

@@ -164,6 +164,7 @@ def test_bad_requests_get_4xx_json_and_leave_the_round_untouched(relay):
     np.testing.assert_allclose(after_params, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("failure", ["peer_dies_mid_upload", "nan_in_second_chunk"])
 def test_an_upload_that_stops_midway_counts_for_nothing(tmp_path, failure):
     """Issue 17: a contribution counts whole or not at all. An upload cut off (or refused for a

@@ -17,6 +17,8 @@ import pytest
 from relay_server.cli import build_parser, main, version
 from relay_server.core.config import ConfigError, load_config
 
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -434,6 +434,7 @@ def test_delta_encoder_rejects_shape_mismatch() -> None:
 
 
 # --- packaging --------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_codec_module_does_not_import_torch() -> None:
     code = "import sys, toolkit.wire.compression; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from relay_server.core.data_lock import LOCK_FILE
 from tests.support.processes import AggregatorProcess, RelayProcess
 
@@ -70,6 +72,7 @@ def test_a_second_relay_on_one_data_dir_refuses_and_touches_nothing(start_relay,
     assert json.loads((relay.data_dir / LOCK_FILE).read_text())["pid"] == relay.proc.pid
 
 
+@pytest.mark.integration
 def test_export_of_a_directory_without_a_relay_writes_nothing_there(tmp_path: Path) -> None:
     """A read-only command pointed at the wrong directory says so and leaves it as it was (it
     used to create a database and a state folder in it)."""

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
+
 REPO = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s+loss (\S+)")
 APPLIED = re.compile(r"\(applied (\d+) of target \d+ samples from \d+ peers")

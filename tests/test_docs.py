@@ -137,6 +137,7 @@ def bash_error(body: str) -> str:
     return "" if done.returncode == 0 else done.stderr or f"bash -n exited {done.returncode}"
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_every_runnable_shell_block_parses() -> None:
     for page, language, body in runnable_blocks():
@@ -151,6 +152,7 @@ def test_every_runnable_python_block_parses() -> None:
             ast.parse(body, filename=f"{page.relative_to(REPO)} (runnable block)")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_a_malformed_shell_block_is_caught() -> None:
     assert bash_error("echo 'unclosed\n")

@@ -34,6 +34,8 @@ from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.wire.protocol import PlanInfo, RoundRecord, StatusReport
 
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
+
 TOKEN = "hf_test_organizer_write_token"  # a fake; the test checks it never reaches a log
 REPO_ID = "organizer/collab-ckpt"
 MODEL = BASE_CONFIG["model"]

@@ -59,6 +59,7 @@ def said(code: str, **fields: object) -> list[str]:
 
 
 # --- the wheel -------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_the_wheel_is_byte_for_byte_reproducible_and_complete(tmp_path: Path) -> None:
     name, data = build_wheel_bytes()
     assert build_wheel_bytes() == (name, data)
@@ -189,6 +190,7 @@ def test_a_run_with_eight_bit_inner_state_has_its_notebook_install_bitsandbytes(
     assert "Provides-Extra: peer8bit" in metadata and 'bitsandbytes>=0.50; extra == "peer8bit"' in metadata
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("extras", ['hf"; import os; os.system("x")  #', "hf,", "HF", "hf peer8bit", 7])
 def test_extras_that_are_not_extra_names_never_reach_the_cell(extras) -> None:
     """The extras are written into the cell's Python source: anything but comma-separated
@@ -370,6 +372,7 @@ def stopped_with(nb: nbformat.NotebookNode, error: CellExecutionError | None, li
     assert not code_cells(nb)[1].outputs  # the cells below did not run
 
 
+@pytest.mark.integration
 def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_contributes(
         generated: GeneratedRun) -> None:
     nb, error = execute(generated)
@@ -383,6 +386,7 @@ def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_
     assert [e["samples"] for e in status(generated.relay_url)["leaderboard"]] == [MAX_STEPS * TINY_LM["run"]["target_batch"]]
 
 
+@pytest.mark.integration
 def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_hash_message(
         generated: GeneratedRun) -> None:
     original = generated.wheel.read_bytes()
@@ -397,6 +401,7 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
         ": nothing was installed" in error.evalue
 
 
+@pytest.mark.integration
 def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(generated: GeneratedRun,
                                                                              closed_url: str) -> None:
     down = closed_url  # COLLAB_RELAY_URL overrides the notebook's relay
@@ -414,6 +419,7 @@ def test_a_web_page_stops_the_cell_saying_it_is_not_a_relay(generated: Generated
                                    "relay's JSON: is this a collabtrain relay?\nWhat to do: Check the relay URL")
 
 
+@pytest.mark.integration
 def test_a_relay_address_with_a_path_says_which_address_to_use(generated: GeneratedRun) -> None:
     wrong = generated.relay_url + "/dashboard"
     nb, error = execute(generated, wrong)
@@ -422,6 +428,7 @@ def test_a_relay_address_with_a_path_says_which_address_to_use(generated: Genera
                                    f"{generated.relay_url}"), error.evalue
 
 
+@pytest.mark.integration
 def test_a_finished_run_stops_the_cell_before_pip(generated: GeneratedRun, finished_relay: str) -> None:
     nb, error = execute(generated, finished_relay)
     stopped_with(nb, error, said("run_finished", run="demo-byte-lm", step=1))
@@ -429,6 +436,7 @@ def test_a_finished_run_stops_the_cell_before_pip(generated: GeneratedRun, finis
                                    "left to contribute\nWhat to do: Nothing to do here: ask the organizer")
 
 
+@pytest.mark.integration
 def test_a_failed_install_is_one_line_with_pips_output_in_a_named_file(generated: GeneratedRun) -> None:
     """A wheel name the relay does not serve (an old notebook after the relay's upgrade)."""
     pin = fetch_pin(generated.relay_url)
@@ -444,6 +452,7 @@ def test_a_failed_install_is_one_line_with_pips_output_in_a_named_file(generated
     stopped_with(nb, error, [what, todo])
 
 
+@pytest.mark.integration
 def test_a_machine_without_torch_gets_the_cpu_build(generated: GeneratedRun, tmp_path: Path) -> None:
     """The cell run as a script by a Python without torch (nor pip, so nothing is downloaded):
     it asks pip for the CPU build, and says in one line that pip could not."""
@@ -459,6 +468,7 @@ def test_a_machine_without_torch_gets_the_cpu_build(generated: GeneratedRun, tmp
     assert todo.startswith("What to do: Check this notebook's internet access")
 
 
+@pytest.mark.integration
 def test_the_shipped_template_installs_nothing_and_says_where_the_runs_notebook_comes_from(tmp_path: Path) -> None:
     bare = tmp_path / "bare"  # no collabtrain and no dependencies: the cell stops before needing any
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)

@@ -170,6 +170,7 @@ def check_log(relay: RelayProcess, stalls: int) -> None:
     assert "event loop stalled" in text, text[-3000:]  # the report saw them
 
 
+@pytest.mark.integration
 def test_a_gradient_that_waited_out_a_stall_still_makes_its_round(tmp_path: Path) -> None:
     """A round with a 2 s window and the relay's loop blocked 3 s as the gradient arrives: on the
     wall clock the window closed before the upload was read; on the relay's clock it did not. The
@@ -193,6 +194,7 @@ def test_a_gradient_that_waited_out_a_stall_still_makes_its_round(tmp_path: Path
     assert first["step"] == 1 and first["finalized_by"] == "all_arrived", first
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_dmoe_run_through_a_stalling_relay_fails_no_call_and_stays_exact(tmp_path: Path) -> None:
     """Expert calls with 2 s deadlines, the relay's loop blocked 3 s in the middle of calls: on

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
 SUMMARY_KEYS = {"bytes_ratio", "loss_gap", "shaped_speedup", "busy_fraction", "down_bits_per_param", "bars",
                 "variants", "best", "refused", "shaped", "models"}

@@ -148,6 +148,7 @@ def test_each_model_mistake_is_one_line_before_anything_is_created(case: str, tm
     assert len(line) < 400, f"one readable line, not {len(line)} characters"
 
 
+@pytest.mark.integration
 def test_a_refusal_from_a_real_relay_server_process_is_one_line(tmp_path: Path, tokenizer_file: Path) -> None:
     """The cases above run the CLI's ``main`` in this process; one runs as the organizer does, a
     ``relay-server serve`` process, whose terminal shows the same one line and nothing else."""
@@ -174,6 +175,7 @@ def test_a_correct_run_with_the_same_pieces_loads(tmp_path: Path, tokenizer_file
         assert config.model.kind == "transformers"
 
 
+@pytest.mark.integration
 def test_a_run_without_transformers_models_never_imports_it() -> None:
     """transformers stays optional: checking the toolkit's own model does not import it."""
     code = ("import sys; from relay_server.core.config import load_config; config = load_config(None, env={}); "

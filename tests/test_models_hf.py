@@ -70,6 +70,7 @@ def test_only_automodel_classes_are_architectures(architecture: str) -> None:
         build_model(spec(architecture, GPT2))
 
 
+@pytest.mark.integration
 def test_own_module_needs_the_volunteers_opt_in_and_is_not_imported_before(tmp_path: Path) -> None:
     """A run naming an organizer's package the volunteer did not opt into is refused before the
     package is imported (its import side effect never happens); with the opt-in it builds."""

@@ -156,6 +156,7 @@ def _serve(config, scenario) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.integration
 def test_a_flood_from_one_address_gets_429_and_nothing_else_does(tmp_path: Path) -> None:
     limits = {"exempt_loopback": False, "observe_per_s": 1.0, "observe_burst": 5.0}
 
@@ -175,6 +176,7 @@ def test_a_flood_from_one_address_gets_429_and_nothing_else_does(tmp_path: Path)
     _serve(_config(tmp_path, limits=limits), scenario)
 
 
+@pytest.mark.integration
 def test_behind_a_local_proxy_each_client_has_its_own_bucket(tmp_path: Path) -> None:
     """Default settings, as in docs/organizer.md's Caddy/nginx setup: every request arrives from
     loopback, the proxy's X-Forwarded-For names the client."""
@@ -188,6 +190,7 @@ def test_behind_a_local_proxy_each_client_has_its_own_bucket(tmp_path: Path) -> 
     _serve(_config(tmp_path, limits={"observe_per_s": 0.01, "observe_burst": 5.0}), scenario)
 
 
+@pytest.mark.integration
 def test_an_address_that_keeps_failing_auth_is_refused_before_verification(tmp_path: Path) -> None:
     limits = {"exempt_loopback": False, "auth_failures_per_s": 0.01, "auth_failures_burst": 3.0}
     auth = {"mode": "hf", "allow_users": ["alice"], "hf_endpoint": "http://127.0.0.1:9"}
@@ -207,6 +210,7 @@ def test_an_address_that_keeps_failing_auth_is_refused_before_verification(tmp_p
     _serve(_config(tmp_path, limits=limits, auth=auth), scenario)
 
 
+@pytest.mark.integration
 def test_limits_can_be_turned_off(tmp_path: Path) -> None:
     async def scenario(client: TestClient, data_dir: Path) -> None:
         assert {(await client.get("/api/status")).status for _ in range(30)} == {200}

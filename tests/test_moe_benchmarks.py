@@ -61,6 +61,7 @@ def _echo_server() -> tuple[socket.socket, int]:
     return server, server.getsockname()[1]
 
 
+@pytest.mark.integration
 def test_the_latency_proxy_forwards_every_byte_in_order_and_counts_them() -> None:
     server, port = _echo_server()
     sent = bytes(range(256)) * 1000  # 256,000 bytes, several chunks

@@ -45,6 +45,7 @@ def _leftovers(tag: str) -> list[str]:
     return [line for line in (names + links).splitlines() if f"ct{tag}" in line or f"ctbr{tag}" in line]
 
 
+@pytest.mark.integration
 def test_hosts_reach_each_other_only_through_their_links_and_are_removed() -> None:
     star = Star()
     a, b = star.add("a", 50), star.add("b", 20, download_mbit=40)

@@ -135,6 +135,7 @@ def execute(name: str, home: Path, kernel_specs: KernelSpecManager,
 # environment overrides here: the default suite executes one of them, -m slow all four.
 @pytest.mark.parametrize("name", [name if name == "colab" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in NOTEBOOKS])
+@pytest.mark.integration
 def test_notebook_runs_headless_and_contributes(name: str, tmp_path: Path, kernel_specs: KernelSpecManager) -> None:
     run = execute(name, tmp_path, kernel_specs)
     cell = code_cells(run.notebook)[0]
@@ -157,6 +158,7 @@ def test_notebook_runs_headless_and_contributes(name: str, tmp_path: Path, kerne
     assert FAKE_TOKEN not in text
 
 
+@pytest.mark.integration
 def test_the_same_cell_joins_a_local_sgd_run(tmp_path: Path, kernel_specs: KernelSpecManager) -> None:
     """Nothing new to type in the low-bandwidth mode: the cell's ``join()`` runs the inner loop and
     the outer rounds by itself, and the relay's books agree with what the notebook says it gave."""

@@ -159,6 +159,7 @@ class RecordingPanel:
         self.closed += 1
 
 
+@pytest.mark.integration
 def test_join_twice_in_one_process_leaves_no_thread_and_measures_the_first_contribution(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)

@@ -66,6 +66,7 @@ def test_a_failing_wandb_init_leaves_training_alone(offline_wandb: Path, monkeyp
     assert isinstance(run, NullRun) and "entity team not found" in caplog.text
 
 
+@pytest.mark.integration
 def test_offline_run_holds_one_row_per_global_step(offline_wandb: Path) -> None:
     run = open_wandb_run(WandbTarget(project="collab-test"), name="alice", group="demo-byte-lm",
                          config={"peer_id": "abc"})
@@ -89,6 +90,7 @@ def test_offline_run_holds_one_row_per_global_step(offline_wandb: Path) -> None:
     assert "first_contribution_s" not in rows[0] and rows[1]["first_contribution_s"] == 1.25
 
 
+@pytest.mark.integration
 def test_join_logs_the_volunteers_run_named_by_peer_in_open_mode(offline_wandb: Path, tmp_path: Path) -> None:
     with running_relay(tmp_path) as relay:
         result = join(relay.url, max_steps=2, panel="none", peer_name="volunteer-7", wandb_project="collab-test")
@@ -102,6 +104,7 @@ def test_join_logs_the_volunteers_run_named_by_peer_in_open_mode(offline_wandb: 
     assert all(r["local_loss"] > 0 for r in rows)
 
 
+@pytest.mark.integration
 def test_wandb_off_is_a_null_run_that_imports_nothing() -> None:
     for target in (None, WandbTarget(project=""), WandbTarget(project="p", mode="disabled")):
         run = open_wandb_run(target, name="alice", group="g", config={})

@@ -235,6 +235,7 @@ def mixed_swarm() -> list[PeerCapacity]:
     return random_swarm(np.random.default_rng(6), 12, p_recv=0.6, pins=False) + servers
 
 
+@pytest.mark.integration
 def test_plan_is_deterministic_and_order_independent():
     rng = np.random.default_rng(6)
     peers = mixed_swarm()

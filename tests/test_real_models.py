@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -235,6 +235,7 @@ def test_spoiled_download_is_retried_and_ends_right(start_relay, mode: str) -> N
     assert hashlib.sha256(public.tobytes()).hexdigest() == expected
 
 
+@pytest.mark.integration
 def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() -> None:
     """The middleware's answer to an error mid-body: the connection is cut, never a 500 spliced
     into the body that a peer would read as parameters."""

@@ -29,6 +29,8 @@ from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
+
 WORKER = Path(__file__).resolve().parent / "shard_peer_worker.py"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 TTL_S = 2.0  # conftest's BASE_CONFIG: heartbeats every 0.3 s, silent for 2 s = gone

@@ -109,6 +109,7 @@ def test_a_link_rate_is_its_best_recent_transfer():
     assert rate.value == 2.0
 
 
+@pytest.mark.integration
 def test_sent_bytes_count_once_the_receiver_acknowledged_them():
     """A write returns once the kernel queued the bytes: a server that timed its sends by that
     would credit a slow link with its socket buffer. ``delivered`` subtracts the unacknowledged queue."""

@@ -70,6 +70,7 @@ def test_optimizer_is_a_torch_optimizer_citizen(serve_relay):
     assert record["samples"] == 8 and record["loss"] == pytest.approx(3.0)
 
 
+@pytest.mark.integration
 def test_toolkit_imports_without_the_loop_packages():
     code = ("import sys\n"
             "for name in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning'):\n"

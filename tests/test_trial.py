@@ -19,9 +19,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from relay_server.cli import main
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
 DEMO_TOML = REPO / "relay_server/defaults/demo.toml"
 STEP = re.compile(r"^step\s+(\d+)\s+loss (\S+)\s+samples/s .*\(applied (\d+) of target 16 samples from 1 peers",
