@@ -47,6 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
                 item.get_closest_marker(m) for m in ("browser", "netns")):
             item.add_marker(pytest.mark.integration)
+    # Slow tests (benchmarks, long fuzzing) run only when the -m expression names them: so plain
+    # `pytest`, `pytest -m "not integration"` and `pytest -m slow` each mean what they say.
+    if "slow" not in (config.option.markexpr or ""):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(autouse=True)

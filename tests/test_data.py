@@ -359,6 +359,7 @@ def test_remote_shards_are_refused_up_front_when_offline(cache):
     assert "Unset HF_DATASETS_OFFLINE" in err.value.hint
 
 
+@pytest.mark.integration
 @pytest.mark.slow  # a fresh interpreter imports torch and datasets: ~5 s alone, much more on a busy machine
 def test_offline_mode_in_a_fresh_process(tmp_path):
     """The notebook situation: the variable is set before ``datasets`` is first imported."""

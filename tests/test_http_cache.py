@@ -228,6 +228,7 @@ def test_a_bad_cache_url_is_one_line_naming_the_field(tmp_path: Path, url: str) 
     assert "server.public_params_url" in message and "\n" not in message
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_egress_benchmark_runs_tiny_and_the_cache_cuts_the_relays_bytes() -> None:
     done = subprocess.run([sys.executable, "benchmarks/egress.py", "--peers", "2,4", "--steps", "1", "--numel", "20000",

@@ -105,6 +105,7 @@ def test_the_relay_caller_keeps_one_connection_per_worker(start_relay, tmp_path)
         stop([host])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_broker_round_trip_and_bytes_per_call() -> None:
@@ -115,6 +116,7 @@ def test_broker_round_trip_and_bytes_per_call() -> None:
         assert 1.0 <= run["bytes_per_call_ratio"] <= 1.05, run
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_join_keeps_its_throughput_under_latency_and_beats_one_at_a_time() -> None:
@@ -124,6 +126,7 @@ def test_join_keeps_its_throughput_under_latency_and_beats_one_at_a_time() -> No
     assert out["vs_one_at_a_time_200ms"] >= 3, out
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_hosts_behind_latency_still_serve_many_calls_in_flight() -> None:
@@ -134,6 +137,7 @@ def test_hosts_behind_latency_still_serve_many_calls_in_flight() -> None:
     assert out["vs_one_at_a_time_200ms"] >= 3, out
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # six training runs: about 2.5 minutes idle, twice that on a busy machine
 def test_ten_percent_failed_calls_cost_little_accuracy() -> None:

@@ -221,6 +221,7 @@ def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_rela
     assert lines[-1].startswith("2 experts ("), lines[-1]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_host_batching_benchmark_reports_its_gain() -> None:
     """benchmarks/moe_batching.py (shortened): its last line is the JSON docs/benchmarks.md quotes, and

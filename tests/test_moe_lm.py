@@ -148,6 +148,7 @@ def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(demo_tokenizer
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_moe_lm_benchmark_compares_the_dmoe_lm_with_its_dense_baselines_under_latency_and_failures() -> None:
     """``benchmarks/moe_lm.py`` (Learning@home s4.3) at a tiny size: a DMoE LM whose experts sit on

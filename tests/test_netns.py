@@ -67,6 +67,7 @@ def test_hosts_reach_each_other_only_through_their_links_and_are_removed() -> No
     assert _leftovers(star.tag) == []
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_shaped_benchmark_runs_end_to_end() -> None:
     out = subprocess.run([sys.executable, "benchmarks/shaped.py", "--mb", "2", "--rounds", "1", "--warmup", "2"],

@@ -198,6 +198,7 @@ print(json.dumps({"cold": cold.first_contribution_s, "warm": warm.first_contribu
 """
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_measure_join_to_first_contribution_on_the_demo_model(tmp_path: Path) -> None:
     """The demo model as shipped (demo.toml, ~3.3M parameters), one peer, target batch 8 = one

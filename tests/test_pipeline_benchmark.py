@@ -19,6 +19,7 @@ KEYS = {"case1_vs_static", "case4_vs_static", "case4_vs_swarm", "planner_error",
         "bytes_per_sample", "ours_completed", "settings", "runs", "bars_failed"}
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_pipeline_benchmark_reports_every_ratio_and_ours_completes():
     done = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--batches", "1", "--microbatches", "4"],

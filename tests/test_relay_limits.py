@@ -388,6 +388,7 @@ def many_peers(*args: str, timeout_s: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("auth, ratio", [("open", 0.5), ("hf", 0.4)])
@@ -399,6 +400,7 @@ def test_a_thousand_peers_on_one_relay(auth: str, ratio: float) -> None:
     assert summary["rounds_per_min_ratio"] >= ratio, summary
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_soak_ten_minutes_of_a_thousand_peers() -> None:

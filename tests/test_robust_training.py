@@ -306,6 +306,7 @@ def test_centered_clip_keeps_training_on_track_with_a_x1000_peer() -> None:
     check_outcomes({name: simulate(steps=10, **kwargs) for name, kwargs in RUNS.items()}, steps=10)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("steps", [10, 20])
 def test_eight_peers_through_a_real_relay_with_a_x1000_peer(tmp_path, steps: int) -> None:

@@ -87,7 +87,7 @@ class AdminToken:
         scheme, _, given = (authorization or "").partition(" ")
         if scheme != "Bearer" or not given:
             raise ApiError(401, "admin_auth_required", "admin routes need the relay's admin token", _HINT)
-        if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), self._secret):
+        if not hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"), self._secret):
             raise ApiError(401, "bad_admin_token", "the admin token does not match this relay's", _HINT)
 
     def __repr__(self) -> str:
