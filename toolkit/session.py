@@ -28,6 +28,7 @@ from toolkit.runtime import environment
 from toolkit.client import RelayClient
 from toolkit.data.input_pipeline import check_run_data, peer_batches
 from toolkit.runtime.environment import DeviceInfo
+from toolkit.membership import Membership
 from toolkit.errors import MESSAGES, AuthError, CollabError, DeviceOutOfMemory, RunFinished, is_out_of_memory
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.moe.host import ExpertHost
@@ -276,13 +277,14 @@ def _run_stage(client: RelayClient, run: RunInfo, data: Iterable[Any] | None, pe
 
     info = environment.detect()
     name = peer_name or socket.gethostname()[:64]
-    joined = client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION, device=info.to_json(),
-                                     precision=run.precision))
+    membership = Membership(client, JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION, device=info.to_json(),
+                                                precision=run.precision), what="stage worker")
+    joined = membership.join()
     peer_id, first_step = joined.peer_id, joined.state.step
     size = int(run.pipeline["microbatch_size"])
     batches = iter(data) if data is not None else peer_batches(run, client, peer_id, batch_size=size,
                                                                seed=seed if seed is not None else peer_id)
-    worker = StageWorker(client, peer_id, run, batches, device=environment.device(info),
+    worker = StageWorker(membership, run, batches, device=environment.device(info),
                          memory_bytes=info.memory_bytes or 0)
     view = open_panel(panel, f"{run.run_name}: {name} on {info.label}, pipeline stage")
 
@@ -307,10 +309,7 @@ def _run_stage(client: RelayClient, run: RunInfo, data: Iterable[Any] | None, pe
     finally:
         worker.stop()
         view.close()
-        try:
-            client.leave(peer_id)
-        except CollabError:
-            pass
+        membership.leave()
     return JoinResult(peer_id=peer_id, final_step=max(worker.version, first_step), contributed_samples=0,
                       local_steps=worker.tasks_done, last_loss=worker.last_loss, seconds=time.monotonic() - started,
                       finished=0 < run.total_steps <= worker.version, device=info.label, precision="fp32",
