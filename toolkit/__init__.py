@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "join": "toolkit.session",
-    "JoinResult": "toolkit.session",
+    "JoinResult": "toolkit.roles.result",
     "CollaborativeOptimizer": "toolkit.optimizer",
     "run_model": "toolkit.optimizer",
     "RelayClient": "toolkit.client",

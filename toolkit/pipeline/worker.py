@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.membership import Membership
 from toolkit.moe import payloads
