@@ -1,6 +1,7 @@
 """The membership every role shares (:mod:`toolkit.membership`): its backoff's bounds and jitter,
-a rejoin when the relay forgot the peer id (once, however many threads find out), the recovery
-policy a role's loop applies, and a leave that no heartbeat follows. The relays are real (in this
+a rejoin when the relay forgot the peer id (once, however many threads find out; a trainer then
+starts over on the relay's parameters), the recovery policy a role's loop applies, and a leave
+that no heartbeat follows. The relays are real (in this
 process); a relay that "lost its data dir" is a second relay the peer's proxy switches to, which
 never knew the peer id."""
 
@@ -9,14 +10,21 @@ from __future__ import annotations
 import random
 import threading
 
+import numpy as np
 import pytest
+import torch
 
 from tests.conftest import Clock, wait_until
 from tests.support.blip import BlipProxy
+from tests.support.training import params_of
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected, RelayUnreachable
 from toolkit.membership import Backoff, Membership
-from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
+from toolkit.models import build_model
+from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
+
+SPEC = ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]})
 
 
 def request(name: str = "member") -> JoinRequest:
@@ -25,6 +33,17 @@ def request(name: str = "member") -> JoinRequest:
 
 def names(relay) -> list[str]:
     return [p["name"] for p in relay.status()["peers"]]
+
+
+def step(opt: CollaborativeOptimizer, model: torch.nn.Module, seed: int) -> None:
+    """One micro-batch of 4 samples of the MLP's regression."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, generator=g)
+    batch = torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1)
+    opt.zero_grad()
+    loss = model.loss(batch)
+    loss.backward()
+    opt.step(loss=loss.item())
 
 
 def test_backoff_doubles_from_first_to_the_cap_each_wait_jittered_down_by_at_most_its_fraction() -> None:
@@ -130,3 +149,33 @@ def test_keep_alive_reports_the_roles_heartbeat_and_no_heartbeat_follows_the_lea
         member.leave()  # once: a second leave sends nothing
     finally:
         member.client.close()
+
+
+def test_a_trainer_the_relay_forgot_joins_again_and_trains_on_that_relays_parameters(serve_relay) -> None:
+    """The trainer (``CollaborativeOptimizer``) is a member the same way: after one step on the
+    first relay its proxy switches to a relay that never knew it; its next report joins again, the
+    gradient it computed on the first relay's parameters is dropped, the second relay's parameters
+    are downloaded in full, and its next micro-batch makes the second relay's first step."""
+    config = {"run": {"target_batch": 4, "max_staleness": 0},
+              "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}}
+    first, second = serve_relay(config, name="first"), serve_relay(config, name="second")
+    proxy = BlipProxy(first.port)
+    model = build_model(SPEC)
+    try:
+        with CollaborativeOptimizer(model, proxy.url, batch_size_per_step=4, report_interval_s=0.0,
+                                    peer_name="trainer") as opt:
+            step(opt, model, 0)  # the target batch: the first relay's step 1
+            lost = opt.peer_id
+            assert opt.version == 1 and first.status()["step"] == 1
+            proxy.upstream_port = second.port
+            proxy.drop()
+            proxy.restore()
+            step(opt, model, 1)
+            assert opt.peer_id != lost and opt.membership.rejoins == 1 and names(second) == ["trainer"]
+            assert opt.version == 0 and second.status()["step"] == 0  # nothing of the first relay's counted
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+            np.testing.assert_array_equal(flat, params_of(second.url))
+            step(opt, model, 2)
+            assert opt.version == 1 and second.status()["step"] == 1 and opt.last_error is None
+    finally:
+        proxy.close()

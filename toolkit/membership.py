@@ -117,38 +117,40 @@ the member in log lines ("host", "stage worker").
         with self._lock:
             return self._join()
 
-    def _join(self) -> JoinResponse:
+    def _join(self, client: RelayClient | None = None) -> JoinResponse:
         self.last_beat_at = self.clock()  # a join is a sign of life too
-        joined = self.client.join(self.request)
+        joined = (client or self.client).join(self.request)
         self.peer_id, self.joined, self.state = joined.peer_id, joined, joined.state
         self._left = False
         return joined
 
-    def rejoin(self, lost: str) -> JoinResponse:
-        """Join again after the relay forgot ``lost``; a no-op when another thread already
-        replaced that id (the latest join's answer is returned either way)."""
+    def rejoin(self, lost: str, client: RelayClient | None = None) -> JoinResponse:
+        """Join again (through ``client``: the calling thread's, default this member's) after the
+        relay forgot ``lost``; a no-op when another thread already replaced that id (the latest
+        join's answer is returned either way)."""
         with self._lock:
             if self.peer_id != lost or self.joined is None:
                 return self.joined  # type: ignore[return-value]
             log.warning("the relay no longer knows this %s; joining again", self.what)
-            joined = self._join()
+            joined = self._join(client)
             self.rejoins += 1
         if self.on_rejoin is not None:
             self.on_rejoin(joined)
         return joined
 
     # --- heartbeat --------------------------------------------------------------------------------
-    def beat(self) -> CollabState:
-        """One heartbeat with the role's report; ``unknown_peer`` joins again (and the join's
+    def beat(self, report: Heartbeat | None = None, client: RelayClient | None = None) -> CollabState:
+        """One heartbeat: ``report`` (default: the role's ``report()``) through ``client`` (the
+        calling thread's, default this member's); ``unknown_peer`` joins again (and the join's
         state is returned). Any other refusal is raised."""
         peer_id = self.peer_id
         self.last_beat_at = self.clock()
         try:
-            state = self.client.heartbeat(peer_id, self.report())
+            state = (client or self.client).heartbeat(peer_id, report if report is not None else self.report())
         except CollabError as exc:
             if exc.code != "unknown_peer":
                 raise
-            state = self.rejoin(peer_id).state
+            state = self.rejoin(peer_id, client).state
         self.state = state
         return state
 

@@ -19,6 +19,7 @@ import torch
 from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
+from toolkit.membership import Membership
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
@@ -81,9 +82,14 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
             raise PrecisionUnsupported("precision_mismatch", f"this run trains in {pinned} only; the optimizer "
                                        f"was asked for {precision}", f"Pass precision={pinned!r}, or leave "
                                        "precision out: the optimizer takes the run's pin by itself.")
-        joined = self.client.join(JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
-                                              device=device_info or {}, precision=precision))
-        self.peer_id, self.run = joined.peer_id, joined.run
+        # this peer's place in the run, as every role's (toolkit.membership); reports are handed to
+        # it one by one, so it holds no reference to this optimizer (the finalizer below works)
+        self.membership = Membership(self.client, JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
+                                                              device=device_info or {}, precision=precision),
+                                     what="trainer")
+        joined = self.membership.join()
+        self.run = joined.run
+        self._rejoins_seen = 0
         self.precision = precision
         self._check_layout(self.run)
         if delayed_updates and self.run.max_staleness < 1:
@@ -129,7 +135,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
                                   self.run.heartbeat_interval_s)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.peer_id)
+        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.membership)
 
     # --- the public loop API ------------------------------------------------------------------
     @torch.no_grad()
@@ -309,10 +315,15 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         """
         with self._report_lock:
             message = self.heartbeat_message()
-            self.collab_state = (client or self.client).heartbeat(self.peer_id, message)
+            self.collab_state = self.membership.beat(message, client or self.client)
             self._reported_samples = message.samples
             self.last_report_at = time.monotonic()
             return self.collab_state
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id in the run (its membership's: a new one after the relay forgot it)."""
+        return self.membership.peer_id
 
     # --- internals ----------------------------------------------------------------------------
     def _check_layout(self, run: RunInfo) -> None:
@@ -321,6 +332,16 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
         if local != remote:
             diff = next(((a, b) for a, b in zip(local, remote) if a != b), (len(local), len(remote)))
             raise ModelMismatch("model_mismatch", f"local model differs from run {run.run_name!r} at {diff}")
+
+    def _start_over(self) -> None:
+        """After a rejoin (a relay that lost its state): what this peer holds was computed on
+        parameters the relay may no longer have and reported under the lost id, so it is
+        dropped, and the relay's parameters are downloaded in full."""
+        self._rejoins_seen = self.membership.rejoins
+        self._limbo = None
+        self._discard("the relay forgot this peer and it joined again: its gradient is dropped, the relay's "
+                      "parameters downloaded in full")
+        self._public_version = self.version = -1
 
     def _update_speed(self, n: int, started: float) -> None:
         if self._last_step_end is not None:
@@ -337,6 +358,10 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
                 state = self.report_progress()
             else:
                 state = self.collab_state
+            if self.membership.rejoins != self._rejoins_seen:  # the relay forgot this peer: joined again
+                if self._pending is not None:
+                    return  # the lost id's round in flight ends first
+                self._start_over()
             if state.finished:
                 self.finished = True
                 return
