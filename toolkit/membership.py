@@ -9,7 +9,8 @@ in one, a doubling backoff in another, no rejoin at all in the third):
 * **heartbeat**: :meth:`Membership.beat` sends what the role reports (its ``report()`` builds the
   :class:`~toolkit.wire.protocol.Heartbeat`), and :meth:`Membership.keep_alive` does so on a
   thread every ``interval_s`` since the last beat, so a long forward pass or a long poll does not
-  look like a dead peer.
+  look like a dead peer. (The trainer's background worker, which also runs its delayed rounds,
+  hands its reports to :meth:`Membership.beat` itself, through its own client.)
 * **rejoin on** ``unknown_peer``: a relay that lost its data dir no longer knows the peer id (one
   that merely restarted re-admits it by itself). The member joins again with the same request, at
   most once per lost id even when the heartbeat thread and the role's loop find out together,
