@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.errors import RelayUnreachable  # noqa: E402
-from toolkit.membership import Membership  # noqa: E402
+from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.pipeline.worker import StageWorker  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
 

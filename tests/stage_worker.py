@@ -135,7 +135,7 @@ HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": l
 
 def main() -> int:
     from toolkit.client import RelayClient
-    from toolkit.membership import Membership
+    from toolkit.run_membership import Membership
     from toolkit.pipeline.worker import StageWorker
     from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest
 

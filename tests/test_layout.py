@@ -23,7 +23,7 @@ MAX_LINES = 400
 
 # Lowest first. A unit imports only units listed before it (and modules of its own unit).
 LAYERS = [
-    "toolkit.errors", "toolkit.wire", "toolkit.runtime", "toolkit.corpus", "toolkit.moe", "toolkit.models", "toolkit.signing", "toolkit.transfer", "toolkit.client", "toolkit.membership", "toolkit.moe.remote", "toolkit.moe.host", "toolkit.accumulator", "toolkit.worker",
+    "toolkit.errors", "toolkit.wire", "toolkit.runtime", "toolkit.corpus", "toolkit.moe", "toolkit.models", "toolkit.signing", "toolkit.transfer", "toolkit.client", "toolkit.run_membership", "toolkit.moe.remote", "toolkit.moe.host", "toolkit.accumulator", "toolkit.worker",
     "toolkit.data", "toolkit.optim_base", "toolkit.optimizer", "toolkit.pipeline", "toolkit.integrations", "toolkit.notebook", "toolkit.roles", "toolkit.session", "toolkit.peer",
     "toolkit",
     "relay_server.core", "relay_server.auth", "relay_server.tasks", "relay_server.moe", "relay_server.rounds", "relay_server.planning",

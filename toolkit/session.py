@@ -8,7 +8,7 @@ mixture-of-experts layers (:mod:`toolkit.roles.expert_host`). ``join()`` only pi
 hands it its options: the run picks between a trainer and a stage worker unless ``role`` says, and
 an option the role does not use is refused in one line before this peer joins (before anything
 connects when ``role`` is given). Each role is a member of the run the same way
-(:mod:`toolkit.membership`).
+(:mod:`toolkit.run_membership`).
 """
 
 from __future__ import annotations

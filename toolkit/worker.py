@@ -20,7 +20,7 @@ from toolkit.client import RelayClient
 from toolkit.errors import CollabError
 
 if TYPE_CHECKING:
-    from toolkit.membership import Membership
+    from toolkit.run_membership import Membership
     from toolkit.optimizer import CollaborativeOptimizer
 
 

@@ -19,7 +19,7 @@ import torch
 from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
-from toolkit.membership import Membership
+from toolkit.run_membership import Membership
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
@@ -82,7 +82,7 @@ class CollaborativeOptimizer(RoundParticipation, CollabOptimizerBase):
             raise PrecisionUnsupported("precision_mismatch", f"this run trains in {pinned} only; the optimizer "
                                        f"was asked for {precision}", f"Pass precision={pinned!r}, or leave "
                                        "precision out: the optimizer takes the run's pin by itself.")
-        # this peer's place in the run, as every role's (toolkit.membership); reports are handed to
+        # this peer's place in the run, as every role's (toolkit.run_membership); reports are handed to
         # it one by one, so it holds no reference to this optimizer (the finalizer below works)
         self.membership = Membership(self.client, JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
                                                               device=device_info or {}, precision=precision),

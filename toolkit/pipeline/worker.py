@@ -19,7 +19,7 @@ is complete the relay lists the micro-batches whose stage gradient this worker h
 their sum with a ticket naming exactly them, through the ticketed slice upload every sliced run
 uses.
 
-The worker is a member of the run as every role is (:mod:`toolkit.membership`): the membership
+The worker is a member of the run as every role is (:mod:`toolkit.run_membership`): the membership
 heartbeats for it, joins again when the relay forgot its peer id (the worker then asks for a stage
 again), and its backoff paces the retries while the relay is out of reach.
 """
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
-from toolkit.membership import Membership
+from toolkit.run_membership import Membership
 from toolkit.moe import payloads
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.transfer import slice_part

@@ -10,7 +10,7 @@ import time
 
 from toolkit.client import RelayClient
 from toolkit.data.input_pipeline import peer_batches
-from toolkit.membership import Membership
+from toolkit.run_membership import Membership
 from toolkit.notebook.panel import PeerProgress, open_panel
 from toolkit.roles.options import StageWorkerOptions
 from toolkit.roles.result import JoinResult

@@ -1,4 +1,4 @@
-"""The membership every role shares (:mod:`toolkit.membership`): its backoff's bounds and jitter,
+"""The membership every role shares (:mod:`toolkit.run_membership`): its backoff's bounds and jitter,
 a rejoin when the relay forgot the peer id (once, however many threads find out; a trainer then
 starts over on the relay's parameters), the recovery policy a role's loop applies, and a leave
 that no heartbeat follows. The relays are real (in this
@@ -19,7 +19,7 @@ from tests.support.blip import BlipProxy
 from tests.support.training import params_of
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected, RelayUnreachable
-from toolkit.membership import Backoff, Membership
+from toolkit.run_membership import Backoff, Membership
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
