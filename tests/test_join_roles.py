@@ -59,8 +59,9 @@ def test_a_pipeline_runs_peer_is_refused_a_trainers_option_before_it_joins(serve
     """The run decides the role (its model is cut into stages): a trainer's option is refused
     after reading the run and before joining; so is an explicit role the run has no place for."""
     relay = serve_relay(pipeline_overrides(BYTE_SPEC, stages=2))
-    with pytest.raises(OptionRefused, match=r"^\[unused_option\] join\(\) on run '[^']+', whose peers are stage "
-                                            r"workers, does not use batch_size -- remove it \(or join another run\)\.$"):
+    with pytest.raises(OptionRefused, match=r"^\[unused_option\] join\(\) on run '[^']+', whose peers are "
+                                            r"stage workers, does not use batch_size -- remove it \(or join another "
+                                            r"run\)\.$"):
         join(relay.url, batch_size=4, panel="none")
     with pytest.raises(RoleRefused, match=r"has no trainers: its peers are stage workers -- Leave role out"):
         join(relay.url, role="trainer", panel="none")

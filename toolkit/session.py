@@ -85,7 +85,8 @@ def join(relay_url: str, *, role: str | None = None, **options: Any) -> JoinResu
                           hint="remove it (or join another run).")
             chosen = options_for(plays, options)
         elif role != plays:
-            raise RoleRefused("wrong_role", f"run {run.run_name!r} has no {plural(role)}: its peers are {plural(plays)}",
+            raise RoleRefused("wrong_role",
+                              f"run {run.run_name!r} has no {plural(role)}: its peers are {plural(plays)}",
                               f"Leave role out (the run decides), or pass role={plays!r}.")
         if plays == "stage_worker":
             return work_a_stage(client, run, chosen, started)

@@ -44,8 +44,8 @@ from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.transfer import slice_part
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (GradientMeta, Heartbeat, JoinResponse, PipelineDone, PipelineResult,
-                                   PipelineRoundCall, PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo, StageAssignment,
-                                   StageRequest)
+                                   PipelineRoundCall, PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo,
+                                   StageAssignment, StageRequest)
 
 log = logging.getLogger(__name__)
 CACHE_INPUTS = 64
