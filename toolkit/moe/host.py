@@ -19,10 +19,10 @@ what batching changes is how many steps the expert takes, not what any caller re
 restart), a refused lease or checkpoint, a poll that finds its leases gone (``no_lease``: the
 host was away longer than the peer TTL, or the relay restarted), its peer id forgotten
 (``unknown_peer``: it joins again): each is logged, said on the panel (:meth:`describe`) and
-retried with the backoff every role shares (:mod:`toolkit.run_membership`, which also joins, heartbeats
-and leaves for it). Back from a blip, the host leases again; an expert it still holds in memory
-is kept unless the relay's checkpoint is ahead of it (another host trained it meanwhile), an
-expert it no longer leases is dropped.
+retried with the backoff every role shares (:mod:`toolkit.run_membership`, which also joins,
+heartbeats and leaves for it). Back from a blip, the host leases again; an expert it still holds
+in memory is kept unless the relay's checkpoint is ahead of it (another host trained it
+meanwhile), an expert it no longer leases is dropped.
 
 The computation is :class:`~toolkit.moe.calls.LoopbackCaller`'s on one runtime thread: forward
 under ``no_grad``, backward by recomputing the forward (Appendix D). Experts are built from the
@@ -45,10 +45,10 @@ import torch
 
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
-from toolkit.run_membership import Membership
 from toolkit.moe import payloads
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import build_expert, checkpoint_state, expert_shapes, make_optimizer, restore
+from toolkit.run_membership import Membership
 from toolkit.runtime.parent import die_with_parent
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, JoinRequest, TaskHead

@@ -19,11 +19,11 @@ import torch
 from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
 from toolkit.errors import CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable
-from toolkit.run_membership import Membership
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
 from toolkit.optimizer.rounds import Outcome, RoundParticipation
+from toolkit.run_membership import Membership
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
 from toolkit.worker import PeerWorker, shutdown

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
-from toolkit.run_membership import Membership
 from toolkit.moe import payloads
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
+from toolkit.run_membership import Membership
 from toolkit.transfer import slice_part
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (GradientMeta, Heartbeat, JoinResponse, PipelineDone, PipelineResult,

@@ -10,10 +10,10 @@ import time
 
 from toolkit.client import RelayClient
 from toolkit.data.input_pipeline import peer_batches
-from toolkit.run_membership import Membership
 from toolkit.notebook.panel import PeerProgress, open_panel
 from toolkit.roles.options import StageWorkerOptions
 from toolkit.roles.result import JoinResult
+from toolkit.run_membership import Membership
 from toolkit.runtime import environment
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, RunInfo
 
