@@ -308,6 +308,15 @@ class RoundParticipation:
         log.info(why)
         self.opt.accumulator.discard()
 
+    def start_over(self, why: str) -> None:
+        """After a rejoin (a relay that lost its state): what this peer holds was computed on
+        parameters the relay may no longer have and reported under the lost id, so the
+        accumulator and any unapplied gradient are dropped, and the public copy is marked missing:
+        the next download is a full one."""
+        self._limbo = None
+        self.discard(why)
+        self._public_version = self.version = -1
+
     def download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
         try:
