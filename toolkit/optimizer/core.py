@@ -29,10 +29,6 @@ from toolkit.worker import PeerWorker, shutdown
 
 log = logging.getLogger("toolkit.optimizer")
 
-STOP_WAIT_S = 8.0
-"""How long ``close()`` waits, after ``finish_round_s``, for a stopped round job to end its current
-poll (a long poll lasts 5 s) so that the worker leaves the public parameters whole."""
-
 
 class CollaborativeOptimizer(CollabOptimizerBase):
     """A ``torch.optim.Optimizer`` whose ``step()`` trains with every other peer of the run
@@ -247,24 +243,13 @@ class CollaborativeOptimizer(CollabOptimizerBase):
 
         A round still in flight (delayed updates, local SGD's overlap) is waited for, up to
         ``finish_round_s``: its samples are already on the relay, and this peer's own count should
-        say whether they counted. Then it is stopped, and waited for up to ``STOP_WAIT_S`` more
-        (it ends at its next poll), so that no download is left half-written: in local SGD the
-        model ends on the newest global parameters the peer holds (the inner steps since its last
-        outer round are not sent).
+        say whether they counted. Then it is stopped (:meth:`RoundParticipation.finish_pending_before_leaving
+        <toolkit.optimizer.rounds.RoundParticipation.finish_pending_before_leaving>`), so that no
+        download is left half-written: in local SGD the model ends on the newest global parameters
+        the peer holds (the inner steps since its last outer round are not sent).
         """
-        pending = self.rounds.take_pending()
         alive = self._finalizer.alive
-        if pending is not None and alive:
-            try:
-                self.rounds.settle(pending.result(timeout=finish_round_s))
-            except TimeoutError:
-                self._worker.stopping.set()  # the round's wait ends at its next poll, the public copy whole
-                try:
-                    self.rounds.settle(pending.result(timeout=STOP_WAIT_S))
-                except (TimeoutError, CollabError) as exc:
-                    log.info("left with a round in flight (%s)", type(exc).__name__)
-            except CollabError as exc:
-                log.info("left with a round in flight (%s)", type(exc).__name__)
+        pending = self.rounds.finish_pending_before_leaving(finish_round_s) if alive else self.rounds.take_pending()
         self._finalizer()
         if self.local_sgd is not None and alive:  # local SGD: the model ends on global parameters
             self.local_sgd.leave(public_whole=pending is None or pending.done() or not self._worker.is_alive())
