@@ -48,8 +48,8 @@ import torch  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.client.transport import Transport  # noqa: E402
 from toolkit.errors import RelayUnreachable  # noqa: E402
-from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.pipeline.worker import StageWorker  # noqa: E402
+from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
 
 WORK = {"first": 1, "forward": 1, "last": 3, "backward": 3}

@@ -135,8 +135,8 @@ HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": l
 
 def main() -> int:
     from toolkit.client import RelayClient
-    from toolkit.run_membership import Membership
     from toolkit.pipeline.worker import StageWorker
+    from toolkit.run_membership import Membership
     from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest
 
     ap = argparse.ArgumentParser()

@@ -19,8 +19,8 @@ from toolkit.client import RelayClient
 from toolkit.errors import CollabError
 
 if TYPE_CHECKING:
-    from toolkit.run_membership import Membership
     from toolkit.optimizer import CollaborativeOptimizer
+    from toolkit.run_membership import Membership
 
 
 class PeerWorker(threading.Thread):
