@@ -49,6 +49,7 @@ from toolkit.client import RelayClient  # noqa: E402
 from toolkit.client.transport import Transport  # noqa: E402
 from toolkit.errors import RelayUnreachable  # noqa: E402
 from toolkit.pipeline.worker import StageWorker  # noqa: E402
+from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
 
 WORK = {"first": 1, "forward": 1, "last": 3, "backward": 3}
@@ -178,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     client = SlowLink(args.relay, args.delay_ms / 1000)
     run = client.get_run()
-    peer_id = client.join(JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={})).peer_id
+    membership = Membership(client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}),
+                            what="stage worker")
+    membership.join()
     size = int(run.pipeline["microbatch_size"])
     stats = {"name": args.name, "stages": [], "disconnections": 0, "lost_results": 0}
-    worker = BenchWorker(client, peer_id, run, data(run.model.kwargs["seq_len"], size, args.seed),
+    worker = BenchWorker(membership, run, data(run.model.kwargs["seq_len"], size, args.seed),
                          unit_s=args.unit_ms / 1000, speed=args.speed, disconnect_p=args.disconnect_p,
                          offline_s=args.offline_s, window_s=args.window_s, rng=random.Random(args.seed),
                          start_gate=Gate(args.after, args.ready, args.go), stats=stats)

@@ -269,9 +269,10 @@ class LocalRun:
             extra = ["--max-steps", str(self.stop_after)] if self.stop_after else []
             if self.config.model.kind == "module":  # the organizer's own package, on the organizer's machine
                 extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
+            if not self.config.pipeline.enabled:  # a trainer's options: a stage worker takes the run's micro-batch
+                extra += ["--batch-size", str(self.batch_size), "--report-interval", "0"]
             procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
-                                        "--seed", str(1000 + i), "--batch-size", str(self.batch_size),
-                                        "--threads", str(self.threads), "--report-interval", "0", *extra],
+                                        "--seed", str(1000 + i), "--threads", str(self.threads), *extra],
                                        env=child_env(),
                                        stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
                       for i in range(self.peers)]

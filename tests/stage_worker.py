@@ -136,6 +136,7 @@ HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": l
 def main() -> int:
     from toolkit.client import RelayClient
     from toolkit.pipeline.worker import StageWorker
+    from toolkit.run_membership import Membership
     from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest
 
     ap = argparse.ArgumentParser()
@@ -160,7 +161,9 @@ def main() -> int:
     if args.hf_token_env:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
-    peer_id = client.join(JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={})).peer_id
+    membership = Membership(client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}),
+                            what="stage worker")
+    peer_id = membership.join().peer_id
     size = int(run.pipeline["microbatch_size"])
 
     def on_first(microbatch: int, batch) -> None:
@@ -182,7 +185,7 @@ def main() -> int:
             log(event="uploaded", step=call.step, microbatches=call.microbatches, stage=call.stage)
 
     kind = HOSTILE[args.hostile](Logged, args.relay, log) if args.hostile else Logged
-    worker = kind(client, peer_id, run, data(run, size, args.seed), on_first=on_first)
+    worker = kind(membership, run, data(run, size, args.seed), on_first=on_first)
     log(event="joined", peer_id=peer_id, step=client.get_state().step)
 
     def until() -> bool:
@@ -190,7 +193,7 @@ def main() -> int:
 
     worker.run(until=until, wait_s=1)
     log(event="done", step=client.get_state().step, stage=worker.assignment.stage)
-    client.leave(peer_id)
+    membership.leave()
     client.close()
     return 0
 

@@ -29,6 +29,7 @@ The peer side, which only peers run (the relay never imports it):
 * :mod:`toolkit.signing`          the peer's keys and access pass
 * :mod:`toolkit.transfer`         slice bodies to and from slice owners
 * :mod:`toolkit.client`           the HTTP client of the relay
+* :mod:`toolkit.run_membership`   a peer's place in the run: join, heartbeat, rejoin, backoff, leave
 * :mod:`toolkit.moe.remote`       expert calls through the relay
 * :mod:`toolkit.moe.host`         the expert host (``python -m toolkit.moe.host``)
 * :mod:`toolkit.pipeline.worker`  the stage worker
@@ -39,6 +40,7 @@ The peer side, which only peers run (the relay never imports it):
 * :mod:`toolkit.optimizer`        CollaborativeOptimizer, local SGD
 * :mod:`toolkit.integrations`     HF Trainer, Lightning, Accelerate
 * :mod:`toolkit.notebook`         secrets and hints, the live panel, the peer's W&B run
+* :mod:`toolkit.roles`            what a peer plays (trainer, stage worker, expert host), each with its own options
 * :mod:`toolkit.session`          ``join()``
 * :mod:`toolkit.peer`             ``python -m toolkit.peer``
 """
@@ -52,7 +54,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "join": "toolkit.session",
-    "JoinResult": "toolkit.session",
+    "JoinResult": "toolkit.roles.result",
     "CollaborativeOptimizer": "toolkit.optimizer",
     "run_model": "toolkit.optimizer",
     "RelayClient": "toolkit.client",

@@ -20,6 +20,7 @@ from toolkit.errors import CollabError
 
 if TYPE_CHECKING:
     from toolkit.optimizer import CollaborativeOptimizer
+    from toolkit.run_membership import Membership
 
 
 class PeerWorker(threading.Thread):
@@ -60,12 +61,9 @@ class PeerWorker(threading.Thread):
             del owner
 
 
-def shutdown(worker: PeerWorker, client: RelayClient, peer_id: str) -> None:
+def shutdown(worker: PeerWorker, client: RelayClient, membership: Membership) -> None:
     worker.stopping.set()
     worker.join(timeout=5)  # no heartbeat may follow the leave
-    try:
-        client.leave(peer_id)
-    except CollabError:
-        pass
+    membership.leave()
     worker.client.close()
     client.close()

@@ -19,9 +19,10 @@ what batching changes is how many steps the expert takes, not what any caller re
 restart), a refused lease or checkpoint, a poll that finds its leases gone (``no_lease``: the
 host was away longer than the peer TTL, or the relay restarted), its peer id forgotten
 (``unknown_peer``: it joins again): each is logged, said on the panel (:meth:`describe`) and
-retried with backoff. Back from a blip, the host leases again; an expert it still holds in memory
-is kept unless the relay's checkpoint is ahead of it (another host trained it meanwhile), an
-expert it no longer leases is dropped.
+retried with the backoff every role shares (:mod:`toolkit.run_membership`, which also joins,
+heartbeats and leaves for it). Back from a blip, the host leases again; an expert it still holds
+in memory is kept unless the relay's checkpoint is ahead of it (another host trained it
+meanwhile), an expert it no longer leases is dropped.
 
 The computation is :class:`~toolkit.moe.calls.LoopbackCaller`'s on one runtime thread: forward
 under ``no_grad``, backward by recomputing the forward (Appendix D). Experts are built from the
@@ -46,10 +47,11 @@ from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import build_expert, checkpoint_state, expert_shapes, make_optimizer, restore
+from toolkit.run_membership import Membership
 from toolkit.runtime.parent import die_with_parent
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, TaskHead
+from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, JoinRequest, TaskHead
 
 log = logging.getLogger(__name__)
 RESULT_UPLOADERS = 4
@@ -57,8 +59,6 @@ RESULT_UPLOADERS = 4
 runtime thread, each result cost the host a round trip to the relay (at 200 ms, 9 tasks/s instead
 of 100; benchmarks/moe_latency.py --hosts-through-proxy)."""
 LEASE_EVERY_S = 1.0  # how often a host asks for more experts (orphans of a host that died)
-BACKOFF_S = (1.0, 8.0)
-"""First and longest wait before retrying after an error (doubling in between)."""
 
 Task = tuple[TaskHead, dict[str, np.ndarray]]
 
@@ -77,10 +77,14 @@ class ExpertHost:
                 raise CollabError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
                                   "export HF_TOKEN=... (python -m toolkit.moe.host --token-env NAME reads another)")
             self.client.login(token)
-        self.name, self.interval_s = name, run.heartbeat_interval_s
-        self.peer_id = self._join()
-        self._stop, self._left = threading.Event(), threading.Event()
-        threading.Thread(target=self._heartbeat, name="collab-host-heartbeat", daemon=True).start()
+        self.name = name
+        self._stop, self._rejoined = threading.Event(), threading.Event()
+        self.membership = Membership(self.client, JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION,
+                                                              precision=run.precision or None,
+                                                              device={"role": "expert_host"}),
+                                     on_rejoin=lambda _: self._rejoined.set(), what="host")
+        self.membership.join()
+        self.membership.keep_alive(run.heartbeat_interval_s)  # from the join on: building experts takes time
         self.capacity, self.max_rows, self.poll_s, self.batching = capacity, max_rows, poll_s, batching
         self.spec = self.client.moe_spec()
         self.shapes = expert_shapes(self.spec.expert)
@@ -92,14 +96,16 @@ class ExpertHost:
         self.last_checkpoint: float | None = None
         self.waiting: str | None = None
         """What the host is waiting for now (None while it serves): the panel's last words."""
-        self.collab_state: CollabState | None = None
-        """The relay's last answer to this host's heartbeat (for a panel)."""
 
-    def _join(self) -> str:
-        joined = self.client.join(JoinRequest(peer_name=self.name, protocol=PROTOCOL_VERSION,
-                                              precision=self.run_info.precision or None,
-                                              device={"role": "expert_host"}))
-        return joined.peer_id
+    @property
+    def peer_id(self) -> str:
+        """This host's id in the run (its membership's: a new one after the relay forgot it)."""
+        return self.membership.peer_id
+
+    @property
+    def collab_state(self) -> CollabState | None:
+        """The relay's last answer to this host's join or heartbeat (for a panel)."""
+        return self.membership.state
 
     # --- experts --------------------------------------------------------------------------------
     def lease(self) -> list[str]:
@@ -217,9 +223,11 @@ class ExpertHost:
         the host can wait out never leave this loop (:meth:`_recover` says which)."""
         started = last_checkpoint = time.monotonic()
         last_lease = float("-inf")
-        backoff = BACKOFF_S[0]
         try:
             while not self._stop.is_set() and (max_seconds is None or time.monotonic() - started < max_seconds):
+                if self._rejoined.is_set():  # a new peer id: the leases of the old one are gone
+                    self._rejoined.clear()
+                    last_lease = float("-inf")
                 try:
                     now = time.monotonic()
                     if now - last_lease >= LEASE_EVERY_S:
@@ -235,13 +243,10 @@ class ExpertHost:
                                 last_lease = float("-inf")  # lease again at once
                             last_checkpoint = self.last_checkpoint = now
                         self.waiting = None
-                    backoff = BACKOFF_S[0]
+                    self.membership.succeeded()
                 except CollabError as exc:
                     if self._recover(exc):
                         last_lease = float("-inf")  # lease again at once
-                    else:
-                        self._stop.wait(backoff)
-                        backoff = min(2 * backoff, BACKOFF_S[1])
                 if on_progress is not None:
                     on_progress(self)
         finally:
@@ -249,18 +254,18 @@ class ExpertHost:
             self._uploads.shutdown(wait=True)  # results in flight reach the relay before the host leaves
             try:
                 self.checkpoint()  # what the next host resumes from
-                self.client.leave(self.peer_id)
             except CollabError as exc:
                 log.warning("could not hand the experts back cleanly: %s", exc)
             finally:
-                self._left.set()  # heartbeats went on until here: the final checkpoint must find us registered
+                self.membership.leave()  # heartbeats went on until here: the final checkpoint found us registered
             self.runtime.close()
             self.client.close()
 
     def _recover(self, exc: CollabError) -> bool:
         """Say what went wrong and what the host waits for; True when leasing again at once is the
-        cure (the relay lost this host's leases, or its peer id)."""
-        code = getattr(exc, "code", "")
+        cure (the relay lost this host's leases, or its peer id: the membership joined again).
+        Anything else waits the membership's backoff."""
+        code = exc.code
         if code == "no_lease":
             self.waiting = "leasing experts again (the relay had ended this host's leases)"
             log.warning("the relay holds no lease of this host (away past the peer TTL, or a relay restart); "
@@ -268,20 +273,17 @@ class ExpertHost:
             return True
         if code == "unknown_peer":
             self.waiting = "joining again (the relay no longer knows this host)"
-            log.warning("the relay no longer knows this host; joining again")
-            try:
-                self.peer_id = self._join()
-            except CollabError as again:
-                self.waiting = f"waiting for the relay to take this host back: {again.message}"
-                return False
-            return True
-        if isinstance(exc, RelayUnreachable):
+        elif isinstance(exc, RelayUnreachable):
             self.waiting = f"waiting for the relay (unreachable: {exc.message})"
         elif isinstance(exc, RelayRejected):
             self.waiting = f"retrying: the relay refused [{code}] {exc.message}"
         else:
             self.waiting = f"retrying after [{code}] {exc.message}"
         log.warning("%s", self.waiting)
+        if self.membership.recover(exc, self._stop.wait):
+            return True
+        if code == "unknown_peer":
+            self.waiting = "waiting for the relay to take this host back"
         return False
 
     def describe(self) -> str:
@@ -295,17 +297,6 @@ class ExpertHost:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _heartbeat(self) -> None:
-        """Liveness from the moment the host joined (building experts can take longer than the TTL)."""
-        while True:
-            try:
-                self.collab_state = self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0,
-                                                                                   samples_per_s=0.0))
-            except CollabError as exc:
-                log.warning("heartbeat failed: %s", exc.message)
-            if self._left.wait(self.interval_s):
-                return
 
 
 def batches(tasks: list[Task]) -> list[list[Task]]:

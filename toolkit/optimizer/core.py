@@ -22,15 +22,12 @@ from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
 from toolkit.optimizer.rounds import RoundParticipation
+from toolkit.run_membership import Membership
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
 from toolkit.worker import PeerWorker, shutdown
 
 log = logging.getLogger("toolkit.optimizer")
-
-STOP_WAIT_S = 8.0
-"""How long ``close()`` waits, after ``finish_round_s``, for a stopped round job to end its current
-poll (a long poll lasts 5 s) so that the worker leaves the public parameters whole."""
 
 
 class CollaborativeOptimizer(CollabOptimizerBase):
@@ -86,9 +83,14 @@ class CollaborativeOptimizer(CollabOptimizerBase):
             raise PrecisionUnsupported("precision_mismatch", f"this run trains in {pinned} only; the optimizer "
                                        f"was asked for {precision}", f"Pass precision={pinned!r}, or leave "
                                        "precision out: the optimizer takes the run's pin by itself.")
-        joined = self.client.join(JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
-                                              device=device_info or {}, precision=precision))
-        self.peer_id, self.run = joined.peer_id, joined.run
+        # this peer's place in the run, as every role's (toolkit.run_membership); reports are handed to
+        # it one by one, so it holds no reference to this optimizer (the finalizer below works)
+        self.membership = Membership(self.client, JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
+                                                              device=device_info or {}, precision=precision),
+                                     what="trainer")
+        joined = self.membership.join()
+        self.run = joined.run
+        self._rejoins_seen = 0
         self.precision = precision
         self._check_layout(self.run)
         if delayed_updates and self.run.max_staleness < 1:
@@ -120,7 +122,7 @@ class CollaborativeOptimizer(CollabOptimizerBase):
             self.use_local_lr(self.local_sgd.lr_now())
         log.info("joined run %r as %s at step %d", self.run.run_name, self.peer_id[:8], self.version)
         self._worker.start()
-        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.peer_id)
+        self._finalizer = weakref.finalize(self, shutdown, self._worker, self.client, self.membership)
 
     # --- the public loop API ------------------------------------------------------------------
     @torch.no_grad()
@@ -241,24 +243,13 @@ class CollaborativeOptimizer(CollabOptimizerBase):
 
         A round still in flight (delayed updates, local SGD's overlap) is waited for, up to
         ``finish_round_s``: its samples are already on the relay, and this peer's own count should
-        say whether they counted. Then it is stopped, and waited for up to ``STOP_WAIT_S`` more
-        (it ends at its next poll), so that no download is left half-written: in local SGD the
-        model ends on the newest global parameters the peer holds (the inner steps since its last
-        outer round are not sent).
+        say whether they counted. Then it is stopped (:meth:`RoundParticipation.finish_pending_before_leaving
+        <toolkit.optimizer.rounds.RoundParticipation.finish_pending_before_leaving>`), so that no
+        download is left half-written: in local SGD the model ends on the newest global parameters
+        the peer holds (the inner steps since its last outer round are not sent).
         """
-        pending = self.rounds.take_pending()
         alive = self._finalizer.alive
-        if pending is not None and alive:
-            try:
-                self.rounds.settle(pending.result(timeout=finish_round_s))
-            except TimeoutError:
-                self._worker.stopping.set()  # the round's wait ends at its next poll, the public copy whole
-                try:
-                    self.rounds.settle(pending.result(timeout=STOP_WAIT_S))
-                except (TimeoutError, CollabError) as exc:
-                    log.info("left with a round in flight (%s)", type(exc).__name__)
-            except CollabError as exc:
-                log.info("left with a round in flight (%s)", type(exc).__name__)
+        pending = self.rounds.finish_pending_before_leaving(finish_round_s) if alive else self.rounds.take_pending()
         self._finalizer()
         if self.local_sgd is not None and alive:  # local SGD: the model ends on global parameters
             self.local_sgd.leave(public_whole=pending is None or pending.done() or not self._worker.is_alive())
@@ -300,10 +291,15 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         """
         with self._report_lock:
             message = self.heartbeat_message()
-            self.collab_state = (client or self.client).heartbeat(self.peer_id, message)
+            self.collab_state = self.membership.beat(message, client or self.client)
             self._reported_samples = message.samples
             self.last_report_at = time.monotonic()
             return self.collab_state
+
+    @property
+    def peer_id(self) -> str:
+        """This peer's id in the run (its membership's: a new one after the relay forgot it)."""
+        return self.membership.peer_id
 
     def keep_alive(self, client: RelayClient, interval_s: float) -> None:
         """The background worker's heartbeat while the loop is busy: a report if none went out for
@@ -370,6 +366,12 @@ class CollaborativeOptimizer(CollabOptimizerBase):
                 state = self.report_progress()
             else:
                 state = self.collab_state
+            if self.membership.rejoins != self._rejoins_seen:  # the relay forgot this peer: joined again
+                if rounds.pending is not None:
+                    return  # the lost id's round in flight ends first
+                self._rejoins_seen = self.membership.rejoins
+                rounds.start_over("the relay forgot this peer and it joined again: its gradient is dropped, the "
+                                  "relay's parameters downloaded in full")
             if state.finished:
                 self.finished = True
                 return

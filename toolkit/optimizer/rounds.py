@@ -36,6 +36,10 @@ log = logging.getLogger("toolkit.optimizer")
 NOT_RECEIVED = ("round_closed", "rate_limited")
 """Refusals that come before any byte of the gradient was used."""
 
+STOP_WAIT_S = 8.0
+"""How long leaving waits, after ``finish_round_s``, for a stopped round job to end its current
+poll (a long poll lasts 5 s) so that the worker leaves the public parameters whole."""
+
 
 @dataclass
 class Outcome:
@@ -132,6 +136,27 @@ class RoundParticipation:
     def take_pending(self) -> Future | None:
         """The job in the background, handed over to a caller that settles it (closing, the run's end)."""
         pending, self._pending = self._pending, None
+        return pending
+
+    def finish_pending_before_leaving(self, finish_round_s: float) -> Future | None:
+        """The optimizer is closing: the round job in the background, if any, is waited for up to
+        ``finish_round_s`` and settled (its samples are already on the relay, and this peer's own
+        count should say whether they counted); past that the worker is told to stop, and the job
+        waited for up to :data:`STOP_WAIT_S` more (it ends at its next poll). Returns the job, done
+        or not, so the caller can tell whether the public copy may be half-written."""
+        pending = self.take_pending()
+        if pending is None:
+            return None
+        try:
+            self.settle(pending.result(timeout=finish_round_s))
+        except TimeoutError:
+            self._worker.stopping.set()  # the round's wait ends at its next poll, the public copy whole
+            try:
+                self.settle(pending.result(timeout=STOP_WAIT_S))
+            except (TimeoutError, CollabError) as exc:
+                log.info("left with a round in flight (%s)", type(exc).__name__)
+        except CollabError as exc:
+            log.info("left with a round in flight (%s)", type(exc).__name__)
         return pending
 
     def drop_limbo(self) -> None:
@@ -307,6 +332,15 @@ class RoundParticipation:
     def discard(self, why: str) -> None:
         log.info(why)
         self.opt.accumulator.discard()
+
+    def start_over(self, why: str) -> None:
+        """After a rejoin (a relay that lost its state): what this peer holds was computed on
+        parameters the relay may no longer have and reported under the lost id, so the
+        accumulator and any unapplied gradient are dropped, and the public copy is marked missing:
+        the next download is a full one."""
+        self._limbo = None
+        self.discard(why)
+        self._public_version = self.version = -1
 
     def download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""

@@ -18,6 +18,10 @@ result came second drops that gradient, so no micro-batch is ever counted twice.
 is complete the relay lists the micro-batches whose stage gradient this worker holds; it uploads
 their sum with a ticket naming exactly them, through the ticketed slice upload every sliced run
 uses.
+
+The worker is a member of the run as every role is (:mod:`toolkit.run_membership`): the membership
+heartbeats for it, joins again when the relay forgot its peer id (the worker then asks for a stage
+again), and its backoff paces the retries while the relay is out of reach.
 """
 
 from __future__ import annotations
@@ -33,15 +37,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.client import RelayClient
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
+from toolkit.run_membership import Membership
 from toolkit.transfer import slice_part
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import (GradientMeta, Heartbeat, PipelineDone, PipelineResult, PipelineRoundCall,
-                                   PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo, StageAssignment,
-                                   StageRequest)
+from toolkit.wire.protocol import (GradientMeta, Heartbeat, JoinResponse, PipelineDone, PipelineResult,
+                                   PipelineRoundCall, PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo,
+                                   StageAssignment, StageRequest)
 
 log = logging.getLogger(__name__)
 CACHE_INPUTS = 64
@@ -60,12 +64,15 @@ class WorkerProgress:
 
 
 class StageWorker:
-    def __init__(self, client: RelayClient, peer_id: str, run: RunInfo, batches: Iterator[Any], *,
+    def __init__(self, membership: Membership, run: RunInfo, batches: Iterator[Any], *,
                  device: str | torch.device = "cpu", memory_bytes: int = 0,
                  on_first: Callable[[int, Any], None] | None = None) -> None:
-        """``on_first(microbatch, batch)``: called when the relay accepted this worker's first-stage
-        result for ``microbatch`` (which data went into which batch: tests replay it)."""
-        self.client, self.peer_id, self.info, self.batches = client, peer_id, run, batches
+        """``membership``: this worker's, joined (the worker supplies its heartbeat and what to do
+        on a rejoin). ``on_first(microbatch, batch)``: called when the relay accepted this worker's
+        first-stage result for ``microbatch`` (which data went into which batch: tests replay it)."""
+        self.membership, self.client, self.info, self.batches = membership, membership.client, run, batches
+        membership.play(report=self._report, on_rejoin=self._on_rejoin)
+        self._stage_lost = threading.Event()
         self.on_first = on_first
         self.device, self.memory_bytes = torch.device(device), memory_bytes
         self.codec = get_codec(run.pipeline.get("boundary_codec", "none"))
@@ -79,6 +86,11 @@ class StageWorker:
         self.last_loss: float | None = None
         self.samples_per_s = 0.0
         self._stop = threading.Event()
+
+    @property
+    def peer_id(self) -> str:
+        """This worker's id in the run (its membership's: a new one after the relay forgot it)."""
+        return self.membership.peer_id
 
     # --- the stage ------------------------------------------------------------------------------
     def _take_stage(self) -> None:
@@ -125,26 +137,34 @@ class StageWorker:
 
     def run(self, *, until: Callable[[], bool] = lambda: False, on_progress: Callable[[WorkerProgress], None] | None = None,
             wait_s: int = 5) -> None:
-        heartbeat = threading.Thread(target=self._heartbeat, daemon=True, name="pipeline-heartbeat")
-        heartbeat.start()
+        """Serve tasks until ``until()`` or :meth:`stop`, heartbeating meanwhile; the caller leaves
+        (``membership.leave()``) once this returns."""
+        self.membership.keep_alive(self.info.heartbeat_interval_s)
         try:
             self._take_stage()
             while not self._stop.is_set() and not until():
                 try:
+                    if self._stage_lost.is_set():  # a new peer id, or a relay that forgot the stage
+                        self._stage_lost.clear()
+                        self._take_stage()
                     self._serve_once(wait_s)
+                    self.membership.succeeded()
                 except RelayRejected as exc:
-                    if exc.code not in ("no_stage", "stage_mismatch", "wrong_slice"):
+                    if exc.code == "unknown_peer":
+                        self.membership.recover(exc, self._stop.wait)  # joined again: _on_rejoin flags it
+                    elif exc.code in ("no_stage", "stage_mismatch", "wrong_slice"):
+                        log.debug("the relay no longer knows this worker's stage (%s): asking again", exc.code)
+                        self._stage_lost.set()
+                    else:
                         raise
-                    log.debug("the relay no longer knows this worker's stage (%s): asking again", exc.code)
-                    self._take_stage()
                 except RelayUnreachable as exc:  # a blip or a relay restart: the transport retried already
                     log.warning("relay unreachable (%s); trying again", exc)
-                    self._stop.wait(2.0)
+                    self.membership.recover(exc, self._stop.wait)
                 if on_progress is not None:
                     on_progress(self.progress())
         finally:
             self._stop.set()
-            heartbeat.join(timeout=self.info.heartbeat_interval_s + 30)  # never mid-request at exit
+            self.membership.stop(timeout_s=self.info.heartbeat_interval_s + 30)  # never mid-request at exit
 
     def _serve_once(self, wait_s: int) -> None:
         work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
@@ -166,13 +186,14 @@ class StageWorker:
                               tasks_done=self.tasks_done, tasks_refused=self.tasks_refused,
                               microbatches_held=len(self.held), last_loss=self.last_loss, uploads=self.uploads)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.info.heartbeat_interval_s):
-            try:
-                self.client.heartbeat(self.peer_id, Heartbeat(version=max(0, self.version), samples=0,
-                                                              samples_per_s=self.samples_per_s))
-            except CollabError as exc:
-                log.debug("heartbeat failed: %s", exc)
+    def _report(self) -> Heartbeat:
+        return Heartbeat(version=max(0, self.version), samples=0, samples_per_s=self.samples_per_s)
+
+    def _on_rejoin(self, joined: JoinResponse) -> None:
+        """The relay forgot this worker (it lost its data dir): the old id's stage is gone, and
+        the parameters may be older than the ones this worker holds."""
+        self.version = -1
+        self._stage_lost.set()
 
     # --- tasks ------------------------------------------------------------------------------------
     def _do(self, task: PipelineTask, inputs: Mapping[str, np.ndarray]) -> None:
