@@ -7,7 +7,7 @@ from transformers import Trainer, TrainingArguments
 
 import toolkit
 from toolkit import CollaborativeOptimizer
-from toolkit.integrations.hf import CollaborativeCallback, run_dataset
+from toolkit.integrations.hf_trainer import CollaborativeCallback, run_dataset
 
 RELAY_URL = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("RELAY_URL", "http://localhost:8750")
 

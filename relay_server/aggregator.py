@@ -33,7 +33,7 @@ from relay_server.api.moderation import AdminToken
 from relay_server.rounds.publisher import Version
 from relay_server.rounds.reducer import robust_config
 from relay_server.api.server import serve_app
-from relay_server.backbone.routes import get_slice, put_slice
+from relay_server.backbone.slice_routes import get_slice, put_slice
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.state_transfer import CallFailed, InternalClient, check_range, send_state
 from relay_server.rounds.store import Store

@@ -59,7 +59,7 @@ def run_trainer(model, opt, args, precision: str) -> None:
     fp16 = precision == "fp16"
     from transformers import Trainer, TrainingArguments
 
-    from toolkit.integrations.hf import CollaborativeCallback, run_dataset
+    from toolkit.integrations.hf_trainer import CollaborativeCallback, run_dataset
 
     targs = TrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
                               gradient_accumulation_steps=args.accumulation, max_steps=MAX_LOCAL_STEPS,

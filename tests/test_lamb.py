@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay_server.backbone.coordinator import RELAY_ID, Backbone
+from relay_server.backbone.backbone import RELAY_ID, Backbone
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.typed import ConfigError
 from relay_server.planning.averaging_plan import Plan

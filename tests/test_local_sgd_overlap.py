@@ -24,7 +24,7 @@ import torch
 from safetensors.numpy import load_file
 
 from relay_server.rounds.local_sgd import OuterRoundRule
-from relay_server.rounds.registry import Peer, Registry
+from relay_server.rounds.peer_registry import Peer, Registry
 from tests.conftest import wait_until
 from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
 from tests.support.peers import RawPeer

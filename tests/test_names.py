@@ -41,32 +41,7 @@ ONE_CONCEPT: dict[str, set[str]] = {
 }
 """Basenames that name one concept in several layers, with every module that carries each."""
 
-KNOWN_COLLISIONS: dict[str, set[str]] = {
-    # Different things under one name, left for the issue-36 work that restructures their files (a
-    # rename now would collide with it at merge). Clear an entry once that work has landed.
-    # optimizer's round participation, round messages, the after-publish sequence, the pipeline's
-    # rounds mixin: owner (toolkit/optimizer), shared (toolkit/wire), features (collaboration, pipeline)
-    "rounds": {"toolkit/optimizer/rounds.py", "toolkit/wire/protocol/rounds.py",
-               "relay_server/collaboration/rounds.py", "relay_server/pipeline/rounds.py"},
-    # the trainer's background thread (PeerWorker: owner) vs the stage worker (roles)
-    "worker": {"toolkit/worker.py", "toolkit/pipeline/worker.py"},
-    # the slice coordinator vs the pipeline's task coordinator (features)
-    "coordinator": {"relay_server/backbone/coordinator.py", "relay_server/pipeline/coordinator.py"},
-    # the route table vs the slice owners' handlers; the latter is imported by api/app.py and
-    # api/pipeline.py (features)
-    "routes": {"toolkit/wire/protocol/routes.py", "relay_server/backbone/routes.py"},
-    # codecs by name vs who is online; the latter is imported by collaboration/rounds.py (features)
-    "registry": {"toolkit/wire/compression/registry.py", "relay_server/rounds/registry.py"},
-    # durable relay state vs task payloads in memory/on disk; tasks/store.py is imported by
-    # api/pipeline.py (features), rounds/store.py is on owner's tests/test_ownership.py list
-    "store": {"relay_server/rounds/store.py", "relay_server/tasks/store.py"},
-    # HF Trainer callbacks vs building transformers models: shared (toolkit/models); owner's
-    # tests/test_ownership.py lists integrations/hf.py by path
-    "hf": {"toolkit/integrations/hf.py", "toolkit/models/hf.py"},
-    # the run's [dataset] section (read by both sides) vs the relay's whole configuration: shared is
-    # deciding where the shared layer's modules live
-    "config": {"toolkit/data/config.py", "relay_server/core/config.py"},
-}
+KNOWN_COLLISIONS: dict[str, set[str]] = {}
 """Collisions waiting for a rename, ``name`` for modules and ``class Name`` for classes. Only shrinks."""
 
 

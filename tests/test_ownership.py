@@ -49,7 +49,7 @@ PUBLIC_PRIVATES = {
 """Attribute names with an underscore that their owners document as public API."""
 
 FOREIGN = {
-    ("toolkit/integrations/hf.py", "lr_scheduler._last_lr"):
+    ("toolkit/integrations/hf_trainer.py", "lr_scheduler._last_lr"):
         "the Trainer logs its scheduler's get_last_lr(), which torch's LRScheduler can only be told through "
         "_last_lr: the callback shows the relay's lr there",
 }

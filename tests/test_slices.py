@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from relay_server.backbone.coordinator import RELAY_ID, Backbone
+from relay_server.backbone.backbone import RELAY_ID, Backbone
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.errors import ApiError
 from relay_server.rounds.master import MasterState, layout_of

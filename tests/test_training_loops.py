@@ -76,7 +76,7 @@ def test_toolkit_imports_without_the_loop_packages():
             "for name in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning'):\n"
             "    sys.modules[name] = None\n"
             "import toolkit, toolkit.optimizer, toolkit.integrations, toolkit.session\n"
-            "try:\n    import toolkit.integrations.hf\nexcept ImportError as e:\n    print('hf:', e)\n")
+            "try:\n    import toolkit.integrations.hf_trainer\nexcept ImportError as e:\n    print('hf:', e)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "collabtrain[hf]" in done.stdout
@@ -173,7 +173,7 @@ def test_trainer_logs_the_relays_learning_rate(serve_relay, tmp_path):
     from transformers import Trainer, TrainingArguments
 
     import toolkit
-    from toolkit.integrations.hf import CollaborativeCallback
+    from toolkit.integrations.hf_trainer import CollaborativeCallback
 
     relay = serve_relay({"run": {"target_batch": 4, "total_steps": 4},
                          "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},

@@ -35,7 +35,7 @@ The peer side, which only peers run (the relay never imports it):
 * :mod:`toolkit.pipeline.worker`  the stage worker
 * :mod:`toolkit.data.input_pipeline` a peer's batches, made on a worker thread, shards leased from the relay
 * :mod:`toolkit.accumulator`      the gradient sum
-* :mod:`toolkit.worker`           the optimizer's background thread
+* :mod:`toolkit.peer_worker`           the optimizer's background thread
 * :mod:`toolkit.optim_base`       what makes CollaborativeOptimizer a torch optimizer
 * :mod:`toolkit.optimizer`        CollaborativeOptimizer, local SGD
 * :mod:`toolkit.integrations`     HF Trainer, Lightning, Accelerate

@@ -181,7 +181,7 @@ class PrecisionUnsupported(CollabError, ValueError):
 class DataConfigError(CollabError, ValueError):
     """The run's dataset description cannot work (bad format, missing column, no shards)."""
 
-    default_hint = "Fix the [dataset] section of the run's config (see toolkit/data/config.py for its fields)."
+    default_hint = "Fix the [dataset] section of the run's config (see toolkit/data/dataset_config.py for its fields)."
 
 
 class DataSourceError(CollabError, ConnectionError):

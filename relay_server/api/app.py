@@ -17,7 +17,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from relay_server.backbone.coordinator import Backbone
+from relay_server.backbone.backbone import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.status import place_peers
 from relay_server.core.config import RelayConfig
@@ -34,7 +34,7 @@ from relay_server.api.ratelimit import build_rate_limits
 from relay_server.api.stall_hook import stall_middlewares
 from relay_server.auth.relay_key import RelayKey
 from relay_server.observers import ObserverThread, build_observers
-from relay_server.backbone.routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
+from relay_server.backbone.slice_routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
 from relay_server.backbone.state_transfer import check_range, send_state
 from relay_server.rounds.store import Store
 from relay_server.rounds.reducer import set_upload_memory

@@ -30,7 +30,7 @@ from aiohttp import web
 from relay_server.api.context import CONFIG, collab as _collab, enabled, own_peer
 from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, PeerPlaces
 from relay_server.auth.verify import BODY_STREAM_KEY
-from relay_server.backbone.routes import get_slice, put_slice
+from relay_server.backbone.slice_routes import get_slice, put_slice
 from relay_server.backbone.tickets import encode_ticket, verify_ticket
 from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, path_int, read_message, upload_length

@@ -6,7 +6,7 @@ sum of its gradients; the relay reduces as chunks arrive; the round finalizes wh
 peer delivered, left or failed -- or at the adaptive deadline, whichever is first; the master
 takes one optimizer step, the new version is persisted, then published to waiting peers.
 
-With extra aggregators (:mod:`relay_server.backbone.coordinator`) the vector is cut into slices: a peer asks
+With extra aggregators (:mod:`relay_server.backbone.backbone`) the vector is cut into slices: a peer asks
 for a ticket instead of uploading here (same checks), sends each slice to its owner, then says
 it is done; the round closes on the same rules, every owner finalizes its slice, and the new
 version is a manifest of the slices' hashes. Without aggregators none of that runs.
@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from relay_server.backbone.coordinator import Backbone
+from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slice_owner import gradient_meta
 from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import sign_ticket
 from relay_server.collaboration.publishing import AfterPublish
-from relay_server.collaboration.rounds import RoundCycle
+from relay_server.collaboration.round_cycle import RoundCycle
 from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
@@ -40,7 +40,7 @@ from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.membership import Round, RoundClosedMidUpload
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
-from relay_server.rounds.registry import Peer, Registry
+from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 from relay_server.rounds.traffic import Traffic
 from toolkit.models import build_own_model

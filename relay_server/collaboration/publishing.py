@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from relay_server.backbone.coordinator import Backbone
+from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slicing import Published
 from relay_server.collaboration.status import Leaderboard
 from relay_server.observers.events import ObserverThread, StepEvent

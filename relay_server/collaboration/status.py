@@ -16,7 +16,7 @@ import time
 from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
 from relay_server.rounds.membership import Round
-from relay_server.rounds.registry import Peer, Registry
+from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import Store, finite_or_none
 from relay_server.rounds.throughput import bounded_report
 from relay_server.rounds.traffic import Traffic

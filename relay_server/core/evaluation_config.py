@@ -132,7 +132,7 @@ def check_evaluation(config: Any, tokenizer_json: bytes | None) -> None:
 
 def _training_shards(dataset: dict[str, Any]) -> list[str]:
     """Every training source's shards, resolved as the relay and peers resolve them."""
-    from toolkit.data.config import DatasetSpec
+    from toolkit.data.dataset_config import DatasetSpec
     from toolkit.errors import DataConfigError
 
     found: list[str] = []

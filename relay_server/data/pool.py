@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.errors import ApiError
-from toolkit.data.config import StreamConfig
+from toolkit.data.dataset_config import StreamConfig
 from toolkit.wire.protocol import (ShardCoverage, ShardLease, ShardReportAck, ShardsReport, ShardUpdate,
                               SourceCoverage)
 

@@ -21,7 +21,7 @@ from relay_server.core.moe_config import MoeSection
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from relay_server.moe.directory import ExpertDirectory
 from relay_server.tasks.broker import TaskBroker
-from relay_server.tasks.store import PayloadStore
+from relay_server.tasks.payload_store import PayloadStore
 from toolkit.wire import payloads
 from toolkit.wire.compression import Codec, get_codec
 

@@ -6,7 +6,7 @@ needs to be recomputed by *any* worker: the stage's input and the gradient of it
 what makes a departed worker's micro-batches re-dispatchable instead of lost, so nothing is
 dropped before the round that counts them closed. Entries are opaque tensor containers as the
 worker sent them (already validated, :mod:`.results`), so nothing is decoded or re-encoded on the
-way through. Memory first up to a byte budget, then disk (:class:`~relay_server.tasks.store.PayloadStore`).
+way through. Memory first up to a byte budget, then disk (:class:`~relay_server.tasks.payload_store.PayloadStore`).
 
 Names: ``batch`` (the micro-batch's data, from the first stage), ``a{k}`` (stage ``k``'s output,
 ``k < K - 1``), ``g{k}`` (the gradient of ``a{k}``).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from relay_server.tasks.store import PayloadRef, PayloadStore
+from relay_server.tasks.payload_store import PayloadRef, PayloadStore
 
 
 class Boundaries:

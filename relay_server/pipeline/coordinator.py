@@ -37,7 +37,7 @@ from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, Pipeli
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
-from relay_server.pipeline.rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
+from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Worker, Workers
 from relay_server.tasks.broker import TaskBroker
@@ -82,7 +82,7 @@ class PipelineDeps:
 
 class PipelineCoordinator:
     """The task pool and the batch in flight. The batch's round (:attr:`rounds`,
-    :class:`~relay_server.pipeline.rounds.PipelineRounds`) and the rules that bound a hostile
+    :class:`~relay_server.pipeline.batch_rounds.PipelineRounds`) and the rules that bound a hostile
     worker (:attr:`guard`, :class:`~relay_server.pipeline.guard.PipelineGuard`) are collaborators
     owning their own state; each sees the rest through its deps, never through this object's fields."""
 
@@ -148,7 +148,7 @@ class PipelineCoordinator:
         self.batch_index += 1
         self._mint()
 
-    # --- the round (:class:`~relay_server.pipeline.rounds.PipelineRounds` owns it) -----------------
+    # --- the round (:class:`~relay_server.pipeline.batch_rounds.PipelineRounds` owns it) -----------------
     @property
     def round(self) -> OpenRound | None:
         return self.rounds.round

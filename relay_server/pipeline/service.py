@@ -22,13 +22,13 @@ from relay_server.core.config import RelayConfig
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.coordinator import PipelineCoordinator, PipelineDeps, PipelineShape
 from relay_server.pipeline.plan import Planner
-from relay_server.pipeline.rounds import BatchOutcome
+from relay_server.pipeline.batch_rounds import BatchOutcome
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Workers
 from relay_server.rounds.master import lr_at
 from relay_server.rounds.store import RoundLog
 from relay_server.tasks.broker import TaskBroker
-from relay_server.tasks.store import PayloadStore
+from relay_server.tasks.payload_store import PayloadStore
 from toolkit.wire.compression import get_codec
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from relay_server.rounds.registry import Registry
+from relay_server.rounds.peer_registry import Registry
 
 
 class OuterRoundRule:

@@ -4,7 +4,7 @@
 Counted where the bytes pass, with plain int adds on the event loop (no lock, nothing per chunk):
 an accepted upload's body once the reducer committed it (:meth:`Collaboration.receive_gradient`),
 a parameter answer once it was written (``GET /api/params``, the cache's immutable URLs), the
-samples once a round's step is published (:class:`~relay_server.collaboration.rounds.RoundCycle`).
+samples once a round's step is published (:class:`~relay_server.collaboration.round_cycle.RoundCycle`).
 Since the relay started: a restart begins again at zero.
 """
 

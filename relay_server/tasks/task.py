@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay_server.core.errors import ApiError
-from relay_server.tasks.store import PayloadRef
+from relay_server.tasks.payload_store import PayloadRef
 
 WAITING, QUEUED, LEASED, DONE, FAILED = "waiting", "queued", "leased", "done", "failed"
 

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from relay_server.tasks.broker import TaskBroker
-from relay_server.tasks.store import PayloadStore
+from relay_server.tasks.payload_store import PayloadStore
 from tests.conftest import Clock
 
 

@@ -32,7 +32,7 @@ anything imports ``datasets`` (it is imported lazily here, on the first shard re
 """
 
 from toolkit.data.background import Background
-from toolkit.data.config import DEFAULT_SHUFFLE_BUFFER, DatasetSpec, StreamConfig
+from toolkit.data.dataset_config import DEFAULT_SHUFFLE_BUFFER, DatasetSpec, StreamConfig
 from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches, tokenizer_sha256
 from toolkit.data.reading import check_offline_env, infer_format, read_shard
 from toolkit.data.shards import (LocalShardOrder, RelayShardSource, ShardLeaseClient, ShardSource,

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.data.config import DatasetSpec, StreamConfig
+from toolkit.data.dataset_config import DatasetSpec, StreamConfig
 from toolkit.data.shards import ShardSource
 from toolkit.errors import DataConfigError, DataSourceError
 

@@ -27,7 +27,7 @@ from toolkit.wire.protocol import (MAX_SHARD_UPDATES, ShardLease, ShardLeaseRequ
 
 if TYPE_CHECKING:
     from toolkit.client import RelayClient
-    from toolkit.data.config import DatasetSpec
+    from toolkit.data.dataset_config import DatasetSpec
 
 log = logging.getLogger(__name__)
 

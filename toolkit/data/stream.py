@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from toolkit.data.config import DatasetSpec, StreamConfig
+from toolkit.data.dataset_config import DatasetSpec, StreamConfig
 from toolkit.data.objectives import ObjectiveConfig, objective_batches
 from toolkit.data.reading import _ShardStream, check_offline_env
 from toolkit.data.shards import LocalShardOrder, ShardSource

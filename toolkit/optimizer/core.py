@@ -1,6 +1,6 @@
 """The loop API of :class:`CollaborativeOptimizer`: join, ``zero_grad / backward / step``, report
 progress, decide when to contribute or resync, leave. Taking part in a round is
-:mod:`toolkit.optimizer.rounds`."""
+:mod:`toolkit.optimizer.participation`."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from toolkit.errors import (CollabError, ModelMismatch, PrecisionUnsupported, Re
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
-from toolkit.optimizer.rounds import RoundParticipation
+from toolkit.optimizer.participation import RoundParticipation
 from toolkit.run_membership import Membership
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
-from toolkit.worker import PeerWorker, shutdown
+from toolkit.peer_worker import PeerWorker, shutdown
 
 log = logging.getLogger("toolkit.optimizer")
 
@@ -244,7 +244,7 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         A round still in flight (delayed updates, local SGD's overlap) is waited for, up to
         ``finish_round_s``: its samples are already on the relay, and this peer's own count should
         say whether they counted. Then it is stopped (:meth:`RoundParticipation.finish_pending_before_leaving
-        <toolkit.optimizer.rounds.RoundParticipation.finish_pending_before_leaving>`), so that no
+        <toolkit.optimizer.participation.RoundParticipation.finish_pending_before_leaving>`), so that no
         download is left half-written: in local SGD the model ends on the newest global parameters
         the peer holds (the inner steps since its last outer round are not sent).
         """

@@ -9,7 +9,7 @@ whichever first) the peer puts its pseudo-gradient ``global - local`` times the 
 processed into the accumulator -- the same sum a sync peer sends, so the upload path (signing,
 digests, finite checks, whole-or-nothing, byte caps) and the relay's sample-weighted mean apply
 unchanged -- and takes part in the outer round through the sync machinery
-(:meth:`CollaborativeOptimizer.sync`, :mod:`toolkit.optimizer.rounds`). The relay applies
+(:meth:`CollaborativeOptimizer.sync`, :mod:`toolkit.optimizer.participation`). The relay applies
 ``params -= outer_lr * mean_pseudo_grad`` (with Nesterov momentum): a pseudo-gradient points
 uphill like a gradient, so the outer step lowers the loss. The inner optimizer's state (Adam's
 moments) stays on the peer across outer rounds, as DiLoCo keeps it: that is the mode's memory cost.
@@ -69,7 +69,7 @@ class LocalSgd:
     """Inner-loop state of one peer: the inner optimizer, what this inner loop processed and the
     outer rounds' counts; with overlap, the round in flight is its :attr:`flight`
     (:class:`~toolkit.optimizer.overlap.OverlappedRound`). It reaches the optimizer's rounds
-    through :attr:`CollaborativeOptimizer.rounds <toolkit.optimizer.rounds.RoundParticipation>`;
+    through :attr:`CollaborativeOptimizer.rounds <toolkit.optimizer.participation.RoundParticipation>`;
     the optimizer runs its rounds in the background iff :attr:`overlap`."""
 
     def __init__(self, opt: CollaborativeOptimizer, settings: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from toolkit.client import RelayClient
     from toolkit.optimizer.core import CollaborativeOptimizer
     from toolkit.optimizer.local_sgd import LocalSgd
-    from toolkit.optimizer.rounds import Outcome
+    from toolkit.optimizer.participation import Outcome
 
 log = logging.getLogger("toolkit.optimizer")
 

@@ -39,7 +39,7 @@ import torch
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f'toolkit.integrations.hf needs transformers: pip install "collabtrain[hf]" ({exc})') from exc
+    raise ImportError(f'toolkit.integrations.hf_trainer needs transformers: pip install "collabtrain[hf]" ({exc})') from exc
 
 from toolkit.integrations.hooks import collaborative, loss_scaler_of, watch_loss
 

@@ -29,7 +29,7 @@ from toolkit.wire.protocol import CollabState, DoneRequest, GradientMeta, Ticket
 
 if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
-    from toolkit.worker import PeerWorker
+    from toolkit.peer_worker import PeerWorker
 
 log = logging.getLogger("toolkit.optimizer")
 

@@ -5,7 +5,7 @@ a plan change is pending or moving slices (:meth:`RoundCycle.maybe_open`); its e
 follows what peers report while it is open; it closes when every expected peer delivered, left
 or failed, at the adaptive deadline, or when nobody is left to wait for
 (:meth:`RoundCycle.maybe_finalize`). Closing applies the step -- on the relay's reducer thread
-(single relay) or by every slice owner (:meth:`relay_server.backbone.coordinator.Backbone.finalize`)
+(single relay) or by every slice owner (:meth:`relay_server.backbone.backbone.Backbone.finalize`)
 --, then runs the relay's one after-publish sequence (:mod:`.publishing`: commit, publish, credit,
 count, step event). A rollback publishes a stored state the same way.
 
@@ -23,7 +23,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from relay_server.backbone.coordinator import Backbone
+from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slicing import Published
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.core.config import RelayConfig
@@ -33,7 +33,7 @@ from relay_server.rounds.master import MasterState, NonFiniteStep, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer
-from relay_server.rounds.registry import Peer, Registry
+from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 
 log = logging.getLogger(__name__)
