@@ -1,7 +1,7 @@
 """The relay's registry of extra aggregators: who registered at which URL, what each last
 measured and reported, and whether it still counts as alive.
 
-Kept apart from :mod:`.coordinator`, which decides what the live ones own and calls them: this
+Kept apart from :mod:`.backbone`, which decides what the live ones own and calls them: this
 module only admits aggregators (same protocol, a sliceable optimizer state, a reachable URL),
 takes their heartbeats (their own link rates, and the transfers they served go to the planner's
 measurements), and declares them dead -- when one falls silent past ``aggregators.ttl_s``, or

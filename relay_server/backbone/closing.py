@@ -1,6 +1,6 @@
 """Closing a sliced round: every owner of the executing plan steps its slice of the vector.
 
-Split from :mod:`.coordinator`, which decides what happens to the owners that fail (recovery).
+Split from :mod:`.backbone`, which decides what happens to the owners that fail (recovery).
 Without clipping this is one call per owner -- ``finalize`` -- and the global norm reported in
 the round's record is summed from the slices' own norms. With ``optimizer.clip_grad_norm > 0``
 it is two: every owner closes the round and answers its mean gradient's squared norm

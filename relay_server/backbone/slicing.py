@@ -1,7 +1,7 @@
 """A slicing of the vector, as data: the owners of the executing plan, what a published version
 is, the whole state put back together from its slices, and the plan as reported.
 
-Split from :mod:`.coordinator`, which decides when to slice and talks to the owners; what is
+Split from :mod:`.backbone`, which decides when to slice and talks to the owners; what is
 here does no I/O and calls nobody. A plan's fractions become contiguous slices
 (:func:`owners_for`); a sliced version is a manifest of its slices' hashes, named by the
 manifest's own hash (:func:`manifest_version`); a migration or a recovery stitches the owners'

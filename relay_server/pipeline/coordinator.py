@@ -10,7 +10,7 @@ optimizer steps.
   The first accepted result of a task wins; a late duplicate is answered ``accepted: false``.
 * **No round trip per boundary.** A stage's output is stored here (:mod:`.boundaries`) and the
   next stage's task is queued the moment it arrives; the next worker downloads it with its task.
-* **Rounds** (:mod:`.rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
+* **Rounds** (:mod:`.batch_rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
   its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
   every stage steps and the next batch starts on the new version (staleness 0). No barrier waits

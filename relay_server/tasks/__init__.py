@@ -3,7 +3,7 @@
 Volunteers cannot accept connections, so model-parallel work (Learning@home's experts, the
 staged pipeline's micro-batches) goes through the relay: a caller posts a payload to a queue key,
 a worker long-polls for the tasks of the keys it serves, computes, and pushes a result that the
-relay hands back to the waiting caller. :mod:`.store` keeps payloads (memory first, a byte budget,
+relay hands back to the waiting caller. :mod:`.payload_store` keeps payloads (memory first, a byte budget,
 spill to disk); :mod:`.broker` keeps the tasks (:mod:`.task`: idempotent call ids, per-key
 backpressure, deadlines, dependencies between tasks, groups held until released, first result
 wins, and what happens to a worker's tasks when it leaves or stalls); :mod:`.queues` orders the

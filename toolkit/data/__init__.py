@@ -14,7 +14,7 @@ DeDLOC section 3.3 / Appendix I.4, with one change of seam (DESIGN.md s8):
   mixes across shard boundaries; **mixing** several datasets by probability (sahajBERT: 0.23
   Wikipedia / 0.77 OSCAR); **tokenization** on the fly by a user callable ``text -> list[int]``,
   then **packing** into ``[batch, seq_len + 1]`` LongTensor batches (:mod:`.stream_ops`).
-* The run's ``[dataset]`` section, typed (:mod:`.config`), and the assembled stream (:mod:`.stream`).
+* The run's ``[dataset]`` section, typed (:mod:`.dataset_config`), and the assembled stream (:mod:`.stream`).
 * The run's ``[objective]`` (:mod:`.objectives`): its tokenizer, packing into ``seq_len`` blocks,
   masked-LM / causal-LM / classification dict batches; a peer's input pipeline
   (:mod:`.input_pipeline`) runs it on a worker thread (:mod:`.background`).

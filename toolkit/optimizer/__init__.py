@@ -32,7 +32,7 @@ how many samples the collaboration may still gather before the round.
 
 The package, one object per owner of state (each reaches the others through public methods, as
 hivemind's Optimizer is made of its ProgressTracker and averagers): :mod:`.core` (the loop API:
-the accumulator, the reports, the worker, leaving), :mod:`.rounds` (``opt.rounds``: taking part
+the accumulator, the reports, the worker, leaving), :mod:`.participation` (``opt.rounds``: taking part
 in a round, the public copy of the parameters and the version loaded), :mod:`.local_sgd`
 (``opt.local_sgd``, ``run.mode = "local_sgd"``: the inner loop and the outer round), :mod:`.inner`
 (its inner optimizer), :mod:`.overlap` (``opt.local_sgd.flight``: that round behind the next inner
