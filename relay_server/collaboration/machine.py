@@ -12,7 +12,7 @@ it is done; the round closes on the same rules, every owner finalizes its slice,
 version is a manifest of the slices' hashes. Without aggregators none of that runs.
 
 This module admits peers (join, heartbeat, leave) and their gradients (whole uploads, tickets,
-done); the open round and the steps it makes are :mod:`.rounds`, the reports :mod:`.status`.
+done); the open round and the steps it makes are :mod:`.round_cycle`, the reports :mod:`.status`.
 """
 
 from __future__ import annotations

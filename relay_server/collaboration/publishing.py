@@ -1,7 +1,7 @@
 """What happens once a step is applied: the one sequence every publisher runs.
 
 Every way the relay makes a new version -- a collaboration round on the relay's reducer thread or
-on its slice owners (:mod:`.rounds`), a pipeline batch on its stages' parameter servers
+on its slice owners (:mod:`.round_cycle`), a pipeline batch on its stages' parameter servers
 (:mod:`relay_server.pipeline`) -- ends the same way, in this order: the version is committed to
 the store with the round that produced it, published on the board (waiting peers wake), the
 backbone starts copying remote slices, the contributors are credited on the leaderboard with
