@@ -33,7 +33,7 @@ ONE_CONCEPT: dict[str, set[str]] = {
     "shards": {"toolkit/data/shards.py", "toolkit/wire/protocol/shards.py", "relay_server/api/shards.py"},
     "experts": {"toolkit/moe/experts.py", "relay_server/api/experts.py"},
     "evaluation": {"relay_server/observers/evaluation.py", "relay_server/api/evaluation.py"},
-    "local_sgd": {"toolkit/optimizer/local_sgd.py", "relay_server/rounds/local_sgd.py"},
+    "local_sgd": {"toolkit/optimizer/local_sgd.py", "relay_server/rounds/local_sgd.py", "relay_server/api/local_sgd.py"},
     "status": {"toolkit/wire/protocol/status.py", "relay_server/collaboration/status.py",
                "relay_server/pipeline/status.py"},
     # each side's errors: the relay's ApiError is a toolkit CollabError with an HTTP status

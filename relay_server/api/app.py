@@ -21,7 +21,7 @@ from relay_server.backbone.backbone import Backbone
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.status import place_peers
 from relay_server.core.config import RelayConfig
-from relay_server.api import evaluation as evaluation_api, experts as experts_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import evaluation as evaluation_api, experts as experts_api, local_sgd as local_sgd_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
 from relay_server.api.feature import RUNNING, SLICE_PARAMS, TAKEN_OVER, TICKETED_GRADIENT, FeatureSet
 from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
 from relay_server.auth.access import LoginService, PassIssuer
@@ -56,7 +56,7 @@ async def get_run(request: web.Request) -> web.Response:
     return json_ok(_collab(request).run_info)
 
 
-FEATURES = FeatureSet((experts_api.FEATURE, pipeline_api.FEATURE, evaluation_api.FEATURE))
+FEATURES = FeatureSet((experts_api.FEATURE, pipeline_api.FEATURE, local_sgd_api.FEATURE, evaluation_api.FEATURE))
 """Every feature the relay can plug in (:mod:`relay_server.api.feature`); a run enables some."""
 
 STATUS_CACHE_S = 1.0  # dashboards poll every 1.5 s: any number of them costs about one report a second
@@ -334,7 +334,7 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     set_upload_memory(config.server.upload_memory_mb << 20)
     store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
     observers = ObserverThread(build_observers(config))
-    collab = await asyncio.to_thread(Collaboration, config, store, observers)
+    collab = await asyncio.to_thread(Collaboration, config, store, observers, FEATURES.opening(config))
     app[COLLAB] = collab
     collab.backbone.attach(read_token(token_path(config)))  # written by build_admin: calls to aggregators carry it
     await collab.start()

@@ -1,10 +1,11 @@
-"""What a feature the relay plugs in (DMoE, the pipeline, evaluation) gives :func:`create_app`.
+"""What a feature the relay plugs in (DMoE, the pipeline, local SGD, evaluation) gives :func:`create_app`.
 
 The core relay -- rounds, parameters, auth, shards -- knows no feature by name: ``create_app``
 iterates the :class:`FeatureSet` of :data:`relay_server.api.app.FEATURES`. Each :class:`Feature` names its config
 section, its routes (with the public ones, the streamed-container bodies and their limits), the
 service it runs, built outside HTTP from the config and the collaboration's shared services,
-started and stopped by the app's lifespan, and what it adds to ``GET /api/status``.
+started and stopped by the app's lifespan, what it adds to ``GET /api/status``, and (a mode)
+when the collaboration's rounds open.
 
 A feature that must serve part of a core route registers a *takeover* under one of the names
 below; the core route hands such requests to whichever running feature took it, without naming
@@ -25,6 +26,7 @@ from aiohttp import web
 
 from relay_server.api.context import COLLAB, CONFIG
 from relay_server.collaboration.machine import Collaboration
+from relay_server.collaboration.opening import OpeningRule
 from relay_server.core.config import RelayConfig
 
 TICKETED_GRADIENT = "ticketed_gradient"
@@ -78,6 +80,9 @@ class Feature:
     (None when the run does not enable the feature)."""
     takeovers: Mapping[str, Callable[[web.Request, Any], Awaitable[web.StreamResponse]]] = field(default_factory=dict)
     """Core route name (:data:`TAKEOVERS`) -> the handler that serves it for this feature's service."""
+    opening: Callable[[RelayConfig], OpeningRule] | None = None
+    """When the collaboration's rounds open on a run that enables it (at most one enabled feature
+    says; absent from all: sync's target batch)."""
     status: Callable[[Any], dict[str, Any]] | None = None
     """The ``StatusReport`` fields its dashboard panel reads, from the service."""
     places: Callable[[Any], PeerPlaces] | None = None
@@ -106,6 +111,13 @@ class FeatureSet:
         """Enabled or not: a disabled feature's routes say how to enable it."""
         self.public = frozenset(path for f in features for path in f.public)
         self.binary_routes = frozenset(route for f in features for route in f.binary_routes)
+
+    def opening(self, config: RelayConfig) -> OpeningRule | None:
+        """The round-opening rule of the enabled feature that has one (None: sync's default)."""
+        rules = [(f.name, f.opening(config)) for f in self.features if f.opening is not None and f.enabled(config)]
+        if len(rules) > 1:  # the config's compatibility checks refuse such a run first; this is the backstop
+            raise ValueError(f"features {[name for name, _ in rules]} each decide when rounds open: enable one")
+        return rules[0][1] if rules else None
 
     def container_limits(self, app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
         """Each streamed-container route -> its byte limit now (from the running service, or

@@ -32,6 +32,7 @@ from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, P
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.backbone.slice_routes import get_slice, put_slice
 from relay_server.backbone.tickets import encode_ticket, verify_ticket
+from relay_server.collaboration.opening import RoundsElsewhere
 from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, path_int, read_message, upload_length
 from relay_server.pipeline.coordinator import PipelineCoordinator
@@ -207,4 +208,5 @@ FEATURE = Feature(
     build=PipelineService.build, routes=tuple(ROUTE_TABLE), public=PUBLIC,
     container_limits={("PUT", ROUTES["pipeline_result"]): _result_limit},
     takeovers={TICKETED_GRADIENT: _ticketed_gradient, SLICE_PARAMS: _slice_params},
-    status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()}, places=_places)
+    status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()}, places=_places,
+    opening=lambda config: RoundsElsewhere())  # a round opens when the batch is complete (the coordinator's)

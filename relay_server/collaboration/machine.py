@@ -29,6 +29,7 @@ from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slice_owner import gradient_meta
 from relay_server.backbone.slicing import Published
 from relay_server.backbone.tickets import sign_ticket
+from relay_server.collaboration.opening import OpeningRule
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.collaboration.round_cycle import RoundCycle
 from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
@@ -57,7 +58,10 @@ _gradient_meta = gradient_meta  # its old home (tools and tests import it from h
 
 
 class Collaboration:
-    def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None) -> None:
+    def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None,
+                 opening: OpeningRule | None = None) -> None:
+        """``opening``: when rounds open, as the run's mode plugs it in (default: sync's target
+        batch, :class:`~relay_server.collaboration.opening.TargetBatch`)."""
         self.config, self.store = config, store
         self.observers = observers or ObserverThread([])
         self.run_cfg, self.rounds_cfg = config.run, config.rounds
@@ -76,7 +80,8 @@ class Collaboration:
         self.traffic = Traffic()  # bytes both ways; the samples are counted as steps are published
         self.after_publish = AfterPublish(store, self.backbone, self.leaderboard, self.traffic, self.observers,
                                           self.status)  # every publisher's (rounds, the pipeline) last steps
-        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock)
+        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock,
+                                 opening=opening)
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None

@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slicing import Published
+from relay_server.collaboration.opening import OpeningRule, TargetBatch
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
-from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.master import MasterState, NonFiniteStep, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
 from relay_server.rounds.publisher import Publisher, Version
@@ -43,13 +43,14 @@ class RoundCycle:
     """The open round (``round``, None between rounds) and the steps rounds make."""
 
     def __init__(self, config: RelayConfig, store: Store, backbone: Backbone, registry: Registry,
-                 after_publish: AfterPublish, clock: Callable[[], float] = time.monotonic) -> None:
+                 after_publish: AfterPublish, clock: Callable[[], float] = time.monotonic,
+                 opening: OpeningRule | None = None) -> None:
         self.config, self.store, self.backbone, self.registry = config, store, backbone, registry
         self.clock = clock  # the relay's: rounds' deadlines and durations count on it
         self.after_publish = after_publish  # commit, publish, credit, count, step event: every step's end
         self.run_cfg = config.run
         self.deadlines = DeadlinePolicy(config.rounds)
-        self.outer_rule = OuterRoundRule(config.run.target_batch, config.local_sgd.straggler_wait_s)
+        self.opening = opening or TargetBatch(config.run.target_batch, config.run.max_staleness)  # the mode's rule
         self.round: Round | None = None
         self._finalizing: asyncio.Task | None = None
         self._migration: asyncio.Task | None = None
@@ -88,8 +89,6 @@ class RoundCycle:
         ``rounds.open_round = "projected"`` the micro-batch each other peer holding samples is
         computing now (it adds it before it sees the round; ``reporter`` just reported, so it is
         not computing). Either way every expected peer then sends all it holds."""
-        if self.config.pipeline.enabled:
-            return  # a pipeline's rounds open when its batch is complete (relay_server.pipeline)
         if self.round is not None or self.finished or self._between_rounds_work():
             return
         staleness = self.run_cfg.max_staleness
@@ -98,14 +97,9 @@ class RoundCycle:
             ahead = self.registry.in_flight(self.step, staleness)
             if reporter is not None and reporter.samples > 0 and 0 <= self.step - reporter.version <= staleness:
                 ahead -= reporter.batch
-        if self.run_cfg.mode == "local_sgd":
-            if not self.outer_rule.due(self.registry, self.step):
-                return
-        elif self.registry.collected(self.step, staleness) + ahead < self.run_cfg.target_batch:
-            return  # the common case on every heartbeat: O(1), no scan of the registry
-        eligible = self.registry.eligible(self.step, staleness)
-        if self.run_cfg.mode != "local_sgd" and sum(p.samples for p in eligible) + ahead < self.run_cfg.target_batch:
+        if not self.opening.due(self.registry, self.step, ahead):
             return
+        eligible = self.registry.eligible(self.step, staleness)
         self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
                            deadline_s=self.deadlines.window_s(), clock=self.clock,
                            plan_version=self.backbone.plan_version, slices=self.backbone.round_slices())
@@ -177,9 +171,9 @@ class RoundCycle:
 
     def _round_applied(self, r: Round, published: Published) -> None:
         """This cycle's own bookkeeping once ``r``'s step is out: the inner steps behind it, the
-        local SGD rule, the adaptive deadline; then the next round may open."""
+        opening rule, the adaptive deadline; then the next round may open."""
         self.inner_steps_last_round = r.inner_steps / len(r.received)
-        self.outer_rule.published(published.step, r.received)  # local SGD: they work on this step now
+        self.opening.published(published.step, r.received)  # (local SGD: they work on this step now)
         self.deadlines.observe(r)
         self.round = None
         log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,

@@ -43,8 +43,9 @@ class OuterRoundRule:
         """The round whose pseudo-gradients these peers sent produced ``step``."""
         self._contributors = (step, frozenset(contributors))
 
-    def due(self, registry: Registry, step: int, now: float | None = None) -> bool:
-        """Scans the peers only once someone finished (not on every heartbeat of the inner loops)."""
+    def due(self, registry: Registry, step: int, ahead: int = 0, now: float | None = None) -> bool:
+        """Scans the peers only once someone finished (not on every heartbeat of the inner loops).
+        ``ahead`` (samples being computed) means nothing here: a peer reports only at its budget's end."""
         finished = registry.collected(step, 0)
         if finished == 0:
             return False
