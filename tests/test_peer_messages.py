@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 
-import torch
-
 from benchmarks.latency_proxy import LatencyProxy
+from tests.support.training import regression_step
 from toolkit.errors import CollabError, handled_by_peer, volunteer_line
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
@@ -27,15 +26,6 @@ uploading lands one round trip later (4 s after the opening: the round still ope
 one more round trip later (8 s after: the round closed at 6 s, with the fast peer's gradient)."""
 
 
-def step(opt: CollaborativeOptimizer, model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 8, generator=g)
-    batch = torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1)
-    opt.zero_grad()
-    loss = model.loss(batch)
-    loss.backward()
-    opt.step(loss=loss.item())
-
 
 def test_a_round_that_closed_before_the_gradient_arrived_is_not_shown(serve_relay, caplog) -> None:
     relay = serve_relay({"run": {"target_batch": 8, "max_staleness": 1},
@@ -48,20 +38,20 @@ def test_a_round_that_closed_before_the_gradient_arrived_is_not_shown(serve_rela
     with LatencyProxy(relay.port) as proxy, \
             CollaborativeOptimizer(fast_model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as fast, \
             CollaborativeOptimizer(slow_model, proxy.url, batch_size_per_step=4, report_interval_s=0.0) as slow:
-        step(fast, fast_model, 0)  # 4 of the 8 samples: no round yet
+        regression_step(fast, fast_model, 0)  # 4 of the 8 samples: no round yet
         proxy.delay_s = DELAY_S  # read per chunk: from now on
         failed: list[BaseException] = []
 
         def slow_job() -> None:
             try:
-                step(slow, slow_model, 1)
+                regression_step(slow, slow_model, 1)
             except BaseException as exc:  # surfaced below
                 failed.append(exc)
 
         slow_step = threading.Thread(target=slow_job)
         slow_step.start()  # its report opens the round; its gradient comes seconds later
         relay.wait_for(lambda s: s["round"] is not None, 30, "the round the slow peer's report opens")
-        step(fast, fast_model, 2)  # uploads at once; the round closes at its deadline with it alone
+        regression_step(fast, fast_model, 2)  # uploads at once; the round closes at its deadline with it alone
         slow_step.join(timeout=60)
         assert not slow_step.is_alive() and not failed, failed
         assert fast.version == 1 and relay.status()["step"] == 1

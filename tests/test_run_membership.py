@@ -16,12 +16,12 @@ import torch
 
 from tests.conftest import Clock, wait_until
 from tests.support.blip import BlipProxy
-from tests.support.training import params_of
+from tests.support.training import params_of, regression_step
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected, RelayUnreachable
-from toolkit.run_membership import Backoff, Membership
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.run_membership import Backoff, Membership
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
 
 SPEC = ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]})
@@ -34,16 +34,6 @@ def request(name: str = "member") -> JoinRequest:
 def names(relay) -> list[str]:
     return [p["name"] for p in relay.status()["peers"]]
 
-
-def step(opt: CollaborativeOptimizer, model: torch.nn.Module, seed: int) -> None:
-    """One micro-batch of 4 samples of the MLP's regression."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, 8, generator=g)
-    batch = torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1)
-    opt.zero_grad()
-    loss = model.loss(batch)
-    loss.backward()
-    opt.step(loss=loss.item())
 
 
 def test_backoff_doubles_from_first_to_the_cap_each_wait_jittered_down_by_at_most_its_fraction() -> None:
@@ -164,18 +154,18 @@ def test_a_trainer_the_relay_forgot_joins_again_and_trains_on_that_relays_parame
     try:
         with CollaborativeOptimizer(model, proxy.url, batch_size_per_step=4, report_interval_s=0.0,
                                     peer_name="trainer") as opt:
-            step(opt, model, 0)  # the target batch: the first relay's step 1
+            regression_step(opt, model, 0)  # the target batch: the first relay's step 1
             lost = opt.peer_id
             assert opt.version == 1 and first.status()["step"] == 1
             proxy.upstream_port = second.port
             proxy.drop()
             proxy.restore()
-            step(opt, model, 1)
+            regression_step(opt, model, 1)
             assert opt.peer_id != lost and opt.membership.rejoins == 1 and names(second) == ["trainer"]
             assert opt.version == 0 and second.status()["step"] == 0  # nothing of the first relay's counted
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
             np.testing.assert_array_equal(flat, params_of(second.url))
-            step(opt, model, 2)
+            regression_step(opt, model, 2)
             assert opt.version == 1 and second.status()["step"] == 1 and opt.last_error is None
     finally:
         proxy.close()

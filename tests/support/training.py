@@ -103,3 +103,17 @@ def write_shards(folder: Path, count: int, rows: int) -> list[str]:
         path.write_text("".join(json.dumps({"text": f"part-{i:02d} row {j}"}) + "\n" for j in range(rows)))
         paths.append(str(path))
     return paths
+
+
+def regression_step(opt, model, seed: int) -> None:
+    """One micro-batch of 4 samples of the MLP's regression (8 features, target tanh of their
+    sum), through ``opt`` as a notebook's loop would: the step the in-process trainers share."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, generator=g)
+    batch = torch.cat([x, x.sum(1, keepdim=True).tanh()], dim=1)
+    opt.zero_grad()
+    loss = model.loss(batch)
+    loss.backward()
+    opt.step(loss=loss.item())
