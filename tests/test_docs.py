@@ -165,6 +165,14 @@ def test_no_page_points_at_an_issue_number(page: Path) -> None:
     assert not hits, f"{page.relative_to(REPO)} cites issue numbers a reader cannot open: {hits}"
 
 
+def test_no_module_points_at_an_issue_number() -> None:
+    """The package's docstrings and comments say why, not which tracker entry asked."""
+    hits = [f"{path.relative_to(REPO)}:{n}" for root in ("toolkit", "relay_server")
+            for path in sorted((REPO / root).rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bissue [0-9]", line, re.I)]
+    assert not hits, f"modules cite issue numbers a reader cannot open: {hits}"
+
+
 def test_the_readme_is_a_quick_start_that_links_every_page() -> None:
     text = README.read_text()
     assert len(text.splitlines()) <= README_MAX_LINES, "README.md grew past a quick start: move the detail to docs/"

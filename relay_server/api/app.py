@@ -294,7 +294,7 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
 
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
-    logsafe.install()  # user text escaped and secrets redacted in every log line (issue 17)
+    logsafe.install()  # user text escaped and secrets redacted in every log line
     app = web.Application(middlewares=[error_middleware, *stall_middlewares(), *middlewares],  # stalls: tests only
                           client_max_size=MAX_JSON_BODY)
     auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),

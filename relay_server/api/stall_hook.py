@@ -1,6 +1,6 @@
 """A test-only hook that freezes the relay's event loop, to prove a stall costs time, not answers.
 
-The tests of issue 35 (tests/test_loop_stall.py) run a DMoE and a pipeline run through a relay
+The loop-stall tests (tests/test_loop_stall.py) run a DMoE and a pipeline run through a relay
 whose event loop blocks (``time.sleep``, nothing else runs) for a few seconds now and then, and
 check that no expert call or task that met its deadline on the relay's clock fails and that no
 request ends in an unhandled error (:mod:`relay_server.core.loop_clock`).

@@ -104,7 +104,7 @@ def container_digests(head: bytes, max_data_bytes: int = 1 << 62) -> ChunkDigest
     """The digest checker of a container whose header is ``head``. Routes pass ``max_data_bytes``,
     the most tensor data they take (the run's parameters in its codec), so a header declaring
     more is refused before anything proportional to its size exists; even without it nothing
-    here grows with a declared size (issue 17: 360 bytes declaring 2^59 floats built a
+    here grows with a declared size (360 bytes declaring 2^59 floats built a
     2^35-entry list)."""
     header = parse_header(head[:8], head[8:], max_data_bytes=max_data_bytes)
     return ChunkDigests([e.end - e.begin for e in header.entries], header.metadata)

@@ -248,7 +248,7 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
     route template) take a streamed tensor container -- header hash, then a digest per chunk, at
     most ``container_limit()`` data bytes --, every other route a body hashed whole. The route,
     not the client's Content-Type, decides which: an octet-stream body on a JSON route used to be
-    hashed by its first bytes only, leaving an unsigned JSON tail for the handler (issue 17).
+    hashed by its first bytes only, leaving an unsigned JSON tail for the handler.
     ``binary_routes`` take a small tensor container (an expert call, at most the app's
     ``client_max_size``) as ``application/octet-stream``, hashed whole like a JSON body.
     ``container_limits`` adds container routes with a limit of their own (an expert's checkpoint

@@ -87,7 +87,7 @@ class Backbone:
         self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
         self._checked = -math.inf
         self._empty_reducer: Reducer | None = None
-        self.refused_rounds = 0  # sliced rounds in which some owner refused its step (issue 41)
+        self.refused_rounds = 0  # sliced rounds in which some owner refused its step
 
     def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
                    adopt: bool = False) -> SliceOwner:

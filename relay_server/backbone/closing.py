@@ -37,7 +37,7 @@ class Closed:
 
     @property
     def refused(self) -> int:
-        """Owners whose step was refused (issue 41): their slices were published unchanged."""
+        """Owners whose step was refused: their slices were published unchanged."""
         return sum(report.refused for report in self.reports.values())
 
 

@@ -58,7 +58,7 @@ class SliceRound:
     partial: set[str] = field(default_factory=set)
     closed: bool = False
     sq_norm: float | None = None  # set once the sum became the mean (grad_sq_norm, before finalize)
-    refused: bool = False  # the step was refused and the slice published unchanged (issue 41)
+    refused: bool = False  # the step was refused and the slice published unchanged
 
 
 class SliceOwner:
@@ -122,7 +122,7 @@ class SliceOwner:
         try:
             report = self.publisher.apply_step(global_norm)
         except NonFiniteStep as exc:
-            # Issue 41: nothing non-finite is published. The owners of a sliced round step in
+            # Nothing non-finite is published. The owners of a sliced round step in
             # lock-step (the relay commits version step + 1 of every slice together), so this
             # slice publishes its state unchanged -- exactly as before the step -- as that version.
             self.refused_steps += 1

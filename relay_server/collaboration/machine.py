@@ -233,7 +233,7 @@ class Collaboration:
             raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
         self._check_contribution(step, peer, meta.version, meta.samples, "upload claims")
         was_expected = r.begin(peer_id)
-        # issue 17: credited at the reducer's commit point (whole or nothing), never after the add
+        # credited at the reducer's commit point (whole or nothing), never after the add
         progress = UploadProgress(on_commit=lambda: self._credit(r, peer, meta.samples, meta.loss_sum))
         peer.inflight += 1
         try:

@@ -150,7 +150,7 @@ class RoundCycle:
             return
         outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=self.clock() - r.opened_at,
                            deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0,
-                           outcomes=dict(r.outcomes))  # issue 17: the record says what was not counted whole
+                           outcomes=dict(r.outcomes))  # the record says what was not counted whole
         if r.slices:  # every owner finalizes its slice (dead ones are recovered inside)
             published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
             lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
@@ -216,7 +216,7 @@ class RoundCycle:
 
     def _apply(self, outcome: RoundLog) -> Version | None:
         """Reducer thread, after every add of the round: mean, optimizer step, persist, commit.
-        None: the step was refused (issue 41) -- it would have made the parameters or the
+        None: the step was refused -- it would have made the parameters or the
         optimizer state non-finite; the master is exactly as before it (:meth:`Publisher.apply_step`),
         nothing is written or published, and ``refused_steps`` (in ``GET /api/status``, kept in
         the store across restarts) counts it. The peers' uploads of that round are lost, as the

@@ -129,8 +129,8 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
     peers = [peer_status(p, now, local, pipeline) for p in online]
     measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
-    outcomes = store.round_outcomes([row[0] for row in recent])  # issue 17: refused / partial / banned uploads
-    # finite_or_none: a data dir written before issue 41 may hold an inf grad_norm; JSON cannot carry it
+    outcomes = store.round_outcomes([row[0] for row in recent])  # refused / partial / banned uploads
+    # finite_or_none: a data dir written by an older relay may hold an inf grad_norm; JSON cannot carry it
     rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=finite_or_none(loss), duration_s=d, deadline_s=dl,
                           finalized_by=by, finalized_at=at, lr=finite_or_none(lr), grad_norm=finite_or_none(norm),
                           outcomes=outcomes.get(s, {}))

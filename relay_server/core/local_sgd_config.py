@@ -1,4 +1,4 @@
-"""``[local_sgd]``: the low-bandwidth mode (``run.mode = "local_sgd"``, issue 26).
+"""``[local_sgd]``: the low-bandwidth mode (``run.mode = "local_sgd"``).
 
 Each peer runs the run's ``[optimizer]`` locally (the *inner* optimizer) for ``inner_steps``
 micro-batches or ``inner_seconds`` of training, then uploads its pseudo-gradient (the global

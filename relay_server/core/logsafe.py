@@ -2,7 +2,7 @@
 
 Peer names, device labels, usernames of open runs, reported shard names and request paths
 (decoded: ``%0a`` is a newline) are user text. Written raw, a newline in a ``peer_name`` forges a
-whole relay log line (issue 17). :func:`printable` escapes control characters, ``\\`` and Unicode
+whole relay log line. :func:`printable` escapes control characters, ``\\`` and Unicode
 line separators as ``\\xNN``; :func:`install` applies it to every string argument of every log
 record the relay's and aiohttp's loggers create (a log record factory), so no call site can
 forget it, and one record is always one line.

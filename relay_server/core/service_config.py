@@ -105,7 +105,7 @@ class LimitsSection:
     Logins are limited on loopback too (see ``exempt_loopback_logins``)."""
     exempt_loopback_logins: bool = False
     """Also exempt logins from loopback. Off: behind a proxy that sends no X-Forwarded-For every
-    volunteer is 127.0.0.1, and would share one unlimited bucket of whoami calls (issue 17)."""
+    volunteer is 127.0.0.1, and would share one unlimited bucket of whoami calls."""
     trust_forwarded_for: bool = True
     """A loopback request with X-Forwarded-For came through a reverse proxy on this host (the README's
     Caddy / nginx): key it by the header's last hop, for the rate limits, the per-address connection

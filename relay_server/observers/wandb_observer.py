@@ -79,7 +79,7 @@ def step_metrics(event: StepEvent, config: RelayConfig) -> dict[str, Any]:
         if status.plan.steps_per_s is not None:
             row["plan/steps_per_s"] = status.plan.steps_per_s
     traffic = status.traffic
-    if traffic is not None and traffic.samples:  # since the relay started: what issue 26's benchmark compares
+    if traffic is not None and traffic.samples:  # since the relay started: what the low-bandwidth benchmark compares
         row["bytes_per_sample/up"] = traffic.up_bytes_per_sample
         row["bytes_per_sample/down"] = traffic.down_bytes_per_sample
     local = status.local_sgd

@@ -94,7 +94,7 @@ class StageOwners:
             global_norm = math.sqrt(sum(squares))
         done = await asyncio.gather(*(o.finalize(step, round_id, global_norm) for o in self.owners))
         refused = [k for k, (_, r, _) in enumerate(done) if r.refused]
-        if refused:  # issue 41: those stages publish their slice unchanged, never a non-finite one
+        if refused:  # those stages publish their slice unchanged, never a non-finite one
             self.refused_rounds += 1
             log.error("step %d: stage(s) %s refused their step (it would have been non-finite)", step + 1, refused)
         for store, (version, _, _) in zip(self.stores, done):

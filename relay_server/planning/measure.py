@@ -1,4 +1,4 @@
-"""Measured rates the plan is solved from (issue 3 item 3): never what a peer declares.
+"""Measured rates the plan is solved from: never what a peer declares.
 
 * A peer's upload and download rate: bytes over seconds of the transfers servers actually saw.
   A peer sends its slices to several owners at once, so one *transfer group* is everything it

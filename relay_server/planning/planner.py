@@ -46,7 +46,7 @@ of whichever optimal vertex HiGHS returns first. The paper's relaxed LP is repro
 product as ``research.dedloc_lp.solve_plan_reference`` (literal O(n^3) or compact O(n^2) form,
 proved equal in tests), for tests to compare this one with.
 
-Semantics (issue 3): aggregators are the peers with ``can_receive=True``; nothing exists for a
+Semantics: aggregators are the peers with ``can_receive=True``; nothing exists for a
 client-mode peer as aggregator, not even its own share. A peer with ``samples_per_s == 0`` (an
 auxiliary server) needs no parameters back; nor does a peer that does not compute in this plan
 (it sits the plan out and downloads the latest parameters when it is let back in, DESIGN section

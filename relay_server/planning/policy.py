@@ -1,4 +1,4 @@
-"""What the relay solves the plan from, and when (issue 3 item 3): measurements, never declarations.
+"""What the relay solves the plan from, and when: measurements, never declarations.
 
 Inputs of :func:`relay_server.planning.planner.solve_plan`:
 

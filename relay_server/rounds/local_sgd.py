@@ -1,4 +1,4 @@
-"""When the relay opens an outer round of ``run.mode = "local_sgd"`` (issue 26).
+"""When the relay opens an outer round of ``run.mode = "local_sgd"``.
 
 In local SGD a peer reports no samples while its inner loop runs, then all it processed at once
 when its inner budget ends (:mod:`toolkit.optimizer.local_sgd`); the upload, reduction and step

@@ -47,11 +47,11 @@ class StepReport:
     step: int  # the new version
     lr: float
     grad_norm: float
-    refused: bool = False  # a slice's step refused (issue 41): the version holds the slice unchanged
+    refused: bool = False  # a slice's step refused: the version holds the slice unchanged
 
 
 class NonFiniteStep(Exception):
-    """The step would have made the parameters or the optimizer state non-finite (issue 41).
+    """The step would have made the parameters or the optimizer state non-finite.
 
     ``touched``: the optimizer had already stepped, so the master's state is no longer the one
     before the step and the caller must reload it (:meth:`Publisher.apply_step
@@ -107,7 +107,7 @@ class MasterState:
         clips by ``global_norm`` -- the whole mean gradient's norm, when this is a proper slice --
         or else by this gradient's own norm. The report carries the own (unclipped) norm.
 
-        Raises :class:`NonFiniteStep` instead of making anything non-finite (issue 41): before
+        Raises :class:`NonFiniteStep` instead of making anything non-finite: before
         the step when the gradient's norm is not finite (nothing changed), after it when the
         parameters or the optimizer state are (``touched``: the caller reloads the state; the
         step counter has not moved). The norm is overflow-safe (:func:`overflow_safe_norm`): in
@@ -216,7 +216,7 @@ def overflow_safe_norm(tensor: torch.Tensor, chunk: int = 1 << 14) -> float:
     Float32 dot products (BLAS) of 16K-value chunks, added in float64; a chunk whose float32
     squares overflowed is redone in float64. Per 100 MB here: ~8 ms, relative error <= 1.2e-6
     (equal values, the worst case); ``vector_norm`` took 4 ms in float32 but erred by 1.5e-3 (and
-    overflowed to inf past 1.8e19: issue 41), 73 ms with ``dtype=float64`` -- too slow for every
+    overflowed to inf past 1.8e19), 73 ms with ``dtype=float64`` -- too slow for every
     round's critical path."""
     flat = tensor.detach().reshape(-1).numpy()
     total = 0.0

@@ -40,7 +40,7 @@ class Peer:
     inflight: int = 0
     first_contribution_s: float | None = None  # join -> first accepted gradient
     contributed: int = 0  # samples accepted since the relay (re)admitted it (the dashboard's column)
-    # run.mode = "local_sgd" (issue 26), from the latest heartbeat: inner steps since its last outer
+    # run.mode = "local_sgd", from the latest heartbeat: inner steps since its last outer
     # round, and the share of its training time spent computing (None: not measured yet)
     inner_steps: int = 0
     busy_fraction: float | None = None

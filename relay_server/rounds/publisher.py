@@ -139,7 +139,7 @@ class Publisher(Board):
 
     def apply_step(self, global_norm: float | None = None) -> StepReport:
         """The master's optimizer step (reducer thread), or :class:`NonFiniteStep` with the master
-        exactly as before it (issue 41). The version the master holds is on disk in full --
+        exactly as before it. The version the master holds is on disk in full --
         parameters, master copy, optimizer state (:meth:`write`) -- so a step that broke the state
         is undone by reloading that file: no snapshot in memory (one would cost the parameters
         plus the optimizer state, 12 bytes per parameter with Adam, on every round), and a read

@@ -15,8 +15,8 @@ runs on the event loop (the caller credits the samples there, so the round's rec
 never disagree) and one job on the reducer thread adds the spool into the sum, before any later
 finalize. An upload refused at chunk ``k`` (NaN, a digest mismatch, a dead connection, the round
 closing) leaves the sum exactly as before it began. Earlier versions reduced each chunk as it
-arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was dropped
-(issue 17). Uploads in flight wait in memory, as the buffers they arrived in, while the process's
+arrived, so a refused upload's first chunks stayed in the sum while its peer was told it was dropped.
+Uploads in flight wait in memory, as the buffers they arrived in, while the process's
 budget allows (``[server] upload_memory_mb``), beyond it in files on the data disk: one spool per
 upload in flight, at most the run's codec size each (``wire_bytes``).
 
@@ -118,7 +118,7 @@ class _Spool:
     thread's time: 4 peers x 100 MiB measured 0.28-1.97 s of staging per round, against
     0.02-0.05 s of memory copies (benchmarks/allreduce.py; the README's round breakdown). The file is
     made on the reducer thread, never on the event loop (a 1,000-peer relay lost 10-17% of its loop
-    to creating one per upload: issue 15)."""
+    to creating one per upload)."""
 
     def __init__(self, directory: str | None, budget: MemoryBudget) -> None:
         self.directory, self.budget = directory, budget
@@ -350,7 +350,7 @@ CHUNK_NORM_MAX = float(np.sqrt(np.finfo(np.float32).max))  # 1.8e19: beyond, a c
 
 
 def check_chunk(values: np.ndarray) -> None:
-    """Refuse a chunk holding NaN or Inf, or whose L2 norm exceeds :data:`CHUNK_NORM_MAX` (issue 41).
+    """Refuse a chunk holding NaN or Inf, or whose L2 norm exceeds :data:`CHUNK_NORM_MAX`.
 
     One float32 dot product (BLAS, no temporary) decides both: ``v . v`` is non-finite iff some
     value is NaN/Inf or the squares add past float32's largest value, i.e. the norm passes

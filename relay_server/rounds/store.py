@@ -59,7 +59,7 @@ CREATE TABLE IF NOT EXISTS rounds (
 
 def finite_or_none(value: float | None) -> float | None:
     """A round's statistic as stored and shown: None (NULL) rather than NaN or Inf, which JSON
-    cannot carry -- one inf ``grad_norm`` in the log broke every ``GET /api/status`` (issue 41)."""
+    cannot carry -- one inf ``grad_norm`` in the log broke every ``GET /api/status``."""
     return value if value is None or math.isfinite(value) else None
 
 

@@ -1,5 +1,5 @@
 """The collaboration's samples/s as the relay measured it: samples its rounds applied over the
-time those rounds took (issue 35). What ``/api/status``, the dashboard, every heartbeat answer
+time those rounds took. What ``/api/status``, the dashboard, every heartbeat answer
 (the peers' panels, the ETA) and W&B show as *the* samples/s.
 
 The peers' own figures are self-reports: a peer that times its compute wrongly (one with many

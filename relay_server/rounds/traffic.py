@@ -1,5 +1,5 @@
 """The training bytes the relay moves, per sample its rounds apply (``GET /api/status``'s
-``traffic``, W&B's ``bytes_per_sample/*``): the figure low-bandwidth runs are judged by (issue 26).
+``traffic``, W&B's ``bytes_per_sample/*``): the figure low-bandwidth runs are judged by.
 
 Counted where the bytes pass, with plain int adds on the event loop (no lock, nothing per chunk):
 an accepted upload's body once the reducer committed it (:meth:`Collaboration.receive_gradient`),

@@ -1,4 +1,4 @@
-"""The peer's half of ``run.mode = "local_sgd"`` (issue 26): the inner loop and the outer round.
+"""The peer's half of ``run.mode = "local_sgd"``: the inner loop and the outer round.
 
 :class:`~toolkit.optimizer.CollaborativeOptimizer` hands every ``step()`` to :class:`LocalSgd`
 when the run says so, so the loops, ``join()`` and the notebooks need nothing new. Each step

@@ -2,7 +2,7 @@
 
 A pipeline run trains a model larger than any one volunteer's memory: the model is cut into K
 stages of consecutive layers, each a contiguous range of the run's flat parameter vector, and a
-worker builds, holds and trains only its own stage (the design notes of issue 23: the heterogeneous
+worker builds, holds and trains only its own stage (the design notes: the heterogeneous
 pipeline with a parameter server per stage and a task pool).
 
 * :mod:`toolkit.pipeline.cuts`: where a model's parts lie in the flat vector

@@ -89,7 +89,7 @@ class RunSummary(Schema):
 @dataclass(frozen=True, kw_only=True)
 class TrafficStatus(Schema):
     """The training bytes this relay moved since it started, per sample its rounds applied: what
-    low-bandwidth runs are judged by (issue 26). ``up_bytes``: the bodies of the gradient or
+    low-bandwidth runs are judged by. ``up_bytes``: the bodies of the gradient or
     pseudo-gradient uploads it accepted (header included); ``down_bytes``: the parameter bodies
     it served (full and delta, on ``GET /api/params`` and the immutable cache URLs), and the
     cache refs. With aggregators, the slices other owners receive and serve are not in here."""
@@ -223,7 +223,7 @@ class StatusReport(Schema):
     round's peers and the learning rate."""
 
     def dumps(self) -> bytes:
-        """Never fails on a number (issue 41): one inf that reached a statistic made every poll
+        """Never fails on a number: one inf that reached a statistic made every poll
         of the dashboard and every observer fail. The relay keeps its statistics finite; should
         one still be NaN or Inf, it is shown as null (the fast path is the plain dump)."""
         try:
