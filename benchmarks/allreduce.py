@@ -101,7 +101,14 @@ def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: 
     sys.path.insert(0, str(REPO))
     from toolkit.client import RelayClient
     from toolkit.transfer import slice_part
-    from toolkit.wire.protocol import PROTOCOL_VERSION, DoneRequest, GradientMeta, Heartbeat, JoinRequest, TicketRequest
+    from toolkit.wire.protocol import (
+        PROTOCOL_VERSION,
+        DoneRequest,
+        GradientMeta,
+        Heartbeat,
+        JoinRequest,
+        TicketRequest,
+    )
 
     client = RelayClient(url, read_timeout_s=300)
     peer_id = client.join(JoinRequest(peer_name=f"bench-{index}", protocol=PROTOCOL_VERSION)).peer_id

@@ -86,7 +86,6 @@ def main() -> None:
         print(f"  {name:8s} {ratio:6.4f} x float32 ({ratio * 32:.3f} bits/value) on the wire, cosine {cosine:.7f}, max |err| {max_error:.3g}; "
               f"encode {mb / encode_s:5.0f} MB/s (fresh {mb / fresh_encode_s:5.0f}), "
               f"decode {mb / decode_s:5.0f} MB/s (fresh {mb / fresh_decode_s:5.0f})")
-        del tensors
 
     # The relay's path: decode each arriving 1M-value chunk into a scratch and add it to the sum.
     codec = get_codec("int8")
@@ -104,7 +103,6 @@ def main() -> None:
     reduce_s = best_seconds(reduce_stream, args.reps)
     print(f"  int8 relay path: validate side tensors {validate_s * 1e3:.1f} ms, "
           f"streamed decode + add in {RELAY_CHUNK:,}-value chunks {mb / reduce_s:.0f} MB/s")
-    del tensors, payload
     feedback = ErrorFeedback(codec, n)
     previous = feedback.compress(x)
     feedback_s = best_seconds(lambda: feedback.compress(x, out=previous), args.reps)

@@ -25,9 +25,8 @@ import random
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before anything imports datasets: local files only
 

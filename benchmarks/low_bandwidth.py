@@ -75,9 +75,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from servers import REPO, ServerFailed, start_server, toml_text  # noqa: E402
 from low_bandwidth_figures import bars, summarize_model, summarize_variant, worst  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
+from servers import REPO, ServerFailed, start_server, toml_text  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 

@@ -159,9 +159,9 @@ def _saved_for_backward(model: Any, batch: Any) -> int:
 
 # --- the relay process -----------------------------------------------------------------------------
 def relay_main(args: argparse.Namespace) -> int:
-    from relay_server.rounds import master
-    from relay_server.core.config import OptimizerSection, load_config
     from relay_server.api.server import serve
+    from relay_server.core.config import OptimizerSection, load_config
+    from relay_server.rounds import master
 
     runtime = proc_status()["VmRSS"]
     bnb_import = 0

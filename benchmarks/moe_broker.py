@@ -41,8 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from latency_proxy import spawn  # noqa: E402
-from moe_rig import (Member, caller_for, relay_overrides, start_hosts, stop_all,  # noqa: E402
-                     wait_until)
+from moe_rig import Member, caller_for, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
 from servers import start_relay  # noqa: E402
 
 from toolkit.wire.protocol import ROUTES  # noqa: E402

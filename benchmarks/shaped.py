@@ -41,8 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce import REPO, relay_config, run_peer  # noqa: E402
-from servers import wait_ready  # noqa: E402
 from netns import Host, Star, unavailable  # noqa: E402
+from servers import wait_ready  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 

@@ -23,24 +23,35 @@ from pathlib import Path
 
 from aiohttp import web
 
+from relay_server.api.moderation import AdminToken
+from relay_server.api.server import serve_app
+from relay_server.backbone.slice_owner import SliceOwner
+from relay_server.backbone.slice_routes import get_slice, put_slice
+from relay_server.backbone.state_transfer import CallFailed, InternalClient, check_range, send_state
 from relay_server.core import logsafe
 from relay_server.core.config import OptimizerSection, RoundsSection
 from relay_server.core.data_lock import DataDirLock
 from relay_server.core.errors import ApiError
 from relay_server.core.http import error_middleware, int_query, json_ok, read_message
 from relay_server.planning.measure import ServerMeter
-from relay_server.api.moderation import AdminToken
 from relay_server.rounds.publisher import Version
 from relay_server.rounds.reducer import robust_config
-from relay_server.api.server import serve_app
-from relay_server.backbone.slice_routes import get_slice, put_slice
-from relay_server.backbone.slice_owner import SliceOwner
-from relay_server.backbone.state_transfer import CallFailed, InternalClient, check_range, send_state
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import run_codecs
-from toolkit.wire.protocol import (MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, AggregatorHeartbeat, AggregatorRegistration,
-                              AggregatorWelcome, AssignRequest, FinalizeRequest, GradNormReport, GradNormRequest,
-                              SliceReport, TransferSample)
+from toolkit.wire.protocol import (
+    MAX_JSON_BODY,
+    PROTOCOL_VERSION,
+    ROUTES,
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    AggregatorWelcome,
+    AssignRequest,
+    FinalizeRequest,
+    GradNormReport,
+    GradNormRequest,
+    SliceReport,
+    TransferSample,
+)
 
 log = logging.getLogger(__name__)
 

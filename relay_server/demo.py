@@ -29,15 +29,14 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
-
 from importlib import resources
+from pathlib import Path
 
 import requests
 
+from relay_server.api.server import serve
 from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.core.data_lock import DataDirInUse
-from relay_server.api.server import serve
 from toolkit.errors import CollabError
 from toolkit.runtime.parent import child_env
 from toolkit.wire.protocol import ROUTES, StatusReport

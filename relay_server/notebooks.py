@@ -34,9 +34,9 @@ from pathlib import Path
 
 import requests
 
+import toolkit.errors as errors
 from relay_server.core.distribution import TOOLKIT_INFO_PATH
 from relay_server.core.typed import ConfigError
-import toolkit.errors as errors
 from toolkit.errors import NOT_A_RELAY_HINT, not_a_relay_message
 
 PLATFORMS = ("colab", "kaggle", "tpu", "local")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from relay_server.planning.highs import SparseRows, solve_lp
 from relay_server.planning.averaging_plan import Plan, _make_plan
+from relay_server.planning.highs import SparseRows, solve_lp
 from relay_server.planning.problem import (
     Pairwise,
     PeerCapacity,

@@ -25,17 +25,24 @@ from typing import Any
 import pytest
 
 from benchmarks.nginx import NGINX, NginxProcess, run_nginx
-from tests.support.processes import (REPO, AggregatorProcess, PeerProcess, RelayProcess, merged, spawn_relay,
-                                     write_config)
+from tests.support.processes import (
+    REPO,
+    AggregatorProcess,
+    PeerProcess,
+    RelayProcess,
+    merged,
+    spawn_relay,
+    write_config,
+)
 
-pytest_plugins = ["tests.hf_standin"]  # the `hf_standin` fixture: a local stand-in for the HF Hub API
+pytest_plugins = ["tests.hf_standin", "tests.hub_standin"]  # `hf_standin`, `hub_standin`: local HF Hub stand-ins
 
 PEER_WORKER = Path(__file__).resolve().parent / "peer_worker.py"
 
 # Fixtures that start a process or a server: a test using one is an integration test.
 INTEGRATION_FIXTURES = frozenset({
     "start_nginx", "start_relay", "serve_relay", "start_aggregators", "launch_peer", "launch_stage_worker",
-    "web_page", "hub", "hf_standin", "relay_factory", "demo_tokenizer", "browser_page"})
+    "web_page", "hub", "hf_standin", "hub_standin", "relay_factory", "demo_tokenizer", "browser_page"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

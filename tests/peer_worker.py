@@ -34,10 +34,10 @@ def params_sha(model: torch.nn.Module) -> str:
 
 
 def main() -> int:
+    from toolkit.client import RelayClient
     from toolkit.data.input_pipeline import peer_batches
     from toolkit.models import build_model, loss_of
     from toolkit.optimizer import CollaborativeOptimizer
-    from toolkit.client import RelayClient
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--relay", required=True)

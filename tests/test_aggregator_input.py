@@ -11,13 +11,13 @@ import json
 import numpy as np
 import requests
 
-from tests.support.processes import RelayProcess
+from relay_server.backbone.tickets import encode_ticket
 from tests.support.peers import RawPeer, raw_http
+from tests.support.processes import RelayProcess
 from toolkit.client import RelayClient
+from toolkit.wire.auth import unb64u
 from toolkit.wire.protocol import GradientMeta, Ticket
 from toolkit.wire.tensor_container import encode_header
-from relay_server.backbone.tickets import encode_ticket
-from toolkit.wire.auth import unb64u
 
 OVERRIDES = {
     "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},

@@ -17,14 +17,19 @@ import pytest
 import requests
 import torch
 
-from toolkit.models.flat import flatten
 from tests.conftest import wait_until
 from tests.peer_worker import make_dataset
-from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, rounds_from_events, sliced_plan, stored_params,
-                                    train_sliced)
-from toolkit.models.flat import load_flat
+from tests.support.training import (
+    FAST_AGGREGATORS,
+    MODEL_KWARGS,
+    rounds_from_events,
+    sliced_plan,
+    stored_params,
+    train_sliced,
+)
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.protocol import ModelSpec
 
 ALICE = "hf_alice_token_123456"

@@ -30,15 +30,25 @@ import requests
 from relay_server.api.app import PUBLIC_ROUTES
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
-from tests.support.processes import RelayProcess
 from tests.hf_standin import HfStandin
 from tests.support.peers import FLOOD_LIMITS, SAMPLES, TOKENS, SignedPeer, hf_relay, raw_http, round_state, standin
-from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER,
-                               TIMESTAMP_HEADER, PassClaims, b64u, decode_pass, digest_metadata)
+from tests.support.processes import RelayProcess
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
-from toolkit.wire.protocol import PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, ParamsRef
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
+from toolkit.wire.auth import (
+    BODY_SHA256_HEADER,
+    CONTAINER_TYPE,
+    NONCE_HEADER,
+    PASS_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    PassClaims,
+    b64u,
+    decode_pass,
+    digest_metadata,
+)
+from toolkit.wire.protocol import PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, ParamsRef
 from toolkit.wire.tensor_container import encode_header
 
 

@@ -8,9 +8,8 @@ Verifier-level tests build real ``requests`` prepared requests signed by the pee
 
 from __future__ import annotations
 
-import dataclasses
-
 import asyncio
+import dataclasses
 import hashlib
 import stat
 import time
@@ -20,6 +19,7 @@ import pytest
 import requests
 
 from relay_server.auth.access import PassIssuer
+from relay_server.auth.relay_key import KEY_FILE, RelayKey
 from relay_server.auth.verify import (
     AuthRejected,
     ChunkDigests,
@@ -30,8 +30,19 @@ from relay_server.auth.verify import (
     read_container_head,
     sign_response,
 )
-from relay_server.auth.relay_key import KEY_FILE, RelayKey
 from tests.conftest import Clock
+from tests.support.auth import RELAY_URL, SKEW, Env, pass_for, raw_pass, signed_container
+from toolkit.errors import (
+    RelayKeyChanged,
+    RelayKeyError,
+    RelaySignatureInvalid,
+)
+from toolkit.signing import (
+    AccessPass,
+    AccessPassHolder,
+    PeerKey,
+    RelayKeyPins,
+)
 from toolkit.wire.auth import (
     BODY_SHA256_HEADER,
     CONTAINER_TYPE,
@@ -44,19 +55,7 @@ from toolkit.wire.auth import (
     digest_metadata,
     verify_relay_signature,
 )
-from toolkit.errors import (
-    RelayKeyChanged,
-    RelayKeyError,
-    RelaySignatureInvalid,
-)
-from toolkit.signing import (
-    AccessPass,
-    AccessPassHolder,
-    PeerKey,
-    RelayKeyPins,
-)
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header
-from tests.support.auth import RELAY_URL, SKEW, Env, pass_for, raw_pass, signed_container
 
 
 # --- verifier level: one test per attack ----------------------------------------------------------

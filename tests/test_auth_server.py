@@ -5,7 +5,6 @@ the local HF stand-in for ``whoami``.
 
 from __future__ import annotations
 
-
 import hashlib
 import logging
 import threading
@@ -20,6 +19,8 @@ import requests
 from aiohttp import web
 
 from relay_server.auth.access import LOGIN_ROUTE, LoginService, PassIssuer
+from relay_server.auth.identity import AllowList, HfIdentityVerifier
+from relay_server.auth.relay_key import RelayKey
 from relay_server.auth.verify import (
     BODY_STREAM_KEY,
     IDENTITY_KEY,
@@ -28,22 +29,14 @@ from relay_server.auth.verify import (
     sign_response_headers,
 )
 from relay_server.core.errors import ApiError
-from relay_server.auth.identity import AllowList, HfIdentityVerifier
-from relay_server.auth.relay_key import RelayKey
 from tests.conftest import wait_until
 from tests.hf_standin import HfStandin, StandinResponse
+from tests.support.auth import RELAY_URL, SKEW, Env, signed_container
 from tests.support.relays import InProcessRelay
-from toolkit.wire.auth import (
-    BODY_SHA256_HEADER,
-    CONTAINER_TYPE,
-    RELAY_SIGNATURE_HEADER,
-    container_body_sha256,
-)
 from toolkit.errors import (
     AuthError,
     ProtocolError,
 )
-from toolkit.wire.protocol import LoginRequest, LoginResponse
 from toolkit.signing import (
     AccessPass,
     AccessPassHolder,
@@ -51,10 +44,14 @@ from toolkit.signing import (
     RelayKeyPins,
     SignedAuth,
 )
+from toolkit.wire.auth import (
+    BODY_SHA256_HEADER,
+    CONTAINER_TYPE,
+    RELAY_SIGNATURE_HEADER,
+    container_body_sha256,
+)
+from toolkit.wire.protocol import LoginRequest, LoginResponse
 from toolkit.wire.tensor_container import AsyncContainerReader
-from tests.support.auth import RELAY_URL, SKEW, Env, signed_container
-
-
 
 
 @web.middleware

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.support.processes import RelayProcess, spawn_relay
 from tests.support.peers import RawPeer, raw_http, round_state
+from tests.support.processes import RelayProcess, spawn_relay
 from toolkit.client import RelayClient
 from toolkit.wire.tensor_container import encode_header
 

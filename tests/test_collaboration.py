@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from toolkit.models.flat import flatten
 from tests.peer_worker import make_dataset
 from tests.support.training import MODEL_KWARGS, relay_params, rounds_from_events, train_together
-from toolkit.models.flat import load_flat
 from toolkit.client import RelayClient
 from toolkit.models import build_model
+from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
 
 

@@ -21,9 +21,19 @@ from hypothesis.extra import numpy as hnp
 
 from relay_server.rounds.reducer import CHUNK_ELEMS
 from tests.support.properties import twin_property
-from toolkit.wire.compression import (BLOCK, CODECS, INT8_INPUT_MAX, SCALE_MAX, Codec, DeltaEncoder,
-                                 ErrorFeedback, TensorSpec, apply_delta, get_codec)
 from toolkit.errors import ProtocolError
+from toolkit.wire.compression import (
+    BLOCK,
+    CODECS,
+    INT8_INPUT_MAX,
+    SCALE_MAX,
+    Codec,
+    DeltaEncoder,
+    ErrorFeedback,
+    TensorSpec,
+    apply_delta,
+    get_codec,
+)
 from toolkit.wire.tensor_container import AsyncContainerReader, encoded_size, iter_encoded, read_container
 
 FAST, SLOW = 100, 2000

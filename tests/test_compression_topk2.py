@@ -25,8 +25,16 @@ from tests.support.properties import twin_property
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected
 from toolkit.wire import payloads
-from toolkit.wire.compression import (CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, DeltaEncoder, ErrorFeedback,
-                                      TensorSpec, apply_delta, get_codec)
+from toolkit.wire.compression import (
+    CHUNK,
+    TOPK2_INPUT_MAX,
+    TOPK2_SCALE_MAX,
+    DeltaEncoder,
+    ErrorFeedback,
+    TensorSpec,
+    apply_delta,
+    get_codec,
+)
 from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
 from toolkit.wire.tensor_container import AsyncContainerReader, iter_encoded
 

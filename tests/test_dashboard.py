@@ -9,7 +9,6 @@ the relay goes away. A screenshot lands in ``test-artifacts/`` for a human to lo
 from __future__ import annotations
 
 import re
-
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

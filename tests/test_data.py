@@ -20,7 +20,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from toolkit.data import reading as data  # infer_format, check_offline_env, _MAX_EMPTY_SHARDS
 from toolkit.data import (
     BYTE_EOS,
     DataConfigError,
@@ -37,6 +36,7 @@ from toolkit.data import (
     stream_batches,
     stream_texts,
 )
+from toolkit.data import reading as data  # infer_format, check_offline_env, _MAX_EMPTY_SHARDS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ import pytest
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO, wait_until
-from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
+from tests.hub_standin import HubStandin
 from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run, train_until_evaluated
 from tests.support.wandb_records import finished_run_records, history_rows
 

@@ -23,9 +23,19 @@ from tests.support.auth import Env
 from tests.support.fuzz import TEXT, fuzz
 from toolkit.errors import RelaySignatureInvalid
 from toolkit.signing import PeerKey
-from toolkit.wire.auth import (BODY_SHA256_HEADER, NONCE_HEADER, PASS_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, b64u,
-                               decode_pass, digest_metadata, unb64u, verify_pass, verify_relay_signature)
-
+from toolkit.wire.auth import (
+    BODY_SHA256_HEADER,
+    NONCE_HEADER,
+    PASS_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    b64u,
+    decode_pass,
+    digest_metadata,
+    unb64u,
+    verify_pass,
+    verify_relay_signature,
+)
 
 # --- authentication ----------------------------------------------------------------------------------------
 RELAY_KEY = RelayKey.generate()

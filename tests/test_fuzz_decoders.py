@@ -29,38 +29,65 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import re
-from types import SimpleNamespace
+import struct
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
-from yarl import URL
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from yarl import URL
 
 from relay_server.api.app import _int_query, _path_int
+from relay_server.api.moderation import AdminToken, BanRequest, RollbackRequest
 from relay_server.auth.verify import AuthRejected, container_digests
+from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
 from relay_server.collaboration.machine import _gradient_meta
 from relay_server.core.errors import ApiError
-from relay_server.api.moderation import AdminToken, BanRequest, RollbackRequest
 from relay_server.rounds.reducer import Reducer, UploadProgress
-from toolkit.wire.auth import b64u
 from tests.conftest import BytesStream
-from toolkit.wire.compression import get_codec
+from tests.support.fuzz import (
+    ANY_JSON,
+    COMMON,
+    JSON_LEAF,
+    TEXT,
+    check_decoded,
+    check_schema_bytes,
+    fuzz,
+    message_for,
+    mutated,
+    schema_inputs,
+)
 from toolkit.errors import ProtocolError
-from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
-from toolkit.wire.protocol import (AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome, AssignRequest,
-                              DoneRequest, FinalizeRequest, GradientMeta, GradNormReport, GradNormRequest, Heartbeat,
-                              JoinRequest, LoginRequest, ParamsManifest, PlanInfo, ShardLeaseRequest, ShardReport,
-                              SliceDigest, SliceReport, Ticket, TicketRequest)
+from toolkit.wire.auth import b64u
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import (
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    AggregatorWelcome,
+    AssignRequest,
+    DoneRequest,
+    FinalizeRequest,
+    GradientMeta,
+    GradNormReport,
+    GradNormRequest,
+    Heartbeat,
+    JoinRequest,
+    LoginRequest,
+    ParamsManifest,
+    PlanInfo,
+    ShardLeaseRequest,
+    ShardReport,
+    SliceDigest,
+    SliceReport,
+    Ticket,
+    TicketRequest,
+)
 from toolkit.wire.schema import Schema
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header_for, parse_header
-from tests.support.fuzz import (ANY_JSON, COMMON, JSON_LEAF, TEXT, check_decoded, check_schema_bytes, fuzz,
-                                 message_for, mutated, schema_inputs)
-
 
 # --- JSON message decoders: requests to the relay and aggregators, and what peers decode --------------
 SCHEMA_DECODERS = [  # (message, test name, where it is decoded)

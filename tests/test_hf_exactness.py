@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolkit.models.flat import flatten
 from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import relay_params, train_together
-from toolkit.models.flat import load_flat
 from toolkit.models import build_model, loss_of
+from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.protocol import ModelSpec
 
 ALBERT_TINY = {"model_type": "albert", "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,

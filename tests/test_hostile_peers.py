@@ -34,10 +34,25 @@ from tests.support.relays import InProcessRelay, snapshot
 from toolkit.errors import ProtocolError
 from toolkit.wire import payloads
 from toolkit.wire.auth import b64u, digest_metadata
-from toolkit.wire.protocol import (ROUTES, DoneRequest, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION,
-                                   PipelineDone, PipelineResult, PipelineTicketRequest, ShardLeaseRequest, ShardReport,
-                                   ShardUpdate, SliceDigest, StageRequest, TicketRequest)
+from toolkit.wire.protocol import (
+    PROTOCOL_VERSION,
+    ROUTES,
+    DoneRequest,
+    GradientMeta,
+    Heartbeat,
+    JoinRequest,
+    PipelineDone,
+    PipelineResult,
+    PipelineTicketRequest,
+    ShardLeaseRequest,
+    ShardReport,
+    ShardUpdate,
+    SliceDigest,
+    StageRequest,
+    TicketRequest,
+)
 from toolkit.wire.tensor_container import encode_header, parse_header
+
 
 # --- the whole state, as plain data (tests/support/relays.py's snapshot), once it settled -----------
 def settled_snapshot(relay: InProcessRelay, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -21,17 +21,24 @@ import numpy as np
 import pytest
 import requests
 
+from benchmarks.nginx import cache_http_block
 from relay_server.api.moderation import ADMIN_PREFIX
 from relay_server.cli import main as cli_main
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import REPO
-from tests.support.processes import merged, write_config
 from tests.hf_standin import HfStandin
-from benchmarks.nginx import cache_http_block
+from tests.support.processes import merged, write_config
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import (BLOB_CACHE_CONTROL, PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta,
-                                   Heartbeat, JoinRequest)
+from toolkit.wire.protocol import (
+    BLOB_CACHE_CONTROL,
+    PARAMS_REF_TYPE,
+    PROTOCOL_VERSION,
+    ROUTES,
+    GradientMeta,
+    Heartbeat,
+    JoinRequest,
+)
 
 PEERS = 8
 

@@ -22,14 +22,20 @@ from safetensors.torch import load, save_file
 
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import ConfigError, load_config
-from relay_server.observers.hub_checkpoints import (INFO_FILE, STATE_FILE, HubCheckpointer, init_model_from_hub,
-                                                   load_hub_checkpoint, parse_init_from)
-from relay_server.observers.pretrained import MODEL_FILE, master_params
 from relay_server.observers.events import StepEvent
+from relay_server.observers.hub_checkpoints import (
+    INFO_FILE,
+    STATE_FILE,
+    HubCheckpointer,
+    init_model_from_hub,
+    load_hub_checkpoint,
+    parse_init_from,
+)
+from relay_server.observers.pretrained import MODEL_FILE, master_params
 from tests.conftest import wait_until
-from tests.support.processes import BASE_CONFIG, write_config
-from tests.hub_standin import HubStandin, hub_standin  # noqa: F401  (fixture)
 from tests.hf_standin import StandinResponse
+from tests.hub_standin import HubStandin
+from tests.support.processes import BASE_CONFIG, write_config
 from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.wire.protocol import PlanInfo, RoundRecord, StatusReport

@@ -18,19 +18,25 @@ import pytest
 import torch
 
 from relay_server.backbone.backbone import RELAY_ID, Backbone
+from relay_server.backbone.state_transfer import CallFailed, cut
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.typed import ConfigError
 from relay_server.planning.averaging_plan import Plan
 from relay_server.rounds import master as master_mod
 from relay_server.rounds.lamb import Lamb
 from relay_server.rounds.master import MasterState, layout_of, tensor_boundaries
-from toolkit.models.flat import flatten
 from relay_server.rounds.store import Store
-from relay_server.backbone.state_transfer import CallFailed, cut
-from tests.support.training import (FAST_AGGREGATORS, MODEL_KWARGS, relay_params, rounds_from_events, sliced_plan,
-                                    stored_params, train_sliced)
-from toolkit.models.flat import load_flat
+from tests.support.training import (
+    FAST_AGGREGATORS,
+    MODEL_KWARGS,
+    relay_params,
+    rounds_from_events,
+    sliced_plan,
+    stored_params,
+    train_sliced,
+)
 from toolkit.models import build_model
+from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, ModelSpec, RunInfo
 

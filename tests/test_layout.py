@@ -18,8 +18,6 @@ import re
 import tokenize
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("toolkit", "relay_server", "research")
 MAX_LINES = 400
@@ -299,7 +297,7 @@ def squeezes(path: Path) -> list[str]:
 def test_code_is_not_squeezed() -> None:
     squeezed = {name: found for name, path in module_files().items() if (found := squeezes(path))}
     assert not squeezed, ("code squeezed (restore the docstrings and the lines; split a module that is too long along "
-                          f"a seam instead):\n" + "\n".join(f"{name}: {found}" for name, found in squeezed.items()))
+                          "a seam instead):\n" + "\n".join(f"{name}: {found}" for name, found in squeezed.items()))
 
 
 def test_docstrings_cite_documents_that_exist() -> None:

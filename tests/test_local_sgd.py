@@ -30,9 +30,19 @@ from safetensors.numpy import load_file
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import wait_until
-from tests.support.processes import merged, write_config
-from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
+from tests.support.local_sgd import (
+    BATCH,
+    PATIENT,
+    SGD1,
+    batches,
+    inner_step,
+    join,
+    local_run,
+    relative_difference,
+    train,
+)
 from tests.support.peers import RawPeer
+from tests.support.processes import merged, write_config
 from tests.support.relays import snapshot
 from tests.support.training import params_of
 from toolkit.client import RelayClient
@@ -183,7 +193,7 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     nothing."""
     from toolkit.errors import RelayRejected
     from toolkit.wire.compression import get_codec
-    from toolkit.wire.protocol import GradientMeta, JoinRequest, PROTOCOL_VERSION
+    from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, JoinRequest
 
     relay = serve_relay(local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
                                   nesterov=False)
@@ -333,11 +343,12 @@ def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(start_rela
     across the slices, every sliced outer step is exactly ``params -= 0.7 * buffer`` with ``buffer
     = 0.9 * buffer + mean pseudo-gradient``, i.e. the aggregator steps with the OUTER optimizer
     (the relay once sent it the inner one), its momentum kept; and every peer holds the relay's bits."""
+    from safetensors.numpy import load_file
+
     from relay_server.core.training_config import OptimizerSection
     from relay_server.rounds.master import MasterState
     from tests.support.training import FAST_AGGREGATORS, sliced_plan, stored_params, train_sliced
     from toolkit.wire.tensor_container import read_file_header
-    from safetensors.numpy import load_file
 
     token = "hf_local_sgd_token_42"
     hf_standin.add_user(token, "alice")

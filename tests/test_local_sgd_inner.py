@@ -22,8 +22,8 @@ import torch
 
 from relay_server.backbone.aggregators import Aggregators
 from relay_server.core.config import load_config
-from tests.support.processes import merged, write_config
 from tests.support.local_sgd import batches, local_run, relative_difference, train
+from tests.support.processes import merged, write_config
 from tests.support.training import params_of
 from toolkit.models import MLP
 from toolkit.models.flat import flatten

@@ -26,7 +26,17 @@ from safetensors.numpy import load_file
 from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.peer_registry import Peer, Registry
 from tests.conftest import wait_until
-from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, inner_step, join, local_run, relative_difference, train
+from tests.support.local_sgd import (
+    BATCH,
+    PATIENT,
+    SGD1,
+    batches,
+    inner_step,
+    join,
+    local_run,
+    relative_difference,
+    train,
+)
 from tests.support.peers import RawPeer
 from tests.support.training import params_of
 from toolkit.client import RelayClient
@@ -34,7 +44,6 @@ from toolkit.models import build_model
 from toolkit.models.flat import flatten, load_flat
 from toolkit.optimizer.inner import inner_optimizer
 from toolkit.wire.protocol import Heartbeat
-
 
 OVERLAP = {"inner_steps": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "overlap": True}
 

@@ -30,15 +30,15 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from safetensors.numpy import load_file
 
 from relay_server.api.app import create_app
+from relay_server.api.moderation import TOKEN_FILE, AdminToken
+from relay_server.api.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
 from relay_server.auth.verify import IDENTITY_KEY
 from relay_server.cli import main as cli_main
 from relay_server.core.config import load_config
 from relay_server.core.errors import ApiError
-from relay_server.api.moderation import TOKEN_FILE, AdminToken
-from relay_server.api.ratelimit import ClientKeys, Rate, TokenBuckets, route_kind
 from tests.conftest import REPO, Clock
-from tests.support.processes import merged
 from tests.support.peers import TOKENS, SignedPeer, hf_relay, standin
+from tests.support.processes import merged
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES
 
 

@@ -20,8 +20,17 @@ import pytest
 import torch
 
 from toolkit.models import build_model
-from toolkit.moe import (ExpertFailed, ExpertGrid, FFNExpert, LiveIndex, LocalMixtureOfExperts, LoopbackCaller,
-                         RemoteMixtureOfExperts, beam_search, beam_search_tensors)
+from toolkit.moe import (
+    ExpertFailed,
+    ExpertGrid,
+    FFNExpert,
+    LiveIndex,
+    LocalMixtureOfExperts,
+    LoopbackCaller,
+    RemoteMixtureOfExperts,
+    beam_search,
+    beam_search_tensors,
+)
 from toolkit.moe.grid import all_coords
 from toolkit.wire.protocol import ModelSpec
 

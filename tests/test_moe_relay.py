@@ -29,8 +29,21 @@ import torch
 
 from tests.conftest import REPO, wait_until
 from tests.moe_trainer import BATCH, batches
-from tests.support.moe import (KWARGS, LR, MOE, UIDS, Member, directory, latest_checkpoint, one_process_reference,
-                               overrides, run_trainer, start_host, stop, train_with_two_hosts)
+from tests.support.moe import (
+    KWARGS,
+    LR,
+    MOE,
+    UIDS,
+    Member,
+    directory,
+    latest_checkpoint,
+    one_process_reference,
+    overrides,
+    run_trainer,
+    start_host,
+    stop,
+    train_with_two_hosts,
+)
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat

@@ -29,8 +29,15 @@ from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 from tests.conftest import REPO
-from tests.support.notebooks import (FAKE_TOKEN, MAX_STEPS, PLATFORM_VARS, code_cells, kernel_env,
-                                     kernel_spec_manager, outputs_text)
+from tests.support.notebooks import (
+    FAKE_TOKEN,
+    MAX_STEPS,
+    PLATFORM_VARS,
+    code_cells,
+    kernel_env,
+    kernel_spec_manager,
+    outputs_text,
+)
 from tests.support.relays import TINY_LM, running_relay, status
 from toolkit.notebook import hints as notebook
 from toolkit.runtime.environment import DeviceInfo

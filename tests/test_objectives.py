@@ -21,8 +21,8 @@ from tests.support.processes import write_config  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.corpus import demo_paragraphs, demo_texts  # noqa: E402
 from toolkit.data import Background, ObjectiveConfig, batches_for_run, load_tokenizer, objective_batches  # noqa: E402
-from toolkit.data.objectives import IGNORE_INDEX, SPECIAL_TOKENS, Specials, encode_documents, mask_tokens, pack_blocks  # noqa: E402
 from toolkit.data.input_pipeline import check_run_data, peer_batches  # noqa: E402
+from toolkit.data.objectives import IGNORE_INDEX, SPECIAL_TOKENS, Specials, encode_documents, mask_tokens, pack_blocks  # noqa: E402
 from toolkit.errors import DataConfigError, ProtocolError  # noqa: E402
 from toolkit.wire.protocol import ModelSpec, ParamSpec, RunInfo  # noqa: E402
 

@@ -4,15 +4,15 @@ through the real MasterState (flat-vector views, two param groups, checkpoint te
 
 from __future__ import annotations
 
-import dataclasses
 import builtins
+import dataclasses
 
 import pytest
 import torch
 from safetensors.torch import load, save
 
-from relay_server.rounds import optim8bit
 from relay_server.core.config import ConfigError, OptimizerSection
+from relay_server.rounds import optim8bit
 from relay_server.rounds.master import MasterState, layout_of
 from tests.peer_worker import make_dataset
 from toolkit.models import build_model

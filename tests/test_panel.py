@@ -22,8 +22,8 @@ from tests.support.progress import progress
 from tests.support.relays import running_relay, status
 from toolkit.errors import RelayUnreachable
 from toolkit.notebook.panel import NullPanel, PeerProgress, TqdmPanel, WidgetPanel, open_panel
-from toolkit.wire.protocol import CollabState
 from toolkit.session import join
+from toolkit.wire.protocol import CollabState
 
 
 # --- the snapshot ----------------------------------------------------------------------------

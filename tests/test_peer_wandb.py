@@ -19,8 +19,9 @@ import pytest
 from tests.support.progress import progress
 from tests.support.relays import running_relay
 from tests.support.wandb_records import finished_run_records, history_rows, run_config
-from toolkit.session import join
 from toolkit.notebook.wandb_run import NullRun, WandbRun, WandbTarget, open_wandb_run
+from toolkit.session import join
+
 
 def offline_run(wandb_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
     """(the run record, its config, the history rows) of the one offline run under ``wandb_dir``."""

@@ -22,10 +22,10 @@ import requests
 
 from relay_server.core.config import ConfigError, load_config
 from tests.conftest import wait_until
-from tests.support.processes import merged, write_config
+from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
-from tests.support.peers import TOKENS, hf_relay, standin
+from tests.support.processes import merged, write_config
 from tests.support.training import relay_params
 from toolkit.client import RelayClient
 from toolkit.wire import payloads

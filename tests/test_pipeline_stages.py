@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from relay_server.rounds.master import layout_of
 from tests.support.pipeline_models import SPECS, batch_for, run_pipeline, worst_relative

@@ -13,7 +13,12 @@ import pytest
 
 from relay_server.pipeline.star import apply_move, assign_joiner, plan_star, rebalance
 from relay_server.pipeline.star_model import (
-    MeasuredWorker, ModelShape, PipelineConfig, StagePlanError, boundary_bytes_per_sample, stage_seconds,
+    MeasuredWorker,
+    ModelShape,
+    PipelineConfig,
+    StagePlanError,
+    boundary_bytes_per_sample,
+    stage_seconds,
 )
 
 GB = 1 << 30

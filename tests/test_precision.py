@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import PrecisionUnsupported
+from toolkit.runtime.environment import DeviceInfo
 from toolkit.runtime.precision import LossScaler, PrecisionPolicy, choose_precision, local_choice
 
 

@@ -30,9 +30,8 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
-
 from benchmarks.nginx import NginxProcess
+from tests.conftest import REPO, wait_until
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec

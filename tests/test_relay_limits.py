@@ -34,12 +34,11 @@ import pytest
 import requests
 
 from tests.conftest import REPO, wait_until
-
 from tests.support.processes import RelayProcess, merged, write_config
 from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import ROUTES, GradientMeta, Heartbeat, JoinRequest, PROTOCOL_VERSION
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, JoinRequest
 from toolkit.wire.tensor_container import iter_encoded
 
 
@@ -367,7 +366,7 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
                      f"Content-Length: {length}\r\n\r\n".encode() + b"\0" * 8)  # a body that stalls
         return sock
 
-    with upload(checkpoint, 1_500_000) as slow:  # in flight: 1.5 MB of the 2 MB reserved
+    with upload(checkpoint, 1_500_000):  # in flight: 1.5 MB of the 2 MB reserved
         host.heartbeat(host_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
         wait_until(lambda: relay.status(), 10, "the relay to have read the slow upload's headers")
         with upload(f"{ROUTES['gradient'].format(step=0)}?peer_id={host_id}", 1_100_000) as sock:

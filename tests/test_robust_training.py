@@ -45,12 +45,12 @@ from tests.conftest import BytesStream
 from tests.support.processes import merged
 from tests.support.relays import InProcessRelay
 from toolkit.client import RelayClient
-from toolkit.models.flat import flatten
-from toolkit.wire.compression import get_codec
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
-from toolkit.wire.protocol import ModelSpec
+from toolkit.models.flat import flatten
 from toolkit.optimizer import CollaborativeOptimizer
+from toolkit.wire.compression import get_codec
+from toolkit.wire.protocol import ModelSpec
 from toolkit.wire.tensor_container import AsyncContainerReader, encode_header
 
 

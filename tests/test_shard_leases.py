@@ -22,7 +22,6 @@ import pytest
 import requests
 
 from tests.conftest import REPO, wait_until
-
 from tests.support.processes import RelayProcess, merged, write_config
 from tests.support.training import write_shards
 from toolkit.client import RelayClient

@@ -12,19 +12,27 @@ import pytest
 import torch
 
 from relay_server.backbone.backbone import RELAY_ID, Backbone
+from relay_server.backbone.state_transfer import cut
+from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
 from relay_server.core.config import OptimizerSection, load_config
 from relay_server.core.errors import ApiError
-from relay_server.rounds.master import MasterState, layout_of
 from relay_server.planning.measure import PEAK_WINDOW, PeerRates, RecentPeak, ServerMeter, delivered
 from relay_server.planning.planner import solve_plan
-from relay_server.backbone.state_transfer import cut
+from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.store import Store
-from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ticket, verify_ticket
+from toolkit.models import build_model
 from toolkit.models.flat import flatten
 from toolkit.wire.compression import run_codecs
-from toolkit.models import build_model
-from toolkit.wire.protocol import (PROTOCOL_VERSION, AggregatorHeartbeat, AggregatorRegistration, ModelSpec, RunInfo,
-                              SliceDigest, Ticket, TransferSample)
+from toolkit.wire.protocol import (
+    PROTOCOL_VERSION,
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    ModelSpec,
+    RunInfo,
+    SliceDigest,
+    Ticket,
+    TransferSample,
+)
 
 ADAMW = OptimizerSection(name="adamw", lr=0.01, weight_decay=0.1)
 

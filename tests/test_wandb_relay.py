@@ -19,10 +19,18 @@ import pytest
 from relay_server.core.config import load_config
 from relay_server.observers.events import StepEvent
 from relay_server.observers.wandb_observer import WandbObserver, measured_samples_per_s, step_metrics
-from tests.support.wandb_records import finished_run_records, history_rows, run_config
 from relay_server.rounds.traffic import Traffic
-from toolkit.wire.protocol import (LeaderboardEntry, LocalSgdStatus, PlanInfo, PlanSlice, RoundRecord, RunSummary,
-                                   StatusReport, TrafficStatus)
+from tests.support.wandb_records import finished_run_records, history_rows, run_config
+from toolkit.wire.protocol import (
+    LeaderboardEntry,
+    LocalSgdStatus,
+    PlanInfo,
+    PlanSlice,
+    RoundRecord,
+    RunSummary,
+    StatusReport,
+    TrafficStatus,
+)
 
 
 def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_relay, launch_peer):

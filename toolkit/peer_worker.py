@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError
 
 if TYPE_CHECKING:
     from toolkit.optimizer import CollaborativeOptimizer

@@ -22,11 +22,25 @@ import requests
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-
-from toolkit.wire.auth import (_HEX64_RE, BODY_SHA256_HEADER, EMPTY_SHA256, LOGIN_PATH, NONCE_HEADER, PASS_HEADER,
-                          RELAY_SIGNATURE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, PassClaims, b64u, key_id,
-                          public_key_from_b64, request_message, verify_pass, verify_relay_signature)
 from toolkit.errors import AuthError, RelayKeyChanged
+from toolkit.wire.auth import (
+    _HEX64_RE,
+    BODY_SHA256_HEADER,
+    EMPTY_SHA256,
+    LOGIN_PATH,
+    NONCE_HEADER,
+    PASS_HEADER,
+    RELAY_SIGNATURE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    PassClaims,
+    b64u,
+    key_id,
+    public_key_from_b64,
+    request_message,
+    verify_pass,
+    verify_relay_signature,
+)
 from toolkit.wire.protocol import LoginResponse
 
 log = logging.getLogger(__name__)

@@ -17,36 +17,55 @@ from importlib import resources
 
 from aiohttp import web
 
-from relay_server.backbone.backbone import Backbone
-from relay_server.collaboration.machine import Collaboration
-from relay_server.collaboration.status import place_peers
-from relay_server.core.config import RelayConfig
-from relay_server.api import evaluation as evaluation_api, experts as experts_api, local_sgd as local_sgd_api, params_cache, pipeline as pipeline_api, shards as shards_api, tokenizer as tokenizer_api, toolkit_dist as toolkit_api
+from relay_server.api import evaluation as evaluation_api
+from relay_server.api import experts as experts_api
+from relay_server.api import local_sgd as local_sgd_api
+from relay_server.api import params_cache
+from relay_server.api import pipeline as pipeline_api
+from relay_server.api import shards as shards_api
+from relay_server.api import tokenizer as tokenizer_api
+from relay_server.api import toolkit_dist as toolkit_api
+from relay_server.api.context import COLLAB, CONFIG, own_peer
+from relay_server.api.context import collab as _collab
 from relay_server.api.feature import RUNNING, SLICE_PARAMS, TAKEN_OVER, TICKETED_GRADIENT, FeatureSet
-from relay_server.api.context import COLLAB, CONFIG, collab as _collab, own_peer
-from relay_server.auth.access import LoginService, PassIssuer
-from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
-from relay_server.core import logsafe
-from relay_server.core.errors import ApiError
-from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.api.moderation import build_admin, read_token, token_path
 from relay_server.api.ratelimit import build_rate_limits
 from relay_server.api.stall_hook import stall_middlewares
+from relay_server.auth.access import LoginService, PassIssuer
+from relay_server.auth.identity import AllowList, HfIdentityVerifier
 from relay_server.auth.relay_key import RelayKey
-from relay_server.observers import ObserverThread, build_observers
+from relay_server.auth.verify import BODY_STREAM_KEY, IDENTITY_KEY, RequestVerifier, auth_middleware
+from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slice_routes import MAX_LONG_POLL_S, get_slice, put_slice, sent_bytes
 from relay_server.backbone.state_transfer import check_range, send_state
-from relay_server.rounds.store import Store
-from relay_server.rounds.reducer import set_upload_memory
 from relay_server.backbone.tickets import encode_ticket
+from relay_server.collaboration.machine import Collaboration
+from relay_server.collaboration.status import place_peers
+from relay_server.core import logsafe
+from relay_server.core.config import RelayConfig
+from relay_server.core.errors import ApiError
+from relay_server.core.http import drain as _drain  # noqa: F401
+from relay_server.core.http import error_middleware, json_ok, read_message, upload_length
+from relay_server.core.http import int_query as _int_query
+from relay_server.core.http import path_int as _path_int
 from relay_server.data.loss_references import loss_references
+from relay_server.observers import ObserverThread, build_observers
+from relay_server.rounds.reducer import set_upload_memory
+from relay_server.rounds.store import Store
 from toolkit.errors import ProtocolError
-from toolkit.wire.protocol import (FRESH_CACHE_CONTROL, MAX_JSON_BODY, ROUTES, TICKET_HEADER, AggregatorHeartbeat, AggregatorRegistration,
-                              DoneRequest, Heartbeat, JoinRequest, TicketRequest)
+from toolkit.wire.protocol import (
+    FRESH_CACHE_CONTROL,
+    MAX_JSON_BODY,
+    ROUTES,
+    TICKET_HEADER,
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    DoneRequest,
+    Heartbeat,
+    JoinRequest,
+    TicketRequest,
+)
 from toolkit.wire.tensor_container import AsyncContainerReader
-
-from relay_server.core.http import (drain as _drain, error_middleware, error_response, int_query as _int_query,  # noqa: F401
-                               json_ok, path_int as _path_int, read_message, upload_length)
 
 log = logging.getLogger(__name__)
 

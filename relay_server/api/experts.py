@@ -32,7 +32,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from relay_server.api.context import collab as _collab, enabled, own_peer
+from relay_server.api.context import collab as _collab
+from relay_server.api.context import enabled, own_peer
 from relay_server.api.feature import Feature, PeerPlaces
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.collaboration.machine import Collaboration

@@ -53,7 +53,7 @@ from relay_server.auth.relay_key import RelayKey
 from relay_server.core.errors import ApiError
 from relay_server.core.http import error_response, json_ok
 from relay_server.rounds.publisher import Version, _full_header
-from toolkit.wire.protocol import (BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ROUTES, ParamsRef)
+from toolkit.wire.protocol import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ROUTES, ParamsRef
 
 REMEMBERED = 16
 """Versions whose immutable URLs the relay answers (the newest handed out); older ones are refused."""

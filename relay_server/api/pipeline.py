@@ -27,7 +27,8 @@ import logging
 
 from aiohttp import web
 
-from relay_server.api.context import CONFIG, collab as _collab, enabled, own_peer
+from relay_server.api.context import CONFIG, enabled, own_peer
+from relay_server.api.context import collab as _collab
 from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, PeerPlaces
 from relay_server.auth.verify import BODY_STREAM_KEY
 from relay_server.backbone.slice_routes import get_slice, put_slice
@@ -39,8 +40,15 @@ from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.service import PipelineService
 from relay_server.pipeline.status import pipeline_status
 from toolkit.wire import payloads
-from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES, TICKET_HEADER, PipelineDone, PipelineTicketRequest,
-                                   StageAssignment, StageRequest)
+from toolkit.wire.protocol import (
+    MAX_JSON_BODY,
+    ROUTES,
+    TICKET_HEADER,
+    PipelineDone,
+    PipelineTicketRequest,
+    StageAssignment,
+    StageRequest,
+)
 from toolkit.wire.tensor_container import MAX_HEADER
 
 log = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from relay_server.api.moderation import ADMIN_PREFIX
 from relay_server.auth.verify import IDENTITY_KEY, AuthRejected
 from relay_server.core.client_address import FORWARDED_FOR, client_address, is_loopback
 from relay_server.core.config import LimitsSection
 from relay_server.core.http import drain
-from relay_server.api.moderation import ADMIN_PREFIX
 from toolkit.wire.auth import PASS_HEADER
 from toolkit.wire.protocol import ROUTES, ErrorBody
 

@@ -26,13 +26,14 @@ from collections.abc import AsyncIterator, Container
 
 from aiohttp import web
 
-from relay_server.api.context import COLLAB, collab as _collab, own_peer
+from relay_server.api.context import COLLAB, own_peer
+from relay_server.api.context import collab as _collab
 from relay_server.core.config import ConfigError
 from relay_server.core.errors import ApiError
 from relay_server.data.pool import ShardLedger, ShardPool
 from toolkit.errors import DataConfigError
-from toolkit.wire.protocol import (MAX_JSON_BODY, ROUTES as PATHS, ShardLeaseRequest, ShardReport, ShardsReport,
-                              SourceCoverage)
+from toolkit.wire.protocol import MAX_JSON_BODY, ShardLeaseRequest, ShardReport, ShardsReport, SourceCoverage
+from toolkit.wire.protocol import ROUTES as PATHS
 from toolkit.wire.schema import Schema
 
 log = logging.getLogger(__name__)

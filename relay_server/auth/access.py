@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from relay_server.auth.verify import PASS_KEY, AuthRejected
 from relay_server.auth.identity import HfIdentityVerifier
 from relay_server.auth.relay_key import RelayKey
+from relay_server.auth.verify import PASS_KEY, AuthRejected
 from toolkit.wire.auth import LOGIN_PATH, REFRESH_PATH, USERNAME_RE, PassClaims, b64u, unb64u
 from toolkit.wire.protocol import LoginRequest, LoginResponse
 from toolkit.wire.schema import Schema

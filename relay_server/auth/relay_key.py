@@ -17,8 +17,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from toolkit.wire.auth import b64u, key_id
 from toolkit.errors import RelayKeyError
+from toolkit.wire.auth import b64u, key_id
 
 log = logging.getLogger(__name__)
 

@@ -32,19 +32,31 @@ from aiohttp import web
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from relay_server.auth.rejections import _LOGIN_HINT, AuthRejected, _reject  # noqa: F401 (re-exported)
+from relay_server.auth.relay_key import RelayKey
+from relay_server.auth.streams import ChunkDigests, VerifiedBodyStream, container_digests, read_container_head  # noqa: F401
 from relay_server.core.errors import ApiError
 from relay_server.core.http import drain
-from relay_server.auth.relay_key import RelayKey
-from toolkit.wire.auth import (BODY_SHA256_HEADER, CONTAINER_TYPE, NONCE_HEADER,
-                          NONCE_RE, PASS_HEADER, RELAY_SIGNATURE_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER,
-                          PassClaims, b64u, covered_headers_payload, decode_pass, format_relay_signature,
-                          request_message, response_message, unb64u)
 from toolkit.errors import ProtocolError
+from toolkit.wire.auth import (
+    BODY_SHA256_HEADER,
+    CONTAINER_TYPE,
+    NONCE_HEADER,
+    NONCE_RE,
+    PASS_HEADER,
+    RELAY_SIGNATURE_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    PassClaims,
+    b64u,
+    covered_headers_payload,
+    decode_pass,
+    format_relay_signature,
+    request_message,
+    response_message,
+    unb64u,
+)
 from toolkit.wire.tensor_container import MAX_HEADER
-
-from relay_server.auth.rejections import _LOGIN_HINT, AuthRejected, _reject  # noqa: F401 (re-exported)
-from relay_server.auth.streams import (ChunkDigests, VerifiedBodyStream, container_digests,  # noqa: F401
-                                       read_container_head)
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.planning.policy import RELAY_ID, Planning
-from toolkit.wire.protocol import (PROTOCOL_VERSION, AggregatorHeartbeat, AggregatorRegistration, AggregatorStatus,
-                                   AggregatorWelcome, RunInfo)
+from toolkit.wire.protocol import (
+    PROTOCOL_VERSION,
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    AggregatorStatus,
+    AggregatorWelcome,
+    RunInfo,
+)
 
 log = logging.getLogger(__name__)
 

@@ -43,8 +43,17 @@ from relay_server.backbone.closing import RoundCloser
 from relay_server.backbone.link_load import relay_link_load, state_bytes_per_param
 from relay_server.backbone.recovery import RecoveryCopy
 from relay_server.backbone.slice_owner import SliceOwner
-from relay_server.backbone.slicing import (RELAY_ONLY, NotReady, Owner, Published, manifest_version, owners_for,
-                                           plan_info, restore_dead, stitch)
+from relay_server.backbone.slicing import (
+    RELAY_ONLY,
+    NotReady,
+    Owner,
+    Published,
+    manifest_version,
+    owners_for,
+    plan_info,
+    restore_dead,
+    stitch,
+)
 from relay_server.backbone.state_transfer import CallFailed, InternalClient, cut
 from relay_server.backbone.tickets import new_ticket_key
 from relay_server.core.config import RelayConfig
@@ -56,9 +65,19 @@ from relay_server.rounds.publisher import Board
 from relay_server.rounds.reducer import Reducer, robust_config
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import RunCodecs
-from toolkit.wire.protocol import (ROUTES, AggregatorHeartbeat, AggregatorRegistration, AggregatorWelcome,
-                                   AssignRequest, ParamSpec, ParamsManifest, PlanInfo, PlanSlice, RunInfo,
-                                   SliceReport)
+from toolkit.wire.protocol import (
+    ROUTES,
+    AggregatorHeartbeat,
+    AggregatorRegistration,
+    AggregatorWelcome,
+    AssignRequest,
+    ParamsManifest,
+    ParamSpec,
+    PlanInfo,
+    PlanSlice,
+    RunInfo,
+    SliceReport,
+)
 
 log = logging.getLogger(__name__)
 

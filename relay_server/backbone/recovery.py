@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from relay_server.rounds.publisher import sha256_of
 from relay_server.backbone.state_transfer import CallFailed, InternalClient
+from relay_server.rounds.publisher import sha256_of
 from toolkit.wire.protocol import ROUTES, ParamsManifest
 from toolkit.wire.tensor_container import read_file_header, write_file
 

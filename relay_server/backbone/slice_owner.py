@@ -32,13 +32,13 @@ import numpy as np
 from relay_server.core.config import OptimizerSection
 from relay_server.core.errors import ApiError, round_closed
 from relay_server.rounds.master import MasterState, NonFiniteStep, StepReport
+from relay_server.rounds.membership import RoundClosedMidUpload
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.rounds.robust import CenteredClipConfig
-from relay_server.rounds.membership import RoundClosedMidUpload
 from relay_server.rounds.store import Store
-from toolkit.wire.compression import RunCodecs
 from toolkit.errors import ProtocolError
+from toolkit.wire.compression import RunCodecs
 from toolkit.wire.protocol import GradientMeta, ParamSpec, Ticket, UploadReceipt
 from toolkit.wire.tensor_container import AsyncContainerReader
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 from aiohttp import web
 
 from relay_server.auth.verify import BODY_STREAM_KEY, VerifiedBodyStream, container_digests, read_container_head
+from relay_server.backbone.slice_owner import HeadedStream, SliceOwner
+from relay_server.backbone.tickets import verify_ticket
 from relay_server.core.errors import ApiError
 from relay_server.core.http import drain, int_query, path_int, upload_length
 from relay_server.planning.measure import delivered
-from relay_server.backbone.slice_owner import HeadedStream, SliceOwner
-from relay_server.backbone.tickets import verify_ticket
 from toolkit.errors import ProtocolError
 from toolkit.wire.protocol import TICKET_HEADER, UploadReceipt
 from toolkit.wire.tensor_container import AsyncContainerReader

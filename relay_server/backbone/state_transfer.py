@@ -17,7 +17,7 @@ from aiohttp import web
 from relay_server.core.errors import ApiError
 from toolkit.errors import ProtocolError
 from toolkit.wire.schema import Schema
-from toolkit.wire.tensor_container import AsyncContainerReader, iter_encoded, encoded_size
+from toolkit.wire.tensor_container import AsyncContainerReader, encoded_size, iter_encoded
 
 MAX_STATE_BYTES = 1 << 40
 

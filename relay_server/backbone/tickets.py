@@ -18,8 +18,8 @@ import secrets
 import time
 
 from relay_server.core.errors import ApiError
-from toolkit.wire.auth import b64u, unb64u
 from toolkit.errors import ProtocolError
+from toolkit.wire.auth import b64u, unb64u
 from toolkit.wire.protocol import Ticket
 
 _TAG = b"collabtrain-ticket-v1\n"

@@ -39,17 +39,30 @@ from relay_server.core.loop_clock import LoopClock
 from relay_server.observers.events import ObserverThread
 from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.membership import Round, RoundClosedMidUpload
+from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
-from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 from relay_server.rounds.traffic import Traffic
 from toolkit.models import build_own_model
 from toolkit.models.flat import flatten
 from toolkit.wire.compression import run_codecs
-from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, DoneRequest, Heartbeat, JoinRequest, JoinResponse,
-                                   ParamsManifest, PlanInfo, RunSummary, StateInfo, StatusReport, Ticket,
-                                   TicketRequest, UploadReceipt)
+from toolkit.wire.protocol import (
+    PROTOCOL_VERSION,
+    CollabState,
+    DoneRequest,
+    Heartbeat,
+    JoinRequest,
+    JoinResponse,
+    ParamsManifest,
+    PlanInfo,
+    RunSummary,
+    StateInfo,
+    StatusReport,
+    Ticket,
+    TicketRequest,
+    UploadReceipt,
+)
 from toolkit.wire.tensor_container import AsyncContainerReader
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.rounds.master import MasterState, NonFiniteStep, lr_at
 from relay_server.rounds.membership import DeadlinePolicy, Round
+from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.publisher import Publisher, Version
 from relay_server.rounds.reducer import Reducer
-from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import RoundLog, Store
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,20 @@ from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.store import Store, finite_or_none
 from relay_server.rounds.throughput import bounded_report
 from relay_server.rounds.traffic import Traffic
-from toolkit.wire.protocol import (PROTOCOL_VERSION, CollabState, LeaderboardEntry, LocalSgdStatus, ParamSpec,
-                                   PeerStatus, PlanInfo, RoundInfo, RoundRecord, RunInfo, RunSummary, StatusReport)
+from toolkit.wire.protocol import (
+    PROTOCOL_VERSION,
+    CollabState,
+    LeaderboardEntry,
+    LocalSgdStatus,
+    ParamSpec,
+    PeerStatus,
+    PlanInfo,
+    RoundInfo,
+    RoundRecord,
+    RunInfo,
+    RunSummary,
+    StatusReport,
+)
 
 
 def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str,

@@ -51,8 +51,15 @@ from relay_server.core.moe_config import MoeSection
 from relay_server.core.overrides import apply_env
 from relay_server.core.pipeline_config import PipelineSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
-from relay_server.core.service_config import (AdminSection, AggregatorsSection, AuthSection, HubSection,
-                                              LimitsSection, ServerSection, WandbSection)
+from relay_server.core.service_config import (
+    AdminSection,
+    AggregatorsSection,
+    AuthSection,
+    HubSection,
+    LimitsSection,
+    ServerSection,
+    WandbSection,
+)
 from relay_server.core.training_config import ModelSection, OptimizerSection, RoundsSection, RunSection
 from relay_server.core.typed import ConfigError, build_section, path_settings, set_setting
 

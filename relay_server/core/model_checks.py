@@ -255,7 +255,9 @@ def _check_token_ids(config: Any, cfg: Any, tokenizer: Any) -> None:
 def _is_decoder(cfg: Any) -> bool:
     """A decoder-only model type: it has a causal LM and no masked LM (GPT-2, Llama...), so its
     sequence classifier reads the last non-pad token."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     return cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and cfg.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES

@@ -43,8 +43,7 @@ from typing import Any
 
 from relay_server.core.errors import ApiError
 from toolkit.data.dataset_config import StreamConfig
-from toolkit.wire.protocol import (ShardCoverage, ShardLease, ShardReportAck, ShardsReport, ShardUpdate,
-                              SourceCoverage)
+from toolkit.wire.protocol import ShardCoverage, ShardLease, ShardReportAck, ShardsReport, ShardUpdate, SourceCoverage
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from relay_server.core.config import RelayConfig
 from toolkit.wire.protocol import RoundRecord, StatusReport
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,14 @@ from safetensors.torch import load_file, save_file
 from relay_server.core.config import ConfigError, RelayConfig
 from relay_server.core.hub_files import download_hub_file, hub_endpoint, hub_token, parse_repo
 from relay_server.observers.events import StepEvent
-from relay_server.observers.pretrained import (MODEL_FILE, config_json, master_params, parameter_names, unflatten,
-                                               write_pretrained)
+from relay_server.observers.pretrained import (
+    MODEL_FILE,
+    config_json,
+    master_params,
+    parameter_names,
+    unflatten,
+    write_pretrained,
+)
 from toolkit.wire.protocol import EvalRecord
 
 log = logging.getLogger(__name__)

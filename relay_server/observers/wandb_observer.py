@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.config import ConfigError, RelayConfig
-from relay_server.rounds.master import lr_at
-from relay_server.rounds.throughput import RATE_WINDOW, measured_samples_per_s as measured
 from relay_server.observers.events import StepEvent
+from relay_server.rounds.master import lr_at
+from relay_server.rounds.throughput import RATE_WINDOW
+from relay_server.rounds.throughput import measured_samples_per_s as measured
 from toolkit.wire.protocol import EvalRecord, RoundRecord
 
 log = logging.getLogger(__name__)

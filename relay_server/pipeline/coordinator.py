@@ -32,12 +32,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from relay_server.core.errors import ApiError
+from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
-from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Worker, Workers
 from relay_server.tasks.broker import TaskBroker

@@ -35,9 +35,9 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from relay_server.pipeline.batch_rounds import PipelineRounds
 from relay_server.pipeline.ledger import BACKWARD, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
-from relay_server.pipeline.batch_rounds import PipelineRounds
 from relay_server.pipeline.workers import Worker, Workers
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.timing import LeaseTimer

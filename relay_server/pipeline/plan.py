@@ -25,8 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay_server.pipeline.star import build_plan, rebalance
-from relay_server.pipeline.star_model import (MeasuredWorker, ModelShape, Move, PipelineConfig, StagePlan,
-                                              StagePlanError, boundary_bytes_per_sample, stage_memory)
+from relay_server.pipeline.star_model import (
+    MeasuredWorker,
+    ModelShape,
+    Move,
+    PipelineConfig,
+    StagePlan,
+    StagePlanError,
+    boundary_bytes_per_sample,
+    stage_memory,
+)
 from toolkit.pipeline.cuts import PipelineUnits
 
 UNKNOWN_BANDWIDTH = 1e15  # measured task times already hold each worker's link: the model adds none

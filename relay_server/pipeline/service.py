@@ -19,10 +19,10 @@ from pathlib import Path
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.core.config import RelayConfig
+from relay_server.pipeline.batch_rounds import BatchOutcome
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.coordinator import PipelineCoordinator, PipelineDeps, PipelineShape
 from relay_server.pipeline.plan import Planner
-from relay_server.pipeline.batch_rounds import BatchOutcome
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Workers
 from relay_server.rounds.master import lr_at

@@ -18,8 +18,19 @@ import math
 from typing import Sequence
 
 from relay_server.pipeline.star_model import (
-    Candidate, MeasuredWorker, ModelShape, Move, PipelineConfig, PlannedStage, StagePlan, StagePlanError,
-    layer_capacity, relay_bytes_per_batch, stage_fixed_params, stage_memory, stage_seconds,
+    Candidate,
+    MeasuredWorker,
+    ModelShape,
+    Move,
+    PipelineConfig,
+    PlannedStage,
+    StagePlan,
+    StagePlanError,
+    layer_capacity,
+    relay_bytes_per_batch,
+    stage_fixed_params,
+    stage_memory,
+    stage_seconds,
 )
 
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterable
 
 from relay_server.core.config import AggregatorsSection
-from relay_server.planning.measure import Ewma, PeerRates, ServerMeter
 from relay_server.planning.averaging_plan import Plan
+from relay_server.planning.measure import Ewma, PeerRates, ServerMeter
 from relay_server.planning.planner import solve_plan
 from relay_server.planning.problem import PeerCapacity, PlanError
 from toolkit.wire.protocol import PlanInput

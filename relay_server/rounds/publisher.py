@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 

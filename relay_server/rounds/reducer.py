@@ -47,8 +47,8 @@ import numpy as np
 
 from relay_server.core.config import RoundsSection
 from relay_server.core.errors import ApiError
-from relay_server.rounds.robust import CenteredClipConfig, RobustAccumulator
 from relay_server.rounds.membership import RoundClosedMidUpload
+from relay_server.rounds.robust import CenteredClipConfig, RobustAccumulator
 from toolkit.wire.compression import Codec
 from toolkit.wire.tensor_container import AsyncContainerReader, Header, Pieces
 

@@ -59,8 +59,8 @@ from collections import OrderedDict
 from collections.abc import Collection
 
 from relay_server.core.errors import ApiError
-from relay_server.tasks.queues import LazyHeap, ReadyQueues, Waiters
 from relay_server.tasks.payload_store import PayloadStore
+from relay_server.tasks.queues import LazyHeap, ReadyQueues, Waiters
 from relay_server.tasks.task import DONE, FAILED, LEASED, QUEUED, WAITING, BrokerStats, Task, timeout_error
 from relay_server.tasks.timing import LeaseBook, LeaseTimer
 

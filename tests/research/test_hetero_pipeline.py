@@ -17,8 +17,16 @@ from research.hetero_pipeline.ordering import open_tsp_anneal, open_tsp_dp, path
 from research.hetero_pipeline.partition import PartitionSearch, allocate_layers, minmax_layers, plan_partition
 from research.hetero_pipeline.partition_model import Instance, PartitionEvaluator
 from research.hetero_pipeline.timemodel import (
-    LOCAL, DeviceLoad, Hop, balanced_pipeline_time, balanced_shares, balanced_stage_times, boundary_time,
-    compute_shares, pipeline_time, stage_time,
+    LOCAL,
+    DeviceLoad,
+    Hop,
+    balanced_pipeline_time,
+    balanced_shares,
+    balanced_stage_times,
+    boundary_time,
+    compute_shares,
+    pipeline_time,
+    stage_time,
 )
 
 

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 from toolkit.errors import ProtocolError
 from toolkit.wire.schema import MAX_LIST, MAX_STR, Schema
 
-
 EXAMPLES, SLOW_EXAMPLES = 1000, 10_000
 COMMON = dict(deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import requests
 
-from tests.support.processes import RelayProcess, merged, write_config
 from tests.hf_standin import HfStandin
+from tests.support.processes import RelayProcess, merged, write_config
 from toolkit.client import RelayClient
 from toolkit.signing import SignedAuth
 from toolkit.wire.auth import BODY_SHA256_HEADER, CONTAINER_TYPE, container_body_sha256, digest_metadata

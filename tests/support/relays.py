@@ -32,8 +32,8 @@ from relay_server.api.server import serve_app
 from relay_server.api.shards import SHARD_POOL
 from relay_server.core.config import load_config
 from tests.conftest import wait_until
-from tests.support.processes import merged, write_config
 from tests.support.peers import ALLOWED
+from tests.support.processes import merged, write_config
 from tests.support.training import write_shards
 
 

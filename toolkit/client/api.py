@@ -25,12 +25,40 @@ from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, RelayKeyPins,
 from toolkit.transfer import SizedBody, SlicePart
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import (ROUTES, CheckpointReceipt, CollabState, DoneRequest, ExpertLease, GradientMeta,
-                                   Heartbeat, JoinRequest, JoinResponse, LoginRequest, LoginResponse, MoeDirectory,
-                                   MoeSpec, PipelineAck, PipelineDone, PipelineResult, PipelineTicketRequest,
-                                   PipelineWork, PlanInfo, ResultAck, RunInfo, ShardLease, ShardLeaseRequest,
-                                   ShardReport, ShardReportAck, ShardsReport, StageAssignment, StageRequest, StateInfo,
-                                   StatusReport, TicketRequest, UploadReceipt)
+from toolkit.wire.protocol import (
+    ROUTES,
+    CheckpointReceipt,
+    CollabState,
+    DoneRequest,
+    ExpertLease,
+    GradientMeta,
+    Heartbeat,
+    JoinRequest,
+    JoinResponse,
+    LoginRequest,
+    LoginResponse,
+    MoeDirectory,
+    MoeSpec,
+    PipelineAck,
+    PipelineDone,
+    PipelineResult,
+    PipelineTicketRequest,
+    PipelineWork,
+    PlanInfo,
+    ResultAck,
+    RunInfo,
+    ShardLease,
+    ShardLeaseRequest,
+    ShardReport,
+    ShardReportAck,
+    ShardsReport,
+    StageAssignment,
+    StageRequest,
+    StateInfo,
+    StatusReport,
+    TicketRequest,
+    UploadReceipt,
+)
 
 RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
 """Refusals of a pass refresh that a full login (with the Hugging Face token) fixes."""

@@ -13,8 +13,15 @@ from toolkit.client.transport import Transport
 from toolkit.errors import RelayRejected
 from toolkit.transfer import SizedBody
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.protocol import (ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec,
-                                   ResultAck)
+from toolkit.wire.protocol import (
+    ROUTES,
+    CheckpointReceipt,
+    ExpertLease,
+    LeaseRequest,
+    MoeDirectory,
+    MoeSpec,
+    ResultAck,
+)
 
 BINARY = {"Content-Type": "application/octet-stream"}
 

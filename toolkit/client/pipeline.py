@@ -17,8 +17,17 @@ from toolkit.transfer import SizedBody
 from toolkit.wire import payloads
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
-from toolkit.wire.protocol import (ROUTES, ParamsManifest, PipelineAck, PipelineDone, PipelineResult,
-                                   PipelineTicketRequest, PipelineWork, StageAssignment, StageRequest)
+from toolkit.wire.protocol import (
+    ROUTES,
+    ParamsManifest,
+    PipelineAck,
+    PipelineDone,
+    PipelineResult,
+    PipelineTicketRequest,
+    PipelineWork,
+    StageAssignment,
+    StageRequest,
+)
 
 MAX_WORK_BYTES = 1 << 31
 

@@ -19,8 +19,16 @@ from typing import Any, TypeVar
 
 import requests
 
-from toolkit.errors import (MESSAGES, NOT_A_RELAY_HINT, ProtocolError, RelayRejected, RelayUnreachable, RelayUrlError,
-                            not_a_relay_message, unreachable_reason)
+from toolkit.errors import (
+    MESSAGES,
+    NOT_A_RELAY_HINT,
+    ProtocolError,
+    RelayRejected,
+    RelayUnreachable,
+    RelayUrlError,
+    not_a_relay_message,
+    unreachable_reason,
+)
 from toolkit.signing import SignedAuth
 from toolkit.transfer import retry_after_s
 from toolkit.wire.schema import Schema

@@ -22,8 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from toolkit.errors import DataConfigError, RelayRejected, RelayUnreachable
-from toolkit.wire.protocol import (MAX_SHARD_UPDATES, ShardLease, ShardLeaseRequest, ShardReport,
-                              ShardReportAck, ShardUpdate)
+from toolkit.wire.protocol import (
+    MAX_SHARD_UPDATES,
+    ShardLease,
+    ShardLeaseRequest,
+    ShardReport,
+    ShardReportAck,
+    ShardUpdate,
+)
 
 if TYPE_CHECKING:
     from toolkit.client import RelayClient

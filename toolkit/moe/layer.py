@@ -29,7 +29,6 @@ from toolkit.moe.calls import ExpertCaller, ExpertFailed
 from toolkit.moe.dispatch import CallPlan, Group, MoEStats, call_experts, group_by_expert
 from toolkit.moe.grid import ExpertGrid, LiveIndex, ProductKeyGate, beam_search_tensors, expert_logits
 
-
 DEFAULT_BEAM_FACTOR = 4
 """Beam width per grid dimension, in multiples of k (see RemoteMixtureOfExperts)."""
 

@@ -16,16 +16,23 @@ import torch
 
 from toolkit.accumulator import Accumulator
 from toolkit.client import RelayClient
-from toolkit.errors import (CollabError, ModelMismatch, PrecisionUnsupported, RelayRejected, RelayUnreachable,
-                            handled_by_peer, volunteer_line)
+from toolkit.errors import (
+    CollabError,
+    ModelMismatch,
+    PrecisionUnsupported,
+    RelayRejected,
+    RelayUnreachable,
+    handled_by_peer,
+    volunteer_line,
+)
 from toolkit.optim_base import CollabOptimizerBase
 from toolkit.optimizer.local_sgd import LocalSgd
 from toolkit.optimizer.own_loop import until_finished
 from toolkit.optimizer.participation import RoundParticipation
+from toolkit.peer_worker import PeerWorker, shutdown
 from toolkit.run_membership import Membership
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
-from toolkit.peer_worker import PeerWorker, shutdown
 
 log = logging.getLogger("toolkit.optimizer")
 

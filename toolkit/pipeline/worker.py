@@ -43,9 +43,20 @@ from toolkit.run_membership import Membership
 from toolkit.transfer import slice_part
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
-from toolkit.wire.protocol import (GradientMeta, Heartbeat, JoinResponse, PipelineDone, PipelineResult,
-                                   PipelineRoundCall, PipelineTask, PipelineTicketRequest, PlanSlice, RunInfo,
-                                   StageAssignment, StageRequest)
+from toolkit.wire.protocol import (
+    GradientMeta,
+    Heartbeat,
+    JoinResponse,
+    PipelineDone,
+    PipelineResult,
+    PipelineRoundCall,
+    PipelineTask,
+    PipelineTicketRequest,
+    PlanSlice,
+    RunInfo,
+    StageAssignment,
+    StageRequest,
+)
 
 log = logging.getLogger(__name__)
 CACHE_INPUTS = 64

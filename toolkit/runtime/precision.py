@@ -46,8 +46,8 @@ from typing import Any, Literal, cast
 
 import torch
 
-from toolkit.runtime.environment import DeviceInfo
 from toolkit.errors import PrecisionUnsupported
+from toolkit.runtime.environment import DeviceInfo
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,32 @@ only those above it:
 from __future__ import annotations
 
 from toolkit.wire.protocol.login import MAX_PASS_CHARS, LoginRequest, LoginResponse
+from toolkit.wire.protocol.moe import (
+    CheckpointReceipt,
+    ExpertLease,
+    LeaseRequest,
+    MoeDirectory,
+    MoeSpec,
+    ResultAck,
+    TaskBatch,
+    TaskHead,
+)
+from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
 from toolkit.wire.protocol.peers import CollabState, Heartbeat, JoinRequest, JoinResponse
+from toolkit.wire.protocol.pipeline import (
+    TASK_KINDS,
+    PipelineAck,
+    PipelineDone,
+    PipelineResult,
+    PipelineRoundCall,
+    PipelineStatus,
+    PipelineTask,
+    PipelineTicketRequest,
+    PipelineWork,
+    StageAssignment,
+    StageRequest,
+    StageStatus,
+)
 from toolkit.wire.protocol.rounds import GradientMeta, RoundInfo, RoundRecord, StateInfo, UploadReceipt
 from toolkit.wire.protocol.routes import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, TICKET_HEADER, ErrorBody
 from toolkit.wire.protocol.run import ModelSpec, ParamSpec, RunInfo
@@ -63,24 +88,18 @@ from toolkit.wire.protocol.slices import (
     TicketRequest,
     TransferSample,
 )
-from toolkit.wire.protocol.pipeline import (
-    TASK_KINDS,
-    PipelineAck,
-    PipelineDone,
-    PipelineResult,
-    PipelineRoundCall,
-    PipelineStatus,
-    PipelineTask,
-    PipelineTicketRequest,
-    PipelineWork,
-    StageAssignment,
-    StageRequest,
-    StageStatus,
+from toolkit.wire.protocol.status import (
+    PEER_ROLES,
+    EvalRecord,
+    EvalSample,
+    LeaderboardEntry,
+    LocalSgdStatus,
+    LossReference,
+    PeerStatus,
+    RunSummary,
+    StatusReport,
+    TrafficStatus,
 )
-from toolkit.wire.protocol.params import BLOB_CACHE_CONTROL, FRESH_CACHE_CONTROL, PARAMS_REF_TYPE, ParamsRef
-from toolkit.wire.protocol.moe import CheckpointReceipt, ExpertLease, LeaseRequest, MoeDirectory, MoeSpec, ResultAck, TaskBatch, TaskHead
-from toolkit.wire.protocol.status import (EvalRecord, EvalSample, LeaderboardEntry, LocalSgdStatus, LossReference,
-                                          PEER_ROLES, PeerStatus, RunSummary, StatusReport, TrafficStatus)
 
 __all__ = [
     # routes

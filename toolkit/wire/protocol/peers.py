@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from toolkit.wire.protocol.routes import _ID, _NAME, _NONNEG
 from toolkit.wire.protocol.rounds import RoundInfo
+from toolkit.wire.protocol.routes import _ID, _NAME, _NONNEG
 from toolkit.wire.protocol.run import RunInfo
 from toolkit.wire.schema import Schema, limits
 

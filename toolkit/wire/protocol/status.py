@@ -14,7 +14,6 @@ from toolkit.wire.protocol.shards import SourceCoverage
 from toolkit.wire.protocol.slices import PlanInfo
 from toolkit.wire.schema import Schema
 
-
 PEER_ROLES = ("trainer", "expert_host", "stage_worker")
 """What a peer does in the run, and so which of :class:`PeerStatus`'s fields apply to it."""
 

@@ -1,0 +1,20 @@
+"""The tree passes ruff's lint (pyproject.toml's ``[tool.ruff]``: pyflakes, syntax, sorted imports),
+as part of the suite the README's test command runs, so CI cannot skip it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration  # runs ruff, a process
+
+
+def test_ruff_finds_nothing() -> None:
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (
+        f"ruff check found problems (fix them, or run `ruff check --fix .`):\n{done.stdout}{done.stderr}")
