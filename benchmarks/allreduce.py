@@ -89,8 +89,16 @@ def gradient(index: int, numel: int) -> np.ndarray:
 
 
 # --- one peer process --------------------------------------------------------------------------
-def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: int,
-             report: Callable[[tuple], None], samples_per_s: float = 1.0) -> None:
+def run_peer(
+    url: str,
+    index: int,
+    numel: int,
+    rounds: int,
+    peers: int,
+    slices: int,
+    report: Callable[[tuple], None],
+    samples_per_s: float = 1.0,
+) -> None:
     """Join, wait for ``peers`` peers and a plan of ``slices`` owners, then run ``rounds`` rounds.
 
     Reports ``(index, step, started, ended, version, owners, uploaded)`` per round (``owners``:
@@ -126,15 +134,26 @@ def run_peer(url: str, index: int, numel: int, rounds: int, peers: int, slices: 
         started = time.time()
         meta = GradientMeta(peer_id=peer_id, step=step, version=step, samples=SAMPLES, loss_sum=0.0)
         if state.round.slices:
-            parts = [slice_part(s, [("payload", grad[s.start:s.end])], meta, "none", signed=False)
-                     for s in state.round.slices]
-            ticket = client.request_ticket(step, peer_id, TicketRequest(
-                round_id=state.round.round_id, version=step, samples=SAMPLES, loss_sum=0.0,
-                slices=[p.digest for p in parts]))
+            parts = [
+                slice_part(s, [("payload", grad[s.start : s.end])], meta, "none", signed=False)
+                for s in state.round.slices
+            ]
+            ticket = client.request_ticket(
+                step,
+                peer_id,
+                TicketRequest(
+                    round_id=state.round.round_id,
+                    version=step,
+                    samples=SAMPLES,
+                    loss_sum=0.0,
+                    slices=[p.digest for p in parts],
+                ),
+            )
             errors = client.upload_slices(step, ticket, parts)
             assert not any(errors), errors
-            client.report_done(step, peer_id, DoneRequest(round_id=state.round.round_id,
-                                                          delivered=[p.plan.start for p in parts]))
+            client.report_done(
+                step, peer_id, DoneRequest(round_id=state.round.round_id, delivered=[p.plan.start for p in parts])
+            )
         else:
             client.upload_gradient([("payload", grad)], meta, "none")
         uploaded = time.time()
@@ -150,23 +169,27 @@ def peer_main(url: str, index: int, numel: int, rounds: int, peers: int, slices:
     run_peer(url, index, numel, rounds, peers, slices, out.put)
 
 
-def run_relay_rounds(peers: int, numel: int, rounds: int, aggregators: int = 0,
-                     breakdown: bool = False) -> tuple[list[float], np.ndarray, list[dict] | None]:
+def run_relay_rounds(
+    peers: int, numel: int, rounds: int, aggregators: int = 0, breakdown: bool = False
+) -> tuple[list[float], np.ndarray, list[dict] | None]:
     """Seconds per round, the final parameters, and with ``breakdown`` each round's phases
     (:func:`phases`)."""
     with tempfile.TemporaryDirectory(prefix="allreduce-bench-") as tmp:
         trace = Path(tmp) / "trace"
         tracer = [sys.executable, str(REPO / "benchmarks" / "round_trace.py")] if breakdown else None
-        relay = start_relay(Path(tmp), relay_config(numel, peers), command=tracer,
-                            env={**os.environ, "ROUND_TRACE": str(trace)})
+        relay = start_relay(
+            Path(tmp), relay_config(numel, peers), command=tracer, env={**os.environ, "ROUND_TRACE": str(trace)}
+        )
         helpers: list[ServerRun] = []
         try:
             url = relay.url
             helpers = [start_aggregator(Path(tmp), relay, f"agg{i}") for i in range(aggregators)]
             ctx = mp.get_context("spawn")
             out: mp.Queue = ctx.Queue()
-            procs = [ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, aggregators + 1, out))
-                     for i in range(peers)]
+            procs = [
+                ctx.Process(target=peer_main, args=(url, i, numel, rounds, peers, aggregators + 1, out))
+                for i in range(peers)
+            ]
             for p in procs:
                 p.start()
             timings: dict[int, list[tuple[float, float, float]]] = {}
@@ -205,8 +228,12 @@ def phases(rounds: list[list[tuple[float, float, float]]], trace: list[str]) -> 
         uploaded, ended = max(u for _, _, u in peers), max(e for _, e, _ in peers)
         written = min((w for w in writes if w >= uploaded - 1e-3), default=ended)
         inside = [(w, a, b) for w, a, b in events if start <= a <= written]
-        row = {"round_s": ended - start, "upload": uploaded - start, "apply": written - uploaded,
-               "download": ended - written}
+        row = {
+            "round_s": ended - start,
+            "upload": uploaded - start,
+            "apply": written - uploaded,
+            "download": ended - written,
+        }
         for name in ("stage", "commit", "mean", "step", "write", "hash"):
             row[name] = sum(b - a for w, a, b in inside if w == name)
         table.append(row)
@@ -315,13 +342,24 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100.0, help="gradient size per peer in MiB (float32)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--aggregators", type=int, default=0, help="extra aggregator processes (sliced rounds)")
-    parser.add_argument("--breakdown", action="store_true", help="time the round's phases on the relay "
-                        "(benchmarks/round_trace.py) and print where each round's time goes")
-    parser.add_argument("--floor", action="store_true", help="also time raw TCP doing the checks no relay may skip "
-                        "(each upload's hash, the sum, the reply's hash, each peer hashing what it got): "
-                        "checked_tcp_s, and floor_ratio = checked_tcp_s / raw_tcp_s")
-    parser.add_argument("--floor-hash", default="sha256", choices=("sha256", "blake3"),
-                        help="the hash of --floor (sha256: the protocol's)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the round's phases on the relay (benchmarks/round_trace.py) and print where each round's time goes",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time raw TCP doing the checks no relay may skip "
+        "(each upload's hash, the sum, the reply's hash, each peer hashing what it got): "
+        "checked_tcp_s, and floor_ratio = checked_tcp_s / raw_tcp_s",
+    )
+    parser.add_argument(
+        "--floor-hash",
+        default="sha256",
+        choices=("sha256", "blake3"),
+        help="the hash of --floor (sha256: the protocol's)",
+    )
     args = parser.parse_args()
     numel = int(args.mb * 2**20) // 4
 
@@ -334,17 +372,30 @@ def main() -> None:
     round_s, raw_s = statistics.median(relay), statistics.median(raw)
     print(f"relay rounds (s):   {' '.join(f'{s:.3f}' for s in relay)}")
     print(f"raw TCP rounds (s): {' '.join(f'{s:.3f}' for s in raw)}")
-    print(f"{args.peers} peers x {args.mb:g} MiB: relay {round_s:.3f} s/round, raw TCP {raw_s:.3f} s, "
-          f"ratio {round_s / raw_s:.2f}; max |error| vs float64 reference {max_abs_err:.2e}")
-    result = {"peers": args.peers, "mb": args.mb, "aggregators": args.aggregators,
-              "round_s": round(round_s, 4), "raw_tcp_s": round(raw_s, 4),
-              "ratio": round(round_s / raw_s, 3), "max_abs_err": max_abs_err}
+    print(
+        f"{args.peers} peers x {args.mb:g} MiB: relay {round_s:.3f} s/round, raw TCP {raw_s:.3f} s, "
+        f"ratio {round_s / raw_s:.2f}; max |error| vs float64 reference {max_abs_err:.2e}"
+    )
+    result = {
+        "peers": args.peers,
+        "mb": args.mb,
+        "aggregators": args.aggregators,
+        "round_s": round(round_s, 4),
+        "raw_tcp_s": round(raw_s, 4),
+        "ratio": round(round_s / raw_s, 3),
+        "max_abs_err": max_abs_err,
+    }
     if checked:
         checked_s = statistics.median(checked)
-        print(f"raw TCP with the checks (s): {' '.join(f'{s:.3f}' for s in checked)}; "
-              f"floor ratio {checked_s / raw_s:.2f}")
-        result |= {"floor_hash": args.floor_hash, "checked_tcp_s": round(checked_s, 4),
-                   "floor_ratio": round(checked_s / raw_s, 3)}
+        print(
+            f"raw TCP with the checks (s): {' '.join(f'{s:.3f}' for s in checked)}; "
+            f"floor ratio {checked_s / raw_s:.2f}"
+        )
+        result |= {
+            "floor_hash": args.floor_hash,
+            "checked_tcp_s": round(checked_s, 4),
+            "floor_ratio": round(checked_s / raw_s, 3),
+        }
     if table:
         names = list(table[0])
         print("phase medians (s): " + ", ".join(f"{n} {statistics.median(r[n] for r in table):.3f}" for n in names))

@@ -49,7 +49,7 @@ def cosine_and_max_error(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     dot = xx = yy = 0.0
     worst = 0.0
     for lo in range(0, x.size, SLICE):
-        a, b = x[lo:lo + SLICE].astype(np.float64), y[lo:lo + SLICE].astype(np.float64)
+        a, b = x[lo : lo + SLICE].astype(np.float64), y[lo : lo + SLICE].astype(np.float64)
         dot, xx, yy = dot + float(a @ b), xx + float(a @ a), yy + float(b @ b)
         worst = max(worst, float(np.abs(a - b).max()))
     return dot / np.sqrt(xx * yy), worst
@@ -68,10 +68,14 @@ def main() -> None:
     n, mb = args.n, args.n * 4 / 1e6
     x = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
     out = np.empty(n, dtype=np.float32)
-    print(f"codec benchmark: {n:,} random-normal float32 values ({mb:.0f} MB), best of {args.reps}, "
-          f"numpy {np.__version__}")
-    print("  steady state: encode into the previous step's buffers, decode into a preallocated vector "
-          "(fresh: new buffers every call, paying the page faults)")
+    print(
+        f"codec benchmark: {n:,} random-normal float32 values ({mb:.0f} MB), best of {args.reps}, "
+        f"numpy {np.__version__}"
+    )
+    print(
+        "  steady state: encode into the previous step's buffers, decode into a preallocated vector "
+        "(fresh: new buffers every call, paying the page faults)"
+    )
     results: dict[str, dict[str, float]] = {}
     for name in ("none", "float16", "int8", "topk2-64"):
         codec = get_codec(name)
@@ -83,9 +87,11 @@ def main() -> None:
         cosine, max_error = cosine_and_max_error(x, out)
         ratio = encoded_size(tensors, {"codec": name}) / (4 * n)
         results[name] = {"ratio": ratio, "cosine": cosine, "encode": mb / encode_s, "decode": mb / decode_s}
-        print(f"  {name:8s} {ratio:6.4f} x float32 ({ratio * 32:.3f} bits/value) on the wire, cosine {cosine:.7f}, max |err| {max_error:.3g}; "
-              f"encode {mb / encode_s:5.0f} MB/s (fresh {mb / fresh_encode_s:5.0f}), "
-              f"decode {mb / decode_s:5.0f} MB/s (fresh {mb / fresh_decode_s:5.0f})")
+        print(
+            f"  {name:8s} {ratio:6.4f} x float32 ({ratio * 32:.3f} bits/value) on the wire, cosine {cosine:.7f}, max |err| {max_error:.3g}; "
+            f"encode {mb / encode_s:5.0f} MB/s (fresh {mb / fresh_encode_s:5.0f}), "
+            f"decode {mb / decode_s:5.0f} MB/s (fresh {mb / fresh_decode_s:5.0f})"
+        )
 
     # The relay's path: decode each arriving 1M-value chunk into a scratch and add it to the sum.
     codec = get_codec("int8")
@@ -95,14 +101,16 @@ def main() -> None:
 
     def reduce_stream() -> None:
         for lo in range(0, n, RELAY_CHUNK):
-            piece = payload[lo:lo + RELAY_CHUNK]
-            decoded = codec.decode_range(tensors, piece, lo, out=scratch[:piece.size])
-            np.add(out[lo:lo + piece.size], decoded, out=out[lo:lo + piece.size])
+            piece = payload[lo : lo + RELAY_CHUNK]
+            decoded = codec.decode_range(tensors, piece, lo, out=scratch[: piece.size])
+            np.add(out[lo : lo + piece.size], decoded, out=out[lo : lo + piece.size])
 
     validate_s = best_seconds(lambda: codec.validate(tensors, payload.dtype, n), args.reps)
     reduce_s = best_seconds(reduce_stream, args.reps)
-    print(f"  int8 relay path: validate side tensors {validate_s * 1e3:.1f} ms, "
-          f"streamed decode + add in {RELAY_CHUNK:,}-value chunks {mb / reduce_s:.0f} MB/s")
+    print(
+        f"  int8 relay path: validate side tensors {validate_s * 1e3:.1f} ms, "
+        f"streamed decode + add in {RELAY_CHUNK:,}-value chunks {mb / reduce_s:.0f} MB/s"
+    )
     feedback = ErrorFeedback(codec, n)
     previous = feedback.compress(x)
     feedback_s = best_seconds(lambda: feedback.compress(x, out=previous), args.reps)
@@ -116,11 +124,22 @@ def main() -> None:
     print(f"  topk2-64 peer path: ErrorFeedback.compress {mb / sparse_feedback_s:.0f} MB/s")
 
     int8, topk2 = results["int8"], results["topk2-64"]
-    print(json.dumps({"int8_bytes_ratio": round(int8["ratio"], 5), "cosine": round(int8["cosine"], 7),
-                      "encode_MBps": round(int8["encode"]), "decode_MBps": round(int8["decode"]),
-                      "topk2_64": {"bits_per_param": round(topk2["ratio"] * 32, 4), "encode_MBps": round(topk2["encode"]),
-                                   "decode_MBps": round(topk2["decode"]),
-                                   "feedback_MBps": round(mb / sparse_feedback_s)}}))
+    print(
+        json.dumps(
+            {
+                "int8_bytes_ratio": round(int8["ratio"], 5),
+                "cosine": round(int8["cosine"], 7),
+                "encode_MBps": round(int8["encode"]),
+                "decode_MBps": round(int8["decode"]),
+                "topk2_64": {
+                    "bits_per_param": round(topk2["ratio"] * 32, 4),
+                    "encode_MBps": round(topk2["encode"]),
+                    "decode_MBps": round(topk2["decode"]),
+                    "feedback_MBps": round(mb / sparse_feedback_s),
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -102,8 +102,9 @@ def start_servers(tmp: Path, numel: int, cached: bool):
         if not cached:
             return relay, None
         try:
-            return relay, run_nginx(directory / "nginx", lambda p: cache_http_block(p, relay.port, directory / "cache"),
-                                    port=port)
+            return relay, run_nginx(
+                directory / "nginx", lambda p: cache_http_block(p, relay.port, directory / "cache"), port=port
+            )
         except PortTaken:
             relay.stop()
     raise SystemExit("nginx found no free port in 5 tries")
@@ -137,8 +138,11 @@ def run_level(peers: int, steps: int, numel: int, processes: int, cached: bool, 
             while trainer.heartbeat(peer_id, Heartbeat(version=step, samples=1, samples_per_s=1.0)).round is None:
                 time.sleep(0.05)
             grad = np.full(numel, 0.01 * (step + 1), dtype=np.float32)
-            trainer.upload_gradient(codec.encode(grad), GradientMeta(peer_id=peer_id, step=step, version=step,
-                                                                     samples=1, loss_sum=1.0), "none")
+            trainer.upload_gradient(
+                codec.encode(grad),
+                GradientMeta(peer_id=peer_id, step=step, version=step, samples=1, loss_sum=1.0),
+                "none",
+            )
         elapsed = time.monotonic() - started
         sent = relay.get(ROUTES["params_egress"], admin=True)
     finally:
@@ -152,10 +156,18 @@ def run_level(peers: int, steps: int, numel: int, processes: int, cached: bool, 
             nginx.stop()
     total = sent["direct"] + sent["immutable"] + sent["ref_bytes"]
     versions = steps + 1
-    return {"peers": peers, "cache": cached, "versions": versions, "relay_bytes": total,
-            "relay_bytes_per_step": total / versions, "body_bytes": sent["direct"] + sent["immutable"],
-            "immutable_requests": sent["immutable_requests"], "refs": sent["refs"],
-            "peer_cache_failures_max": failures, "seconds": round(elapsed, 2)}
+    return {
+        "peers": peers,
+        "cache": cached,
+        "versions": versions,
+        "relay_bytes": total,
+        "relay_bytes_per_step": total / versions,
+        "body_bytes": sent["direct"] + sent["immutable"],
+        "immutable_requests": sent["immutable_requests"],
+        "refs": sent["refs"],
+        "peer_cache_failures_max": failures,
+        "seconds": round(elapsed, 2),
+    }
 
 
 def main() -> None:
@@ -172,23 +184,43 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="egress-") as tmp:
         for n in levels:
             for cached in (False, True):
-                row = run_level(n, args.steps, args.numel, min(args.processes, n), cached,
-                                Path(tmp) / f"{n}-{'cache' if cached else 'direct'}")
+                row = run_level(
+                    n,
+                    args.steps,
+                    args.numel,
+                    min(args.processes, n),
+                    cached,
+                    Path(tmp) / f"{n}-{'cache' if cached else 'direct'}",
+                )
                 results[(n, cached)] = row
                 print(json.dumps(row), flush=True)
     print(f"{'peers':>6} {'relay MB/step direct':>21} {'with cache':>11} {'ratio':>7}")
     for n in levels:
         direct, cached = results[(n, False)], results[(n, True)]
-        print(f"{n:>6} {direct['relay_bytes_per_step'] / 1e6:>21.2f} {cached['relay_bytes_per_step'] / 1e6:>11.2f} "
-              f"{cached['relay_bytes_per_step'] / direct['relay_bytes_per_step']:>7.3f}")
+        print(
+            f"{n:>6} {direct['relay_bytes_per_step'] / 1e6:>21.2f} {cached['relay_bytes_per_step'] / 1e6:>11.2f} "
+            f"{cached['relay_bytes_per_step'] / direct['relay_bytes_per_step']:>7.3f}"
+        )
     top = levels[-1]
-    print(json.dumps({
-        "peers": levels, "steps": args.steps, "numel": args.numel,
-        "relay_bytes_per_step": {str(n): {"direct": results[(n, False)]["relay_bytes_per_step"],
-                                          "cache": results[(n, True)]["relay_bytes_per_step"]} for n in levels},
-        "cache_failures": max(r["peer_cache_failures_max"] for r in results.values()),
-        "relay_bytes_per_step_ratio": results[(top, True)]["relay_bytes_per_step"]
-        / results[(top, False)]["relay_bytes_per_step"]}))
+    print(
+        json.dumps(
+            {
+                "peers": levels,
+                "steps": args.steps,
+                "numel": args.numel,
+                "relay_bytes_per_step": {
+                    str(n): {
+                        "direct": results[(n, False)]["relay_bytes_per_step"],
+                        "cache": results[(n, True)]["relay_bytes_per_step"],
+                    }
+                    for n in levels
+                },
+                "cache_failures": max(r["peer_cache_failures_max"] for r in results.values()),
+                "relay_bytes_per_step_ratio": results[(top, True)]["relay_bytes_per_step"]
+                / results[(top, False)]["relay_bytes_per_step"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

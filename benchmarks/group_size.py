@@ -105,8 +105,7 @@ def optimal_group_size(n: int, failure_rate: float) -> int:
     """The group size with the fewest expected iterations; on a tie the larger group (fewer
     steps). With no failures that is n itself: one global all-reduce."""
     _check(n, failure_rate)
-    return min(group_size_candidates(n),
-               key=lambda m: (expected_iterations(n, m, failure_rate), -m))
+    return min(group_size_candidates(n), key=lambda m: (expected_iterations(n, m, failure_rate), -m))
 
 
 def main() -> None:

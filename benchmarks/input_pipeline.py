@@ -53,7 +53,7 @@ def write_shards(folder: Path, shards: int = 4, rows: int = 2500, seed: int = 0)
         out = []
         for _ in range(rows):
             start, length = rng.randrange(len(text) - 1500), rng.randrange(100, 1500)
-            out.append(text[start:start + length])
+            out.append(text[start : start + length])
         return out
 
     wiki, oscar = [], []
@@ -90,9 +90,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         wiki, oscar = write_shards(Path(tmp))
-        config = StreamConfig(datasets=(DatasetSpec(name="wikipedia", data_files=tuple(wiki), probability=0.23),
-                                        DatasetSpec(name="oscar", data_files=tuple(oscar), probability=0.77)),
-                              cache_dir=str(Path(tmp) / "cache"))
+        config = StreamConfig(
+            datasets=(
+                DatasetSpec(name="wikipedia", data_files=tuple(wiki), probability=0.23),
+                DatasetSpec(name="oscar", data_files=tuple(oscar), probability=0.77),
+            ),
+            cache_dir=str(Path(tmp) / "cache"),
+        )
         started = time.perf_counter()
         batches = stream_batches(config, batch_size=BATCH, seq_len=SEQ_LEN, seed="bench")
         first = next(batches)
@@ -118,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     train = best_rate(train_step, BATCH, args.seconds, args.reps)
 
     ratio = pipeline / train
-    print(f"demo model: {sum(p.numel() for p in params) / 1e6:.2f}M params, batch {BATCH} x {SEQ_LEN + 1} tokens, "
-          f"{torch.get_num_threads()} thread")
-    print(f"first batch after {first_s:.2f} s (shuffle buffers of {config.shuffle_buffer} rows filled); "
-          f"batch shape {tuple(first.shape)}")
+    print(
+        f"demo model: {sum(p.numel() for p in params) / 1e6:.2f}M params, batch {BATCH} x {SEQ_LEN + 1} tokens, "
+        f"{torch.get_num_threads()} thread"
+    )
+    print(
+        f"first batch after {first_s:.2f} s (shuffle buffers of {config.shuffle_buffer} rows filled); "
+        f"batch shape {tuple(first.shape)}"
+    )
     print(f"input pipeline: {pipeline:9.1f} samples/s")
     print(f"training:       {train:9.1f} samples/s (forward + backward + accumulate)")
     print(f"pipeline / training = {ratio:.1f}x ({'OK' if ratio >= 5 else 'TOO SLOW'}: needs >= 5x)")

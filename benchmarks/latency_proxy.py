@@ -39,8 +39,12 @@ class _Counters:
         self.up = self.down = self.connections = 0
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: Callable[[], float],
-                count: Callable[[int], None]) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    delay_s: Callable[[], float],
+    count: Callable[[int], None],
+) -> None:
     """Copy ``reader`` to ``writer``, each chunk ``delay_s()`` after it arrived, order kept."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
@@ -135,8 +139,9 @@ class LatencyProxy:
 
     def __enter__(self) -> LatencyProxy:
         ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve(ready)), name="latency-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self.serve(ready)), name="latency-proxy", daemon=True
+        )
         self._thread.start()
         if not ready.wait(10):
             raise RuntimeError("the latency proxy did not start listening within 10 s")
@@ -185,9 +190,19 @@ class ProxyProcess:
 
 def spawn(upstream_port: int, delay_s: float) -> ProxyProcess:
     """Start ``python benchmarks/latency_proxy.py`` in front of ``upstream_port``."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--upstream", str(upstream_port),
-                             "--delay-ms", str(delay_s * 1000)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--upstream",
+            str(upstream_port),
+            "--delay-ms",
+            str(delay_s * 1000),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("{"):
         proc.kill()

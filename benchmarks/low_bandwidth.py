@@ -82,12 +82,24 @@ from servers import REPO, ServerFailed, start_server, toml_text  # noqa: E402
 sys.path.insert(0, str(REPO))
 
 EVAL_SEED, EVAL_BATCHES = 10_000, 4
-GPT2_BYTES = {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 256, "n_layer": 4, "n_head": 4,
-              "bos_token_id": 0, "eos_token_id": 0,
-              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+GPT2_BYTES = {
+    "model_type": "gpt2",
+    "vocab_size": 256,
+    "n_positions": 64,
+    "n_embd": 256,
+    "n_layer": 4,
+    "n_head": 4,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
 MODELS: dict[str, dict[str, Any]] = {
-    "demo": {"factory": "toolkit.models:ByteTransformer",
-             "kwargs": {"seq_len": 64, "d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024}},
+    "demo": {
+        "factory": "toolkit.models:ByteTransformer",
+        "kwargs": {"seq_len": 64, "d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024},
+    },
     "gpt2": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_BYTES},
 }
 SEQ_LEN = 64
@@ -165,13 +177,22 @@ def run_peer(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step(loss=loss.item())
     ended, local = time.time(), opt.local_sgd
-    report = {"samples": args.steps * args.batch, "started": started, "ended": ended,
-              "rounds": opt.version - version0, "num_params": run.num_params,
-              "busy_fraction": local.busy_fraction if local is not None else None,
-              "late_rounds": local.late_rounds if local is not None else 0}
+    report = {
+        "samples": args.steps * args.batch,
+        "started": started,
+        "ended": ended,
+        "rounds": opt.version - version0,
+        "num_params": run.num_params,
+        "busy_fraction": local.busy_fraction if local is not None else None,
+        "late_rounds": local.late_rounds if local is not None else 0,
+    }
     opt.close()
-    report.update(join_up=joined["up"], join_down=joined["down"], up=counts["up"] - joined["up"],
-                  down=counts["down"] - joined["down"])
+    report.update(
+        join_up=joined["up"],
+        join_down=joined["down"],
+        up=counts["up"] - joined["up"],
+        down=counts["down"] - joined["down"],
+    )
     print(json.dumps(report), flush=True)
 
 
@@ -236,15 +257,23 @@ class Links:
         return self.peers[i].command(argv) if self.peers else argv
 
 
-def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], args: argparse.Namespace,
-                links: Links, work: Path) -> dict[str, Any]:
+def run_variant(
+    name: str, model: str, overrides: dict[str, dict[str, Any]], args: argparse.Namespace, links: Links, work: Path
+) -> dict[str, Any]:
     """One relay and ``--peers`` peers; the variant's line (or ``refused`` with the relay's reason)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '').replace('/', '_')}-", dir=work))
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f"{model}-{name.replace(' ', '_').replace('=', '').replace('/', '_')}-", dir=work)
+    )
     seeded = {**overrides, "run": {**overrides.get("run", {}), "seed": args.repeat}}
     config = write_run(tmp / "run.toml", model, seeded)
     try:
-        relay = start_server(tmp, "relay", ["serve", "--config", str(config), "--data-dir", str(tmp / "data")],
-                             tmp / "data", wrap=links.relay_argv)
+        relay = start_server(
+            tmp,
+            "relay",
+            ["serve", "--config", str(config), "--data-dir", str(tmp / "data")],
+            tmp / "data",
+            wrap=links.relay_argv,
+        )
     except ServerFailed as failed:
         if not failed.returncode:  # it hung, or exited cleanly without listening: not a refusal
             raise
@@ -256,10 +285,34 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
         barrier = tmp / "barrier"
         barrier.mkdir()
         for i in range(args.peers):
-            peers.append(subprocess.Popen(links.peer_argv(i, [
-                sys.executable, __file__, "--peer", "--relay", url, "--seed", str(100 * args.repeat + i),
-                "--model", model, "--batch", str(args.batch), "--steps", str(args.steps), "--barrier", str(barrier)]),
-                stdout=subprocess.PIPE, stderr=open(tmp / f"peer{i}.log", "w"), text=True, cwd=REPO))
+            peers.append(
+                subprocess.Popen(
+                    links.peer_argv(
+                        i,
+                        [
+                            sys.executable,
+                            __file__,
+                            "--peer",
+                            "--relay",
+                            url,
+                            "--seed",
+                            str(100 * args.repeat + i),
+                            "--model",
+                            model,
+                            "--batch",
+                            str(args.batch),
+                            "--steps",
+                            str(args.steps),
+                            "--barrier",
+                            str(barrier),
+                        ],
+                    ),
+                    stdout=subprocess.PIPE,
+                    stderr=open(tmp / f"peer{i}.log", "w"),
+                    text=True,
+                    cwd=REPO,
+                )
+            )
         deadline = time.monotonic() + 600
         while len(list(barrier.glob("joined-*"))) < args.peers:
             failed = [i for i, p in enumerate(peers) if p.poll() is not None]
@@ -272,8 +325,9 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
         for i, peer in enumerate(peers):
             out, _ = peer.communicate()
             if peer.returncode != 0:
-                raise SystemExit(f"{name}: peer {i} failed (exit {peer.returncode}):\n"
-                                 f"{(tmp / f'peer{i}.log').read_text()[-3000:]}")
+                raise SystemExit(
+                    f"{name}: peer {i} failed (exit {peer.returncode}):\n{(tmp / f'peer{i}.log').read_text()[-3000:]}"
+                )
             results.append(json.loads(out.strip().splitlines()[-1]))
         loss, public_loss = evaluate(url, model, tmp / "data")
     finally:
@@ -285,8 +339,7 @@ def run_variant(name: str, model: str, overrides: dict[str, dict[str, Any]], arg
             except subprocess.TimeoutExpired:
                 proc.kill()
         relay.stop()
-    return {**summarize_variant(name, model, results, loss, shaped=links.star is not None),
-            "public_loss": public_loss}
+    return {**summarize_variant(name, model, results, loss, shaped=links.star is not None), "public_loss": public_loss}
 
 
 # --- the benchmark -------------------------------------------------------------------------------
@@ -294,23 +347,65 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, dict[str, An
     common = {"rounds": {"peer_ttl_s": 60.0, "deadline_floor_s": 60.0, "deadline_initial_s": 120.0}}
     inner = {"optimizer": {"lr": args.inner_lr, "clip_grad_norm": 1.0}}
     local = {"mode": "local_sgd", "target_batch": 10**9, "max_staleness": 0}
-    out = [("sync", {**common, "run": {"target_batch": args.peers * args.batch, "max_staleness": 0,
-                                       "compression": args.sync_compression}})]
+    out = [
+        (
+            "sync",
+            {
+                **common,
+                "run": {
+                    "target_batch": args.peers * args.batch,
+                    "max_staleness": 0,
+                    "compression": args.sync_compression,
+                },
+            },
+        )
+    ]
     hs = [int(x) for x in args.h.split(",")]
     overlap = {"overlap": True} if args.overlap else {}
     for h in hs:
         if args.dense:
-            out.append((f"local_sgd H={h}", {**common, **inner, "run": {**local, "compression": "none"},
-                                             "local_sgd": {"inner_steps": h, "outer_lr": 0.7, "outer_momentum": 0.9,
-                                                           "nesterov": True, **overlap}}))
+            out.append(
+                (
+                    f"local_sgd H={h}",
+                    {
+                        **common,
+                        **inner,
+                        "run": {**local, "compression": "none"},
+                        "local_sgd": {
+                            "inner_steps": h,
+                            "outer_lr": 0.7,
+                            "outer_momentum": 0.9,
+                            "nesterov": True,
+                            **overlap,
+                        },
+                    },
+                )
+            )
     if args.sparse != "none":
         for down in args.sparse_down.split(","):
             down = "" if down in ("", "same") else down
-            out.append((f"local_sgd+{args.sparse}{'/' + down if down else ''} H={max(hs)}", {
-                **common, **inner, "run": {**local, "compression": args.sparse, "download_compression": down,
-                                           "download_feedback": args.download_feedback},
-                "local_sgd": {"inner_steps": max(hs), "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False,
-                              **overlap}}))
+            out.append(
+                (
+                    f"local_sgd+{args.sparse}{'/' + down if down else ''} H={max(hs)}",
+                    {
+                        **common,
+                        **inner,
+                        "run": {
+                            **local,
+                            "compression": args.sparse,
+                            "download_compression": down,
+                            "download_feedback": args.download_feedback,
+                        },
+                        "local_sgd": {
+                            "inner_steps": max(hs),
+                            "outer_lr": 1.0,
+                            "outer_momentum": 0.0,
+                            "nesterov": False,
+                            **overlap,
+                        },
+                    },
+                )
+            )
     return out
 
 
@@ -335,21 +430,33 @@ def main() -> None:
     parser.add_argument("--h", default="10,50", help="inner steps per outer round, comma-separated")
     parser.add_argument("--sync-compression", default="int8", choices=("none", "float16", "int8"))
     parser.add_argument("--sparse", default="topk2-64", help='the sparse variant\'s run.compression ("none": skip it)')
-    parser.add_argument("--sparse-down", default="same,topk2-256",
-                        help="comma-separated run.download_compression of the sparse variants (same: --sparse's)")
-    parser.add_argument("--download-feedback", type=float, default=0.5,
-                        help="run.download_feedback of the sparse variants (1: the master keeps the whole residual)")
-    parser.add_argument("--no-dense", dest="dense", action="store_false",
-                        help="skip the float32 local SGD variants (one per --h)")
+    parser.add_argument(
+        "--sparse-down",
+        default="same,topk2-256",
+        help="comma-separated run.download_compression of the sparse variants (same: --sparse's)",
+    )
+    parser.add_argument(
+        "--download-feedback",
+        type=float,
+        default=0.5,
+        help="run.download_feedback of the sparse variants (1: the master keeps the whole residual)",
+    )
+    parser.add_argument(
+        "--no-dense", dest="dense", action="store_false", help="skip the float32 local SGD variants (one per --h)"
+    )
     parser.add_argument("--overlap", action="store_true", help="local_sgd.overlap = true in every local SGD variant")
     parser.add_argument("--inner-lr", type=float, default=0.003)
     parser.add_argument("--no-shape", action="store_true", help="run on 127.0.0.1 (no namespaces needed)")
     parser.add_argument("--peer-up", type=float, default=10.0, help="Mbit/s each peer sends")
     parser.add_argument("--peer-down", type=float, default=50.0, help="Mbit/s each peer receives")
     parser.add_argument("--relay-mbit", type=float, default=200.0, help="Mbit/s the relay sends and receives")
-    parser.add_argument("--repeat", type=int, default=0,
-                        help="another draw of the same comparison: run.seed (the initial parameters) = REPEAT, "
-                        "peer i's data seed 100 * REPEAT + i (the held-out batches stay the same)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=0,
+        help="another draw of the same comparison: run.seed (the initial parameters) = REPEAT, "
+        "peer i's data seed 100 * REPEAT + i (the held-out batches stay the same)",
+    )
     parser.add_argument("--work-dir", help="keep configs and logs here (default: a temporary directory)")
     parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--relay", help=argparse.SUPPRESS)
@@ -366,8 +473,11 @@ def main() -> None:
         parser.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
     per_model = []
     with ExitStack() as stack:
-        work = Path(args.work_dir) if args.work_dir else Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="low-bandwidth-")))
+        work = (
+            Path(args.work_dir)
+            if args.work_dir
+            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="low-bandwidth-")))
+        )
         work.mkdir(parents=True, exist_ok=True)
         links, shaped_note = open_links(args, stack)
         for model in models:
@@ -381,9 +491,19 @@ def main() -> None:
             per_model.append(summarize_model(model, lines, shaped_note))
             print(json.dumps(per_model[-1]), flush=True)
     figures = worst(per_model)
-    print(json.dumps({**figures, "bars": bars(figures), "shaped": shaped_note or "yes",
-                      "variants": per_model[0]["variants"], "best": {m["model"]: m["best"] for m in per_model},
-                      "refused": per_model[0]["refused"], "models": {m["model"]: m for m in per_model}}))
+    print(
+        json.dumps(
+            {
+                **figures,
+                "bars": bars(figures),
+                "shaped": shaped_note or "yes",
+                "variants": per_model[0]["variants"],
+                "best": {m["model"]: m["best"] for m in per_model},
+                "refused": per_model[0]["refused"],
+                "models": {m["model"]: m for m in per_model},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

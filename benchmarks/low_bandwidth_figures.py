@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-BARS = {"bytes_ratio": (">=", 100.0), "loss_gap": ("|x| <=", 0.02), "shaped_speedup": (">=", 5.0),
-        "down_bits_per_param": ("<=", 4.0), "busy_fraction": (">= (aim)", 0.9)}
+BARS = {
+    "bytes_ratio": (">=", 100.0),
+    "loss_gap": ("|x| <=", 0.02),
+    "shaped_speedup": (">=", 5.0),
+    "down_bits_per_param": ("<=", 4.0),
+    "busy_fraction": (">= (aim)", 0.9),
+}
 
 
 def summarize_variant(name: str, model: str, results: list[dict], loss: float, shaped: bool) -> dict[str, Any]:
@@ -20,15 +25,23 @@ def summarize_variant(name: str, model: str, results: list[dict], loss: float, s
     busy = [r["busy_fraction"] for r in results if r["busy_fraction"] is not None]
     per_round = [r["down"] / r["rounds"] for r in results if r["rounds"] > 0]
     num_params = results[0]["num_params"]
-    return {"variant": name, "model": model, "num_params": num_params, "samples": samples,
-            "up_bytes_per_sample": sum(r["up"] for r in results) / samples,
-            "down_bytes_per_sample": sum(r["down"] for r in results) / samples,
-            "join_down_bytes": sum(r["join_down"] for r in results) / len(results),
-            "join_bytes_per_sample": sum(r["join_up"] + r["join_down"] for r in results) / samples,
-            "final_loss": loss, "samples_per_s": samples / elapsed, "shaped": shaped, "rounds": max(rounds),
-            "late_rounds": sum(r["late_rounds"] for r in results),
-            "busy_fraction": sum(busy) / len(busy) if busy else None,
-            "down_bits_per_param": sum(per_round) / len(per_round) * 8 / num_params if per_round else None}
+    return {
+        "variant": name,
+        "model": model,
+        "num_params": num_params,
+        "samples": samples,
+        "up_bytes_per_sample": sum(r["up"] for r in results) / samples,
+        "down_bytes_per_sample": sum(r["down"] for r in results) / samples,
+        "join_down_bytes": sum(r["join_down"] for r in results) / len(results),
+        "join_bytes_per_sample": sum(r["join_up"] + r["join_down"] for r in results) / samples,
+        "final_loss": loss,
+        "samples_per_s": samples / elapsed,
+        "shaped": shaped,
+        "rounds": max(rounds),
+        "late_rounds": sum(r["late_rounds"] for r in results),
+        "busy_fraction": sum(busy) / len(busy) if busy else None,
+        "down_bits_per_param": sum(per_round) / len(per_round) * 8 / num_params if per_round else None,
+    }
 
 
 def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> dict[str, Any]:
@@ -36,6 +49,7 @@ def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> d
     bytes per sample (up + down) among those that ran and whose model is no more than the loss bar
     worse than sync's (a lower loss is no reason to pass a variant over); among all that ran when
     none is."""
+
     def total(v: dict) -> float:
         return v["up_bytes_per_sample"] + v["down_bytes_per_sample"]
 
@@ -45,25 +59,36 @@ def summarize_model(model: str, lines: list[dict], shaped_note: str | None) -> d
     best = min(good or ran, key=total)
     speedup = best["samples_per_s"] / sync["samples_per_s"] if sync["shaped"] else None
     with_join = (total(sync) + sync["join_bytes_per_sample"]) / (total(best) + best["join_bytes_per_sample"])
-    return {"model": model, "sync": sync["variant"], "best": best["variant"],
-            "variants": [v["variant"] for v in lines],
-            "refused": {v["variant"]: v["refused"] for v in lines if "refused" in v},
-            "bytes_ratio": total(sync) / total(best), "bytes_ratio_with_join": with_join,
-            "loss_gap": (best["final_loss"] - sync["final_loss"]) / sync["final_loss"],
-            "shaped_speedup": speedup, "shaped": shaped_note or "yes",
-            "busy_fraction": best["busy_fraction"],
-            "down_bits_per_param": best["down_bits_per_param"]}
+    return {
+        "model": model,
+        "sync": sync["variant"],
+        "best": best["variant"],
+        "variants": [v["variant"] for v in lines],
+        "refused": {v["variant"]: v["refused"] for v in lines if "refused" in v},
+        "bytes_ratio": total(sync) / total(best),
+        "bytes_ratio_with_join": with_join,
+        "loss_gap": (best["final_loss"] - sync["final_loss"]) / sync["final_loss"],
+        "shaped_speedup": speedup,
+        "shaped": shaped_note or "yes",
+        "busy_fraction": best["busy_fraction"],
+        "down_bits_per_param": best["down_bits_per_param"],
+    }
 
 
 def worst(per_model: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's keys, each the worst over the models (None where a model has none)."""
+
     def pick(key: str, fn: Any) -> Any:
         values = [m[key] for m in per_model]
         return None if any(v is None for v in values) else fn(values)
 
-    return {"bytes_ratio": pick("bytes_ratio", min), "loss_gap": pick("loss_gap", lambda v: max(v, key=abs)),
-            "shaped_speedup": pick("shaped_speedup", min), "busy_fraction": pick("busy_fraction", min),
-            "down_bits_per_param": pick("down_bits_per_param", max)}
+    return {
+        "bytes_ratio": pick("bytes_ratio", min),
+        "loss_gap": pick("loss_gap", lambda v: max(v, key=abs)),
+        "shaped_speedup": pick("shaped_speedup", min),
+        "busy_fraction": pick("busy_fraction", min),
+        "down_bits_per_param": pick("down_bits_per_param", max),
+    }
 
 
 def bars(figures: dict[str, Any]) -> dict[str, str]:

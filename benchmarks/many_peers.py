@@ -62,8 +62,7 @@ def gradient(index: int, numel: int) -> np.ndarray:
 
 def relay_config(numel: int, peers: int, hf_endpoint: str | None) -> str:
     target = max(1, int(sum(samples_of(i) for i in range(peers)) * 0.9))  # stragglers join the open round
-    auth = (f'mode = "hf"\nallow_any_hf_user = true\nhf_endpoint = "{hf_endpoint}"' if hf_endpoint
-            else 'mode = "open"')
+    auth = f'mode = "hf"\nallow_any_hf_user = true\nhf_endpoint = "{hf_endpoint}"' if hf_endpoint else 'mode = "open"'
     return f"""
 [run]
 name = "many-peers"
@@ -97,8 +96,9 @@ class Relay:
 
     def __init__(self, tmp: Path, config: str, soft_limit: int) -> None:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        self.server = start_relay(tmp, config,
-                                  preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, hard)))
+        self.server = start_relay(
+            tmp, config, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft_limit, hard))
+        )
         self.url, self.proc = self.server.url, self.server.proc
         self.peak_rss_mb, self.peak_fds = 0.0, 0
 
@@ -161,15 +161,29 @@ class LightPeer:
     def _error(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
 
-    async def call(self, session, method: str, path: str, *, body: bytes | None = None, params: str = "",
-                   headers: dict[str, str] | None = None, timeout_s: float = 60):
+    async def call(
+        self,
+        session,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        params: str = "",
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 60,
+    ):
         import aiohttp
         from yarl import URL
 
         path_url = path + (("?" + params) if params else "")
         signed = self.signer.headers(method, path_url, body, dict(headers or {}))
-        async with session.request(method, URL(self.url + path_url, encoded=True), data=body, headers=signed,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.request(
+            method,
+            URL(self.url + path_url, encoded=True),
+            data=body,
+            headers=signed,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as response:
             return response.status, dict(response.headers), await response.read()
 
     async def run(self, until: float, record: bool) -> None:
@@ -181,9 +195,15 @@ class LightPeer:
         beats = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, force_close=False))
         transfers = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, force_close=False))
         try:
-            status, _, body = await self.call(beats, "POST", ROUTES["join"], body=JoinRequest(
-                peer_name=f"light-{self.index}", protocol=PROTOCOL_VERSION, device={"kind": "cpu"}).dumps(),
-                headers={"Content-Type": "application/json"})
+            status, _, body = await self.call(
+                beats,
+                "POST",
+                ROUTES["join"],
+                body=JoinRequest(
+                    peer_name=f"light-{self.index}", protocol=PROTOCOL_VERSION, device={"kind": "cpu"}
+                ).dumps(),
+                headers={"Content-Type": "application/json"},
+            )
             if status != 200:
                 self._error(f"join {status}")
                 return
@@ -193,10 +213,13 @@ class LightPeer:
             while time.monotonic() < until and version is not None:
                 if not samples and time.monotonic() >= computed_at:
                     samples = samples_of(self.index)
-                status, _, body = await self.call(beats, "POST", ROUTES["heartbeat"].format(peer_id=peer_id),
-                                                  body=Heartbeat(version=version, samples=samples,
-                                                                 samples_per_s=10.0).dumps(),
-                                                  headers={"Content-Type": "application/json"})
+                status, _, body = await self.call(
+                    beats,
+                    "POST",
+                    ROUTES["heartbeat"].format(peer_id=peer_id),
+                    body=Heartbeat(version=version, samples=samples, samples_per_s=10.0).dumps(),
+                    headers={"Content-Type": "application/json"},
+                )
                 if status != 200:
                     self._error(f"heartbeat {status}")
                     await asyncio.sleep(HEARTBEAT_S)
@@ -232,8 +255,14 @@ class LightPeer:
             metadata.update(digest_metadata(tensors))
             headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
         body = b"".join(bytes(piece) for piece in iter_encoded(tensors, metadata))
-        status, _, answer = await self.call(session, "PUT", ROUTES["gradient"].format(step=step), body=body,
-                                            params=f"peer_id={peer_id}", headers=headers)
+        status, _, answer = await self.call(
+            session,
+            "PUT",
+            ROUTES["gradient"].format(step=step),
+            body=body,
+            params=f"peer_id={peer_id}",
+            headers=headers,
+        )
         if status == 200:
             self.receipts.append((step, UploadReceipt.loads(answer).accepted_samples))
         elif status == 409 and b"round_closed" in answer:
@@ -246,8 +275,9 @@ class LightPeer:
         from toolkit.wire.tensor_container import read_container
 
         for _ in range(3):
-            status, headers, body = await self.call(session, "GET", ROUTES["params"], timeout_s=90,
-                                                    params=f"min_step={min_step}&wait=60&peer_id={peer_id}")
+            status, headers, body = await self.call(
+                session, "GET", ROUTES["params"], timeout_s=90, params=f"min_step={min_step}&wait=60&peer_id={peer_id}"
+            )
             if status == 204:
                 continue
             if status != 200:
@@ -266,8 +296,9 @@ class LightPeer:
         return None
 
 
-def worker(url: str, indices: list[int], numel: int, until: float, tokens: dict[int, str], compute_s: float,
-           out: mp.Queue) -> None:
+def worker(
+    url: str, indices: list[int], numel: int, until: float, tokens: dict[int, str], compute_s: float, out: mp.Queue
+) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
@@ -300,9 +331,11 @@ def run_level(peers: int, args: argparse.Namespace, hf: bool) -> dict:
             join_s = peers / (100 * min(args.procs, peers)) + (peers / 100 if hf else 0) + 5
             until = time.monotonic() + join_s + args.duration + 5
             out: mp.Queue = mp.Queue()
-            groups = [list(range(peers))[k::min(args.procs, peers)] for k in range(min(args.procs, peers))]
-            procs = [mp.Process(target=worker, args=(relay.url, g, args.numel, until, tokens, args.compute_s, out))
-                     for g in groups]
+            groups = [list(range(peers))[k :: min(args.procs, peers)] for k in range(min(args.procs, peers))]
+            procs = [
+                mp.Process(target=worker, args=(relay.url, g, args.numel, until, tokens, args.compute_s, out))
+                for g in groups
+            ]
             for p in procs:
                 p.start()
             deadline = time.monotonic() + join_s + 60
@@ -329,12 +362,21 @@ def run_level(peers: int, args: argparse.Namespace, hf: bool) -> dict:
             errors[k] = errors.get(k, 0) + v
     exact, checked = check_exact(results, args.numel)
     q = statistics.quantiles(durations, n=20) if len(durations) >= 2 else [float("nan")] * 19
-    return {"peers": peers, "auth": "hf" if hf else "open", "rounds_per_min": round(steps * 60 / wall, 2),
-            "round_p50_s": round(statistics.median(durations), 3) if durations else None,
-            "round_p95_s": round(q[18], 3), "relay_cpu_pct": round(100 * cpu / wall, 1),
-            "relay_rss_mb": round(relay.peak_rss_mb, 1), "relay_fds": relay.peak_fds,
-            "errors": sum(errors.values()), "error_kinds": errors, "missed_rounds": sum(r[4] for r in results),
-            "exact": exact, "steps_checked": checked}
+    return {
+        "peers": peers,
+        "auth": "hf" if hf else "open",
+        "rounds_per_min": round(steps * 60 / wall, 2),
+        "round_p50_s": round(statistics.median(durations), 3) if durations else None,
+        "round_p95_s": round(q[18], 3),
+        "relay_cpu_pct": round(100 * cpu / wall, 1),
+        "relay_rss_mb": round(relay.peak_rss_mb, 1),
+        "relay_fds": relay.peak_fds,
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "missed_rounds": sum(r[4] for r in results),
+        "exact": exact,
+        "steps_checked": checked,
+    }
 
 
 def check_exact(results: list, numel: int) -> tuple[bool, int]:
@@ -363,8 +405,12 @@ def main() -> None:
     parser.add_argument("--peers", default="16,256,1000", help="comma-separated levels")
     parser.add_argument("--auth", choices=("open", "hf", "both"), default="open")
     parser.add_argument("--duration", type=float, default=40.0, help="measured seconds per level")
-    parser.add_argument("--procs", type=int, default=min(4, os.cpu_count() or 2),
-                        help="peer processes per level (one per core: more only fight the relay for CPU)")
+    parser.add_argument(
+        "--procs",
+        type=int,
+        default=min(4, os.cpu_count() or 2),
+        help="peer processes per level (one per core: more only fight the relay for CPU)",
+    )
     parser.add_argument("--numel", type=int, default=256, help="parameters of the Vector model")
     parser.add_argument("--compute-s", type=float, default=1.0, help="seconds a peer spends per micro-batch")
     parser.add_argument("--soft-limit", type=int, default=1024, help="the relay's soft RLIMIT_NOFILE at start")
@@ -376,10 +422,13 @@ def main() -> None:
         for peers in levels:
             row = run_level(peers, args, hf)
             rows.append(row)
-            print(f"{row['auth']:>4} {peers:>5} peers: {row['rounds_per_min']:6.1f} rounds/min, round p50 "
-                  f"{row['round_p50_s']} s p95 {row['round_p95_s']} s, relay CPU {row['relay_cpu_pct']}%, RSS "
-                  f"{row['relay_rss_mb']} MB, {row['relay_fds']} fds, errors {row['errors']} {row['error_kinds']}, "
-                  f"missed {row['missed_rounds']}, exact {row['exact']} ({row['steps_checked']} steps)", flush=True)
+            print(
+                f"{row['auth']:>4} {peers:>5} peers: {row['rounds_per_min']:6.1f} rounds/min, round p50 "
+                f"{row['round_p50_s']} s p95 {row['round_p95_s']} s, relay CPU {row['relay_cpu_pct']}%, RSS "
+                f"{row['relay_rss_mb']} MB, {row['relay_fds']} fds, errors {row['errors']} {row['error_kinds']}, "
+                f"missed {row['missed_rounds']}, exact {row['exact']} ({row['steps_checked']} steps)",
+                flush=True,
+            )
     summary: dict = {"levels": rows, "errors": sum(r["errors"] for r in rows), "exact": all(r["exact"] for r in rows)}
     for hf in modes:
         mine = [r for r in rows if r["auth"] == ("hf" if hf else "open")]

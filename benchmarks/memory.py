@@ -92,8 +92,9 @@ def peer_main(args: argparse.Namespace) -> int:
     run = client.get_run()
     model = build_model(run.model)
     P = sum(p.numel() for p in model.parameters())
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch, peer_name="memory",
-                                 round_wait_s=600)
+    opt = CollaborativeOptimizer(
+        model, client=client, batch_size_per_step=args.batch, peer_name="memory", round_wait_s=600
+    )
     startup = proc_status()  # model built, joined, first parameters downloaded
     reset_peak()
     seq_len = int(run.model.kwargs.get("seq_len", 64))
@@ -109,8 +110,9 @@ def peer_main(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         loss = model.loss(batch)
         loss.backward()
-        grads = max(grads, sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                               if p.grad is not None))
+        grads = max(
+            grads, sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        )
         step_s.append(time.perf_counter() - started)
         opt.step(loss=loss.item())
         del loss
@@ -123,10 +125,20 @@ def peer_main(args: argparse.Namespace) -> int:
     feedback = getattr(opt, "_feedback", None)
     if feedback is not None:
         held["_feedback.residual"] = feedback.residual.nbytes
-    report = {"params": P, "runtime_rss": runtime, "startup_hwm": startup["VmHWM"], **proc_status(),
-              "param_bytes": 4 * P, "grad_bytes": grads,
-              "optimizer_buffers": held, "activations_saved": activations, "batch": args.batch, "seq_len": seq_len,
-              "fwd_bwd_s": sorted(step_s)[len(step_s) // 2] if step_s else None, "version": opt.version}
+    report = {
+        "params": P,
+        "runtime_rss": runtime,
+        "startup_hwm": startup["VmHWM"],
+        **proc_status(),
+        "param_bytes": 4 * P,
+        "grad_bytes": grads,
+        "optimizer_buffers": held,
+        "activations_saved": activations,
+        "batch": args.batch,
+        "seq_len": seq_len,
+        "fwd_bwd_s": sorted(step_s)[len(step_s) // 2] if step_s else None,
+        "version": opt.version,
+    }
     if opt.local_sgd is not None:
         from relay_server.rounds.optim8bit import state_nbytes
 
@@ -186,8 +198,9 @@ def relay_main(args: argparse.Namespace) -> int:
 
         started = time.perf_counter()
         report = apply(self)
-        timings.write(json.dumps({"step_s": time.perf_counter() - started,
-                                  "state_bytes": state_nbytes(self.optimizer)}) + "\n")
+        timings.write(
+            json.dumps({"step_s": time.perf_counter() - started, "state_bytes": state_nbytes(self.optimizer)}) + "\n"
+        )
         return report
 
     master.MasterState.apply_gradient = timed
@@ -202,21 +215,58 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
     case.mkdir()
     kwargs = MODELS[model]
     local = ['mode = "local_sgd"'] if args.local_sgd else []
-    (case / "run.toml").write_text("\n".join([
-        "[run]", 'name = "memory"', f"target_batch = {args.target_batch}", "max_staleness = 0", *local,
-        "[model]", 'factory = "toolkit.models:ByteTransformer"',
-        "kwargs = { " + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + " }",
-        "[optimizer]", 'name = "adamw"', "lr = 0.0003", "weight_decay = 0.01",
-        *([f"state_bits = {bits}", "[local_sgd]", "inner_steps = 2"] if args.local_sgd else []),
-        "[rounds]", "deadline_initial_s = 600.0", "deadline_ceiling_s = 600.0", "peer_ttl_s = 600.0",
-        "[server]", "keep_checkpoints = 2", "[auth]", 'mode = "open"', ""]))
+    (case / "run.toml").write_text(
+        "\n".join(
+            [
+                "[run]",
+                'name = "memory"',
+                f"target_batch = {args.target_batch}",
+                "max_staleness = 0",
+                *local,
+                "[model]",
+                'factory = "toolkit.models:ByteTransformer"',
+                "kwargs = { " + ", ".join(f"{k} = {v}" for k, v in kwargs.items()) + " }",
+                "[optimizer]",
+                'name = "adamw"',
+                "lr = 0.0003",
+                "weight_decay = 0.01",
+                *([f"state_bits = {bits}", "[local_sgd]", "inner_steps = 2"] if args.local_sgd else []),
+                "[rounds]",
+                "deadline_initial_s = 600.0",
+                "deadline_ceiling_s = 600.0",
+                "peer_ttl_s = 600.0",
+                "[server]",
+                "keep_checkpoints = 2",
+                "[auth]",
+                'mode = "open"',
+                "",
+            ]
+        )
+    )
     ready, timings = case / "ready", case / "timings.jsonl"  # the relay binds port 0 and writes its URL there
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     me = [sys.executable, str(Path(__file__).resolve())]
-    relay = subprocess.Popen(me + ["_relay", "--config", str(case / "run.toml"), "--port", "0",
-                                   "--data-dir", str(case / "data"), "--ready-file", str(ready),
-                                   "--timings", str(timings), "--state-bits", str(32 if args.local_sgd else bits)],
-                             stdout=open(case / "relay.log", "w"), stderr=subprocess.STDOUT, env=env)
+    relay = subprocess.Popen(
+        me
+        + [
+            "_relay",
+            "--config",
+            str(case / "run.toml"),
+            "--port",
+            "0",
+            "--data-dir",
+            str(case / "data"),
+            "--ready-file",
+            str(ready),
+            "--timings",
+            str(timings),
+            "--state-bits",
+            str(32 if args.local_sgd else bits),
+        ],
+        stdout=open(case / "relay.log", "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     peer = None
     try:
         while not ready.exists():
@@ -225,10 +275,25 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
             time.sleep(0.1)
         startup = proc_status(relay.pid)  # model built, master + optimizer objects, version 0 written
         reset_peak(relay.pid)
-        peer = subprocess.Popen(me + ["_peer", "--relay", ready.read_text().strip(), "--steps", str(args.steps),
-                                      "--batch", str(args.batch), "--threads", str(args.threads),
-                                      "--out", str(case / "peer.json")],
-                                stdout=open(case / "peer.log", "w"), stderr=subprocess.STDOUT, env=env)
+        peer = subprocess.Popen(
+            me
+            + [
+                "_peer",
+                "--relay",
+                ready.read_text().strip(),
+                "--steps",
+                str(args.steps),
+                "--batch",
+                str(args.batch),
+                "--threads",
+                str(args.threads),
+                "--out",
+                str(case / "peer.json"),
+            ],
+            stdout=open(case / "peer.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         if peer.wait(timeout=args.timeout) != 0:
             raise RuntimeError(f"peer failed:\n{(case / 'peer.log').read_text()[-3000:]}")
         relay_status = proc_status(relay.pid)
@@ -242,32 +307,51 @@ def run_case(model: str, bits: int, args: argparse.Namespace, workdir: Path) -> 
                     proc.kill()
     lines = [json.loads(line) for line in timings.read_text().splitlines()]
     steps = [x for x in lines if "step_s" in x]
-    return {"model": model, "state_bits": bits, "peer": json.loads((case / "peer.json").read_text()),
-            "relay": {"runtime_rss": lines[0]["runtime_rss"], "bnb_import": lines[0]["bnb_import"],
-                      "startup_hwm": startup["VmHWM"], "started_rss": startup["VmRSS"], **relay_status,
-                      "state_bytes": steps[-1]["state_bytes"] if steps else None,
-                      "step_s": sorted(x["step_s"] for x in steps)[len(steps) // 2] if steps else None}}
+    return {
+        "model": model,
+        "state_bits": bits,
+        "peer": json.loads((case / "peer.json").read_text()),
+        "relay": {
+            "runtime_rss": lines[0]["runtime_rss"],
+            "bnb_import": lines[0]["bnb_import"],
+            "startup_hwm": startup["VmHWM"],
+            "started_rss": startup["VmRSS"],
+            **relay_status,
+            "state_bytes": steps[-1]["state_bytes"] if steps else None,
+            "step_s": sorted(x["step_s"] for x in steps)[len(steps) // 2] if steps else None,
+        },
+    }
 
 
 def print_table(cases: list[dict[str, Any]]) -> None:
     """MB; "train" = the high-water mark while training (reset after startup); B/param = (train
     peak - the process's RSS after its imports) / P."""
-    print(f"{'model':>6} {'params':>7} {'relay':>5} | {'peer startup':>12} {'train':>6} {'B/param':>7} {'acts':>5} | "
-          f"{'relay startup':>13} {'train':>6} {'B/param':>7} {'opt state':>9} {'step s':>6}")
+    print(
+        f"{'model':>6} {'params':>7} {'relay':>5} | {'peer startup':>12} {'train':>6} {'B/param':>7} {'acts':>5} | "
+        f"{'relay startup':>13} {'train':>6} {'B/param':>7} {'opt state':>9} {'step s':>6}"
+    )
     for c in cases:
         p, r, n = c["peer"], c["relay"], c["peer"]["params"]
-        print(f"{c['model']:>6} {n / 1e6:>6.1f}M {c['state_bits']:>4}b | {p['startup_hwm'] / MB:>12.0f} "
-              f"{p['VmHWM'] / MB:>6.0f} {(p['VmHWM'] - p['runtime_rss']) / n:>7.1f} {p['activations_saved'] / MB:>5.0f} | "
-              f"{r['startup_hwm'] / MB:>13.0f} {r['VmHWM'] / MB:>6.0f} {(r['VmHWM'] - r['runtime_rss']) / n:>7.1f} "
-              f"{(r['state_bytes'] or 0) / MB:>9.0f} {r['step_s'] or 0:>6.2f}")
+        print(
+            f"{c['model']:>6} {n / 1e6:>6.1f}M {c['state_bits']:>4}b | {p['startup_hwm'] / MB:>12.0f} "
+            f"{p['VmHWM'] / MB:>6.0f} {(p['VmHWM'] - p['runtime_rss']) / n:>7.1f} {p['activations_saved'] / MB:>5.0f} | "
+            f"{r['startup_hwm'] / MB:>13.0f} {r['VmHWM'] / MB:>6.0f} {(r['VmHWM'] - r['runtime_rss']) / n:>7.1f} "
+            f"{(r['state_bytes'] or 0) / MB:>9.0f} {r['step_s'] or 0:>6.2f}"
+        )
     for c in cases:
         p, r = c["peer"], c["relay"]
-        print(f"{c['model']} {c['state_bits']}-bit: runtime (after imports) peer {p['runtime_rss'] / MB:.0f} MB, relay "
-              f"{r['runtime_rss'] / MB:.0f} MB (bitsandbytes import {r['bnb_import'] / MB:.0f} MB); peer tensors: "
-              + ", ".join(f"{k} {v / MB:.0f}" for k, v in p["optimizer_buffers"].items())
-              + f", params {p['param_bytes'] / MB:.0f}, grads {p['grad_bytes'] / MB:.0f} MB"
-              + (f"; inner optimizer state {p['inner_state_bytes'] / MB:.0f} MB "
-                 f"({p['inner_state_bytes'] / p['params']:.2f} B/param)" if "inner_state_bytes" in p else ""))
+        print(
+            f"{c['model']} {c['state_bits']}-bit: runtime (after imports) peer {p['runtime_rss'] / MB:.0f} MB, relay "
+            f"{r['runtime_rss'] / MB:.0f} MB (bitsandbytes import {r['bnb_import'] / MB:.0f} MB); peer tensors: "
+            + ", ".join(f"{k} {v / MB:.0f}" for k, v in p["optimizer_buffers"].items())
+            + f", params {p['param_bytes'] / MB:.0f}, grads {p['grad_bytes'] / MB:.0f} MB"
+            + (
+                f"; inner optimizer state {p['inner_state_bytes'] / MB:.0f} MB "
+                f"({p['inner_state_bytes'] / p['params']:.2f} B/param)"
+                if "inner_state_bytes" in p
+                else ""
+            )
+        )
 
 
 def main() -> int:
@@ -285,8 +369,11 @@ def main() -> int:
     relay.add_argument("--port", type=int, required=True)
     relay.add_argument("--state-bits", type=int, choices=(8, 32), default=32)
     parser.add_argument("--models", default="small,100m", help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--bits", default="32,8", help="relay optimizer state bits to run: 32, 8 or both "
-                        "(with --local-sgd: the peer's inner optimizer)")
+    parser.add_argument(
+        "--bits",
+        default="32,8",
+        help="relay optimizer state bits to run: 32, 8 or both (with --local-sgd: the peer's inner optimizer)",
+    )
     parser.add_argument("--local-sgd", action="store_true", help='run.mode = "local_sgd": AdamW on the peer')
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per case")
     parser.add_argument("--batch", type=int, default=4, help="peer micro-batch (sequences)")

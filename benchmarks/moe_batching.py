@@ -87,10 +87,16 @@ def measure(args: argparse.Namespace, batching: bool) -> dict:
         tail = (tmp / "host0.log").read_text()
     served = re.search(r"(\d+) tasks in (\d+) batches", tail)
     tasks, batches = (int(served.group(1)), int(served.group(2))) if served else (0, 0)
-    result = {"tasks_per_s": round(sum(done) / elapsed, 2), "failed": sum(failed),
-              "calls_per_batch": round(tasks / batches, 2) if batches else None}
-    print(f"{'batched' if batching else 'unbatched'}: {result['tasks_per_s']} tasks/s "
-          f"({result['calls_per_batch']} calls per batch, {result['failed']} failed)", flush=True)
+    result = {
+        "tasks_per_s": round(sum(done) / elapsed, 2),
+        "failed": sum(failed),
+        "calls_per_batch": round(tasks / batches, 2) if batches else None,
+    }
+    print(
+        f"{'batched' if batching else 'unbatched'}: {result['tasks_per_s']} tasks/s "
+        f"({result['calls_per_batch']} calls per batch, {result['failed']} failed)",
+        flush=True,
+    )
     return result
 
 
@@ -105,11 +111,24 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     unbatched, batched = measure(args, batching=False), measure(args, batching=True)
-    print(json.dumps({"callers": args.callers, "d": args.d, "hidden": args.hidden, "rows": args.rows,
-                      "unbatched_tasks_per_s": unbatched["tasks_per_s"], "batched_tasks_per_s": batched["tasks_per_s"],
-                      "ratio": round(batched["tasks_per_s"] / unbatched["tasks_per_s"], 3) if unbatched["tasks_per_s"] else None,
-                      "calls_per_batch": batched["calls_per_batch"],
-                      "failed": {"unbatched": unbatched["failed"], "batched": batched["failed"]}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "callers": args.callers,
+                "d": args.d,
+                "hidden": args.hidden,
+                "rows": args.rows,
+                "unbatched_tasks_per_s": unbatched["tasks_per_s"],
+                "batched_tasks_per_s": batched["tasks_per_s"],
+                "ratio": round(batched["tasks_per_s"] / unbatched["tasks_per_s"], 3)
+                if unbatched["tasks_per_s"]
+                else None,
+                "calls_per_batch": batched["calls_per_batch"],
+                "failed": {"unbatched": unbatched["failed"], "batched": batched["failed"]},
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

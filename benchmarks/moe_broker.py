@@ -134,35 +134,50 @@ def measure(auth: str, args: argparse.Namespace) -> dict:
     net = (moved(idle_end, end) - idle_per_s * elapsed) / args.calls
     ms = [t * 1000 for t in rtt]
     return {
-        "auth": auth, "calls": args.calls, "payload_bytes": payload, "rows": rows, "d": args.d,
+        "auth": auth,
+        "calls": args.calls,
+        "payload_bytes": payload,
+        "rows": rows,
+        "d": args.d,
         "rtt_median_ms": round(statistics.median(ms), 2),
         "rtt_p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2),
-        "rtt_mean_ms": round(statistics.fmean(ms), 2), "rtt_min_ms": round(ms[0], 2),
+        "rtt_mean_ms": round(statistics.fmean(ms), 2),
+        "rtt_min_ms": round(ms[0], 2),
         "calls_per_s_through_proxies": round(args.calls / elapsed, 1),
-        "bytes_per_call": round(per_call), "model_bytes_per_call": 4 * payload,
+        "bytes_per_call": round(per_call),
+        "model_bytes_per_call": 4 * payload,
         "bytes_per_call_ratio": round(per_call / (4 * payload), 4),
-        "idle_bytes_per_s": round(idle_per_s), "bytes_per_call_net_of_idle": round(net),
+        "idle_bytes_per_s": round(idle_per_s),
+        "bytes_per_call_net_of_idle": round(net),
         "bytes_per_call_ratio_net_of_idle": round(net / (4 * payload), 4),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--calls", type=int, default=1000, help="timed calls (and as many for the bytes)")
     parser.add_argument("--warmup", type=int, default=30, help="untimed calls first")
     parser.add_argument("--payload-kib", type=int, default=64, help="x per call (float32 rows of --d)")
     parser.add_argument("--d", type=int, default=128, help="expert width")
     parser.add_argument("--idle-s", type=float, default=3.0, help="background traffic measured this long")
-    parser.add_argument("--auth", choices=("open", "hf", "both"), default="both",
-                        help="the run's auth mode: open, hf (signed requests after a login), or both")
+    parser.add_argument(
+        "--auth",
+        choices=("open", "hf", "both"),
+        default="both",
+        help="the run's auth mode: open, hf (signed requests after a login), or both",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     modes = ("open", "hf") if args.auth == "both" else (args.auth,)
     results = {mode: measure(mode, args) for mode in modes}
     for mode, r in results.items():
-        print(f"{mode:4s}: round trip median {r['rtt_median_ms']} ms, p99 {r['rtt_p99_ms']} ms; "
-              f"{r['bytes_per_call']} bytes per call = {r['bytes_per_call_ratio']} x (4 x payload)", flush=True)
+        print(
+            f"{mode:4s}: round trip median {r['rtt_median_ms']} ms, p99 {r['rtt_p99_ms']} ms; "
+            f"{r['bytes_per_call']} bytes per call = {r['bytes_per_call_ratio']} x (4 x payload)",
+            flush=True,
+        )
     summary = dict(results[modes[0]])
     if len(modes) > 1:
         summary["hf"] = results["hf"]

@@ -69,7 +69,7 @@ def make_task(clusters: int, train: int, val: int, seed: int = 0) -> tuple[torch
 
 def accuracy(model: DMoEMLP, x: torch.Tensor, y: torch.Tensor, batch: int = 512) -> float:
     with torch.no_grad():
-        hits = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum()) for i in range(0, len(x), batch))
+        hits = sum(int((model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum()) for i in range(0, len(x), batch))
     return hits / len(x)
 
 
@@ -77,9 +77,17 @@ def run(seed: int, fail_rate: float, data: tuple[torch.Tensor, ...], args: argpa
     """Train one model; its validation accuracy in its own conditions and with no failures."""
     x_train, y_train, x_val, y_val = data
     torch.manual_seed(seed)
-    model = DMoEMLP(in_features=IN_FEATURES, hidden=args.hidden, out_features=CLASSES, layers=args.layers,
-                    grid=tuple(args.grid), k=args.k, expert_hidden=args.expert_hidden, expert_seed=seed,
-                    balancing_coef=0.01)
+    model = DMoEMLP(
+        in_features=IN_FEATURES,
+        hidden=args.hidden,
+        out_features=CLASSES,
+        layers=args.layers,
+        grid=tuple(args.grid),
+        k=args.k,
+        expert_hidden=args.expert_hidden,
+        expert_seed=seed,
+        balancing_coef=0.01,
+    )
     experts = {uid: model.make_expert(uid) for uid in model.expert_uids()}
     failing = {"rate": fail_rate}
     rng = random.Random(seed + 1000)  # the caller's one runtime thread draws from it, in call order
@@ -88,8 +96,9 @@ def run(seed: int, fail_rate: float, data: tuple[torch.Tensor, ...], args: argpa
         return rng.random() < failing["rate"]
 
     started = time.monotonic()
-    with LoopbackCaller(experts, fail=fail, optimizer_factory=lambda m: torch.optim.Adam(m.parameters(), lr=args.lr)) \
-            as caller:
+    with LoopbackCaller(
+        experts, fail=fail, optimizer_factory=lambda m: torch.optim.Adam(m.parameters(), lr=args.lr)
+    ) as caller:
         model.attach_caller(caller)
         dense = torch.optim.Adam(model.parameters(), lr=args.lr)
         order = torch.Generator().manual_seed(seed)
@@ -109,25 +118,39 @@ def run(seed: int, fail_rate: float, data: tuple[torch.Tensor, ...], args: argpa
     stats = [m.stats for m in model.moe]
     calls = sum(s.calls + s.backward_calls for s in stats)
     failed = sum(s.failures + s.backward_failures for s in stats)
-    return {"accuracy": own, "accuracy_clean": clean, "seconds": round(time.monotonic() - started, 1),
-            "failed_fraction": round(failed / max(calls, 1), 4), "dropped_rows": sum(s.dropped_rows for s in stats)}
+    return {
+        "accuracy": own,
+        "accuracy_clean": clean,
+        "seconds": round(time.monotonic() - started, 1),
+        "failed_fraction": round(failed / max(calls, 1), 4),
+        "dropped_rows": sum(s.dropped_rows for s in stats),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
     parser.add_argument("--steps", type=int, default=3000, help="training steps per run")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--fail-rate", type=float, default=0.1, help="probability that an expert call fails")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--grid", type=lambda s: [int(v) for v in s.split("x")], default=[2, 4],
-                        help="experts per layer as a grid, e.g. 2x4 (8 experts)")
+    parser.add_argument(
+        "--grid",
+        type=lambda s: [int(v) for v in s.split("x")],
+        default=[2, 4],
+        help="experts per layer as a grid, e.g. 2x4 (8 experts)",
+    )
     parser.add_argument("--k", type=int, default=4, help="experts per row (the paper's 4)")
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--expert-hidden", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's peak rate, dense parts and experts alike "
-                        "(cosine decay to 0 over the steps)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="Adam's peak rate, dense parts and experts alike (cosine decay to 0 over the steps)",
+    )
     parser.add_argument("--clusters", type=int, default=8)
     parser.add_argument("--train", type=int, default=20000)
     parser.add_argument("--val", type=int, default=10000)
@@ -137,13 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     per_seed = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         base, failing = run(seed, 0.0, data, args), run(seed, args.fail_rate, data, args)
-        row = {"seed": seed, "no_failures": base, "failures": failing,
-               "drop_points": round(100 * (base["accuracy"] - failing["accuracy"]), 2),
-               "drop_points_clean": round(100 * (base["accuracy_clean"] - failing["accuracy_clean"]), 2)}
+        row = {
+            "seed": seed,
+            "no_failures": base,
+            "failures": failing,
+            "drop_points": round(100 * (base["accuracy"] - failing["accuracy"]), 2),
+            "drop_points_clean": round(100 * (base["accuracy_clean"] - failing["accuracy_clean"]), 2),
+        }
         per_seed.append(row)
-        print(f"seed {seed}: accuracy {base['accuracy']:.4f} with no failures, {failing['accuracy']:.4f} with "
-              f"{args.fail_rate:.0%} (clean eval {failing['accuracy_clean']:.4f}; {failing['failed_fraction']:.1%} "
-              f"of calls failed); {base['seconds']} s + {failing['seconds']} s", flush=True)
+        print(
+            f"seed {seed}: accuracy {base['accuracy']:.4f} with no failures, {failing['accuracy']:.4f} with "
+            f"{args.fail_rate:.0%} (clean eval {failing['accuracy_clean']:.4f}; {failing['failed_fraction']:.1%} "
+            f"of calls failed); {base['seconds']} s + {failing['seconds']} s",
+            flush=True,
+        )
     drops = [r["drop_points"] for r in per_seed]
     clean_drops = [r["drop_points_clean"] for r in per_seed]
 
@@ -154,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_drop_points": round(statistics.fmean(drops), 2),
         "accuracy_drop_points_clean": round(statistics.fmean(clean_drops), 2),
         "drop_points_per_seed": drops,
-        "accuracy": {"no_failures": round(statistics.fmean(acc("no_failures")), 4),
-                     "failures": round(statistics.fmean(acc("failures")), 4),
-                     "no_failures_std": round(statistics.stdev(acc("no_failures")), 4) if len(drops) > 1 else 0.0,
-                     "failures_std": round(statistics.stdev(acc("failures")), 4) if len(drops) > 1 else 0.0},
-        "fail_rate": args.fail_rate, "steps": args.steps, "batch": args.batch,
+        "accuracy": {
+            "no_failures": round(statistics.fmean(acc("no_failures")), 4),
+            "failures": round(statistics.fmean(acc("failures")), 4),
+            "no_failures_std": round(statistics.stdev(acc("no_failures")), 4) if len(drops) > 1 else 0.0,
+            "failures_std": round(statistics.stdev(acc("failures")), 4) if len(drops) > 1 else 0.0,
+        },
+        "fail_rate": args.fail_rate,
+        "steps": args.steps,
+        "batch": args.batch,
         "max_run_seconds": max(max(r["no_failures"]["seconds"], r["failures"]["seconds"]) for r in per_seed),
         "per_seed": per_seed,
     }

@@ -99,28 +99,62 @@ def trainer_main(argv: list[str]) -> int:
         while time.monotonic() < end[0]:
             yield torch.randn(args.batch, model.inp.in_features + 1, generator=gen)
 
-    result = join(args.relay, model=model, data=data(), batch_size=args.batch, panel=Clock(), peer_name="bench-trainer",
-                  moe_in_flight=args.in_flight)
+    result = join(
+        args.relay,
+        model=model,
+        data=data(),
+        batch_size=args.batch,
+        panel=Clock(),
+        peer_name="bench-trainer",
+        moe_in_flight=args.in_flight,
+    )
     start = reports[0] + args.warmup_s
     window = [t for t in reports if start <= t <= start + args.seconds]
     if args.in_flight == 1:  # sequential: first to last report is exact, whatever the window's edges
         rate = (len(window) - 1) / (window[-1] - window[0]) if len(window) >= 2 else 0.0
-    else:                    # reports may come in bursts: count them over the whole window
+    else:  # reports may come in bursts: count them over the whole window
         rate = len(window) / args.seconds
     failures = sum(m.stats.failures + m.stats.backward_failures for m in model.moe)
     codes = dict(sum((m.stats.failure_codes for m in model.moe), Counter()))
-    print(json.dumps({"batches_per_s": rate, "batches": len(window), "in_flight": result.in_flight,
-                      "micro_batches": result.local_steps, "failures": failures, "failure_codes": codes}), flush=True)
+    print(
+        json.dumps(
+            {
+                "batches_per_s": rate,
+                "batches": len(window),
+                "in_flight": result.in_flight,
+                "micro_batches": result.local_steps,
+                "failures": failures,
+                "failure_codes": codes,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
 def run_trainer(url: str, in_flight: int | None, args: argparse.Namespace) -> dict:
     """A trainer process (:func:`trainer_main`) against ``url``; its JSON line."""
     extra = [] if in_flight is None else ["--in-flight", str(in_flight)]
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "trainer", "--relay", url, "--batch",
-                           str(args.batch), "--warmup-s", str(args.warmup_s), "--seconds", str(args.seconds), *extra],
-                          capture_output=True, text=True, timeout=120 + 4 * (args.warmup_s + args.seconds),
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "trainer",
+            "--relay",
+            url,
+            "--batch",
+            str(args.batch),
+            "--warmup-s",
+            str(args.warmup_s),
+            "--seconds",
+            str(args.seconds),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120 + 4 * (args.warmup_s + args.seconds),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if done.returncode != 0:
         raise RuntimeError(f"the trainer failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -130,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trainer"]:
         return trainer_main(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--deltas", default="0,50,100,200", help="injected round-trip latencies, ms")
     parser.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
     parser.add_argument("--layers", type=int, default=4, help="DMoE layers (sequential call rounds)")
@@ -140,13 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d", type=int, default=64, help="expert width")
     parser.add_argument("--hosts", type=int, default=2, help="expert host processes")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="emulated compute per task on a host")
-    parser.add_argument("--warmup-s", type=float, default=6.0, help="per (mode, delta), from the trainer's first "
-                        "micro-batch: J grows as join measures, and J micro-batches must have gone round once")
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=6.0,
+        help="per (mode, delta), from the trainer's first "
+        "micro-batch: J grows as join measures, and J micro-batches must have gone round once",
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="measured window per (mode, delta)")
     parser.add_argument("--hosts-through-proxy", action="store_true", help="delay the hosts' link too")
-    parser.add_argument("--target-batch", type=int, default=None, help="the run's target_batch, for real rounds "
-                        "in the window (max_staleness 0: the trainer drains at each round's end); default: beyond "
-                        "reach, no round")
+    parser.add_argument(
+        "--target-batch",
+        type=int,
+        default=None,
+        help="the run's target_batch, for real rounds "
+        "in the window (max_staleness 0: the trainer drains at each round's end); default: beyond "
+        "reach, no round",
+    )
     args = parser.parse_args(argv)
     deltas = [float(d) for d in args.deltas.split(",")]
     experts = args.layers * args.grid
@@ -164,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         proxies: list[ProxyProcess] = [spawn(relay.port, 0.0)]
         if args.hosts_through_proxy:
             proxies.append(spawn(relay.port, 0.0))
-        hosts = start_hosts(proxies[-1].url if args.hosts_through_proxy else relay.url, args.hosts,
-                            math.ceil(experts / args.hosts), tmp, compute_ms=args.compute_ms)
+        hosts = start_hosts(
+            proxies[-1].url if args.hosts_through_proxy else relay.url,
+            args.hosts,
+            math.ceil(experts / args.hosts),
+            tmp,
+            compute_ms=args.compute_ms,
+        )
         try:
             wait_until(lambda: len(directory(relay.url)["live"]) == experts, 120, f"{experts} experts hosted")
             results: dict[str, dict[str, dict]] = {"dmoe": {}, "one_at_a_time": {}}
@@ -175,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, in_flight in (("dmoe", None), ("one_at_a_time", 1)):
                     out = run_trainer(proxies[0].url, in_flight, args)
                     results[mode][f"{delta:g}"] = out
-                    print(f"delta {delta:g} ms  {mode:13s} J={out['in_flight']:3d}  {out['batches_per_s']:6.2f} "
-                          f"micro-batches/s ({out['batches']} in the window, {out['failures']} failed calls; "
-                          f"{out['failure_codes']})", flush=True)
+                    print(
+                        f"delta {delta:g} ms  {mode:13s} J={out['in_flight']:3d}  {out['batches_per_s']:6.2f} "
+                        f"micro-batches/s ({out['batches']} in the window, {out['failures']} failed calls; "
+                        f"{out['failure_codes']})",
+                        flush=True,
+                    )
         finally:
             stop_all(hosts)
             for proxy in proxies:
@@ -193,24 +246,39 @@ def main(argv: list[str] | None = None) -> int:
     j_little = x0 * path_latency_s
     in_flight = results["dmoe"][f"{hi:g}"]["in_flight"]
     summary = {
-        "in_flight": in_flight, "in_flight_by_delta": {d: r["in_flight"] for d, r in results["dmoe"].items()},
-        "j_little": round(j_little, 1), "j_meets_bound": in_flight >= j_little,
-        "path_latency_s": path_latency_s, "delta_ms": deltas, "batch": args.batch, "layers": args.layers,
-        "grid": args.grid, "k": args.k, "hosts": args.hosts, "compute_ms": args.compute_ms,
-        "hosts_through_proxy": args.hosts_through_proxy, "target_batch": args.target_batch,
+        "in_flight": in_flight,
+        "in_flight_by_delta": {d: r["in_flight"] for d, r in results["dmoe"].items()},
+        "j_little": round(j_little, 1),
+        "j_meets_bound": in_flight >= j_little,
+        "path_latency_s": path_latency_s,
+        "delta_ms": deltas,
+        "batch": args.batch,
+        "layers": args.layers,
+        "grid": args.grid,
+        "k": args.k,
+        "hosts": args.hosts,
+        "compute_ms": args.compute_ms,
+        "hosts_through_proxy": args.hosts_through_proxy,
+        "target_batch": args.target_batch,
         "load_1min_before": round(load, 2),
         "load_1min_after": round(os.getloadavg()[0], 2),
-        "batches_per_s": {mode: {d: round(r["batches_per_s"], 2) for d, r in runs.items()}
-                          for mode, runs in results.items()},
-        "samples_per_s": {mode: {d: round(r["batches_per_s"] * args.batch, 1) for d, r in runs.items()}
-                          for mode, runs in results.items()},
+        "batches_per_s": {
+            mode: {d: round(r["batches_per_s"], 2) for d, r in runs.items()} for mode, runs in results.items()
+        },
+        "samples_per_s": {
+            mode: {d: round(r["batches_per_s"] * args.batch, 1) for d, r in runs.items()}
+            for mode, runs in results.items()
+        },
         "failures": sum(r["failures"] for runs in results.values() for r in runs.values()),
         "keep_200ms": round(rate("dmoe", hi) / max(rate("dmoe", lo), 1e-9), 3),
         "one_at_a_time_keep_200ms": round(rate("one_at_a_time", hi) / max(rate("one_at_a_time", lo), 1e-9), 3),
         "vs_one_at_a_time_200ms": round(rate("dmoe", hi) / max(rate("one_at_a_time", hi), 1e-9), 2),
     }
-    print(f"join kept J = {in_flight} in flight at {hi:g} ms; Little's law: X0 x path latency = {x0:.2f}/s x "
-          f"{path_latency_s:.2f} s = {j_little:.1f} more than at 0 ms", flush=True)
+    print(
+        f"join kept J = {in_flight} in flight at {hi:g} ms; Little's law: X0 x path latency = {x0:.2f}/s x "
+        f"{path_latency_s:.2f} s = {j_little:.1f} more than at 0 ms",
+        flush=True,
+    )
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -68,8 +68,9 @@ HELD_OUT = 0.1
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="micro-batches every run trains on, one optimizer "
-                        "step each (default 30)")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="micro-batches every run trains on, one optimizer step each (default 30)"
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences per micro-batch (default 8)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--vocab", type=int, default=1000, help="BPE vocabulary trained on the text (default 1000)")
@@ -80,7 +81,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=4, help="experts per token (default 4)")
     parser.add_argument("--expert-hidden", type=int, default=128, help="an expert's hidden width (default 128)")
     parser.add_argument("--hosts", type=int, default=2, help="expert host processes (default 2)")
-    parser.add_argument("--latency-ms", type=float, default=500.0, help="added round trip, trainer-relay (default 500)")
+    parser.add_argument(
+        "--latency-ms", type=float, default=500.0, help="added round trip, trainer-relay (default 500)"
+    )
     parser.add_argument("--fail-rate", type=float, default=0.1, help="fraction of tasks each host drops (default 0.1)")
     parser.add_argument("--lr", type=float, default=0.003, help="Adam's rate, dense and experts (default 0.003)")
     return parser.parse_args(argv)
@@ -95,6 +98,7 @@ def split_corpus() -> tuple[list[str], list[str]]:
 
 def training_batches(tokenizer: Any, train: list[str], args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
     """Every micro-batch of every run, in order: the training paragraphs in a seeded order per epoch."""
+
     def texts():
         for epoch in itertools.count():
             order = list(train)
@@ -118,8 +122,14 @@ def validation_loss(model: torch.nn.Module, batches: list[dict[str, torch.Tensor
     for batch in batches:
         logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
         labels = batch["labels"][:, 1:]
-        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum"))
+        total += float(
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).double(),
+                labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        )
         count += int((labels != IGNORE_INDEX).sum())
     return total / count
 
@@ -129,8 +139,13 @@ def run_sections(factory: str, kwargs: dict, args: argparse.Namespace) -> dict[s
     """A run of ``args.steps`` Adam steps of one micro-batch each, one trainer."""
     base = {name: dict(values) for name, values in BASE_RUN.items()}
     base["run"].update(target_batch=args.batch, total_steps=args.steps, max_staleness=0)
-    base["optimizer"] = {"name": "adam", "lr": args.lr, "weight_decay": 0.0, "clip_grad_norm": 1.0,
-                         "schedule": "constant"}
+    base["optimizer"] = {
+        "name": "adam",
+        "lr": args.lr,
+        "weight_decay": 0.0,
+        "clip_grad_norm": 1.0,
+        "schedule": "constant",
+    }
     base["rounds"].update(peer_ttl_s=10.0 + 4 * args.latency_ms / 1000)  # heartbeats cross the proxy too
     base["model"] = {"factory": factory, "kwargs": kwargs}
     base["limits"] = {"tasks_per_s": 1e6, "tasks_burst": 1e6}
@@ -141,6 +156,7 @@ def final_params(url: str, steps: int) -> tuple[int, np.ndarray]:
     """The relay's last step and parameters, once it reached ``steps`` or stopped moving for 10 s:
     the trainer leaves when its data runs out, maybe before its last round closed, and a round
     that closed without its gradient (it then joins the next) makes one step fewer."""
+
     def step() -> int:
         return int(requests.get(url + "/api/status", timeout=10).json()["step"])
 
@@ -164,14 +180,27 @@ def train(url: str, model: torch.nn.Module, batches: list, args: argparse.Namesp
     from toolkit import join
 
     started = time.monotonic()
-    result = join(url, model=model, data=batches, batch_size=args.batch, max_steps=args.steps, panel="none",
-                  peer_name="lm-trainer")
+    result = join(
+        url,
+        model=model,
+        data=batches,
+        batch_size=args.batch,
+        max_steps=args.steps,
+        panel="none",
+        peer_name="lm-trainer",
+    )
     return time.monotonic() - started, result
 
 
 def dense_run(name: str, d_ff: int, batches: list, valid: list, args: argparse.Namespace, folder: Path) -> dict:
-    kwargs = {"vocab_size": args.vocab, "seq_len": args.seq_len, "d_model": args.d, "n_layer": args.layers,
-              "n_head": args.heads, "d_ff": d_ff}
+    kwargs = {
+        "vocab_size": args.vocab,
+        "seq_len": args.seq_len,
+        "d_model": args.d,
+        "n_layer": args.layers,
+        "n_head": args.heads,
+        "d_ff": d_ff,
+    }
     (folder / name).mkdir()
     relay = start_relay(folder / name, run_sections("toolkit.models:ByteTransformer", kwargs, args))
     try:
@@ -181,9 +210,15 @@ def dense_run(name: str, d_ff: int, batches: list, valid: list, args: argparse.N
         load_flat(model, flat)
     finally:
         relay.stop()
-    return {"model": name, "d_ff": d_ff, "params": sum(p.numel() for p in model.parameters()),
-            "val_loss": round(validation_loss(model.eval(), valid), 4), "train_s": round(seconds, 1),
-            "steps": steps, "micro_batches": result.local_steps}
+    return {
+        "model": name,
+        "d_ff": d_ff,
+        "params": sum(p.numel() for p in model.parameters()),
+        "val_loss": round(validation_loss(model.eval(), valid), 4),
+        "train_s": round(seconds, 1),
+        "steps": steps,
+        "micro_batches": result.local_steps,
+    }
 
 
 def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path) -> dict:
@@ -192,15 +227,36 @@ def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path)
     # forward ends 1 s after every token has an answer, a backward waits for all its calls (a
     # dropped one costs the whole wait: the mixture's backward has no k_min cut).
     call_s = 2 * args.latency_ms / 1000 + 1.5
-    kwargs = {"vocab_size": args.vocab, "seq_len": args.seq_len, "hidden": args.d, "heads": args.heads,
-              "layers": args.layers, "grid": args.grid, "k": args.k, "expert_hidden": args.expert_hidden,
-              "uid_prefix": "ffn", "expert_seed": 0, "timeout_s": call_s + 0.5, "timeout_after_k_min_s": 1.0}
+    kwargs = {
+        "vocab_size": args.vocab,
+        "seq_len": args.seq_len,
+        "hidden": args.d,
+        "heads": args.heads,
+        "layers": args.layers,
+        "grid": args.grid,
+        "k": args.k,
+        "expert_hidden": args.expert_hidden,
+        "uid_prefix": "ffn",
+        "expert_seed": 0,
+        "timeout_s": call_s + 0.5,
+        "timeout_after_k_min_s": 1.0,
+    }
     sections = run_sections("toolkit.models:DMoEByteLM", kwargs, args)
-    sections["moe"] = {"enabled": True, "uid_prefix": "ffn", "seed": 0, "layers": args.layers, "grid": args.grid,
-                       "k": args.k, "expert": {"kind": "ffn", "d": args.d, "hidden": args.expert_hidden},
-                       "optimizer": {"name": "adam", "lr": args.lr}, "forward_timeout_s": call_s,
-                       "backward_timeout_s": call_s, "checkpoint_every_s": 3600.0, "max_queued_rows": 1 << 20,
-                       "max_rows_per_call": min(512, (262144 - 4096) // (8 * args.d))}
+    sections["moe"] = {
+        "enabled": True,
+        "uid_prefix": "ffn",
+        "seed": 0,
+        "layers": args.layers,
+        "grid": args.grid,
+        "k": args.k,
+        "expert": {"kind": "ffn", "d": args.d, "hidden": args.expert_hidden},
+        "optimizer": {"name": "adam", "lr": args.lr},
+        "forward_timeout_s": call_s,
+        "backward_timeout_s": call_s,
+        "checkpoint_every_s": 3600.0,
+        "max_queued_rows": 1 << 20,
+        "max_rows_per_call": min(512, (262144 - 4096) // (8 * args.d)),
+    }
     (folder / "dmoe").mkdir()
     relay = start_relay(folder / "dmoe", sections)
     experts = len(DMoEByteLM(**kwargs).expert_uids())
@@ -208,7 +264,9 @@ def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path)
     hosts = start_hosts(proxy.url, args.hosts, -(-experts // args.hosts), folder / "dmoe", fail_rate=args.fail_rate)
     model = DMoEByteLM(**kwargs)
     try:
-        wait_until(lambda: len(directory(relay.url)["live"]) == experts, 120, f"the hosts to lease all {experts} experts")
+        wait_until(
+            lambda: len(directory(relay.url)["live"]) == experts, 120, f"the hosts to lease all {experts} experts"
+        )
         seconds, result = train(relay.url, model, batches, args)
         steps, flat = final_params(relay.url, args.steps)
     finally:
@@ -227,17 +285,27 @@ def dmoe_run(batches: list, valid: list, args: argparse.Namespace, folder: Path)
         if not files:  # its host could not hand it back: the validation would score its initial values
             raise RuntimeError(f"expert {uid} has no checkpoint at the relay: its host did not stop cleanly")
         stored = payloads.decode(files[-1].read_bytes(), 1 << 26)[1]
-        expert.load_state_dict({name: torch.from_numpy(stored[f"p.{name}"].copy())
-                                for name, _ in expert.named_parameters()})
+        expert.load_state_dict(
+            {name: torch.from_numpy(stored[f"p.{name}"].copy()) for name, _ in expert.named_parameters()}
+        )
     with LoopbackCaller(held) as caller:
         loss = validation_loss(reference.attach_caller(caller).eval(), valid)
     dense = sum(p.numel() for p in reference.parameters())
     per_expert = sum(p.numel() for p in reference.make_expert(reference.expert_uids()[0]).parameters())
-    return {"model": "dmoe", "params": dense + experts * per_expert, "dense_params": dense, "experts": experts,
-            "val_loss": round(loss, 4), "train_s": round(seconds, 1), "steps": steps,
-            "micro_batches": result.local_steps,
-            "calls": calls, "failed_calls": failed, "failed_fraction": round(failed / max(calls, 1), 3),
-            "dropped_rows": sum(s.dropped_rows for s in stats)}
+    return {
+        "model": "dmoe",
+        "params": dense + experts * per_expert,
+        "dense_params": dense,
+        "experts": experts,
+        "val_loss": round(loss, 4),
+        "train_s": round(seconds, 1),
+        "steps": steps,
+        "micro_batches": result.local_steps,
+        "calls": calls,
+        "failed_calls": failed,
+        "failed_fraction": round(failed / max(calls, 1), 3),
+        "dropped_rows": sum(s.dropped_rows for s in stats),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,9 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = train_tokenizer(train_texts, vocab_size=args.vocab, model="bpe")
     batches, valid = training_batches(tokenizer, train_texts, args), validation_batches(tokenizer, held_out, args)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    print(f"data: {tokens} training tokens ({len(batches)} micro-batches of {args.batch}x{args.seq_len}), "
-          f"{sum(int((b['labels'][:, 1:] != IGNORE_INDEX).sum()) for b in valid)} held-out tokens, "
-          f"BPE vocabulary {tokenizer.get_vocab_size()}", flush=True)
+    print(
+        f"data: {tokens} training tokens ({len(batches)} micro-batches of {args.batch}x{args.seq_len}), "
+        f"{sum(int((b['labels'][:, 1:] != IGNORE_INDEX).sum()) for b in valid)} held-out tokens, "
+        f"BPE vocabulary {tokenizer.get_vocab_size()}",
+        flush=True,
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="moe-lm-") as tmp:
         folder = Path(tmp)
@@ -261,12 +332,21 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = dense_run(name, d_ff, batches, valid, args, folder)
             print(json.dumps(results[name]), flush=True)
     dmoe = results["dmoe"]["val_loss"]
-    print(json.dumps({"dmoe_vs_small": round(dmoe / results["small"]["val_loss"], 4),
-                      "dmoe_vs_base": round(dmoe / results["base"]["val_loss"], 4),
-                      "val_loss": {name: r["val_loss"] for name, r in results.items()},
-                      "latency_ms": args.latency_ms, "fail_rate": args.fail_rate,
-                      "failed_fraction": results["dmoe"]["failed_fraction"], "tokens": tokens,
-                      "steps": args.steps}), flush=True)
+    print(
+        json.dumps(
+            {
+                "dmoe_vs_small": round(dmoe / results["small"]["val_loss"], 4),
+                "dmoe_vs_base": round(dmoe / results["base"]["val_loss"], 4),
+                "val_loss": {name: r["val_loss"] for name, r in results.items()},
+                "latency_ms": args.latency_ms,
+                "fail_rate": args.fail_rate,
+                "failed_fraction": results["dmoe"]["failed_fraction"],
+                "tokens": tokens,
+                "steps": args.steps,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -47,16 +47,29 @@ from toolkit.moe.calls import ExpertFailed, LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
 from toolkit.wire.protocol import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest  # noqa: E402
 
-__all__ = ["EmulatedRuntime", "Member", "caller_for", "directory", "relay_overrides", "start_hosts", "stop_all",
-           "wait_until"]
+__all__ = [
+    "EmulatedRuntime",
+    "Member",
+    "caller_for",
+    "directory",
+    "relay_overrides",
+    "start_hosts",
+    "stop_all",
+    "wait_until",
+]
 
 # The run of tests/support/moe.py, which relay_overrides resizes: strict large-batch SGD steps,
 # one DMoE model, open auth on 127.0.0.1 (a benchmark turns hf mode on in its [auth]).
 BASE_RUN: dict[str, dict[str, Any]] = {
     "run": {"name": "moe-bench", "target_batch": 16, "total_steps": 0, "max_staleness": 0, "seed": 0},
     "optimizer": {"name": "sgd", "lr": 0.05, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"},
-    "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 2.0, "deadline_floor_s": 2.0, "deadline_ceiling_s": 60.0,
-               "deadline_initial_s": 30.0},
+    "rounds": {
+        "heartbeat_interval_s": 0.3,
+        "peer_ttl_s": 2.0,
+        "deadline_floor_s": 2.0,
+        "deadline_ceiling_s": 60.0,
+        "deadline_initial_s": 30.0,
+    },
     "server": {"host": "127.0.0.1", "keep_checkpoints": 1000},
     "auth": {"mode": "open"},
 }
@@ -64,8 +77,17 @@ MOE = {"enabled": True, "uid_prefix": "ffn", "seed": 0}
 KWARGS = {"out_features": 1, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01}
 
 
-def relay_overrides(*, d: int, expert_hidden: int, layers: int, grid: list[int], k: int,
-                    max_rows_per_call: int | None = None, timeout_s: float = 30.0, expert_lr: float = 1e-4) -> dict[str, dict[str, Any]]:
+def relay_overrides(
+    *,
+    d: int,
+    expert_hidden: int,
+    layers: int,
+    grid: list[int],
+    k: int,
+    max_rows_per_call: int | None = None,
+    timeout_s: float = 30.0,
+    expert_lr: float = 1e-4,
+) -> dict[str, dict[str, Any]]:
     """:data:`BASE_RUN` (the run of ``tests/support/moe.py``) resized: ``layers`` mixtures of ``grid`` experts of width
     ``d``; checkpoints rare (they are not what is measured); rate limits out of the way (every
     process here is one loopback address, and the benchmark is the only client). Hosts still
@@ -75,14 +97,32 @@ def relay_overrides(*, d: int, expert_hidden: int, layers: int, grid: list[int],
     base = {name: dict(values) for name, values in BASE_RUN.items()}
     if max_rows_per_call is None:  # as many as one signed request holds (x and g, float32)
         max_rows_per_call = min(512, (MAX_JSON_BODY - 4096) // (8 * d))
-    base["moe"] = {**MOE, "layers": layers, "grid": grid, "k": k, "expert": {"kind": "ffn", "d": d,
-                   "hidden": expert_hidden}, "checkpoint_every_s": 3600.0, "forward_timeout_s": timeout_s,
-                   "backward_timeout_s": timeout_s, "max_rows_per_call": max_rows_per_call,
-                   "max_queued_rows": 1 << 20,
-                   "optimizer": {"name": "sgd", "lr": expert_lr}}
-    base["model"] = {"factory": "toolkit.models:DMoEMLP",
-                     "kwargs": {**KWARGS, "in_features": d, "hidden": d, "layers": layers, "grid": grid, "k": k,
-                                "expert_hidden": expert_hidden, "timeout_s": timeout_s}}
+    base["moe"] = {
+        **MOE,
+        "layers": layers,
+        "grid": grid,
+        "k": k,
+        "expert": {"kind": "ffn", "d": d, "hidden": expert_hidden},
+        "checkpoint_every_s": 3600.0,
+        "forward_timeout_s": timeout_s,
+        "backward_timeout_s": timeout_s,
+        "max_rows_per_call": max_rows_per_call,
+        "max_queued_rows": 1 << 20,
+        "optimizer": {"name": "sgd", "lr": expert_lr},
+    }
+    base["model"] = {
+        "factory": "toolkit.models:DMoEMLP",
+        "kwargs": {
+            **KWARGS,
+            "in_features": d,
+            "hidden": d,
+            "layers": layers,
+            "grid": grid,
+            "k": k,
+            "expert_hidden": expert_hidden,
+            "timeout_s": timeout_s,
+        },
+    }
     base["limits"] = {"tasks_per_s": 1e6, "tasks_burst": 1e6}
     return base
 
@@ -131,8 +171,15 @@ class EmulatedRuntime(LoopbackCaller):
     """A host's runtime that sleeps ``compute_ms`` per task, then computes (or echoes), dropping
     ``fail_rate`` of its tasks (drawn from ``seed``)."""
 
-    def __init__(self, *args: Any, compute_ms: float = 0.0, echo: bool = False, fail_rate: float = 0.0,
-                 seed: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        compute_ms: float = 0.0,
+        echo: bool = False,
+        fail_rate: float = 0.0,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.compute_s, self.echo = compute_ms / 1000, echo
         self.fail_rate, self._draw = fail_rate, random.Random(seed)
@@ -147,19 +194,49 @@ class EmulatedRuntime(LoopbackCaller):
         return super()._run(kind, uid, x, grad_y)
 
 
-def start_hosts(relay_url: str, count: int, capacity: int, logs: Path, *, compute_ms: float = 0.0,
-                echo: bool = False, env: dict[str, str] | None = None, fail_rate: float = 0.0,
-                batching: bool = True) -> list[subprocess.Popen]:
+def start_hosts(
+    relay_url: str,
+    count: int,
+    capacity: int,
+    logs: Path,
+    *,
+    compute_ms: float = 0.0,
+    echo: bool = False,
+    env: dict[str, str] | None = None,
+    fail_rate: float = 0.0,
+    batching: bool = True,
+) -> list[subprocess.Popen]:
     """``count`` host processes of this file, each leasing up to ``capacity`` experts (``env``:
     extra variables, e.g. ``HF_TOKEN`` for a run with logins), each dropping ``fail_rate`` of its
     tasks (``batching=False``: every call run alone)."""
-    extra = ((["--echo"] if echo else []) + (["--fail-rate", str(fail_rate)] if fail_rate else [])
-             + ([] if batching else ["--no-batching"]))
-    return [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "host", "--relay", relay_url,
-                              "--capacity", str(capacity), "--compute-ms", str(compute_ms), "--name", f"host{i}",
-                              *extra], cwd=REPO, stdout=open(logs / f"host{i}.log", "w"), stderr=subprocess.STDOUT,
-                             env={**os.environ, **(env or {})})
-            for i in range(count)]
+    extra = (
+        (["--echo"] if echo else [])
+        + (["--fail-rate", str(fail_rate)] if fail_rate else [])
+        + ([] if batching else ["--no-batching"])
+    )
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "host",
+                "--relay",
+                relay_url,
+                "--capacity",
+                str(capacity),
+                "--compute-ms",
+                str(compute_ms),
+                "--name",
+                f"host{i}",
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=open(logs / f"host{i}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+        for i in range(count)
+    ]
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
@@ -183,8 +260,10 @@ def caller_for(url: str, peer_id: str, max_workers: int, auth: AuthBase | None =
 def _host_main(argv: list[str]) -> int:
     from toolkit.moe.host import ExpertHost
 
-    parser = argparse.ArgumentParser(prog="python benchmarks/moe_rig.py host",
-                                     description="an expert host with emulated compute (see the module docstring)")
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/moe_rig.py host",
+        description="an expert host with emulated compute (see the module docstring)",
+    )
     parser.add_argument("--relay", required=True)
     parser.add_argument("--capacity", type=int, default=8)
     parser.add_argument("--compute-ms", type=float, default=0.0, help="sleep per task before computing")
@@ -194,11 +273,22 @@ def _host_main(argv: list[str]) -> int:
     parser.add_argument("--no-batching", action="store_true", help="run every call alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    host = ExpertHost(args.relay, capacity=args.capacity, name=args.name, token=os.environ.get("HF_TOKEN") or None,
-                      batching=not args.no_batching)
+    host = ExpertHost(
+        args.relay,
+        capacity=args.capacity,
+        name=args.name,
+        token=os.environ.get("HF_TOKEN") or None,
+        batching=not args.no_batching,
+    )
     runtime = host.runtime
-    host.runtime = EmulatedRuntime({}, optimizer_factory=runtime.optimizer_factory, compute_ms=args.compute_ms,
-                                   echo=args.echo, fail_rate=args.fail_rate, seed=zlib.crc32(args.name.encode()))
+    host.runtime = EmulatedRuntime(
+        {},
+        optimizer_factory=runtime.optimizer_factory,
+        compute_ms=args.compute_ms,
+        echo=args.echo,
+        fail_rate=args.fail_rate,
+        seed=zlib.crc32(args.name.encode()),
+    )
     runtime.close()
     signal.signal(signal.SIGTERM, lambda *_: host.stop())
     host.run()

@@ -38,11 +38,29 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"'{tool}' is missing (Debian: apt-get install iproute2)"
     probe = f"ctp{uuid.uuid4().hex[:6]}"
-    steps = [(["ip", "netns", "add", probe], "cannot create a network namespace"),
-             (["ip", "link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b"], "cannot create veth links"),
-             (["tc", "qdisc", "add", "dev", f"{probe}a", "root", "tbf", "rate", "10mbit", "burst", "65536",
-               "latency", "50ms"], "cannot shape a link with tc tbf"),
-             (["ip", "link", "add", f"{probe}r", "type", "bridge"], "cannot create a bridge")]
+    steps = [
+        (["ip", "netns", "add", probe], "cannot create a network namespace"),
+        (["ip", "link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b"], "cannot create veth links"),
+        (
+            [
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"{probe}a",
+                "root",
+                "tbf",
+                "rate",
+                "10mbit",
+                "burst",
+                "65536",
+                "latency",
+                "50ms",
+            ],
+            "cannot shape a link with tc tbf",
+        ),
+        (["ip", "link", "add", f"{probe}r", "type", "bridge"], "cannot create a bridge"),
+    ]
     try:
         for cmd, what in steps:
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -82,8 +100,12 @@ class Star:
         return f"ctbr{self.tag}"
 
     def add(self, name: str, upload_mbit: float, download_mbit: float | None = None) -> Host:
-        host = Host(name, f"{self.subnet}.{len(self.hosts) + 1}", upload_mbit,
-                    upload_mbit if download_mbit is None else download_mbit)
+        host = Host(
+            name,
+            f"{self.subnet}.{len(self.hosts) + 1}",
+            upload_mbit,
+            upload_mbit if download_mbit is None else download_mbit,
+        )
         self.hosts.append(host)
         return host
 
@@ -128,5 +150,18 @@ class Star:
 def _shape(device: str, mbit: float, ns: str | None = None) -> None:
     """Token bucket at ``mbit``: a burst of ~2 ms of traffic (at least 64 KiB), 50 ms of queue."""
     burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.002))
-    _tc("qdisc", "add", "dev", device, "root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst),
-        "latency", "50ms", ns=ns)
+    _tc(
+        "qdisc",
+        "add",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        f"{mbit}mbit",
+        "burst",
+        str(burst),
+        "latency",
+        "50ms",
+        ns=ns,
+    )

@@ -75,18 +75,31 @@ def run_nginx(directory: Path, http_block: Callable[[int], str], port: int = 0) 
     127.0.0.1:port."""
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / "error.log"
-    temp = "\n".join(f"    {kind}_temp_path {directory / kind};" for kind in
-                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"    {kind}_temp_path {directory / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     user = "user root;\n" if os.geteuid() == 0 else ""  # workers may read what the test wrote
 
     def start(port: int) -> NginxProcess:
         conf = directory / "nginx.conf"
-        conf.write_text(f"{user}worker_processes 1;\nevents {{ worker_connections 1024; }}\nhttp {{\n"
-                        f"    access_log off;\n{temp}\n{http_block(port)}}}\n")
+        conf.write_text(
+            f"{user}worker_processes 1;\nevents {{ worker_connections 1024; }}\nhttp {{\n"
+            f"    access_log off;\n{temp}\n{http_block(port)}}}\n"
+        )
         log.unlink(missing_ok=True)
-        proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", str(conf), "-g",
-                                 f"daemon off; pid {directory / 'nginx.pid'}; error_log {log} info;"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                NGINX,
+                "-p",
+                str(directory),
+                "-c",
+                str(conf),
+                "-g",
+                f"daemon off; pid {directory / 'nginx.pid'}; error_log {log} info;",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             try:
@@ -108,12 +121,14 @@ def cache_http_block(port: int, upstream: int, cache_dir: Path) -> str:
     """``examples/nginx_params_cache.conf`` as written, but plain HTTP on 127.0.0.1:``port``
     (tests/test_proxy.py covers nginx's TLS) in front of the relay on ``upstream``."""
     text = CACHE_CONF.read_text()
-    for old, new in (("listen 443 ssl;", f"listen 127.0.0.1:{port};"),
-                     ("    ssl_certificate     /etc/letsencrypt/live/cache.example.org/fullchain.pem;\n", ""),
-                     ("    ssl_certificate_key /etc/letsencrypt/live/cache.example.org/privkey.pem;\n", ""),
-                     ("        proxy_ssl_server_name on;\n", ""),
-                     ("proxy_pass https://relay.example.org;", f"proxy_pass http://127.0.0.1:{upstream};"),
-                     ("/var/cache/nginx/collab-params", str(cache_dir))):
+    for old, new in (
+        ("listen 443 ssl;", f"listen 127.0.0.1:{port};"),
+        ("    ssl_certificate     /etc/letsencrypt/live/cache.example.org/fullchain.pem;\n", ""),
+        ("    ssl_certificate_key /etc/letsencrypt/live/cache.example.org/privkey.pem;\n", ""),
+        ("        proxy_ssl_server_name on;\n", ""),
+        ("proxy_pass https://relay.example.org;", f"proxy_pass http://127.0.0.1:{upstream};"),
+        ("/var/cache/nginx/collab-params", str(cache_dir)),
+    ):
         assert old in text, f"{CACHE_CONF.name} no longer has {old!r}: update benchmarks/nginx.py with it"
         text = text.replace(old, new)
     return text

@@ -72,21 +72,38 @@ CODEC_BYTES = {"none": 4.0, "float16": 2.0, "int8": 1.0}
 
 
 def model_kwargs(args) -> dict:
-    return {"d_model": args.width, "n_layer": 4, "n_head": 2, "d_ff": 2 * args.width, "seq_len": args.seq_len,
-            "tie_embeddings": False}
+    return {
+        "d_model": args.width,
+        "n_layer": 4,
+        "n_head": 2,
+        "d_ff": 2 * args.width,
+        "seq_len": args.seq_len,
+        "tie_embeddings": False,
+    }
 
 
 def relay_config(args, dispatch: str) -> dict:
     return {
-        "run": {"name": "pipeline-bench", "target_batch": args.microbatch_size * args.microbatches, "total_steps": 0,
-                "max_staleness": 0, "seed": 0},
+        "run": {
+            "name": "pipeline-bench",
+            "target_batch": args.microbatch_size * args.microbatches,
+            "total_steps": 0,
+            "max_staleness": 0,
+            "seed": 0,
+        },
         "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": model_kwargs(args)},
         "optimizer": {"name": "sgd", "lr": 0.05, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"},
         "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": args.peer_ttl_s},
         "server": {"host": "127.0.0.1", "keep_checkpoints": 1000},
         "auth": {"mode": "open"},
-        "pipeline": {"enabled": True, "stages": 2, "microbatch_size": args.microbatch_size,
-                     "microbatches_per_batch": args.microbatches, "boundary_codec": args.codec, "dispatch": dispatch},
+        "pipeline": {
+            "enabled": True,
+            "stages": 2,
+            "microbatch_size": args.microbatch_size,
+            "microbatches_per_batch": args.microbatches,
+            "boundary_codec": args.codec,
+            "dispatch": dispatch,
+        },
     }
 
 
@@ -112,16 +129,47 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
     try:
         go = folder / "go"
         for i, spec in enumerate(workers_of(case, args)):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(RIG), "--relay", relay.url, "--name", f"w{i}", "--seed", str(args.seed + i),
-                 "--speed", str(spec["speed"]), "--unit-ms", str(args.unit_ms), "--delay-ms", str(spec["delay_ms"]),
-                 "--disconnect-p", str(spec["disconnect_p"]), "--offline-s", str(args.offline_s),
-                 "--window-s", str(args.window_s), "--stats", str(folder / f"w{i}.json"),
-                 "--ready", str(folder / f"w{i}.ready"), "--go", str(go),
-                 *(["--after", str(folder / f"w{i - 1}.ready")] if i else [])],
-                cwd=REPO, stdout=open(folder / f"w{i}.log", "w"), stderr=subprocess.STDOUT))
-        wait_until(lambda: (folder / "w5.ready").exists() or any(p.poll() is not None for p in procs), 300,
-                   "6 workers holding stages")
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(RIG),
+                        "--relay",
+                        relay.url,
+                        "--name",
+                        f"w{i}",
+                        "--seed",
+                        str(args.seed + i),
+                        "--speed",
+                        str(spec["speed"]),
+                        "--unit-ms",
+                        str(args.unit_ms),
+                        "--delay-ms",
+                        str(spec["delay_ms"]),
+                        "--disconnect-p",
+                        str(spec["disconnect_p"]),
+                        "--offline-s",
+                        str(args.offline_s),
+                        "--window-s",
+                        str(args.window_s),
+                        "--stats",
+                        str(folder / f"w{i}.json"),
+                        "--ready",
+                        str(folder / f"w{i}.ready"),
+                        "--go",
+                        str(go),
+                        *(["--after", str(folder / f"w{i - 1}.ready")] if i else []),
+                    ],
+                    cwd=REPO,
+                    stdout=open(folder / f"w{i}.log", "w"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        wait_until(
+            lambda: (folder / "w5.ready").exists() or any(p.poll() is not None for p in procs),
+            300,
+            "6 workers holding stages",
+        )
         for i, p in enumerate(procs):
             if p.poll() is not None:
                 log = (folder / f"w{i}.log").read_text()[-3000:]
@@ -130,8 +178,11 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
         started = time.monotonic()
         want = args.batches + 1
         try:
-            wait_until(lambda: relay.proc.poll() is not None or relay_status(relay.url)["step"] >= want,
-                       args.run_limit_s, f"{want} batches")
+            wait_until(
+                lambda: relay.proc.poll() is not None or relay_status(relay.url)["step"] >= want,
+                args.run_limit_s,
+                f"{want} batches",
+            )
             completed = True
         except TimeoutError:
             completed = False
@@ -146,21 +197,31 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
     times = [r["duration_s"] for r in rounds]
     workers = [json.loads((folder / f"w{i}.json").read_text()) for i in range(6) if (folder / f"w{i}.json").exists()]
     measured = times[1:]
-    out = {"seconds_per_batch": round(sum(measured) / len(measured), 3) if measured and completed else None,
-           "batch_s": [round(t, 2) for t in times], "completed": completed, "steps": status["step"],
-           "wall_s": round(time.monotonic() - started, 1),
-           "relay_measured_batch_s": pipe.get("measured_batch_s"), "predicted_batch_s": pipe.get("predicted_batch_s"),
-           "boundary_bytes_per_sample": pipe.get("boundary_bytes_per_sample"),
-           "redispatched": pipe.get("redispatched"), "redone": pipe.get("redone"),
-           "restarted": pipe.get("restarted"), "refused_results": pipe.get("refused_results"),
-           "counted": pipe.get("counted"),
-           "disconnections": sum(w["disconnections"] for w in workers),
-           "lost_results": sum(w["lost_results"] for w in workers),
-           "stage_changes": sum(len(set(w["stages"])) - 1 for w in workers)}
-    print(f"case {case} {name:6s} ({DISPATCH[name]}): {out['seconds_per_batch']} s/batch over {len(measured)} "
-          f"batches {out['batch_s']}; completed={completed}; redispatched={out['redispatched']} "
-          f"redone={out['redone']} restarted={out['restarted']} disconnections={out['disconnections']} "
-          f"stage_changes={out['stage_changes']}", flush=True)
+    out = {
+        "seconds_per_batch": round(sum(measured) / len(measured), 3) if measured and completed else None,
+        "batch_s": [round(t, 2) for t in times],
+        "completed": completed,
+        "steps": status["step"],
+        "wall_s": round(time.monotonic() - started, 1),
+        "relay_measured_batch_s": pipe.get("measured_batch_s"),
+        "predicted_batch_s": pipe.get("predicted_batch_s"),
+        "boundary_bytes_per_sample": pipe.get("boundary_bytes_per_sample"),
+        "redispatched": pipe.get("redispatched"),
+        "redone": pipe.get("redone"),
+        "restarted": pipe.get("restarted"),
+        "refused_results": pipe.get("refused_results"),
+        "counted": pipe.get("counted"),
+        "disconnections": sum(w["disconnections"] for w in workers),
+        "lost_results": sum(w["lost_results"] for w in workers),
+        "stage_changes": sum(len(set(w["stages"])) - 1 for w in workers),
+    }
+    print(
+        f"case {case} {name:6s} ({DISPATCH[name]}): {out['seconds_per_batch']} s/batch over {len(measured)} "
+        f"batches {out['batch_s']}; completed={completed}; redispatched={out['redispatched']} "
+        f"redone={out['redone']} restarted={out['restarted']} disconnections={out['disconnections']} "
+        f"stage_changes={out['stage_changes']}",
+        flush=True,
+    )
     return out
 
 
@@ -175,9 +236,12 @@ def bytes_model(args, stages: int = 2) -> dict:
     the share of backwards whose worker still held the input (1: ``cached``, 0: ``uncached``)."""
     a = args.seq_len * args.width * CODEC_BYTES[args.codec]
     t = 8 * (args.seq_len + 1)
-    return {"activation_bytes": a, "tokens_bytes": t,
-            "cached": (stages - 1) * 4 * a + 2 * t,
-            "uncached": (stages - 1) * 4 * a + (stages - 2) * a + 3 * t}
+    return {
+        "activation_bytes": a,
+        "tokens_bytes": t,
+        "cached": (stages - 1) * 4 * a + 2 * t,
+        "uncached": (stages - 1) * 4 * a + (stages - 2) * a + 3 * t,
+    }
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -185,8 +249,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", default="1,4")
     parser.add_argument("--batches", type=int, default=3, help="measured batches per run (after one warm-up)")
     parser.add_argument("--microbatches", type=int, default=6)
@@ -196,8 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="none", choices=sorted(CODEC_BYTES))
     parser.add_argument("--unit-ms", type=float, default=40.0, help="emulated forward ms per layer, fast worker")
     parser.add_argument("--disconnect-p", type=float, default=0.9)
-    parser.add_argument("--offline-s", type=float, default=5.0, help="a disconnection's length: above the "
-                        "lease deadline (2-4 s here), below the peer TTL (see the module docstring)")
+    parser.add_argument(
+        "--offline-s",
+        type=float,
+        default=5.0,
+        help="a disconnection's length: above the "
+        "lease deadline (2-4 s here), below the peer TTL (see the module docstring)",
+    )
     parser.add_argument("--window-s", type=float, default=2.0)
     parser.add_argument("--peer-ttl-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -217,22 +287,36 @@ def main(argv: list[str] | None = None) -> int:
         return results.get(f"case{case}", {}).get(name, {}).get("seconds_per_batch")
 
     ours = [r["ours"] for r in results.values() if "ours" in r]
-    errors = [abs(r["predicted_batch_s"] - r["seconds_per_batch"]) / r["seconds_per_batch"] for r in ours
-              if r["predicted_batch_s"] is not None and r["seconds_per_batch"]]
+    errors = [
+        abs(r["predicted_batch_s"] - r["seconds_per_batch"]) / r["seconds_per_batch"]
+        for r in ours
+        if r["predicted_batch_s"] is not None and r["seconds_per_batch"]
+    ]
     measured_bytes = results.get("case1", {}).get("ours", {}).get("boundary_bytes_per_sample")
     summary = {
         "case1_vs_static": ratio(spb(1, "ours"), spb(1, "static")),
         "case4_vs_static": ratio(spb(4, "ours"), spb(4, "static")),
         "case4_vs_swarm": ratio(spb(4, "ours"), spb(4, "swarm")),
         "planner_error": round(max(errors), 3) if errors else None,
-        "seconds_per_batch": {case: {name: r["seconds_per_batch"] for name, r in runs.items()}
-                              for case, runs in results.items()},
+        "seconds_per_batch": {
+            case: {name: r["seconds_per_batch"] for name, r in runs.items()} for case, runs in results.items()
+        },
         "bytes_per_sample": {"measured": round(measured_bytes) if measured_bytes else None, **bytes_model(args)},
         "ours_completed": all(r["completed"] for r in ours),
-        "settings": {"stages": 2, "workers": 6, "microbatches": args.microbatches,
-                     "microbatch_size": args.microbatch_size, "width": args.width, "seq_len": args.seq_len,
-                     "codec": args.codec, "unit_ms": args.unit_ms, "batches": args.batches,
-                     "disconnect_p": args.disconnect_p, "offline_s": args.offline_s, "peer_ttl_s": args.peer_ttl_s},
+        "settings": {
+            "stages": 2,
+            "workers": 6,
+            "microbatches": args.microbatches,
+            "microbatch_size": args.microbatch_size,
+            "width": args.width,
+            "seq_len": args.seq_len,
+            "codec": args.codec,
+            "unit_ms": args.unit_ms,
+            "batches": args.batches,
+            "disconnect_p": args.disconnect_p,
+            "offline_s": args.offline_s,
+            "peer_ttl_s": args.peer_ttl_s,
+        },
         "runs": results,
     }
     summary["bars_failed"] = [k for k, bar in BARS.items() if summary.get(k) is not None and summary[k] > bar]

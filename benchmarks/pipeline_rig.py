@@ -88,8 +88,19 @@ class SlowLink(RelayClient):
 
 
 class BenchWorker(StageWorker):
-    def __init__(self, *args, unit_s: float, speed: float, disconnect_p: float, offline_s: float, window_s: float,
-                 rng: random.Random, start_gate, stats: dict, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        unit_s: float,
+        speed: float,
+        disconnect_p: float,
+        offline_s: float,
+        window_s: float,
+        rng: random.Random,
+        start_gate,
+        stats: dict,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.unit_s, self.speed = unit_s, speed
         self.disconnect_p, self.offline_s, self.window_s, self.rng = disconnect_p, offline_s, window_s, rng
@@ -169,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-ms", type=float, default=0.0, help="added to every request: a slow link's round trip")
     ap.add_argument("--disconnect-p", type=float, default=0.0, help="chance of a disconnection per batch")
     ap.add_argument("--offline-s", type=float, default=5.0, help="how long a disconnection lasts")
-    ap.add_argument("--window-s", type=float, default=2.0,
-                    help="a disconnection starts within this many seconds of the batch's first task")
+    ap.add_argument(
+        "--window-s",
+        type=float,
+        default=2.0,
+        help="a disconnection starts within this many seconds of the batch's first task",
+    )
     ap.add_argument("--after", help="wait for this file before asking for a stage")
     ap.add_argument("--ready", help="write this file once the stage is taken")
     ap.add_argument("--go", help="wait for this file before the first task")
@@ -179,15 +194,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     client = SlowLink(args.relay, args.delay_ms / 1000)
     run = client.get_run()
-    membership = Membership(client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}),
-                            what="stage worker")
+    membership = Membership(
+        client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}), what="stage worker"
+    )
     membership.join()
     size = int(run.pipeline["microbatch_size"])
     stats = {"name": args.name, "stages": [], "disconnections": 0, "lost_results": 0}
-    worker = BenchWorker(membership, run, data(run.model.kwargs["seq_len"], size, args.seed),
-                         unit_s=args.unit_ms / 1000, speed=args.speed, disconnect_p=args.disconnect_p,
-                         offline_s=args.offline_s, window_s=args.window_s, rng=random.Random(args.seed),
-                         start_gate=Gate(args.after, args.ready, args.go), stats=stats)
+    worker = BenchWorker(
+        membership,
+        run,
+        data(run.model.kwargs["seq_len"], size, args.seed),
+        unit_s=args.unit_ms / 1000,
+        speed=args.speed,
+        disconnect_p=args.disconnect_p,
+        offline_s=args.offline_s,
+        window_s=args.window_s,
+        rng=random.Random(args.seed),
+        start_gate=Gate(args.after, args.ready, args.go),
+        stats=stats,
+    )
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     try:
         worker.run(wait_s=1)

@@ -41,8 +41,7 @@ def swarm(n: int, n_recv: int, seed: int) -> list[PeerCapacity]:
         else:  # client-mode notebooks
             down, gpu = 10 ** rng.uniform(np.log10(5), np.log10(200)) * MBIT, True
         speed = float(rng.uniform(50, 500) if n_recv == n else rng.uniform(20, 400)) if gpu else 0.0
-        peers.append(PeerCapacity(f"peer{i:04d}", speed, float(down * rng.uniform(0.3, 1.0)),
-                                  float(down), i < n_recv))
+        peers.append(PeerCapacity(f"peer{i:04d}", speed, float(down * rng.uniform(0.3, 1.0)), float(down), i < n_recv))
     return peers
 
 
@@ -54,11 +53,12 @@ def bench(name: str, n: int, n_recv: int, batch: int, reps: int) -> float:
             t0 = time.perf_counter()
             plan = solve_plan(peers, 125_000_000, batch)
             times.append((time.perf_counter() - t0) * 1e3)
-        print(f"{name} seed {seed}: {plan.steps_per_s:.4f} steps/s, {len(plan.computing)} of {n} "
-              f"compute, {len(plan.fractions)} aggregators, round {plan.predicted_round_s:.2f} s")
+        print(
+            f"{name} seed {seed}: {plan.steps_per_s:.4f} steps/s, {len(plan.computing)} of {n} "
+            f"compute, {len(plan.fractions)} aggregators, round {plan.predicted_round_s:.2f} s"
+        )
     median = statistics.median(times)
-    print(f"{name}: median {median:.1f} ms over {len(times)} solves (min {min(times):.1f}, "
-          f"max {max(times):.1f})")
+    print(f"{name}: median {median:.1f} ms over {len(times)} solves (min {min(times):.1f}, max {max(times):.1f})")
     return median
 
 
@@ -67,8 +67,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="solves per instance")
     args = parser.parse_args()
     solve_plan(swarm(8, 8, 99), 1000, 16)  # warm imports and HiGHS
-    result = {"64_full": bench("64_full", 64, 64, 4096, args.reps),
-              "1000_x16": bench("1000_x16", 1000, 16, 32768, args.reps)}
+    result = {
+        "64_full": bench("64_full", 64, 64, 4096, args.reps),
+        "1000_x16": bench("1000_x16", 1000, 16, 32768, args.reps),
+    }
     print(json.dumps({"solve_ms": {k: round(v, 2) for k, v in result.items()}}))
 
 

@@ -61,17 +61,47 @@ import torch  # noqa: E402
 
 from toolkit.wire.protocol import ModelSpec  # noqa: E402
 
-ALBERT_LARGE = {"model_type": "albert", "vocab_size": 32000, "embedding_size": 128, "hidden_size": 1024,
-                "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
-                "max_position_embeddings": 512, "hidden_act": "gelu_new", "hidden_dropout_prob": 0.0,
-                "attention_probs_dropout_prob": 0.0}
+ALBERT_LARGE = {
+    "model_type": "albert",
+    "vocab_size": 32000,
+    "embedding_size": 128,
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "intermediate_size": 4096,
+    "max_position_embeddings": 512,
+    "hidden_act": "gelu_new",
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
 MODELS: dict[str, ModelSpec] = {
     "albert-large": ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM", config=ALBERT_LARGE),
-    "gpt2-125m": ModelSpec(kind="transformers", architecture="AutoModelForCausalLM", config={
-        "model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}),
-    "albert-tiny": ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM", config={
-        "model_type": "albert", "vocab_size": 2000, "embedding_size": 64, "hidden_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "intermediate_size": 512, "max_position_embeddings": 64}),
+    "gpt2-125m": ModelSpec(
+        kind="transformers",
+        architecture="AutoModelForCausalLM",
+        config={
+            "model_type": "gpt2",
+            "n_embd": 768,
+            "n_layer": 12,
+            "n_head": 12,
+            "vocab_size": 50257,
+            "n_positions": 1024,
+        },
+    ),
+    "albert-tiny": ModelSpec(
+        kind="transformers",
+        architecture="AutoModelForMaskedLM",
+        config={
+            "model_type": "albert",
+            "vocab_size": 2000,
+            "embedding_size": 64,
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 512,
+            "max_position_embeddings": 64,
+        },
+    ),
 }
 OPTIMIZERS = [("adamw", 32), ("lamb", 32), ("adamw", 8)]  # (name, state_bits); the first is the baseline
 
@@ -129,9 +159,14 @@ def relay_case(model_name: str, flat: Any, layout: list, opt: str, bits: int, st
     p = master.numel
     opt_bytes = state_nbytes(master.optimizer)
     total = master.flat.nbytes + master.grad.nbytes + opt_bytes
-    row.update(step_s=round(statistics.median(times), 4), step_s_all=[round(t, 4) for t in times],
-               master_B_per_param=master.flat.nbytes / p, grad_B_per_param=master.grad.nbytes / p,
-               optimizer_B_per_param=round(opt_bytes / p, 4), B_per_param=round(total / p, 4))
+    row.update(
+        step_s=round(statistics.median(times), 4),
+        step_s_all=[round(t, 4) for t in times],
+        master_B_per_param=master.flat.nbytes / p,
+        grad_B_per_param=master.grad.nbytes / p,
+        optimizer_B_per_param=round(opt_bytes / p, 4),
+        B_per_param=round(total / p, 4),
+    )
     del master
     gc.collect()
     return row
@@ -196,8 +231,13 @@ def peer_rows(model_name: str, seq_len: int, micro_batches: int) -> list[dict[st
                 torch.cuda.reset_peak_memory_stats()
                 acc = Accumulator(params, layout, total, get_codec("none"), on_host=on_host)
             else:  # meta copies: the accumulator as an accelerator peer builds it, without the memory
-                acc = Accumulator([torch.empty_like(p, device="meta") for p in params], layout, total,
-                                  get_codec("none"), on_host=on_host)
+                acc = Accumulator(
+                    [torch.empty_like(p, device="meta") for p in params],
+                    layout,
+                    total,
+                    get_codec("none"),
+                    on_host=on_host,
+                )
             for _ in range(micro_batches if cuda else 1):
                 with _autocast(precision, device):
                     loss = model(**_batch(model_name, seq_len, device)).loss
@@ -208,18 +248,29 @@ def peer_rows(model_name: str, seq_len: int, micro_batches: int) -> list[dict[st
             grad_dtypes = sorted({str(g.dtype).replace("torch.", "") for g in grads})
             param_bytes = sum(p.nbytes for p in params)
             grad_bytes = sum(g.nbytes for g in grads)
-            row = {"model": model_name, "precision": precision, "accumulator": "host" if on_host else "device",
-                   "params": total, "grad_dtype": ",".join(grad_dtypes),
-                   "params_B_per_param": param_bytes / total, "grads_B_per_param": grad_bytes / total,
-                   "accumulator_B_per_param": acc.nbytes_on_device / total}
+            row = {
+                "model": model_name,
+                "precision": precision,
+                "accumulator": "host" if on_host else "device",
+                "params": total,
+                "grad_dtype": ",".join(grad_dtypes),
+                "params_B_per_param": param_bytes / total,
+                "grads_B_per_param": grad_bytes / total,
+                "accumulator_B_per_param": acc.nbytes_on_device / total,
+            }
             accounted = param_bytes + grad_bytes + acc.nbytes_on_device
             row["accounted_B_per_param"] = round(accounted / total, 3)
             if cuda:
                 peak = torch.cuda.max_memory_allocated()
-                row.update(measured="cuda_max_allocated", peak_bytes=peak, seq_len=seq_len,
-                           micro_batches=micro_batches, B_per_param=round(peak / total, 3),
-                           beyond_accounted_B_per_param=round((peak - accounted) / total, 3),
-                           before_step_B_per_param=round(base / total, 3))
+                row.update(
+                    measured="cuda_max_allocated",
+                    peak_bytes=peak,
+                    seq_len=seq_len,
+                    micro_batches=micro_batches,
+                    B_per_param=round(peak / total, 3),
+                    beyond_accounted_B_per_param=round((peak - accounted) / total, 3),
+                    before_step_B_per_param=round(base / total, 3),
+                )
             else:
                 row.update(measured="accounted", B_per_param=row["accounted_B_per_param"])
             rows.append(row)
@@ -231,8 +282,22 @@ def peer_rows(model_name: str, seq_len: int, micro_batches: int) -> list[dict[st
 
 # --- tiny recipe ----------------------------------------------------------------------------------
 def demo_rate(timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "relay_server.cli", "demo", "--recipe", "albert-tiny", "--peers", "2",
-           "--steps", "10", "--target-batch", "32", "--batch-size", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "relay_server.cli",
+        "demo",
+        "--recipe",
+        "albert-tiny",
+        "--peers",
+        "2",
+        "--steps",
+        "10",
+        "--target-batch",
+        "32",
+        "--batch-size",
+        "8",
+    ]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -242,45 +307,74 @@ def demo_rate(timeout_s: float) -> dict[str, Any]:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             out = json.loads(line)
-            return {"command": " ".join(["relay-server"] + cmd[3:]), "returncode": proc.returncode,
-                    "samples_per_s": out.get("samples_per_s"), "steps": out.get("steps"),
-                    "first_loss": out.get("first_loss"), "last_loss": out.get("last_loss"), "wall_s": wall}
+            return {
+                "command": " ".join(["relay-server"] + cmd[3:]),
+                "returncode": proc.returncode,
+                "samples_per_s": out.get("samples_per_s"),
+                "steps": out.get("steps"),
+                "first_loss": out.get("first_loss"),
+                "last_loss": out.get("last_loss"),
+                "wall_s": wall,
+            }
     return {"skipped": f"no JSON line from the demo (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
 
 
 # --- report ---------------------------------------------------------------------------------------
 def print_tables(relay: list[dict], peer: list[dict], demo: dict | None) -> None:
     print("\nRelay: one optimizer step on the master vector (median), bytes per parameter")
-    print(f"{'model':<13} {'optimizer':<10} {'P':>12} {'step s':>8} {'x adamw':>8} {'B/param':>8} "
-          f"{'opt B/p':>8} {'x adamw':>8}")
+    print(
+        f"{'model':<13} {'optimizer':<10} {'P':>12} {'step s':>8} {'x adamw':>8} {'B/param':>8} "
+        f"{'opt B/p':>8} {'x adamw':>8}"
+    )
     for r in relay:
         label = f"{r['optimizer']}{'-8bit' if r['state_bits'] == 8 else ''}"
         if "skipped" in r:
             print(f"{r['model']:<13} {label:<10} {r['params']:>12,}  skipped: {r['skipped']}")
             continue
-        print(f"{r['model']:<13} {label:<10} {r['params']:>12,} {r['step_s']:>8.3f} "
-              f"{r.get('step_ratio_vs_adamw', 1):>8.2f} {r['B_per_param']:>8.2f} {r['optimizer_B_per_param']:>8.2f} "
-              f"{r.get('bytes_ratio_vs_adamw', 1):>8.3f}")
+        print(
+            f"{r['model']:<13} {label:<10} {r['params']:>12,} {r['step_s']:>8.3f} "
+            f"{r.get('step_ratio_vs_adamw', 1):>8.2f} {r['B_per_param']:>8.2f} {r['optimizer_B_per_param']:>8.2f} "
+            f"{r.get('bytes_ratio_vs_adamw', 1):>8.3f}"
+        )
     if peer:
         print(f"\nPeer training device, bytes per parameter ({peer[0]['measured']})")
-        print(f"{'model':<13} {'precision':<9} {'accum':<7} {'grad':<8} {'params':>7} {'grads':>7} {'accum':>7} "
-              f"{'total':>7}")
+        print(
+            f"{'model':<13} {'precision':<9} {'accum':<7} {'grad':<8} {'params':>7} {'grads':>7} {'accum':>7} "
+            f"{'total':>7}"
+        )
         for r in peer:
-            print(f"{r['model']:<13} {r['precision']:<9} {r['accumulator']:<7} {r['grad_dtype']:<8} "
-                  f"{r['params_B_per_param']:>7.2f} {r['grads_B_per_param']:>7.2f} "
-                  f"{r['accumulator_B_per_param']:>7.2f} {r['B_per_param']:>7.2f}")
+            print(
+                f"{r['model']:<13} {r['precision']:<9} {r['accumulator']:<7} {r['grad_dtype']:<8} "
+                f"{r['params_B_per_param']:>7.2f} {r['grads_B_per_param']:>7.2f} "
+                f"{r['accumulator_B_per_param']:>7.2f} {r['B_per_param']:>7.2f}"
+            )
     if demo is not None:
-        print("\nTiny recipe: " + (f"{demo['samples_per_s']} samples/s ({demo['command']}, {demo['wall_s']} s)"
-                                   if "samples_per_s" in demo else f"skipped: {demo['skipped']}"))
+        print(
+            "\nTiny recipe: "
+            + (
+                f"{demo['samples_per_s']} samples/s ({demo['command']}, {demo['wall_s']} s)"
+                if "samples_per_s" in demo
+                else f"skipped: {demo['skipped']}"
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="albert-large,gpt2-125m",
-                        help=f"comma-separated, of {', '.join(MODELS)} (default albert-large,gpt2-125m)")
-    parser.add_argument("--steps", type=int, default=5, help="timed relay steps per case, after one warmup (default 5)")
-    parser.add_argument("--seq-len", type=int, default=128, help="peer micro-batch length, CUDA measurement (default 128)")
-    parser.add_argument("--micro-batches", type=int, default=3, help="peer micro-batches, CUDA measurement (default 3)")
+    parser.add_argument(
+        "--models",
+        default="albert-large,gpt2-125m",
+        help=f"comma-separated, of {', '.join(MODELS)} (default albert-large,gpt2-125m)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed relay steps per case, after one warmup (default 5)"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=128, help="peer micro-batch length, CUDA measurement (default 128)"
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=3, help="peer micro-batches, CUDA measurement (default 3)"
+    )
     parser.add_argument("--skip-demo", action="store_true", help="leave out the tiny recipe's samples/s")
     parser.add_argument("--demo-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
@@ -300,8 +394,18 @@ def main(argv: list[str] | None = None) -> int:
         print("[demo] albert-tiny, 2 peers ...", file=sys.stderr, flush=True)
         demo = demo_rate(args.demo_timeout)
     print_tables(relay, peer, demo)
-    print(json.dumps({"relay": relay, "peer": peer, "demo": demo, "torch_threads": torch.get_num_threads(),
-                      "loadavg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.perf_counter() - start, 1)}))
+    print(
+        json.dumps(
+            {
+                "relay": relay,
+                "peer": peer,
+                "demo": demo,
+                "torch_threads": torch.get_num_threads(),
+                "loadavg_1m": round(os.getloadavg()[0], 2),
+                "wall_s": round(time.perf_counter() - start, 1),
+            }
+        )
+    )
     return 0
 
 

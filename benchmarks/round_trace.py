@@ -34,6 +34,7 @@ def _note(what: str, started: float, ended: float) -> None:
 def _timed(owner: type, name: str, label: str) -> None:
     original = getattr(owner, name)
     if inspect.iscoroutinefunction(original):
+
         @functools.wraps(original)
         async def traced(*args, **kwargs):
             started = time.time()
@@ -42,6 +43,7 @@ def _timed(owner: type, name: str, label: str) -> None:
             finally:
                 _note(label, started, time.time())
     else:
+
         @functools.wraps(original)
         def traced(*args, **kwargs):
             started = time.time()
@@ -49,6 +51,7 @@ def _timed(owner: type, name: str, label: str) -> None:
                 return original(*args, **kwargs)
             finally:
                 _note(label, started, time.time())
+
     setattr(owner, name, traced)
 
 
@@ -56,10 +59,15 @@ def main() -> None:
     from relay_server import cli
     from relay_server.rounds import master, publisher, reducer
 
-    for owner, name, label in [(reducer.Reducer, "reduce", "upload"), (reducer.Reducer, "_stage", "stage"),
-                               (reducer.Reducer, "_commit", "commit"), (reducer.Reducer, "finish_mean", "mean"),
-                               (master.MasterState, "apply_gradient", "step"), (publisher.Publisher, "write", "write"),
-                               (publisher.Publisher, "send", "send")]:
+    for owner, name, label in [
+        (reducer.Reducer, "reduce", "upload"),
+        (reducer.Reducer, "_stage", "stage"),
+        (reducer.Reducer, "_commit", "commit"),
+        (reducer.Reducer, "finish_mean", "mean"),
+        (master.MasterState, "apply_gradient", "step"),
+        (publisher.Publisher, "write", "write"),
+        (publisher.Publisher, "send", "send"),
+    ]:
         _timed(owner, name, label)
     hash_of = publisher.sha256_of
 

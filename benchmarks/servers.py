@@ -46,8 +46,9 @@ def toml_text(sections: dict[str, dict[str, Any]]) -> str:
             return "[" + ", ".join(value(x) for x in v) + "]"
         return json.dumps(v)
 
-    return "".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in values.items())
-                   for name, values in sections.items())
+    return "".join(
+        f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in values.items()) for name, values in sections.items()
+    )
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
@@ -68,7 +69,9 @@ def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeou
     while not ready.exists() or not ready.read_text().strip():
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = log.read_text()[-3000:] if log.exists() else ""
-            state = f"exited with {proc.returncode}" if proc.poll() is not None else f"did not listen in {timeout_s:.0f} s"
+            state = (
+                f"exited with {proc.returncode}" if proc.poll() is not None else f"did not listen in {timeout_s:.0f} s"
+            )
             raise ServerFailed(f"{what} {state}:\n{tail}", proc.poll())
         time.sleep(0.05)
     return ready.read_text().strip()
@@ -101,9 +104,18 @@ class ServerRun:
         stop_process(self.proc)
 
 
-def start_server(folder: Path, name: str, args: list[str], data_dir: Path, *, command: list[str] | None = None,
-                 wrap: Callable[[list[str]], list[str]] | None = None, env: dict[str, str] | None = None,
-                 preexec_fn: Callable[[], None] | None = None, timeout_s: float = 120) -> ServerRun:
+def start_server(
+    folder: Path,
+    name: str,
+    args: list[str],
+    data_dir: Path,
+    *,
+    command: list[str] | None = None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+    timeout_s: float = 120,
+) -> ServerRun:
     """``command args --port 0 --ready-file folder/name.ready`` (``command``: the relay CLI unless
     a benchmark wraps it in a tracer), logging to ``folder/name.log``; ``wrap`` turns the argv into
     another (``ip netns exec ...``). Returns once it listens."""
@@ -112,8 +124,14 @@ def start_server(folder: Path, name: str, args: list[str], data_dir: Path, *, co
     ready.unlink(missing_ok=True)
     argv = [*(command or RELAY_CLI), *args, "--port", "0", "--ready-file", str(ready)]
     with open(log, "a") as out:
-        proc = subprocess.Popen(wrap(argv) if wrap else argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, preexec_fn=preexec_fn)
+        proc = subprocess.Popen(
+            wrap(argv) if wrap else argv,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=preexec_fn,
+        )
     try:
         url = wait_ready(proc, ready, log, name, timeout_s)
     except ServerFailed:
@@ -124,8 +142,9 @@ def start_server(folder: Path, name: str, args: list[str], data_dir: Path, *, co
     return ServerRun(proc, url, log, data_dir)
 
 
-def start_relay(folder: Path, config: dict[str, dict[str, Any]] | str, *, name: str = "relay",
-                **kwargs: Any) -> ServerRun:
+def start_relay(
+    folder: Path, config: dict[str, dict[str, Any]] | str, *, name: str = "relay", **kwargs: Any
+) -> ServerRun:
     """``relay-server serve`` of ``config`` (sections, or TOML text) written to
     ``folder/name.toml``, its state in ``folder/name-data``; keywords as :func:`start_server`'s."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,6 +157,20 @@ def start_aggregator(folder: Path, relay: ServerRun, name: str, **kwargs: Any) -
     """``relay-server aggregator`` for ``relay``, with the admin token the relay wrote to its data
     folder; keywords as :func:`start_server`'s."""
     data = folder / f"{name}-data"
-    return start_server(folder, name, ["aggregator", "--coordinator", relay.url, "--data-dir", str(data),
-                                       "--admin-token-file", str(relay.data_dir / "admin_token"), "--name", name],
-                        data, **kwargs)
+    return start_server(
+        folder,
+        name,
+        [
+            "aggregator",
+            "--coordinator",
+            relay.url,
+            "--data-dir",
+            str(data),
+            "--admin-token-file",
+            str(relay.data_dir / "admin_token"),
+            "--name",
+            name,
+        ],
+        data,
+        **kwargs,
+    )

@@ -50,8 +50,16 @@ RELAY_PORT, AGG_PORT = 8750, 8751
 SAMPLES_PER_S = 1000.0  # compute never binds, so the LP's shares follow the links
 
 
-def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], peer_hosts: list[Host],
-             numel: int, warmup: int, rounds: int) -> dict:
+def run_mode(
+    mode: str,
+    star: Star,
+    relay_host: Host,
+    agg_hosts: list[Host],
+    peer_hosts: list[Host],
+    numel: int,
+    warmup: int,
+    rounds: int,
+) -> dict:
     """One collaboration in ``mode``; returns the timed rounds' seconds and the final shares."""
     aggregators = [] if mode == "single_relay" else agg_hosts
     total = warmup + rounds
@@ -60,28 +68,91 @@ def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], pee
         (tmp / "run.toml").write_text(relay_config(numel, len(peer_hosts), replan=mode == "plan"))
         procs: list[subprocess.Popen] = []
         try:
-            relay = subprocess.Popen(relay_host.command(
-                [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(tmp / "run.toml"),
-                 "--host", relay_host.address, "--port", str(RELAY_PORT), "--data-dir", str(tmp / "data"),
-                 "--ready-file", str(tmp / "relay.ready")]),
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "relay.log", "w"))
+            relay = subprocess.Popen(
+                relay_host.command(
+                    [
+                        sys.executable,
+                        "-m",
+                        "relay_server.cli",
+                        "serve",
+                        "--config",
+                        str(tmp / "run.toml"),
+                        "--host",
+                        relay_host.address,
+                        "--port",
+                        str(RELAY_PORT),
+                        "--data-dir",
+                        str(tmp / "data"),
+                        "--ready-file",
+                        str(tmp / "relay.ready"),
+                    ]
+                ),
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=open(tmp / "relay.log", "w"),
+            )
             procs.append(relay)
             url = wait_ready(relay, tmp / "relay.ready", tmp / "relay.log", "relay")
             for i, host in enumerate(aggregators):
-                procs.append(subprocess.Popen(host.command(
-                    [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", url,
-                     "--host", host.address, "--port", str(AGG_PORT), "--data-dir", str(tmp / f"agg{i}"),
-                     "--admin-token-file", str(tmp / "data" / "admin_token"), "--name", host.name,
-                     "--ready-file", str(tmp / f"agg{i}.ready")]),
-                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / f"agg{i}.log", "w")))
+                procs.append(
+                    subprocess.Popen(
+                        host.command(
+                            [
+                                sys.executable,
+                                "-m",
+                                "relay_server.cli",
+                                "aggregator",
+                                "--coordinator",
+                                url,
+                                "--host",
+                                host.address,
+                                "--port",
+                                str(AGG_PORT),
+                                "--data-dir",
+                                str(tmp / f"agg{i}"),
+                                "--admin-token-file",
+                                str(tmp / "data" / "admin_token"),
+                                "--name",
+                                host.name,
+                                "--ready-file",
+                                str(tmp / f"agg{i}.ready"),
+                            ]
+                        ),
+                        cwd=REPO,
+                        stdout=subprocess.DEVNULL,
+                        stderr=open(tmp / f"agg{i}.log", "w"),
+                    )
+                )
                 wait_ready(procs[-1], tmp / f"agg{i}.ready", tmp / f"agg{i}.log", host.name)
             peers = []
             for i, host in enumerate(peer_hosts):
-                peers.append(subprocess.Popen(host.command(
-                    [sys.executable, __file__, "peer", "--url", url, "--index", str(i), "--numel", str(numel),
-                     "--rounds", str(total), "--peers", str(len(peer_hosts)),
-                     "--slices", str(len(aggregators) + 1 if aggregators else 0)]),
-                    cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp / f"peer{i}.log", "w"), text=True))
+                peers.append(
+                    subprocess.Popen(
+                        host.command(
+                            [
+                                sys.executable,
+                                __file__,
+                                "peer",
+                                "--url",
+                                url,
+                                "--index",
+                                str(i),
+                                "--numel",
+                                str(numel),
+                                "--rounds",
+                                str(total),
+                                "--peers",
+                                str(len(peer_hosts)),
+                                "--slices",
+                                str(len(aggregators) + 1 if aggregators else 0),
+                            ]
+                        ),
+                        cwd=REPO,
+                        stdout=subprocess.PIPE,
+                        stderr=open(tmp / f"peer{i}.log", "w"),
+                        text=True,
+                    )
+                )
             procs.extend(peers)
             # while they run, keep the plan's inputs (the driver reaches the relay over the bridge)
             measured, deadline = {}, time.monotonic() + 60 + 120 * total
@@ -110,9 +181,13 @@ def run_mode(mode: str, star: Star, relay_host: Host, agg_hosts: list[Host], pee
     final_owners = by_step[total - 1][0]["owners"]
     # the timed rounds: the last ``rounds``, and of those only ones under the final plan
     timed = [s for s in range(warmup, total) if by_step[s][0]["owners"] == final_owners]
-    return {"round_s": statistics.median(seconds[s] for s in timed), "timed_rounds": len(timed),
-            "all_rounds_s": [round(seconds[s], 3) for s in sorted(seconds)],
-            "fractions": final_owners or {"relay": 1.0}, "measured_mbit": measured}
+    return {
+        "round_s": statistics.median(seconds[s] for s in timed),
+        "timed_rounds": len(timed),
+        "all_rounds_s": [round(seconds[s], 3) for s in sorted(seconds)],
+        "fractions": final_owners or {"relay": 1.0},
+        "measured_mbit": measured,
+    }
 
 
 def _measured_rates(url: str, peers: int) -> dict[str, list]:
@@ -129,8 +204,10 @@ def _measured_rates(url: str, peers: int) -> dict[str, list]:
         client.close()
     if sum(i.role == "peer" for i in inputs) < peers:
         return {}
-    return {i.name: [round(i.upload * 8e-6, 1), round(i.download * 8e-6, 1), i.upload_source, i.download_source]
-            for i in inputs}
+    return {
+        i.name: [round(i.upload * 8e-6, 1), round(i.download * 8e-6, 1), i.upload_source, i.download_source]
+        for i in inputs
+    }
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -148,15 +225,24 @@ def bench(args: argparse.Namespace) -> dict:
         for mode in ("single_relay", "equal_split", "plan"):
             warmup = args.warmup if mode == "plan" else 1
             results[mode] = run_mode(mode, star, relay_host, agg_hosts, peer_hosts, numel, warmup, args.rounds)
-            print(f"{mode}: {results[mode]['round_s']:.2f} s/round (rounds {results[mode]['all_rounds_s']}), "
-                  f"shares {results[mode]['fractions']}", flush=True)
+            print(
+                f"{mode}: {results[mode]['round_s']:.2f} s/round (rounds {results[mode]['all_rounds_s']}), "
+                f"shares {results[mode]['fractions']}",
+                flush=True,
+            )
         print(f"the plan's inputs (Mbit/s up, down): {results['plan']['measured_mbit']}", flush=True)
     plan_s, single_s = results["plan"]["round_s"], results["single_relay"]["round_s"]
-    return {"plan_s": round(plan_s, 3), "single_relay_s": round(single_s, 3),
-            "equal_split_s": round(results["equal_split"]["round_s"], 3),
-            "plan_vs_single": round(plan_s / single_s, 3), "fractions": results["plan"]["fractions"],
-            "mb": args.mb, "relay_mbit": args.relay_mbit, "aggregator_mbit": args.aggregator_mbit,
-            "peer_mbit": peer_mbit}
+    return {
+        "plan_s": round(plan_s, 3),
+        "single_relay_s": round(single_s, 3),
+        "equal_split_s": round(results["equal_split"]["round_s"], 3),
+        "plan_vs_single": round(plan_s / single_s, 3),
+        "fractions": results["plan"]["fractions"],
+        "mb": args.mb,
+        "relay_mbit": args.relay_mbit,
+        "aggregator_mbit": args.aggregator_mbit,
+        "peer_mbit": peer_mbit,
+    }
 
 
 def peer(args: argparse.Namespace) -> None:
@@ -166,11 +252,23 @@ def peer(args: argparse.Namespace) -> None:
         if item[0] == "params":
             return
         index, step, started, ended, version, owners, _ = item
-        print(json.dumps({"index": index, "step": step, "started": started, "ended": ended,
-                          "version": version, "owners": owners}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "index": index,
+                    "step": step,
+                    "started": started,
+                    "ended": ended,
+                    "version": version,
+                    "owners": owners,
+                }
+            ),
+            flush=True,
+        )
 
-    run_peer(args.url, args.index, args.numel, args.rounds, args.peers, args.slices, report,
-             samples_per_s=SAMPLES_PER_S)
+    run_peer(
+        args.url, args.index, args.numel, args.rounds, args.peers, args.slices, report, samples_per_s=SAMPLES_PER_S
+    )
 
 
 def main() -> None:

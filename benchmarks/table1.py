@@ -47,8 +47,7 @@ PAPER = {  # Table 1: seconds per averaging round (AR, PS, Ours)
 
 
 def _gpus(prefix: str, count: int, gbit: float) -> list[PeerCapacity]:
-    return [PeerCapacity(f"{prefix}{i:02d}", ALWAYS, gbit * GBIT, gbit * GBIT, True, True)
-            for i in range(count)]
+    return [PeerCapacity(f"{prefix}{i:02d}", ALWAYS, gbit * GBIT, gbit * GBIT, True, True) for i in range(count)]
 
 
 def setups() -> dict[str, list[PeerCapacity]]:
@@ -60,9 +59,11 @@ def setups() -> dict[str, list[PeerCapacity]]:
 def predict(peers: list[PeerCapacity], bytes_per_param: float) -> dict[str, float]:
     """Seconds per averaging round for the three strategies."""
     plan = solve_plan(peers, PARAMS, target_batch=1.0, bytes_per_param=bytes_per_param)
-    return {"allreduce_s": allreduce_round_s(peers, PARAMS, bytes_per_param),
-            "ps_s": parameter_server_round_s(peers, PARAMS, bytes_per_param)[1],
-            "plan_s": plan.predicted_round_s}
+    return {
+        "allreduce_s": allreduce_round_s(peers, PARAMS, bytes_per_param),
+        "ps_s": parameter_server_round_s(peers, PARAMS, bytes_per_param)[1],
+        "plan_s": plan.predicted_round_s,
+    }
 
 
 def main() -> None:
@@ -71,10 +72,12 @@ def main() -> None:
     for name, peers in setups().items():
         fp32, fp16 = predict(peers, 4.0), predict(peers, 2.0)
         for label, row in (("ours fp32", fp32), ("ours fp16", fp16), ("paper", PAPER[name])):
-            print(f"{name:6}{label:12}{row['allreduce_s']:8.2f}{row['ps_s']:8.2f}"
-                  f"{row['plan_s']:8.2f}")
-        out[name] = {**{k: round(v, 3) for k, v in fp32.items()},
-                     "fp16": {k: round(v, 3) for k, v in fp16.items()}, "paper": PAPER[name]}
+            print(f"{name:6}{label:12}{row['allreduce_s']:8.2f}{row['ps_s']:8.2f}{row['plan_s']:8.2f}")
+        out[name] = {
+            **{k: round(v, 3) for k, v in fp32.items()},
+            "fp16": {k: round(v, 3) for k, v in fp16.items()},
+            "paper": PAPER[name],
+        }
     print(json.dumps(out))
 
 

@@ -60,8 +60,17 @@ MAX_PENDING_TRANSFERS = 4096
 
 
 class AggregatorServer:
-    def __init__(self, *, coordinator: str, public_url: str, data_dir: str | Path, token: str, name: str,
-                 keep_versions: int = 3, call_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        coordinator: str,
+        public_url: str,
+        data_dir: str | Path,
+        token: str,
+        name: str,
+        keep_versions: int = 3,
+        call_timeout_s: float = 60.0,
+    ) -> None:
         self.coordinator, self.public_url, self.name, self.token = coordinator.rstrip("/"), public_url, name, token
         self.admin = AdminToken(token)
         self.store = Store(data_dir, keep=keep_versions)
@@ -81,8 +90,15 @@ class AggregatorServer:
         """A transfer this aggregator served: into its own rates, and reported to the relay."""
         self.meter.record(direction, step, nbytes, started)
         if peer_id and nbytes and len(self.transfers) < MAX_PENDING_TRANSFERS:
-            self.transfers.append(TransferSample(peer_id=peer_id, direction=direction, step=step, nbytes=nbytes,
-                                                 seconds=max(time.monotonic() - started, 1e-6)))
+            self.transfers.append(
+                TransferSample(
+                    peer_id=peer_id,
+                    direction=direction,
+                    step=step,
+                    nbytes=nbytes,
+                    seconds=max(time.monotonic() - started, 1e-6),
+                )
+            )
 
     # --- talking to the relay ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -92,8 +108,11 @@ class AggregatorServer:
             if self.welcome is None:
                 try:
                     self.welcome = await self.client.call(
-                        "POST", self.coordinator + ROUTES["aggregator_register"], AggregatorWelcome,
-                        AggregatorRegistration(name=self.name, url=self.public_url, protocol=PROTOCOL_VERSION))
+                        "POST",
+                        self.coordinator + ROUTES["aggregator_register"],
+                        AggregatorWelcome,
+                        AggregatorRegistration(name=self.name, url=self.public_url, protocol=PROTOCOL_VERSION),
+                    )
                     log.info("registered with %s as %s", self.coordinator, self.aggregator_id)
                 except CallFailed as exc:
                     log.warning("cannot register with the relay yet: %s", exc)
@@ -104,9 +123,13 @@ class AggregatorServer:
 
     async def _heartbeat(self) -> None:
         sent, self.transfers = self.transfers, []
-        hb = AggregatorHeartbeat(step=self.owner.step if self.owner else 0,
-                                 plan_version=self.owner.plan_version if self.owner else "",
-                                 upload=self.meter.upload.value, download=self.meter.download.value, transfers=sent)
+        hb = AggregatorHeartbeat(
+            step=self.owner.step if self.owner else 0,
+            plan_version=self.owner.plan_version if self.owner else "",
+            upload=self.meter.upload.value,
+            download=self.meter.download.value,
+            transfers=sent,
+        )
         url = self.coordinator + ROUTES["aggregator_heartbeat"].format(aggregator_id=self.aggregator_id)
         try:
             await self.client.call("POST", url, None, hb)
@@ -127,18 +150,29 @@ class AggregatorServer:
         async with self._assigning:
             try:
                 meta, state, _ = await self.client.fetch_tensors(
-                    self.coordinator + ROUTES["slice_state"], {"start": req.start, "end": req.end, "step": req.step})
+                    self.coordinator + ROUTES["slice_state"], {"start": req.start, "end": req.end, "step": req.step}
+                )
             except CallFailed as exc:
                 raise ApiError(502, "state_pull_failed", str(exc)) from None
             if (meta.get("start"), meta.get("end"), meta.get("step")) != (str(req.start), str(req.end), str(req.step)):
                 raise ApiError(502, "state_pull_failed", f"the relay sent {meta}")
             owner = await asyncio.to_thread(  # builds the optimizer: keep the event loop (heartbeats) free
-                SliceOwner, run.layout, state, start=req.start, end=req.end, step=req.step,
-                optimizer=OptimizerSection(**self.welcome.optimizer), total_steps=run.total_steps,
-                codecs=run_codecs(run.compression, run.download_compression), store=self.store, run_name=run.run_name,
+                SliceOwner,
+                run.layout,
+                state,
+                start=req.start,
+                end=req.end,
+                step=req.step,
+                optimizer=OptimizerSection(**self.welcome.optimizer),
+                total_steps=run.total_steps,
+                codecs=run_codecs(run.compression, run.download_compression),
+                store=self.store,
+                run_name=run.run_name,
                 download_feedback=run.download_feedback,
                 robust=robust_config(RoundsSection(**self.welcome.rounds)),
-                plan_version=req.plan_version, on_transfer=self.record)
+                plan_version=req.plan_version,
+                on_transfer=self.record,
+            )
             version: Version = await owner.reducer.run(owner.write_initial)
             owner.publisher.publish(version)
             old, self.owner = self.owner, owner
@@ -156,16 +190,26 @@ class AggregatorServer:
     async def finalize(self, req: FinalizeRequest) -> SliceReport:
         owner = self.current_owner(req.plan_version)
         version, r, norm = await owner.finalize(req.step, req.round_id, req.grad_norm)
-        return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
-                           peers=len(r.received), grad_norm=norm, refused=r.refused)
+        return SliceReport(
+            step=version.step,
+            start=owner.start,
+            end=owner.end,
+            sha256=version.sha256,
+            peers=len(r.received),
+            grad_norm=norm,
+            refused=r.refused,
+        )
 
     def current_owner(self, plan_version: str | None = None) -> SliceOwner:
         """The slice this aggregator owns, refused (409) when it owns none or follows another plan."""
         if self.owner is None:
             raise ApiError(409, "no_slice", "this aggregator owns no slice")
         if plan_version is not None and plan_version != self.owner.plan_version:
-            raise ApiError(409, "plan_changed", f"finalize for plan {plan_version}, this aggregator follows "
-                           f"{self.owner.plan_version}")
+            raise ApiError(
+                409,
+                "plan_changed",
+                f"finalize for plan {plan_version}, this aggregator follows {self.owner.plan_version}",
+            )
         return self.owner
 
     async def close(self) -> None:
@@ -202,8 +246,9 @@ async def put_gradient(request: web.Request) -> web.Response:
     agg = _agg(request)
     if agg.welcome is None:
         raise ApiError(503, "not_registered", "this aggregator has not joined the run yet", "Retry shortly.")
-    return json_ok(await put_slice(request, agg.owner, agg.welcome.ticket_key,
-                                   require_digests=agg.welcome.run.auth != "open"))
+    return json_ok(
+        await put_slice(request, agg.owner, agg.welcome.ticket_key, require_digests=agg.welcome.run.auth != "open")
+    )
 
 
 async def get_params(request: web.Request) -> web.StreamResponse:
@@ -240,10 +285,18 @@ async def get_state(request: web.Request) -> web.StreamResponse:
 async def get_status(request: web.Request) -> web.Response:
     agg = _agg(request)
     owner = agg.owner
-    return json_ok({"aggregator_id": agg.aggregator_id, "name": agg.name, "coordinator": agg.coordinator,
-                    "slice": [owner.start, owner.end] if owner else None, "step": owner.step if owner else None,
-                    "plan_version": owner.plan_version if owner else None,
-                    "upload": agg.meter.upload.value, "download": agg.meter.download.value})
+    return json_ok(
+        {
+            "aggregator_id": agg.aggregator_id,
+            "name": agg.name,
+            "coordinator": agg.coordinator,
+            "slice": [owner.start, owner.end] if owner else None,
+            "step": owner.step if owner else None,
+            "plan_version": owner.plan_version if owner else None,
+            "upload": agg.meter.upload.value,
+            "download": agg.meter.download.value,
+        }
+    )
 
 
 ROUTE_TABLE = [
@@ -279,23 +332,40 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     await agg.close()
 
 
-async def serve_aggregator(*, coordinator: str, host: str, port: int, public_url: str | None, data_dir: str,
-                           token: str, name: str | None, keep_versions: int = 3, ready_file: str | None = None,
-                           stop: asyncio.Event | None = None) -> None:
+async def serve_aggregator(
+    *,
+    coordinator: str,
+    host: str,
+    port: int,
+    public_url: str | None,
+    data_dir: str,
+    token: str,
+    name: str | None,
+    keep_versions: int = 3,
+    ready_file: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Listen, then register with the relay at ``coordinator`` (once the URL peers use is known:
     with ``port`` 0 the bound port is in it, the ``ready_file`` gets it, and an unnamed aggregator
     is named after it). Its data dir is locked first, as a relay's is (:mod:`relay_server.core.data_lock`):
     two aggregators on one directory would write one slice's versions over each other."""
     with DataDirLock.acquire(data_dir, "aggregator") as lock:
-        agg = AggregatorServer(coordinator=coordinator, public_url=public_url or "", data_dir=data_dir, token=token,
-                         name=name or "", keep_versions=keep_versions)
+        agg = AggregatorServer(
+            coordinator=coordinator,
+            public_url=public_url or "",
+            data_dir=data_dir,
+            token=token,
+            name=name or "",
+            keep_versions=keep_versions,
+        )
 
         def ready(url: str) -> None:
             lock.announce(url)
             agg.public_url = (public_url or url).rstrip("/")
             agg.name = agg.name or agg.public_url.split("://")[-1][:128]
             agg.task = asyncio.get_running_loop().create_task(agg.run())
-            log.info("aggregator %r listening on %s (reachable as %s), relay %s", agg.name, url, agg.public_url,
-                     coordinator)
+            log.info(
+                "aggregator %r listening on %s (reachable as %s), relay %s", agg.name, url, agg.public_url, coordinator
+            )
 
         await serve_app(create_app(agg), host, port, ready_file=ready_file, stop=stop, on_ready=ready)

@@ -88,20 +88,26 @@ TOKENIZED = {"albert-tiny": "wordpiece", "dmoe-lm-tiny": "bpe"}
 EXPERT_HOSTS = 2
 """Expert host processes a demo of a run with [moe] starts, together holding every expert."""
 OVERSHOOT_POLICY = {
-    "reported": ("a round opens when the peers' reported samples reach {target}; each peer (reporting after "
-                 "every micro-batch) then adds at most the micro-batch it was computing, so a step applies "
-                 "{target} to {most} samples (each line says how many; --open-round projected or a smaller "
-                 "--batch-size keeps it closer to the target)"),
-    "projected": ("a round opens when the reported samples plus the micro-batch each other peer is computing "
-                  "reach {target}: steps land closer to {target}, so a step applies {least} to {most} samples "
-                  "(below {target} when a peer's micro-batch misses the round; each line says how many)"),
+    "reported": (
+        "a round opens when the peers' reported samples reach {target}; each peer (reporting after "
+        "every micro-batch) then adds at most the micro-batch it was computing, so a step applies "
+        "{target} to {most} samples (each line says how many; --open-round projected or a smaller "
+        "--batch-size keeps it closer to the target)"
+    ),
+    "projected": (
+        "a round opens when the reported samples plus the micro-batch each other peer is computing "
+        "reach {target}: steps land closer to {target}, so a step applies {least} to {most} samples "
+        "(below {target} when a peer's micro-batch misses the round; each line says how many)"
+    ),
 }
 """What the header says of a step's samples. The bounds hold because the demo's peers report after
 every micro-batch (``python -m toolkit.peer --report-interval 0``): a peer that reports at most every
 0.5 s, with micro-batches faster than that, adds what it computed meanwhile, however many."""
 
-CLOSED_DASHBOARD = ("dashboard: closed with the demo ({url}/ no longer answers); run the demo with --keep to keep "
-                    "the relay and its dashboard up after the last step, until Ctrl-C")
+CLOSED_DASHBOARD = (
+    "dashboard: closed with the demo ({url}/ no longer answers); run the demo with --keep to keep "
+    "the relay and its dashboard up after the last step, until Ctrl-C"
+)
 """The line just before the JSON summary of a demo without ``--keep`` (the summary stays the last line)."""
 ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 """Besides Ctrl-C (SIGINT): what ends a demo or a trial as an interruption, its cleanup included."""
@@ -113,6 +119,7 @@ def ending_signals():
     peers, expert hosts and relay are stopped and its temporary directory removed, instead of the
     process vanishing with them left behind. Only the first signal interrupts: the cleanup it
     starts is not cut short by another. Outside the main thread (an embedding app) nothing changes."""
+
     def interrupt(signum: int, frame: object) -> None:
         for number in (signal.SIGINT, *ENDING_SIGNALS):
             signal.signal(number, signal.SIG_IGN)
@@ -150,60 +157,117 @@ def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
     needed = ("tokenizers", "transformers") if recipe == "albert-tiny" else ("tokenizers",)
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise ConfigError(f"--recipe {recipe} needs {' and '.join(missing)}: "
-                          "pip install -e '.[hf]' (or pip install 'collabtrain[hf]')")
+        raise ConfigError(
+            f"--recipe {recipe} needs {' and '.join(missing)}: "
+            "pip install -e '.[hf]' (or pip install 'collabtrain[hf]')"
+        )
     from relay_server.data.tokenizer_train import train_for_run
 
     path = resources.files("relay_server").joinpath(f"defaults/{recipe}.toml")
     with resources.as_file(path) as toml:
         config = load_config(toml, overrides=overrides, run_data=False)
         tokenizer = directory / "tokenizer.json"
-        vocab = config.model.config["vocab_size"] if config.model.kind == "transformers" else config.model.kwargs["vocab_size"]
+        vocab = (
+            config.model.config["vocab_size"]
+            if config.model.kind == "transformers"
+            else config.model.kwargs["vocab_size"]
+        )
         train_for_run(config, str(tokenizer), vocab_size=int(vocab), model=TOKENIZED[recipe])
         return load_config(toml, overrides={**overrides, "tokenizer": {"file": str(tokenizer)}})
 
 
-def run_demo(*, peers: int = 3, steps: int = 30, target_batch: int = 32, batch_size: int = 8,
-             data_dir: str | None = None, port: int = 0, compression: str = "none", recipe: str = "byte-lm",
-             keep: bool = False, open_round: str = "reported") -> int:
+def run_demo(
+    *,
+    peers: int = 3,
+    steps: int = 30,
+    target_batch: int = 32,
+    batch_size: int = 8,
+    data_dir: str | None = None,
+    port: int = 0,
+    compression: str = "none",
+    recipe: str = "byte-lm",
+    keep: bool = False,
+    open_round: str = "reported",
+) -> int:
     """Run the demo; with ``keep`` the relay and its dashboard stay up after the last step until
     Ctrl-C, so the finished run can be looked at."""
     with ending_signals():
         tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
         try:
-            return _demo(Path(data_dir or tmp.name), peers=peers, steps=steps,  # type: ignore[union-attr]
-                         target_batch=target_batch, batch_size=batch_size, port=port, compression=compression,
-                         recipe=recipe, keep=keep, open_round=open_round, temporary=tmp is not None)
+            return _demo(
+                Path(data_dir or tmp.name),
+                peers=peers,
+                steps=steps,  # type: ignore[union-attr]
+                target_batch=target_batch,
+                batch_size=batch_size,
+                port=port,
+                compression=compression,
+                recipe=recipe,
+                keep=keep,
+                open_round=open_round,
+                temporary=tmp is not None,
+            )
         finally:
             if tmp is not None:
                 tmp.cleanup()
 
 
-def _demo(directory: Path, *, peers: int, steps: int, target_batch: int, batch_size: int, port: int,
-          compression: str, recipe: str, keep: bool, open_round: str, temporary: bool) -> int:
+def _demo(
+    directory: Path,
+    *,
+    peers: int,
+    steps: int,
+    target_batch: int,
+    batch_size: int,
+    port: int,
+    compression: str,
+    recipe: str,
+    keep: bool,
+    open_round: str,
+    temporary: bool,
+) -> int:
     directory.mkdir(parents=True, exist_ok=True)
-    config = recipe_config(recipe, directory, {
-        "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-        "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
-        "rounds": {"open_round": open_round}})
+    config = recipe_config(
+        recipe,
+        directory,
+        {
+            "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+            "run": {"total_steps": steps, "target_batch": target_batch, "compression": compression},
+            "rounds": {"open_round": open_round},
+        },
+    )
     if config.pipeline.enabled:
         batch_size, target_batch = config.pipeline.microbatch_size, config.run.target_batch
-    header = [f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
-              *([f"pipeline:  {config.pipeline.stages} stages; each peer runs one"] if config.pipeline.enabled else []),
-              f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
-              f"{steps} steps, compression {compression}",
-              f"rounds:    {OVERSHOOT_POLICY[open_round].format(**applied_range(target_batch, peers, batch_size))}"
-              if not config.pipeline.enabled else
-              f"rounds:    a step applies exactly {target_batch} samples: every stage steps once all "
-              f"{config.pipeline.microbatches_per_batch} micro-batches of the batch ran forward and backward",
-              f"state:     {directory} (" + ("temporary: removed when the demo ends, whatever ends it; --data-dir DIR "
-                                            "keeps it)" if temporary else "kept after the demo)")]
+    header = [
+        f"model:     {config.model.label()} ({recipe}), optimizer {config.optimizer.name}",
+        *([f"pipeline:  {config.pipeline.stages} stages; each peer runs one"] if config.pipeline.enabled else []),
+        f"peers:     {peers} CPU processes, micro-batch {batch_size}, target batch {target_batch}, "
+        f"{steps} steps, compression {compression}",
+        f"rounds:    {OVERSHOOT_POLICY[open_round].format(**applied_range(target_batch, peers, batch_size))}"
+        if not config.pipeline.enabled
+        else f"rounds:    a step applies exactly {target_batch} samples: every stage steps once all "
+        f"{config.pipeline.microbatches_per_batch} micro-batches of the batch ran forward and backward",
+        f"state:     {directory} ("
+        + (
+            "temporary: removed when the demo ends, whatever ends it; --data-dir DIR keeps it)"
+            if temporary
+            else "kept after the demo)"
+        ),
+    ]
     return LocalRun("demo", config, directory, peers=peers, batch_size=batch_size, threads=1).run(
-        header, keep=keep, closing=None if keep else CLOSED_DASHBOARD)
+        header, keep=keep, closing=None if keep else CLOSED_DASHBOARD
+    )
 
 
-def run_trial(path: str, *, steps: int | None = None, target_batch: int = 16, batch_size: int = 8, port: int = 0,
-              threads: int = 1) -> int:
+def run_trial(
+    path: str,
+    *,
+    steps: int | None = None,
+    target_batch: int = 16,
+    batch_size: int = 8,
+    port: int = 0,
+    threads: int = 1,
+) -> int:
     """``relay-server trial``: the organizer's own run (model, objective, data, optimizer) on this
     machine before anyone joins it: a small target batch, open auth on 127.0.0.1, one local peer,
     state in a temporary directory, Hub pushes and W&B off. The dashboard stays up until Ctrl-C
@@ -211,17 +275,25 @@ def run_trial(path: str, *, steps: int | None = None, target_batch: int = 16, ba
     schedule is the run's own."""
     with ending_signals(), tempfile.TemporaryDirectory(prefix="collab-trial-") as tmp:
         directory = Path(tmp)
-        config = load_config(path, overrides={
-            "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
-            "auth": {"mode": "open"}, "hub": {"repo_id": ""}, "wandb": {"project": ""}})
+        config = load_config(
+            path,
+            overrides={
+                "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
+                "auth": {"mode": "open"},
+                "hub": {"repo_id": ""},
+                "wandb": {"project": ""},
+            },
+        )
         own, config.run.target_batch = config.run.target_batch, target_batch  # the run's own, said in the header
         until = f"stops after {steps} step{'s' * (steps > 1)}" if steps else "until Ctrl-C"
-        header = [f"trial:     {path} on this machine: auth open on 127.0.0.1, state in a temporary directory, "
-                  "no Hub pushes or W&B (the run's own data_dir is untouched)",
-                  f"model:     {config.model.label()}, optimizer {config.optimizer.name} (lr {config.optimizer.lr:g}, "
-                  f"{config.optimizer.schedule})",
-                  f"peers:     1 CPU process ({threads} thread{'s' * (threads > 1)}), micro-batch {batch_size}, target "
-                  f"batch {target_batch} (the run's own, {own}, is for the collaboration), {until}"]
+        header = [
+            f"trial:     {path} on this machine: auth open on 127.0.0.1, state in a temporary directory, "
+            "no Hub pushes or W&B (the run's own data_dir is untouched)",
+            f"model:     {config.model.label()}, optimizer {config.optimizer.name} (lr {config.optimizer.lr:g}, "
+            f"{config.optimizer.schedule})",
+            f"peers:     1 CPU process ({threads} thread{'s' * (threads > 1)}), micro-batch {batch_size}, target "
+            f"batch {target_batch} (the run's own, {own}, is for the collaboration), {until}",
+        ]
         local = LocalRun("trial", config, directory, peers=1, batch_size=batch_size, threads=threads, stop_after=steps)
         return local.run(header, keep=False, interrupt_ends=True)
 
@@ -231,8 +303,17 @@ class LocalRun:
     followed through ``/api/status``: one line per optimizer step, a JSON summary last. The demo
     and the trial differ only in their configuration and their header."""
 
-    def __init__(self, name: str, config, directory: Path, *, peers: int, batch_size: int, threads: int,
-                 stop_after: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config,
+        directory: Path,
+        *,
+        peers: int,
+        batch_size: int,
+        threads: int,
+        stop_after: int | None = None,
+    ) -> None:
         self.name, self.config, self.directory, self.peers = name, config, directory, peers
         self.batch_size, self.threads, self.stop_after = batch_size, threads, stop_after
         self.losses: dict[int, float] = {}
@@ -270,11 +351,28 @@ class LocalRun:
                 extra += ["--trusted-model", self.config.model.factory.split(":")[0].split(".")[0]]
             if not self.config.pipeline.enabled:  # a trainer's options: a stage worker takes the run's micro-batch
                 extra += ["--batch-size", str(self.batch_size), "--report-interval", "0"]
-            procs += [subprocess.Popen([sys.executable, "-m", "toolkit.peer", "--relay", url, "--name", f"peer-{i}",
-                                        "--seed", str(1000 + i), "--threads", str(self.threads), *extra],
-                                       env=child_env(),
-                                       stdout=subprocess.DEVNULL, stderr=open(self.directory / f"peer-{i}.log", "w"))
-                      for i in range(self.peers)]
+            procs += [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "toolkit.peer",
+                        "--relay",
+                        url,
+                        "--name",
+                        f"peer-{i}",
+                        "--seed",
+                        str(1000 + i),
+                        "--threads",
+                        str(self.threads),
+                        *extra,
+                    ],
+                    env=child_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(self.directory / f"peer-{i}.log", "w"),
+                )
+                for i in range(self.peers)
+            ]
             code = self._follow(client, url, procs)
             _stop_peers(procs)
             if keep and code == 0:
@@ -297,11 +395,19 @@ class LocalRun:
         if closing:
             print(closing.format(url=url), flush=True)
         ordered = [self.losses[s] for s in sorted(self.losses)]
-        print(json.dumps({"steps": max(self.losses, default=0), "peers": self.peers,
-                          "first_loss": round(ordered[0], 4) if ordered else None,
-                          "last_loss": round(ordered[-1], 4) if ordered else None,
-                          "samples_per_s": round(_rate(self.samples, self.times), 2),
-                          "loss_references": self.references}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "steps": max(self.losses, default=0),
+                    "peers": self.peers,
+                    "first_loss": round(ordered[0], 4) if ordered else None,
+                    "last_loss": round(ordered[-1], 4) if ordered else None,
+                    "samples_per_s": round(_rate(self.samples, self.times), 2),
+                    "loss_references": self.references,
+                }
+            ),
+            flush=True,
+        )
         return code
 
     def _follow(self, client: requests.Session, url: str, procs: list[subprocess.Popen]) -> int:
@@ -316,9 +422,12 @@ class LocalRun:
                     self.times[r.step] = time.monotonic()
                     rate = _rate(self.samples, self.times)
                     of = f"/{total}" if total else ""
-                    print(f"step {r.step:4d}{of}  loss {self.losses[r.step]:.4f}  samples/s {rate:7.1f}  "
-                          f"peers {status.num_peers}  (applied {r.samples} of target {target} samples "
-                          f"from {r.contributors} peers in {r.duration_s:.2f}s)", flush=True)
+                    print(
+                        f"step {r.step:4d}{of}  loss {self.losses[r.step]:.4f}  samples/s {rate:7.1f}  "
+                        f"peers {status.num_peers}  (applied {r.samples} of target {target} samples "
+                        f"from {r.contributors} peers in {r.duration_s:.2f}s)",
+                        flush=True,
+                    )
             if status.finished or (self.stop_after and max(self.losses, default=0) >= self.stop_after):
                 return 0
             if all(p.poll() is not None for p in procs):
@@ -341,18 +450,39 @@ def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -
     (the run's [moe] section), started and waited for until the relay's directory lists them all."""
     experts = len(moe.uids())
     capacity = -(-experts // EXPERT_HOSTS)
-    hosts = [subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", url, "--capacity", str(capacity),
-                               "--name", f"host-{i}"], env=child_env(), stdout=subprocess.DEVNULL,
-                              stderr=open(directory / f"host-{i}.log", "w"))
-             for i in range(EXPERT_HOSTS)]
-    print(f"experts:   {experts} ({moe.layers} layers of {'x'.join(map(str, moe.grid))}, top {moe.k}) on "
-          f"{EXPERT_HOSTS} expert hosts (python -m toolkit.moe.host --capacity {capacity})", flush=True)
+    hosts = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "toolkit.moe.host",
+                "--relay",
+                url,
+                "--capacity",
+                str(capacity),
+                "--name",
+                f"host-{i}",
+            ],
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=open(directory / f"host-{i}.log", "w"),
+        )
+        for i in range(EXPERT_HOSTS)
+    ]
+    print(
+        f"experts:   {experts} ({moe.layers} layers of {'x'.join(map(str, moe.grid))}, top {moe.k}) on "
+        f"{EXPERT_HOSTS} expert hosts (python -m toolkit.moe.host --capacity {capacity})",
+        flush=True,
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while len(requests.get(url + ROUTES["moe_directory"], timeout=10).json()["live"]) < experts:
             if time.monotonic() > deadline or any(h.poll() is not None for h in hosts):
-                raise CollabError("experts_not_hosted", f"the expert hosts did not lease all {experts} experts",
-                                  f"Read {directory}/host-0.log.")
+                raise CollabError(
+                    "experts_not_hosted",
+                    f"the expert hosts did not lease all {experts} experts",
+                    f"Read {directory}/host-0.log.",
+                )
             time.sleep(0.25)
     except BaseException:
         _stop_peers(hosts, grace_s=0)

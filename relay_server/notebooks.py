@@ -79,9 +79,11 @@ def template(platform: str) -> str:
 def generated_block() -> str:
     """The cell's copy of the toolkit's words: :data:`toolkit.errors.MESSAGES`, the reasons a
     connection fails, and the two functions that pick them (plain standard-library Python)."""
-    lines = [f"{GENERATED_START}: the toolkit's own words for what can stop",
-             "# this cell before the toolkit is installed (what happened, what to do); do not edit.",
-             "MESSAGES = {"]
+    lines = [
+        f"{GENERATED_START}: the toolkit's own words for what can stop",
+        "# this cell before the toolkit is installed (what happened, what to do); do not edit.",
+        "MESSAGES = {",
+    ]
     for code, (what, todo) in errors.MESSAGES.items():
         lines += [f"    {json.dumps(code)}: (", f"        {json.dumps(what)},", f"        {json.dumps(todo)}),"]
     lines += ["}", "UNREACHABLE_REASONS = ("]
@@ -103,9 +105,13 @@ def render(template_text: str, pin: ToolkitPin) -> str:
         raise ConfigError("a notebook template must have exactly one code cell")
     source = "".join(cells[0]["source"])
     block = generated_block()
-    for pattern, value in ((RELAY_LINE, f'"{pin.relay_url}"'), (WHEEL_LINE, f'"{pin.wheel}"'),
-                           (SHA256_LINE, f'"{pin.sha256}"'), (EXTRAS_LINE, f'"{pin.extras}"'),
-                           (GENERATED_BLOCK, block)):
+    for pattern, value in (
+        (RELAY_LINE, f'"{pin.relay_url}"'),
+        (WHEEL_LINE, f'"{pin.wheel}"'),
+        (SHA256_LINE, f'"{pin.sha256}"'),
+        (EXTRAS_LINE, f'"{pin.extras}"'),
+        (GENERATED_BLOCK, block),
+    ):
         source, count = pattern.subn(lambda match: (match.group(1) if match.groups() else "") + value, source)
         if count != 1:
             raise ConfigError(f"the notebook template has no line matching {pattern.pattern!r}: reinstall collabtrain")
@@ -118,8 +124,9 @@ def checked_url(relay_url: str) -> str:
     """``relay_url`` without a trailing slash, refused unless it is an http(s) address."""
     base = relay_url.rstrip("/")
     if not URL_PATTERN.fullmatch(base):
-        raise ConfigError(f"--url must be the relay's public http(s) address, e.g. https://relay.example.org, "
-                          f"got {relay_url!r}")
+        raise ConfigError(
+            f"--url must be the relay's public http(s) address, e.g. https://relay.example.org, got {relay_url!r}"
+        )
     return base
 
 
@@ -136,17 +143,26 @@ def check_reachable(platform: str, relay_url: str, local_test: bool) -> None:
         address = ipaddress.ip_address(host)
     except ValueError:
         address = None
-    if host == "localhost" or host.endswith(".localhost") or (
-            address is not None and (address.is_loopback or address.is_private or address.is_unspecified
-                                     or address.is_link_local)):
-        raise ConfigError(f"a {platform} notebook runs on {platform}'s machines, which cannot reach {relay_url} (an "
-                          f"address of this machine or its network): pass the relay's public https:// address, or "
-                          f"--local-test for a notebook you run on this machine yourself")
+    if (
+        host == "localhost"
+        or host.endswith(".localhost")
+        or (
+            address is not None
+            and (address.is_loopback or address.is_private or address.is_unspecified or address.is_link_local)
+        )
+    ):
+        raise ConfigError(
+            f"a {platform} notebook runs on {platform}'s machines, which cannot reach {relay_url} (an "
+            f"address of this machine or its network): pass the relay's public https:// address, or "
+            f"--local-test for a notebook you run on this machine yourself"
+        )
     if parts.scheme != "https":
-        raise ConfigError(f"{relay_url} is plain http, so a {platform} notebook would send volunteers' tokens and "
-                          f"gradients across the internet in clear: put the relay behind TLS (README: 'TLS through a "
-                          f"reverse proxy') and pass its https:// address, or --local-test for a notebook you run on "
-                          f"this machine yourself")
+        raise ConfigError(
+            f"{relay_url} is plain http, so a {platform} notebook would send volunteers' tokens and "
+            f"gradients across the internet in clear: put the relay behind TLS (README: 'TLS through a "
+            f"reverse proxy') and pass its https:// address, or --local-test for a notebook you run on "
+            f"this machine yourself"
+        )
 
 
 def fetch_pin(relay_url: str, timeout_s: float = 15.0) -> ToolkitPin:
@@ -156,26 +172,42 @@ def fetch_pin(relay_url: str, timeout_s: float = 15.0) -> ToolkitPin:
     try:
         response = requests.get(url, timeout=timeout_s)
     except requests.RequestException as exc:
-        raise ConfigError(f"cannot reach the relay at {url} ({errors.unreachable_reason(exc)}): start it "
-                          f"(relay-server serve --config RUN.toml) and pass the address volunteers will use, with its "
-                          f"scheme and port")
+        raise ConfigError(
+            f"cannot reach the relay at {url} ({errors.unreachable_reason(exc)}): start it "
+            f"(relay-server serve --config RUN.toml) and pass the address volunteers will use, with its "
+            f"scheme and port"
+        )
     try:
         body = response.json()
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        raise ConfigError(f"{not_a_relay_message(url, response.status_code, response.headers.get('Content-Type', ''))} "
-                          f"{NOT_A_RELAY_HINT}")
+        raise ConfigError(
+            f"{not_a_relay_message(url, response.status_code, response.headers.get('Content-Type', ''))} "
+            f"{NOT_A_RELAY_HINT}"
+        )
     if response.status_code != 200:
-        raise ConfigError(f"{url} answered HTTP {response.status_code}: {body.get('message', body)}. "
-                          f"{body.get('hint') or 'Upgrade the relay to a collabtrain that serves its toolkit.'}")
+        raise ConfigError(
+            f"{url} answered HTTP {response.status_code}: {body.get('message', body)}. "
+            f"{body.get('hint') or 'Upgrade the relay to a collabtrain that serves its toolkit.'}"
+        )
     extras = body.get("extras", "hf")  # a relay older than the extras names none: hf
-    pin = ToolkitPin(relay_url=base, wheel=str(body.get("wheel", "")), sha256=str(body.get("sha256", "")),
-                     version=str(body.get("version", "")), extras=extras if isinstance(extras, str) else "")
-    if not (WHEEL_PATTERN.fullmatch(pin.wheel) and SHA256_PATTERN.fullmatch(pin.sha256)
-            and EXTRAS_PATTERN.fullmatch(pin.extras)):
-        raise ConfigError(f"{url} answered without a wheel name, sha256 and extras ({body}): is this a collabtrain "
-                          f"relay? {NOT_A_RELAY_HINT}")
+    pin = ToolkitPin(
+        relay_url=base,
+        wheel=str(body.get("wheel", "")),
+        sha256=str(body.get("sha256", "")),
+        version=str(body.get("version", "")),
+        extras=extras if isinstance(extras, str) else "",
+    )
+    if not (
+        WHEEL_PATTERN.fullmatch(pin.wheel)
+        and SHA256_PATTERN.fullmatch(pin.sha256)
+        and EXTRAS_PATTERN.fullmatch(pin.extras)
+    ):
+        raise ConfigError(
+            f"{url} answered without a wheel name, sha256 and extras ({body}): is this a collabtrain "
+            f"relay? {NOT_A_RELAY_HINT}"
+        )
     return pin
 
 
@@ -187,9 +219,11 @@ def check_not_finished(relay_url: str, timeout_s: float = 15.0) -> None:
     except (requests.RequestException, ValueError):
         return  # a relay that cannot report its status now: the notebook checks again when it runs
     if isinstance(status, dict) and status.get("finished"):
-        raise ConfigError(f"run {status.get('run_name')!r} at {relay_url} already finished at step "
-                          f"{status.get('step')}, so every volunteer opening this notebook would stop at once: raise "
-                          f"[run] total_steps and restart the relay, or pass the address of the next run's relay")
+        raise ConfigError(
+            f"run {status.get('run_name')!r} at {relay_url} already finished at step "
+            f"{status.get('step')}, so every volunteer opening this notebook would stop at once: raise "
+            f"[run] total_steps and restart the relay, or pass the address of the next run's relay"
+        )
 
 
 def write_notebook(platform: str, relay_url: str, out: Path, *, local_test: bool = False) -> ToolkitPin:
@@ -210,8 +244,9 @@ def refresh_templates() -> list[Path]:
     written = []
     for platform in PLATFORMS:
         text = template(platform)
-        default = RELAY_LINE.search("".join(next(c for c in json.loads(text)["cells"] if c["cell_type"] == "code")
-                                            ["source"]))
+        default = RELAY_LINE.search(
+            "".join(next(c for c in json.loads(text)["cells"] if c["cell_type"] == "code")["source"])
+        )
         url = re.search(r'"([^"]*)"$', default.group(0)).group(1)
         fresh = render(text, ToolkitPin(relay_url=url, wheel="", sha256=""))
         for directory in (package, package.parents[2] / "notebooks"):

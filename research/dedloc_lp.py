@@ -82,8 +82,7 @@ def _caps(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
     return cap, np.maximum(cap, prob.d)
 
 
-def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.ndarray,
-                                                              np.ndarray, np.ndarray]:
+def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.ndarray, np.ndarray, np.ndarray]:
     """Rows ``A x <= b`` and bounds of eq. 5; the caller adds the objective."""
     n = len(prob.ids)
     cap, big = _caps(prob)
@@ -91,33 +90,45 @@ def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.nd
     rows = SparseRows()
     free = part[prob.pin[part] == -1]
     # xi <= sum_k s_k c_k (pinned-on peers are constants on the right-hand side)
-    rows.add(np.zeros(free.size + 1), np.r_[0, lay.c_col[free]], np.r_[1.0, -prob.s[free]],
-             prob.s[part[prob.pin[part] == 1]].sum())
+    rows.add(
+        np.zeros(free.size + 1),
+        np.r_[0, lay.c_col[free]],
+        np.r_[1.0, -prob.s[free]],
+        prob.s[part[prob.pin[part] == 1]].sum(),
+    )
     # xi <= sum_i g_ij for every participant j
     pos = np.full(n, -1, np.int64)
     pos[part] = np.arange(part.size)
-    rows.add(np.r_[np.arange(part.size), pos[lay.g_j]], np.r_[np.zeros(part.size), lay.g_col],
-             np.r_[np.ones(part.size), -np.ones(lay.g_col.size)], np.zeros(part.size))
+    rows.add(
+        np.r_[np.arange(part.size), pos[lay.g_j]],
+        np.r_[np.zeros(part.size), lay.g_col],
+        np.r_[np.ones(part.size), -np.ones(lay.g_col.size)],
+        np.zeros(part.size),
+    )
     # g_ij <= a_ki + (1 - c_k) M_i: literally, or through one rate m_i per aggregator
     if form == "literal":
         _triple_rows(rows, prob, lay, big)
     else:
         r = np.arange(lay.g_col.size)
-        rows.add(np.r_[r, r], np.r_[lay.g_col, lay.m_col[lay.g_i]],
-                 np.r_[np.ones(r.size), -np.ones(r.size)], np.zeros(r.size))
+        rows.add(
+            np.r_[r, r],
+            np.r_[lay.g_col, lay.m_col[lay.g_i]],
+            np.r_[np.ones(r.size), -np.ones(r.size)],
+            np.zeros(r.size),
+        )
         free_k = lay.c_col[lay.a_k] >= 0
         r = np.arange(lay.a_col.size)
-        rows.add(np.r_[r, r, r[free_k]],
-                 np.r_[lay.m_col[lay.a_i], lay.a_col, lay.c_col[lay.a_k[free_k]]],
-                 np.r_[np.ones(r.size), -np.ones(r.size), big[lay.a_i[free_k]]],
-                 np.where(free_k, big[lay.a_i], 0.0))
+        rows.add(
+            np.r_[r, r, r[free_k]],
+            np.r_[lay.m_col[lay.a_i], lay.a_col, lay.c_col[lay.a_k[free_k]]],
+            np.r_[np.ones(r.size), -np.ones(r.size), big[lay.a_i[free_k]]],
+            np.where(free_k, big[lay.a_i], 0.0),
+        )
     # upload and download budgets; self-traffic g_ii is in neither
     cross = lay.g_i != lay.g_j
     ones_a, ones_g = np.ones(lay.a_col.size), np.ones(int(cross.sum()))
-    rows.add(np.r_[lay.a_k, lay.g_i[cross]], np.r_[lay.a_col, lay.g_col[cross]],
-             np.r_[ones_a, ones_g], prob.u)
-    rows.add(np.r_[lay.a_i, lay.g_j[cross]], np.r_[lay.a_col, lay.g_col[cross]],
-             np.r_[ones_a, ones_g], prob.d)
+    rows.add(np.r_[lay.a_k, lay.g_i[cross]], np.r_[lay.a_col, lay.g_col[cross]], np.r_[ones_a, ones_g], prob.u)
+    rows.add(np.r_[lay.a_i, lay.g_j[cross]], np.r_[lay.a_col, lay.g_col[cross]], np.r_[ones_a, ones_g], prob.d)
     # pairwise limits: a_xy + g_xy <= t_xy
     a_at = {(int(k), int(i)): int(c) for k, i, c in zip(lay.a_k, lay.a_i, lay.a_col)}
     g_at = {(int(i), int(j)): int(c) for i, j, c in zip(lay.g_i, lay.g_j, lay.g_col)}
@@ -131,8 +142,9 @@ def _build(prob: _Problem, lay: _Layout, form: str) -> tuple[sp.csr_array, np.nd
     if form == "compact":
         ub[lay.m_col[agg]] = cap[agg]
     ub[lay.a_col] = np.minimum(prob.u[lay.a_k], prob.d[lay.a_i])
-    ub[lay.g_col] = np.where(cross, np.minimum(np.minimum(prob.u[lay.g_i], prob.d[lay.g_j]),
-                                               cap[lay.g_i]), cap[lay.g_i])
+    ub[lay.g_col] = np.where(
+        cross, np.minimum(np.minimum(prob.u[lay.g_i], prob.d[lay.g_j]), cap[lay.g_i]), cap[lay.g_i]
+    )
     a_ub, b_ub = rows.matrix(lay.n_vars)
     return a_ub, b_ub, lb, ub
 
@@ -147,9 +159,12 @@ def _triple_rows(rows: SparseRows, prob: _Problem, lay: _Layout, big: np.ndarray
         c_cols = lay.c_col[senders[aa]]
         free = c_cols >= 0
         r = np.arange(gg.size)
-        rows.add(np.r_[r, r, r[free]], np.r_[gg, a_cols[aa], c_cols[free]],
-                 np.r_[np.ones(r.size), -np.ones(r.size), np.full(int(free.sum()), big[i])],
-                 np.where(free, big[i], 0.0))
+        rows.add(
+            np.r_[r, r, r[free]],
+            np.r_[gg, a_cols[aa], c_cols[free]],
+            np.r_[np.ones(r.size), -np.ones(r.size), np.full(int(free.sum()), big[i])],
+            np.where(free, big[i], 0.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -184,16 +199,21 @@ def _served(lay: _Layout, x: np.ndarray) -> np.ndarray:
     return x[lay.g_col].reshape(lay.agg.size, lay.receivers.size).min(axis=1)
 
 
-def _max_sliced(prob: _Problem, lay: _Layout, a_ub: sp.csr_array, b_ub: np.ndarray,
-                lb: np.ndarray, ub: np.ndarray, xi_min: float) -> tuple[np.ndarray, float]:
+def _max_sliced(
+    prob: _Problem, lay: _Layout, a_ub: sp.csr_array, b_ub: np.ndarray, lb: np.ndarray, ub: np.ndarray, xi_min: float
+) -> tuple[np.ndarray, float]:
     """Max sum_i w_i, w_i <= g_ij for every receiver j, over eq. 5 solutions with xi >= xi_min:
     the fastest sliced plan among them. Returns (x without w, sum w)."""
     n_agg, nv = lay.agg.size, lay.n_vars
     w = nv + np.arange(n_agg)
     rows = SparseRows()
     r = np.arange(lay.g_col.size)
-    rows.add(np.r_[r, r], np.r_[w[np.repeat(np.arange(n_agg), lay.receivers.size)], lay.g_col],
-             np.r_[np.ones(r.size), -np.ones(r.size)], np.zeros(r.size))
+    rows.add(
+        np.r_[r, r],
+        np.r_[w[np.repeat(np.arange(n_agg), lay.receivers.size)], lay.g_col],
+        np.r_[np.ones(r.size), -np.ones(r.size)],
+        np.zeros(r.size),
+    )
     extra, b_extra = rows.matrix(nv + n_agg)
     a2 = sp.vstack([sp.hstack([a_ub, sp.csr_array((a_ub.shape[0], n_agg))]), extra]).tocsr()
     cap, _ = _caps(prob)
@@ -204,9 +224,14 @@ def _max_sliced(prob: _Problem, lay: _Layout, a_ub: sp.csr_array, b_ub: np.ndarr
     return x[:nv], float(x[nv:].sum())
 
 
-def solve_plan_reference(peers: Sequence[PeerCapacity], num_params: int, target_batch: float,
-                         bytes_per_param: float = 4.0, pairwise: Pairwise | None = None,
-                         form: str = "literal") -> Plan:
+def solve_plan_reference(
+    peers: Sequence[PeerCapacity],
+    num_params: int,
+    target_batch: float,
+    bytes_per_param: float = 4.0,
+    pairwise: Pairwise | None = None,
+    form: str = "literal",
+) -> Plan:
     """The paper's own LP (eq. 5 with continuous c, then eq. 6), literal O(n^3) rows or the
     compact O(n^2) form. For comparison and tests, small n only: its c is degenerate (see
     :mod:`relay_server.planning.planner`); ``steps_per_s`` is its xi, an upper bound, not a promise."""
@@ -220,5 +245,4 @@ def solve_plan_reference(peers: Sequence[PeerCapacity], num_params: int, target_
     free = lay.c_col >= 0
     c[free] = np.clip(sol.x[lay.c_col[free]], 0.0, 1.0)
     computing = np.flatnonzero(c >= COMPUTE_THRESHOLD)  # paper: c != 1 drops local gradients
-    return _make_plan(prob, sol.xi, np.maximum(_served(lay, sol.x), 0.0), c, computing,
-                      lay.receivers)
+    return _make_plan(prob, sol.xi, np.maximum(_served(lay, sol.x), 0.0), c, computing, lay.receivers)

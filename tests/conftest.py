@@ -40,9 +40,23 @@ pytest_plugins = ["tests.hf_standin", "tests.hub_standin"]  # `hf_standin`, `hub
 PEER_WORKER = Path(__file__).resolve().parent / "peer_worker.py"
 
 # Fixtures that start a process or a server: a test using one is an integration test.
-INTEGRATION_FIXTURES = frozenset({
-    "start_nginx", "start_relay", "serve_relay", "start_aggregators", "launch_peer", "launch_stage_worker",
-    "web_page", "hub", "hf_standin", "hub_standin", "relay_factory", "demo_tokenizer", "browser_page"})
+INTEGRATION_FIXTURES = frozenset(
+    {
+        "start_nginx",
+        "start_relay",
+        "serve_relay",
+        "start_aggregators",
+        "launch_peer",
+        "launch_stage_worker",
+        "web_page",
+        "hub",
+        "hf_standin",
+        "hub_standin",
+        "relay_factory",
+        "demo_tokenizer",
+        "browser_page",
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,7 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     CONTRIBUTING.md names, and :func:`_unit_tests_start_nothing` keeps the marks honest."""
     for item in items:
         if INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
-                item.get_closest_marker(m) for m in ("browser", "netns")):
+            item.get_closest_marker(m) for m in ("browser", "netns")
+        ):
             item.add_marker(pytest.mark.integration)
     # Slow tests (benchmarks, long fuzzing) run only when the -m expression names them: so plain
     # `pytest`, `pytest -m "not integration"` and `pytest -m slow` each mean what they say.
@@ -68,9 +83,13 @@ def _unit_tests_start_nothing(request: pytest.FixtureRequest, monkeypatch: pytes
     """A test not marked ``integration`` that starts a process or listens on a socket fails at
     once, naming the fix: the fast tier stays fast because it cannot start anything."""
     if request.node.get_closest_marker("integration") is None:
+
         def refuse(*args: object, **kwargs: object) -> None:
-            raise RuntimeError(f"{request.node.nodeid} starts a process or a server: mark it integration "
-                               "(pytestmark = pytest.mark.integration, or use a fixture of INTEGRATION_FIXTURES)")
+            raise RuntimeError(
+                f"{request.node.nodeid} starts a process or a server: mark it integration "
+                "(pytestmark = pytest.mark.integration, or use a fixture of INTEGRATION_FIXTURES)"
+            )
+
         monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
         monkeypatch.setattr(socket.socket, "listen", refuse)
@@ -149,8 +168,10 @@ def start_aggregators(tmp_path: Path) -> Iterator:
     aggregators: list[AggregatorProcess] = []
 
     def start(relay: RelayProcess, *names: str, wait: bool = True) -> list[AggregatorProcess]:
-        new = [AggregatorProcess(relay, name, tmp_path / f"{name}-data", tmp_path / f"{name}.log").start()
-               for name in names]
+        new = [
+            AggregatorProcess(relay, name, tmp_path / f"{name}-data", tmp_path / f"{name}.log").start()
+            for name in names
+        ]
         aggregators.extend(new)
         return [a.wait_registered() for a in new] if wait else new
 
@@ -164,13 +185,32 @@ def launch_peer(tmp_path: Path) -> Iterator:
     """``launch_peer(relay_url, name, seed=..., batch_size=..., steps=...)`` -> PeerProcess."""
     peers: list[PeerProcess] = []
 
-    def launch(relay_url: str, name: str, *, seed: int, batch_size: int, steps: int,
-               extra: tuple[str, ...] = ()) -> PeerProcess:
+    def launch(
+        relay_url: str, name: str, *, seed: int, batch_size: int, steps: int, extra: tuple[str, ...] = ()
+    ) -> PeerProcess:
         log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
         proc = subprocess.Popen(
-            [sys.executable, str(PEER_WORKER), "--relay", relay_url, "--name", name, "--seed", str(seed),
-             "--batch-size", str(batch_size), "--steps", str(steps), "--events", str(events), *extra],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+            [
+                sys.executable,
+                str(PEER_WORKER),
+                "--relay",
+                relay_url,
+                "--name",
+                name,
+                "--seed",
+                str(seed),
+                "--batch-size",
+                str(batch_size),
+                "--steps",
+                str(steps),
+                "--events",
+                str(events),
+                *extra,
+            ],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         peer = PeerProcess(name, proc, log, events)
         peers.append(peer)
         return peer
@@ -194,9 +234,25 @@ def launch_stage_worker(tmp_path: Path) -> Iterator:
     def launch(relay_url: str, name: str, *, seed: int, until_step: int, extra: tuple[str, ...] = ()) -> PeerProcess:
         log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
         proc = subprocess.Popen(
-            [sys.executable, str(STAGE_WORKER), "--relay", relay_url, "--name", name, "--seed", str(seed),
-             "--until-step", str(until_step), "--events", str(events), *extra],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+            [
+                sys.executable,
+                str(STAGE_WORKER),
+                "--relay",
+                relay_url,
+                "--name",
+                name,
+                "--seed",
+                str(seed),
+                "--until-step",
+                str(until_step),
+                "--events",
+                str(events),
+                *extra,
+            ],
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         workers.append(PeerProcess(name, proc, log, events))
         return workers[-1]
 
@@ -215,9 +271,9 @@ class BytesStream:
 
     async def readexactly(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
-            raise asyncio.IncompleteReadError(self.data[self.pos:], n)
+            raise asyncio.IncompleteReadError(self.data[self.pos :], n)
         self.pos += n
-        return self.data[self.pos - n:self.pos]
+        return self.data[self.pos - n : self.pos]
 
 
 @dataclass
@@ -320,9 +376,25 @@ def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("demo-tokenizer")
     config = where / "tok.toml"
     config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "tokenizer", "train", "--config", str(config),
-                           "--vocab-size", str(DEMO_TOKENIZER_VOCAB), "--out", str(where / "tokenizer.json")],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "tokenizer",
+            "train",
+            "--config",
+            str(config),
+            "--vocab-size",
+            str(DEMO_TOKENIZER_VOCAB),
+            "--out",
+            str(where / "tokenizer.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr
     return where / "tokenizer.json"
 

@@ -28,8 +28,9 @@ def lm_batches(tokenizer: Path, steps: int) -> list[dict[str, torch.Tensor]]:
     from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches
 
     objective = ObjectiveConfig.from_dict({"name": "causal-lm", "seq_len": SEQ_LEN})
-    stream = objective_batches(demo_texts(0), load_tokenizer(tokenizer.read_bytes()), objective, batch_size=BATCH,
-                               seed=0)
+    stream = objective_batches(
+        demo_texts(0), load_tokenizer(tokenizer.read_bytes()), objective, batch_size=BATCH, seed=0
+    )
     return list(itertools.islice(stream, steps))
 
 
@@ -45,12 +46,27 @@ def main() -> int:
     from toolkit.models import build_model
 
     model = build_model(RelayClient(args.url).get_run().model)  # the relay's parameters replace its values
-    result = join(args.url, model=model, data=lm_batches(args.tokenizer, args.steps), batch_size=BATCH,
-                  max_steps=args.steps, panel="none", peer_name="lm-trainer")
-    stats = [dict(calls=m.stats.calls, failures=m.stats.failures, backward_failures=m.stats.backward_failures,
-                  dropped_rows=m.stats.dropped_rows) for m in model.moe]
-    print(json.dumps({"final_step": result.final_step, "local_steps": result.local_steps, "layers": stats}),
-          flush=True)
+    result = join(
+        args.url,
+        model=model,
+        data=lm_batches(args.tokenizer, args.steps),
+        batch_size=BATCH,
+        max_steps=args.steps,
+        panel="none",
+        peer_name="lm-trainer",
+    )
+    stats = [
+        dict(
+            calls=m.stats.calls,
+            failures=m.stats.failures,
+            backward_failures=m.stats.backward_failures,
+            dropped_rows=m.stats.dropped_rows,
+        )
+        for m in model.moe
+    ]
+    print(
+        json.dumps({"final_step": result.final_step, "local_steps": result.local_steps, "layers": stats}), flush=True
+    )
     return 0
 
 

@@ -40,7 +40,7 @@ class StandinRequest:
     @property
     def token(self) -> str | None:
         auth = self.headers.get("authorization", "")
-        return auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        return auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
 
 
 @dataclass
@@ -63,11 +63,19 @@ class HfUser:
     def whoami(self) -> dict[str, Any]:
         """The whoami-v2 shape (huggingface.js ApiWhoAmIUser), with fake personal fields."""
         return {
-            "type": self.kind, "id": f"id-{self.name}", "name": self.name, "fullname": self.name.title(),
-            "email": f"{self.name}@example.invalid", "emailVerified": True, "canPay": False, "isPro": False,
-            "periodEnd": None, "avatarUrl": "",
-            "orgs": [{"type": "org", "id": f"id-{o}", "name": o, "fullname": o, "roleInOrg": "read"}
-                     for o in self.orgs],
+            "type": self.kind,
+            "id": f"id-{self.name}",
+            "name": self.name,
+            "fullname": self.name.title(),
+            "email": f"{self.name}@example.invalid",
+            "emailVerified": True,
+            "canPay": False,
+            "isPro": False,
+            "periodEnd": None,
+            "avatarUrl": "",
+            "orgs": [
+                {"type": "org", "id": f"id-{o}", "name": o, "fullname": o, "roleInOrg": "read"} for o in self.orgs
+            ],
             "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": self.role}},
         }
 
@@ -84,8 +92,9 @@ class HfStandin:
         self.add_route("GET", r"/api/whoami-v2", self._whoami)
 
     # --- configuration ---------------------------------------------------------------------------
-    def add_user(self, token: str, name: str, *, orgs: tuple[str, ...] = (), role: str = "read",
-                 kind: str = "user") -> HfUser:
+    def add_user(
+        self, token: str, name: str, *, orgs: tuple[str, ...] = (), role: str = "read", kind: str = "user"
+    ) -> HfUser:
         user = HfUser(name, tuple(orgs), role, kind)
         self.users[token] = user
         return user
@@ -108,8 +117,9 @@ class HfStandin:
         server.daemon_threads = True
         server.block_on_close = False  # type: ignore[attr-defined]  # never wait on a hung handler
         self._server = server
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="hf-standin",
-                         daemon=True).start()
+        threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="hf-standin", daemon=True
+        ).start()
         return self
 
     def stop(self) -> None:
@@ -185,7 +195,9 @@ def scope_hf_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     # hf_hub_download builds file URLs from this template, not from ENDPOINT
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     # the user-agent builder otherwise fetches {ENDPOINT}/api/agent-harnesses once per process
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)

@@ -102,8 +102,9 @@ class HubStandin(HfStandin):
             return None  # the Hub hides private repos behind the same 404 as missing ones
         return repo
 
-    def _lookup(self, request: StandinRequest, repo_id: str,
-                revision: str) -> tuple[Commit | None, StandinResponse | None]:
+    def _lookup(
+        self, request: StandinRequest, repo_id: str, revision: str
+    ) -> tuple[Commit | None, StandinResponse | None]:
         repo = self._readable(request, repo_id)
         if repo is None:
             return None, _not_found(f"Repository {repo_id} not found")
@@ -136,10 +137,17 @@ class HubStandin(HfStandin):
             return StandinResponse(403, {"error": f"You don't have the rights to create a repo in {repo_id}"})
         with self._repo_lock:
             if repo_id in self.repos:
-                return StandinResponse(409, {"error": "You already created this model repo", "url": self._url(repo_id)})
+                return StandinResponse(
+                    409, {"error": "You already created this model repo", "url": self._url(repo_id)}
+                )
             repo = Repo(repo_id, private=body.get("visibility", "public") != "public" or bool(body.get("private")))
-            repo.commits.append(Commit(_oid(b"initial", repo_id.encode()), "initial commit",
-                                       {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"}))
+            repo.commits.append(
+                Commit(
+                    _oid(b"initial", repo_id.encode()),
+                    "initial commit",
+                    {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"},
+                )
+            )
             self.repos[repo_id] = repo
         return StandinResponse(200, {"url": self._url(repo_id), "name": repo_id, "id": f"id-{repo_id}"})
 
@@ -149,9 +157,19 @@ class HubStandin(HfStandin):
         if error:
             return error
         repo = self.repos[repo_id]
-        return StandinResponse(200, {"id": repo_id, "modelId": repo_id, "sha": commit.oid, "private": repo.private,
-                                     "siblings": [{"rfilename": p} for p in sorted(commit.files)],
-                                     "tags": [], "downloads": 0, "likes": 0})
+        return StandinResponse(
+            200,
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": commit.oid,
+                "private": repo.private,
+                "siblings": [{"rfilename": p} for p in sorted(commit.files)],
+                "tags": [],
+                "downloads": 0,
+                "likes": 0,
+            },
+        )
 
     def _preupload(self, request: StandinRequest) -> StandinResponse:
         repo, error = self._writable(request, request.match["repo"])
@@ -159,10 +177,20 @@ class HubStandin(HfStandin):
             return error
         files = json.loads(request.body)["files"]
         head = repo.commits[-1]
-        return StandinResponse(200, {"files": [
-            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-             "oid": _blob_oid(head.files[f["path"]]) if f["path"] in head.files else None}
-            for f in files]})
+        return StandinResponse(
+            200,
+            {
+                "files": [
+                    {
+                        "path": f["path"],
+                        "uploadMode": "regular",
+                        "shouldIgnore": False,
+                        "oid": _blob_oid(head.files[f["path"]]) if f["path"] in head.files else None,
+                    }
+                    for f in files
+                ]
+            },
+        )
 
     def _commit(self, request: StandinRequest) -> StandinResponse:
         repo_id = request.match["repo"]
@@ -183,13 +211,26 @@ class HubStandin(HfStandin):
                 elif line["key"] == "deletedFile":
                     files.pop(line["value"]["path"], None)
                 elif line["key"] != "header":
-                    return StandinResponse(400, {"error": f"this stand-in does not take {line['key']!r} operations "
-                                                          "(preupload answers 'regular' for every file)"})
-            commit = Commit(_oid(repo.commits[-1].oid.encode(), json.dumps(header).encode(),
-                                 *(p.encode() + c for p, c in sorted(files.items()))), header["summary"], files)
+                    return StandinResponse(
+                        400,
+                        {
+                            "error": f"this stand-in does not take {line['key']!r} operations "
+                            "(preupload answers 'regular' for every file)"
+                        },
+                    )
+            commit = Commit(
+                _oid(
+                    repo.commits[-1].oid.encode(),
+                    json.dumps(header).encode(),
+                    *(p.encode() + c for p, c in sorted(files.items())),
+                ),
+                header["summary"],
+                files,
+            )
             repo.commits.append(commit)
-        return StandinResponse(200, {"success": True, "commitOid": commit.oid,
-                                     "commitUrl": f"{self._url(repo_id)}/commit/{commit.oid}"})
+        return StandinResponse(
+            200, {"success": True, "commitOid": commit.oid, "commitUrl": f"{self._url(repo_id)}/commit/{commit.oid}"}
+        )
 
     def _resolve(self, request: StandinRequest) -> StandinResponse:
         repo_id, revision, path = request.match["repo"], request.match["rev"], request.match["path"]
@@ -234,5 +275,7 @@ def hub_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubStandin]:
         # hf_hub_url swaps an explicit endpoint in only where the URL template (built at import time)
         # starts with constants.ENDPOINT; keep the two in step, as they are when HF_ENDPOINT is set
         # before the import
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+        )
         yield hub

@@ -61,13 +61,28 @@ def run_trainer(model, opt, args, precision: str) -> None:
 
     from toolkit.integrations.hf_trainer import CollaborativeCallback, run_dataset
 
-    targs = TrainingArguments(output_dir=args.workdir, per_device_train_batch_size=args.batch_size,
-                              gradient_accumulation_steps=args.accumulation, max_steps=MAX_LOCAL_STEPS,
-                              report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                              use_cpu=True, dataloader_num_workers=0, fp16=fp16, bf16=precision == "bf16",
-                              seed=0)
-    trainer = Trainer(model=model, args=targs, train_dataset=run_dataset(opt), optimizers=(opt, None),
-                      callbacks=[CollaborativeCallback(opt)])
+    targs = TrainingArguments(
+        output_dir=args.workdir,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation,
+        max_steps=MAX_LOCAL_STEPS,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        fp16=fp16,
+        bf16=precision == "bf16",
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=run_dataset(opt),
+        optimizers=(opt, None),
+        callbacks=[CollaborativeCallback(opt)],
+    )
     if fp16:  # what Accelerate builds on a GPU
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu")
         trainer.accelerator.native_amp = True
@@ -80,8 +95,11 @@ def run_accelerate(model, opt, args, precision: str) -> None:
 
     from toolkit.integrations import watch_loss
 
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation,
-                              mixed_precision={"fp32": "no"}.get(precision, precision))
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=args.accumulation,
+        mixed_precision={"fp32": "no"}.get(precision, precision),
+    )
     if fp16:  # what Accelerate builds on a GPU
         accelerator.scaler = torch.amp.GradScaler("cpu")
         accelerator.native_amp = True
@@ -113,12 +131,23 @@ def run_lightning(model, opt, args, precision: str) -> None:
         def configure_optimizers(self):
             return opt
 
-    plugins = {"fp16": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-               "bf16": [MixedPrecision("bf16-mixed", "cpu")]}.get(precision, [])
-    trainer = pl.Trainer(max_steps=MAX_LOCAL_STEPS, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, accumulate_grad_batches=args.accumulation, plugins=plugins,
-                         callbacks=[CollaborativeLightningCallback()])
+    plugins = {
+        "fp16": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        "bf16": [MixedPrecision("bf16-mixed", "cpu")],
+    }.get(precision, [])
+    trainer = pl.Trainer(
+        max_steps=MAX_LOCAL_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=args.accumulation,
+        plugins=plugins,
+        callbacks=[CollaborativeLightningCallback()],
+    )
     trainer.fit(Module(), opt.batches())
 
 
@@ -129,7 +158,9 @@ class Recorder:
     """Each training forward's inputs, and the accumulator's adds, takes and discards and what
     became of each upload, in order."""
 
-    def __init__(self, model: torch.nn.Module, opt: Any, skip: int | None, barrier: tuple[Path, str, int] | None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, opt: Any, skip: int | None, barrier: tuple[Path, str, int] | None
+    ) -> None:
         self.forwards: list[dict[str, torch.Tensor]] = []
         self.events: list[list] = []
         self.skip = skip
@@ -189,6 +220,7 @@ class Recorder:
             else:
                 self.events.append([name])
             return out
+
         return recorded
 
 
@@ -219,8 +251,9 @@ def main() -> int:
         import lightning.pytorch  # noqa: F401
     model = toolkit.run_model(args.relay)
     model.train()
-    opt = toolkit.CollaborativeOptimizer(model, args.relay, batch_size_per_step=args.batch_size,
-                                         peer_name=args.name, report_interval_s=0.05)
+    opt = toolkit.CollaborativeOptimizer(
+        model, args.relay, batch_size_per_step=args.batch_size, peer_name=args.name, report_interval_s=0.05
+    )
     barrier = (Path(args.barrier), args.name, args.peers) if args.barrier else None
     recorder = Recorder(model, opt, args.skip_micro_batch, barrier)
     try:
@@ -231,11 +264,20 @@ def main() -> int:
         opt.close()
     torch.save(recorder.forwards, args.result + ".batches.pt")
     with open(args.result, "w") as out:
-        json.dump({"loop": args.loop, "accumulation": args.accumulation, "precision": opt.precision,
-                   "contributed_samples": opt.contributed_samples, "version": opt.version,
-                   "finished": opt.finished, "events": recorder.events,
-                   "lrs": sorted({g["lr"] for g in opt.param_groups}),
-                   "last_error": str(opt.last_error) if opt.last_error else None}, out)
+        json.dump(
+            {
+                "loop": args.loop,
+                "accumulation": args.accumulation,
+                "precision": opt.precision,
+                "contributed_samples": opt.contributed_samples,
+                "version": opt.version,
+                "finished": opt.finished,
+                "events": recorder.events,
+                "lrs": sorted({g["lr"] for g in opt.param_groups}),
+                "last_error": str(opt.last_error) if opt.last_error else None,
+            },
+            out,
+        )
     return 0
 
 

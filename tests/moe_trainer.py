@@ -86,14 +86,39 @@ def main() -> int:
 
     count = args.batches or args.steps
     data = batches(count) if args.repeat is None else [batches(args.repeat)[i % args.repeat] for i in range(count)]
-    result = join(args.url, model=Recorder(**kwargs), data=Paced(data, args.sleep),
-                  batch_size=BATCH, max_steps=args.steps, panel=Losses(), peer_name="moe-trainer",
-                  moe_in_flight=args.in_flight)
-    stats = [dict(calls=m.stats.calls, failures=m.stats.failures, backward_failures=m.stats.backward_failures,
-                  dropped_rows=m.stats.dropped_rows) for m in model_box[0].moe]
-    print(json.dumps({"final_step": result.final_step, "local_steps": result.local_steps,
-                      "contributed": result.contributed_samples, "layers": stats, "failed_uids": failed,
-                      "losses": losses, "in_flight": result.in_flight}), flush=True)
+    result = join(
+        args.url,
+        model=Recorder(**kwargs),
+        data=Paced(data, args.sleep),
+        batch_size=BATCH,
+        max_steps=args.steps,
+        panel=Losses(),
+        peer_name="moe-trainer",
+        moe_in_flight=args.in_flight,
+    )
+    stats = [
+        dict(
+            calls=m.stats.calls,
+            failures=m.stats.failures,
+            backward_failures=m.stats.backward_failures,
+            dropped_rows=m.stats.dropped_rows,
+        )
+        for m in model_box[0].moe
+    ]
+    print(
+        json.dumps(
+            {
+                "final_step": result.final_step,
+                "local_steps": result.local_steps,
+                "contributed": result.contributed_samples,
+                "layers": stats,
+                "failed_uids": failed,
+                "losses": losses,
+                "in_flight": result.in_flight,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

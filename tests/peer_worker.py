@@ -49,11 +49,20 @@ def main() -> int:
     parser.add_argument("--delayed", action="store_true")
     parser.add_argument("--sleep-per-batch", type=float, default=0.0, help="simulate a slower device")
     parser.add_argument("--wait-peers", type=int, default=0, help="start computing once this many peers joined")
-    parser.add_argument("--wait-aggregators", type=int, default=0,
-                        help="start computing once this many aggregators registered with the relay")
+    parser.add_argument(
+        "--wait-aggregators",
+        type=int,
+        default=0,
+        help="start computing once this many aggregators registered with the relay",
+    )
     parser.add_argument("--hf-token-env", default=None, help="log in with the HF token in this environment variable")
-    parser.add_argument("--freeze-before-upload", type=int, default=None, metavar="STEP",
-                        help="SIGSTOP this process just before uploading to round STEP or later (the test kills it)")
+    parser.add_argument(
+        "--freeze-before-upload",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="SIGSTOP this process just before uploading to round STEP or later (the test kills it)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.name} %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -79,8 +88,14 @@ def main() -> int:
     warm = torch.nn.Parameter(torch.zeros(1))
     warm.grad = torch.zeros(1)
     torch.optim.SGD([warm], lr=0.0).step()
-    opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=args.batch_size, peer_name=args.name,
-                                 delayed_updates=args.delayed, report_interval_s=0.05)
+    opt = CollaborativeOptimizer(
+        model,
+        client=client,
+        batch_size_per_step=args.batch_size,
+        peer_name=args.name,
+        delayed_updates=args.delayed,
+        report_interval_s=0.05,
+    )
     emit(event="joined", step=opt.version, sha=params_sha(model))
     if args.freeze_before_upload is not None:
         upload = client.upload_gradient
@@ -102,8 +117,9 @@ def main() -> int:
     cursor, version = 0, opt.version
     # A run with an [objective]: the run's own input pipeline (its tokenizer, packing, masking),
     # every batch kept so the test can replay the rows each round received.
-    pipeline = peer_batches(run, client, opt.peer_id, batch_size=args.batch_size, seed=args.seed) \
-        if run.objective else None
+    pipeline = (
+        peer_batches(run, client, opt.peer_id, batch_size=args.batch_size, seed=args.seed) if run.objective else None
+    )
     kept: list[dict] = []
     try:
         while opt.version < args.steps and not opt.finished and not stopping:
@@ -112,7 +128,7 @@ def main() -> int:
                 ids = [f"{args.name}/{len(kept)}/{r}" for r in range(len(batch["input_ids"]))]
                 kept.append(batch)
             else:
-                ids = [int(i) for i in order[cursor:cursor + args.batch_size]]
+                ids = [int(i) for i in order[cursor : cursor + args.batch_size]]
                 cursor = (cursor + args.batch_size) % (len(order) - args.batch_size)
                 batch = data[ids]
             time.sleep(args.sleep_per_batch)

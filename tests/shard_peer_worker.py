@@ -91,8 +91,12 @@ def main() -> int:
     stopping.set()
     beating.join()
     client.leave(peer_id)
-    emit(event="done", consumed=consumed, samples={s: n for src in sources for s, n in src.samples.items()},
-         network_attempts=attempts)
+    emit(
+        event="done",
+        consumed=consumed,
+        samples={s: n for src in sources for s, n in src.samples.items()},
+        network_attempts=attempts,
+    )
     return 1 if attempts else 0
 
 

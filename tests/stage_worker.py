@@ -30,10 +30,12 @@ def data(run, microbatch_size: int, seed: int):
 def hoarder(base, relay: str, log):
     """Holds the stage gradients the relay accepted from it and keeps heartbeating and polling,
     but never asks for a ticket: without a deadline on held gradients the round waits forever."""
+
     class Hoarder(base):
         def _upload(self, call) -> None:
             log(event="hoarding", step=call.step, microbatches=call.microbatches)
             time.sleep(0.2)
+
     return Hoarder
 
 
@@ -55,11 +57,13 @@ def ticket_reuser(base, relay: str, log):
                 except RelayRejected as exc:
                     log(event="second_ticket_refused", code=exc.code)
                 return ticket
+
             client.pipeline_ticket = twice
             try:
                 super()._upload(call)
             finally:
                 client.pipeline_ticket = real
+
     return Reuser
 
 
@@ -84,17 +88,24 @@ def lease_hog(base, relay: str, log):
                 try:
                     work, _ = client.pipeline_work(self.peer_id, wait_s=2, cached=[])
                     for task in work.tasks:
-                        log(event="hogged", task=task.task_id, kind=task.kind, stage=task.stage,
-                            microbatch=task.microbatch)
+                        log(
+                            event="hogged",
+                            task=task.task_id,
+                            kind=task.kind,
+                            stage=task.stage,
+                            microbatch=task.microbatch,
+                        )
                 except Exception as exc:  # noqa: BLE001 -- an attacker shrugs
                     log(event="hog_error", error=str(exc)[:200])
                     time.sleep(0.2)
+
     return Hog
 
 
 def liar(base, relay: str, log):
     """Claims 1e12 samples/s for its stage and never asks for work (it only heartbeats): placed
     by self-reports, every honest joiner would go to the other stages and its own is never served."""
+
     class Liar(base):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -102,6 +113,7 @@ def liar(base, relay: str, log):
 
         def _serve_once(self, wait_s: int) -> None:
             time.sleep(0.5)
+
     return Liar
 
 
@@ -117,7 +129,7 @@ def trickler(base, relay: str, log):
         log(event="trickling", size=len(body))
         for i in range(len(body) - 200, len(body)):
             time.sleep(2.0)
-            yield body[i:i + 1]
+            yield body[i : i + 1]
 
     class Trickler(base):
         def _upload(self, call) -> None:
@@ -127,6 +139,7 @@ def trickler(base, relay: str, log):
                 super()._upload(call)
             finally:
                 toolkit.transfer.SizedBody.__iter__ = honest
+
     return Trickler
 
 
@@ -148,8 +161,12 @@ def main() -> int:
     ap.add_argument("--sleep-per-task", type=float, default=0.0)
     ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--hf-token-env", default="", help="log in with the token in this variable (an hf-mode run)")
-    ap.add_argument("--hostile", choices=sorted(HOSTILE), default="",
-                    help="misbehave as one of the hostile workers of tests/test_hostile_pipeline.py")
+    ap.add_argument(
+        "--hostile",
+        choices=sorted(HOSTILE),
+        default="",
+        help="misbehave as one of the hostile workers of tests/test_hostile_pipeline.py",
+    )
     args = ap.parse_args()
     started = time.monotonic()
     events = open(args.events, "a", buffering=1)
@@ -161,8 +178,9 @@ def main() -> int:
     if args.hf_token_env:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
-    membership = Membership(client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}),
-                            what="stage worker")
+    membership = Membership(
+        client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}), what="stage worker"
+    )
     peer_id = membership.join().peer_id
     size = int(run.pipeline["microbatch_size"])
 
@@ -172,13 +190,26 @@ def main() -> int:
 
     class Logged(StageWorker):
         def _do(self, task, inputs) -> None:
-            log(event="leased", task=task.task_id, kind=task.kind, stage=task.stage, microbatch=task.microbatch,
-                batch=task.batch, cached=task.input_cached)
+            log(
+                event="leased",
+                task=task.task_id,
+                kind=task.kind,
+                stage=task.stage,
+                microbatch=task.microbatch,
+                batch=task.batch,
+                cached=task.input_cached,
+            )
             time.sleep(args.sleep_per_task)
             before = self.tasks_done
             super()._do(task, inputs)
-            log(event="accepted" if self.tasks_done > before else "refused", task=task.task_id, kind=task.kind,
-                stage=task.stage, microbatch=task.microbatch, redo=task.redo)
+            log(
+                event="accepted" if self.tasks_done > before else "refused",
+                task=task.task_id,
+                kind=task.kind,
+                stage=task.stage,
+                microbatch=task.microbatch,
+                redo=task.redo,
+            )
 
         def _upload(self, call) -> None:
             super()._upload(call)

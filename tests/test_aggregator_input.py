@@ -22,8 +22,13 @@ from toolkit.wire.tensor_container import encode_header
 OVERRIDES = {
     "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
     "run": {"target_batch": 10, "max_staleness": 0},
-    "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 120.0, "deadline_initial_s": 120.0,
-               "deadline_floor_s": 60.0, "deadline_ceiling_s": 120.0},
+    "rounds": {
+        "heartbeat_interval_s": 1.0,
+        "peer_ttl_s": 120.0,
+        "deadline_initial_s": 120.0,
+        "deadline_floor_s": 60.0,
+        "deadline_ceiling_s": 120.0,
+    },
     "aggregators": {"heartbeat_interval_s": 0.5, "ttl_s": 10.0, "replan_interval_s": 1000.0},
 }
 
@@ -34,7 +39,7 @@ def container(grad: np.ndarray, meta: GradientMeta, name: str = "payload") -> by
 
 def head_sha(body: bytes) -> str:
     n = int.from_bytes(body[:8], "little")
-    return hashlib.sha256(body[:8 + n]).hexdigest()
+    return hashlib.sha256(body[: 8 + n]).hexdigest()
 
 
 def answer(response: requests.Response | tuple[int, dict]) -> tuple[int, str]:
@@ -61,8 +66,11 @@ def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators
     client.download_params(before)
 
     # A computing peer with nothing to send yet: the relay plans, then slices the vector.
-    requests.post(f"{relay.url}/api/peers/{peer.peer_id}/heartbeat", timeout=10,
-                  json={"version": 0, "samples": 0, "samples_per_s": 10.0})
+    requests.post(
+        f"{relay.url}/api/peers/{peer.peer_id}/heartbeat",
+        timeout=10,
+        json={"version": 0, "samples": 0, "samples_per_s": 10.0},
+    )
     relay.wait_for(lambda s: len(s["plan"]["slices"]) == 2, what="a plan with the aggregator")
     assert peer.heartbeat(10).status_code == 200
     status = relay.wait_for(lambda s: s["round"] is not None, what="a sliced round")
@@ -71,21 +79,28 @@ def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators
     relays = next(s for s in r["slices"] if s["url"] == "")
     grad = np.random.default_rng(0).standard_normal(num_params).astype(np.float32)
     meta = GradientMeta(peer_id=peer.peer_id, step=0, version=0, samples=10, loss_sum=1.0)
-    parts = {(s["start"], s["end"]): container(grad[s["start"]:s["end"]], meta) for s in (mine, relays)}
-    digests = [{"start": s["start"], "end": s["end"], "header_sha256": head_sha(parts[(s["start"], s["end"])])}
-               for s in r["slices"]]
+    parts = {(s["start"], s["end"]): container(grad[s["start"] : s["end"]], meta) for s in (mine, relays)}
+    digests = [
+        {"start": s["start"], "end": s["end"], "header_sha256": head_sha(parts[(s["start"], s["end"])])}
+        for s in r["slices"]
+    ]
 
     def ticket(**changes) -> requests.Response:
         body = {"round_id": r["round_id"], "version": 0, "samples": 10, "loss_sum": 1.0, "slices": digests} | changes
-        return requests.post(f"{relay.url}/api/rounds/0/ticket", params={"peer_id": peer.peer_id}, json=body, timeout=10)
+        return requests.post(
+            f"{relay.url}/api/rounds/0/ticket", params={"peer_id": peer.peer_id}, json=body, timeout=10
+        )
 
     refused_tickets = {
         "more samples than reported": (ticket(samples=11), 422, "samples_exceed_report"),
         "not this round's slices": (ticket(slices=digests[:1]), 422, "bad_slices"),
         "another round": (ticket(round_id="0" * 16), 409, "round_closed"),
         "a version from the future": (ticket(version=3), 409, "stale_gradient"),
-        "not json": (requests.post(f"{relay.url}/api/rounds/0/ticket", params={"peer_id": peer.peer_id},
-                                   data=b"{", timeout=10), 400, "bad_json"),
+        "not json": (
+            requests.post(f"{relay.url}/api/rounds/0/ticket", params={"peer_id": peer.peer_id}, data=b"{", timeout=10),
+            400,
+            "bad_json",
+        ),
     }
     for what, (response, status_code, code) in refused_tickets.items():
         assert answer(response) == (status_code, code), (what, response.text)
@@ -106,35 +121,63 @@ def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators
     poisoned = grad.copy()
     poisoned[mine["start"] + 1] = np.nan
     # Open runs bind the header only (signed runs list chunk digests in it, binding the data too).
-    nan_body = container(poisoned[mine["start"]:mine["end"]], meta)
+    nan_body = container(poisoned[mine["start"] : mine["end"]], meta)
     other_meta = GradientMeta(peer_id=peer.peer_id, step=0, version=0, samples=10, loss_sum=2.0)
     hostile = {
         "no ticket": (put(body, None), 401, "missing_ticket"),
         "garbage ticket": (put(body, "!!"), 401, "malformed_ticket"),
         "forged ticket": (put(body, forged), 403, "forged_ticket"),
         "ticket for another step": (put(body, step=1), 400, "bad_ticket"),
-        "another container than the ticket's": (put(container(grad[mine["start"]:mine["end"]], other_meta)),
-                                                403, "ticket_mismatch"),
+        "another container than the ticket's": (
+            put(container(grad[mine["start"] : mine["end"]], other_meta)),
+            403,
+            "ticket_mismatch",
+        ),
         "nan under the ticket's header": (put(nan_body), 422, "non_finite"),
         "the relay's slice": (put(parts[(relays["start"], relays["end"])]), 403, "ticket_mismatch"),
         "chunked body": (put(iter([body])), 411, "length_required"),
-        "declared too big": (raw_http(agg.port, f"PUT /api/rounds/0/gradient HTTP/1.1\r\nHost: a\r\n"
-                                                f"X-Collab-Ticket: {good_ticket}\r\nContent-Length: {10**9}"),
-                             413, "body_too_large"),
+        "declared too big": (
+            raw_http(
+                agg.port,
+                f"PUT /api/rounds/0/gradient HTTP/1.1\r\nHost: a\r\n"
+                f"X-Collab-Ticket: {good_ticket}\r\nContent-Length: {10**9}",
+            ),
+            413,
+            "body_too_large",
+        ),
         "bytes that are not the ticket's container": (put(b"\x00" * 64), 403, "ticket_mismatch"),
         "the ticket's header, data cut short": (put(body[:-4]), 400, "length_mismatch"),
         "wrong path step": (requests.put(agg.url + "/api/rounds/x/gradient", data=body, timeout=10), 400, "bad_path"),
         "params without a slice": (requests.get(agg.url + "/api/params", timeout=10), 400, "bad_query"),
-        "params of another slice": (requests.get(agg.url + "/api/params", params={"start": 0, "end": 1}, timeout=10),
-                                    409, "wrong_slice"),
-        "finalize without the token": (requests.post(agg.url + "/api/admin/finalize", json={}, timeout=10),
-                                       401, "admin_auth_required"),
-        "state with a wrong token": (requests.get(agg.url + "/api/admin/state", params={"step": 0}, timeout=10,
-                                                  headers={"Authorization": "Bearer " + "x" * 40}),
-                                     401, "bad_admin_token"),
-        "relay register without the token": (requests.post(relay.url + "/api/admin/aggregators/register",
-                                                           json={"name": "evil", "url": "http://x", "protocol": 3},
-                                                           timeout=10), 401, "admin_auth_required"),
+        "params of another slice": (
+            requests.get(agg.url + "/api/params", params={"start": 0, "end": 1}, timeout=10),
+            409,
+            "wrong_slice",
+        ),
+        "finalize without the token": (
+            requests.post(agg.url + "/api/admin/finalize", json={}, timeout=10),
+            401,
+            "admin_auth_required",
+        ),
+        "state with a wrong token": (
+            requests.get(
+                agg.url + "/api/admin/state",
+                params={"step": 0},
+                timeout=10,
+                headers={"Authorization": "Bearer " + "x" * 40},
+            ),
+            401,
+            "bad_admin_token",
+        ),
+        "relay register without the token": (
+            requests.post(
+                relay.url + "/api/admin/aggregators/register",
+                json={"name": "evil", "url": "http://x", "protocol": 3},
+                timeout=10,
+            ),
+            401,
+            "admin_auth_required",
+        ),
     }
     for what, (response, status_code, code) in hostile.items():
         assert answer(response) == (status_code, code), (what, getattr(response, "text", response))
@@ -144,14 +187,24 @@ def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators
     # The one valid gradient, its slices to their owners, then done: a step of exactly that gradient.
     assert put(body).status_code == 200
     assert answer(put(body)) == (409, "duplicate_upload")
-    response = requests.put(relay.url + "/api/rounds/0/gradient", data=parts[(relays["start"], relays["end"])],
-                            headers={"X-Collab-Ticket": good_ticket}, timeout=30)
+    response = requests.put(
+        relay.url + "/api/rounds/0/gradient",
+        data=parts[(relays["start"], relays["end"])],
+        headers={"X-Collab-Ticket": good_ticket},
+        timeout=30,
+    )
     assert response.status_code == 200, response.text
-    done = requests.post(f"{relay.url}/api/rounds/0/done", params={"peer_id": peer.peer_id}, timeout=10,
-                         json={"round_id": r["round_id"], "delivered": [mine["start"], relays["start"]]})
+    done = requests.post(
+        f"{relay.url}/api/rounds/0/done",
+        params={"peer_id": peer.peer_id},
+        timeout=10,
+        json={"round_id": r["round_id"], "delivered": [mine["start"], relays["start"]]},
+    )
     assert done.status_code == 200 and done.json()["accepted_samples"] == 10, done.text
-    manifest = relay.wait_for(lambda s: s["step"] == 1, what="step 1") and \
-        requests.get(relay.url + "/api/params", params={"min_step": 1}, timeout=10).json()
+    manifest = (
+        relay.wait_for(lambda s: s["step"] == 1, what="step 1")
+        and requests.get(relay.url + "/api/params", params={"min_step": 1}, timeout=10).json()
+    )
     assert manifest["step"] == 1 and len(manifest["slices"]) == 2, manifest
     after = before.copy()
     assert client.download_params(after, min_step=1, have=0) == 1  # each slice checked against the manifest

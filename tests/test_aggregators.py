@@ -64,13 +64,21 @@ def divergence(initial: np.ndarray, rounds: dict[int, list[int]], steps: int, da
             break
     marks = ("is dead", "restored from", "stalled", "plan ")
     relay_lines = [line[:200] for line in relay.log_path.read_text().splitlines() if any(m in line for m in marks)]
-    peer_lines = [line[:200] for p in peers for line in p.log_path.read_text().splitlines()
-                  if "slice_lost" in line or "did not take our done" in line]
+    peer_lines = [
+        line[:200]
+        for p in peers
+        for line in p.log_path.read_text().splitlines()
+        if "slice_lost" in line or "did not take our done" in line
+    ]
     with sqlite3.connect(relay.data_dir / "relay.sqlite") as db:
         samples = dict(db.execute("SELECT step, samples FROM rounds"))
     mismatched = {s: (len(ids), samples.get(s + 1)) for s, ids in rounds.items() if len(ids) != samples.get(s + 1)}
-    return {"first_diverging_version": first, "relay": relay_lines[-30:], "peers": peer_lines[:10],
-            "samples (events, relay) where they differ": mismatched}
+    return {
+        "first_diverging_version": first,
+        "relay": relay_lines[-30:],
+        "peers": peer_lines[:10],
+        "samples (events, relay) where they differ": mismatched,
+    }
 
 
 def peer_hashes(peers) -> dict[int, set[str]]:
@@ -94,24 +102,37 @@ def signed_params(url: str, min_step: int = 0) -> tuple[int, np.ndarray]:
     return step, out
 
 
-def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_aggregators, launch_peer, hf_standin,
-                                                          monkeypatch):
+def test_aggregators_share_the_vector_and_one_dies_mid_run(
+    start_relay, start_aggregators, launch_peer, hf_standin, monkeypatch
+):
     """Coordinator + 2 aggregators + 3 peers, in a signed run (HF login: tickets from signed
     requests, chunk digests required by the aggregators, the manifest signed by the relay)."""
     hf_standin.add_user(ALICE, "alice")
     monkeypatch.setenv("COLLAB_TEST_TOKEN", ALICE)
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
-                         "optimizer": SGD, "run": {"target_batch": 48}, "aggregators": FAST_AGGREGATORS})
+    relay = start_relay(
+        {
+            "auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
+            "optimizer": SGD,
+            "run": {"target_batch": 48},
+            "aggregators": FAST_AGGREGATORS,
+        }
+    )
     _, initial = signed_params(relay.url)
     aggregators = start_aggregators(relay, "agg0", "agg1", wait=False)
     # The plan slices the vector among the relay and both aggregators, solved from measurements.
-    peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 4, seed=10,
-                                            extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
+    peers, sliced_at, status = train_sliced(
+        relay, aggregators, launch_peer, 4, seed=10, extra=("--hf-token-env", "COLLAB_TEST_TOKEN")
+    )
     # The planner re-solves when a measurement changes materially: on a loaded machine the first
     # 3-way plan may predate the peers' first measured download, so wait for the one that has it.
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 3 and any(
-        i["role"] == "peer" and i["download_source"] == "measured" for i in s["plan"]["inputs"]),
-        timeout_s=60, what="a 3-way plan solved from a peer's measured download")
+    status = relay.wait_for(
+        lambda s: (
+            len(sliced_plan(s)) == 3
+            and any(i["role"] == "peer" and i["download_source"] == "measured" for i in s["plan"]["inputs"])
+        ),
+        timeout_s=60,
+        what="a 3-way plan solved from a peer's measured download",
+    )
     slices = sliced_plan(status)
     assert {s["url"] for s in slices} == {"", *(a.url for a in aggregators)}, slices
     assert slices[0]["start"] == 0 and slices[-1]["end"] == status["num_params"]
@@ -121,6 +142,7 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
     assert inputs["relay"]["role"] == "relay" and inputs["relay"]["samples_per_s"] == 0
     measured_peers = [i for i in inputs.values() if i["role"] == "peer" and i["download_source"] == "measured"]
     assert measured_peers and all(i["download"] > 0 and i["samples_per_s"] > 0 for i in measured_peers), inputs
+
     def one_plan():  # a re-plan may land between the two requests: read them until they agree on the version
         plan, now = requests.get(relay.url + "/api/plan", timeout=10).json(), relay.status()
         return (plan, now) if plan["version"] == now["plan"]["version"] else None
@@ -147,7 +169,8 @@ def test_aggregators_share_the_vector_and_one_dies_mid_run(start_relay, start_ag
     hashes = peer_hashes(peers)
     assert all(len(shas) == 1 for shas in hashes.values()), hashes
     assert hashes.get(final_step, {hashlib.sha256(final.tobytes()).hexdigest()}) == {
-        hashlib.sha256(final.tobytes()).hexdigest()}
+        hashlib.sha256(final.tobytes()).hexdigest()
+    }
     for peer in peers:
         versions = [e["step"] for e in peer.events() if e["event"] == "version"]
         assert versions == sorted(set(versions)), versions
@@ -173,22 +196,35 @@ def test_relay_restart_gathers_the_slices_back(start_relay, start_aggregators, l
     """SIGKILL the relay while an aggregator owns a slice: the restarted relay pulls that slice's
     state from the aggregator, resumes at the same step, and training goes on with no step lost.
     With lossy compression (int8, sparse topk2): slices travel as deltas, error feedback per slice range."""
-    relay = start_relay({"optimizer": SGD, "run": {"target_batch": 32, "compression": compression},
-                         "aggregators": FAST_AGGREGATORS})
+    relay = start_relay(
+        {"optimizer": SGD, "run": {"target_batch": 32, "compression": compression}, "aggregators": FAST_AGGREGATORS}
+    )
     (agg,) = start_aggregators(relay, "agg", wait=False)
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=10_000,
-                         extra=("--wait-aggregators", "1", "--wait-peers", "2", "--sleep-per-batch", "0.02"))
-             for i in range(2)]
+    peers = [
+        launch_peer(
+            relay.url,
+            f"p{i}",
+            seed=i,
+            batch_size=4,
+            steps=10_000,
+            extra=("--wait-aggregators", "1", "--wait-peers", "2", "--sleep-per-batch", "0.02"),
+        )
+        for i in range(2)
+    ]
     agg.wait_registered()
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == 2 and s["step"] >= 3, timeout_s=90,
-                            what="steps under a sliced plan")
+    status = relay.wait_for(
+        lambda s: len(sliced_plan(s)) == 2 and s["step"] >= 3, timeout_s=90, what="steps under a sliced plan"
+    )
     relay.kill()
     persisted = relay.durable_step()
     assert persisted >= status["step"]
     relay.start()
     assert relay.status()["step"] == persisted  # every slice came back from its owner: nothing lost
-    relay.wait_for(lambda s: len(sliced_plan(s)) == 2 and s["step"] >= persisted + 4, timeout_s=90,
-                   what="training to go on, sliced again")
+    relay.wait_for(
+        lambda s: len(sliced_plan(s)) == 2 and s["step"] >= persisted + 4,
+        timeout_s=90,
+        what="training to go on, sliced again",
+    )
     for peer in peers:
         peer.proc.terminate()
         assert peer.wait() == 0, peer.log_path.read_text()[-3000:]

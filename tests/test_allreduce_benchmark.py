@@ -18,8 +18,13 @@ pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
 
 def test_allreduce_benchmark_smallest_setting_reports_the_round_and_the_checked_floor() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/allreduce.py", "--peers", "2", "--mb", "1", "--rounds", "2",
-                           "--floor"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/allreduce.py", "--peers", "2", "--mb", "1", "--rounds", "2", "--floor"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"round_s", "raw_tcp_s", "ratio", "checked_tcp_s", "floor_ratio", "max_abs_err"} <= set(result), result

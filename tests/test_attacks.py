@@ -53,7 +53,9 @@ from toolkit.wire.tensor_container import encode_header
 
 
 # --- passes minted by hand (the relay and the signed peers: tests/support/peers.py) -----------------
-def minted_pass(key: RelayKey, user: str, peer: PeerKey, *, issued: int, expires: int, key_id: str | None = None) -> str:
+def minted_pass(
+    key: RelayKey, user: str, peer: PeerKey, *, issued: int, expires: int, key_id: str | None = None
+) -> str:
     """A pass signed by ``key`` (the relay's own, another relay's, or a forger's)."""
     claims = PassClaims(key_id or key.key_id, issued, expires, issued, peer.public_raw, user)
     body = claims.encode_claims()
@@ -62,8 +64,14 @@ def minted_pass(key: RelayKey, user: str, peer: PeerKey, *, issued: int, expires
 
 def auth_with_pass(token: str, peer: PeerKey, relay_key: RelayKey, clock=time.time) -> SignedAuth:
     claims, _, _ = decode_pass(token)
-    access = AccessPass(token=token, claims=claims, relay_public=relay_key.public, clock_offset_s=0.0,
-                        received_mono=time.monotonic(), lifetime_s=600.0)
+    access = AccessPass(
+        token=token,
+        claims=claims,
+        relay_public=relay_key.public,
+        clock_offset_s=0.0,
+        received_mono=time.monotonic(),
+        lifetime_s=600.0,
+    )
     return SignedAuth(peer, AccessPassHolder(lambda previous: access), clock=clock)
 
 
@@ -71,8 +79,12 @@ def collab_state(relay: RelayProcess) -> tuple:
     """Everything an attack must not change: the open round (test_bad_input's round_state) plus
     who is registered, the leaderboard and the round log."""
     status = relay.status()
-    return (round_state(relay), sorted(p["peer_id"] for p in status["peers"]),
-            [(e["username"], e["samples"]) for e in status["leaderboard"]], len(status["recent_rounds"]))
+    return (
+        round_state(relay),
+        sorted(p["peer_id"] for p in status["peers"]),
+        [(e["username"], e["samples"]) for e in status["leaderboard"]],
+        len(status["recent_rounds"]),
+    )
 
 
 @dataclass
@@ -95,7 +107,9 @@ def world(tmp_path_factory) -> Iterator[World]:
     cache = socket.socket()  # the run's HTTP cache, where nothing listens: peers fall back to the relay,
     cache.bind(("127.0.0.1", 0))  # and the relay hands out the immutable URLs the issue-41 attacks try
     try:
-        relay = hf_relay(directory, hub, {"server": {"public_params_url": f"http://127.0.0.1:{cache.getsockname()[1]}"}})
+        relay = hf_relay(
+            directory, hub, {"server": {"public_params_url": f"http://127.0.0.1:{cache.getsockname()[1]}"}}
+        )
         alice = SignedPeer.login(relay, "alice").join("alice-notebook")
         bob = SignedPeer.login(relay, "bob").join("bob-notebook")
         num_params = relay.status()["num_params"]
@@ -104,8 +118,16 @@ def world(tmp_path_factory) -> Iterator[World]:
         alice.client.heartbeat(alice.peer_id, Heartbeat(version=0, samples=SAMPLES, samples_per_s=10.0))
         round_ = relay.status()["round"]
         assert round_ and (round_["expected_peers"], round_["received_peers"]) == (1, 0)  # waiting for alice
-        yield World(relay, hub, alice, bob, RelayKey.load_or_create(relay.data_dir),
-                    (relay.data_dir / TOKEN_FILE).read_text().strip(), num_params, before)
+        yield World(
+            relay,
+            hub,
+            alice,
+            bob,
+            RelayKey.load_or_create(relay.data_dir),
+            (relay.data_dir / TOKEN_FILE).read_text().strip(),
+            num_params,
+            before,
+        )
     finally:
         if relay is not None:
             relay.stop()
@@ -193,8 +215,12 @@ def test_stale_timestamp(world: World, unchanged) -> None:
 
 
 def test_unsigned_request(world: World, unchanged) -> None:
-    response = requests.post(world.relay.url + hb_path(world), data=world.alice.heartbeat_body(), timeout=10,
-                             headers={"Content-Type": "application/json"})
+    response = requests.post(
+        world.relay.url + hb_path(world),
+        data=world.alice.heartbeat_body(),
+        timeout=10,
+        headers={"Content-Type": "application/json"},
+    )
     assert error_of(response) == (401, "missing_auth")
 
 
@@ -206,8 +232,13 @@ def test_other_users_peer_id(world: World, unchanged) -> None:
 
 # --- users ------------------------------------------------------------------------------------------
 def admin(world: World, method: str, path: str, **kwargs: Any) -> requests.Response:
-    return requests.request(method, world.relay.url + "/api/admin" + path, timeout=30,
-                            headers={"Authorization": f"Bearer {world.admin_token}"}, **kwargs)
+    return requests.request(
+        method,
+        world.relay.url + "/api/admin" + path,
+        timeout=30,
+        headers={"Authorization": f"Bearer {world.admin_token}"},
+        **kwargs,
+    )
 
 
 def test_banned_user(world: World) -> None:
@@ -248,8 +279,12 @@ def test_peer_pass_cannot_moderate(world: World, unchanged) -> None:
     """Admin routes want the admin token; a valid peer pass (or a guessed token) is not it."""
     response = world.alice.send(world.alice.prepared("GET", "/api/admin/contributions"))
     assert error_of(response) == (401, "admin_auth_required")
-    response = requests.post(world.relay.url + "/api/admin/bans", json={"username": "alice", "reason": "x"},
-                             headers={"Authorization": "Bearer " + "A" * 43}, timeout=10)
+    response = requests.post(
+        world.relay.url + "/api/admin/bans",
+        json={"username": "alice", "reason": "x"},
+        headers={"Authorization": "Bearer " + "A" * 43},
+        timeout=10,
+    )
     assert error_of(response) == (401, "bad_admin_token")
 
 
@@ -265,9 +300,12 @@ def test_oversized_body(world: World, unchanged) -> None:
     meta = GradientMeta(peer_id=world.alice.peer_id, step=0, version=0, samples=SAMPLES, loss_sum=0.0)
     metadata = {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    prepared = requests.Request("PUT", f"{world.relay.url}/api/rounds/0/gradient?peer_id={world.alice.peer_id}",
-                                data=iter([head]), headers={"Content-Type": CONTAINER_TYPE,
-                                                            BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()}).prepare()
+    prepared = requests.Request(
+        "PUT",
+        f"{world.relay.url}/api/rounds/0/gradient?peer_id={world.alice.peer_id}",
+        data=iter([head]),
+        headers={"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()},
+    ).prepare()
     world.alice.auth(prepared)
     lines = [f"PUT {prepared.path_url} HTTP/1.1", "Host: x", f"Content-Length: {10**12}"]
     lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith(("x-collab", "content-type"))]
@@ -299,6 +337,7 @@ def test_malformed_json(world: World, unchanged) -> None:
 
 def test_malformed_headers(world: World, unchanged) -> None:
     """Each auth header broken in turn, on an otherwise valid signed request."""
+
     def with_header(name: str, value: str | None) -> requests.PreparedRequest:
         prepared = world.alice.prepared("POST", hb_path(world), world.alice.heartbeat_body())
         if value is None:
@@ -324,7 +363,9 @@ def test_malformed_headers(world: World, unchanged) -> None:
     # Raw bytes no client library would send: non-ASCII in the pass, and a header line without a colon.
     prepared = world.alice.prepared("GET", "/api/progress")
     lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x", f"{PASS_HEADER}: \xe9t\xe9"]
-    lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab") and k != PASS_HEADER]
+    lines += [
+        f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab") and k != PASS_HEADER
+    ]
     assert error_of(raw_http(world.relay.port, "\r\n".join(lines))) == (401, "malformed_pass")
     with socket.create_connection(("127.0.0.1", world.relay.port), timeout=10) as sock:
         sock.sendall(b"GET /api/progress HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
@@ -334,8 +375,9 @@ def test_malformed_headers(world: World, unchanged) -> None:
 def test_timestamp_with_a_non_ascii_digit(world: World, unchanged) -> None:
     prepared = world.alice.prepared("GET", "/api/progress")
     lines = [f"GET {prepared.path_url} HTTP/1.1", "Host: x"]
-    lines += [f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab")
-              and k != TIMESTAMP_HEADER]
+    lines += [
+        f"{k}: {v}" for k, v in prepared.headers.items() if k.lower().startswith("x-collab") and k != TIMESTAMP_HEADER
+    ]
     response = raw_http(world.relay.port, "\r\n".join(lines + [f"{TIMESTAMP_HEADER}: \xb2"]))
     assert error_of(response) == (401, "malformed_auth")
 
@@ -363,7 +405,10 @@ def test_the_egress_report_is_the_organizers(world: World, unchanged) -> None:
     (a member's pass does not)."""
     url = world.relay.url + ROUTES["params_egress"]
     assert error_of(requests.get(url, timeout=10)) == (401, "admin_auth_required")
-    assert error_of(world.alice.send(world.alice.prepared("GET", ROUTES["params_egress"]))) == (401, "admin_auth_required")
+    assert error_of(world.alice.send(world.alice.prepared("GET", ROUTES["params_egress"]))) == (
+        401,
+        "admin_auth_required",
+    )
     report = admin(world, "GET", ROUTES["params_egress"].removeprefix("/api/admin"))
     assert report.status_code == 200 and report.json()["refs"] >= 1
 
@@ -377,8 +422,10 @@ def test_no_url_a_non_member_can_learn_downloads_the_parameters(world: World, un
     capability = urlsplit(ref.url).path
     tag = capability.split("/")[5]
     assert tag != ref.sha256 and capability == f"/api/params/v/{ref.step}/{tag}/full"
-    assert error_of(requests.get(world.relay.url + ROUTES["params"], params={"ref": 1}, timeout=10)) == \
-        (401, "missing_auth")
+    assert error_of(requests.get(world.relay.url + ROUTES["params"], params={"ref": 1}, timeout=10)) == (
+        401,
+        "missing_auth",
+    )
     reads = public_reads(world)
     assert all(r.status_code < 500 for r in reads.values()), {p: r.status_code for p, r in reads.items()}
     public_text = "".join(r.text for r in reads.values())
@@ -387,15 +434,16 @@ def test_no_url_a_non_member_can_learn_downloads_the_parameters(world: World, un
     for guess in guesses:
         for kind in ("full", "delta"):
             for method in ("GET", "HEAD"):
-                refused = requests.request(method, f"{world.relay.url}/api/params/v/{ref.step}/{guess}/{kind}",
-                                           timeout=10)
+                refused = requests.request(
+                    method, f"{world.relay.url}/api/params/v/{ref.step}/{guess}/{kind}", timeout=10
+                )
                 assert refused.status_code == 403 and "public" not in refused.headers.get("Cache-Control", "")
                 if method == "GET":
                     assert error_of(refused) == (403, "params_url_not_issued")
     # the capability itself needs no pass (a shared cache fills itself with it) and is the version
     body = requests.get(world.relay.url + capability, timeout=30)
     assert body.status_code == 200 and body.headers["X-Collab-Sha256"] == ref.sha256
-    assert hashlib.sha256(body.content[-4 * world.num_params:]).hexdigest() == ref.sha256
+    assert hashlib.sha256(body.content[-4 * world.num_params :]).hexdigest() == ref.sha256
 
 
 def test_hostile_range_headers_never_answer_500(world: World, unchanged) -> None:
@@ -462,8 +510,9 @@ def test_flood_is_rate_limited_while_a_peer_keeps_training(world: World) -> None
     from toolkit.models import build_model
 
     model = build_model(run.model)
-    opt = CollaborativeOptimizer(model, client=trainer, batch_size_per_step=5, peer_name="alice-trainer",
-                                 report_interval_s=0.1)
+    opt = CollaborativeOptimizer(
+        model, client=trainer, batch_size_per_step=5, peer_name="alice-trainer", report_interval_s=0.1
+    )
     data, start_step, steps = make_dataset(), opt.version, 6
     errors: list[str] = []
 
@@ -471,7 +520,7 @@ def test_flood_is_rate_limited_while_a_peer_keeps_training(world: World) -> None
         try:
             i = 0
             while opt.version < start_step + steps:
-                batch = data[(i * 5) % 4000:(i * 5) % 4000 + 5]
+                batch = data[(i * 5) % 4000 : (i * 5) % 4000 + 5]
                 opt.zero_grad()
                 (model.loss(batch) * 0.01).backward()  # the module's SGD lr is 1: keep the steps small
                 opt.step()

@@ -83,8 +83,9 @@ def test_malformed_pass_rejected(env: Env) -> None:
 def test_forged_pass_rejected(env: Env) -> None:
     """An attacker signs a pass claiming this relay's key id with a key of its own."""
     attacker = RelayKey.generate()
-    claims = PassClaims(env.relay_key.key_id, int(env.clock()), int(env.clock()) + 600, int(env.clock()),
-                        env.peer.public_raw, "alice")
+    claims = PassClaims(
+        env.relay_key.key_id, int(env.clock()), int(env.clock()) + 600, int(env.clock()), env.peer.public_raw, "alice"
+    )
     body = claims.encode_claims()
     forged = b64u(body + attacker.sign(PassClaims.signed_message(body)))
     error = env.rejected(env.signed(auth=env.auth_with(raw_pass(forged, env.relay_key))))
@@ -237,11 +238,13 @@ def test_chunk_digest_metadata_is_validated() -> None:
     sizes = [3 * 4096]
     good = digest_metadata([("grad", np.zeros(3 * 1024, np.float32))], 4096)
     ChunkDigests(sizes, good)
-    for metadata, code in [({}, "missing_chunk_digests"),
-                           ({**good, "collab_chunk_bytes": str(1 << 30)}, "bad_chunk_digests"),
-                           ({**good, "collab_chunk_bytes": "12"}, "bad_chunk_digests"),
-                           ({**good, "collab_chunk_sha256": good["collab_chunk_sha256"][:-43]}, "bad_chunk_digests"),
-                           ({**good, "collab_chunk_sha256": "%%"}, "bad_chunk_digests")]:
+    for metadata, code in [
+        ({}, "missing_chunk_digests"),
+        ({**good, "collab_chunk_bytes": str(1 << 30)}, "bad_chunk_digests"),
+        ({**good, "collab_chunk_bytes": "12"}, "bad_chunk_digests"),
+        ({**good, "collab_chunk_sha256": good["collab_chunk_sha256"][:-43]}, "bad_chunk_digests"),
+        ({**good, "collab_chunk_sha256": "%%"}, "bad_chunk_digests"),
+    ]:
         with pytest.raises(AuthRejected) as info:
             ChunkDigests(sizes, metadata)
         assert info.value.code == code
@@ -272,8 +275,10 @@ def test_relay_signature_binds_body_and_nonce() -> None:
     key = RelayKey.generate()
     header = sign_response(key, b'{"step":3}', request_nonce="n" * 22)
     verify_relay_signature(key.public, header, request_nonce="n" * 22, body=b'{"step":3}')
-    for kwargs in [dict(request_nonce="n" * 22, body=b'{"step":4}'),      # altered answer
-                   dict(request_nonce="m" * 22, body=b'{"step":3}')]:     # replayed for another request
+    for kwargs in [
+        dict(request_nonce="n" * 22, body=b'{"step":4}'),  # altered answer
+        dict(request_nonce="m" * 22, body=b'{"step":3}'),
+    ]:  # replayed for another request
         with pytest.raises(RelaySignatureInvalid):
             verify_relay_signature(key.public, header, **kwargs)
     with pytest.raises(RelaySignatureInvalid):
@@ -329,8 +334,15 @@ def test_per_request_sign_and_verify_cost(env: Env, capsys) -> None:
     """Peer sign + relay verify of a small JSON request, timed (a benchmark: slow, off the default
     run, whose machines are shared). Run with -s to see the numbers."""
     n = 300
-    requests_ = [requests.Request("POST", RELAY_URL + "/api/peers/p/heartbeat", data=b'{"samples":1}',
-                                  headers={"Content-Type": "application/json"}).prepare() for _ in range(n)]
+    requests_ = [
+        requests.Request(
+            "POST",
+            RELAY_URL + "/api/peers/p/heartbeat",
+            data=b'{"samples":1}',
+            headers={"Content-Type": "application/json"},
+        ).prepare()
+        for _ in range(n)
+    ]
     t0 = time.perf_counter()
     for r in requests_:
         env.auth(r)

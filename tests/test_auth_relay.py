@@ -19,14 +19,16 @@ ALICE, MALLORY = "hf_alice_token_123456", "hf_mallory_token_1234"
 def signed_relay(start_relay, hf_standin: HfStandin):
     hf_standin.add_user(ALICE, "alice")
     hf_standin.add_user(MALLORY, "mallory")
-    return start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
-                        "run": {"target_batch": 24}})
+    return start_relay(
+        {"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}, "run": {"target_batch": 24}}
+    )
 
 
 def test_allowlisted_peer_logs_in_signs_everything_and_trains(signed_relay, launch_peer, monkeypatch):
     monkeypatch.setenv("COLLAB_TEST_TOKEN", ALICE)
-    peer = launch_peer(signed_relay.url, "alice-peer", seed=1, batch_size=4, steps=3,
-                       extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
+    peer = launch_peer(
+        signed_relay.url, "alice-peer", seed=1, batch_size=4, steps=3, extra=("--hf-token-env", "COLLAB_TEST_TOKEN")
+    )
     assert peer.wait() == 0, peer.log_path.read_text()[-3000:]
     status = signed_relay.status()
     assert status["step"] >= 3 and status["auth_mode"] == "hf"
@@ -47,8 +49,11 @@ def test_unsigned_and_cross_user_requests_are_refused(signed_relay, hf_standin):
     hf_standin.add_user("hf_bob_token_12345678", "bob")
     url = signed_relay.url
     # No pass at all: every protected route answers 401, the public ones still work.
-    for method, path, body in [("POST", "/api/peers/join", {"peer_name": "x", "protocol": PROTOCOL_VERSION}),
-                               ("GET", "/api/progress", None), ("GET", "/api/params", None)]:
+    for method, path, body in [
+        ("POST", "/api/peers/join", {"peer_name": "x", "protocol": PROTOCOL_VERSION}),
+        ("GET", "/api/progress", None),
+        ("GET", "/api/params", None),
+    ]:
         response = requests.request(method, url + path, json=body, timeout=10)
         assert response.status_code == 401 and response.json()["hint"], (path, response.text)
     assert requests.get(url + "/api/status", timeout=10).status_code == 200

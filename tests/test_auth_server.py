@@ -94,18 +94,28 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
 
     async def params(request: web.Request) -> web.StreamResponse:
         data = np.arange(8, dtype=np.float32).tobytes()
-        response = web.StreamResponse(headers={"X-Collab-Step": "7", "X-Collab-Sha256": hashlib.sha256(data).hexdigest()})
+        response = web.StreamResponse(
+            headers={"X-Collab-Step": "7", "X-Collab-Sha256": hashlib.sha256(data).hexdigest()}
+        )
         sign_response_headers(request, response, ["X-Collab-Step", "X-Collab-Sha256"])
         await response.prepare(request)
         await response.write(data)
         return response
 
-    middleware = auth_middleware(verifier, {"/api/status", LOGIN_ROUTE}, container_routes={("PUT", "/api/upload")},
-                                 container_limit=lambda: 1 << 20)  # the route, not the Content-Type, picks the hashing
+    middleware = auth_middleware(
+        verifier,
+        {"/api/status", LOGIN_ROUTE},
+        container_routes={("PUT", "/api/upload")},
+        container_limit=lambda: 1 << 20,
+    )  # the route, not the Content-Type, picks the hashing
     app = web.Application(middlewares=[error_middleware, middleware])
-    for method, path, handler in [("GET", "/api/status", status), ("POST", "/api/echo", echo),
-                                  ("PUT", "/api/upload", upload), ("GET", "/api/params", params),
-                                  *service.routes()]:
+    for method, path, handler in [
+        ("GET", "/api/status", status),
+        ("POST", "/api/echo", echo),
+        ("PUT", "/api/upload", upload),
+        ("GET", "/api/params", params),
+        *service.routes(),
+    ]:
         app.router.add_route(method, path, handler)
     with InProcessRelay(app=app) as served:  # the relay's serve_app, on port 0
         yield Relay(served.url, used, banned)
@@ -120,10 +130,13 @@ def peer_session(url: str, token: str, peer: PeerKey | None = None, refresh_frac
         session.obtained.append(previous)  # type: ignore[attr-defined]
         if previous is None:
             body = LoginRequest(hf_token=token, peer_public_key=peer.public_b64).dumps()
-            response = session.post(url + LOGIN_ROUTE, data=body, headers={"Content-Type": "application/json"}, timeout=10)
+            response = session.post(
+                url + LOGIN_ROUTE, data=body, headers={"Content-Type": "application/json"}, timeout=10
+            )
         else:
-            response = session.post(url + "/api/auth/refresh", data=b"{}", headers={"Content-Type": "application/json"},
-                                    timeout=10)
+            response = session.post(
+                url + "/api/auth/refresh", data=b"{}", headers={"Content-Type": "application/json"}, timeout=10
+            )
         if response.status_code != 200:
             raise RuntimeError(response.json()["error"])
         return AccessPass.from_login(LoginResponse.from_json(response.json()), peer_key=peer, relay_url=url, pins=pins)
@@ -145,14 +158,16 @@ def test_login_flow_end_to_end(hf_standin: HfStandin) -> None:
         unsigned = requests.post(r.url + "/api/echo", data=b"{}", timeout=10)
         assert (unsigned.status_code, unsigned.json()["error"]) == (401, "missing_auth")
         session = peer_session(r.url, "hf_alice_token_1234")
-        answer = session.post(r.url + "/api/echo", data=b'{"x":1}', headers={"Content-Type": "application/json"},
-                              timeout=10)
+        answer = session.post(
+            r.url + "/api/echo", data=b'{"x":1}', headers={"Content-Type": "application/json"}, timeout=10
+        )
         assert answer.status_code == 200, answer.text
         assert answer.json()["identity"]["username"] == "alice" and RELAY_SIGNATURE_HEADER in answer.headers
         params = session.get(r.url + "/api/params", stream=True, timeout=10)  # signed headers, hook-verified
         assert hashlib.sha256(params.raw.read()).hexdigest() == params.headers["X-Collab-Sha256"]
-        refreshed = session.post(r.url + "/api/auth/refresh", data=b"{}",
-                                 headers={"Content-Type": "application/json"}, timeout=10)
+        refreshed = session.post(
+            r.url + "/api/auth/refresh", data=b"{}", headers={"Content-Type": "application/json"}, timeout=10
+        )
         assert refreshed.status_code == 200 and refreshed.json()["username"] == "alice"
         assert hf_standin.calls.count(("GET", "/api/whoami-v2", True)) == 1  # the token was used once
 
@@ -191,7 +206,7 @@ class SizedChunks:
         return len(self.payload)
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter([self.payload[i:i + 5000] for i in range(0, len(self.payload), 5000)])
+        return iter([self.payload[i : i + 5000] for i in range(0, len(self.payload), 5000)])
 
 
 def test_signed_streamed_upload_and_tampered_chunk_through_server(hf_standin: HfStandin) -> None:
@@ -203,8 +218,12 @@ def test_signed_streamed_upload_and_tampered_chunk_through_server(hf_standin: Hf
         session = peer_session(r.url, "hf_alice_token_1234")
 
         def put(payload: bytes) -> requests.Response:
-            return session.put(r.url + "/api/upload", data=SizedChunks(payload), timeout=10,
-                               headers={"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: body_hash})
+            return session.put(
+                r.url + "/api/upload",
+                data=SizedChunks(payload),
+                timeout=10,
+                headers={"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: body_hash},
+            )
 
         ok = put(body)
         assert ok.status_code == 200, ok.text
@@ -219,8 +238,9 @@ def test_signed_streamed_upload_and_tampered_chunk_through_server(hf_standin: Hf
 
 def test_streamed_body_without_hash_is_not_signed() -> None:
     env = Env()
-    r = requests.Request("PUT", RELAY_URL + "/api/upload", data=iter([b"x"]),
-                         headers={"Content-Type": CONTAINER_TYPE}).prepare()
+    r = requests.Request(
+        "PUT", RELAY_URL + "/api/upload", data=iter([b"x"]), headers={"Content-Type": CONTAINER_TYPE}
+    ).prepare()
     with pytest.raises(AuthError):
         env.auth(r)
 

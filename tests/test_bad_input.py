@@ -25,8 +25,13 @@ OVERRIDES = {
     "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 2048, 512, 1]}},
     "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
     "run": {"target_batch": 10, "max_staleness": 0},
-    "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 120.0, "deadline_initial_s": 120.0,
-               "deadline_floor_s": 60.0, "deadline_ceiling_s": 120.0},
+    "rounds": {
+        "heartbeat_interval_s": 1.0,
+        "peer_ttl_s": 120.0,
+        "deadline_initial_s": 120.0,
+        "deadline_floor_s": 60.0,
+        "deadline_ceiling_s": 120.0,
+    },
 }
 
 
@@ -54,8 +59,9 @@ def bad_requests(peer: RawPeer, num_params: int) -> dict[str, tuple[Callable[[],
         return lambda: _status_json(peer.upload(body, step, peer_id))
 
     def post(path, raw: bytes | str):
-        return lambda: _status_json(requests.post(url + path, data=raw, timeout=10,
-                                                  headers={"Content-Type": "application/json"}))
+        return lambda: _status_json(
+            requests.post(url + path, data=raw, timeout=10, headers={"Content-Type": "application/json"})
+        )
 
     def poisoned(value: float, at: int) -> np.ndarray:
         grad = good.copy()
@@ -75,51 +81,90 @@ def bad_requests(peer: RawPeer, num_params: int) -> dict[str, tuple[Callable[[],
         "missing_metadata": (put(encode_header([("payload", good)]) + good.tobytes()), 400, "bad_meta"),
         "metadata_names_another_peer": (put(peer.container(good, peer.meta(peer_id="f" * 32))), 422, "bad_meta"),
         "metadata_for_another_round": (put(peer.container(good, peer.meta(step=1))), 422, "bad_meta"),
-        "more_samples_than_reported": (put(peer.container(good, peer.meta(samples=11))), 422,
-                                       "samples_exceed_report"),
+        "more_samples_than_reported": (put(peer.container(good, peer.meta(samples=11))), 422, "samples_exceed_report"),
         "gradient_from_a_future_version": (put(peer.container(good, peer.meta(version=5))), 409, "stale_gradient"),
         "round_not_open": (put(container, step=3), 409, "round_closed"),
         "unknown_peer": (put(container, peer_id="0" * 32), 404, "unknown_peer"),
-        "step_not_a_number": (lambda: _status_json(requests.put(f"{url}/api/rounds/abc/gradient", data=container,
-                                                                params={"peer_id": pid}, timeout=10)),
-                              400, "bad_path"),
+        "step_not_a_number": (
+            lambda: _status_json(
+                requests.put(f"{url}/api/rounds/abc/gradient", data=container, params={"peer_id": pid}, timeout=10)
+            ),
+            400,
+            "bad_path",
+        ),
         "header_not_json": (put(struct.pack("<Q", 16) + b"{not json at all" + good.tobytes()), 400, "bad_tensor"),
         "header_length_absurd": (put(struct.pack("<Q", 2**40) + container[8:]), 400, "bad_tensor"),
         "byte_range_disagrees_with_shape": (
-            put(container[:8] + container[8:8 + header_len].replace(f'[{num_params}]'.encode(),
-                                                                    f'[{num_params - 1}]'.encode(), 1)
-                + container[8 + header_len:]), 400, "bad_tensor"),
+            put(
+                container[:8]
+                + container[8 : 8 + header_len].replace(f"[{num_params}]".encode(), f"[{num_params - 1}]".encode(), 1)
+                + container[8 + header_len :]
+            ),
+            400,
+            "bad_tensor",
+        ),
         "body_longer_than_its_header_says": (put(container + b"\0" * 64), 400, "length_mismatch"),
         "chunked_body_without_length": (put(iter([container])), 411, "length_required"),
-        "oversized_body": (lambda: raw_http(port, f"PUT /api/rounds/0/gradient?peer_id={pid} HTTP/1.1\r\n"
-                                                  f"Host: x\r\nContent-Length: {10**12}"), 413, "body_too_large"),
+        "oversized_body": (
+            lambda: raw_http(
+                port, f"PUT /api/rounds/0/gradient?peer_id={pid} HTTP/1.1\r\nHost: x\r\nContent-Length: {10**12}"
+            ),
+            413,
+            "body_too_large",
+        ),
         # JSON requests
         "join_not_json": (post("/api/peers/join", "{oops"), 400, "bad_json"),
         "join_missing_field": (post("/api/peers/join", '{"peer_name": "x"}'), 400, "bad_schema"),
-        "join_unknown_field": (post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 1, "admin": 1})),
-                               400, "bad_schema"),
-        "join_name_too_long": (post("/api/peers/join", json.dumps({"peer_name": "x" * 500, "protocol": 1})),
-                               400, "bad_schema"),
+        "join_unknown_field": (
+            post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 1, "admin": 1})),
+            400,
+            "bad_schema",
+        ),
+        "join_name_too_long": (
+            post("/api/peers/join", json.dumps({"peer_name": "x" * 500, "protocol": 1})),
+            400,
+            "bad_schema",
+        ),
         "join_array_not_object": (post("/api/peers/join", "[1, 2]"), 400, "bad_schema"),
-        "join_nested_too_deep": (post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 1,
-                                                                      "device": _nested(20)})), 400, "bad_schema"),
-        "join_wrong_protocol": (post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 999})),
-                                400, "protocol_mismatch"),
+        "join_nested_too_deep": (
+            post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 1, "device": _nested(20)})),
+            400,
+            "bad_schema",
+        ),
+        "join_wrong_protocol": (
+            post("/api/peers/join", json.dumps({"peer_name": "x", "protocol": 999})),
+            400,
+            "protocol_mismatch",
+        ),
         "heartbeat_nan": (post(hb, '{"version": 0, "samples": 5, "samples_per_s": NaN}'), 400, "bad_schema"),
-        "heartbeat_negative_samples": (post(hb, '{"version": 0, "samples": -5, "samples_per_s": 1}'), 400,
-                                       "bad_schema"),
-        "heartbeat_samples_as_text": (post(hb, '{"version": 0, "samples": "5", "samples_per_s": 1}'), 400,
-                                      "bad_schema"),
-        "heartbeat_bool_as_int": (post(hb, '{"version": true, "samples": 5, "samples_per_s": 1}'), 400,
-                                  "bad_schema"),
-        "heartbeat_version_ahead": (post(hb, '{"version": 99, "samples": 5, "samples_per_s": 1}'), 409,
-                                    "version_ahead"),
-        "heartbeat_unknown_peer": (post("/api/peers/nobody/heartbeat",
-                                        '{"version": 0, "samples": 5, "samples_per_s": 1}'), 404, "unknown_peer"),
+        "heartbeat_negative_samples": (
+            post(hb, '{"version": 0, "samples": -5, "samples_per_s": 1}'),
+            400,
+            "bad_schema",
+        ),
+        "heartbeat_samples_as_text": (
+            post(hb, '{"version": 0, "samples": "5", "samples_per_s": 1}'),
+            400,
+            "bad_schema",
+        ),
+        "heartbeat_bool_as_int": (post(hb, '{"version": true, "samples": 5, "samples_per_s": 1}'), 400, "bad_schema"),
+        "heartbeat_version_ahead": (
+            post(hb, '{"version": 99, "samples": 5, "samples_per_s": 1}'),
+            409,
+            "version_ahead",
+        ),
+        "heartbeat_unknown_peer": (
+            post("/api/peers/nobody/heartbeat", '{"version": 0, "samples": 5, "samples_per_s": 1}'),
+            404,
+            "unknown_peer",
+        ),
         "json_body_too_large": (post(hb, '{"pad": "' + "x" * 300_000 + '"}'), 413, "body_too_large"),
         "unknown_route": (lambda: _status_json(requests.get(url + "/api/nope", timeout=10)), 404, "not_found"),
-        "wrong_method": (lambda: _status_json(requests.delete(url + "/api/status", timeout=10)), 405,
-                         "method_not_allowed"),
+        "wrong_method": (
+            lambda: _status_json(requests.delete(url + "/api/status", timeout=10)),
+            405,
+            "method_not_allowed",
+        ),
     }
 
 
@@ -186,8 +231,12 @@ def test_an_upload_that_stops_midway_counts_for_nothing(tmp_path, failure):
             body = a.container(grad_a)
             data_start = len(body) - grad_a.nbytes
             cut = data_start + chunk * 4 + 1000  # chunk 0 whole, chunk 1 partly
-            raw_http(relay.port, f"PUT /api/rounds/0/gradient?peer_id={a.peer_id} HTTP/1.1\r\nHost: x\r\n"
-                                 f"Content-Length: {len(body)}", body[:cut], close_after_send=True)
+            raw_http(
+                relay.port,
+                f"PUT /api/rounds/0/gradient?peer_id={a.peer_id} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}",
+                body[:cut],
+                close_after_send=True,
+            )
         else:
             poisoned = grad_a.copy()
             poisoned[chunk + 3] = np.nan

@@ -23,8 +23,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def relay_server(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "relay_server.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 SMALL_RUN = '[auth]\nmode = "open"\n[model]\nfactory = "toolkit.models:MLP"\nkwargs = { sizes = [8, 16, 1] }\n'
@@ -50,22 +56,40 @@ def test_a_missing_or_wrong_config_names_the_file_and_the_field(tmp_path: Path) 
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\ntarget_batch = "many"\n')
     done = relay_server("serve", "--config", str(bad))
-    assert done.returncode == 2 and done.stderr == ('relay-server: configuration error: run.target_batch must be '
-                                                    'an integer, got "many" (a string): write it without quotes\n')
+    assert done.returncode == 2 and done.stderr == (
+        "relay-server: configuration error: run.target_batch must be "
+        'an integer, got "many" (a string): write it without quotes\n'
+    )
 
 
-@pytest.mark.parametrize("toml, env, message", [
-    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN, {"RELAY_RUN_TARGET_BACTH": "64"},
-     "environment variable RELAY_RUN_TARGET_BACTH names no setting (did you mean RELAY_RUN_TARGET_BATCH?): fix or "
-     "unset it (overrides are RELAY_<SECTION>_<FIELD>, e.g. RELAY_RUN_TARGET_BATCH)"),
-    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN, {"RELAY_MOE_GRID": "4x4"},
-     "RELAY_MOE_GRID='4x4' is not a list of integers for moe.grid ('4x4' is not an integer): write RELAY_MOE_GRID "
-     "as an array ('[4, 4]') or comma-separated (4,4)"),
-    ('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN + 'init_checkpoint = "missing.safetensors"\n', {},
-     "model.init_checkpoint: no file {org}/missing.safetensors (relative paths start at the config file's directory)"),
-    (SMALL_RUN, {}, 'server.data_dir is not set: add data_dir = "relay-data" under [server] in ../org/run.toml '
-     "(relative to that file), or pass --data-dir DIR"),
-])
+@pytest.mark.parametrize(
+    "toml, env, message",
+    [
+        (
+            '[server]\ndata_dir = "relay-data"\n' + SMALL_RUN,
+            {"RELAY_RUN_TARGET_BACTH": "64"},
+            "environment variable RELAY_RUN_TARGET_BACTH names no setting (did you mean RELAY_RUN_TARGET_BATCH?): fix or "
+            "unset it (overrides are RELAY_<SECTION>_<FIELD>, e.g. RELAY_RUN_TARGET_BATCH)",
+        ),
+        (
+            '[server]\ndata_dir = "relay-data"\n' + SMALL_RUN,
+            {"RELAY_MOE_GRID": "4x4"},
+            "RELAY_MOE_GRID='4x4' is not a list of integers for moe.grid ('4x4' is not an integer): write RELAY_MOE_GRID "
+            "as an array ('[4, 4]') or comma-separated (4,4)",
+        ),
+        (
+            '[server]\ndata_dir = "relay-data"\n' + SMALL_RUN + 'init_checkpoint = "missing.safetensors"\n',
+            {},
+            "model.init_checkpoint: no file {org}/missing.safetensors (relative paths start at the config file's directory)",
+        ),
+        (
+            SMALL_RUN,
+            {},
+            'server.data_dir is not set: add data_dir = "relay-data" under [server] in ../org/run.toml '
+            "(relative to that file), or pass --data-dir DIR",
+        ),
+    ],
+)
 def test_a_refused_config_leaves_nothing_behind(tmp_path: Path, toml: str, env: dict[str, str], message: str) -> None:
     """One line naming the setting and the fix, before any data dir or admin token exists."""
     org, elsewhere = tmp_path / "org", tmp_path / "elsewhere"
@@ -86,9 +110,24 @@ def test_serve_from_another_directory_uses_the_config_files_directory(tmp_path: 
     elsewhere.mkdir()
     (org / "run.toml").write_text('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN)
     ready = tmp_path / "ready"
-    relay = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "serve", "--config", "../org/run.toml",
-                              "--port", "0", "--ready-file", str(ready)], cwd=elsewhere,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    relay = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "serve",
+            "--config",
+            "../org/run.toml",
+            "--port",
+            "0",
+            "--ready-file",
+            str(ready),
+        ],
+        cwd=elsewhere,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ready.exists() and relay.poll() is None and time.monotonic() < deadline:
@@ -130,7 +169,8 @@ def test_a_config_missing_only_its_allowlist_is_refused_before_the_model_is_buil
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert done.returncode == 2 and done.stderr == (
         "relay-server: configuration error: auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or "
-        "auth.allow_any_hf_user = true (or auth.mode = 'open' for a local experiment)\n")
+        "auth.allow_any_hf_user = true (or auth.mode = 'open' for a local experiment)\n"
+    )
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert cpu_s < 1.0, f"{cpu_s:.2f} s of CPU to refuse a missing allowlist"
     assert not (tmp_path / "relay-data").exists()
@@ -146,8 +186,9 @@ def _options(parser: argparse.ArgumentParser, where: str = "relay-server"):
 
 
 def test_every_option_has_help() -> None:
-    missing = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in _options(build_parser())
-               if not a.help]
+    missing = [
+        f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in _options(build_parser()) if not a.help
+    ]
     assert not missing, missing
 
 

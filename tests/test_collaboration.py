@@ -22,13 +22,18 @@ from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, Mode
 
 
 def test_applied_update_is_the_exact_sample_weighted_mean(serve_relay, launch_peer):
-    relay = serve_relay({"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
-                         "run": {"target_batch": 150}})
+    relay = serve_relay(
+        {"optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0}, "run": {"target_batch": 150}}
+    )
     _, before = relay_params(relay.url)
     # 20 ms per micro-batch: the round fills in ~250 ms, so a peer the scheduler held back for a few
     # tens of milliseconds at its start still reports before it opens (all three must be in it).
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=b, steps=1,
-                         extra=("--wait-peers", "3", "--sleep-per-batch", "0.02")) for i, b in enumerate((3, 5, 7))]
+    peers = [
+        launch_peer(
+            relay.url, f"p{i}", seed=i, batch_size=b, steps=1, extra=("--wait-peers", "3", "--sleep-per-batch", "0.02")
+        )
+        for i, b in enumerate((3, 5, 7))
+    ]
     for peer in peers:
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     step, after = relay_params(relay.url, min_step=1)
@@ -57,8 +62,12 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(serve_relay, l
     load_flat(model, initial)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.01, betas=(0.9, 0.99), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=0.01,
+        betas=(0.9, 0.99),
+        eps=1e-8,
+    )
     for step in range(steps):
         opt.zero_grad()
         model.loss(data[rounds[step]]).backward()
@@ -72,16 +81,27 @@ def test_three_peers_equal_one_process_with_the_same_global_batch(serve_relay, l
 def test_peer_killed_mid_round_does_not_block_the_others(serve_relay, launch_peer):
     # A 20 s upload window and a 2 s peer TTL: if the round closes well before 20 s, it was
     # because the relay noticed the dead peer, not because the deadline passed.
-    relay = serve_relay({"run": {"target_batch": 96, "max_staleness": 1},
-                         "rounds": {"deadline_floor_s": 20.0, "deadline_initial_s": 20.0}})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 96, "max_staleness": 1},
+            "rounds": {"deadline_floor_s": 20.0, "deadline_initial_s": 20.0},
+        }
+    )
     paced = ("--wait-peers", "3", "--sleep-per-batch", "0.02")
     survivors = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=paced) for i in range(2)]
-    victim = launch_peer(relay.url, "victim", seed=9, batch_size=4, steps=6,
-                         extra=(*paced, "--freeze-before-upload", "2"))
-    status = relay.wait_for(lambda s: s["round"] is not None and s["round"]["step"] >= 2
-                            and s["round"]["expected_peers"] == 3 and s["round"]["received_peers"] == 2
-                            and any(e["event"] == "freezing" for e in victim.events()),
-                            what="a round waiting for the frozen victim")
+    victim = launch_peer(
+        relay.url, "victim", seed=9, batch_size=4, steps=6, extra=(*paced, "--freeze-before-upload", "2")
+    )
+    status = relay.wait_for(
+        lambda s: (
+            s["round"] is not None
+            and s["round"]["step"] >= 2
+            and s["round"]["expected_peers"] == 3
+            and s["round"]["received_peers"] == 2
+            and any(e["event"] == "freezing" for e in victim.events())
+        ),
+        what="a round waiting for the frozen victim",
+    )
     waiting_step = status["round"]["step"]
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait()
@@ -99,8 +119,11 @@ def test_late_joiner_gets_current_parameters_and_contributes(serve_relay, launch
     early = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=10_000) for i in range(2)]
     relay.wait_for(lambda s: s["step"] >= 3, what="step 3")
     late = launch_peer(relay.url, "late", seed=7, batch_size=4, steps=10_000)
-    relay.wait_for(lambda s: any(e["event"] == "round" for e in late.events()), timeout_s=120,
-                   what="the late joiner's first contribution")
+    relay.wait_for(
+        lambda s: any(e["event"] == "round" for e in late.events()),
+        timeout_s=120,
+        what="the late joiner's first contribution",
+    )
     for peer in [*early, late]:
         peer.proc.terminate()  # SIGTERM = leave cleanly, like closing the tab
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
@@ -140,8 +163,10 @@ def test_relay_killed_and_restarted_loses_no_step(start_relay, launch_peer):
 def test_delayed_updates_overlap_rounds_with_compute_and_stay_consistent(serve_relay, launch_peer):
     # One step of staleness allowed: peers keep computing on version v while round v runs.
     relay = serve_relay({"run": {"target_batch": 32, "max_staleness": 1}})
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=("--delayed", "--wait-peers", "2"))
-             for i in range(2)]
+    peers = [
+        launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=6, extra=("--delayed", "--wait-peers", "2"))
+        for i in range(2)
+    ]
     for peer in peers:
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     from safetensors.numpy import load_file

@@ -39,9 +39,12 @@ from toolkit.wire.tensor_container import AsyncContainerReader, encoded_size, it
 FAST, SLOW = 100, 2000
 NAMES = sorted(CODECS)
 # Largest magnitude each codec accepts (float16: the largest float32 that does not round to inf).
-LIMITS = {"none": float(np.finfo(np.float32).max), "float16": float(np.float32(65519.996)),
-          "int8": float(np.float32(INT8_INPUT_MAX * (1 - 2 ** -20)))}
-TINY = 2.0 ** -149  # float32's smallest subnormal
+LIMITS = {
+    "none": float(np.finfo(np.float32).max),
+    "float16": float(np.float32(65519.996)),
+    "int8": float(np.float32(INT8_INPUT_MAX * (1 - 2**-20))),
+}
+TINY = 2.0**-149  # float32's smallest subnormal
 
 
 def _property(check: Callable[..., None], **strategies: Any) -> tuple[Callable, Callable]:
@@ -52,9 +55,14 @@ def _property(check: Callable[..., None], **strategies: Any) -> tuple[Callable, 
 def wide_vectors(draw: st.DrawFn, limit: float = LIMITS["int8"], max_len: int = 3 * BLOCK + 40) -> np.ndarray:
     """float32 vectors with lengths around block boundaries and a wide, block-varying dynamic
     range: zero blocks, subnormals, per-element outliers, values near the codec's limit."""
-    n = draw(st.one_of(st.integers(0, 3), st.integers(0, max_len),
-                       st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 2 * BLOCK + 7])))
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    n = draw(
+        st.one_of(
+            st.integers(0, 3),
+            st.integers(0, max_len),
+            st.sampled_from([BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, 2 * BLOCK + 7]),
+        )
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     top = int(np.floor(np.log2(limit)))
     lo = draw(st.integers(-160, top))
     hi = draw(st.integers(lo, top))
@@ -65,7 +73,7 @@ def wide_vectors(draw: st.DrawFn, limit: float = LIMITS["int8"], max_len: int = 
     x = np.ldexp(rng.standard_normal(n), exps)
     x[rng.random(n) < draw(st.sampled_from([0.0, 0.1, 0.9]))] = 0.0
     if blocks and draw(st.booleans()):
-        x[BLOCK * rng.integers(blocks):][:BLOCK] = 0.0  # an all-zero block
+        x[BLOCK * rng.integers(blocks) :][:BLOCK] = 0.0  # an all-zero block
     if n and draw(st.booleans()):
         x[rng.integers(n)] = draw(st.sampled_from([limit, -limit, TINY, -TINY, 1e-40, 1.0]))
     return np.clip(x, -limit, limit).astype(np.float32)
@@ -73,8 +81,9 @@ def wide_vectors(draw: st.DrawFn, limit: float = LIMITS["int8"], max_len: int = 
 
 def small_vectors(limit: float) -> st.SearchStrategy[np.ndarray]:
     """Hypothesis-native arrays, so failures shrink to the fewest, simplest values."""
-    return hnp.arrays(np.float32, st.integers(0, BLOCK + 3),
-                      elements=st.floats(-limit, limit, width=32, allow_subnormal=True))
+    return hnp.arrays(
+        np.float32, st.integers(0, BLOCK + 3), elements=st.floats(-limit, limit, width=32, allow_subnormal=True)
+    )
 
 
 def vectors_for(name: str) -> st.SearchStrategy[np.ndarray]:
@@ -111,15 +120,15 @@ def _round_trip(case: tuple[str, np.ndarray]) -> None:
         assert np.array_equal(bits(y), bits(x))
     elif name == "float16":
         assert np.array_equal(y, x.astype(np.float16).astype(np.float32))  # IEEE round to nearest
-        assert (err <= np.maximum(np.abs(x64) * 2.0 ** -11, 2.0 ** -25)).all()
+        assert (err <= np.maximum(np.abs(x64) * 2.0**-11, 2.0**-25)).all()
     else:
         scales, q = tensors[0][1], tensors[1][1]
         assert q.min(initial=0) >= -127 and q.max(initial=0) <= 127
         step = int8_step(scales, x.size)
         assert (err <= step * (0.5 + 1e-4) + TINY).all(), "more than half a quantization step off"
         absmax = np.abs(np.pad(x64, (0, -x.size % BLOCK))).reshape(-1, BLOCK).max(axis=1)
-        assert (scales >= absmax / 127 * (1 - 2 ** -22)).all()  # no value outside [-127, 127] steps
-        assert (scales <= absmax / 127 * (1 + 2 ** -18) + TINY).all()  # and the step is tight
+        assert (scales >= absmax / 127 * (1 - 2**-22)).all()  # no value outside [-127, 127] steps
+        assert (scales <= absmax / 127 * (1 + 2**-18) + TINY).all()  # and the step is tight
         assert (y[step == 0] == 0).all()
 
 
@@ -132,7 +141,8 @@ def _float16_exact(h: np.ndarray) -> None:
 
 
 test_float16_exact_on_representable, test_float16_exact_on_representable_slow = _property(
-    _float16_exact, h=hnp.arrays(np.uint16, st.integers(0, 600)).map(lambda a: a.view(np.float16)))
+    _float16_exact, h=hnp.arrays(np.uint16, st.integers(0, 600)).map(lambda a: a.view(np.float16))
+)
 
 
 def _decode_range_splits(case: tuple[str, np.ndarray], data: st.DataObject) -> None:
@@ -150,7 +160,8 @@ def _decode_range_splits(case: tuple[str, np.ndarray], data: st.DataObject) -> N
 
 
 test_decode_range_splits, test_decode_range_splits_slow = _property(
-    _decode_range_splits, case=codec_and_vector, data=st.data())
+    _decode_range_splits, case=codec_and_vector, data=st.data()
+)
 
 
 def test_int8_gaussian_ratio_and_cosine() -> None:
@@ -213,31 +224,39 @@ def _int8_side(n: int = 1000, **override: Any) -> dict[str, Any]:
     return {k: v for k, v in side.items() if v is not None}
 
 
-@pytest.mark.parametrize("side, payload_dtype, message", [
-    (_int8_side(scales=np.full(4, 0.01)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.full(4, 0.01, np.float16)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.full(4, 1, np.int32)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.full(3, 0.01, np.float32)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.full(5, 0.01, np.float32)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.full((4, 1), 0.01, np.float32)), "i1", "must be float32 of shape"),
-    (_int8_side(scales=np.float32([0.01, np.nan, 0.01, 0.01])), "i1", "first: block 1"),
-    (_int8_side(scales=np.float32([0.01, 0.01, np.inf, 0.01])), "i1", "first: block 2"),
-    (_int8_side(scales=np.float32([0.01, 0.01, 0.01, -1e-30])), "i1", "first: block 3"),
-    (_int8_side(scales=np.float32([SCALE_MAX * 2, 0, 0, 0])), "i1", "first: block 0"),
-    (_int8_side(scales=None), "i1", "expects side tensors"),
-    (_int8_side(extra=np.zeros(1, np.float32)), "i1", "expects side tensors"),
-    (_int8_side(), "<f4", "payload must be int8"),
-])
+@pytest.mark.parametrize(
+    "side, payload_dtype, message",
+    [
+        (_int8_side(scales=np.full(4, 0.01)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.full(4, 0.01, np.float16)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.full(4, 1, np.int32)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.full(3, 0.01, np.float32)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.full(5, 0.01, np.float32)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.full((4, 1), 0.01, np.float32)), "i1", "must be float32 of shape"),
+        (_int8_side(scales=np.float32([0.01, np.nan, 0.01, 0.01])), "i1", "first: block 1"),
+        (_int8_side(scales=np.float32([0.01, 0.01, np.inf, 0.01])), "i1", "first: block 2"),
+        (_int8_side(scales=np.float32([0.01, 0.01, 0.01, -1e-30])), "i1", "first: block 3"),
+        (_int8_side(scales=np.float32([SCALE_MAX * 2, 0, 0, 0])), "i1", "first: block 0"),
+        (_int8_side(scales=None), "i1", "expects side tensors"),
+        (_int8_side(extra=np.zeros(1, np.float32)), "i1", "expects side tensors"),
+        (_int8_side(), "<f4", "payload must be int8"),
+    ],
+)
 def test_int8_validate_rejects(side: dict[str, Any], payload_dtype: str, message: str) -> None:
     with pytest.raises(ProtocolError, match=message) as info:
         get_codec("int8").validate(side, np.dtype(payload_dtype), 1000)
     assert isinstance(info.value, ValueError) and info.value.code == "bad_tensor"
 
 
-@pytest.mark.parametrize("name, side, payload_dtype", [
-    ("float16", {}, "<f4"), ("float16", {"scales": np.zeros(4, np.float32)}, "<f2"),
-    ("none", {}, "<f2"), ("none", {"scales": np.zeros(4, np.float32)}, "<f4"),
-])
+@pytest.mark.parametrize(
+    "name, side, payload_dtype",
+    [
+        ("float16", {}, "<f4"),
+        ("float16", {"scales": np.zeros(4, np.float32)}, "<f2"),
+        ("none", {}, "<f2"),
+        ("none", {"scales": np.zeros(4, np.float32)}, "<f4"),
+    ],
+)
 def test_validate_rejects_other_codecs(name: str, side: dict, payload_dtype: str) -> None:
     with pytest.raises(ProtocolError):
         get_codec(name).validate(side, np.dtype(payload_dtype), 1000)
@@ -248,9 +267,15 @@ def test_check_layout_rejects_bad_headers() -> None:
     good = codec.layout(n)
     codec.check_layout(good, n)
     scales, payload = good
-    for bad in ([payload, scales], [payload], [scales, payload._replace(shape=(n + 1,))],
-                [scales, payload._replace(name="grad")], [scales, payload, scales._replace(name="x")],
-                [scales._replace(shape=(10 ** 9,)), payload], [scales, payload._replace(dtype=np.dtype("u1"))]):
+    for bad in (
+        [payload, scales],
+        [payload],
+        [scales, payload._replace(shape=(n + 1,))],
+        [scales, payload._replace(name="grad")],
+        [scales, payload, scales._replace(name="x")],
+        [scales._replace(shape=(10**9,)), payload],
+        [scales, payload._replace(dtype=np.dtype("u1"))],
+    ):
         with pytest.raises(ProtocolError, match="codec 'int8' expects tensors"):
             codec.check_layout(bad, n)
     with pytest.raises(ProtocolError):
@@ -268,9 +293,12 @@ def _validated_scales_decode_finite(scales: np.ndarray, seed: int) -> None:
 
 
 test_validated_scales_decode_finite, test_validated_scales_decode_finite_slow = _property(
-    _validated_scales_decode_finite, seed=st.integers(0, 2 ** 32 - 1),
-    scales=hnp.arrays(np.float32, st.integers(1, 8),
-                      elements=st.floats(0, float(SCALE_MAX), width=32) | st.just(float(SCALE_MAX))))
+    _validated_scales_decode_finite,
+    seed=st.integers(0, 2**32 - 1),
+    scales=hnp.arrays(
+        np.float32, st.integers(1, 8), elements=st.floats(0, float(SCALE_MAX), width=32) | st.just(float(SCALE_MAX))
+    ),
+)
 
 
 def _bad_scales_rejected(scales: np.ndarray, bad: float, where: int) -> None:
@@ -281,9 +309,11 @@ def _bad_scales_rejected(scales: np.ndarray, bad: float, where: int) -> None:
 
 
 test_bad_scales_rejected, test_bad_scales_rejected_slow = _property(
-    _bad_scales_rejected, where=st.integers(0, 100),
+    _bad_scales_rejected,
+    where=st.integers(0, 100),
     scales=hnp.arrays(np.float32, st.integers(1, 20), elements=st.floats(0, 1e6, width=32)),
-    bad=st.sampled_from([np.nan, np.inf, -np.inf, -1.0, -TINY, float(np.finfo(np.float32).max)]))
+    bad=st.sampled_from([np.nan, np.inf, -np.inf, -1.0, -TINY, float(np.finfo(np.float32).max)]),
+)
 
 
 def test_decode_range_rejects_bad_calls() -> None:
@@ -320,8 +350,8 @@ def test_streaming_reduction_through_container() -> None:
         side = {e.name: await reader.read_tensor(e) for e in header.entries[:-1]}
         codec.validate(side, header.entries[-1].dtype, n)
         async for start, piece in reader.iter_chunks(header.entries[-1], CHUNK_ELEMS):
-            decoded = codec.decode_range(side, piece, start, out=scratch[:piece.size])
-            np.add(total[start:start + piece.size], decoded, out=total[start:start + piece.size])
+            decoded = codec.decode_range(side, piece, start, out=scratch[: piece.size])
+            np.add(total[start : start + piece.size], decoded, out=total[start : start + piece.size])
 
     for g in grads:
         asyncio.run(receive(b"".join(iter_encoded(codec.encode(g), {"codec": codec.name}))))
@@ -352,17 +382,20 @@ def test_error_feedback_bounds_accumulated_error(name: str) -> None:
     for t in range(steps):
         x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32)
         x[:BLOCK] = 0.003  # small values in a block with one big one: rounded to 0 every step,
-        x[0] = 20.0        # so only the carried residual ever sends them
+        x[0] = 20.0  # so only the carried residual ever sends them
         target = x + feedback.residual  # what this step's encode sees
         tensors = feedback.compress(x)
         sent += codec.decode(tensors)
         naive += codec.decode(codec.encode(x))
         truth += x
     last = dict(tensors)
-    bound = {"none": np.zeros(n), "float16": np.abs(target) * 2.0 ** -11 + 2.0 ** -25,
-             "int8": int8_step(last.get("scales", np.zeros(0)), n) * (0.5 + 1e-4)}[name]
+    bound = {
+        "none": np.zeros(n),
+        "float16": np.abs(target) * 2.0**-11 + 2.0**-25,
+        "int8": int8_step(last.get("scales", np.zeros(0)), n) * (0.5 + 1e-4),
+    }[name]
     assert (np.abs(feedback.residual) <= bound).all()
-    rounding = steps * 2.0 ** -23 * 30  # float32 rounding of |x + residual| <= ~30, once per step
+    rounding = steps * 2.0**-23 * 30  # float32 rounding of |x + residual| <= ~30, once per step
     assert np.allclose(truth - sent, feedback.residual, rtol=0, atol=rounding)
     assert (np.abs(truth - sent) <= bound + rounding).all()
     if name == "int8":
@@ -407,7 +440,7 @@ def _delta_bit_identity(name: str, n: int, seed: int) -> None:
         update[: n // 3] = 0.0  # frozen parameters
         master -= update.astype(np.float32)
         if step == 12:
-            master[n // 2:] = rng.standard_normal(n - n // 2)  # a rollback-sized jump
+            master[n // 2 :] = rng.standard_normal(n - n // 2)  # a rollback-sized jump
         if step == 6:
             late_peer = relay.public.copy()  # a newcomer downloads the public copy once
         delta = master.astype(np.float64) - relay.public
@@ -427,12 +460,15 @@ def _delta_bit_identity(name: str, n: int, seed: int) -> None:
         if name == "int8":  # one quantization step of the latest delta's block
             assert (gap <= int8_step(side["scales"], n) + rounding).all()
         else:
-            assert (gap <= np.abs(delta) * 2.0 ** -11 + 2.0 ** -25 + rounding).all()
+            assert (gap <= np.abs(delta) * 2.0**-11 + 2.0**-25 + rounding).all()
 
 
 test_delta_bit_identity, test_delta_bit_identity_slow = _property(
-    _delta_bit_identity, name=st.sampled_from(NAMES), seed=st.integers(0, 2 ** 32 - 1),
-    n=st.integers(1, 3 * BLOCK) | st.sampled_from([1, BLOCK, 5003]))
+    _delta_bit_identity,
+    name=st.sampled_from(NAMES),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 3 * BLOCK) | st.sampled_from([1, BLOCK, 5003]),
+)
 
 
 def test_delta_encoder_rejects_shape_mismatch() -> None:

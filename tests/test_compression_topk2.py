@@ -49,14 +49,19 @@ def _property(check: Callable[..., None], **strategies: Any) -> tuple[Callable, 
 @st.composite
 def vectors(draw: st.DrawFn) -> np.ndarray:
     """Lengths around chunk boundaries and below K, chunk-varying magnitudes, zero chunks, ties."""
-    n = draw(st.one_of(st.integers(1, 70), st.integers(1, 3 * CHUNK + 100),
-                       st.sampled_from([CHUNK - 1, CHUNK, CHUNK + 1, CHUNK + 3, 2 * CHUNK, 2 * CHUNK + 2047])))
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
+    n = draw(
+        st.one_of(
+            st.integers(1, 70),
+            st.integers(1, 3 * CHUNK + 100),
+            st.sampled_from([CHUNK - 1, CHUNK, CHUNK + 1, CHUNK + 3, 2 * CHUNK, 2 * CHUNK + 2047]),
+        )
+    )
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     exps = rng.integers(draw(st.integers(-140, 0)), draw(st.integers(1, 100)), size=-(-n // CHUNK)).repeat(CHUNK)[:n]
     x = np.ldexp(rng.standard_normal(n), exps)
     x[rng.random(n) < draw(st.sampled_from([0.0, 0.5, 0.99]))] = 0.0
     if draw(st.booleans()):
-        x[CHUNK * rng.integers(-(-n // CHUNK)):][:CHUNK] = 0.0  # an all-zero chunk
+        x[CHUNK * rng.integers(-(-n // CHUNK)) :][:CHUNK] = 0.0  # an all-zero chunk
     if draw(st.booleans()):
         x[rng.integers(n)] = draw(st.sampled_from([TOPK2_INPUT_MAX, -TOPK2_INPUT_MAX, 1e-40, 3.0]))
     if draw(st.booleans()):
@@ -88,11 +93,11 @@ def _round_trip(x: np.ndarray, k: int) -> None:
     offset = 0
     for c, (start, length) in enumerate(chunks_of(n)):
         kept = min(k, length)
-        record = payload[offset:offset + 2 * kept + -(-kept // 4)]
+        record = payload[offset : offset + 2 * kept + -(-kept // 4)]
         offset += record.size
-        positions = record[:2 * kept].view("<u2").astype(np.int64)
+        positions = record[: 2 * kept].view("<u2").astype(np.int64)
         assert (np.diff(positions) > 0).all() and positions[-1] < length  # canonical
-        chunk, decoded = x[start:start + length].astype(np.float64), y[start:start + length]
+        chunk, decoded = x[start : start + length].astype(np.float64), y[start : start + length]
         dropped = np.setdiff1d(np.arange(length), positions)
         assert (decoded[dropped] == 0).all()
         if dropped.size:  # the kept values are the largest |x|
@@ -101,17 +106,21 @@ def _round_trip(x: np.ndarray, k: int) -> None:
         assert 0 <= s <= TOPK2_SCALE_MAX and (s > 0) == (np.abs(chunk).max() > 0)
         err = np.abs(kept_x - decoded[positions])
         beyond = np.abs(kept_x) - 1.5 * s  # > 0: beyond the outer level, which it takes
-        assert (err <= np.maximum(s * 0.5, beyond) * (1 + 1e-6) + 2.0 ** -149).all(), "more than half a step off"
+        assert (err <= np.maximum(s * 0.5, beyond) * (1 + 1e-6) + 2.0**-149).all(), "more than half a step off"
         start_s = np.float32(np.abs(chunk).max() / np.float32(1.5))  # where the fit starts: never worse
-        start_err = kept_x - np.clip(np.rint(kept_x / start_s + 1.5), 0, 3) * start_s + 1.5 * start_s \
-            if start_s > 0 else kept_x
-        rounding = 2.0 ** -40 * (kept_x ** 2).sum() + 2.0 ** -200  # of s to float32
-        assert (err ** 2).sum() <= (start_err ** 2).sum() * (1 + 1e-4) + rounding
+        start_err = (
+            kept_x - np.clip(np.rint(kept_x / start_s + 1.5), 0, 3) * start_s + 1.5 * start_s
+            if start_s > 0
+            else kept_x
+        )
+        rounding = 2.0**-40 * (kept_x**2).sum() + 2.0**-200  # of s to float32
+        assert (err**2).sum() <= (start_err**2).sum() * (1 + 1e-4) + rounding
     assert offset == payload.size
 
 
 test_round_trip_keeps_the_largest_within_half_a_step, test_round_trip_slow = _property(
-    _round_trip, x=vectors(), k=st.sampled_from(KS))
+    _round_trip, x=vectors(), k=st.sampled_from(KS)
+)
 
 
 def _streamed_pieces(x: np.ndarray, k: int, data: st.DataObject) -> None:
@@ -130,7 +139,8 @@ def _streamed_pieces(x: np.ndarray, k: int, data: st.DataObject) -> None:
 
 
 test_streamed_decode_equals_whole, test_streamed_decode_slow = _property(
-    _streamed_pieces, x=vectors(), k=st.sampled_from(KS), data=st.data())
+    _streamed_pieces, x=vectors(), k=st.sampled_from(KS), data=st.data()
+)
 
 
 def test_bits_per_parameter_and_tail_records() -> None:
@@ -187,7 +197,7 @@ def test_error_feedback_sends_the_sum_minus_the_residual() -> None:
         tensors = feedback.compress(x)
         sent += codec.decode(tensors, n=n)
         truth += x
-    rounding = steps * 2.0 ** -23 * np.abs(truth).max() * 4
+    rounding = steps * 2.0**-23 * np.abs(truth).max() * 4
     assert np.allclose(truth - sent, feedback.residual, rtol=0, atol=rounding)
     assert np.abs(truth - sent).max() < np.abs(truth).max()  # it did send most of the mass...
     assert np.count_nonzero(sent) > 0.3 * n  # ...spread over far more than K of each chunk
@@ -241,8 +251,9 @@ def tampered(scales: Callable | None = None, payload: Callable | None = None) ->
 
 def set_at(offset: int, value: bytes) -> Callable:
     def change(p: np.ndarray) -> np.ndarray:
-        p[offset:offset + len(value)] = np.frombuffer(value, np.uint8)
+        p[offset : offset + len(value)] = np.frombuffer(value, np.uint8)
         return p
+
     return change
 
 
@@ -250,6 +261,7 @@ def scale(value: float, at: int = 1) -> Callable:
     def change(s: np.ndarray) -> np.ndarray:
         s[at] = value
         return s
+
     return change
 
 
@@ -257,9 +269,11 @@ R = 144  # record bytes of a whole chunk, K = 64
 HOSTILE = {
     "position_out_of_range": (tampered(payload=set_at(2 * R + 2 * 63, (100).to_bytes(2, "little"))), "chunk 2"),
     "position_beyond_uint16_chunk": (tampered(payload=set_at(R + 2 * 63, (4096).to_bytes(2, "little"))), "chunk 1"),
-    "duplicate_position": (tampered(payload=lambda p: set_at(R + 2, bytes(p[R:R + 2]))(p)), "chunk 1"),
-    "unsorted_positions": (tampered(payload=lambda p: set_at(R, bytes(p[R + 2:R + 4]) + bytes(p[R:R + 2]))(p)),
-                           "chunk 1"),
+    "duplicate_position": (tampered(payload=lambda p: set_at(R + 2, bytes(p[R : R + 2]))(p)), "chunk 1"),
+    "unsorted_positions": (
+        tampered(payload=lambda p: set_at(R, bytes(p[R + 2 : R + 4]) + bytes(p[R : R + 2]))(p)),
+        "chunk 1",
+    ),
     "nan_scale": (tampered(scales=scale(np.nan)), "chunk 1"),
     "inf_scale": (tampered(scales=scale(np.inf)), "chunk 1"),
     "negative_scale": (tampered(scales=scale(-1.0)), "chunk 1"),
@@ -284,10 +298,10 @@ def test_the_largest_valid_scales_decode_finite_and_sum_finite() -> None:
     such uploads still sum below float32's max (the reason for the limit)."""
     tensors = {name: array.copy() for name, array in GOOD}
     tensors["scales"][:] = TOPK2_SCALE_MAX
-    tensors["payload"][2 * 64:R] = 0xFF  # every code 3 (level 1.5) in chunk 0
+    tensors["payload"][2 * 64 : R] = 0xFF  # every code 3 (level 1.5) in chunk 0
     y = CODEC.decode(tensors, n=N)
-    assert np.isfinite(y).all() and np.abs(y).max() == np.float32(1.5 * 2.0 ** 100)
-    assert np.isfinite(np.float32(1.5 * 2.0 ** 100) * np.float32(2 ** 26))
+    assert np.isfinite(y).all() and np.abs(y).max() == np.float32(1.5 * 2.0**100)
+    assert np.isfinite(np.float32(1.5 * 2.0**100) * np.float32(2**26))
 
 
 def test_padding_bits_and_wrong_sizes_and_dtypes_are_refused() -> None:
@@ -309,14 +323,17 @@ def test_padding_bits_and_wrong_sizes_and_dtypes_are_refused() -> None:
     for tensors, match in cases:
         with pytest.raises(ProtocolError, match=match):
             CODEC.decode(tensors, n=N)
-    header = [TensorSpec("scales", np.dtype("<f4"), (3,)),
-              TensorSpec("payload", np.dtype("u1"), (CODEC.payload_size(N) + 1,))]
+    header = [
+        TensorSpec("scales", np.dtype("<f4"), (3,)),
+        TensorSpec("payload", np.dtype("u1"), (CODEC.payload_size(N) + 1,)),
+    ]
     with pytest.raises(ProtocolError, match="expects tensors"):
         CODEC.check_layout(header, N)
 
 
 def reduce_body(reducer: Reducer, body: bytes, peer_id: str = "") -> UploadProgress:
     """One upload through the relay's streaming reducer (fed the bytes, in-process)."""
+
     async def go() -> UploadProgress:
         stream = asyncio.StreamReader()
         stream.feed_data(body)
@@ -327,6 +344,7 @@ def reduce_body(reducer: Reducer, body: bytes, peer_id: str = "") -> UploadProgr
         progress = UploadProgress()
         await reducer.reduce(reader, header, 8, lambda: True, progress, peer_id)
         return progress
+
     return asyncio.run(go())
 
 
@@ -343,9 +361,11 @@ def test_the_reducer_streams_topk2_chunks_and_refuses_a_bad_later_chunk_whole() 
         assert np.array_equal(reducer.sum, expected)
         bad = dict(codec.encode(grads[0]))
         offset = codec.payload_size(CHUNK_ELEMS + 5 * CHUNK)  # chunk 5 of the second relay chunk
-        bad["payload"][offset + 2:offset + 4] = bad["payload"][offset:offset + 2]  # a duplicate
-        for body in (b"".join(iter_encoded(list(bad.items()))),
-                     b"".join(iter_encoded(codec.encode(grads[0])))[:-1000]):  # a truncated body
+        bad["payload"][offset + 2 : offset + 4] = bad["payload"][offset : offset + 2]  # a duplicate
+        for body in (
+            b"".join(iter_encoded(list(bad.items()))),
+            b"".join(iter_encoded(codec.encode(grads[0])))[:-1000],
+        ):  # a truncated body
             with pytest.raises(Exception) as info:
                 reduce_body(reducer, body)
             assert getattr(info.value, "code", "") in ("bad_tensor", "truncated_body"), info.value
@@ -364,8 +384,8 @@ def test_centered_clip_reduces_topk2_uploads_and_forgets_a_refused_one() -> None
         good = codec.encode(np.random.default_rng(4).standard_normal(n).astype(np.float32))
         bad = {name: array.copy() for name, array in good}
         offset = codec.payload_size(CHUNK_ELEMS)  # the first record of the second relay chunk
-        bad["payload"][offset:offset + 2] = np.frombuffer((4096).to_bytes(2, "little"), np.uint8)
-        bad["scales"][:CHUNK_ELEMS // CHUNK] *= 1000  # its first relay chunk, valid, would pull the center
+        bad["payload"][offset : offset + 2] = np.frombuffer((4096).to_bytes(2, "little"), np.uint8)
+        bad["scales"][: CHUNK_ELEMS // CHUNK] *= 1000  # its first relay chunk, valid, would pull the center
         with pytest.raises(Exception) as info:
             reduce_body(reducer, b"".join(iter_encoded(list(bad.items()))), "mallory")
         assert getattr(info.value, "code", "") == "bad_tensor", info.value
@@ -380,9 +400,10 @@ def test_dense_only_places_refuse_topk2_in_one_line(tmp_path: Path) -> None:
     """run.compression takes topk2 names (a bad K is one line); moe.codec (and
     pipeline.boundary_codec) keep to the dense codecs, and so do the row payloads themselves."""
     for section, overrides, field in (
-            ("run", {"run": {"compression": "topk2-6"}}, "run.compression"),
-            ("download", {"run": {"download_compression": "topk3-64"}}, "run.download_compression"),
-            ("moe", {"moe": {"enabled": True, "codec": "topk2-64"}}, "moe.codec")):  # pipeline: test_pipeline.py
+        ("run", {"run": {"compression": "topk2-6"}}, "run.compression"),
+        ("download", {"run": {"download_compression": "topk3-64"}}, "run.download_compression"),
+        ("moe", {"moe": {"enabled": True, "codec": "topk2-64"}}, "moe.codec"),
+    ):  # pipeline: test_pipeline.py
         with pytest.raises(ConfigError) as info:
             load_config(write_config(tmp_path / f"{section}.toml", merged(overrides)))
         assert field in str(info.value) and "\n" not in str(info.value), str(info.value)
@@ -397,10 +418,14 @@ SGD = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0}
 
 
 def vector_relay(start_relay, compression: str, download: str = ""):
-    return start_relay({"model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": VECTOR}},
-                        "optimizer": SGD, "run": {"target_batch": 8, "compression": compression,
-                                                  "download_compression": download},
-                        "rounds": {"deadline_initial_s": 60.0, "deadline_floor_s": 30.0}})
+    return start_relay(
+        {
+            "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": VECTOR}},
+            "optimizer": SGD,
+            "run": {"target_batch": 8, "compression": compression, "download_compression": download},
+            "rounds": {"deadline_initial_s": 60.0, "deadline_floor_s": 30.0},
+        }
+    )
 
 
 def stored(relay, step: int) -> dict[str, np.ndarray]:
@@ -420,10 +445,17 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
     good = dict(codec.encode(gradient))
     late = codec.payload_size(CHUNK_ELEMS + CHUNK)  # a record in the second relay chunk: the first was staged
     hostile = {
-        "duplicate position": {**good, "payload": set_at(late + 2, bytes(good["payload"][late:late + 2]))(
-            good["payload"].copy())},
-        "position out of range": {**good, "payload": set_at(codec.payload_size(VECTOR) - R + 2 * 63,  # the tail's
-                                                            (1000).to_bytes(2, "little"))(good["payload"].copy())},
+        "duplicate position": {
+            **good,
+            "payload": set_at(late + 2, bytes(good["payload"][late : late + 2]))(good["payload"].copy()),
+        },
+        "position out of range": {
+            **good,
+            "payload": set_at(
+                codec.payload_size(VECTOR) - R + 2 * 63,  # the tail's
+                (1000).to_bytes(2, "little"),
+            )(good["payload"].copy()),
+        },
         "nan scale": {**good, "scales": scale(np.nan, 3)(good["scales"].copy())},
         "one byte short": {**good, "payload": good["payload"][:-1]},
         "int8 payload": {**good, "payload": good["payload"].view(np.int8)},
@@ -447,8 +479,9 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
     client.close()
 
 
-@pytest.mark.parametrize(("compression", "download"), [("int8", ""), ("topk2-64", ""), ("topk2-64", "topk2-256"),
-                                                      ("topk2-64", "int8")])
+@pytest.mark.parametrize(
+    ("compression", "download"), [("int8", ""), ("topk2-64", ""), ("topk2-64", "topk2-256"), ("topk2-64", "int8")]
+)
 def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compression: str, download: str) -> None:
     """Sync mode, two peers with error feedback; the relay broadcasts deltas against ``public``
     (in ``run.download_compression`` where it is set): after every step both peers (one always on
@@ -474,13 +507,16 @@ def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compress
         for client, peer, _, feedback in peers:
             tensors = feedback.compress(rng.standard_normal(VECTOR).astype(np.float32))
             total += codec.decode(tensors, n=VECTOR)
-            client.upload_gradient(tensors, GradientMeta(peer_id=peer, step=step, version=step, samples=4,
-                                                         loss_sum=1.0), codec.name)
+            client.upload_gradient(
+                tensors, GradientMeta(peer_id=peer, step=step, version=step, samples=4, loss_sum=1.0), codec.name
+            )
         master = master - total / np.float32(8)
         for i, (client, peer, public, _) in enumerate(peers):
             have = None if (i == 1 and step == 2) else step  # b re-downloads once in full
-            assert client.download_params(public, have=have, codec=down, min_step=step + 1, wait_s=30,
-                                          peer_id=peer) == step + 1
+            assert (
+                client.download_params(public, have=have, codec=down, min_step=step + 1, wait_s=30, peer_id=peer)
+                == step + 1
+            )
         state = stored(relay, step + 1)
         np.testing.assert_allclose(state["master"], master, rtol=0, atol=1e-5)
         for _, _, public, _ in peers:

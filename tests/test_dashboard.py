@@ -22,8 +22,14 @@ pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
 # playwright cannot download its own browsers here; Debian's build needs these flags in a container.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = REPO / "test-artifacts"
 UI_TIMEOUT_MS = 20_000  # the machine is shared; polling is 1.5 s, a round well under a second
 
@@ -76,14 +82,21 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     from playwright.sync_api import expect
 
     page, problems = browser_page
-    relay = start_relay({"run": {"name": "dashboard-run", "target_batch": 32},
-                         "rounds": {"peer_ttl_s": 10.0}})
+    relay = start_relay({"run": {"name": "dashboard-run", "target_batch": 32}, "rounds": {"peer_ttl_s": 10.0}})
     # Slow peers that never stop by themselves: rounds keep finishing while the page is open.
     for seed, name in enumerate(("alice", "bob")):
-        launch_peer(relay.url, name, seed=seed, batch_size=4, steps=1_000_000,
-                    extra=("--sleep-per-batch", "0.05", "--wait-peers", "2"))
-    status = relay.wait_for(lambda s: s["step"] >= 2 and len(s["peers"]) == 2 and len(s["leaderboard"]) == 2,
-                            what="two peers on the leaderboard")
+        launch_peer(
+            relay.url,
+            name,
+            seed=seed,
+            batch_size=4,
+            steps=1_000_000,
+            extra=("--sleep-per-batch", "0.05", "--wait-peers", "2"),
+        )
+    status = relay.wait_for(
+        lambda s: s["step"] >= 2 and len(s["peers"]) == 2 and len(s["leaderboard"]) == 2,
+        what="two peers on the leaderboard",
+    )
     usernames = {p["name"]: p["username"] for p in status["peers"]}  # open mode: "anonymous:<name>"
 
     page.goto(relay.url + "/")
@@ -110,16 +123,21 @@ def test_dashboard_follows_a_live_collaboration(start_relay, launch_peer, browse
     first_step = shown_step(page)
     first_points = int(page.locator("#loss-chart").get_attribute("data-points"))
     assert first_step >= 2, first_step
-    page.wait_for_function("s => Number(document.getElementById('step').dataset.value) > s",
-                           arg=first_step, timeout=UI_TIMEOUT_MS)
+    page.wait_for_function(
+        "s => Number(document.getElementById('step').dataset.value) > s", arg=first_step, timeout=UI_TIMEOUT_MS
+    )
     later_step = shown_step(page)
     assert later_step > first_step
     assert page.evaluate("window.__sameDocument") is True, "the page reloaded instead of updating in place"
     assert int(page.locator("#loss-chart").get_attribute("data-points")) > first_points
     assert relay.status()["step"] >= later_step  # the page shows the relay's step, not an invention
     expect(page.locator("#throughput-chart polyline.rounds")).to_have_count(1)
-    expect(page.locator("#last-applied")).to_contain_text(re.compile(r"Step \d+ applied \d+ of target 32 samples "
-                                                                    r"from \d peers\."))
+    expect(page.locator("#last-applied")).to_contain_text(
+        re.compile(
+            r"Step \d+ applied \d+ of target 32 samples "
+            r"from \d peers\."
+        )
+    )
     for way in ("up", "down"):  # every run: the training bytes per applied sample, measured on the relay
         expect(page.locator(f"#bytes-{way}")).to_have_text(re.compile(r"^\d+(\.\d)? (B|KB|MB)$"))
     expect(page.locator("#step-label")).to_have_text("Global step")  # a sync run: no local SGD figures
@@ -237,9 +255,28 @@ def test_a_dmoe_run_shows_the_samples_per_s_its_rounds_measured_and_its_expert_h
     from relay_server.rounds.throughput import RATE_WINDOW
 
     page, problems = browser_page
-    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "demo", "--recipe", "dmoe-lm-tiny", "--peers",
-                             "2", "--steps", "1000", "--target-batch", "16", "--batch-size", "4"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "demo",
+            "--recipe",
+            "dmoe-lm-tiny",
+            "--peers",
+            "2",
+            "--steps",
+            "1000",
+            "--target-batch",
+            "16",
+            "--batch-size",
+            "4",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = None
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -275,8 +312,10 @@ def test_a_dmoe_run_shows_the_samples_per_s_its_rounds_measured_and_its_expert_h
             Number(document.getElementById('throughput-chart').dataset.roundsRate)]""")
         assert shown == pytest.approx(rounds_rate, rel=0.10), (shown, rounds_rate)
         expect(card).not_to_have_text("–")
-        rows = {name: page.locator("#peers tbody tr", has=page.locator("td", has_text=name))
-                for name in ("host-0", "host-1", "peer-0", "peer-1")}
+        rows = {
+            name: page.locator("#peers tbody tr", has=page.locator("td", has_text=name))
+            for name in ("host-0", "host-1", "peer-0", "peer-1")
+        }
         for host in ("host-0", "host-1"):
             expect(rows[host].locator("td.role")).to_have_text("expert host · 16 experts")
             # device, precision, samples/s, contributed, first contribution: a host has none of them
@@ -307,9 +346,22 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
     from playwright.sync_api import expect
 
     page, problems = browser_page
-    proc = subprocess.Popen([sys.executable, "-m", "relay_server.cli", "trial", "--config",
-                             str(REPO / "relay_server/defaults/demo.toml"), "--threads", "1"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "trial",
+            "--config",
+            str(REPO / "relay_server/defaults/demo.toml"),
+            "--threads",
+            "1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = None
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -325,8 +377,9 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
         expect(page.locator("#loss-chart line.ref")).to_have_count(2, timeout=UI_TIMEOUT_MS)
         labels = page.locator("#loss-chart text.ref-label")
         expect(labels).to_have_text([f"{r['label']} = {to_precision_4(r['value'])}" for r in references])
-        expect(page.locator("#loss-summary")).to_contain_text("References: chance: ln 256 (bytes) = 5.545; "
-                                                              "unigram entropy of the demo text (bytes) = ")
+        expect(page.locator("#loss-summary")).to_contain_text(
+            "References: chance: ln 256 (bytes) = 5.545; unigram entropy of the demo text (bytes) = "
+        )
         # Each line sits at its value on the chart's scale: the chance line above the entropy one.
         chance_y, unigram_y = (float(page.locator("#loss-chart line.ref").nth(i).get_attribute("y1")) for i in (0, 1))
         assert chance_y < unigram_y
@@ -340,8 +393,9 @@ def test_loss_chart_draws_chance_level_and_the_unigram_entropy(browser_page):
         proc.kill()
 
 
-def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(start_relay, launch_peer, browser_page,
-                                                                            tmp_path, demo_tokenizer):
+def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(
+    start_relay, launch_peer, browser_page, tmp_path, demo_tokenizer
+):
     """An ``[evaluation]`` run: the loss chart draws the training and the validation curve over the
     chance line, and "What the model says now" lists the fixed prompts with the model's own answers
     for the step the relay reports."""
@@ -362,7 +416,8 @@ def test_dashboard_shows_validation_the_chance_line_and_what_the_model_says(star
     expect(page.locator("#validation-key")).to_be_visible()
     last = status["evaluations"][-1]
     expect(page.locator("#loss-summary")).to_contain_text(
-        f"Validation loss {to_precision_4(last['loss'])} at step {last['step']}")
+        f"Validation loss {to_precision_4(last['loss'])} at step {last['step']}"
+    )
 
     expect(page.locator("#samples-panel")).to_be_visible()
     expect(page.locator("#h-samples")).to_have_text(f"What the model says now (step {last['step']})")
@@ -393,14 +448,18 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     # the registry, and its name with it); a short sleep per task spares the shared CPUs.
     for i in range(4):
         launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1_000_000, extra=("--sleep-per-task", "0.05"))
-    status = relay.wait_for(lambda s: s["step"] >= 1 and sum(len(st["workers"]) for st in s["pipeline"]["stages"]) == 4,
-                            timeout_s=120, what="a pipeline step with 4 stage workers")
+    status = relay.wait_for(
+        lambda s: s["step"] >= 1 and sum(len(st["workers"]) for st in s["pipeline"]["stages"]) == 4,
+        timeout_s=120,
+        what="a pipeline step with 4 stage workers",
+    )
     p = status["pipeline"]
     names = {peer["peer_id"]: peer["name"] for peer in status["peers"]}
     assert sorted(names[w] for st in p["stages"] for w in st["workers"]) == ["w0", "w1", "w2", "w3"]
     stage_of = {w: st["stage"] for st in p["stages"] for w in st["workers"]}  # each peer in its role, with its stage
     assert {peer["peer_id"]: (peer["role"], peer["stage"]) for peer in status["peers"]} == {
-        w: ("stage_worker", k) for w, k in stage_of.items()}
+        w: ("stage_worker", k) for w, k in stage_of.items()
+    }
 
     page.goto(relay.url + "/")
     expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
@@ -418,7 +477,8 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     assert p["stages"][0]["layers"][1] == p["stages"][1]["layers"][0]  # contiguous stages
     expect(page.locator("#peers td.role")).to_have_text([re.compile(r"^stage worker · stage [01]$")] * 4)
     expect(page.locator("#pipeline-summary")).to_have_text(
-        re.compile(r"Batch \d+: [0-4] of 4 micro-batches finished(\.|; its round is open)"))
+        re.compile(r"Batch \d+: [0-4] of 4 micro-batches finished(\.|; its round is open)")
+    )
     assert page.locator("#pipeline-progress").get_attribute("max") == "4"
     expect(page.locator("#pipeline-measured")).to_have_text(re.compile(r"^\d+(\.\d)? (ms|s)$"))
     predicted = page.locator("#pipeline-predicted")
@@ -428,9 +488,11 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     else:
         expect(predicted).to_have_text(re.compile(r"^\d+(\.\d)? (ms|s)$"))
     expect(page.locator("#pipeline-counted")).to_have_text(
-        re.compile(r"every stage counted exactly the batch's 8 samples in (the last round|each of the last \d rounds)"))
+        re.compile(r"every stage counted exactly the batch's 8 samples in (the last round|each of the last \d rounds)")
+    )
     expect(page.locator("#pipeline-boundary")).to_have_text(
-        re.compile(r"in memory, .+ spilled to disk, \d+(\.\d)? (B|KB|MB) per sample"))
+        re.compile(r"in memory, .+ spilled to disk, \d+(\.\d)? (B|KB|MB) per sample")
+    )
     expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ tasks? re-dispatched"))
     expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ uploads? cut at the hold deadline"))
 
@@ -451,8 +513,10 @@ def test_the_dashboard_says_when_the_relay_refused_a_step(relay_factory, browser
     from toolkit.wire.protocol import Heartbeat
 
     page, problems = browser_page
-    relay = relay_factory(model={"factory": "toolkit.models:Vector", "kwargs": {"numel": 64}},
-                          optimizer={"name": "sgd", "lr": 1e30, "weight_decay": 0.0, "momentum": 0.0})
+    relay = relay_factory(
+        model={"factory": "toolkit.models:Vector", "kwargs": {"numel": 64}},
+        optimizer={"name": "sgd", "lr": 1e30, "weight_decay": 0.0, "momentum": 0.0},
+    )
     peers = [SignedPeer.login(relay, name).join(f"{name}-nb") for name in ("alice", "bob")]
     for peer in peers:
         peer.client.heartbeat(peer.peer_id, Heartbeat(version=0, samples=5, samples_per_s=10.0))

@@ -116,18 +116,26 @@ def test_each_format_streams_its_rows_in_order(tmp_path, cache, suffix):
 
 
 def test_a_whole_dataset_of_mixed_formats_streams_once_per_epoch(tmp_path, cache):
-    shards = [write_shard(tmp_path / f"s{i}{suffix}", _rows(f"s{i}", 40))
-              for i, suffix in enumerate([".parquet", ".jsonl", ".txt.gz"])]
-    config = StreamConfig(datasets=(DatasetSpec(name="d", data_files=(str(tmp_path / "s*"),)),),
-                          shuffle_buffer=16, cache_dir=cache)
+    shards = [
+        write_shard(tmp_path / f"s{i}{suffix}", _rows(f"s{i}", 40))
+        for i, suffix in enumerate([".parquet", ".jsonl", ".txt.gz"])
+    ]
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="d", data_files=(str(tmp_path / "s*"),)),), shuffle_buffer=16, cache_dir=cache
+    )
     assert DatasetSpec(name="d", data_files=(str(tmp_path / "s*"),)).shards() == shards  # sorted glob
     got = list(stream_texts(config, seed=0, shard_source=one_epoch()))
     assert sorted(got) == sorted(_rows("s0", 40) + _rows("s1", 40) + _rows("s2", 40))
 
 
 def test_format_is_inferred_and_unknown_ones_are_config_errors():
-    assert [data.infer_format(p) for p in ("a.parquet", "b.jsonl.gz", "c.JSON", "d.txt.zst", "hf://x/y.txt")] == \
-        ["parquet", "json", "json", "text", "text"]
+    assert [data.infer_format(p) for p in ("a.parquet", "b.jsonl.gz", "c.JSON", "d.txt.zst", "hf://x/y.txt")] == [
+        "parquet",
+        "json",
+        "json",
+        "text",
+        "text",
+    ]
     with pytest.raises(DataConfigError, match="cannot tell the format"):
         data.infer_format("shard.csv")
 
@@ -144,7 +152,7 @@ def test_per_peer_shard_orders_differ_and_are_deterministic():
     assert a == walk("peer-a")  # deterministic by seed
     assert a[:12] != b[:12]  # peers walk differently
     for epoch in range(3):  # every epoch is a permutation of all shards, reshuffled
-        assert sorted(a[12 * epoch:12 * epoch + 12]) == shards
+        assert sorted(a[12 * epoch : 12 * epoch + 12]) == shards
     assert a[:12] != a[12:24]
     finite = LocalShardOrder(shards[:2], seed=1, epochs=2)
     assert [finite.next_shard() for _ in range(5)][4] is None
@@ -183,8 +191,9 @@ def test_shuffle_buffer_shuffles_and_respects_its_size():
 
 def test_the_shuffle_buffer_mixes_across_shard_boundaries(tmp_path, cache):
     shards = make_dataset(tmp_path, "b", [60, 60, 60], ".txt")
-    config = StreamConfig(datasets=(DatasetSpec(name="b", data_files=tuple(shards)),), shuffle_buffer=50,
-                          cache_dir=cache)
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="b", data_files=tuple(shards)),), shuffle_buffer=50, cache_dir=cache
+    )
     order = LocalShardOrder(shards, seed=3, epochs=1).epoch_order(0)
     got = list(stream_texts(config, seed=3, shard_source=one_epoch(3)))
     assert sorted(got) == sorted(sum((_rows(f"b{i}", 60) for i in range(3)), []))
@@ -198,9 +207,14 @@ def test_the_shuffle_buffer_mixes_across_shard_boundaries(tmp_path, cache):
 def test_mixing_proportions_over_20000_samples(tmp_path, cache):
     wiki = make_dataset(tmp_path, "wiki", [700, 700], ".parquet")
     oscar = make_dataset(tmp_path, "oscar", [1500, 1500], ".txt")
-    config = StreamConfig(datasets=(DatasetSpec(name="wikipedia", data_files=tuple(wiki), probability=0.23),
-                                    DatasetSpec(name="oscar", data_files=tuple(oscar), probability=0.77)),
-                          shuffle_buffer=200, cache_dir=cache)
+    config = StreamConfig(
+        datasets=(
+            DatasetSpec(name="wikipedia", data_files=tuple(wiki), probability=0.23),
+            DatasetSpec(name="oscar", data_files=tuple(oscar), probability=0.77),
+        ),
+        shuffle_buffer=200,
+        cache_dir=cache,
+    )
     stream = stream_texts(config, seed="peer-1")
     got = [next(stream) for _ in range(20_000)]
     stream.close()
@@ -216,9 +230,14 @@ def test_mixing_proportions_over_20000_samples(tmp_path, cache):
 
 def test_mixing_ends_when_a_dataset_runs_out(tmp_path, cache):
     small, large = make_dataset(tmp_path, "s", [20], ".txt"), make_dataset(tmp_path, "l", [500], ".txt")
-    config = StreamConfig(datasets=(DatasetSpec(name="s", data_files=tuple(small), probability=0.5),
-                                    DatasetSpec(name="l", data_files=tuple(large), probability=0.5)),
-                          shuffle_buffer=1, cache_dir=cache)
+    config = StreamConfig(
+        datasets=(
+            DatasetSpec(name="s", data_files=tuple(small), probability=0.5),
+            DatasetSpec(name="l", data_files=tuple(large), probability=0.5),
+        ),
+        shuffle_buffer=1,
+        cache_dir=cache,
+    )
     got = list(stream_texts(config, seed=0, shard_source=one_epoch()))
     assert sum(t.startswith("s") for t in got) == 20 and len(got) < 100
 
@@ -226,8 +245,9 @@ def test_mixing_ends_when_a_dataset_runs_out(tmp_path, cache):
 # --- tokenization and packing ---------------------------------------------------------------------
 def test_tokenization_is_lazy(tmp_path, cache):
     shards = make_dataset(tmp_path, "t", [500, 500], ".parquet")
-    config = StreamConfig(datasets=(DatasetSpec(name="t", data_files=tuple(shards)),), shuffle_buffer=300,
-                          cache_dir=cache)
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="t", data_files=tuple(shards)),), shuffle_buffer=300, cache_dir=cache
+    )
     calls = []
 
     def tokenize(text: str) -> list[int]:
@@ -278,8 +298,9 @@ class RecordingSource(LocalShardOrder):
 def test_report_counts_the_rows_of_each_shard_that_reached_training(tmp_path, cache):
     sizes = [30, 50, 70]
     shards = make_dataset(tmp_path, "r", sizes, ".jsonl")
-    config = StreamConfig(datasets=(DatasetSpec(name="r", data_files=tuple(shards)),), shuffle_buffer=40,
-                          report_every=7, cache_dir=cache)
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="r", data_files=tuple(shards)),), shuffle_buffer=40, report_every=7, cache_dir=cache
+    )
     sources: list[RecordingSource] = []
 
     def factory(spec):
@@ -297,8 +318,12 @@ def test_report_counts_the_rows_of_each_shard_that_reached_training(tmp_path, ca
 
 def test_closing_the_stream_reports_what_was_trained_and_releases_unfinished_shards(tmp_path, cache):
     shards = make_dataset(tmp_path, "c", [100, 100], ".parquet")
-    config = StreamConfig(datasets=(DatasetSpec(name="c", data_files=tuple(shards)),), shuffle_buffer=30,
-                          report_every=1000, cache_dir=cache)
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="c", data_files=tuple(shards)),),
+        shuffle_buffer=30,
+        report_every=1000,
+        cache_dir=cache,
+    )
     source = RecordingSource(shards, seed=0, epochs=1)
     stream = stream_texts(config, seed=0, shard_source=lambda spec: source)
     taken = [next(stream) for _ in range(25)]
@@ -316,8 +341,7 @@ def test_an_unreadable_shard_is_skipped_and_returned_unfinished(tmp_path, cache,
     bad = tmp_path / "g" / "g-99.parquet"
     bad.write_bytes(b"this is not parquet" * 10)
     source = RecordingSource([*good, str(bad)], seed=0, epochs=1)
-    config = StreamConfig(datasets=(DatasetSpec(name="g", data_files=("unused",)),), shuffle_buffer=1,
-                          cache_dir=cache)
+    config = StreamConfig(datasets=(DatasetSpec(name="g", data_files=("unused",)),), shuffle_buffer=1, cache_dir=cache)
     with caplog.at_level(logging.WARNING, logger="toolkit.data"):
         got = list(stream_texts(config, seed=0, shard_source=lambda spec: source))
     assert sorted(got) == sorted(_rows("g0", 20) + _rows("g1", 20))
@@ -329,8 +353,9 @@ def test_consecutive_unreadable_shards_stop_the_stream(tmp_path, cache):
     for i in range(3):
         (tmp_path / f"bad{i}.parquet").write_bytes(b"nope")
         bad.append(str(tmp_path / f"bad{i}.parquet"))
-    config = StreamConfig(datasets=(DatasetSpec(name="b", data_files=tuple(bad)),), cache_dir=cache,
-                          max_shard_failures=3)
+    config = StreamConfig(
+        datasets=(DatasetSpec(name="b", data_files=tuple(bad)),), cache_dir=cache, max_shard_failures=3
+    )
     with pytest.raises(DataSourceError, match="3 shards in a row failed"):
         list(stream_texts(config, seed=0))
 
@@ -373,7 +398,7 @@ def test_offline_mode_in_a_fresh_process(tmp_path):
         from toolkit.data import DatasetSpec, LocalShardOrder, StreamConfig, stream_texts
         assert datasets.config.HF_HUB_OFFLINE is True
         config = StreamConfig(datasets=(DatasetSpec(name="s", data_files=({shard!r},)),), shuffle_buffer=4,
-                              cache_dir={str(tmp_path / 'cache')!r})
+                              cache_dir={str(tmp_path / "cache")!r})
         rows = list(stream_texts(config, seed=0, shard_source=lambda spec: LocalShardOrder(spec.shards(), 0, epochs=1)))
         assert sorted(rows) == [f"s row {{i:05d}}" for i in range(20)], rows
         print("ok")
@@ -397,10 +422,15 @@ def test_late_offline_mode_is_warned_about(monkeypatch, caplog):
 def test_stream_config_from_the_relay_dataset_section(tmp_path, cache):
     make_dataset(tmp_path, "w", [40], ".parquet")
     make_dataset(tmp_path, "o", [40], ".txt")
-    section = {"kind": "stream", "shuffle_buffer": 8, "cache_dir": cache, "sources": [
-        {"name": "wikipedia", "data_files": str(tmp_path / "w" / "*.parquet"), "probability": 2},
-        {"name": "oscar", "data_files": [str(tmp_path / "o" / "*.txt")], "probability": 6.7},
-    ]}
+    section = {
+        "kind": "stream",
+        "shuffle_buffer": 8,
+        "cache_dir": cache,
+        "sources": [
+            {"name": "wikipedia", "data_files": str(tmp_path / "w" / "*.parquet"), "probability": 2},
+            {"name": "oscar", "data_files": [str(tmp_path / "o" / "*.txt")], "probability": 6.7},
+        ],
+    }
     config = StreamConfig.from_dict(section)
     assert config.shuffle_buffer == 8 and [d.name for d in config.datasets] == ["wikipedia", "oscar"]
     assert config.probabilities == pytest.approx([2 / 8.7, 6.7 / 8.7])
@@ -411,15 +441,18 @@ def test_stream_config_from_the_relay_dataset_section(tmp_path, cache):
     assert hub.shards() == ["hf://datasets/org/oscar-bn@v1/train/00.txt.gz"]  # no glob: no network
 
 
-@pytest.mark.parametrize("section,match", [
-    ({"kind": "stream", "sources": []}, "no datasets"),
-    ({"kind": "stream", "sources": [{"name": "a"}]}, "lists no data_files"),
-    ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "probabilty": 1}]}, "unknown keys"),
-    ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "probability": 0}]}, "probability must be > 0"),
-    ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "format": "csv"}]}, "unknown format"),
-    ({"kind": "stream", "shuffle_buffer": 0, "sources": [{"data_files": ["a.txt"]}]}, "must be >= 1"),
-    ({"kind": "mystery"}, "unknown dataset kind"),
-])
+@pytest.mark.parametrize(
+    "section,match",
+    [
+        ({"kind": "stream", "sources": []}, "no datasets"),
+        ({"kind": "stream", "sources": [{"name": "a"}]}, "lists no data_files"),
+        ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "probabilty": 1}]}, "unknown keys"),
+        ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "probability": 0}]}, "probability must be > 0"),
+        ({"kind": "stream", "sources": [{"data_files": ["a.txt"], "format": "csv"}]}, "unknown format"),
+        ({"kind": "stream", "shuffle_buffer": 0, "sources": [{"data_files": ["a.txt"]}]}, "must be >= 1"),
+        ({"kind": "mystery"}, "unknown dataset kind"),
+    ],
+)
 def test_bad_dataset_sections_are_config_errors(section, match):
     with pytest.raises(DataConfigError, match=match):
         batches_for_run(section, batch_size=2, seq_len=8, seed=0)

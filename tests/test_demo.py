@@ -27,8 +27,13 @@ STATED = re.compile(r"^rounds:    .*a step applies (?:(\d+) to (\d+)|exactly (\d
 
 
 def start_demo(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "relay_server.cli", "demo", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "relay_server.cli", "demo", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[dict[int, float], dict, str]:
@@ -65,12 +70,18 @@ def test_demo_prints_a_line_per_step_and_a_json_summary() -> None:
     assert assert_applied_within_stated_range(out, 3) == (8, 16)  # target 8, two peers' micro-batches of 4
     # Without --keep the dashboard is gone once the demo returns: the line before the JSON says so, and how to keep it.
     url = re.match(r"relay:\s+(\S+) ", out)[1]
-    assert out.strip().splitlines()[-2] == (f"dashboard: closed with the demo ({url}/ no longer answers); run the demo "
-                                             "with --keep to keep the relay and its dashboard up after the last step, "
-                                             "until Ctrl-C")
+    assert out.strip().splitlines()[-2] == (
+        f"dashboard: closed with the demo ({url}/ no longer answers); run the demo "
+        "with --keep to keep the relay and its dashboard up after the last step, "
+        "until Ctrl-C"
+    )
     # Where the loss stands: chance level and the shipped text's byte entropy, named in the header.
-    references = re.search(r"^losses:    chance: ln 256 \(bytes\) = (\S+); unigram entropy of the demo text \(bytes\) "
-                           r"= (\S+)$", out, re.M)
+    references = re.search(
+        r"^losses:    chance: ln 256 \(bytes\) = (\S+); unigram entropy of the demo text \(bytes\) "
+        r"= (\S+)$",
+        out,
+        re.M,
+    )
     assert references, out
     assert float(references[1]) == round(math.log(256), 4) == summary["loss_references"]["chance"]
     assert float(references[2]) == summary["loss_references"]["unigram"] and 0 < float(references[2]) < math.log(256)
@@ -80,11 +91,14 @@ def test_each_step_says_how_many_samples_it_applied_of_the_target_with_int8_comp
     """The overshoot is stated, not hidden: the header gives the range, every step line its count.
     With ``--compression int8`` (8-bit gradients up, 8-bit parameter deltas down to both peers):
     the demo runs with it and learns (ln 256 = 5.55 at init; the float32 twin is under -m slow)."""
-    proc = start_demo("--peers", "2", "--steps", "3", "--target-batch", "8", "--batch-size", "4",
-                      "--compression", "int8")
+    proc = start_demo(
+        "--peers", "2", "--steps", "3", "--target-batch", "8", "--batch-size", "4", "--compression", "int8"
+    )
     losses, _, out = finish(proc, timeout_s=240)
-    assert ("rounds:    a round opens when the peers' reported samples reach 8; each peer (reporting after every "
-            "micro-batch) then adds at most the micro-batch it was computing, so a step applies 8 to 16 samples") in out
+    assert (
+        "rounds:    a round opens when the peers' reported samples reach 8; each peer (reporting after every "
+        "micro-batch) then adds at most the micro-batch it was computing, so a step applies 8 to 16 samples"
+    ) in out
     assert assert_applied_within_stated_range(out, 3) == (8, 16)
     assert ", compression int8" in out, out
     assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values()), out
@@ -177,13 +191,15 @@ def test_int8_compression_trains_as_well_as_float32() -> None:
 
 def test_albert_tiny_recipe_trains_a_tokenizer_and_a_masked_lm() -> None:
     """``--recipe albert-tiny``: the sahajBERT recipe in miniature runs end to end and learns."""
-    proc = start_demo("--recipe", "albert-tiny", "--peers", "2", "--steps", "8", "--target-batch", "16",
-                      "--batch-size", "4")
+    proc = start_demo(
+        "--recipe", "albert-tiny", "--peers", "2", "--steps", "8", "--target-batch", "16", "--batch-size", "4"
+    )
     losses, summary, out = finish(proc, timeout_s=300)
     assert summary["steps"] == 8 and sorted(losses) == list(range(1, 9))
     assert assert_applied_within_stated_range(out, 8) == (16, 24)
-    assert re.search(r"^losses:    chance: ln \d+ \(tokens\) = \S+; unigram entropy of the demo text \(tokens\)", out,
-                     re.M), out
+    assert re.search(
+        r"^losses:    chance: ln \d+ \(tokens\) = \S+; unigram entropy of the demo text \(tokens\)", out, re.M
+    ), out
     assert all(math.isfinite(v) and v > 0 for v in losses.values())
     assert summary["last_loss"] < summary["first_loss"]  # ln(2000) = 7.6 at init
 
@@ -195,8 +211,9 @@ def test_dmoe_lm_tiny_recipe_trains_a_mixture_of_experts_language_model_within_t
     each step still applies no more than the header says (the target plus one micro-batch per
     peer: they report after every micro-batch, and see the round at the next one)."""
     # 8 micro-batches of 4 per step: room for several in flight (peers reporting every 0.5 s applied 56 here)
-    proc = start_demo("--recipe", "dmoe-lm-tiny", "--peers", "2", "--steps", "5", "--target-batch", "32",
-                      "--batch-size", "4")
+    proc = start_demo(
+        "--recipe", "dmoe-lm-tiny", "--peers", "2", "--steps", "5", "--target-batch", "32", "--batch-size", "4"
+    )
     losses, summary, out = finish(proc, timeout_s=400)
     assert summary["steps"] == 5 and sorted(losses) == list(range(1, 6))
     assert assert_applied_within_stated_range(out, 5) == (32, 40)

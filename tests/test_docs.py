@@ -83,10 +83,14 @@ def links(path: Path) -> list[str]:
 def test_the_slug_rule_matches_githubs() -> None:
     assert slug("Weights & Biases") == "weights--biases"
     assert slug("`[local_sgd]`") == "local_sgd"
-    assert slug("A plain PyTorch loop: [`examples/plain_loop.py`](../examples/plain_loop.py)") == \
-        "a-plain-pytorch-loop-examplesplain_looppy"
-    assert slug("Putting an HTTP cache in front: downloads past one VM's link") == \
-        "putting-an-http-cache-in-front-downloads-past-one-vms-link"
+    assert (
+        slug("A plain PyTorch loop: [`examples/plain_loop.py`](../examples/plain_loop.py)")
+        == "a-plain-pytorch-loop-examplesplain_looppy"
+    )
+    assert (
+        slug("Putting an HTTP cache in front: downloads past one VM's link")
+        == "putting-an-http-cache-in-front-downloads-past-one-vms-link"
+    )
 
 
 def broken_links(page: Path) -> list[str]:
@@ -113,16 +117,24 @@ def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
 def test_a_broken_link_or_anchor_is_caught(tmp_path: Path) -> None:
     (tmp_path / "other.md").write_text("# Other\n\n## A section\n\n```toml\n# not a heading\n```\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](other.md#a-section) [gone](missing.md) [anchor](other.md#not-a-heading) "
-                    "[self](#nowhere) `[code](missing-too.md)` [web](https://example.org/x.md)\n")
-    assert broken_links(page) == ["missing.md (no such file)",
-                                  "other.md#not-a-heading (no heading with anchor #not-a-heading in other.md)",
-                                  "#nowhere (no heading with anchor #nowhere in page.md)"]
+    page.write_text(
+        "[ok](other.md#a-section) [gone](missing.md) [anchor](other.md#not-a-heading) "
+        "[self](#nowhere) `[code](missing-too.md)` [web](https://example.org/x.md)\n"
+    )
+    assert broken_links(page) == [
+        "missing.md (no such file)",
+        "other.md#not-a-heading (no heading with anchor #not-a-heading in other.md)",
+        "#nowhere (no heading with anchor #nowhere in page.md)",
+    ]
 
 
 def runnable_blocks() -> list[tuple[Path, str, str]]:
-    return [(page, info.split()[0], body) for page in pages() for info, body in fenced_blocks(page.read_text())
-            if info.split()[-1:] == ["runnable"]]
+    return [
+        (page, info.split()[0], body)
+        for page in pages()
+        for info, body in fenced_blocks(page.read_text())
+        if info.split()[-1:] == ["runnable"]
+    ]
 
 
 def test_the_runnable_blocks_are_marked_with_a_language_the_test_checks() -> None:
@@ -167,9 +179,13 @@ def test_no_page_points_at_an_issue_number(page: Path) -> None:
 
 def test_no_module_points_at_an_issue_number() -> None:
     """The package's docstrings and comments say why, not which tracker entry asked."""
-    hits = [f"{path.relative_to(REPO)}:{n}" for root in ("toolkit", "relay_server")
-            for path in sorted((REPO / root).rglob("*.py"))
-            for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bissue [0-9]", line, re.I)]
+    hits = [
+        f"{path.relative_to(REPO)}:{n}"
+        for root in ("toolkit", "relay_server")
+        for path in sorted((REPO / root).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bissue [0-9]", line, re.I)
+    ]
     assert not hits, f"modules cite issue numbers a reader cannot open: {hits}"
 
 
@@ -202,9 +218,13 @@ def test_the_configuration_page_names_every_field_of_every_section() -> None:
     for section in dataclasses.fields(RelayConfig):
         assert section.name in sections, f"docs/configuration.md has no ### `[{section.name}]` section"
         value = getattr(config, section.name)
-        expected = ({f.name for f in dataclasses.fields(value)} if dataclasses.is_dataclass(value)
-                    else {f.name for f in dataclasses.fields(ObjectiveConfig)} if section.name == "objective"
-                    else {"kind", "sources", "shuffle_buffer", "report_every", "max_shard_failures", "cache_dir", "leases"})
+        expected = (
+            {f.name for f in dataclasses.fields(value)}
+            if dataclasses.is_dataclass(value)
+            else {f.name for f in dataclasses.fields(ObjectiveConfig)}
+            if section.name == "objective"
+            else {"kind", "sources", "shuffle_buffer", "report_every", "max_shard_failures", "cache_dir", "leases"}
+        )
         missing += [f"{section.name}.{name}" for name in sorted(expected - documented_fields(sections[section.name]))]
     assert not missing, f"docs/configuration.md does not document {missing}: add a table row for each"
 
@@ -218,5 +238,7 @@ def test_the_configuration_page_documents_no_field_the_relay_does_not_read() -> 
         value = getattr(config, section.name)
         if dataclasses.is_dataclass(value):
             known = {f.name for f in dataclasses.fields(value)}
-            stale += [f"{section.name}.{name}" for name in documented_fields(configuration_sections()[section.name]) - known]
+            stale += [
+                f"{section.name}.{name}" for name in documented_fields(configuration_sections()[section.name]) - known
+            ]
     assert not stale, f"docs/configuration.md documents fields the relay no longer has: {stale}"

@@ -22,8 +22,14 @@ from toolkit.runtime.environment import DeviceInfo, detect
 @pytest.fixture(autouse=True)
 def fresh_detection(monkeypatch: pytest.MonkeyPatch):
     """Every test starts and ends with an empty detection cache and no notebook env vars."""
-    for var in ("COLAB_RELEASE_TAG", "COLAB_GPU", "COLAB_TPU_ADDR", "KAGGLE_KERNEL_RUN_TYPE", "KAGGLE_URL_BASE",
-                "TPU_ACCELERATOR_TYPE"):
+    for var in (
+        "COLAB_RELEASE_TAG",
+        "COLAB_GPU",
+        "COLAB_TPU_ADDR",
+        "KAGGLE_KERNEL_RUN_TYPE",
+        "KAGGLE_URL_BASE",
+        "TPU_ACCELERATOR_TYPE",
+    ):
         monkeypatch.delenv(var, raising=False)
     environment._detect.cache_clear()
     yield
@@ -89,8 +95,10 @@ def test_detect_is_cached_until_refresh(monkeypatch):
     assert again is not first and again.platform == "kaggle"
 
 
-@pytest.mark.parametrize("var,expected", [("COLAB_RELEASE_TAG", "colab"), ("COLAB_TPU_ADDR", "colab"),
-                                          ("KAGGLE_KERNEL_RUN_TYPE", "kaggle"), (None, None)])
+@pytest.mark.parametrize(
+    "var,expected",
+    [("COLAB_RELEASE_TAG", "colab"), ("COLAB_TPU_ADDR", "colab"), ("KAGGLE_KERNEL_RUN_TYPE", "kaggle"), (None, None)],
+)
 def test_notebook_platform(monkeypatch, var, expected):
     if var:
         monkeypatch.setenv(var, "x")
@@ -104,8 +112,13 @@ def test_cuda_branch_with_a_recorded_t4(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-20250101")
     info = detect(refresh=True)
-    assert (info.kind, info.name, info.compute_capability, info.device_count, info.platform) == \
-        ("cuda", "Tesla T4", (7, 5), 2, "colab")
+    assert (info.kind, info.name, info.compute_capability, info.device_count, info.platform) == (
+        "cuda",
+        "Tesla T4",
+        (7, 5),
+        2,
+        "colab",
+    )
     assert info.memory_bytes == 15_828_320_256
     assert info.label == "Tesla T4 (cuda, 14.7 GiB)"
     assert environment.device(info) == torch.device("cuda")
@@ -121,9 +134,16 @@ def test_mps_branch(monkeypatch):
 
 
 def test_to_json_is_plain_json_and_round_trips():
-    info = DeviceInfo(kind="cuda", name="NVIDIA A100-SXM4-40GB", memory_bytes=42_298_834_944,
-                      compute_capability=(8, 0), device_count=1, torch_version="2.5.1+cu121", platform="colab",
-                      hints=("something",))
+    info = DeviceInfo(
+        kind="cuda",
+        name="NVIDIA A100-SXM4-40GB",
+        memory_bytes=42_298_834_944,
+        compute_capability=(8, 0),
+        device_count=1,
+        torch_version="2.5.1+cu121",
+        platform="colab",
+        hints=("something",),
+    )
     data = json.loads(json.dumps(info.to_json()))
     assert data["compute_capability"] == [8, 0] and data["hints"] == ["something"]
     assert DeviceInfo.from_json(data) == info
@@ -165,7 +185,8 @@ def _write_fake_torch_xla(root: Path, init: str, *, device_type: str = "return '
     (pkg / "__init__.py").write_text(textwrap.dedent(init))
     (pkg / "core" / "__init__.py").write_text("")
     # The calls toolkit.runtime.environment makes, with torch_xla's documented signatures and results.
-    (pkg / "core" / "xla_model.py").write_text(textwrap.dedent("""
+    (pkg / "core" / "xla_model.py").write_text(
+        textwrap.dedent("""
         import torch
         calls = []
         def xla_device(n=None):
@@ -180,13 +201,16 @@ def _write_fake_torch_xla(root: Path, init: str, *, device_type: str = "return '
             if barrier:
                 mark_step()
             return loss
-    """))
-    (pkg / "runtime.py").write_text(textwrap.dedent(f"""
+    """)
+    )
+    (pkg / "runtime.py").write_text(
+        textwrap.dedent(f"""
         def device_type():
             {device_type}
         def global_runtime_device_count():
             return 8
-    """))
+    """)
+    )
 
 
 @pytest.fixture
@@ -208,7 +232,9 @@ def test_torch_xla_that_fails_to_import_falls_back_with_a_hint(monkeypatch, fake
 
 
 def test_tpu_branch_with_a_stand_in_torch_xla(monkeypatch, fake_xla_path):
-    _write_fake_torch_xla(fake_xla_path, f"""
+    _write_fake_torch_xla(
+        fake_xla_path,
+        f"""
         import torch
         __version__ = "{_torch_minor()}.0+libtpu"
         calls = []
@@ -216,7 +242,8 @@ def test_tpu_branch_with_a_stand_in_torch_xla(monkeypatch, fake_xla_path):
             return torch.device("xla:0")
         def sync(wait=False):
             calls.append("sync")
-    """)
+    """,
+    )
     monkeypatch.setattr(environment, "_dist_version", lambda name: f"{_torch_minor()}.0")
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v3-8")
     info = detect(refresh=True)
@@ -246,8 +273,11 @@ def test_torch_xla_on_a_machine_without_tpu_is_skipped(monkeypatch, fake_xla_pat
 
 def test_a_tpu_held_by_another_process_falls_back_with_a_hint(monkeypatch, fake_xla_path):
     _only_cpu(monkeypatch)
-    _write_fake_torch_xla(fake_xla_path, "__version__ = 'x'\n",
-                          device_type="raise RuntimeError('TPU initialization failed: open(/dev/accel0): busy')")
+    _write_fake_torch_xla(
+        fake_xla_path,
+        "__version__ = 'x'\n",
+        device_type="raise RuntimeError('TPU initialization failed: open(/dev/accel0): busy')",
+    )
     monkeypatch.setattr(environment, "_dist_version", lambda name: f"{_torch_minor()}.0")
     info = detect(refresh=True)
     assert info.kind == "cpu" and "could not open the TPU" in info.hints[0] and "restart the runtime" in info.hints[0]

@@ -80,35 +80,56 @@ print(json.dumps(losses))
 
 def evaluator_process(relay) -> psutil.Process:
     """The relay's evaluator: its child started by multiprocessing's spawn (not the resource tracker)."""
+
     def found():
-        return [c for c in psutil.Process(relay.proc.pid).children()
-                if "spawn_main" in " ".join(c.cmdline())]
+        return [c for c in psutil.Process(relay.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
 
     wait_until(lambda: found(), 60, "the evaluator process")
     return found()[0]
 
 
 def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_restart(
-        start_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path, offline_wandb: Path,
-        hub_standin: HubStandin, monkeypatch: pytest.MonkeyPatch) -> None:
+    start_relay,
+    launch_peer,
+    tmp_path: Path,
+    demo_tokenizer: Path,
+    offline_wandb: Path,
+    hub_standin: HubStandin,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     hub_standin.add_user(HUB_TOKEN, "organizer", role="write")  # Hub checkpoints: their card states validation
     monkeypatch.setenv("COLLAB_TEST_HUB_TOKEN", HUB_TOKEN)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    relay = start_relay({**albert_run(tmp_path, demo_tokenizer),
-                         "wandb": {"project": "collab-eval", "mode": "offline"},
-                         "hub": {"repo_id": HUB_REPO, "endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN",
-                                 "every_steps": 1}})
+    relay = start_relay(
+        {
+            **albert_run(tmp_path, demo_tokenizer),
+            "wandb": {"project": "collab-eval", "mode": "offline"},
+            "hub": {
+                "repo_id": HUB_REPO,
+                "endpoint": hub_standin.url,
+                "token_env": "COLLAB_TEST_HUB_TOKEN",
+                "every_steps": 1,
+            },
+        }
+    )
     status = train_until_evaluated(relay, launch_peer, 3)
     evaluations = status["evaluations"]
     steps = [e["step"] for e in evaluations]
     assert steps == sorted(steps) and len(set(steps)) == len(steps)
-    assert all(e["targets"] == 6 * round(0.15 * (SEQ_LEN - 2)) for e in evaluations)  # the same masked tokens each time
+    assert all(
+        e["targets"] == 6 * round(0.15 * (SEQ_LEN - 2)) for e in evaluations
+    )  # the same masked tokens each time
     assert all(e["perplexity"] == pytest.approx(2.718281828459045 ** e["loss"]) for e in evaluations)
     assert all(0 <= e["accuracy"] <= 1 for e in evaluations)
     assert len({e["loss"] for e in evaluations}) == len(evaluations)  # the model moved between versions
 
-    done = subprocess.run([sys.executable, "-c", REFERENCE, str(relay.config_path), str(relay.data_dir),
-                           *map(str, steps)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", REFERENCE, str(relay.config_path), str(relay.data_dir), *map(str, steps)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr
     reference = {int(k): v for k, v in json.loads(done.stdout).items()}
     for e in evaluations:
@@ -117,8 +138,10 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
     # The last record carries the samples: the fixed prompts, fill-mask top tokens from the model.
     last = evaluations[-1]
     assert [s["prompt"] for s in last["samples"]] == PROMPTS
-    assert all(s["kind"] == "fill-mask" and len(s["tokens"]) == 5 and s["scores"] == sorted(s["scores"], reverse=True)
-               for s in last["samples"])
+    assert all(
+        s["kind"] == "fill-mask" and len(s["tokens"]) == 5 and s["scores"] == sorted(s["scores"], reverse=True)
+        for s in last["samples"]
+    )
     assert all(e["samples"] == [] for e in evaluations[:-1])  # the status stays small
 
     # W&B: an eval/ row per evaluated version and the samples table; the Hub card: the latest validation.
@@ -127,7 +150,8 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
     [log] = offline_wandb.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
     rows = [r for r in history_rows(finished_run_records(log)) if "eval/loss" in r]
     assert [(r["step"], r["eval/loss"], r["eval/accuracy"]) for r in rows] == [
-        (e["step"], e["loss"], e["accuracy"]) for e in evaluations]
+        (e["step"], e["loss"], e["accuracy"]) for e in evaluations
+    ]
     assert all(r["eval/samples/_type"] == "table-file" and r["eval/samples/nrows"] == len(PROMPTS) for r in rows)
     table = json.loads((log.parent / "files" / rows[-1]["eval/samples/path"]).read_text())
     assert table["data"] == [[last["step"], s["prompt"], "fill-mask", s["output"]] for s in last["samples"]]
@@ -142,8 +166,9 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
     assert again[-1]["samples"] == last["samples"]
 
 
-def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp_path: Path,
-                                                   demo_tokenizer: Path) -> None:
+def test_a_stopped_evaluator_never_holds_up_rounds(
+    start_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path
+) -> None:
     relay = start_relay(albert_run(tmp_path, demo_tokenizer))
     # A peer that keeps training (and leaves the evaluator some of the machine's CPU meanwhile).
     launch_peer(relay.url, "alice", seed=1, batch_size=4, steps=1_000_000, extra=("--sleep-per-batch", "0.1"))
@@ -156,15 +181,21 @@ def test_a_stopped_evaluator_never_holds_up_rounds(start_relay, launch_peer, tmp
         stopped_at = relay.status()["step"]
         held = relay.wait_for(lambda s: s["step"] > stopped_at, timeout_s=60, what="a step after the stop")
         recorded = len(held["evaluations"])
-        after = relay.wait_for(lambda s: s["step"] >= held["step"] + 5, timeout_s=120,
-                               what="rounds completing while the evaluator is stopped")
+        after = relay.wait_for(
+            lambda s: s["step"] >= held["step"] + 5,
+            timeout_s=120,
+            what="rounds completing while the evaluator is stopped",
+        )
         assert len(after["evaluations"]) <= recorded + 1  # at most the one it had already finished
         assert after["recent_rounds"][-1]["step"] >= held["step"] + 5  # published, not merely counted
     finally:
         evaluator.send_signal(signal.SIGCONT)
     behind = after["step"]
-    caught_up = relay.wait_for(lambda s: s["evaluations"] and s["evaluations"][-1]["step"] >= behind,
-                               timeout_s=120, what="the evaluator catching up with the latest version")
+    caught_up = relay.wait_for(
+        lambda s: s["evaluations"] and s["evaluations"][-1]["step"] >= behind,
+        timeout_s=120,
+        what="the evaluator catching up with the latest version",
+    )
     steps = [e["step"] for e in caught_up["evaluations"]]
     assert any(b - a > 1 for a, b in zip(steps, steps[1:]))  # versions published while it was held were skipped
     assert status["evaluations"][0]["step"] in steps
@@ -198,19 +229,23 @@ data_files = ["validation.txt"]
 """
 
 
-@pytest.mark.parametrize("evaluation, message", [
-    ('prompts = ["' + "x [MASK] " * 40 + '"]', "evaluation.prompts[0] must be 1 to 256 characters"),
-    ("prompts = [" + ", ".join(['"a [MASK]"'] * 17) + "]", "evaluation.prompts has 17 prompts; at most 16"),
-    ('prompts = "a [MASK]"', "evaluation.prompts must be a list of strings"),
-    ("prompts = [1, 2]", "evaluation.prompts[0] must be a string"),
-    ('prompts = ["no mask token here"]', "evaluation.prompts[0] has no [MASK]"),
-    ('data_files = ["train.txt"]', "evaluation.data_files includes the training shard"),
-    ('repo = "org/val"', "evaluation.repo needs evaluation.revision"),
-    ("every_steps = 0", "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
-    ("threads = 0", "evaluation.threads must be in 1..256"),
-])
-def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, demo_tokenizer: Path, evaluation: str,
-                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    "evaluation, message",
+    [
+        ('prompts = ["' + "x [MASK] " * 40 + '"]', "evaluation.prompts[0] must be 1 to 256 characters"),
+        ("prompts = [" + ", ".join(['"a [MASK]"'] * 17) + "]", "evaluation.prompts has 17 prompts; at most 16"),
+        ('prompts = "a [MASK]"', "evaluation.prompts must be a list of strings"),
+        ("prompts = [1, 2]", "evaluation.prompts[0] must be a string"),
+        ('prompts = ["no mask token here"]', "evaluation.prompts[0] has no [MASK]"),
+        ('data_files = ["train.txt"]', "evaluation.data_files includes the training shard"),
+        ('repo = "org/val"', "evaluation.repo needs evaluation.revision"),
+        ("every_steps = 0", "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
+        ("threads = 0", "evaluation.threads must be in 1..256"),
+    ],
+)
+def test_hostile_evaluation_config_is_refused_at_load(
+    tmp_path: Path, demo_tokenizer: Path, evaluation: str, message: str
+) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
     text = BASE_TOML.format(tokenizer=demo_tokenizer, evaluation=evaluation)
@@ -224,12 +259,17 @@ def test_hostile_evaluation_config_is_refused_at_load(tmp_path: Path, demo_token
 def test_serve_refuses_a_hostile_prompt_before_creating_the_data_dir(tmp_path: Path, demo_tokenizer: Path) -> None:
     (tmp_path / "train.txt").write_text("training text\n")
     (tmp_path / "validation.txt").write_text("held-out text\n")
-    config = write_toml(tmp_path / "run.toml",
-                        BASE_TOML.format(tokenizer=demo_tokenizer, evaluation='prompts = [{ text = "x" }]'))
+    config = write_toml(
+        tmp_path / "run.toml", BASE_TOML.format(tokenizer=demo_tokenizer, evaluation='prompts = [{ text = "x" }]')
+    )
     data_dir = tmp_path / "data"
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config),
-                           "--data-dir", str(data_dir)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = subprocess.run(
+        [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config), "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1].count("evaluation.prompts[0] must be a string") == 1
     assert not data_dir.exists()
@@ -252,8 +292,12 @@ def scorer_for(tmp_path: Path, tokenizer: Path | None, **sections):
     from relay_server.observers.eval_model import VersionScorer
     from tests.support.processes import write_config
 
-    config = load_config(write_config(tmp_path / "run.toml", {
-        "auth": {"mode": "open"}, **({"tokenizer": {"file": str(tokenizer)}} if tokenizer else {}), **sections}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            {"auth": {"mode": "open"}, **({"tokenizer": {"file": str(tokenizer)}} if tokenizer else {}), **sections},
+        )
+    )
     return VersionScorer(config)
 
 
@@ -269,10 +313,22 @@ def test_byte_level_demo_model_scores_next_bytes_as_its_own_loss(tmp_path: Path)
     from tests.support.evaluation import VALIDATION
 
     (tmp_path / "val.txt").write_text("\n".join(VALIDATION))
-    scorer = scorer_for(tmp_path, None, model={"factory": "toolkit.models:ByteTransformer",
-                                                 "kwargs": {"d_model": 32, "n_head": 2, "n_layer": 1, "seq_len": 32}},
-                        evaluation={"data_files": [str(tmp_path / "val.txt")], "samples": 8, "batch_size": 4,
-                                    "seq_len": 32, "prompts": ["The relay "], "max_new_tokens": 5})
+    scorer = scorer_for(
+        tmp_path,
+        None,
+        model={
+            "factory": "toolkit.models:ByteTransformer",
+            "kwargs": {"d_model": 32, "n_head": 2, "n_layer": 1, "seq_len": 32},
+        },
+        evaluation={
+            "data_files": [str(tmp_path / "val.txt")],
+            "samples": 8,
+            "batch_size": 4,
+            "seq_len": 32,
+            "prompts": ["The relay "],
+            "max_new_tokens": 5,
+        },
+    )
     record = scorer.evaluate(0, initial_flat(scorer))
     with torch.no_grad():  # ByteTransformer.loss: the mean next-byte cross-entropy of a batch
         own = sum(float(scorer.model.loss(b)) for b in scorer.batches) / len(scorer.batches)
@@ -283,29 +339,56 @@ def test_byte_level_demo_model_scores_next_bytes_as_its_own_loss(tmp_path: Path)
 
 
 @pytest.mark.parametrize("objective", ["causal-lm", "classification"])
-def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path, demo_tokenizer: Path,
-                                                                  objective: str) -> None:
+def test_causal_and_classification_runs_score_the_models_own_loss(
+    tmp_path: Path, demo_tokenizer: Path, objective: str
+) -> None:
     import torch
 
     from tests.support.evaluation import VALIDATION
 
     if objective == "causal-lm":
-        model = {"kind": "transformers", "architecture": "AutoModelForCausalLM",
-                 "config": {"model_type": "gpt2", "vocab_size": 200, "n_embd": 16, "n_layer": 1, "n_head": 2,
-                            "n_positions": 32}}
+        model = {
+            "kind": "transformers",
+            "architecture": "AutoModelForCausalLM",
+            "config": {
+                "model_type": "gpt2",
+                "vocab_size": 200,
+                "n_embd": 16,
+                "n_layer": 1,
+                "n_head": 2,
+                "n_positions": 32,
+            },
+        }
         (tmp_path / "val.txt").write_text("\n".join(VALIDATION))
         files, prompts = [str(tmp_path / "val.txt")], ["The relay keeps"]
     else:
-        model = {"kind": "transformers", "architecture": "AutoModelForSequenceClassification",
-                 "config": {"model_type": "albert", "vocab_size": 200, "embedding_size": 16, "hidden_size": 32,
-                            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-                            "max_position_embeddings": 32, "num_labels": 2, "id2label": {"0": "no", "1": "yes"}}}
-        (tmp_path / "val.jsonl").write_text("\n".join(json.dumps({"text": t, "label": i % 2})
-                                                      for i, t in enumerate(VALIDATION)))
+        model = {
+            "kind": "transformers",
+            "architecture": "AutoModelForSequenceClassification",
+            "config": {
+                "model_type": "albert",
+                "vocab_size": 200,
+                "embedding_size": 16,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "max_position_embeddings": 32,
+                "num_labels": 2,
+                "id2label": {"0": "no", "1": "yes"},
+            },
+        }
+        (tmp_path / "val.jsonl").write_text(
+            "\n".join(json.dumps({"text": t, "label": i % 2}) for i, t in enumerate(VALIDATION))
+        )
         files, prompts = [str(tmp_path / "val.jsonl")], ["Is this held out?"]
-    scorer = scorer_for(tmp_path, demo_tokenizer, model=model,
-                        objective={"name": objective, "seq_len": 16},
-                        evaluation={"data_files": files, "samples": 4, "batch_size": 4, "prompts": prompts})
+    scorer = scorer_for(
+        tmp_path,
+        demo_tokenizer,
+        model=model,
+        objective={"name": objective, "seq_len": 16},
+        evaluation={"data_files": files, "samples": 4, "batch_size": 4, "prompts": prompts},
+    )
     record = scorer.evaluate(3, initial_flat(scorer))
     [batch] = scorer.batches
     with torch.no_grad():  # the architecture's own loss: a mean over the batch's targets
@@ -313,7 +396,7 @@ def test_causal_and_classification_runs_score_the_models_own_loss(tmp_path: Path
     assert abs(record.loss - own) <= 1e-6
     [sample] = record.samples
     if objective == "causal-lm":
-        assert record.perplexity == pytest.approx(2.718281828459045 ** record.loss) and record.accuracy is None
+        assert record.perplexity == pytest.approx(2.718281828459045**record.loss) and record.accuracy is None
         assert sample.kind == "continuation"
     else:
         assert record.perplexity is None and 0 <= record.accuracy <= 1 and record.targets == 4

@@ -18,9 +18,16 @@ from tests.conftest import DEMO_TOKENIZER_VOCAB
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = ("plain_loop.py", "hf_trainer.py", "accelerate_loop.py", "lightning_loop.py")
 NEEDS = {"hf_trainer.py": "transformers", "accelerate_loop.py": "accelerate", "lightning_loop.py": "lightning"}
-ALBERT_TINY = {"model_type": "albert", "vocab_size": DEMO_TOKENIZER_VOCAB, "embedding_size": 16, "hidden_size": 32,
-               "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-               "max_position_embeddings": 32}
+ALBERT_TINY = {
+    "model_type": "albert",
+    "vocab_size": DEMO_TOKENIZER_VOCAB,
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 32,
+}
 
 
 def docs_section() -> str:
@@ -28,7 +35,7 @@ def docs_section() -> str:
     text = (REPO / "docs" / "models.md").read_text()
     start = text.index("\n## Your own training loop\n")
     end = text.find("\n## ", start + 1)
-    return text[start:end if end >= 0 else len(text)]
+    return text[start : end if end >= 0 else len(text)]
 
 
 def test_the_docs_show_the_example_files_verbatim() -> None:
@@ -50,15 +57,23 @@ def tokenizer(demo_tokenizer: Path) -> Path:
 def test_example_trains_a_pinned_run_and_stops_when_it_ends(serve_relay, tmp_path, tokenizer, example) -> None:
     pytest.importorskip(NEEDS.get(example, "transformers"))
     steps = 3
-    relay = serve_relay({"run": {"target_batch": 16, "total_steps": steps, "precision": "fp32"},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
-                                   "config": ALBERT_TINY},
-                         "tokenizer": {"file": str(tokenizer)},
-                         "objective": {"name": "masked-lm", "seq_len": 24},
-                         "dataset": {"kind": "demo_corpus"},
-                         "optimizer": {"name": "lamb", "lr": 0.005, "schedule": "constant"}})
-    done = subprocess.run([sys.executable, str(REPO / "examples" / example), relay.url], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 16, "total_steps": steps, "precision": "fp32"},
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT_TINY},
+            "tokenizer": {"file": str(tokenizer)},
+            "objective": {"name": "masked-lm", "seq_len": 24},
+            "dataset": {"kind": "demo_corpus"},
+            "optimizer": {"name": "lamb", "lr": 0.005, "schedule": "constant"},
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / example), relay.url],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = relay.status()
     assert status["finished"] and status["step"] == steps, status

@@ -27,24 +27,36 @@ from tests.support.processes import merged, write_config
 pytest.importorskip("transformers")
 
 VOCAB = 300
-ALBERT = {"model_type": "albert", "vocab_size": VOCAB, "embedding_size": 16, "hidden_size": 32,
-          "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}
+ALBERT = {
+    "model_type": "albert",
+    "vocab_size": VOCAB,
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
 GPT2 = {"model_type": "gpt2", "vocab_size": VOCAB, "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}
 RUNS = {"masked-lm": ("AutoModelForMaskedLM", ALBERT), "causal-lm": ("AutoModelForCausalLM", GPT2)}
 ROLES = ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token", "bos_token", "eos_token")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
 
 
 def run_sections(objective: str) -> dict:
     architecture, config = RUNS[objective]
-    return {"run": {"target_batch": 8}, "model": {"kind": "transformers", "architecture": architecture,
-                                                  "config": config},
-            "tokenizer": {"file": "tokenizer.json"}, "objective": {"name": objective, "seq_len": 32},
-            "dataset": {"kind": "demo_corpus"}}
+    return {
+        "run": {"target_batch": 8},
+        "model": {"kind": "transformers", "architecture": architecture, "config": config},
+        "tokenizer": {"file": "tokenizer.json"},
+        "objective": {"name": objective, "seq_len": 32},
+        "dataset": {"kind": "demo_corpus"},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +80,9 @@ def exported(request, tmp_path: Path, tokenizer: Path, serve_relay, launch_peer)
     peer = launch_peer(relay.url, "p0", seed=0, batch_size=4, steps=2)
     assert peer.wait(300) == 0, peer.log_path.read_text()[-2000:]
     out = tmp_path / "ckpt"
-    done = cli("export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir),
-               "--out", str(out))
+    done = cli(
+        "export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir), "--out", str(out)
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"version 2 written to {out}", done.stdout
     return objective, out, tmp_path / "relay.toml"
@@ -87,7 +100,9 @@ def test_exported_checkpoint_loads_in_one_line_and_runs_padded_batches(exported)
     assert len(tok) == VOCAB, "no special token may be appended past the model's vocabulary"
     settings = json.loads((out / "tokenizer_config.json").read_text())
     assert settings["tokenizer_class"] == "PreTrainedTokenizerFast"
-    assert json.loads((out / "special_tokens_map.json").read_text()) == {r: settings[r] for r in ROLES if r in settings}
+    assert json.loads((out / "special_tokens_map.json").read_text()) == {
+        r: settings[r] for r in ROLES if r in settings
+    }
     for role in ("pad_token", "unk_token", "eos_token", "bos_token"):  # each at the run's own id
         assert getattr(tok, f"{role}_id") == trained.token_to_id(settings[role]), role
     auto = transformers.AutoModelForMaskedLM if objective == "masked-lm" else transformers.AutoModelForCausalLM
@@ -122,8 +137,9 @@ def test_export_names_the_config_to_pass(tmp_path: Path, serve_relay, capsys: py
     """Without --config, or with another run's, export says in one line what to pass (and writes
     nothing). The CLI's ``main`` in this process: the same code path as ``relay-server export``,
     which the test above runs as a process."""
-    other = write_config(tmp_path / "other.toml", merged({"run": {"name": "other"},
-                                                          "model": {"kwargs": {"sizes": [8, 4, 1]}}}))
+    other = write_config(
+        tmp_path / "other.toml", merged({"run": {"name": "other"}, "model": {"kwargs": {"sizes": [8, 4, 1]}}})
+    )
     relay = serve_relay({"run": {"name": "mlp-run", "target_batch": 8}})  # it stores version 0 at start
     for args, source in (((), "the embedded demo run (no --config)"), (("--config", str(other)), f"--config {other}")):
         capsys.readouterr()
@@ -133,6 +149,15 @@ def test_export_names_the_config_to_pass(tmp_path: Path, serve_relay, capsys: py
         assert f"holds run 'mlp-run' (161 parameters), but {source} is run" in lines[0]
         assert "pass --config with the TOML that `relay-server serve` ran 'mlp-run' with" in lines[0]
         assert not (tmp_path / "ckpt").exists()
-    code = main(["export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir),
-                 "--out", str(tmp_path / "ckpt")])
+    code = main(
+        [
+            "export",
+            "--config",
+            str(tmp_path / "relay.toml"),
+            "--data-dir",
+            str(relay.data_dir),
+            "--out",
+            str(tmp_path / "ckpt"),
+        ]
+    )
     assert code == 0 and (tmp_path / "ckpt" / "model.safetensors").is_file()

@@ -26,8 +26,11 @@ def test_the_app_names_a_feature_only_in_its_list_of_features() -> None:
     tree = ast.parse(APP.read_text())
     listing = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FEATURES")
     listed = {id(n) for n in ast.walk(listing)}
-    named = sorted(f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(tree)
-                   if isinstance(n, ast.Name) and n.id in FEATURE_MODULES and id(n) not in listed)
+    named = sorted(
+        f"line {n.lineno}: {ast.unparse(n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id in FEATURE_MODULES and id(n) not in listed
+    )
     assert not named, "app.py names a feature outside FEATURES:\n" + "\n".join(named)
     assert {f.name for f in FEATURES.features} == {"moe", "pipeline", "local_sgd", "evaluation"}
 
@@ -52,9 +55,13 @@ def test_two_features_may_not_take_over_one_core_route() -> None:
 
 def run(mode: str = "sync", pipeline: bool = False) -> SimpleNamespace:
     """What the features' ``enabled`` and ``opening`` read of a config."""
-    return SimpleNamespace(run=SimpleNamespace(mode=mode, target_batch=32), pipeline=SimpleNamespace(enabled=pipeline),
-                           local_sgd=SimpleNamespace(straggler_wait_s=30.0), moe=SimpleNamespace(enabled=False),
-                           evaluation=SimpleNamespace(enabled=False))
+    return SimpleNamespace(
+        run=SimpleNamespace(mode=mode, target_batch=32),
+        pipeline=SimpleNamespace(enabled=pipeline),
+        local_sgd=SimpleNamespace(straggler_wait_s=30.0),
+        moe=SimpleNamespace(enabled=False),
+        evaluation=SimpleNamespace(enabled=False),
+    )
 
 
 def test_the_run_s_mode_plugs_in_when_rounds_open_and_the_round_cycle_names_no_mode() -> None:

@@ -1,4 +1,4 @@
-""""First contribution" means one thing everywhere: seconds from a peer's join to the relay
+""" "First contribution" means one thing everywhere: seconds from a peer's join to the relay
 accepting its first gradient, measured by the relay. The volunteer's panel, the end-of-session
 summary and the dashboard (``/api/status``) show that same number; and the summary is a
 sentence, not a dataclass repr."""
@@ -14,9 +14,14 @@ import requests
 from toolkit import JoinResult, join
 from toolkit.notebook.panel import PeerProgress
 
-TINY_BYTE_LM = {"run": {"target_batch": 8}, "dataset": {"kind": "demo_corpus"},
-                "model": {"factory": "toolkit.models:ByteTransformer",
-                          "kwargs": {"seq_len": 16, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}}}
+TINY_BYTE_LM = {
+    "run": {"target_batch": 8},
+    "dataset": {"kind": "demo_corpus"},
+    "model": {
+        "factory": "toolkit.models:ByteTransformer",
+        "kwargs": {"seq_len": 16, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64},
+    },
+}
 
 
 class DashboardWatcher:
@@ -53,21 +58,44 @@ def test_the_panel_the_summary_and_the_dashboard_show_the_relays_one_number(serv
     assert f"(first contribution {result.first_contribution_s:.1f} s after joining)" in result.summary()
 
 
-RESULT = JoinResult(peer_id="p", final_step=12, contributed_samples=4096, local_steps=64, last_loss=2.5, seconds=41.2,
-                    finished=False, device="cpu", precision="fp32", first_contribution_s=11.04, joined_step=10)
+RESULT = JoinResult(
+    peer_id="p",
+    final_step=12,
+    contributed_samples=4096,
+    local_steps=64,
+    last_loss=2.5,
+    seconds=41.2,
+    finished=False,
+    device="cpu",
+    precision="fp32",
+    first_contribution_s=11.04,
+    joined_step=10,
+)
 
 
-@pytest.mark.parametrize(("result", "sentence"), [
-    (RESULT, "Contributed 4,096 samples over 2 steps (first contribution 11.0 s after joining); left at step 12 "
-             "after 41 s."),
-    (replace(RESULT, finished=True, final_step=11, seconds=4000),
-     "Contributed 4,096 samples over 1 step (first contribution 11.0 s after joining); the run finished at step 11 "
-     "after 67 min."),
-    (replace(RESULT, contributed_samples=0, first_contribution_s=None, local_steps=3, final_step=10),
-     "No samples contributed yet (3 micro-batches computed over 0 steps); left at step 10 after 41 s."),
-    (replace(RESULT, hosted_experts=True, local_steps=250, seconds=7200),
-     "Hosted experts for 2.0 h: 250 tasks served."),
-])
+@pytest.mark.parametrize(
+    ("result", "sentence"),
+    [
+        (
+            RESULT,
+            "Contributed 4,096 samples over 2 steps (first contribution 11.0 s after joining); left at step 12 "
+            "after 41 s.",
+        ),
+        (
+            replace(RESULT, finished=True, final_step=11, seconds=4000),
+            "Contributed 4,096 samples over 1 step (first contribution 11.0 s after joining); the run finished at step 11 "
+            "after 67 min.",
+        ),
+        (
+            replace(RESULT, contributed_samples=0, first_contribution_s=None, local_steps=3, final_step=10),
+            "No samples contributed yet (3 micro-batches computed over 0 steps); left at step 10 after 41 s.",
+        ),
+        (
+            replace(RESULT, hosted_experts=True, local_steps=250, seconds=7200),
+            "Hosted experts for 2.0 h: 250 tasks served.",
+        ),
+    ],
+)
 def test_a_session_ends_with_a_sentence(result: JoinResult, sentence: str) -> None:
     assert result.summary() == sentence
     assert repr(result).startswith("JoinResult(")  # the repr stays a repr, for debugging

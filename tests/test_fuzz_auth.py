@@ -55,7 +55,7 @@ def _pass_decoder(case: tuple[int, int, bytes | str]) -> None:
     else:
         changed = bytearray(GOOD_RAW)
         changed[flip % len(changed)] ^= 1 << (flip // len(changed) % 8)
-        token = b64u(bytes(changed) + raw[:mode - 1])  # the flipped pass, sometimes with trailing bytes
+        token = b64u(bytes(changed) + raw[: mode - 1])  # the flipped pass, sometimes with trailing bytes
     try:
         claims, body, signature = decode_pass(token)
     except ValueError:
@@ -68,8 +68,9 @@ def _pass_decoder(case: tuple[int, int, bytes | str]) -> None:
     assert token == GOOD_PASS, "a modified pass verified"
 
 
-test_fuzz_pass_decoder, test_fuzz_pass_decoder_slow = fuzz(st.tuples(
-    st.integers(0, 4), st.integers(0, 10**5), st.one_of(st.binary(max_size=200), st.text(max_size=300))))(_pass_decoder)
+test_fuzz_pass_decoder, test_fuzz_pass_decoder_slow = fuzz(
+    st.tuples(st.integers(0, 4), st.integers(0, 10**5), st.one_of(st.binary(max_size=200), st.text(max_size=300)))
+)(_pass_decoder)
 
 
 HEADER_TEXT = st.text(max_size=80)
@@ -83,10 +84,17 @@ def _valid_headers(body: bytes) -> dict[str, str]:
     from toolkit.signing import AccessPass, AccessPassHolder, SignedAuth
 
     claims, _, _ = decode_pass(GOOD_PASS)
-    access = AccessPass(token=GOOD_PASS, claims=claims, relay_public=RELAY_KEY.public, clock_offset_s=0.0,
-                        received_mono=time.monotonic(), lifetime_s=600)
-    prepared = requests.Request("POST", "http://relay.test/api/progress", data=body,
-                                headers={"Content-Type": "application/json"}).prepare()
+    access = AccessPass(
+        token=GOOD_PASS,
+        claims=claims,
+        relay_public=RELAY_KEY.public,
+        clock_offset_s=0.0,
+        received_mono=time.monotonic(),
+        lifetime_s=600,
+    )
+    prepared = requests.Request(
+        "POST", "http://relay.test/api/progress", data=body, headers={"Content-Type": "application/json"}
+    ).prepare()
     SignedAuth(PEER, AccessPassHolder(lambda previous: access))(prepared)
     return dict(prepared.headers)
 
@@ -108,13 +116,19 @@ def _signed_headers(case: tuple[dict[str, str | None], bytes]) -> None:
     except AuthRejected as exc:
         assert exc.status in (401, 403, 429, 503) and exc.code and exc.message
         return
-    assert body == b'{"x":1}' and all(headers.get(n) == original[n] for n in [*SIGNED_NAMES, "Content-Type"]), \
+    assert body == b'{"x":1}' and all(headers.get(n) == original[n] for n in [*SIGNED_NAMES, "Content-Type"]), (
         "a changed request verified"
+    )
 
 
-test_fuzz_signed_request_headers, test_fuzz_signed_request_headers_slow = fuzz(st.tuples(
-    st.dictionaries(st.sampled_from(SIGNED_NAMES + ["Content-Type"]), st.one_of(st.none(), HEADER_TEXT), max_size=3),
-    st.sampled_from([b'{"x":1}', b'{"x":2}', b""])))(_signed_headers)
+test_fuzz_signed_request_headers, test_fuzz_signed_request_headers_slow = fuzz(
+    st.tuples(
+        st.dictionaries(
+            st.sampled_from(SIGNED_NAMES + ["Content-Type"]), st.one_of(st.none(), HEADER_TEXT), max_size=3
+        ),
+        st.sampled_from([b'{"x":1}', b'{"x":2}', b""]),
+    )
+)(_signed_headers)
 
 
 CHUNK = 4096
@@ -137,7 +151,9 @@ def _chunk_digests(case: tuple[Any, Any, list[int], bytes, int]) -> None:
         assert exc.status == 401 and exc.code in ("missing_chunk_digests", "bad_chunk_digests")
         return
     assert len(checker.digests) == len(checker.lengths) and sum(checker.lengths) == sum(sizes)
-    segments = [a.tobytes()[i:i + checker.chunk_bytes] for a in arrays for i in range(0, a.size, checker.chunk_bytes)]
+    segments = [
+        a.tobytes()[i : i + checker.chunk_bytes] for a in arrays for i in range(0, a.size, checker.chunk_bytes)
+    ]
     for index, segment in enumerate(segments):
         tampered = bytes([segment[0] ^ (1 + flip % 255)]) + segment[1:] if flip % 2 else segment
         try:
@@ -148,12 +164,20 @@ def _chunk_digests(case: tuple[Any, Any, list[int], bytes, int]) -> None:
         assert hashlib.sha256(tampered).digest() == checker.digests[index]
 
 
-test_fuzz_chunk_digest_metadata, test_fuzz_chunk_digest_metadata_slow = fuzz(st.tuples(
-    st.one_of(st.none(), st.sampled_from([str(CHUNK), "4096 ", "-1", "1e4", "\u0664\u0660\u0669\u0666"]),
-              st.integers(0, 1 << 25).map(str), TEXT),
-    st.one_of(st.none(), st.binary(max_size=160).map(b64u), TEXT),
-    st.lists(st.integers(0, 3 * CHUNK), max_size=3), st.binary(min_size=1, max_size=32),
-    st.integers(0, 1000)))(_chunk_digests)
+test_fuzz_chunk_digest_metadata, test_fuzz_chunk_digest_metadata_slow = fuzz(
+    st.tuples(
+        st.one_of(
+            st.none(),
+            st.sampled_from([str(CHUNK), "4096 ", "-1", "1e4", "\u0664\u0660\u0669\u0666"]),
+            st.integers(0, 1 << 25).map(str),
+            TEXT,
+        ),
+        st.one_of(st.none(), st.binary(max_size=160).map(b64u), TEXT),
+        st.lists(st.integers(0, 3 * CHUNK), max_size=3),
+        st.binary(min_size=1, max_size=32),
+        st.integers(0, 1000),
+    )
+)(_chunk_digests)
 
 
 ADMIN = AdminToken("s" * 43)
@@ -169,10 +193,16 @@ def _admin_authorization(header: str | None) -> None:
     assert header is not None and header.partition(" ")[2].strip() == "s" * 43 and header.startswith("Bearer ")
 
 
-test_fuzz_admin_authorization, test_fuzz_admin_authorization_slow = fuzz(st.one_of(
-    st.none(), st.text(max_size=60), st.text(max_size=50).map(lambda t: "Bearer " + t),
-    st.tuples(st.integers(0, 42), st.characters()).map(lambda t: "Bearer " + ("s" * 43)[:t[0]] + t[1] +
-                                                        ("s" * 43)[t[0] + 1:])))(_admin_authorization)
+test_fuzz_admin_authorization, test_fuzz_admin_authorization_slow = fuzz(
+    st.one_of(
+        st.none(),
+        st.text(max_size=60),
+        st.text(max_size=50).map(lambda t: "Bearer " + t),
+        st.tuples(st.integers(0, 42), st.characters()).map(
+            lambda t: "Bearer " + ("s" * 43)[: t[0]] + t[1] + ("s" * 43)[t[0] + 1 :]
+        ),
+    )
+)(_admin_authorization)
 
 
 # --- any change to a validly signed request, and the relay's response signature -------------------------
@@ -188,14 +218,20 @@ def _mutate(text: str, position: int, replacement: str | None) -> str:
         return "A"
     i = position % len(text)
     swapped = _B64[(_B64.find(text[i]) + 1 + position // len(text) % 60) % len(_B64)]
-    return text[:i] + swapped + text[i + 1:]
+    return text[:i] + swapped + text[i + 1 :]
 
 
 _FUZZ_ENV = Env()
 _BASE = _FUZZ_ENV.signed(path="/api/rounds/3/gradient?peer_id=p1", body=b'{"samples":32}')
 _MUTABLE = ["pass", "timestamp", "nonce", "body_sha256", "signature", "body", "path", "method", "content_type"]
-_HEADER_OF = {"pass": PASS_HEADER, "timestamp": "X-Collab-Timestamp", "nonce": NONCE_HEADER,
-              "body_sha256": BODY_SHA256_HEADER, "signature": "X-Collab-Signature", "content_type": "Content-Type"}
+_HEADER_OF = {
+    "pass": PASS_HEADER,
+    "timestamp": "X-Collab-Timestamp",
+    "nonce": NONCE_HEADER,
+    "body_sha256": BODY_SHA256_HEADER,
+    "signature": "X-Collab-Signature",
+    "content_type": "Content-Type",
+}
 
 
 def _mutated_request_rejected(case: tuple[str, int, str | None]) -> None:
@@ -222,15 +258,14 @@ test_fuzz_mutated_signed_request_rejected, test_fuzz_mutated_signed_request_reje
 )(_mutated_request_rejected)
 
 
-
-
 def _relay_signature_header(header: str) -> None:
     with pytest.raises(RelaySignatureInvalid):
         verify_relay_signature(_FUZZ_ENV.relay_key.public, header, request_nonce="n" * 22, body=b"")
 
 
 test_fuzz_relay_signature_header, test_fuzz_relay_signature_header_slow = fuzz(
-    _HEADER_TEXT, examples=300, slow_examples=5000)(_relay_signature_header)
+    _HEADER_TEXT, examples=300, slow_examples=5000
+)(_relay_signature_header)
 
 
 # --- inputs that once crashed a decoder with a 500 (regressions) -------------------------------------

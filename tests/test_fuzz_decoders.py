@@ -123,12 +123,25 @@ def _schema_decoder(cls: type[Schema], where: str) -> Callable[[bytes], None]:
 
 for _cls, _name, _where in SCHEMA_DECODERS:
     globals()[f"test_fuzz_{_name}"], globals()[f"test_fuzz_{_name}_slow"] = fuzz(schema_inputs(_cls))(
-        _schema_decoder(_cls, _where))
+        _schema_decoder(_cls, _where)
+    )
 
 TICKET_KEY = new_ticket_key()
-_VALID_TICKET = encode_ticket(sign_ticket(Ticket(
-    round_id="r1", step=3, peer_id="p" * 16, samples=8, version=3, plan_version="v", expires_at=2e9,
-    slices=[SliceDigest(start=0, end=10, header_sha256="0" * 64)]), TICKET_KEY))
+_VALID_TICKET = encode_ticket(
+    sign_ticket(
+        Ticket(
+            round_id="r1",
+            step=3,
+            peer_id="p" * 16,
+            samples=8,
+            version=3,
+            plan_version="v",
+            expires_at=2e9,
+            slices=[SliceDigest(start=0, end=10, header_sha256="0" * 64)],
+        ),
+        TICKET_KEY,
+    )
+)
 
 
 def _ticket_header(header: str) -> None:
@@ -142,23 +155,38 @@ def _ticket_header(header: str) -> None:
     assert sign_ticket(ticket, TICKET_KEY).mac == ticket.mac
 
 
-test_fuzz_ticket_header, test_fuzz_ticket_header_slow = fuzz(st.one_of(
-    st.text(max_size=300), st.binary(max_size=300).map(b64u), st.just(_VALID_TICKET),
-    st.tuples(st.integers(0, len(_VALID_TICKET) - 1), st.sampled_from("AZaz09-_=.")).map(
-        lambda t: _VALID_TICKET[:t[0]] + t[1] + _VALID_TICKET[t[0] + 1:])))(_ticket_header)
+test_fuzz_ticket_header, test_fuzz_ticket_header_slow = fuzz(
+    st.one_of(
+        st.text(max_size=300),
+        st.binary(max_size=300).map(b64u),
+        st.just(_VALID_TICKET),
+        st.tuples(st.integers(0, len(_VALID_TICKET) - 1), st.sampled_from("AZaz09-_=.")).map(
+            lambda t: _VALID_TICKET[: t[0]] + t[1] + _VALID_TICKET[t[0] + 1 :]
+        ),
+    )
+)(_ticket_header)
 
 
 # --- tensor containers ------------------------------------------------------------------------------------
 DTYPE_CODES = ["F32", "F16", "I8", "U8", "I32", "I64", "F64", "BF16", "F8", "", 7, None]
-SPEC = st.fixed_dictionaries({"dtype": st.sampled_from(DTYPE_CODES),
-                              "shape": st.one_of(st.lists(st.integers(-2, 300), max_size=3), JSON_LEAF),
-                              "data_offsets": st.one_of(st.lists(st.integers(-4, 2000), min_size=0, max_size=3),
-                                                        JSON_LEAF)})
+SPEC = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(DTYPE_CODES),
+        "shape": st.one_of(st.lists(st.integers(-2, 300), max_size=3), JSON_LEAF),
+        "data_offsets": st.one_of(st.lists(st.integers(-4, 2000), min_size=0, max_size=3), JSON_LEAF),
+    }
+)
 HEADER_JSON = st.one_of(
     ANY_JSON,
-    st.dictionaries(st.text(max_size=8), SPEC, max_size=3).flatmap(lambda d: st.one_of(
-        st.just(d), st.dictionaries(st.text(max_size=8), st.one_of(TEXT, JSON_LEAF), max_size=3).map(
-            lambda m: {**d, "__metadata__": m}))))
+    st.dictionaries(st.text(max_size=8), SPEC, max_size=3).flatmap(
+        lambda d: st.one_of(
+            st.just(d),
+            st.dictionaries(st.text(max_size=8), st.one_of(TEXT, JSON_LEAF), max_size=3).map(
+                lambda m: {**d, "__metadata__": m}
+            ),
+        )
+    ),
+)
 
 
 def header_bytes(obj: Any, pad: int) -> bytes:
@@ -184,11 +212,12 @@ def _container_header(case: tuple[bytes, int]) -> None:
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in header.metadata.items())
 
 
-test_fuzz_container_header_parser, test_fuzz_container_header_parser_slow = fuzz(st.tuples(
-    st.one_of(st.binary(max_size=300), st.tuples(HEADER_JSON, st.integers(0, 7)).map(lambda t: header_bytes(*t))),
-    st.sampled_from([0, 1000, 1 << 62])))(_container_header)
-
-
+test_fuzz_container_header_parser, test_fuzz_container_header_parser_slow = fuzz(
+    st.tuples(
+        st.one_of(st.binary(max_size=300), st.tuples(HEADER_JSON, st.integers(0, 7)).map(lambda t: header_bytes(*t))),
+        st.sampled_from([0, 1000, 1 << 62]),
+    )
+)(_container_header)
 
 
 LOOP = asyncio.new_event_loop()  # one loop for the whole module: the reducer hops to its own thread
@@ -200,9 +229,14 @@ REDUCERS = {name: Reducer(np.zeros(NUM, np.float32), get_codec(name)) for name i
 def _meta_value() -> st.SearchStrategy:
     good = dict(peer_id="p" * 32, step=0, version=0, samples=8, loss_sum=1.5)
     valid = st.just(json.dumps(good))
-    return st.one_of(valid, message_for(GradientMeta).map(lambda m: json.dumps(m, allow_nan=True)), TEXT,
-                     st.tuples(valid, st.integers(0, 200), st.integers(32, 126)).map(
-                         lambda t: mutated(t[0].encode(), t[1], t[2]).decode("latin-1")))
+    return st.one_of(
+        valid,
+        message_for(GradientMeta).map(lambda m: json.dumps(m, allow_nan=True)),
+        TEXT,
+        st.tuples(valid, st.integers(0, 200), st.integers(32, 126)).map(
+            lambda t: mutated(t[0].encode(), t[1], t[2]).decode("latin-1")
+        ),
+    )
 
 
 def _upload_body(case: tuple[str, Any, bytes, int, bool, str, int]) -> None:
@@ -220,7 +254,7 @@ def _upload_body(case: tuple[str, Any, bytes, int, bool, str, int]) -> None:
     except (TypeError, ProtocolError):
         return  # metadata that cannot even be written; parse_header's own fuzz covers such bytes
     needed = sum(s.nbytes for s in layout)
-    body = head + (data * (needed // max(len(data), 1) + 1))[:needed if truthful else data_len]
+    body = head + (data * (needed // max(len(data), 1) + 1))[: needed if truthful else data_len]
     reducer.sum.fill(0.0)
     reducer.weights.fill(0.0)
 
@@ -240,11 +274,17 @@ def _upload_body(case: tuple[str, Any, bytes, int, bool, str, int]) -> None:
     assert np.isfinite(reducer.sum).all() and np.all(reducer.weights == samples)
 
 
-test_fuzz_upload_body, test_fuzz_upload_body_slow = fuzz(st.tuples(
-    st.sampled_from(sorted(REDUCERS)),
-    st.one_of(_meta_value(), st.dictionaries(st.text(max_size=6), TEXT, max_size=2)),
-    st.binary(min_size=1, max_size=64), st.integers(0, 4000), st.booleans(),
-    st.sampled_from(FUZZED_CODECS), st.sampled_from([NUM, NUM, NUM, NUM - 1, NUM + 256])))(_upload_body)
+test_fuzz_upload_body, test_fuzz_upload_body_slow = fuzz(
+    st.tuples(
+        st.sampled_from(sorted(REDUCERS)),
+        st.one_of(_meta_value(), st.dictionaries(st.text(max_size=6), TEXT, max_size=2)),
+        st.binary(min_size=1, max_size=64),
+        st.integers(0, 4000),
+        st.booleans(),
+        st.sampled_from(FUZZED_CODECS),
+        st.sampled_from([NUM, NUM, NUM, NUM - 1, NUM + 256]),
+    )
+)(_upload_body)
 
 
 def _gradient_meta_decoder(meta: Any) -> None:
@@ -258,8 +298,9 @@ def _gradient_meta_decoder(meta: Any) -> None:
     check_decoded(GradientMeta, gradient, json.loads(metadata["collab"]))
 
 
-test_fuzz_gradient_meta, test_fuzz_gradient_meta_slow = fuzz(st.one_of(
-    _meta_value(), st.dictionaries(st.sampled_from(["collab", "codec", "x"]), TEXT, max_size=2)))(_gradient_meta_decoder)
+test_fuzz_gradient_meta, test_fuzz_gradient_meta_slow = fuzz(
+    st.one_of(_meta_value(), st.dictionaries(st.sampled_from(["collab", "codec", "x"]), TEXT, max_size=2))
+)(_gradient_meta_decoder)
 
 
 def _container_digests(raw: bytes) -> None:
@@ -271,9 +312,9 @@ def _container_digests(raw: bytes) -> None:
     assert len(checker.digests) == len(checker.lengths)
 
 
-test_fuzz_container_digests, test_fuzz_container_digests_slow = fuzz(st.one_of(
-    st.binary(max_size=200), st.tuples(HEADER_JSON, st.integers(0, 3)).map(lambda t: header_bytes(*t))))(
-    _container_digests)
+test_fuzz_container_digests, test_fuzz_container_digests_slow = fuzz(
+    st.one_of(st.binary(max_size=200), st.tuples(HEADER_JSON, st.integers(0, 3)).map(lambda t: header_bytes(*t)))
+)(_container_digests)
 
 
 ADMIN = AdminToken("s" * 43)
@@ -305,10 +346,15 @@ def _query_int(raw: str) -> None:
         assert raw.isascii() and raw.isdigit() and step == int(raw) and 0 <= step < 10**12
 
 
-test_fuzz_query_parameters, test_fuzz_query_parameters_slow = fuzz(st.one_of(
-    QUERY_CHARS, st.integers(-(10**15), 10**15).map(str), st.sampled_from(
-        ["", "-", "+5", " 5", "5 ", "1_000", "\u0661\u0662", "\u00b2", "9" * 400, "-0", "007", "0x10", "1e3"])))(
-    _query_int)
+test_fuzz_query_parameters, test_fuzz_query_parameters_slow = fuzz(
+    st.one_of(
+        QUERY_CHARS,
+        st.integers(-(10**15), 10**15).map(str),
+        st.sampled_from(
+            ["", "-", "+5", " 5", "5 ", "1_000", "\u0661\u0662", "\u00b2", "9" * 400, "-0", "007", "0x10", "1e3"]
+        ),
+    )
+)(_query_int)
 
 
 # --- the harness itself can fail ------------------------------------------------------------------------------
@@ -330,8 +376,11 @@ class LaxHeartbeat(Heartbeat):
             obj = json.loads(raw)
         except ValueError:
             raise ProtocolError("bad_json", "not JSON") from None
-        if not isinstance(obj, dict) or set(obj) != {"version", "samples", "samples_per_s"} or \
-                not all(type(v) in (int, float) for v in obj.values()):
+        if (
+            not isinstance(obj, dict)
+            or set(obj) != {"version", "samples", "samples_per_s"}
+            or not all(type(v) in (int, float) for v in obj.values())
+        ):
             raise ProtocolError("bad_schema", "no")
         return cls(version=int(obj["version"]), samples=int(obj["samples"]), samples_per_s=float(obj["samples_per_s"]))
 

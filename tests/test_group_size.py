@@ -40,11 +40,26 @@ def model_grid() -> np.ndarray:
     return np.array([[optimal_group_size(n, p) for p in FAILURE_RATES] for n in SIZES])
 
 
-@pytest.mark.parametrize("n, column, expected", [
-    (10, 14, 10), (100, 0, 100), (100, 9, 10), (215, 8, 15), (464, 5, 22), (464, 13, 8),
-    (1000, 3, 32), (1000, 12, 10), (2154, 2, 47), (2154, 9, 13), (4641, 6, 17), (4641, 14, 9),
-    (10000, 1, 100), (10000, 3, 22), (10000, 14, 10),
-])
+@pytest.mark.parametrize(
+    "n, column, expected",
+    [
+        (10, 14, 10),
+        (100, 0, 100),
+        (100, 9, 10),
+        (215, 8, 15),
+        (464, 5, 22),
+        (464, 13, 8),
+        (1000, 3, 32),
+        (1000, 12, 10),
+        (2154, 2, 47),
+        (2154, 9, 13),
+        (4641, 6, 17),
+        (4641, 14, 9),
+        (10000, 1, 100),
+        (10000, 3, 22),
+        (10000, 14, 10),
+    ],
+)
 def test_figure8_cells(n, column, expected):
     assert FIGURE[SIZES.index(n), column] == expected  # the cell as printed
     assert optimal_group_size(n, FAILURE_RATES[column]) == expected

@@ -24,9 +24,18 @@ from toolkit.models import build_model, loss_of
 from toolkit.models.flat import flatten, load_flat
 from toolkit.wire.protocol import ModelSpec
 
-ALBERT_TINY = {"model_type": "albert", "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
-               "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32,
-               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout_prob": 0.0}
+ALBERT_TINY = {
+    "model_type": "albert",
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 32,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "classifier_dropout_prob": 0.0,
+}
 SEQ_LEN = 24
 
 
@@ -49,17 +58,28 @@ def rows_of(peers, ids: list[str]) -> dict[str, torch.Tensor]:
 
 
 def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_process(
-        serve_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path) -> None:
+    serve_relay, launch_peer, tmp_path: Path, demo_tokenizer: Path
+) -> None:
     steps = 3
-    opt_cfg = {"name": "lamb", "lr": 0.005, "weight_decay": 0.01, "betas": [0.9, 0.99], "clip_grad_norm": 0.0,
-               "schedule": "constant"}
+    opt_cfg = {
+        "name": "lamb",
+        "lr": 0.005,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.99],
+        "clip_grad_norm": 0.0,
+        "schedule": "constant",
+    }
     config = {**ALBERT_TINY, "vocab_size": VOCAB}
-    relay = serve_relay({"run": {"target_batch": 36},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": config},
-                         "tokenizer": {"file": str(demo_tokenizer)},
-                         "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
-                         "dataset": {"kind": "demo_corpus"},
-                         "optimizer": opt_cfg})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 36},
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": config},
+            "tokenizer": {"file": str(demo_tokenizer)},
+            "objective": {"name": "masked-lm", "seq_len": SEQ_LEN, "mlm_probability": 0.15},
+            "dataset": {"kind": "demo_corpus"},
+            "optimizer": opt_cfg,
+        }
+    )
     _, initial = relay_params(relay.url)
     peers, final, rounds = train_together(relay, launch_peer, steps=steps, batch_sizes=(3, 4, 6), seed=20)
     assert len({p.name for p in peers if any(e["event"] == "round" for e in p.events())}) >= 2
@@ -82,9 +102,23 @@ def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_proces
 
     # The relay's version as a checkpoint users load with transformers, giving the same logits.
     out = tmp_path / "ckpt"
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "export", "--config",
-                           str(tmp_path / "relay.toml"), "--data-dir", str(relay.data_dir), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "export",
+            "--config",
+            str(tmp_path / "relay.toml"),
+            "--data-dir",
+            str(relay.data_dir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     from transformers import AutoModelForMaskedLM, PreTrainedTokenizerFast
 
@@ -93,7 +127,8 @@ def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_proces
     model.eval()
     inputs = rows_of(peers, rounds[0][:8])["input_ids"]
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=inputs).logits, model(input_ids=inputs).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            loaded(input_ids=inputs).logits, model(input_ids=inputs).logits, rtol=1e-5, atol=1e-5
+        )
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in out.iterdir()}
     assert PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).vocab_size == VOCAB

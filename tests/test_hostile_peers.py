@@ -70,8 +70,12 @@ def settled_snapshot(relay: InProcessRelay, timeout_s: float = 10.0) -> dict[str
 
 
 # --- peer-scoped routes, from the router ------------------------------------------------------------
-QUERY_PEER_ROUTES = {("PUT", ROUTES["gradient"]), ("GET", ROUTES["params"]), ("POST", ROUTES["ticket"]),
-                     ("POST", ROUTES["done"])}  # the peer id rides in the query string
+QUERY_PEER_ROUTES = {
+    ("PUT", ROUTES["gradient"]),
+    ("GET", ROUTES["params"]),
+    ("POST", ROUTES["ticket"]),
+    ("POST", ROUTES["done"]),
+}  # the peer id rides in the query string
 NOT_PEER_SCOPED = {  # signed routes that act on no peer but the caller's own (or on none)
     ("POST", ROUTES["join"]): "creates the caller's own peer",
     ("GET", ROUTES["progress"]): "reads the collaboration",
@@ -112,8 +116,9 @@ def _upload_as(scene: Scene) -> requests.PreparedRequest:
     meta = GradientMeta(peer_id=scene.alice.peer_id, step=0, version=0, samples=5, loss_sum=1.0)
     metadata = {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    return signed_container(scene.bob, head, head + grad.tobytes(),
-                             f"/api/rounds/0/gradient?peer_id={scene.alice.peer_id}")
+    return signed_container(
+        scene.bob, head, head + grad.tobytes(), f"/api/rounds/0/gradient?peer_id={scene.alice.peer_id}"
+    )
 
 
 TENSORS = "application/octet-stream"
@@ -125,8 +130,12 @@ def _checkpoint_as(scene: Scene) -> requests.PreparedRequest:
     tensors = [("p.up.weight", np.zeros((4, 8), np.float32))]
     metadata = {"updates": "1", **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    return signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
-                             f"/api/moe/hosts/{scene.alice.peer_id}/experts/ffn0.0.0/checkpoint")
+    return signed_container(
+        scene.bob,
+        head,
+        head + tensors[0][1].tobytes(),
+        f"/api/moe/hosts/{scene.alice.peer_id}/experts/ffn0.0.0/checkpoint",
+    )
 
 
 def _result_as(scene: Scene) -> requests.PreparedRequest:
@@ -134,8 +143,9 @@ def _result_as(scene: Scene) -> requests.PreparedRequest:
     tensors = [("y", np.zeros((4, 8), np.float32))]
     metadata = {"result": PipelineResult(task_id="t1").dumps().decode(), **digest_metadata(tensors)}
     head = encode_header(tensors, metadata)
-    return signed_container(scene.bob, head, head + tensors[0][1].tobytes(),
-                             f"/api/pipeline/workers/{scene.alice.peer_id}/tasks/t1")
+    return signed_container(
+        scene.bob, head, head + tensors[0][1].tobytes(), f"/api/pipeline/workers/{scene.alice.peer_id}/tasks/t1"
+    )
 
 
 def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], requests.PreparedRequest]]]:
@@ -145,42 +155,69 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
     progress = ShardReport(updates=[ShardUpdate(source="web", shard="x", samples=3)]).dumps()
     release = ShardReport(updates=[ShardUpdate(source="web", shard="x", release=True)]).dumps()
     expert_body = payloads.call_body(np.zeros((2, 8), np.float32))
-    ticket = TicketRequest(round_id="r" * 16, version=0, samples=5, loss_sum=1.0,
-                           slices=[SliceDigest(start=0, end=1, header_sha256="0" * 64)]).dumps()
-    pipeline_ticket = PipelineTicketRequest(round_id="r" * 16, stage=0, microbatches=[0],
-                                            header_sha256="0" * 64).dumps()
+    ticket = TicketRequest(
+        round_id="r" * 16,
+        version=0,
+        samples=5,
+        loss_sum=1.0,
+        slices=[SliceDigest(start=0, end=1, header_sha256="0" * 64)],
+    ).dumps()
+    pipeline_ticket = PipelineTicketRequest(
+        round_id="r" * 16, stage=0, microbatches=[0], header_sha256="0" * 64
+    ).dumps()
     return {
         ("POST", ROUTES["heartbeat"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/heartbeat", hb)],
         ("POST", ROUTES["leave"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/leave")],
-        ("POST", ROUTES["shard_lease"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/shards/lease",
-                                                        ShardLeaseRequest(source="web").dumps())],
-        ("POST", ROUTES["shard_report"]): [lambda: _json(bob, "POST", f"/api/peers/{a}/shards/report", progress),
-                                           lambda: _json(bob, "POST", f"/api/peers/{a}/shards/report", release)],
+        ("POST", ROUTES["shard_lease"]): [
+            lambda: _json(bob, "POST", f"/api/peers/{a}/shards/lease", ShardLeaseRequest(source="web").dumps())
+        ],
+        ("POST", ROUTES["shard_report"]): [
+            lambda: _json(bob, "POST", f"/api/peers/{a}/shards/report", progress),
+            lambda: _json(bob, "POST", f"/api/peers/{a}/shards/report", release),
+        ],
         ("PUT", ROUTES["gradient"]): [lambda: _upload_as(scene)],
-        ("GET", ROUTES["params"]): [lambda: _json(bob, "GET", f"/api/params?peer_id={a}&min_step=0"),
-                                    lambda: _json(bob, "GET", f"/api/params?peer_id={a}&start=0&end=1")],
+        ("GET", ROUTES["params"]): [
+            lambda: _json(bob, "GET", f"/api/params?peer_id={a}&min_step=0"),
+            lambda: _json(bob, "GET", f"/api/params?peer_id={a}&start=0&end=1"),
+        ],
         ("POST", ROUTES["ticket"]): [lambda: _json(bob, "POST", f"/api/rounds/0/ticket?peer_id={a}", ticket)],
-        ("POST", ROUTES["done"]): [lambda: _json(bob, "POST", f"/api/rounds/0/done?peer_id={a}",
-                                                 DoneRequest(round_id="r" * 16, delivered=[0]).dumps())],
+        ("POST", ROUTES["done"]): [
+            lambda: _json(
+                bob, "POST", f"/api/rounds/0/done?peer_id={a}", DoneRequest(round_id="r" * 16, delivered=[0]).dumps()
+            )
+        ],
         # mixture-of-experts: acting as alice's trainer or alice's expert host
-        ("PUT", ROUTES["moe_call"]): [lambda: bob.prepared("PUT", f"/api/moe/peers/{a}/calls/ffn0.0.0?kind=forward"
-                                                           "&call_id=c1", expert_body, content_type=TENSORS)],
+        ("PUT", ROUTES["moe_call"]): [
+            lambda: bob.prepared(
+                "PUT", f"/api/moe/peers/{a}/calls/ffn0.0.0?kind=forward&call_id=c1", expert_body, content_type=TENSORS
+            )
+        ],
         ("POST", ROUTES["moe_lease"]): [lambda: _json(bob, "POST", f"/api/moe/hosts/{a}/lease?capacity=4")],
         ("GET", ROUTES["moe_tasks"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/tasks?wait=0")],
-        ("PUT", ROUTES["moe_result"]): [lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/tasks/t1", expert_body,
-                                                             content_type=TENSORS)],
+        ("PUT", ROUTES["moe_result"]): [
+            lambda: bob.prepared("PUT", f"/api/moe/hosts/{a}/tasks/t1", expert_body, content_type=TENSORS)
+        ],
         ("PUT", ROUTES["moe_checkpoint"]): [lambda: _checkpoint_as(scene)],
-        ("GET", ROUTES["moe_checkpoint"]): [lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint")],
+        ("GET", ROUTES["moe_checkpoint"]): [
+            lambda: _json(bob, "GET", f"/api/moe/hosts/{a}/experts/ffn0.0.0/checkpoint")
+        ],
         # the staged pipeline: acting as alice's stage worker
-        ("POST", ROUTES["pipeline_stage"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/stage",
-                                                           StageRequest().dumps())],
+        ("POST", ROUTES["pipeline_stage"]): [
+            lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/stage", StageRequest().dumps())
+        ],
         ("GET", ROUTES["pipeline_work"]): [lambda: _json(bob, "GET", f"/api/pipeline/workers/{a}/work?wait=0")],
         ("PUT", ROUTES["pipeline_result"]): [lambda: _result_as(scene)],
-        ("POST", ROUTES["pipeline_ticket"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/rounds/0/ticket",
-                                                            pipeline_ticket)],
-        ("POST", ROUTES["pipeline_done"]): [lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/rounds/0/done",
-                                                          PipelineDone(round_id="r" * 16, contributor=a,
-                                                                       delivered=True).dumps())],
+        ("POST", ROUTES["pipeline_ticket"]): [
+            lambda: _json(bob, "POST", f"/api/pipeline/workers/{a}/rounds/0/ticket", pipeline_ticket)
+        ],
+        ("POST", ROUTES["pipeline_done"]): [
+            lambda: _json(
+                bob,
+                "POST",
+                f"/api/pipeline/workers/{a}/rounds/0/done",
+                PipelineDone(round_id="r" * 16, contributor=a, delivered=True).dumps(),
+            )
+        ],
     }
 
 
@@ -195,8 +232,9 @@ def test_every_signed_route_is_classified(relay_factory) -> None:
         if "{peer_id}" in path or (method, path) in QUERY_PEER_ROUTES:
             assert (method, path) in scoped, f"peer-scoped route {method} {path} has no refused-request case"
         else:
-            assert (method, path) in NOT_PEER_SCOPED or (method, path) in scoped, \
+            assert (method, path) in NOT_PEER_SCOPED or (method, path) in scoped, (
                 f"new signed route {method} {path}: add it to the peer-scoped cases or to NOT_PEER_SCOPED"
+            )
 
 
 @pytest.mark.parametrize("alice_state", ["live_and_silent", "departed"])
@@ -208,8 +246,12 @@ def test_a_refused_request_on_another_users_peer_changes_nothing(relay_factory, 
     relay = relay_factory(moe=MOE)  # expert routes with real state behind them
     alice, bob = SignedPeer.login(relay, "alice").join("alice-nb"), SignedPeer.login(relay, "bob").join("bob-nb")
     scene = Scene(relay, alice, bob)
-    assert alice.send(_json(alice, "POST", f"/api/peers/{alice.peer_id}/shards/lease",
-                            ShardLeaseRequest(source="web").dumps())).status_code == 200
+    assert (
+        alice.send(
+            _json(alice, "POST", f"/api/peers/{alice.peer_id}/shards/lease", ShardLeaseRequest(source="web").dumps())
+        ).status_code
+        == 200
+    )
     assert alice.send(_json(alice, "POST", f"/api/moe/hosts/{alice.peer_id}/lease?capacity=2")).status_code == 200
     hb = Heartbeat(version=0, samples=10, samples_per_s=10.0).dumps()
     assert alice.send(_json(alice, "POST", f"/api/peers/{alice.peer_id}/heartbeat", hb)).status_code == 200
@@ -222,7 +264,10 @@ def test_a_refused_request_on_another_users_peer_changes_nothing(relay_factory, 
     for route, builders in _requests_on_alice(scene).items():
         for build in builders:
             response = bob.send(build())
-            assert (response.status_code, response.json().get("error")) == (403, "not_your_peer"), (route, response.text)
+            assert (response.status_code, response.json().get("error")) == (403, "not_your_peer"), (
+                route,
+                response.text,
+            )
             assert response.json().get("hint")
             assert snapshot(relay) == before, f"bob's refused {route} changed the relay's state"
 
@@ -238,8 +283,10 @@ def test_a_small_header_declaring_2_to_59_floats_is_refused_before_any_allocatio
     bob = SignedPeer.login(relay, "bob").join("bob-nb")
     before = snapshot(relay)
     for numel in (1 << 59, 16_777_216 * 4):  # absurd, and merely bigger than this run's model
-        header = {"payload": {"dtype": "F32", "shape": [numel], "data_offsets": [0, numel * 4]},
-                  "__metadata__": {"collab_chunk_bytes": "4096", "collab_chunk_sha256": b64u(b"\0" * 32)}}
+        header = {
+            "payload": {"dtype": "F32", "shape": [numel], "data_offsets": [0, numel * 4]},
+            "__metadata__": {"collab_chunk_bytes": "4096", "collab_chunk_sha256": b64u(b"\0" * 32)},
+        }
         raw = json.dumps(header).encode()
         head = len(raw).to_bytes(8, "little") + raw
         assert len(head) < 400
@@ -307,8 +354,11 @@ def test_a_mistyped_admin_token_never_reaches_the_log(relay_factory, caplog) -> 
     token = (relay.data_dir / TOKEN_FILE).read_text().strip()
     with caplog.at_level(logging.DEBUG):
         with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as sock:
-            sock.sendall(f"GET {ADMIN_PREFIX}/bans HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\x01x\r\n\r\n"
-                         .encode("latin-1"))
+            sock.sendall(
+                f"GET {ADMIN_PREFIX}/bans HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\x01x\r\n\r\n".encode(
+                    "latin-1"
+                )
+            )
             assert sock.recv(4096).startswith(b"HTTP/1.")
         time.sleep(0.2)
     logged = caplog.text + "".join(str(r.exc_info) for r in caplog.records)
@@ -327,8 +377,9 @@ def test_the_dashboard_renders_user_text_as_text() -> None:
 
 # --- login limits on loopback, and the proxy warning ------------------------------------------------
 def _login(relay: InProcessRelay) -> requests.Response:
-    return requests.post(relay.url + ROUTES["login"], timeout=10,
-                         json={"hf_token": TOKENS["eve"], "peer_public_key": b64u(b"k" * 32)})
+    return requests.post(
+        relay.url + ROUTES["login"], timeout=10, json={"hf_token": TOKENS["eve"], "peer_public_key": b64u(b"k" * 32)}
+    )
 
 
 def test_logins_from_loopback_are_limited_unless_exempted(relay_factory) -> None:
@@ -341,8 +392,7 @@ def test_logins_from_loopback_are_limited_unless_exempted(relay_factory) -> None
         codes.append(response.status_code)
     assert codes[:3] == [200] * 3 and codes[3:] == [429, 429], codes
     exempt = relay_factory(limits={"login_per_s": 0.01, "login_burst": 3.0, "exempt_loopback_logins": True})
-    assert all(_login(exempt).status_code
-               == 200 for _ in range(5))
+    assert all(_login(exempt).status_code == 200 for _ in range(5))
 
 
 def test_one_proxy_address_without_forwarded_header_is_warned_about_once(relay_factory, caplog) -> None:

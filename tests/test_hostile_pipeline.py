@@ -51,16 +51,30 @@ def hostile_run(serve_relay, launch_stage_worker, kinds: list[str]):
     """K = 2, the hostile workers (first, so that the liar is placed on an empty pipeline), then
     four honest ones: the relay's pipeline status after the run, checked exact, and the hostile
     and honest workers."""
-    relay = serve_relay({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES,
-                                              initial_lease_s=5.0, lease_floor_s=1.0),
-                         "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0}})
+    relay = serve_relay(
+        {
+            **pipeline_overrides(
+                BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=5.0, lease_floor_s=1.0
+            ),
+            "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+        }
+    )
     _, initial = relay_params(relay.url)
-    hostile = [launch_stage_worker(relay.url, f"hostile-{kind}", seed=100 + i, until_step=STEPS,
-                                   extra=("--hostile", kind, "--sleep-per-task", "0.1"))
-               for i, kind in enumerate(kinds)]
+    hostile = [
+        launch_stage_worker(
+            relay.url,
+            f"hostile-{kind}",
+            seed=100 + i,
+            until_step=STEPS,
+            extra=("--hostile", kind, "--sleep-per-task", "0.1"),
+        )
+        for i, kind in enumerate(kinds)
+    ]
     wait_until(lambda: placed(relay) >= len(hostile), 120, "the hostile workers placed")
-    honest = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.1"))
-              for i in range(4)]
+    honest = [
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.1"))
+        for i in range(4)
+    ]
     for worker in honest:
         assert worker.wait(timeout_s=300) == 0, worker.log_path.read_text()[-3000:]
     step, final = relay_params(relay.url, min_step=STEPS)
@@ -134,20 +148,30 @@ def test_a_first_stage_result_whose_rows_do_not_match_its_data_is_refused(serve_
     nothing of it is kept; honest workers then train the batch exactly."""
     relay = serve_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=2.0))
     _, initial = relay_params(relay.url)
-    hostile = requests.post(relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION},
-                            timeout=10).json()["peer_id"]
-    assert requests.post(relay.url + ROUTES["pipeline_stage"].format(peer_id=hostile), json={},
-                         timeout=10).json()["stage"] == 0
+    hostile = requests.post(
+        relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION}, timeout=10
+    ).json()["peer_id"]
+    assert (
+        requests.post(relay.url + ROUTES["pipeline_stage"].format(peer_id=hostile), json={}, timeout=10).json()[
+            "stage"
+        ]
+        == 0
+    )
     work = requests.get(relay.url + ROUTES["pipeline_work"].format(peer_id=hostile), params={"wait": 5}, timeout=30)
     metadata, _ = payloads.decode(work.content, len(work.content))
     task = json.loads(metadata["work"])["tasks"][0]
     seq, width = BYTE_SPEC.kwargs["seq_len"], BYTE_SPEC.kwargs["d_model"]
     tokens = np.zeros((2, seq + 1), dtype=np.int64)
     for rows in (2 * seq - 1, 2 * seq + 1, seq):
-        body = payloads.encode({"y": np.zeros((rows, width), dtype=np.float32), "batch": tokens},
-                               {"result": PipelineResult(task_id=task["task_id"]).dumps().decode()})
-        response = requests.put(relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task["task_id"]),
-                                data=body, timeout=10)
+        body = payloads.encode(
+            {"y": np.zeros((rows, width), dtype=np.float32), "batch": tokens},
+            {"result": PipelineResult(task_id=task["task_id"]).dumps().decode()},
+        )
+        response = requests.put(
+            relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task["task_id"]),
+            data=body,
+            timeout=10,
+        )
         assert response.status_code == 422 and response.json()["error"] == "bad_tensor", response.text
         assert str(2 * seq) in response.json()["message"], response.text  # it says what was expected
     status = pipeline(relay)

@@ -85,8 +85,9 @@ def test_a_digest_mismatch_in_the_second_chunk_counts_for_nothing(relay_factory)
     head = encode_header(tensors, {"collab": meta.dumps().decode(), "codec": "none", **digest_metadata(tensors)})
     altered = grad.copy()
     altered[-1] = 999.0  # in the second chunk: the first one verified (and used to be reduced)
-    response = bob.send(signed_container(bob, head, head + altered.tobytes(),
-                                          f"/api/rounds/0/gradient?peer_id={bob.peer_id}"))
+    response = bob.send(
+        signed_container(bob, head, head + altered.tobytes(), f"/api/rounds/0/gradient?peer_id={bob.peer_id}")
+    )
     assert (response.status_code, response.json()["error"]) == (401, "chunk_digest_mismatch"), response.text
     assert reducer_state(relay) == before
     assert alice.upload(np.full(NUM, 5.0, np.float32), samples=5).status_code == 200
@@ -99,9 +100,17 @@ def test_a_ban_after_the_upload_counted_says_what_it_could_take_back(relay_facto
     """A ban rolls back nothing silently: with the mean bob's committed gradient stays (the answer
     and the record say "banned_kept", with the rollback hint); CenteredClip takes it out and the
     record says "banned_removed" -- and the step shows which happened."""
-    relay = relay_factory(**TWO_CHUNKS, rounds={"aggregation": aggregation, "heartbeat_interval_s": 1.0,
-                                                "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
-                                                "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0})
+    relay = relay_factory(
+        **TWO_CHUNKS,
+        rounds={
+            "aggregation": aggregation,
+            "heartbeat_interval_s": 1.0,
+            "peer_ttl_s": 600.0,
+            "deadline_initial_s": 600.0,
+            "deadline_floor_s": 600.0,
+            "deadline_ceiling_s": 600.0,
+        },
+    )
     alice, bob = open_round(relay)
     assert bob.upload(np.full(NUM, 15.0, np.float32), samples=5).status_code == 200  # bob's mean: 3
     answer = relay.admin("POST", "/bans", json={"username": "bob", "reason": "test"}).json()
@@ -185,23 +194,53 @@ def test_an_inf_grad_norm_already_in_the_round_log_cannot_break_the_status(relay
     it as null, and a record committed now stores NULL rather than inf."""
     relay = relay_factory(**TWO_CHUNKS)
     store = relay.app[COLLAB].store
-    relay.call(lambda: store.db.execute(
-        "INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, finalized_by, "
-        "lr, grad_norm) VALUES (1, 0, 1, 5, 1e308 * 10, 1.0, 1.0, 'all_arrived', 1.0, 1e308 * 10)"))
+    relay.call(
+        lambda: store.db.execute(
+            "INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, finalized_by, "
+            "lr, grad_norm) VALUES (1, 0, 1, 5, 1e308 * 10, 1.0, 1.0, 'all_arrived', 1.0, 1e308 * 10)"
+        )
+    )
     record = relay.status()["recent_rounds"][-1]
     assert (record["step"], record["loss"], record["grad_norm"]) == (1, None, None)
-    relay.call(lambda: store.commit(2, "0" * 64, RoundLog(contributions={}, loss=math.inf, duration_s=1.0,
-                                                          deadline_s=1.0, finalized_by="all_arrived", lr=1.0,
-                                                          grad_norm=math.nan)))
+    relay.call(
+        lambda: store.commit(
+            2,
+            "0" * 64,
+            RoundLog(
+                contributions={},
+                loss=math.inf,
+                duration_s=1.0,
+                deadline_s=1.0,
+                finalized_by="all_arrived",
+                lr=1.0,
+                grad_norm=math.nan,
+            ),
+        )
+    )
     assert relay.call(lambda: store.recent_rounds()[-1][3]) is None  # loss, as stored
 
 
 def test_the_status_report_serializes_whatever_number_reaches_it() -> None:
     """The last guard: should any statistic still be NaN or Inf, ``GET /api/status`` shows null
     there instead of failing for every observer (json.dumps with allow_nan=False raised)."""
-    report = StatusReport(run_name="r", step=1, total_steps=0, finished=False, target_batch=10, num_params=4,
-                          samples_accumulated=0, samples_per_s=math.inf, eta_s=None, loss=math.nan, num_peers=0,
-                          peers=[], recent_rounds=[], round=None, auth_mode="hf", uptime_s=1.0)
+    report = StatusReport(
+        run_name="r",
+        step=1,
+        total_steps=0,
+        finished=False,
+        target_batch=10,
+        num_params=4,
+        samples_accumulated=0,
+        samples_per_s=math.inf,
+        eta_s=None,
+        loss=math.nan,
+        num_peers=0,
+        peers=[],
+        recent_rounds=[],
+        round=None,
+        auth_mode="hf",
+        uptime_s=1.0,
+    )
     body = json.loads(report.dumps())
     assert (body["samples_per_s"], body["loss"], body["step"]) == (None, None, 1)
 
@@ -239,8 +278,11 @@ def test_local_sgd_pseudo_gradients_whose_sum_overflows_are_refused(relay_factor
     """Same attack on ``run.mode = "local_sgd"``, whose peers upload pseudo-gradients with a
     low-bit codec: two int8 uploads decoding to 3e38 per value are refused whole, the outer step
     that follows applies only the honest pseudo-gradients, exactly (outer SGD at lr 1)."""
-    relay = relay_factory(**TWO_CHUNKS, run=RUN | {"mode": "local_sgd", "compression": "int8"},
-                          local_sgd={"inner_steps": 3, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False})
+    relay = relay_factory(
+        **TWO_CHUNKS,
+        run=RUN | {"mode": "local_sgd", "compression": "int8"},
+        local_sgd={"inner_steps": 3, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
+    )
     first, second = two_peers_of(relay, "eve")
     before = reducer_state(relay)
     for peer in (first, second):
@@ -272,7 +314,9 @@ def adam_master(codec: str, directory) -> tuple[MasterState, Publisher]:
 
 def state_of(master: MasterState, publisher: Publisher) -> dict:
     return {name: value.tobytes() for name, value in master.export_state().items()} | {
-        "public": publisher.public.tobytes(), "step": master.step}
+        "public": publisher.public.tobytes(),
+        "step": master.step,
+    }
 
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
@@ -312,8 +356,17 @@ def test_a_slice_whose_step_would_overflow_is_published_unchanged(tmp_path) -> N
     """A slice owner steps in lock-step with the others (the relay commits every slice's next
     version together): a refused step publishes the slice unchanged as that version -- the same
     bytes as before, counted -- and never a non-finite one."""
-    owner = SliceOwner(LAYOUT, {"params": np.linspace(-1, 1, 16).astype(np.float32)}, start=0, end=16, step=0,
-                       optimizer=ADAMW, total_steps=0, codecs=run_codecs("none"), store=Store(tmp_path))
+    owner = SliceOwner(
+        LAYOUT,
+        {"params": np.linspace(-1, 1, 16).astype(np.float32)},
+        start=0,
+        end=16,
+        step=0,
+        optimizer=ADAMW,
+        total_steps=0,
+        codecs=run_codecs("none"),
+        store=Store(tmp_path),
+    )
     first = owner.write_initial()
     before = state_of(owner.master, owner.publisher)
     owner.master.grad.fill_(1e21)

@@ -137,8 +137,12 @@ def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_st
     version behind gets the int8 delta. Whoever knows only the sha256 gets a 403 from the cache
     (which does not keep it) as from the relay."""
     hf_standin.add_user("hf_alice_cache_token_01", "alice")
-    relay, nginx = cached_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
-                                 "run": {"compression": "int8", "target_batch": 8}})
+    relay, nginx = cached_relay(
+        {
+            "auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
+            "run": {"compression": "int8", "target_batch": 8},
+        }
+    )
     alice = RelayClient(relay.url)
     alice.login("hf_alice_cache_token_01")
     joined = alice.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
@@ -149,8 +153,9 @@ def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_st
     alice.heartbeat(peer, Heartbeat(version=0, samples=8, samples_per_s=10.0))
     relay.wait_for(lambda s: s["round"] is not None and s["round"]["expected_peers"] == 1, what="the round")
     gradient = np.random.default_rng(0).standard_normal(public.size).astype(np.float32)
-    alice.upload_gradient(codec.encode(gradient), GradientMeta(peer_id=peer, step=0, version=0, samples=8,
-                                                               loss_sum=1.0), "int8")
+    alice.upload_gradient(
+        codec.encode(gradient), GradientMeta(peer_id=peer, step=0, version=0, samples=8, loss_sum=1.0), "int8"
+    )
     assert alice.download_params(public, have=0, codec=codec, min_step=1, wait_s=30, peer_id=peer) == 1
     state = alice.get_state()
     assert state.step == 1 and hashlib.sha256(public.tobytes()).hexdigest() == state.sha256
@@ -177,13 +182,16 @@ def test_a_cache_that_is_down_costs_a_fallback_to_the_relay(serve_relay, closed_
 
 
 def test_immutable_urls_carry_strong_validators_and_the_current_version_is_never_cached(
-        serve_relay, closed_url: str) -> None:
+    serve_relay, closed_url: str
+) -> None:
     relay = serve_relay({"server": {"public_params_url": closed_url + "/"}})
     ref = requests.get(relay.url + ROUTES["params"], params={"ref": 1}, timeout=10)
     assert ref.headers["Content-Type"].startswith(PARAMS_REF_TYPE) and ref.headers["Cache-Control"] == "no-store"
     body = ref.json()
     sha = published_sha(relay)
-    assert body["sha256"] == sha and body["kind"] == "full" and body["url"] == f"{closed_url}/api/params/v/0/{sha}/full"
+    assert (
+        body["sha256"] == sha and body["kind"] == "full" and body["url"] == f"{closed_url}/api/params/v/0/{sha}/full"
+    )
     path = relay.url + f"/api/params/v/0/{sha}/full"
     whole = requests.get(path, timeout=10)
     assert whole.status_code == 200 and whole.headers["ETag"] == f'"{sha}"'
@@ -225,8 +233,9 @@ def test_without_a_cache_there_is_no_immutable_url(serve_relay) -> None:
     assert refused.status_code == 404 and refused.json()["error"] == "no_params_cache"
 
 
-@pytest.mark.parametrize("url", ["cache.example.org", "ftp://cache.example.org", "https://c.example.org/?x=1",
-                                 "https://c.example.org/#f"])
+@pytest.mark.parametrize(
+    "url", ["cache.example.org", "ftp://cache.example.org", "https://c.example.org/?x=1", "https://c.example.org/#f"]
+)
 def test_a_bad_cache_url_is_one_line_naming_the_field(tmp_path: Path, url: str) -> None:
     config = merged({"server": {"public_params_url": url}})
     with pytest.raises(ConfigError) as refused:
@@ -238,8 +247,24 @@ def test_a_bad_cache_url_is_one_line_naming_the_field(tmp_path: Path, url: str) 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_egress_benchmark_runs_tiny_and_the_cache_cuts_the_relays_bytes() -> None:
-    done = subprocess.run([sys.executable, "benchmarks/egress.py", "--peers", "2,4", "--steps", "1", "--numel", "20000",
-                           "--processes", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/egress.py",
+            "--peers",
+            "2,4",
+            "--steps",
+            "1",
+            "--numel",
+            "20000",
+            "--processes",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["cache_failures"] == 0

@@ -62,9 +62,15 @@ def organizer(hub_standin: HubStandin, monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def in_process_config(tmp_path: Path, hub: HubStandin, **hub_settings):
-    return load_config(None, env={}, overrides={
-        "model": {"factory": MODEL["factory"], "kwargs": MODEL["kwargs"]},
-        "server": {"data_dir": str(tmp_path / "data")}, **relay_hub_config(hub, **hub_settings)})
+    return load_config(
+        None,
+        env={},
+        overrides={
+            "model": {"factory": MODEL["factory"], "kwargs": MODEL["kwargs"]},
+            "server": {"data_dir": str(tmp_path / "data")},
+            **relay_hub_config(hub, **hub_settings),
+        },
+    )
 
 
 def flat_params(named: dict[str, torch.Tensor], config) -> np.ndarray:
@@ -73,8 +79,10 @@ def flat_params(named: dict[str, torch.Tensor], config) -> np.ndarray:
 
 
 # --- unit -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, expected", [("a/b", ("a/b", None)), ("a/b@main", ("a/b", "main")),
-                                             ("org/m-1@0123abc", ("org/m-1", "0123abc"))])
+@pytest.mark.parametrize(
+    "value, expected",
+    [("a/b", ("a/b", None)), ("a/b@main", ("a/b", "main")), ("org/m-1@0123abc", ("org/m-1", "0123abc"))],
+)
 def test_init_from_accepts_repo_and_revision(value, expected):
     assert parse_init_from(value) == expected
 
@@ -107,12 +115,35 @@ def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, 
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state_path = tmp_path / "step-00000001.safetensors"
     save_file({"params": params}, str(state_path))
-    record = RoundRecord(step=1, contributors=1, samples=8, loss=0.5, duration_s=0.1, deadline_s=2.0,
-                         finalized_by="all_arrived", finalized_at=time.time())
-    status = StatusReport(run_name="r", step=1, total_steps=0, finished=False, target_batch=8,
-                          num_params=params.numel(), samples_accumulated=0, samples_per_s=0.0, eta_s=None,
-                          loss=0.5, num_peers=0, peers=[], recent_rounds=[record], round=None, auth_mode="open",
-                          uptime_s=1.0, plan=PlanInfo(version="v", steps_per_s=None, slices=[]))
+    record = RoundRecord(
+        step=1,
+        contributors=1,
+        samples=8,
+        loss=0.5,
+        duration_s=0.1,
+        deadline_s=2.0,
+        finalized_by="all_arrived",
+        finalized_at=time.time(),
+    )
+    status = StatusReport(
+        run_name="r",
+        step=1,
+        total_steps=0,
+        finished=False,
+        target_batch=8,
+        num_params=params.numel(),
+        samples_accumulated=0,
+        samples_per_s=0.0,
+        eta_s=None,
+        loss=0.5,
+        num_peers=0,
+        peers=[],
+        recent_rounds=[record],
+        round=None,
+        auth_mode="open",
+        uptime_s=1.0,
+        plan=PlanInfo(version="v", steps_per_s=None, slices=[]),
+    )
     checkpointer = HubCheckpointer(config)
     with caplog.at_level(logging.INFO, logger="relay_server"):
         checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
@@ -128,8 +159,7 @@ def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, 
 
 # --- end to end -----------------------------------------------------------------------------------
 def test_relay_uploads_checkpoints_and_a_run_starts_from_one(tmp_path, organizer, start_relay, launch_peer):
-    relay = start_relay({**relay_hub_config(organizer, every_steps=2, private=True),
-                         "run": {"target_batch": 24}})
+    relay = start_relay({**relay_hub_config(organizer, every_steps=2, private=True), "run": {"target_batch": 24}})
     peer = launch_peer(relay.url, "p0", seed=0, batch_size=4, steps=4)  # one peer: rounds are not the point
     assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     final = relay.status()
@@ -170,10 +200,20 @@ def test_relay_uploads_checkpoints_and_a_run_starts_from_one(tmp_path, organizer
     assert all(torch.equal(p, step2[name]) for name, p in model.named_parameters())
 
     if "init_model_from_hub" not in inspect.getsource(Collaboration):
-        pytest.skip("Collaboration does not call hub_checkpoints.init_model_from_hub yet (proposed change); "
-                    "the upload half and the loader passed")
-    fresh = start_relay({"hub": {"init_from": f"{REPO_ID}@{uploaded[2].oid}", "endpoint": organizer.url,
-                                 "token_env": "COLLAB_TEST_HUB_TOKEN"}}, name="from-hub")
+        pytest.skip(
+            "Collaboration does not call hub_checkpoints.init_model_from_hub yet (proposed change); "
+            "the upload half and the loader passed"
+        )
+    fresh = start_relay(
+        {
+            "hub": {
+                "init_from": f"{REPO_ID}@{uploaded[2].oid}",
+                "endpoint": organizer.url,
+                "token_env": "COLLAB_TEST_HUB_TOKEN",
+            }
+        },
+        name="from-hub",
+    )
     step, params = relay_params(fresh.url)
     assert step == 0  # a new run: its own step count, optimizer state fresh
     assert np.array_equal(params, flat_params(step2, config))
@@ -202,8 +242,16 @@ def _repo_with_model(hub: HubStandin, tensors: dict[str, torch.Tensor]):
     return repo
 
 
-ALBERT = {"model_type": "albert", "vocab_size": 64, "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
-          "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32}
+ALBERT = {
+    "model_type": "albert",
+    "vocab_size": 64,
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 32,
+}
 
 
 @pytest.mark.parametrize("legacy_tied_copy", [False, True])
@@ -220,9 +268,15 @@ def test_init_from_accepts_a_save_pretrained_checkpoint_with_tied_weights(tmp_pa
     if legacy_tied_copy:
         tensors["predictions.decoder.weight"] = tensors["albert.embeddings.word_embeddings.weight"].clone()
     organizer.repos[REPO_ID] = _repo_with_model(organizer, tensors)
-    config = load_config(None, env={}, overrides={
-        "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT},
-        "server": {"data_dir": str(tmp_path / "data")}, **relay_hub_config(organizer, init_from=REPO_ID)})
+    config = load_config(
+        None,
+        env={},
+        overrides={
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": ALBERT},
+            "server": {"data_dir": str(tmp_path / "data")},
+            **relay_hub_config(organizer, init_from=REPO_ID),
+        },
+    )
     model = build_model(config.model.spec())
     init_model_from_hub(model, config)
     expected = dict(source.named_parameters())
@@ -247,15 +301,23 @@ def test_model_config_and_tokenizer_from_a_pinned_hub_repo(tmp_path, organizer):
     tokenizer, albert = trained.to_str().encode(), {**ALBERT, "vocab_size": trained.get_vocab_size()}
     repo = Repo("organizer/albert-config", private=False)
     commit = secrets.token_hex(20)  # a new commit each run: the Hub client's cache never answers for it
-    repo.commits.append(Commit(commit, "config", {"config.json": json.dumps(albert).encode(),
-                                                   "tokenizer.json": tokenizer}))
+    repo.commits.append(
+        Commit(commit, "config", {"config.json": json.dumps(albert).encode(), "tokenizer.json": tokenizer})
+    )
     organizer.repos[repo.repo_id] = repo
 
     def load(model: dict, tok: dict):
-        return load_config(None, env={}, overrides={
-            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": {}, **model},
-            "tokenizer": tok, "objective": {}, "server": {"data_dir": str(tmp_path / "data")},
-            **relay_hub_config(organizer)})
+        return load_config(
+            None,
+            env={},
+            overrides={
+                "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": {}, **model},
+                "tokenizer": tok,
+                "objective": {},
+                "server": {"data_dir": str(tmp_path / "data")},
+                **relay_hub_config(organizer),
+            },
+        )
 
     config = load({"config_repo": f"{repo.repo_id}@{commit}"}, {"repo": f"{repo.repo_id}@{commit}"})
     assert config.model.config == albert and config.model.spec().config == albert
@@ -280,22 +342,56 @@ def test_a_transformers_checkpoint_on_the_hub_loads_with_its_tokenizer(tmp_path,
     tokenizer = train_tokenizer(demo_paragraphs()[:200], vocab_size=64)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     vocab = tokenizer.get_vocab_size()
-    config = load_config(write_config(tmp_path / "run.toml", {
-        "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
-                  "config": {**ALBERT, "vocab_size": vocab}},
-        "tokenizer": {"file": "tokenizer.json"}, "objective": {"name": "masked-lm", "seq_len": 32},
-        "server": {"data_dir": str(tmp_path / "data")}, "auth": {"mode": "open"},
-        **relay_hub_config(organizer, every_steps=1)}), env={})
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            {
+                "model": {
+                    "kind": "transformers",
+                    "architecture": "AutoModelForMaskedLM",
+                    "config": {**ALBERT, "vocab_size": vocab},
+                },
+                "tokenizer": {"file": "tokenizer.json"},
+                "objective": {"name": "masked-lm", "seq_len": 32},
+                "server": {"data_dir": str(tmp_path / "data")},
+                "auth": {"mode": "open"},
+                **relay_hub_config(organizer, every_steps=1),
+            },
+        ),
+        env={},
+    )
     model = build_model(config.model.spec())
     state_path = tmp_path / "step-00000001.safetensors"
     save_file({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, str(state_path))
-    record = RoundRecord(step=1, contributors=1, samples=8, loss=0.5, duration_s=0.1, deadline_s=2.0,
-                         finalized_by="all_arrived", finalized_at=time.time())
-    status = StatusReport(run_name="r", step=1, total_steps=0, finished=False, target_batch=8,
-                          num_params=sum(p.numel() for p in model.parameters()), samples_accumulated=0,
-                          samples_per_s=0.0, eta_s=None, loss=0.5, num_peers=0, peers=[], recent_rounds=[record],
-                          round=None, auth_mode="open", uptime_s=1.0, plan=PlanInfo(version="v", steps_per_s=None,
-                                                                                    slices=[]))
+    record = RoundRecord(
+        step=1,
+        contributors=1,
+        samples=8,
+        loss=0.5,
+        duration_s=0.1,
+        deadline_s=2.0,
+        finalized_by="all_arrived",
+        finalized_at=time.time(),
+    )
+    status = StatusReport(
+        run_name="r",
+        step=1,
+        total_steps=0,
+        finished=False,
+        target_batch=8,
+        num_params=sum(p.numel() for p in model.parameters()),
+        samples_accumulated=0,
+        samples_per_s=0.0,
+        eta_s=None,
+        loss=0.5,
+        num_peers=0,
+        peers=[],
+        recent_rounds=[record],
+        round=None,
+        auth_mode="open",
+        uptime_s=1.0,
+        plan=PlanInfo(version="v", steps_per_s=None, slices=[]),
+    )
     checkpointer = HubCheckpointer(config)
     checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
     wait_until(lambda: checkpointer.uploaded, 60, "the checkpoint commit")
@@ -311,7 +407,8 @@ def test_a_transformers_checkpoint_on_the_hub_loads_with_its_tokenizer(tmp_path,
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert len(tok) == vocab
     assert [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id] == [
-        tokenizer.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")]
+        tokenizer.token_to_id(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+    ]
     loaded = transformers.AutoModelForMaskedLM.from_pretrained(folder)
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in loaded.named_parameters())
     fill = transformers.pipeline("fill-mask", model=loaded, tokenizer=tok, top_k=2)

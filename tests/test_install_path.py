@@ -64,10 +64,19 @@ def test_the_wheel_is_byte_for_byte_reproducible_and_complete(tmp_path: Path) ->
     name, data = build_wheel_bytes()
     assert build_wheel_bytes() == (name, data)
     # Another process, another working directory and umask: the same bytes.
-    other = subprocess.run([sys.executable, "-c", "import hashlib, os; os.umask(0o077); "
-                            "from relay_server.core.distribution import build_wheel_bytes; "
-                            "print(hashlib.sha256(build_wheel_bytes()[1]).hexdigest())"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import hashlib, os; os.umask(0o077); "
+            "from relay_server.core.distribution import build_wheel_bytes; "
+            "print(hashlib.sha256(build_wheel_bytes()[1]).hexdigest())",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert other.stdout.strip() == hashlib.sha256(data).hexdigest()
 
     dist = installed_distribution()
@@ -80,9 +89,14 @@ def test_the_wheel_is_byte_for_byte_reproducible_and_complete(tmp_path: Path) ->
     info = f"collabtrain-{dist.version}.dist-info"
     assert names[-4:] == [f"{info}/METADATA", f"{info}/WHEEL", f"{info}/entry_points.txt", f"{info}/RECORD"]
     assert names[:-4] == sorted(names[:-4])
-    for required in ("toolkit/__init__.py", "toolkit/assets/demo_corpus.txt", "relay_server/api/static/index.html",
-                     "relay_server/defaults/init.toml", "relay_server/defaults/notebooks/colab.ipynb",
-                     "relay_server/core/distribution.py"):
+    for required in (
+        "toolkit/__init__.py",
+        "toolkit/assets/demo_corpus.txt",
+        "relay_server/api/static/index.html",
+        "relay_server/defaults/init.toml",
+        "relay_server/defaults/notebooks/colab.ipynb",
+        "relay_server/core/distribution.py",
+    ):
         assert required in names
     metadata = archive.read(f"{info}/METADATA").decode()
     assert f"Name: {dist.metadata['Name']}\nVersion: {dist.version}\n" in metadata
@@ -132,9 +146,15 @@ def test_a_signed_run_serves_its_wheel_without_login_and_nothing_else(start_rela
     assert served.status_code == 200 and hashlib.sha256(served.content).hexdigest() == info["sha256"]
     assert served.content == wheel.read_bytes() == build_wheel_bytes()[1]
     secret = (relay.data_dir / "admin_token").read_bytes().strip()
-    for path in ("/toolkit/collabtrain-9.9.9-py3-none-any.whl", "/toolkit/..%2Fadmin_token",
-                 "/toolkit/..%2F..%2Fadmin_token", "/toolkit/../admin_token", "/toolkit/%2E%2E/admin_token",
-                 f"/toolkit/{info['wheel']}%2F..%2F..%2Fadmin_token", "/toolkit/"):
+    for path in (
+        "/toolkit/collabtrain-9.9.9-py3-none-any.whl",
+        "/toolkit/..%2Fadmin_token",
+        "/toolkit/..%2F..%2Fadmin_token",
+        "/toolkit/../admin_token",
+        "/toolkit/%2E%2E/admin_token",
+        f"/toolkit/{info['wheel']}%2F..%2F..%2Fadmin_token",
+        "/toolkit/",
+    ):
         code, body = raw_get(relay.url, path)
         assert code == 404 and secret not in body, (path, code)
     # A restart rebuilds the same bytes and leaves the file as it was (unless someone edited the
@@ -158,35 +178,49 @@ def test_the_shipped_notebooks_are_the_templates_the_generator_fills_in() -> Non
         # The cell holds the toolkit's messages as toolkit/errors.py has them now: rendering changes nothing.
         assert generated_block() in cell, f"notebooks/{platform}.ipynb: run python -m relay_server.notebooks"
         assert render(shipped, ToolkitPin(relay_url=default, wheel="", sha256="")) == shipped
-    pin = ToolkitPin(relay_url="https://relay.example.net", wheel="collabtrain-1.2.3-py3-none-any.whl",
-                     sha256="ab" * 32, extras="hf,peer8bit")
+    pin = ToolkitPin(
+        relay_url="https://relay.example.net",
+        wheel="collabtrain-1.2.3-py3-none-any.whl",
+        sha256="ab" * 32,
+        extras="hf,peer8bit",
+    )
     filled = code_cells(nbformat.reads(render(template("kaggle"), pin), as_version=4))[0].source
     shipped_cell = code_cells(nbformat.reads(template("kaggle"), as_version=4))[0].source
     changed = set(filled.splitlines()) - set(shipped_cell.splitlines())
-    assert changed == {'RELAY_URL = os.environ.get("COLLAB_RELAY_URL", "https://relay.example.net")  # the run\'s '
-                       "relay, from its organizer",
-                       f'TOOLKIT_WHEEL = "{pin.wheel}"  # the toolkit wheel that relay serves and its sha256, filled '
-                       "in by `relay-server notebook`:",
-                       f'TOOLKIT_SHA256 = "{pin.sha256}"  # pip installs exactly those bytes or nothing. Empty: the '
-                       "template, which installs nothing.",
-                       'TOOLKIT_EXTRAS = "hf,peer8bit"  # what the run needs beside it (hf; hf,peer8bit for 8-bit inner '
-                       "state), filled in too."}
+    assert changed == {
+        'RELAY_URL = os.environ.get("COLLAB_RELAY_URL", "https://relay.example.net")  # the run\'s '
+        "relay, from its organizer",
+        f'TOOLKIT_WHEEL = "{pin.wheel}"  # the toolkit wheel that relay serves and its sha256, filled '
+        "in by `relay-server notebook`:",
+        f'TOOLKIT_SHA256 = "{pin.sha256}"  # pip installs exactly those bytes or nothing. Empty: the '
+        "template, which installs nothing.",
+        'TOOLKIT_EXTRAS = "hf,peer8bit"  # what the run needs beside it (hf; hf,peer8bit for 8-bit inner '
+        "state), filled in too.",
+    }
 
 
 def test_a_run_with_eight_bit_inner_state_has_its_notebook_install_bitsandbytes(serve_relay) -> None:
     """Local SGD with ``optimizer.state_bits = 8``: the relay names the ``peer8bit`` extra, the
     notebook's one cell asks pip for it, and the relay's wheel provides it (pip would refuse an
     extra the wheel does not declare). Every other run installs ``hf`` alone."""
-    local = serve_relay({"run": {"mode": "local_sgd", "max_staleness": 0},
-                         "optimizer": {"name": "adamw", "state_bits": 8}, "local_sgd": {"inner_steps": 2}})
+    local = serve_relay(
+        {
+            "run": {"mode": "local_sgd", "max_staleness": 0},
+            "optimizer": {"name": "adamw", "state_bits": 8},
+            "local_sgd": {"inner_steps": 2},
+        }
+    )
     sync = serve_relay({}, name="sync")
     assert fetch_pin(sync.url).extras == "hf"
     pin = fetch_pin(local.url)
     assert pin.extras == "hf,peer8bit"
     cell = code_cells(nbformat.reads(render(template("colab"), pin), as_version=4))[0].source
     assert 'TOOLKIT_EXTRAS = "hf,peer8bit"' in cell and "collabtrain[{TOOLKIT_EXTRAS}] @" in cell
-    metadata = zipfile.ZipFile(io.BytesIO(build_wheel_bytes()[1])).read(
-        f"collabtrain-{installed_distribution().version}.dist-info/METADATA").decode()
+    metadata = (
+        zipfile.ZipFile(io.BytesIO(build_wheel_bytes()[1]))
+        .read(f"collabtrain-{installed_distribution().version}.dist-info/METADATA")
+        .decode()
+    )
     assert "Provides-Extra: peer8bit" in metadata and 'bitsandbytes>=0.50; extra == "peer8bit"' in metadata
 
 
@@ -217,8 +251,9 @@ def test_extras_that_are_not_extra_names_never_reach_the_cell(extras) -> None:
         server.server_close()
 
 
-def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path: Path, web_page: str, closed_url: str,
-                                                                      capsys: pytest.CaptureFixture) -> None:
+def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(
+    tmp_path: Path, web_page: str, closed_url: str, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "run.ipynb"
     down = closed_url
     assert main(["notebook", "local", "--url", down, "-o", str(out)]) == 2
@@ -235,17 +270,21 @@ def test_the_notebook_command_says_what_to_do_when_the_url_is_no_relay(tmp_path:
 
 
 @pytest.mark.parametrize("platform", ["colab", "kaggle", "tpu"])
-@pytest.mark.parametrize("url", ["http://127.0.0.1:{port}", "https://localhost:{port}", "https://192.168.1.20:{port}",
-                                 "http://[::1]:{port}"])
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:{port}", "https://localhost:{port}", "https://192.168.1.20:{port}", "http://[::1]:{port}"],
+)
 def test_a_hosted_notebook_is_refused_an_address_its_platform_cannot_reach(
-        tmp_path: Path, capsys: pytest.CaptureFixture, closed_url: str, platform: str, url: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture, closed_url: str, platform: str, url: str
+) -> None:
     port = closed_url.rsplit(":", 1)[1]
     out, url = tmp_path / "run.ipynb", url.format(port=port)  # refused before anything is asked
     assert main(["notebook", platform, "--url", url, "-o", str(out)]) == 2
     assert capsys.readouterr().err == (
         f"relay-server notebook: a {platform} notebook runs on {platform}'s machines, which cannot reach {url} (an "
         f"address of this machine or its network): pass the relay's public https:// address, or --local-test for "
-        f"a notebook you run on this machine yourself\n")
+        f"a notebook you run on this machine yourself\n"
+    )
     assert not out.exists()
 
 
@@ -255,18 +294,22 @@ def test_a_hosted_notebook_is_refused_plain_http(tmp_path: Path, capsys: pytest.
     assert capsys.readouterr().err == (
         "relay-server notebook: http://relay.example.org is plain http, so a colab notebook would send volunteers' "
         "tokens and gradients across the internet in clear: put the relay behind TLS (README: 'TLS through a reverse "
-        "proxy') and pass its https:// address, or --local-test for a notebook you run on this machine yourself\n")
+        "proxy') and pass its https:// address, or --local-test for a notebook you run on this machine yourself\n"
+    )
     assert not out.exists()
 
 
-def test_local_test_and_the_local_kind_may_use_this_machines_relay(generated: GeneratedRun,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_local_test_and_the_local_kind_may_use_this_machines_relay(
+    generated: GeneratedRun, capsys: pytest.CaptureFixture
+) -> None:
     for args in (["local"], ["colab", "--local-test"]):
         out = generated.home / f"{args[0]}-test.ipynb"
         assert main(["notebook", *args, "--url", generated.relay_url, "-o", str(out)]) == 0
         said_out = capsys.readouterr().out
-        assert f"joins that relay. {'A local test: run it on this machine' if '--local-test' in args else 'Share'}" \
+        assert (
+            f"joins that relay. {'A local test: run it on this machine' if '--local-test' in args else 'Share'}"
             in said_out
+        )
         assert f'"COLLAB_RELAY_URL", "{generated.relay_url}"' in code_cells(nbformat.read(out, as_version=4))[0].source
 
 
@@ -276,7 +319,8 @@ def test_a_finished_run_gets_no_notebook(finished_relay: str, tmp_path: Path, ca
     assert capsys.readouterr().err == (
         f"relay-server notebook: run 'demo-byte-lm' at {finished_relay} already finished at step 1, so every "
         f"volunteer opening this notebook would stop at once: raise [run] total_steps and restart the relay, or pass the "
-        f"address of the next run's relay\n")
+        f"address of the next run's relay\n"
+    )
     assert not out.exists()
 
 
@@ -288,11 +332,21 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     python = root / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(site) / "collab-test-parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('toolkit'))"],
-                           capture_output=True, text=True, check=True, cwd=root, env=without_checkout(os.environ))
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('toolkit'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env=without_checkout(os.environ),
+    )
     assert probe.stdout.strip() == "None", "the fresh venv must not see the checkout's collabtrain"
     return python
 
@@ -322,8 +376,14 @@ def generated(tmp_path_factory: pytest.TempPathFactory, fresh_python: Path) -> I
         assert main(["notebook", "colab", "--local-test", "--url", relay.url, "-o", str(notebook)]) == 0
         info = requests.get(relay.url + "/api/toolkit", timeout=10).json()
         specs = kernel_spec_manager(tmp_path_factory.mktemp("kernels"), str(fresh_python), name="fresh")
-        yield GeneratedRun(relay_url=relay.url, notebook=notebook, wheel=home / "relay-data" / "toolkit" / info["wheel"],
-                           venv=fresh_python.parent.parent, specs=specs, home=home)
+        yield GeneratedRun(
+            relay_url=relay.url,
+            notebook=notebook,
+            wheel=home / "relay-data" / "toolkit" / info["wheel"],
+            venv=fresh_python.parent.parent,
+            specs=specs,
+            home=home,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +395,9 @@ def finished_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield relay.url
 
 
-def execute(run: GeneratedRun, relay_url: str | None = None,
-            notebook: str | None = None) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
+def execute(
+    run: GeneratedRun, relay_url: str | None = None, notebook: str | None = None
+) -> tuple[nbformat.NotebookNode, CellExecutionError | None]:
     """The notebook as the organizer wrote it (or ``notebook``'s text), plus a probe cell saying
     where ``toolkit`` came from; ``relay_url`` replaces the notebook's relay (COLLAB_RELAY_URL);
     the kernel's working directory is outside the checkout."""
@@ -374,21 +435,28 @@ def stopped_with(nb: nbformat.NotebookNode, error: CellExecutionError | None, li
 
 @pytest.mark.integration
 def test_the_generated_notebook_installs_the_relays_wheel_into_a_fresh_venv_and_contributes(
-        generated: GeneratedRun) -> None:
+    generated: GeneratedRun,
+) -> None:
     nb, error = execute(generated)
     text = outputs_text(code_cells(nb)[0])
     assert error is None, f"{error}\n{text}"
-    assert re.search(rf"Contributed {MAX_STEPS * TINY_LM['run']['target_batch']} samples over {MAX_STEPS} steps "
-                     r"\(first contribution [\d.]+ s after joining\); left at step", text), text
+    assert re.search(
+        rf"Contributed {MAX_STEPS * TINY_LM['run']['target_batch']} samples over {MAX_STEPS} steps "
+        r"\(first contribution [\d.]+ s after joining\); left at step",
+        text,
+    ), text
     where = outputs_text(code_cells(nb)[1])
     assert f"TOOLKIT_FROM {generated.venv}" in where and str(REPO) not in where, where
     assert status(generated.relay_url)["step"] == MAX_STEPS
-    assert [e["samples"] for e in status(generated.relay_url)["leaderboard"]] == [MAX_STEPS * TINY_LM["run"]["target_batch"]]
+    assert [e["samples"] for e in status(generated.relay_url)["leaderboard"]] == [
+        MAX_STEPS * TINY_LM["run"]["target_batch"]
+    ]
 
 
 @pytest.mark.integration
 def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_hash_message(
-        generated: GeneratedRun) -> None:
+    generated: GeneratedRun,
+) -> None:
     original = generated.wheel.read_bytes()
     generated.wheel.write_bytes(original.replace(b"def join(", b"def jo1n(", 1))  # served from disk, as is
     try:
@@ -397,26 +465,33 @@ def test_a_wheel_swapped_on_the_relays_disk_stops_the_same_notebook_with_the_has
         generated.wheel.write_bytes(original)
     sha256 = fetch_pin(generated.relay_url).sha256  # what the notebook pins
     stopped_with(nb, error, said("toolkit_mismatch", url=generated.relay_url, sha256=sha256))
-    assert f"[toolkit_mismatch] the relay at {generated.relay_url} {HASH_MESSAGE} (sha256 {sha256[:12]}...)" \
+    assert (
+        f"[toolkit_mismatch] the relay at {generated.relay_url} {HASH_MESSAGE} (sha256 {sha256[:12]}...)"
         ": nothing was installed" in error.evalue
+    )
 
 
 @pytest.mark.integration
-def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(generated: GeneratedRun,
-                                                                             closed_url: str) -> None:
+def test_a_relay_that_does_not_answer_stops_the_cell_before_pip_in_two_lines(
+    generated: GeneratedRun, closed_url: str
+) -> None:
     down = closed_url  # COLLAB_RELAY_URL overrides the notebook's relay
     nb, error = execute(generated, down)
     stopped_with(nb, error, said("relay_unreachable", url=down, reason="connection refused: nothing listens there"))
-    assert error.evalue == (f"[relay_unreachable] no answer from the relay at {down} (connection refused: nothing "
-                            "listens there)\nWhat to do: Check the relay URL, that the relay is running, and that "
-                            "this notebook has internet access (Kaggle: Settings -> Internet on).")
+    assert error.evalue == (
+        f"[relay_unreachable] no answer from the relay at {down} (connection refused: nothing "
+        "listens there)\nWhat to do: Check the relay URL, that the relay is running, and that "
+        "this notebook has internet access (Kaggle: Settings -> Internet on)."
+    )
 
 
 def test_a_web_page_stops_the_cell_saying_it_is_not_a_relay(generated: GeneratedRun, web_page: str) -> None:
     nb, error = execute(generated, web_page)
     stopped_with(nb, error, said("not_a_relay", url=f"{web_page}/api/status", status=404, kind="a web page"))
-    assert error.evalue.startswith(f"[not_a_relay] {web_page}/api/status answered HTTP 404 with a web page, not the "
-                                   "relay's JSON: is this a collabtrain relay?\nWhat to do: Check the relay URL")
+    assert error.evalue.startswith(
+        f"[not_a_relay] {web_page}/api/status answered HTTP 404 with a web page, not the "
+        "relay's JSON: is this a collabtrain relay?\nWhat to do: Check the relay URL"
+    )
 
 
 @pytest.mark.integration
@@ -424,16 +499,19 @@ def test_a_relay_address_with_a_path_says_which_address_to_use(generated: Genera
     wrong = generated.relay_url + "/dashboard"
     nb, error = execute(generated, wrong)
     stopped_with(nb, error, said("wrong_path", url=wrong, base=generated.relay_url))
-    assert error.evalue.startswith(f"[wrong_path] {wrong} is not the relay's address: the relay answers at "
-                                   f"{generated.relay_url}"), error.evalue
+    assert error.evalue.startswith(
+        f"[wrong_path] {wrong} is not the relay's address: the relay answers at {generated.relay_url}"
+    ), error.evalue
 
 
 @pytest.mark.integration
 def test_a_finished_run_stops_the_cell_before_pip(generated: GeneratedRun, finished_relay: str) -> None:
     nb, error = execute(generated, finished_relay)
     stopped_with(nb, error, said("run_finished", run="demo-byte-lm", step=1))
-    assert error.evalue.startswith("[run_finished] run 'demo-byte-lm' already finished at step 1: there is nothing "
-                                   "left to contribute\nWhat to do: Nothing to do here: ask the organizer")
+    assert error.evalue.startswith(
+        "[run_finished] run 'demo-byte-lm' already finished at step 1: there is nothing "
+        "left to contribute\nWhat to do: Nothing to do here: ask the organizer"
+    )
 
 
 @pytest.mark.integration
@@ -444,10 +522,15 @@ def test_a_failed_install_is_one_line_with_pips_output_in_a_named_file(generated
     nb, error = execute(generated, notebook=render(template("colab"), stale))
     assert error is not None and error.ename == "Stop", error
     what, todo = code_cells(nb)[0].outputs[0].traceback
-    assert what == (f"[install_failed] pip could not install the toolkit from {generated.relay_url}: HTTP error 404 "
-                    f"while getting {generated.relay_url}/toolkit/{stale.wheel}#sha256={stale.sha256}")
-    log = re.fullmatch(r"What to do: Check this notebook's internet access \(Kaggle: Settings -> Internet on\) and "
-                       r"run the cell again; pip's full output is in (\S+)\.", todo)
+    assert what == (
+        f"[install_failed] pip could not install the toolkit from {generated.relay_url}: HTTP error 404 "
+        f"while getting {generated.relay_url}/toolkit/{stale.wheel}#sha256={stale.sha256}"
+    )
+    log = re.fullmatch(
+        r"What to do: Check this notebook's internet access \(Kaggle: Settings -> Internet on\) and "
+        r"run the cell again; pip's full output is in (\S+)\.",
+        todo,
+    )
     assert log and "404" in Path(log.group(1)).read_text(), todo
     stopped_with(nb, error, [what, todo])
 
@@ -459,12 +542,20 @@ def test_a_machine_without_torch_gets_the_cpu_build(generated: GeneratedRun, tmp
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     cell = code_cells(nbformat.reads(render(template("local"), fetch_pin(generated.relay_url)), as_version=4))[0]
-    done = subprocess.run([str(bare / "bin" / "python"), "-c", cell.source], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=120, env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"})
+    done = subprocess.run(
+        [str(bare / "bin" / "python"), "-c", cell.source],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"},
+    )
     assert done.returncode == 1 and not done.stdout
     what, todo = done.stderr.strip().splitlines()
-    assert what == ("[install_failed] pip could not install PyTorch from https://download.pytorch.org/whl/cpu: "
-                    f"{bare / 'bin' / 'python'}: No module named pip")
+    assert what == (
+        "[install_failed] pip could not install PyTorch from https://download.pytorch.org/whl/cpu: "
+        f"{bare / 'bin' / 'python'}: No module named pip"
+    )
     assert todo.startswith("What to do: Check this notebook's internet access")
 
 
@@ -473,14 +564,25 @@ def test_the_shipped_template_installs_nothing_and_says_where_the_runs_notebook_
     bare = tmp_path / "bare"  # no collabtrain and no dependencies: the cell stops before needing any
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
     cell = code_cells(nbformat.reads(template("colab"), as_version=4))[0].source
-    done = subprocess.run([str(bare / "bin" / "python"), "-c", cell], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=60, env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"})
+    done = subprocess.run(
+        [str(bare / "bin" / "python"), "-c", cell],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"},
+    )
     assert done.returncode == 1 and not done.stdout
-    assert done.stderr.strip().splitlines() == said("template") == [
-        "[template] this is the template notebook: it installs nothing",
-        "What to do: Open the run's notebook from its organizer (they write it with `relay-server notebook "
-        "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the toolkit's "
-        "sha256)."]
+    assert (
+        done.stderr.strip().splitlines()
+        == said("template")
+        == [
+            "[template] this is the template notebook: it installs nothing",
+            "What to do: Open the run's notebook from its organizer (they write it with `relay-server notebook "
+            "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the toolkit's "
+            "sha256).",
+        ]
+    )
     assert not list(bare.rglob("toolkit"))
 
 
@@ -492,7 +594,10 @@ def test_the_release_workflow_builds_checks_and_publishes_with_trusted_publishin
     steps = [step for job in workflow["jobs"].values() for step in job.get("steps", [])]  # not the called ci.yml
     runs = "\n".join(step.get("run", "") for step in steps)
     assert "python -m build" in runs and "twine check --strict dist/*" in runs
-    publish = [job for job in workflow["jobs"].values()
-               if any(str(s.get("uses", "")).startswith("pypa/gh-action-pypi-publish@") for s in job.get("steps", []))]
+    publish = [
+        job
+        for job in workflow["jobs"].values()
+        if any(str(s.get("uses", "")).startswith("pypa/gh-action-pypi-publish@") for s in job.get("steps", []))
+    ]
     assert len(publish) == 1 and publish[0]["permissions"]["id-token"] == "write"
     assert "password" not in str(publish[0]) and "secrets." not in str(publish[0])  # no stored token

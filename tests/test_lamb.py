@@ -42,8 +42,16 @@ from toolkit.wire.protocol import PROTOCOL_VERSION, AggregatorRegistration, Mode
 
 K = 6
 SIZES = [6, 20, 12, 3]  # tensors of 120, 20, 240, 12, 36 and 3 elements
-LAMB = dict(name="lamb", lr=0.02, weight_decay=0.01, betas=[0.9, 0.99], eps=1e-6, lamb_clamp=10.0,
-            schedule="linear", warmup_steps=2)
+LAMB = dict(
+    name="lamb",
+    lr=0.02,
+    weight_decay=0.01,
+    betas=[0.9, 0.99],
+    eps=1e-6,
+    lamb_clamp=10.0,
+    schedule="linear",
+    warmup_steps=2,
+)
 
 
 def reference_lamb(weights, grads_per_step, lrs, decays, *, betas, eps, clamp):
@@ -57,7 +65,7 @@ def reference_lamb(weights, grads_per_step, lrs, decays, *, betas, eps, clamp):
             g = g.double()
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
-            r = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+            r = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
             u = r + wd * w[i]
             w_norm = float(w[i].norm())
             if clamp > 0:
@@ -116,7 +124,7 @@ def _grads(n: int, layout) -> list[np.ndarray]:
     for _ in range(K):
         g = rng.standard_normal(n).astype(np.float32)
         for i, spec in enumerate(layout):  # tensors on different scales, as in a real network
-            g[spec.offset:spec.offset + math.prod(spec.shape)] *= 10.0 ** (i % 3 - 1)
+            g[spec.offset : spec.offset + math.prod(spec.shape)] *= 10.0 ** (i % 3 - 1)
         out.append(g)
     return out
 
@@ -129,30 +137,53 @@ def _train(layout, params, cfg, cuts, grads, *, moved_to=None) -> np.ndarray:
         if moved_to is not None and k == K // 2:
             parts = [o.export_state() for o in owners]
             state = {name: np.concatenate([p[name] for p in parts]) if v.ndim else v for name, v in parts[0].items()}
-            owners = [MasterState(layout, cut(state, a, b)["params"], cfg, K, step=k, start=a, end=b)
-                      for a, b in zip(moved_to, moved_to[1:])]
+            owners = [
+                MasterState(layout, cut(state, a, b)["params"], cfg, K, step=k, start=a, end=b)
+                for a, b in zip(moved_to, moved_to[1:])
+            ]
             for o, (a, b) in zip(owners, zip(moved_to, moved_to[1:])):
                 o.import_state(cut(state, a, b), step=k)
         for o in owners:
-            o.grad.copy_(torch.from_numpy(g[o.start:o.end]))
+            o.grad.copy_(torch.from_numpy(g[o.start : o.end]))
             o.apply_gradient()
     return np.concatenate([o.flat.numpy() for o in owners])
 
 
 def _backbone(tmp_path, optimizer: dict) -> Backbone:
-    config = load_config(None, overrides={"auth": {"mode": "open"}, "run": {"target_batch": 64, "total_steps": K},
-                                          "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": SIZES}},
-                                          "optimizer": {"clip_grad_norm": 0.0, **optimizer}})
+    config = load_config(
+        None,
+        overrides={
+            "auth": {"mode": "open"},
+            "run": {"target_batch": 64, "total_steps": K},
+            "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": SIZES}},
+            "optimizer": {"clip_grad_norm": 0.0, **optimizer},
+        },
+    )
     layout, params = _model()
-    run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
-                  layout=layout, num_params=params.size, target_batch=64, total_steps=K, max_staleness=1,
-                  heartbeat_interval_s=1.0)
+    run = RunInfo(
+        run_name="t",
+        protocol=PROTOCOL_VERSION,
+        model=ModelSpec(factory=config.model.factory),
+        layout=layout,
+        num_params=params.size,
+        target_batch=64,
+        total_steps=K,
+        max_staleness=1,
+        heartbeat_interval_s=1.0,
+    )
     return Backbone(config, Store(tmp_path / "data"), layout, run_codecs("none"), params, run)
 
 
 def _plan(n: int, fractions: dict[str, float]) -> Plan:
-    return Plan(steps_per_s=1.0, fractions=fractions, computes={}, version="v1", num_params=n,
-                predicted_round_s=1.0, aggregators=tuple(fractions))
+    return Plan(
+        steps_per_s=1.0,
+        fractions=fractions,
+        computes={},
+        version="v1",
+        num_params=n,
+        predicted_round_s=1.0,
+        aggregators=tuple(fractions),
+    )
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -213,8 +244,10 @@ def test_elementwise_optimizers_keep_exact_shares_and_clipping_admits_aggregator
 
 
 # --- global-norm clipping across slices: two-phase finalize (relay_server.backbone.closing) -------------
-CLIPPED = {"adamw": {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "clip_grad_norm": 0.1},
-           "lamb": {**LAMB, "clip_grad_norm": 0.1}}
+CLIPPED = {
+    "adamw": {"name": "adamw", "lr": 0.02, "weight_decay": 0.01, "clip_grad_norm": 0.1},
+    "lamb": {**LAMB, "clip_grad_norm": 0.1},
+}
 
 
 class Loopback:
@@ -234,8 +267,10 @@ class Loopback:
         if base in self.die_after:
             self.down.add(base)
         agg = self.aggs[base]
-        handler, cls = {ROUTES["grad_norm"]: (agg.grad_norm, GradNormRequest),
-                        ROUTES["finalize"]: (agg.finalize, FinalizeRequest)}["/api/" + path]
+        handler, cls = {
+            ROUTES["grad_norm"]: (agg.grad_norm, GradNormRequest),
+            ROUTES["finalize"]: (agg.finalize, FinalizeRequest),
+        }["/api/" + path]
         answer = (await handler(cls.loads(body.dumps()))).to_json()
         if self.tamper is not None:
             answer = self.tamper(base, path, answer)
@@ -253,13 +288,27 @@ def _sliced_servers(tmp_path, backbone, plan, params):
         backbone.aggregators.add(Aggregator(agg_id, agg_id, f"http://{agg_id}"))
     owners, client, slices = backbone._owners_for(plan), Loopback(), []
     for o in owners:
-        so = SliceOwner(backbone.layout, {"params": params[o.start:o.end].copy()}, start=o.start, end=o.end, step=0,
-                        optimizer=backbone.config.optimizer, total_steps=K, codecs=run_codecs("none"),
-                        store=Store(tmp_path / o.owner_id), plan_version=plan.version)
+        so = SliceOwner(
+            backbone.layout,
+            {"params": params[o.start : o.end].copy()},
+            start=o.start,
+            end=o.end,
+            step=0,
+            optimizer=backbone.config.optimizer,
+            total_steps=K,
+            codecs=run_codecs("none"),
+            store=Store(tmp_path / o.owner_id),
+            plan_version=plan.version,
+        )
         slices.append(so)
         if o.owner_id != RELAY_ID:
-            server = AggregatorServer(coordinator="http://relay", public_url=o.url, data_dir=tmp_path / f"{o.owner_id}-s",
-                                      token="t" * 32, name=o.owner_id)
+            server = AggregatorServer(
+                coordinator="http://relay",
+                public_url=o.url,
+                data_dir=tmp_path / f"{o.owner_id}-s",
+                token="t" * 32,
+                name=o.owner_id,
+            )
             server.owner, client.aggs[o.url] = so, server
     local = next(so for o, so in zip(owners, slices) if o.owner_id == RELAY_ID)
     return RoundCloser(owners, local, backbone.aggregators, client, plan.version), slices
@@ -267,9 +316,11 @@ def _sliced_servers(tmp_path, backbone, plan, params):
 
 async def _feed(slices, g) -> None:
     """Each owner's reducer holds ``g`` as the round's sum over one sample (after any queued reset)."""
+
     def fill(so):
-        so.reducer.sum[:] = g[so.start:so.end]
+        so.reducer.sum[:] = g[so.start : so.end]
         so.reducer.weights[:] = 1.0
+
     for so in slices:
         await so.reducer.run(fill, so)
 
@@ -302,6 +353,7 @@ def test_slices_clip_by_the_global_norm_like_the_relay_alone(tmp_path, name):
             assert not closed.dead and {r.step for r in closed.reports.values()} == {k + 1}
             norms.append(closed.grad_norm)
         return norms
+
     try:
         norms = asyncio.run(rounds())
         sliced = np.concatenate([so.master.flat.numpy() for so in slices])
@@ -340,6 +392,7 @@ def test_an_aggregator_failing_during_a_clipped_close_is_dead(tmp_path, when):
     async def one_round():
         await _feed(slices, g)
         return await closer.close(0, "round0", clip=True)
+
     try:
         closed = asyncio.run(one_round())
         live = [so for o, so in zip(closer.owners, slices) if o.owner_id != "agg-b"]
@@ -354,11 +407,11 @@ def test_an_aggregator_failing_during_a_clipped_close_is_dead(tmp_path, when):
         applied = g
     else:
         applied = g.copy()
-        applied[b.start:b.end] = 0.0
+        applied[b.start : b.end] = 0.0
     assert closed.grad_norm == pytest.approx(float(np.linalg.norm(applied.astype(np.float64))), rel=1e-6)
     alone = _train(layout, params, cfg, [0, n], [applied])
     for start, values in got.items():
-        np.testing.assert_allclose(values, alone[start:start + values.size], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(values, alone[start : start + values.size], rtol=0, atol=1e-6)
 
 
 def test_grad_norm_messages_are_validated():

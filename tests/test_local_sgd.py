@@ -60,8 +60,9 @@ def test_one_inner_step_at_lr_one_is_sync_mode(serve_relay, schedule) -> None:
     steps = 4 if schedule else 3
     data = batches(steps)
     inner, run = {**SGD1, **schedule}, {"total_steps": steps} if schedule else {}
-    sync = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0, **run}, "optimizer": inner,
-                        "rounds": PATIENT}, name="sync")
+    sync = serve_relay(
+        {"run": {"target_batch": BATCH, "max_staleness": 0, **run}, "optimizer": inner, "rounds": PATIENT}, name="sync"
+    )
     local = local_run(inner, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     local = serve_relay(local | {"run": {**local["run"], **run}}, name="local")
     init = params_of(sync.url)
@@ -103,9 +104,10 @@ def test_one_outer_step_is_the_pseudo_gradient_step_and_lowers_the_loss(serve_re
 
 
 def test_a_peer_killed_mid_inner_loop_does_not_stall_the_outer_round(serve_relay, launch_peer) -> None:
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=4, outer_lr=1.0, outer_momentum=0.0,
-                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 10_000,
-                                                             "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, inner_steps=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}}
+    )
     slow = launch_peer(relay.url, "slow", seed=1, batch_size=BATCH, steps=5, extra=("--sleep-per-batch", "600"))
     wait_until(lambda: relay.status()["num_peers"] == 1, 120, "the slow peer to join")
     fast = launch_peer(relay.url, "fast", seed=2, batch_size=BATCH, steps=2)
@@ -122,9 +124,10 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
     """The fast peer alone holds the target batch, so its outer round does not wait; the slow
     peer's pseudo-gradient, computed on version 0, arrives with the relay at 1: dropped (never
     applied), counted on the peer, and the peer continues from version 1."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
-                                  nesterov=False) | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH,
-                                                             "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH, "max_staleness": 0}}
+    )
     data = batches(2)
     (fast_model, fast), (slow_model, slow) = join(relay.url), join(relay.url)
     inner_step(slow_model, slow, data[0])  # inner step 1 of 2 on version 0
@@ -143,10 +146,13 @@ def test_a_late_pseudo_gradient_is_dropped_counted_and_the_peer_moves_on(serve_r
 def test_a_live_peer_that_never_finishes_delays_the_outer_round_only_for_the_straggler_wait(serve_relay) -> None:
     """A paused notebook keeps heartbeating with nothing to send: after ``straggler_wait_s`` the
     relay opens the outer round for the peer that finished, and applies its pseudo-gradient."""
-    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
-                                  straggler_wait_s=1.0)
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
-                           "rounds": {**PATIENT, "peer_ttl_s": 600.0}})  # nobody times out here
+    relay = serve_relay(
+        local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False, straggler_wait_s=1.0)
+        | {
+            "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+            "rounds": {**PATIENT, "peer_ttl_s": 600.0},
+        }
+    )  # nobody times out here
     init = params_of(relay.url)
     paused, done = RawPeer(relay).join("paused"), RawPeer(relay).join("done")
     assert paused.heartbeat(0).ok and done.heartbeat(10).ok
@@ -156,16 +162,20 @@ def test_a_live_peer_that_never_finishes_delays_the_outer_round_only_for_the_str
 
 
 def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) -> None:
-    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}}
+    )
     init = params_of(relay.url)
     num = init.size
     finite = np.full(num, 0.5, np.float32)
     nan = finite.copy()
     nan[3] = np.nan
-    attacks = {"nan": lambda p: p.container(nan),
-               "wrong_shape": lambda p: p.container(finite[:-1]),
-               "oversized": lambda p: p.container(finite) + b"\0" * (4 << 20)}
+    attacks = {
+        "nan": lambda p: p.container(nan),
+        "wrong_shape": lambda p: p.container(finite[:-1]),
+        "oversized": lambda p: p.container(finite) + b"\0" * (4 << 20),
+    }
     for name, body in attacks.items():
         peer = RawPeer(relay).join(name)
         assert peer.heartbeat(10).ok
@@ -184,7 +194,8 @@ def test_hostile_pseudo_gradients_are_refused_and_change_nothing(serve_relay) ->
 
 
 def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hostile_ones_change_nothing(
-        serve_relay) -> None:
+    serve_relay,
+) -> None:
     """``run.compression = "topk2-64"`` both ways: two peers (threads) send sparse 2-bit
     pseudo-gradients with error feedback for four outer rounds, and download each new version as a
     sparse delta against the public copy; both end holding the relay's public copy bit for bit, on
@@ -195,11 +206,13 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     from toolkit.wire.compression import get_codec
     from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, JoinRequest
 
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
-                                  nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0,
-                                   "compression": "topk2-64"},
-                           "model": {"kwargs": {"sizes": [8, 256, 256, 1]}}})  # 68,609: a delta is ~2% of a full copy
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {
+            "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0, "compression": "topk2-64"},
+            "model": {"kwargs": {"sizes": [8, 256, 256, 1]}},
+        }
+    )  # 68,609: a delta is ~2% of a full copy
     init = params_of(relay.url)
     codec = get_codec("topk2-64")
     raw = RelayClient(relay.url)
@@ -208,12 +221,14 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     wait_until(lambda: relay.status()["round"], 30, "the outer round")
     good = dict(codec.encode(np.full(init.size, 0.5, np.float32)))
     out_of_range = good["payload"].copy()
-    out_of_range[2 * 63:2 * 64] = np.frombuffer((4096).to_bytes(2, "little"), np.uint8)  # past chunk 0
+    out_of_range[2 * 63 : 2 * 64] = np.frombuffer((4096).to_bytes(2, "little"), np.uint8)  # past chunk 0
     nan_scale = good["scales"].copy()
     nan_scale[0] = np.nan
     meta = GradientMeta(peer_id=peer, step=0, version=0, samples=8, loss_sum=1.0)
-    for what, tensors in {"position out of range": {**good, "payload": out_of_range},
-                          "nan scale": {**good, "scales": nan_scale}}.items():
+    for what, tensors in {
+        "position out of range": {**good, "payload": out_of_range},
+        "nan scale": {**good, "scales": nan_scale},
+    }.items():
         before = snapshot(relay)
         with pytest.raises(RelayRejected) as refused:
             raw.upload_gradient(list(tensors.items()), meta, codec.name)
@@ -226,8 +241,10 @@ def test_sparse_pseudo_gradients_and_broadcasts_keep_peers_bit_identical_and_hos
     np.testing.assert_array_equal(params_of(relay.url), init)
     data = batches(4)
     done: list[CollaborativeOptimizer] = []
-    threads = [threading.Thread(target=lambda seed=seed: done.append(train(relay.url, data[seed:] + data[:seed], 4)))
-               for seed in (0, 1)]
+    threads = [
+        threading.Thread(target=lambda seed=seed: done.append(train(relay.url, data[seed:] + data[:seed], 4)))
+        for seed in (0, 1)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -249,11 +266,19 @@ def test_download_feedback_sets_how_much_of_the_broadcast_residual_the_master_ke
     ``run.download_feedback = 1`` the master keeps all of it (error feedback: later deltas send it);
     with 0 the master is pulled back onto the public copy bit for bit after every version. Either
     way the peer downloads the public copy exactly."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
-                                  nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0,
-                                   "compression": "topk2-64", "download_feedback": feedback},
-                           "model": {"kwargs": {"sizes": [8, 256, 256, 1]}}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.1}, inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {
+            "run": {
+                "mode": "local_sgd",
+                "target_batch": BATCH,
+                "max_staleness": 0,
+                "compression": "topk2-64",
+                "download_feedback": feedback,
+            },
+            "model": {"kwargs": {"sizes": [8, 256, 256, 1]}},
+        }
+    )
     train(relay.url, batches(4), 2)
     state = load_file(str(relay.data_dir / "state" / "step-00000002.safetensors"))
     np.testing.assert_array_equal(params_of(relay.url, 2), state["params"])  # peers get the public copy
@@ -264,19 +289,28 @@ def test_download_feedback_sets_how_much_of_the_broadcast_residual_the_master_ke
         assert residual.any()  # what the 2-bit sparse delta did not carry is kept for the next ones
 
 
-@pytest.mark.parametrize(("overrides", "names"), [
-    ({"run": {"mode": "fast"}}, "run.mode"),
-    ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
-    ({"local_sgd": {"outer_lr": 0.0}}, "local_sgd.outer_lr"),
-    ({"local_sgd": {"straggler_wait_s": 0.0}}, "local_sgd.straggler_wait_s"),
-    ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
-    ({"run": {"max_staleness": 1}}, "run.max_staleness"),
-    ({"run": {"download_feedback": 1.5}}, "run.download_feedback"),
-    ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
-    ({"optimizer": {"schedule": "cosine", "warmup_steps": 2}, "run": {"total_steps": 10},
-      "local_sgd": {"inner_steps": 0, "inner_seconds": 30.0}}, "local_sgd.inner_steps"),
-    ({"moe": {"enabled": True}}, "[moe]"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        ({"run": {"mode": "fast"}}, "run.mode"),
+        ({"local_sgd": {"inner_steps": 0, "inner_seconds": 0.0}}, "inner_steps"),
+        ({"local_sgd": {"outer_lr": 0.0}}, "local_sgd.outer_lr"),
+        ({"local_sgd": {"straggler_wait_s": 0.0}}, "local_sgd.straggler_wait_s"),
+        ({"local_sgd": {"outer_momentum": 0.0}}, "local_sgd.nesterov"),
+        ({"run": {"max_staleness": 1}}, "run.max_staleness"),
+        ({"run": {"download_feedback": 1.5}}, "run.download_feedback"),
+        ({"optimizer": {"name": "lamb"}}, "optimizer.name"),
+        (
+            {
+                "optimizer": {"schedule": "cosine", "warmup_steps": 2},
+                "run": {"total_steps": 10},
+                "local_sgd": {"inner_steps": 0, "inner_seconds": 30.0},
+            },
+            "local_sgd.inner_steps",
+        ),
+        ({"moe": {"enabled": True}}, "[moe]"),
+    ],
+)
 def test_unsupported_settings_are_refused_in_one_line(tmp_path, overrides, names) -> None:
     config = merged({"run": {"mode": "local_sgd", "max_staleness": 0}})
     for section, values in overrides.items():
@@ -312,9 +346,13 @@ def test_centered_clip_bounds_a_huge_pseudo_gradient_and_the_outer_step_takes_th
     from relay_server.rounds.reducer import CHUNK_ELEMS
     from relay_server.rounds.robust import CenteredClipConfig, RobustAccumulator
 
-    relay = serve_relay(local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": 40, "max_staleness": 0},
-                           "rounds": PATIENT | {"aggregation": "centered_clip"}})
+    relay = serve_relay(
+        local_run(SGD1, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {
+            "run": {"mode": "local_sgd", "target_batch": 40, "max_staleness": 0},
+            "rounds": PATIENT | {"aggregation": "centered_clip"},
+        }
+    )
     init = params_of(relay.url)
     rng = np.random.default_rng(3)
     means = [(0.5 + 0.05 * rng.standard_normal(init.size)).astype(np.float32) for _ in range(3)]
@@ -336,8 +374,9 @@ def test_centered_clip_bounds_a_huge_pseudo_gradient_and_the_outer_step_takes_th
     assert np.linalg.norm(center - honest) < 0.02 * np.linalg.norm(means[3] - honest)
 
 
-def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(start_relay, start_aggregators, launch_peer,
-                                                                      hf_standin, monkeypatch) -> None:
+def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(
+    start_relay, start_aggregators, launch_peer, hf_standin, monkeypatch
+) -> None:
     """Relay + one aggregator + three peer processes logged in with HF (signed tickets, chunk
     digests, the signed manifest), inner SGD at lr 0.05 and outer SGD at lr 0.7 with momentum 0.9:
     across the slices, every sliced outer step is exactly ``params -= 0.7 * buffer`` with ``buffer
@@ -353,14 +392,19 @@ def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(start_rela
     token = "hf_local_sgd_token_42"
     hf_standin.add_user(token, "alice")
     monkeypatch.setenv("COLLAB_TEST_TOKEN", token)
-    relay = start_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
-                         "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
-                         "optimizer": SGD1 | {"lr": 0.05},
-                         "local_sgd": {"inner_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": False},
-                         "aggregators": FAST_AGGREGATORS})
+    relay = start_relay(
+        {
+            "auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]},
+            "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+            "optimizer": SGD1 | {"lr": 0.05},
+            "local_sgd": {"inner_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": False},
+            "aggregators": FAST_AGGREGATORS,
+        }
+    )
     aggregators = start_aggregators(relay, "agg0", wait=False)
-    peers, sliced_at, status = train_sliced(relay, aggregators, launch_peer, 3, seed=20,
-                                            extra=("--hf-token-env", "COLLAB_TEST_TOKEN"))
+    peers, sliced_at, status = train_sliced(
+        relay, aggregators, launch_peer, 3, seed=20, extra=("--hf-token-env", "COLLAB_TEST_TOKEN")
+    )
     assert {s["url"] for s in sliced_plan(status)} == {"", aggregators[0].url}
     for peer in peers:
         peer.proc.terminate()
@@ -396,12 +440,23 @@ def test_an_aggregator_owns_a_slice_of_the_outer_step_in_a_signed_run(start_rela
 def test_with_a_time_budget_peers_of_different_speeds_all_contribute(serve_relay, launch_peer) -> None:
     """``inner_seconds``: a peer 20x slower finishes its budget with the fast one, and the relay
     waits for every live peer on the version, so each outer round holds both."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=0, inner_seconds=1.0, outer_lr=1.0,
-                                  outer_momentum=0.0, nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
-    peers = [launch_peer(relay.url, "fast", seed=1, batch_size=BATCH, steps=2, extra=("--wait-peers", "2")),
-             launch_peer(relay.url, "slow", seed=2, batch_size=BATCH, steps=2,
-                         extra=("--wait-peers", "2", "--sleep-per-batch", "0.1"))]
+    relay = serve_relay(
+        local_run(
+            SGD1 | {"lr": 0.05}, inner_steps=0, inner_seconds=1.0, outer_lr=1.0, outer_momentum=0.0, nesterov=False
+        )
+        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}}
+    )
+    peers = [
+        launch_peer(relay.url, "fast", seed=1, batch_size=BATCH, steps=2, extra=("--wait-peers", "2")),
+        launch_peer(
+            relay.url,
+            "slow",
+            seed=2,
+            batch_size=BATCH,
+            steps=2,
+            extra=("--wait-peers", "2", "--sleep-per-batch", "0.1"),
+        ),
+    ]
     for peer in peers:
         assert peer.wait(180) == 0, peer.log_path.read_text()[-2000:]
     rounds = {r["step"]: r for r in relay.status()["recent_rounds"]}

@@ -71,8 +71,9 @@ def test_eight_bit_moments_train_like_float32_in_a_third_of_the_state() -> None:
 
 @needs_8bit
 def test_a_peer_of_an_eight_bit_run_steps_with_eight_bit_moments(serve_relay) -> None:
-    relay = serve_relay(local_run({**ADAMW, "state_bits": 8}, inner_steps=3, outer_lr=0.7, outer_momentum=0.9,
-                                  nesterov=True) | WIDE)
+    relay = serve_relay(
+        local_run({**ADAMW, "state_bits": 8}, inner_steps=3, outer_lr=0.7, outer_momentum=0.9, nesterov=True) | WIDE
+    )
     init = params_of(relay.url)
     opt = train(relay.url, batches(3), 2)
     assert isinstance(opt.local_sgd.optimizer, bitsandbytes.optim.AdamW8bit)
@@ -88,7 +89,8 @@ def test_the_relay_keeps_its_outer_sgd_and_admits_aggregators(tmp_path) -> None:
     assert (outer.name, outer.state_bits) == ("sgd", 32)
     assert loaded.local_sgd.run_info(loaded.optimizer, 10)["inner"]["state_bits"] == 8
     welcome = Aggregators(loaded, planning=None, run_info=None, ticket_key="k").register(
-        AggregatorRegistration(name="agg", url="http://127.0.0.1:1", protocol=PROTOCOL_VERSION))
+        AggregatorRegistration(name="agg", url="http://127.0.0.1:1", protocol=PROTOCOL_VERSION)
+    )
     assert welcome.optimizer["name"] == "sgd"  # a sync run with state_bits = 8 refuses this (409)
 
 

@@ -55,9 +55,18 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
     rebases: x <- theta_{t+1} + (x - x_snapshot), pseudo-gradient theta_t - x at each budget end."""
     inner = SGD1 | {"lr": 0.05, "momentum": 0.9}
     h, rounds = 4, 3
-    relay = serve_relay(local_run(inner, inner_steps=h, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=True)
-                        | {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0,
-                                   "compression": "none", "total_steps": rounds}})
+    relay = serve_relay(
+        local_run(inner, inner_steps=h, outer_lr=0.7, outer_momentum=0.9, nesterov=True, overlap=True)
+        | {
+            "run": {
+                "mode": "local_sgd",
+                "target_batch": BATCH,
+                "max_staleness": 0,
+                "compression": "none",
+                "total_steps": rounds,
+            }
+        }
+    )
     data = batches(5)
     init = params_of(relay.url)
     model, opt = join(relay.url)
@@ -68,13 +77,16 @@ def test_overlap_is_the_one_step_delayed_update_with_the_peers_rebases(serve_rel
         inner_step(model, opt, data[i % len(data)])
         i += 1
         if local.snapshot is not None and local.steps == 1:  # a round in flight: let its result arrive
-            wait_until(lambda: local.snapshot is None or (opt.rounds.pending is not None and opt.rounds.pending.done()), 60,
-                       "the outer round's result")
+            wait_until(
+                lambda: local.snapshot is None or (opt.rounds.pending is not None and opt.rounds.pending.done()),
+                60,
+                "the outer round's result",
+            )
     final = params_of(relay.url, rounds)
     np.testing.assert_array_equal(flatten(model), final)  # the run ended with the model on the global parameters
     assert (local.outer_rounds, local.late_rounds, opt.samples) == (rounds, 0, 0)
     carried = dict(local.rebases)
-    assert sorted(carried)[:rounds - 1] == list(range(1, rounds)) and all(1 <= carried[v] < h for v in carried)
+    assert sorted(carried)[: rounds - 1] == list(range(1, rounds)) and all(1 <= carried[v] < h for v in carried)
     assert 0 < local.busy_fraction <= 1
 
     replay = build_model(RelayClient(relay.url).get_run().model)
@@ -105,9 +117,13 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
     """Both peers' pseudo-gradients on version 0 go out in the background; peer b has not taken a
     step since, so it still holds version 0 -- but it reports version 1, the one it will rebase
     onto, and the outer round on 1 waits for it instead of opening for a alone."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
-                           "local_sgd": {**OVERLAP, "inner_steps": 2, "straggler_wait_s": 600.0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+        | {
+            "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+            "local_sgd": {**OVERLAP, "inner_steps": 2, "straggler_wait_s": 600.0},
+        }
+    )
     data = batches(4)
     (model_a, a), (model_b, b) = join(relay.url, "a"), join(relay.url, "b")
     for peer_model, peer in ((model_a, a), (model_b, b)):
@@ -118,8 +134,11 @@ def test_overlap_a_peer_with_a_round_in_flight_is_waited_for_on_the_next_version
     b.report_progress()  # learns that the relay is at 1 ...
     b.report_progress()  # ... and says so
     assert b.version == 0 and b.local_sgd.snapshot is not None  # not rebased: no step since
-    wait_until(lambda: {p["name"]: p["version"] for p in relay.status()["peers"]}["b"] == 1, 10,
-               "the relay to list b on version 1")  # (its status is cached for a second)
+    wait_until(
+        lambda: {p["name"]: p["version"] for p in relay.status()["peers"]}["b"] == 1,
+        10,
+        "the relay to list b on version 1",
+    )  # (its status is cached for a second)
     wait_until(lambda: a.rounds.pending is not None and a.rounds.pending.done(), 60, "peer a's round result")
     inner_step(model_a, a, data[2])  # rebases onto 1
     inner_step(model_a, a, data[3])  # budget spent on version 1
@@ -141,8 +160,9 @@ def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_repor
     on, even before it reports it (with overlap it may not have heard of 1 yet): the round on 1
     waits for it as for a peer that reported 1, and never for a peer that did not contribute."""
     registry, rule = Registry(ttl_s=60.0), OuterRoundRule(target_batch=10_000, straggler_wait_s=600.0)
-    a, b, _idle = (registry.add(Peer(peer_id=n, name=n, username="u", device={}, precision=None))
-                   for n in ("a", "b", "idle"))
+    a, b, _idle = (
+        registry.add(Peer(peer_id=n, name=n, username="u", device={}, precision=None)) for n in ("a", "b", "idle")
+    )
     registry.report(a, Heartbeat(version=1, samples=BATCH, samples_per_s=1.0))  # finished on 1
     assert rule.due(registry, 1)  # b and idle are on 0: not waited for
     rule.published(1, ["a", "b"])
@@ -156,8 +176,10 @@ def test_the_outer_round_waits_for_the_last_rounds_contributors_until_they_repor
 def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_relay) -> None:
     """As without overlap, but the slow peer's late pseudo-gradient is dropped at its budget end and
     the peer rebases at once (nothing carried yet): back on the global parameters exactly."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
-                        | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH, "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+        | {"run": {"mode": "local_sgd", "target_batch": 2 * BATCH, "max_staleness": 0}}
+    )
     data = batches(2)
     (fast_model, fast), (slow_model, slow) = join(relay.url), join(relay.url)
     inner_step(slow_model, slow, data[0])
@@ -175,9 +197,13 @@ def test_overlap_a_late_pseudo_gradient_is_dropped_and_the_peer_rebased(serve_re
 def test_overlap_close_with_a_round_in_flight_returns_on_global_parameters(serve_relay) -> None:
     """A raw peer that reported samples and never uploads holds the round open (patient deadline):
     the toolkit peer's upload is in, its wait for the result in flight when it closes."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 1})
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
-                           "rounds": {**PATIENT, "peer_ttl_s": 600.0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 1})
+        | {
+            "run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0},
+            "rounds": {**PATIENT, "peer_ttl_s": 600.0},
+        }
+    )
     init = params_of(relay.url)
     silent = RawPeer(relay).join("silent")
     assert silent.heartbeat(10).ok  # finished its budget: the round will expect it
@@ -194,14 +220,19 @@ def test_overlap_a_peer_killed_mid_round_does_not_stall_the_other(serve_relay, l
     """The slow peer process takes part in round 0, reports version 1 (it will rebase onto it) and
     is SIGKILLed during its next inner loop, which the round on 1 waits for: the relay drops it
     at its TTL and the in-process peer goes on to step 3."""
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2})
+        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}}
+    )
     slow = launch_peer(relay.url, "slow", seed=1, batch_size=BATCH, steps=100, extra=("--sleep-per-batch", "3"))
     wait_until(lambda: relay.status()["num_peers"] == 1, 120, "the slow peer to join")
 
     def kill_once_on_version_one() -> None:
-        wait_until(lambda: any(p["name"] == "slow" and p["version"] == 1 for p in relay.status()["peers"]), 180,
-                   "the slow peer on version 1")
+        wait_until(
+            lambda: any(p["name"] == "slow" and p["version"] == 1 for p in relay.status()["peers"]),
+            180,
+            "the slow peer on version 1",
+        )
         slow.proc.send_signal(signal.SIGKILL)
 
     killer = threading.Thread(target=kill_once_on_version_one, daemon=True)
@@ -219,8 +250,10 @@ def test_overlap_survives_a_relay_killed_and_restarted_mid_run(start_relay, laun
     twice, the peers carry on to the end, and each one leaves on the relay's parameters of the
     version it last loaded (close() puts the global parameters back)."""
     relay = start_relay(local_run(SGD1 | {"lr": 0.05}, **OVERLAP | {"inner_steps": 2}))
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=BATCH, steps=8, extra=("--wait-peers", "2"))
-             for i in range(2)]
+    peers = [
+        launch_peer(relay.url, f"p{i}", seed=i, batch_size=BATCH, steps=8, extra=("--wait-peers", "2"))
+        for i in range(2)
+    ]
     relay.wait_for(lambda s: s["step"] >= 3, timeout_s=120, what="outer round 3")
     relay.kill()
     persisted = relay.durable_step()

@@ -29,8 +29,10 @@ HEADER_ROOM = 1024  # a container header (JSON: the tensor's name, dtype, shape,
 
 
 def test_status_shows_each_peers_inner_steps_busy_fraction_and_bytes_per_sample(serve_relay) -> None:
-    relay = serve_relay(local_run(SGD1 | {"lr": 0.05}, inner_steps=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-                        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}})
+    relay = serve_relay(
+        local_run(SGD1 | {"lr": 0.05}, inner_steps=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+        | {"run": {"mode": "local_sgd", "target_batch": 10_000, "max_staleness": 0}}
+    )
     peers = [join(relay.url) for _ in range(2)]  # each downloads the parameters in full on joining
     num_params = peers[0][1].run.num_params
     errors: list[BaseException] = []
@@ -94,7 +96,9 @@ def test_status_shows_each_peers_inner_steps_busy_fraction_and_bytes_per_sample(
 @pytest.mark.parametrize("busy", [1.5, -0.1, math.nan, math.inf])
 def test_a_busy_fraction_out_of_range_or_not_finite_is_refused(busy: float) -> None:
     with pytest.raises(ProtocolError, match="busy_fraction"):
-        Heartbeat.from_json({"version": 0, "samples": 0, "samples_per_s": 0.0, "inner_steps": 1, "busy_fraction": busy})
+        Heartbeat.from_json(
+            {"version": 0, "samples": 0, "samples_per_s": 0.0, "inner_steps": 1, "busy_fraction": busy}
+        )
 
 
 def test_the_relay_refuses_such_a_heartbeat_and_keeps_the_last_good_one(serve_relay) -> None:
@@ -102,9 +106,12 @@ def test_the_relay_refuses_such_a_heartbeat_and_keeps_the_last_good_one(serve_re
     peer = RawPeer(relay).join("p")
     assert peer.heartbeat(0, inner_steps=2, busy_fraction=0.5).ok
     for bad in ("1.5", "-0.1", "NaN", "Infinity"):  # the last two: JSON extensions Python's parser reads
-        response = requests.post(f"{relay.url}/api/peers/{peer.peer_id}/heartbeat", timeout=10,
-                                 data='{"version": 0, "samples": 0, "samples_per_s": 1.0, "inner_steps": 3, '
-                                      f'"busy_fraction": {bad}}}', headers={"Content-Type": "application/json"})
+        response = requests.post(
+            f"{relay.url}/api/peers/{peer.peer_id}/heartbeat",
+            timeout=10,
+            data=f'{{"version": 0, "samples": 0, "samples_per_s": 1.0, "inner_steps": 3, "busy_fraction": {bad}}}',
+            headers={"Content-Type": "application/json"},
+        )
         assert response.status_code == 400 and "busy_fraction" in response.text, (bad, response.text)
     [shown] = relay.status()["peers"]
     assert (shown["inner_steps"], shown["busy_fraction"]) == (2, 0.5)
@@ -113,8 +120,13 @@ def test_the_relay_refuses_such_a_heartbeat_and_keeps_the_last_good_one(serve_re
 def test_every_run_counts_what_the_relay_sends_full_and_delta(serve_relay) -> None:
     """A sync int8 run: a peer one version behind downloads the int8 delta, sent like the full body
     (its length known, so counted; it once went out as a file response the counters saw as 0 bytes)."""
-    relay = serve_relay({"run": {"target_batch": BATCH, "max_staleness": 0, "compression": "int8"},
-                         "optimizer": SGD1 | {"lr": 0.1}, "rounds": PATIENT})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": BATCH, "max_staleness": 0, "compression": "int8"},
+            "optimizer": SGD1 | {"lr": 0.1},
+            "rounds": PATIENT,
+        }
+    )
     train(relay.url, batches(2), 2)  # joins (full body), then a delta after each of its two steps
     counted = relay.status()["traffic"]["down_bytes"]
     get = lambda **query: requests.get(relay.url + "/api/params", params={"min_step": 2, **query}, timeout=30)  # noqa: E731

@@ -54,13 +54,36 @@ LOOPS = ("plain", "trainer", "accelerate", "lightning")
 SEQ_LEN, BATCH, STEPS = 16, 2, 3
 FP16_SCALE = 2.0**16
 MODELS = {
-    "albert": ("AutoModelForMaskedLM", "masked-lm",
-               {"model_type": "albert", "embedding_size": 16, "hidden_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32,
-                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "classifier_dropout_prob": 0.0}),
-    "gpt2": ("AutoModelForCausalLM", "causal-lm",
-             {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "n_positions": 32,
-              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "albert": (
+        "AutoModelForMaskedLM",
+        "masked-lm",
+        {
+            "model_type": "albert",
+            "embedding_size": 16,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 32,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+            "classifier_dropout_prob": 0.0,
+        },
+    ),
+    "gpt2": (
+        "AutoModelForCausalLM",
+        "causal-lm",
+        {
+            "model_type": "gpt2",
+            "n_layer": 1,
+            "n_embd": 32,
+            "n_head": 2,
+            "n_positions": 32,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
+    ),
 }
 # SGD: its update is the gradient itself. (Adam's first steps are nearly the gradient's sign: a peer
 # sending twice its gradient would hardly show, while fp16's rounding of gradients near Adam's eps,
@@ -122,7 +145,7 @@ def rounds_of(peers: list[tuple[str, dict, list]]) -> dict[int, list[dict[str, t
             if event[0] == "add":
                 _, samples, seen = event
                 assert samples == k * BATCH, (name, event)
-                pending += forwards[seen - k:seen]
+                pending += forwards[seen - k : seen]
             elif event[0] == "take":
                 sent, pending = pending, []
             elif event[0] == "settle":
@@ -167,12 +190,21 @@ def reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer, micro: li
 
 # Local SGD with one inner SGD step and the outer SGD at lr 1 without momentum is sync SGD: the mean
 # pseudo-gradient is lr * (mean gradient + weight_decay * params), which the outer step subtracts.
-LOCAL_SGD_H1 = {"run": {"mode": "local_sgd", "max_staleness": 0},
-                "local_sgd": {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}}
+LOCAL_SGD_H1 = {
+    "run": {"mode": "local_sgd", "max_staleness": 0},
+    "local_sgd": {"inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
+}
 
 
-def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: str, precision: str,
-                      peers: list[tuple[str, int]], mode: dict | None = None) -> float:
+def train_and_compare(
+    serve_relay,
+    tmp_path: Path,
+    tokenizer: Path,
+    model_name: str,
+    precision: str,
+    peers: list[tuple[str, int]],
+    mode: dict | None = None,
+) -> float:
     """Train ``peers`` through a real relay and replay the rounds in one process; the worst
     relative difference between a relay version and the reference (each step asserted here too).
     ``mode``: sections merged into the run (``LOCAL_SGD_H1``)."""
@@ -180,13 +212,19 @@ def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: 
     spec = spec_of(model_name)
     per_round = sum(k * BATCH for _, k in peers)
     run = {"target_batch": per_round, "total_steps": STEPS, "precision": precision, **(mode or {}).get("run", {})}
-    relay = serve_relay({**(mode or {}), "run": run,
-                         "model": {"kind": "transformers", "architecture": architecture, "config": spec.config},
-                         "tokenizer": {"file": str(tokenizer)},
-                         "objective": {"name": objective, "seq_len": SEQ_LEN},
-                         "dataset": {"kind": "demo_corpus"}, "optimizer": OPTIMIZER,
-                         # a loaded machine: no round closes for a deadline while a peer computes
-                         "rounds": {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0}})
+    relay = serve_relay(
+        {
+            **(mode or {}),
+            "run": run,
+            "model": {"kind": "transformers", "architecture": architecture, "config": spec.config},
+            "tokenizer": {"file": str(tokenizer)},
+            "objective": {"name": objective, "seq_len": SEQ_LEN},
+            "dataset": {"kind": "demo_corpus"},
+            "optimizer": OPTIMIZER,
+            # a loaded machine: no round closes for a deadline while a peer computes
+            "rounds": {"deadline_floor_s": 60.0, "deadline_initial_s": 120.0},
+        }
+    )
     initial = params_of(relay.url)
     assert bool(RelayClient(relay.url).get_run().local_sgd) == bool(mode)  # the mode the test asked for
     fp16 = precision == "fp16"
@@ -199,10 +237,33 @@ def train_and_compare(serve_relay, tmp_path: Path, tokenizer: Path, model_name: 
         work.mkdir()
         skip = ["--skip-micro-batch", str(k - 1)] if fp16 else []  # the first window overflows
         procs[name] = subprocess.Popen(
-            [sys.executable, str(LOOP_PEER), "--relay", relay.url, "--name", name, "--loop", loop,
-             "--batch-size", str(BATCH), "--accumulation", str(k), "--barrier", str(barrier), "--peers", str(len(peers)),
-             "--workdir", str(work), "--result", str(work / "result.json"), *skip],
-            stdout=open(work / "log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
+            [
+                sys.executable,
+                str(LOOP_PEER),
+                "--relay",
+                relay.url,
+                "--name",
+                name,
+                "--loop",
+                loop,
+                "--batch-size",
+                str(BATCH),
+                "--accumulation",
+                str(k),
+                "--barrier",
+                str(barrier),
+                "--peers",
+                str(len(peers)),
+                "--workdir",
+                str(work),
+                "--result",
+                str(work / "result.json"),
+                *skip,
+            ],
+            stdout=open(work / "log", "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     try:
         for name, proc in procs.items():
             assert proc.wait(timeout=600) == 0, (tmp_path / name / "log").read_text()[-3000:]
@@ -267,8 +328,9 @@ def test_trainer_on_a_model_taking_num_items_in_batch_equals_one_process(serve_r
 def test_every_loop_in_local_sgd_mode_equals_one_process(serve_relay, tmp_path, tokenizer):
     """``run.mode = "local_sgd"`` through every loop, with accumulation 2 and a skipped fp16 window:
     the inner step takes what the loop's step() hands over, exactly (H = 1, outer lr 1: sync SGD)."""
-    worst = train_and_compare(serve_relay, tmp_path, tokenizer, "albert", "fp16", [(loop, 2) for loop in LOOPS],
-                              mode=LOCAL_SGD_H1)
+    worst = train_and_compare(
+        serve_relay, tmp_path, tokenizer, "albert", "fp16", [(loop, 2) for loop in LOOPS], mode=LOCAL_SGD_H1
+    )
     assert worst <= 1e-5, worst
 
 
@@ -276,14 +338,16 @@ def test_every_loop_in_local_sgd_mode_equals_one_process(serve_relay, tmp_path, 
 @pytest.mark.parametrize("model_name", ["albert", "gpt2"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_loop_matrix_equals_one_process(serve_relay, tmp_path, tokenizer, model_name, precision):
-    worst = train_and_compare(serve_relay, tmp_path, tokenizer, model_name, precision,
-                              [(loop, k) for loop in LOOPS for k in (1, 2)])
+    worst = train_and_compare(
+        serve_relay, tmp_path, tokenizer, model_name, precision, [(loop, k) for loop in LOOPS for k in (1, 2)]
+    )
     assert worst <= 1e-5, worst
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["albert", "gpt2"])
 def test_bf16_loops_with_accumulation_4_equal_one_process(serve_relay, tmp_path, tokenizer, model_name):
-    worst = train_and_compare(serve_relay, tmp_path, tokenizer, model_name, "bf16",
-                              [(loop, k) for loop in LOOPS for k in (1, 4)])
+    worst = train_and_compare(
+        serve_relay, tmp_path, tokenizer, model_name, "bf16", [(loop, k) for loop in LOOPS for k in (1, 4)]
+    )
     assert worst <= 1e-5, worst

@@ -63,6 +63,7 @@ def test_the_relay_clock_stops_during_a_stall_and_never_goes_back() -> None:
 def test_a_result_that_waited_out_a_stall_meets_its_deadline(tmp_path: Path) -> None:
     """A 2 s task, a 3 s stall with its result unread: on the wall clock its deadline passed, on
     the relay's it did not; the tick after the stall fails nothing and the result is accepted."""
+
     async def scenario() -> None:
         wall = Clock(1000.0)
         b = broker(tmp_path, clock=LoopClock(wall))
@@ -128,8 +129,13 @@ def test_the_stall_hook_is_off_unless_the_process_environment_sets_it() -> None:
     assert stall_middlewares({}) == []
     assert len(stall_middlewares({ENV: "seconds=3,every=40"})) == 1
     assert parse("seconds=3,every=40,times=2,path=/api/moe/").path == "/api/moe/"
-    for bad, field in [("seconds=3", "every"), ("seconds=x,every=2", "number"), ("speed=3,every=2", "speed"),
-                       ("seconds=0,every=2", "seconds"), ("seconds=1,every=2,path=(", "regular")]:
+    for bad, field in [
+        ("seconds=3", "every"),
+        ("seconds=x,every=2", "number"),
+        ("speed=3,every=2", "speed"),
+        ("seconds=0,every=2", "seconds"),
+        ("seconds=1,every=2,path=(", "regular"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             parse(bad)
 
@@ -146,8 +152,13 @@ def test_a_call_past_its_deadline_is_answered_once_not_retried(serve_relay) -> N
     try:
         host.request("POST", "moe_lease", params={"capacity": 8})  # leased, never answered
         with pytest.raises(RelayRejected) as refused:
-            client.moe_call(trainer.peer_id, "ffn0.0.0", kind="forward", call_id="c1",
-                            body=payloads.call_body(np.zeros((2, 8), np.float32)))
+            client.moe_call(
+                trainer.peer_id,
+                "ffn0.0.0",
+                kind="forward",
+                call_id="c1",
+                body=payloads.call_body(np.zeros((2, 8), np.float32)),
+            )
         assert (refused.value.status, refused.value.code) == (504, "task_timeout")
         assert relay.call(lambda: len(relay.app[EXPERTS].calls)) == 1  # calls the relay answered
     finally:
@@ -175,9 +186,11 @@ def test_a_gradient_that_waited_out_a_stall_still_makes_its_round(tmp_path: Path
     """A round with a 2 s window and the relay's loop blocked 3 s as the gradient arrives: on the
     wall clock the window closed before the upload was read; on the relay's clock it did not. The
     round closes because everyone arrived, with the gradient in it."""
-    config = {"run": {"target_batch": 4, "max_staleness": 1},
-              "rounds": {"deadline_floor_s": 2.0, "deadline_initial_s": 2.0, "peer_ttl_s": 30.0},
-              "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}}
+    config = {
+        "run": {"target_batch": 4, "max_staleness": 1},
+        "rounds": {"deadline_floor_s": 2.0, "deadline_initial_s": 2.0, "peer_ttl_s": 30.0},
+        "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"},
+    }
     relay = stalled_relay(tmp_path, config, f"seconds={STALL_S},every=1,times=1,path=/gradient$")
     try:
         model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]}))
@@ -214,16 +227,24 @@ def test_a_dmoe_run_through_a_stalling_relay_fails_no_call_and_stays_exact(tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_a_pipeline_run_through_a_stalling_relay_loses_no_lease_to_a_stall_and_stays_exact(tmp_path: Path,
-                                                                                         launch_stage_worker) -> None:
+def test_a_pipeline_run_through_a_stalling_relay_loses_no_lease_to_a_stall_and_stays_exact(
+    tmp_path: Path, launch_stage_worker
+) -> None:
     """Leases of 3 s (``max(floor, 1 x measured)``, and before a measurement: these tasks take milliseconds, a loaded test
     machine's a second or two), the loop blocked 5 s while workers hold leases: no lease expires
     for the stall (one that does shows an age of 5 s or more; a slow worker's lease expires at its
     3 s deadline plus a tick), no call ends in an unhandled error, the run is exact. No
     rebalancing: a move re-dispatches what the moved worker was leased, stall or not."""
     steps, microbatches, stall_s = 4, 4, 5.0
-    config = pipeline_overrides(BYTE_SPEC, stages=2, microbatches=microbatches, lease_floor_s=3.0, lease_factor=1.0,
-                                initial_lease_s=3.0, rebalance_every_batches=0)
+    config = pipeline_overrides(
+        BYTE_SPEC,
+        stages=2,
+        microbatches=microbatches,
+        lease_floor_s=3.0,
+        lease_factor=1.0,
+        initial_lease_s=3.0,
+        rebalance_every_batches=0,
+    )
     relay = stalled_relay(tmp_path, config, f"seconds={stall_s},every=12,times=3,path=/work$")
     try:
         _, initial = relay_params(relay.url)

@@ -18,17 +18,59 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
-SUMMARY_KEYS = {"bytes_ratio", "loss_gap", "shaped_speedup", "busy_fraction", "down_bits_per_param", "bars",
-                "variants", "best", "refused", "shaped", "models"}
-VARIANT_KEYS = {"up_bytes_per_sample", "down_bytes_per_sample", "join_down_bytes", "final_loss", "public_loss",
-                "samples_per_s",
-                "busy_fraction", "down_bits_per_param", "rounds"}
+SUMMARY_KEYS = {
+    "bytes_ratio",
+    "loss_gap",
+    "shaped_speedup",
+    "busy_fraction",
+    "down_bits_per_param",
+    "bars",
+    "variants",
+    "best",
+    "refused",
+    "shaped",
+    "models",
+}
+VARIANT_KEYS = {
+    "up_bytes_per_sample",
+    "down_bytes_per_sample",
+    "join_down_bytes",
+    "final_loss",
+    "public_loss",
+    "samples_per_s",
+    "busy_fraction",
+    "down_bits_per_param",
+    "rounds",
+}
 
 
 def test_low_bandwidth_benchmark_smallest_setting_reports_every_variant(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "benchmarks/low_bandwidth.py", "--models", "demo", "--no-shape",
-                           "--peers", "2", "--steps", "4", "--batch", "2", "--h", "2", "--sparse-down", "same", "--no-dense", "--work-dir", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/low_bandwidth.py",
+            "--models",
+            "demo",
+            "--no-shape",
+            "--peers",
+            "2",
+            "--steps",
+            "4",
+            "--batch",
+            "2",
+            "--h",
+            "2",
+            "--sparse-down",
+            "same",
+            "--no-dense",
+            "--work-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
     variants, model, summary = lines[:-2], lines[-2], lines[-1]
@@ -48,5 +90,11 @@ def test_low_bandwidth_benchmark_smallest_setting_reports_every_variant(tmp_path
     assert SUMMARY_KEYS <= set(summary), summary
     assert summary["bytes_ratio"] > 0 and summary["down_bits_per_param"] > 0, summary
     assert summary["shaped_speedup"] is None and "--no-shape" in summary["shaped"], summary
-    assert set(summary["bars"]) == {"bytes_ratio", "loss_gap", "shaped_speedup", "down_bits_per_param", "busy_fraction"}
+    assert set(summary["bars"]) == {
+        "bytes_ratio",
+        "loss_gap",
+        "shaped_speedup",
+        "down_bits_per_param",
+        "busy_fraction",
+    }
     assert summary["bars"]["shaped_speedup"].endswith("not measured"), summary["bars"]

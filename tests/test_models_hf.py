@@ -15,9 +15,16 @@ from toolkit.errors import ModelMismatch
 from toolkit.models import build_model, check_trusted, loss_of
 from toolkit.wire.protocol import ModelSpec
 
-ALBERT = {"model_type": "albert", "vocab_size": 64, "embedding_size": 16, "hidden_size": 32,
-          "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-          "max_position_embeddings": 32}
+ALBERT = {
+    "model_type": "albert",
+    "vocab_size": 64,
+    "embedding_size": 16,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 32,
+}
 GPT2 = {"model_type": "gpt2", "vocab_size": 64, "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 32}
 
 
@@ -25,8 +32,14 @@ def spec(architecture: str, config: dict) -> ModelSpec:
     return ModelSpec(kind="transformers", architecture=architecture, config=config)
 
 
-@pytest.mark.parametrize("architecture, config", [("AutoModelForMaskedLM", ALBERT), ("AutoModelForCausalLM", GPT2),
-                                                  ("AutoModelForSequenceClassification", {**ALBERT, "num_labels": 3})])
+@pytest.mark.parametrize(
+    "architecture, config",
+    [
+        ("AutoModelForMaskedLM", ALBERT),
+        ("AutoModelForCausalLM", GPT2),
+        ("AutoModelForSequenceClassification", {**ALBERT, "num_labels": 3}),
+    ],
+)
 def test_transformers_architecture_built_from_config_has_one_layout(architecture: str, config: dict) -> None:
     a, b = build_model(spec(architecture, config)), build_model(spec(architecture, config))
     assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
@@ -54,10 +67,15 @@ def test_dict_batches_train_with_the_architectures_own_loss() -> None:
         loss_of(model, {"input_ids": ids})
 
 
-@pytest.mark.parametrize("config, code", [({**GPT2, "auto_map": {"AutoModel": "evil.Model"}}, "remote_code_refused"),
-                                          ({**GPT2, "trust_remote_code": True}, "remote_code_refused"),
-                                          ({"vocab_size": 10}, "bad_model_config"),
-                                          ({**GPT2, "model_type": "no-such-model"}, "unknown_model_type")])
+@pytest.mark.parametrize(
+    "config, code",
+    [
+        ({**GPT2, "auto_map": {"AutoModel": "evil.Model"}}, "remote_code_refused"),
+        ({**GPT2, "trust_remote_code": True}, "remote_code_refused"),
+        ({"vocab_size": 10}, "bad_model_config"),
+        ({**GPT2, "model_type": "no-such-model"}, "unknown_model_type"),
+    ],
+)
 def test_configs_that_would_run_network_code_or_cannot_build_are_refused(config: dict, code: str) -> None:
     with pytest.raises(ModelMismatch) as info:
         build_model(spec("AutoModelForCausalLM", config))
@@ -76,14 +94,16 @@ def test_own_module_needs_the_volunteers_opt_in_and_is_not_imported_before(tmp_p
     package is imported (its import side effect never happens); with the opt-in it builds."""
     pkg = tmp_path / "organizer_models"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(f"""
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(f"""
         import pathlib, torch
-        pathlib.Path({str(tmp_path / 'imported')!r}).write_text("yes")
+        pathlib.Path({str(tmp_path / "imported")!r}).write_text("yes")
         class Tiny(torch.nn.Module):
             def __init__(self, width=3):
                 super().__init__()
                 self.w = torch.nn.Linear(width, 1)
-    """))
+    """)
+    )
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
@@ -101,7 +121,10 @@ def test_own_module_needs_the_volunteers_opt_in_and_is_not_imported_before(tmp_p
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "refused untrusted_model | If you trust the organizer" in out.stdout and "trusted_models=['organizer_models']" in out.stdout
+    assert (
+        "refused untrusted_model | If you trust the organizer" in out.stdout
+        and "trusted_models=['organizer_models']" in out.stdout
+    )
     assert "built 5" in out.stdout
 
 

@@ -51,9 +51,15 @@ def test_admin_token_is_created_0600_reused_and_checked(tmp_path: Path) -> None:
     assert secret not in repr(token)
     AdminToken.load_or_create(path).check(f"Bearer {secret}")  # reloaded, not regenerated
     assert path.read_text().strip() == secret
-    for header, code in [(None, "admin_auth_required"), ("", "admin_auth_required"), (secret, "admin_auth_required"),
-                         (f"Basic {secret}", "admin_auth_required"), (f"Bearer {secret[:-1]}", "bad_admin_token"),
-                         (f"Bearer {secret}x", "bad_admin_token"), ("Bearer \udcff", "bad_admin_token")]:
+    for header, code in [
+        (None, "admin_auth_required"),
+        ("", "admin_auth_required"),
+        (secret, "admin_auth_required"),
+        (f"Basic {secret}", "admin_auth_required"),
+        (f"Bearer {secret[:-1]}", "bad_admin_token"),
+        (f"Bearer {secret}x", "bad_admin_token"),
+        ("Bearer \udcff", "bad_admin_token"),
+    ]:
         with pytest.raises(ApiError) as refused:
             token.check(header)
         assert (refused.value.status, refused.value.code) == (401, code) and refused.value.hint
@@ -86,19 +92,21 @@ def test_token_buckets_stay_bounded_under_an_address_flood() -> None:
     assert buckets.take("observe", "addr-9999") > 0  # the newest keys are never the ones forgotten
 
 
-def _resolved(app: web.Application, method: str, path: str, headers: dict | None = None,
-              peer: tuple | None = None):
+def _resolved(app: web.Application, method: str, path: str, headers: dict | None = None, peer: tuple | None = None):
     async def resolve():
         transport = mock.Mock()
         transport.get_extra_info.side_effect = lambda name, default=None: peer if name == "peername" else default
         request = make_mocked_request(method, path, headers=headers, app=app, transport=transport)
         request._match_info = await app.router.resolve(request)  # what the server does before middlewares
         return request
+
     return asyncio.run(resolve())
 
 
 def test_every_route_draws_from_the_right_bucket(tmp_path: Path) -> None:
-    app = create_app(_config(tmp_path, auth={"mode": "hf", "allow_users": ["alice"], "hf_endpoint": "http://127.0.0.1:9"}))
+    app = create_app(
+        _config(tmp_path, auth={"mode": "hf", "allow_users": ["alice"], "hf_endpoint": "http://127.0.0.1:9"})
+    )
     kinds = {
         ("POST", ROUTES["heartbeat"].format(peer_id="p")): "poll",
         ("GET", ROUTES["progress"]): "poll",
@@ -153,6 +161,7 @@ def _serve(config, scenario) -> None:
     async def main() -> None:
         async with TestClient(TestServer(create_app(config))) as client:
             await scenario(client, Path(config.server.data_dir))
+
     asyncio.run(main())
 
 
@@ -180,6 +189,7 @@ def test_a_flood_from_one_address_gets_429_and_nothing_else_does(tmp_path: Path)
 def test_behind_a_local_proxy_each_client_has_its_own_bucket(tmp_path: Path) -> None:
     """Default settings, as in docs/organizer.md's Caddy/nginx setup: every request arrives from
     loopback, the proxy's X-Forwarded-For names the client."""
+
     async def scenario(client: TestClient, data_dir: Path) -> None:
         flood = {"X-Forwarded-For": "198.51.100.7"}
         assert [(await client.get("/api/status", headers=flood)).status for _ in range(7)] == [200] * 5 + [429] * 2
@@ -194,8 +204,13 @@ def test_behind_a_local_proxy_each_client_has_its_own_bucket(tmp_path: Path) -> 
 def test_an_address_that_keeps_failing_auth_is_refused_before_verification(tmp_path: Path) -> None:
     limits = {"exempt_loopback": False, "auth_failures_per_s": 0.01, "auth_failures_burst": 3.0}
     auth = {"mode": "hf", "allow_users": ["alice"], "hf_endpoint": "http://127.0.0.1:9"}
-    headers = {"X-Collab-Pass": "AAAA", "X-Collab-Timestamp": "1", "X-Collab-Nonce": "n" * 22,
-               "X-Collab-Body-Sha256": "0" * 64, "X-Collab-Signature": "AAAA"}
+    headers = {
+        "X-Collab-Pass": "AAAA",
+        "X-Collab-Timestamp": "1",
+        "X-Collab-Nonce": "n" * 22,
+        "X-Collab-Body-Sha256": "0" * 64,
+        "X-Collab-Signature": "AAAA",
+    }
 
     async def scenario(client: TestClient, data_dir: Path) -> None:
         codes = [(await (await client.get("/api/progress", headers=headers)).json())["error"] for _ in range(5)]
@@ -234,8 +249,13 @@ class AdminCli:
         return code, out.out + out.err
 
     def process(self, *args: str) -> tuple[int, str]:
-        done = subprocess.run([sys.executable, "-m", "relay_server.cli", "admin", "--url", self.relay.url, *args],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, "-m", "relay_server.cli", "admin", "--url", self.relay.url, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         return done.returncode, done.stdout + done.stderr
 
 
@@ -243,12 +263,25 @@ def test_cli_contributions_rollback_and_ban_end_to_end(tmp_path: Path, launch_pe
     hub = standin()
     relay = None
     try:
-        relay = hf_relay(tmp_path, hub, {"run": {"target_batch": 24, "max_staleness": 0},
-                                         "rounds": merged(None)["rounds"], "optimizer": merged(None)["optimizer"]})
+        relay = hf_relay(
+            tmp_path,
+            hub,
+            {
+                "run": {"target_batch": 24, "max_staleness": 0},
+                "rounds": merged(None)["rounds"],
+                "optimizer": merged(None)["optimizer"],
+            },
+        )
         admin_cli = AdminCli(relay, capsys)
         monkeypatch.setenv("COLLAB_TEST_TOKEN", TOKENS["alice"])
-        peer = launch_peer(relay.url, "alice-peer", seed=1, batch_size=4, steps=10**6,  # until we stop it
-                           extra=("--hf-token-env", "COLLAB_TEST_TOKEN", "--sleep-per-batch", "0.02"))
+        peer = launch_peer(
+            relay.url,
+            "alice-peer",
+            seed=1,
+            batch_size=4,
+            steps=10**6,  # until we stop it
+            extra=("--hf-token-env", "COLLAB_TEST_TOKEN", "--sleep-per-batch", "0.02"),
+        )
         relay.wait_for(lambda s: s["step"] >= 4, what="four steps")
 
         # rollback while the peer trains: version N + 1 holds step 2's stored state exactly
@@ -258,8 +291,9 @@ def test_cli_contributions_rollback_and_ban_end_to_end(tmp_path: Path, launch_pe
         assert code == 0, out
         new_step = json.loads(out)["step"]
         state = relay.data_dir / "state"
-        previous, restored, source = (load_file(str(state / f"step-{s:08d}.safetensors"))
-                                      for s in (new_step - 1, new_step, 2))
+        previous, restored, source = (
+            load_file(str(state / f"step-{s:08d}.safetensors")) for s in (new_step - 1, new_step, 2)
+        )
         assert new_step - 1 >= 4 and set(restored) == set(source)
         for name in source:  # parameters and optimizer state, bit for bit
             assert np.array_equal(restored[name], source[name]), name

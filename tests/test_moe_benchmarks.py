@@ -35,8 +35,9 @@ from latency_proxy import LatencyProxy  # noqa: E402
 
 
 def run_benchmark(script: str, *args: str, timeout_s: float = 600) -> dict:
-    done = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     print(done.stdout)
     return json.loads(done.stdout.strip().splitlines()[-1])

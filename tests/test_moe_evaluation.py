@@ -63,8 +63,9 @@ def reference_loss(config_path: str, state_path: str) -> float:
         newest = sorted((Path(config.server.data_dir) / CHECKPOINTS_DIR / uid).glob("*.safetensors"))[-1]
         tensors = payloads.decode(newest.read_bytes(), 1 << 24)[1]
         experts[uid] = model.make_expert(uid)
-        experts[uid].load_state_dict({name[2:]: torch.from_numpy(a) for name, a in tensors.items()
-                                      if name.startswith("p.")})
+        experts[uid].load_state_dict(
+            {name[2:]: torch.from_numpy(a) for name, a in tensors.items() if name.startswith("p.")}
+        )
     reference = local_reference(model, experts).eval()
     return score(reference, validation_batches(config, run_tokenizer(config)), "causal-lm")["loss"]
 
@@ -80,20 +81,38 @@ def test_a_moe_runs_evaluation_equals_a_separate_process(serve_relay, demo_token
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        done = subprocess.run([sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(STEPS), str(demo_tokenizer)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(STEPS), str(demo_tokenizer)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         stop(hosts)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["final_step"] == STEPS
-    status = relay.wait_for(lambda s: s["evaluations"] and s["evaluations"][-1]["step"] == STEPS, timeout_s=120,
-                            what=f"version {STEPS} evaluated")
+    status = relay.wait_for(
+        lambda s: s["evaluations"] and s["evaluations"][-1]["step"] == STEPS,
+        timeout_s=120,
+        what=f"version {STEPS} evaluated",
+    )
     record = status["evaluations"][-1]
     state_path = tmp_path / "relay-data" / "state" / f"step-{STEPS:08d}.safetensors"
     separate = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.test_moe_evaluation import reference_loss; "
-         "print(repr(reference_loss(sys.argv[1], sys.argv[2])))", str(tmp_path / "relay.toml"), str(state_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_moe_evaluation import reference_loss; "
+            "print(repr(reference_loss(sys.argv[1], sys.argv[2])))",
+            str(tmp_path / "relay.toml"),
+            str(state_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert separate.returncode == 0, separate.stderr[-3000:]
     expected = float(separate.stdout.strip().splitlines()[-1])
     assert abs(record["loss"] - expected) <= 1e-5 * abs(expected), (record, expected)

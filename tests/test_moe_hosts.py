@@ -28,8 +28,9 @@ from toolkit.moe.calls import ExpertFailed
 from toolkit.moe.remote import RelayExpertCaller
 
 
-def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_answer(serve_relay,
-                                                                                       tmp_path: Path) -> None:
+def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_answer(
+    serve_relay, tmp_path: Path
+) -> None:
     """Calls queued for one expert while its host is paused (SIGSTOP) reach it in one lease: 8
     forwards from 4 callers run as ONE forward, then 6 backwards as ONE backward and ONE SGD step
     on the summed gradient. Each call's answer equals that call computed alone at the parameters
@@ -60,15 +61,19 @@ def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_
         wait_until(lambda: len(callers[0].live()) == 8, 60, "the host's experts")
         gen = torch.Generator().manual_seed(3)
         expert = DMoEMLP(**KWARGS).make_expert(uid)
-        forwards = queued_while_paused(lambda: [
-            (callers[i % 4].forward(uid, x), x) for i, x in enumerate(torch.randn(i + 1, 8, generator=gen)
-                                                                         for i in range(8))])
+        forwards = queued_while_paused(
+            lambda: [
+                (callers[i % 4].forward(uid, x), x)
+                for i, x in enumerate(torch.randn(i + 1, 8, generator=gen) for i in range(8))
+            ]
+        )
         for future, x in forwards:
             torch.testing.assert_close(future.result(timeout=60), expert(x).detach(), rtol=1e-5, atol=1e-6)
 
         calls = [(torch.randn(i + 2, 8, generator=gen), torch.randn(i + 2, 8, generator=gen)) for i in range(6)]
-        backwards = queued_while_paused(lambda: [(callers[i % 4].backward(uid, x, g), x, g)
-                                                 for i, (x, g) in enumerate(calls)])
+        backwards = queued_while_paused(
+            lambda: [(callers[i % 4].backward(uid, x, g), x, g) for i, (x, g) in enumerate(calls)]
+        )
         summed = {name: torch.zeros_like(p) for name, p in expert.named_parameters()}
         for future, x, g in backwards:  # each call alone at the parameters the batch ran at
             expert.zero_grad()
@@ -84,15 +89,15 @@ def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_
         stop([host])  # its final checkpoint
     stored = latest_checkpoint(relay.data_dir, uid)
     for name, p in expert.named_parameters():  # one SGD step on the summed gradient
-        np.testing.assert_allclose(stored[f"p.{name}"], (p - LR * summed[name]).detach().numpy(),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            stored[f"p.{name}"], (p - LR * summed[name]).detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+        )
     log = (tmp_path / "host.log").read_text()
     assert f"ran 8 forward calls of {uid} (36 rows) as one batch" in log, log[-3000:]
     assert f"ran 6 backward calls of {uid} (27 rows) as one batch" in log, log[-3000:]
 
 
-def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restart(serve_relay,
-                                                                                  tmp_path: Path) -> None:
+def test_a_host_cut_off_for_twice_the_ttl_comes_back_and_serves_without_a_restart(serve_relay, tmp_path: Path) -> None:
     """The host reaches the relay through a proxy that cuts it off until the relay has expired it
     and a second TTL has passed: its experts are orphaned and their calls fail meanwhile. When the
     link is back the same host process (never restarted, never exiting) is re-admitted under its
@@ -150,7 +155,9 @@ def test_hosts_outlive_a_relay_restart_each_taking_back_its_own_experts(start_re
     x = torch.randn(3, 8)
 
     def hosting(log: Path) -> list[set[str]]:
-        return [set(line.split(": ")[-1].split()) for line in log.read_text().splitlines() if "hosting 4 experts" in line]
+        return [
+            set(line.split(": ")[-1].split()) for line in log.read_text().splitlines() if "hosting 4 experts" in line
+        ]
 
     def answers_exactly() -> None:
         trainer = Member(relay.url, "trainer")
@@ -206,12 +213,20 @@ def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_rela
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 2, 60, "the host's 2 experts")
         proxy.drop()
-        wait_until(lambda: any("waiting for the relay (unreachable" in line for line in lines), 60,
-                   "the panel to say the host waits for the relay")
+        wait_until(
+            lambda: any("waiting for the relay (unreachable" in line for line in lines),
+            60,
+            "the panel to say the host waits for the relay",
+        )
         seen = len(lines)
         proxy.restore()
-        wait_until(lambda: any("waiting" not in line and "retrying" not in line and "leasing" not in line
-                               for line in lines[seen:]), 60, "the panel to show the host serving again")
+        wait_until(
+            lambda: any(
+                "waiting" not in line and "retrying" not in line and "leasing" not in line for line in lines[seen:]
+            ),
+            60,
+            "the panel to show the host serving again",
+        )
         assert worker.is_alive()
     finally:
         proxy.restore()
@@ -226,8 +241,13 @@ def test_a_host_panel_says_what_it_waits_for_and_when_it_serves_again(serve_rela
 def test_host_batching_benchmark_reports_its_gain() -> None:
     """benchmarks/moe_batching.py (shortened): its last line is the JSON docs/benchmarks.md quotes, and
     batching serves more tasks per second than one call at a time with 8 callers."""
-    done = subprocess.run([sys.executable, "benchmarks/moe_batching.py", "--seconds", "6", "--warmup", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/moe_batching.py", "--seconds", "6", "--warmup", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     figure = json.loads(done.stdout.strip().splitlines()[-1])
     assert figure["callers"] == 8 and figure["failed"] == {"unbatched": 0, "batched": 0}, figure

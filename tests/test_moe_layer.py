@@ -52,8 +52,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def exact_topk(scores: list[torch.Tensor], k: int) -> list[list[tuple[int, ...]]]:
     """Brute force over the full grid: every expert's summed score, top k, best first."""
     size = [s.shape[1] for s in scores]
-    table = torch.tensor(all_coords(size))                                   # [N, d], row-major
-    total = sum(s[:, table[:, i]] for i, s in enumerate(scores))             # [n, N]
+    table = torch.tensor(all_coords(size))  # [N, d], row-major
+    total = sum(s[:, table[:, i]] for i, s in enumerate(scores))  # [n, N]
     idx = total.topk(min(k, total.shape[1]), dim=1).indices
     return [[tuple(c) for c in table[row].tolist()] for row in idx]
 
@@ -88,19 +88,21 @@ def test_beam_search_on_sparse_grids_picks_only_live_experts(empty: float, capsy
         live = [c for c in grid.live_coords(grid.all_uids()) if rng.random() >= empty]
         gen = torch.Generator().manual_seed(100 + draw)
         scores = [torch.randn(16, m, generator=gen) for m in size]
-        alive = set(live)    # the true top-k among live experts: brute force, dead ones removed
+        alive = set(live)  # the true top-k among live experts: brute force, dead ones removed
         truth = [[c for c in row if c in alive][:k] for row in exact_topk(scores, grid.num_experts)]
         for mult in (1, 2, 4):
             chosen = beam_search(scores, live, k, beam_size=mult * k)
             for row, true_row in zip(chosen, truth):
                 assert set(row) <= alive
                 assert len(row) == len(set(row)) == min(k, len(live))
-                if len(size) > 1:   # d = 1 is exact by construction
+                if len(size) > 1:  # d = 1 is exact by construction
                     recalls.setdefault((k, mult), []).append(len(set(row) & set(true_row)) / len(true_row))
     mean = {key: sum(r) / len(r) for key, r in recalls.items()}
     with capsys.disabled():
-        print(f"\n[A1] {int(empty * 100)}% empty grids (16x16, 8x8x8): recall of the true top-k, "
-              + ", ".join(f"k={k} beam {m}k: {mean[k, m]:.3f}" for k, m in sorted(mean)))
+        print(
+            f"\n[A1] {int(empty * 100)}% empty grids (16x16, 8x8x8): recall of the true top-k, "
+            + ", ".join(f"k={k} beam {m}k: {mean[k, m]:.3f}" for k, m in sorted(mean))
+        )
     # Calibrated on the first run (90% empty, k=1, beam k: 0.475): a wider beam must help, and
     # beam 4k must find most of the true top-k.
     assert all(mean[k, 4] >= mean[k, 2] >= mean[k, 1] for k in (1, 4, 8)) and min(mean[k, 4] for k in (1, 4, 8)) > 0.8
@@ -126,8 +128,10 @@ def test_beam_search_time_is_reported(capsys: pytest.CaptureFixture) -> None:
             times.append(time.perf_counter() - t0)
         best = (scores[0].double()[:, :, None] + scores[1].double()[:, None, :]).flatten(1).topk(4, dim=1).indices
         assert valid.all() and torch.equal(coords, torch.stack([best // size[1], best % size[1]], dim=-1))
-        lines.append(f"{size[0]}x{size[1]}: median {sorted(times)[5] * 1e3:.2f} ms/search, "
-                     f"snapshot -> index {build * 1e3:.0f} ms")
+        lines.append(
+            f"{size[0]}x{size[1]}: median {sorted(times)[5] * 1e3:.2f} ms/search, "
+            f"snapshot -> index {build * 1e3:.0f} ms"
+        )
     with capsys.disabled():
         print("\n[A1] beam search, batch 64, k=4: " + "; ".join(lines))
 
@@ -146,8 +150,13 @@ def test_grid_uids_round_trip() -> None:
 # ----------------------------------------------------------------------------------- A3, A4
 
 
-def make_pair(grid: tuple[int, ...] = (4, 4), k: int = 4, dead: frozenset[str] = frozenset(), k_min: int = 1,
-              **caller_kwargs: object) -> tuple[LocalMixtureOfExperts, RemoteMixtureOfExperts, LoopbackCaller]:
+def make_pair(
+    grid: tuple[int, ...] = (4, 4),
+    k: int = 4,
+    dead: frozenset[str] = frozenset(),
+    k_min: int = 1,
+    **caller_kwargs: object,
+) -> tuple[LocalMixtureOfExperts, RemoteMixtureOfExperts, LoopbackCaller]:
     """A local reference and a remote layer with the same gate and the same expert weights."""
     experts = {u: FFNExpert.for_uid(u, D, 10) for u in ExpertGrid("ffn", grid).all_uids() if u not in dead}
     torch.manual_seed(0)
@@ -158,8 +167,9 @@ def make_pair(grid: tuple[int, ...] = (4, 4), k: int = 4, dead: frozenset[str] =
     return local, remote, caller
 
 
-def run_both(local: LocalMixtureOfExperts, remote: RemoteMixtureOfExperts, x: torch.Tensor,
-             **local_kwargs: object) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def run_both(
+    local: LocalMixtureOfExperts, remote: RemoteMixtureOfExperts, x: torch.Tensor, **local_kwargs: object
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Output and input gradient of each layer on the same input and the same upstream gradient."""
     grad_out = torch.randn(*x.shape[:-1], D, generator=torch.Generator().manual_seed(7))
     outs = []
@@ -171,14 +181,16 @@ def run_both(local: LocalMixtureOfExperts, remote: RemoteMixtureOfExperts, x: to
     return outs[0], outs[1]
 
 
-@pytest.mark.parametrize("dead, workers", [(frozenset(), 1), (frozenset(), 4),
-                                           (frozenset({"ffn.0.1", "ffn.2.2", "ffn.3.0", "ffn.3.3", "ffn.1.1"}), 1)])
+@pytest.mark.parametrize(
+    "dead, workers",
+    [(frozenset(), 1), (frozenset(), 4), (frozenset({"ffn.0.1", "ffn.2.2", "ffn.3.0", "ffn.3.3", "ffn.1.1"}), 1)],
+)
 def test_remote_equals_local(dead: frozenset[str], workers: int) -> None:
     """A3: outputs, input gradients, gating gradients and expert gradients agree (< 1e-5), on a
     full and a sparse directory, with calls served one at a time or 4 at once; one forward and
     one backward call per chosen expert."""
     local, remote, caller = make_pair(dead=dead, max_workers=workers)
-    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(3))      # any leading shape
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(3))  # any leading shape
     (y_l, gx_l), (y_r, gx_r) = run_both(local, remote, x)
     assert rel_err(y_r, y_l) < 1e-5 and rel_err(gx_r, gx_l) < 1e-5
     assert rel_err(remote.gate.proj.weight.grad, local.gate.proj.weight.grad) < 1e-5
@@ -187,7 +199,7 @@ def test_remote_equals_local(dead: frozenset[str], workers: int) -> None:
     backwards = [r.uid for r in caller.log if r.kind == "backward"]
     assert len(forwards) == len(set(forwards)) == remote.stats.calls and sorted(backwards) == sorted(forwards)
     assert not set(forwards) & dead and sum(r.rows for r in caller.log if r.kind == "forward") == 15 * 4
-    for uid in forwards:   # the loopback leaves each expert's gradient from its one backward call
+    for uid in forwards:  # the loopback leaves each expert's gradient from its one backward call
         for p_r, p_l in zip(caller.experts[uid].parameters(), local.expert(uid).parameters()):
             assert rel_err(p_r.grad, p_l.grad) < 1e-5
     assert remote.stats.failures == remote.stats.dropped_rows == 0
@@ -230,7 +242,7 @@ def test_forward_failure_equals_reference_with_expert_masked_on_those_rows() -> 
     equals the reference with e's logit -inf (renormalised) for exactly micro-batch 1's rows."""
     failing: set[str] = set()
     local, remote, _ = make_pair(k=2, fail=lambda uid, kind, x: kind == "forward" and uid in failing)
-    x = torch.randn(2, 10, D, generator=torch.Generator().manual_seed(4))       # 2 micro-batches of 10
+    x = torch.randn(2, 10, D, generator=torch.Generator().manual_seed(4))  # 2 micro-batches of 10
     e = max(chosen_by(local, x[0]).items(), key=lambda kv: len(kv[1]))[0]
     masked = torch.zeros(20, 16, dtype=torch.bool)
     masked[:10, local.grid.size[1] * local.grid.coords(e)[0] + local.grid.coords(e)[1]] = True
@@ -335,7 +347,7 @@ def test_balancing_loss_has_a_finite_nonzero_gradient() -> None:
     _, remote, _ = make_pair(k=2)
     remote(torch.randn(32, D, generator=torch.Generator().manual_seed(10)))
     loss = remote.balancing_loss
-    assert loss is not None and loss.item() >= 0.99   # 1 when perfectly balanced, more when not
+    assert loss is not None and loss.item() >= 0.99  # 1 when perfectly balanced, more when not
     (grad,) = torch.autograd.grad(loss, remote.gate.proj.weight)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
@@ -346,8 +358,11 @@ def test_training_through_loopback_equals_local_autograd() -> None:
     autograd + SGD on everything; one expert fails its forward each step, masked in both."""
     lr = 0.05
     failing: set[str] = set()
-    local, remote, caller = make_pair(k=2, fail=lambda uid, kind, _x: kind == "forward" and uid in failing,
-                                      optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=lr))
+    local, remote, caller = make_pair(
+        k=2,
+        fail=lambda uid, kind, _x: kind == "forward" and uid in failing,
+        optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=lr),
+    )
     opt_local = torch.optim.SGD(local.parameters(), lr=lr)
     opt_gate = torch.optim.SGD(remote.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(11)
@@ -377,15 +392,21 @@ def test_training_through_loopback_equals_local_autograd() -> None:
 def test_dmoe_model_builds_from_a_spec_and_trains_through_a_caller() -> None:
     """The relay builds toolkit.models:DMoEMLP from the run's spec with no caller (only dense
     parameters: no expert is in the layout); a trainer attaches a caller and its loss falls."""
-    spec = ModelSpec(kind="toolkit", factory="toolkit.models:DMoEMLP",
-                     kwargs={"in_features": 8, "hidden": 16, "layers": 2, "grid": [3, 3], "k": 2,
-                             "expert_hidden": 24})
+    spec = ModelSpec(
+        kind="toolkit",
+        factory="toolkit.models:DMoEMLP",
+        kwargs={"in_features": 8, "hidden": 16, "layers": 2, "grid": [3, 3], "k": 2, "expert_hidden": 24},
+    )
     torch.manual_seed(0)
     model = build_model(spec)
     names = [n for n, _ in model.named_parameters()]
     assert all(n.split(".")[0] in {"inp", "norms", "moe", "head"} for n in names)
-    assert [n for n in names if n.startswith("moe.")] == ["moe.0.gate.proj.weight", "moe.0.gate.proj.bias",
-                                                          "moe.1.gate.proj.weight", "moe.1.gate.proj.bias"]
+    assert [n for n in names if n.startswith("moe.")] == [
+        "moe.0.gate.proj.weight",
+        "moe.0.gate.proj.bias",
+        "moe.1.gate.proj.weight",
+        "moe.1.gate.proj.bias",
+    ]
     experts = {uid: model.make_expert(uid) for uid in model.expert_uids()}
     assert len(experts) == 18 and model.expert_uids()[0] == "ffn0.0.0"
     caller = LoopbackCaller(experts, optimizer_factory=lambda m: torch.optim.Adam(m.parameters(), lr=3e-3))
@@ -403,8 +424,9 @@ def test_dmoe_model_builds_from_a_spec_and_trains_through_a_caller() -> None:
         opt.step()
         losses.append(loss.item())
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
-    assert torch.equal(FFNExpert.for_uid("ffn0.1.2", 16, 24).up.weight,
-                       build_model(spec).make_expert("ffn0.1.2").up.weight)
+    assert torch.equal(
+        FFNExpert.for_uid("ffn0.1.2", 16, 24).up.weight, build_model(spec).make_expert("ffn0.1.2").up.weight
+    )
 
 
 def test_an_empty_directory_drops_every_row_without_raising() -> None:

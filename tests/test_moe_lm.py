@@ -33,11 +33,20 @@ def local_reference(model: DMoEByteLM, experts: dict[str, torch.nn.Module]) -> B
     ``experts`` (plain autograd), its dense parameters and gates copied from ``model``."""
     cfg = model.cfg
     copies = copy.deepcopy(experts)
-    layers = [LocalMixtureOfExperts(cfg.d_model, layer.grid.size, layer.k,
-                                    {u: copies[u] for u in layer.grid.all_uids()}, layer.grid.uid_prefix)
-              for layer in model.moe]
-    reference = ByteTransformer(feed_forward=layers.__getitem__, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
-                                d_model=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head)
+    layers = [
+        LocalMixtureOfExperts(
+            cfg.d_model, layer.grid.size, layer.k, {u: copies[u] for u in layer.grid.all_uids()}, layer.grid.uid_prefix
+        )
+        for layer in model.moe
+    ]
+    reference = ByteTransformer(
+        feed_forward=layers.__getitem__,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+    )
     missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all(".experts." in name for name in missing), missing
     for uid, expert in copies.items():  # the decoder's initialisation drew over them: the experts' own values again
@@ -60,10 +69,13 @@ def test_the_dmoe_lm_trains_as_a_local_mixture_of_the_same_experts(demo_tokenize
         for batch in lm_batches(demo_tokenizer, 5):
             out = model(**batch)
             ref = reference(**batch)
-            ref_loss = ref.loss + model.balancing_coef * torch.stack([b.ff.balancing_loss
-                                                                      for b in reference.blocks]).mean()
+            ref_loss = (
+                ref.loss + model.balancing_coef * torch.stack([b.ff.balancing_loss for b in reference.blocks]).mean()
+            )
             torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(loss_of(model, batch), ref_loss, rtol=1e-5, atol=1e-6)  # loss_of: the same forward again
+            torch.testing.assert_close(
+                loss_of(model, batch), ref_loss, rtol=1e-5, atol=1e-6
+            )  # loss_of: the same forward again
             dense.zero_grad()
             everything.zero_grad()
             out.loss.backward()
@@ -80,8 +92,9 @@ def test_the_dmoe_lm_trains_as_a_local_mixture_of_the_same_experts(demo_tokenize
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{uid}.{name}")
 
 
-def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(serve_relay, demo_tokenizer: Path,
-                                                                          tmp_path: Path) -> None:
+def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(
+    serve_relay, demo_tokenizer: Path, tmp_path: Path
+) -> None:
     """relay + 2 expert host processes + a trainer process (``toolkit.join`` on the run's
     DMoEByteLM, causal-LM dict batches of the run's tokenizer), SGD everywhere: every dense
     parameter (the relay's state) and every expert (the relay's checkpoints) equals the same
@@ -92,15 +105,21 @@ def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(serve_re
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        done = subprocess.run([sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(steps), str(demo_tokenizer)],
-                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(steps), str(demo_tokenizer)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         stop(hosts)  # a clean stop uploads each expert's final checkpoint
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(done.stdout.strip().splitlines()[-1])
     assert outcome["final_step"] == steps, outcome
-    assert all(layer["calls"] > 0 and layer["failures"] == layer["backward_failures"] == 0
-               for layer in outcome["layers"]), outcome
+    assert all(
+        layer["calls"] > 0 and layer["failures"] == layer["backward_failures"] == 0 for layer in outcome["layers"]
+    ), outcome
 
     torch.manual_seed(0)
     model = DMoEByteLM(**KWARGS)
@@ -119,8 +138,9 @@ def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(serve_re
     for uid, expert in experts.items():
         stored = latest_checkpoint(relay.data_dir, uid)
         for name, p in expert.named_parameters():
-            np.testing.assert_allclose(stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{uid}.{name}")
+            np.testing.assert_allclose(
+                stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{uid}.{name}"
+            )
 
 
 def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
@@ -128,21 +148,49 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
     return payloads.decode(files[-1].read_bytes(), 1 << 24)[1]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"moe": {"k": 4}}, "the model's mixture differs from [moe]: model.kwargs.k = 2 but [moe] says 4: set both to one value"),
-    ({"moe": {"expert": {"kind": "ffn", "d": 16, "hidden": 16}}},
-     "the model's mixture differs from [moe]: model.kwargs.hidden = 8 but [moe] says 16: set both to one value"),
-    ({"moe": {"enabled": False}}, "model.factory DMoEByteLM needs [moe] enabled = true (its experts live on hosts)"),
-])
-def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(demo_tokenizer: Path, tmp_path: Path,
-                                                                   change: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"moe": {"k": 4}},
+            "the model's mixture differs from [moe]: model.kwargs.k = 2 but [moe] says 4: set both to one value",
+        ),
+        (
+            {"moe": {"expert": {"kind": "ffn", "d": 16, "hidden": 16}}},
+            "the model's mixture differs from [moe]: model.kwargs.hidden = 8 but [moe] says 16: set both to one value",
+        ),
+        (
+            {"moe": {"enabled": False}},
+            "model.factory DMoEByteLM needs [moe] enabled = true (its experts live on hosts)",
+        ),
+    ],
+)
+def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(
+    demo_tokenizer: Path, tmp_path: Path, change: dict, message: str
+) -> None:
     """``relay-server serve`` on a DMoEByteLM run whose [moe] describes other experts: one line
     naming the setting, exit 2, nothing created."""
     sections = merged(lm_run(0, demo_tokenizer))
     sections["moe"] = {**sections["moe"], **change["moe"]}
     config = write_config(tmp_path / "run.toml", sections)
-    done = subprocess.run([sys.executable, "-m", "relay_server.cli", "serve", "--config", str(config), "--data-dir",
-                           str(tmp_path / "data"), "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay_server.cli",
+            "serve",
+            "--config",
+            str(config),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"relay-server: configuration error: {message}"]
     assert not (tmp_path / "data").exists()
@@ -156,9 +204,29 @@ def test_the_moe_lm_benchmark_compares_the_dmoe_lm_with_its_dense_baselines_unde
     models, the same tokens each; the last line is the comparison. What it measures at its
     defaults is in docs/experts.md (the paper's dmoe_vs_small < 1 is reported there, not asserted: a
     tiny run says little about it)."""
-    done = subprocess.run([sys.executable, "benchmarks/moe_lm.py", "--steps", "4", "--d", "32", "--expert-hidden", "32",
-                           "--vocab", "300", "--grid", "2", "4", "--k", "2"], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/moe_lm.py",
+            "--steps",
+            "4",
+            "--d",
+            "32",
+            "--expert-hidden",
+            "32",
+            "--vocab",
+            "300",
+            "--grid",
+            "2",
+            "4",
+            "--k",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     print(done.stdout)
     lines = [json.loads(line) for line in done.stdout.strip().splitlines() if line.startswith("{")]

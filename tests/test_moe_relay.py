@@ -65,8 +65,9 @@ def test_two_hosts_and_a_trainer_equal_one_process(serve_relay, tmp_path: Path) 
     for uid in UIDS:
         stored = latest_checkpoint(relay.data_dir, uid)
         for name, p in experts[uid].named_parameters():
-            np.testing.assert_allclose(stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{uid}.{name}")
+            np.testing.assert_allclose(
+                stored[f"p.{name}"], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{uid}.{name}"
+            )
 
 
 def test_four_micro_batches_in_flight_through_join_equal_one_process(serve_relay, tmp_path: Path) -> None:
@@ -96,7 +97,7 @@ def test_four_micro_batches_in_flight_through_join_equal_one_process(serve_relay
         losses = []
         for step in range(steps):
             dense.zero_grad()
-            for batch in data[step * per_step:(step + 1) * per_step]:
+            for batch in data[step * per_step : (step + 1) * per_step]:
                 loss = model.loss(batch)
                 (loss / per_step).backward()  # the mean over the step's samples, as the relay averages
                 losses.append(loss.item())
@@ -107,8 +108,9 @@ def test_four_micro_batches_in_flight_through_join_equal_one_process(serve_relay
     np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
 
 
-def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_counts(serve_relay,
-                                                                                    tmp_path: Path) -> None:
+def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_counts(
+    serve_relay, tmp_path: Path
+) -> None:
     """Learning experts, J = 4: no sequential reference exists (hosts apply the backward calls in
     the order they arrive), but the run must still learn, and the relay must count exactly the
     samples the trainer computed: none overshoots a round or is lost."""
@@ -117,8 +119,9 @@ def test_learning_experts_with_micro_batches_in_flight_train_and_every_sample_co
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        outcome = run_trainer(relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4",
-                              "--repeat", str(per_step))
+        outcome = run_trainer(
+            relay.url, steps, 0.0, "--batches", str(steps * per_step), "--in-flight", "4", "--repeat", str(per_step)
+        )
         status = relay.status()
     finally:
         stop(hosts)
@@ -169,20 +172,33 @@ def test_micro_batches_in_flight_raise_in_the_cell_and_leave_no_thread_behind(se
         raise KeyboardInterrupt  # the volunteer stops the cell while micro-batches are in flight
 
     def threads_left() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith(("collab-micro-batch", "collab-expert-call"))]
+        return [
+            t.name for t in threading.enumerate() if t.name.startswith(("collab-micro-batch", "collab-expert-call"))
+        ]
 
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        for error, expected in ((RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), DeviceOutOfMemory),
-                                (ValueError("a bug in the model's loss"), ValueError)):
+        for error, expected in (
+            (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), DeviceOutOfMemory),
+            (ValueError("a bug in the model's loss"), ValueError),
+        ):
             model = FailsOnMarkedBatch(error, **KWARGS)
             with pytest.raises(expected) as raised:
                 join(relay.url, model=model, data=data(5), batch_size=BATCH, panel="none", moe_in_flight=4)
-            assert "out of memory on a micro-batch of 16 samples" in str(raised.value) if expected is DeviceOutOfMemory \
+            assert (
+                "out of memory on a micro-batch of 16 samples" in str(raised.value)
+                if expected is DeviceOutOfMemory
                 else str(raised.value) == "a bug in the model's loss"
+            )
             wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
-        result = join(relay.url, model=FailsOnMarkedBatch(ValueError("unused"), **KWARGS), data=interrupted(),
-                      batch_size=BATCH, panel="none", moe_in_flight=4)
+        result = join(
+            relay.url,
+            model=FailsOnMarkedBatch(ValueError("unused"), **KWARGS),
+            data=interrupted(),
+            batch_size=BATCH,
+            panel="none",
+            moe_in_flight=4,
+        )
         assert result.in_flight == 4 and result.local_steps <= 6, result
         wait_until(lambda: not threads_left(), 30, "the trainer's threads to end")
     finally:
@@ -198,16 +214,30 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_
     keeper = start_host(relay.url, "keeper", 4, tmp_path / "keeper.log")
     wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "all 8 experts hosted")
     spare = start_host(relay.url, "spare", 8, tmp_path / "spare.log")  # holds nothing until a host dies
-    trainer = subprocess.Popen([sys.executable, "tests/moe_trainer.py", relay.url, str(steps), "--sleep", "0.15"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "tests/moe_trainer.py", relay.url, str(steps), "--sleep", "0.15"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until(lambda: relay.status()["step"] >= 4, 120, "step 4")
-        wait_until(lambda: all((relay.data_dir / "experts" / uid).is_dir() for uid in victims), 30,
-                   "a checkpoint of every expert of the host about to die")
+        wait_until(
+            lambda: all((relay.data_dir / "experts" / uid).is_dir() for uid in victims),
+            30,
+            "a checkpoint of every expert of the host about to die",
+        )
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
-        last = {uid: int(payloads.decode(sorted((relay.data_dir / "experts" / uid).glob("*.safetensors"))[-1]
-                                         .read_bytes(), 1 << 24)[0]["updates"]) for uid in victims}
+        last = {
+            uid: int(
+                payloads.decode(
+                    sorted((relay.data_dir / "experts" / uid).glob("*.safetensors"))[-1].read_bytes(), 1 << 24
+                )[0]["updates"]
+            )
+            for uid in victims
+        }
         wait_until(lambda: "victim" not in {p["name"] for p in relay.status()["peers"]}, 30, "the victim's TTL")
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 10, "the spare to take over the orphans")
         out, err = trainer.communicate(timeout=240)
@@ -222,7 +252,9 @@ def test_a_killed_host_fails_only_its_experts_and_a_spare_takes_them_over(serve_
     assert outcome["final_step"] >= steps - 1, outcome
     assert set(outcome["failed_uids"]) <= victims, (outcome["failed_uids"], victims)
     spare_log = (tmp_path / "spare.log").read_text()
-    resumed = {uid for uid in victims if f"expert {uid} resumed from its checkpoint ({last[uid]} updates)" in spare_log}
+    resumed = {
+        uid for uid in victims if f"expert {uid} resumed from its checkpoint ({last[uid]} updates)" in spare_log
+    }
     assert resumed == victims, (last, spare_log[-2000:])  # exactly the dead host's last checkpoints
 
 
@@ -297,9 +329,12 @@ def test_hostile_results_and_checkpoints_are_refused_and_the_caller_sees_a_failu
         assert (non_finite.value.status, non_finite.value.code) == (422, "non_finite")
         assert not (relay.data_dir / "experts" / "ffn0.0.0").exists()  # nothing stored
         with pytest.raises(RelayRejected) as unknown:
-            caller.client.transport.request("PUT", ROUTES["moe_call"].format(peer_id=alice.peer_id, uid="../../etc"),
-                                            params={"kind": "forward", "call_id": "x1"},
-                                            data=payloads.call_body(x.numpy()))
+            caller.client.transport.request(
+                "PUT",
+                ROUTES["moe_call"].format(peer_id=alice.peer_id, uid="../../etc"),
+                params={"kind": "forward", "call_id": "x1"},
+                data=payloads.call_body(x.numpy()),
+            )
         assert unknown.value.status == 404
     finally:
         caller.close()
@@ -322,15 +357,25 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
     tensor bodies signed whole, and the trainer gets the expert's exact output."""
     hf_standin.add_user("hf_host_token_1234567", "hosting-volunteer")
     hf_standin.add_user("hf_trainer_token_12345", "training-volunteer")
-    big = {**overrides(0), "auth": {"mode": "hf", "hf_endpoint": hf_standin.url,
-                                    "allow_users": ["hosting-volunteer", "training-volunteer"]}}
+    big = {
+        **overrides(0),
+        "auth": {
+            "mode": "hf",
+            "hf_endpoint": hf_standin.url,
+            "allow_users": ["hosting-volunteer", "training-volunteer"],
+        },
+    }
     # Experts of 74k parameters: a checkpoint (296 KB) is larger than any whole-signed request.
     big["moe"] = {**MOE, "expert": {"kind": "ffn", "d": 8, "hidden": 4096}}
     big["model"] = {**big["model"], "kwargs": {**KWARGS, "expert_hidden": 4096}}
     relay = start_relay(big)
-    host = subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay.url, "--capacity", "8"],
-                            cwd=REPO, env={**os.environ, "HF_TOKEN": "hf_host_token_1234567"},
-                            stdout=open(tmp_path / "host.log", "w"), stderr=subprocess.STDOUT)
+    host = subprocess.Popen(
+        [sys.executable, "-m", "toolkit.moe.host", "--relay", relay.url, "--capacity", "8"],
+        cwd=REPO,
+        env={**os.environ, "HF_TOKEN": "hf_host_token_1234567"},
+        stdout=open(tmp_path / "host.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     trainer = Member(relay.url, "trainer", token="hf_trainer_token_12345")
     caller = RelayExpertCaller(trainer.client, trainer.peer_id)
     try:
@@ -345,8 +390,10 @@ def test_expert_calls_are_signed_end_to_end_in_a_login_run(start_relay, hf_stand
         stop([host])
     stored = latest_checkpoint(relay.data_dir, "ffn1.0.1")  # the final checkpoint, streamed and digest-checked
     assert stored["p.up.weight"].shape == (4096, 8)
-    torch.testing.assert_close(torch.from_numpy(stored["p.up.weight"]), DMoEMLP(
-        **{**KWARGS, "expert_hidden": 4096}).make_expert("ffn1.0.1").up.weight.detach())
+    torch.testing.assert_close(
+        torch.from_numpy(stored["p.up.weight"]),
+        DMoEMLP(**{**KWARGS, "expert_hidden": 4096}).make_expert("ffn1.0.1").up.weight.detach(),
+    )
     newest = sorted((relay.data_dir / "experts" / "ffn1.0.1").glob("*.safetensors"))[-1]
     assert newest.stat().st_size > 256 * 1024  # more than one whole-signed request may carry
     assert "hosting-volunteer" in relay.log_path.read_text()
@@ -369,8 +416,11 @@ def test_join_as_expert_host_serves_and_the_panel_says_what_it_hosts(start_relay
     relay = start_relay(overrides(0))
     panel = Recorder()
     result = {}
-    worker = threading.Thread(target=lambda: result.update(r=join(relay.url, role="expert_host", capacity=3,
-                                                                     max_seconds=6, panel=panel, peer_name="nb")))
+    worker = threading.Thread(
+        target=lambda: result.update(
+            r=join(relay.url, role="expert_host", capacity=3, max_seconds=6, panel=panel, peer_name="nb")
+        )
+    )
     worker.start()
     wait_until(lambda: len(directory(relay.url)["live"]) == 3, 60, "the notebook's 3 experts")
     trainer = Member(relay.url, "trainer")
@@ -420,8 +470,14 @@ def test_activation_codecs_carry_exactly_the_codec_round_trip(serve_relay, tmp_p
         torch.testing.assert_close(dx, q(x_seen.grad), rtol=1e-5, atol=1e-6)
         assert len(payloads.call_body(x.numpy(), codec=wire)) < 0.6 * len(payloads.call_body(x.numpy()))
         with pytest.raises(RelayRejected) as wrong:  # float32 on a run that pins another codec
-            trainer.request("PUT", "moe_call", uid="ffn0.1.1", params={"kind": "forward", "call_id": "raw1"},
-                            data=payloads.call_body(x.numpy()), headers={"Content-Type": "application/octet-stream"})
+            trainer.request(
+                "PUT",
+                "moe_call",
+                uid="ffn0.1.1",
+                params={"kind": "forward", "call_id": "raw1"},
+                data=payloads.call_body(x.numpy()),
+                headers={"Content-Type": "application/octet-stream"},
+            )
         assert wrong.value.status == 400 and codec in wrong.value.hint
     finally:
         caller.close()
@@ -438,8 +494,11 @@ def test_the_mixture_agreement_check_compares_effective_values() -> None:
 
     without_k = {key: value for key, value in KWARGS.items() if key != "k"}
     with pytest.raises(ConfigError) as refused:
-        load_config(None, env={}, overrides={**overrides(1), "model": {"factory": "toolkit.models:DMoEMLP",
-                                                                       "kwargs": without_k}})
+        load_config(
+            None,
+            env={},
+            overrides={**overrides(1), "model": {"factory": "toolkit.models:DMoEMLP", "kwargs": without_k}},
+        )
     message = str(refused.value)
     assert "\n" not in message and "model.kwargs.k = 4 (the default of DMoEMLP)" in message and "says 2" in message
     load_config(None, env={}, overrides=overrides(1))  # the same mixture on both sides loads
@@ -450,4 +509,3 @@ def test_the_mixture_agreement_check_compares_effective_values() -> None:
     assert not holds and "model.kwargs.k = 3" in line
     [(holds, line)] = MoeSection(**{**MOE, "enabled": False})._model_checks(lm)
     assert not holds and "DMoEByteLM needs [moe] enabled = true" in line
-

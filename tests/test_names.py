@@ -33,9 +33,16 @@ ONE_CONCEPT: dict[str, set[str]] = {
     "shards": {"toolkit/data/shards.py", "toolkit/wire/protocol/shards.py", "relay_server/api/shards.py"},
     "experts": {"toolkit/moe/experts.py", "relay_server/api/experts.py"},
     "evaluation": {"relay_server/observers/evaluation.py", "relay_server/api/evaluation.py"},
-    "local_sgd": {"toolkit/optimizer/local_sgd.py", "relay_server/rounds/local_sgd.py", "relay_server/api/local_sgd.py"},
-    "status": {"toolkit/wire/protocol/status.py", "relay_server/collaboration/status.py",
-               "relay_server/pipeline/status.py"},
+    "local_sgd": {
+        "toolkit/optimizer/local_sgd.py",
+        "relay_server/rounds/local_sgd.py",
+        "relay_server/api/local_sgd.py",
+    },
+    "status": {
+        "toolkit/wire/protocol/status.py",
+        "relay_server/collaboration/status.py",
+        "relay_server/pipeline/status.py",
+    },
     # each side's errors: the relay's ApiError is a toolkit CollabError with an HTTP status
     "errors": {"toolkit/errors.py", "relay_server/core/errors.py"},
 }
@@ -64,33 +71,44 @@ def collisions(repo: Path = REPO) -> dict[str, set[str]]:
 
 
 def test_no_two_modules_or_classes_share_a_name() -> None:
-    unexplained = {name: sorted(files) for name, files in collisions().items()
-                   if files != ONE_CONCEPT.get(name) and files != KNOWN_COLLISIONS.get(name)}
+    unexplained = {
+        name: sorted(files)
+        for name, files in collisions().items()
+        if files != ONE_CONCEPT.get(name) and files != KNOWN_COLLISIONS.get(name)
+    }
     assert not unexplained, (
         "names carried by more than one module or class:\n"
         + "\n".join(f"  {name}: {', '.join(files)}" for name, files in sorted(unexplained.items()))
         + "\nRename one so the name says which thing it is (e.g. toolkit/data/input_pipeline.py, not "
-          "data/pipeline.py). Only if modules are one concept in different layers, list them in ONE_CONCEPT.")
+        "data/pipeline.py). Only if modules are one concept in different layers, list them in ONE_CONCEPT."
+    )
 
 
 def test_allowlists_only_hold_collisions_that_exist() -> None:
     """A rename that ends a listed collision removes its line: the lists only shrink."""
     now = collisions()
-    stale = {name: sorted(files) for lists in (ONE_CONCEPT, KNOWN_COLLISIONS) for name, files in lists.items()
-             if now.get(name) != files}
-    assert not stale, ("these entries no longer match the tree (drop the line, or fix its files):\n"
-                       + "\n".join(f"  {name}: {', '.join(files)} (now: {sorted(now.get(name, ()))})"
-                                    for name, files in sorted(stale.items())))
+    stale = {
+        name: sorted(files)
+        for lists in (ONE_CONCEPT, KNOWN_COLLISIONS)
+        for name, files in lists.items()
+        if now.get(name) != files
+    }
+    assert not stale, "these entries no longer match the tree (drop the line, or fix its files):\n" + "\n".join(
+        f"  {name}: {', '.join(files)} (now: {sorted(now.get(name, ()))})" for name, files in sorted(stale.items())
+    )
     assert not set(ONE_CONCEPT) & set(KNOWN_COLLISIONS)
 
 
 def test_the_scan_finds_modules_and_classes_of_one_name(tmp_path: Path) -> None:
     """Not vacuous: across the two roots, a shared basename, a shared public class and nested
     packages are all seen; ``__init__`` and private classes are not."""
-    files = {"toolkit/data/stages.py": "class Plan:\n    pass\n\n\nclass _Json:\n    pass\n",
-             "relay_server/pipeline/deep/stages.py": "class _Json:\n    pass\n",
-             "relay_server/planning/problem.py": "class Plan:\n    pass\n",
-             "toolkit/__init__.py": "", "relay_server/__init__.py": ""}
+    files = {
+        "toolkit/data/stages.py": "class Plan:\n    pass\n\n\nclass _Json:\n    pass\n",
+        "relay_server/pipeline/deep/stages.py": "class _Json:\n    pass\n",
+        "relay_server/planning/problem.py": "class Plan:\n    pass\n",
+        "toolkit/__init__.py": "",
+        "relay_server/__init__.py": "",
+    }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)

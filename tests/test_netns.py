@@ -50,12 +50,14 @@ def test_hosts_reach_each_other_only_through_their_links_and_are_removed() -> No
     star = Star()
     a, b = star.add("a", 50), star.add("b", 20, download_mbit=40)
     with star:
-        server = subprocess.Popen(a.command([sys.executable, "-c", ECHO_SERVER, a.address]),
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            a.command([sys.executable, "-c", ECHO_SERVER, a.address]), stdout=subprocess.PIPE, text=True
+        )
         try:
             assert server.stdout.readline().strip() == "ready"
-            got = subprocess.run(b.command([sys.executable, "-c", CLIENT, a.address]),
-                                 capture_output=True, text=True, timeout=60)
+            got = subprocess.run(
+                b.command([sys.executable, "-c", CLIENT, a.address]), capture_output=True, text=True, timeout=60
+            )
             assert got.returncode == 0, got.stderr
             assert int(got.stdout) == 1_000_000
         finally:
@@ -70,8 +72,13 @@ def test_hosts_reach_each_other_only_through_their_links_and_are_removed() -> No
 @pytest.mark.integration
 @pytest.mark.slow
 def test_shaped_benchmark_runs_end_to_end() -> None:
-    out = subprocess.run([sys.executable, "benchmarks/shaped.py", "--mb", "2", "--rounds", "1", "--warmup", "2"],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/shaped.py", "--mb", "2", "--rounds", "1", "--warmup", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"plan_s", "single_relay_s", "equal_split_s"} <= set(result)

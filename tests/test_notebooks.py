@@ -49,8 +49,6 @@ def load(name: str) -> nbformat.NotebookNode:
     return nbformat.read(REPO / "notebooks" / f"{name}.ipynb", as_version=4)
 
 
-
-
 # --- the notebooks as files ------------------------------------------------------------------
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_is_one_code_cell_with_its_explanations_and_no_credentials(name: str) -> None:
@@ -78,8 +76,10 @@ def test_the_four_cells_differ_only_in_the_default_relay_url() -> None:
     assert source.index("check_relay(RELAY_URL)") < source.index('pip_install("the toolkit"')
     assert 'CPU_TORCH = "https://download.pytorch.org/whl/cpu"' in source and '"--index-url", CPU_TORCH' in source
     # Only the relay's wheel, pinned by sha256; the templates pin nothing, so they install nothing.
-    assert ("collabtrain[{TOOLKIT_EXTRAS}] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}"
-            in source)
+    assert (
+        "collabtrain[{TOOLKIT_EXTRAS}] @ {RELAY_URL.rstrip('/')}/toolkit/{TOOLKIT_WHEEL}#sha256={TOOLKIT_SHA256}"
+        in source
+    )
     assert 'TOOLKIT_WHEEL = ""' in source and 'TOOLKIT_SHA256 = ""' in source and 'TOOLKIT_EXTRAS = "hf"' in source
     assert "COLLAB_TOOLKIT" not in source
 
@@ -108,8 +108,9 @@ def kernel_specs(tmp_path_factory: pytest.TempPathFactory) -> KernelSpecManager:
     return kernel_spec_manager(tmp_path_factory.mktemp("kernels"), sys.executable)
 
 
-def execute(name: str, home: Path, kernel_specs: KernelSpecManager,
-            overrides: dict[str, dict[str, Any]] | None = None) -> Execution:
+def execute(
+    name: str, home: Path, kernel_specs: KernelSpecManager, overrides: dict[str, dict[str, Any]] | None = None
+) -> Execution:
     """``name`` run in a fresh kernel against a relay of its own (the tiny demo run, ``overrides``
     merged in): the peer is alone, so its numbers are exact."""
     records, relay_logger = Records(), logging.getLogger("relay_server")
@@ -140,16 +141,21 @@ def execute(name: str, home: Path, kernel_specs: KernelSpecManager,
 
 # The four cells are one cell but for the default relay URL (the test above), which the
 # environment overrides here: the default suite executes one of them, -m slow all four.
-@pytest.mark.parametrize("name", [name if name == "colab" else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in NOTEBOOKS])
+@pytest.mark.parametrize(
+    "name", [name if name == "colab" else pytest.param(name, marks=pytest.mark.slow) for name in NOTEBOOKS]
+)
 @pytest.mark.integration
 def test_notebook_runs_headless_and_contributes(name: str, tmp_path: Path, kernel_specs: KernelSpecManager) -> None:
     run = execute(name, tmp_path, kernel_specs)
     cell = code_cells(run.notebook)[0]
     text = outputs_text(cell)
     assert run.error is None, f"{run.error}\n{text}"
-    result = re.search(r"^Contributed ([\d,]+) samples over (\d+) steps \(first contribution ([\d.]+) s after "
-                       r"joining\); left at step (\d+) after \d+ s\.$", text, re.M)
+    result = re.search(
+        r"^Contributed ([\d,]+) samples over (\d+) steps \(first contribution ([\d.]+) s after "
+        r"joining\); left at step (\d+) after \d+ s\.$",
+        text,
+        re.M,
+    )
     assert result, f"no summary in the output:\n{text}"
     contributed = int(result.group(1).replace(",", ""))
     assert contributed == MAX_STEPS * TINY_LM["run"]["target_batch"]  # alone: every sample of its steps
@@ -170,9 +176,15 @@ def test_the_same_cell_joins_a_local_sgd_run(tmp_path: Path, kernel_specs: Kerne
     """Nothing new to type in the low-bandwidth mode: the cell's ``join()`` runs the inner loop and
     the outer rounds by itself, and the relay's books agree with what the notebook says it gave."""
     inner_steps = 3
-    run = execute("colab", tmp_path, kernel_specs, {
-        "run": {**TINY_LM["run"], "mode": "local_sgd"},
-        "local_sgd": {"inner_steps": inner_steps, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}})
+    run = execute(
+        "colab",
+        tmp_path,
+        kernel_specs,
+        {
+            "run": {**TINY_LM["run"], "mode": "local_sgd"},
+            "local_sgd": {"inner_steps": inner_steps, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False},
+        },
+    )
     text = outputs_text(code_cells(run.notebook)[0])
     assert run.error is None, f"{run.error}\n{text}"
     result = re.search(r"^Contributed ([\d,]+) samples over (\d+) steps", text, re.M)
@@ -256,21 +268,24 @@ def test_a_kernel_without_stdin_gets_no_token_instead_of_an_error(no_platform: p
 
 
 def device(kind: str = "cpu", platform: str | None = None, **extra: Any) -> DeviceInfo:
-    return DeviceInfo(kind=kind, name=kind, memory_bytes=None, torch_version="2.5.1+cu121", platform=platform,
-                      **extra)
+    return DeviceInfo(kind=kind, name=kind, memory_bytes=None, torch_version="2.5.1+cu121", platform=platform, **extra)
 
 
-@pytest.mark.parametrize(("info", "env", "expected"), [
-    (device("cuda", "kaggle"), {}, []),
-    (device("cpu", "kaggle"), {}, ["Kaggle: no accelerator; Settings -> Accelerator -> GPU T4 x2"]),
-    (device("cpu", "colab"), {}, ["Runtime -> Change runtime type -> T4 GPU"]),
-    (device("cuda", "colab"), {}, []),
-    (device("tpu", "colab", torch_xla_version="2.5.1"), {}, ["preinstalled torch 2.5.1+cu121 / torch_xla 2.5.1"]),
-    (device("cpu", "colab"), {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, ["torch_xla is not usable", "torch~=2.5.0"]),
-    (device("cpu", None), {}, ["No accelerator found: contributing on CPU"]),
-])
-def test_platform_hints_are_one_line_each_and_name_the_fix(no_platform: pytest.MonkeyPatch, info: DeviceInfo,
-                                                           env: dict[str, str], expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("info", "env", "expected"),
+    [
+        (device("cuda", "kaggle"), {}, []),
+        (device("cpu", "kaggle"), {}, ["Kaggle: no accelerator; Settings -> Accelerator -> GPU T4 x2"]),
+        (device("cpu", "colab"), {}, ["Runtime -> Change runtime type -> T4 GPU"]),
+        (device("cuda", "colab"), {}, []),
+        (device("tpu", "colab", torch_xla_version="2.5.1"), {}, ["preinstalled torch 2.5.1+cu121 / torch_xla 2.5.1"]),
+        (device("cpu", "colab"), {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, ["torch_xla is not usable", "torch~=2.5.0"]),
+        (device("cpu", None), {}, ["No accelerator found: contributing on CPU"]),
+    ],
+)
+def test_platform_hints_are_one_line_each_and_name_the_fix(
+    no_platform: pytest.MonkeyPatch, info: DeviceInfo, env: dict[str, str], expected: list[str]
+) -> None:
     for key, value in env.items():
         no_platform.setenv(key, value)
     hints = notebook.platform_hints(info)

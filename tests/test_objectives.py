@@ -54,8 +54,14 @@ def test_tokenizer_trained_on_the_demo_text_has_the_mlm_special_tokens(tok) -> N
 
 
 def test_cli_trains_a_loadable_tokenizer_named_by_the_config(tmp_path: Path) -> None:
-    config = write_config(tmp_path / "run.toml", {"auth": {"mode": "open"}, "tokenizer": {"file": "tok.json"},
-                                                   "objective": {"name": "masked-lm", "seq_len": 32}})
+    config = write_config(
+        tmp_path / "run.toml",
+        {
+            "auth": {"mode": "open"},
+            "tokenizer": {"file": "tok.json"},
+            "objective": {"name": "masked-lm", "seq_len": 32},
+        },
+    )
     with pytest.raises(ConfigError, match="tokenizer.file"):  # not written yet
         load_config(config)
     assert cli_main(["tokenizer", "train", "--config", str(config), "--vocab-size", "600"]) == 0
@@ -68,14 +74,24 @@ def test_cli_trains_a_loadable_tokenizer_named_by_the_config(tmp_path: Path) -> 
 
 def test_cli_trains_on_streamed_shards_through_the_reading_path(tmp_path: Path) -> None:
     shard = tmp_path / "a.jsonl"
-    shard.write_text("".join(json.dumps({"body": f"zebrafish quokka number {i}", "text": "unused"}) + "\n"
-                             for i in range(200)))
-    config = write_config(tmp_path / "run.toml", {
-        "auth": {"mode": "open"}, "objective": {"name": "causal-lm", "column": "body"},
-        "dataset": {"kind": "stream", "sources": [{"name": "a", "data_files": [str(shard)]}]}})
+    shard.write_text(
+        "".join(json.dumps({"body": f"zebrafish quokka number {i}", "text": "unused"}) + "\n" for i in range(200))
+    )
+    config = write_config(
+        tmp_path / "run.toml",
+        {
+            "auth": {"mode": "open"},
+            "objective": {"name": "causal-lm", "column": "body"},
+            "dataset": {"kind": "stream", "sources": [{"name": "a", "data_files": [str(shard)]}]},
+        },
+    )
     out = tmp_path / "out.json"
-    assert cli_main(["tokenizer", "train", "--config", str(config), "--vocab-size", "300", "--model", "bpe",
-                     "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            ["tokenizer", "train", "--config", str(config), "--vocab-size", "300", "--model", "bpe", "--out", str(out)]
+        )
+        == 0
+    )
     tok = load_tokenizer(out.read_bytes())
     assert tok.token_to_id("zebrafish") is not None and tok.token_to_id("unused") is None
 
@@ -108,16 +124,20 @@ def test_masked_lm_batches_are_packed_cls_sep_blocks_and_the_tail_is_padded(tok)
     real = last["attention_mask"].bool()
     assert not real.all(), "40 paragraphs do not fill whole batches: the tail is padded"
     assert (last["input_ids"][~real] == specials.pad).all() and (last["labels"][~real] == IGNORE_INDEX).all()
-    assert sum(int(b["attention_mask"].sum()) for b in batches) - 2 * sum(
-        int(b["attention_mask"].any(dim=1).sum()) for b in batches) == total  # every token once, 2 specials/block
+    assert (
+        sum(int(b["attention_mask"].sum()) for b in batches)
+        - 2 * sum(int(b["attention_mask"].any(dim=1).sum()) for b in batches)
+        == total
+    )  # every token once, 2 specials/block
 
 
 # --- masking --------------------------------------------------------------------------------------
 def test_masking_statistics_and_label_rules(tok) -> None:
     specials = Specials.of(tok)
     gen = objective_batches(demo_texts(7), tok, mlm(seq_len=128), batch_size=16, seed="peer-a")
-    clean = objective_batches(demo_texts(7), tok, ObjectiveConfig.from_dict({"name": "causal-lm", "seq_len": 126}),
-                              batch_size=16, seed=0)
+    clean = objective_batches(
+        demo_texts(7), tok, ObjectiveConfig.from_dict({"name": "causal-lm", "seq_len": 126}), batch_size=16, seed=0
+    )
     counts = torch.zeros(4)
     for _ in range(12):
         batch, original = next(gen), next(clean)["input_ids"]
@@ -129,8 +149,14 @@ def test_masking_statistics_and_label_rules(tok) -> None:
         assert not predicted[:, 1:-1][special].any(), "special tokens are never masked"
         assert torch.equal(labels[:, 1:-1][predicted[:, 1:-1]], original[predicted[:, 1:-1]])
         p = predicted[:, 1:-1]
-        counts += torch.tensor([float((~special).sum()), float(p.sum()), float((body[p] == specials.mask).sum()),
-                                float((body[p] == original[p]).sum())])
+        counts += torch.tensor(
+            [
+                float((~special).sum()),
+                float(p.sum()),
+                float((body[p] == specials.mask).sum()),
+                float((body[p] == original[p]).sum()),
+            ]
+        )
     eligible, masked, as_mask, kept = counts.tolist()
     assert masked / eligible == pytest.approx(0.15, abs=0.01)
     assert as_mask / masked == pytest.approx(0.8, abs=0.02)
@@ -148,16 +174,23 @@ def test_masking_is_seeded_per_peer(tok) -> None:
 
 def test_random_replacements_are_never_special_tokens() -> None:
     ids = torch.full((64, 64), 7)
-    inputs, labels = mask_tokens(ids, torch.zeros_like(ids, dtype=torch.bool), probability=0.5, mask_id=4,
-                                 random_ids=torch.tensor([5, 6]), generator=torch.Generator().manual_seed(0))
+    inputs, labels = mask_tokens(
+        ids,
+        torch.zeros_like(ids, dtype=torch.bool),
+        probability=0.5,
+        mask_id=4,
+        random_ids=torch.tensor([5, 6]),
+        generator=torch.Generator().manual_seed(0),
+    )
     swapped = inputs[(labels != IGNORE_INDEX) & (inputs != 4) & (inputs != 7)]
     assert len(swapped) > 0 and set(swapped.tolist()) <= {5, 6}
 
 
 def test_whole_word_masking_masks_every_piece_of_a_chosen_word(tok) -> None:
     gen = objective_batches(demo_texts(3), tok, mlm(seq_len=128, whole_word_masking=True), batch_size=8, seed=1)
-    plain = objective_batches(demo_texts(3), tok, ObjectiveConfig.from_dict({"name": "causal-lm", "seq_len": 126}),
-                              batch_size=8, seed=0)
+    plain = objective_batches(
+        demo_texts(3), tok, ObjectiveConfig.from_dict({"name": "causal-lm", "seq_len": 126}), batch_size=8, seed=0
+    )
     pieces = 0
     for _ in range(4):
         predicted = (next(gen)["labels"] != IGNORE_INDEX)[:, 1:-1]
@@ -189,8 +222,13 @@ def test_classification_rows_are_truncated_padded_and_labelled(tok) -> None:
 
 
 def test_objective_config_refuses_what_it_cannot_train() -> None:
-    for bad in ({"name": "translation"}, {"name": "masked-lm", "seq_len": 2}, {"name": "masked-lm", "mlm_probability": 1.5},
-                {"name": "masked-lm", "typo": 1}, {"seq_len": 64}):
+    for bad in (
+        {"name": "translation"},
+        {"name": "masked-lm", "seq_len": 2},
+        {"name": "masked-lm", "mlm_probability": 1.5},
+        {"name": "masked-lm", "typo": 1},
+        {"seq_len": 64},
+    ):
         with pytest.raises(DataConfigError):
             ObjectiveConfig.from_dict(bad)
 
@@ -199,9 +237,14 @@ def test_batches_for_run_tokenizes_streamed_shards_with_the_objective_column(tmp
     shard = tmp_path / "s.jsonl"
     shard.write_text("".join(json.dumps({"body": "The assert statement", "label": i % 2}) + "\n" for i in range(64)))
     dataset = {"kind": "stream", "shuffle_buffer": 1, "sources": [{"name": "s", "data_files": [str(shard)]}]}
-    stream = batches_for_run(dataset, batch_size=4, seq_len=0, seed=0, tokenizer=tok,
-                             objective=ObjectiveConfig.from_dict({"name": "classification", "seq_len": 8,
-                                                                  "column": "body"}))
+    stream = batches_for_run(
+        dataset,
+        batch_size=4,
+        seq_len=0,
+        seed=0,
+        tokenizer=tok,
+        objective=ObjectiveConfig.from_dict({"name": "classification", "seq_len": 8, "column": "body"}),
+    )
     batch = next(stream)
     stream.close()
     assert batch["labels"].tolist() == [0, 1, 0, 1]
@@ -237,14 +280,28 @@ def test_background_runs_the_source_on_its_own_thread_and_raises_its_errors() ->
 # --- the run: relay config, route, peer verification ----------------------------------------------
 def _run_info(**kw) -> RunInfo:
     kw.setdefault("model", ModelSpec())
-    return RunInfo(run_name="r", protocol=3, layout=[ParamSpec(name="w", shape=[1], offset=0)],
-                   num_params=1, target_batch=1, total_steps=0, max_staleness=0, heartbeat_interval_s=1.0, **kw)
+    return RunInfo(
+        run_name="r",
+        protocol=3,
+        layout=[ParamSpec(name="w", shape=[1], offset=0)],
+        num_params=1,
+        target_batch=1,
+        total_steps=0,
+        max_staleness=0,
+        heartbeat_interval_s=1.0,
+        **kw,
+    )
 
 
 def test_a_transformers_run_without_tokenizer_and_objective_is_refused() -> None:
     with pytest.raises(DataConfigError, match="nothing to turn its text into tokens") as err:
-        check_run_data(_run_info(model=ModelSpec(kind="transformers", architecture="AutoModelForMaskedLM",
-                                                 config={"model_type": "bert"})))
+        check_run_data(
+            _run_info(
+                model=ModelSpec(
+                    kind="transformers", architecture="AutoModelForMaskedLM", config={"model_type": "bert"}
+                )
+            )
+        )
     assert "data=" in err.value.hint and "[objective]" in err.value.hint
     with pytest.raises(DataConfigError, match="no tokenizer"):
         check_run_data(_run_info(objective={"name": "masked-lm"}))
@@ -259,10 +316,21 @@ def test_relay_config_checks_the_tokenizer_against_objective_and_model(tmp_path:
     with pytest.raises(ConfigError, match="sha256"):
         load_config(write_config(tmp_path / "b.toml", {**base, "tokenizer": {"file": "tok.json", "sha256": "0" * 64}}))
     with pytest.raises(ConfigError, match="vocab_size"):
-        load_config(write_config(tmp_path / "c.toml", {
-            **base, "tokenizer": {"file": "tok.json"}, "objective": {"name": "masked-lm"},
-            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM",
-                      "config": {"model_type": "bert", "vocab_size": 100}}}))
+        load_config(
+            write_config(
+                tmp_path / "c.toml",
+                {
+                    **base,
+                    "tokenizer": {"file": "tok.json"},
+                    "objective": {"name": "masked-lm"},
+                    "model": {
+                        "kind": "transformers",
+                        "architecture": "AutoModelForMaskedLM",
+                        "config": {"model_type": "bert", "vocab_size": 100},
+                    },
+                },
+            )
+        )
 
 
 def test_relay_serves_the_tokenizer_and_the_peer_verifies_it(tmp_path: Path, tok_json: str, serve_relay) -> None:
@@ -287,17 +355,30 @@ def test_relay_serves_the_tokenizer_and_the_peer_verifies_it(tmp_path: Path, tok
         client.close()
 
 
-def test_a_peer_joins_a_transformers_mlm_run_and_trains_on_its_tokens(tmp_path: Path, tok_json: str,
-                                                                       serve_relay) -> None:
+def test_a_peer_joins_a_transformers_mlm_run_and_trains_on_its_tokens(
+    tmp_path: Path, tok_json: str, serve_relay
+) -> None:
     pytest.importorskip("transformers")
     from toolkit.session import join
 
     (tmp_path / "tok.json").write_text(tok_json)
-    bert = {"model_type": "bert", "vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64}
-    relay = serve_relay({"run": {"target_batch": 4, "total_steps": 2, "max_staleness": 0},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": bert},
-                         "tokenizer": {"file": "tok.json"}, "objective": {"name": "masked-lm", "seq_len": 32}})
+    bert = {
+        "model_type": "bert",
+        "vocab_size": 1000,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+    }
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 4, "total_steps": 2, "max_staleness": 0},
+            "model": {"kind": "transformers", "architecture": "AutoModelForMaskedLM", "config": bert},
+            "tokenizer": {"file": "tok.json"},
+            "objective": {"name": "masked-lm", "seq_len": 32},
+        }
+    )
     result = join(relay.url, batch_size=4, panel="none", max_seconds=120)
     assert result.finished and result.final_step == 2 and result.contributed_samples > 0
     assert 3.0 < result.last_loss < 10.0  # cross-entropy over a 1,000-token vocabulary, not bytes

@@ -50,7 +50,7 @@ def loss_at(state: MasterState, data: torch.Tensor) -> tuple[float, torch.Tensor
     model = build_model(ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": SIZES}))
     offset = 0
     for p in model.parameters():
-        p.data.copy_(state.flat[offset:offset + p.numel()].view_as(p))
+        p.data.copy_(state.flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
     loss = model.loss(data)
     loss.backward()
@@ -125,8 +125,7 @@ def test_an_fp32_checkpoint_is_adopted_and_8bit_state_converts_back(monkeypatch)
         if name.startswith("opt."):
             _, i, key = name.split(".", 2)
             per_param.setdefault(i, {})[key] = t
-    converted = {f"opt.{i}.{k}": v for i, values in per_param.items()
-                 for k, v in optim8bit.fp32_state(values).items()}
+    converted = {f"opt.{i}.{k}": v for i, values in per_param.items() for k, v in optim8bit.fp32_state(values).items()}
     back.load_state_tensors({"params": loaded["params"], **converted}, upgraded.step)
     again = master(8, monkeypatch, seed=4)
     again.load_state_tensors({k: v.clone() for k, v in loaded.items()}, upgraded.step)

@@ -37,21 +37,51 @@ OWN = {"self", "cls"}
 """Names through which an object reaches its own attributes."""
 
 PUBLIC_PRIVATES = {
-    "_replace", "_asdict", "_fields", "_make", "_field_defaults",  # collections.namedtuple's API
-    "_getframe", "_exit", "_current_frames",  # sys / os
-    "_value_", "_name_", "_missing_",  # enum
-    "_foreach_add_", "_foreach_sub_", "_foreach_mul_", "_foreach_div_", "_foreach_norm", "_foreach_add",
-    "_foreach_sub", "_foreach_mul", "_foreach_lerp_", "_foreach_addcmul_", "_foreach_addcdiv_",
-    "_foreach_sqrt", "_foreach_copy_", "_foreach_zero_", "_foreach_maximum_", "_foreach_abs",
-    "_foreach_neg_", "_foreach_pow", "_foreach_clamp_max_", "_foreach_clamp_min_",
-    "_dynamo", "_C", "_utils", "_inductor", "_guards",  # torch's subpackages
+    "_replace",
+    "_asdict",
+    "_fields",
+    "_make",
+    "_field_defaults",  # collections.namedtuple's API
+    "_getframe",
+    "_exit",
+    "_current_frames",  # sys / os
+    "_value_",
+    "_name_",
+    "_missing_",  # enum
+    "_foreach_add_",
+    "_foreach_sub_",
+    "_foreach_mul_",
+    "_foreach_div_",
+    "_foreach_norm",
+    "_foreach_add",
+    "_foreach_sub",
+    "_foreach_mul",
+    "_foreach_lerp_",
+    "_foreach_addcmul_",
+    "_foreach_addcdiv_",
+    "_foreach_sqrt",
+    "_foreach_copy_",
+    "_foreach_zero_",
+    "_foreach_maximum_",
+    "_foreach_abs",
+    "_foreach_neg_",
+    "_foreach_pow",
+    "_foreach_clamp_max_",
+    "_foreach_clamp_min_",
+    "_dynamo",
+    "_C",
+    "_utils",
+    "_inductor",
+    "_guards",  # torch's subpackages
 }
 """Attribute names with an underscore that their owners document as public API."""
 
 FOREIGN = {
-    ("toolkit/integrations/hf_trainer.py", "lr_scheduler._last_lr"):
-        "the Trainer logs its scheduler's get_last_lr(), which torch's LRScheduler can only be told through "
-        "_last_lr: the callback shows the relay's lr there",
+    (
+        "toolkit/integrations/hf_trainer.py",
+        "lr_scheduler._last_lr",
+    ): "the Trainer logs its scheduler's get_last_lr(), which torch's LRScheduler can only be told through "
+    "_last_lr: the callback shows the relay's lr there",
 }
 """Accesses to a third party's object whose only way in is a private attribute: (path, source) -> why."""
 
@@ -83,8 +113,7 @@ def _owned(value: ast.expr, modules: set[str]) -> bool:
     if isinstance(value, ast.Name):
         return value.id in OWN or value.id in modules
     if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-        return value.func.id in ("super", "type") and all(isinstance(a, ast.Name) and a.id in OWN
-                                                          for a in value.args)
+        return value.func.id in ("super", "type") and all(isinstance(a, ast.Name) and a.id in OWN for a in value.args)
     if isinstance(value, ast.Attribute):  # self.__class__._x; a dotted module path (torch.nn._x)
         return value.attr == "__class__" or _dotted_module(value, modules)
     return False
@@ -104,8 +133,13 @@ def _constructed(tree: ast.Module) -> dict[int, set[str]]:
     for func in ast.walk(tree):
         if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        own = {t.id for node in ast.walk(func) if isinstance(node, ast.Assign) and _builds_cls(node.value)
-               for t in node.targets if isinstance(t, ast.Name)}
+        own = {
+            t.id
+            for node in ast.walk(func)
+            if isinstance(node, ast.Assign) and _builds_cls(node.value)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
         if own:
             for node in ast.walk(func):
                 names.setdefault(id(node), set()).update(own)
@@ -134,10 +168,16 @@ def offenders(path: Path) -> list[tuple[int, str, str]]:
         if isinstance(node, ast.Attribute) and _private(node.attr) and not _owned(node.value, modules):
             kind = "read" if isinstance(node.ctx, ast.Load) else "write"
             found.append((node.lineno, kind, ast.unparse(node)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
-              and not _owned(node.args[0], modules)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and not _owned(node.args[0], modules)
+        ):
             found.append((node.lineno, "write", ast.unparse(node)))
     return sorted(found)
 
@@ -190,8 +230,12 @@ def _defined(cls: ast.ClassDef) -> set[str]:
         elif isinstance(item, ast.AnnAssign) and item.value is not None and isinstance(item.target, ast.Name):
             names.add(item.target.id)
     for node in ast.walk(cls):
-        if (isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load)
-                and isinstance(node.value, ast.Name) and node.value.id in OWN):
+        if (
+            isinstance(node, ast.Attribute)
+            and not isinstance(node.ctx, ast.Load)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in OWN
+        ):
             names.add(node.attr)
     return names
 
@@ -205,8 +249,14 @@ def mixin_uses(path: Path, classes: Classes) -> list[tuple[int, str, str]]:
         if defined is None:
             continue
         for node in ast.walk(cls):
-            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr)
-                    and isinstance(node.value, ast.Name) and node.value.id in OWN and node.attr not in defined):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Load)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in OWN
+                and node.attr not in defined
+            ):
                 found.append((node.lineno, "mixin", f"{cls.name}: {ast.unparse(node)}"))
     return found
 
@@ -241,10 +291,16 @@ def census() -> dict[str, list[tuple[int, str, str]]]:
 def test_no_module_touches_another_objects_private_state() -> None:
     """Outside ``KNOWN``, no access at all; what each finding is and where it is, to fix."""
     found = census()
-    lines = [f"{path}:{line}: {kind} {code}" for path, hits in found.items() if path not in KNOWN
-             for line, kind, code in hits]
-    assert not lines, ("code reads or writes another object's private attribute; give the owner a public method "
-                       "or property instead:\n" + "\n".join(lines))
+    lines = [
+        f"{path}:{line}: {kind} {code}"
+        for path, hits in found.items()
+        if path not in KNOWN
+        for line, kind, code in hits
+    ]
+    assert not lines, (
+        "code reads or writes another object's private attribute; give the owner a public method "
+        "or property instead:\n" + "\n".join(lines)
+    )
 
 
 @pytest.mark.parametrize("path", sorted(KNOWN))
@@ -253,8 +309,10 @@ def test_known_offenders_only_shrink(path: str) -> None:
     hits = counted(path)
     listing = "\n".join(f"{path}:{line}: {kind} {code}" for line, kind, code in hits)
     assert len(hits) <= KNOWN[path], f"{path} gained cross-object private accesses:\n{listing}"
-    assert len(hits) == KNOWN[path], (f"{path} now holds {len(hits)} cross-object private accesses, fewer than the "
-                                      f"{KNOWN[path]} KNOWN lists: lower its count in tests/test_ownership.py")
+    assert len(hits) == KNOWN[path], (
+        f"{path} now holds {len(hits)} cross-object private accesses, fewer than the "
+        f"{KNOWN[path]} KNOWN lists: lower its count in tests/test_ownership.py"
+    )
 
 
 @pytest.mark.parametrize("path, code", sorted(FOREIGN))
@@ -266,15 +324,17 @@ def test_foreign_accesses_are_still_there(path: str, code: str) -> None:
 def test_the_check_sees_writes_and_reads() -> None:
     """The walker flags a write, a del, a setattr and a read through another object, and not the
     object's own attributes, a module's, or ``super()``'s; and a mixin reading its host's field."""
-    source = ("import torch\n"
-              "def f(self, opt):\n"
-              "    opt._pending = 1\n    opt._n += 1\n    del opt._x\n    setattr(opt, '_y', 2)\n"
-              "    a = opt._worker.submit\n"
-              "    self._own = torch._C\n    super()._setup()\n    t = p._replace(a=1)\n"
-              "    @classmethod\n    def make(cls):\n        made = cls.__new__(cls)\n        made._ready = True\n"
-              "class Half:\n    def g(self):\n        return self._host_field + self._mine()\n"
-              "    def _mine(self):\n        return 1\n"
-              "class Host(Half):\n    def __init__(self):\n        self._host_field = 1\n")
+    source = (
+        "import torch\n"
+        "def f(self, opt):\n"
+        "    opt._pending = 1\n    opt._n += 1\n    del opt._x\n    setattr(opt, '_y', 2)\n"
+        "    a = opt._worker.submit\n"
+        "    self._own = torch._C\n    super()._setup()\n    t = p._replace(a=1)\n"
+        "    @classmethod\n    def make(cls):\n        made = cls.__new__(cls)\n        made._ready = True\n"
+        "class Half:\n    def g(self):\n        return self._host_field + self._mine()\n"
+        "    def _mine(self):\n        return 1\n"
+        "class Host(Half):\n    def __init__(self):\n        self._host_field = 1\n"
+    )
     path = REPO / "tests" / "_ownership_probe.py"
     try:
         path.write_text(source)
@@ -290,5 +350,7 @@ if __name__ == "__main__":  # the census, by file: python tests/test_ownership.p
         kinds = Counter(kind for _, kind, _ in hits)
         print(f"{len(hits):4d}  write {kinds['write']:3d}  read {kinds['read']:3d}  mixin {kinds['mixin']:3d}  {name}")
     total = Counter(kind for hits in table.values() for _, kind, _ in hits)
-    print(f"total: {sum(total.values())} (write {total['write']}, read {total['read']}, mixin {total['mixin']}) "
-          f"in {len(table)} files")
+    print(
+        f"total: {sum(total.values())} (write {total['write']}, read {total['read']}, mixin {total['mixin']}) "
+        f"in {len(table)} files"
+    )

@@ -28,32 +28,51 @@ from toolkit.wire.protocol import CollabState
 
 # --- the snapshot ----------------------------------------------------------------------------
 def test_snapshot_is_built_from_the_optimizer_with_the_last_problem_and_its_hint() -> None:
-    state = CollabState(step=5, target_batch=64, samples_accumulated=24, samples_per_s=80.0, eta_s=0.5, num_peers=2,
-                        round=None)
-    opt = SimpleNamespace(collab_state=state, run=SimpleNamespace(total_steps=0), version=6, contributed_samples=96,
-                          samples_per_s=40.0, finished=False,
-                          last_error=RelayUnreachable("relay_unreachable", "POST /api/peers/join: timed out"))
+    state = CollabState(
+        step=5, target_batch=64, samples_accumulated=24, samples_per_s=80.0, eta_s=0.5, num_peers=2, round=None
+    )
+    opt = SimpleNamespace(
+        collab_state=state,
+        run=SimpleNamespace(total_steps=0),
+        version=6,
+        contributed_samples=96,
+        samples_per_s=40.0,
+        finished=False,
+        last_error=RelayUnreachable("relay_unreachable", "POST /api/peers/join: timed out"),
+    )
     snap = PeerProgress.from_optimizer(opt, loss=1.5, first_contribution_s=None)
     assert (snap.peers_online, snap.samples_per_s, snap.target_batch) == (2, 80.0, 64)
     # This peer already loaded step 6: the answer about step 5's accumulation is history.
     assert (snap.global_step, snap.samples_accumulated, snap.eta_s) == (6, 0, None)
-    current = PeerProgress.from_optimizer(SimpleNamespace(**{**vars(opt), "version": 5}), loss=None,
-                                          first_contribution_s=None)
+    current = PeerProgress.from_optimizer(
+        SimpleNamespace(**{**vars(opt), "version": 5}), loss=None, first_contribution_s=None
+    )
     assert (current.global_step, current.samples_accumulated, current.eta_s) == (5, 24, 0.5)
     assert (snap.contributed_samples, snap.local_samples_per_s, snap.loss) == (96, 40.0, 1.5)
     assert snap.problem == "POST /api/peers/join: timed out" and "Kaggle: Settings -> Internet on" in snap.hint
     rows = dict(snap.rows())
     assert rows["global step"] == "6" and rows["first contribution"] == "waiting..."
-    assert rows["last problem"].startswith("POST /api/peers/join: timed out -- A relay that is restarting answers again")
+    assert rows["last problem"].startswith(
+        "POST /api/peers/join: timed out -- A relay that is restarting answers again"
+    )
 
 
 def test_rows_show_every_number_the_volunteer_needs() -> None:
     rows = dict(progress().rows())
-    assert rows == {"peers online": "3", "collaboration": "123.4 samples/s", "global step": "17 / 100",
-                    "next step": "~4 s (40 / 64 samples)", "your contribution": "1,024 samples (12.5 samples/s)",
-                    "loss": "2.3456", "first contribution": "3.2 s after join", "last problem": "none"}
-    assert dict(progress(eta_s=None, total_steps=0, loss=None, finished=True).rows())["global step"] == \
-        "17 (run finished)"
+    assert rows == {
+        "peers online": "3",
+        "collaboration": "123.4 samples/s",
+        "global step": "17 / 100",
+        "next step": "~4 s (40 / 64 samples)",
+        "your contribution": "1,024 samples (12.5 samples/s)",
+        "loss": "2.3456",
+        "first contribution": "3.2 s after join",
+        "last problem": "none",
+    }
+    assert (
+        dict(progress(eta_s=None, total_steps=0, loss=None, finished=True).rows())["global step"]
+        == "17 (run finished)"
+    )
 
 
 # --- throttling and the two panels -----------------------------------------------------------
@@ -79,7 +98,9 @@ def test_widget_models_hold_the_values_and_are_closed_at_the_end() -> None:
     panel.update(progress(problem="round 3 ended without a result", hint="Nothing to do."))
     panel.close()
     assert panel.bar.bar_style == "warning"
-    assert "round 3 ended without a result -- Nothing to do." in panel.table.value and "color:#b00" in panel.table.value
+    assert (
+        "round 3 ended without a result -- Nothing to do." in panel.table.value and "color:#b00" in panel.table.value
+    )
     assert all(w.comm is None for w in (panel.box, panel.bar, panel.table)), "widget models left open"
 
 
@@ -161,7 +182,8 @@ class RecordingPanel:
 
 @pytest.mark.integration
 def test_join_twice_in_one_process_leaves_no_thread_and_measures_the_first_contribution(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     token = "hf_panelTestTokenNeverLogged42"
     with running_relay(tmp_path) as relay:
@@ -205,8 +227,13 @@ def test_measure_join_to_first_contribution_on_the_demo_model(tmp_path: Path) ->
     micro-batch of 8: a fresh Python process imports the toolkit (torch), then times join() from
     its call to the first applied gradient; "cold" is the process's first join (it pays torch's
     lazy ``torch._dynamo`` import in the first ``torch.optim.Optimizer``), "warm" a second one."""
-    with running_relay(tmp_path, {"model": {"kwargs": {"seq_len": 64, "d_model": 256, "n_layer": 4, "n_head": 4,
-                                                       "d_ff": 1024}}, "run": {"target_batch": 8}}) as relay:
+    with running_relay(
+        tmp_path,
+        {
+            "model": {"kwargs": {"seq_len": 64, "d_model": 256, "n_layer": 4, "n_head": 4, "d_ff": 1024}},
+            "run": {"target_batch": 8},
+        },
+    ) as relay:
         out = subprocess.run([sys.executable, "-c", MEASURE, relay.url], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])

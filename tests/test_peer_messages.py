@@ -26,18 +26,27 @@ uploading lands one round trip later (4 s after the opening: the round still ope
 one more round trip later (8 s after: the round closed at 6 s, with the fast peer's gradient)."""
 
 
-
 def test_a_round_that_closed_before_the_gradient_arrived_is_not_shown(serve_relay, caplog) -> None:
-    relay = serve_relay({"run": {"target_batch": 8, "max_staleness": 1},
-                         # heartbeats far apart: the slow peer's reports are its steps' own, in order
-                         "rounds": {"peer_ttl_s": 60.0, "heartbeat_interval_s": 30.0, "deadline_floor_s": DEADLINE_S,
-                                    "deadline_initial_s": DEADLINE_S},
-                         "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 8, "max_staleness": 1},
+            # heartbeats far apart: the slow peer's reports are its steps' own, in order
+            "rounds": {
+                "peer_ttl_s": 60.0,
+                "heartbeat_interval_s": 30.0,
+                "deadline_floor_s": DEADLINE_S,
+                "deadline_initial_s": DEADLINE_S,
+            },
+            "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"},
+        }
+    )
     caplog.set_level(logging.DEBUG, logger="toolkit")
     fast_model, slow_model = build_model(SPEC), build_model(SPEC)
-    with LatencyProxy(relay.port) as proxy, \
-            CollaborativeOptimizer(fast_model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as fast, \
-            CollaborativeOptimizer(slow_model, proxy.url, batch_size_per_step=4, report_interval_s=0.0) as slow:
+    with (
+        LatencyProxy(relay.port) as proxy,
+        CollaborativeOptimizer(fast_model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as fast,
+        CollaborativeOptimizer(slow_model, proxy.url, batch_size_per_step=4, report_interval_s=0.0) as slow,
+    ):
         regression_step(fast, fast_model, 0)  # 4 of the 8 samples: no round yet
         proxy.delay_s = DELAY_S  # read per chunk: from now on
         failed: list[BaseException] = []
@@ -57,7 +66,9 @@ def test_a_round_that_closed_before_the_gradient_arrived_is_not_shown(serve_rela
         assert fast.version == 1 and relay.status()["step"] == 1
         assert slow.last_error is None  # nothing on the panel
     refusals = [r for r in caplog.records if r.name.startswith("toolkit") and "round_closed" in r.getMessage()]
-    assert refusals and all(r.levelno == logging.DEBUG for r in refusals), [(r.levelname, r.getMessage()) for r in refusals]
+    assert refusals and all(r.levelno == logging.DEBUG for r in refusals), [
+        (r.levelname, r.getMessage()) for r in refusals
+    ]
     assert "round 0 is not accepting gradients" in refusals[0].getMessage()
     shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert not any("not accepting gradients" in m for m in shown), shown
@@ -66,4 +77,6 @@ def test_a_round_that_closed_before_the_gradient_arrived_is_not_shown(serve_rela
 def test_a_problem_the_peer_cannot_fix_is_one_line_saying_what_to_do() -> None:
     line = volunteer_line(CollabError("stale_gradient", "dropped a micro-batch of 4 samples", "Train faster."))
     assert line == "dropped a micro-batch of 4 samples. What to do: Train faster." and "\n" not in line
-    assert not handled_by_peer(CollabError("stale_gradient", "x")) and handled_by_peer(CollabError("round_closed", "x"))
+    assert not handled_by_peer(CollabError("stale_gradient", "x")) and handled_by_peer(
+        CollabError("round_closed", "x")
+    )

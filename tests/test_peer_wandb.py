@@ -35,12 +35,14 @@ def offline_run(wandb_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, An
 def test_target_parses_project_and_entity() -> None:
     assert WandbTarget.parse(None) is None and WandbTarget.parse("") is None
     assert WandbTarget.parse("collab") == WandbTarget(project="collab")
-    assert WandbTarget.parse("team/collab", mode="offline") == WandbTarget(project="collab", entity="team",
-                                                                         mode="offline")
+    assert WandbTarget.parse("team/collab", mode="offline") == WandbTarget(
+        project="collab", entity="team", mode="offline"
+    )
 
 
-def test_off_costs_nothing_and_online_without_a_key_never_prompts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_off_costs_nothing_and_online_without_a_key_never_prompts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import wandb
 
     monkeypatch.setattr(wandb, "init", lambda *a, **k: pytest.fail("wandb.init must not be called"))
@@ -48,15 +50,17 @@ def test_off_costs_nothing_and_online_without_a_key_never_prompts(monkeypatch: p
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     assert isinstance(open_wandb_run(None, name="alice", group="g", config={}), NullRun)
-    assert isinstance(open_wandb_run(WandbTarget(project="p", mode="disabled"), name="a", group="g", config={}),
-                      NullRun)
+    assert isinstance(
+        open_wandb_run(WandbTarget(project="p", mode="disabled"), name="a", group="g", config={}), NullRun
+    )
     caplog.set_level(logging.WARNING)
     assert isinstance(open_wandb_run(WandbTarget(project="p"), name="alice", group="g", config={}), NullRun)
     assert "add WANDB_API_KEY to its secrets" in caplog.text
 
 
-def test_a_failing_wandb_init_leaves_training_alone(offline_wandb: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_wandb_init_leaves_training_alone(
+    offline_wandb: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import wandb
 
     def refuse(*args: Any, **kwargs: Any) -> None:
@@ -69,16 +73,24 @@ def test_a_failing_wandb_init_leaves_training_alone(offline_wandb: Path, monkeyp
 
 @pytest.mark.integration
 def test_offline_run_holds_one_row_per_global_step(offline_wandb: Path) -> None:
-    run = open_wandb_run(WandbTarget(project="collab-test"), name="alice", group="demo-byte-lm",
-                         config={"peer_id": "abc"})
+    run = open_wandb_run(
+        WandbTarget(project="collab-test"), name="alice", group="demo-byte-lm", config={"peer_id": "abc"}
+    )
     assert isinstance(run, WandbRun)
     # Three micro-batches on step 4, two on step 5 (the first contribution lands there), one on step 6.
     losses = {4: [3.0, 2.0, 1.0], 5: [0.5, 1.5], 6: [0.25]}
     for step, values in losses.items():
         for i, loss in enumerate(values):
             contributed = 0 if step == 4 else 16 * (step - 4)
-            run.update(progress(global_step=step, loss=loss, contributed_samples=contributed,
-                                local_samples_per_s=10.0 + step, first_contribution_s=None if step == 4 else 1.25))
+            run.update(
+                progress(
+                    global_step=step,
+                    loss=loss,
+                    contributed_samples=contributed,
+                    local_samples_per_s=10.0 + step,
+                    first_contribution_s=None if step == 4 else 1.25,
+                )
+            )
     run.close()
     run.close()  # idempotent
 
@@ -112,8 +124,15 @@ def test_wandb_off_is_a_null_run_that_imports_nothing() -> None:
         assert isinstance(run, NullRun), target
         run.update(replace(progress(), loss=None))  # a step without a loss, then close: no error
         run.close()
-    code = ("import sys; from toolkit.notebook.wandb_run import open_wandb_run; "
-            "open_wandb_run(None, name='a', group='g', config={}).close(); print('wandb' in sys.modules)")
-    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                           cwd=Path(__file__).resolve().parent.parent)
+    code = (
+        "import sys; from toolkit.notebook.wandb_run import open_wandb_run; "
+        "open_wandb_run(None, name='a', group='g', config={}).close(); print('wandb' in sys.modules)"
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert fresh.stdout.strip() == "False", fresh.stderr[-2000:]  # a notebook without W&B never pays its import

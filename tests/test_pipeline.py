@@ -40,8 +40,9 @@ MICROBATCHES = 4
 def train(serve_relay, launch_stage_worker, spec, *, stages: int, steps: int = STEPS, extra=()):
     relay = serve_relay(pipeline_overrides(spec, stages=stages, microbatches=MICROBATCHES))
     _, initial = relay_params(relay.url)
-    workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=extra)
-               for i in range(2 * stages)]
+    workers = [
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=extra) for i in range(2 * stages)
+    ]
     return relay, initial, workers
 
 
@@ -53,10 +54,15 @@ def check_exact(relay, spec, initial, workers, steps: int) -> float:
     return relative_difference(final, reference)
 
 
-@pytest.mark.parametrize("model,spec,stages", [
-    ("byte", BYTE_SPEC, 3), ("gpt2", GPT2_SPEC, 2),
-    pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
-    pytest.param("gpt2", GPT2_SPEC, 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model,spec,stages",
+    [
+        ("byte", BYTE_SPEC, 3),
+        ("gpt2", GPT2_SPEC, 2),
+        pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
+        pytest.param("gpt2", GPT2_SPEC, 3, marks=pytest.mark.slow),
+    ],
+)
 def test_pipeline_equals_one_process(serve_relay, launch_stage_worker, model, spec, stages):
     """K stages, 2 workers each, staleness 0, 5 steps: the parameters equal one process on the
     same global batches, and every stage's every round counted exactly the batch."""
@@ -74,7 +80,7 @@ def holds_task_and_gradient(worker) -> bool:
     """The worker is inside a leased task and holds a stage gradient it has not uploaded."""
     events = worker.events()
     uploaded = max((i for i, e in enumerate(events) if e["event"] == "uploaded"), default=-1)
-    held = any(e["event"] == "accepted" and e["kind"] in ("last", "backward") for e in events[uploaded + 1:])
+    held = any(e["event"] == "accepted" and e["kind"] in ("last", "backward") for e in events[uploaded + 1 :])
     return held and bool(events) and events[-1]["event"] == "leased"
 
 
@@ -82,10 +88,14 @@ def test_a_killed_worker_loses_no_sample(serve_relay, launch_stage_worker):
     """SIGKILL a worker holding a leased task and an unsent stage gradient: its task is
     re-dispatched, its micro-batches' stage gradient recomputed, and every round still counts
     exactly the batch, equal to one process."""
-    relay, initial, workers = train(serve_relay, launch_stage_worker, BYTE_SPEC, stages=2,
-                                    extra=("--sleep-per-task", "0.2"))
-    victim = wait_until(lambda: next((w for w in workers if holds_task_and_gradient(w)), None), 120,
-                        "a worker holding a leased task and an unsent stage gradient")
+    relay, initial, workers = train(
+        serve_relay, launch_stage_worker, BYTE_SPEC, stages=2, extra=("--sleep-per-task", "0.2")
+    )
+    victim = wait_until(
+        lambda: next((w for w in workers if holds_task_and_gradient(w)), None),
+        120,
+        "a worker holding a leased task and an unsent stage gradient",
+    )
     os.kill(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(timeout=10)
     assert check_exact(relay, BYTE_SPEC, initial, workers, STEPS) <= 1e-5
@@ -100,18 +110,30 @@ def test_a_stuck_worker_loses_its_tasks_at_the_lease_deadline(serve_relay, launc
     re-dispatched at the lease deadline (derived from the stage's measured task time), and any
     stage gradient it held is recomputed once it has been silent that long, so the run finishes
     while it is stopped; resumed, it drops what it held and leaves, and the parameters are exact."""
-    relay = serve_relay({**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, lease_floor_s=1.0),
-                         "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0}})
+    relay = serve_relay(
+        {
+            **pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, lease_floor_s=1.0),
+            "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+        }
+    )
     _, initial = relay_params(relay.url)
-    workers = [launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.5"))
-               for i in range(4)]
+    workers = [
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS, extra=("--sleep-per-task", "0.5"))
+        for i in range(4)
+    ]
     wait_until(lambda: relay.status()["step"] >= 1, 120, "a first step (measured task times)")
-    victim = wait_until(lambda: next((w for w in workers if w.events() and w.events()[-1]["event"] == "leased"), None),
-                        60, "a worker inside a task")
+    victim = wait_until(
+        lambda: next((w for w in workers if w.events() and w.events()[-1]["event"] == "leased"), None),
+        60,
+        "a worker inside a task",
+    )
     os.kill(victim.proc.pid, signal.SIGSTOP)
     try:
-        wait_until(lambda: requests.get(relay.url + "/api/pipeline", timeout=10).json()["redispatched"] >= 1, 60,
-                   "the stuck worker's task re-dispatched")
+        wait_until(
+            lambda: requests.get(relay.url + "/api/pipeline", timeout=10).json()["redispatched"] >= 1,
+            60,
+            "the stuck worker's task re-dispatched",
+        )
         # and the run finishes while it is still stopped: whatever stage gradients it held were
         # recomputed once it had been silent past the lease deadline (no wait for the peer TTL)
         wait_until(lambda: relay.status()["step"] >= STEPS, 120, "the last step without the stuck worker")
@@ -127,8 +149,9 @@ def test_hostile_results_are_refused_and_the_batch_completes(serve_relay, launch
     serving and the batch completes with honest workers, exact."""
     relay = serve_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, initial_lease_s=2.0))
     _, initial = relay_params(relay.url)
-    hostile = requests.post(relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION},
-                            timeout=10).json()["peer_id"]
+    hostile = requests.post(
+        relay.url + ROUTES["join"], json={"peer_name": "mallory", "protocol": PROTOCOL_VERSION}, timeout=10
+    ).json()["peer_id"]
     stage = requests.post(relay.url + ROUTES["pipeline_stage"].format(peer_id=hostile), json={}, timeout=10).json()
     assert stage["stage"] == 0
     work = requests.get(relay.url + ROUTES["pipeline_work"].format(peer_id=hostile), params={"wait": 5}, timeout=30)
@@ -141,17 +164,36 @@ def test_hostile_results_are_refused_and_the_batch_completes(serve_relay, launch
 
     def send(task_id: str, tensors: dict, headers: dict | None = None) -> requests.Response:
         body = payloads.encode(tensors, {"result": PipelineResult(task_id=task_id).dumps().decode()})
-        return requests.put(relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task_id),
-                            data=body, headers=headers or {}, timeout=10)
+        return requests.put(
+            relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task_id),
+            data=body,
+            headers=headers or {},
+            timeout=10,
+        )
 
     refusals = [
-        (send(task["task_id"], {"y": np.full((rows, width), np.nan, dtype=np.float32), "batch": tokens}), 422, "non_finite"),
-        (send(task["task_id"], {"y": np.zeros((rows, width + 1), dtype=np.float32), "batch": tokens}), 422, "bad_tensor"),
+        (
+            send(task["task_id"], {"y": np.full((rows, width), np.nan, dtype=np.float32), "batch": tokens}),
+            422,
+            "non_finite",
+        ),
+        (
+            send(task["task_id"], {"y": np.zeros((rows, width + 1), dtype=np.float32), "batch": tokens}),
+            422,
+            "bad_tensor",
+        ),
         (send(task["task_id"], {"y": good_y, "batch": tokens + 300}), 422, "bad_batch"),
         (send(task["task_id"], {"y": good_y}), 422, "bad_batch"),
         (send("t999999", {"y": good_y, "batch": tokens}), 410, "task_expired"),
-        (requests.put(relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task["task_id"]),
-                      data=b"x" * (1 << 20), timeout=10), 413, None),
+        (
+            requests.put(
+                relay.url + ROUTES["pipeline_result"].format(peer_id=hostile, task_id=task["task_id"]),
+                data=b"x" * (1 << 20),
+                timeout=10,
+            ),
+            413,
+            None,
+        ),
     ]
     for response, status, code in refusals:
         assert response.status_code == status, response.text
@@ -171,8 +213,9 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
     hub = standin()
     relay = None
     try:
-        relay = hf_relay(tmp_path, hub, {**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES),
-                                         "limits": {}})
+        relay = hf_relay(
+            tmp_path, hub, {**pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES), "limits": {}}
+        )
         reader = RelayClient(relay.url)
         reader.login(TOKENS["alice"])
         initial = np.empty(reader.get_run().num_params, dtype=np.float32)
@@ -180,8 +223,11 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
         workers = []
         for i, user in enumerate(("alice", "alice", "bob", "bob")):
             monkeypatch.setenv(f"HF_TOKEN_{user.upper()}", TOKENS[user])
-            workers.append(launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=2,
-                                               extra=("--hf-token-env", f"HF_TOKEN_{user.upper()}")))
+            workers.append(
+                launch_stage_worker(
+                    relay.url, f"w{i}", seed=i, until_step=2, extra=("--hf-token-env", f"HF_TOKEN_{user.upper()}")
+                )
+            )
         for worker in workers:
             assert worker.wait(timeout_s=240) == 0, worker.log_path.read_text()[-3000:]
         final = np.empty_like(initial)
@@ -218,7 +264,9 @@ def test_lossy_boundaries_and_workers_joining_mid_batch(serve_relay, launch_stag
         assert leased[0]["batch"] <= relay_step_when(joiner) + 1, leased[:1]
     assert any(e.get("cached") for w in workers for e in w.events() if e["event"] == "leased")
     pipeline = requests.get(relay.url + "/api/pipeline", timeout=10).json()
-    float32_bytes = (5 * 2 - 6) * 4 * spec.kwargs["seq_len"] * spec.kwargs["d_model"]  # docs/pipeline.md's model, K = 2
+    float32_bytes = (
+        (5 * 2 - 6) * 4 * spec.kwargs["seq_len"] * spec.kwargs["d_model"]
+    )  # docs/pipeline.md's model, K = 2
     assert pipeline["boundary_bytes_per_sample"] < {"int8": 0.4, "float16": 0.62}[codec] * float32_bytes, pipeline
     assert counted(relay) == [[2 * MICROBATCHES] * 2] * steps
 
@@ -228,19 +276,29 @@ def relay_step_when(worker) -> int:
     return next(e["step"] for e in worker.events() if e["event"] == "joined")
 
 
-@pytest.mark.parametrize("change,names", [
-    ({"run": {"target_batch": 10, "max_staleness": 0}}, "run.target_batch"),
-    ({"run": {"target_batch": 8, "max_staleness": 1}}, "run.max_staleness"),
-    ({"pipeline": {"stages": 5}}, "pipeline.stages = 5"),
-    ({"pipeline": {"stages": "auto"}}, "pipeline.worker_memory_mb"),
-    ({"pipeline": {"stages": 2, "layers_per_stage": [1, 2]}}, "pipeline.layers_per_stage"),
-    ({"pipeline": {"boundary_codec": "bf16"}}, "pipeline.boundary_codec"),
-    ({"pipeline": {"boundary_codec": "topk2-64"}}, "topk2-<K> is for run.compression only"),
-    ({"run": {"target_batch": 8, "max_staleness": 0, "compression": "topk2-64"}}, "without error feedback"),
-    ({"model": {"factory": "toolkit.models:ByteTransformer", "kwargs": {"d_model": 32, "n_layer": 4, "n_head": 2}}},
-     "tie_embeddings"),
-    ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
-])
+@pytest.mark.parametrize(
+    "change,names",
+    [
+        ({"run": {"target_batch": 10, "max_staleness": 0}}, "run.target_batch"),
+        ({"run": {"target_batch": 8, "max_staleness": 1}}, "run.max_staleness"),
+        ({"pipeline": {"stages": 5}}, "pipeline.stages = 5"),
+        ({"pipeline": {"stages": "auto"}}, "pipeline.worker_memory_mb"),
+        ({"pipeline": {"stages": 2, "layers_per_stage": [1, 2]}}, "pipeline.layers_per_stage"),
+        ({"pipeline": {"boundary_codec": "bf16"}}, "pipeline.boundary_codec"),
+        ({"pipeline": {"boundary_codec": "topk2-64"}}, "topk2-<K> is for run.compression only"),
+        ({"run": {"target_batch": 8, "max_staleness": 0, "compression": "topk2-64"}}, "without error feedback"),
+        (
+            {
+                "model": {
+                    "factory": "toolkit.models:ByteTransformer",
+                    "kwargs": {"d_model": 32, "n_layer": 4, "n_head": 2},
+                }
+            },
+            "tie_embeddings",
+        ),
+        ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
+    ],
+)
 def test_configuration_mistakes_end_in_one_line_before_anything_is_created(tmp_path, change, names):
     """Each mistake is one ConfigError naming the setting, raised while the configuration loads
     (before the data dir, the admin token or a model exists)."""
@@ -268,8 +326,9 @@ def test_a_relay_restart_resumes_every_stage(start_relay, launch_stage_worker):
     step the relay committed last, the workers (re-admitted, asking for a stage again) finish
     the run, and the parameters equal one process on the batches that were counted (the batch in
     flight at the crash is re-run from its first stage)."""
-    relay, initial, workers = train(start_relay, launch_stage_worker, BYTE_SPEC, stages=2, steps=EXACT_STEPS,
-                                    extra=("--sleep-per-task", "0.1"))
+    relay, initial, workers = train(
+        start_relay, launch_stage_worker, BYTE_SPEC, stages=2, steps=EXACT_STEPS, extra=("--sleep-per-task", "0.1")
+    )
     wait_until(lambda: relay.status()["step"] >= 2, 120, "two steps before the crash")
     relay.kill()
     relay.start()
@@ -277,6 +336,6 @@ def test_a_relay_restart_resumes_every_stage(start_relay, launch_stage_worker):
         assert worker.wait(timeout_s=240) == 0, worker.log_path.read_text()[-3000:]
     step, final = relay_params(relay.url, min_step=EXACT_STEPS)
     batches = accepted_batches(workers, latest=True)  # a crashed batch's micro-batches were read again
-    assert relative_difference(final, replay(BYTE_SPEC, initial, batches, steps=step,
-                                             microbatches=MICROBATCHES)) <= 1e-5
-
+    assert (
+        relative_difference(final, replay(BYTE_SPEC, initial, batches, steps=step, microbatches=MICROBATCHES)) <= 1e-5
+    )

@@ -15,15 +15,30 @@ import pytest
 
 from tests.conftest import REPO
 
-KEYS = {"case1_vs_static", "case4_vs_static", "case4_vs_swarm", "planner_error", "seconds_per_batch",
-        "bytes_per_sample", "ours_completed", "settings", "runs", "bars_failed"}
+KEYS = {
+    "case1_vs_static",
+    "case4_vs_static",
+    "case4_vs_swarm",
+    "planner_error",
+    "seconds_per_batch",
+    "bytes_per_sample",
+    "ours_completed",
+    "settings",
+    "runs",
+    "bars_failed",
+}
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_pipeline_benchmark_reports_every_ratio_and_ours_completes():
-    done = subprocess.run([sys.executable, "benchmarks/pipeline.py", "--batches", "1", "--microbatches", "4"],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/pipeline.py", "--batches", "1", "--microbatches", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout)
     out = json.loads(done.stdout.strip().splitlines()[-1])

@@ -38,7 +38,7 @@ def loaded_stages(name: str, model: torch.nn.Module, layers: list[int]) -> list:
     flat = flatten(model)
     stages = [build_stage(SPECS[name], cut) for cut in cut_stages(pipeline_units(model), layers)]
     for stage in stages:
-        stage.load_flat(flat[stage.cut.start:stage.cut.end])
+        stage.load_flat(flat[stage.cut.start : stage.cut.end])
     return stages
 
 
@@ -122,8 +122,11 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                 if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in given:
                 self.bytes += t.untyped_storage().nbytes()
@@ -159,22 +162,45 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     return text
 
 
-@pytest.mark.parametrize(("spec", "fix"), [
-    (ModelSpec(factory="toolkit.models:ByteTransformer", kwargs={"d_model": 16, "n_layer": 2, "d_ff": 32}),
-     "tie_embeddings = false"),
-    (ModelSpec(kind="transformers", architecture="AutoModelForCausalLM",
-               config={"model_type": "gpt2", "vocab_size": 50, "n_embd": 16, "n_layer": 2, "n_head": 2,
-                       "n_positions": 8, "bos_token_id": 0, "eos_token_id": 0}),
-     "tie_word_embeddings = false"),
-])
+@pytest.mark.parametrize(
+    ("spec", "fix"),
+    [
+        (
+            ModelSpec(factory="toolkit.models:ByteTransformer", kwargs={"d_model": 16, "n_layer": 2, "d_ff": 32}),
+            "tie_embeddings = false",
+        ),
+        (
+            ModelSpec(
+                kind="transformers",
+                architecture="AutoModelForCausalLM",
+                config={
+                    "model_type": "gpt2",
+                    "vocab_size": 50,
+                    "n_embd": 16,
+                    "n_layer": 2,
+                    "n_head": 2,
+                    "n_positions": 8,
+                    "bos_token_id": 0,
+                    "eos_token_id": 0,
+                },
+            ),
+            "tie_word_embeddings = false",
+        ),
+    ],
+)
 def test_tied_embeddings_are_refused(spec: ModelSpec, fix: str) -> None:
     with pytest.raises(ModelMismatch) as info:
         units_of(spec)
     assert info.value.code == "tied_embeddings" and fix in one_line(info)
 
 
-@pytest.mark.parametrize("spec", [ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [4, 8, 1]}),
-                                  ModelSpec(kind="module", factory="someones.models:Big")])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [4, 8, 1]}),
+        ModelSpec(kind="module", factory="someones.models:Big"),
+    ],
+)
 def test_an_unsupported_architecture_is_refused_naming_the_supported_ones(spec: ModelSpec) -> None:
     with pytest.raises(ModelMismatch) as info:
         units_of(spec)
@@ -201,10 +227,15 @@ def test_shared_parameters_are_refused() -> None:
     assert info.value.code == "shared_parameters" and "blocks.1.proj.weight" in one_line(info)
 
 
-@pytest.mark.parametrize(("layers", "words"), [
-    ([2, 0, 2], "stage 1 has 0 layers"), ([1, 1], "deals 2 layers and the model has 4: make them sum to 4"),
-    ([], "layers_per_stage is empty"), ([2.5, 1.5], "stage 0 has 2.5 layers"),
-])
+@pytest.mark.parametrize(
+    ("layers", "words"),
+    [
+        ([2, 0, 2], "stage 1 has 0 layers"),
+        ([1, 1], "deals 2 layers and the model has 4: make them sum to 4"),
+        ([], "layers_per_stage is empty"),
+        ([2.5, 1.5], "stage 0 has 2.5 layers"),
+    ],
+)
 def test_a_bad_allocation_is_refused(layers: list, words: str) -> None:
     with pytest.raises(ValueError) as info:
         cut_stages(units_of(SPECS["byte"]), layers)
@@ -229,18 +260,24 @@ def test_only_the_first_stage_reads_batches_and_only_the_last_has_a_loss() -> No
 
 
 def test_a_gpt2_decoder_with_cross_attention_is_refused() -> None:
-    spec = ModelSpec(kind="transformers", architecture="AutoModelForCausalLM",
-                     config=dict(SPECS["gpt2"].config, add_cross_attention=True))
+    spec = ModelSpec(
+        kind="transformers",
+        architecture="AutoModelForCausalLM",
+        config=dict(SPECS["gpt2"].config, add_cross_attention=True),
+    )
     with pytest.raises(ModelMismatch) as info:
         units_of(spec)
     assert info.value.code == "not_cuttable" and "add_cross_attention = false" in one_line(info)
 
 
-@pytest.mark.parametrize(("name", "change", "words"), [
-    ("byte", lambda batch: {"input_ids": batch}, "takes LongTensor batches [b, t+1]"),
-    ("gpt2", lambda batch: dict(batch, token_type_ids=batch["input_ids"]), "cannot pass ['token_type_ids']"),
-    ("gpt2", lambda batch: {"input_ids": batch["input_ids"]}, "a batch without labels"),
-])
+@pytest.mark.parametrize(
+    ("name", "change", "words"),
+    [
+        ("byte", lambda batch: {"input_ids": batch}, "takes LongTensor batches [b, t+1]"),
+        ("gpt2", lambda batch: dict(batch, token_type_ids=batch["input_ids"]), "cannot pass ['token_type_ids']"),
+        ("gpt2", lambda batch: {"input_ids": batch["input_ids"]}, "a batch without labels"),
+    ],
+)
 def test_a_batch_the_stages_cannot_honour_is_refused(name: str, change, words: str) -> None:
     """Stage 0 checks the batch it reads; the last stage checks the one it scores."""
     first, last = (build_stage(SPECS[name], cut) for cut in cut_stages(units_of(SPECS[name]), [2, 2]))

@@ -26,13 +26,22 @@ GB = 1 << 30
 
 # ---------------------------------------------------------------- the star (B5)
 
+
 def _model(layers: int = 12) -> ModelShape:
     return ModelShape(layers, 7_000_000, 40_000_000, 40_000_000, boundary_bytes_per_sample("float16", 768, 128))
 
 
 def _workers(rng: np.random.Generator, n: int) -> list[MeasuredWorker]:
-    return [MeasuredWorker(f"w{i}", int(rng.uniform(0.6, 4) * GB), float(rng.uniform(50, 500)),
-                   float(rng.uniform(0.01, 0.2)), float(rng.uniform(5e6, 1e8))) for i in range(n)]
+    return [
+        MeasuredWorker(
+            f"w{i}",
+            int(rng.uniform(0.6, 4) * GB),
+            float(rng.uniform(50, 500)),
+            float(rng.uniform(0.01, 0.2)),
+            float(rng.uniform(5e6, 1e8)),
+        )
+        for i in range(n)
+    ]
 
 
 def test_star_picks_the_fastest_memory_feasible_stage_count() -> None:
@@ -57,7 +66,8 @@ def test_star_picks_the_fastest_memory_feasible_stage_count() -> None:
         layers = [s.layer_end - s.layer_start for s in plan.stages]
         assert sum(layers) == model.layers and min(layers) >= 1
         assert plan.stages[0].layer_start == 0 and all(
-            a.layer_end == b.layer_start for a, b in zip(plan.stages, plan.stages[1:]))
+            a.layer_end == b.layer_start for a, b in zip(plan.stages, plan.stages[1:])
+        )
         by_id = {w.id: w for w in workers}
         for stage in plan.stages:
             assert all(by_id[i].memory_bytes >= stage.memory_bytes for i in stage.workers)
@@ -92,8 +102,11 @@ def test_star_memory_infeasible_config_names_the_memory() -> None:
 
 
 def test_star_joiner_goes_to_the_bottleneck_it_can_hold() -> None:
-    workers = [MeasuredWorker("a", 4 * GB, 400.0, 0.02, 1e8), MeasuredWorker("b", 4 * GB, 100.0, 0.02, 1e8),
-               MeasuredWorker("c", 4 * GB, 90.0, 0.02, 1e8)]
+    workers = [
+        MeasuredWorker("a", 4 * GB, 400.0, 0.02, 1e8),
+        MeasuredWorker("b", 4 * GB, 100.0, 0.02, 1e8),
+        MeasuredWorker("c", 4 * GB, 90.0, 0.02, 1e8),
+    ]
     plan = plan_star(workers, _model(), PipelineConfig(stages=2))
     slowest = plan.bottleneck
     joined = assign_joiner(plan, MeasuredWorker("j", 4 * GB, 200.0, 0.02, 1e8))
@@ -108,10 +121,20 @@ def test_rebalance_moves_only_when_the_gain_beats_the_download() -> None:
     plan = plan_star(workers, model, PipelineConfig(stages=2, rebalance_every_batches=50))
     assert rebalance(plan, workers) is None  # as planned: no move gains
     small = min(plan.stages, key=lambda s: len(s.workers))
-    slowed = [MeasuredWorker(w.id, w.memory_bytes, 5.0, w.rtt_s, w.bandwidth) if w.id == small.workers[0] else w
-              for w in workers]
-    current = max(stage_seconds([w for w in slowed if w.id in s.workers], model, plan.config, s.index, 2,
-                                s.layer_end - s.layer_start) for s in plan.stages) * 9 / 8
+    slowed = [
+        MeasuredWorker(w.id, w.memory_bytes, 5.0, w.rtt_s, w.bandwidth) if w.id == small.workers[0] else w
+        for w in workers
+    ]
+    current = (
+        max(
+            stage_seconds(
+                [w for w in slowed if w.id in s.workers], model, plan.config, s.index, 2, s.layer_end - s.layer_start
+            )
+            for s in plan.stages
+        )
+        * 9
+        / 8
+    )
     move = rebalance(plan, slowed)
     assert move is not None and move.to_stage == small.index and move.from_stage != small.index
     assert move.gain_s_per_batch * 50 > move.download_s

@@ -67,7 +67,7 @@ def stages_logits(config, flat, tokens: torch.Tensor) -> torch.Tensor:
     spec = config.model.spec()
     stages = [build_stage(spec, cut) for cut in cut_stages(units_of(spec), cut_model(config).layers)]
     for stage in stages:
-        stage.load_flat(flat[stage.cut.start:stage.cut.end])
+        stage.load_flat(flat[stage.cut.start : stage.cut.end])
         stage.eval()
     with torch.no_grad():
         h = tokens
@@ -89,12 +89,23 @@ def load_exported(folder: Path) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
-def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launch_stage_worker, tmp_path, capsys,
-                                                              run):
+def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launch_stage_worker, tmp_path, capsys, run):
     relay, step, flat = train(serve_relay, launch_stage_worker, RUNS[run]())
     out = tmp_path / "export"
-    assert main(["export", "--config", str(tmp_path / "relay.toml"), "--data-dir", str(tmp_path / "relay-data"),
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--config",
+                str(tmp_path / "relay.toml"),
+                "--data-dir",
+                str(tmp_path / "relay-data"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert f"version {step} written" in capsys.readouterr().out  # the latest version, not the initial one
     config = load_config(tmp_path / "relay.toml")
     model = load_exported(out)
@@ -114,11 +125,16 @@ def test_evaluation_of_a_pipeline_run_reaches_the_status(serve_relay, launch_sta
     scored here on the same held-out windows."""
     held_out = tmp_path / "valid.txt"
     held_out.write_text("Held-out text the stage workers never see, to validate the whole model on.\n" * 8)
-    overrides = {**recipe_overrides(), "evaluation": {"data_files": [str(held_out)], "samples": 4, "batch_size": 2,
-                                                      "seq_len": 32, "every_steps": 1}}
+    overrides = {
+        **recipe_overrides(),
+        "evaluation": {"data_files": [str(held_out)], "samples": 4, "batch_size": 2, "seq_len": 32, "every_steps": 1},
+    }
     relay, step, flat = train(serve_relay, launch_stage_worker, overrides)
-    status = relay.wait_for(lambda s: s["evaluations"] and s["evaluations"][-1]["step"] == step, timeout_s=120,
-                            what=f"version {step} evaluated")
+    status = relay.wait_for(
+        lambda s: s["evaluations"] and s["evaluations"][-1]["step"] == step,
+        timeout_s=120,
+        what=f"version {step} evaluated",
+    )
     record = status["evaluations"][-1]
     config = load_config(tmp_path / "relay.toml")
     model = build_model(config.model.spec()).eval()
@@ -132,8 +148,9 @@ TOKEN = "hf_test_organizer_write_token"  # a fake
 REPO_ID = "organizer/pipeline-ckpt"
 
 
-def test_hub_checkpoints_of_a_pipeline_run_and_a_pipeline_run_from_one(serve_relay, launch_stage_worker, tmp_path,
-                                                                       hub_standin: HubStandin, monkeypatch):
+def test_hub_checkpoints_of_a_pipeline_run_and_a_pipeline_run_from_one(
+    serve_relay, launch_stage_worker, tmp_path, hub_standin: HubStandin, monkeypatch
+):
     """Every version is uploaded as the whole model by name; a new pipeline run with
     ``hub.init_from`` that commit starts every stage from exactly those parameters."""
     hub_standin.add_user(TOKEN, "organizer", role="write")
@@ -141,10 +158,14 @@ def test_hub_checkpoints_of_a_pipeline_run_and_a_pipeline_run_from_one(serve_rel
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     hub = {"endpoint": hub_standin.url, "token_env": "COLLAB_TEST_HUB_TOKEN"}
     run = pipeline_overrides(BYTE_SPEC, stages=2)
-    relay, step, flat = train(serve_relay, launch_stage_worker, {**run, "hub": {**hub, "repo_id": REPO_ID,
-                                                                                 "every_steps": 1}})
-    wait_until(lambda: any(json.loads(c.files[INFO_FILE])["step"] == step for c in hub_standin.commits(REPO_ID)),
-               120, f"the checkpoint of step {step}")
+    relay, step, flat = train(
+        serve_relay, launch_stage_worker, {**run, "hub": {**hub, "repo_id": REPO_ID, "every_steps": 1}}
+    )
+    wait_until(
+        lambda: any(json.loads(c.files[INFO_FILE])["step"] == step for c in hub_standin.commits(REPO_ID)),
+        120,
+        f"the checkpoint of step {step}",
+    )
     commit = next(c for c in hub_standin.commits(REPO_ID) if json.loads(c.files[INFO_FILE])["step"] == step)
     named = load(commit.files[MODEL_FILE])
     model = build_model(BYTE_SPEC)

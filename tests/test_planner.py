@@ -57,8 +57,10 @@ def test_computing_set_is_optimal_when_free_peers_are_clients():
     for _ in range(30):
         n = int(rng.integers(2, 9))
         peers = random_swarm(rng, n, p_recv=0.0)
-        servers = [PeerCapacity(f"agg{i}", 0.0, float(10 ** rng.uniform(7, 9)),
-                                float(10 ** rng.uniform(7, 9)), True) for i in range(2)]
+        servers = [
+            PeerCapacity(f"agg{i}", 0.0, float(10 ** rng.uniform(7, 9)), float(10 ** rng.uniform(7, 9)), True)
+            for i in range(2)
+        ]
         peers = servers[: int(rng.integers(1, 3))] + peers
         if not solvable(peers):
             continue
@@ -82,8 +84,7 @@ def test_computing_set_is_near_optimal_in_general():
             plan = solve_plan(peers, params, batch)
         except PlanError:  # e.g. the only aggregator has no bandwidth
             continue
-        ratios.append(plan.steps_per_s / brute_force_best(pbm._normalize(peers, params, batch,
-                                                                         4.0, None)))
+        ratios.append(plan.steps_per_s / brute_force_best(pbm._normalize(peers, params, batch, 4.0, None)))
     assert min(ratios) > 0.85
     assert np.mean(np.array(ratios) > 1 - 1e-6) >= 0.95
 
@@ -144,15 +145,18 @@ def test_peer_with_tiny_upload_is_left_out_when_it_would_slow_everyone(can_recei
     assert len(plan.computing) == 4
     assert plan.fractions.get("slow", 0.0) < 1e-3  # a slice sized to its spare upload at most
     if not can_receive:  # pinned on, it must upload its gradient: everyone waits for it
-        forced = solve_plan(peers[:4] + [PeerCapacity("slow", 100.0, 0.1 * MB, 125 * MB, False,
-                                                      True)], 25_600_000, 400.0)
+        forced = solve_plan(
+            peers[:4] + [PeerCapacity("slow", 100.0, 0.1 * MB, 125 * MB, False, True)], 25_600_000, 400.0
+        )
         assert forced.computes["slow"] == 1.0
         assert plan.steps_per_s > 100 * forced.steps_per_s
 
 
 def test_pinned_computes_are_respected():
-    peers = equal_peers(3, None) + [PeerCapacity("off", 500.0, 125 * MB, 125 * MB, True, False),
-                                    PeerCapacity("on", 1.0, 20 * MB, 20 * MB, False, True)]
+    peers = equal_peers(3, None) + [
+        PeerCapacity("off", 500.0, 125 * MB, 125 * MB, True, False),
+        PeerCapacity("on", 1.0, 20 * MB, 20 * MB, False, True),
+    ]
     plan = solve_plan(peers, 25_600_000, 100.0)
     assert plan.computes["off"] == 0.0 and "off" not in plan.computing
     assert plan.computes["on"] == 1.0 and "on" in plan.computing
@@ -178,19 +182,27 @@ def test_lone_peer_needs_no_network():
 # Errors
 
 
-@pytest.mark.parametrize("peers, message", [
-    ([], "no peers"),
-    ([PeerCapacity("a", 10, MB, MB, False)], "no peer can receive"),
-    ([PeerCapacity("a", 0, MB, MB, True), PeerCapacity("b", 5, MB, MB, True, False)],
-     "no peer computes"),
-    ([PeerCapacity("a", 0, 0, 0, True)], "every rate is zero"),
-    ([PeerCapacity("a", 0, 0, 0, True), PeerCapacity("b", 1, MB, MB, False),
-      PeerCapacity("c", 1, MB, MB, False)], "no plan makes progress"),
-    ([PeerCapacity("a", 1, -1, MB, True)], "finite number >= 0"),
-    ([PeerCapacity("a", math.nan, MB, MB, True)], "finite number >= 0"),
-    ([PeerCapacity("a", 1, MB, MB, True), PeerCapacity("a", 1, MB, MB, True)], "duplicate"),
-    ([PeerCapacity("a", 0, MB, MB, True, True)], "pinned computes=True"),
-])
+@pytest.mark.parametrize(
+    "peers, message",
+    [
+        ([], "no peers"),
+        ([PeerCapacity("a", 10, MB, MB, False)], "no peer can receive"),
+        ([PeerCapacity("a", 0, MB, MB, True), PeerCapacity("b", 5, MB, MB, True, False)], "no peer computes"),
+        ([PeerCapacity("a", 0, 0, 0, True)], "every rate is zero"),
+        (
+            [
+                PeerCapacity("a", 0, 0, 0, True),
+                PeerCapacity("b", 1, MB, MB, False),
+                PeerCapacity("c", 1, MB, MB, False),
+            ],
+            "no plan makes progress",
+        ),
+        ([PeerCapacity("a", 1, -1, MB, True)], "finite number >= 0"),
+        ([PeerCapacity("a", math.nan, MB, MB, True)], "finite number >= 0"),
+        ([PeerCapacity("a", 1, MB, MB, True), PeerCapacity("a", 1, MB, MB, True)], "duplicate"),
+        ([PeerCapacity("a", 0, MB, MB, True, True)], "pinned computes=True"),
+    ],
+)
 def test_bad_or_hopeless_swarms_raise_plan_error(peers, message):
     with pytest.raises(PlanError, match=message):
         solve_plan(peers, 1000, 10)
@@ -198,8 +210,11 @@ def test_bad_or_hopeless_swarms_raise_plan_error(peers, message):
 
 def test_bad_arguments_raise_plan_error():
     peers = equal_peers(2)
-    for kwargs in ({"num_params": 0, "target_batch": 1}, {"num_params": 10, "target_batch": 0},
-                   {"num_params": 10, "target_batch": 1, "bytes_per_param": -2}):
+    for kwargs in (
+        {"num_params": 0, "target_batch": 1},
+        {"num_params": 10, "target_batch": 0},
+        {"num_params": 10, "target_batch": 1, "bytes_per_param": -2},
+    ):
         with pytest.raises(PlanError):
             solve_plan(peers, **kwargs)
     with pytest.raises(PlanError, match="unknown peer"):
@@ -212,13 +227,11 @@ def test_bad_arguments_raise_plan_error():
 
 
 @settings(max_examples=200, deadline=None)
-@given(shares=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=20),
-       num_params=st.integers(0, 10**9))
+@given(shares=st.lists(st.floats(1e-6, 1.0), min_size=1, max_size=20), num_params=st.integers(0, 10**9))
 def test_slices_are_exact_contiguous_and_ordered(shares, num_params):
     ids = tuple(f"a{i:02d}" for i in range(len(shares)))
     total = sum(shares)
-    plan = Plan(1.0, {k: s / total for k, s in zip(ids, shares)}, {}, "v", num_params, 1.0,
-                   aggregators=ids)
+    plan = Plan(1.0, {k: s / total for k, s in zip(ids, shares)}, {}, "v", num_params, 1.0, aggregators=ids)
     slices = plan.slices()
     assert [s[0] for s in slices] == [k for k in ids if k in {s[0] for s in slices}]
     start = 0
@@ -226,7 +239,7 @@ def test_slices_are_exact_contiguous_and_ordered(shares, num_params):
         assert lo == start and hi > lo
         start = hi
     assert start == num_params
-    for (pid, lo, hi) in slices:  # each slice within one element of its exact share
+    for pid, lo, hi in slices:  # each slice within one element of its exact share
         assert abs((hi - lo) - plan.fractions[pid] * num_params) < 1.0 + 1e-6 * num_params
 
 
@@ -244,23 +257,34 @@ def test_plan_is_deterministic_and_order_independent():
     again = solve_plan(shuffled, 5_000_000, 300.0)
     assert again == plan and again.version == plan.version
     assert solve_plan(peers, 5_000_001, 300.0).version != plan.version
-    code = ("import json, sys\n"  # the same peers in another process with another hash seed
-            "from relay_server.planning.planner import solve_plan\n"
-            "from relay_server.planning.problem import PeerCapacity\n"
-            "peers = [PeerCapacity(*fields) for fields in json.loads(sys.argv[1])]\n"
-            "print(solve_plan(peers, 5_000_000, 300.0).version)\n")
+    code = (
+        "import json, sys\n"  # the same peers in another process with another hash seed
+        "from relay_server.planning.planner import solve_plan\n"
+        "from relay_server.planning.problem import PeerCapacity\n"
+        "peers = [PeerCapacity(*fields) for fields in json.loads(sys.argv[1])]\n"
+        "print(solve_plan(peers, 5_000_000, 300.0).version)\n"
+    )
     fields = json.dumps([dataclasses.astuple(p) for p in peers])  # floats round-trip exactly
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code, fields], capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(__file__)), check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, fields],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+        check=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == plan.version
 
 
 def test_predicted_round_matches_the_lp_when_bandwidth_binds():
     rng = np.random.default_rng(7)
     for _ in range(15):
-        peers = [PeerCapacity(p.peer_id, 1e9, p.upload, p.download, p.can_receive, True)
-                 for p in random_swarm(rng, int(rng.integers(2, 9)), aux=False, pins=False)]
+        peers = [
+            PeerCapacity(p.peer_id, 1e9, p.upload, p.download, p.can_receive, True)
+            for p in random_swarm(rng, int(rng.integers(2, 9)), aux=False, pins=False)
+        ]
         if not solvable(peers):
             continue
         plan = solve_plan(peers, 10_000_000, 1.0)
@@ -284,8 +308,7 @@ def test_time_model_reproduces_textbook_formulas():
 
 
 def test_plan_serializes_to_json():
-    plan = solve_plan(equal_peers(3) + [PeerCapacity("relay", 0, 500 * MB, 500 * MB, True)],
-                      1_000_003, 1.0)
+    plan = solve_plan(equal_peers(3) + [PeerCapacity("relay", 0, 500 * MB, 500 * MB, True)], 1_000_003, 1.0)
     doc = json.loads(plan.to_json())
     assert doc["version"] == plan.version and doc["num_params"] == 1_000_003
     assert sum(hi - lo for _, lo, hi in doc["slices"]) == 1_000_003

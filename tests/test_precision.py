@@ -15,13 +15,27 @@ from toolkit.runtime.precision import LossScaler, PrecisionPolicy, choose_precis
 
 
 def _gpu(name: str, cc: tuple[int, int], gib: float, platform: str | None = None) -> DeviceInfo:
-    return DeviceInfo(kind="cuda", name=name, memory_bytes=int(gib * 2**30), compute_capability=cc,
-                      device_count=1, torch_version="2.5.1+cu121", platform=platform)
+    return DeviceInfo(
+        kind="cuda",
+        name=name,
+        memory_bytes=int(gib * 2**30),
+        compute_capability=cc,
+        device_count=1,
+        torch_version="2.5.1+cu121",
+        platform=platform,
+    )
 
 
 def _tpu(name: str, count: int) -> DeviceInfo:
-    return DeviceInfo(kind="tpu", name=name, memory_bytes=16 * 2**30, device_count=count,
-                      torch_version="2.5.1", torch_xla_version="2.5.1+libtpu", platform="colab")
+    return DeviceInfo(
+        kind="tpu",
+        name=name,
+        memory_bytes=16 * 2**30,
+        device_count=count,
+        torch_version="2.5.1",
+        torch_xla_version="2.5.1+libtpu",
+        platform="colab",
+    )
 
 
 # What detect() reports on the hardware volunteers bring (names and memory as torch reports them).
@@ -38,13 +52,31 @@ RECORDED = {
     "TPU v3": _tpu("TPU v3-8", 8),
     "TPU v5e": _tpu("TPU v5litepod-8", 8),
     "MPS": DeviceInfo(kind="mps", name="Apple MPS", memory_bytes=12 * 2**30, torch_version="2.5.1"),
-    "CPU": DeviceInfo(kind="cpu", name="Intel(R) Xeon(R) CPU @ 2.20GHz", memory_bytes=13 * 2**30,
-                      device_count=2, torch_version="2.5.1", platform="colab"),
+    "CPU": DeviceInfo(
+        kind="cpu",
+        name="Intel(R) Xeon(R) CPU @ 2.20GHz",
+        memory_bytes=13 * 2**30,
+        device_count=2,
+        torch_version="2.5.1",
+        platform="colab",
+    ),
 }
 
-LOCAL = {"T4": "fp16", "P100": "fp16", "V100": "fp16", "A100": "bf16", "L4": "bf16", "H100": "bf16",
-         "P4": "fp32", "K80": "fp32", "TPU v2": "bf16", "TPU v3": "bf16", "TPU v5e": "bf16", "MPS": "fp32",
-         "CPU": "fp32"}
+LOCAL = {
+    "T4": "fp16",
+    "P100": "fp16",
+    "V100": "fp16",
+    "A100": "bf16",
+    "L4": "bf16",
+    "H100": "bf16",
+    "P4": "fp32",
+    "K80": "fp32",
+    "TPU v2": "bf16",
+    "TPU v3": "bf16",
+    "TPU v5e": "bf16",
+    "MPS": "fp32",
+    "CPU": "fp32",
+}
 
 # pin -> (devices that refuse it, devices that accept it but warn "slow")
 PINS = {
@@ -90,8 +122,15 @@ def test_an_unknown_pin_is_a_typed_error():
 
 def test_to_json_shows_the_choice_to_the_collaboration():
     fp16 = json.loads(json.dumps(choose_precision(RECORDED["T4"], None).to_json()))
-    assert fp16 == {"name": "fp16", "device_type": "cuda", "pinned": False, "loss_scaling": True,
-                    "reason": fp16["reason"], "scale": 65536.0, "overflows": 0}
+    assert fp16 == {
+        "name": "fp16",
+        "device_type": "cuda",
+        "pinned": False,
+        "loss_scaling": True,
+        "reason": fp16["reason"],
+        "scale": 65536.0,
+        "overflows": 0,
+    }
     bf16 = choose_precision(RECORDED["TPU v3"], "bf16").to_json()
     assert bf16["name"] == "bf16" and bf16["pinned"] and not bf16["loss_scaling"] and "scale" not in bf16
 

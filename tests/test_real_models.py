@@ -17,8 +17,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_real_models_smallest():
-    proc = subprocess.run([sys.executable, "benchmarks/real_models.py", "--models", "albert-tiny", "--steps", "1",
-                           "--skip-demo"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/real_models.py", "--models", "albert-tiny", "--steps", "1", "--skip-demo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["demo"] is None

@@ -42,14 +42,16 @@ from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartb
 from toolkit.wire.tensor_container import iter_encoded
 
 
-def start_limited(tmp_path: Path, overrides: dict, *, soft: int, hard: int | None = None,
-                  name: str = "relay") -> RelayProcess:
+def start_limited(
+    tmp_path: Path, overrides: dict, *, soft: int, hard: int | None = None, name: str = "relay"
+) -> RelayProcess:
     """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
     config = write_config(tmp_path / f"{name}.toml", merged(overrides))
     relay = RelayProcess(config, tmp_path / f"{name}-data", tmp_path / f"{name}.log")
-    limited = functools.partial(subprocess.Popen,
-                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    limited = functools.partial(
+        subprocess.Popen, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    )
     with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits
         patch.setattr(subprocess, "Popen", limited)
         relay.start()
@@ -74,8 +76,15 @@ class Crowd:
     then one byte of ``trickle`` every ``every_s`` (None: nothing more). With ``reopen`` a
     connection the relay closed or answered is opened again at once (about once a second)."""
 
-    def __init__(self, port: int, n: int, opening: bytes = b"", trickle: bytes | None = None,
-                 every_s: float = 0.5, reopen: bool = True) -> None:
+    def __init__(
+        self,
+        port: int,
+        n: int,
+        opening: bytes = b"",
+        trickle: bytes | None = None,
+        every_s: float = 0.5,
+        reopen: bool = True,
+    ) -> None:
         self.port, self.n, self.opening, self.trickle, self.every_s = port, n, opening, trickle, every_s
         self.reopen = reopen
         self.reopened = 0
@@ -200,7 +209,7 @@ class CuttingProxy:
                         body_at = seen.index(b"\r\n\r\n") + 4
                         self.spoiled += 1
                         if self.mode == "cut":
-                            writer.write(seen[:body_at + 100])
+                            writer.write(seen[: body_at + 100])
                             await writer.drain()
                             writer.transport.abort()
                             up_writer.close()
@@ -269,13 +278,21 @@ def test_stalled_upload_is_cut_and_its_peer_expires(start_relay) -> None:
     assert state.round is not None  # 48 samples = the target batch: round 0 waits for this peer
     meta = GradientMeta(peer_id=joined.peer_id, step=0, version=0, samples=48, loss_sum=1.0)
     tensors = get_codec("none").encode(np.ones(run.num_params, dtype=np.float32))
-    body = b"".join(bytes(piece) for piece in iter_encoded(tensors, {"collab": meta.dumps().decode(), "codec": "none"}))
+    body = b"".join(
+        bytes(piece) for piece in iter_encoded(tensors, {"collab": meta.dumps().decode(), "codec": "none"})
+    )
     path = ROUTES["gradient"].format(step=0) + f"?peer_id={joined.peer_id}"
     with socket.create_connection(("127.0.0.1", relay.port), timeout=30) as sock:
-        sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:-100])  # then nothing
-        relay.wait_for(lambda s: s["num_peers"] == 0 and s["round"] is None, timeout_s=30,
-                       what="the stalled peer to expire and its round to close")
+        sock.sendall(
+            f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:-100]
+        )  # then nothing
+        relay.wait_for(
+            lambda s: s["num_peers"] == 0 and s["round"] is None,
+            timeout_s=30,
+            what="the stalled peer to expire and its round to close",
+        )
         sock.settimeout(10)
         try:
             closed = sock.recv(65536) == b""
@@ -299,10 +316,13 @@ def test_a_stall_of_the_relay_itself_expires_nobody(serve_relay) -> None:
 def test_slowloris_connections_do_not_stop_rounds(limited_relay, launch_peer) -> None:
     relay = limited_relay({"connections": {"idle_timeout_s": 2.0, "body_idle_timeout_s": 2.0}}, soft=64)
     head = b"GET /api/status HTTP/1.1\r\nHost: x\r\n"
-    body = (f"POST {ROUTES['join']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            "Content-Length: 900\r\n\r\n{").encode()  # then a byte every 3 s: cut after 2 s without one
-    with Crowd(relay.port, 25, head, trickle=b"X", every_s=0.5) as slow_heads, \
-            Crowd(relay.port, 25, body, trickle=b" ", every_s=3.0) as slow_bodies:
+    body = (
+        f"POST {ROUTES['join']} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 900\r\n\r\n{{"
+    ).encode()  # then a byte every 3 s: cut after 2 s without one
+    with (
+        Crowd(relay.port, 25, head, trickle=b"X", every_s=0.5) as slow_heads,
+        Crowd(relay.port, 25, body, trickle=b" ", every_s=3.0) as slow_bodies,
+    ):
         peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=8 + 8 * i, steps=3) for i in range(2)]
         assert all(peer.wait(timeout_s=180) == 0 for peer in peers), [p.log_path.read_text()[-2000:] for p in peers]
         deadline = time.monotonic() + 30
@@ -344,9 +364,12 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
     served); an upload that would put more than ``max_upload_bytes`` in flight is answered 503 +
     Retry-After before any of its body is read, and one larger than the cap itself (it could never
     fit) 413. The upload in flight is an expert checkpoint a host streams slowly."""
-    relay = start_relay({"connections": {"exempt_loopback": False, "max_per_address": 3,
-                                         "max_upload_bytes": 2_000_000},
-                         "moe": {"enabled": True, "grid": [1, 1], "expert": {"kind": "ffn", "d": 8, "hidden": 16384}}})
+    relay = start_relay(
+        {
+            "connections": {"exempt_loopback": False, "max_per_address": 3, "max_upload_bytes": 2_000_000},
+            "moe": {"enabled": True, "grid": [1, 1], "expert": {"kind": "ffn", "d": 8, "hidden": 16384}},
+        }
+    )
     idle = [socket.create_connection(("127.0.0.1", relay.port), timeout=10) for _ in range(3)]
     client = RelayClient(relay.url)  # retries a 503 (the idle ones may still be being registered)
     assert client.get_status().run_name == "test-run"
@@ -362,8 +385,11 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
 
     def upload(path: str, length: int) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", relay.port), timeout=10)
-        sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
-                     f"Content-Length: {length}\r\n\r\n".encode() + b"\0" * 8)  # a body that stalls
+        sock.sendall(
+            f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+            f"Content-Length: {length}\r\n\r\n".encode()
+            + b"\0" * 8
+        )  # a body that stalls
         return sock
 
     with upload(checkpoint, 1_500_000):  # in flight: 1.5 MB of the 2 MB reserved
@@ -380,8 +406,13 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
 
 def many_peers(*args: str, timeout_s: float) -> dict:
     """Run benchmarks/many_peers.py; its last line is the JSON summary."""
-    done = subprocess.run([sys.executable, "benchmarks/many_peers.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "benchmarks/many_peers.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stdout)
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,8 +20,9 @@ from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES
 
 def join(url: str, count: int) -> None:
     for i in range(count):
-        answer = requests.post(url + ROUTES["join"], json={"peer_name": f"p{i}", "protocol": PROTOCOL_VERSION},
-                               timeout=10)
+        answer = requests.post(
+            url + ROUTES["join"], json={"peer_name": f"p{i}", "protocol": PROTOCOL_VERSION}, timeout=10
+        )
         assert answer.status_code == 200, answer.text
 
 
@@ -58,8 +59,12 @@ def test_the_recovery_copy_pulls_parameters_only_at_its_interval(serve_relay, st
     """``params_copy_every`` past the run's length: after slicing, the copy keeps the parameters
     the relay handed out at the plan change, and /api/plan says what the copy costs per step."""
     every = 1000
-    relay = serve_relay({"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
-                         "aggregators": {**FAST_AGGREGATORS, "params_copy_every": every, "state_copy_every": every}})
+    relay = serve_relay(
+        {
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+            "aggregators": {**FAST_AGGREGATORS, "params_copy_every": every, "state_copy_every": every},
+        }
+    )
     aggregators = start_aggregators(relay, "agg0", wait=False)
     peers, _, status = train_sliced(relay, aggregators, launch_peer, 3, seed=3)
     collab = relay.app[COLLAB]

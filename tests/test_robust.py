@@ -64,7 +64,7 @@ def _accumulate(order: list[int], rows: list[np.ndarray], chunk: int, start=None
     acc = RobustAccumulator(num_params=D, chunk_elems=chunk, start=start)
     for i in order:
         for lo in range(0, D, chunk):
-            acc.add_chunk(f"peer{i}", lo, rows[i][lo:lo + chunk] * 16, samples=16)  # sums, as uploaded
+            acc.add_chunk(f"peer{i}", lo, rows[i][lo : lo + chunk] * 16, samples=16)  # sums, as uploaded
     grad = np.full(D, np.nan, dtype=np.float32)
     acc.finish_into(grad)
     return grad
@@ -76,8 +76,9 @@ def test_deterministic_whatever_the_arrival_order() -> None:
     first = _accumulate(list(range(9)), rows, chunk=500)
     again = _accumulate([8, 3, 1, 0, 7, 2, 6, 5, 4], rows, chunk=500)
     assert first.tobytes() == again.tobytes()
-    per_chunk = np.concatenate([centered_clip([r[lo:lo + 500] for r in rows], [16.0] * 9).center
-                                for lo in range(0, D, 500)])
+    per_chunk = np.concatenate(
+        [centered_clip([r[lo : lo + 500] for r in rows], [16.0] * 9).center for lo in range(0, D, 500)]
+    )
     np.testing.assert_array_equal(first, per_chunk)  # chunk-wise CenteredClip, last chunk short
 
 
@@ -127,10 +128,15 @@ def test_robust_sgd_final_loss_close_to_clean_run() -> None:
 
 
 @settings(max_examples=100, deadline=None, database=None)
-@given(st.integers(1, 6).flatmap(lambda n: st.tuples(
-    st.lists(arrays(np.float32, 16, elements=st.floats(-1e6, 1e6, width=32)), min_size=n, max_size=n),
-    st.lists(st.floats(0.5, 100), min_size=n, max_size=n),
-    st.integers(1, 5))))
+@given(
+    st.integers(1, 6).flatmap(
+        lambda n: st.tuples(
+            st.lists(arrays(np.float32, 16, elements=st.floats(-1e6, 1e6, width=32)), min_size=n, max_size=n),
+            st.lists(st.floats(0.5, 100), min_size=n, max_size=n),
+            st.integers(1, 5),
+        )
+    )
+)
 def test_center_moves_at_most_iterations_times_tau(case) -> None:
     rows, weights, iterations = case
     result = centered_clip(rows, weights, config=CenteredClipConfig(iterations=iterations))

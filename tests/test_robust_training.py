@@ -78,8 +78,9 @@ def uploads(seed: int = 0) -> dict[str, tuple[np.ndarray, int]]:
     return out
 
 
-def reduce_all(robust: CenteredClipConfig | None, contributions: dict[str, tuple[np.ndarray, int]],
-               excluded: tuple[str, ...] = ()) -> np.ndarray:
+def reduce_all(
+    robust: CenteredClipConfig | None, contributions: dict[str, tuple[np.ndarray, int]], excluded: tuple[str, ...] = ()
+) -> np.ndarray:
     async def main() -> np.ndarray:
         reducer = Reducer(np.zeros(NUM, np.float32), get_codec("none"), robust=robust)
         try:
@@ -91,6 +92,7 @@ def reduce_all(robust: CenteredClipConfig | None, contributions: dict[str, tuple
             return reducer.sum.copy()
         finally:
             reducer.close()
+
     return asyncio.run(main())
 
 
@@ -114,8 +116,9 @@ def test_relay_center_is_centered_clip_of_each_chunk() -> None:
 def test_a_peer_excluded_mid_round_leaves_no_trace_in_robust_mode() -> None:
     contributions = uploads(seed=1)
     without = {p: c for p, c in contributions.items() if p != "peer5"}
-    np.testing.assert_array_equal(reduce_all(CenteredClipConfig(), contributions, excluded=("peer5",)),
-                                  reduce_all(CenteredClipConfig(), without))
+    np.testing.assert_array_equal(
+        reduce_all(CenteredClipConfig(), contributions, excluded=("peer5",)), reduce_all(CenteredClipConfig(), without)
+    )
 
 
 def test_chunks_from_an_excluded_peer_are_refused() -> None:
@@ -132,6 +135,7 @@ def test_chunks_from_an_excluded_peer_are_refused() -> None:
                 assert (await feed(reducer, "banned", np.ones(NUM, np.float32), 4)).chunks_added == 2
             finally:
                 reducer.close()
+
     asyncio.run(main())
 
 
@@ -143,15 +147,21 @@ def test_robust_mode_needs_the_peer_id() -> None:
                 await feed(reducer, "", np.ones(NUM, np.float32), 4)
         finally:
             reducer.close()
+
     asyncio.run(main())
 
 
 def test_aggregation_setting() -> None:
     assert load_config(None).rounds.aggregation == "mean" and robust_config(load_config(None).rounds) is None
-    rounds = load_config(None, env={"RELAY_ROUNDS_AGGREGATION": "centered_clip", "RELAY_ROUNDS_CLIP_TAU": "2.5"}).rounds
+    rounds = load_config(
+        None, env={"RELAY_ROUNDS_AGGREGATION": "centered_clip", "RELAY_ROUNDS_CLIP_TAU": "2.5"}
+    ).rounds
     assert robust_config(rounds) == CenteredClipConfig(tau=2.5)
-    for bad, setting in [({"aggregation": "median"}, "rounds.aggregation"), ({"clip_iterations": 0}, "clip_iterations"),
-                         ({"clip_max_weight_ratio": 0.5}, "clip_max_weight_ratio")]:
+    for bad, setting in [
+        ({"aggregation": "median"}, "rounds.aggregation"),
+        ({"clip_iterations": 0}, "clip_iterations"),
+        ({"clip_max_weight_ratio": 0.5}, "clip_max_weight_ratio"),
+    ]:
         with pytest.raises(ConfigError, match=setting):
             load_config(None, overrides={"rounds": bad})
 
@@ -179,14 +189,28 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
     """8 peers train ``steps`` steps, or until the run diverged (a round's training loss far above
     the untrained model's, or no step for 15 s: a diverged model's gradients are not finite, peers
     skip them, and no round can open); the final loss is measured on the relay's parameters."""
-    config = merged({
-        "run": {"target_batch": BATCH * PEERS, "total_steps": steps, "max_staleness": 0, "seed": 0, "precision": ""},
-        "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": MODEL},
-        "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
-        "rounds": {"heartbeat_interval_s": 0.5, "peer_ttl_s": 20.0, "deadline_floor_s": 2.0,
-                   "deadline_initial_s": 10.0, "deadline_ceiling_s": 20.0, "aggregation": aggregation},
-        "server": {"port": 0, "data_dir": str(tmp_path / f"{name}-data")},
-    })
+    config = merged(
+        {
+            "run": {
+                "target_batch": BATCH * PEERS,
+                "total_steps": steps,
+                "max_staleness": 0,
+                "seed": 0,
+                "precision": "",
+            },
+            "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": MODEL},
+            "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
+            "rounds": {
+                "heartbeat_interval_s": 0.5,
+                "peer_ttl_s": 20.0,
+                "deadline_floor_s": 2.0,
+                "deadline_initial_s": 10.0,
+                "deadline_ceiling_s": 20.0,
+                "aggregation": aggregation,
+            },
+            "server": {"port": 0, "data_dir": str(tmp_path / f"{name}-data")},
+        }
+    )
     relay = InProcessRelay(load_config(None, overrides=config))
     stop, threads, optimizers = threading.Event(), [], []
     started = time.monotonic()
@@ -201,8 +225,14 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
 
                 client.upload_gradient = scaled
             model = build_model(ModelSpec(factory="toolkit.models:ByteTransformer", kwargs=MODEL))
-            opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, peer_name=f"{name}-{i}",
-                                         report_interval_s=0.2, round_wait_s=30.0)
+            opt = CollaborativeOptimizer(
+                model,
+                client=client,
+                batch_size_per_step=BATCH,
+                peer_name=f"{name}-{i}",
+                report_interval_s=0.2,
+                round_wait_s=30.0,
+            )
             optimizers.append(opt)
             threads.append(threading.Thread(target=_peer_loop, args=(model, opt, 1000 + i, stop), daemon=True))
         for thread in threads:
@@ -250,11 +280,17 @@ def _peer_loop(model: torch.nn.Module, opt: CollaborativeOptimizer, seed: int, s
 def simulate(aggregation: str, attacker: bool, steps: int, lr: float = 0.2) -> Outcome:
     """The relay's aggregation and optimizer step, fed by 8 in-process peers in lockstep."""
     started = time.monotonic()
-    config = load_config(None, overrides=merged({
-        "run": {"target_batch": BATCH * PEERS, "total_steps": steps, "seed": 0, "precision": ""},
-        "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": MODEL},
-        "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
-        "rounds": {"aggregation": aggregation}}))
+    config = load_config(
+        None,
+        overrides=merged(
+            {
+                "run": {"target_batch": BATCH * PEERS, "total_steps": steps, "seed": 0, "precision": ""},
+                "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": MODEL},
+                "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0},
+                "rounds": {"aggregation": aggregation},
+            }
+        ),
+    )
     torch.manual_seed(config.run.seed)
     model = build_model(ModelSpec(factory=config.model.factory, kwargs=MODEL))
     master = MasterState(layout_of(model), flatten(model), config.optimizer, steps)
@@ -286,8 +322,10 @@ def simulate(aggregation: str, attacker: bool, steps: int, lr: float = 0.2) -> O
 
 
 def check_outcomes(outcomes: dict[str, Outcome], steps: int) -> None:
-    print("\n[robust training] " + ", ".join(f"{n}: loss {o.loss:.4f} after {o.steps} steps ({o.seconds:.0f}s)"
-                                           for n, o in outcomes.items()))
+    print(
+        "\n[robust training] "
+        + ", ".join(f"{n}: loss {o.loss:.4f} after {o.steps} steps ({o.seconds:.0f}s)" for n, o in outcomes.items())
+    )
     clean, robust, mean = outcomes["clean"], outcomes["centered_clip"], outcomes["mean"]
     assert clean.steps == robust.steps == steps
     assert clean.loss < 5.0  # it learned something (uniform over 256 bytes: 5.55)
@@ -295,9 +333,11 @@ def check_outcomes(outcomes: dict[str, Outcome], steps: int) -> None:
     assert not (math.isfinite(mean.loss) and mean.loss <= 1.05 * clean.loss), outcomes  # the mean does not
 
 
-RUNS = {"clean": dict(aggregation="mean", attacker=False),
-        "centered_clip": dict(aggregation="centered_clip", attacker=True),
-        "mean": dict(aggregation="mean", attacker=True)}
+RUNS = {
+    "clean": dict(aggregation="mean", attacker=False),
+    "centered_clip": dict(aggregation="centered_clip", attacker=True),
+    "mean": dict(aggregation="mean", attacker=True),
+}
 
 
 def test_centered_clip_keeps_training_on_track_with_a_x1000_peer() -> None:
@@ -312,5 +352,6 @@ def test_centered_clip_keeps_training_on_track_with_a_x1000_peer() -> None:
 def test_eight_peers_through_a_real_relay_with_a_x1000_peer(tmp_path, steps: int) -> None:
     """8 CollaborativeOptimizer peers, a real relay, HTTP and all (~30 s for 10 steps here)."""
     torch.set_num_threads(1)
-    check_outcomes({name: train(tmp_path, f"{name}-{steps}", steps=steps, **kwargs)
-                    for name, kwargs in RUNS.items()}, steps=steps)
+    check_outcomes(
+        {name: train(tmp_path, f"{name}-{steps}", steps=steps, **kwargs) for name, kwargs in RUNS.items()}, steps=steps
+    )

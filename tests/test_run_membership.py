@@ -35,7 +35,6 @@ def names(relay) -> list[str]:
     return [p["name"] for p in relay.status()["peers"]]
 
 
-
 def test_backoff_doubles_from_first_to_the_cap_each_wait_jittered_down_by_at_most_its_fraction() -> None:
     backoff = Backoff(first_s=1.0, max_s=8.0, jitter=0.5, rng=random.Random(0))
     waits = [backoff.next() for _ in range(7)]
@@ -69,8 +68,9 @@ def test_a_member_the_relay_forgot_joins_again_once_and_tells_its_role(serve_rel
     proxy = BlipProxy(first.port)
     rejoined: list[str] = []
     clock = Clock(100.0)
-    member = Membership(RelayClient(proxy.url), request("host-a"), on_rejoin=lambda j: rejoined.append(j.peer_id),
-                        clock=clock)
+    member = Membership(
+        RelayClient(proxy.url), request("host-a"), on_rejoin=lambda j: rejoined.append(j.peer_id), clock=clock
+    )
     try:
         lost = member.join().peer_id
         assert member.last_beat_at == 100.0 and names(first) == ["host-a"]
@@ -146,14 +146,17 @@ def test_a_trainer_the_relay_forgot_joins_again_and_trains_on_that_relays_parame
     first relay its proxy switches to a relay that never knew it; its next report joins again, the
     gradient it computed on the first relay's parameters is dropped, the second relay's parameters
     are downloaded in full, and its next micro-batch makes the second relay's first step."""
-    config = {"run": {"target_batch": 4, "max_staleness": 0},
-              "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"}}
+    config = {
+        "run": {"target_batch": 4, "max_staleness": 0},
+        "optimizer": {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "schedule": "constant"},
+    }
     first, second = serve_relay(config, name="first"), serve_relay(config, name="second")
     proxy = BlipProxy(first.port)
     model = build_model(SPEC)
     try:
-        with CollaborativeOptimizer(model, proxy.url, batch_size_per_step=4, report_interval_s=0.0,
-                                    peer_name="trainer") as opt:
+        with CollaborativeOptimizer(
+            model, proxy.url, batch_size_per_step=4, report_interval_s=0.0, peer_name="trainer"
+        ) as opt:
             regression_step(opt, model, 0)  # the target batch: the first relay's step 1
             lost = opt.peer_id
             assert opt.version == 1 and first.status()["step"] == 1

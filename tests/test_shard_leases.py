@@ -82,8 +82,9 @@ def shard_relay(tmp_path):
     def start(dataset: dict) -> ShardRelay:
         config = write_config(tmp_path / "relay.toml", merged({}))
         with open(config, "a") as f:  # the [dataset] section with its array of tables
-            f.write("\n[dataset]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataset.items()
-                                              if k != "sources"))
+            f.write(
+                "\n[dataset]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in dataset.items() if k != "sources")
+            )
             for source in dataset["sources"]:
                 f.write("\n[[dataset.sources]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in source.items()))
         relay = ShardRelay(config, tmp_path / "relay-data", tmp_path / "relay.log", env=dict(OFFLINE))
@@ -102,9 +103,13 @@ def peers(tmp_path):
     def launch(relay: ShardRelay, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         events = tmp_path / f"{name}.events.jsonl"
         env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}
-        proc = subprocess.Popen([sys.executable, str(WORKER), "--relay", relay.url, "--name", name,
-                                 "--events", str(events), *args],
-                                stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), "--relay", relay.url, "--name", name, "--events", str(events), *args],
+            stdout=open(tmp_path / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
         procs.append(proc)
         return proc, events
 
@@ -179,8 +184,11 @@ def stream_in_thread(url: str, name: str, dataset: dict, rows: int, out: dict) -
                     break
                 time.sleep(0.002)  # a little training time per row: the two streams interleave
             texts.close()
-            out[name] = {"peer_id": peer.peer_id, "consumed": consumed,
-                         "samples": Counter({s: n for src in sources for s, n in src.samples.items()})}
+            out[name] = {
+                "peer_id": peer.peer_id,
+                "consumed": consumed,
+                "samples": Counter({s: n for src in sources for s, n in src.samples.items()}),
+            }
         except BaseException as exc:  # handed to the test
             out[name] = exc
         finally:
@@ -195,14 +203,20 @@ def test_two_peers_streaming_at_once_never_hold_the_same_shard(tmp_path, shard_r
     """Also: every consumed row is counted on its shard, the counts survive a relay kill, and a
     newcomer then gets the least-processed shards first (one relay life cycle for all of it)."""
     shards = write_shards(tmp_path / "data", count=8, rows=150)
-    dataset = {"kind": "stream", "shuffle_buffer": 20, "report_every": 10, "cache_dir": str(tmp_path / "cache"),
-               "sources": [{"name": "web", "data_files": shards}]}
+    dataset = {
+        "kind": "stream",
+        "shuffle_buffer": 20,
+        "report_every": 10,
+        "cache_dir": str(tmp_path / "cache"),
+        "sources": [{"name": "web", "data_files": shards}],
+    }
     relay = shard_relay(dataset)
     out: dict = {}
     threads = [stream_in_thread(relay.url, name, dataset, 400, out) for name in ("peer-a", "peer-b")]
     for thread in threads:
         thread.join(timeout=120)
     assert all(isinstance(out.get(n), dict) for n in ("peer-a", "peer-b")), out
+
     def every_lease_ended() -> bool:  # on disk: the pool flushes its log once a second
         events = Counter(e for (e,) in relay.db_rows("SELECT event FROM shard_events"))
         return events["grant"] > 0 and events["release"] + events["finish"] == events["grant"]
@@ -223,8 +237,11 @@ def test_two_peers_streaming_at_once_never_hold_the_same_shard(tmp_path, shard_r
     # Every row a peer consumed was counted on its shard, and nothing else was.
     expected = out["peer-a"]["samples"] + out["peer-b"]["samples"]
     assert sum(expected.values()) == out["peer-a"]["consumed"] + out["peer-b"]["consumed"] == 800
-    wait_until(lambda: sum(n for (n,) in relay.db_rows("SELECT samples FROM shard_coverage")) == 800, 10,
-               "the last counts on disk")
+    wait_until(
+        lambda: sum(n for (n,) in relay.db_rows("SELECT samples FROM shard_coverage")) == 800,
+        10,
+        "the last counts on disk",
+    )
     assert {s: n for s, n in relay.db_rows("SELECT shard, samples FROM shard_coverage") if n} == dict(expected)
 
     # The counts survive a relay killed without a goodbye (they were flushed within a second)...
@@ -248,13 +265,23 @@ def test_two_peers_streaming_at_once_never_hold_the_same_shard(tmp_path, shard_r
 
 def test_a_sigkilled_peers_shard_returns_to_the_pool_after_its_heartbeat_ttl(tmp_path, shard_relay, peers):
     shards = write_shards(tmp_path / "data", count=2, rows=400)
-    relay = shard_relay({"kind": "stream", "shuffle_buffer": 4, "report_every": 5,
-                         "cache_dir": str(tmp_path / "cache"), "sources": [{"name": "web", "data_files": shards}]})
+    relay = shard_relay(
+        {
+            "kind": "stream",
+            "shuffle_buffer": 4,
+            "report_every": 5,
+            "cache_dir": str(tmp_path / "cache"),
+            "sources": [{"name": "web", "data_files": shards}],
+        }
+    )
     victim, events = peers(relay, "victim", "--rows", "100000", "--sleep-per-row", "0.05")
     leased = wait_until(lambda: [e for e in read_events(events) if e["event"] == "leased"], 90, "the victim's lease")
     victim_shard, victim_id = leased[0]["shard"], read_events(events)[0]["peer_id"]
-    wait_until(lambda: any(c["shard"] == victim_shard and c["samples"] > 0 for c in relay.coverage()["shards"]),
-               30, "the victim's first progress report")
+    wait_until(
+        lambda: any(c["shard"] == victim_shard and c["samples"] > 0 for c in relay.coverage()["shards"]),
+        30,
+        "the victim's first progress report",
+    )
     survivor = LivePeer(relay.url, "survivor")
     try:
         other = survivor.leases.lease("web")
@@ -262,13 +289,19 @@ def test_a_sigkilled_peers_shard_returns_to_the_pool_after_its_heartbeat_ttl(tmp
 
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=10)
-        wait_until(lambda: all(c["holders"] == 0 for c in relay.coverage()["shards"] if c["shard"] == victim_shard),
-                   60, "the victim's lease to expire")  # by heartbeat TTL: the 'expire' event below says so
+        wait_until(
+            lambda: all(c["holders"] == 0 for c in relay.coverage()["shards"] if c["shard"] == victim_shard),
+            60,
+            "the victim's lease to expire",
+        )  # by heartbeat TTL: the 'expire' event below says so
 
         back = survivor.leases.lease("web")
         assert back.shard == victim_shard and back.holders == 1 and back.samples > 0  # its rows still count
     finally:
         survivor.close()
-    expired = wait_until(lambda: relay.db_rows(f"SELECT shard FROM shard_events WHERE event = 'expire' "
-                                               f"AND peer_id = '{victim_id}'"), 5, "the expiry in the log")
+    expired = wait_until(
+        lambda: relay.db_rows(f"SELECT shard FROM shard_events WHERE event = 'expire' AND peer_id = '{victim_id}'"),
+        5,
+        "the expiry in the log",
+    )
     assert expired == [(victim_shard,)]  # in the lease log, which is flushed once a second

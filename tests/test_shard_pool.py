@@ -51,8 +51,14 @@ def test_when_every_shard_is_leased_the_least_leased_then_least_processed_is_sha
     pool = pool_of(3)
     for peer in ("p", "q", "r"):
         pool.lease(peer, "a")
-    pool.report("p", [ShardUpdate(source="a", shard=s, samples=n) for s, n in
-                      (("s00.jsonl", 9), ("s01.jsonl", 2), ("s02.jsonl", 5))], alive=False)
+    pool.report(
+        "p",
+        [
+            ShardUpdate(source="a", shard=s, samples=n)
+            for s, n in (("s00.jsonl", 9), ("s01.jsonl", 2), ("s02.jsonl", 5))
+        ],
+        alive=False,
+    )
     shared = pool.lease("late", "a")
     assert (shared.shard, shared.holders) == ("s01.jsonl", 2)  # all held once: the least processed
     again = pool.lease("later", "a")
@@ -124,15 +130,28 @@ def test_unknown_sources_and_shards_are_named():
     with pytest.raises(ApiError, match="no dataset named 'b'") as err:
         pool.lease("p", "b")
     assert err.value.status == 404 and "['a']" in err.value.hint
-    ack = pool.report("p", [ShardUpdate(source="a", shard="elsewhere.jsonl", samples=3),
-                            ShardUpdate(source="a", shard="s00.jsonl", samples=3)])
+    ack = pool.report(
+        "p",
+        [
+            ShardUpdate(source="a", shard="elsewhere.jsonl", samples=3),
+            ShardUpdate(source="a", shard="s00.jsonl", samples=3),
+        ],
+    )
     assert (ack.accepted, ack.unknown) == (1, ["elsewhere.jsonl"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["lease", "release", "finish", "progress", "expire"]),
-                          st.integers(0, 4), st.integers(0, 1000)), max_size=80),
-       st.integers(1, 7))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["lease", "release", "finish", "progress", "expire"]),
+            st.integers(0, 4),
+            st.integers(0, 1000),
+        ),
+        max_size=80,
+    ),
+    st.integers(1, 7),
+)
 def test_no_shard_is_shared_while_an_unleased_one_remains(ops, n_shards):
     """Random lease/release/progress/expire sequences from five peers: every grant of a shard
     that already had a lease happens only when every shard of the source had one."""
@@ -149,8 +168,14 @@ def test_no_shard_is_shared_while_an_unleased_one_remains(ops, n_shards):
             live.add(peer)
         elif op in ("release", "finish") and held:
             shard = held[amount % len(held)][1]
-            pool.report(peer, [ShardUpdate(source="a", shard=shard, samples=amount, release=True,
-                                           finished=op == "finish", rows=amount)])
+            pool.report(
+                peer,
+                [
+                    ShardUpdate(
+                        source="a", shard=shard, samples=amount, release=True, finished=op == "finish", rows=amount
+                    )
+                ],
+            )
         elif op == "progress" and held:
             pool.report(peer, [ShardUpdate(source="a", shard=held[0][1], samples=amount)])
         elif op == "expire":
@@ -195,11 +220,14 @@ def test_a_failed_write_keeps_the_changes_for_the_next(tmp_path):
     assert pool.take_changes() == (rows, events)
 
 
-@pytest.mark.parametrize("section,expected", [
-    ({"kind": "demo_corpus"}, None),
-    ({}, None),
-    ({"kind": "stream", "leases": False, "sources": [{"data_files": ["x.txt"]}]}, None),
-])
+@pytest.mark.parametrize(
+    "section,expected",
+    [
+        ({"kind": "demo_corpus"}, None),
+        ({}, None),
+        ({"kind": "stream", "leases": False, "sources": [{"data_files": ["x.txt"]}]}, None),
+    ],
+)
 def test_runs_without_leases_have_no_pool(section, expected):
     assert ShardPool.from_dataset(section) is expected
     assert shard_sources_for_run(section, client=None, peer_id="p") is None  # type: ignore[arg-type]
@@ -277,8 +305,13 @@ def test_a_real_stream_leases_reports_and_releases_every_row(tmp_path):
     counted on its shard, closing returns every lease, and the peers read different shards."""
     for i in range(6):
         (tmp_path / f"s{i}.jsonl").write_text("".join(json.dumps({"text": f"s{i} r{j}"}) + "\n" for j in range(40)))
-    dataset = {"kind": "stream", "shuffle_buffer": 8, "report_every": 5, "cache_dir": str(tmp_path / "cache"),
-               "sources": [{"name": "a", "data_files": [str(tmp_path / "s*.jsonl")]}]}
+    dataset = {
+        "kind": "stream",
+        "shuffle_buffer": 8,
+        "report_every": 5,
+        "cache_dir": str(tmp_path / "cache"),
+        "sources": [{"name": "a", "data_files": [str(tmp_path / "s*.jsonl")]}],
+    }
     pool = ShardPool.from_dataset(dataset)
     config = StreamConfig.from_dict(dataset)
     streams, consumed = {}, Counter()

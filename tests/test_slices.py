@@ -51,27 +51,41 @@ def test_optimizer_state_moves_between_any_slicings():
     pieces = [MasterState(layout, params, ADAMW, 0, start=a, end=b) for a, b in old_cut]
     for g in grads[:2]:
         for ms in [whole, *pieces]:
-            ms.grad.copy_(torch.from_numpy(g[ms.start:ms.end]))
+            ms.grad.copy_(torch.from_numpy(g[ms.start : ms.end]))
             ms.apply_gradient()
-    state = {k: np.concatenate([p.export_state()[k] for p in pieces]) if v.ndim else v
-             for k, v in pieces[0].export_state().items()}
+    state = {
+        k: np.concatenate([p.export_state()[k] for p in pieces]) if v.ndim else v
+        for k, v in pieces[0].export_state().items()
+    }
     np.testing.assert_array_equal(state["params"], whole.flat.numpy())
-    moved = [MasterState(layout, cut(state, a, b)["params"], ADAMW, 0, step=2, start=a, end=b)
-             for a, b in [(0, 7), (7, 120), (120, n)]]
+    moved = [
+        MasterState(layout, cut(state, a, b)["params"], ADAMW, 0, step=2, start=a, end=b)
+        for a, b in [(0, 7), (7, 120), (120, n)]
+    ]
     for ms, (a, b) in zip(moved, [(0, 7), (7, 120), (120, n)]):
         ms.import_state(cut(state, a, b), step=2)
     for g in grads[2:]:
         for ms in [whole, *moved]:
-            ms.grad.copy_(torch.from_numpy(g[ms.start:ms.end]))
+            ms.grad.copy_(torch.from_numpy(g[ms.start : ms.end]))
             ms.apply_gradient()
     np.testing.assert_array_equal(np.concatenate([m.flat.numpy() for m in moved]), whole.flat.numpy())
 
 
 def test_tickets_bind_round_peer_and_expiry():
     key = new_ticket_key()
-    ticket = sign_ticket(Ticket(round_id="r1", step=3, peer_id="p", samples=8, version=3, plan_version="v",
-                                expires_at=time.time() + 60,
-                                slices=[SliceDigest(start=0, end=10, header_sha256="ab" * 32)]), key)
+    ticket = sign_ticket(
+        Ticket(
+            round_id="r1",
+            step=3,
+            peer_id="p",
+            samples=8,
+            version=3,
+            plan_version="v",
+            expires_at=time.time() + 60,
+            slices=[SliceDigest(start=0, end=10, header_sha256="ab" * 32)],
+        ),
+        key,
+    )
     assert verify_ticket(encode_ticket(ticket), key) == ticket
     forged = Ticket(**{**ticket.__dict__, "samples": 800})  # same MAC, more weight
     with pytest.raises(ApiError) as refused:
@@ -148,15 +162,29 @@ def test_sent_bytes_count_once_the_receiver_acknowledged_them():
 
 
 def _backbone(tmp_path, numel: int = 100_000) -> Backbone:
-    config = load_config(None, overrides={"auth": {"mode": "open"}, "run": {"target_batch": 64},
-                                          "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": numel}},
-                                          "optimizer": {"clip_grad_norm": 0.0},  # global clipping: relay alone
-                                          "aggregators": {"replan_interval_s": 5.0}})
+    config = load_config(
+        None,
+        overrides={
+            "auth": {"mode": "open"},
+            "run": {"target_batch": 64},
+            "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": numel}},
+            "optimizer": {"clip_grad_norm": 0.0},  # global clipping: relay alone
+            "aggregators": {"replan_interval_s": 5.0},
+        },
+    )
     model = build_model(config.model.spec())
     layout = layout_of(model)
-    run = RunInfo(run_name="t", protocol=PROTOCOL_VERSION, model=ModelSpec(factory=config.model.factory),
-                  layout=layout, num_params=numel, target_batch=64, total_steps=0, max_staleness=1,
-                  heartbeat_interval_s=1.0)
+    run = RunInfo(
+        run_name="t",
+        protocol=PROTOCOL_VERSION,
+        model=ModelSpec(factory=config.model.factory),
+        layout=layout,
+        num_params=numel,
+        target_batch=64,
+        total_steps=0,
+        max_staleness=1,
+        heartbeat_interval_s=1.0,
+    )
     return Backbone(config, Store(tmp_path / "data"), layout, run_codecs("none"), flatten(model), run)
 
 
@@ -165,8 +193,10 @@ def test_measured_rates_drive_the_plan_and_the_slices(tmp_path):
     the slices the relay would install are the LP's fractions, cut contiguously; when a
     measurement moves materially, the plan follows."""
     backbone = _backbone(tmp_path)
-    fast, slow = (backbone.register(AggregatorRegistration(name=n, url=f"http://{n}:1", protocol=PROTOCOL_VERSION))
-                  for n in ("fast", "slow"))
+    fast, slow = (
+        backbone.register(AggregatorRegistration(name=n, url=f"http://{n}:1", protocol=PROTOCOL_VERSION))
+        for n in ("fast", "slow")
+    )
     peers = [f"peer{i}" for i in range(4)]
     backbone.peer_ids = lambda: peers
     for i, peer in enumerate(peers):
@@ -175,9 +205,16 @@ def test_measured_rates_drive_the_plan_and_the_slices(tmp_path):
             backbone.planning.peer_rates.add(peer, "up", step, 10**9, 1.0)
             backbone.planning.peer_rates.add(peer, "down", step, 10**9, 1.0)
     backbone.heartbeat(fast.aggregator_id, AggregatorHeartbeat(step=0, plan_version="", upload=80e6, download=80e6))
-    backbone.heartbeat(slow.aggregator_id, AggregatorHeartbeat(step=0, plan_version="", upload=20e6, download=20e6,
-                                                               transfers=[TransferSample(peer_id="peer0", direction="up",
-                                                                                         step=3, nbytes=5, seconds=1)]))
+    backbone.heartbeat(
+        slow.aggregator_id,
+        AggregatorHeartbeat(
+            step=0,
+            plan_version="",
+            upload=20e6,
+            download=20e6,
+            transfers=[TransferSample(peer_id="peer0", direction="up", step=3, nbytes=5, seconds=1)],
+        ),
+    )
     backbone.planning.meter.record("down", 1, 10_000_000, started=0.0, ended=1.0)  # the relay sent 10 MB/s
     backbone.planning.meter.record("down", 2, 0, started=5.0, ended=5.0)
     backbone.maybe_replan(now=100.0)
@@ -202,6 +239,7 @@ def test_measured_rates_drive_the_plan_and_the_slices(tmp_path):
     assert backbone.pending is plan  # too soon after the last solve
     backbone.maybe_replan(now=106.0)
     again = backbone.pending
-    assert again is not plan and math.isclose(again.fractions[fast.aggregator_id],
-                                              again.fractions[slow.aggregator_id], rel_tol=1e-6)
+    assert again is not plan and math.isclose(
+        again.fractions[fast.aggregator_id], again.fractions[slow.aggregator_id], rel_tol=1e-6
+    )
     backbone.close()

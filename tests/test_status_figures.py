@@ -57,10 +57,16 @@ def test_samples_per_s_is_what_the_rounds_applied_not_what_peers_claim(serve_rel
 def test_an_expert_host_is_listed_as_a_host_without_a_trainers_figures(serve_relay) -> None:
     """A host joins saying so (``toolkit.moe.host`` does): no device "unknown", no samples/s."""
     relay = serve_relay(OVERRIDES)
-    joined = requests.post(relay.url + "/api/peers/join", timeout=10, json={
-        "peer_name": "gpu-box", "protocol": PROTOCOL_VERSION, "device": {"role": "expert_host"}}).json()
-    requests.post(f"{relay.url}/api/peers/{joined['peer_id']}/heartbeat", timeout=10,
-                  json={"version": 0, "samples": 0, "samples_per_s": 123.0}).raise_for_status()
+    joined = requests.post(
+        relay.url + "/api/peers/join",
+        timeout=10,
+        json={"peer_name": "gpu-box", "protocol": PROTOCOL_VERSION, "device": {"role": "expert_host"}},
+    ).json()
+    requests.post(
+        f"{relay.url}/api/peers/{joined['peer_id']}/heartbeat",
+        timeout=10,
+        json={"version": 0, "samples": 0, "samples_per_s": 123.0},
+    ).raise_for_status()
     (host,) = relay.status()["peers"]
     assert (host["role"], host["device"], host["samples_per_s"], host["experts_hosted"]) == ("expert_host", "", 0.0, 0)
     assert relay.status()["reported_samples_per_s"] == 0.0

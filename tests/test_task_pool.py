@@ -20,9 +20,18 @@ from tests.support.tasks import broker, run, submit
 def micro(b: TaskBroker, call_id: str, kind: int, batch: int, mb: int, key: str = "stage.0", **kwargs):
     """A pipeline task: priority (0 backward / 1 forward, batch, microbatch), an empty payload
     (boundary tensors live in the coordinator's store), requeued when its worker is lost."""
-    return b.submit(caller="coordinator", call_id=call_id, key=key, kind="backward" if kind == 0 else "forward",
-                    rows=1, payload=b"", timeout_s=kwargs.pop("timeout_s", 600.0), requeue_on_loss=True,
-                    priority=(kind, batch, mb), **kwargs)
+    return b.submit(
+        caller="coordinator",
+        call_id=call_id,
+        key=key,
+        kind="backward" if kind == 0 else "forward",
+        rows=1,
+        payload=b"",
+        timeout_s=kwargs.pop("timeout_s", 600.0),
+        requeue_on_loss=True,
+        priority=(kind, batch, mb),
+        **kwargs,
+    )
 
 
 async def lease_one(b: TaskBroker, worker: str, keys=("stage.0", "stage.1")):
@@ -33,8 +42,10 @@ async def lease_one(b: TaskBroker, worker: str, keys=("stage.0", "stage.1")):
 def test_leasing_is_1f1b_backward_first_then_oldest_batch_across_keys(tmp_path: Path) -> None:
     async def scenario() -> None:
         b = broker(tmp_path)
-        made = {(kind, batch, mb): micro(b, f"{kind}.{batch}.{mb}", kind, batch, mb, key=f"stage.{mb % 2}")
-                for kind, batch, mb in [(1, 2, 0), (1, 1, 1), (0, 2, 1), (1, 1, 0), (0, 1, 0), (0, 2, 0), (1, 2, 1)]}
+        made = {
+            (kind, batch, mb): micro(b, f"{kind}.{batch}.{mb}", kind, batch, mb, key=f"stage.{mb % 2}")
+            for kind, batch, mb in [(1, 2, 0), (1, 1, 1), (0, 2, 1), (1, 1, 0), (0, 1, 0), (0, 2, 0), (1, 2, 1)]
+        }
         order = [(await lease_one(b, "w")).priority for _ in made]
         assert order == sorted(made)  # backward before forward; within each, oldest batch then micro-batch
         assert await lease_one(b, "w") is None
@@ -77,8 +88,11 @@ def test_a_lease_lasts_factor_times_the_measured_task_time_then_the_task_is_requ
             await lease_one(b, "fast")
             clock.now += 0.9 + 0.05 * i
             b.complete("fast", task.task_id, b"")
-        assert b.timings()["stage.0"] == {"measured_s": pytest.approx(1.0), "samples": 5,
-                                           "lease_deadline_s": pytest.approx(4.0)}
+        assert b.timings()["stage.0"] == {
+            "measured_s": pytest.approx(1.0),
+            "samples": 5,
+            "lease_deadline_s": pytest.approx(4.0),
+        }
         assert b.lease_deadline("stage.0") == pytest.approx(4.0) and b.lease_deadline("stage.1") == 30.0
 
         stuck = micro(b, "stuck", 1, 1, 0)
@@ -113,6 +127,7 @@ def test_a_lease_taken_before_the_first_measurement_is_cut_to_the_measured_deadl
     must lose it at ``leased at + the measured deadline`` once a measurement exists, not after
     ``initial_lease_s``. Only that key's leases, never lengthened, and the cut one still expires
     through the tick's heap (a late result from its lessee still wins while it is not done)."""
+
     async def scenario() -> None:
         clock = Clock(1000.0)
         b = broker(tmp_path, clock, initial_lease_s=30.0)  # defaults: floor 2 s, factor 4
@@ -153,7 +168,8 @@ def test_a_lease_taken_before_the_first_measurement_is_cut_to_the_measured_deadl
 
 
 def test_first_result_wins_a_late_result_from_a_lapsed_lease_is_accepted_while_the_task_is_not_done(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     async def scenario() -> None:
         clock = Clock(1000.0)
         b = broker(tmp_path, clock, initial_lease_s=5.0)
@@ -183,6 +199,7 @@ def test_first_result_wins_a_late_result_from_a_lapsed_lease_is_accepted_while_t
 def test_a_task_is_never_leased_again_to_the_worker_that_let_its_lease_lapse(tmp_path: Path) -> None:
     """``skip_lapsed`` (the pipeline asks it while another worker serves the stage): the hog gets
     the next task instead, in 1F1B order, and the lapsed one keeps its place for the others."""
+
     async def scenario() -> None:
         clock = Clock(1000.0)
         b = broker(tmp_path, clock, initial_lease_s=5.0)
@@ -326,10 +343,21 @@ def test_heaps_and_indexes_agree_with_a_reference_model_under_random_operations(
             op = rng.random()
             if op < 0.3:
                 kind, batch, mb = rng.randint(0, 1), rng.randint(0, 3), rng.randint(0, 3)
-                tasks.append(b.submit(caller="c", call_id=f"s{step}", key=rng.choice(keys), kind="x",
-                                      rows=rng.randint(1, 2), payload=b"", timeout_s=rng.uniform(2, 30),
-                                      group=rng.choice(["g0", "g1", ""]), requeue_on_loss=rng.random() < 0.8,
-                                      priority=(kind, batch, mb), prefer=rng.choice(workers + [None, None])))
+                tasks.append(
+                    b.submit(
+                        caller="c",
+                        call_id=f"s{step}",
+                        key=rng.choice(keys),
+                        kind="x",
+                        rows=rng.randint(1, 2),
+                        payload=b"",
+                        timeout_s=rng.uniform(2, 30),
+                        group=rng.choice(["g0", "g1", ""]),
+                        requeue_on_loss=rng.random() < 0.8,
+                        priority=(kind, batch, mb),
+                        prefer=rng.choice(workers + [None, None]),
+                    )
+                )
             elif op < 0.55:
                 worker, asked = rng.choice(workers), rng.sample(keys, rng.randint(1, 3))
                 max_rows, expected, rows = rng.randint(1, 3), [], 0

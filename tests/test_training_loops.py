@@ -34,8 +34,9 @@ def mlp_batch(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_optimizer_is_a_torch_optimizer_citizen(serve_relay):
     # Warmup makes the relay's lr depend on the step: 0.02 * (step + 1) / 10.
-    relay = serve_relay({"run": {"target_batch": 8},
-                         "optimizer": {"lr": 0.02, "warmup_steps": 10, "schedule": "constant"}})
+    relay = serve_relay(
+        {"run": {"target_batch": 8}, "optimizer": {"lr": 0.02, "warmup_steps": 10, "schedule": "constant"}}
+    )
     client_model = build_model(_mlp_spec())
     with CollaborativeOptimizer(client_model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
         assert [g["lr"] for g in opt.param_groups] == [pytest.approx(0.002)]
@@ -53,7 +54,7 @@ def test_optimizer_is_a_torch_optimizer_citizen(serve_relay):
         assert opt.param_groups[0]["lr"] == pytest.approx(0.002)  # the relay's lr wins at the next sync
 
         # A torch LR scheduler may write the groups' lr; training goes on, the relay's value returns.
-        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
         # Losses noted by a loop that calls step() bare: averaged by size, their sizes summed.
         while opt.version < 1:
             batch = mlp_batch(8, seed=opt.version)
@@ -72,11 +73,13 @@ def test_optimizer_is_a_torch_optimizer_citizen(serve_relay):
 
 @pytest.mark.integration
 def test_toolkit_imports_without_the_loop_packages():
-    code = ("import sys\n"
-            "for name in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning'):\n"
-            "    sys.modules[name] = None\n"
-            "import toolkit, toolkit.optimizer, toolkit.integrations, toolkit.session\n"
-            "try:\n    import toolkit.integrations.hf_trainer\nexcept ImportError as e:\n    print('hf:', e)\n")
+    code = (
+        "import sys\n"
+        "for name in ('transformers', 'accelerate', 'lightning', 'pytorch_lightning'):\n"
+        "    sys.modules[name] = None\n"
+        "import toolkit, toolkit.optimizer, toolkit.integrations, toolkit.session\n"
+        "try:\n    import toolkit.integrations.hf_trainer\nexcept ImportError as e:\n    print('hf:', e)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "collabtrain[hf]" in done.stdout
@@ -111,8 +114,12 @@ def test_contribute_adds_handed_in_gradients_exactly_and_drops_a_stale_one_sayin
     staleness, could join no round: it is dropped, counted, and named on the panel."""
     from toolkit.notebook.panel import PeerProgress
 
-    relay = serve_relay({"run": {"target_batch": 4, "max_staleness": 0},
-                         "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"}})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 4, "max_staleness": 0},
+            "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"},
+        }
+    )
     model = build_model(_mlp_spec())
     with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
         joined_at = opt.version
@@ -138,8 +145,12 @@ def test_watched_loss_in_eval_mode_counts_and_a_skipped_steps_notes_do_not_leak(
     """A model in eval() mode (as from_pretrained returns it) still has its loss noted when it is
     trained; the micro-batch of a step a scaler skipped (gradients zeroed, no step) counts
     nothing: the round holds exactly the next micro-batch's samples, gradient and loss."""
-    relay = serve_relay({"run": {"target_batch": 4},
-                         "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"}})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 4},
+            "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "schedule": "constant"},
+        }
+    )
     model = build_model(_mlp_spec())
     wrapped = LossOf(model).eval()
     with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
@@ -175,17 +186,33 @@ def test_trainer_logs_the_relays_learning_rate(serve_relay, tmp_path):
     import toolkit
     from toolkit.integrations.hf_trainer import CollaborativeCallback
 
-    relay = serve_relay({"run": {"target_batch": 4, "total_steps": 4},
-                         "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
-                         "optimizer": {"name": "sgd", "lr": 0.02, "warmup_steps": 10, "weight_decay": 0.0,
-                                       "schedule": "constant"}})
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 4, "total_steps": 4},
+            "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
+            "optimizer": {"name": "sgd", "lr": 0.02, "warmup_steps": 10, "weight_decay": 0.0, "schedule": "constant"},
+        }
+    )
     model = toolkit.run_model(relay.url)
     ids = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
     with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
-        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=100,
-                                 logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
-                          optimizers=(opt, None), callbacks=[CollaborativeCallback(opt)])
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            max_steps=100,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+            optimizers=(opt, None),
+            callbacks=[CollaborativeCallback(opt)],
+        )
         trainer.train()
         assert opt.finished and trainer.args.max_grad_norm == 0.0  # per-peer clipping turned off
     logged = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]

@@ -27,22 +27,27 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
 DEMO_TOML = REPO / "relay_server/defaults/demo.toml"
-STEP = re.compile(r"^step\s+(\d+)\s+loss (\S+)\s+samples/s .*\(applied (\d+) of target 16 samples from 1 peers",
-                  re.M)
+STEP = re.compile(r"^step\s+(\d+)\s+loss (\S+)\s+samples/s .*\(applied (\d+) of target 16 samples from 1 peers", re.M)
 URL = re.compile(r"^relay:\s+(http://127\.0\.0\.1:\d+)\s+\(dashboard: \1/ ,", re.M)
 
 
 def byte_unigram_entropy() -> float:
     """The shipped text's byte entropy, computed here without the relay's code."""
-    counts = np.bincount(np.frombuffer((REPO / "toolkit/assets/demo_corpus.txt").read_bytes(), dtype=np.uint8),
-                         minlength=256).astype(np.float64)
+    counts = np.bincount(
+        np.frombuffer((REPO / "toolkit/assets/demo_corpus.txt").read_bytes(), dtype=np.uint8), minlength=256
+    ).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
 def trial(*args: str, cwd: Path = REPO) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "relay_server.cli", "trial", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "relay_server.cli", "trial", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_trial_of_the_shipped_config_prints_its_steps_and_references() -> None:
@@ -53,8 +58,10 @@ def test_trial_of_the_shipped_config_prints_its_steps_and_references() -> None:
     assert f"trial:     {DEMO_TOML} on this machine: auth open on 127.0.0.1, state in a temporary directory" in out
     assert "micro-batch 8, target batch 16 (the run's own, 64, is for the collaboration), stops after 2 steps" in out
     entropy = byte_unigram_entropy()
-    assert (f"losses:    chance: ln 256 (bytes) = {math.log(256):.4f}; unigram entropy of the demo text (bytes) = "
-            f"{entropy:.4f}") in out
+    assert (
+        f"losses:    chance: ln 256 (bytes) = {math.log(256):.4f}; unigram entropy of the demo text (bytes) = "
+        f"{entropy:.4f}"
+    ) in out
     steps = {int(m[1]): float(m[2]) for m in STEP.finditer(out)}
     assert sorted(steps) == [1, 2] and all(0 < v < 10 for v in steps.values()), out
     summary = json.loads(out.strip().splitlines()[-1])
@@ -66,8 +73,13 @@ def test_trial_keeps_the_dashboard_up_until_ctrl_c(tmp_path: Path) -> None:
     """The organizer's path: ``init`` writes a config (auth on, 4096 samples a step), ``trial``
     runs it locally at once, the dashboard and ``/api/status`` answer while it trains, and Ctrl-C
     is the normal way out. Nothing is written next to the config."""
-    subprocess.run([sys.executable, "-m", "relay_server.cli", "init", "my-run.toml"], cwd=tmp_path, check=True,
-                   capture_output=True, env=None)
+    subprocess.run(
+        [sys.executable, "-m", "relay_server.cli", "init", "my-run.toml"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        env=None,
+    )
     proc = trial("--config", "my-run.toml", "--threads", "1", cwd=tmp_path)
     try:
         lines = []
@@ -108,8 +120,10 @@ def test_trial_of_a_tokenized_run_names_the_vocabulary(tmp_path: Path) -> None:
     proc = trial("--config", str(config), "--steps", "2", "--threads", "1", "--batch-size", "4", cwd=tmp_path)
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
-    assert f"losses:    chance: ln {vocab} (tokens) = {math.log(vocab):.4f}; unigram entropy of the demo text " \
-           "(tokens) = " in out, out
+    assert (
+        f"losses:    chance: ln {vocab} (tokens) = {math.log(vocab):.4f}; unigram entropy of the demo text "
+        "(tokens) = " in out
+    ), out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["loss_references"]["chance"] == round(math.log(vocab), 4)
     assert summary["loss_references"]["unigram"] < summary["loss_references"]["chance"]
@@ -119,12 +133,18 @@ def test_references_by_objective() -> None:
     """Classification: ln of the labels; a regression model has no chance level to show."""
     from relay_server.data.loss_references import loss_references, unigram_entropy
 
-    classify = SimpleNamespace(objective={"name": "classification"}, dataset={},
-                               model=SimpleNamespace(kind="transformers", config={"num_labels": 3}))
+    classify = SimpleNamespace(
+        objective={"name": "classification"},
+        dataset={},
+        model=SimpleNamespace(kind="transformers", config={"num_labels": 3}),
+    )
     [chance] = loss_references(classify)
-    assert chance.name == "chance" and abs(chance.value - math.log(3)) < 1e-12 and chance.label == "chance: ln 3 (labels)"
-    mlp = SimpleNamespace(objective={}, dataset={}, model=SimpleNamespace(kind="toolkit", factory="toolkit.models:MLP",
-                                                                          config={}))
+    assert (
+        chance.name == "chance" and abs(chance.value - math.log(3)) < 1e-12 and chance.label == "chance: ln 3 (labels)"
+    )
+    mlp = SimpleNamespace(
+        objective={}, dataset={}, model=SimpleNamespace(kind="toolkit", factory="toolkit.models:MLP", config={})
+    )
     assert loss_references(mlp) == []
     assert abs(unigram_entropy([0, 1, 2, 3] * 5) - math.log(4)) < 1e-12
 
@@ -134,8 +154,10 @@ def test_a_model_the_peer_cannot_train_is_explained_by_the_trial(tmp_path: Path)
     (trusted by the local peer: it is the organizer's machine) has no ``loss``; the trial ends 1
     with the peer's own words in its output."""
     config = tmp_path / "linear.toml"
-    config.write_text('[run]\nname = "linear"\n[model]\nkind = "module"\nfactory = "torch.nn:Linear"\n'
-                      'kwargs = { in_features = 4, out_features = 2 }\n[auth]\nmode = "open"\n')
+    config.write_text(
+        '[run]\nname = "linear"\n[model]\nkind = "module"\nfactory = "torch.nn:Linear"\n'
+        'kwargs = { in_features = 4, out_features = 2 }\n[auth]\nmode = "open"\n'
+    )
     proc = trial("--config", str(config), "--steps", "1", "--threads", "1", cwd=tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out + err

@@ -29,12 +29,12 @@ class PiecewiseStream:
 
     async def readany(self) -> bytes:
         n = int(self.rng.integers(1, 300_000))
-        piece = self.body[self.pos:self.pos + n]
+        piece = self.body[self.pos : self.pos + n]
         self.pos += len(piece)
         return piece
 
     async def readexactly(self, n: int) -> bytes:
-        out = self.body[self.pos:self.pos + n]
+        out = self.body[self.pos : self.pos + n]
         self.pos += len(out)
         if len(out) < n:
             raise asyncio.IncompleteReadError(out, n)

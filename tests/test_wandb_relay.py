@@ -34,10 +34,12 @@ from toolkit.wire.protocol import (
 
 
 def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_relay, launch_peer):
-    relay = start_relay({"run": {"name": "wandb-run", "target_batch": 24},
-                         "wandb": {"project": "collab-test", "mode": "offline"}})
-    peers = [launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=3, extra=("--wait-peers", "2"))
-             for i in range(2)]
+    relay = start_relay(
+        {"run": {"name": "wandb-run", "target_batch": 24}, "wandb": {"project": "collab-test", "mode": "offline"}}
+    )
+    peers = [
+        launch_peer(relay.url, f"p{i}", seed=i, batch_size=4, steps=3, extra=("--wait-peers", "2")) for i in range(2)
+    ]
     for peer in peers:
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     final = relay.status()
@@ -61,12 +63,18 @@ def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_rela
     for step, row in rows.items():
         r = rounds[step]
         assert row["loss"] == pytest.approx(r["loss"])
-        assert (row["samples"], row["contributors"], row["finalized_by"]) == (r["samples"], r["contributors"],
-                                                                             r["finalized_by"])
+        assert (row["samples"], row["contributors"], row["finalized_by"]) == (
+            r["samples"],
+            r["contributors"],
+            r["finalized_by"],
+        )
         assert row["step_duration_s"] == pytest.approx(r["duration_s"])
         assert row["deadline_s"] == pytest.approx(r["deadline_s"])
         assert row["lr"] == pytest.approx(0.01)  # conftest's constant schedule
-        assert (row["plan/aggregators"], row["plan/version"]) == (len(final["plan"]["slices"]), final["plan"]["version"])
+        assert (row["plan/aggregators"], row["plan/version"]) == (
+            len(final["plan"]["slices"]),
+            final["plan"]["version"],
+        )
         assert row["peers_online"] in (1, 2) and row["samples_per_s"] >= 0
     last = rows[max(rows)]
     assert last["samples_total"] == sum(e["samples"] for e in final["leaderboard"])
@@ -85,27 +93,72 @@ def test_relay_logs_every_step_to_an_offline_wandb_run(offline_wandb, start_rela
 
 # --- the observer in-process --------------------------------------------------------------------
 def _event(step: int, rounds: list[RoundRecord]) -> StepEvent:
-    summary = RunSummary(model="toolkit.models:MLP", num_params=161, optimizer="sgd", lr=0.5, schedule="linear",
-                         target_batch=8, max_staleness=0, precision=None, compression="none", auth_mode="open")
-    plan = PlanInfo(version="lp-7", steps_per_s=0.25, slices=[
-        PlanSlice(aggregator_id="relay", name="relay", start=0, end=100, fraction=0.62),
-        PlanSlice(aggregator_id="agg-1", name="agg-1", start=100, end=161, fraction=0.38)])
-    status = StatusReport(run_name="r", step=step, total_steps=10, finished=False, target_batch=8, num_params=161,
-                          samples_accumulated=0, samples_per_s=12.5, eta_s=None, loss=rounds[-1].loss, num_peers=3,
-                          peers=[], recent_rounds=rounds, round=None, auth_mode="open", uptime_s=9.0,
-                          leaderboard=[LeaderboardEntry(username="u", samples=40, rounds=4, peers_online=1)],
-                          plan=plan, config=summary)
+    summary = RunSummary(
+        model="toolkit.models:MLP",
+        num_params=161,
+        optimizer="sgd",
+        lr=0.5,
+        schedule="linear",
+        target_batch=8,
+        max_staleness=0,
+        precision=None,
+        compression="none",
+        auth_mode="open",
+    )
+    plan = PlanInfo(
+        version="lp-7",
+        steps_per_s=0.25,
+        slices=[
+            PlanSlice(aggregator_id="relay", name="relay", start=0, end=100, fraction=0.62),
+            PlanSlice(aggregator_id="agg-1", name="agg-1", start=100, end=161, fraction=0.38),
+        ],
+    )
+    status = StatusReport(
+        run_name="r",
+        step=step,
+        total_steps=10,
+        finished=False,
+        target_batch=8,
+        num_params=161,
+        samples_accumulated=0,
+        samples_per_s=12.5,
+        eta_s=None,
+        loss=rounds[-1].loss,
+        num_peers=3,
+        peers=[],
+        recent_rounds=rounds,
+        round=None,
+        auth_mode="open",
+        uptime_s=9.0,
+        leaderboard=[LeaderboardEntry(username="u", samples=40, rounds=4, peers_online=1)],
+        plan=plan,
+        config=summary,
+    )
     return StepEvent(step=step, record=rounds[-1], status=status, state_path=Path("unused"))
 
 
 def _rounds(n: int) -> list[RoundRecord]:
-    return [RoundRecord(step=s, contributors=2, samples=10, loss=1.0 / s, duration_s=0.5, deadline_s=2.0,
-                        finalized_by="all_arrived", finalized_at=100.0 + 2 * s) for s in range(1, n + 1)]
+    return [
+        RoundRecord(
+            step=s,
+            contributors=2,
+            samples=10,
+            loss=1.0 / s,
+            duration_s=0.5,
+            deadline_s=2.0,
+            finalized_by="all_arrived",
+            finalized_at=100.0 + 2 * s,
+        )
+        for s in range(1, n + 1)
+    ]
 
 
 def test_step_metrics_follow_the_schedule_and_the_plan():
-    config = load_config(None, env={}, overrides={"optimizer": {"name": "sgd", "lr": 0.5, "schedule": "linear"},
-                                                  "run": {"total_steps": 10}})
+    config = load_config(
+        None,
+        env={},
+        overrides={"optimizer": {"name": "sgd", "lr": 0.5, "schedule": "linear"}, "run": {"total_steps": 10}},
+    )
     row = step_metrics(_event(4, _rounds(4)), config)
     assert row["lr"] == pytest.approx(0.5 * (1 - 3 / 10))  # version 4 came from the update at step 3
     assert (row["plan/aggregators"], row["plan/version"], row["plan/steps_per_s"]) == (2, "lp-7", 0.25)
@@ -116,12 +169,21 @@ def test_step_metrics_follow_the_schedule_and_the_plan():
 def test_step_metrics_carry_bytes_per_sample_and_the_local_sgd_figures():
     config = load_config(None, env={}, overrides={"run": {"mode": "local_sgd", "max_staleness": 0}})
     event = _event(4, _rounds(4))
-    quiet = step_metrics(dataclasses.replace(event, status=dataclasses.replace(
-        event.status, traffic=TrafficStatus(up_bytes=0, down_bytes=700, samples=0))), config)
+    quiet = step_metrics(
+        dataclasses.replace(
+            event,
+            status=dataclasses.replace(event.status, traffic=TrafficStatus(up_bytes=0, down_bytes=700, samples=0)),
+        ),
+        config,
+    )
     assert not any(k.startswith(("bytes_per_sample/", "local_sgd/")) for k in quiet)  # nothing applied yet
-    status = dataclasses.replace(event.status, traffic=Traffic(up_bytes=4000, down_bytes=1000, samples=40).report(),
-                                 local_sgd=LocalSgdStatus(outer_round=4, inner_steps=30, inner_seconds=0.0,
-                                                          busy_fraction=0.9, inner_steps_last_round=27.5))
+    status = dataclasses.replace(
+        event.status,
+        traffic=Traffic(up_bytes=4000, down_bytes=1000, samples=40).report(),
+        local_sgd=LocalSgdStatus(
+            outer_round=4, inner_steps=30, inner_seconds=0.0, busy_fraction=0.9, inner_steps_last_round=27.5
+        ),
+    )
     row = step_metrics(dataclasses.replace(event, status=status), config)
     assert (row["bytes_per_sample/up"], row["bytes_per_sample/down"]) == (100.0, 25.0)
     assert (row["local_sgd/busy_fraction"], row["local_sgd/inner_steps"]) == (0.9, 27.5)

@@ -39,17 +39,24 @@ class Upload:
 class Accumulator:
     """Sum of per-micro-batch gradients times their sample counts, flat in the run's layout order."""
 
-    def __init__(self, params: Sequence[torch.Tensor], layout: Sequence[ParamSpec], num_params: int,
-                 codec: Codec, *, on_host: bool = False) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layout: Sequence[ParamSpec],
+        num_params: int,
+        codec: Codec,
+        *,
+        on_host: bool = False,
+    ) -> None:
         device = params[0].device
         self.on_host = on_host or device.type == "cpu"
         self._sum = torch.zeros(num_params, dtype=torch.float32, device="cpu" if self.on_host else device)
-        self._views = [self._sum[s.offset:s.offset + p.numel()].view_as(p) for s, p in zip(layout, params)]
+        self._views = [self._sum[s.offset : s.offset + p.numel()].view_as(p) for s, p in zip(layout, params)]
         # Device gradients land in a pinned staging copy first (asynchronous DMA, no pageable bounce).
         self._staging: list[torch.Tensor] | None = None
         if self.on_host and device.type == "cuda":
             staging = torch.empty(num_params, dtype=torch.float32, pin_memory=True)
-            self._staging = [staging[s.offset:s.offset + p.numel()].view_as(p) for s, p in zip(layout, params)]
+            self._staging = [staging[s.offset : s.offset + p.numel()].view_as(p) for s, p in zip(layout, params)]
         self.codec = codec
         self._feedback = None if codec.lossless else ErrorFeedback(codec, num_params)
         self.lock = threading.Lock()
@@ -61,8 +68,9 @@ class Accumulator:
     def nbytes_on_device(self) -> int:
         return 0 if self.on_host else self._sum.numel() * 4
 
-    def add(self, grads: list[torch.Tensor], samples: int, loss: float | None, version: int, *,
-            weight: float | None = None) -> None:
+    def add(
+        self, grads: list[torch.Tensor], samples: int, loss: float | None, version: int, *, weight: float | None = None
+    ) -> None:
         """Add ``samples`` samples whose gradient sum is ``grads * weight``: ``weight`` defaults to
         ``samples`` (``grads`` are per-sample means, as a plain loop's ``.grad``); a loop whose
         backward was hooked (:mod:`toolkit.optim_base`) has ``.grad`` = sum / unit, so ``unit``."""
@@ -85,8 +93,9 @@ class Accumulator:
     def take(self, peer_id: str, step: int) -> tuple[GradientMeta, np.ndarray]:
         """Empty the accumulator into a contribution to round ``step``."""
         with self.lock:
-            meta = GradientMeta(peer_id=peer_id, step=step, version=self.version, samples=self.samples,
-                                loss_sum=self.loss_sum)
+            meta = GradientMeta(
+                peer_id=peer_id, step=step, version=self.version, samples=self.samples, loss_sum=self.loss_sum
+            )
             grad = self._sum.detach().to("cpu", copy=True).numpy()
             self._sum.zero_()
             self.samples, self.loss_sum = 0, 0.0
@@ -100,12 +109,14 @@ class Accumulator:
         parts: list[tuple[PlanSlice, Encoded]] = []
         try:
             for s in slices:
-                x = grad[s.start:s.end]
-                parts.append((s, self._feedback.compress(x, start=s.start) if self._feedback else self.codec.encode(x)))
+                x = grad[s.start : s.end]
+                parts.append(
+                    (s, self._feedback.compress(x, start=s.start) if self._feedback else self.codec.encode(x))
+                )
         except ValueError:
             for s, tensors in parts:  # the slices already encoded were never sent
                 if self._feedback is not None:
-                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
+                    self._feedback.undo(tensors, grad[s.start : s.end], start=s.start)
             raise
         return Upload(meta, grad, [], tuple(parts))
 
@@ -115,7 +126,7 @@ class Accumulator:
         if self._feedback is not None:
             if upload.parts:
                 for s, tensors in upload.parts:
-                    self._feedback.undo(tensors, grad[s.start:s.end], start=s.start)
+                    self._feedback.undo(tensors, grad[s.start : s.end], start=s.start)
             else:
                 self._feedback.undo(upload.tensors, grad)
         with self.lock:

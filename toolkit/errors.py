@@ -48,44 +48,63 @@ def volunteer_line(exc: CollabError) -> str:
     return f"{exc.message}. What to do: {exc.hint}" if exc.hint else exc.message
 
 
-NOT_A_RELAY_HINT = ("Check the relay URL: it is the address the organizer gave you, with http:// or https:// "
-                    "and the port; opened in a browser, it shows the run's dashboard.")
-CHECK_RELAY_HINT = ("Check the relay URL, that the relay is running, and that this notebook has internet access "
-                    "(Kaggle: Settings -> Internet on).")
+NOT_A_RELAY_HINT = (
+    "Check the relay URL: it is the address the organizer gave you, with http:// or https:// "
+    "and the port; opened in a browser, it shows the run's dashboard."
+)
+CHECK_RELAY_HINT = (
+    "Check the relay URL, that the relay is running, and that this notebook has internet access "
+    "(Kaggle: Settings -> Internet on)."
+)
 
 MESSAGES: dict[str, tuple[str, str]] = {
-    "template": ("this is the template notebook: it installs nothing",
-                 "Open the run's notebook from its organizer (they write it with `relay-server notebook "
-                 "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the "
-                 "toolkit's sha256)."),
+    "template": (
+        "this is the template notebook: it installs nothing",
+        "Open the run's notebook from its organizer (they write it with `relay-server notebook "
+        "colab|kaggle|tpu|local --url RELAY_URL -o run.ipynb`, which fills in the relay address and the "
+        "toolkit's sha256).",
+    ),
     "bad_relay_url": ("the relay URL must start with http:// or https://, got {url!r}", NOT_A_RELAY_HINT),
     "relay_unreachable": ("no answer from the relay at {url} ({reason})", CHECK_RELAY_HINT),
-    "not_a_relay": ("{url} answered HTTP {status} with {kind}, not the relay's JSON: is this a collabtrain relay?",
-                    NOT_A_RELAY_HINT),
-    "wrong_path": ("{url} is not the relay's address: the relay answers at {base}",
-                   "Use {base} as the relay URL (set RELAY_URL, or ask the organizer for a fresh notebook)."),
-    "run_finished": ("run {run!r} already finished at step {step}: there is nothing left to contribute",
-                     "Nothing to do here: ask the organizer for the address of their next run."),
-    "toolkit_mismatch": ("the relay at {url} serves a different toolkit than this notebook pins (sha256 "
-                         "{sha256:.12}...): nothing was installed",
-                         "Ask the organizer for a fresh notebook; never edit the hash to make it pass: it is what "
-                         "keeps code you did not agree to out of this notebook."),
-    "install_failed": ("pip could not install {what} from {source}: {last}",
-                       "Check this notebook's internet access (Kaggle: Settings -> Internet on) and run the cell "
-                       "again; pip's full output is in {log}."),
+    "not_a_relay": (
+        "{url} answered HTTP {status} with {kind}, not the relay's JSON: is this a collabtrain relay?",
+        NOT_A_RELAY_HINT,
+    ),
+    "wrong_path": (
+        "{url} is not the relay's address: the relay answers at {base}",
+        "Use {base} as the relay URL (set RELAY_URL, or ask the organizer for a fresh notebook).",
+    ),
+    "run_finished": (
+        "run {run!r} already finished at step {step}: there is nothing left to contribute",
+        "Nothing to do here: ask the organizer for the address of their next run.",
+    ),
+    "toolkit_mismatch": (
+        "the relay at {url} serves a different toolkit than this notebook pins (sha256 "
+        "{sha256:.12}...): nothing was installed",
+        "Ask the organizer for a fresh notebook; never edit the hash to make it pass: it is what "
+        "keeps code you did not agree to out of this notebook.",
+    ),
+    "install_failed": (
+        "pip could not install {what} from {source}: {last}",
+        "Check this notebook's internet access (Kaggle: Settings -> Internet on) and run the cell "
+        "again; pip's full output is in {log}.",
+    ),
 }
 """Every message a volunteer can meet before the toolkit is installed, as (what happened, what to
 do) ``str.format`` templates. The toolkit raises the shared ones with these same words, and
 ``relay-server notebook`` writes this table into the notebook's cell (which cannot import the
 toolkit it has not installed yet): one text for both, checked by tests/test_install_path.py."""
 
-UNREACHABLE_REASONS = (("Connection refused", "connection refused: nothing listens there"),
-                       ("Name or service not known", "the host name does not resolve"),
-                       ("nodename nor servname", "the host name does not resolve"),
-                       ("Temporary failure in name resolution", "the host name does not resolve"),
-                       ("Connection reset", "connection reset"), ("Connection aborted", "connection reset"),
-                       ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid"),
-                       ("timed out", "timed out"))
+UNREACHABLE_REASONS = (
+    ("Connection refused", "connection refused: nothing listens there"),
+    ("Name or service not known", "the host name does not resolve"),
+    ("nodename nor servname", "the host name does not resolve"),
+    ("Temporary failure in name resolution", "the host name does not resolve"),
+    ("Connection reset", "connection reset"),
+    ("Connection aborted", "connection reset"),
+    ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid"),
+    ("timed out", "timed out"),
+)
 """(sign in the exception's text, the few words a volunteer reads): urllib3's nested reprs and
 urllib's ``URLError`` name classes, not causes."""
 
@@ -124,8 +143,10 @@ class ProtocolError(CollabError, ValueError):
 class RelayUnreachable(CollabError, ConnectionError):
     """No answer from the relay after all retries."""
 
-    default_hint = ("A relay that is restarting answers again within seconds: a running peer keeps retrying and "
-                    "goes on by itself. Otherwise: " + CHECK_RELAY_HINT)
+    default_hint = (
+        "A relay that is restarting answers again within seconds: a running peer keeps retrying and "
+        "goes on by itself. Otherwise: " + CHECK_RELAY_HINT
+    )
 
 
 class RoundLost(RelayUnreachable):
@@ -157,8 +178,10 @@ class RunFinished(CollabError):
 class DeviceOutOfMemory(CollabError, MemoryError):
     """A micro-batch did not fit in the accelerator's (or the host's) memory."""
 
-    default_hint = ("Join again with a smaller batch: toolkit.join(..., batch_size=N) or python -m toolkit.peer "
-                    "--batch-size N; on a GPU notebook restart the runtime first, so its memory is free.")
+    default_hint = (
+        "Join again with a smaller batch: toolkit.join(..., batch_size=N) or python -m toolkit.peer "
+        "--batch-size N; on a GPU notebook restart the runtime first, so its memory is free."
+    )
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -169,7 +192,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
-        sign in text for sign in ("can't allocate memory", "out of memory", "RESOURCE_EXHAUSTED"))
+        sign in text for sign in ("can't allocate memory", "out of memory", "RESOURCE_EXHAUSTED")
+    )
 
 
 class PrecisionUnsupported(CollabError, ValueError):
@@ -199,19 +223,25 @@ class AuthError(CollabError):
 class RelaySignatureInvalid(AuthError):
     """A response the peer relies on is unsigned or its signature does not verify."""
 
-    default_hint = ("Something between this notebook and the relay altered the answer (a proxy?) or "
-                    "impersonates the relay. Use the https:// URL the organizer published.")
+    default_hint = (
+        "Something between this notebook and the relay altered the answer (a proxy?) or "
+        "impersonates the relay. Use the https:// URL the organizer published."
+    )
 
 
 class RelayKeyChanged(AuthError):
     """The relay presented a different public key than the one pinned for its URL (TOFU)."""
 
-    default_hint = ("If the organizer announced a new relay key, delete the pin file named above; "
-                    "otherwise someone may be impersonating the relay: do not continue.")
+    default_hint = (
+        "If the organizer announced a new relay key, delete the pin file named above; "
+        "otherwise someone may be impersonating the relay: do not continue."
+    )
 
 
 class RelayKeyError(CollabError):
     """The relay key file exists but cannot be used."""
 
-    default_hint = ("Restore the file from a backup, or delete it to generate a new key "
-                    "(every peer then logs in again; pinned notebooks must drop their pin).")
+    default_hint = (
+        "Restore the file from a backup, or delete it to generate a new key "
+        "(every peer then logs in again; pinned notebooks must drop their pin)."
+    )

@@ -56,8 +56,15 @@ class LossNotes:
         self._lock = threading.Lock()
         self._notes: list[_Note] = []
 
-    def add(self, loss: float | torch.Tensor, batch_size: int | None, *, divided_by: float = 1.0,
-            loss_scale: float = 1.0, unit: float = 1.0) -> None:
+    def add(
+        self,
+        loss: float | torch.Tensor,
+        batch_size: int | None,
+        *,
+        divided_by: float = 1.0,
+        loss_scale: float = 1.0,
+        unit: float = 1.0,
+    ) -> None:
         """Note one micro-batch; hook its loss tensor if it is about to be backpropagated (module
         docstring). ``loss`` is its mean loss divided by ``divided_by``."""
         if isinstance(loss, torch.Tensor):
@@ -93,9 +100,11 @@ class LossNotes:
             notes = [n for n in notes if n.backpropagated]
         worst = max(n.unexplained for n in notes)
         if worst > 1.001:
-            raise ValueError(f"the loss reached backward multiplied by {worst:g}, more than the loss scale this "
-                             "optimizer knows: give it the loop's GradScaler (CollaborativeOptimizer(..., "
-                             "scaler=scaler) or opt.scaler = scaler)")
+            raise ValueError(
+                f"the loss reached backward multiplied by {worst:g}, more than the loss scale this "
+                "optimizer knows: give it the loop's GradScaler (CollaborativeOptimizer(..., "
+                "scaler=scaler) or opt.scaler = scaler)"
+            )
         sizes = [n.samples for n in notes]
         total = sum(sizes) if all(n is not None and n > 0 for n in sizes) else None  # type: ignore[misc]
         weights = sizes if total else [1] * len(notes)
@@ -162,8 +171,9 @@ class CollabOptimizerBase(torch.optim.Optimizer):
         Noted before its backward, a loss tensor makes the gradient exact whatever the loop divides
         it by (module docstring). ``divided_by``: the noted tensor is the micro-batch's mean loss
         divided by this (Lightning notes ``mean * loss_scale / accumulate_grad_batches``)."""
-        self._loss_notes.add(loss, batch_size, divided_by=divided_by, loss_scale=self.loss_scale(),
-                             unit=self.grad_unit)
+        self._loss_notes.add(
+            loss, batch_size, divided_by=divided_by, loss_scale=self.loss_scale(), unit=self.grad_unit
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, and the notes of micro-batches whose gradients it discards go with them."""

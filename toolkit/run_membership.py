@@ -78,15 +78,23 @@ def idle_report() -> Heartbeat:
 class Membership:
     """One peer's membership of the run (the module docstring says the policy).
 
-    ``report()`` builds each heartbeat; ``on_rejoin(joined)`` runs after the relay gave a new peer
-    id (on the thread that found the old one gone: set a flag for the role's loop rather than
-    doing the role's work there). ``clock`` is what heartbeat times are measured on; ``what`` names
-the member in log lines ("host", "stage worker").
+        ``report()`` builds each heartbeat; ``on_rejoin(joined)`` runs after the relay gave a new peer
+        id (on the thread that found the old one gone: set a flag for the role's loop rather than
+        doing the role's work there). ``clock`` is what heartbeat times are measured on; ``what`` names
+    the member in log lines ("host", "stage worker").
     """
 
-    def __init__(self, client: RelayClient, request: JoinRequest, *, report: Callable[[], Heartbeat] = idle_report,
-                 on_rejoin: Callable[[JoinResponse], None] | None = None, backoff: Backoff | None = None,
-                 clock: Callable[[], float] = time.monotonic, what: str = "peer") -> None:
+    def __init__(
+        self,
+        client: RelayClient,
+        request: JoinRequest,
+        *,
+        report: Callable[[], Heartbeat] = idle_report,
+        on_rejoin: Callable[[JoinResponse], None] | None = None,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        what: str = "peer",
+    ) -> None:
         self.client, self.request, self.what = client, request, what
         self.report, self.on_rejoin = report, on_rejoin
         self.backoff = backoff or Backoff()
@@ -106,8 +114,9 @@ the member in log lines ("host", "stage worker").
         self._thread: threading.Thread | None = None
         self._left = False
 
-    def play(self, *, report: Callable[[], Heartbeat],
-             on_rejoin: Callable[[JoinResponse], None] | None = None) -> None:
+    def play(
+        self, *, report: Callable[[], Heartbeat], on_rejoin: Callable[[JoinResponse], None] | None = None
+    ) -> None:
         """The role this member plays from now on: what its heartbeats report, and what it redoes
         after a rejoin (for a role built once the member has joined: the stage worker)."""
         self.report, self.on_rejoin = report, on_rejoin
@@ -162,8 +171,9 @@ the member in log lines ("host", "stage worker").
         if self._thread is not None:
             return
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._keep_alive, args=(interval_s,), daemon=True,
-                                        name="collab-membership")
+        self._thread = threading.Thread(
+            target=self._keep_alive, args=(interval_s,), daemon=True, name="collab-membership"
+        )
         self._thread.start()
 
     def _keep_alive(self, interval_s: float) -> None:

@@ -81,13 +81,19 @@ def join(relay_url: str, *, role: str | None = None, **options: Any) -> JoinResu
         cleanup.callback(client.close)
         plays = role_for(run)
         if role is None:
-            refuse_unused(options, (plays,), f"join() on run {run.run_name!r}, whose peers are {plural(plays)},",
-                          hint="remove it (or join another run).")
+            refuse_unused(
+                options,
+                (plays,),
+                f"join() on run {run.run_name!r}, whose peers are {plural(plays)},",
+                hint="remove it (or join another run).",
+            )
             chosen = options_for(plays, options)
         elif role != plays:
-            raise RoleRefused("wrong_role",
-                              f"run {run.run_name!r} has no {plural(role)}: its peers are {plural(plays)}",
-                              f"Leave role out (the run decides), or pass role={plays!r}.")
+            raise RoleRefused(
+                "wrong_role",
+                f"run {run.run_name!r} has no {plural(role)}: its peers are {plural(plays)}",
+                f"Leave role out (the run decides), or pass role={plays!r}.",
+            )
         if plays == "stage_worker":
             return work_a_stage(client, run, chosen, started)
         return train(client, run, chosen, started)
@@ -108,9 +114,12 @@ def _connect(relay_url: str, token: str | None) -> tuple[RelayClient, RunInfo]:
     if run.auth == "hf":
         if not token:
             client.close()
-            raise AuthError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
-                            "In a notebook: add your token as the HF_TOKEN secret (or answer the prompt) and run "
-                            "the cell again. From a shell: export HF_TOKEN=... (python -m toolkit.peer "
-                            "--token-env NAME reads another variable).")
+            raise AuthError(
+                "token_required",
+                f"run {run.run_name!r} needs a Hugging Face login",
+                "In a notebook: add your token as the HF_TOKEN secret (or answer the prompt) and run "
+                "the cell again. From a shell: export HF_TOKEN=... (python -m toolkit.peer "
+                "--token-env NAME reads another variable).",
+            )
         client.login(token)
     return client, run

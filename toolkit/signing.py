@@ -80,8 +80,11 @@ class RelayKeyPins:
             try:
                 self._pins = {str(k): str(v) for k, v in json.loads(self.path.read_text()).items()}
             except (OSError, ValueError, AttributeError):
-                raise AuthError("bad_pin_file", f"cannot read relay key pins from {self.path}",
-                                "Delete the file to pin the relay's key again.") from None
+                raise AuthError(
+                    "bad_pin_file",
+                    f"cannot read relay key pins from {self.path}",
+                    "Delete the file to pin the relay's key again.",
+                ) from None
 
     def check(self, relay_url: str, relay_public_b64: str) -> Ed25519PublicKey:
         url = relay_url.rstrip("/")
@@ -97,8 +100,7 @@ class RelayKeyPins:
             log.info("pinned relay key %s for %s", kid, url)
         elif want != kid:
             where = f" (pins: {self.path})" if self.path else ""
-            raise RelayKeyChanged("relay_key_changed",
-                                  f"relay {url} presents key {kid}, expected {want}{where}")
+            raise RelayKeyChanged("relay_key_changed", f"relay {url} presents key {kid}, expected {want}{where}")
         return public
 
     def _save(self) -> None:
@@ -122,8 +124,9 @@ class AccessPass:
     lifetime_s: float  # expires_at - server_time, on the relay's clock
 
     @classmethod
-    def from_login(cls, response: LoginResponse, *, peer_key: PeerKey, relay_url: str,
-                   pins: RelayKeyPins) -> "AccessPass":
+    def from_login(
+        cls, response: LoginResponse, *, peer_key: PeerKey, relay_url: str, pins: RelayKeyPins
+    ) -> "AccessPass":
         """Check a login/refresh answer against the pinned relay key and our own public key."""
         relay_public = pins.check(relay_url, response.relay_public_key)
         try:
@@ -134,9 +137,14 @@ class AccessPass:
             raise AuthError("bad_pass", "the relay returned a pass for another peer key")
         for warning in response.warnings:
             log.warning("relay: %s", warning)
-        return cls(token=response.access_pass, claims=claims, relay_public=relay_public,
-                   clock_offset_s=response.server_time - time.time(), received_mono=time.monotonic(),
-                   lifetime_s=max(0.0, claims.expires_at - response.server_time))
+        return cls(
+            token=response.access_pass,
+            claims=claims,
+            relay_public=relay_public,
+            clock_offset_s=response.server_time - time.time(),
+            received_mono=time.monotonic(),
+            lifetime_s=max(0.0, claims.expires_at - response.server_time),
+        )
 
     @property
     def expires_mono(self) -> float:
@@ -153,8 +161,14 @@ class AccessPassHolder:
     current pass (re-entering :meth:`current`) gets the current pass.
     """
 
-    def __init__(self, obtain: Callable[[AccessPass | None], AccessPass], *, refresh_fraction: float = 0.5,
-                 retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        obtain: Callable[[AccessPass | None], AccessPass],
+        *,
+        refresh_fraction: float = 0.5,
+        retry_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0 < refresh_fraction < 1:
             raise ValueError("refresh_fraction must be in (0, 1)")
         self._obtain, self._fraction, self._retry_s, self._clock = obtain, refresh_fraction, retry_s, clock
@@ -168,8 +182,11 @@ class AccessPassHolder:
             now = self._clock()
             if self._refreshing:  # the refresh request itself is being signed
                 if self._pass is None:
-                    raise AuthError("no_pass", "the first login must not be a signed request",
-                                    f"Send {LOGIN_PATH} without SignedAuth (it is skipped for that path).")
+                    raise AuthError(
+                        "no_pass",
+                        "the first login must not be a signed request",
+                        f"Send {LOGIN_PATH} without SignedAuth (it is skipped for that path).",
+                    )
                 return self._pass
             if self._pass is None or now >= self._due:
                 self._refresh(now)
@@ -208,8 +225,15 @@ class SignedAuth(requests.auth.AuthBase):
     ``verify_responses=False`` skips the response check (tests).
     """
 
-    def __init__(self, peer_key: PeerKey, holder: AccessPassHolder, *, verify_responses: bool = True,
-                 unsigned_paths: Iterable[str] = (LOGIN_PATH,), clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        peer_key: PeerKey,
+        holder: AccessPassHolder,
+        *,
+        verify_responses: bool = True,
+        unsigned_paths: Iterable[str] = (LOGIN_PATH,),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.peer_key, self.holder, self.verify_responses, self.clock = peer_key, holder, verify_responses, clock
         self.unsigned_paths = frozenset(unsigned_paths)
 
@@ -221,8 +245,9 @@ class SignedAuth(requests.auth.AuthBase):
         timestamp = str(int(self.clock() + access.clock_offset_s))
         nonce = b64u(os.urandom(16))
         content_type = r.headers.get("Content-Type", "")
-        message = request_message(access.claims.relay_key_id, r.method or "GET", r.path_url, content_type,
-                                  timestamp, nonce, body_sha256)
+        message = request_message(
+            access.claims.relay_key_id, r.method or "GET", r.path_url, content_type, timestamp, nonce, body_sha256
+        )
         r.headers[PASS_HEADER] = access.token
         r.headers[TIMESTAMP_HEADER] = timestamp
         r.headers[NONCE_HEADER] = nonce
@@ -246,8 +271,9 @@ class _ResponseCheck:
         if 200 <= response.status_code < 300:
             header = response.headers.get(RELAY_SIGNATURE_HEADER)
             body = response.content if header and ";covers=body;" in header else None
-            verify_relay_signature(self.relay_public, header, request_nonce=self.nonce, body=body,
-                                   headers=response.headers)
+            verify_relay_signature(
+                self.relay_public, header, request_nonce=self.nonce, body=body, headers=response.headers
+            )
         return response
 
 
@@ -259,12 +285,16 @@ def _body_sha256(r: requests.PreparedRequest) -> str:
         try:
             body = body.encode("ascii")
         except UnicodeEncodeError:
-            raise AuthError("unsignable_body", "a non-ASCII str body is ambiguous to sign",
-                            "Send bytes (e.g. schema.dumps()).") from None
+            raise AuthError(
+                "unsignable_body", "a non-ASCII str body is ambiguous to sign", "Send bytes (e.g. schema.dumps())."
+            ) from None
     if isinstance(body, (bytes, bytearray, memoryview)):
         return hashlib.sha256(body).hexdigest()
     claimed = r.headers.get(BODY_SHA256_HEADER, "")
     if not _HEX64_RE.fullmatch(claimed):
-        raise AuthError("unsignable_body", "a streamed body needs its precomputed hash in the "
-                        f"{BODY_SHA256_HEADER} header", "Use toolkit.wire.auth.container_body_sha256().")
+        raise AuthError(
+            "unsignable_body",
+            f"a streamed body needs its precomputed hash in the {BODY_SHA256_HEADER} header",
+            "Use toolkit.wire.auth.container_body_sha256().",
+        )
     return claimed

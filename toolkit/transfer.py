@@ -39,8 +39,9 @@ class SlicePart:
         return SliceDigest(start=self.plan.start, end=self.plan.end, header_sha256=self.header_sha256)
 
 
-def slice_part(plan: PlanSlice, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str,
-               *, signed: bool) -> SlicePart:
+def slice_part(
+    plan: PlanSlice, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str, *, signed: bool
+) -> SlicePart:
     """Wrap one encoded slice: its container metadata (with chunk digests in signed runs, so the
     header the ticket binds also binds the data) and the sha256 of its header."""
     metadata = {"collab": meta.dumps().decode(), "codec": codec, "slice": f"{plan.start}:{plan.end}"}
@@ -111,14 +112,22 @@ def _update_all(sha, views: list[memoryview]) -> None:
         sha.update(view)
 
 
-def read_params(stream, header, out: np.ndarray, have: int | None, codec: Codec | None,
-                on_data: Callable[[memoryview], None] | None = None) -> bool:
+def read_params(
+    stream,
+    header,
+    out: np.ndarray,
+    have: int | None,
+    codec: Codec | None,
+    on_data: Callable[[memoryview], None] | None = None,
+) -> bool:
     """Read a parameters body (whole, or a lossy codec's delta against version ``have``) into
     ``out``; True when it was whole (then ``on_data`` saw every byte of ``out`` as it landed)."""
     if header.metadata.get("kind") == "delta":
         if codec is None or header.metadata.get("base") != str(have):
-            raise ProtocolError("bad_delta", f"the server sent a delta against version {header.metadata.get('base')}, "
-                                f"this peer holds {have}")
+            raise ProtocolError(
+                "bad_delta",
+                f"the server sent a delta against version {header.metadata.get('base')}, this peer holds {have}",
+            )
         _, tensors = read_container(stream, out.nbytes, header=header)
         apply_delta(codec, out, tensors)
         return False
@@ -139,8 +148,9 @@ def read_hashed(stream, header, out: np.ndarray, have: int | None, codec: Codec 
     return streaming.hexdigest() if whole else hashlib.sha256(memoryview(out).cast("B")).hexdigest()
 
 
-def read_checked_params(stream, headers: Mapping[str, str], out: np.ndarray, have: int | None,
-                        codec: Codec | None) -> int:
+def read_checked_params(
+    stream, headers: Mapping[str, str], out: np.ndarray, have: int | None, codec: Codec | None
+) -> int:
     """Read a parameters answer into ``out`` and check it: its length against Content-Length and
     the result against the published ``X-Collab-Sha256``. A connection cut mid-body, or anything
     spliced into it, fails here (ProtocolError) instead of in training; ``out`` may then be
@@ -149,11 +159,17 @@ def read_checked_params(stream, headers: Mapping[str, str], out: np.ndarray, hav
     digest = read_hashed(stream, header, out, have, codec)
     declared = headers.get("Content-Length")
     if declared is not None and stream.tell() != int(declared):
-        raise ProtocolError("params_length_mismatch", f"the parameters body ended after {stream.tell()} of "
-                            f"{declared} bytes", "Download again (the toolkit does).")
+        raise ProtocolError(
+            "params_length_mismatch",
+            f"the parameters body ended after {stream.tell()} of {declared} bytes",
+            "Download again (the toolkit does).",
+        )
     if digest != headers.get("X-Collab-Sha256", ""):
-        raise ProtocolError("params_hash_mismatch", "the downloaded parameters differ from the hash the relay "
-                            "published", "Download again; if it repeats, something alters the traffic.")
+        raise ProtocolError(
+            "params_hash_mismatch",
+            "the downloaded parameters differ from the hash the relay published",
+            "Download again; if it repeats, something alters the traffic.",
+        )
     return int(header.metadata.get("step", -1))
 
 

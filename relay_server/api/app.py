@@ -92,10 +92,12 @@ async def get_status(request: web.Request) -> web.Response:
     now = time.monotonic()
     if now - cache[0] >= STATUS_CACHE_S or cache[1] != key:
         fields, places = FEATURES.status(request.app)
-        status = dataclasses.replace(place_peers(collab.status(), places.experts_hosted, places.stage_of),
-                                     shards=shards_api.status_summary(request.app),
-                                     loss_references=request.app[LOSS_REFERENCES],
-                                     **fields)
+        status = dataclasses.replace(
+            place_peers(collab.status(), places.experts_hosted, places.stage_of),
+            shards=shards_api.status_summary(request.app),
+            loss_references=request.app[LOSS_REFERENCES],
+            **fields,
+        )
         cache[:] = [now, key, status.dumps()]
     return web.Response(body=cache[2], content_type="application/json")
 
@@ -132,8 +134,12 @@ async def put_gradient(request: web.Request) -> web.Response:
     if TICKET_HEADER in request.headers and takeover is not None:  # a running feature's slice (a pipeline stage's)
         return await takeover(request)
     if TICKET_HEADER in request.headers:  # a slice of a sliced round: the relay's own slice
-        receipt = await put_slice(request, collab.backbone.local, collab.backbone.ticket_key,
-                                  require_digests=collab.config.auth.mode != "open")
+        receipt = await put_slice(
+            request,
+            collab.backbone.local,
+            collab.backbone.ticket_key,
+            require_digests=collab.config.auth.mode != "open",
+        )
         collab.traffic.up_bytes += request.content_length or 0  # accepted (a refusal raised)
         return json_ok(receipt)
     step = _path_int(request, "step")
@@ -182,7 +188,9 @@ async def get_params(request: web.Request) -> web.StreamResponse:
             peer.inflight -= 1
             collab.registry.touch(peer)
     if version is None:
-        return web.Response(status=204, headers={"X-Collab-Step": str(collab.step), "Cache-Control": FRESH_CACHE_CONTROL})
+        return web.Response(
+            status=204, headers={"X-Collab-Step": str(collab.step), "Cache-Control": FRESH_CACHE_CONTROL}
+        )
     if version.manifest is not None:  # sliced: each slice comes from its owner (get_slice)
         manifest = json_ok(version.manifest)
         manifest.headers["Cache-Control"] = FRESH_CACHE_CONTROL
@@ -195,7 +203,9 @@ async def get_params(request: web.Request) -> web.StreamResponse:
     response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
     request.app[params_cache.BLOBS].egress.direct += response.content_length or 0
     collab.traffic.down_bytes += response.content_length or 0
-    collab.backbone.planning.record_transfer(peer_id[:64], "down", version.step, sent_bytes(request, response), started)
+    collab.backbone.planning.record_transfer(
+        peer_id[:64], "down", version.step, sent_bytes(request, response), started
+    )
     return response
 
 
@@ -237,8 +247,9 @@ async def get_internal_state(request: web.Request) -> web.StreamResponse:
     backbone = _backbone(request)
     start, end, step = _int_query(request, "start"), _int_query(request, "end"), _int_query(request, "step")
     check_range(start, end, backbone.num_params)
-    return await send_state(request, backbone.staged(start, end, step),
-                            {"step": str(step), "start": str(start), "end": str(end)})
+    return await send_state(
+        request, backbone.staged(start, end, step), {"step": str(step), "start": str(start), "end": str(end)}
+    )
 
 
 async def get_favicon(request: web.Request) -> web.Response:
@@ -251,9 +262,11 @@ async def get_index(request: web.Request) -> web.StreamResponse:
     if static.is_file():
         return web.Response(text=static.read_text(), content_type="text/html")
     status = _collab(request).status()
-    return web.Response(text=f"<!doctype html><title>{status.run_name}</title><h1>{status.run_name}</h1>"
-                             f"<p>step {status.step}, {status.num_peers} peers. JSON: <a href='/api/status'>/api/status</a>",
-                        content_type="text/html")
+    return web.Response(
+        text=f"<!doctype html><title>{status.run_name}</title><h1>{status.run_name}</h1>"
+        f"<p>step {status.step}, {status.num_peers} peers. JSON: <a href='/api/status'>/api/status</a>",
+        content_type="text/html",
+    )
 
 
 ROUTE_TABLE = [
@@ -283,18 +296,33 @@ ROUTE_TABLE = [
 
 
 # What an observer or a peer that has not logged in yet may read.
-PUBLIC_ROUTES = frozenset({"/", "/static", "/favicon.ico", ROUTES["status"], ROUTES["run"], ROUTES["login"],
-                           ROUTES["shards"], ROUTES["plan"], *toolkit_api.PUBLIC, *params_cache.PUBLIC,
-                           *FEATURES.public})
+PUBLIC_ROUTES = frozenset(
+    {
+        "/",
+        "/static",
+        "/favicon.ico",
+        ROUTES["status"],
+        ROUTES["run"],
+        ROUTES["login"],
+        ROUTES["shards"],
+        ROUTES["plan"],
+        *toolkit_api.PUBLIC,
+        *params_cache.PUBLIC,
+        *FEATURES.public,
+    }
+)
 
 
 # Routes whose body is a streamed tensor container (signed by header hash + chunk digests).
 CONTAINER_ROUTES = frozenset({("PUT", ROUTES["gradient"])})
 
 
-def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
-               container_limit: Callable[[], int] = lambda: 0,
-               container_limits: dict | None = None) -> tuple[list, list]:
+def build_auth(
+    config: RelayConfig,
+    is_banned: Callable[[str], bool],
+    container_limit: Callable[[], int] = lambda: 0,
+    container_limits: dict | None = None,
+) -> tuple[list, list]:
     """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
 
     In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
@@ -304,21 +332,34 @@ def build_auth(config: RelayConfig, is_banned: Callable[[str], bool],
     key = RelayKey.load_or_create(config.server.data_dir)
     allow = AllowList(users=frozenset(a.allow_users), orgs=frozenset(a.allow_orgs), any_user=a.allow_any_hf_user)
     identity = HfIdentityVerifier(allow, endpoint=a.hf_endpoint or None, timeout_s=a.login_timeout_s)
-    service = LoginService(identity, PassIssuer(key, ttl_s=a.pass_ttl_s), is_banned=is_banned,
-                           reauth_after_s=a.reauth_after_s)
+    service = LoginService(
+        identity, PassIssuer(key, ttl_s=a.pass_ttl_s), is_banned=is_banned, reauth_after_s=a.reauth_after_s
+    )
     verifier = RequestVerifier(key, max_skew_s=a.max_skew_s, is_banned=is_banned)
-    return [auth_middleware(verifier, PUBLIC_ROUTES, container_routes=CONTAINER_ROUTES,
-                            container_limit=container_limit, binary_routes=FEATURES.binary_routes,
-                            container_limits=container_limits)], service.routes()
+    return [
+        auth_middleware(
+            verifier,
+            PUBLIC_ROUTES,
+            container_routes=CONTAINER_ROUTES,
+            container_limit=container_limit,
+            binary_routes=FEATURES.binary_routes,
+            container_limits=container_limits,
+        )
+    ], service.routes()
 
 
 def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line
-    app = web.Application(middlewares=[error_middleware, *stall_middlewares(), *middlewares],  # stalls: tests only
-                          client_max_size=MAX_JSON_BODY)
-    auth_middlewares, auth_routes = build_auth(config, lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
-                                               lambda: app[COLLAB].codecs.up.wire_bytes(app[COLLAB].num_params),
-                                               FEATURES.container_limits(app))
+    app = web.Application(
+        middlewares=[error_middleware, *stall_middlewares(), *middlewares],  # stalls: tests only
+        client_max_size=MAX_JSON_BODY,
+    )
+    auth_middlewares, auth_routes = build_auth(
+        config,
+        lambda user: COLLAB in app and app[COLLAB].store.is_banned(user),
+        lambda: app[COLLAB].codecs.up.wire_bytes(app[COLLAB].num_params),
+        FEATURES.container_limits(app),
+    )
     admin_middlewares, admin_routes = build_admin(config, lambda: app[COLLAB])
     before_auth, after_auth = build_rate_limits(config.limits, auth_enabled=bool(auth_middlewares))
     # admin (own token, then straight to its handler) -> failed-auth guard -> auth -> per-user limits

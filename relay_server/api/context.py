@@ -43,8 +43,9 @@ def own_peer(request: web.Request, peer_id: str) -> str:
     peer-scoped route)."""
     identity = request.get(IDENTITY_KEY)
     if identity is not None and owner_of(collab(request), peer_id) != identity["username"]:
-        raise ApiError(403, "not_your_peer", "this peer id belongs to another user",
-                       "Use the peer id your own join returned.")
+        raise ApiError(
+            403, "not_your_peer", "this peer id belongs to another user", "Use the peer id your own join returned."
+        )
     return peer_id
 
 

@@ -39,5 +39,10 @@ async def build(config: RelayConfig, collab: Collaboration) -> EvaluationPanel |
     return EvaluationPanel(evaluator) if evaluator is not None else None
 
 
-FEATURE = Feature(name="evaluation", section="evaluation", enabled=lambda config: config.evaluation.enabled,
-                  build=build, status=EvaluationPanel.status)
+FEATURE = Feature(
+    name="evaluation",
+    section="evaluation",
+    enabled=lambda config: config.evaluation.enabled,
+    build=build,
+    status=EvaluationPanel.status,
+)

@@ -56,8 +56,13 @@ EXPERTS = web.AppKey("experts", Experts)
 
 
 def _experts(request: web.Request) -> Experts:
-    return enabled(request, EXPERTS, "no_moe", "this run has no mixture-of-experts layers",
-                   "The organizer enables them with [moe] enabled = true in the relay config.")
+    return enabled(
+        request,
+        EXPERTS,
+        "no_moe",
+        "this run has no mixture-of-experts layers",
+        "The organizer enables them with [moe] enabled = true in the relay config.",
+    )
 
 
 def _registered(request: web.Request) -> tuple[Experts, str]:
@@ -72,8 +77,9 @@ def _registered(request: web.Request) -> tuple[Experts, str]:
 
 def _uid(experts: Experts, uid: str) -> str:
     if uid not in experts.known:
-        raise ApiError(404, "unknown_expert", f"no expert {uid[:40]!r} in this run",
-                       "Take uids from GET /api/moe/directory.")
+        raise ApiError(
+            404, "unknown_expert", f"no expert {uid[:40]!r} in this run", "Take uids from GET /api/moe/directory."
+        )
     return uid
 
 
@@ -82,8 +88,12 @@ def _leased(experts: Experts, request: web.Request, host: str) -> str:
     an expert's checkpoints."""
     uid = _uid(experts, request.match_info["uid"])
     if experts.directory.host_of(uid) != host:
-        raise ApiError(403, "not_your_expert", f"expert {uid} is not leased to this host",
-                       "Use the experts your lease returned (POST .../lease).")
+        raise ApiError(
+            403,
+            "not_your_expert",
+            f"expert {uid} is not leased to this host",
+            "Use the experts your lease returned (POST .../lease).",
+        )
     return uid
 
 
@@ -113,16 +123,22 @@ async def put_call(request: web.Request) -> web.Response:
         if kind == "backward":
             payloads.read_rows(tensors, "g", x.shape[0], width, codec)
     except ProtocolError as exc:
-        raise ApiError(400, exc.code, exc.message, f"Send [rows, d] tensors x (and g for a backward) in the run's "
-                       f"activation codec ({codec.name}); the toolkit does.") from None
+        raise ApiError(
+            400,
+            exc.code,
+            exc.message,
+            f"Send [rows, d] tensors x (and g for a backward) in the run's "
+            f"activation codec ({codec.name}); the toolkit does.",
+        ) from None
     if x.shape[0] > cfg.max_rows_per_call:
         raise ApiError(400, "bad_tensor", f"a call carries at most {cfg.max_rows_per_call} rows")
     if experts.directory.host_of(uid) is None:
         experts.note_call(failed=True)
         raise ApiError(410, "expert_gone", f"expert {uid} has no host right now", "Treat it as a failed expert.")
     timeout = cfg.forward_timeout_s if kind == "forward" else cfg.backward_timeout_s
-    task = experts.broker.submit(caller=caller, call_id=call_id, key=uid, kind=kind, rows=int(x.shape[0]),
-                                 payload=body, timeout_s=timeout)
+    task = experts.broker.submit(
+        caller=caller, call_id=call_id, key=uid, kind=kind, rows=int(x.shape[0]), payload=body, timeout_s=timeout
+    )
     await experts.broker.wait(task)
     experts.note_call(failed=task.state != DONE)
     if task.state != DONE:
@@ -155,8 +171,12 @@ async def get_tasks(request: web.Request) -> web.Response:
     wait = min(int_query(request, "wait", 10), MAX_TASK_WAIT_S)
     keys = experts.directory.hosted_by(host)
     if not keys:
-        raise ApiError(409, "no_lease", "this host holds no experts (its leases ended, or the relay restarted)",
-                       "Lease experts again: POST .../lease (the toolkit's host does this by itself).")
+        raise ApiError(
+            409,
+            "no_lease",
+            "this host holds no experts (its leases ended, or the relay restarted)",
+            "Lease experts again: POST .../lease (the toolkit's host does this by itself).",
+        )
     tasks = await experts.broker.lease(host, keys, max_rows=max(1, max_rows), wait_s=wait)
     if not tasks:
         return web.Response(status=204)
@@ -173,15 +193,22 @@ async def put_result(request: web.Request) -> web.Response:
     try:
         _, tensors = payloads.decode(body, task.rows * experts.config.width() * 4 + 4096)
         if set(tensors) != payloads.row_names(name, experts.codec):
-            raise ProtocolError("bad_tensor", f"a {task.kind} result carries exactly "
-                                f"{sorted(payloads.row_names(name, experts.codec))}")
+            raise ProtocolError(
+                "bad_tensor", f"a {task.kind} result carries exactly {sorted(payloads.row_names(name, experts.codec))}"
+            )
         payloads.read_rows(tensors, name, task.rows, experts.config.width(), experts.codec)
     except ProtocolError as exc:
         log.warning("host %s sent an invalid result for %s: %s", host[:16], task.key, exc.message)
-        experts.broker.fail(host, task.task_id, ApiError(502, "bad_result", f"the host of {task.key} sent an "
-                                                         "invalid result", "Treat it as a failed expert."))
-        raise ApiError(422, exc.code, exc.message, "The result was refused and the call failed; fix the host.") \
-            from None
+        experts.broker.fail(
+            host,
+            task.task_id,
+            ApiError(
+                502, "bad_result", f"the host of {task.key} sent an invalid result", "Treat it as a failed expert."
+            ),
+        )
+        raise ApiError(
+            422, exc.code, exc.message, "The result was refused and the call failed; fix the host."
+        ) from None
     experts.broker.complete(host, task.task_id, body)
     return json_ok(ResultAck(ok=True))
 
@@ -208,8 +235,12 @@ async def get_checkpoint(request: web.Request) -> web.Response:
     uid = _leased(experts, request, host)
     body = await asyncio.to_thread(experts.checkpoints.latest, uid)
     if body is None:
-        raise ApiError(404, "no_checkpoint", f"expert {uid} has no checkpoint yet",
-                       "Initialize it from the run's seed (the toolkit does this).")
+        raise ApiError(
+            404,
+            "no_checkpoint",
+            f"expert {uid} has no checkpoint yet",
+            "Initialize it from the run's seed (the toolkit does this).",
+        )
     return web.Response(body=body, content_type="application/octet-stream")
 
 
@@ -239,10 +270,16 @@ ROUTE_TABLE = [
 async def build(config: RelayConfig, collab: Collaboration) -> Experts:
     """The DMoE state of ``[moe]``; its ticker expires departed hosts once started."""
     cfg = config.moe
-    experts = Experts.create(cfg, Path(config.server.data_dir), clock=collab.loop_clock,
-                             live_peers=lambda: collab.registry.peers)
-    log.info("mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
-             cfg.layers, "x".join(map(str, cfg.grid)), len(experts.directory.uids), cfg.k)
+    experts = Experts.create(
+        cfg, Path(config.server.data_dir), clock=collab.loop_clock, live_peers=lambda: collab.registry.peers
+    )
+    log.info(
+        "mixture-of-experts: %d layers x %s grid = %d experts, k=%d; waiting for hosts",
+        cfg.layers,
+        "x".join(map(str, cfg.grid)),
+        len(experts.directory.uids),
+        cfg.k,
+    )
     return experts
 
 
@@ -251,7 +288,14 @@ def _places(experts: Experts) -> PeerPlaces:
 
 
 FEATURE = Feature(
-    name="moe", section="moe", enabled=lambda config: config.moe.enabled, key=EXPERTS, build=build,
-    routes=tuple(ROUTE_TABLE), binary_routes=BINARY_ROUTES,
+    name="moe",
+    section="moe",
+    enabled=lambda config: config.moe.enabled,
+    key=EXPERTS,
+    build=build,
+    routes=tuple(ROUTE_TABLE),
+    binary_routes=BINARY_ROUTES,
     container_limits={("PUT", ROUTES["moe_checkpoint"]): _checkpoint_limit},
-    status=lambda experts: {"experts": experts.summary()}, places=_places)
+    status=lambda experts: {"experts": experts.summary()},
+    places=_places,
+)

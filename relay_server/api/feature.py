@@ -122,8 +122,10 @@ class FeatureSet:
     def container_limits(self, app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
         """Each streamed-container route -> its byte limit now (from the running service, or
         what the feature allows while the run does not enable it)."""
+
         def limit(feature: Feature, of: Callable[[Any], int]) -> Callable[[], int]:
             return lambda: of(app[RUNNING].get(feature.name) if RUNNING in app else None)
+
         return {route: limit(f, of) for f in self.features for route, of in f.container_limits.items()}
 
     async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
@@ -138,8 +140,9 @@ class FeatureSet:
                 if feature.key is not None:
                     app[feature.key] = service
                 running[feature.name] = service
-                taken.update({name: functools.partial(handler, service=service)
-                              for name, handler in feature.takeovers.items()})
+                taken.update(
+                    {name: functools.partial(handler, service=service) for name, handler in feature.takeovers.items()}
+                )
                 await service.start()
                 started.append(service)
             yield

@@ -21,5 +21,6 @@ def _outer_rounds(config: RelayConfig) -> OuterRoundRule:
     return OuterRoundRule(config.run.target_batch, config.local_sgd.straggler_wait_s)
 
 
-FEATURE = Feature(name="local_sgd", section="local_sgd", enabled=lambda config: config.run.mode == "local_sgd",
-                  opening=_outer_rounds)
+FEATURE = Feature(
+    name="local_sgd", section="local_sgd", enabled=lambda config: config.run.mode == "local_sgd", opening=_outer_rounds
+)

@@ -58,8 +58,10 @@ ADMIN_PREFIX = "/api/admin"
 TOKEN_FILE = "admin_token"
 DEFAULT_URL = "http://127.0.0.1:8750"
 _MAX_BODY = 4096
-_HINT = ("Send 'Authorization: Bearer <token>' with the token from <data_dir>/admin_token "
-         "(relay-server admin --data-dir DIR ... does this).")
+_HINT = (
+    "Send 'Authorization: Bearer <token>' with the token from <data_dir>/admin_token "
+    "(relay-server admin --data-dir DIR ... does this)."
+)
 
 
 # --- the token ----------------------------------------------------------------------------------
@@ -142,8 +144,12 @@ async def _read(request: web.Request, schema: type[Schema]) -> Any:
 
 def _username(raw: str) -> str:
     if not USERNAME_RE.fullmatch(raw):
-        raise ApiError(400, "bad_username", f"{raw[:40]!r} is not a Hugging Face username",
-                       "Use the username exactly as the leaderboard shows it.")
+        raise ApiError(
+            400,
+            "bad_username",
+            f"{raw[:40]!r} is not a Hugging Face username",
+            "Use the username exactly as the leaderboard shows it.",
+        )
     return raw
 
 
@@ -174,21 +180,34 @@ class Moderation:
     async def ban(self, username: str, reason: str) -> dict[str, Any]:
         collab = self.collab()
         collab.store.ban(username, reason)
-        gone = [p.peer_id for p in list(collab.registry.peers.values()) if p.username.casefold() == username.casefold()]
+        gone = [
+            p.peer_id for p in list(collab.registry.peers.values()) if p.username.casefold() == username.casefold()
+        ]
         kept, removed = [], []
         for peer_id in gone:
             await collab.reducer.run(collab.reducer.exclude, peer_id)  # before any finalize the leave may start
             outcome = _committed_outcome(collab, peer_id)
             (kept if outcome == "banned_kept" else removed if outcome else []).append(peer_id)
             collab.leave(peer_id)
-        log.warning("banned %s: %d peer(s) dropped, %d committed contribution(s) kept, %d removed", username,
-                    len(gone), len(kept), len(removed))
-        answer: dict[str, Any] = {"banned": username, "peers_dropped": len(gone), "contributions_kept": len(kept),
-                                  "contributions_removed": len(removed)}
+        log.warning(
+            "banned %s: %d peer(s) dropped, %d committed contribution(s) kept, %d removed",
+            username,
+            len(gone),
+            len(kept),
+            len(removed),
+        )
+        answer: dict[str, Any] = {
+            "banned": username,
+            "peers_dropped": len(gone),
+            "contributions_kept": len(kept),
+            "contributions_removed": len(removed),
+        }
         if kept:
-            answer["hint"] = (f"{len(kept)} gradient(s) of {username} were already counted in round {collab.step} "
-                              "and the mean keeps them: if they did harm, roll back after this step "
-                              "(relay-server admin rollback STEP), or run with rounds.aggregation = 'centered_clip'.")
+            answer["hint"] = (
+                f"{len(kept)} gradient(s) of {username} were already counted in round {collab.step} "
+                "and the mean keeps them: if they did harm, roll back after this step "
+                "(relay-server admin rollback STEP), or run with rounds.aggregation = 'centered_clip'."
+            )
         if collab.config.auth.mode == "open":
             answer["warning"] = "auth.mode is 'open': peers have no verified username, so no ban can apply to them"
         return answer
@@ -211,10 +230,19 @@ class Moderation:
             known = collab.store.known_peer(peer_id)
             if known is not None:
                 clipped[known[1].casefold()] += rounds
-        users = [{"username": u, "samples": int(n or 0), "rounds": int(r or 0), "peers": int(p),
-                  "peers_online": online[u.casefold()], "banned": collab.store.is_banned(u),
-                  "clipped_rounds": clipped[u.casefold()], "last_joined": joined}
-                 for u, n, r, p, joined in collab.store.user_contributions()]
+        users = [
+            {
+                "username": u,
+                "samples": int(n or 0),
+                "rounds": int(r or 0),
+                "peers": int(p),
+                "peers_online": online[u.casefold()],
+                "banned": collab.store.is_banned(u),
+                "clipped_rounds": clipped[u.casefold()],
+                "last_joined": joined,
+            }
+            for u, n, r, p, joined in collab.store.user_contributions()
+        ]
         return {"step": collab.step, "aggregation": collab.config.rounds.aggregation, "users": users}
 
     def checkpoints(self) -> dict[str, Any]:
@@ -251,18 +279,21 @@ class Moderation:
         return web.json_response(await self.rollback(body.to_step))
 
     def routes(self) -> list[tuple[str, str, Callable]]:
-        return [("GET", f"{ADMIN_PREFIX}/bans", self.handle_list_bans),
-                ("POST", f"{ADMIN_PREFIX}/bans", self.handle_ban),
-                ("DELETE", ADMIN_PREFIX + "/bans/{username}", self.handle_unban),
-                ("GET", f"{ADMIN_PREFIX}/contributions", self.handle_contributions),
-                ("GET", f"{ADMIN_PREFIX}/checkpoints", self.handle_checkpoints),
-                ("POST", f"{ADMIN_PREFIX}/rollback", self.handle_rollback)]
+        return [
+            ("GET", f"{ADMIN_PREFIX}/bans", self.handle_list_bans),
+            ("POST", f"{ADMIN_PREFIX}/bans", self.handle_ban),
+            ("DELETE", ADMIN_PREFIX + "/bans/{username}", self.handle_unban),
+            ("GET", f"{ADMIN_PREFIX}/contributions", self.handle_contributions),
+            ("GET", f"{ADMIN_PREFIX}/checkpoints", self.handle_checkpoints),
+            ("POST", f"{ADMIN_PREFIX}/rollback", self.handle_rollback),
+        ]
 
 
 def is_admin_route(request: web.Request) -> bool:
     resource = request.match_info.route.resource
-    return resource is not None and (resource.canonical == ADMIN_PREFIX
-                                     or resource.canonical.startswith(ADMIN_PREFIX + "/"))
+    return resource is not None and (
+        resource.canonical == ADMIN_PREFIX or resource.canonical.startswith(ADMIN_PREFIX + "/")
+    )
 
 
 def admin_middleware(token: AdminToken):
@@ -290,12 +321,18 @@ def build_admin(config: RelayConfig, collab: Callable[[], "Collaboration"]) -> t
 # --- the CLI ------------------------------------------------------------------------------------
 def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     """``relay-server admin ...``: talks to a running relay's admin API."""
-    admin = sub.add_parser("admin", help="moderate a running relay (ban, contributions, rollback)",
-                           description="Moderate a running relay through its admin API.")
+    admin = sub.add_parser(
+        "admin",
+        help="moderate a running relay (ban, contributions, rollback)",
+        description="Moderate a running relay through its admin API.",
+    )
     admin.add_argument("--url", default=DEFAULT_URL, help=f"the relay's URL (default {DEFAULT_URL})")
     where = admin.add_mutually_exclusive_group(required=True)  # never a silent guess at ./relay-data
-    where.add_argument("--config", help="the relay's configuration file (reads the admin token where the relay "
-                       "keeps it: admin.token_file, else server.data_dir/admin_token)")
+    where.add_argument(
+        "--config",
+        help="the relay's configuration file (reads the admin token where the relay "
+        "keeps it: admin.token_file, else server.data_dir/admin_token)",
+    )
     where.add_argument("--data-dir", help="the relay's data directory (reads DATA_DIR/admin_token)")
     where.add_argument("--token-file", help="file holding the admin token")
     admin.add_argument("--json", action="store_true", help="print the relay's JSON answer")
@@ -309,7 +346,8 @@ def add_admin_parser(sub: argparse._SubParsersAction) -> None:
     actions.add_parser("contributions", help="samples and rounds per Hugging Face username")
     actions.add_parser("checkpoints", help="stored versions a rollback can return to")
     actions.add_parser("rollback", help="publish stored step STEP as the next version").add_argument(
-        "step", type=int, help="a stored step (see 'checkpoints')")
+        "step", type=int, help="a stored step (see 'checkpoints')"
+    )
     actions.add_parser("egress", help="parameter bytes the relay sent itself (what an HTTP cache in front saves)")
 
 
@@ -323,9 +361,12 @@ def run_admin(args: argparse.Namespace) -> int:
     try:
         token = read_token(where)
     except (OSError, ValueError) as exc:
-        print(f"relay-server admin: no admin token in {where} ({exc.strerror if isinstance(exc, OSError) else exc}); "
-              "the relay writes it on its first start: pass the --config or --data-dir it runs with, or "
-              "--token-file with a copy", file=sys.stderr)
+        print(
+            f"relay-server admin: no admin token in {where} ({exc.strerror if isinstance(exc, OSError) else exc}); "
+            "the relay writes it on its first start: pass the --config or --data-dir it runs with, or "
+            "--token-file with a copy",
+            file=sys.stderr,
+        )
         return 2
     method, path, body = {
         "ban": ("POST", "/bans", {"username": getattr(args, "username", ""), "reason": getattr(args, "reason", "")}),
@@ -339,8 +380,13 @@ def run_admin(args: argparse.Namespace) -> int:
     import requests  # the relay itself never needs it
 
     try:
-        response = requests.request(method, args.url.rstrip("/") + ADMIN_PREFIX + path, json=body, timeout=60,
-                                    headers={"Authorization": f"Bearer {token}"})
+        response = requests.request(
+            method,
+            args.url.rstrip("/") + ADMIN_PREFIX + path,
+            json=body,
+            timeout=60,
+            headers={"Authorization": f"Bearer {token}"},
+        )
     except requests.RequestException as exc:
         print(f"relay-server admin: cannot reach {args.url} ({type(exc).__name__})", file=sys.stderr)
         return 1
@@ -359,26 +405,40 @@ def run_admin(args: argparse.Namespace) -> int:
 def _render(action: str, answer: dict[str, Any]) -> str:
     """A short human summary of an admin answer."""
     if action == "bans":
-        rows = [f"{b['username']:<24} {time.strftime('%Y-%m-%d %H:%M', time.localtime(b['banned_at']))}  {b['reason']}"
-                for b in answer["bans"]]
+        rows = [
+            f"{b['username']:<24} {time.strftime('%Y-%m-%d %H:%M', time.localtime(b['banned_at']))}  {b['reason']}"
+            for b in answer["bans"]
+        ]
         return "\n".join(rows) or "no bans"
     if action == "contributions":
-        head = f"step {answer['step']} ({answer['aggregation']})\n{'username':<24} {'samples':>10} {'rounds':>7} " \
-               f"{'peers':>5} {'online':>6} {'clipped':>7}"
-        rows = [f"{u['username']:<24} {u['samples']:>10} {u['rounds']:>7} {u['peers']:>5} {u['peers_online']:>6} "
-                f"{u['clipped_rounds']:>7}" + ("  BANNED" if u["banned"] else "") for u in answer["users"]]
+        head = (
+            f"step {answer['step']} ({answer['aggregation']})\n{'username':<24} {'samples':>10} {'rounds':>7} "
+            f"{'peers':>5} {'online':>6} {'clipped':>7}"
+        )
+        rows = [
+            f"{u['username']:<24} {u['samples']:>10} {u['rounds']:>7} {u['peers']:>5} {u['peers_online']:>6} "
+            f"{u['clipped_rounds']:>7}" + ("  BANNED" if u["banned"] else "")
+            for u in answer["users"]
+        ]
         return "\n".join([head, *rows])
     if action == "checkpoints":
-        rows = [f"step {c['step']:>8}  {c['bytes'] / 1e6:9.1f} MB  "
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c['saved_at']))}" for c in answer["checkpoints"]]
+        rows = [
+            f"step {c['step']:>8}  {c['bytes'] / 1e6:9.1f} MB  "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(c['saved_at']))}"
+            for c in answer["checkpoints"]
+        ]
         return "\n".join([f"current step {answer['step']}", *rows])
     if action == "egress":
-        return (f"bodies {answer['direct']} B to peers, {answer['immutable']} B to the cache "
-                f"({answer['immutable_requests']} request(s)); {answer['refs']} refs, {answer['ref_bytes']} B")
+        return (
+            f"bodies {answer['direct']} B to peers, {answer['immutable']} B to the cache "
+            f"({answer['immutable_requests']} request(s)); {answer['refs']} refs, {answer['ref_bytes']} B"
+        )
     if action == "rollback":
         return f"rolled back to the state of step {answer['rolled_back_to']}, published as step {answer['step']}"
     if action == "ban":
-        return f"banned {answer['banned']} ({answer['peers_dropped']} peer(s) dropped)" + \
-            (f"\nwarning: {answer['warning']}" if answer.get("warning") else "") + \
-            (f"\nhint: {answer['hint']}" if answer.get("hint") else "")
+        return (
+            f"banned {answer['banned']} ({answer['peers_dropped']} peer(s) dropped)"
+            + (f"\nwarning: {answer['warning']}" if answer.get("warning") else "")
+            + (f"\nhint: {answer['hint']}" if answer.get("hint") else "")
+        )
     return f"unbanned {answer['unbanned']}" + ("" if answer["was_banned"] else " (was not banned)")

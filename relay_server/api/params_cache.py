@@ -59,8 +59,10 @@ REMEMBERED = 16
 """Versions whose immutable URLs the relay answers (the newest handed out); older ones are refused."""
 
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.ASCII | re.IGNORECASE)  # the unit is case-insensitive
-_LOGIN_HINT = ("Log in and ask GET /api/params?ref=1 for the current version's URL (the toolkit's "
-               "RelayClient.login, then download_params, does both); old versions are pruned.")
+_LOGIN_HINT = (
+    "Log in and ask GET /api/params?ref=1 for the current version's URL (the toolkit's "
+    "RelayClient.login, then download_params, does both); old versions are pruned."
+)
 
 
 @dataclass
@@ -81,8 +83,14 @@ class Egress:
     """Immutable bytes per URL path, for the versions still remembered."""
 
     def report(self) -> dict:
-        return {"direct": self.direct, "immutable": self.immutable, "immutable_requests": self.immutable_requests,
-                "refs": self.refs, "ref_bytes": self.ref_bytes, "by_url": dict(self.by_url)}
+        return {
+            "direct": self.direct,
+            "immutable": self.immutable,
+            "immutable_requests": self.immutable_requests,
+            "refs": self.refs,
+            "ref_bytes": self.ref_bytes,
+            "by_url": dict(self.by_url),
+        }
 
 
 @dataclass
@@ -116,7 +124,9 @@ class Blobs:
     def find(self, step: str, tag: str, kind: str) -> Version | None:
         """The remembered version whose ``kind`` body this URL names, else None. Every candidate
         is compared in constant time: a capability must not be learnable from response times."""
-        if kind not in ("full", "delta") or not (step.isascii() and step.isdigit() and len(step) <= 19 and tag.isascii()):
+        if kind not in ("full", "delta") or not (
+            step.isascii() and step.isdigit() and len(step) <= 19 and tag.isascii()
+        ):
             return None
         given, found = tag.encode("ascii"), None
         for version in self.versions.values():
@@ -142,12 +152,20 @@ def ref_response(request: web.Request, version: Version, have: int | None) -> we
     delta = version.delta_path is not None and have == version.step - 1
     kind = "delta" if delta else "full"
     base = request.app[CONFIG].server.public_params_url.rstrip("/")
-    ref = ParamsRef(step=version.step, sha256=version.sha256, kind=kind, base=have if delta else -1,
-                    url=base + blobs.path(version, kind))
+    ref = ParamsRef(
+        step=version.step,
+        sha256=version.sha256,
+        kind=kind,
+        base=have if delta else -1,
+        url=base + blobs.path(version, kind),
+    )
     body = ref.dumps()
     blobs.egress.ref_bytes += len(body)
-    return web.Response(body=body, content_type=PARAMS_REF_TYPE,
-                        headers={"Cache-Control": FRESH_CACHE_CONTROL, "X-Collab-Step": str(version.step)})
+    return web.Response(
+        body=body,
+        content_type=PARAMS_REF_TYPE,
+        headers={"Cache-Control": FRESH_CACHE_CONTROL, "X-Collab-Step": str(version.step)},
+    )
 
 
 async def get_params_blob(request: web.Request) -> web.StreamResponse:
@@ -155,46 +173,76 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
     404 (never cached) for a URL the relay did not hand out or whose file was pruned -- 403 on a
     signed run, where only a current capability names a body (the module docstring says why)."""
     if not request.app[CONFIG].server.public_params_url:
-        raise ApiError(404, "no_params_cache", "this run serves no immutable parameter URLs",
-                       "Download with GET /api/params; the organizer enables a cache with [server] public_params_url.")
+        raise ApiError(
+            404,
+            "no_params_cache",
+            "this run serves no immutable parameter URLs",
+            "Download with GET /api/params; the organizer enables a cache with [server] public_params_url.",
+        )
     blobs = request.app[BLOBS]
     kind = request.match_info["kind"]
     version = blobs.find(request.match_info["step"], request.match_info["tag"], kind)
     if version is not None and kind == "delta" and version.delta_path is None:
         version = None
     if version is None and blobs.secret is not None:
-        raise ApiError(403, "params_url_not_issued", "on this signed run a parameter body's URL is a capability the "
-                       "relay hands to logged-in peers, and this is none it handed out (or its version was pruned)",
-                       _LOGIN_HINT)
+        raise ApiError(
+            403,
+            "params_url_not_issued",
+            "on this signed run a parameter body's URL is a capability the "
+            "relay hands to logged-in peers, and this is none it handed out (or its version was pruned)",
+            _LOGIN_HINT,
+        )
     if version is None:
-        raise ApiError(404, "unknown_version", f"no published body at {request.path[:160]}",
-                       "Ask the relay for the current version (GET /api/params); old versions are pruned.")
+        raise ApiError(
+            404,
+            "unknown_version",
+            f"no published body at {request.path[:160]}",
+            "Ask the relay for the current version (GET /api/params); old versions are pruned.",
+        )
     sha = version.sha256
     etag = f'"{sha}"' if kind == "full" else f'"{sha}-delta"'
-    headers = {"ETag": etag, "Cache-Control": BLOB_CACHE_CONTROL, "Accept-Ranges": "bytes",
-               "Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
-               "X-Collab-Sha256": sha}
+    headers = {
+        "ETag": etag,
+        "Cache-Control": BLOB_CACHE_CONTROL,
+        "Accept-Ranges": "bytes",
+        "Content-Type": "application/octet-stream",
+        "X-Collab-Step": str(version.step),
+        "X-Collab-Sha256": sha,
+    }
     held = request.headers.get("If-None-Match", "")  # weak comparison, as RFC 9110 asks for this header
     if held.strip() == "*" or etag in (t.strip().removeprefix("W/") for t in held.split(",")):
         return web.Response(status=304, headers={k: headers[k] for k in ("ETag", "Cache-Control")})
     if kind == "full":
-        prefix, path, offset, count = _full_header(version.step, version.numel), version.path, version.offset, version.nbytes
+        prefix, path, offset, count = (
+            _full_header(version.step, version.numel),
+            version.path,
+            version.offset,
+            version.nbytes,
+        )
     else:
         prefix, path, offset = b"", version.delta_path, 0
     try:
         fh = open(path, "rb")  # an open file outlives the store pruning it
     except FileNotFoundError:
-        raise ApiError(404, "unknown_version", f"step {version.step} was pruned",
-                       "Ask the relay for the current version (GET /api/params).") from None
+        raise ApiError(
+            404,
+            "unknown_version",
+            f"step {version.step} was pruned",
+            "Ask the relay for the current version (GET /api/params).",
+        ) from None
     with fh:
         if kind == "delta":
             count = fh.seek(0, 2)
         size = len(prefix) + count
         wanted = _range(request, etag, size)
         if wanted == "unsatisfiable":
-            return error_response(416, "range_not_satisfiable", f"the range starts past this {size}-byte body",
-                                  "Ask for bytes below the size in Content-Range, or for the whole body (no Range).",
-                                  headers={"Content-Range": f"bytes */{size}", "Cache-Control": FRESH_CACHE_CONTROL})
+            return error_response(
+                416,
+                "range_not_satisfiable",
+                f"the range starts past this {size}-byte body",
+                "Ask for bytes below the size in Content-Range, or for the whole body (no Range).",
+                headers={"Content-Range": f"bytes */{size}", "Cache-Control": FRESH_CACHE_CONTROL},
+            )
         first, last = wanted or (0, size - 1)
         status = 200 if wanted is None else 206
         if status == 206:
@@ -249,7 +297,7 @@ async def _write_range(response: web.StreamResponse, prefix: bytes, fh, offset: 
     memory, the rest in 4 MiB reads (back-pressure through ``response.write``)."""
     sent = 0
     if first < len(prefix):
-        piece = prefix[first:last + 1]
+        piece = prefix[first : last + 1]
         await response.write(piece)
         sent += len(piece)
     position = offset + max(0, first - len(prefix))

@@ -58,8 +58,13 @@ MAX_CACHED = 4096
 
 
 def _pipeline(request: web.Request) -> PipelineCoordinator:
-    return enabled(request, PIPELINE, "no_pipeline", "this run is not a staged pipeline",
-                   "The organizer enables it with [pipeline] enabled = true in the relay config.").coordinator
+    return enabled(
+        request,
+        PIPELINE,
+        "no_pipeline",
+        "this run is not a staged pipeline",
+        "The organizer enables it with [pipeline] enabled = true in the relay config.",
+    ).coordinator
 
 
 def _worker(request: web.Request) -> tuple[PipelineCoordinator, str]:
@@ -76,11 +81,19 @@ async def post_stage(request: web.Request) -> web.Response:
     worker = coordinator.assign(peer_id, req.memory_bytes, req.samples_per_s)
     start, end = coordinator.owners.cuts[worker.stage]
     config = request.app[CONFIG].pipeline
-    return json_ok(StageAssignment(stage=worker.stage, num_stages=coordinator.K,
-                                   layers_per_stage=list(coordinator.layers), start=start, end=end,
-                                   microbatch_size=config.microbatch_size, boundary_codec=config.boundary_codec,
-                                   width=coordinator.shapes.width,
-                                   step=coordinator.owners.step))
+    return json_ok(
+        StageAssignment(
+            stage=worker.stage,
+            num_stages=coordinator.K,
+            layers_per_stage=list(coordinator.layers),
+            start=start,
+            end=end,
+            microbatch_size=config.microbatch_size,
+            boundary_codec=config.boundary_codec,
+            width=coordinator.shapes.width,
+            step=coordinator.owners.step,
+        )
+    )
 
 
 async def get_work(request: web.Request) -> web.Response:
@@ -132,8 +145,9 @@ async def get_status(request: web.Request) -> web.Response:
     return json_ok(pipeline_status(_pipeline(request)))
 
 
-async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordinator, ticket_key: str,
-                             require_digests: bool) -> web.Response:
+async def put_stage_gradient(
+    request: web.Request, coordinator: PipelineCoordinator, ticket_key: str, require_digests: bool
+) -> web.Response:
     """A worker's stage slice, to that stage's parameter server (called by the relay's gradient
     route when the upload carries a ticket). Its contributor counts as uploading from before the
     first byte until the owner answered, so a worker that stops answering mid-upload is not
@@ -141,8 +155,12 @@ async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordina
     ticket = verify_ticket(request.headers.get(TICKET_HEADER), ticket_key)
     stage = coordinator.owners.stage_of(ticket.slices[0].start, ticket.slices[0].end) if ticket.slices else None
     if stage is None or ticket.peer_id not in (coordinator.round.tickets if coordinator.round else {}):
-        raise ApiError(409, "round_closed", "this ticket is not part of the pipeline's open round",
-                       "Drop this gradient; take the next task.")
+        raise ApiError(
+            409,
+            "round_closed",
+            "this ticket is not part of the pipeline's open round",
+            "Drop this gradient; take the next task.",
+        )
     owner, worker = coordinator.owners.owners[stage], coordinator.round.tickets[ticket.peer_id][0]
     deadline = coordinator.guard.upload_deadline(stage)
     coordinator.uploading.add(ticket.peer_id)
@@ -155,10 +173,15 @@ async def put_stage_gradient(request: web.Request, coordinator: PipelineCoordina
             coordinator.uploading.discard(ticket.peer_id)
             coordinator.guard.upload_cut(worker, stage, deadline)
             response = web.json_response(
-                {"error": "upload_too_slow", "message": f"stage {stage}'s gradient took more than {deadline:.1f} s "
-                 "to upload (the stage's measured hold deadline): cut, its micro-batches are recomputed",
-                 "hint": "Nothing to do: take the next task. A worker whose uplink is this slow serves the run "
-                         "better on a smaller stage."}, status=408)
+                {
+                    "error": "upload_too_slow",
+                    "message": f"stage {stage}'s gradient took more than {deadline:.1f} s "
+                    "to upload (the stage's measured hold deadline): cut, its micro-batches are recomputed",
+                    "hint": "Nothing to do: take the next task. A worker whose uplink is this slow serves the run "
+                    "better on a smaller stage.",
+                },
+                status=408,
+            )
             response.force_close()  # the rest of the body is not read
             return response
     finally:
@@ -197,8 +220,9 @@ def _result_limit(service: PipelineService | None) -> int:
 async def _ticketed_gradient(request: web.Request, service: PipelineService) -> web.Response:
     """The relay's gradient route, for an upload with a ticket: a stage's slice."""
     collab = _collab(request)
-    return await put_stage_gradient(request, service.coordinator, collab.backbone.ticket_key,
-                                    require_digests=collab.config.auth.mode != "open")
+    return await put_stage_gradient(
+        request, service.coordinator, collab.backbone.ticket_key, require_digests=collab.config.auth.mode != "open"
+    )
 
 
 async def _slice_params(request: web.Request, service: PipelineService) -> web.StreamResponse:
@@ -212,9 +236,16 @@ def _places(service: PipelineService) -> PeerPlaces:
 
 
 FEATURE = Feature(
-    name="pipeline", section="pipeline", enabled=lambda config: config.pipeline.enabled, key=PIPELINE,
-    build=PipelineService.build, routes=tuple(ROUTE_TABLE), public=PUBLIC,
+    name="pipeline",
+    section="pipeline",
+    enabled=lambda config: config.pipeline.enabled,
+    key=PIPELINE,
+    build=PipelineService.build,
+    routes=tuple(ROUTE_TABLE),
+    public=PUBLIC,
     container_limits={("PUT", ROUTES["pipeline_result"]): _result_limit},
     takeovers={TICKETED_GRADIENT: _ticketed_gradient, SLICE_PARAMS: _slice_params},
-    status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()}, places=_places,
-    opening=lambda config: RoundsElsewhere())  # a round opens when the batch is complete (the coordinator's)
+    status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()},
+    places=_places,
+    opening=lambda config: RoundsElsewhere(),
+)  # a round opens when the batch is complete (the coordinator's)

@@ -52,8 +52,15 @@ log = logging.getLogger(__name__)
 _LOG_EVERY_S = 60.0
 _TRANSFER = {("PUT", ROUTES["gradient"]), ("GET", ROUTES["params"])}
 _OBSERVE = {ROUTES["status"], ROUTES["run"], "/", "/static", "/favicon.ico", ROUTES.get("shards", "/api/shards")}
-_LABELS = {"poll": "heartbeat/progress", "transfer": "upload/download", "join": "join", "login": "login",
-           "observe": "status/dashboard", "tasks": "expert call/task", "auth_failures": "refused signed"}
+_LABELS = {
+    "poll": "heartbeat/progress",
+    "transfer": "upload/download",
+    "join": "join",
+    "login": "login",
+    "observe": "status/dashboard",
+    "tasks": "expert call/task",
+    "auth_failures": "refused signed",
+}
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,9 @@ class TokenBuckets:
     favours a key that has been quiet the longest -- never the one flooding right now.
     """
 
-    def __init__(self, rates: Mapping[str, Rate], *, clock: Callable[[], float] = time.monotonic,
-                 max_keys: int = 100_000) -> None:
+    def __init__(
+        self, rates: Mapping[str, Rate], *, clock: Callable[[], float] = time.monotonic, max_keys: int = 100_000
+    ) -> None:
         self.rates, self.clock, self.max_keys = dict(rates), clock, max_keys
         self._buckets: OrderedDict[tuple[str, str], list[float]] = OrderedDict()  # -> [tokens, updated]
 
@@ -139,13 +147,16 @@ def route_kind(request: web.Request) -> str | None:
 class ClientKeys:
     """Who a request counts against: ``user:<name>`` when signed, else ``addr:<address>``."""
 
-    def __init__(self, *, exempt_loopback: bool = True, trust_forwarded_for: bool = True,
-                 exempt_loopback_logins: bool = False) -> None:
+    def __init__(
+        self, *, exempt_loopback: bool = True, trust_forwarded_for: bool = True, exempt_loopback_logins: bool = False
+    ) -> None:
         self.exempt_loopback, self.trust_forwarded_for = exempt_loopback, trust_forwarded_for
         self.exempt_loopback_logins = exempt_loopback_logins
 
     def address(self, request: web.Request) -> str:
-        return client_address(request.remote or "unknown", request.headers, trust_forwarded_for=self.trust_forwarded_for)
+        return client_address(
+            request.remote or "unknown", request.headers, trust_forwarded_for=self.trust_forwarded_for
+        )
 
     def key(self, request: web.Request, kind: str | None = None) -> str | None:
         """None when the request is not limited (unsigned, from loopback, loopback exempt; a
@@ -185,11 +196,15 @@ class SharedAddressWarning:
             self.users.add(identity["username"].casefold())
         if len(self.users) >= self.users_needed:
             self.done = True
-            log.warning("requests of %d users all come from %s without X-Forwarded-For: if a reverse proxy "
-                        "forwards to this relay, make it set X-Forwarded-For (nginx: proxy_set_header "
-                        "X-Forwarded-For $proxy_add_x_forwarded_for; Caddy sets it) and run it on this host, or "
-                        "every volunteer shares one login rate limit ([limits] login_*). Expected on a local "
-                        "experiment.", len(self.users), remote)
+            log.warning(
+                "requests of %d users all come from %s without X-Forwarded-For: if a reverse proxy "
+                "forwards to this relay, make it set X-Forwarded-For (nginx: proxy_set_header "
+                "X-Forwarded-For $proxy_add_x_forwarded_for; Caddy sets it) and run it on this host, or "
+                "every volunteer shares one login rate limit ([limits] login_*). Expected on a local "
+                "experiment.",
+                len(self.users),
+                remote,
+            )
 
 
 class _Warnings:
@@ -211,11 +226,12 @@ class _Warnings:
 def too_many(kind: str, wait_s: float, rate: Rate, key: str) -> web.Response:
     """The 429 answer: the usual error body plus ``Retry-After`` (whole seconds, >= 1)."""
     who = key.split(":", 1)[-1]
-    body = ErrorBody(error="rate_limited",
-                     message=f"too many {_LABELS[kind]} requests from {who} (limit {rate.per_s:g}/s, "
-                             f"bursts of {rate.burst:g})",
-                     hint=f"Retry in {wait_s:.1f}s. The toolkit's own pace stays far below this; if many "
-                          "notebooks share one account, ask the organizer to raise the [limits] of this run.")
+    body = ErrorBody(
+        error="rate_limited",
+        message=f"too many {_LABELS[kind]} requests from {who} (limit {rate.per_s:g}/s, bursts of {rate.burst:g})",
+        hint=f"Retry in {wait_s:.1f}s. The toolkit's own pace stays far below this; if many "
+        "notebooks share one account, ask the organizer to raise the [limits] of this run.",
+    )
     return web.json_response(body.to_json(), status=429, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
@@ -281,7 +297,10 @@ def build_rate_limits(config: LimitsSection, *, auth_enabled: bool) -> tuple[lis
     if not config.enabled:
         return [], []
     buckets = TokenBuckets(rates_from(config))
-    keys = ClientKeys(exempt_loopback=config.exempt_loopback, trust_forwarded_for=config.trust_forwarded_for,
-                      exempt_loopback_logins=config.exempt_loopback_logins)
+    keys = ClientKeys(
+        exempt_loopback=config.exempt_loopback,
+        trust_forwarded_for=config.trust_forwarded_for,
+        exempt_loopback_logins=config.exempt_loopback_logins,
+    )
     before = [auth_failure_middleware(buckets, keys)] if auth_enabled else []
     return before, [rate_limit_middleware(buckets, keys)]

@@ -53,11 +53,14 @@ async def _read(request: web.Request, schema: type[Schema]) -> Schema:
 def _pool(request: web.Request) -> ShardPool:
     pool = request.app.get(SHARD_POOL)
     if pool is None:
-        raise ApiError(404, "no_shard_pool", "this run leases no shards",
-                       'Leases need [dataset] kind = "stream" (and leases not set to false) in the relay config; '
-                       "peers then read shards in their own order.")
+        raise ApiError(
+            404,
+            "no_shard_pool",
+            "this run leases no shards",
+            'Leases need [dataset] kind = "stream" (and leases not set to false) in the relay config; '
+            "peers then read shards in their own order.",
+        )
     return pool
-
 
 
 def _own_peer(request: web.Request) -> str:
@@ -144,8 +147,9 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     app[SHARD_POOL] = pool
-    log.info("shard leases: %s", ", ".join(f"{c.source}: {c.shards} shards, {c.finished} finished"
-                                           for c in pool.summary()))
+    log.info(
+        "shard leases: %s", ", ".join(f"{c.source}: {c.shards} shards, {c.finished} finished" for c in pool.summary())
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(housekeeping(pool, ledger, collab.registry.peers, stop))
     try:

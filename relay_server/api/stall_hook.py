@@ -49,8 +49,12 @@ def parse(value: str) -> StallPlan:
             raise ConfigError(f"{ENV}: {part!r} is not one of seconds=, every=, times=, path=")
         fields[name] = text
     try:
-        plan = StallPlan(seconds=float(fields["seconds"]), every=int(fields["every"]),
-                         times=int(fields.get("times", 1)), path=fields.get("path", "/api/"))
+        plan = StallPlan(
+            seconds=float(fields["seconds"]),
+            every=int(fields["every"]),
+            times=int(fields.get("times", 1)),
+            path=fields.get("path", "/api/"),
+        )
     except KeyError as exc:
         raise ConfigError(f"{ENV}: {exc.args[0]}= is required (e.g. seconds=3,every=40)") from None
     except ValueError as exc:
@@ -70,8 +74,15 @@ def stall_middlewares(environ: dict[str, str] | None = None) -> list:
     if not value:
         return []
     plan = parse(value)
-    log.warning("TEST HOOK %s is set: the event loop blocks %.1f s in every %d-th request whose path matches %r, %d time(s). "
-                "Never set it on a relay that serves a real run", ENV, plan.seconds, plan.every, plan.path, plan.times)
+    log.warning(
+        "TEST HOOK %s is set: the event loop blocks %.1f s in every %d-th request whose path matches %r, %d time(s). "
+        "Never set it on a relay that serves a real run",
+        ENV,
+        plan.seconds,
+        plan.every,
+        plan.path,
+        plan.times,
+    )
     seen, done = 0, 0
     pattern = re.compile(plan.path)
 
@@ -82,8 +93,9 @@ def stall_middlewares(environ: dict[str, str] | None = None) -> list:
             seen += 1
             if seen % plan.every == 0:
                 done += 1
-                log.info("test hook: blocking the event loop %.1f s in %s %s", plan.seconds, request.method,
-                         request.path)
+                log.info(
+                    "test hook: blocking the event loop %.1f s in %s %s", plan.seconds, request.method, request.path
+                )
                 time.sleep(plan.seconds)  # on purpose: the whole loop stops, as a starved machine's does
         return await handler(request)
 

@@ -25,8 +25,12 @@ TOKENIZER = web.AppKey("tokenizer", bytes)
 async def get_tokenizer(request: web.Request) -> web.Response:
     data = request.app.get(TOKENIZER)
     if data is None:
-        raise ApiError(404, "no_tokenizer", "this run has no tokenizer",
-                       'The organizer adds [tokenizer] file = "tokenizer.json" to the run\'s config.')
+        raise ApiError(
+            404,
+            "no_tokenizer",
+            "this run has no tokenizer",
+            'The organizer adds [tokenizer] file = "tokenizer.json" to the run\'s config.',
+        )
     return web.Response(body=data, content_type="application/json")
 
 
@@ -42,6 +46,7 @@ async def lifespan(app: web.Application) -> AsyncIterator[None]:
             raise ConfigError(f"tokenizer.file {config.tokenizer.file} changed after the configuration was read")
         app[TOKENIZER] = data
     collab = app[COLLAB]
-    collab.run_info = dataclasses.replace(collab.run_info, tokenizer_sha256=config.tokenizer.sha256,
-                                          objective=dict(config.objective))
+    collab.run_info = dataclasses.replace(
+        collab.run_info, tokenizer_sha256=config.tokenizer.sha256, objective=dict(config.objective)
+    )
     yield

@@ -34,28 +34,47 @@ WHEEL = web.AppKey("toolkit_wheel", ToolkitWheel)
 def _wheel(request: web.Request) -> ToolkitWheel:
     wheel = request.app.get(WHEEL)
     if wheel is None:
-        raise ApiError(404, "no_toolkit_wheel", "this relay could not build its toolkit wheel (see its log)",
-                       "The organizer installs collabtrain on the relay (pip install -e . in a checkout, or the "
-                       "release wheel) and restarts it.")
+        raise ApiError(
+            404,
+            "no_toolkit_wheel",
+            "this relay could not build its toolkit wheel (see its log)",
+            "The organizer installs collabtrain on the relay (pip install -e . in a checkout, or the "
+            "release wheel) and restarts it.",
+        )
     return wheel
 
 
 async def get_toolkit_info(request: web.Request) -> web.Response:
     wheel = _wheel(request)
-    return json_ok({"wheel": wheel.filename, "sha256": wheel.sha256, "version": wheel.version,
-                    "url": WHEEL_PREFIX + wheel.filename, "extras": request.app[CONFIG].volunteer_extras()})
+    return json_ok(
+        {
+            "wheel": wheel.filename,
+            "sha256": wheel.sha256,
+            "version": wheel.version,
+            "url": WHEEL_PREFIX + wheel.filename,
+            "extras": request.app[CONFIG].volunteer_extras(),
+        }
+    )
 
 
 async def get_wheel(request: web.Request) -> web.Response:
     wheel = _wheel(request)
     if request.match_info["filename"] != wheel.filename:  # the only name served: no path is ever joined
-        raise ApiError(404, "no_such_file", f"this relay serves only {WHEEL_PREFIX}{wheel.filename}",
-                       f"Ask {TOOLKIT_INFO_PATH} for the current file name, or get a fresh notebook from the organizer.")
+        raise ApiError(
+            404,
+            "no_such_file",
+            f"this relay serves only {WHEEL_PREFIX}{wheel.filename}",
+            f"Ask {TOOLKIT_INFO_PATH} for the current file name, or get a fresh notebook from the organizer.",
+        )
     try:
         data = await asyncio.to_thread(wheel.path.read_bytes)
     except OSError:
-        raise ApiError(404, "no_toolkit_wheel", f"{wheel.filename} is missing from the relay's data dir",
-                       "The organizer restarts the relay, which writes it again.") from None
+        raise ApiError(
+            404,
+            "no_toolkit_wheel",
+            f"{wheel.filename} is missing from the relay's data dir",
+            "The organizer restarts the relay, which writes it again.",
+        ) from None
     return web.Response(body=data, content_type="application/zip", headers={"Cache-Control": "no-cache"})
 
 

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 LOGIN_ROUTE = LOGIN_PATH  # public
 REFRESH_ROUTE = REFRESH_PATH  # signed
 _MAX_LOGIN_BODY = 4096
-_WRITE_TOKEN_WARNING = ("your Hugging Face token can write to your account; this relay only needs a read "
-                        "token (or a fine-grained token with no permissions)")
+_WRITE_TOKEN_WARNING = (
+    "your Hugging Face token can write to your account; this relay only needs a read "
+    "token (or a fine-grained token with no permissions)"
+)
 
 
 class PassIssuer:
@@ -40,26 +42,45 @@ class PassIssuer:
             raise ValueError("auth.pass_ttl_s must be at least 60 seconds")
         self.relay_key, self.ttl_s, self.clock = relay_key, ttl_s, clock
 
-    def issue(self, username: str, peer_key: bytes, *, auth_at: int | None = None,
-              warnings: list[str] | None = None) -> LoginResponse:
+    def issue(
+        self, username: str, peer_key: bytes, *, auth_at: int | None = None, warnings: list[str] | None = None
+    ) -> LoginResponse:
         if not USERNAME_RE.fullmatch(username) or len(peer_key) != 32:
             raise ValueError("cannot issue a pass for an invalid username or key")
         now = self.clock()
-        claims = PassClaims(self.relay_key.key_id, int(now), int(now + self.ttl_s),
-                            int(now) if auth_at is None else auth_at, peer_key, username)
+        claims = PassClaims(
+            self.relay_key.key_id,
+            int(now),
+            int(now + self.ttl_s),
+            int(now) if auth_at is None else auth_at,
+            peer_key,
+            username,
+        )
         body = claims.encode_claims()
         token = b64u(body + self.relay_key.sign(PassClaims.signed_message(body)))
-        return LoginResponse(access_pass=token, username=username, issued_at=claims.issued_at,
-                             expires_at=claims.expires_at, server_time=now,
-                             relay_public_key=self.relay_key.public_b64, relay_key_id=self.relay_key.key_id,
-                             warnings=list(warnings or []))
+        return LoginResponse(
+            access_pass=token,
+            username=username,
+            issued_at=claims.issued_at,
+            expires_at=claims.expires_at,
+            server_time=now,
+            relay_public_key=self.relay_key.public_b64,
+            relay_key_id=self.relay_key.key_id,
+            warnings=list(warnings or []),
+        )
 
 
 class LoginService:
     """The login and refresh routes (handlers are bound methods: ``service.routes()``)."""
 
-    def __init__(self, identity: HfIdentityVerifier, issuer: PassIssuer, *,
-                 is_banned: Callable[[str], bool] = lambda username: False, reauth_after_s: float = 86400.0) -> None:
+    def __init__(
+        self,
+        identity: HfIdentityVerifier,
+        issuer: PassIssuer,
+        *,
+        is_banned: Callable[[str], bool] = lambda username: False,
+        reauth_after_s: float = 86400.0,
+    ) -> None:
         self.identity, self.issuer, self.is_banned, self.reauth_after_s = identity, issuer, is_banned, reauth_after_s
 
     async def login(self, request: LoginRequest) -> LoginResponse:
@@ -68,8 +89,12 @@ class LoginService:
         except ValueError:
             peer_key = b""
         if len(peer_key) != 32:
-            raise AuthRejected(400, "bad_public_key", "peer_public_key must be a raw Ed25519 key (32 bytes, b64u)",
-                               "Upgrade the toolkit.")
+            raise AuthRejected(
+                400,
+                "bad_public_key",
+                "peer_public_key must be a raw Ed25519 key (32 bytes, b64u)",
+                "Upgrade the toolkit.",
+            )
         identity = await self.identity.verify(request.hf_token)
         self._check_ban(identity.username)
         warnings = [_WRITE_TOKEN_WARNING] if identity.token_role == "write" else []
@@ -80,15 +105,23 @@ class LoginService:
     def refresh(self, claims: PassClaims) -> LoginResponse:
         self._check_ban(claims.username)
         if self.issuer.clock() - claims.auth_at > self.reauth_after_s:
-            raise AuthRejected(401, "reauth_required", "the Hugging Face check behind this pass is too old",
-                               "Log in with your token again (the toolkit does this by itself).")
+            raise AuthRejected(
+                401,
+                "reauth_required",
+                "the Hugging Face check behind this pass is too old",
+                "Log in with your token again (the toolkit does this by itself).",
+            )
         return self.issuer.issue(claims.username, claims.peer_key, auth_at=claims.auth_at)
 
     def _check_ban(self, username: str) -> None:
         if self.is_banned(username):
             log.info("login refused: %s is banned", username)
-            raise AuthRejected(403, "user_banned", f"user {username!r} is banned from this run",
-                               "Contact the organizer if you think this is a mistake.")
+            raise AuthRejected(
+                403,
+                "user_banned",
+                f"user {username!r} is banned from this run",
+                "Contact the organizer if you think this is a mistake.",
+            )
 
     async def handle_login(self, request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > _MAX_LOGIN_BODY:
@@ -99,8 +132,12 @@ class LoginService:
     async def handle_refresh(self, request: web.Request) -> web.Response:
         claims = request.get(PASS_KEY)
         if claims is None:  # the route was left public or auth is off: nothing to refresh
-            raise AuthRejected(401, "missing_auth", "refresh needs a signed request with a valid pass",
-                               "Log in with your Hugging Face token instead.")
+            raise AuthRejected(
+                401,
+                "missing_auth",
+                "refresh needs a signed request with a valid pass",
+                "Log in with your Hugging Face token instead.",
+            )
         return _json(self.refresh(claims))
 
     def routes(self) -> list[tuple[str, str, Callable]]:

@@ -26,8 +26,10 @@ from toolkit.wire.auth import USERNAME_RE
 
 log = logging.getLogger(__name__)
 
-_TOKEN_HINT = ("Create a read token at https://huggingface.co/settings/tokens, put it in the HF_TOKEN secret "
-               "(notebook) or variable (shell), and run again.")
+_TOKEN_HINT = (
+    "Create a read token at https://huggingface.co/settings/tokens, put it in the HF_TOKEN secret "
+    "(notebook) or variable (shell), and run again."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,14 +47,19 @@ class AllowList:
 
     def __post_init__(self) -> None:
         if not (self.users or self.orgs or self.any_user):
-            raise ValueError("the allowlist is empty, so nobody could join: set auth.allow_users and/or "
-                             "auth.allow_orgs, or auth.allow_any_hf_user = true")
+            raise ValueError(
+                "the allowlist is empty, so nobody could join: set auth.allow_users and/or "
+                "auth.allow_orgs, or auth.allow_any_hf_user = true"
+            )
         object.__setattr__(self, "users", frozenset(u.casefold() for u in self.users))
         object.__setattr__(self, "orgs", frozenset(o.casefold() for o in self.orgs))
 
     def permits(self, identity: HfIdentity) -> bool:
-        return (self.any_user or identity.username.casefold() in self.users
-                or any(org.casefold() in self.orgs for org in identity.orgs))
+        return (
+            self.any_user
+            or identity.username.casefold() in self.users
+            or any(org.casefold() in self.orgs for org in identity.orgs)
+        )
 
 
 @dataclass(frozen=True)
@@ -77,8 +84,15 @@ def hf_whoami(endpoint: str, token: str) -> dict[str, Any]:
 class HfIdentityVerifier:
     """Verify a token with the Hub and check the allowlist; raise :class:`AuthRejected` otherwise."""
 
-    def __init__(self, allow: AllowList, *, endpoint: str | None = None, timeout_s: float = 15.0,
-                 max_concurrent: int = 4, whoami: Whoami = hf_whoami) -> None:
+    def __init__(
+        self,
+        allow: AllowList,
+        *,
+        endpoint: str | None = None,
+        timeout_s: float = 15.0,
+        max_concurrent: int = 4,
+        whoami: Whoami = hf_whoami,
+    ) -> None:
         self.allow = allow
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         if not self.endpoint.startswith(("http://", "https://")):
@@ -88,16 +102,24 @@ class HfIdentityVerifier:
         self._slots = threading.BoundedSemaphore(max_concurrent)
 
     async def verify(self, token: str) -> HfIdentity:
-        if not isinstance(token, str) or not 8 <= len(token) <= 512 or not token.isascii() or not token.isprintable() \
-                or any(c.isspace() for c in token):
+        if (
+            not isinstance(token, str)
+            or not 8 <= len(token) <= 512
+            or not token.isascii()
+            or not token.isprintable()
+            or any(c.isspace() for c in token)
+        ):
             raise AuthRejected(401, "invalid_hf_token", "that does not look like a Hugging Face token", _TOKEN_HINT)
         info = await self._call(token)
         identity = _parse_whoami(info)
         if not self.allow.permits(identity):
             log.info("login refused: %s is not on the allowlist", identity.username)
-            raise AuthRejected(403, "not_allowlisted", f"Hugging Face user {identity.username!r} is not allowed "
-                               "to join this run", "Ask the organizer to add your username, or join the run's "
-                               "organization on huggingface.co.")
+            raise AuthRejected(
+                403,
+                "not_allowlisted",
+                f"Hugging Face user {identity.username!r} is not allowed to join this run",
+                "Ask the organizer to add your username, or join the run's organization on huggingface.co.",
+            )
         log.info("HF identity verified: %s", identity.username)
         return identity
 
@@ -124,8 +146,12 @@ class HfIdentityVerifier:
             info, exc = await asyncio.wait_for(done, self.timeout_s)
         except asyncio.TimeoutError:
             log.warning("HF identity check at %s timed out after %.0fs", self.endpoint, self.timeout_s)
-            raise AuthRejected(503, "identity_unavailable", f"Hugging Face did not answer within {self.timeout_s:.0f}s",
-                               "Retry in a minute.") from None
+            raise AuthRejected(
+                503,
+                "identity_unavailable",
+                f"Hugging Face did not answer within {self.timeout_s:.0f}s",
+                "Retry in a minute.",
+            ) from None
         if exc is not None:
             raise _map_error(exc, self.endpoint) from None
         return info
@@ -138,18 +164,30 @@ def _settle(future: asyncio.Future, outcome: tuple[Any, BaseException | None]) -
 
 def _map_error(exc: BaseException, endpoint: str) -> AuthRejected:
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    log.warning("HF identity check at %s failed: %s%s", endpoint, type(exc).__name__,
-                f" (HTTP {status})" if status else "")
+    log.warning(
+        "HF identity check at %s failed: %s%s", endpoint, type(exc).__name__, f" (HTTP {status})" if status else ""
+    )
     if status in (401, 403):
-        return AuthRejected(401, "invalid_hf_token", "Hugging Face rejected the token (wrong, expired or revoked)", _TOKEN_HINT)
+        return AuthRejected(
+            401, "invalid_hf_token", "Hugging Face rejected the token (wrong, expired or revoked)", _TOKEN_HINT
+        )
     if status == 429:
-        return AuthRejected(503, "identity_rate_limited", "Hugging Face rate-limited the relay's identity checks",
-                            "Retry in a minute.")
+        return AuthRejected(
+            503, "identity_rate_limited", "Hugging Face rate-limited the relay's identity checks", "Retry in a minute."
+        )
     if type(exc).__name__ == "OfflineModeIsEnabled":
-        return AuthRejected(503, "identity_unavailable", "the relay runs with HF_HUB_OFFLINE set",
-                            "The organizer must unset HF_HUB_OFFLINE for the relay.")
-    return AuthRejected(503, "identity_unavailable", f"cannot reach Hugging Face ({type(exc).__name__})",
-                        "Retry in a minute; if it persists, the organizer should check auth.hf_endpoint.")
+        return AuthRejected(
+            503,
+            "identity_unavailable",
+            "the relay runs with HF_HUB_OFFLINE set",
+            "The organizer must unset HF_HUB_OFFLINE for the relay.",
+        )
+    return AuthRejected(
+        503,
+        "identity_unavailable",
+        f"cannot reach Hugging Face ({type(exc).__name__})",
+        "Retry in a minute; if it persists, the organizer should check auth.hf_endpoint.",
+    )
 
 
 def _parse_whoami(info: Any) -> HfIdentity:
@@ -157,14 +195,21 @@ def _parse_whoami(info: Any) -> HfIdentity:
     if not isinstance(info, dict):
         raise AuthRejected(503, "identity_unavailable", "Hugging Face answered with something unexpected")
     if info.get("type") != "user":
-        raise AuthRejected(403, "not_a_user_token", "the token belongs to an organization or app, not a user",
-                           "Use a personal access token of your own account.")
+        raise AuthRejected(
+            403,
+            "not_a_user_token",
+            "the token belongs to an organization or app, not a user",
+            "Use a personal access token of your own account.",
+        )
     username = info.get("name")
     if not isinstance(username, str) or not USERNAME_RE.fullmatch(username):
         raise AuthRejected(503, "identity_unavailable", "Hugging Face returned an unusable username")
     raw_orgs = info.get("orgs")
-    orgs = tuple(o["name"] for o in raw_orgs if isinstance(o, dict) and isinstance(o.get("name"), str)) \
-        if isinstance(raw_orgs, list) else ()
+    orgs = (
+        tuple(o["name"] for o in raw_orgs if isinstance(o, dict) and isinstance(o.get("name"), str))
+        if isinstance(raw_orgs, list)
+        else ()
+    )
     auth = info.get("auth")
     token = auth.get("accessToken") if isinstance(auth, dict) else None
     role = token.get("role") if isinstance(token, dict) else ""

@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 KEY_FILE = "relay_ed25519.pem"
 
 
-
-
 class RelayKey:
     """The private key plus what peers see of it: raw public bytes, b64u form and key id."""
 
@@ -73,7 +71,8 @@ def _create(path: Path) -> None:
     """Write a new key without a window where it is readable by others or half-written: a 0600
     temp file, then ``link`` (atomic, refuses to overwrite a key another process just made)."""
     pem = Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

@@ -25,12 +25,22 @@ class ChunkDigests:
     with the digest string's length BEFORE any per-chunk list is built: nothing here grows with
     what a header merely declares."""
 
-    def __init__(self, tensor_sizes: Iterable[int], metadata: Mapping[str, str], *,
-                 min_chunk_bytes: int = 4096, max_chunk_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self,
+        tensor_sizes: Iterable[int],
+        metadata: Mapping[str, str],
+        *,
+        min_chunk_bytes: int = 4096,
+        max_chunk_bytes: int = 16 << 20,
+    ) -> None:
         raw_size, raw_digests = metadata.get(CHUNK_BYTES_KEY), metadata.get(CHUNK_SHA256_KEY)
         if raw_size is None or raw_digests is None:
-            raise _reject(401, "missing_chunk_digests", "a signed upload must list its chunk digests",
-                          "Upgrade the toolkit: uploads carry collab_chunk_sha256 in their metadata.")
+            raise _reject(
+                401,
+                "missing_chunk_digests",
+                "a signed upload must list its chunk digests",
+                "Upgrade the toolkit: uploads carry collab_chunk_sha256 in their metadata.",
+            )
         if not (raw_size.isascii() and raw_size.isdigit()) or not min_chunk_bytes <= int(raw_size) <= max_chunk_bytes:
             raise _reject(401, "bad_chunk_digests", f"chunk size must be {min_chunk_bytes}..{max_chunk_bytes} bytes")
         self.chunk_bytes = int(raw_size)
@@ -43,17 +53,20 @@ class ChunkDigests:
         except ValueError as exc:
             raise _reject(401, "bad_chunk_digests", str(exc)) from None
         if len(digests) != 32 * count:
-            raise _reject(401, "bad_chunk_digests", f"expected {count} chunk digests, "
-                          f"got {len(digests) / 32:g}")
+            raise _reject(401, "bad_chunk_digests", f"expected {count} chunk digests, got {len(digests) / 32:g}")
         self.lengths = segment_lengths(sizes, self.chunk_bytes)
-        self.digests = [digests[i:i + 32] for i in range(0, len(digests), 32)]
+        self.digests = [digests[i : i + 32] for i in range(0, len(digests), 32)]
 
     def check(self, index: int, data: bytes) -> None:
         if index >= len(self.lengths) or len(data) != self.lengths[index]:
             raise ProtocolError("bad_tensor", "read past the announced tensor data")
         if not hmac.compare_digest(hashlib.sha256(data).digest(), self.digests[index]):
-            raise _reject(401, "chunk_digest_mismatch", f"data chunk {index} does not match its signed digest",
-                          "The upload was altered in transit; it is dropped (chunks before it were intact).")
+            raise _reject(
+                401,
+                "chunk_digest_mismatch",
+                f"data chunk {index} does not match its signed digest",
+                "The upload was altered in transit; it is dropped (chunks before it were intact).",
+            )
 
 
 class VerifiedBodyStream:
@@ -74,7 +87,7 @@ class VerifiedBodyStream:
             if not self._pending:
                 self._pending = memoryview(await self._next_segment())
             take = self._pending[:n]
-            self._pending = self._pending[len(take):]
+            self._pending = self._pending[len(take) :]
             parts.append(take)
             n -= len(take)
         return b"".join(parts)

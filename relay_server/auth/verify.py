@@ -61,7 +61,6 @@ from toolkit.wire.tensor_container import MAX_HEADER
 log = logging.getLogger(__name__)
 
 
-
 def _request_key(name: str, tp: type):
     """A typed request key where aiohttp has them (3.13+), the plain name before."""
     return web.RequestKey(name, tp) if hasattr(web, "RequestKey") else name
@@ -95,11 +94,19 @@ class NonceCache:
         """Remember ``key`` or raise :class:`AuthRejected` if it was seen within the window."""
         self._purge(now)
         if key in self._expiry:
-            raise _reject(401, "replayed_nonce", "this request's nonce was already used",
-                          "Every request needs a fresh nonce; a replayed request is refused.")
+            raise _reject(
+                401,
+                "replayed_nonce",
+                "this request's nonce was already used",
+                "Every request needs a fresh nonce; a replayed request is refused.",
+            )
         if self._per_user.get(username, 0) >= self.max_per_user:
-            raise _reject(429, "too_many_requests", f"more than {self.max_per_user} signed requests "
-                          f"in {self.window_s:.0f}s", "Slow down; the toolkit's defaults stay far below this.")
+            raise _reject(
+                429,
+                "too_many_requests",
+                f"more than {self.max_per_user} signed requests in {self.window_s:.0f}s",
+                "Slow down; the toolkit's defaults stay far below this.",
+            )
         if len(self._expiry) >= self.max_entries:
             raise _reject(503, "nonce_cache_full", "the relay is at its request capacity", "Retry in a few seconds.")
         self._expiry[key] = now + self.window_s
@@ -133,9 +140,16 @@ class RequestVerifier:
     """Stateless checks plus the nonce cache. ``is_banned`` is asked on every request, so a ban
     takes effect at once, even for passes already issued."""
 
-    def __init__(self, relay_key: RelayKey, *, max_skew_s: float = 60.0,
-                 is_banned: Callable[[str], bool] = lambda username: False, nonces: NonceCache | None = None,
-                 clock: Callable[[], float] = time.time, pass_cache_size: int = 4096) -> None:
+    def __init__(
+        self,
+        relay_key: RelayKey,
+        *,
+        max_skew_s: float = 60.0,
+        is_banned: Callable[[str], bool] = lambda username: False,
+        nonces: NonceCache | None = None,
+        clock: Callable[[], float] = time.time,
+        pass_cache_size: int = 4096,
+    ) -> None:
         self.relay_key, self.max_skew_s, self.is_banned, self.clock = relay_key, max_skew_s, is_banned, clock
         self.nonces = nonces or NonceCache(2 * max_skew_s)
         # nonces live in memory: refusing timestamps from before this process started closes the
@@ -149,8 +163,12 @@ class RequestVerifier:
         for name in (PASS_HEADER, TIMESTAMP_HEADER, NONCE_HEADER, BODY_SHA256_HEADER, SIGNATURE_HEADER):
             value = headers.get(name)
             if not value:
-                raise _reject(401, "missing_auth", f"this route needs a signed request (no {name} header)",
-                              "Log in first: the toolkit signs requests once it holds an access pass.")
+                raise _reject(
+                    401,
+                    "missing_auth",
+                    f"this route needs a signed request (no {name} header)",
+                    "Log in first: the toolkit signs requests once it holds an access pass.",
+                )
             values[name] = value
         claims, peer_public = self._pass(values[PASS_HEADER])
         now = self.clock()
@@ -159,15 +177,23 @@ class RequestVerifier:
         if claims.issued_at > now + self.max_skew_s:
             raise _reject(401, "pass_not_yet_valid", "the access pass was issued in the future")
         if self.is_banned(claims.username):
-            raise _reject(403, "user_banned", f"user {claims.username!r} is banned from this run",
-                          "Contact the organizer if you think this is a mistake.")
+            raise _reject(
+                403,
+                "user_banned",
+                f"user {claims.username!r} is banned from this run",
+                "Contact the organizer if you think this is a mistake.",
+            )
         timestamp, nonce, body_sha256 = values[TIMESTAMP_HEADER], values[NONCE_HEADER], values[BODY_SHA256_HEADER]
         if not (timestamp.isascii() and timestamp.isdigit() and len(timestamp) <= 12):  # "\u00b2".isdigit()
             raise _reject(401, "malformed_auth", f"{TIMESTAMP_HEADER} must be unix seconds")
         skew = float(timestamp) - now
         if abs(skew) > self.max_skew_s or int(timestamp) < self.not_before:
-            raise _reject(401, "stale_timestamp", f"request timestamp is {skew:+.0f}s off the relay's clock "
-                          f"(limit {self.max_skew_s:.0f}s)", "Log in again: the toolkit re-syncs its clock offset at login.")
+            raise _reject(
+                401,
+                "stale_timestamp",
+                f"request timestamp is {skew:+.0f}s off the relay's clock (limit {self.max_skew_s:.0f}s)",
+                "Log in again: the toolkit re-syncs its clock offset at login.",
+            )
         if not NONCE_RE.fullmatch(nonce) or not _HEX64.fullmatch(body_sha256):
             raise _reject(401, "malformed_auth", f"bad {NONCE_HEADER} or {BODY_SHA256_HEADER} header")
         try:
@@ -176,26 +202,47 @@ class RequestVerifier:
             raise _reject(401, "malformed_auth", str(exc)) from None
         return PendingAuth(claims, peer_public, timestamp, nonce, body_sha256, signature)
 
-    def finish(self, pending: PendingAuth, *, method: str, path_qs: str, content_type: str,
-               body_sha256: str) -> PassClaims:
+    def finish(
+        self, pending: PendingAuth, *, method: str, path_qs: str, content_type: str, body_sha256: str
+    ) -> PassClaims:
         if not hmac.compare_digest(body_sha256, pending.body_sha256):
-            raise _reject(401, "body_mismatch", "the body does not match its signed hash",
-                          "Something between the peer and the relay altered the request (a proxy?).")
-        message = request_message(pending.claims.relay_key_id, method, path_qs, content_type,
-                                  pending.timestamp, pending.nonce, pending.body_sha256)
+            raise _reject(
+                401,
+                "body_mismatch",
+                "the body does not match its signed hash",
+                "Something between the peer and the relay altered the request (a proxy?).",
+            )
+        message = request_message(
+            pending.claims.relay_key_id,
+            method,
+            path_qs,
+            content_type,
+            pending.timestamp,
+            pending.nonce,
+            pending.body_sha256,
+        )
         try:
             pending.peer_public.verify(pending.signature, message)
         except InvalidSignature:
-            raise _reject(401, "bad_signature", "the request signature does not verify with the pass's key",
-                          "A reverse proxy must forward method, path, query and Content-Type unchanged.") from None
+            raise _reject(
+                401,
+                "bad_signature",
+                "the request signature does not verify with the pass's key",
+                "A reverse proxy must forward method, path, query and Content-Type unchanged.",
+            ) from None
         self.nonces.add(f"{b64u(pending.claims.peer_key)}:{pending.nonce}", pending.claims.username, self.clock())
         return pending.claims
 
     def verify(self, *, method: str, path_qs: str, headers: Mapping[str, str], body: bytes = b"") -> PassClaims:
         """All checks for an ordinary (fully read) body."""
         pending = self.check_headers(headers)
-        return self.finish(pending, method=method, path_qs=path_qs, content_type=headers.get("Content-Type", ""),
-                           body_sha256=hashlib.sha256(body).hexdigest())
+        return self.finish(
+            pending,
+            method=method,
+            path_qs=path_qs,
+            content_type=headers.get("Content-Type", ""),
+            body_sha256=hashlib.sha256(body).hexdigest(),
+        )
 
     def _pass(self, token: str) -> tuple[PassClaims, Ed25519PublicKey]:
         """Decode and verify a pass, caching by its exact string: one Ed25519 verify per request."""
@@ -208,9 +255,12 @@ class RequestVerifier:
         except ValueError as exc:
             raise _reject(401, "malformed_pass", f"the access pass is malformed: {exc}") from None
         if claims.relay_key_id != self.relay_key.key_id:
-            raise _reject(401, "pass_wrong_relay", f"the pass was issued by relay key {claims.relay_key_id}, "
-                          f"this relay's key is {self.relay_key.key_id}",
-                          "Log in to this relay (passes are per relay and per relay key).")
+            raise _reject(
+                401,
+                "pass_wrong_relay",
+                f"the pass was issued by relay key {claims.relay_key_id}, this relay's key is {self.relay_key.key_id}",
+                "Log in to this relay (passes are per relay and per relay key).",
+            )
         try:
             self.relay_key.public.verify(signature, PassClaims.signed_message(body))
         except InvalidSignature:
@@ -239,15 +289,20 @@ def sign_response_headers(request: web.Request, response: web.StreamResponse, na
     names = [n.lower() for n in names]
     covers = "headers:" + ",".join(names)
     response.headers[RELAY_SIGNATURE_HEADER] = sign_response(
-        relay_key, covered_headers_payload(response.headers, names), request_nonce=nonce, covers=covers)
+        relay_key, covered_headers_payload(response.headers, names), request_nonce=nonce, covers=covers
+    )
 
 
 # --- middleware ---------------------------------------------------------------------------------
-def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
-                    container_routes: Iterable[tuple[str, str]] = (),
-                    container_limit: Callable[[], int] = lambda: 0,
-                    binary_routes: Iterable[tuple[str, str]] = (),
-                    container_limits: Mapping[tuple[str, str], Callable[[], int]] | None = None):
+def auth_middleware(
+    verifier: RequestVerifier,
+    public_paths: Iterable[str],
+    *,
+    container_routes: Iterable[tuple[str, str]] = (),
+    container_limit: Callable[[], int] = lambda: 0,
+    binary_routes: Iterable[tuple[str, str]] = (),
+    container_limits: Mapping[tuple[str, str], Callable[[], int]] | None = None,
+):
     """Require a signed request on every route except ``public_paths`` (where a request that
     carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
@@ -277,46 +332,75 @@ def auth_middleware(verifier: RequestVerifier, public_paths: Iterable[str], *,
             return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers
         try:
             route = (request.method, resource.canonical)
-            await _authenticate(verifier, request, route in limits, limits.get(route, container_limit),
-                                route in binary)
+            await _authenticate(
+                verifier, request, route in limits, limits.get(route, container_limit), route in binary
+            )
         except (ApiError, ProtocolError) as exc:
             log.info("refused %s %s: %s", request.method, request.path[:80], getattr(exc, "code", "error"))
             await drain(request)
             raise
         response = await handler(request)
-        if (isinstance(response, web.Response) and not response.prepared and 200 <= response.status < 300
-                and RELAY_SIGNATURE_HEADER not in response.headers):
+        if (
+            isinstance(response, web.Response)
+            and not response.prepared
+            and 200 <= response.status < 300
+            and RELAY_SIGNATURE_HEADER not in response.headers
+        ):
             body = response.body
             if body is None or isinstance(body, (bytes, bytearray)):
                 response.headers[RELAY_SIGNATURE_HEADER] = sign_response(
-                    verifier.relay_key, bytes(body or b""), request_nonce=request[_NONCE])
+                    verifier.relay_key, bytes(body or b""), request_nonce=request[_NONCE]
+                )
         return response
 
     return middleware
 
 
-async def _authenticate(verifier: RequestVerifier, request: web.Request, container: bool,
-                        container_limit: Callable[[], int], binary: bool = False) -> None:
+async def _authenticate(
+    verifier: RequestVerifier,
+    request: web.Request,
+    container: bool,
+    container_limit: Callable[[], int],
+    binary: bool = False,
+) -> None:
     pending = verifier.check_headers(request.headers)
     content_type = request.headers.get("Content-Type", "")
     streamed = content_type.split(";")[0].strip().lower() == CONTAINER_TYPE
     if streamed != (container or binary):
-        raise ApiError(415, "wrong_content_type", f"this route takes {CONTAINER_TYPE if container or binary else 'JSON'}, "
-                       f"not {content_type[:60]!r}", "Send the body the toolkit sends for this route "
-                       "(tensors as application/octet-stream, everything else as application/json).")
+        raise ApiError(
+            415,
+            "wrong_content_type",
+            f"this route takes {CONTAINER_TYPE if container or binary else 'JSON'}, not {content_type[:60]!r}",
+            "Send the body the toolkit sends for this route "
+            "(tensors as application/octet-stream, everything else as application/json).",
+        )
     if container:
         limit = container_limit()
         if request.content_length is not None and request.content_length > limit + MAX_HEADER + 8:
-            raise ApiError(413, "body_too_large", f"a tensor upload is at most {limit + MAX_HEADER + 8} bytes",
-                           "Upload the run's parameters in its codec; the model or codec does not match the run's.")
+            raise ApiError(
+                413,
+                "body_too_large",
+                f"a tensor upload is at most {limit + MAX_HEADER + 8} bytes",
+                "Upload the run's parameters in its codec; the model or codec does not match the run's.",
+            )
         head = await read_container_head(request.content)
-        claims = verifier.finish(pending, method=request.method, path_qs=request.raw_path,
-                                 content_type=content_type, body_sha256=hashlib.sha256(head).hexdigest())
+        claims = verifier.finish(
+            pending,
+            method=request.method,
+            path_qs=request.raw_path,
+            content_type=content_type,
+            body_sha256=hashlib.sha256(head).hexdigest(),
+        )
         request[BODY_STREAM_KEY] = VerifiedBodyStream(request.content, head, container_digests(head, limit))
     else:
         body = await request.read()  # bounded by the app's client_max_size; handlers read these same bytes
-        claims = verifier.finish(pending, method=request.method, path_qs=request.raw_path,
-                                 content_type=content_type, body_sha256=hashlib.sha256(body).hexdigest())
+        claims = verifier.finish(
+            pending,
+            method=request.method,
+            path_qs=request.raw_path,
+            content_type=content_type,
+            body_sha256=hashlib.sha256(body).hexdigest(),
+        )
     request[IDENTITY_KEY] = {"username": claims.username, "peer_key": b64u(claims.peer_key)}
     request[PASS_KEY] = claims
     request[_NONCE] = pending.nonce

@@ -71,29 +71,52 @@ class Aggregators(Mapping[str, Aggregator]):
 
     def register(self, req: AggregatorRegistration) -> AggregatorWelcome:
         if req.protocol != PROTOCOL_VERSION:
-            raise ApiError(400, "protocol_mismatch", f"aggregator speaks protocol {req.protocol}, relay "
-                           f"{PROTOCOL_VERSION}", "Install the same collabtrain version on both.")
+            raise ApiError(
+                400,
+                "protocol_mismatch",
+                f"aggregator speaks protocol {req.protocol}, relay {PROTOCOL_VERSION}",
+                "Install the same collabtrain version on both.",
+            )
         if self.config.master_optimizer().state_bits != 32:  # local SGD: [optimizer] runs on the peers
-            raise ApiError(409, "state_cannot_be_sliced", "8-bit optimizer state cannot be cut into slices",
-                           "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.")
+            raise ApiError(
+                409,
+                "state_cannot_be_sliced",
+                "8-bit optimizer state cannot be cut into slices",
+                "Set optimizer.state_bits = 32 to add aggregators, or run the relay alone.",
+            )
         if not req.url.startswith(("http://", "https://")):
-            raise ApiError(422, "bad_url", "the aggregator URL must start with http:// or https://",
-                           "Pass --public-url with the address peers can reach.")
-        agg = Aggregator(aggregator_id=hashlib.sha256(f"{req.url}{time.time_ns()}".encode()).hexdigest()[:16],
-                         name=req.name, url=req.url.rstrip("/"))
+            raise ApiError(
+                422,
+                "bad_url",
+                "the aggregator URL must start with http:// or https://",
+                "Pass --public-url with the address peers can reach.",
+            )
+        agg = Aggregator(
+            aggregator_id=hashlib.sha256(f"{req.url}{time.time_ns()}".encode()).hexdigest()[:16],
+            name=req.name,
+            url=req.url.rstrip("/"),
+        )
         self.add(agg)
         log.info("aggregator %s (%s) registered at %s", agg.name, agg.aggregator_id, agg.url)
-        return AggregatorWelcome(aggregator_id=agg.aggregator_id, ticket_key=self.ticket_key, run=self.run_info,
-                                 # what steps the master: local SGD's outer SGD, not the peers' inner optimizer
-                                 optimizer=dataclasses.asdict(self.config.master_optimizer()),
-                                 rounds=dataclasses.asdict(self.config.rounds),
-                                 heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+        return AggregatorWelcome(
+            aggregator_id=agg.aggregator_id,
+            ticket_key=self.ticket_key,
+            run=self.run_info,
+            # what steps the master: local SGD's outer SGD, not the peers' inner optimizer
+            optimizer=dataclasses.asdict(self.config.master_optimizer()),
+            rounds=dataclasses.asdict(self.config.rounds),
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+        )
 
     def heartbeat(self, aggregator_id: str, hb: AggregatorHeartbeat) -> None:
         agg = self._by_id.get(aggregator_id)
         if agg is None or not agg.alive:
-            raise ApiError(410, "aggregator_dropped", "this aggregator is not part of the run (it was "
-                           "declared dead, or the relay restarted)", "Register again (the aggregator does so itself).")
+            raise ApiError(
+                410,
+                "aggregator_dropped",
+                "this aggregator is not part of the run (it was declared dead, or the relay restarted)",
+                "Register again (the aggregator does so itself).",
+            )
         agg.last_seen, agg.step, agg.plan_version = time.monotonic(), hb.step, hb.plan_version
         agg.upload, agg.download = hb.upload, hb.download
         for t in hb.transfers:
@@ -128,6 +151,15 @@ class Aggregators(Mapping[str, Aggregator]):
         return [a for a in self._by_id.values() if a.alive]
 
     def statuses(self) -> list[AggregatorStatus]:
-        return [AggregatorStatus(aggregator_id=a.aggregator_id, name=a.name, url=a.url, alive=a.alive,
-                                 last_seen_s=time.monotonic() - a.last_seen, upload=a.upload, download=a.download)
-                for a in self._by_id.values()]
+        return [
+            AggregatorStatus(
+                aggregator_id=a.aggregator_id,
+                name=a.name,
+                url=a.url,
+                alive=a.alive,
+                last_seen_s=time.monotonic() - a.last_seen,
+                upload=a.upload,
+                download=a.download,
+            )
+            for a in self._by_id.values()
+        ]

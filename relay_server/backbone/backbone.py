@@ -83,15 +83,25 @@ log = logging.getLogger(__name__)
 
 
 class Backbone:
-    def __init__(self, config: RelayConfig, store: Store, layout: list[ParamSpec], codecs: RunCodecs,
-                 params: np.ndarray, run_info: RunInfo) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        store: Store,
+        layout: list[ParamSpec],
+        codecs: RunCodecs,
+        params: np.ndarray,
+        run_info: RunInfo,
+    ) -> None:
         self.config, self.store, self.layout, self.codecs, self.run_info = config, store, layout, codecs, run_info
         self.cfg = config.aggregators
         self.num_params = int(params.size)
-        self.boundaries = slice_boundaries(layout, config.master_optimizer())  # where the plan may cut (None: anywhere)
+        self.boundaries = slice_boundaries(
+            layout, config.master_optimizer()
+        )  # where the plan may cut (None: anywhere)
         self.planning = Planning(self.cfg, self.num_params, config.run.target_batch)
-        self.local: SliceOwner | None = self._new_owner({"params": params}, 0, self.num_params, 0, RELAY_ONLY,
-                                                        adopt=True)
+        self.local: SliceOwner | None = self._new_owner(
+            {"params": params}, 0, self.num_params, 0, RELAY_ONLY, adopt=True
+        )
         self.owners = [Owner(RELAY_ID, RELAY_ID, "", 0, self.num_params, 1.0)]
         self.plan: Plan | None = None  # the executing plan (None: relay only)
         self.board = Board()  # of Published
@@ -108,14 +118,27 @@ class Backbone:
         self._empty_reducer: Reducer | None = None
         self.refused_rounds = 0  # sliced rounds in which some owner refused its step
 
-    def _new_owner(self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *,
-                   adopt: bool = False) -> SliceOwner:
-        return SliceOwner(self.layout, state, start=start, end=end, step=step, optimizer=self.config.master_optimizer(),
-                          total_steps=self.config.run.total_steps, codecs=self.codecs, store=self.store,
-                          download_feedback=self.config.run.download_feedback,
-                          fsync=self.config.server.fsync, robust=robust_config(self.config.rounds),
-                          run_name=self.config.run.name, plan_version=plan_version,
-                          on_transfer=self.planning.record_transfer, adopt=adopt)
+    def _new_owner(
+        self, state: dict[str, np.ndarray], start: int, end: int, step: int, plan_version: str, *, adopt: bool = False
+    ) -> SliceOwner:
+        return SliceOwner(
+            self.layout,
+            state,
+            start=start,
+            end=end,
+            step=step,
+            optimizer=self.config.master_optimizer(),
+            total_steps=self.config.run.total_steps,
+            codecs=self.codecs,
+            store=self.store,
+            download_feedback=self.config.run.download_feedback,
+            fsync=self.config.server.fsync,
+            robust=robust_config(self.config.rounds),
+            run_name=self.config.run.name,
+            plan_version=plan_version,
+            on_transfer=self.planning.record_transfer,
+            adopt=adopt,
+        )
 
     def attach(self, admin_token: str) -> None:
         """Called by the app's lifespan: the token internal calls carry."""
@@ -154,11 +177,18 @@ class Backbone:
         return [] if self.single else [o.plan_slice() for o in self.owners]
 
     def plan_info(self) -> PlanInfo:
-        load = relay_link_load(self.config, self.codecs, self.owners, self.num_params,
-                               len(self.peer_ids()),
-                               state_bytes_per_param(self.local, self.copy, self.num_params))
-        return dataclasses.replace(plan_info(self.plan, self.plan_version, self.owners, self.planning,
-                                             self.aggregators.statuses()), relay_link=load)
+        load = relay_link_load(
+            self.config,
+            self.codecs,
+            self.owners,
+            self.num_params,
+            len(self.peer_ids()),
+            state_bytes_per_param(self.local, self.copy, self.num_params),
+        )
+        return dataclasses.replace(
+            plan_info(self.plan, self.plan_version, self.owners, self.planning, self.aggregators.statuses()),
+            relay_link=load,
+        )
 
     # --- aggregators (:mod:`.aggregators`) -------------------------------------------------------
     def register(self, req: AggregatorRegistration) -> AggregatorWelcome:
@@ -210,8 +240,9 @@ class Backbone:
         closed = await closer.close(step, round_id, clip=self.config.master_optimizer().clip_grad_norm > 0)
         if closed.refused:  # those slices hold version step + 1 unchanged: nothing non-finite is published
             self.refused_rounds += 1
-            log.error("step %d: %d slice(s) refused their step (it would have been non-finite)", step + 1,
-                      closed.refused)
+            log.error(
+                "step %d: %d slice(s) refused their step (it would have been non-finite)", step + 1, closed.refused
+            )
         if closed.dead:
             return await self._recover(step + 1, closed.dead), closed.grad_norm
         shas = {o.owner_id: closed.reports[o.owner_id].sha256 for o in self.owners}
@@ -268,7 +299,8 @@ class Backbone:
             else:
                 try:
                     meta, parts[owner], _ = await self.client.fetch_tensors(
-                        self.aggregators[owner.owner_id].url + ROUTES["slice_state"], {"step": str(step)})
+                        self.aggregators[owner.owner_id].url + ROUTES["slice_state"], {"step": str(step)}
+                    )
                     got_step = int(meta.get("step", -1))
                 except CallFailed as exc:
                     self.aggregators.mark_dead(owner.owner_id, f"state pull failed: {exc}")
@@ -306,15 +338,22 @@ class Backbone:
     def _owners_for(self, plan: Plan | None) -> list[Owner]:
         return owners_for(plan, self.num_params, self.aggregators, self.boundaries)
 
-    async def _assign(self, owners: list[Owner], version: str, step: int, state: dict[str, np.ndarray]) -> dict[str, str]:
+    async def _assign(
+        self, owners: list[Owner], version: str, step: int, state: dict[str, np.ndarray]
+    ) -> dict[str, str]:
         """New local owner from ``state``; remote owners pull theirs. Returns each slice's sha256."""
+
         async def remote(owner: Owner) -> str:
             agg = self.aggregators[owner.owner_id]
             if not agg.alive:
                 raise CallFailed(f"{agg.name} is dead")
             try:
-                report = await self.client.call("POST", agg.url + ROUTES["assign"], SliceReport, AssignRequest(
-                    plan_version=version, step=step, start=owner.start, end=owner.end))
+                report = await self.client.call(
+                    "POST",
+                    agg.url + ROUTES["assign"],
+                    SliceReport,
+                    AssignRequest(plan_version=version, step=step, start=owner.start, end=owner.end),
+                )
             except CallFailed as exc:
                 self.aggregators.mark_dead(owner.owner_id, f"assign failed: {exc}")
                 raise
@@ -325,8 +364,9 @@ class Backbone:
         mine = next((o for o in owners if o.owner_id == RELAY_ID), None)
         old, self.local = self.local, None
         if mine is not None:
-            self.local = await asyncio.to_thread(self._new_owner, cut(state, mine.start, mine.end), mine.start,
-                                                 mine.end, step, version)
+            self.local = await asyncio.to_thread(
+                self._new_owner, cut(state, mine.start, mine.end), mine.start, mine.end, step, version
+            )
             self.local.publisher.publish(await self.local.reducer.run(self.local.write_initial))
         if old is not None:
             await asyncio.to_thread(old.close)
@@ -357,8 +397,11 @@ class Backbone:
 
     async def _pull_copy(self, manifest: ParamsManifest) -> None:
         with_state = manifest.step % self.cfg.state_copy_every == 0
-        urls = {s.aggregator_id: self.aggregators[s.aggregator_id].url for s in manifest.slices
-                if s.aggregator_id != RELAY_ID and self.aggregators.alive(s.aggregator_id)}
+        urls = {
+            s.aggregator_id: self.aggregators[s.aggregator_id].url
+            for s in manifest.slices
+            if s.aggregator_id != RELAY_ID and self.aggregators.alive(s.aggregator_id)
+        }
         await self.copy.pull(self.client, manifest, urls, with_state)
         if with_state:
             await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
@@ -381,8 +424,14 @@ class Backbone:
         mine = next((o for o in self.owners if o.owner_id == RELAY_ID), None)
         old, self.local = self.local, None
         if mine is not None:
-            self.local = await asyncio.to_thread(self._new_owner, {"params": np.zeros(mine.end - mine.start, np.float32)},
-                                                 mine.start, mine.end, step, manifest.plan_version)
+            self.local = await asyncio.to_thread(
+                self._new_owner,
+                {"params": np.zeros(mine.end - mine.start, np.float32)},
+                mine.start,
+                mine.end,
+                step,
+                manifest.plan_version,
+            )
             await asyncio.to_thread(self.local.publisher.restore, step)
         if old is not None:
             await asyncio.to_thread(old.close)
@@ -390,8 +439,10 @@ class Backbone:
         try:
             state, from_copy = await self._assemble(step, dead=[], strict=False)
         except RuntimeError as exc:
-            raise RuntimeError(f"cannot resume step {step}: {exc}. Start the aggregators that held it, or start "
-                               "a new relay from a checkpoint (hub.init_from).") from None
+            raise RuntimeError(
+                f"cannot resume step {step}: {exc}. Start the aggregators that held it, or start "
+                "a new relay from a checkpoint (hub.init_from)."
+            ) from None
         self.aggregators.clear()  # they register again (new ids, new ticket key)
         if from_copy:
             log.warning("resumed with slices from the relay's copy: publishing them as step %d", step + 1)

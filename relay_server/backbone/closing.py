@@ -60,11 +60,12 @@ class RoundCloser:
             global_norm = math.sqrt(sum(norms.values()))
         reports = await self._each(owners, lambda o: self._finalize(o, step, round_id, global_norm), "finalize", dead)
         if global_norm is None:
-            global_norm = math.sqrt(sum(r.grad_norm ** 2 for r in reports.values()))
+            global_norm = math.sqrt(sum(r.grad_norm**2 for r in reports.values()))
         return Closed(reports, dead, global_norm)
 
-    async def _each(self, owners: list[Owner], call: Callable[[Owner], Awaitable], what: str,
-                    dead: list[Owner]) -> dict:
+    async def _each(
+        self, owners: list[Owner], call: Callable[[Owner], Awaitable], what: str, dead: list[Owner]
+    ) -> dict:
         """``call`` every owner at once; one that fails (``CallFailed``) is marked dead."""
         results = await asyncio.gather(*(call(o) for o in owners), return_exceptions=True)
         out = {}
@@ -86,8 +87,12 @@ class RoundCloser:
     async def _sq_norm(self, owner: Owner, step: int, round_id: str) -> float:
         if owner.owner_id == RELAY_ID:
             return await self.local.grad_sq_norm(step, round_id)
-        report = await self.client.call("POST", self._url(owner, "grad_norm"), GradNormReport,
-                                        GradNormRequest(step=step, round_id=round_id, plan_version=self.plan_version))
+        report = await self.client.call(
+            "POST",
+            self._url(owner, "grad_norm"),
+            GradNormReport,
+            GradNormRequest(step=step, round_id=round_id, plan_version=self.plan_version),
+        )
         if (report.step, report.round_id, report.start, report.end) != (step, round_id, owner.start, owner.end):
             raise CallFailed(f"answered {report}")
         return report.sq_norm  # finite and >= 0: the schema checked
@@ -95,10 +100,21 @@ class RoundCloser:
     async def _finalize(self, owner: Owner, step: int, round_id: str, global_norm: float | None) -> SliceReport:
         if owner.owner_id == RELAY_ID:
             version, r, norm = await self.local.finalize(step, round_id, global_norm)
-            return SliceReport(step=version.step, start=owner.start, end=owner.end, sha256=version.sha256,
-                               peers=len(r.received), grad_norm=norm, refused=r.refused)
-        report = await self.client.call("POST", self._url(owner, "finalize"), SliceReport, FinalizeRequest(
-            step=step, round_id=round_id, plan_version=self.plan_version, grad_norm=global_norm))
+            return SliceReport(
+                step=version.step,
+                start=owner.start,
+                end=owner.end,
+                sha256=version.sha256,
+                peers=len(r.received),
+                grad_norm=norm,
+                refused=r.refused,
+            )
+        report = await self.client.call(
+            "POST",
+            self._url(owner, "finalize"),
+            SliceReport,
+            FinalizeRequest(step=step, round_id=round_id, plan_version=self.plan_version, grad_norm=global_norm),
+        )
         if (report.step, report.start, report.end) != (step + 1, owner.start, owner.end):
             raise CallFailed(f"answered {report}")
         return report

@@ -22,8 +22,14 @@ from toolkit.wire.compression import RunCodecs
 from toolkit.wire.protocol import ROUTES, ParamsRef, RelayLinkLoad
 
 
-def relay_link_load(config: RelayConfig, codecs: RunCodecs, owners: list[Owner], num_params: int,
-                    peers: int, state_bytes_per_param: float) -> RelayLinkLoad:
+def relay_link_load(
+    config: RelayConfig,
+    codecs: RunCodecs,
+    owners: list[Owner],
+    num_params: int,
+    peers: int,
+    state_bytes_per_param: float,
+) -> RelayLinkLoad:
     mine = sum(o.end - o.start for o in owners if o.owner_id == RELAY_ID)
     remote = num_params - mine
     body = 4 * mine if codecs.down.lossless else codecs.down.wire_bytes(mine)  # a peer in step gets the delta
@@ -33,16 +39,24 @@ def relay_link_load(config: RelayConfig, codecs: RunCodecs, owners: list[Owner],
     a = config.aggregators
     params_only = 1 / a.params_copy_every - 1 / math.lcm(a.params_copy_every, a.state_copy_every)
     recovery_in = remote * (4 * params_only + state_bytes_per_param / a.state_copy_every)
-    return RelayLinkLoad(peers=peers, out_per_step=parameters_out, in_per_step=gradients_in + recovery_in,
-                         parameters_out=parameters_out, gradients_in=gradients_in, recovery_copy_in=recovery_in,
-                         migration_bytes=2 * remote * state_bytes_per_param, cached=cached)
+    return RelayLinkLoad(
+        peers=peers,
+        out_per_step=parameters_out,
+        in_per_step=gradients_in + recovery_in,
+        parameters_out=parameters_out,
+        gradients_in=gradients_in,
+        recovery_copy_in=recovery_in,
+        migration_bytes=2 * remote * state_bytes_per_param,
+        cached=cached,
+    )
 
 
 def ref_bytes(base_url: str) -> int:
     """The size of one :class:`ParamsRef` (what each peer still gets from the relay per version)."""
-    path = ROUTES["params_blob"].format(step=10 ** 9, tag="0" * 64, kind="delta")
-    return len(ParamsRef(step=10 ** 9, sha256="0" * 64, kind="delta", base=10 ** 9 - 1,
-                         url=base_url.rstrip("/") + path).dumps())
+    path = ROUTES["params_blob"].format(step=10**9, tag="0" * 64, kind="delta")
+    return len(
+        ParamsRef(step=10**9, sha256="0" * 64, kind="delta", base=10**9 - 1, url=base_url.rstrip("/") + path).dumps()
+    )
 
 
 def state_bytes_per_param(local: SliceOwner | None, copy: RecoveryCopy | None, num_params: int) -> float:

@@ -69,8 +69,9 @@ class RecoveryCopy:
             state["params"][a:b] = self.state["public"][a:b]
         return params_step, self.opt_step.get(rng, -1)
 
-    async def pull(self, client: InternalClient, manifest: ParamsManifest, urls: dict[str, str],
-                   with_state: bool) -> None:
+    async def pull(
+        self, client: InternalClient, manifest: ParamsManifest, urls: dict[str, str], with_state: bool
+    ) -> None:
         """Bring the slices of ``manifest`` owned at ``urls`` (aggregator id -> URL) into the copy:
         their parameters, or their whole state with ``with_state``. Slices that fail stay older."""
         params = self.state.get("public", self.state["params"])
@@ -81,29 +82,41 @@ class RecoveryCopy:
             rng = (s.start, s.end)
             try:
                 if with_state:
-                    meta, tensors, _ = await client.fetch_tensors(url + ROUTES["slice_state"], {"step": str(manifest.step)})
-                    if int(meta.get("step", -1)) != manifest.step or \
-                            sha256_of(tensors.get("public", tensors["params"])) != s.sha256:
+                    meta, tensors, _ = await client.fetch_tensors(
+                        url + ROUTES["slice_state"], {"step": str(manifest.step)}
+                    )
+                    if (
+                        int(meta.get("step", -1)) != manifest.step
+                        or sha256_of(tensors.get("public", tensors["params"])) != s.sha256
+                    ):
                         continue
                     for name, array in tensors.items():
                         if name.startswith("opt_scalar."):
                             self.state[name] = array
                         elif name in self.state:
-                            self.state[name][s.start:s.end] = array
+                            self.state[name][s.start : s.end] = array
                     self.opt_step[rng] = manifest.step
                 else:
-                    meta, _, _ = await client.fetch_tensors(url + ROUTES["params"], {
-                        "start": s.start, "end": s.end, "min_step": manifest.step}, out={"params": params[s.start:s.end]})
-                    if meta.get("kind") != "full" or int(meta.get("step", -1)) != manifest.step or \
-                            sha256_of(params[s.start:s.end]) != s.sha256:
+                    meta, _, _ = await client.fetch_tensors(
+                        url + ROUTES["params"],
+                        {"start": s.start, "end": s.end, "min_step": manifest.step},
+                        out={"params": params[s.start : s.end]},
+                    )
+                    if (
+                        meta.get("kind") != "full"
+                        or int(meta.get("step", -1)) != manifest.step
+                        or sha256_of(params[s.start : s.end]) != s.sha256
+                    ):
                         continue
                 self.params_step[rng] = (manifest.step, s.sha256)
             except CallFailed as exc:
                 log.info("copy of [%d, %d) at step %d not pulled: %s", s.start, s.end, manifest.step, exc)
 
     async def save(self, path: Path, *, fsync: bool = False) -> None:
-        ranges = [[a, b, *self.params_step.get((a, b), (-1, "")), self.opt_step.get((a, b), -1)]
-                  for a, b in sorted(set(self.params_step) | set(self.opt_step))]
+        ranges = [
+            [a, b, *self.params_step.get((a, b), (-1, "")), self.opt_step.get((a, b), -1)]
+            for a, b in sorted(set(self.params_step) | set(self.opt_step))
+        ]
         tensors = [(name, np.ascontiguousarray(array)) for name, array in sorted(self.state.items())]
         await asyncio.to_thread(write_file, path, tensors, {"ranges": json.dumps(ranges)}, fsync=fsync)
 

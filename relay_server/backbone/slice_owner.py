@@ -62,29 +62,49 @@ class SliceRound:
 
 
 class SliceOwner:
-    def __init__(self, layout: list[ParamSpec], state: dict[str, np.ndarray], *, start: int, end: int, step: int,
-                 optimizer: OptimizerSection, total_steps: int, codecs: RunCodecs, store: Store, fsync: bool = False,
-                 robust: CenteredClipConfig | None = None, run_name: str = "", plan_version: str = "",
-                 on_transfer: TransferHook | None = None, adopt: bool = False, download_feedback: float = 1.0) -> None:
+    def __init__(
+        self,
+        layout: list[ParamSpec],
+        state: dict[str, np.ndarray],
+        *,
+        start: int,
+        end: int,
+        step: int,
+        optimizer: OptimizerSection,
+        total_steps: int,
+        codecs: RunCodecs,
+        store: Store,
+        fsync: bool = False,
+        robust: CenteredClipConfig | None = None,
+        run_name: str = "",
+        plan_version: str = "",
+        on_transfer: TransferHook | None = None,
+        adopt: bool = False,
+        download_feedback: float = 1.0,
+    ) -> None:
         """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
         (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
         ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codecs.up``
         decodes uploads, ``codecs.down`` encodes the published deltas."""
         self.start, self.end, self.codecs, self.store = start, end, codecs, store
         self.run_name, self.plan_version = run_name, plan_version
-        self.master = MasterState(layout, state["params"], optimizer, total_steps, step=step, start=start, end=end,
-                                  adopt=adopt)
+        self.master = MasterState(
+            layout, state["params"], optimizer, total_steps, step=step, start=start, end=end, adopt=adopt
+        )
         if any(name.startswith("opt") for name in state):
             self.master.import_state(state, step)
         # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
         self.reducer = Reducer(self.master.grad.numpy(), codecs.up, robust=robust, spool_dir=str(store.dir))
-        self.publisher = Publisher(store, codecs.down, self.master, public=state.get("public"), fsync=fsync,
-                                   feedback=download_feedback)
+        self.publisher = Publisher(
+            store, codecs.down, self.master, public=state.get("public"), fsync=fsync, feedback=download_feedback
+        )
         self.on_transfer = on_transfer
         self.refused_steps = 0  # steps that would have made this slice non-finite, published unchanged
         self.round: SliceRound | None = None
         self._abandoned: set[str] = set()  # round ids the relay gave up on (bounded below)
-        self._finalized: dict[str, tuple[Version, float, bool]] = {}  # round id -> (version, norm, refused): idempotent
+        self._finalized: dict[
+            str, tuple[Version, float, bool]
+        ] = {}  # round id -> (version, norm, refused): idempotent
         self._switch = asyncio.Lock()
 
     def close(self) -> None:
@@ -126,8 +146,13 @@ class SliceOwner:
             # lock-step (the relay commits version step + 1 of every slice together), so this
             # slice publishes its state unchanged -- exactly as before the step -- as that version.
             self.refused_steps += 1
-            log.error("step %d refused on slice [%d, %d): %s; the slice is published unchanged",
-                      self.master.step + 1, self.start, self.end, exc)
+            log.error(
+                "step %d refused on slice [%d, %d): %s; the slice is published unchanged",
+                self.master.step + 1,
+                self.start,
+                self.end,
+                exc,
+            )
             self.master.step += 1
             report = StepReport(self.master.step, 0.0, 0.0, refused=True)
         return self.publisher.write(report.step, self.meta()), report
@@ -146,19 +171,31 @@ class SliceOwner:
         r = await self._round_for(ticket)
         peer_id = ticket.peer_id
         if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
-            raise ApiError(409, "duplicate_upload", f"peer already sent this slice for round {ticket.step}",
-                           "Keep accumulating; the next round takes the new samples.")
+            raise ApiError(
+                409,
+                "duplicate_upload",
+                f"peer already sent this slice for round {ticket.step}",
+                "Keep accumulating; the next round takes the new samples.",
+            )
         digest = next((d for d in ticket.slices if (d.start, d.end) == (self.start, self.end)), None)
         if digest is None:
-            raise ApiError(409, "wrong_slice", f"this server owns [{self.start}, {self.end}), which the ticket "
-                           "does not name", "Fetch the plan again (GET /api/plan); the slices moved.")
+            raise ApiError(
+                409,
+                "wrong_slice",
+                f"this server owns [{self.start}, {self.end}), which the ticket does not name",
+                "Fetch the plan again (GET /api/plan); the slices moved.",
+            )
         if hashlib.sha256(head).hexdigest() != digest.header_sha256:
             raise ApiError(403, "ticket_mismatch", "the upload is not the container the ticket was issued for")
         header = await reader.read_header()
         self.reducer.check(header)
         meta = gradient_meta(header.metadata)
-        if (meta.peer_id, meta.step, meta.version, meta.samples) != (peer_id, ticket.step, ticket.version,
-                                                                       ticket.samples):
+        if (meta.peer_id, meta.step, meta.version, meta.samples) != (
+            peer_id,
+            ticket.step,
+            ticket.version,
+            ticket.samples,
+        ):
             raise ApiError(422, "bad_meta", "gradient metadata does not match the ticket")
         r.uploading.add(peer_id)
 
@@ -186,13 +223,18 @@ class SliceOwner:
         r = self.round
         if r is None or r.round_id != ticket.round_id or ticket.peer_id not in r.received:
             return None
-        return UploadReceipt(step=ticket.step, accepted_samples=r.received[ticket.peer_id],
-                             received_peers=len(r.received))
+        return UploadReceipt(
+            step=ticket.step, accepted_samples=r.received[ticket.peer_id], received_peers=len(r.received)
+        )
 
     async def _round_for(self, ticket: Ticket) -> SliceRound:
         if ticket.plan_version != self.plan_version:
-            raise ApiError(409, "plan_changed", f"the ticket is for plan {ticket.plan_version}, this server "
-                           f"follows {self.plan_version}", "Fetch the plan again; the round will follow it.")
+            raise ApiError(
+                409,
+                "plan_changed",
+                f"the ticket is for plan {ticket.plan_version}, this server follows {self.plan_version}",
+                "Fetch the plan again; the round will follow it.",
+            )
         async with self._switch:  # checked under the lock: a finalize may be moving the step
             if ticket.step != self.step or ticket.round_id in self._abandoned or ticket.round_id in self._finalized:
                 raise round_closed(ticket.step, self.step)
@@ -238,8 +280,9 @@ class SliceOwner:
                 r.sq_norm = await self.reducer.run(self.mean_sq_norm)
             return r.sq_norm
 
-    async def finalize(self, step: int, round_id: str, global_norm: float | None = None
-                       ) -> tuple[Version, SliceRound, float]:
+    async def finalize(
+        self, step: int, round_id: str, global_norm: float | None = None
+    ) -> tuple[Version, SliceRound, float]:
         """Close round ``round_id``, apply the step to this slice and publish the new version;
         ``global_norm``: the whole mean gradient's norm to clip by (else the slice's own).
         Idempotent: a repeated finalize (the relay retrying) answers with the same version.
@@ -275,7 +318,7 @@ class HeadedStream:
         if not self._head:
             return await self._stream.readexactly(n)
         take = bytes(self._head[:n])
-        self._head = self._head[len(take):]
+        self._head = self._head[len(take) :]
         if len(take) < n:
             take += await self._stream.readexactly(n - len(take))
         return take

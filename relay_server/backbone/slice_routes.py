@@ -24,12 +24,17 @@ MAX_LONG_POLL_S = 60.0
 
 def _moved(owner: SliceOwner | None) -> ApiError:
     where = f"[{owner.start}, {owner.end})" if owner is not None else "no slice"
-    return ApiError(409, "wrong_slice", f"this server owns {where} now",
-                    "Fetch the latest parameters' manifest again (GET /api/params on the relay); slices moved.")
+    return ApiError(
+        409,
+        "wrong_slice",
+        f"this server owns {where} now",
+        "Fetch the latest parameters' manifest again (GET /api/params on the relay); slices moved.",
+    )
 
 
-async def put_slice(request: web.Request, owner: SliceOwner | None, ticket_key: str, *,
-                    require_digests: bool) -> UploadReceipt:
+async def put_slice(
+    request: web.Request, owner: SliceOwner | None, ticket_key: str, *, require_digests: bool
+) -> UploadReceipt:
     """Reduce one peer's gradient slice into ``owner``'s round. The ticket is checked before
     any body byte is read; ``require_digests`` (signed runs) makes the container list a digest
     per data chunk, each checked before the chunk is used."""
@@ -48,16 +53,20 @@ async def put_slice(request: web.Request, owner: SliceOwner | None, ticket_key: 
             stream = HeadedStream(head, body)
         else:
             head = await read_container_head(request.content)
-            stream = (VerifiedBodyStream(request.content, head, container_digests(head, limit)) if require_digests
-                      else HeadedStream(head, request.content))
+            stream = (
+                VerifiedBodyStream(request.content, head, container_digests(head, limit))
+                if require_digests
+                else HeadedStream(head, request.content)
+            )
         return await owner.receive(ticket, head, AsyncContainerReader(stream, limit, total_bytes=total))
     except (ApiError, ProtocolError):
         await drain(request)
         raise
 
 
-async def get_slice(request: web.Request, owner: SliceOwner | None,
-                    on_transfer: Callable[[str, str, int, int, float], None]) -> web.StreamResponse:
+async def get_slice(
+    request: web.Request, owner: SliceOwner | None, on_transfer: Callable[[str, str, int, int, float], None]
+) -> web.StreamResponse:
     """``owner``'s version >= ``min_step`` of its slice (``start``/``end`` must name it), whole or
     as a delta against ``have``; long-polls up to ``wait`` seconds, 204 if nothing came."""
     start, end = int_query(request, "start"), int_query(request, "end")

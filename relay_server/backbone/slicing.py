@@ -44,8 +44,14 @@ class Owner:
     fraction: float
 
     def plan_slice(self) -> PlanSlice:
-        return PlanSlice(aggregator_id=self.owner_id, name=self.name, start=self.start, end=self.end,
-                         fraction=self.fraction, url=self.url)
+        return PlanSlice(
+            aggregator_id=self.owner_id,
+            name=self.name,
+            start=self.start,
+            end=self.end,
+            fraction=self.fraction,
+            url=self.url,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,8 +68,9 @@ class NotReady(Exception):
     """A migration cannot run now: a dead owner's slice has no copy of the published version."""
 
 
-def owners_for(plan: Plan | None, num_params: int, aggregators: Mapping[str, Aggregator],
-               boundaries: Sequence[int] | None = None) -> list[Owner]:
+def owners_for(
+    plan: Plan | None, num_params: int, aggregators: Mapping[str, Aggregator], boundaries: Sequence[int] | None = None
+) -> list[Owner]:
     """``plan``'s fractions cut contiguously (the relay alone when ``plan`` is None), each cut on
     one of ``boundaries`` when given (tensor boundaries, for an optimizer with per-tensor
     quantities: :func:`relay_server.rounds.master.slice_boundaries`)."""
@@ -72,22 +79,33 @@ def owners_for(plan: Plan | None, num_params: int, aggregators: Mapping[str, Agg
     out = []
     for owner_id, start, end in plan.slices(num_params, boundaries):
         agg = aggregators.get(owner_id)
-        out.append(Owner(owner_id, agg.name if agg else RELAY_ID, agg.url if agg else "", start, end,
-                         plan.fractions[owner_id]))
+        out.append(
+            Owner(
+                owner_id, agg.name if agg else RELAY_ID, agg.url if agg else "", start, end, plan.fractions[owner_id]
+            )
+        )
     return out
 
 
-def manifest_version(step: int, owners: list[Owner], shas: dict[str, str], num_params: int,
-                     plan_version: str) -> Published:
+def manifest_version(
+    step: int, owners: list[Owner], shas: dict[str, str], num_params: int, plan_version: str
+) -> Published:
     """The sliced version ``step``: each owner's slice and the sha256 of its version file."""
-    manifest = ParamsManifest(step=step, num_params=num_params, plan_version=plan_version,
-                              slices=[SliceVersion(aggregator_id=o.owner_id, url=o.url, start=o.start, end=o.end,
-                                                   sha256=shas[o.owner_id]) for o in owners])
+    manifest = ParamsManifest(
+        step=step,
+        num_params=num_params,
+        plan_version=plan_version,
+        slices=[
+            SliceVersion(aggregator_id=o.owner_id, url=o.url, start=o.start, end=o.end, sha256=shas[o.owner_id])
+            for o in owners
+        ],
+    )
     return Published(step=step, sha256=hashlib.sha256(manifest.dumps()).hexdigest(), manifest=manifest)
 
 
-def stitch(parts: dict[Owner, dict[str, np.ndarray]], num_params: int,
-           copy: RecoveryCopy | None) -> dict[str, np.ndarray]:
+def stitch(
+    parts: dict[Owner, dict[str, np.ndarray]], num_params: int, copy: RecoveryCopy | None
+) -> dict[str, np.ndarray]:
     """Whole-vector arrays from the owners' exported slices (zeros where no part covers; the
     arrays the copy holds are all present, for :func:`restore_dead` to fill)."""
     names = sorted({name for part in parts.values() for name in part} | set(copy.state if copy else ()))
@@ -97,12 +115,19 @@ def stitch(parts: dict[Owner, dict[str, np.ndarray]], num_params: int,
             if name.startswith("opt_scalar."):
                 state[name] = array
             else:
-                state[name][owner.start:owner.end] = array
+                state[name][owner.start : owner.end] = array
     return state
 
 
-def restore_dead(state: dict[str, np.ndarray], dead: list[Owner], copy: RecoveryCopy | None, step: int,
-                 published: ParamsManifest | None, *, strict: bool) -> None:
+def restore_dead(
+    state: dict[str, np.ndarray],
+    dead: list[Owner],
+    copy: RecoveryCopy | None,
+    step: int,
+    published: ParamsManifest | None,
+    *,
+    strict: bool,
+) -> None:
     """Fill each dead owner's slice of ``state`` from the relay's copy (``strict``: only if the
     copy holds exactly the ``published`` parameters of that slice, else :class:`NotReady`)."""
     for owner in dead:
@@ -113,20 +138,34 @@ def restore_dead(state: dict[str, np.ndarray], dead: list[Owner], copy: Recovery
         try:
             params_step, opt_step = copy.fill(state, rng)
         except (AttributeError, KeyError):
-            raise RuntimeError(f"slice [{owner.start}, {owner.end}) of dead aggregator {owner.owner_id} "
-                               "has no copy") from None
-        log.warning("slice [%d, %d) of dead aggregator %s restored from the relay's copy: parameters of "
-                    "step %d, optimizer state of step %d (now step %d)", owner.start, owner.end, owner.owner_id,
-                    params_step, opt_step, step)
+            raise RuntimeError(
+                f"slice [{owner.start}, {owner.end}) of dead aggregator {owner.owner_id} has no copy"
+            ) from None
+        log.warning(
+            "slice [%d, %d) of dead aggregator %s restored from the relay's copy: parameters of "
+            "step %d, optimizer state of step %d (now step %d)",
+            owner.start,
+            owner.end,
+            owner.owner_id,
+            params_step,
+            opt_step,
+            step,
+        )
 
 
-def plan_info(plan: Plan | None, version: str, owners: list[Owner], planning: Planning,
-              aggregators: list[AggregatorStatus]) -> PlanInfo:
-    return PlanInfo(version=version, steps_per_s=plan.steps_per_s if plan else None,
-                    slices=[o.plan_slice() for o in owners],
-                    computes=dict(plan.computes) if plan else {}, inputs=list(planning.inputs),
-                    predicted_round_s=_finite(plan.predicted_round_s) if plan else None,
-                    solved_at=planning.solved_at, aggregators=aggregators)
+def plan_info(
+    plan: Plan | None, version: str, owners: list[Owner], planning: Planning, aggregators: list[AggregatorStatus]
+) -> PlanInfo:
+    return PlanInfo(
+        version=version,
+        steps_per_s=plan.steps_per_s if plan else None,
+        slices=[o.plan_slice() for o in owners],
+        computes=dict(plan.computes) if plan else {},
+        inputs=list(planning.inputs),
+        predicted_round_s=_finite(plan.predicted_round_s) if plan else None,
+        solved_at=planning.solved_at,
+        aggregators=aggregators,
+    )
 
 
 def _finite(x: float) -> float | None:

@@ -27,7 +27,9 @@ def cut(state: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]
     return {name: (array[lo:hi] if array.ndim == 1 else array) for name, array in state.items()}
 
 
-async def send_state(request: web.Request, state: dict[str, np.ndarray], metadata: dict[str, str]) -> web.StreamResponse:
+async def send_state(
+    request: web.Request, state: dict[str, np.ndarray], metadata: dict[str, str]
+) -> web.StreamResponse:
     tensors = [(name, np.ascontiguousarray(array)) for name, array in sorted(state.items())]
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = encoded_size(tensors, metadata)
@@ -50,19 +52,23 @@ class InternalClient:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=min(10.0, self.timeout_s)),
-                headers={"Authorization": f"Bearer {self.token}"})
+                headers={"Authorization": f"Bearer {self.token}"},
+            )
         return self._session
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
 
-    async def call(self, method: str, url: str, schema: type[Schema] | None, body: Schema | None = None) -> Schema | None:
+    async def call(
+        self, method: str, url: str, schema: type[Schema] | None, body: Schema | None = None
+    ) -> Schema | None:
         """A JSON call (``schema`` None: the answer's body is not needed); any failure
         (unreachable, timeout, error answer) raises ``CallFailed``."""
         try:
-            async with self.session.request(method, url, data=body.dumps() if body else None,
-                                            headers={"Content-Type": "application/json"}) as response:
+            async with self.session.request(
+                method, url, data=body.dumps() if body else None, headers={"Content-Type": "application/json"}
+            ) as response:
                 raw = await response.read()
                 if response.status >= 400:
                     raise CallFailed(f"{method} {url}: HTTP {response.status} {raw[:300]!r}")
@@ -70,8 +76,12 @@ class InternalClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ProtocolError) as exc:
             raise CallFailed(f"{method} {url}: {type(exc).__name__}: {exc}") from None
 
-    async def fetch_tensors(self, url: str, params: dict, out: dict[str, np.ndarray] | None = None,
-                            ) -> tuple[dict[str, str], dict[str, np.ndarray], dict[str, str]]:
+    async def fetch_tensors(
+        self,
+        url: str,
+        params: dict,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> tuple[dict[str, str], dict[str, np.ndarray], dict[str, str]]:
         """GET a container: (metadata, tensors, response headers). Tensors named in ``out`` are
         read into those arrays."""
         try:

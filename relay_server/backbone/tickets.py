@@ -48,8 +48,12 @@ def encode_ticket(ticket: Ticket) -> str:
 def verify_ticket(header: str | None, key: str, *, now: float | None = None) -> Ticket:
     """Decode the ``X-Collab-Ticket`` header and check its MAC and expiry (401/403 otherwise)."""
     if not header:
-        raise ApiError(401, "missing_ticket", "a slice upload needs the relay's ticket",
-                       "Ask the relay for a ticket first (the toolkit does this by itself).")
+        raise ApiError(
+            401,
+            "missing_ticket",
+            "a slice upload needs the relay's ticket",
+            "Ask the relay for a ticket first (the toolkit does this by itself).",
+        )
     try:
         ticket = Ticket.loads(unb64u(header, "ticket"))
     except (ValueError, ProtocolError):
@@ -58,6 +62,10 @@ def verify_ticket(header: str | None, key: str, *, now: float | None = None) -> 
     if not hmac.compare_digest(expected, ticket.mac):
         raise ApiError(403, "forged_ticket", "the upload ticket was not issued by this run's relay")
     if ticket.expires_at < (time.time() if now is None else now):
-        raise ApiError(409, "ticket_expired", "the upload ticket expired (its round is over)",
-                       "Keep training; the next round takes the new samples.")
+        raise ApiError(
+            409,
+            "ticket_expired",
+            "the upload ticket expired (its round is over)",
+            "Keep training; the next round takes the new samples.",
+        )
     return ticket

@@ -71,8 +71,13 @@ _gradient_meta = gradient_meta  # its old home (tools and tests import it from h
 
 
 class Collaboration:
-    def __init__(self, config: RelayConfig, store: Store, observers: ObserverThread | None = None,
-                 opening: OpeningRule | None = None) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        store: Store,
+        observers: ObserverThread | None = None,
+        opening: OpeningRule | None = None,
+    ) -> None:
         """``opening``: when rounds open, as the run's mode plugs it in (default: sync's target
         batch, :class:`~relay_server.collaboration.opening.TargetBatch`)."""
         self.config, self.store = config, store
@@ -91,10 +96,12 @@ class Collaboration:
         self.backbone.peer_ids = lambda: list(self.registry.peers)
         self.leaderboard = Leaderboard(store, self.registry)
         self.traffic = Traffic()  # bytes both ways; the samples are counted as steps are published
-        self.after_publish = AfterPublish(store, self.backbone, self.leaderboard, self.traffic, self.observers,
-                                          self.status)  # every publisher's (rounds, the pipeline) last steps
-        self.rounds = RoundCycle(config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock,
-                                 opening=opening)
+        self.after_publish = AfterPublish(
+            store, self.backbone, self.leaderboard, self.traffic, self.observers, self.status
+        )  # every publisher's (rounds, the pipeline) last steps
+        self.rounds = RoundCycle(
+            config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock, opening=opening
+        )
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None
@@ -120,8 +127,19 @@ class Collaboration:
             return
         step, manifest = self._resume
         published, new_version = await self.backbone.resume(step, manifest)
-        record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0, finalized_by="recovery",
-                          lr=0.0, grad_norm=0.0) if new_version else None
+        record = (
+            RoundLog(
+                contributions={},
+                loss=None,
+                duration_s=0.0,
+                deadline_s=0.0,
+                finalized_by="recovery",
+                lr=0.0,
+                grad_norm=0.0,
+            )
+            if new_version
+            else None
+        )
         await asyncio.to_thread(self.store.commit, published.step, published.sha256, record, {"manifest": ""})
         self.backbone.board.publish(published)
         self._resume = None
@@ -172,21 +190,41 @@ class Collaboration:
         return self.rounds.finished
 
     def state(self) -> CollabState:
-        return collab_state(self.registry, self.run_cfg, self.step, self.rounds.round, self.finished,
-                            self.config.master_optimizer(), self.store.rate.samples_per_s()[0])
+        return collab_state(
+            self.registry,
+            self.run_cfg,
+            self.step,
+            self.rounds.round,
+            self.finished,
+            self.config.master_optimizer(),
+            self.store.rate.samples_per_s()[0],
+        )
 
     # --- registry -----------------------------------------------------------------------------
     def join(self, req: JoinRequest, username: str) -> JoinResponse:
         if req.protocol != PROTOCOL_VERSION:
-            raise ApiError(400, "protocol_mismatch", f"peer speaks protocol {req.protocol}, relay {PROTOCOL_VERSION}",
-                           "Install the same collabtrain version as the relay (pip install -U collabtrain).")
+            raise ApiError(
+                400,
+                "protocol_mismatch",
+                f"peer speaks protocol {req.protocol}, relay {PROTOCOL_VERSION}",
+                "Install the same collabtrain version as the relay (pip install -U collabtrain).",
+            )
         pinned = self.run_cfg.precision
         if pinned and req.precision != pinned:
-            raise ApiError(409, "precision_mismatch", f"this run trains in {pinned} only; the peer asked for "
-                           f"{req.precision or 'no policy'}",
-                           "Let the toolkit choose (it follows the run's pin), or join from hardware that runs it.")
-        peer = Peer(peer_id=secrets.token_hex(16), name=req.peer_name, username=username,
-                    device=dict(req.device), precision=req.precision, version=self.step)
+            raise ApiError(
+                409,
+                "precision_mismatch",
+                f"this run trains in {pinned} only; the peer asked for {req.precision or 'no policy'}",
+                "Let the toolkit choose (it follows the run's pin), or join from hardware that runs it.",
+            )
+        peer = Peer(
+            peer_id=secrets.token_hex(16),
+            name=req.peer_name,
+            username=username,
+            device=dict(req.device),
+            precision=req.precision,
+            version=self.step,
+        )
         self.registry.add(peer)
         self.store.upsert_peer(peer.peer_id, peer.name, username, json.dumps(req.device))
         log.info("peer %s (%s, %s) joined at step %d", peer.name, username, peer.device_label, self.step)
@@ -200,8 +238,9 @@ class Collaboration:
             if known is None:
                 raise unknown_peer(peer_id)
             name, username, device = known
-            peer = self.registry.add(Peer(peer_id=peer_id, name=name, username=username,
-                                          device=json.loads(device), precision=None))
+            peer = self.registry.add(
+                Peer(peer_id=peer_id, name=name, username=username, device=json.loads(device), precision=None)
+            )
             log.info("peer %s is back", name)
         self.registry.touch(peer)
         return peer
@@ -209,8 +248,12 @@ class Collaboration:
     def heartbeat(self, peer_id: str, hb: Heartbeat) -> CollabState:
         peer = self.peer(peer_id)
         if hb.version > self.step:
-            raise ApiError(409, "version_ahead", f"peer claims version {hb.version} but the relay is at {self.step}",
-                           "Download the current parameters (the relay may have been rolled back).")
+            raise ApiError(
+                409,
+                "version_ahead",
+                f"peer claims version {hb.version} but the relay is at {self.step}",
+                "Download the current parameters (the relay may have been rolled back).",
+            )
         self.registry.report(peer, hb)
         self.backbone.planning.observe_samples_per_s(peer.peer_id, hb.samples_per_s)
         self.rounds.maybe_open(peer)
@@ -236,8 +279,12 @@ class Collaboration:
         if r is None or r.closed or r.step != step:
             raise round_closed(step, self.step)
         if r.slices:
-            raise ApiError(409, "ticket_required", f"round {step} is sliced among aggregators",
-                           "Ask for a ticket and upload each slice to its owner (the toolkit does this).")
+            raise ApiError(
+                409,
+                "ticket_required",
+                f"round {step} is sliced among aggregators",
+                "Ask for a ticket and upload each slice to its owner (the toolkit does this).",
+            )
         _check_not_sent(r, peer_id)
         header = await reader.read_header()
         meta = gradient_meta(header.metadata)
@@ -260,7 +307,9 @@ class Collaboration:
             raise
         else:
             self.traffic.up_bytes += header.header_bytes + header.data_bytes  # accepted whole: it counts
-            self.backbone.planning.record_transfer(peer_id, "up", step, header.header_bytes + header.data_bytes, started)
+            self.backbone.planning.record_transfer(
+                peer_id, "up", step, header.header_bytes + header.data_bytes, started
+            )
         finally:
             peer.inflight -= 1
             self.registry.touch(peer)
@@ -271,12 +320,19 @@ class Collaboration:
         """A gradient (whole or sliced) may lag the master by ``max_staleness`` versions and may
         not claim more samples than the peer's progress reports since its last upload."""
         if not 0 <= step - version <= self.run_cfg.max_staleness:
-            raise ApiError(409, "stale_gradient", f"gradient from version {version} is too old for round {step}",
-                           "Discard it and download the latest parameters.")
+            raise ApiError(
+                409,
+                "stale_gradient",
+                f"gradient from version {version} is too old for round {step}",
+                "Discard it and download the latest parameters.",
+            )
         if samples > peer.claimable:
-            raise ApiError(422, "samples_exceed_report", f"{claim} {samples} samples, "
-                           f"progress reports since the last upload said {peer.claimable}",
-                           "Send a heartbeat before uploading.")
+            raise ApiError(
+                422,
+                "samples_exceed_report",
+                f"{claim} {samples} samples, progress reports since the last upload said {peer.claimable}",
+                "Send a heartbeat before uploading.",
+            )
 
     def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
         r.complete(peer.peer_id, samples, loss_sum)
@@ -296,18 +352,36 @@ class Collaboration:
         if r is None or r.closed or r.step != step or r.round_id != req.round_id:
             raise round_closed(step, self.step)
         if not r.slices:
-            raise ApiError(409, "no_ticket_needed", f"round {step} is not sliced",
-                           "Upload the whole gradient to the relay (ROUTES['gradient']).")
+            raise ApiError(
+                409,
+                "no_ticket_needed",
+                f"round {step} is not sliced",
+                "Upload the whole gradient to the relay (ROUTES['gradient']).",
+            )
         _check_not_sent(r, peer_id)
         self._check_contribution(step, peer, req.version, req.samples, "the ticket asks for")
         if [(d.start, d.end) for d in req.slices] != [(s.start, s.end) for s in r.slices]:
-            raise ApiError(422, "bad_slices", "the ticket request does not list this round's slices",
-                           "Split the gradient by the round's slices (RoundInfo.slices).")
+            raise ApiError(
+                422,
+                "bad_slices",
+                "the ticket request does not list this round's slices",
+                "Split the gradient by the round's slices (RoundInfo.slices).",
+            )
         r.tickets[peer_id] = (req.samples, req.loss_sum, r.begin(peer_id))
         expires = time.time() + r.remaining_s + 30.0
-        return sign_ticket(Ticket(round_id=r.round_id, step=step, peer_id=peer_id, samples=req.samples,
-                                  version=req.version, plan_version=r.plan_version, expires_at=expires,
-                                  slices=list(req.slices)), self.backbone.ticket_key)
+        return sign_ticket(
+            Ticket(
+                round_id=r.round_id,
+                step=step,
+                peer_id=peer_id,
+                samples=req.samples,
+                version=req.version,
+                plan_version=r.plan_version,
+                expires_at=expires,
+                slices=list(req.slices),
+            ),
+            self.backbone.ticket_key,
+        )
 
     def done(self, step: int, peer_id: str, req: DoneRequest) -> UploadReceipt:
         """The peer finished uploading its slices. Delivering any slice counts the peer in (the
@@ -326,8 +400,9 @@ class Collaboration:
                 r.abort(peer_id, reduced=req.partial, was_expected=was_expected)
         self.registry.touch(peer)
         self.rounds.maybe_finalize()
-        return UploadReceipt(step=step, accepted_samples=samples if req.delivered else 0,
-                             received_peers=len(r.received))
+        return UploadReceipt(
+            step=step, accepted_samples=samples if req.delivered else 0, received_peers=len(r.received)
+        )
 
     # --- versions, housekeeping, reports ---------------------------------------------------------
     async def rollback(self, to_step: int) -> int:
@@ -386,12 +461,26 @@ class Collaboration:
         return run_summary(self.config, self.num_params)
 
     def status(self) -> StatusReport:
-        return status_report(self.config, self.store, self.registry, self.state(), self.plan_info(), self.num_params,
-                             self.started, self.leaderboard, self.traffic, self.rounds.inner_steps_last_round,
-                             self.rounds.refused_steps + self.backbone.refused_rounds)
+        return status_report(
+            self.config,
+            self.store,
+            self.registry,
+            self.state(),
+            self.plan_info(),
+            self.num_params,
+            self.started,
+            self.leaderboard,
+            self.traffic,
+            self.rounds.inner_steps_last_round,
+            self.rounds.refused_steps + self.backbone.refused_rounds,
+        )
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:
     if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
-        raise ApiError(409, "duplicate_upload", f"peer already sent a gradient for round {r.step}",
-                       "Keep accumulating; the next round takes the new samples.")
+        raise ApiError(
+            409,
+            "duplicate_upload",
+            f"peer already sent a gradient for round {r.step}",
+            "Keep accumulating; the next round takes the new samples.",
+        )

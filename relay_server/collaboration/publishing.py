@@ -29,8 +29,15 @@ from toolkit.wire.protocol import StatusReport
 class AfterPublish:
     """The sequence after a step, over the relay's shared services (one per collaboration)."""
 
-    def __init__(self, store: Store, backbone: Backbone, leaderboard: Leaderboard, traffic: Traffic,
-                 observers: ObserverThread, status: Callable[[], StatusReport]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        backbone: Backbone,
+        leaderboard: Leaderboard,
+        traffic: Traffic,
+        observers: ObserverThread,
+        status: Callable[[], StatusReport],
+    ) -> None:
         self.store, self.backbone, self.leaderboard, self.traffic = store, backbone, leaderboard, traffic
         self.observers, self.status = observers, status  # status: what a StepEvent carries
 
@@ -47,8 +54,16 @@ class AfterPublish:
         self.backbone.board.publish(published)
         self.backbone.after_publish(published)
 
-    async def step(self, published: Published, record: RoundLog, samples: int, *, committed: bool = False,
-                   bookkeeping: Callable[[], None] = lambda: None, state_path: Path | None = None) -> None:
+    async def step(
+        self,
+        published: Published,
+        record: RoundLog,
+        samples: int,
+        *,
+        committed: bool = False,
+        bookkeeping: Callable[[], None] = lambda: None,
+        state_path: Path | None = None,
+    ) -> None:
         """A new step, applied: commit (unless ``committed``: the single relay's reducer thread
         commits with the version file it writes), publish, credit ``record``'s contributions,
         count ``samples``, run the publisher's ``bookkeeping``, then the observers' step event
@@ -64,5 +79,6 @@ class AfterPublish:
         if self.observers.observers:
             status = self.status()
             path = state_path or (published.version.path if published.version else None)
-            self.observers.publish(StepEvent(step=published.step, record=status.recent_rounds[-1], status=status,
-                                             state_path=path))
+            self.observers.publish(
+                StepEvent(step=published.step, record=status.recent_rounds[-1], status=status, state_path=path)
+            )

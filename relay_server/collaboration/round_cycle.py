@@ -42,9 +42,16 @@ log = logging.getLogger(__name__)
 class RoundCycle:
     """The open round (``round``, None between rounds) and the steps rounds make."""
 
-    def __init__(self, config: RelayConfig, store: Store, backbone: Backbone, registry: Registry,
-                 after_publish: AfterPublish, clock: Callable[[], float] = time.monotonic,
-                 opening: OpeningRule | None = None) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        store: Store,
+        backbone: Backbone,
+        registry: Registry,
+        after_publish: AfterPublish,
+        clock: Callable[[], float] = time.monotonic,
+        opening: OpeningRule | None = None,
+    ) -> None:
         self.config, self.store, self.backbone, self.registry = config, store, backbone, registry
         self.clock = clock  # the relay's: rounds' deadlines and durations count on it
         self.after_publish = after_publish  # commit, publish, credit, count, step event: every step's end
@@ -100,9 +107,15 @@ class RoundCycle:
         if not self.opening.due(self.registry, self.step, ahead):
             return
         eligible = self.registry.eligible(self.step, staleness)
-        self.round = Round(step=self.step, round_id=secrets.token_hex(8), expected={p.peer_id for p in eligible},
-                           deadline_s=self.deadlines.window_s(), clock=self.clock,
-                           plan_version=self.backbone.plan_version, slices=self.backbone.round_slices())
+        self.round = Round(
+            step=self.step,
+            round_id=secrets.token_hex(8),
+            expected={p.peer_id for p in eligible},
+            deadline_s=self.deadlines.window_s(),
+            clock=self.clock,
+            plan_version=self.backbone.plan_version,
+            slices=self.backbone.round_slices(),
+        )
         log.info("round %d open: %d peers, window %.1fs", self.step, len(eligible), self.round.deadline_s)
 
     def update_membership(self, peer: Peer) -> None:
@@ -148,9 +161,16 @@ class RoundCycle:
             self.round = None
             self.maybe_open()
             return
-        outcome = RoundLog(contributions=dict(r.received), loss=r.loss, duration_s=self.clock() - r.opened_at,
-                           deadline_s=r.deadline_s, finalized_by=r.finalized_by, lr=0.0, grad_norm=0.0,
-                           outcomes=dict(r.outcomes))  # the record says what was not counted whole
+        outcome = RoundLog(
+            contributions=dict(r.received),
+            loss=r.loss,
+            duration_s=self.clock() - r.opened_at,
+            deadline_s=r.deadline_s,
+            finalized_by=r.finalized_by,
+            lr=0.0,
+            grad_norm=0.0,
+            outcomes=dict(r.outcomes),
+        )  # the record says what was not counted whole
         if r.slices:  # every owner finalizes its slice (dead ones are recovered inside)
             published, grad_norm = await self.backbone.finalize(r.step, r.round_id)
             lr = lr_at(r.step, self.config.master_optimizer(), self.run_cfg.total_steps)
@@ -166,8 +186,9 @@ class RoundCycle:
             self.publisher.publish(version)
             self.reducer.submit(self.reducer.reset)  # off the critical path, yet before the next round's adds
             published, committed = Published(step=version.step, sha256=version.sha256, version=version), True
-        await self.after_publish.step(published, outcome, r.samples, committed=committed,
-                                      bookkeeping=lambda: self._round_applied(r, published))
+        await self.after_publish.step(
+            published, outcome, r.samples, committed=committed, bookkeeping=lambda: self._round_applied(r, published)
+        )
 
     def _round_applied(self, r: Round, published: Published) -> None:
         """This cycle's own bookkeeping once ``r``'s step is out: the inner steps behind it, the
@@ -176,8 +197,15 @@ class RoundCycle:
         self.opening.published(published.step, r.received)  # (local SGD: they work on this step now)
         self.deadlines.observe(r)
         self.round = None
-        log.info("step %d: %d peers, %d samples, loss %s, %.2fs (%s)", published.step, len(r.received), r.samples,
-                 f"{r.loss:.4f}" if r.loss is not None else "n/a", self.clock() - r.opened_at, r.finalized_by)
+        log.info(
+            "step %d: %d peers, %d samples, loss %s, %.2fs (%s)",
+            published.step,
+            len(r.received),
+            r.samples,
+            f"{r.loss:.4f}" if r.loss is not None else "n/a",
+            self.clock() - r.opened_at,
+            r.finalized_by,
+        )
         self.maybe_open()
 
     def publish_local(self, version: Version) -> Published:
@@ -205,8 +233,19 @@ class RoundCycle:
         try:
             published, new_version = await self.backbone.migrate(self.step)
             if published is not None:
-                record = RoundLog(contributions={}, loss=None, duration_s=0.0, deadline_s=0.0,
-                                  finalized_by="recovery", lr=0.0, grad_norm=0.0) if new_version else None
+                record = (
+                    RoundLog(
+                        contributions={},
+                        loss=None,
+                        duration_s=0.0,
+                        deadline_s=0.0,
+                        finalized_by="recovery",
+                        lr=0.0,
+                        grad_norm=0.0,
+                    )
+                    if new_version
+                    else None
+                )
                 await self.after_publish.commit_and_publish(published, record)
         except Exception:
             log.exception("moving slices failed; the relay keeps the current plan")
@@ -227,12 +266,18 @@ class RoundCycle:
         except NonFiniteStep as exc:
             self.refused_steps += 1
             self.store.set_meta("refused_steps", str(self.refused_steps))
-            log.error("step %d refused (%d contributor(s)): %s; the parameters stay at version %d",
-                      self.master.step + 1, len(outcome.contributions), exc, self.master.step)
+            log.error(
+                "step %d refused (%d contributor(s)): %s; the parameters stay at version %d",
+                self.master.step + 1,
+                len(outcome.contributions),
+                exc,
+                self.master.step,
+            )
             return None
         version = self.publisher.write(report.step, {"run": self.run_cfg.name})
-        self.store.commit(report.step, version.sha256,
-                          dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm))
+        self.store.commit(
+            report.step, version.sha256, dataclasses.replace(outcome, lr=report.lr, grad_norm=report.grad_norm)
+        )
         return version
 
     # --- rollback ---------------------------------------------------------------------------------
@@ -242,13 +287,23 @@ class RoundCycle:
         so rolling back to k at version N publishes N + 1 holding k's state. An open round is
         abandoned: its gradients were computed on the state being rolled back."""
         if not self.backbone.single:
-            raise ApiError(409, "rollback_needs_single_relay", "aggregators own slices of the vector",
-                           "Stop the aggregators (their slices return to the relay), then roll back.")
+            raise ApiError(
+                409,
+                "rollback_needs_single_relay",
+                "aggregators own slices of the vector",
+                "Stop the aggregators (their slices return to the relay), then roll back.",
+            )
         if not self.store.state_path(to_step).exists():
-            kept = sorted(int(p.stem.split("-")[1]) for p in self.store.state_path(0).parent.glob("step-*.safetensors"))
-            raise ApiError(404, "no_checkpoint", f"no stored state for step {to_step}",
-                           f"Stored steps: {kept}. Keep more with server.keep_checkpoints, or start a new "
-                           "relay from a Hub checkpoint (hub.init_from).")
+            kept = sorted(
+                int(p.stem.split("-")[1]) for p in self.store.state_path(0).parent.glob("step-*.safetensors")
+            )
+            raise ApiError(
+                404,
+                "no_checkpoint",
+                f"no stored state for step {to_step}",
+                f"Stored steps: {kept}. Keep more with server.keep_checkpoints, or start a new "
+                "relay from a Hub checkpoint (hub.init_from).",
+            )
         if self._finalizing is not None:
             await self._finalizing  # a round that already closed is applied first
         if self.round is not None:
@@ -267,9 +322,20 @@ class RoundCycle:
         self.publisher.load(to_step)
         self.master.step = new_step
         self.reducer.reset()
-        version = self.publisher.write(new_step, {"run": self.run_cfg.name, "rolled_back_to": str(to_step)},
-                                       delta=False)
-        self.store.commit(new_step, version.sha256, RoundLog(contributions={}, loss=None, duration_s=0.0,
-                                                             deadline_s=0.0, finalized_by="rollback", lr=0.0,
-                                                             grad_norm=0.0))
+        version = self.publisher.write(
+            new_step, {"run": self.run_cfg.name, "rolled_back_to": str(to_step)}, delta=False
+        )
+        self.store.commit(
+            new_step,
+            version.sha256,
+            RoundLog(
+                contributions={},
+                loss=None,
+                duration_s=0.0,
+                deadline_s=0.0,
+                finalized_by="rollback",
+                lr=0.0,
+                grad_norm=0.0,
+            ),
+        )
         return version

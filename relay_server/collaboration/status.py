@@ -36,56 +36,99 @@ from toolkit.wire.protocol import (
 )
 
 
-def run_info_of(config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str,
-                download_compression: str = "") -> RunInfo:
+def run_info_of(
+    config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str, download_compression: str = ""
+) -> RunInfo:
     """What a joining peer needs to train with the others."""
     return RunInfo(
-        run_name=config.run.name, protocol=PROTOCOL_VERSION,
+        run_name=config.run.name,
+        protocol=PROTOCOL_VERSION,
         model=config.model.spec(),
-        layout=layout, num_params=num_params, target_batch=config.run.target_batch,
-        total_steps=config.run.total_steps, max_staleness=config.run.max_staleness,
-        heartbeat_interval_s=config.rounds.heartbeat_interval_s, compression=compression, auth=config.auth.mode,
+        layout=layout,
+        num_params=num_params,
+        target_batch=config.run.target_batch,
+        total_steps=config.run.total_steps,
+        max_staleness=config.run.max_staleness,
+        heartbeat_interval_s=config.rounds.heartbeat_interval_s,
+        compression=compression,
+        auth=config.auth.mode,
         download_compression="" if download_compression == compression else download_compression,
         download_feedback=config.run.download_feedback,
-        precision=config.run.precision or None, dataset=dict(config.dataset),
+        precision=config.run.precision or None,
+        dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},
-        local_sgd=config.local_sgd.run_info(config.optimizer, config.run.total_steps) if config.run.mode == "local_sgd" else {},
-        pipeline={"stages": config.pipeline.stages, "microbatch_size": config.pipeline.microbatch_size,
-                  "boundary_codec": config.pipeline.boundary_codec} if config.pipeline.enabled else {})
+        local_sgd=config.local_sgd.run_info(config.optimizer, config.run.total_steps)
+        if config.run.mode == "local_sgd"
+        else {},
+        pipeline={
+            "stages": config.pipeline.stages,
+            "microbatch_size": config.pipeline.microbatch_size,
+            "boundary_codec": config.pipeline.boundary_codec,
+        }
+        if config.pipeline.enabled
+        else {},
+    )
 
 
 def round_info(r: Round | None) -> RoundInfo | None:
     """The open round as peers see it (None between rounds)."""
     if r is None or r.closed:
         return None
-    return RoundInfo(step=r.step, round_id=r.round_id, deadline_in_s=r.remaining_s,
-                     expected_peers=len(r.expected), received_peers=len(r.received),
-                     plan_version=r.plan_version, slices=r.slices)
+    return RoundInfo(
+        step=r.step,
+        round_id=r.round_id,
+        deadline_in_s=r.remaining_s,
+        expected_peers=len(r.expected),
+        received_peers=len(r.received),
+        plan_version=r.plan_version,
+        slices=r.slices,
+    )
 
 
-def collab_state(registry: Registry, run_cfg: RunSection, step: int, r: Round | None, finished: bool,
-                 optimizer: OptimizerSection | None = None, samples_per_s: float = 0.0) -> CollabState:
+def collab_state(
+    registry: Registry,
+    run_cfg: RunSection,
+    step: int,
+    r: Round | None,
+    finished: bool,
+    optimizer: OptimizerSection | None = None,
+    samples_per_s: float = 0.0,
+) -> CollabState:
     """Progress as peers see it; with ``optimizer``, the lr of the next update (peers show it in
     their optimizer's ``param_groups``). ``samples_per_s``: the relay's measured figure
     (:class:`~relay_server.rounds.throughput.RoundRate`), which the ETA divides by."""
     collected = registry.collected(step, run_cfg.max_staleness)
     rate = samples_per_s
     remaining = max(0, run_cfg.target_batch - collected)
-    return CollabState(step=step, target_batch=run_cfg.target_batch,
-                       samples_accumulated=collected, samples_per_s=rate,
-                       eta_s=(remaining / rate) if rate > 0 else None,
-                       num_peers=len(registry.peers), round=round_info(r),
-                       finished=finished,
-                       lr=lr_at(step, optimizer, run_cfg.total_steps) if optimizer is not None else None)
+    return CollabState(
+        step=step,
+        target_batch=run_cfg.target_batch,
+        samples_accumulated=collected,
+        samples_per_s=rate,
+        eta_s=(remaining / rate) if rate > 0 else None,
+        num_peers=len(registry.peers),
+        round=round_info(r),
+        finished=finished,
+        lr=lr_at(step, optimizer, run_cfg.total_steps) if optimizer is not None else None,
+    )
 
 
 def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
     opt, run_cfg = config.master_optimizer(), config.run
-    return RunSummary(model=config.model.label(), num_params=num_params, optimizer=opt.name,
-                      lr=opt.lr, schedule=opt.schedule, target_batch=run_cfg.target_batch,
-                      max_staleness=run_cfg.max_staleness, precision=run_cfg.precision or None,
-                      compression="none", auth_mode=config.auth.mode, mode=run_cfg.mode)
+    return RunSummary(
+        model=config.model.label(),
+        num_params=num_params,
+        optimizer=opt.name,
+        lr=opt.lr,
+        schedule=opt.schedule,
+        target_batch=run_cfg.target_batch,
+        max_staleness=run_cfg.max_staleness,
+        precision=run_cfg.precision or None,
+        compression="none",
+        auth_mode=config.auth.mode,
+        mode=run_cfg.mode,
+    )
 
 
 class Leaderboard:
@@ -111,27 +154,42 @@ class Leaderboard:
     def top(self) -> list[tuple[str, int, int]]:
         """(username, samples, rounds), best first: O(users) once per round, then cached."""
         if self._top is None:
-            best = heapq.nsmallest(self.size, (e for e in self._users.values() if e[1] > 0),
-                                   key=lambda e: (-e[1], e[0]))
+            best = heapq.nsmallest(
+                self.size, (e for e in self._users.values() if e[1] > 0), key=lambda e: (-e[1], e[0])
+            )
             self._top = [(u, n, r) for u, n, r in best]
         return self._top
 
 
-def local_sgd_status(config: RelayConfig, registry: Registry, step: int,
-                     inner_steps_last_round: float | None) -> LocalSgdStatus | None:
+def local_sgd_status(
+    config: RelayConfig, registry: Registry, step: int, inner_steps_last_round: float | None
+) -> LocalSgdStatus | None:
     """The outer loop of a ``run.mode = "local_sgd"`` run (None in sync mode)."""
     if config.run.mode != "local_sgd":
         return None
     busy = [p.busy_fraction for p in registry.peers.values() if p.busy_fraction is not None]
-    return LocalSgdStatus(outer_round=step, inner_steps=config.local_sgd.inner_steps,
-                          inner_seconds=config.local_sgd.inner_seconds,
-                          busy_fraction=sum(busy) / len(busy) if busy else None,
-                          inner_steps_last_round=inner_steps_last_round)
+    return LocalSgdStatus(
+        outer_round=step,
+        inner_steps=config.local_sgd.inner_steps,
+        inner_seconds=config.local_sgd.inner_seconds,
+        busy_fraction=sum(busy) / len(busy) if busy else None,
+        inner_steps_last_round=inner_steps_last_round,
+    )
 
 
-def status_report(config: RelayConfig, store: Store, registry: Registry, state: CollabState, plan: PlanInfo,
-                  num_params: int, started: float, leaderboard: Leaderboard, traffic: Traffic,
-                  inner_steps_last_round: float | None = None, refused_steps: int = 0) -> StatusReport:
+def status_report(
+    config: RelayConfig,
+    store: Store,
+    registry: Registry,
+    state: CollabState,
+    plan: PlanInfo,
+    num_params: int,
+    started: float,
+    leaderboard: Leaderboard,
+    traffic: Traffic,
+    inner_steps_last_round: float | None = None,
+    refused_steps: int = 0,
+) -> StatusReport:
     """Everything the dashboard shows, ``state`` being the collaboration's progress just now.
     O(peers online + the leaderboard's size), whatever the number of peers that ever joined."""
     run_cfg, now = config.run, time.monotonic()
@@ -143,24 +201,53 @@ def status_report(config: RelayConfig, store: Store, registry: Registry, state: 
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # refused / partial / banned uploads
     # finite_or_none: a data dir written by an older relay may hold an inf grad_norm; JSON cannot carry it
-    rounds = [RoundRecord(step=s, contributors=c, samples=n, loss=finite_or_none(loss), duration_s=d, deadline_s=dl,
-                          finalized_by=by, finalized_at=at, lr=finite_or_none(lr), grad_norm=finite_or_none(norm),
-                          outcomes=outcomes.get(s, {}))
-              for s, c, n, loss, d, dl, by, at, lr, norm in recent]
+    rounds = [
+        RoundRecord(
+            step=s,
+            contributors=c,
+            samples=n,
+            loss=finite_or_none(loss),
+            duration_s=d,
+            deadline_s=dl,
+            finalized_by=by,
+            finalized_at=at,
+            lr=finite_or_none(lr),
+            grad_norm=finite_or_none(norm),
+            outcomes=outcomes.get(s, {}),
+        )
+        for s, c, n, loss, d, dl, by, at, lr, norm in recent
+    ]
     by_user = registry.online_by_user
-    board = [LeaderboardEntry(username=u, samples=n, rounds=r, peers_online=by_user.get(u, 0))
-             for u, n, r in leaderboard.top()]
-    return StatusReport(run_name=run_cfg.name, step=state.step, total_steps=run_cfg.total_steps,
-                        finished=state.finished, target_batch=run_cfg.target_batch,
-                        num_params=num_params, samples_accumulated=state.samples_accumulated,
-                        samples_per_s=measured, samples_per_s_rounds=measured_over, eta_s=state.eta_s,
-                        reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer"),
-                        loss=rounds[-1].loss if rounds else None, num_peers=len(peers), peers=peers,
-                        recent_rounds=rounds, round=state.round, auth_mode=config.auth.mode,
-                        uptime_s=now - started, leaderboard=board, plan=plan,
-                        config=run_summary(config, num_params), traffic=traffic.report(),
-                        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round),
-                        refused_steps=refused_steps)
+    board = [
+        LeaderboardEntry(username=u, samples=n, rounds=r, peers_online=by_user.get(u, 0))
+        for u, n, r in leaderboard.top()
+    ]
+    return StatusReport(
+        run_name=run_cfg.name,
+        step=state.step,
+        total_steps=run_cfg.total_steps,
+        finished=state.finished,
+        target_batch=run_cfg.target_batch,
+        num_params=num_params,
+        samples_accumulated=state.samples_accumulated,
+        samples_per_s=measured,
+        samples_per_s_rounds=measured_over,
+        eta_s=state.eta_s,
+        reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer"),
+        loss=rounds[-1].loss if rounds else None,
+        num_peers=len(peers),
+        peers=peers,
+        recent_rounds=rounds,
+        round=state.round,
+        auth_mode=config.auth.mode,
+        uptime_s=now - started,
+        leaderboard=board,
+        plan=plan,
+        config=run_summary(config, num_params),
+        traffic=traffic.report(),
+        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round),
+        refused_steps=refused_steps,
+    )
 
 
 def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:
@@ -170,29 +257,50 @@ def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:
     samples/s is bounded by what their reports' growth makes plausible."""
     host = p.device.get("role") == "expert_host"
     role = "expert_host" if host else "stage_worker" if pipeline else "trainer"
-    reported, capped = bounded_report(p.samples_per_s, p.accumulated, now - p.joined_at) if role == "trainer" \
-        else (0.0, False)
-    return PeerStatus(peer_id=p.peer_id, name=p.name, username=p.username, device="" if host else p.device_label,
-                      version=p.version, samples_per_s=reported, samples_per_s_capped=capped, role=role,
-                      samples_contributed=p.contributed, last_seen_s=now - p.last_seen,
-                      online=True, precision=p.precision, first_contribution_s=p.first_contribution_s,
-                      inner_steps=p.inner_steps if local else None,
-                      busy_fraction=p.busy_fraction if local else None)
+    reported, capped = (
+        bounded_report(p.samples_per_s, p.accumulated, now - p.joined_at) if role == "trainer" else (0.0, False)
+    )
+    return PeerStatus(
+        peer_id=p.peer_id,
+        name=p.name,
+        username=p.username,
+        device="" if host else p.device_label,
+        version=p.version,
+        samples_per_s=reported,
+        samples_per_s_capped=capped,
+        role=role,
+        samples_contributed=p.contributed,
+        last_seen_s=now - p.last_seen,
+        online=True,
+        precision=p.precision,
+        first_contribution_s=p.first_contribution_s,
+        inner_steps=p.inner_steps if local else None,
+        busy_fraction=p.busy_fraction if local else None,
+    )
 
 
 def place_peers(report: StatusReport, experts_per_host: dict[str, int], stage_of: dict[str, int]) -> StatusReport:
     """``report`` with each expert host's experts and each stage worker's stage (what the relay's
     expert directory and pipeline coordinator know; a peer holding experts is a host whatever it
     said when it joined)."""
+
     def placed(p: PeerStatus) -> PeerStatus:
         if p.peer_id in experts_per_host:
-            return dataclasses.replace(p, role="expert_host", experts_hosted=experts_per_host[p.peer_id], device="",
-                                       samples_per_s=0.0, samples_per_s_capped=False)
+            return dataclasses.replace(
+                p,
+                role="expert_host",
+                experts_hosted=experts_per_host[p.peer_id],
+                device="",
+                samples_per_s=0.0,
+                samples_per_s_capped=False,
+            )
         if p.role == "expert_host":
             return dataclasses.replace(p, experts_hosted=0)
         if p.role == "stage_worker":
             return dataclasses.replace(p, stage=stage_of.get(p.peer_id))
         return p
+
     peers = [placed(p) for p in report.peers]
-    return dataclasses.replace(report, peers=peers,
-                               reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer"))
+    return dataclasses.replace(
+        report, peers=peers, reported_samples_per_s=sum(p.samples_per_s for p in peers if p.role == "trainer")
+    )

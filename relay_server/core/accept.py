@@ -27,10 +27,14 @@ ACCEPT_BURST = 128  # accepts per wake-up of the listening socket
 ACCEPT_PAUSE_S = 0.5  # after a failed accept (out of descriptors)
 LOG_EVERY_S = 60.0
 RETRY_AFTER_S = 2
-BUSY_BODY = (b'{"error": "relay_busy", "message": "the relay holds as many connections as it can", '
-             b'"hint": "Retry in a few seconds (the toolkit does this on its own)."}')
-BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s") % (RETRY_AFTER_S, len(BUSY_BODY), BUSY_BODY)
+BUSY_BODY = (
+    b'{"error": "relay_busy", "message": "the relay holds as many connections as it can", '
+    b'"hint": "Retry in a few seconds (the toolkit does this on its own)."}'
+)
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: %d\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+) % (RETRY_AFTER_S, len(BUSY_BODY), BUSY_BODY)
 
 
 class Admission(Protocol):
@@ -73,8 +77,7 @@ class Acceptor:
     Here a failed accept pauses accepting for half a second, once, and is counted quietly; and
     since the guard frees an evicted connection's descriptor at once, accepts rarely fail."""
 
-    def __init__(self, guard: Admission, sock: socket.socket,
-                 factory: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(self, guard: Admission, sock: socket.socket, factory: Callable[[], asyncio.Protocol]) -> None:
         self.guard, self.sock, self.factory = guard, sock, factory
         self.loop = asyncio.get_running_loop()
         self.failed, self._logged, self._closed = 0, 0.0, False
@@ -130,9 +133,14 @@ class Acceptor:
         self.failed += 1
         now = time.monotonic()
         if now - self._logged >= LOG_EVERY_S:
-            log.warning("cannot accept connections (%s): %d failed accept(s) since the last report, each followed "
-                        "by a %.1f s pause. Raise the hard descriptor limit (ulimit -Hn, LimitNOFILE=) or lower "
-                        "connections.max_connections.", exc, self.failed, ACCEPT_PAUSE_S)
+            log.warning(
+                "cannot accept connections (%s): %d failed accept(s) since the last report, each followed "
+                "by a %.1f s pause. Raise the hard descriptor limit (ulimit -Hn, LimitNOFILE=) or lower "
+                "connections.max_connections.",
+                exc,
+                self.failed,
+                ACCEPT_PAUSE_S,
+            )
             self.failed, self._logged = 0, now
 
 

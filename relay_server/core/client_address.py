@@ -53,7 +53,7 @@ def _normalized(hop: str) -> str:
     some proxies append is dropped); a hop that is no address stays as text."""
     candidates = [hop]
     if hop.startswith("[") and "]" in hop:  # [2001:db8::1]:443
-        candidates.append(hop[1:hop.index("]")])
+        candidates.append(hop[1 : hop.index("]")])
     elif hop.count(":") == 1:  # 203.0.113.7:51234
         candidates.append(hop.split(":", 1)[0])
     for candidate in candidates:

@@ -68,10 +68,29 @@ try:
 except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["AdminSection", "AggregatorsSection", "AuthSection", "ConfigError", "ConnectionsSection",
-           "EvaluationSection", "HubSection", "LimitsSection", "LocalSgdSection", "ModelSection", "MoeSection", "OptimizerSection",
-           "PipelineSection", "RelayConfig", "RoundsSection",
-           "RunSection", "ServerSection", "TokenizerSection", "WandbSection", "load_config", "resolve_paths"]
+__all__ = [
+    "AdminSection",
+    "AggregatorsSection",
+    "AuthSection",
+    "ConfigError",
+    "ConnectionsSection",
+    "EvaluationSection",
+    "HubSection",
+    "LimitsSection",
+    "LocalSgdSection",
+    "ModelSection",
+    "MoeSection",
+    "OptimizerSection",
+    "PipelineSection",
+    "RelayConfig",
+    "RoundsSection",
+    "RunSection",
+    "ServerSection",
+    "TokenizerSection",
+    "WandbSection",
+    "load_config",
+    "resolve_paths",
+]
 
 
 @dataclass(kw_only=True)
@@ -111,20 +130,37 @@ class RelayConfig:
         """Every section's own checks, then those that involve two sections; the first failure
         raises its message."""
         checks = [
-            *self.run.checks(), *self.model.checks(), *self.optimizer.checks(), *self.rounds.checks(),
-            *self.server.checks(), *self.auth.checks(), *self.wandb.checks(), *self.hub.checks(),
-            *self.limits.checks(), *self.aggregators.checks(), *self.connections.checks(),
-            *self.moe.checks(self.model), *self.evaluation.checks(),
+            *self.run.checks(),
+            *self.model.checks(),
+            *self.optimizer.checks(),
+            *self.rounds.checks(),
+            *self.server.checks(),
+            *self.auth.checks(),
+            *self.wandb.checks(),
+            *self.hub.checks(),
+            *self.limits.checks(),
+            *self.aggregators.checks(),
+            *self.connections.checks(),
+            *self.moe.checks(self.model),
+            *self.evaluation.checks(),
             *self.pipeline.checks(self.run.target_batch, self.run.max_staleness, self.moe.enabled),
-            (self.optimizer.schedule == "constant" or self.run.total_steps > 0,
-             "optimizer.schedule linear/cosine needs run.total_steps > 0"),
-            (not (self.hub.init_from and self.model.init_checkpoint),
-             "set only one of model.init_checkpoint and hub.init_from"),
-            (not (self.pipeline.enabled and self.run.compression.startswith("topk2-")),
-             f"run.compression = {self.run.compression!r}: pipeline stages upload their gradients without "
-             "error feedback, so a sparse codec would drop most of each; use none, float16 or int8 with [pipeline]"),
-            (not (self.pipeline.enabled and self.run.download_compression not in ("", self.run.compression)),
-             "run.download_compression: [pipeline] stages publish in run.compression; leave it empty"),
+            (
+                self.optimizer.schedule == "constant" or self.run.total_steps > 0,
+                "optimizer.schedule linear/cosine needs run.total_steps > 0",
+            ),
+            (
+                not (self.hub.init_from and self.model.init_checkpoint),
+                "set only one of model.init_checkpoint and hub.init_from",
+            ),
+            (
+                not (self.pipeline.enabled and self.run.compression.startswith("topk2-")),
+                f"run.compression = {self.run.compression!r}: pipeline stages upload their gradients without "
+                "error feedback, so a sparse codec would drop most of each; use none, float16 or int8 with [pipeline]",
+            ),
+            (
+                not (self.pipeline.enabled and self.run.download_compression not in ("", self.run.compression)),
+                "run.download_compression: [pipeline] stages publish in run.compression; leave it empty",
+            ),
             *mode_checks(self),
         ]
         for ok, message in checks:
@@ -145,8 +181,12 @@ class RelayConfig:
         return self.local_sgd.outer_optimizer() if self.run.mode == "local_sgd" else self.optimizer
 
 
-def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
-                overrides: dict[str, dict[str, Any]] | None = None, run_data: bool = True) -> RelayConfig:
+def load_config(
+    path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    run_data: bool = True,
+) -> RelayConfig:
     """Read ``path`` (TOML; None = the embedded demo default), apply env then explicit overrides.
     ``run_data=False`` skips reading the tokenizer (``relay-server tokenizer train`` writes it)."""
     if path is None:
@@ -171,8 +211,10 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     if config.model.config_file or config.model.config_repo:
         config.model.config = _read_model_config(config)
     if config.model.init_checkpoint and not Path(config.model.init_checkpoint).is_file():
-        raise ConfigError(f"model.init_checkpoint: no file {config.model.init_checkpoint} (relative paths "
-                          "start at the config file's directory)")
+        raise ConfigError(
+            f"model.init_checkpoint: no file {config.model.init_checkpoint} (relative paths "
+            "start at the config file's directory)"
+        )
     config.validate()  # cheap checks first: a missing allowlist must not wait for the model to be built
     tokenizer = resolve_run_data(config, base, read_tokenizer=run_data)  # the tokenizer, then the model's checks
     check_evaluation(config, tokenizer)  # needs the tokenizer (the mask token) and the other sections
@@ -211,8 +253,11 @@ def _read_model_config(config: RelayConfig) -> dict[str, Any]:
     model = config.model
     if model.config or (model.config_file and model.config_repo):
         raise ConfigError("set one of model.config, model.config_file and model.config_repo")
-    where = (download_hub_file(config.hub, model.config_repo, "config.json", "model.config_repo")
-             if model.config_repo else Path(model.config_file))
+    where = (
+        download_hub_file(config.hub, model.config_repo, "config.json", "model.config_repo")
+        if model.config_repo
+        else Path(model.config_file)
+    )
     try:
         value = json.loads(where.read_text())
     except OSError as exc:

@@ -81,12 +81,24 @@ class ConnectionsSection:
 
     def checks(self) -> list[tuple[bool, str]]:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
-        return [(self.max_connections >= 0 and self.fd_reserve >= 0,
-                 "connections.max_connections and connections.fd_reserve must be >= 0"),
-                (min(self.max_per_address, self.idle_timeout_s, self.body_idle_timeout_s, self.max_upload_bytes,
-                     self.max_upload_bytes_per_address) > 0,
-                 "connections.max_per_address, idle_timeout_s, body_idle_timeout_s and max_upload_bytes"
-                 "(_per_address) must be > 0")]
+        return [
+            (
+                self.max_connections >= 0 and self.fd_reserve >= 0,
+                "connections.max_connections and connections.fd_reserve must be >= 0",
+            ),
+            (
+                min(
+                    self.max_per_address,
+                    self.idle_timeout_s,
+                    self.body_idle_timeout_s,
+                    self.max_upload_bytes,
+                    self.max_upload_bytes_per_address,
+                )
+                > 0,
+                "connections.max_per_address, idle_timeout_s, body_idle_timeout_s and max_upload_bytes"
+                "(_per_address) must be > 0",
+            ),
+        ]
 
 
 class _Conn:
@@ -166,14 +178,17 @@ class ConnectionGuard:
         fit = max(8, limit - in_use - reserve)
         self.capacity = min(fit, self.config.max_connections) if self.config.max_connections else fit
         raised = f"raised from {before} to {limit}" if limit > before else f"{limit} (hard limit)"
-        return (f"descriptors: soft limit {raised}, {in_use} in use, {reserve} reserved: up to {self.capacity} "
-                f"connections, about {self.capacity // 2} peers")
+        return (
+            f"descriptors: soft limit {raised}, {in_use} in use, {reserve} reserved: up to {self.capacity} "
+            f"connections, about {self.capacity // 2} peers"
+        )
 
     def listen(self, host: str, port: int, inner: Callable[[], asyncio.Protocol]) -> tuple[str, int]:
         """Listen on ``host:port`` (0 = any free port) and serve every admitted connection with a
         protocol from ``inner`` (aiohttp's server); returns the bound address."""
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -299,32 +314,49 @@ class ConnectionGuard:
         """A forwarded client already has ``max_per_address`` requests in progress."""
         self.counts["refused_per_address"] += 1
         response = web.json_response(
-            {"error": "relay_busy", "message": f"{self._proxied[client]} requests from {client} are already in "
-             "progress (connections.max_per_address)",
-             "hint": "Retry in a few seconds (the toolkit does this on its own); one notebook needs two or three."},
-            status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            {
+                "error": "relay_busy",
+                "message": f"{self._proxied[client]} requests from {client} are already in "
+                "progress (connections.max_per_address)",
+                "hint": "Retry in a few seconds (the toolkit does this on its own); one notebook needs two or three.",
+            },
+            status=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
         response.force_close()  # a body it may carry is unread
         return response
 
     def _reserve_upload(self, client: str, exempt: bool, declared: int) -> web.Response | None:
-        cap = self.config.max_upload_bytes if exempt else \
-            min(self.config.max_upload_bytes, self.config.max_upload_bytes_per_address)
+        cap = (
+            self.config.max_upload_bytes
+            if exempt
+            else min(self.config.max_upload_bytes, self.config.max_upload_bytes_per_address)
+        )
         if declared > cap:  # could never fit, however long the peer waits: too large, not busy
             self.counts["refused_upload_bytes"] += 1
             response = web.json_response(
-                {"error": "body_too_large", "message": f"an upload of {declared} bytes is more than this relay "
-                 f"takes at once ({cap} bytes)", "hint": "Upload the run's parameters in its codec; the organizer "
-                 "can raise connections.max_upload_bytes(_per_address)."}, status=413)
+                {
+                    "error": "body_too_large",
+                    "message": f"an upload of {declared} bytes is more than this relay takes at once ({cap} bytes)",
+                    "hint": "Upload the run's parameters in its codec; the organizer "
+                    "can raise connections.max_upload_bytes(_per_address).",
+                },
+                status=413,
+            )
             response.force_close()
             return response
         total, mine = self._uploads[""] + declared, self._uploads[client] + declared
-        if total > self.config.max_upload_bytes or (
-                not exempt and mine > self.config.max_upload_bytes_per_address):
+        if total > self.config.max_upload_bytes or (not exempt and mine > self.config.max_upload_bytes_per_address):
             self.counts["refused_upload_bytes"] += 1
             response = web.json_response(
-                {"error": "relay_busy", "message": f"{total} upload bytes would be in flight",
-                 "hint": "Retry in a few seconds (the toolkit does this on its own)."},
-                status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+                {
+                    "error": "relay_busy",
+                    "message": f"{total} upload bytes would be in flight",
+                    "hint": "Retry in a few seconds (the toolkit does this on its own).",
+                },
+                status=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
             response.force_close()  # the unread body must not be parsed as the next request
             return response
         self._uploads[""] += declared
@@ -353,13 +385,17 @@ class ConnectionGuard:
                 conn.last_bytes = now
             elif now - conn.last_bytes >= self.config.body_idle_timeout_s:
                 self.counts["body_timeout"] += 1
-                log.info("%s %s from %s: no body byte for %.0f s; connection cut", request.method, request.path,
-                         conn.address, now - conn.last_bytes)
+                log.info(
+                    "%s %s from %s: no body byte for %.0f s; connection cut",
+                    request.method,
+                    request.path,
+                    conn.address,
+                    now - conn.last_bytes,
+                )
                 self._close(conn)
 
     def stats(self) -> dict[str, int]:
-        return {"open": len(self._conns), "capacity": self.capacity, "upload_bytes": self._uploads[""],
-                **self.counts}
+        return {"open": len(self._conns), "capacity": self.capacity, "upload_bytes": self._uploads[""], **self.counts}
 
 
 def _decrement(counter: Counter[str], key: str, amount: int = 1) -> None:

@@ -51,8 +51,10 @@ class DataDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise DataDirInUse(f"{directory} is in use by {_describe(path)}: stop that process first (its state "
-                               "would be written by two servers at once), or pass another --data-dir") from None
+            raise DataDirInUse(
+                f"{directory} is in use by {_describe(path)}: stop that process first (its state "
+                "would be written by two servers at once), or pass another --data-dir"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
@@ -82,7 +84,7 @@ class DataDirLock:
 
 
 def _describe(path: Path) -> str:
-    """"relay pid 123 at http://127.0.0.1:8750" from the holder's record, as far as it is written
+    """ "relay pid 123 at http://127.0.0.1:8750" from the holder's record, as far as it is written
     (the holder may be between taking the lock and writing it, or not bound yet)."""
     try:
         record = json.loads(path.read_text() or "{}")

@@ -60,8 +60,10 @@ def installed_distribution() -> metadata.Distribution:
     ``.egg-info`` that a checkout's working directory may put first on ``sys.path``."""
     found = list(metadata.distributions(name=DIST_NAME))
     if not found:
-        raise ConfigError(f"the {DIST_NAME} distribution is not installed, so the relay cannot serve the toolkit "
-                          f"to notebooks: install it (`pip install -e .` in a checkout, or the release wheel)")
+        raise ConfigError(
+            f"the {DIST_NAME} distribution is not installed, so the relay cannot serve the toolkit "
+            f"to notebooks: install it (`pip install -e .` in a checkout, or the release wheel)"
+        )
     dist_infos = [d for d in found if str(getattr(d, "_path", "")).endswith(".dist-info")]
     return (dist_infos or found)[0]
 
@@ -81,8 +83,10 @@ def build_wheel_bytes(dist: metadata.Distribution | None = None) -> tuple[str, b
     for package in PACKAGES:
         files += _package_files(package)
     files.sort()
-    files += [(f"{info_dir}/METADATA", _metadata_text(dist).encode()),
-              (f"{info_dir}/WHEEL", _wheel_text(version).encode())]
+    files += [
+        (f"{info_dir}/METADATA", _metadata_text(dist).encode()),
+        (f"{info_dir}/WHEEL", _wheel_text(version).encode()),
+    ]
     entry_points = dist.read_text("entry_points.txt")
     if entry_points:
         files.append((f"{info_dir}/entry_points.txt", entry_points.encode()))
@@ -118,8 +122,10 @@ def ensure_wheel(directory: Path, dist: metadata.Distribution | None = None) -> 
 def _package_files(package: str) -> list[tuple[str, bytes]]:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"the {package} package is not importable, so the relay cannot build the toolkit's wheel: "
-                          f"reinstall {DIST_NAME}")
+        raise ConfigError(
+            f"the {package} package is not importable, so the relay cannot build the toolkit's wheel: "
+            f"reinstall {DIST_NAME}"
+        )
     root = Path(list(spec.submodule_search_locations)[0])
     found = []
     for folder, dirs, names in os.walk(root):
@@ -148,8 +154,7 @@ def _metadata_text(dist: metadata.Distribution) -> str:
 
 
 def _wheel_text(version: str) -> str:
-    return (f"Wheel-Version: 1.0\nGenerator: relay-server ({version})\nRoot-Is-Purelib: true\n"
-            f"Tag: py3-none-any\n")
+    return f"Wheel-Version: 1.0\nGenerator: relay-server ({version})\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
 
 def _escape(part: str) -> str:

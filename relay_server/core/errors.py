@@ -14,16 +14,29 @@ class ApiError(CollabError):
 
 
 def unknown_peer(peer_id: str) -> ApiError:
-    return ApiError(404, "unknown_peer", f"peer {peer_id[:16]!r} is not registered (it may have timed out)",
-                    "Join again: POST /api/peers/join (the toolkit does this by itself).")
+    return ApiError(
+        404,
+        "unknown_peer",
+        f"peer {peer_id[:16]!r} is not registered (it may have timed out)",
+        "Join again: POST /api/peers/join (the toolkit does this by itself).",
+    )
 
 
 def round_closed(step: int, current: int) -> ApiError:
-    return ApiError(409, "round_closed", f"round {step} is not accepting gradients (current step {current})",
-                    "Keep the gradient if its version is still eligible, else download the latest parameters.")
+    return ApiError(
+        409,
+        "round_closed",
+        f"round {step} is not accepting gradients (current step {current})",
+        "Keep the gradient if its version is still eligible, else download the latest parameters.",
+    )
 
 
 def round_closed_partial(step: int) -> ApiError:
-    return ApiError(409, "round_closed_partial", f"round {step} closed while this gradient's slices were "
-                    "arriving; the slices an owner had accepted whole were counted (the round record says "
-                    "'partial')", "Drop this gradient (part of it is already in the step) and keep training.")
+    return ApiError(
+        409,
+        "round_closed_partial",
+        f"round {step} closed while this gradient's slices were "
+        "arriving; the slices an owner had accepted whole were counted (the round record says "
+        "'partial')",
+        "Drop this gradient (part of it is already in the step) and keep training.",
+    )

@@ -75,19 +75,32 @@ class EvaluationSection:
         too_long = [i for i, p in enumerate(self.prompts) if not p.strip() or len(p) > MAX_PROMPT_CHARS]
         return [
             (not self.prompts or self.enabled, "evaluation.prompts needs evaluation.data_files (a validation source)"),
-            (len(self.prompts) <= MAX_PROMPTS,
-             f"evaluation.prompts has {len(self.prompts)} prompts; at most {MAX_PROMPTS} are allowed"),
-            (not too_long, f"evaluation.prompts[{too_long[0] if too_long else 0}] must be 1 to {MAX_PROMPT_CHARS} "
-                           "characters: shorten it"),
+            (
+                len(self.prompts) <= MAX_PROMPTS,
+                f"evaluation.prompts has {len(self.prompts)} prompts; at most {MAX_PROMPTS} are allowed",
+            ),
+            (
+                not too_long,
+                f"evaluation.prompts[{too_long[0] if too_long else 0}] must be 1 to {MAX_PROMPT_CHARS} "
+                "characters: shorten it",
+            ),
             (self.format in ("", "parquet", "json", "text"), "evaluation.format must be parquet, json, text or empty"),
-            (not self.repo or bool(self.revision), "evaluation.repo needs evaluation.revision (a commit: pin the "
-                                                   "validation rows so every version sees the same ones)"),
+            (
+                not self.repo or bool(self.revision),
+                "evaluation.repo needs evaluation.revision (a commit: pin the "
+                "validation rows so every version sees the same ones)",
+            ),
             (1 <= self.samples <= 100_000, "evaluation.samples must be in 1..100000"),
             (1 <= self.batch_size <= 1024, "evaluation.batch_size must be in 1..1024"),
             (4 <= self.seq_len <= 65_536, "evaluation.seq_len must be in 4..65536"),
-            (self.every_steps >= 0 and self.every_s >= 0, "evaluation.every_steps and evaluation.every_s must be >= 0"),
-            (not self.enabled or self.every_steps > 0 or self.every_s > 0,
-             "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0"),
+            (
+                self.every_steps >= 0 and self.every_s >= 0,
+                "evaluation.every_steps and evaluation.every_s must be >= 0",
+            ),
+            (
+                not self.enabled or self.every_steps > 0 or self.every_s > 0,
+                "evaluation needs evaluation.every_steps > 0 or evaluation.every_s > 0",
+            ),
             (0 <= self.max_new_tokens <= 256, "evaluation.max_new_tokens must be in 0..256"),
             (1 <= self.top_k <= 50, "evaluation.top_k must be in 1..50"),
             (1 <= self.threads <= 256, "evaluation.threads must be in 1..256"),
@@ -110,14 +123,19 @@ def check_evaluation(config: Any, tokenizer_json: bytes | None) -> None:
     if not section.enabled:
         return
     objective = (config.objective or {}).get("name", "")
-    if objective not in SUPPORTED_OBJECTIVES and not (config.model.kind == "toolkit" and
-                                                      config.model.factory == BYTE_MODEL):
-        raise ConfigError(f"evaluation needs an [objective] ({', '.join(SUPPORTED_OBJECTIVES)}) or the model "
-                          f"{BYTE_MODEL}: remove [evaluation] data_files for this run")
+    if objective not in SUPPORTED_OBJECTIVES and not (
+        config.model.kind == "toolkit" and config.model.factory == BYTE_MODEL
+    ):
+        raise ConfigError(
+            f"evaluation needs an [objective] ({', '.join(SUPPORTED_OBJECTIVES)}) or the model "
+            f"{BYTE_MODEL}: remove [evaluation] data_files for this run"
+        )
     shared = set(section.shards()) & set(_training_shards(config.dataset))
     if shared:
-        raise ConfigError(f"evaluation.data_files includes the training shard {sorted(shared)[0]}: validate on "
-                          "held-out files that no [[dataset.sources]] entry lists")
+        raise ConfigError(
+            f"evaluation.data_files includes the training shard {sorted(shared)[0]}: validate on "
+            "held-out files that no [[dataset.sources]] entry lists"
+        )
     if objective == "masked-lm" and section.prompts and tokenizer_json is not None:
         from toolkit.data.objectives import Specials, load_tokenizer
 
@@ -126,8 +144,10 @@ def check_evaluation(config: Any, tokenizer_json: bytes | None) -> None:
         mask = tokenizer.id_to_token(mask_id) if mask_id is not None else "[MASK]"
         for i, prompt in enumerate(section.prompts):
             if mask not in prompt:
-                raise ConfigError(f"evaluation.prompts[{i}] has no {mask}: a masked-LM fills in the mask token, "
-                                  f"write e.g. \"The capital of France is {mask}.\"")
+                raise ConfigError(
+                    f"evaluation.prompts[{i}] has no {mask}: a masked-LM fills in the mask token, "
+                    f'write e.g. "The capital of France is {mask}."'
+                )
 
 
 def _training_shards(dataset: dict[str, Any]) -> list[str]:
@@ -142,9 +162,16 @@ def _training_shards(dataset: dict[str, Any]) -> list[str]:
         except (DataConfigError, TypeError, ValueError):
             continue  # the dataset's own checks report it
         try:
-            found += spec.shards() if not spec.repo else [
-                f"hf://datasets/{spec.repo}@{spec.revision}/{f}" if spec.revision else f"hf://datasets/{spec.repo}/{f}"
-                for f in spec.data_files]
+            found += (
+                spec.shards()
+                if not spec.repo
+                else [
+                    f"hf://datasets/{spec.repo}@{spec.revision}/{f}"
+                    if spec.revision
+                    else f"hf://datasets/{spec.repo}/{f}"
+                    for f in spec.data_files
+                ]
+            )
         except DataConfigError:
             found += list(spec.data_files)
     return found

@@ -34,26 +34,36 @@ _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 BUSY_RETRY_AFTER_S = 2  # what a 503 "busy" asks peers to wait (they add jitter)
 
 
-def error_response(status: int, code: str, message: str, hint: str = "",
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(ErrorBody(error=code, message=message, hint=hint).to_json(), status=status,
-                             headers=headers)
+def error_response(
+    status: int, code: str, message: str, hint: str = "", headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(
+        ErrorBody(error=code, message=message, hint=hint).to_json(), status=status, headers=headers
+    )
 
 
 def busy_response(message: str, retry_after_s: int = BUSY_RETRY_AFTER_S) -> web.Response:
     """503 + Retry-After: the relay is at a resource limit and refuses this request *before* doing
     any of it, so retrying later is always safe (the toolkit waits Retry-After plus jitter)."""
-    return error_response(503, "relay_busy", message, f"Retry in {retry_after_s} s (the toolkit does this "
-                          "on its own); if it persists the organizer should raise the relay's limits.",
-                          headers={"Retry-After": str(retry_after_s)})
+    return error_response(
+        503,
+        "relay_busy",
+        message,
+        f"Retry in {retry_after_s} s (the toolkit does this "
+        "on its own); if it persists the organizer should raise the relay's limits.",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def headers_sent(request: web.Request) -> bool:
     """Whether a response to ``request`` was already started (status line and headers written or
     queued): from then on the only honest way to report an error is to cut the connection."""
     writer = request.writer
-    return bool(getattr(writer, "output_size", 0) or getattr(writer, "_headers_buf", None)
-                or getattr(writer, "_headers_written", False))
+    return bool(
+        getattr(writer, "output_size", 0)
+        or getattr(writer, "_headers_buf", None)
+        or getattr(writer, "_headers_written", False)
+    )
 
 
 def _abort(request: web.Request, why: str) -> web.Response:
@@ -118,8 +128,12 @@ def _error_answer(request: web.Request, exc: BaseException) -> web.StreamRespons
         return error_response(exc.status, code, exc.text or exc.reason or "", _HTTP_HINTS.get(exc.status, ""))
     except Exception:  # a bug: log it, keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(500, "internal_error", "the relay hit an unexpected error",
-                              "Retry; if it persists, report it to the organizer with the relay log.")
+        return error_response(
+            500,
+            "internal_error",
+            "the relay hit an unexpected error",
+            "Retry; if it persists, report it to the organizer with the relay log.",
+        )
 
 
 async def read_message(request: web.Request, schema: type[Schema]) -> Schema:
@@ -161,8 +175,12 @@ def upload_length(request: web.Request, limit: int) -> int:
     """Check a tensor upload's declared length against ``limit`` payload bytes (+ header) before
     reading any of it; chunked uploads are refused."""
     if request.content_length is None:
-        raise ApiError(411, "length_required", "a gradient upload must declare its Content-Length",
-                       "Send the body with a known length (the toolkit does); chunked uploads are refused.")
+        raise ApiError(
+            411,
+            "length_required",
+            "a gradient upload must declare its Content-Length",
+            "Send the body with a known length (the toolkit does); chunked uploads are refused.",
+        )
     if request.content_length > limit + MAX_HEADER + 8:
         raise ApiError(413, "body_too_large", f"a gradient is at most {limit + MAX_HEADER + 8} bytes")
     return request.content_length

@@ -32,13 +32,16 @@ def parse_repo(value: str, setting: str, *, pinned: bool) -> tuple[str, str | No
     parts = repo_id.split("/")
     if len(parts) != 2 or not all(parts) or (at and not revision) or (pinned and not revision):
         form = "'owner/name@revision'" if pinned else "'owner/name' or 'owner/name@revision'"
-        raise ConfigError(f"{setting} must be {form}, got {value!r}"
-                          + (" (pin a commit so every restart reads the same file)" if pinned else ""))
+        raise ConfigError(
+            f"{setting} must be {form}, got {value!r}"
+            + (" (pin a commit so every restart reads the same file)" if pinned else "")
+        )
     return repo_id, revision or None
 
 
-def download_hub_file(hub, value: str, filename: str, setting: str, *, pinned: bool = True,
-                      cache_dir: str | None = None) -> Path:
+def download_hub_file(
+    hub, value: str, filename: str, setting: str, *, pinned: bool = True, cache_dir: str | None = None
+) -> Path:
     """The local path of ``filename`` in the repo ``value`` (pinned to a revision unless
     ``pinned=False``); a ConfigError naming ``setting`` when the repo, revision or file is not there."""
     from huggingface_hub import hf_hub_download
@@ -46,12 +49,23 @@ def download_hub_file(hub, value: str, filename: str, setting: str, *, pinned: b
 
     repo_id, revision = parse_repo(value, setting, pinned=pinned)
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, repo_type="model",
-                                    endpoint=hub_endpoint(hub), token=hub_token(hub), cache_dir=cache_dir))
+        return Path(
+            hf_hub_download(
+                repo_id,
+                filename,
+                revision=revision,
+                repo_type="model",
+                endpoint=hub_endpoint(hub),
+                token=hub_token(hub),
+                cache_dir=cache_dir,
+            )
+        )
     except RevisionNotFoundError:
         raise ConfigError(f"{setting}: no revision {revision!r} in {repo_id}") from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"{setting}: repository {repo_id} not found (or private: export a token that can "
-                          f"read it in {hub.token_env}, see hub.token_env)") from None
+        raise ConfigError(
+            f"{setting}: repository {repo_id} not found (or private: export a token that can "
+            f"read it in {hub.token_env}, see hub.token_env)"
+        ) from None
     except EntryNotFoundError:
         raise ConfigError(f"{setting}: {repo_id}@{revision or 'main'} has no {filename}") from None

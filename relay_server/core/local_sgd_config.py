@@ -50,31 +50,54 @@ class LocalSgdSection:
     def outer_optimizer(self) -> OptimizerSection:
         """The relay's optimizer in this mode: SGD on the mean pseudo-gradient (global - local), so
         ``params -= outer_lr * pseudo_grad`` like any gradient step (the sign others got wrong)."""
-        return OptimizerSection(name="sgd", lr=self.outer_lr, momentum=self.outer_momentum,
-                                nesterov=self.nesterov and self.outer_momentum > 0, weight_decay=0.0)
+        return OptimizerSection(
+            name="sgd",
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.nesterov and self.outer_momentum > 0,
+            weight_decay=0.0,
+        )
 
     def run_info(self, inner: OptimizerSection, total_steps: int) -> dict[str, Any]:
         """What peers need to run the inner loop (``RunInfo.local_sgd``). The inner schedule counts
         inner steps: ``total_steps`` outer rounds are ``total_steps * inner_steps`` of them."""
-        return {"inner": {"name": inner.name, "lr": inner.lr, "betas": list(inner.betas), "eps": inner.eps,
-                          "weight_decay": inner.weight_decay, "momentum": inner.momentum,
-                          "clip_grad_norm": inner.clip_grad_norm, "schedule": inner.schedule,
-                          "warmup_steps": inner.warmup_steps, "total_steps": total_steps * self.inner_steps,
-                          "state_bits": inner.state_bits},
-                "inner_steps": self.inner_steps, "inner_seconds": self.inner_seconds, "overlap": self.overlap}
+        return {
+            "inner": {
+                "name": inner.name,
+                "lr": inner.lr,
+                "betas": list(inner.betas),
+                "eps": inner.eps,
+                "weight_decay": inner.weight_decay,
+                "momentum": inner.momentum,
+                "clip_grad_norm": inner.clip_grad_norm,
+                "schedule": inner.schedule,
+                "warmup_steps": inner.warmup_steps,
+                "total_steps": total_steps * self.inner_steps,
+                "state_bits": inner.state_bits,
+            },
+            "inner_steps": self.inner_steps,
+            "inner_seconds": self.inner_seconds,
+            "overlap": self.overlap,
+        }
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [
-            (self.inner_steps >= 0 and self.inner_seconds >= 0,
-             "local_sgd.inner_steps and local_sgd.inner_seconds must be >= 0"),
-            (self.inner_steps > 0 or self.inner_seconds > 0,
-             "local_sgd: set inner_steps (e.g. 30) or inner_seconds (e.g. 60), or both: the inner loop needs a budget"),
+            (
+                self.inner_steps >= 0 and self.inner_seconds >= 0,
+                "local_sgd.inner_steps and local_sgd.inner_seconds must be >= 0",
+            ),
+            (
+                self.inner_steps > 0 or self.inner_seconds > 0,
+                "local_sgd: set inner_steps (e.g. 30) or inner_seconds (e.g. 60), or both: the inner loop needs a budget",
+            ),
             (self.straggler_wait_s > 0, "local_sgd.straggler_wait_s must be > 0 (seconds)"),
             (self.outer_lr > 0, "local_sgd.outer_lr must be > 0 (DiLoCo uses 0.7)"),
             (0 <= self.outer_momentum < 1, "local_sgd.outer_momentum must be in [0, 1) (DiLoCo uses 0.9)"),
-            (not self.nesterov or self.outer_momentum > 0,
-             "local_sgd.nesterov = true needs local_sgd.outer_momentum > 0 (or set nesterov = false)"),
+            (
+                not self.nesterov or self.outer_momentum > 0,
+                "local_sgd.nesterov = true needs local_sgd.outer_momentum > 0 (or set nesterov = false)",
+            ),
         ]
 
 
@@ -82,18 +105,24 @@ def mode_checks(config: RelayConfig) -> Checks:
     """What ``run.mode = "local_sgd"`` does not support yet, each refused with what to do."""
     if config.run.mode != "local_sgd":
         return []
-    opt, not_yet = config.optimizer, "is not supported with run.mode = \"local_sgd\" yet"
+    opt, not_yet = config.optimizer, 'is not supported with run.mode = "local_sgd" yet'
     return [
         *config.local_sgd.checks(),
-        (config.run.max_staleness == 0,
-         "run.mode = \"local_sgd\" needs run.max_staleness = 0: a late pseudo-gradient is dropped, never applied "
-         "late (toolkit.optimizer.local_sgd says why; [local_sgd] overlap hides rounds instead)"),
-        (not config.pipeline.enabled, f"[pipeline] {not_yet}: set run.mode = \"sync\" or disable [pipeline]"),
-        (not config.moe.enabled, f"[moe] {not_yet}: set run.mode = \"sync\" or disable [moe]"),
-        (opt.name in ("adamw", "adam", "sgd"),
-         f"optimizer.name = {opt.name!r} as the inner optimizer {not_yet}: use adamw, adam or sgd"),
-        (config.local_sgd.inner_steps > 0 or (opt.schedule == "constant" and opt.warmup_steps == 0),
-         "an inner learning-rate schedule (optimizer.schedule, optimizer.warmup_steps) needs local_sgd.inner_steps "
-         "> 0: it counts outer round x inner_steps + the inner step (with only inner_seconds, set schedule = "
-         "\"constant\" and warmup_steps = 0)"),
+        (
+            config.run.max_staleness == 0,
+            'run.mode = "local_sgd" needs run.max_staleness = 0: a late pseudo-gradient is dropped, never applied '
+            "late (toolkit.optimizer.local_sgd says why; [local_sgd] overlap hides rounds instead)",
+        ),
+        (not config.pipeline.enabled, f'[pipeline] {not_yet}: set run.mode = "sync" or disable [pipeline]'),
+        (not config.moe.enabled, f'[moe] {not_yet}: set run.mode = "sync" or disable [moe]'),
+        (
+            opt.name in ("adamw", "adam", "sgd"),
+            f"optimizer.name = {opt.name!r} as the inner optimizer {not_yet}: use adamw, adam or sgd",
+        ),
+        (
+            config.local_sgd.inner_steps > 0 or (opt.schedule == "constant" and opt.warmup_steps == 0),
+            "an inner learning-rate schedule (optimizer.schedule, optimizer.warmup_steps) needs local_sgd.inner_steps "
+            "> 0: it counts outer round x inner_steps + the inner step (with only inner_seconds, set schedule = "
+            '"constant" and warmup_steps = 0)',
+        ),
     ]

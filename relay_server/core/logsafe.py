@@ -20,8 +20,10 @@ import logging
 import re
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\\\u2028\u2029]")
-_HEADER_SECRET = re.compile(r"(?i)\b(authorization|proxy-authorization|cookie|x-collab-pass|x-collab-signature"
-                            r"|x-collab-ticket)(\s*[:=]\s*)[^\r\n]*")
+_HEADER_SECRET = re.compile(
+    r"(?i)\b(authorization|proxy-authorization|cookie|x-collab-pass|x-collab-signature"
+    r"|x-collab-ticket)(\s*[:=]\s*)[^\r\n]*"
+)
 _TOKEN = re.compile(r"hf_[A-Za-z0-9]{4,}|(?i:bearer)\s+\S+|[A-Za-z0-9_\-+/=]{24,}")
 REDACTED = "<redacted>"
 

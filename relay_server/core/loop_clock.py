@@ -51,9 +51,16 @@ class StallReport:
         if not self.count or not final and self._logged_at is not None and now - self._logged_at < self.every_s:
             return
         span = "" if self._logged_at is None else f" in the last {now - self._logged_at:.0f} s"
-        log.warning("the relay's event loop stalled %d time%s%s (worst %.1f s, %.1f s in all); time during a stall "
-                    "counts toward no deadline and no peer's silence. Give the relay more CPU or a faster disk if "
-                    "this repeats", self.count, "" if self.count == 1 else "s", span, self.worst_s, self.total_s)
+        log.warning(
+            "the relay's event loop stalled %d time%s%s (worst %.1f s, %.1f s in all); time during a stall "
+            "counts toward no deadline and no peer's silence. Give the relay more CPU or a faster disk if "
+            "this repeats",
+            self.count,
+            "" if self.count == 1 else "s",
+            span,
+            self.worst_s,
+            self.total_s,
+        )
         self.count, self.worst_s, self.total_s = 0, 0.0, 0.0
         self._logged_at = now
 
@@ -65,8 +72,9 @@ class LoopClock:
     the loop, often (every 0.1 s). ``clock`` is the monotonic clock under it (tests pass the fake
     one)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, grace_s: float = GRACE_S,
-                 report: StallReport | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, grace_s: float = GRACE_S, report: StallReport | None = None
+    ) -> None:
         self._clock, self.grace_s = clock, grace_s
         self._beat_at = clock()  # under-clock time of the last beat
         self._at_beat = self._beat_at  # this clock's time then

@@ -19,14 +19,23 @@ from typing import Any
 from relay_server.core.typed import ConfigError
 from toolkit.errors import DataConfigError, ModelMismatch
 
-OBJECTIVE_ARCHITECTURE = {"masked-lm": "AutoModelForMaskedLM", "causal-lm": "AutoModelForCausalLM",
-                          "classification": "AutoModelForSequenceClassification"}
+OBJECTIVE_ARCHITECTURE = {
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+}
 """The ``AutoModel*`` class whose loss each objective's batches (their ``labels``) train."""
 VOCAB_SLACK = 128
 """Unused embedding rows allowed past the tokenizer (rounding a vocabulary up to a multiple of
 64 or 128 is common); beyond this and 10% of the tokenizer, the model is far larger than it."""
-_TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
-                    "decoder_start_token_id")
+_TOKEN_ID_FIELDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "decoder_start_token_id",
+)
 
 
 def vocabulary_fits(vocab_size: int, tokenizer_size: int) -> bool:
@@ -65,11 +74,15 @@ def _check_pipeline(config: Any) -> None:
     pipeline = config.pipeline
     stages = pipeline.num_stages()
     if stages is not None and stages > units.num_layers:
-        raise ConfigError(f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
-                          f"set pipeline.stages to {units.num_layers} or fewer")
+        raise ConfigError(
+            f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
+            f"set pipeline.stages to {units.num_layers} or fewer"
+        )
     if pipeline.layers_per_stage and sum(pipeline.layers_per_stage) != units.num_layers:
-        raise ConfigError(f"pipeline.layers_per_stage = {list(pipeline.layers_per_stage)} adds up to "
-                          f"{sum(pipeline.layers_per_stage)}, but the model has {units.num_layers} layers")
+        raise ConfigError(
+            f"pipeline.layers_per_stage = {list(pipeline.layers_per_stage)} adds up to "
+            f"{sum(pipeline.layers_per_stage)}, but the model has {units.num_layers} layers"
+        )
 
 
 def _check_own_model(model: Any) -> None:
@@ -129,15 +142,19 @@ def _transformers_config(model: Any) -> Any:
         import transformers
 
         fits = [a for a in architectures() if type(cfg) in getattr(getattr(transformers, a), "_model_mapping", {})]
-        raise ConfigError(f"model.architecture: {model.architecture} has no {cfg.model_type} model: use one of "
-                          f"{', '.join(fits) or 'no AutoModel class'} or another model_type")
+        raise ConfigError(
+            f"model.architecture: {model.architecture} has no {cfg.model_type} model: use one of "
+            f"{', '.join(fits) or 'no AutoModel class'} or another model_type"
+        )
     try:
         with torch.device("meta"):
             auto.from_config(cfg)
     except Exception as exc:  # transformers raises ValueError, AttributeError, AssertionError...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise ConfigError(f"model.config: {model.architecture} cannot build this {cfg.model_type} model: {first}. "
-                          "Fix that field of [model] config") from None
+        raise ConfigError(
+            f"model.config: {model.architecture} cannot build this {cfg.model_type} model: {first}. "
+            "Fix that field of [model] config"
+        ) from None
     return cfg
 
 
@@ -147,15 +164,19 @@ def _check_objective(config: Any, cfg: Any) -> None:
         return  # no objective (or a bad name: resolve_run_data's ObjectiveConfig says so)
     wanted = OBJECTIVE_ARCHITECTURE[objective]
     if config.model.architecture != wanted:
-        raise ConfigError(f"model.architecture: objective {objective!r} trains {wanted}'s loss, not "
-                          f"{config.model.architecture}'s: set model.architecture = \"{wanted}\" "
-                          f"(or objective.name to match the model)")
+        raise ConfigError(
+            f"model.architecture: objective {objective!r} trains {wanted}'s loss, not "
+            f'{config.model.architecture}\'s: set model.architecture = "{wanted}" '
+            f"(or objective.name to match the model)"
+        )
     seq_len = config.objective.get("seq_len", 128)
     positions = getattr(cfg, "max_position_embeddings", None)
     if isinstance(seq_len, int) and isinstance(positions, int) and seq_len > positions:
         name = getattr(cfg, "attribute_map", {}).get("max_position_embeddings", "max_position_embeddings")
-        raise ConfigError(f"objective.seq_len = {seq_len} exceeds model.config.{name} = {positions} (the positions "
-                          f"the model embeds): lower objective.seq_len to {positions} or raise {name}")
+        raise ConfigError(
+            f"objective.seq_len = {seq_len} exceeds model.config.{name} = {positions} (the positions "
+            f"the model embeds): lower objective.seq_len to {positions} or raise {name}"
+        )
     if objective == "classification":
         _check_labels(config, cfg)
 
@@ -165,13 +186,16 @@ def _check_labels(config: Any, cfg: Any) -> None:
     row's last token (transformers refuses a batch of two without it, on every peer)."""
     labels = config.model.config.get("id2label") or config.model.config.get("label2id")
     if "num_labels" in config.model.config and labels and len(labels) != cfg.num_labels:
-        raise ConfigError(f"model.config.num_labels = {cfg.num_labels} but model.config names {len(labels)} labels "
-                          f"(id2label/label2id): set num_labels = {len(labels)} or drop one of them")
+        raise ConfigError(
+            f"model.config.num_labels = {cfg.num_labels} but model.config names {len(labels)} labels "
+            f"(id2label/label2id): set num_labels = {len(labels)} or drop one of them"
+        )
     for label, shard in _label_extremes(config):
         if not 0 <= label < cfg.num_labels:
             fix = f"set model.config.num_labels = {label + 1}" if label >= 0 else "labels must be 0..num_labels-1"
-            raise ConfigError(f"model.config.num_labels = {cfg.num_labels}, but the dataset shard {shard} holds "
-                              f"label {label}: {fix}")
+            raise ConfigError(
+                f"model.config.num_labels = {cfg.num_labels}, but the dataset shard {shard} holds label {label}: {fix}"
+            )
 
 
 def _label_extremes(config: Any) -> Iterator[tuple[int, str]]:
@@ -223,8 +247,10 @@ def _check_token_ids(config: Any, cfg: Any, tokenizer: Any) -> None:
     for name in _TOKEN_ID_FIELDS:
         value = explicit.get(name)
         if vocab is not None and isinstance(value, int) and not 0 <= value < vocab:
-            raise ConfigError(f"model.config.{name} = {value} is not a token of the model's {vocab}-token "
-                              f"vocabulary: set it to the tokenizer's id for that token, or remove it")
+            raise ConfigError(
+                f"model.config.{name} = {value} is not a token of the model's {vocab}-token "
+                f"vocabulary: set it to the tokenizer's id for that token, or remove it"
+            )
     decoder_classifier = config.objective.get("name") == "classification" and _is_decoder(cfg)
     specials = None
     if tokenizer is not None:
@@ -232,24 +258,35 @@ def _check_token_ids(config: Any, cfg: Any, tokenizer: Any) -> None:
 
         specials = Specials.of(tokenizer)
     if decoder_classifier and cfg.pad_token_id is None:
-        hint = f" = {specials.pad} (the tokenizer's [PAD])" if specials and specials.pad is not None else \
-            " to the tokenizer's [PAD] id"
-        raise ConfigError("model.config.pad_token_id: a decoder classifier (model_type "
-                          f"{cfg.model_type}) finds each row's last token by it; set model.config.pad_token_id{hint}")
+        hint = (
+            f" = {specials.pad} (the tokenizer's [PAD])"
+            if specials and specials.pad is not None
+            else " to the tokenizer's [PAD] id"
+        )
+        raise ConfigError(
+            "model.config.pad_token_id: a decoder classifier (model_type "
+            f"{cfg.model_type}) finds each row's last token by it; set model.config.pad_token_id{hint}"
+        )
     if specials is None:
         return
     size = specials.vocab_size
     if vocab is not None and size > vocab:
-        raise ConfigError(f"model.config.vocab_size = {vocab} but the tokenizer has {size} tokens (ids past the "
-                          f"embedding): set model.config.vocab_size = {size}")
+        raise ConfigError(
+            f"model.config.vocab_size = {vocab} but the tokenizer has {size} tokens (ids past the "
+            f"embedding): set model.config.vocab_size = {size}"
+        )
     if vocab is not None and not vocabulary_fits(vocab, size):
         source = "" if "vocab_size" in explicit else f" ({cfg.model_type}'s default)"
-        raise ConfigError(f"model.config.vocab_size = {vocab}{source} but the tokenizer has {size} tokens: "
-                          f"{vocab - size} embedding rows would never train; set model.config.vocab_size = {size}")
+        raise ConfigError(
+            f"model.config.vocab_size = {vocab}{source} but the tokenizer has {size} tokens: "
+            f"{vocab - size} embedding rows would never train; set model.config.vocab_size = {size}"
+        )
     pad = cfg.pad_token_id if decoder_classifier else explicit.get("pad_token_id")
     if isinstance(pad, int) and specials.pad is not None and pad != specials.pad:
-        raise ConfigError(f"model.config.pad_token_id = {pad} but the tokenizer pads with id {specials.pad}: "
-                          f"set model.config.pad_token_id = {specials.pad}")
+        raise ConfigError(
+            f"model.config.pad_token_id = {pad} but the tokenizer pads with id {specials.pad}: "
+            f"set model.config.pad_token_id = {specials.pad}"
+        )
 
 
 def _is_decoder(cfg: Any) -> bool:
@@ -260,4 +297,6 @@ def _is_decoder(cfg: Any) -> bool:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    return cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and cfg.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return (
+        cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and cfg.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )

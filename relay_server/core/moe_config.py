@@ -69,8 +69,11 @@ class MoeSection:
     int8 (blockwise, about a quarter); the experts compute in float32 either way."""
 
     def uids(self) -> list[str]:
-        return [f"{self.uid_prefix}{layer}." + ".".join(map(str, coords))
-                for layer in range(self.layers) for coords in itertools.product(*(range(m) for m in self.grid))]
+        return [
+            f"{self.uid_prefix}{layer}." + ".".join(map(str, coords))
+            for layer in range(self.layers)
+            for coords in itertools.product(*(range(m) for m in self.grid))
+        ]
 
     def width(self) -> int:
         """Features in and out of every expert."""
@@ -82,29 +85,53 @@ class MoeSection:
         experts = self.layers * math.prod(self.grid) if self.grid else 0
         return [
             *self._model_checks(model),
-            (self.max_rows_per_call * self.width() * 4 * 2 + 4096 <= MAX_JSON_BODY,
-             f"moe.max_rows_per_call x moe.expert.d x 8 bytes must fit a {MAX_JSON_BODY}-byte request: "
-             "lower max_rows_per_call"),
-            (bool(re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.uid_prefix)),
-             "moe.uid_prefix must be 1-16 lowercase letters, digits or _ (starting with a letter)"),
-            (1 <= self.layers <= 64 and 1 <= len(self.grid) <= 3 and all(1 <= m <= 256 for m in self.grid),
-             "moe.layers must be 1..64 and moe.grid 1-3 dimensions of 1..256 experts"),
+            (
+                self.max_rows_per_call * self.width() * 4 * 2 + 4096 <= MAX_JSON_BODY,
+                f"moe.max_rows_per_call x moe.expert.d x 8 bytes must fit a {MAX_JSON_BODY}-byte request: "
+                "lower max_rows_per_call",
+            ),
+            (
+                bool(re.fullmatch(r"[a-z][a-z0-9_]{0,15}", self.uid_prefix)),
+                "moe.uid_prefix must be 1-16 lowercase letters, digits or _ (starting with a letter)",
+            ),
+            (
+                1 <= self.layers <= 64 and 1 <= len(self.grid) <= 3 and all(1 <= m <= 256 for m in self.grid),
+                "moe.layers must be 1..64 and moe.grid 1-3 dimensions of 1..256 experts",
+            ),
             (experts <= 100_000, f"moe: {experts} experts; at most 100000"),
             (1 <= self.k_min <= self.k <= 64, "moe needs 1 <= k_min <= k <= 64"),
             (self.expert.get("kind") in EXPERT_KINDS, f"moe.expert.kind must be one of {EXPERT_KINDS}"),
-            (isinstance(self.expert.get("d"), int) and 1 <= self.expert["d"] <= 65536
-             and isinstance(self.expert.get("hidden"), int) and 1 <= self.expert["hidden"] <= 262144,
-             "moe.expert needs integer d (1..65536) and hidden (1..262144)"),
-            (self.optimizer.get("name") in OPTIMIZERS and (self.optimizer["name"] == "none" or (
-                isinstance(self.optimizer.get("lr"), (int, float)) and self.optimizer["lr"] > 0)),
-             f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (none: experts are not trained)"),
-            (min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
-             "moe timeouts and checkpoint_every_s must be > 0"),
-            (self.codec in ("none", "float16", "int8"), f"moe.codec must be none, float16 or int8 (a dense codec: "
-             f"got {self.codec!r}; topk2-<K> is for run.compression only)"),
-            (self.keep_checkpoints >= 1 and self.max_queued_rows >= 1 and self.max_rows_per_call >= 1
-             and self.task_memory_mb >= 1, "moe.keep_checkpoints, max_queued_rows, max_rows_per_call and "
-             "task_memory_mb must be >= 1"),
+            (
+                isinstance(self.expert.get("d"), int)
+                and 1 <= self.expert["d"] <= 65536
+                and isinstance(self.expert.get("hidden"), int)
+                and 1 <= self.expert["hidden"] <= 262144,
+                "moe.expert needs integer d (1..65536) and hidden (1..262144)",
+            ),
+            (
+                self.optimizer.get("name") in OPTIMIZERS
+                and (
+                    self.optimizer["name"] == "none"
+                    or (isinstance(self.optimizer.get("lr"), (int, float)) and self.optimizer["lr"] > 0)
+                ),
+                f"moe.optimizer needs name in {OPTIMIZERS} and lr > 0 (none: experts are not trained)",
+            ),
+            (
+                min(self.forward_timeout_s, self.backward_timeout_s, self.checkpoint_every_s) > 0,
+                "moe timeouts and checkpoint_every_s must be > 0",
+            ),
+            (
+                self.codec in ("none", "float16", "int8"),
+                f"moe.codec must be none, float16 or int8 (a dense codec: "
+                f"got {self.codec!r}; topk2-<K> is for run.compression only)",
+            ),
+            (
+                self.keep_checkpoints >= 1
+                and self.max_queued_rows >= 1
+                and self.max_rows_per_call >= 1
+                and self.task_memory_mb >= 1,
+                "moe.keep_checkpoints, max_queued_rows, max_rows_per_call and task_memory_mb must be >= 1",
+            ),
         ]
 
     def _model_checks(self, model: Any) -> list[tuple[bool, str]]:
@@ -119,21 +146,40 @@ class MoeSection:
         if not self.enabled:
             return [(False, f"model.factory {name} needs [moe] enabled = true (its experts live on hosts)")]
         effective = {**_defaults(name), **model.kwargs}
-        expected = {"hidden": self.expert.get("d"), "expert_hidden": self.expert.get("hidden"),
-                    "layers": self.layers, "grid": list(self.grid), "k": self.k,
-                    "uid_prefix": self.uid_prefix, "expert_seed": self.seed}
-        wrong = [f"model.kwargs.{k} = {effective[k]!r}{'' if k in model.kwargs else ' (the default of ' + name + ')'} "
-                 f"but [moe] says {v!r}: set both to one value"
-                 for k, v in expected.items() if k in effective and _plain(effective[k]) != v]
+        expected = {
+            "hidden": self.expert.get("d"),
+            "expert_hidden": self.expert.get("hidden"),
+            "layers": self.layers,
+            "grid": list(self.grid),
+            "k": self.k,
+            "uid_prefix": self.uid_prefix,
+            "expert_seed": self.seed,
+        }
+        wrong = [
+            f"model.kwargs.{k} = {effective[k]!r}{'' if k in model.kwargs else ' (the default of ' + name + ')'} "
+            f"but [moe] says {v!r}: set both to one value"
+            for k, v in expected.items()
+            if k in effective and _plain(effective[k]) != v
+        ]
         return [(not wrong, "the model's mixture differs from [moe]: " + "; ".join(wrong))]
 
     def spec(self) -> MoeSpec:
         """What trainers and hosts need to know (``GET /api/moe/spec``)."""
-        return MoeSpec(uid_prefix=self.uid_prefix, layers=self.layers, grid=list(self.grid), k=self.k,
-                       k_min=self.k_min, expert=dict(self.expert), optimizer=dict(self.optimizer), seed=self.seed,
-                       forward_timeout_s=self.forward_timeout_s, backward_timeout_s=self.backward_timeout_s,
-                       checkpoint_every_s=self.checkpoint_every_s, max_rows_per_call=self.max_rows_per_call,
-                       codec=self.codec)
+        return MoeSpec(
+            uid_prefix=self.uid_prefix,
+            layers=self.layers,
+            grid=list(self.grid),
+            k=self.k,
+            k_min=self.k_min,
+            expert=dict(self.expert),
+            optimizer=dict(self.optimizer),
+            seed=self.seed,
+            forward_timeout_s=self.forward_timeout_s,
+            backward_timeout_s=self.backward_timeout_s,
+            checkpoint_every_s=self.checkpoint_every_s,
+            max_rows_per_call=self.max_rows_per_call,
+            codec=self.codec,
+        )
 
 
 DMOE_MODELS = ("DMoEMLP", "DMoEByteLM")
@@ -150,8 +196,11 @@ def _defaults(name: str) -> dict[str, Any]:
     cls = getattr(toolkit.models, name, None)
     if cls is None:
         return {}
-    return {p.name: p.default for p in inspect.signature(cls).parameters.values()
-            if p.default is not inspect.Parameter.empty}
+    return {
+        p.name: p.default
+        for p in inspect.signature(cls).parameters.values()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def _plain(value: Any) -> Any:

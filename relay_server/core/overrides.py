@@ -44,12 +44,18 @@ def apply_env(config: Any, env: Mapping[str, str]) -> None:
     sections = sorted({section.upper() for section, _, _ in known.values()})
     fields = {field.upper() for _, field, _ in known.values() if field}
     for variable in sorted(v for v in env if v.startswith(PREFIX) and v not in known):
-        rest = variable[len(PREFIX):]
+        rest = variable[len(PREFIX) :]
         head = rest.split("_")[0]
-        if (head in sections or difflib.get_close_matches(head, sections, n=1, cutoff=0.75) or rest in fields
-                or difflib.get_close_matches(variable, list(known), n=1, cutoff=0.85)):
-            raise ConfigError(f"environment variable {variable} names no setting{closest(variable, list(known))}: "
-                              "fix or unset it (overrides are RELAY_<SECTION>_<FIELD>, e.g. RELAY_RUN_TARGET_BATCH)")
+        if (
+            head in sections
+            or difflib.get_close_matches(head, sections, n=1, cutoff=0.75)
+            or rest in fields
+            or difflib.get_close_matches(variable, list(known), n=1, cutoff=0.85)
+        ):
+            raise ConfigError(
+                f"environment variable {variable} names no setting{closest(variable, list(known))}: "
+                "fix or unset it (overrides are RELAY_<SECTION>_<FIELD>, e.g. RELAY_RUN_TARGET_BATCH)"
+            )
     for variable in sorted(v for v in env if v in known):
         section, field, tp = known[variable]
         where = f"{section}.{field}" if field else section

@@ -69,30 +69,51 @@ class PipelineSection:
     def checks(self, target_batch: int, max_staleness: int, moe_enabled: bool) -> list[tuple[bool, str]]:
         if not self.enabled:
             return []
-        stages_ok = self.stages == "auto" or (isinstance(self.stages, int) and not isinstance(self.stages, bool)
-                                              and 2 <= self.stages <= 64)
+        stages_ok = self.stages == "auto" or (
+            isinstance(self.stages, int) and not isinstance(self.stages, bool) and 2 <= self.stages <= 64
+        )
         return [
             (stages_ok, f'pipeline.stages must be an integer 2..64 or "auto", got {self.stages!r}'),
-            (self.stages != "auto" or self.worker_memory_mb > 0,
-             'pipeline.stages = "auto" needs pipeline.worker_memory_mb (the memory every volunteer is expected to '
-             'have, in MiB)'),
-            (not self.layers_per_stage or (stages_ok and self.stages != "auto"
-                                           and len(self.layers_per_stage) == self.stages
-                                           and all(n >= 1 for n in self.layers_per_stage)),
-             "pipeline.layers_per_stage must list one count >= 1 per stage (and needs a fixed pipeline.stages)"),
-            (1 <= self.microbatch_size <= 4096 and 1 <= self.microbatches_per_batch <= 4096,
-             "pipeline.microbatch_size and pipeline.microbatches_per_batch must be 1..4096"),
-            (self.batch == target_batch,
-             f"pipeline.microbatch_size x pipeline.microbatches_per_batch = {self.batch}, but run.target_batch "
-             f"= {target_batch}: make them equal (a round counts exactly one batch per stage)"),
-            (max_staleness == 0, "pipeline runs need run.max_staleness = 0 (delayed parameter updates are not "
-             "supported yet): set run.max_staleness = 0"),
+            (
+                self.stages != "auto" or self.worker_memory_mb > 0,
+                'pipeline.stages = "auto" needs pipeline.worker_memory_mb (the memory every volunteer is expected to '
+                "have, in MiB)",
+            ),
+            (
+                not self.layers_per_stage
+                or (
+                    stages_ok
+                    and self.stages != "auto"
+                    and len(self.layers_per_stage) == self.stages
+                    and all(n >= 1 for n in self.layers_per_stage)
+                ),
+                "pipeline.layers_per_stage must list one count >= 1 per stage (and needs a fixed pipeline.stages)",
+            ),
+            (
+                1 <= self.microbatch_size <= 4096 and 1 <= self.microbatches_per_batch <= 4096,
+                "pipeline.microbatch_size and pipeline.microbatches_per_batch must be 1..4096",
+            ),
+            (
+                self.batch == target_batch,
+                f"pipeline.microbatch_size x pipeline.microbatches_per_batch = {self.batch}, but run.target_batch "
+                f"= {target_batch}: make them equal (a round counts exactly one batch per stage)",
+            ),
+            (
+                max_staleness == 0,
+                "pipeline runs need run.max_staleness = 0 (delayed parameter updates are not "
+                "supported yet): set run.max_staleness = 0",
+            ),
             (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
-            (self.boundary_codec in BOUNDARY_CODECS, f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS} "
-             f"(a dense codec: got {self.boundary_codec!r}; topk2-<K> is for run.compression only)"),
+            (
+                self.boundary_codec in BOUNDARY_CODECS,
+                f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS} "
+                f"(a dense codec: got {self.boundary_codec!r}; topk2-<K> is for run.compression only)",
+            ),
             (self.boundary_memory_mb >= 1, "pipeline.boundary_memory_mb must be >= 1"),
-            (self.initial_lease_s > 0 and self.lease_factor >= 1 and self.lease_floor_s > 0,
-             "pipeline.initial_lease_s and lease_floor_s must be > 0 and lease_factor >= 1"),
+            (
+                self.initial_lease_s > 0 and self.lease_factor >= 1 and self.lease_floor_s > 0,
+                "pipeline.initial_lease_s and lease_floor_s must be > 0 and lease_factor >= 1",
+            ),
             (self.dispatch in DISPATCH, f"pipeline.dispatch must be one of {DISPATCH}"),
             (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
         ]

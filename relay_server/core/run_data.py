@@ -71,11 +71,20 @@ def _read_tokenizer(config: Any, base: Path) -> bytes | None:
     try:
         objective = ObjectiveConfig.from_dict(config.objective)
         if data is None:
-            raise ConfigError(f"objective {objective.name!r} needs [tokenizer] file = \"tokenizer.json\" "
-                              "(relay-server tokenizer train --config run.toml writes one)")
+            raise ConfigError(
+                f'objective {objective.name!r} needs [tokenizer] file = "tokenizer.json" '
+                "(relay-server tokenizer train --config run.toml writes one)"
+            )
         tokenizer = load_tokenizer(data)
-        next(objective_batches(iter([("a b", 0)] if objective.name == "classification" else ["a b"]), tokenizer,
-                               objective, batch_size=1, seed=0))  # the special tokens it needs are there
+        next(
+            objective_batches(
+                iter([("a b", 0)] if objective.name == "classification" else ["a b"]),
+                tokenizer,
+                objective,
+                batch_size=1,
+                seed=0,
+            )
+        )  # the special tokens it needs are there
     except DataConfigError as exc:
         raise ConfigError(f"{exc.message}. {exc.hint}".strip()) from None
     return data  # the tokenizer against the model: relay_server.core.model_checks

@@ -46,12 +46,16 @@ class ServerSection:
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         url = self.public_params_url
-        return [(0 <= self.port <= 65535, "server.port must be in 0..65535 (0 = any free port)"),
-                (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1"),
-                (self.upload_memory_mb >= 0, "server.upload_memory_mb must be >= 0 (0: uploads wait on disk)"),
-                (not url or re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", url) is not None,
-                 f"server.public_params_url must be an http(s) URL without query or fragment, like "
-                 f"https://cache.example.org (got {url!r}); leave it empty to serve peers from the relay")]
+        return [
+            (0 <= self.port <= 65535, "server.port must be in 0..65535 (0 = any free port)"),
+            (self.keep_checkpoints >= 1, "server.keep_checkpoints must be >= 1"),
+            (self.upload_memory_mb >= 0, "server.upload_memory_mb must be >= 0 (0: uploads wait on disk)"),
+            (
+                not url or re.fullmatch(r"https?://[^/?#\s]+(/[^?#\s]*)?", url) is not None,
+                f"server.public_params_url must be an http(s) URL without query or fragment, like "
+                f"https://cache.example.org (got {url!r}); leave it empty to serve peers from the relay",
+            ),
+        ]
 
 
 @dataclass(kw_only=True)
@@ -82,11 +86,15 @@ class AuthSection:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [
             (self.mode in ("open", "hf"), "auth.mode must be 'open' or 'hf'"),
-            (self.mode != "hf" or bool(self.allow_users or self.allow_orgs or self.allow_any_hf_user),
-             "auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or auth.allow_any_hf_user = true "
-             "(or auth.mode = 'open' for a local experiment)"),
-            (all(name.strip() for name in self.allow_users + self.allow_orgs),
-             "auth.allow_users and auth.allow_orgs must not hold empty names"),
+            (
+                self.mode != "hf" or bool(self.allow_users or self.allow_orgs or self.allow_any_hf_user),
+                "auth.mode = 'hf' needs auth.allow_users, auth.allow_orgs or auth.allow_any_hf_user = true "
+                "(or auth.mode = 'open' for a local experiment)",
+            ),
+            (
+                all(name.strip() for name in self.allow_users + self.allow_orgs),
+                "auth.allow_users and auth.allow_orgs must not hold empty names",
+            ),
             (self.pass_ttl_s >= 60 and self.max_skew_s > 0, "auth.pass_ttl_s must be >= 60 and auth.max_skew_s > 0"),
         ]
 
@@ -144,8 +152,12 @@ class LimitsSection:
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         rates = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name.endswith(("_per_s", "_burst"))]
-        return [(all(r > 0 for r in rates),
-                 "every limits.*_per_s and limits.*_burst must be > 0 (limits.enabled = false turns them off)")]
+        return [
+            (
+                all(r > 0 for r in rates),
+                "every limits.*_per_s and limits.*_burst must be > 0 (limits.enabled = false turns them off)",
+            )
+        ]
 
 
 @dataclass(kw_only=True)
@@ -170,8 +182,12 @@ class WandbSection:
 
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
-        return [(self.mode in ("", "online", "offline", "disabled"),
-                 "wandb.mode must be online, offline, disabled or empty")]
+        return [
+            (
+                self.mode in ("", "online", "offline", "disabled"),
+                "wandb.mode must be online, offline, disabled or empty",
+            )
+        ]
 
 
 @dataclass(kw_only=True)
@@ -196,8 +212,10 @@ class HubSection:
         return [
             (self.every_steps >= 0, "hub.every_steps must be >= 0"),
             (not self.every_steps or bool(self.repo_id), "hub.every_steps needs hub.repo_id"),
-            (not self.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.init_from)),
-             "hub.init_from must be 'owner/name' or 'owner/name@revision'"),
+            (
+                not self.init_from or bool(re.fullmatch(r"[\w.-]+/[\w.-]+(@[^@\s]+)?", self.init_from)),
+                "hub.init_from must be 'owner/name' or 'owner/name@revision'",
+            ),
         ]
 
 
@@ -236,8 +254,10 @@ class AggregatorsSection:
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [
-            (self.ttl_s > self.heartbeat_interval_s > 0,
-             "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)"),
+            (
+                self.ttl_s > self.heartbeat_interval_s > 0,
+                "aggregators.ttl_s must exceed aggregators.heartbeat_interval_s (> 0)",
+            ),
             (self.default_bandwidth_mbps > 0, "aggregators.default_bandwidth_mbps must be > 0"),
             (self.state_copy_every >= 1, "aggregators.state_copy_every must be >= 1"),
             (self.params_copy_every >= 1, "aggregators.params_copy_every must be >= 1 (1 = after every step)"),

@@ -66,12 +66,16 @@ class RunSection:
             (0 <= self.max_staleness <= 8, "run.max_staleness must be in 0..8"),
             (self.precision in ("", "bf16", "fp16", "fp32"), "run.precision must be bf16, fp16, fp32 or empty"),
             (codec_error(self.compression) is None, f"run.compression: {codec_error(self.compression)}"),
-            (not self.download_compression or codec_error(self.download_compression) is None,
-             f"run.download_compression: {codec_error(self.download_compression or 'none')} (or leave it empty: "
-             "the same as run.compression)"),
+            (
+                not self.download_compression or codec_error(self.download_compression) is None,
+                f"run.download_compression: {codec_error(self.download_compression or 'none')} (or leave it empty: "
+                "the same as run.compression)",
+            ),
             (self.mode in ("sync", "local_sgd"), 'run.mode must be "sync" or "local_sgd"'),
-            (0.0 <= self.download_feedback <= 1.0,
-             "run.download_feedback must be in [0, 1] (1: exact error feedback; 0.5 for a sparse broadcast)"),
+            (
+                0.0 <= self.download_feedback <= 1.0,
+                "run.download_feedback must be in [0, 1] (1: exact error feedback; 0.5 for a sparse broadcast)",
+            ),
         ]
 
 
@@ -114,11 +118,15 @@ class ModelSection:
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [
-            (self.kind in ("toolkit", "transformers", "module"),
-             'model.kind must be "toolkit", "transformers" or "module"'),
-            (self.kind != "transformers" or bool(self.architecture and self.config),
-             'model.kind = "transformers" needs model.architecture (e.g. "AutoModelForMaskedLM") and '
-             "model.config (or model.config_file)"),
+            (
+                self.kind in ("toolkit", "transformers", "module"),
+                'model.kind must be "toolkit", "transformers" or "module"',
+            ),
+            (
+                self.kind != "transformers" or bool(self.architecture and self.config),
+                'model.kind = "transformers" needs model.architecture (e.g. "AutoModelForMaskedLM") and '
+                "model.config (or model.config_file)",
+            ),
         ]
 
 
@@ -163,16 +171,21 @@ class OptimizerSection:
         return [
             (self.name in ("adamw", "adam", "sgd", "lamb"), "optimizer.name must be adamw, adam, sgd or lamb"),
             (self.lr > 0, "optimizer.lr must be > 0"),
-            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-             f"optimizer.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {self.betas}"),
+            (
+                len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"optimizer.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {self.betas}",
+            ),
             (self.lamb_clamp >= 0, "optimizer.lamb_clamp must be >= 0 (0 = no clamp)"),
-            (self.schedule in SCHEDULES,
-             "optimizer.schedule must be constant, linear or cosine"),
+            (self.schedule in SCHEDULES, "optimizer.schedule must be constant, linear or cosine"),
             (self.state_bits in (8, 32), "optimizer.state_bits must be 8 or 32"),
-            (not self.nesterov or (self.name == "sgd" and self.momentum > 0),
-             "optimizer.nesterov = true needs optimizer.name = sgd and optimizer.momentum > 0"),
-            (self.state_bits == 32 or self.name == "adamw" or (self.name == "adam" and self.weight_decay == 0),
-             "optimizer.state_bits = 8 needs optimizer.name = adamw (8-bit Adam decays weights like AdamW)"),
+            (
+                not self.nesterov or (self.name == "sgd" and self.momentum > 0),
+                "optimizer.nesterov = true needs optimizer.name = sgd and optimizer.momentum > 0",
+            ),
+            (
+                self.state_bits == 32 or self.name == "adamw" or (self.name == "adam" and self.weight_decay == 0),
+                "optimizer.state_bits = 8 needs optimizer.name = adamw (8-bit Adam decays weights like AdamW)",
+            ),
         ]
 
 
@@ -213,13 +226,19 @@ class RoundsSection:
     def checks(self) -> Checks:
         """(holds, message) pairs for :meth:`RelayConfig.validate`."""
         return [
-            (0 < self.deadline_floor_s <= self.deadline_ceiling_s,
-             "rounds.deadline_floor_s must be > 0 and <= rounds.deadline_ceiling_s"),
+            (
+                0 < self.deadline_floor_s <= self.deadline_ceiling_s,
+                "rounds.deadline_floor_s must be > 0 and <= rounds.deadline_ceiling_s",
+            ),
             (self.peer_ttl_s > self.heartbeat_interval_s, "rounds.peer_ttl_s must exceed rounds.heartbeat_interval_s"),
             (self.open_round in ("reported", "projected"), "rounds.open_round must be reported or projected"),
             (self.aggregation in ("mean", "centered_clip"), "rounds.aggregation must be mean or centered_clip"),
-            (self.clip_iterations >= 1 and self.clip_tau >= 0 and self.clip_tau_scale > 0,
-             "rounds.clip_iterations must be >= 1, rounds.clip_tau >= 0 and rounds.clip_tau_scale > 0"),
-            (self.clip_max_weight_ratio == 0 or self.clip_max_weight_ratio >= 1,
-             "rounds.clip_max_weight_ratio must be 0 (no cap) or >= 1"),
+            (
+                self.clip_iterations >= 1 and self.clip_tau >= 0 and self.clip_tau_scale > 0,
+                "rounds.clip_iterations must be >= 1, rounds.clip_tau >= 0 and rounds.clip_tau_scale > 0",
+            ),
+            (
+                self.clip_max_weight_ratio == 0 or self.clip_max_weight_ratio >= 1,
+                "rounds.clip_max_weight_ratio must be 0 (no cap) or >= 1",
+            ),
         ]

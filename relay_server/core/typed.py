@@ -127,8 +127,15 @@ def _check_items(items: list[Any], origin: type, args: tuple, where: str) -> Any
 
 
 def _shown(value: Any) -> str:
-    kind = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
-            tuple: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+    kind = {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        tuple: "a list",
+        dict: "a table",
+    }.get(type(value), type(value).__name__)
     return f"{json.dumps(value) if isinstance(value, str) else repr(value)} ({kind})"
 
 
@@ -152,9 +159,11 @@ def env_syntax(tp: Any, variable: str) -> str:
 def parse_env(text: str, tp: Any, where: str, variable: str) -> Any:
     """The value of ``variable`` (a string, as the environment gives it) for the setting ``where``
     of type ``tp``, parsed as the module docstring states."""
+
     def refuse(why: str) -> ConfigError:
-        return ConfigError(f"{variable}={text!r} is not {describe(tp)} for {where} ({why}): "
-                           f"{env_syntax(tp, variable)}")
+        return ConfigError(
+            f"{variable}={text!r} is not {describe(tp)} for {where} ({why}): {env_syntax(tp, variable)}"
+        )
 
     origin, args = get_origin(tp), get_args(tp)
     stripped = text.strip()

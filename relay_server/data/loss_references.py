@@ -40,8 +40,11 @@ def loss_references(config: Any, tokenizer_json: bytes | None = None) -> list[Lo
     if (config.dataset.get("kind") or "demo_corpus") == "demo_corpus" and objective != "classification":
         targets = _demo_tokens(tokenizer) if objective else _demo_bytes()
         if targets is not None:
-            found.append(LossReference(name="unigram", value=unigram_entropy(targets),
-                                       label=f"unigram entropy of the demo text ({what})"))
+            found.append(
+                LossReference(
+                    name="unigram", value=unigram_entropy(targets), label=f"unigram entropy of the demo text ({what})"
+                )
+            )
     return found
 
 
@@ -83,5 +86,8 @@ def _demo_tokens(tokenizer: Any) -> list[int] | None:
         return None
     from toolkit.corpus import demo_paragraphs
 
-    return [i for encoding in tokenizer.encode_batch(list(demo_paragraphs()), add_special_tokens=False)
-            for i in encoding.ids]
+    return [
+        i
+        for encoding in tokenizer.encode_batch(list(demo_paragraphs()), add_special_tokens=False)
+        for i in encoding.ids
+    ]

@@ -79,8 +79,14 @@ class ShardPool:
     the lease log; :meth:`take_changes` hands both to the ledger, off the loop.
     """
 
-    def __init__(self, shards: Mapping[str, Sequence[str]], *, saved: Mapping[ShardKey, tuple[int, int, int | None]]
-                 | None = None, first_seq: int = 1, clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        shards: Mapping[str, Sequence[str]],
+        *,
+        saved: Mapping[ShardKey, tuple[int, int, int | None]] | None = None,
+        first_seq: int = 1,
+        clock: Any = time.time,
+    ) -> None:
         self.clock = clock
         self.sources: dict[str, list[ShardState]] = {}
         self._shards: dict[ShardKey, ShardState] = {}
@@ -122,11 +128,19 @@ class ShardPool:
         lease it already has (the first answer was lost), not a second one."""
         states = self.sources.get(source)
         if states is None:
-            raise ApiError(404, "unknown_source", f"the run has no dataset named {source[:64]!r}",
-                           f"Datasets of this run: {sorted(self.sources)}; the peer and relay configs disagree.")
+            raise ApiError(
+                404,
+                "unknown_source",
+                f"the run has no dataset named {source[:64]!r}",
+                f"Datasets of this run: {sorted(self.sources)}; the peer and relay configs disagree.",
+            )
         previous = self._granted.get(peer_id, {}).get(source)
-        if request_id and previous is not None and previous[0] == request_id and \
-                self._shards[previous[1]].holders[peer_id] > 0:
+        if (
+            request_id
+            and previous is not None
+            and previous[0] == request_id
+            and self._shards[previous[1]].holders[peer_id] > 0
+        ):
             return self._lease_info(self._shards[previous[1]])
         salt = _hash64(peer_id)
         best = min(states, key=lambda s: (s.leases, s.passes, s.samples, s.order ^ salt))
@@ -138,8 +152,9 @@ class ShardPool:
             log.info("dataset %r: every shard is leased; %s shared by %d leases", source, best.shard, best.leases)
         return self._lease_info(best)
 
-    def report(self, peer_id: str, updates: Sequence[ShardUpdate], request_id: str = "", *,
-               alive: bool = True) -> ShardReportAck:
+    def report(
+        self, peer_id: str, updates: Sequence[ShardUpdate], request_id: str = "", *, alive: bool = True
+    ) -> ShardReportAck:
         """Apply a peer's progress deltas and releases. A progress update on a shard the peer no
         longer holds (its lease expired, or the relay restarted) re-attaches the lease when the
         peer is ``alive``: it is evidently still reading that shard."""
@@ -168,8 +183,12 @@ class ShardPool:
                 self._log(state.source, state.shard, peer_id, "reclaim", state.leases)
             self._dirty.add((state.source, state.shard))
         if unknown:
-            log.warning("peer %s reported %d shard(s) the pool does not have, e.g. %s", peer_id[:8], len(unknown),
-                        unknown[0][:200])
+            log.warning(
+                "peer %s reported %d shard(s) the pool does not have, e.g. %s",
+                peer_id[:8],
+                len(unknown),
+                unknown[0][:200],
+            )
         return ShardReportAck(accepted=len(updates) - len(unknown), unknown=unknown[:16])
 
     def expire(self, live_peers: Collection[str]) -> list[ShardKey]:
@@ -203,8 +222,9 @@ class ShardPool:
             del self._held_by[peer_id]
 
     def _lease_info(self, state: ShardState) -> ShardLease:
-        return ShardLease(source=state.source, shard=state.shard, holders=state.leases, passes=state.passes,
-                          samples=state.samples)
+        return ShardLease(
+            source=state.source, shard=state.shard, holders=state.leases, passes=state.passes, samples=state.samples
+        )
 
     def _log(self, source: str, shard: str, peer_id: str, event: str, leases: int) -> None:
         self._events.append((self._seq, self.clock(), source, shard, peer_id, event, leases))
@@ -213,16 +233,29 @@ class ShardPool:
     # --- coverage --------------------------------------------------------------------------------
     def summary(self) -> list[SourceCoverage]:
         """Per dataset: shards, leased now, started, finished, epochs, rows trained (for /api/status)."""
-        return [SourceCoverage(source=source, shards=len(states), leased=sum(s.leases > 0 for s in states),
-                               started=sum(s.samples > 0 for s in states), finished=sum(s.passes > 0 for s in states),
-                               min_passes=min(s.passes for s in states), samples=sum(s.samples for s in states))
-                for source, states in self.sources.items()]
+        return [
+            SourceCoverage(
+                source=source,
+                shards=len(states),
+                leased=sum(s.leases > 0 for s in states),
+                started=sum(s.samples > 0 for s in states),
+                finished=sum(s.passes > 0 for s in states),
+                min_passes=min(s.passes for s in states),
+                samples=sum(s.samples for s in states),
+            )
+            for source, states in self.sources.items()
+        ]
 
     def coverage(self, source: str | None = None) -> ShardsReport:
         """The summary plus one line per shard (optionally of one dataset only)."""
-        shards = [ShardCoverage(source=s.source, shard=s.shard, samples=s.samples, passes=s.passes, rows=s.rows,
-                                holders=s.leases)
-                  for name, states in self.sources.items() if source in (None, name) for s in states]
+        shards = [
+            ShardCoverage(
+                source=s.source, shard=s.shard, samples=s.samples, passes=s.passes, rows=s.rows, holders=s.leases
+            )
+            for name, states in self.sources.items()
+            if source in (None, name)
+            for s in states
+        ]
         return ShardsReport(sources=[c for c in self.summary() if source in (None, c.source)], shards=shards)
 
     def held_by(self, peer_id: str) -> dict[ShardKey, int]:
@@ -231,8 +264,10 @@ class ShardPool:
     # --- persistence -----------------------------------------------------------------------------
     def take_changes(self) -> tuple[list[tuple], list[tuple]]:
         """(coverage rows of changed shards, new lease-log events) since the last call."""
-        rows = [(s.source, s.shard, s.samples, s.passes, s.rows, self.clock())
-                for s in (self._shards[k] for k in self._dirty)]
+        rows = [
+            (s.source, s.shard, s.samples, s.passes, s.rows, self.clock())
+            for s in (self._shards[k] for k in self._dirty)
+        ]
         events, self._events, self._dirty = self._events, [], set()
         return rows, events
 
@@ -273,8 +308,12 @@ class ShardLedger:
         self.db.executescript(_SCHEMA)
 
     def load(self) -> dict[ShardKey, tuple[int, int, int | None]]:
-        return {(src, shard): (samples, passes, rows) for src, shard, samples, passes, rows in
-                self.db.execute("SELECT source, shard, samples, passes, rows FROM shard_coverage")}
+        return {
+            (src, shard): (samples, passes, rows)
+            for src, shard, samples, passes, rows in self.db.execute(
+                "SELECT source, shard, samples, passes, rows FROM shard_coverage"
+            )
+        }
 
     def last_seq(self) -> int:
         return int(self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM shard_events").fetchone()[0])
@@ -288,7 +327,9 @@ class ShardLedger:
             self.db.executemany(
                 "INSERT INTO shard_coverage VALUES (?,?,?,?,?,?) ON CONFLICT(source, shard) DO UPDATE SET "
                 "samples = excluded.samples, passes = excluded.passes, rows = excluded.rows, "
-                "updated_at = excluded.updated_at", rows)
+                "updated_at = excluded.updated_at",
+                rows,
+            )
             self.db.executemany("INSERT OR IGNORE INTO shard_events VALUES (?,?,?,?,?,?,?)", events)
             self.db.execute("COMMIT")
         except BaseException:

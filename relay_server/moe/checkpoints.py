@@ -44,7 +44,7 @@ class CheckpointStore:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, folder / f"{number:010d}.safetensors")
-        for old in versions[:max(0, len(versions) + 1 - self.keep)]:
+        for old in versions[: max(0, len(versions) + 1 - self.keep)]:
             (folder / f"{old:010d}.safetensors").unlink(missing_ok=True)
         return number
 

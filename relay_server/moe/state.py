@@ -50,18 +50,31 @@ class Experts:
     ticker: asyncio.Task | None = None
 
     @classmethod
-    def create(cls, cfg: MoeSection, data_dir: Path, clock: Callable[[], float] = time.monotonic,
-               live_peers: Callable[[], Collection[str]] = frozenset) -> Experts:
+    def create(
+        cls,
+        cfg: MoeSection,
+        data_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+        live_peers: Callable[[], Collection[str]] = frozenset,
+    ) -> Experts:
         """The state of a run that starts (or restarts: no lease survives, hosts lease again).
         ``clock``: the relay's (:mod:`relay_server.core.loop_clock`), on which calls' deadlines count."""
         from toolkit.moe.experts import expert_shapes  # torch: only relays that run DMoE pay for it
 
-        return cls(config=cfg, directory=ExpertDirectory(cfg.uids()),
-                   broker=TaskBroker(PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
-                                     max_queued_rows=cfg.max_queued_rows, clock=clock),
-                   checkpoints=CheckpointStore(data_dir / CHECKPOINTS_DIR, cfg.keep_checkpoints),
-                   shapes=expert_shapes(cfg.expert), known=frozenset(cfg.uids()), codec=get_codec(cfg.codec),
-                   live_peers=live_peers)
+        return cls(
+            config=cfg,
+            directory=ExpertDirectory(cfg.uids()),
+            broker=TaskBroker(
+                PayloadStore(cfg.task_memory_mb << 20, data_dir / "tasks"),
+                max_queued_rows=cfg.max_queued_rows,
+                clock=clock,
+            ),
+            checkpoints=CheckpointStore(data_dir / CHECKPOINTS_DIR, cfg.keep_checkpoints),
+            shapes=expert_shapes(cfg.expert),
+            known=frozenset(cfg.uids()),
+            codec=get_codec(cfg.codec),
+            live_peers=live_peers,
+        )
 
     async def start(self) -> None:
         """Expire departed hosts every ``TICK_S`` until :meth:`stop`."""
@@ -86,18 +99,25 @@ class Experts:
     def summary(self) -> dict:
         window = [c for c in self.calls if time.monotonic() - c[0] <= RATE_WINDOW_S]
         failed = sum(1 for _, f in window if f)
-        return {"live": len(self.directory.live()), "total": len(self.directory.uids),
-                "calls_per_s": round(len(window) / RATE_WINDOW_S, 2),
-                "failure_rate": round(failed / len(window), 4) if window else 0.0,
-                "experts_per_host": self.directory.hosts(), "queued_rows": self.broker.summary()["queued"]}
+        return {
+            "live": len(self.directory.live()),
+            "total": len(self.directory.uids),
+            "calls_per_s": round(len(window) / RATE_WINDOW_S, 2),
+            "failure_rate": round(failed / len(window), 4) if window else 0.0,
+            "experts_per_host": self.directory.hosts(),
+            "queued_rows": self.broker.summary()["queued"],
+        }
 
     def expire(self, live_peers: Collection[str]) -> None:
         """Hosts that left the registry lose their leases; their experts' open calls fail at once
         (their parameters left with the host) and the next host that asks takes them over."""
         for host, orphans in self.directory.expire(live_peers).items():
-            failed = sum(self.broker.fail_key(uid, ApiError(410, "expert_gone", f"the host of {uid} left",
-                                                            "Treat it as a failed expert."))
-                         for uid in orphans)
+            failed = sum(
+                self.broker.fail_key(
+                    uid, ApiError(410, "expert_gone", f"the host of {uid} left", "Treat it as a failed expert.")
+                )
+                for uid in orphans
+            )
             self.broker.worker_left(host)
             log.info("expert host %s left: %d experts orphaned, %d calls failed", host[:16], len(orphans), failed)
         self.broker.tick()

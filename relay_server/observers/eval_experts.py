@@ -71,6 +71,11 @@ class RelayExperts:
 
     def backward(self, uid: str, x: torch.Tensor, grad_y: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
         future: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
-        future.set_exception(ExpertFailed("evaluation_only", "the evaluator's experts only score (no backward)",
-                                          "Train through the run's expert hosts."))
+        future.set_exception(
+            ExpertFailed(
+                "evaluation_only",
+                "the evaluator's experts only score (no backward)",
+                "Train through the run's expert hosts.",
+            )
+        )
         return future

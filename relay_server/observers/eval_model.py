@@ -60,8 +60,9 @@ def validation_batches(config: RelayConfig, tokenizer: Any) -> list[Batch]:
     section, objective = config.evaluation, objective_of(config)
     rows = validation_rows(config)
     if objective is not None:
-        stream: Iterator[Batch] = objective_batches(rows, tokenizer, objective, batch_size=section.batch_size,
-                                                    seed=section.seed)
+        stream: Iterator[Batch] = objective_batches(
+            rows, tokenizer, objective, batch_size=section.batch_size, seed=section.seed
+        )
     else:  # rows of seq_len + 1 bytes, grouped: pack() alone would drop a last partial batch
         windows = pack(map(byte_tokenize, rows), 1, byte_seq_len(config))
         stream = (torch.cat(group) for group in _groups(windows, section.batch_size))
@@ -75,8 +76,9 @@ def validation_batches(config: RelayConfig, tokenizer: Any) -> list[Batch]:
         if count >= section.samples:
             break
     if not out:
-        raise ConfigError(f"evaluation.data_files {section.data_files} gave no validation rows: point it at "
-                          "held-out text")
+        raise ConfigError(
+            f"evaluation.data_files {section.data_files} gave no validation rows: point it at held-out text"
+        )
     return out
 
 
@@ -162,14 +164,16 @@ class VersionScorer:
         if not self.objective:
             ids = list(prompt.encode("utf-8"))
             new = self._greedy(ids, lambda x: self.model(x), byte_seq_len(self.config), eos=None)
-            return EvalSample(prompt=prompt, kind="continuation", output=bytes(t for t in new if t < 256).decode("utf-8", "replace"))
+            return EvalSample(
+                prompt=prompt, kind="continuation", output=bytes(t for t in new if t < 256).decode("utf-8", "replace")
+            )
         specials = Specials.of(self.tokenizer)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         seq_len = objective_of(self.config).seq_len
         if self.objective == "causal-lm":
             new = self._greedy(ids, lambda x: self.model(input_ids=x).logits, seq_len, eos=specials.eos)
             return EvalSample(prompt=prompt, kind="continuation", output=self.tokenizer.decode(new))
-        row = torch.tensor([[specials.cls, *ids[:seq_len - 2], specials.sep]])
+        row = torch.tensor([[specials.cls, *ids[: seq_len - 2], specials.sep]])
         logits = self.model(input_ids=row, attention_mask=torch.ones_like(row)).logits[0]
         if self.objective == "classification":
             probs = logits.softmax(-1)
@@ -182,8 +186,13 @@ class VersionScorer:
         probs = logits[int(where[0])].softmax(-1)
         top = probs.topk(min(self.section.top_k, probs.numel()))
         tokens = [self.tokenizer.id_to_token(int(i)) or "?" for i in top.indices]
-        return EvalSample(prompt=prompt, kind="fill-mask", output=" ".join(tokens), tokens=tokens,
-                          scores=[float(v) for v in top.values])
+        return EvalSample(
+            prompt=prompt,
+            kind="fill-mask",
+            output=" ".join(tokens),
+            tokens=tokens,
+            scores=[float(v) for v in top.values],
+        )
 
     def _greedy(self, ids: list[int], forward: Any, window: int, eos: int | None) -> list[int]:
         context, new = list(ids) or [0], []

@@ -74,16 +74,25 @@ class Schedule:
     """Which published versions are due: ``every_steps`` after the last due one, or ``every_s``
     seconds after it, the first one, the run's last one, and any after a rollback."""
 
-    def __init__(self, every_steps: int, every_s: float, last_step: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        every_steps: int,
+        every_s: float,
+        last_step: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.every_steps, self.every_s, self.clock = every_steps, every_s, clock
         self.last: tuple[int, float] | None = None if last_step is None else (last_step, clock())
 
     def due(self, step: int, finished: bool = False) -> bool:
         now, last = self.clock(), self.last
-        due = last is None or finished or step < last[0] \
-            or (self.every_steps > 0 and step - last[0] >= self.every_steps) \
+        due = (
+            last is None
+            or finished
+            or step < last[0]
+            or (self.every_steps > 0 and step - last[0] >= self.every_steps)
             or (self.every_s > 0 and now - last[1] >= self.every_s)
+        )
         if due:
             self.last = (step, now)
         return due
@@ -99,8 +108,9 @@ class Evaluator:
         shutil.rmtree(self.pending_dir, ignore_errors=True)  # a crash's leftovers: versions nobody waits for
         self.listeners: list[Callable[[EvalRecord], None]] = []
         self.records: list[EvalRecord] = load_records(self.data_dir / RECORDS_FILE)
-        self.schedule = Schedule(self.section.every_steps, self.section.every_s,
-                                 last_step=self.records[-1].step if self.records else None)
+        self.schedule = Schedule(
+            self.section.every_steps, self.section.every_s, last_step=self.records[-1].step if self.records else None
+        )
         self._latest: tuple[int, Path] | None = None
         self._lock = threading.Condition()
         self._closing = False
@@ -131,8 +141,9 @@ class Evaluator:
     def _run(self) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no relay threads or sockets
         jobs, results = context.Queue(), context.Queue()
-        self.process = context.Process(target=worker_main, args=(self.config, jobs, results),
-                                       name="relay-evaluator", daemon=True)
+        self.process = context.Process(
+            target=worker_main, args=(self.config, jobs, results), name="relay-evaluator", daemon=True
+        )
         self.process.start()
         if not self._started(results):
             return
@@ -159,8 +170,10 @@ class Evaluator:
     def _started(self, results: Any) -> bool:
         answer = self._answer(results, START_TIMEOUT_S)
         if answer is None or answer[0] != "ready":
-            log.error("%s; fix [evaluation] (the run goes on without it)",
-                      answer[1] if answer else "the evaluator process did not start")
+            log.error(
+                "%s; fix [evaluation] (the run goes on without it)",
+                answer[1] if answer else "the evaluator process did not start",
+            )
             return False
         log.info("evaluator ready: %d validation batches, every %s", answer[1], self._every())
         return True
@@ -178,8 +191,10 @@ class Evaluator:
         return None
 
     def _every(self) -> str:
-        parts = [f"{self.section.every_steps} steps" if self.section.every_steps else "",
-                 f"{self.section.every_s:g} s" if self.section.every_s else ""]
+        parts = [
+            f"{self.section.every_steps} steps" if self.section.every_steps else "",
+            f"{self.section.every_s:g} s" if self.section.every_s else "",
+        ]
         return " or ".join(p for p in parts if p)
 
     def _record(self, record: EvalRecord) -> None:
@@ -187,9 +202,14 @@ class Evaluator:
             f.write(record.dumps().decode() + "\n")
         with self._lock:
             self.records = [r for r in self.records if r.step != record.step] + [record]
-            del self.records[:-STATUS_RECORDS * 5]
-        log.info("step %d: validation loss %.4f (%d targets, %.1fs)", record.step, record.loss, record.targets,
-                 record.duration_s)
+            del self.records[: -STATUS_RECORDS * 5]
+        log.info(
+            "step %d: validation loss %.4f (%d targets, %.1fs)",
+            record.step,
+            record.loss,
+            record.targets,
+            record.duration_s,
+        )
         for listener in self.listeners:
             try:
                 listener(record)
@@ -224,5 +244,4 @@ def load_records(path: Path) -> list[EvalRecord]:
         except Exception:
             continue
         records[record.step] = record
-    return sorted(records.values(), key=lambda r: r.step)[-STATUS_RECORDS * 5:]
-
+    return sorted(records.values(), key=lambda r: r.step)[-STATUS_RECORDS * 5 :]

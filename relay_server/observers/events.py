@@ -56,7 +56,9 @@ class ObserverThread:
         try:
             self._queue.put_nowait(event)
         except queue.Full:
-            log.warning("observers are %d steps behind; step %d not delivered to them", self._queue.qsize(), event.step)
+            log.warning(
+                "observers are %d steps behind; step %d not delivered to them", self._queue.qsize(), event.step
+            )
 
     def close(self, timeout_s: float = 30.0) -> None:
         if not self.observers:

@@ -39,8 +39,11 @@ class RunTokenizer:
 
     def token_ids(self) -> dict[str, int]:
         """``pad_token_id``, ``bos_token_id``... as the model config names them."""
-        return {f"{role}_id": self.tokenizer.token_to_id(token) for role, token in self.tokens.items()
-                if role != "unk_token"}
+        return {
+            f"{role}_id": self.tokenizer.token_to_id(token)
+            for role, token in self.tokens.items()
+            if role != "unk_token"
+        }
 
 
 def run_tokenizer(config: Any) -> RunTokenizer | None:
@@ -59,9 +62,15 @@ def run_tokenizer(config: Any) -> RunTokenizer | None:
         return next((i for name in names if (i := tok.token_to_id(name)) is not None), None)
 
     bos = find(_BOS)
-    roles = {"pad": specials.pad, "unk": find(_UNK), "cls": specials.cls, "sep": specials.sep,
-             "mask": specials.mask, "eos": specials.eos,
-             "bos": bos if bos is not None else (specials.eos if causal else specials.cls)}
+    roles = {
+        "pad": specials.pad,
+        "unk": find(_UNK),
+        "cls": specials.cls,
+        "sep": specials.sep,
+        "mask": specials.mask,
+        "eos": specials.eos,
+        "bos": bos if bos is not None else (specials.eos if causal else specials.cls),
+    }
     if causal:
         roles["pad"] = specials.pad if specials.pad is not None else specials.eos  # as the collator pads
         if tok.post_processor is not None and tok.post_processor.num_special_tokens_to_add(False):
@@ -75,8 +84,12 @@ def write_tokenizer(run: RunTokenizer, out_dir: Path) -> list[Path]:
     """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` in ``out_dir``."""
     files = [out_dir / name for name in TOKENIZER_FILES]
     run.tokenizer.save(str(files[0]))
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **run.tokens,
-                "padding_side": "left" if run.causal else "right", "clean_up_tokenization_spaces": False}
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **run.tokens,
+        "padding_side": "left" if run.causal else "right",
+        "clean_up_tokenization_spaces": False,
+    }
     if run.max_length:
         settings["model_max_length"] = run.max_length
     files[1].write_text(json.dumps(settings, indent=1) + "\n")

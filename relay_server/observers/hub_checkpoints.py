@@ -79,9 +79,11 @@ class HubCheckpointer:
         self.config, self.hub = config, config.hub
         token = hub_token(self.hub)
         if token is None:
-            raise ConfigError(f"hub.repo_id is set but the environment variable {self.hub.token_env} "
-                              f"(hub.token_env) is empty: export a Hugging Face write token in it, "
-                              "or clear hub.repo_id to run without Hub checkpoints")
+            raise ConfigError(
+                f"hub.repo_id is set but the environment variable {self.hub.token_env} "
+                f"(hub.token_env) is empty: export a Hugging Face write token in it, "
+                "or clear hub.repo_id to run without Hub checkpoints"
+            )
         self.api = HfApi(endpoint=hub_endpoint(self.hub), token=token)
         self.names = parameter_names(config)
         self.staging = Path(config.server.data_dir) / "hub-staging"
@@ -104,8 +106,12 @@ class HubCheckpointer:
             return
         with self._cond:
             if self._waiting is not None and self._waiting.path != staged.path:
-                log.warning("Hub upload of step %d skipped: step %d is ready and uploads are slower than "
-                            "hub.every_steps = %d", self._waiting.step, staged.step, self.hub.every_steps)
+                log.warning(
+                    "Hub upload of step %d skipped: step %d is ready and uploads are slower than hub.every_steps = %d",
+                    self._waiting.step,
+                    staged.step,
+                    self.hub.every_steps,
+                )
                 self._waiting.path.unlink(missing_ok=True)
             self._waiting = staged
             self._cond.notify()
@@ -120,8 +126,9 @@ class HubCheckpointer:
             self._cond.notify()
         self._thread.join(CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
-            log.warning("Hub upload still running after %.0fs at shutdown; the last checkpoint may be missing",
-                        CLOSE_TIMEOUT_S)
+            log.warning(
+                "Hub upload still running after %.0fs at shutdown; the last checkpoint may be missing", CLOSE_TIMEOUT_S
+            )
 
     def _stage(self, event: StepEvent) -> _Staged | None:
         if event.state_path is None:
@@ -139,21 +146,32 @@ class HubCheckpointer:
                 log.warning("step %d was pruned before its Hub upload (raise server.keep_checkpoints)", event.step)
                 return None
         status, record = event.status, event.record
-        info = {"format": "collabtrain-checkpoint/1", "run_name": status.run_name, "step": event.step,
-                "loss": record.loss, "samples": record.samples, "contributors": record.contributors,
-                "finalized_at": record.finalized_at,
-                "model": self.config.model.spec().to_json(),
-                "config": status.config.to_json() if status.config else None,
-                "files": {MODEL_FILE: "parameters by name", STATE_FILE: "relay state: flat params + optimizer"}}
+        info = {
+            "format": "collabtrain-checkpoint/1",
+            "run_name": status.run_name,
+            "step": event.step,
+            "loss": record.loss,
+            "samples": record.samples,
+            "contributors": record.contributors,
+            "finalized_at": record.finalized_at,
+            "model": self.config.model.spec().to_json(),
+            "config": status.config.to_json() if status.config else None,
+            "files": {MODEL_FILE: "parameters by name", STATE_FILE: "relay state: flat params + optimizer"},
+        }
         return _Staged(event.step, target, info)
 
     def _run(self) -> None:
         try:  # at startup, so a token without write access shows in the log before the first step
             self._ensure_repo()
         except Exception as exc:
-            log.error("Hub repo %s is not usable: %s: %s. Check hub.repo_id and that the token in $%s "
-                      "(hub.token_env) may write there; uploads will retry", self.hub.repo_id,
-                      type(exc).__name__, _first_line(exc), self.hub.token_env)
+            log.error(
+                "Hub repo %s is not usable: %s: %s. Check hub.repo_id and that the token in $%s "
+                "(hub.token_env) may write there; uploads will retry",
+                self.hub.repo_id,
+                type(exc).__name__,
+                _first_line(exc),
+                self.hub.token_env,
+            )
         while True:
             with self._cond:
                 while self._waiting is None and not self._closing:
@@ -164,8 +182,13 @@ class HubCheckpointer:
             try:
                 self._upload(staged)
             except Exception as exc:  # the run goes on; the next checkpoint tries again
-                log.error("Hub upload of step %d to %s failed: %s: %s", staged.step, self.hub.repo_id,
-                          type(exc).__name__, _first_line(exc))
+                log.error(
+                    "Hub upload of step %d to %s failed: %s: %s",
+                    staged.step,
+                    self.hub.repo_id,
+                    type(exc).__name__,
+                    _first_line(exc),
+                )
             finally:
                 staged.path.unlink(missing_ok=True)
 
@@ -193,8 +216,11 @@ class HubCheckpointer:
             ]
             loss = info["loss"]
             commit = self.api.create_commit(
-                self.hub.repo_id, operations, repo_type="model",
-                commit_message=f"step {staged.step}" + (f": loss {loss:.4f}" if loss is not None else ""))
+                self.hub.repo_id,
+                operations,
+                repo_type="model",
+                commit_message=f"step {staged.step}" + (f": loss {loss:.4f}" if loss is not None else ""),
+            )
         self.uploaded.append((staged.step, commit.oid))
         log.info("checkpoint of step %d uploaded to %s (commit %s)", staged.step, self.hub.repo_id, commit.oid[:8])
 
@@ -208,10 +234,10 @@ tags:
 - collabtrain
 - collaborative-training
 ---
-# {info['run_name']}
+# {info["run_name"]}
 
-Checkpoint of a collaborative training run (collabtrain): step {info['step']}, loss {loss},
-{info['samples']} samples from {info['contributors']} peer(s) in the last round.
+Checkpoint of a collaborative training run (collabtrain): step {info["step"]}, loss {loss},
+{info["samples"]} samples from {info["contributors"]} peer(s) in the last round.
 {_validation_line(info.get("validation"))}
 - `model.safetensors`: parameters by name, for the model `{json.dumps(model)}`
 - `relay-state.safetensors`: the relay's full state (flat parameters and optimizer state)
@@ -232,18 +258,20 @@ def _validation_line(validation: dict | None) -> str:
         parts.append(f"perplexity {validation['perplexity']:.2f}")
     if validation.get("accuracy") is not None:
         parts.append(f"accuracy {100 * validation['accuracy']:.1f}%")
-    return (f"\nLatest validation (held-out data, version {validation['step']}, {validation['targets']} targets): "
-            f"{', '.join(parts)}.\n")
+    return (
+        f"\nLatest validation (held-out data, version {validation['step']}, {validation['targets']} targets): "
+        f"{', '.join(parts)}.\n"
+    )
 
 
 def _load_snippet(model: dict, repo_id: str) -> str:
     """How to load this checkpoint: one line for a transformers run (its tokenizer travels with it)."""
     if model.get("kind") == "transformers":
         return f"""```python
-from transformers import AutoTokenizer, {model['architecture']}
+from transformers import AutoTokenizer, {model["architecture"]}
 
 tokenizer = AutoTokenizer.from_pretrained("{repo_id}", revision="<commit>")
-model = {model['architecture']}.from_pretrained("{repo_id}", revision="<commit>")
+model = {model["architecture"]}.from_pretrained("{repo_id}", revision="<commit>")
 ```"""
     return f"""```python
 from safetensors.torch import load_file
@@ -269,8 +297,14 @@ def load_hub_checkpoint(config: RelayConfig, *, cache_dir: str | Path | None = N
     repo_id, revision = parse_init_from(config.hub.init_from)
     where = f"{repo_id}@{revision or 'main'} on {hub_endpoint(config.hub)}"
     with tempfile.TemporaryDirectory(prefix="collab-hub-") as tmp:
-        path = download_hub_file(config.hub, config.hub.init_from, MODEL_FILE, "hub.init_from", pinned=False,
-                                 cache_dir=str(cache_dir or tmp))
+        path = download_hub_file(
+            config.hub,
+            config.hub.init_from,
+            MODEL_FILE,
+            "hub.init_from",
+            pinned=False,
+            cache_dir=str(cache_dir or tmp),
+        )
         tensors = load_file(path)
     log.info("initial parameters from %s (%d tensors)", where, len(tensors))
     return tensors
@@ -291,9 +325,11 @@ def init_model_from_hub(model: torch.nn.Module, config: RelayConfig) -> None:
     unexpected = sorted(set(tensors) - set(params))
     wrong = sorted(n for n in set(params) & set(tensors) if tensors[n].shape != params[n].shape)
     if missing or unexpected or wrong:
-        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
-                          f"{config.model.label()}: "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+        raise ConfigError(
+            f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
+            f"{config.model.label()}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])
@@ -309,10 +345,15 @@ def _through_from_pretrained(tensors: dict[str, torch.Tensor], config: RelayConf
         auto = getattr(transformers, config.model.architecture)
         loaded, info = auto.from_pretrained(tmp, output_loading_info=True)
     if info["missing_keys"] or info["mismatched_keys"]:
-        raise ConfigError(f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
-                          f"{config.model.label()}: missing {sorted(info['missing_keys'])[:5]}, wrong shape "
-                          f"{[k[0] if isinstance(k, tuple) else k for k in info['mismatched_keys']][:5]}")
+        raise ConfigError(
+            f"hub.init_from = {config.hub.init_from!r} does not fit the run's model "
+            f"{config.model.label()}: missing {sorted(info['missing_keys'])[:5]}, wrong shape "
+            f"{[k[0] if isinstance(k, tuple) else k for k in info['mismatched_keys']][:5]}"
+        )
     if info["unexpected_keys"]:
-        log.warning("hub.init_from: %d tensors the run's model does not use (e.g. %s)",
-                    len(info["unexpected_keys"]), sorted(info["unexpected_keys"])[:3])
+        log.warning(
+            "hub.init_from: %d tensors the run's model does not use (e.g. %s)",
+            len(info["unexpected_keys"]),
+            sorted(info["unexpected_keys"])[:3],
+        )
     return {name: p.detach() for name, p in loaded.named_parameters()}

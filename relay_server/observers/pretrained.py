@@ -47,8 +47,9 @@ def config_json(config: RelayConfig, tokenizer: RunTokenizer | None = None) -> s
     return cfg.to_json_string()
 
 
-def write_pretrained(config: RelayConfig, tensors: dict[str, torch.Tensor], out_dir: Path,
-                     metadata: dict[str, str] | None = None) -> list[Path]:
+def write_pretrained(
+    config: RelayConfig, tensors: dict[str, torch.Tensor], out_dir: Path, metadata: dict[str, str] | None = None
+) -> list[Path]:
     """Write the folder; returns the files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / MODEL_FILE]
@@ -89,7 +90,7 @@ def unflatten(flat: torch.Tensor, names: list[tuple[str, torch.Size]]) -> dict[s
         raise ValueError(f"checkpoint holds {flat.numel()} parameters, the model has {total}")
     out, offset = {}, 0
     for name, shape in names:
-        out[name] = flat[offset:offset + shape.numel()].reshape(shape).clone()
+        out[name] = flat[offset : offset + shape.numel()].reshape(shape).clone()
         offset += shape.numel()
     return out
 
@@ -106,15 +107,18 @@ def _master_of(state: Any) -> torch.Tensor:
     return state.get_tensor("master" if "master" in state.keys() else "params")
 
 
-def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None, *,
-                   config_source: str = "the config") -> int:
+def export_version(
+    config: RelayConfig, data_dir: Path, out_dir: Path, step: int | None = None, *, config_source: str = "the config"
+) -> int:
     """Write version ``step`` (default: the latest) of the relay state in ``data_dir`` as a
     loadable folder; returns the step written. A ``config`` of another run than the one in
     ``data_dir`` (``config_source`` says where it came from) is refused before anything is written."""
     try:  # a read-only snapshot: the relay may be running (Store.reader says why it is consistent)
         store = Store.reader(data_dir)
     except FileNotFoundError:
-        raise ConfigError(f"{data_dir} holds no version yet: point --data-dir at the relay's server.data_dir") from None
+        raise ConfigError(
+            f"{data_dir} holds no version yet: point --data-dir at the relay's server.data_dir"
+        ) from None
     try:
         step = store.latest_step() if step is None else step
         if step is None:
@@ -131,8 +135,10 @@ def export_version(config: RelayConfig, data_dir: Path, out_dir: Path, step: int
     names = parameter_names(config)
     expected = sum(shape.numel() for _, shape in names)
     if flat.numel() != expected:
-        raise ConfigError(f"{data_dir} holds run {run!r} ({flat.numel()} parameters), but {config_source} is run "
-                          f"{config.run.name!r} ({expected} parameters, model {config.model.label()}): pass "
-                          f"--config with the TOML that `relay-server serve` ran {run!r} with")
+        raise ConfigError(
+            f"{data_dir} holds run {run!r} ({flat.numel()} parameters), but {config_source} is run "
+            f"{config.run.name!r} ({expected} parameters, model {config.model.label()}): pass "
+            f"--config with the TOML that `relay-server serve` ran {run!r} with"
+        )
     write_pretrained(config, unflatten(flat, names), out_dir, {"step": str(step)})
     return step

@@ -99,8 +99,9 @@ class WandbObserver:
         try:
             import wandb  # noqa: F401  (fail here, with the fix, rather than on the helper thread)
         except ImportError:
-            raise ConfigError("wandb.project is set but the wandb package is missing: pip install wandb, "
-                              "or clear wandb.project") from None
+            raise ConfigError(
+                "wandb.project is set but the wandb package is missing: pip install wandb, or clear wandb.project"
+            ) from None
         self.config = config
         self.data_dir = Path(config.server.data_dir)
         self.run: Any = None  # wandb.Run once started
@@ -126,20 +127,33 @@ class WandbObserver:
         section = self.config.wandb
         try:
             run = wandb.init(
-                project=section.project, entity=section.entity or None, mode=section.mode or None,
-                name=self.config.run.name, id=self._run_id(), resume="allow", job_type="relay",
+                project=section.project,
+                entity=section.entity or None,
+                mode=section.mode or None,
+                name=self.config.run.name,
+                id=self._run_id(),
+                resume="allow",
+                job_type="relay",
                 # W&B's files go with the rest of the run's state unless WANDB_DIR says otherwise
                 dir=None if os.environ.get("WANDB_DIR") else str(self.data_dir),
-                config={"run_name": self.config.run.name, "total_steps": self.config.run.total_steps,
-                        "model_kwargs": dict(self.config.model.kwargs)},
-                settings=wandb.Settings(console="off", reinit="create_new"))
+                config={
+                    "run_name": self.config.run.name,
+                    "total_steps": self.config.run.total_steps,
+                    "model_kwargs": dict(self.config.model.kwargs),
+                },
+                settings=wandb.Settings(console="off", reinit="create_new"),
+            )
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
             self.run = run
             log.info("W&B run %s (%s) logging to project %s", run.name, run.id, section.project)
         except Exception as exc:
-            log.error("W&B logging is off: %s: %s. Check wandb.project/wandb.entity, and WANDB_API_KEY in the "
-                      "relay's environment (or set wandb.mode = \"offline\")", type(exc).__name__, exc)
+            log.error(
+                "W&B logging is off: %s: %s. Check wandb.project/wandb.entity, and WANDB_API_KEY in the "
+                'relay\'s environment (or set wandb.mode = "offline")',
+                type(exc).__name__,
+                exc,
+            )
         finally:
             self._ready.set()
 
@@ -156,8 +170,10 @@ class WandbObserver:
         if record.samples:
             import wandb
 
-            row["eval/samples"] = wandb.Table(columns=["step", "prompt", "kind", "output"],
-                                              data=[[record.step, s.prompt, s.kind, s.output] for s in record.samples])
+            row["eval/samples"] = wandb.Table(
+                columns=["step", "prompt", "kind", "output"],
+                data=[[record.step, s.prompt, s.kind, s.output] for s in record.samples],
+            )
         self._add({}, row)
 
     def _add(self, summary: dict[str, Any], row: dict[str, Any]) -> None:
@@ -180,8 +196,9 @@ class WandbObserver:
 
     def close(self) -> None:
         if not self._ready.wait(INIT_TIMEOUT_S):
-            log.warning("wandb.init did not finish within %.0fs; %d step(s) not logged", INIT_TIMEOUT_S,
-                        len(self._backlog))
+            log.warning(
+                "wandb.init did not finish within %.0fs; %d step(s) not logged", INIT_TIMEOUT_S, len(self._backlog)
+            )
             return
         with self._lock:
             self._flush()

@@ -55,7 +55,6 @@ class OpenRound:
     """worker -> tickets issued to it in this round (its next contributor id's serial)."""
 
 
-
 @dataclass(frozen=True)
 class RoundDeps:
     """What a pipeline round works through, each owned elsewhere."""
@@ -105,10 +104,19 @@ class PipelineRounds:
         ledger = self.deps.ledger()
         self.opened.set()
         self.opened = asyncio.Event()
-        self.round = OpenRound(step=self.deps.owners.step, round_id=secrets.token_hex(8), opened_at=self.deps.clock(),
-                               tickets={}, issued={})
-        log.info("pipeline batch %d complete (%d micro-batches): round %d open", ledger.batch, self.deps.microbatches_per_batch,
-                 self.round.step)
+        self.round = OpenRound(
+            step=self.deps.owners.step,
+            round_id=secrets.token_hex(8),
+            opened_at=self.deps.clock(),
+            tickets={},
+            issued={},
+        )
+        log.info(
+            "pipeline batch %d complete (%d micro-batches): round %d open",
+            ledger.batch,
+            self.deps.microbatches_per_batch,
+            self.round.step,
+        )
 
     def call(self, worker: str) -> PipelineRoundCall | None:
         r = self.round
@@ -118,33 +126,54 @@ class PipelineRounds:
         for stage, ms in self.deps.ledger().owned(worker).items():
             todo = [m for m in ms if (stage, m) not in ticketed]
             if todo:
-                return PipelineRoundCall(step=r.step, round_id=r.round_id, stage=stage, microbatches=sorted(todo),
-                                         contributor=_contributor(worker, r.issued.get(worker, 0)))
+                return PipelineRoundCall(
+                    step=r.step,
+                    round_id=r.round_id,
+                    stage=stage,
+                    microbatches=sorted(todo),
+                    contributor=_contributor(worker, r.issued.get(worker, 0)),
+                )
         return None
 
     def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
         r = self.round
         if r is None or r.step != step or r.round_id != req.round_id:
-            raise ApiError(409, "round_closed", f"no pipeline round {step} ({req.round_id}) is open",
-                           "Drop this gradient; take the next task.")
+            raise ApiError(
+                409,
+                "round_closed",
+                f"no pipeline round {step} ({req.round_id}) is open",
+                "Drop this gradient; take the next task.",
+            )
         call = self.call(worker)
         self.deps.seen(worker)
         if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
             if self.recompute(worker):
                 self.deps.strike(worker)  # its gradients are recomputed by others while any serve its stage
-            raise ApiError(409, "wrong_microbatches", f"the relay expected micro-batches "
-                           f"{call.microbatches if call else []} of stage {call.stage if call else req.stage}, "
-                           f"the ticket asks for {sorted(req.microbatches)}",
-                           "Drop this gradient (its micro-batches are being recomputed) and take the next task.")
+            raise ApiError(
+                409,
+                "wrong_microbatches",
+                f"the relay expected micro-batches "
+                f"{call.microbatches if call else []} of stage {call.stage if call else req.stage}, "
+                f"the ticket asks for {sorted(req.microbatches)}",
+                "Drop this gradient (its micro-batches are being recomputed) and take the next task.",
+            )
         contributor = _contributor(worker, r.issued.get(worker, 0))
         r.issued[worker] = r.issued.get(worker, 0) + 1
         r.tickets[contributor] = (worker, req.stage, list(call.microbatches))
         start, end = self.deps.owners.cuts[req.stage]
-        return sign_ticket(Ticket(round_id=r.round_id, step=step, peer_id=contributor,
-                                  samples=len(call.microbatches) * self.deps.microbatch_size, version=step,
-                                  plan_version=PLAN_VERSION, expires_at=time.time() + 3600.0,
-                                  slices=[SliceDigest(start=start, end=end, header_sha256=req.header_sha256)]),
-                           self.deps.ticket_key)
+        return sign_ticket(
+            Ticket(
+                round_id=r.round_id,
+                step=step,
+                peer_id=contributor,
+                samples=len(call.microbatches) * self.deps.microbatch_size,
+                version=step,
+                plan_version=PLAN_VERSION,
+                expires_at=time.time() + 3600.0,
+                slices=[SliceDigest(start=start, end=end, header_sha256=req.header_sha256)],
+            ),
+            self.deps.ticket_key,
+        )
 
     def check_delivered(self) -> None:
         """Count what every stage's parameter server committed; close the round when all is in."""
@@ -167,8 +196,11 @@ class PipelineRounds:
         task = self.finalize_task
         if self.finalizing and task is not None and task.done():
             if not task.cancelled() and task.exception() is not None:
-                log.error("pipeline round %s failed to finalize; retrying", self.round.round_id if self.round else "?",
-                          exc_info=task.exception())
+                log.error(
+                    "pipeline round %s failed to finalize; retrying",
+                    self.round.round_id if self.round else "?",
+                    exc_info=task.exception(),
+                )
             self.finalize_task = asyncio.get_running_loop().create_task(self.finalize())
 
     def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
@@ -230,8 +262,16 @@ class PipelineRounds:
                 contributions[worker] = contributions.get(worker, 0) + mb_size
         samples = self.deps.microbatches_per_batch * mb_size
         self.samples_done += samples
-        await self.deps.publish(BatchOutcome(published=published, loss_sum=ledger.loss_sum, samples=samples,
-                                             elapsed_s=elapsed, grad_norm=grad_norm, contributions=contributions))
+        await self.deps.publish(
+            BatchOutcome(
+                published=published,
+                loss_sum=ledger.loss_sum,
+                samples=samples,
+                elapsed_s=elapsed,
+                grad_norm=grad_norm,
+                contributions=contributions,
+            )
+        )
         round_s = self.deps.clock() - r.opened_at
         self.round, self.finalizing = None, False
         self.batch_started = None

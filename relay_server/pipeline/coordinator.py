@@ -89,9 +89,19 @@ class PipelineCoordinator:
     def __init__(self, shape: PipelineShape, deps: PipelineDeps) -> None:
         self.K, self.layers = len(shape.layers), list(shape.layers)
         self.mb_size, self.d = shape.microbatch_size, shape.microbatches_per_batch
-        self.owners, self.broker, self.boundaries, self.workers = deps.owners, deps.broker, deps.boundaries, deps.workers
-        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = (shape.shapes, shape.codec, deps.ticket_key,
-                                                                                deps.publish, deps.clock)
+        self.owners, self.broker, self.boundaries, self.workers = (
+            deps.owners,
+            deps.broker,
+            deps.boundaries,
+            deps.workers,
+        )
+        self.shapes, self.codec, self.ticket_key, self.publish, self.clock = (
+            shape.shapes,
+            shape.codec,
+            deps.ticket_key,
+            deps.publish,
+            deps.clock,
+        )
         self.dispatch = shape.dispatch
         self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
@@ -102,16 +112,35 @@ class PipelineCoordinator:
         self.ledger = self._mint()
         self.bytes_out = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
-        self.rounds = PipelineRounds(RoundDeps(
-            owners=self.owners, ledger=lambda: self.ledger, clock=self.clock, microbatch_size=self.mb_size,
-            microbatches_per_batch=self.d, ticket_key=self.ticket_key, publish=self.publish,
-            seen=lambda worker: self.guard.seen(worker), strike=lambda worker: self.guard.strike(worker),
-            committed=lambda worker, stage: self.guard.committed(worker, stage), resubmit=self._submit,
-            batch_over=self._next_batch))
-        self.guard = PipelineGuard(GuardDeps(
-            broker=self.broker, workers=self.workers, rounds=self.rounds, ledger=lambda: self.ledger,
-            steps=lambda: self.steps, batch_index=lambda: self.batch_index, clock=self.clock, dispatch=self.dispatch,
-            planner=self.planner))
+        self.rounds = PipelineRounds(
+            RoundDeps(
+                owners=self.owners,
+                ledger=lambda: self.ledger,
+                clock=self.clock,
+                microbatch_size=self.mb_size,
+                microbatches_per_batch=self.d,
+                ticket_key=self.ticket_key,
+                publish=self.publish,
+                seen=lambda worker: self.guard.seen(worker),
+                strike=lambda worker: self.guard.strike(worker),
+                committed=lambda worker, stage: self.guard.committed(worker, stage),
+                resubmit=self._submit,
+                batch_over=self._next_batch,
+            )
+        )
+        self.guard = PipelineGuard(
+            GuardDeps(
+                broker=self.broker,
+                workers=self.workers,
+                rounds=self.rounds,
+                ledger=lambda: self.ledger,
+                steps=lambda: self.steps,
+                batch_index=lambda: self.batch_index,
+                clock=self.clock,
+                dispatch=self.dispatch,
+                planner=self.planner,
+            )
+        )
         self.predicted_batch_s: float | None = None
 
     # --- batches --------------------------------------------------------------------------------
@@ -120,19 +149,31 @@ class PipelineCoordinator:
         self.next_microbatch += self.d
         self.ledger = ledger
         if self.dispatch == "static":  # each stage's micro-batches dealt round-robin to its workers now
-            self.pins = {(k, m): ws[i % len(ws)] for k in range(self.K) if (ws := self.workers.on_stage(k))
-                         for i, m in enumerate(ledger.microbatches)}
+            self.pins = {
+                (k, m): ws[i % len(ws)]
+                for k in range(self.K)
+                if (ws := self.workers.on_stage(k))
+                for i, m in enumerate(ledger.microbatches)
+            }
         for step in ledger.start():
             self._submit(step)
         return ledger
 
     def _submit(self, step: Step) -> None:
         backward_work = step.kind in (LAST, BACKWARD)
-        task = self.broker.submit(caller="pipeline", call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
-                                  f"{step.microbatch}.{'r' if step.redo else ''}{secrets.token_hex(4)}",
-                                  key=self._key_of(step), kind=step.kind, rows=1, payload=b"", timeout_s=NO_DEADLINE_S,
-                                  requeue_on_loss=True, prefer=step.prefer,
-                                  priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch))
+        task = self.broker.submit(
+            caller="pipeline",
+            call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
+            f"{step.microbatch}.{'r' if step.redo else ''}{secrets.token_hex(4)}",
+            key=self._key_of(step),
+            kind=step.kind,
+            rows=1,
+            payload=b"",
+            timeout_s=NO_DEADLINE_S,
+            requeue_on_loss=True,
+            prefer=step.prefer,
+            priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch),
+        )
         self.steps[task.task_id] = step
 
     def _next_batch(self, round_s: float) -> None:
@@ -207,10 +248,19 @@ class PipelineCoordinator:
             names = step.inputs()
             for name in names[1:] if cached_input else names:  # [0] is the stage's input
                 tensors.update(_renamed(self.boundaries.get(step.microbatch, name), name, i))
-            out.append(PipelineTask(task_id=task.task_id, kind=step.kind, stage=step.stage, batch=self.ledger.batch,
-                                    microbatch=step.microbatch, version=self.ledger.version,
-                                    lease_s=self.broker.lease_deadline(task.key), input_cached=cached_input,
-                                    redo=step.redo))
+            out.append(
+                PipelineTask(
+                    task_id=task.task_id,
+                    kind=step.kind,
+                    stage=step.stage,
+                    batch=self.ledger.batch,
+                    microbatch=step.microbatch,
+                    version=self.ledger.version,
+                    lease_s=self.broker.lease_deadline(task.key),
+                    input_cached=cached_input,
+                    redo=step.redo,
+                )
+            )
         return PipelineWork(stage=stage, tasks=out), tensors
 
     def _key_of(self, step: Step) -> str:
@@ -242,9 +292,15 @@ class PipelineCoordinator:
     async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list:
         """A task of the worker's stage, or nothing when the round opens first (the worker then
         gets its upload at once instead of after its long poll)."""
-        lease = asyncio.ensure_future(self.broker.lease(worker, [_key(stage), f"{_key(stage)}/{worker}"],
-                                                        max_rows=MAX_TASKS_PER_POLL, wait_s=wait_s,
-                                                        skip_lapsed=self.guard.others_serve(worker, stage)))
+        lease = asyncio.ensure_future(
+            self.broker.lease(
+                worker,
+                [_key(stage), f"{_key(stage)}/{worker}"],
+                max_rows=MAX_TASKS_PER_POLL,
+                wait_s=wait_s,
+                skip_lapsed=self.guard.others_serve(worker, stage),
+            )
+        )
         opened = asyncio.ensure_future(self.rounds.opened.wait())
         try:
             await asyncio.wait({lease, opened}, return_when=asyncio.FIRST_COMPLETED)
@@ -280,11 +336,19 @@ class PipelineCoordinator:
             return PipelineAck(task_id=task_id, accepted=False)
         step = self.steps.get(task_id)
         if step is None:
-            raise ApiError(410, "task_expired", f"task {task_id!r} is not part of the batch in flight",
-                           "Drop this result and its gradient; take the next task.")
+            raise ApiError(
+                410,
+                "task_expired",
+                f"task {task_id!r} is not part of the batch in flight",
+                "Drop this result and its gradient; take the next task.",
+            )
         if self.workers.by_id.get(worker) is not None and self.workers.stage_of(worker) != step.stage:
-            raise ApiError(410, "stage_moved", f"this worker moved off stage {step.stage}; its result for it is not used",
-                           "Drop it and take the next task of your new stage.")
+            raise ApiError(
+                410,
+                "stage_moved",
+                f"this worker moved off stage {step.stage}; its result for it is not used",
+                "Drop it and take the next task of your new stage.",
+            )
         mb = self.ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
@@ -335,8 +399,13 @@ class PipelineCoordinator:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
     def _move(self, worker: str, stage: int, why: str) -> None:
-        log.info("pipeline: worker %s moves from stage %d to stage %d (%s)", worker[:16],
-                 self.workers.stage_of(worker), stage, why)
+        log.info(
+            "pipeline: worker %s moves from stage %d to stage %d (%s)",
+            worker[:16],
+            self.workers.stage_of(worker),
+            stage,
+            why,
+        )
         self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
         self.workers.move(worker, stage)
         self.planner.forget(worker)
@@ -357,8 +426,12 @@ class PipelineCoordinator:
                 continue
             redo = self.rounds.recompute(worker)
             if redo:
-                log.info("pipeline worker %s silent for %.1f s holding %d stage gradient(s): recomputing them",
-                         worker[:16], silent_s, redo)
+                log.info(
+                    "pipeline worker %s silent for %.1f s holding %d stage gradient(s): recomputing them",
+                    worker[:16],
+                    silent_s,
+                    redo,
+                )
                 self.silenced += 1
 
     # --- membership -----------------------------------------------------------------------------

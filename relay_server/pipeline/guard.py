@@ -70,8 +70,9 @@ class PipelineGuard:
         self.broker, self.workers, self.rounds, self.clock = deps.broker, deps.workers, deps.rounds, deps.clock
         self.dispatch, self.planner = deps.dispatch, deps.planner
         timer = self.broker.timer
-        self.hold_timer = LeaseTimer(floor_s=timer.floor_s, factor=timer.factor, initial_s=timer.initial_s,
-                                     window=timer.window)
+        self.hold_timer = LeaseTimer(
+            floor_s=timer.floor_s, factor=timer.factor, initial_s=timer.initial_s, window=timer.window
+        )
         self.held_since: dict[str, float] = {}  # worker -> when it last became the holder of a stage gradient
         self.strikes: dict[str, int] = {}
         self.benched: dict[str, int] = {}  # worker -> the first batch it gets tasks of again
@@ -103,15 +104,23 @@ class PipelineGuard:
         long as it liked. An honest upload fits in a measured hold (round open to commit, which
         includes the upload); before a hold was measured, the run's initial lease bounds it."""
         key = f"stage{stage}"
-        return self.hold_timer.deadline(key) if self.hold_timer.measured(key) is not None \
+        return (
+            self.hold_timer.deadline(key)
+            if self.hold_timer.measured(key) is not None
             else max(self.broker.timer.initial_s, self.broker.lease_deadline(key))
+        )
 
     def upload_cut(self, worker: str, stage: int, seconds: float) -> None:
         """An upload ran past :meth:`upload_deadline` and was cut (it did not commit): no longer
         in flight, so its micro-batches are recomputed at the next tick, and its worker struck."""
         self.cut_uploads += 1
-        log.info("pipeline worker %s took more than %.1f s to upload stage %d's gradient: cut; its micro-batches "
-                 "are recomputed", worker[:16], seconds, stage)
+        log.info(
+            "pipeline worker %s took more than %.1f s to upload stage %d's gradient: cut; its micro-batches "
+            "are recomputed",
+            worker[:16],
+            seconds,
+            stage,
+        )
         self.rounds.recompute(worker)
         self.strike(worker)
 
@@ -139,8 +148,13 @@ class PipelineGuard:
                 continue
             redo = self.rounds.recompute(worker)
             if redo:
-                log.info("pipeline worker %s held %d stage gradient(s) %.1f s into the round without committing "
-                         "them: recomputing them", worker[:16], redo, held_s)
+                log.info(
+                    "pipeline worker %s held %d stage gradient(s) %.1f s into the round without committing "
+                    "them: recomputing them",
+                    worker[:16],
+                    redo,
+                    held_s,
+                )
                 self.expired_holds += 1
                 self.strike(worker)
 
@@ -152,7 +166,7 @@ class PipelineGuard:
             task = self.broker.tasks.get(task_id)
             if task is None or len(task.lapsed_by) <= self.lapses_seen.get(task_id, 0):
                 continue
-            for worker in task.lapsed_by[self.lapses_seen.get(task_id, 0):]:
+            for worker in task.lapsed_by[self.lapses_seen.get(task_id, 0) :]:
                 self.lapsed_leases += 1
                 if self.others_serve(worker, step.stage):
                     self.strike(worker)
@@ -161,8 +175,12 @@ class PipelineGuard:
     def strike(self, worker: str) -> None:
         strikes = self.strikes[worker] = self.strikes.get(worker, 0) + 1
         self.benched[worker] = self.deps.batch_index() + 2 ** (strikes - 1)
-        log.info("pipeline worker %s: strike %d, no tasks before batch %d while others serve its stage",
-                 worker[:16], strikes, self.benched[worker])
+        log.info(
+            "pipeline worker %s: strike %d, no tasks before batch %d while others serve its stage",
+            worker[:16],
+            strikes,
+            self.benched[worker],
+        )
 
     def _serves(self, worker: str) -> bool:
         return self.benched.get(worker, -1) <= self.deps.batch_index()
@@ -181,8 +199,11 @@ class PipelineGuard:
     def serving_placement(self) -> dict[str, tuple[int, int]]:
         """worker -> (stage, memory) of the workers that serve their stage now (active, not
         struck): a stage none of them is on is as good as empty, whoever else is placed there."""
-        return {w: (stage, memory) for w, (stage, memory) in self.workers.placement().items()
-                if self._serves(w) and self._active(w, stage)}
+        return {
+            w: (stage, memory)
+            for w, (stage, memory) in self.workers.placement().items()
+            if self._serves(w) and self._active(w, stage)
+        }
 
     def others_serve(self, worker: str, stage: int) -> bool:
         """Another worker of ``stage``, not struck and asking for work, may take its tasks: a
@@ -202,8 +223,11 @@ class PipelineGuard:
             self.polled_at[worker] = self.clock()
 
     def leases_held(self, worker: str) -> int:
-        return sum(1 for task_id in self.deps.steps()
-                   if (t := self.broker.tasks.get(task_id)) is not None and t.state == "leased" and t.worker == worker)
+        return sum(
+            1
+            for task_id in self.deps.steps()
+            if (t := self.broker.tasks.get(task_id)) is not None and t.state == "leased" and t.worker == worker
+        )
 
     def may_lease(self, worker: str, stage: int) -> bool:
         if self.leases_held(worker) >= MAX_LEASES_PER_WORKER:
@@ -231,6 +255,7 @@ class PipelineGuard:
             known = self.workers.by_id.get(worker)
             idle = known is not None and not (self._serves(worker) and self._active(worker, known.stage))
             return math.inf if idle else measured(worker)
+
         if peer_id not in self.workers.by_id:
             self.seen(peer_id)
         return self.workers.assign(peer_id, memory_bytes, samples_per_s, task_s=task_s)

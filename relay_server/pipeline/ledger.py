@@ -86,7 +86,9 @@ class Ledger:
     def loss_sum(self) -> float:
         return sum(mb.loss_sum or 0.0 for mb in self.microbatches.values())
 
-    def accept(self, step: Step, worker: str, *, rows: int | None = None, loss_sum: float | None = None) -> Step | None:
+    def accept(
+        self, step: Step, worker: str, *, rows: int | None = None, loss_sum: float | None = None
+    ) -> Step | None:
         """The result of ``step`` by ``worker`` was accepted; the step that follows, if any."""
         mb, k, last = self.microbatches[step.microbatch], step.stage, self.num_stages - 1
         if step.kind == FIRST:
@@ -127,8 +129,9 @@ class Ledger:
             if mb.owners.get(stage) == worker:
                 mb.delivered.add(stage)
 
-    def orphan(self, worker: str, keep: set[tuple[int, int]] = frozenset(),
-               only: tuple[int, set[int]] | None = None) -> list[Step]:
+    def orphan(
+        self, worker: str, keep: set[tuple[int, int]] = frozenset(), only: tuple[int, set[int]] | None = None
+    ) -> list[Step]:
         """``worker`` left (or its upload failed: ``only`` those micro-batches of that stage):
         redo steps for each stage gradient it held and had not delivered, except ``keep``:
         (stage, micro-batch) pairs whose upload is still in flight."""

@@ -44,25 +44,36 @@ def cut_model(config: RelayConfig) -> ModelCut:
     cfg = config.pipeline
     shapes = _shapes(model, cfg.microbatch_size)
     shape = model_shape(units, cfg.boundary_codec, shapes.width, shapes.max_positions)
-    plan_config = PipelineConfig(stages=cfg.stages, microbatch_size=cfg.microbatch_size,
-                                 microbatches=cfg.microbatches_per_batch,
-                                 rebalance_every_batches=max(1, cfg.rebalance_every_batches))
+    plan_config = PipelineConfig(
+        stages=cfg.stages,
+        microbatch_size=cfg.microbatch_size,
+        microbatches=cfg.microbatches_per_batch,
+        rebalance_every_batches=max(1, cfg.rebalance_every_batches),
+    )
     stages = cfg.num_stages() or auto_stages(shape, plan_config, cfg.worker_memory_mb << 20)
     if stages > units.num_layers:
-        raise ValueError(f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: "
-                         "lower pipeline.stages")
+        raise ValueError(
+            f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: lower pipeline.stages"
+        )
     layers = list(cfg.layers_per_stage) or even_layers(units.num_layers, stages)
     cuts = cut_stages(units, layers)
-    return ModelCut(cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=shapes, model=shape,
-                    plan_config=plan_config)
+    return ModelCut(
+        cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=shapes, model=shape, plan_config=plan_config
+    )
 
 
 def _shapes(model: torch.nn.Module, microbatch_size: int) -> Shapes:
     cfg = getattr(model, "cfg", None)
     if cfg is not None:  # the toolkit's ByteTransformer
-        return Shapes(width=cfg.d_model, microbatch_size=microbatch_size, max_positions=cfg.seq_len,
-                      vocab=cfg.vocab_size)
+        return Shapes(
+            width=cfg.d_model, microbatch_size=microbatch_size, max_positions=cfg.seq_len, vocab=cfg.vocab_size
+        )
     hf = model.config
-    return Shapes(width=hf.hidden_size, microbatch_size=microbatch_size,
-                  max_positions=getattr(hf, "n_positions", None) or hf.max_position_embeddings, vocab=hf.vocab_size,
-                  tokens_key="input_ids", label_columns=0)
+    return Shapes(
+        width=hf.hidden_size,
+        microbatch_size=microbatch_size,
+        max_positions=getattr(hf, "n_positions", None) or hf.max_position_embeddings,
+        vocab=hf.vocab_size,
+        tokens_key="input_ids",
+        label_columns=0,
+    )

@@ -43,9 +43,13 @@ EWMA = 0.3
 
 def model_shape(units: PipelineUnits, codec: str, width: int, tokens: int) -> ModelShape:
     blocks = units.layer_numels
-    return ModelShape(layers=units.num_layers, layer_params=max(blocks) if blocks else 0,
-                      first_params=units.prefix[1] - units.prefix[0], last_params=units.suffix[1] - units.suffix[0],
-                      boundary_bytes_per_sample=boundary_bytes_per_sample(codec, width, tokens))
+    return ModelShape(
+        layers=units.num_layers,
+        layer_params=max(blocks) if blocks else 0,
+        first_params=units.prefix[1] - units.prefix[0],
+        last_params=units.suffix[1] - units.suffix[0],
+        boundary_bytes_per_sample=boundary_bytes_per_sample(codec, width, tokens),
+    )
 
 
 def auto_stages(model: ModelShape, cfg: PipelineConfig, memory_bytes: int) -> int:
@@ -54,9 +58,11 @@ def auto_stages(model: ModelShape, cfg: PipelineConfig, memory_bytes: int) -> in
         layers = [model.layers // k + (1 if i < model.layers % k else 0) for i in range(k)]
         if all(stage_memory(model, cfg, i, k, h) <= memory_bytes for i, h in enumerate(layers)):
             return max(k, 2)
-    raise StagePlanError(f"pipeline.stages = \"auto\": even one layer per stage needs "
-                    f"{stage_memory(model, cfg, 0, model.layers, 1)} bytes, more than pipeline.worker_memory_mb "
-                    f"({memory_bytes >> 20} MiB): raise worker_memory_mb or use a smaller model")
+    raise StagePlanError(
+        f'pipeline.stages = "auto": even one layer per stage needs '
+        f"{stage_memory(model, cfg, 0, model.layers, 1)} bytes, more than pipeline.worker_memory_mb "
+        f"({memory_bytes >> 20} MiB): raise worker_memory_mb or use a smaller model"
+    )
 
 
 @dataclass
@@ -128,8 +134,9 @@ class Planner:
             return self.fill_empty(placement)
         return rebalance(plan, plan.workers)
 
-    def fill_empty(self, placement: dict[str, tuple[int, int]],
-                   can_move: Callable[[str], bool] = lambda worker: True) -> Move | None:
+    def fill_empty(
+        self, placement: dict[str, tuple[int, int]], can_move: Callable[[str], bool] = lambda worker: True
+    ) -> Move | None:
         """A stage nobody runs stalls every batch: move a worker there from a stage with two or
         more (the most crowded first), whatever the measurements say -- the first, in that
         order, whose memory fits and that ``can_move`` (one holding a stage gradient it has not

@@ -49,11 +49,15 @@ class Shapes:
         tokens (what the stages compute on), so a first-stage result is tied to its own data."""
         tokens = found.get(self.tokens_key)
         if tokens is None:
-            raise ProtocolError("bad_batch", f"a first-stage result carries the input tokens as "
-                                f"{'batch.' + self.tokens_key if self.tokens_key else 'batch'!r}")
+            raise ProtocolError(
+                "bad_batch",
+                f"a first-stage result carries the input tokens as "
+                f"{'batch.' + self.tokens_key if self.tokens_key else 'batch'!r}",
+            )
         if tokens.shape[1] - self.label_columns < 1:
-            raise ProtocolError("bad_batch", f"data tensor has {tokens.shape[1]} columns, fewer than "
-                                f"{self.label_columns + 1}")
+            raise ProtocolError(
+                "bad_batch", f"data tensor has {tokens.shape[1]} columns, fewer than {self.label_columns + 1}"
+            )
         widths = {array.shape[1] for array in found.values()}
         if len(widths) != 1:
             raise ProtocolError("bad_batch", f"the data tensors have different token counts {sorted(widths)}")
@@ -76,14 +80,17 @@ class Accepted:
     rows: int | None = None
 
 
-def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shapes,
-                codec: Codec) -> Accepted:
+def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shapes, codec: Codec) -> Accepted:
     try:
         metadata, tensors = payloads.decode(body, shapes.body_limit(codec))
         result = PipelineResult.loads(metadata.get("result", "").encode())
     except (ProtocolError, ValueError) as exc:
-        raise ApiError(422, getattr(exc, "code", "bad_result"), f"the result is not a pipeline result: {exc}",
-                       "Send the container the toolkit's stage worker builds.") from None
+        raise ApiError(
+            422,
+            getattr(exc, "code", "bad_result"),
+            f"the result is not a pipeline result: {exc}",
+            "Send the container the toolkit's stage worker builds.",
+        ) from None
     if not math.isfinite(result.loss_sum):
         raise ApiError(422, "non_finite", "the result's loss is NaN or Inf", "Lower the learning rate.")
     entries: dict[str, bytes] = {}
@@ -104,8 +111,12 @@ def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shap
         if extra:
             raise ProtocolError("bad_tensor", f"unexpected tensors {sorted(extra)} in a {step.kind} result")
     except ProtocolError as exc:
-        raise ApiError(422, exc.code, f"{step.kind} result for micro-batch {step.microbatch}: {exc}",
-                       "Nothing of it was used; the task will be re-dispatched.") from None
+        raise ApiError(
+            422,
+            exc.code,
+            f"{step.kind} result for micro-batch {step.microbatch}: {exc}",
+            "Nothing of it was used; the task will be re-dispatched.",
+        ) from None
     return Accepted(result, entries, rows)
 
 
@@ -119,28 +130,40 @@ def _rows(tensors: dict[str, np.ndarray], name: str, rows: int | None, shapes: S
 
 def _group(tensors: dict[str, np.ndarray], name: str) -> bytes:
     """``name`` and its codec parts, renamed ``v``/``v.<part>``, in a container of their own."""
-    return payloads.encode({"v" + key[len(name):]: array for key, array in tensors.items()
-                            if key == name or key.startswith(name + ".")})
+    return payloads.encode(
+        {"v" + key[len(name) :]: array for key, array in tensors.items() if key == name or key.startswith(name + ".")}
+    )
 
 
 def _batch(tensors: dict[str, np.ndarray], shapes: Shapes) -> tuple[bytes, int]:
     """The micro-batch's data, re-wrapped, and the rows its boundary matrices must have."""
-    found = {key[len("batch."):]: array for key, array in tensors.items() if key.startswith("batch.")}
+    found = {key[len("batch.") :]: array for key, array in tensors.items() if key.startswith("batch.")}
     if "batch" in tensors:
         found[""] = tensors["batch"]
     if not 1 <= len(found) <= MAX_BATCH_KEYS:
-        raise ProtocolError("bad_batch", f"a first-stage result carries the micro-batch's data as 1 to "
-                            f"{MAX_BATCH_KEYS} tensors 'batch' or 'batch.<key>'")
+        raise ProtocolError(
+            "bad_batch",
+            f"a first-stage result carries the micro-batch's data as 1 to "
+            f"{MAX_BATCH_KEYS} tensors 'batch' or 'batch.<key>'",
+        )
     for key, array in found.items():
         if key and not _KEY.fullmatch(key):
             raise ProtocolError("bad_batch", f"data tensor name {key!r} is not lowercase letters and _")
-        if array.dtype != np.int64 or array.ndim != 2 or array.shape[0] != shapes.microbatch_size \
-                or not 1 <= array.shape[1] <= shapes.max_positions + 1:
-            raise ProtocolError("bad_batch", f"data tensor {key or 'batch'!r} must be int64 "
-                                f"[{shapes.microbatch_size}, <= {shapes.max_positions + 1}], got {array.dtype} "
-                                f"{list(array.shape)}")
+        if (
+            array.dtype != np.int64
+            or array.ndim != 2
+            or array.shape[0] != shapes.microbatch_size
+            or not 1 <= array.shape[1] <= shapes.max_positions + 1
+        ):
+            raise ProtocolError(
+                "bad_batch",
+                f"data tensor {key or 'batch'!r} must be int64 "
+                f"[{shapes.microbatch_size}, <= {shapes.max_positions + 1}], got {array.dtype} "
+                f"{list(array.shape)}",
+            )
         if array.size and (array.min() < -100 or array.max() >= shapes.vocab):
-            raise ProtocolError("bad_batch", f"data tensor {key or 'batch'!r} holds token ids outside "
-                                f"[-100, {shapes.vocab})")
+            raise ProtocolError(
+                "bad_batch", f"data tensor {key or 'batch'!r} holds token ids outside [-100, {shapes.vocab})"
+            )
     rows = shapes.rows_of_batch(found)
     return payloads.encode({("batch." + key) if key else "batch": array for key, array in found.items()}), rows

@@ -43,11 +43,16 @@ class PipelinePublisher:
         self.config, self.after_publish, self.owners = config, after_publish, owners
 
     async def __call__(self, batch: BatchOutcome) -> None:
-        record = RoundLog(contributions=batch.contributions,
-                          loss=batch.loss_sum / batch.samples if batch.samples else None,
-                          duration_s=batch.elapsed_s, deadline_s=0.0, finalized_by="pipeline",
-                          lr=lr_at(batch.published.step - 1, self.config.optimizer, self.config.run.total_steps),
-                          grad_norm=batch.grad_norm, samples=batch.samples)
+        record = RoundLog(
+            contributions=batch.contributions,
+            loss=batch.loss_sum / batch.samples if batch.samples else None,
+            duration_s=batch.elapsed_s,
+            deadline_s=0.0,
+            finalized_by="pipeline",
+            lr=lr_at(batch.published.step - 1, self.config.optimizer, self.config.run.total_steps),
+            grad_norm=batch.grad_norm,
+            samples=batch.samples,
+        )
         # the whole model the stages' finalize wrote: what export, evaluation and Hub checkpoints read
         await self.after_publish.step(batch.published, record, batch.samples, state_path=self.owners.whole_path)
 
@@ -55,8 +60,9 @@ class PipelinePublisher:
 class PipelineService:
     """The coordinator, its stages' parameter servers and the ticker, over one collaboration."""
 
-    def __init__(self, config: RelayConfig, collab: Collaboration, owners: StageOwners,
-                 coordinator: PipelineCoordinator) -> None:
+    def __init__(
+        self, config: RelayConfig, collab: Collaboration, owners: StageOwners, coordinator: PipelineCoordinator
+    ) -> None:
         self.config, self.collab, self.owners, self.coordinator = config, collab, owners, coordinator
         self.ticker: asyncio.Task | None = None
 
@@ -68,25 +74,52 @@ class PipelineService:
         cfg = config.pipeline
         cut = await asyncio.to_thread(cut_model, config)
         resume = collab.store.latest_step() if collab.store.get_meta("manifest") else None
-        owners = await asyncio.to_thread(StageOwners, config, collab.layout, collab.codecs, collab.master.flat.numpy(),
-                                         cut.cuts, resume, collab.store)
-        broker = TaskBroker(PayloadStore(1 << 20, None), max_queued_rows=1 << 30, initial_lease_s=cfg.initial_lease_s,
-                            lease_floor_s=cfg.lease_floor_s, lease_factor=cfg.lease_factor,
-                            clock=collab.loop_clock)  # leases count on the relay's clock: a stall expires none
-        shape = PipelineShape(layers=list(cut.layers), microbatch_size=cfg.microbatch_size,
-                              microbatches_per_batch=cfg.microbatches_per_batch, shapes=cut.shapes,
-                              codec=get_codec(cfg.boundary_codec), dispatch=cfg.dispatch,
-                              rebalance_every=cfg.rebalance_every_batches)
-        deps = PipelineDeps(owners=owners, broker=broker,
-                            boundaries=Boundaries(cfg.boundary_memory_mb << 20, Path(config.server.data_dir) / "boundaries"),
-                            workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes(), sticky=cfg.dispatch == "static"),
-                            planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
-                            ticket_key=collab.backbone.ticket_key, publish=PipelinePublisher(config, collab.after_publish, owners),
-                            clock=collab.loop_clock)
+        owners = await asyncio.to_thread(
+            StageOwners,
+            config,
+            collab.layout,
+            collab.codecs,
+            collab.master.flat.numpy(),
+            cut.cuts,
+            resume,
+            collab.store,
+        )
+        broker = TaskBroker(
+            PayloadStore(1 << 20, None),
+            max_queued_rows=1 << 30,
+            initial_lease_s=cfg.initial_lease_s,
+            lease_floor_s=cfg.lease_floor_s,
+            lease_factor=cfg.lease_factor,
+            clock=collab.loop_clock,
+        )  # leases count on the relay's clock: a stall expires none
+        shape = PipelineShape(
+            layers=list(cut.layers),
+            microbatch_size=cfg.microbatch_size,
+            microbatches_per_batch=cfg.microbatches_per_batch,
+            shapes=cut.shapes,
+            codec=get_codec(cfg.boundary_codec),
+            dispatch=cfg.dispatch,
+            rebalance_every=cfg.rebalance_every_batches,
+        )
+        deps = PipelineDeps(
+            owners=owners,
+            broker=broker,
+            boundaries=Boundaries(cfg.boundary_memory_mb << 20, Path(config.server.data_dir) / "boundaries"),
+            workers=Workers([e - s for s, e in cut.cuts], cut.stage_bytes(), sticky=cfg.dispatch == "static"),
+            planner=Planner(cut.model, cut.plan_config, list(cut.layers)),
+            ticket_key=collab.backbone.ticket_key,
+            publish=PipelinePublisher(config, collab.after_publish, owners),
+            clock=collab.loop_clock,
+        )
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
         collab.backbone.board.publish(owners.published())
-        log.info("pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",
-                 len(cut.cuts), cut.layers, cfg.microbatches_per_batch, cfg.microbatch_size)
+        log.info(
+            "pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",
+            len(cut.cuts),
+            cut.layers,
+            cfg.microbatches_per_batch,
+            cfg.microbatch_size,
+        )
         return service
 
     async def start(self) -> None:
@@ -115,8 +148,13 @@ class PipelineService:
             log.info("pipeline worker %s left: its tasks go back to the pool", worker[:16])
             coordinator.worker_left(worker)
         now = time.monotonic()
-        coordinator.orphan_silent({w: now - peer.last_seen for w in coordinator.workers.by_id
-                                   if (peer := registry.get(w)) is not None and peer.inflight == 0})
+        coordinator.orphan_silent(
+            {
+                w: now - peer.last_seen
+                for w in coordinator.workers.by_id
+                if (peer := registry.get(w)) is not None and peer.inflight == 0
+            }
+        )
         coordinator.broker.tick()
         coordinator.guard.note_lapses()
         coordinator.guard.expire_holds()

@@ -34,36 +34,60 @@ PLAN_VERSION = "pipeline"
 
 
 class StageOwners:
-    def __init__(self, config: RelayConfig, layout: list[ParamSpec], codecs: RunCodecs, params: np.ndarray,
-                 cuts: list[tuple[int, int]], resume_step: int | None, whole_store: Store) -> None:
+    def __init__(
+        self,
+        config: RelayConfig,
+        layout: list[ParamSpec],
+        codecs: RunCodecs,
+        params: np.ndarray,
+        cuts: list[tuple[int, int]],
+        resume_step: int | None,
+        whole_store: Store,
+    ) -> None:
         """``whole_store``: the relay's own store, where each step's whole model goes."""
         self.config, self.cuts, self.num_params = config, cuts, int(params.size)
         self.whole_store = whole_store
         self.whole_path: Path | None = None
         """The whole model's file of the step :meth:`finalize` last wrote (observers read it)."""
         data_dir = Path(config.server.data_dir) / "stages"
-        self.stores = [Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
-                       for k in range(len(cuts))]
+        self.stores = [
+            Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
+            for k in range(len(cuts))
+        ]
         self.owners: list[SliceOwner] = []
         self.refused_rounds = 0  # batches in which some stage refused its step
         for k, (start, end) in enumerate(cuts):
-            owner = SliceOwner(layout, {"params": params[start:end]}, start=start, end=end,
-                               step=resume_step or 0, optimizer=config.optimizer,
-                               total_steps=config.run.total_steps, codecs=codecs, store=self.stores[k],
-                               fsync=config.server.fsync, robust=robust_config(config.rounds),
-                               run_name=config.run.name, plan_version=PLAN_VERSION)
+            owner = SliceOwner(
+                layout,
+                {"params": params[start:end]},
+                start=start,
+                end=end,
+                step=resume_step or 0,
+                optimizer=config.optimizer,
+                total_steps=config.run.total_steps,
+                codecs=codecs,
+                store=self.stores[k],
+                fsync=config.server.fsync,
+                robust=robust_config(config.rounds),
+                run_name=config.run.name,
+                plan_version=PLAN_VERSION,
+            )
             if resume_step is not None and self.stores[k].state_path(resume_step).exists():
                 owner.publisher.restore(resume_step)  # a stage may be a step ahead: the relay's commit decides
             else:
                 if resume_step is not None:
-                    raise RuntimeError(f"stage {k}'s store ({data_dir / str(k)}) does not hold step {resume_step}, "
-                                       "which the relay committed last: restore the whole data dir from one backup")
+                    raise RuntimeError(
+                        f"stage {k}'s store ({data_dir / str(k)}) does not hold step {resume_step}, "
+                        "which the relay committed last: restore the whole data dir from one backup"
+                    )
                 version = owner.write_initial()
                 owner.publisher.publish(version)
                 self.stores[k].commit(version.step, version.sha256)
             self.owners.append(owner)
-        self.entries = [Owner(f"stage{k}", f"stage {k}", "", start, end, (end - start) / self.num_params)
-                        for k, (start, end) in enumerate(cuts)]
+        self.entries = [
+            Owner(f"stage{k}", f"stage {k}", "", start, end, (end - start) / self.num_params)
+            for k, (start, end) in enumerate(cuts)
+        ]
 
     def close(self) -> None:
         for owner in self.owners:
@@ -100,7 +124,14 @@ class StageOwners:
         for store, (version, _, _) in zip(self.stores, done):
             await asyncio.to_thread(store.commit, version.step, version.sha256)
         # before the relay commits the step (the caller): a committed step always has its file
-        self.whole_path = await asyncio.to_thread(write_whole_version, self.whole_store, self.owners, self.num_params,
-                                                  done[0][0].step, self.config.run.name, self.config.server.fsync)
+        self.whole_path = await asyncio.to_thread(
+            write_whole_version,
+            self.whole_store,
+            self.owners,
+            self.num_params,
+            done[0][0].step,
+            self.config.run.name,
+            self.config.server.fsync,
+        )
         norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))
         return self.published(), norm, [sum(r.received.values()) for _, r, _ in done]

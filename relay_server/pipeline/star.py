@@ -34,8 +34,9 @@ from relay_server.pipeline.star_model import (
 )
 
 
-def _lpt(workers: Sequence[MeasuredWorker], num_stages: int, model: ModelShape,
-         cfg: PipelineConfig) -> list[list[MeasuredWorker]] | None:
+def _lpt(
+    workers: Sequence[MeasuredWorker], num_stages: int, model: ModelShape, cfg: PipelineConfig
+) -> list[list[MeasuredWorker]] | None:
     """Workers by decreasing compute, each to the stage with the least compute so far among those
     it can hold one layer of; a low-memory worker goes where it drags the stage's cap least."""
     groups: list[list[MeasuredWorker]] = [[] for _ in range(num_stages)]
@@ -50,8 +51,9 @@ def _lpt(workers: Sequence[MeasuredWorker], num_stages: int, model: ModelShape,
     return groups if all(groups) else None
 
 
-def _by_memory(workers: Sequence[MeasuredWorker], num_stages: int, model: ModelShape,
-               cfg: PipelineConfig) -> list[list[MeasuredWorker]] | None:
+def _by_memory(
+    workers: Sequence[MeasuredWorker], num_stages: int, model: ModelShape, cfg: PipelineConfig
+) -> list[list[MeasuredWorker]] | None:
     """The alternative when memory binds: workers of similar memory together (largest memories on
     the stages that carry the embeddings and head), so a small worker does not cap a large one's
     stage; contiguous groups of memory order cut at equal compute."""
@@ -72,8 +74,9 @@ def _by_memory(workers: Sequence[MeasuredWorker], num_stages: int, model: ModelS
     return placed if all(placed) else None
 
 
-def _allocate(groups: list[list[MeasuredWorker]], model: ModelShape,
-              cfg: PipelineConfig) -> tuple[list[int], float] | None:
+def _allocate(
+    groups: list[list[MeasuredWorker]], model: ModelShape, cfg: PipelineConfig
+) -> tuple[list[int], float] | None:
     """Layers minimising the slowest stage under each stage's memory cap (its smallest worker's),
     one layer at a time to the stage that stays fastest; ``None`` when the caps cannot hold L."""
     k_total = len(groups)
@@ -91,8 +94,9 @@ def _allocate(groups: list[list[MeasuredWorker]], model: ModelShape,
     return alloc, max(stage_seconds(g, model, cfg, k, k_total, h) for k, (g, h) in enumerate(zip(groups, alloc)))
 
 
-def _allocate_dropping(groups: list[list[MeasuredWorker]], model: ModelShape,
-                       cfg: PipelineConfig) -> tuple[list[list[MeasuredWorker]], list[int], float] | None:
+def _allocate_dropping(
+    groups: list[list[MeasuredWorker]], model: ModelShape, cfg: PipelineConfig
+) -> tuple[list[list[MeasuredWorker]], list[int], float] | None:
     """:func:`_allocate`, leaving out the smallest-memory worker of the most constrained stage
     while the caps cannot hold the model (it sits out this plan rather than making it
     impossible), and keeping the fastest of the plans found on the way."""
@@ -109,28 +113,52 @@ def _allocate_dropping(groups: list[list[MeasuredWorker]], model: ModelShape,
     return best
 
 
-def build_plan(groups: Sequence[Sequence[MeasuredWorker]], layers: Sequence[int], model: ModelShape,
-               cfg: PipelineConfig, candidates: Sequence[Candidate] = (),
-               idle_from: Sequence[MeasuredWorker] = ()) -> StagePlan:
+def build_plan(
+    groups: Sequence[Sequence[MeasuredWorker]],
+    layers: Sequence[int],
+    model: ModelShape,
+    cfg: PipelineConfig,
+    candidates: Sequence[Candidate] = (),
+    idle_from: Sequence[MeasuredWorker] = (),
+) -> StagePlan:
     """The plan for given groups and layers: every stage's time and memory, the bottleneck; the
     workers of ``idle_from`` that no group holds sit out (not enough memory for any stage)."""
     k_total, start, stages = len(groups), 0, []
     for k, (g, h) in enumerate(zip(groups, layers)):
         params = h * model.layer_params + stage_fixed_params(model, k, k_total)
-        stages.append(PlannedStage(k, start, start + h, tuple(w.id for w in g), float(sum(w.samples_per_s for w in g)),
-                            params, stage_memory(model, cfg, k, k_total, h),
-                            stage_seconds(g, model, cfg, k, k_total, h)))
+        stages.append(
+            PlannedStage(
+                k,
+                start,
+                start + h,
+                tuple(w.id for w in g),
+                float(sum(w.samples_per_s for w in g)),
+                params,
+                stage_memory(model, cfg, k, k_total, h),
+                stage_seconds(g, model, cfg, k, k_total, h),
+            )
+        )
         start += h
     slowest = max(range(k_total), key=lambda k: stages[k].seconds_per_batch)
     placed = tuple(w for g in groups for w in g)
     idle = tuple(w for w in idle_from if w.id not in {p.id for p in placed})
     fill = (cfg.microbatches + k_total - 1) / cfg.microbatches
-    return StagePlan(tuple(stages), stages[slowest].seconds_per_batch * fill, slowest,
-                     relay_bytes_per_batch(model, cfg, k_total), model, cfg, placed, tuple(candidates), idle)
+    return StagePlan(
+        tuple(stages),
+        stages[slowest].seconds_per_batch * fill,
+        slowest,
+        relay_bytes_per_batch(model, cfg, k_total),
+        model,
+        cfg,
+        placed,
+        tuple(candidates),
+        idle,
+    )
 
 
-def _plan_k(workers: Sequence[MeasuredWorker], k: int, model: ModelShape,
-            cfg: PipelineConfig) -> tuple[StagePlan | None, str]:
+def _plan_k(
+    workers: Sequence[MeasuredWorker], k: int, model: ModelShape, cfg: PipelineConfig
+) -> tuple[StagePlan | None, str]:
     """The plan with k stages: LPT's assignment, or where memory leaves it no plan the grouping by
     memory; or why there is none."""
     if k > model.layers:
@@ -144,9 +172,11 @@ def _plan_k(workers: Sequence[MeasuredWorker], k: int, model: ModelShape,
             return build_plan(allocated[0], allocated[1], model, cfg, idle_from=workers), "memory-feasible"
     largest = max(w.memory_bytes for w in workers)
     need = min(stage_memory(model, cfg, s, k, math.ceil(model.layers / k)) for s in range(k))
-    return None, (f"stages={k} does not fit the workers' memory: a stage of about {math.ceil(model.layers / k)} "
-                  f"layers needs {need} bytes ({cfg.bytes_per_param:g} B/param) and the largest worker memory "
-                  f"is {largest} bytes; use more stages or workers with more memory")
+    return None, (
+        f"stages={k} does not fit the workers' memory: a stage of about {math.ceil(model.layers / k)} "
+        f"layers needs {need} bytes ({cfg.bytes_per_param:g} B/param) and the largest worker memory "
+        f"is {largest} bytes; use more stages or workers with more memory"
+    )
 
 
 def plan_star(workers: Sequence[MeasuredWorker], model: ModelShape, cfg: PipelineConfig) -> StagePlan:
@@ -161,14 +191,15 @@ def plan_star(workers: Sequence[MeasuredWorker], model: ModelShape, cfg: Pipelin
         raise StagePlanError("worker ids must be unique")
     for w in workers:
         if w.samples_per_s <= 0 or w.bandwidth <= 0 or w.rtt_s < 0 or w.memory_bytes <= 0:
-            raise StagePlanError(f"worker {w.id!r}: samples_per_s, bandwidth and memory_bytes must be > 0 "
-                                 "and rtt_s >= 0")
+            raise StagePlanError(
+                f"worker {w.id!r}: samples_per_s, bandwidth and memory_bytes must be > 0 and rtt_s >= 0"
+            )
     if cfg.stages == "auto":
         counts = list(range(1, min(model.layers, len(workers)) + 1))
     elif isinstance(cfg.stages, int) and not isinstance(cfg.stages, bool) and cfg.stages >= 1:
         counts = [cfg.stages]
     else:
-        raise StagePlanError(f"[pipeline] stages must be a positive number or \"auto\", not {cfg.stages!r}")
+        raise StagePlanError(f'[pipeline] stages must be a positive number or "auto", not {cfg.stages!r}')
     tried = [(k,) + _plan_k(workers, k, model, cfg) for k in counts]
     candidates = [Candidate(k, p.seconds_per_batch if p else None, why) for k, p, why in tried]
     feasible = [(p.seconds_per_batch, k, p) for k, p, _ in tried if p is not None]
@@ -203,8 +234,10 @@ def assign_joiner(plan: StagePlan, worker: MeasuredWorker) -> StagePlan:
     fits = [s for s in plan.stages if s.memory_bytes <= worker.memory_bytes]
     if not fits:
         smallest = min(s.memory_bytes for s in plan.stages)
-        raise StagePlanError(f"worker {worker.id!r} has {worker.memory_bytes} bytes of memory; the smallest "
-                             f"stage needs {smallest} bytes: it can serve a plan with more stages, not this one")
+        raise StagePlanError(
+            f"worker {worker.id!r} has {worker.memory_bytes} bytes of memory; the smallest "
+            f"stage needs {smallest} bytes: it can serve a plan with more stages, not this one"
+        )
     target = max(fits, key=lambda s: (s.seconds_per_batch, -s.index)).index
     groups = _regroup(plan, plan.workers)
     groups[target].append(worker)

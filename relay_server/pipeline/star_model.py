@@ -191,8 +191,9 @@ def layer_capacity(worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfi
     return max(0, int(spare // model.layer_params)) if model.layer_params else model.layers
 
 
-def task_time(worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int,
-              layers: int) -> float:
+def task_time(
+    worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int, layers: int
+) -> float:
     """tau: one worker's seconds for one micro-batch on stage k (the module docstring's terms)."""
     m = cfg.microbatch_size
     if num_stages == 1:
@@ -207,8 +208,9 @@ def task_time(worker: MeasuredWorker, model: ModelShape, cfg: PipelineConfig, k:
     return link + work * m * layers / worker.samples_per_s
 
 
-def stage_seconds(workers: Sequence[MeasuredWorker], model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int,
-                  layers: int) -> float:
+def stage_seconds(
+    workers: Sequence[MeasuredWorker], model: ModelShape, cfg: PipelineConfig, k: int, num_stages: int, layers: int
+) -> float:
     """A stage's seconds per batch: its workers share the ``d`` micro-batches by speed (``inf``
     with no worker)."""
     rate = sum(1.0 / task_time(w, model, cfg, k, num_stages, layers) for w in workers)

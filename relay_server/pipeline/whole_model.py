@@ -43,20 +43,29 @@ def assemble(owners: Sequence[SliceOwner], num_params: int) -> np.ndarray:
     expected = 0
     for k, owner in enumerate(owners):
         if owner.start != expected:
-            raise ValueError(f"stage {k} starts at {owner.start}, not {expected}: the stages do not tile the flat "
-                             "vector (cut them with toolkit.pipeline.cut_stages)")
+            raise ValueError(
+                f"stage {k} starts at {owner.start}, not {expected}: the stages do not tile the flat "
+                "vector (cut them with toolkit.pipeline.cut_stages)"
+            )
         expected = owner.end
     if expected != num_params:
-        raise ValueError(f"the stages cover {expected} of the model's {num_params} parameters: cut them with "
-                         "toolkit.pipeline.cut_stages")
+        raise ValueError(
+            f"the stages cover {expected} of the model's {num_params} parameters: cut them with "
+            "toolkit.pipeline.cut_stages"
+        )
     return np.concatenate([owner.master.flat.numpy() for owner in owners])
 
 
-def write_whole_version(store: Store, owners: Sequence[SliceOwner], num_params: int, step: int,
-                        run_name: str, fsync: bool = False) -> Path:
+def write_whole_version(
+    store: Store, owners: Sequence[SliceOwner], num_params: int, step: int, run_name: str, fsync: bool = False
+) -> Path:
     """Write version ``step`` of the whole model into ``store``'s state directory (atomically:
     temporary file, then rename); returns its path. Call it before ``store.commit(step, ...)``."""
     path = store.state_path(step)
-    write_file(path, [("params", assemble(owners, num_params))],
-               {"step": str(step), "run": run_name, "kind": KIND}, fsync=fsync)
+    write_file(
+        path,
+        [("params", assemble(owners, num_params))],
+        {"step": str(step), "run": run_name, "kind": KIND},
+        fsync=fsync,
+    )
     return path

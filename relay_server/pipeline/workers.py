@@ -48,8 +48,13 @@ class Workers:
     def move(self, peer_id: str, stage: int) -> None:
         self.by_id[peer_id].stage = stage
 
-    def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float,
-               task_s: Callable[[str], float | None] = lambda worker: None) -> Worker:
+    def assign(
+        self,
+        peer_id: str,
+        memory_bytes: int,
+        samples_per_s: float,
+        task_s: Callable[[str], float | None] = lambda worker: None,
+    ) -> Worker:
         """Keep a worker's stage across polls and rejoins; place a new one at the weakest stage it
         fits (``task_s``: a worker's measured seconds per task, None until measured)."""
         known = self.by_id.get(peer_id)
@@ -59,10 +64,13 @@ class Workers:
         fits = [k for k in range(len(self.stage_params)) if not memory_bytes or self.need_bytes(k) <= memory_bytes]
         if not fits:
             smallest = min(range(len(self.stage_params)), key=self.need_bytes)
-            raise ApiError(409, "stage_too_large", f"this worker offers {memory_bytes / 2**20:.0f} MiB; the smallest "
-                           f"stage needs {self.need_bytes(smallest) / 2**20:.0f} MiB",
-                           "Join from a machine with more accelerator memory, or ask the organizer for more "
-                           "pipeline.stages.")
+            raise ApiError(
+                409,
+                "stage_too_large",
+                f"this worker offers {memory_bytes / 2**20:.0f} MiB; the smallest "
+                f"stage needs {self.need_bytes(smallest) / 2**20:.0f} MiB",
+                "Join from a machine with more accelerator memory, or ask the organizer for more pipeline.stages.",
+            )
         former = self.former.get(peer_id) if self.sticky else None
         rates = {k: self._rate(k, task_s) for k in fits}
         if all(rate is not None for rate in rates.values()):
@@ -87,8 +95,12 @@ class Workers:
     def stage_of(self, peer_id: str) -> int:
         worker = self.by_id.get(peer_id)
         if worker is None:
-            raise ApiError(409, "no_stage", "this worker has no stage (it left, or the relay restarted)",
-                           "Ask for a stage again (the toolkit does this on its own).")
+            raise ApiError(
+                409,
+                "no_stage",
+                "this worker has no stage (it left, or the relay restarted)",
+                "Ask for a stage again (the toolkit does this on its own).",
+            )
         return worker.stage
 
     def remove(self, peer_id: str) -> None:

@@ -32,8 +32,9 @@ class Plan:
     aggregators: tuple[str, ...] = field(default=())
     computing: tuple[str, ...] = field(default=())  # peers that send gradients and get parameters
 
-    def slices(self, num_params: int | None = None,
-               boundaries: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
+    def slices(
+        self, num_params: int | None = None, boundaries: Sequence[int] | None = None
+    ) -> list[tuple[str, int, int]]:
         """``(peer_id, start, end)`` half-open ranges covering ``[0, num_params)`` with no gaps;
         sizes from ``fractions`` by largest remainder (exact integer sum). Empty slices are
         left out. ``boundaries`` (ascending offsets, 0 and ``num_params`` among them: where the
@@ -68,40 +69,65 @@ class Plan:
         return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False)
 
 
-def _make_plan(prob: _Problem, xi: float, served: np.ndarray, computes: np.ndarray,
-               senders: np.ndarray, receivers: np.ndarray) -> Plan:
+def _make_plan(
+    prob: _Problem, xi: float, served: np.ndarray, computes: np.ndarray, senders: np.ndarray, receivers: np.ndarray
+) -> Plan:
     """``served``: [nA] rate per aggregator (LP units) -> fractions; ``computes``: [n] c_i."""
     agg_ids = [prob.ids[i] for i in prob.aggregators]
     total = float(served.sum())
     if total <= 0:
-        raise PlanError("no aggregator can serve every computing peer; check the pairwise "
-                        "limits and the aggregators' upload")
+        raise PlanError(
+            "no aggregator can serve every computing peer; check the pairwise limits and the aggregators' upload"
+        )
     keep = served > _MIN_SHARE * total
     share = served[keep] / served[keep].sum()
     fractions = dict(zip([p for p, k in zip(agg_ids, keep) if k], map(float, share)))
     computes_by_id = {pid: float(c) for pid, c in zip(prob.ids, computes)}
     computing = tuple(prob.ids[k] for k in senders)
     pairwise = {(a, b): t for a, b, t in prob.pairwise_raw}
-    round_s = predict_round_s(prob.peers, fractions, prob.num_params, prob.bytes_per_param,
-                              pairwise, senders=computing,
-                              receivers=[prob.ids[j] for j in receivers])
+    round_s = predict_round_s(
+        prob.peers,
+        fractions,
+        prob.num_params,
+        prob.bytes_per_param,
+        pairwise,
+        senders=computing,
+        receivers=[prob.ids[j] for j in receivers],
+    )
     steps = xi * prob.unit
-    return Plan(steps_per_s=steps, fractions=fractions, computes=computes_by_id,
-                version=_version(prob, steps, fractions, computes_by_id),
-                num_params=prob.num_params, predicted_round_s=round_s,
-                aggregators=tuple(fractions), computing=computing)
+    return Plan(
+        steps_per_s=steps,
+        fractions=fractions,
+        computes=computes_by_id,
+        version=_version(prob, steps, fractions, computes_by_id),
+        num_params=prob.num_params,
+        predicted_round_s=round_s,
+        aggregators=tuple(fractions),
+        computing=computing,
+    )
 
 
-def _version(prob: _Problem, steps: float, fractions: dict[str, float],
-             computes: dict[str, float]) -> str:
+def _version(prob: _Problem, steps: float, fractions: dict[str, float], computes: dict[str, float]) -> str:
     """sha256 over the canonical inputs and the rounded solution: equal plans, equal versions,
     in any process (float repr is exact; rounding to 9 digits hides last-bit solver noise)."""
+
     def r(v: float) -> str:
         return f"{v:.9g}"
+
     doc = {
-        "peers": [[p.peer_id, repr(float(p.samples_per_s)), repr(float(p.upload)),
-                   repr(float(p.download)), p.can_receive, p.computes] for p in prob.peers],
-        "num_params": prob.num_params, "target_batch": repr(prob.target_batch),
+        "peers": [
+            [
+                p.peer_id,
+                repr(float(p.samples_per_s)),
+                repr(float(p.upload)),
+                repr(float(p.download)),
+                p.can_receive,
+                p.computes,
+            ]
+            for p in prob.peers
+        ],
+        "num_params": prob.num_params,
+        "target_batch": repr(prob.target_batch),
         "bytes_per_param": repr(prob.bytes_per_param),
         "pairwise": [[a, b, repr(t)] for a, b, t in prob.pairwise_raw],
         "steps_per_s": r(steps),
@@ -125,8 +151,9 @@ def snap_cuts(cuts: Sequence[int], boundaries: Sequence[int]) -> list[int]:
         hi = max(last - (k - i), at)  # leave k - i boundaries after this one
         lo = min(at + 1, hi)
         j = int(np.searchsorted(bounds, cut))  # bounds[j - 1] < cut <= bounds[j]
-        best = min(range(max(lo, j - 1), min(hi, j) + 1) or [min(max(j, lo), hi)],
-                   key=lambda x: (abs(bounds[x] - cut), x))
+        best = min(
+            range(max(lo, j - 1), min(hi, j) + 1) or [min(max(j, lo), hi)], key=lambda x: (abs(bounds[x] - cut), x)
+        )
         at = best
         out.append(bounds[at])
     out.append(cuts[-1])

@@ -14,16 +14,26 @@ from scipy.optimize import linprog
 from relay_server.planning.problem import PlanError
 
 
-def solve_lp(cost: np.ndarray, a_ub: sp.csr_array, b_ub: np.ndarray, lb: np.ndarray,
-             ub: np.ndarray, what: str, a_eq: sp.csr_array | None = None,
-             b_eq: np.ndarray | None = None) -> np.ndarray:
+def solve_lp(
+    cost: np.ndarray,
+    a_ub: sp.csr_array,
+    b_ub: np.ndarray,
+    lb: np.ndarray,
+    ub: np.ndarray,
+    what: str,
+    a_eq: sp.csr_array | None = None,
+    b_eq: np.ndarray | None = None,
+) -> np.ndarray:
     """Minimize ``cost @ x`` subject to the rows and bounds; a failure is a :class:`PlanError` naming ``what``."""
     # Dual simplex with HiGHS defaults: serial and deterministic (same inputs, same vertex).
-    res = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq,
-                  bounds=np.column_stack([lb, ub]), method="highs-ds")
+    res = linprog(
+        cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=np.column_stack([lb, ub]), method="highs-ds"
+    )
     if res.status != 0 or res.x is None:
-        raise PlanError(f"the {what} LP failed ({res.status}: {res.message}); the inputs are "
-                        "probably degenerate (check for zero or absurd bandwidths)")
+        raise PlanError(
+            f"the {what} LP failed ({res.status}: {res.message}); the inputs are "
+            "probably degenerate (check for zero or absurd bandwidths)"
+        )
     return np.asarray(res.x)
 
 
@@ -37,8 +47,7 @@ class SparseRows:
         self.b: list[np.ndarray] = []
         self.count = 0
 
-    def add(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | float,
-            rhs: np.ndarray | float) -> None:
+    def add(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | float, rhs: np.ndarray | float) -> None:
         """``rows`` index into this block (0 .. len(rhs)-1)."""
         rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
         self.r.append(rows + self.count)
@@ -51,6 +60,7 @@ class SparseRows:
     def matrix(self, n_vars: int) -> tuple[sp.csr_array, np.ndarray]:
         if not self.r:
             return sp.csr_array((0, n_vars)), np.zeros(0)
-        a = sp.coo_array((np.concatenate(self.v), (np.concatenate(self.r), np.concatenate(self.c))),
-                         shape=(self.count, n_vars))
+        a = sp.coo_array(
+            (np.concatenate(self.v), (np.concatenate(self.r), np.concatenate(self.c))), shape=(self.count, n_vars)
+        )
         return a.tocsr(), np.concatenate(self.b)

@@ -65,7 +65,7 @@ class RecentPeak:
     samples: int = 0
 
     def add(self, x: float) -> None:
-        self.recent = [*self.recent[1 - PEAK_WINDOW:], x]
+        self.recent = [*self.recent[1 - PEAK_WINDOW :], x]
         self.samples += 1
 
     @property

@@ -154,13 +154,13 @@ def _max_xi(part: _Partition) -> float:
     n_agg = part.agg.size
     m = 1 + np.arange(n_agg)
     rows = SparseRows()
-    rows.add(np.r_[np.arange(n_agg), np.arange(n_agg)], np.r_[m, np.zeros(n_agg)],
-             np.r_[part.k, part.own], part.cap)
+    rows.add(np.r_[np.arange(n_agg), np.arange(n_agg)], np.r_[m, np.zeros(n_agg)], np.r_[part.k, part.own], part.cap)
     p_rows, p_cols, p_vals, p_rhs = part.pairs
     rows.add(p_rows, 1 + p_cols, p_vals, p_rhs)
     a_ub, b_ub = rows.matrix(1 + n_agg)
-    a_eq = sp.csr_array((np.r_[-1.0, np.ones(n_agg)], (np.zeros(n_agg + 1, np.int64),
-                         np.arange(n_agg + 1))), shape=(1, 1 + n_agg))  # sum_i m_i = xi
+    a_eq = sp.csr_array(
+        (np.r_[-1.0, np.ones(n_agg)], (np.zeros(n_agg + 1, np.int64), np.arange(n_agg + 1))), shape=(1, 1 + n_agg)
+    )  # sum_i m_i = xi
     ub = np.full(1 + n_agg, part.xi_ub)
     cost = np.zeros(1 + n_agg)
     cost[0] = -1.0
@@ -176,15 +176,18 @@ def _spread(part: _Partition, xi: float) -> np.ndarray:
     spare = np.maximum(part.cap - part.own * xi, 0.0)
     rows = SparseRows()
     pos = np.flatnonzero(part.k > 0)
-    rows.add(np.r_[np.arange(pos.size), np.arange(pos.size)], np.r_[1 + pos, np.zeros(pos.size)],
-             np.r_[part.k[pos], -spare[pos]], np.zeros(pos.size))
+    rows.add(
+        np.r_[np.arange(pos.size), np.arange(pos.size)],
+        np.r_[1 + pos, np.zeros(pos.size)],
+        np.r_[part.k[pos], -spare[pos]],
+        np.zeros(pos.size),
+    )
     neg = np.flatnonzero(part.k < 0)  # a lone computing aggregator: m_x >= xi - cap_x
     rows.add(np.arange(neg.size), 1 + neg, part.k[neg], part.cap[neg] - part.own[neg] * xi)
     p_rows, p_cols, p_vals, p_rhs = part.pairs
     rows.add(p_rows, 1 + p_cols, p_vals, p_rhs)
     a_ub, b_ub = rows.matrix(1 + n_agg)
-    a_eq = sp.csr_array((np.ones(n_agg), (np.zeros(n_agg, np.int64), 1 + np.arange(n_agg))),
-                        shape=(1, 1 + n_agg))
+    a_eq = sp.csr_array((np.ones(n_agg), (np.zeros(n_agg, np.int64), 1 + np.arange(n_agg))), shape=(1, 1 + n_agg))
     ub = np.r_[math.inf, np.full(n_agg, xi)]
     cost = np.zeros(1 + n_agg)
     cost[0] = 1.0
@@ -225,8 +228,7 @@ def _choose_computing(prob: _Problem) -> tuple[np.ndarray, float]:
         for order in orders:
             elig = order[link[order] >= xi]
             need = xi - s_on
-            count = 0 if need <= 0 else int(np.searchsorted(np.cumsum(prob.s[elig]),
-                                                            need * (1 - 1e-12))) + 1
+            count = 0 if need <= 0 else int(np.searchsorted(np.cumsum(prob.s[elig]), need * (1 - 1e-12))) + 1
             count = max(count, 0 if on.size else 1)
             if count <= elig.size and value(np.sort(np.r_[on, elig[:count]])) >= xi * (1 - 1e-9):
                 return True
@@ -244,13 +246,17 @@ def _choose_computing(prob: _Problem) -> tuple[np.ndarray, float]:
         lo, hi = (mid, hi) if feasible(mid) else (lo, mid)
     # best rate; on a tie, more contributors (more compute headroom)
     xi, chosen = max(values.values(), key=lambda v: (v[0], v[1].size))
-    logger.debug("computing set: %d of %d participants, %d sets tried", chosen.size, part.size,
-                 len(values))
+    logger.debug("computing set: %d of %d participants, %d sets tried", chosen.size, part.size, len(values))
     return chosen, xi
 
 
-def solve_plan(peers: Sequence[PeerCapacity], num_params: int, target_batch: float,
-               bytes_per_param: float = 4.0, pairwise: Pairwise | None = None) -> Plan:
+def solve_plan(
+    peers: Sequence[PeerCapacity],
+    num_params: int,
+    target_batch: float,
+    bytes_per_param: float = 4.0,
+    pairwise: Pairwise | None = None,
+) -> Plan:
     """The plan the relay publishes (see the module docstring). Raises :class:`PlanError`.
 
     ``plan.computing`` send a gradient slice to the owner of each slice in ``plan.slices()`` and
@@ -263,8 +269,10 @@ def solve_plan(peers: Sequence[PeerCapacity], num_params: int, target_batch: flo
     part = _partition(prob, chosen)
     xi = _max_xi(part)  # the search may use the closed form; the plan's xi comes from HiGHS
     if xi <= 1e-12:
-        raise PlanError("no plan makes progress: every aggregator or every computing peer has "
-                        "zero bandwidth; check the measured rates")
+        raise PlanError(
+            "no plan makes progress: every aggregator or every computing peer has "
+            "zero bandwidth; check the measured rates"
+        )
     shares = _spread(part, xi)
     computes = np.zeros(len(prob.ids))
     computes[chosen] = 1.0

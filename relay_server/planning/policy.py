@@ -67,11 +67,21 @@ class Planning:
 
         def add(node_id: str, name: str, role: str, sps: float, up: float, down: float) -> None:
             receives = role != "peer"
-            caps.append(PeerCapacity(node_id, sps, up or prior, down or prior, receives,
-                                     computes=None if receives else True))
-            inputs.append(PlanInput(node_id=node_id, name=name, role=role, samples_per_s=sps, upload=up or prior,
-                                    download=down or prior, upload_source="measured" if up else "prior",
-                                    download_source="measured" if down else "prior"))
+            caps.append(
+                PeerCapacity(node_id, sps, up or prior, down or prior, receives, computes=None if receives else True)
+            )
+            inputs.append(
+                PlanInput(
+                    node_id=node_id,
+                    name=name,
+                    role=role,
+                    samples_per_s=sps,
+                    upload=up or prior,
+                    download=down or prior,
+                    upload_source="measured" if up else "prior",
+                    download_source="measured" if down else "prior",
+                )
+            )
 
         add(RELAY_ID, RELAY_ID, "relay", 0.0, self.meter.upload.value, self.meter.download.value)
         for agg in sorted(aggregators, key=lambda a: a.aggregator_id):
@@ -102,8 +112,12 @@ class Planning:
             log.info("no plan yet: %s", exc)
             return None
         self.inputs, self.solved_at = inputs, time.time()
-        log.info("plan %s (%.3g steps/s): %s", plan.version, plan.steps_per_s,
-                 ", ".join(f"{k[:8]}={v:.3f}" for k, v in sorted(plan.fractions.items())))
+        log.info(
+            "plan %s (%.3g steps/s): %s",
+            plan.version,
+            plan.steps_per_s,
+            ", ".join(f"{k[:8]}={v:.3f}" for k, v in sorted(plan.fractions.items())),
+        )
         return plan
 
 

@@ -81,8 +81,13 @@ def _finite_nonneg(value: float, what: str) -> float:
     return value
 
 
-def _normalize(peers: Sequence[PeerCapacity], num_params: int, target_batch: float,
-               bytes_per_param: float, pairwise: Pairwise | None) -> _Problem:
+def _normalize(
+    peers: Sequence[PeerCapacity],
+    num_params: int,
+    target_batch: float,
+    bytes_per_param: float,
+    pairwise: Pairwise | None,
+) -> _Problem:
     if not peers:
         raise PlanError("no peers: a plan needs at least one peer")
     if int(num_params) != num_params or num_params < 1:
@@ -122,10 +127,18 @@ def _normalize(peers: Sequence[PeerCapacity], num_params: int, target_batch: flo
     if unit <= 0:
         raise PlanError("every rate is zero: no compute and no bandwidth measured yet")
     return _Problem(
-        ids=ids, peers=tuple(ordered), s=s / unit, u=u / unit, d=d / unit,
-        recv=np.array([p.can_receive for p in ordered], bool), pin=pin,
-        pairs={k: v / vector_bytes / unit for k, v in pairs_raw.items()}, unit=unit,
-        vector_bytes=vector_bytes, num_params=int(num_params), target_batch=float(target_batch),
+        ids=ids,
+        peers=tuple(ordered),
+        s=s / unit,
+        u=u / unit,
+        d=d / unit,
+        recv=np.array([p.can_receive for p in ordered], bool),
+        pin=pin,
+        pairs={k: v / vector_bytes / unit for k, v in pairs_raw.items()},
+        unit=unit,
+        vector_bytes=vector_bytes,
+        num_params=int(num_params),
+        target_batch=float(target_batch),
         bytes_per_param=float(bytes_per_param),
         pairwise_raw=tuple((ids[a], ids[b], t) for (a, b), t in pairs_raw.items()),
     )
@@ -133,8 +146,12 @@ def _normalize(peers: Sequence[PeerCapacity], num_params: int, target_batch: flo
 
 def _check_solvable(prob: _Problem) -> None:
     if not prob.recv.any():
-        raise PlanError("no peer can receive connections, so nobody can aggregate: start the relay "
-                        "or an aggregator server with a reachable address")
+        raise PlanError(
+            "no peer can receive connections, so nobody can aggregate: start the relay "
+            "or an aggregator server with a reachable address"
+        )
     if prob.participants.size == 0:
-        raise PlanError("no peer computes (all have samples_per_s == 0 or are pinned "
-                        "computes=False): wait for a peer with an accelerator")
+        raise PlanError(
+            "no peer computes (all have samples_per_s == 0 or are pinned "
+            "computes=False): wait for a peer with an accelerator"
+        )

@@ -16,10 +16,15 @@ def _participant_ids(peers: Iterable[PeerCapacity]) -> tuple[str, ...]:
     return tuple(p.peer_id for p in peers if p.samples_per_s > 0 and p.computes is not False)
 
 
-def predict_round_s(peers: Sequence[PeerCapacity], fractions: Mapping[str, float],
-                    num_params: int, bytes_per_param: float = 4.0,
-                    pairwise: Pairwise | None = None, senders: Iterable[str] | None = None,
-                    receivers: Iterable[str] | None = None) -> float:
+def predict_round_s(
+    peers: Sequence[PeerCapacity],
+    fractions: Mapping[str, float],
+    num_params: int,
+    bytes_per_param: float = 4.0,
+    pairwise: Pairwise | None = None,
+    senders: Iterable[str] | None = None,
+    receivers: Iterable[str] | None = None,
+) -> float:
     """Seconds per averaging round when aggregator i owns ``fractions[i]`` of the vector.
 
     Every sender sends its gradient part f_i V to each aggregator i but itself; every
@@ -51,8 +56,7 @@ def predict_round_s(peers: Sequence[PeerCapacity], fractions: Mapping[str, float
         down = f * (len(send) - sends) + (1.0 - f if gets else 0.0)
         worst = max(worst, _seconds(up * vec, p.upload), _seconds(down * vec, p.download))
     for (src, dst), limit in (pairwise or {}).items():
-        sent = (share.get(dst, 0.0) if src in send else 0.0) + \
-            (share.get(src, 0.0) if dst in recv else 0.0)
+        sent = (share.get(dst, 0.0) if src in send else 0.0) + (share.get(src, 0.0) if dst in recv else 0.0)
         worst = max(worst, _seconds(sent * vec, limit))
     return worst
 
@@ -63,8 +67,9 @@ def _seconds(nbytes: float, rate: float) -> float:
     return math.inf if rate <= 0 else nbytes / rate
 
 
-def allreduce_round_s(peers: Sequence[PeerCapacity], num_params: int,
-                      bytes_per_param: float = 4.0, pairwise: Pairwise | None = None) -> float:
+def allreduce_round_s(
+    peers: Sequence[PeerCapacity], num_params: int, bytes_per_param: float = 4.0, pairwise: Pairwise | None = None
+) -> float:
     """Butterfly all-reduce: every participant that can receive owns an equal share."""
     participants = set(_participant_ids(peers))
     owners = [p.peer_id for p in peers if p.can_receive and p.peer_id in participants]
@@ -73,9 +78,9 @@ def allreduce_round_s(peers: Sequence[PeerCapacity], num_params: int,
     return predict_round_s(peers, dict.fromkeys(owners, 1.0), num_params, bytes_per_param, pairwise)
 
 
-def parameter_server_round_s(peers: Sequence[PeerCapacity], num_params: int,
-                             bytes_per_param: float = 4.0,
-                             pairwise: Pairwise | None = None) -> tuple[str, float]:
+def parameter_server_round_s(
+    peers: Sequence[PeerCapacity], num_params: int, bytes_per_param: float = 4.0, pairwise: Pairwise | None = None
+) -> tuple[str, float]:
     """The best single parameter server: ``(peer_id, seconds)`` over the peers that can receive."""
     best: tuple[str, float] | None = None
     for p in sorted(peers, key=lambda q: q.peer_id):

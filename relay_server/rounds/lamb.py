@@ -29,13 +29,22 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, clamp: float = 10.0) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp: float = 10.0,
+    ) -> None:
         if lr <= 0 or eps <= 0 or weight_decay < 0 or clamp < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid LAMB settings: lr={lr} betas={betas} eps={eps} "
-                             f"weight_decay={weight_decay} clamp={clamp}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                                  "clamp": clamp})
+            raise ValueError(
+                f"invalid LAMB settings: lr={lr} betas={betas} eps={eps} weight_decay={weight_decay} clamp={clamp}"
+            )
+        super().__init__(
+            params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "clamp": clamp}
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -71,11 +80,11 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
         # update = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps), built in one buffer
         update = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(update, [math.sqrt(1.0 - beta2 ** t) for t in steps])
+        torch._foreach_div_(update, [math.sqrt(1.0 - beta2**t) for t in steps])
         torch._foreach_add_(update, eps)
         torch._foreach_reciprocal_(update)
         torch._foreach_mul_(update, exp_avgs)
-        torch._foreach_div_(update, [1.0 - beta1 ** t for t in steps])
+        torch._foreach_div_(update, [1.0 - beta1**t for t in steps])
         if wd:
             torch._foreach_add_(update, params, alpha=wd)
         w_norm = torch.stack(torch._foreach_norm(params)).double()

@@ -57,5 +57,8 @@ class OuterRoundRule:
         made, contributors = self._contributors
         if made != step:
             contributors = frozenset()
-        return all(p.samples > 0 for p in registry.peers.values()
-                   if p.version == step or (p.version < step and p.peer_id in contributors))
+        return all(
+            p.samples > 0
+            for p in registry.peers.values()
+            if p.version == step or (p.version < step and p.peer_id in contributors)
+        )

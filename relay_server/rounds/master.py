@@ -67,12 +67,22 @@ class MasterState:
     """Parameters ``[start, end)`` of the flat vector plus the optimizer that updates them.
     ``params`` is the whole vector (P,) or just the slice (end - start,)."""
 
-    def __init__(self, layout: list[ParamSpec], params: np.ndarray, cfg: OptimizerSection,
-                 total_steps: int, step: int = 0, start: int = 0, end: int | None = None, *, adopt: bool = False) -> None:
+    def __init__(
+        self,
+        layout: list[ParamSpec],
+        params: np.ndarray,
+        cfg: OptimizerSection,
+        total_steps: int,
+        step: int = 0,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        adopt: bool = False,
+    ) -> None:
         self.cfg, self.total_steps, self.step = cfg, total_steps, step
         self.start, self.end = start, params.size if end is None else end
         whole = (self.start, self.end) == (0, params.size) and params.dtype == np.float32 and params.flags.c_contiguous
-        values = params if params.size == self.end - self.start else params[self.start:self.end]  # slice or whole
+        values = params if params.size == self.end - self.start else params[self.start : self.end]  # slice or whole
         # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
         self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
         self.grad = torch.zeros_like(self.flat)
@@ -82,14 +92,13 @@ class MasterState:
             lo, hi = max(spec.offset, self.start), min(spec.offset + math.prod(spec.shape), self.end)
             if lo >= hi:
                 continue
-            p = torch.nn.Parameter(self.flat[lo - self.start:hi - self.start])  # shares storage
-            p.grad = self.grad[lo - self.start:hi - self.start]
+            p = torch.nn.Parameter(self.flat[lo - self.start : hi - self.start])  # shares storage
+            p.grad = self.grad[lo - self.start : hi - self.start]
             (decay if len(spec.shape) >= 2 else no_decay).append((p, lo - self.start))
         self.params = [p for p, _ in decay + no_decay]
         self.positions = [at for _, at in decay + no_decay]  # where each param starts within the slice
         decay, no_decay = [p for p, _ in decay], [p for p, _ in no_decay]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.optimizer = _make_optimizer(groups, cfg)
 
     @property
@@ -140,8 +149,12 @@ class MasterState:
             return "the parameters"
         for p, state in self.optimizer.state.items():
             for key, value in state.items():
-                if (torch.is_tensor(value) and value.is_floating_point() and value.numel()
-                        and not math.isfinite(_extent(value))):
+                if (
+                    torch.is_tensor(value)
+                    and value.is_floating_point()
+                    and value.numel()
+                    and not math.isfinite(_extent(value))
+                ):
                     return f"the optimizer state {key!r}"
         return ""
 
@@ -167,12 +180,14 @@ class MasterState:
                 value = value if torch.is_tensor(value) else torch.tensor(float(value))
                 if value.numel() == p.numel() and value.ndim == 1:
                     flat = out.setdefault(f"opt.{key}", np.zeros(self.numel, dtype=np.float32))
-                    flat[at:at + p.numel()] = value.detach().float().numpy()
+                    flat[at : at + p.numel()] = value.detach().float().numpy()
                 elif value.numel() == 1:
                     out.setdefault(f"opt_scalar.{key}", np.asarray(float(value), dtype=np.float64))
                 else:  # e.g. blockwise-quantized state, whose blocks do not survive re-slicing
-                    raise ValueError(f"optimizer state {key!r} of shape {tuple(value.shape)} cannot be "
-                                     "moved between slices; use 32-bit optimizer state with aggregators")
+                    raise ValueError(
+                        f"optimizer state {key!r} of shape {tuple(value.shape)} cannot be "
+                        "moved between slices; use 32-bit optimizer state with aggregators"
+                    )
         return out
 
     def import_state(self, state: dict[str, np.ndarray], step: int) -> None:
@@ -183,7 +198,7 @@ class MasterState:
             values: dict[str, torch.Tensor] = {}
             for name, array in state.items():
                 if name.startswith("opt."):
-                    values[name[4:]] = torch.from_numpy(np.array(array[at:at + p.numel()], dtype=np.float32))
+                    values[name[4:]] = torch.from_numpy(np.array(array[at : at + p.numel()], dtype=np.float32))
                 elif name.startswith("opt_scalar."):
                     # one value; () as exported, (1,) once it crossed the wire (containers are flat)
                     values[name[11:]] = torch.tensor(float(np.asarray(array).reshape(-1)[0]), dtype=torch.float32)
@@ -222,7 +237,7 @@ def overflow_safe_norm(tensor: torch.Tensor, chunk: int = 1 << 14) -> float:
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is retried below, not a warning
         for start in range(0, flat.size, chunk):
-            part = flat[start:start + chunk]
+            part = flat[start : start + chunk]
             square = float(np.dot(part, part))
             if not math.isfinite(square):
                 wide = part.astype(np.float64)
@@ -263,8 +278,10 @@ def _check_slice(layout: list[ParamSpec], start: int, end: int, cfg: OptimizerSe
     if cfg.name == "lamb":
         bounds = set(tensor_boundaries(layout))
         if start not in bounds or end not in bounds:
-            raise ConfigError(f"optimizer.name = 'lamb' needs slices on tensor boundaries; [{start}, {end}) cuts a "
-                              "tensor (its trust ratio is per tensor)")
+            raise ConfigError(
+                f"optimizer.name = 'lamb' needs slices on tensor boundaries; [{start}, {end}) cuts a "
+                "tensor (its trust ratio is per tensor)"
+            )
 
 
 def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Optimizer:

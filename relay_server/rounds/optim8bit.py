@@ -68,9 +68,11 @@ def bitsandbytes_cpu() -> ModuleType:
 def check_supported(name: str, weight_decay: float) -> None:
     """Fail early, naming the setting, for combinations 8-bit state would silently change."""
     if name == "adam" and weight_decay:
-        raise ConfigError("optimizer.state_bits = 8 with optimizer.name = adam: bitsandbytes' 8-bit Adam decays "
-                          "weights like AdamW (decoupled), not like torch Adam (L2); use optimizer.name = adamw "
-                          "or weight_decay = 0")
+        raise ConfigError(
+            "optimizer.state_bits = 8 with optimizer.name = adam: bitsandbytes' 8-bit Adam decays "
+            "weights like AdamW (decoupled), not like torch Adam (L2); use optimizer.name = adamw "
+            "or weight_decay = 0"
+        )
     if name not in ("adam", "adamw"):
         raise ConfigError(f"optimizer.state_bits = 8 is for adam/adamw, not {name!r}; set optimizer.state_bits = 32")
 
@@ -122,8 +124,9 @@ def make_adamw8bit(groups: list[dict], cfg: Any) -> torch.optim.Optimizer:
     """
     check_supported(cfg.name, cfg.weight_decay)
     betas = (float(cfg.betas[0]), float(cfg.betas[1]))
-    return _optimizer_class()(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=0.0,
-                              min_8bit_size=MIN_8BIT_SIZE)
+    return _optimizer_class()(
+        groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=0.0, min_8bit_size=MIN_8BIT_SIZE
+    )
 
 
 def fp32_state(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,8 +141,9 @@ def fp32_state(values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         s = values[f"state{i}"]
         if s.dtype == torch.uint8:
             bnb = bitsandbytes_cpu()
-            s = bnb.functional.dequantize_blockwise(s, absmax=values[f"absmax{i}"].float(),
-                                                    code=values[f"qmap{i}"].float(), blocksize=BLOCK)
+            s = bnb.functional.dequantize_blockwise(
+                s, absmax=values[f"absmax{i}"].float(), code=values[f"qmap{i}"].float(), blocksize=BLOCK
+            )
         moments.append(s.float().clone())
     return {"step": step, "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 

@@ -50,7 +50,6 @@ class Version:
     delta_path: Path | None  # delta from ``step - 1`` (lossy codecs only)
 
 
-
 # Hashes a version while the reducer thread writes it; one per process, shared by every publisher
 # (a slice owner, and so its publisher, is rebuilt whenever slices move).
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
@@ -96,13 +95,24 @@ class Publisher(Board):
 
     latest: Version | None
 
-    def __init__(self, store: Store, codec: Codec, master: MasterState, public: np.ndarray | None = None,
-                 *, fsync: bool = False, feedback: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        codec: Codec,
+        master: MasterState,
+        public: np.ndarray | None = None,
+        *,
+        fsync: bool = False,
+        feedback: float = 1.0,
+    ) -> None:
         super().__init__()
         self.store, self.codec, self.master, self.fsync = store, codec, master, fsync
         self.feedback = feedback  # run.download_feedback: the share of master - public kept per version
-        self.deltas = None if codec.lossless else DeltaEncoder(
-            codec, public if public is not None else master.flat.numpy().copy())
+        self.deltas = (
+            None
+            if codec.lossless
+            else DeltaEncoder(codec, public if public is not None else master.flat.numpy().copy())
+        )
 
     @property
     def public(self) -> np.ndarray:
@@ -122,8 +132,12 @@ class Publisher(Board):
                 master *= self.feedback
                 np.add(master, self.public, out=master)
             delta_path = self.store.state_path(step).with_suffix(".delta")
-            write_file(delta_path, delta, {"step": str(step), "base": str(step - 1), "kind": "delta",
-                                           "codec": self.codec.name}, fsync=self.fsync)
+            write_file(
+                delta_path,
+                delta,
+                {"step": str(step), "base": str(step - 1), "kind": "delta", "codec": self.codec.name},
+                fsync=self.fsync,
+            )
         tensors = [("params", self.public)]
         if self.deltas is not None:
             tensors.append(("master", self.master.flat.numpy()))
@@ -134,8 +148,15 @@ class Publisher(Board):
         header, _ = write_file(path, tensors, {"step": str(step), **meta}, fsync=self.fsync)
         sha = digest.result()
         entry = header.entry("params")
-        return Version(step=step, path=path, offset=header.header_bytes + entry.begin, nbytes=entry.end - entry.begin,
-                       numel=entry.numel, sha256=sha or "", delta_path=delta_path)
+        return Version(
+            step=step,
+            path=path,
+            offset=header.header_bytes + entry.begin,
+            nbytes=entry.end - entry.begin,
+            numel=entry.numel,
+            sha256=sha or "",
+            delta_path=delta_path,
+        )
 
     def apply_step(self, global_norm: float | None = None) -> StepReport:
         """The master's optimizer step (reducer thread), or :class:`NonFiniteStep` with the master
@@ -178,8 +199,15 @@ class Publisher(Board):
             while piece := fh.read(min(nbytes - fh.tell() + offset, 4 << 20)):
                 digest.update(piece)
         delta = path.with_suffix(".delta")
-        return Version(step=step, path=path, offset=offset, nbytes=nbytes, numel=entry.numel,
-                       sha256=digest.hexdigest(), delta_path=delta if delta.exists() else None)
+        return Version(
+            step=step,
+            path=path,
+            offset=offset,
+            nbytes=nbytes,
+            numel=entry.numel,
+            sha256=digest.hexdigest(),
+            delta_path=delta if delta.exists() else None,
+        )
 
     # --- event loop side ------------------------------------------------------------------------
     async def send(self, request: web.Request, version: Version, have: int | None) -> web.StreamResponse:
@@ -187,9 +215,12 @@ class Publisher(Board):
         is lossy; everyone else gets the full parameters. Both are written here (``sendfile``), so
         the answer's ``content_length`` is what went out when this returns: the relay's traffic
         counters (:mod:`relay_server.rounds.traffic`) add it."""
-        headers = {"Content-Type": "application/octet-stream", "X-Collab-Step": str(version.step),
-                   "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
-                   "Cache-Control": "no-store"}  # the answer depends on the query: caches use the immutable URLs
+        headers = {
+            "Content-Type": "application/octet-stream",
+            "X-Collab-Step": str(version.step),
+            "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
+            "Cache-Control": "no-store",
+        }  # the answer depends on the query: caches use the immutable URLs
         delta = version.delta_path is not None and have == version.step - 1
         header = b"" if delta else _full_header(version.step, version.numel)
         # Open the file before any byte goes out: an error here (out of descriptors) is still a

@@ -61,8 +61,12 @@ def robust_config(rounds: RoundsSection) -> CenteredClipConfig | None:
     """The CenteredClip settings of ``rounds.aggregation = "centered_clip"``; None for the mean."""
     if rounds.aggregation != "centered_clip":
         return None
-    return CenteredClipConfig(iterations=rounds.clip_iterations, tau=rounds.clip_tau,
-                              tau_scale=rounds.clip_tau_scale, max_weight_ratio=rounds.clip_max_weight_ratio)
+    return CenteredClipConfig(
+        iterations=rounds.clip_iterations,
+        tau=rounds.clip_tau,
+        tau_scale=rounds.clip_tau_scale,
+        max_weight_ratio=rounds.clip_max_weight_ratio,
+    )
 
 
 @dataclass
@@ -173,8 +177,9 @@ class Reducer:
     """Sums gradient parts into ``buffer`` (float32, the slice's length) chunk by chunk; with
     ``robust`` set, stores them per peer and writes the CenteredClip center instead."""
 
-    def __init__(self, buffer: np.ndarray, codec: Codec, robust: CenteredClipConfig | None = None,
-                 spool_dir: str | None = None) -> None:
+    def __init__(
+        self, buffer: np.ndarray, codec: Codec, robust: CenteredClipConfig | None = None, spool_dir: str | None = None
+    ) -> None:
         self.sum = buffer
         self.spool_dir = spool_dir  # where uploads in flight wait for their last chunk (None: the temp dir)
         self.codec = codec
@@ -184,8 +189,9 @@ class Reducer:
         # One chunk's payload: payload_size(CHUNK_ELEMS) elements encode CHUNK_ELEMS values (all
         # codecs' alignments divide CHUNK_ELEMS, so chunks are whole value ranges of any codec).
         self._chunk_payload = codec.payload_size(CHUNK_ELEMS)
-        self._staging = np.empty(max(CHUNK_ELEMS * 4, self._chunk_payload * codec.payload_dtype.itemsize),
-                                 dtype=np.uint8)  # a chunk that arrived in pieces
+        self._staging = np.empty(
+            max(CHUNK_ELEMS * 4, self._chunk_payload * codec.payload_dtype.itemsize), dtype=np.uint8
+        )  # a chunk that arrived in pieces
         self.robust_config = robust
         self._robust = self._new_accumulator()
         self._excluded: set[str] = set()  # peers removed this round: their further chunks are refused
@@ -230,11 +236,23 @@ class Reducer:
         try:
             self.codec.check_layout(header.entries, self.numel)
         except ValueError as exc:
-            raise ApiError(422, "bad_tensor", str(exc), "The peer's model or codec does not match the run's "
-                           f"({self.numel} parameters, codec {self.codec.name!r}).") from None
+            raise ApiError(
+                422,
+                "bad_tensor",
+                str(exc),
+                "The peer's model or codec does not match the run's "
+                f"({self.numel} parameters, codec {self.codec.name!r}).",
+            ) from None
 
-    async def reduce(self, reader: AsyncContainerReader, header: Header, samples: int,
-                     still_open: Callable[[], bool], progress: UploadProgress, peer_id: str = "") -> None:
+    async def reduce(
+        self,
+        reader: AsyncContainerReader,
+        header: Header,
+        samples: int,
+        still_open: Callable[[], bool],
+        progress: UploadProgress,
+        peer_id: str = "",
+    ) -> None:
         """Stream one upload in, whole or not at all. ``still_open`` is checked before each
         chunk and at the commit point; ``progress`` says whether it committed. Robust mode keys
         the stored chunks by ``peer_id`` (required there)."""
@@ -294,8 +312,9 @@ class Reducer:
         count = min(CHUNK_ELEMS, self.numel - start)
         return self.codec.decode_range(side, raw, start, out=self._scratch[:count])
 
-    def _stage(self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int, peer_id: str,
-               spool: _Spool | None) -> None:
+    def _stage(
+        self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int, peer_id: str, spool: _Spool | None
+    ) -> None:
         """Reducer thread: gather, decode and validate one chunk; spool it (mean) or store it
         per peer (robust). Nothing enters the sum here."""
         raw = piece.gather(self._staging)
@@ -311,15 +330,21 @@ class Reducer:
         elif spool is not None:
             spool.write(piece, raw)
 
-    def _commit(self, side: dict[str, np.ndarray], dtype: np.dtype, spool: _Spool | None,
-                chunks: list[tuple[int, int]], samples: int) -> None:
+    def _commit(
+        self,
+        side: dict[str, np.ndarray],
+        dtype: np.dtype,
+        spool: _Spool | None,
+        chunks: list[tuple[int, int]],
+        samples: int,
+    ) -> None:
         """Reducer thread: add a verified upload's spooled chunks into the sum, with their weights."""
         try:
             if spool is not None:
                 spool.rewind()
                 for start, count in chunks:
                     values = self._decoded(side, spool.read(self._staging, count * dtype.itemsize, dtype), start)
-                    segment = self.sum[start:start + values.size]
+                    segment = self.sum[start : start + values.size]
                     np.add(segment, values, out=segment)
             for start, _ in chunks:
                 self.weights[start // CHUNK_ELEMS] += samples
@@ -337,7 +362,7 @@ class Reducer:
                 log.info("CenteredClip clipped peer %s in %d chunk(s)", peer_id[:8], chunks)
             return
         for c, weight in enumerate(self.weights):
-            segment = self.sum[c * CHUNK_ELEMS:(c + 1) * CHUNK_ELEMS]
+            segment = self.sum[c * CHUNK_ELEMS : (c + 1) * CHUNK_ELEMS]
             if weight > 0:
                 np.divide(segment, np.float32(weight), out=segment)
             else:
@@ -366,16 +391,28 @@ def check_chunk(values: np.ndarray) -> None:
     if np.isfinite(square):
         return
     if not np.isfinite(values).all():
-        raise ApiError(422, "non_finite", "gradient contains NaN or Inf",
-                       "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT)
-    raise ApiError(422, "gradient_too_large", f"a {CHUNK_ELEMS}-value chunk of the gradient has an L2 norm above "
-                   f"{CHUNK_NORM_MAX:.3g}, beyond what the relay can sum in float32",
-                   "The run has diverged on this peer: lower the learning rate, or clip gradients. " + _REFUSED_HINT)
+        raise ApiError(
+            422,
+            "non_finite",
+            "gradient contains NaN or Inf",
+            "Lower the learning rate or enable loss scaling. " + _REFUSED_HINT,
+        )
+    raise ApiError(
+        422,
+        "gradient_too_large",
+        f"a {CHUNK_ELEMS}-value chunk of the gradient has an L2 norm above "
+        f"{CHUNK_NORM_MAX:.3g}, beyond what the relay can sum in float32",
+        "The run has diverged on this peer: lower the learning rate, or clip gradients. " + _REFUSED_HINT,
+    )
 
 
 def _removed() -> ApiError:
-    return ApiError(403, "peer_removed", "this peer was removed from the round by the organizer",
-                    "Contact the organizer if you think this is a mistake.")
+    return ApiError(
+        403,
+        "peer_removed",
+        "this peer was removed from the round by the organizer",
+        "Contact the organizer if you think this is a mistake.",
+    )
 
 
 class _Closed(RoundClosedMidUpload):

@@ -76,8 +76,13 @@ def capped_weights(weights: Sequence[float], max_ratio: float) -> np.ndarray:
     return w / w.sum()
 
 
-def centered_clip(xs: Sequence[np.ndarray] | np.ndarray, weights: Sequence[float], *,
-                  config: CenteredClipConfig = CenteredClipConfig(), start: np.ndarray | None = None) -> ClipResult:
+def centered_clip(
+    xs: Sequence[np.ndarray] | np.ndarray,
+    weights: Sequence[float],
+    *,
+    config: CenteredClipConfig = CenteredClipConfig(),
+    start: np.ndarray | None = None,
+) -> ClipResult:
     """The CenteredClip center of the rows ``xs`` (n vectors of d values)."""
     rows = [np.asarray(x, dtype=np.float32).reshape(-1) for x in xs]
     if not rows or any(r.shape != rows[0].shape for r in rows):
@@ -150,8 +155,9 @@ class RobustAccumulator:
                 continue
             peers = sorted(chunk)
             start = None if self.start is None else self.start[lo:hi]
-            result = centered_clip([chunk[p][0] for p in peers], [chunk[p][1] for p in peers],
-                                   config=self.config, start=start)
+            result = centered_clip(
+                [chunk[p][0] for p in peers], [chunk[p][1] for p in peers], config=self.config, start=start
+            )
             grad[lo:hi] = result.center
             if result.clipped:
                 for p in peers:

@@ -42,6 +42,7 @@ class RoundLog:
     """The samples the step applied, when not the sum of the contributions: a pipeline's batch,
     which every stage's workers contributed to (each credited with the samples of its stage)."""
 
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS peers (
@@ -99,8 +100,9 @@ class Store:
             raise FileNotFoundError(path)
         store = cls.__new__(cls)
         store.dir, store.keep, store.fsync = Path(data_dir), 0, False
-        store.db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, isolation_level=None,
-                                   check_same_thread=False)
+        store.db = sqlite3.connect(
+            f"{path.absolute().as_uri()}?mode=ro", uri=True, isolation_level=None, check_same_thread=False
+        )
         store._banned = {u.casefold() for (u,) in store.db.execute("SELECT username FROM bans")}
         return store
 
@@ -131,8 +133,9 @@ class Store:
         self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     # --- master state -------------------------------------------------------------------------
-    def commit(self, step: int, sha256: str, round_log: RoundLog | None = None,
-               meta: dict[str, str] | None = None) -> None:
+    def commit(
+        self, step: int, sha256: str, round_log: RoundLog | None = None, meta: dict[str, str] | None = None
+    ) -> None:
         """Make version ``step`` (its state file already written) the one a restart resumes from,
         with the round that produced it (and ``meta`` entries), in one transaction; then prune
         old versions."""
@@ -173,23 +176,36 @@ class Store:
         self.db.execute(
             "INSERT INTO peers (peer_id, name, username, device, joined_at, last_seen) VALUES (?,?,?,?,?,?) "
             "ON CONFLICT(peer_id) DO UPDATE SET last_seen = excluded.last_seen",
-            (peer_id, name, username, device, now, now))
+            (peer_id, name, username, device, now, now),
+        )
 
     def known_peer(self, peer_id: str) -> tuple[str, str, str] | None:
-        return self.db.execute("SELECT name, username, device FROM peers WHERE peer_id = ?",
-                               (peer_id,)).fetchone()
+        return self.db.execute("SELECT name, username, device FROM peers WHERE peer_id = ?", (peer_id,)).fetchone()
 
     def _record_round(self, step: int, r: RoundLog, finalized_at: float) -> None:
         """Log round ``step`` and credit each contributing peer (inside the caller's transaction)."""
-        self.db.execute("INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
-                        "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (step, finalized_at, len(r.contributions), _applied(r), finite_or_none(r.loss),
-                         r.duration_s, r.deadline_s, r.finalized_by, finite_or_none(r.lr), finite_or_none(r.grad_norm),
-                         json.dumps(r.outcomes, sort_keys=True)))
+        self.db.execute(
+            "INSERT INTO rounds (step, finalized_at, contributors, samples, loss, duration_s, deadline_s, "
+            "finalized_by, lr, grad_norm, outcomes) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                step,
+                finalized_at,
+                len(r.contributions),
+                _applied(r),
+                finite_or_none(r.loss),
+                r.duration_s,
+                r.deadline_s,
+                r.finalized_by,
+                finite_or_none(r.lr),
+                finite_or_none(r.grad_norm),
+                json.dumps(r.outcomes, sort_keys=True),
+            ),
+        )
         self.db.executemany(
             "UPDATE peers SET samples_contributed = samples_contributed + ?, "
             "rounds_contributed = rounds_contributed + 1 WHERE peer_id = ?",
-            [(samples, peer_id) for peer_id, samples in r.contributions.items()])
+            [(samples, peer_id) for peer_id, samples in r.contributions.items()],
+        )
 
     def contributions(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT peer_id, samples_contributed FROM peers"))
@@ -197,7 +213,9 @@ class Store:
     def recent_rounds(self, limit: int = 200) -> list[tuple]:
         return self.db.execute(
             "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at, lr, grad_norm "
-            "FROM rounds ORDER BY step DESC LIMIT ?", (limit,)).fetchall()[::-1]
+            "FROM rounds ORDER BY step DESC LIMIT ?",
+            (limit,),
+        ).fetchall()[::-1]
 
     def round_outcomes(self, steps: list[int]) -> dict[int, dict[str, str]]:
         """The uploads of rounds ``steps`` that were not counted plainly whole (see :class:`RoundLog`)."""
@@ -210,13 +228,16 @@ class Store:
         samples first: the leaderboard's data plus who joined without contributing (moderation)."""
         return self.db.execute(
             "SELECT username, SUM(samples_contributed), SUM(rounds_contributed), COUNT(*), MAX(joined_at) "
-            "FROM peers GROUP BY username COLLATE NOCASE ORDER BY 2 DESC, username").fetchall()
+            "FROM peers GROUP BY username COLLATE NOCASE ORDER BY 2 DESC, username"
+        ).fetchall()
 
     def leaderboard(self, limit: int = 100) -> list[tuple[str, int, int]]:
         """(username, samples, rounds) summed over all of a volunteer's peers, best first."""
         return self.db.execute(
             "SELECT username, SUM(samples_contributed) AS samples, SUM(rounds_contributed) FROM peers "
-            "GROUP BY username HAVING samples > 0 ORDER BY samples DESC, username LIMIT ?", (limit,)).fetchall()
+            "GROUP BY username HAVING samples > 0 ORDER BY samples DESC, username LIMIT ?",
+            (limit,),
+        ).fetchall()
 
 
 def _applied(r: RoundLog) -> int:

@@ -23,8 +23,9 @@ progress reports said its samples grew since it joined (compute-only timing legi
 the wall-clock rate, by its share of time spent waiting on rounds: 10x is a generous margin)."""
 
 
-def measured_samples_per_s(points: Sequence[tuple[float, int]], window: int = RATE_WINDOW,
-                           now: float | None = None) -> tuple[float | None, int]:
+def measured_samples_per_s(
+    points: Sequence[tuple[float, int]], window: int = RATE_WINDOW, now: float | None = None
+) -> tuple[float | None, int]:
     """(samples/s, rounds it spans) over the last ``window`` of ``points``, (finalized_at unix
     seconds, samples applied) oldest first: the samples of the last k rounds over the time from
     the end of the round before them to the end of the last one (the first round's samples only

@@ -26,5 +26,10 @@ class Traffic:
 
     def report(self) -> TrafficStatus:
         per = (lambda n: n / self.samples) if self.samples else (lambda n: None)
-        return TrafficStatus(up_bytes=self.up_bytes, down_bytes=self.down_bytes, samples=self.samples,
-                             up_bytes_per_sample=per(self.up_bytes), down_bytes_per_sample=per(self.down_bytes))
+        return TrafficStatus(
+            up_bytes=self.up_bytes,
+            down_bytes=self.down_bytes,
+            samples=self.samples,
+            up_bytes_per_sample=per(self.up_bytes),
+            down_bytes_per_sample=per(self.down_bytes),
+        )

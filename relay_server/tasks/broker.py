@@ -68,15 +68,26 @@ log = logging.getLogger(__name__)
 
 
 class TaskBroker:
-    def __init__(self, store: PayloadStore, *, max_queued_rows: int = 4096, retain_s: float = 30.0,
-                 clock=time.monotonic, lease_floor_s: float = 2.0, lease_factor: float = 4.0,
-                 initial_lease_s: float = 30.0, lease_window: int = 32, affinity_prefix: int = 1) -> None:
+    def __init__(
+        self,
+        store: PayloadStore,
+        *,
+        max_queued_rows: int = 4096,
+        retain_s: float = 30.0,
+        clock=time.monotonic,
+        lease_floor_s: float = 2.0,
+        lease_factor: float = 4.0,
+        initial_lease_s: float = 30.0,
+        lease_window: int = 32,
+        affinity_prefix: int = 1,
+    ) -> None:
         self.store = store
         self.max_queued_rows = max_queued_rows
         self.retain_s = retain_s
         self.clock = clock
-        self.timer = LeaseTimer(floor_s=lease_floor_s, factor=lease_factor, initial_s=initial_lease_s,
-                                window=lease_window)
+        self.timer = LeaseTimer(
+            floor_s=lease_floor_s, factor=lease_factor, initial_s=initial_lease_s, window=lease_window
+        )
         self._leases = LeaseBook(self.timer)
         self.tasks: dict[str, Task] = {}
         self._by_call: dict[tuple[str, str], Task] = {}
@@ -92,27 +103,61 @@ class TaskBroker:
         self.stats = BrokerStats()
 
     # --- callers ------------------------------------------------------------------------------
-    def submit(self, *, caller: str, call_id: str, key: str, kind: str, rows: int, payload: bytes,
-               timeout_s: float, after: Collection[str] = (), group: str = "",
-               requeue_on_loss: bool = False, priority: tuple = (), prefer: str | None = None) -> Task:
+    def submit(
+        self,
+        *,
+        caller: str,
+        call_id: str,
+        key: str,
+        kind: str,
+        rows: int,
+        payload: bytes,
+        timeout_s: float,
+        after: Collection[str] = (),
+        group: str = "",
+        requeue_on_loss: bool = False,
+        priority: tuple = (),
+        prefer: str | None = None,
+    ) -> Task:
         """Post a task (or find the one this call id already posted)."""
         existing = self._by_call.get((caller, call_id))
         if existing is not None:
             if existing.key != key or existing.kind != kind or existing.payload.size != len(payload):
-                raise ApiError(409, "call_id_reused", f"call id {call_id!r} was used for a different call",
-                               "Use a fresh call id for every new call (retries reuse theirs).")
+                raise ApiError(
+                    409,
+                    "call_id_reused",
+                    f"call id {call_id!r} was used for a different call",
+                    "Use a fresh call id for every new call (retries reuse theirs).",
+                )
             return existing
         if self._queues.rows(key) + rows > self.max_queued_rows:
             self.stats.refused_busy += 1
-            raise ApiError(429, "queue_busy", f"{key} has {self._queues.rows(key)} rows queued "
-                           f"(limit {self.max_queued_rows})", "Treat it as a failed call; do not retry at once.")
+            raise ApiError(
+                429,
+                "queue_busy",
+                f"{key} has {self._queues.rows(key)} rows queued (limit {self.max_queued_rows})",
+                "Treat it as a failed call; do not retry at once.",
+            )
         for dep in after:
             if dep not in self.tasks:
                 raise ApiError(404, "unknown_task", f"task {dep!r} (a dependency) is unknown or was released")
         seq = next(self._ids)
-        task = Task(task_id=f"t{seq}", seq=seq, key=key, kind=kind, caller=caller, call_id=call_id, rows=rows,
-                    payload=self.store.put(payload), deadline=self.clock() + timeout_s, after=tuple(after),
-                    group=group, requeue_on_loss=requeue_on_loss, priority=tuple(priority), prefer=prefer)
+        task = Task(
+            task_id=f"t{seq}",
+            seq=seq,
+            key=key,
+            kind=kind,
+            caller=caller,
+            call_id=call_id,
+            rows=rows,
+            payload=self.store.put(payload),
+            deadline=self.clock() + timeout_s,
+            after=tuple(after),
+            group=group,
+            requeue_on_loss=requeue_on_loss,
+            priority=tuple(priority),
+            prefer=prefer,
+        )
         self.tasks[task.task_id] = task
         self._by_call[(caller, call_id)] = task
         self._open_by_key.setdefault(key, {})[task.task_id] = task
@@ -166,8 +211,12 @@ class TaskBroker:
         if task.state == LEASED:
             self._requeue(task)
         elif task.state != QUEUED:
-            raise ApiError(409, "task_not_leased", f"task {task_id!r} is {task.state}, not leased",
-                           "Only a leased task can be put back.")
+            raise ApiError(
+                409,
+                "task_not_leased",
+                f"task {task_id!r} is {task.state}, not leased",
+                "Only a leased task can be put back.",
+            )
         return task
 
     def cancel(self, task_id: str, error: ApiError) -> Task:
@@ -181,8 +230,9 @@ class TaskBroker:
         return task
 
     # --- workers ------------------------------------------------------------------------------
-    async def lease(self, worker: str, keys: Collection[str], *, max_rows: int, wait_s: float,
-                    skip_lapsed: bool = False) -> list[Task]:
+    async def lease(
+        self, worker: str, keys: Collection[str], *, max_rows: int, wait_s: float, skip_lapsed: bool = False
+    ) -> list[Task]:
         """The best queued tasks of ``keys`` (at least one, at most ``max_rows`` rows after the
         first), waiting up to ``wait_s`` for one to arrive on one of them (``skip_lapsed``: :mod:`.queues`)."""
         deadline = self.clock() + wait_s
@@ -207,8 +257,12 @@ class TaskBroker:
         ``task_expired`` (unknown, released, or past its deadline), else :meth:`Task.check_answer_from`."""
         task = self.tasks.get(task_id)
         if task is None or task.state == FAILED and task.error is not None and task.error.code == "task_timeout":
-            raise ApiError(410, "task_expired", f"task {task_id!r} ended (deadline passed or released)",
-                           "Drop this result; take the next task.")
+            raise ApiError(
+                410,
+                "task_expired",
+                f"task {task_id!r} ended (deadline passed or released)",
+                "Drop this result; take the next task.",
+            )
         task.check_answer_from(worker)
         return task
 
@@ -239,8 +293,12 @@ class TaskBroker:
         previous lessee's failure must not end a task another worker is computing."""
         task = self.leased(worker, task_id)
         if task.state != LEASED or task.worker != worker:
-            raise ApiError(409, "not_your_task", f"your lease on task {task_id!r} lapsed; it was re-dispatched",
-                           "Drop it; take the next task.")
+            raise ApiError(
+                409,
+                "not_your_task",
+                f"your lease on task {task_id!r} lapsed; it was re-dispatched",
+                "Drop it; take the next task.",
+            )
         self._fail(task, error)
         return task
 
@@ -250,8 +308,12 @@ class TaskBroker:
             if task.requeue_on_loss and task.deadline > self.clock():
                 self._requeue(task)
             else:
-                self._fail(task, ApiError(410, "worker_gone", f"the worker computing {task.key} left",
-                                          "Treat it as a failed call."))
+                self._fail(
+                    task,
+                    ApiError(
+                        410, "worker_gone", f"the worker computing {task.key} left", "Treat it as a failed call."
+                    ),
+                )
         self._by_worker.pop(worker, None)
         self._queues.forget_worker(worker)
 
@@ -272,8 +334,13 @@ class TaskBroker:
             self._fail(entry[-1], timeout_error(entry[-1]))
         for task in self._leases.expired(now):
             self.stats.lease_expired += 1
-            log.info("lease of %s on %s by %s expired after %.1f s; requeued", task.task_id, task.key,
-                     (task.worker or "")[:16], now - task.leased_at)
+            log.info(
+                "lease of %s on %s by %s expired after %.1f s; requeued",
+                task.task_id,
+                task.key,
+                (task.worker or "")[:16],
+                now - task.leased_at,
+            )
             self._requeue(task)
         while self._ended:
             task = next(iter(self._ended.values()))
@@ -295,9 +362,13 @@ class TaskBroker:
         return self._queues.rows(key)
 
     def summary(self) -> dict[str, int]:
-        return {"tasks": len(self.tasks), "queued": self._queues.total_rows(),
-                "memory_bytes": self.store.memory_bytes, "spilled_bytes": self.store.spilled_bytes,
-                **self.stats.__dict__}
+        return {
+            "tasks": len(self.tasks),
+            "queued": self._queues.total_rows(),
+            "memory_bytes": self.store.memory_bytes,
+            "spilled_bytes": self.store.spilled_bytes,
+            **self.stats.__dict__,
+        }
 
     # --- internals ----------------------------------------------------------------------------
     def _known(self, task_id: str) -> Task:
@@ -361,8 +432,10 @@ class TaskBroker:
         self.stats.failed += 1
         self._closed(task)
         for dependent in self._dependents.pop(task.task_id, []):
-            self._fail(dependent, ApiError(424, "dependency_failed", f"task {task.task_id} it comes after failed: "
-                                           f"{error.message}"))
+            self._fail(
+                dependent,
+                ApiError(424, "dependency_failed", f"task {task.task_id} it comes after failed: {error.message}"),
+            )
 
     def _closed(self, task: Task) -> None:
         """Bookkeeping of a task that just ended."""

@@ -116,7 +116,7 @@ class ReadyQueues:
         if best is None:
             return None
         mine = _min_head(self._preferred.get(worker, {}), keys)
-        if mine is not None and mine[0][:self.affinity_prefix] <= best[0][:self.affinity_prefix]:
+        if mine is not None and mine[0][: self.affinity_prefix] <= best[0][: self.affinity_prefix]:
             return mine[-1]
         return best[-1]
 

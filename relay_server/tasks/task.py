@@ -68,14 +68,26 @@ class Task:
         lessee and, while the task is not done, its previous lessees may (first result wins:
         :mod:`.broker`)."""
         if not self.held_by(worker):
-            raise ApiError(409, "not_your_task", f"task {self.task_id!r} is not leased to this worker",
-                           "Only send results for tasks your own lease returned.")
+            raise ApiError(
+                409,
+                "not_your_task",
+                f"task {self.task_id!r} is not leased to this worker",
+                "Only send results for tasks your own lease returned.",
+            )
         if self.state == DONE or self.cancelled:
-            raise ApiError(409, "task_done", f"task {self.task_id!r} already has its result (or was cancelled)",
-                           "Drop this result (it was not counted); take the next task.")
+            raise ApiError(
+                409,
+                "task_done",
+                f"task {self.task_id!r} already has its result (or was cancelled)",
+                "Drop this result (it was not counted); take the next task.",
+            )
         if self.state not in (LEASED, QUEUED):
-            raise ApiError(409, "not_your_task", f"task {self.task_id!r} is {self.state}",
-                           "Only send results for tasks your own lease returned.")
+            raise ApiError(
+                409,
+                "not_your_task",
+                f"task {self.task_id!r} is {self.state}",
+                "Only send results for tasks your own lease returned.",
+            )
 
     async def until_ended(self, clock: Callable[[], float]) -> bool:
         """Wait until the task ended (True) or its deadline passed on ``clock`` (False), never
@@ -107,7 +119,6 @@ class BrokerStats:
     """Results accepted from a previous lessee (first result wins)."""
     wakeups: int = 0
     """Waiting lease calls woken by a task arriving on one of their keys."""
-
 
 
 def timeout_error(task: Task) -> ApiError:

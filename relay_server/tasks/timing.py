@@ -30,7 +30,9 @@ from relay_server.tasks.queues import LazyHeap
 
 
 class LeaseTimer:
-    def __init__(self, *, floor_s: float = 2.0, factor: float = 4.0, initial_s: float = 30.0, window: int = 32) -> None:
+    def __init__(
+        self, *, floor_s: float = 2.0, factor: float = 4.0, initial_s: float = 30.0, window: int = 32
+    ) -> None:
         if not floor_s > 0:
             raise ValueError("lease_floor_s must be > 0 seconds (the shortest lease a measured key gets)")
         if not factor >= 1:
@@ -59,8 +61,10 @@ class LeaseTimer:
 
     def report(self) -> dict[str, dict[str, float | int]]:
         """Per measured key: ``measured_s``, ``samples`` and ``lease_deadline_s`` (for the dashboard)."""
-        return {key: {"measured_s": self._median[key], "samples": len(samples), "lease_deadline_s": self.deadline(key)}
-                for key, samples in self._samples.items()}
+        return {
+            key: {"measured_s": self._median[key], "samples": len(samples), "lease_deadline_s": self.deadline(key)}
+            for key, samples in self._samples.items()
+        }
 
 
 class LeaseBook:

@@ -43,7 +43,7 @@ def set_partitions(items: Sequence[int]) -> Iterator[list[list[int]]]:
     first, rest = items[0], items[1:]
     for part in set_partitions(rest):
         for i in range(len(part)):
-            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+            yield part[:i] + [[first] + part[i]] + part[i + 1 :]
         yield [[first]] + part
 
 
@@ -88,7 +88,7 @@ def brute_force_partition(inst: Instance, incumbent: Partition | None = None) ->
                 prev = order[-2] if len(order) > 1 else None
                 low = max(low, steps * ev.stage_floor(prev, order[-1], nxt, clients[order[-1]]))
             if low < best[0]:
-                walk(order + [nxt], rest[:i] + rest[i + 1:], clients, steps, low)
+                walk(order + [nxt], rest[:i] + rest[i + 1 :], clients, steps, low)
 
     for part in set_partitions(list(range(len(inst.server_compute)))):
         if len(part) <= inst.layers:

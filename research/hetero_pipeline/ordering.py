@@ -59,8 +59,9 @@ def open_tsp_dp(dist: np.ndarray) -> tuple[list[int], float]:
     return path, float(best[full - 1, end])
 
 
-def open_tsp_anneal(dist: np.ndarray, seed: int = 0, steps: int = 400, restarts: int = 5,
-                    start_temp: float | None = None) -> tuple[list[int], float]:
+def open_tsp_anneal(
+    dist: np.ndarray, seed: int = 0, steps: int = 400, restarts: int = 5, start_temp: float | None = None
+) -> tuple[list[int], float]:
     """Simulated annealing over 2-opt reversals and single moves, geometric cooling, a seeded RNG
     (the same seed gives the same path), each run polished by descent to a local optimum.
     Restarts from random paths keep the best; the paper gives no schedule, so the defaults are
@@ -82,9 +83,9 @@ def open_tsp_anneal(dist: np.ndarray, seed: int = 0, steps: int = 400, restarts:
             temp = temp0 * (1e-4 ** (step / steps))
             i, j = sorted(rng.sample(range(n), 2))
             if rng.random() < 0.5:
-                cand = path[:i] + path[i:j + 1][::-1] + path[j + 1:]
+                cand = path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
             else:
-                cand = path[:i] + path[i + 1:]
+                cand = path[:i] + path[i + 1 :]
                 cand.insert(j, path[i])
             new = sum(rows[a][b] for a, b in zip(cand, cand[1:]))
             if new <= cost or rng.random() < math.exp((cost - new) / temp):
@@ -100,8 +101,8 @@ def path_neighbours(path: list) -> Iterator[list]:
     n = len(path)
     for i in range(n):
         for j in range(i + 1, n):
-            yield path[:i] + path[i:j + 1][::-1] + path[j + 1:]
-            moved = path[:i] + path[i + 1:]
+            yield path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
+            moved = path[:i] + path[i + 1 :]
             moved.insert(j, path[i])
             yield moved
 

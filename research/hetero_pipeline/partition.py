@@ -73,8 +73,10 @@ def diana_split(dist: np.ndarray, cluster: frozenset) -> tuple[frozenset, frozen
     splinter = {seed}
     rest.remove(seed)
     while len(rest) > 1:
-        gain = {i: np.mean([dist[i, j] for j in rest if j != i]) - np.mean([dist[i, j] for j in splinter])
-                for i in sorted(rest)}
+        gain = {
+            i: np.mean([dist[i, j] for j in rest if j != i]) - np.mean([dist[i, j] for j in splinter])
+            for i in sorted(rest)
+        }
         best = max(gain, key=lambda i: (gain[i], -i))
         if gain[best] <= 0:
             break
@@ -103,8 +105,9 @@ class PartitionSearch:
     "proportional" (the paper's step 6); ``refine`` the local-search polish. The paper's own
     procedure is ``allocation="proportional", refine=False`` with ``patience=1``."""
 
-    def __init__(self, inst: Instance, order: str = "dp", seed: int = 0, allocation: str = "minmax",
-                 refine: bool = True) -> None:
+    def __init__(
+        self, inst: Instance, order: str = "dp", seed: int = 0, allocation: str = "minmax", refine: bool = True
+    ) -> None:
         if order not in ("dp", "sa"):
             raise ValueError(f"order must be 'dp' or 'sa', not {order!r}")
         if allocation not in ("minmax", "proportional"):
@@ -166,13 +169,20 @@ class PartitionSearch:
         best = min(levels, key=lambda r: r[0])
         if self.refine:
             reached: dict = {}
-            best = min((_refine(lv, self.complete, self.inst.layers, stages, reached) for lv in levels),
-                       key=lambda r: r[0])
+            best = min(
+                (_refine(lv, self.complete, self.inst.layers, stages, reached) for lv in levels), key=lambda r: r[0]
+            )
         return self.ev.partition(best[1], best[2])
 
 
-def plan_partition(inst: Instance, order: str = "dp", seed: int = 0, patience: int | None = None,
-                   allocation: str = "minmax", refine: bool = True) -> Partition:
+def plan_partition(
+    inst: Instance,
+    order: str = "dp",
+    seed: int = 0,
+    patience: int | None = None,
+    allocation: str = "minmax",
+    refine: bool = True,
+) -> Partition:
     """The planner's partition of ``inst`` (see :class:`PartitionSearch` for the options)."""
     return PartitionSearch(inst, order, seed, allocation, refine).plan(patience)
 
@@ -192,9 +202,9 @@ def _neighbours(clusters: list[frozenset], max_stages: int):
         for j in sorted(c):
             rest = [c - {j}] if len(c) > 1 else []
             for k, d in enumerate(others):
-                yield others[:k] + others[k + 1:] + rest + [d | {j}]
+                yield others[:k] + others[k + 1 :] + rest + [d | {j}]
                 for i in sorted(d):
-                    yield others[:k] + others[k + 1:] + [c - {j} | {i}, d - {i} | {j}]
+                    yield others[:k] + others[k + 1 :] + [c - {j} | {i}, d - {i} | {j}]
             if rest and len(clusters) < max_stages:
                 yield others + rest + [frozenset({j})]
     for a in range(len(clusters)):
@@ -202,8 +212,13 @@ def _neighbours(clusters: list[frozenset], max_stages: int):
             yield [x for k, x in enumerate(clusters) if k not in (a, b)] + [clusters[a] | clusters[b]]
 
 
-def _refine(best: tuple[float, list[frozenset], list[int]], complete, max_stages: int, stages: int | None = None,
-            reached: dict | None = None):
+def _refine(
+    best: tuple[float, list[frozenset], list[int]],
+    complete,
+    max_stages: int,
+    stages: int | None = None,
+    reached: dict | None = None,
+):
     """Local search after the hierarchy: take the first neighbouring clustering (:func:`_neighbours`)
     that lowers the predicted time, until none does. The paper's clustering reads only the
     communication graph; a device's memory or compute can make another cluster its better home.

@@ -124,8 +124,9 @@ class PartitionEvaluator:
         total = sum(self.pair_rows[i][j] for i in src for j in dst) / n
         return Hop(alpha, self.t / (total - alpha)) if total > alpha else Hop(alpha, math.inf)
 
-    def split_frontal_backward(self, cluster: frozenset, prev: frozenset | None,
-                               nxt: frozenset | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def split_frontal_backward(
+        self, cluster: frozenset, prev: frozenset | None, nxt: frozenset | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Step 4: a server is frontal when it is nearer (mean pair time) the previous stage than
         the next, else backward; an empty side takes the slowest server of the other. A lone
         server is both. A missing neighbour is infinitely far: the first stage's servers are all
@@ -168,8 +169,9 @@ class PartitionEvaluator:
         b = min(side, key=lambda b: pair[j][b])
         return self.alpha_rows[j][b], 1.0 / self.beta_rows[j][b]
 
-    def _stage_setup(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
-                     clients: tuple[int, ...]) -> tuple[float, list, list, list, list]:
+    def _stage_setup(
+        self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None, clients: tuple[int, ...]
+    ) -> tuple[float, list, list, list, list]:
         """A stage's boundary time and, per computing device, its fixed delay, seconds moved per
         sample, seconds per sample-layer and layer capacity (:meth:`stage_vector` turns them into
         times). A server computes between its nearest frontal and backward server (itself if it is one),
@@ -195,18 +197,21 @@ class PartitionEvaluator:
             moved.append((a / ub[f_in] if prev else 0.0) + (a / ub[b_out] if nxt else 0.0))
             inv.append(1.0 / self.cu[i])
             caps.append(self.inst.capacity(False, i))
-        edge = boundary_time(self.link(prev, cluster) if prev else None,
-                             self.link(nxt, cluster) if nxt else None, self.t)
+        edge = boundary_time(
+            self.link(prev, cluster) if prev else None, self.link(nxt, cluster) if nxt else None, self.t
+        )
         return edge, fixed, moved, inv, caps
 
-    def _stage_vector(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
-                      clients: tuple[int, ...]) -> np.ndarray:
+    def _stage_vector(
+        self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None, clients: tuple[int, ...]
+    ) -> np.ndarray:
         """Boundary plus Eq. 1 time of a stage for 1..L layers (index h-1), shares balanced."""
         edge, fixed, moved, inv, caps = self.stage_setup(prev, cluster, nxt, clients)
         return edge + water_levels(fixed, moved, inv, self.inst.microbatch, self.inst.layers, caps)
 
-    def stage_floor(self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None,
-                    clients: tuple[int, ...]) -> float:
+    def stage_floor(
+        self, prev: frozenset | None, cluster: frozenset, nxt: frozenset | None, clients: tuple[int, ...]
+    ) -> float:
         """The stage's time with one layer: a bound no allocation goes below (the brute force's
         pruning needs only this, not the whole vector)."""
         edge, fixed, moved, inv, caps = self.stage_setup(prev, cluster, nxt, clients)
@@ -216,9 +221,12 @@ class PartitionEvaluator:
         """Per-stage time vectors (index h-1) of an ordered clustering, clients placed by step 5."""
         clusters = tuple(order)
         clients = self.clients_of(frozenset(clusters))
-        return [self.stage_vector(clusters[k - 1] if k else None, c,
-                                  clusters[k + 1] if k + 1 < len(clusters) else None, clients[c])
-                for k, c in enumerate(clusters)]
+        return [
+            self.stage_vector(
+                clusters[k - 1] if k else None, c, clusters[k + 1] if k + 1 < len(clusters) else None, clients[c]
+            )
+            for k, c in enumerate(clusters)
+        ]
 
     def compute_of(self, order: Sequence[frozenset]) -> list[float]:
         """Total compute of each stage: its servers' plus its clients'."""
@@ -236,7 +244,8 @@ class PartitionEvaluator:
         clients = self.clients_of(frozenset(order))
         stages = []
         for k, c in enumerate(order):
-            front, back = self.split_frontal_backward(c, order[k - 1] if k else None,
-                                                      order[k + 1] if k + 1 < len(order) else None)
+            front, back = self.split_frontal_backward(
+                c, order[k - 1] if k else None, order[k + 1] if k + 1 < len(order) else None
+            )
             stages.append(Cluster(tuple(sorted(c)), front, back, clients[c], int(layers[k])))
         return Partition(tuple(stages), self.time(order, layers))

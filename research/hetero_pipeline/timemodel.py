@@ -81,16 +81,16 @@ def compute_shares(computes: Sequence[float], microbatch: float) -> tuple[float,
     return tuple(microbatch * c / total for c in computes)
 
 
-def balanced_shares(devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, layers: int,
-                    bytes_per_sample: float) -> tuple[float, ...]:
+def balanced_shares(
+    devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, layers: int, bytes_per_sample: float
+) -> tuple[float, ...]:
     """Shares of a micro-batch that make every working device of Eq. 1 finish at the same time
     (water filling). The paper splits by compute alone, which lets one device behind a slow link
     hold the whole stage; a task pool instead hands such a device less work, down to none when its
     fixed delays alone exceed the others' finishing time. ``devices`` are (compute, hop in, hop
     out); with all-local hops the result equals :func:`compute_shares`."""
     fixed = [h_in.alpha + h_out.alpha for _, h_in, h_out in devices]
-    per = [bytes_per_sample / h_in.beta + bytes_per_sample / h_out.beta + layers / c
-           for c, h_in, h_out in devices]
+    per = [bytes_per_sample / h_in.beta + bytes_per_sample / h_out.beta + layers / c for c, h_in, h_out in devices]
     order = sorted(range(len(devices)), key=lambda i: fixed[i])
     level, inv, weighted = math.inf, 0.0, 0.0
     for rank, i in enumerate(order):
@@ -108,8 +108,9 @@ def boundary_time(forward: Hop | None, backward: Hop | None, microbatch_bytes: f
     return sum(h.time(microbatch_bytes) for h in (forward, backward) if h is not None)
 
 
-def pipeline_time(stage_times: Sequence[float], boundary_times: Sequence[float], microbatches: int,
-                  warmup: bool = False) -> float:
+def pipeline_time(
+    stage_times: Sequence[float], boundary_times: Sequence[float], microbatches: int, warmup: bool = False
+) -> float:
     """Eq. 2: under 1F1B the batch's ``d`` micro-batches pass the slowest stage one after another,
     so a batch takes ``d * max_k (boundary_k + DT_k)``. The paper drops warm-up and drain; with
     ``warmup`` they are kept as DAPPLE counts them, ``(d + K - 1)`` bottleneck steps: the first
@@ -127,16 +128,23 @@ def balanced_stage_time(microbatch: float, total_layers: int, total_compute: flo
     return microbatch * total_layers / total_compute
 
 
-def balanced_pipeline_time(boundary_times: Sequence[float], microbatch: float, total_layers: int,
-                           total_compute: float, microbatches: int, warmup: bool = False) -> float:
+def balanced_pipeline_time(
+    boundary_times: Sequence[float],
+    microbatch: float,
+    total_layers: int,
+    total_compute: float,
+    microbatches: int,
+    warmup: bool = False,
+) -> float:
     """Eq. 2 with every stage's DT_k replaced by Eq. 3: the estimate the clustering search can make
     before it has placed clients or layers."""
     dt = balanced_stage_time(microbatch, total_layers, total_compute)
     return pipeline_time([dt] * len(boundary_times), boundary_times, microbatches, warmup)
 
 
-def balanced_stage_times(devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, max_layers: int,
-                         bytes_per_sample: float) -> np.ndarray:
+def balanced_stage_times(
+    devices: Sequence[tuple[float, Hop, Hop]], microbatch: float, max_layers: int, bytes_per_sample: float
+) -> np.ndarray:
     """Eq. 1 under :func:`balanced_shares` for 1..``max_layers`` layers at once (index h-1): every
     working device finishes at the water level, so the stage time is the level. Using only the
     ``r`` devices with the smallest fixed delays gives a level ``T_r`` that is never below the true
@@ -148,8 +156,14 @@ def balanced_stage_times(devices: Sequence[tuple[float, Hop, Hop]], microbatch: 
     return water_levels(fixed, moved, 1.0 / np.array([c for c, _, _ in devices]), microbatch, max_layers)
 
 
-def water_levels(fixed: Sequence[float], moved: Sequence[float], inv_compute: Sequence[float], microbatch: float,
-                 max_layers: int, capacity: Sequence[float] | None = None) -> np.ndarray:
+def water_levels(
+    fixed: Sequence[float],
+    moved: Sequence[float],
+    inv_compute: Sequence[float],
+    microbatch: float,
+    max_layers: int,
+    capacity: Sequence[float] | None = None,
+) -> np.ndarray:
     """The arithmetic of :func:`balanced_stage_times`: per device its fixed delay, its transfer
     seconds per sample and its seconds per sample-layer; a device with a ``capacity`` below h
     layers sits out at h (``inf`` where nobody can hold h). Plain floats: the partition's brute

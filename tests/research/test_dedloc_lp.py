@@ -31,15 +31,15 @@ def as_dicts(sol: lpm._Relaxed) -> dict:
     prob, lay, x = sol.prob, sol.lay, sol.x
     ids, rate = prob.ids, prob.unit * prob.vector_bytes
     c = {ids[k]: (1.0 if prob.pin[k] == 1 else float(x[lay.c_col[k]])) for k in lay.receivers}
-    return {"xi": float(x[0]) * prob.unit, "c": c,
-            "a": {(ids[k], ids[i]): float(x[col]) * rate for k, i, col in
-                  zip(lay.a_k, lay.a_i, lay.a_col)},
-            "g": {(ids[i], ids[j]): float(x[col]) * rate for i, j, col in
-                  zip(lay.g_i, lay.g_j, lay.g_col)}}
+    return {
+        "xi": float(x[0]) * prob.unit,
+        "c": c,
+        "a": {(ids[k], ids[i]): float(x[col]) * rate for k, i, col in zip(lay.a_k, lay.a_i, lay.a_col)},
+        "g": {(ids[i], ids[j]): float(x[col]) * rate for i, j, col in zip(lay.g_i, lay.g_j, lay.g_col)},
+    }
 
 
-def eq5_violation(peers: list[PeerCapacity], num_params: int, batch: float, pairwise: dict,
-                  sol: dict) -> float:
+def eq5_violation(peers: list[PeerCapacity], num_params: int, batch: float, pairwise: dict, sol: dict) -> float:
     """Largest violation of eq. 5 (our semantics, see planner docstring), relative to the
     fastest link; written from the paper's statement, independently of the LP builders."""
     vec = num_params * 4.0
@@ -61,14 +61,17 @@ def eq5_violation(peers: list[PeerCapacity], num_params: int, batch: float, pair
         for j in parts:
             for k in parts:
                 if k.peer_id != i.peer_id:
-                    le(g[(i.peer_id, j.peer_id)],
-                       a[(k.peer_id, i.peer_id)] + (1 - c[k.peer_id]) * big)
+                    le(g[(i.peer_id, j.peer_id)], a[(k.peer_id, i.peer_id)] + (1 - c[k.peer_id]) * big)
     for p in peers:
         pid = p.peer_id
-        le(sum(v for (s, r), v in a.items() if s == pid)
-           + sum(v for (s, r), v in g.items() if s == pid and r != pid), p.upload)
-        le(sum(v for (s, r), v in a.items() if r == pid)
-           + sum(v for (s, r), v in g.items() if r == pid and s != pid), p.download)
+        le(
+            sum(v for (s, r), v in a.items() if s == pid) + sum(v for (s, r), v in g.items() if s == pid and r != pid),
+            p.upload,
+        )
+        le(
+            sum(v for (s, r), v in a.items() if r == pid) + sum(v for (s, r), v in g.items() if r == pid and s != pid),
+            p.download,
+        )
     for (src, dst), limit in pairwise.items():
         le(a.get((src, dst), 0.0) + g.get((src, dst), 0.0), limit)
     worst += [-v / scale for v in itertools.chain(a.values(), g.values())]
@@ -96,8 +99,9 @@ def test_literal_and_compact_eq5_have_equal_optimum_and_both_solutions_are_feasi
         for i in (p for p in peers if p.can_receive):
             parts = [p.peer_id for p in peers if p.samples_per_s > 0 and p.computes is not False]
             m_i = min(lit["g"][(i.peer_id, j)] for j in parts)
-            big = max(i.download, i.upload, sum(p.samples_per_s for p in peers
-                                                if p.peer_id in parts) / batch * params * 4)
+            big = max(
+                i.download, i.upload, sum(p.samples_per_s for p in peers if p.peer_id in parts) / batch * params * 4
+            )
             for k in parts:
                 if k != i.peer_id:
                     slack = lit["a"][(k, i.peer_id)] + (1 - lit["c"][k]) * big - m_i
@@ -146,9 +150,17 @@ def test_partition_lp_equals_best_sliced_eq5_plan():
         computing = {p.peer_id for p in peers if p.samples_per_s > 0 and rng.random() < 0.7}
         if not computing:
             continue
-        pinned = [PeerCapacity(p.peer_id, p.samples_per_s, p.upload, p.download, p.can_receive,
-                               p.peer_id in computing if p.samples_per_s > 0 else None)
-                  for p in peers]
+        pinned = [
+            PeerCapacity(
+                p.peer_id,
+                p.samples_per_s,
+                p.upload,
+                p.download,
+                p.can_receive,
+                p.peer_id in computing if p.samples_per_s > 0 else None,
+            )
+            for p in peers
+        ]
         prob = pbm._normalize(pinned, 10_000_000, 500.0, 4.0, pairwise)
         chosen = np.flatnonzero([pid in computing for pid in prob.ids])
         fast = pm._max_xi(pm._partition(prob, chosen))
@@ -157,4 +169,3 @@ def test_partition_lp_equals_best_sliced_eq5_plan():
         _, sliced = lpm._max_sliced(prob, lay, a_ub, b_ub, lb, ub, 0.0)
         assert fast == pytest.approx(min(prob.xi_cap, sliced), rel=1e-5, abs=1e-9), checked
         checked += 1
-

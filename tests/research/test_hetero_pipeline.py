@@ -36,6 +36,7 @@ def _rows(m: np.ndarray) -> tuple[tuple[float, ...], ...]:
 
 # ---------------------------------------------------------------- Eq. 1-3 (B1)
 
+
 def test_eq1_and_eq2_equal_hand_computed_values() -> None:
     # Fixture 1: a client behind two links and a collocated server, 2 layers, 1000 B/sample.
     client = DeviceLoad(share=3, compute=10, hop_in=Hop(0.01, 1e5), hop_out=Hop(0.02, 2e5))
@@ -60,8 +61,18 @@ def test_eq1_and_eq2_equal_hand_computed_values() -> None:
     # Fixture 3: two servers, one stage each (the first reads its data, the last computes the
     # loss in place), layers [1, 2], micro-batch 2 x 1e4 B. Stage 0: 2*1/10 + gradient hop
     # 0.02 + 2e4/2e6 = 0.23; stage 1: 2*2/20 + activation hop 0.01 + 2e4/1e6 = 0.23; d + K - 1 = 5.
-    inst = Instance((10.0, 20.0), ((0.0, 0.01), (0.02, 0.0)), ((math.inf, 1e6), (2e6, math.inf)),
-                    (), (), (), layers=3, microbatch=2.0, bytes_per_sample=1e4, microbatches=4)
+    inst = Instance(
+        (10.0, 20.0),
+        ((0.0, 0.01), (0.02, 0.0)),
+        ((math.inf, 1e6), (2e6, math.inf)),
+        (),
+        (),
+        (),
+        layers=3,
+        microbatch=2.0,
+        bytes_per_sample=1e4,
+        microbatches=4,
+    )
     order = [frozenset({0}), frozenset({1})]
     assert PartitionEvaluator(inst).time(order, [1, 2]) == pytest.approx(5 * 0.23, abs=1e-12)
 
@@ -80,8 +91,14 @@ def test_balanced_shares_finish_together_and_equal_eq1() -> None:
     rng = np.random.default_rng(7)
     for _ in range(50):
         n = int(rng.integers(1, 7))
-        devices = [(float(rng.uniform(1, 50)), Hop(float(rng.uniform(0, 0.2)), float(rng.uniform(1e5, 1e7))),
-                    Hop(float(rng.uniform(0, 0.2)), float(rng.uniform(1e5, 1e7)))) for _ in range(n)]
+        devices = [
+            (
+                float(rng.uniform(1, 50)),
+                Hop(float(rng.uniform(0, 0.2)), float(rng.uniform(1e5, 1e7))),
+                Hop(float(rng.uniform(0, 0.2)), float(rng.uniform(1e5, 1e7))),
+            )
+            for _ in range(n)
+        ]
         microbatch, bps, max_layers = float(rng.uniform(1, 16)), float(rng.uniform(1e3, 1e5)), 6
         vector = balanced_stage_times(devices, microbatch, max_layers, bps)
         for h in range(1, max_layers + 1):
@@ -98,6 +115,7 @@ def test_balanced_shares_finish_together_and_equal_eq1() -> None:
 
 
 # ---------------------------------------------------------------- stage order (B2)
+
 
 def test_open_tsp_dp_equals_brute_force_on_up_to_8_nodes() -> None:
     rng = np.random.default_rng(11)
@@ -126,6 +144,7 @@ def test_annealing_reaches_within_1pct_of_optimum_on_10_nodes() -> None:
 
 # ---------------------------------------------------------------- layers
 
+
 def test_layer_allocation_by_largest_remainder() -> None:
     assert allocate_layers([1.0, 1.0, 2.0], 10) == [3, 3, 4]
     assert allocate_layers([100.0, 1.0], 5) == [4, 1]
@@ -152,6 +171,7 @@ def test_minmax_allocation_equals_enumeration() -> None:
 
 # ---------------------------------------------------------------- planner vs brute force (B3)
 
+
 def _random_instance(rng: np.random.Generator) -> Instance:
     """Up to 6 servers on up to 3 sites (fast links inside a site, slow across), some relaying
     only; up to 8 clients behind slow links; up to 12 layers; each client holding between a quarter
@@ -169,9 +189,20 @@ def _random_instance(rng: np.random.Generator) -> Instance:
     floor = -(-layers // int((compute > 0).sum()))  # computing servers alone can always hold the model
     caps = np.concatenate([rng.integers(floor, layers + 1, s), rng.integers(max(1, layers // 4), layers + 1, u)])
     caps = [float(c) for c in caps]
-    return Instance(tuple(compute.tolist()), _rows(alpha), _rows(beta), tuple(rng.uniform(10, 100, u).tolist()),
-                    _rows(rng.uniform(0.02, 0.15, (u, s))), _rows(rng.uniform(5e6, 5e7, (u, s))), layers, 4.0,
-                    float(rng.uniform(1e4, 1e6)), 8, tuple(caps[:s]), tuple(caps[s:]))
+    return Instance(
+        tuple(compute.tolist()),
+        _rows(alpha),
+        _rows(beta),
+        tuple(rng.uniform(10, 100, u).tolist()),
+        _rows(rng.uniform(0.02, 0.15, (u, s))),
+        _rows(rng.uniform(5e6, 5e7, (u, s))),
+        layers,
+        4.0,
+        float(rng.uniform(1e4, 1e6)),
+        8,
+        tuple(caps[:s]),
+        tuple(caps[s:]),
+    )
 
 
 def test_planner_within_110pct_of_brute_force_on_200_instances() -> None:
@@ -186,13 +217,16 @@ def test_planner_within_110pct_of_brute_force_on_200_instances() -> None:
         stages.append(len(optimum.stages))
     r = np.array(ratios)
     within, worst = float(np.mean(r <= 1.10 + 1e-12)), float(r.max())
-    print(f"planner/brute force on 200 instances: within 1.10x {within:.3f}, worst {worst:.3f}, "
-          f"optimal stage counts {dict(sorted((k, stages.count(k)) for k in set(stages)))}")
+    print(
+        f"planner/brute force on 200 instances: within 1.10x {within:.3f}, worst {worst:.3f}, "
+        f"optimal stage counts {dict(sorted((k, stages.count(k)) for k in set(stages)))}"
+    )
     assert r.min() >= 1 - 1e-9, "the brute force is the optimum: the planner cannot beat it"
     assert within >= 0.90 and worst <= 1.25, f"within 1.10x on {within:.1%}, worst {worst:.3f}"
 
 
 # ---------------------------------------------------------------- section 4.4 (B4)
+
 
 def _section_4_4() -> Instance:
     """Two 3-device cliques (4090s: 20 layer-samples/s, 12 of 24 layers in memory) on two sites,
@@ -209,8 +243,20 @@ def _section_4_4() -> Instance:
             alpha[i, j], beta[i, j] = 0.1, 3e7
     client_alpha, client_beta = np.full((4, n), 0.12), np.full((4, n), 2.5e7)
     client_alpha[:, 6:], client_beta[:, 6:] = 0.1, 3e7
-    return Instance((20.0,) * 6 + (9.0,) * 2, _rows(alpha), _rows(beta), (9.0,) * 4, _rows(client_alpha),
-                    _rows(client_beta), 24, 4.0, 2 * 256 * 1024, 16, (12.0,) * 6 + (8.0,) * 2, (8.0,) * 4)
+    return Instance(
+        (20.0,) * 6 + (9.0,) * 2,
+        _rows(alpha),
+        _rows(beta),
+        (9.0,) * 4,
+        _rows(client_alpha),
+        _rows(client_beta),
+        24,
+        4.0,
+        2 * 256 * 1024,
+        16,
+        (12.0,) * 6 + (8.0,) * 2,
+        (8.0,) * 4,
+    )
 
 
 def test_section_4_4_structure_gives_three_stages() -> None:

@@ -31,8 +31,14 @@ def pass_for(response: LoginResponse, peer: PeerKey, url: str = RELAY_URL) -> Ac
 def raw_pass(token: str, relay_key: RelayKey, lifetime_s: float = 600) -> AccessPass:
     """An AccessPass around any token (forgeries included), skipping the peer's own checks."""
     claims, _, _ = decode_pass(token)
-    return AccessPass(token=token, claims=claims, relay_public=relay_key.public, clock_offset_s=0.0,
-                      received_mono=time.monotonic(), lifetime_s=lifetime_s)
+    return AccessPass(
+        token=token,
+        claims=claims,
+        relay_public=relay_key.public,
+        clock_offset_s=0.0,
+        received_mono=time.monotonic(),
+        lifetime_s=lifetime_s,
+    )
 
 
 @dataclass
@@ -45,20 +51,32 @@ class Env:
     banned: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.verifier = RequestVerifier(self.relay_key, max_skew_s=SKEW, is_banned=self.banned.__contains__,
-                                        clock=self.clock)
+        self.verifier = RequestVerifier(
+            self.relay_key, max_skew_s=SKEW, is_banned=self.banned.__contains__, clock=self.clock
+        )
         self.issuer = PassIssuer(self.relay_key, ttl_s=600, clock=self.clock)
         self.access = pass_for(self.issuer.issue("alice", self.peer.public_raw), self.peer)
-        self.access = AccessPass(token=self.access.token, claims=self.access.claims,
-                                 relay_public=self.access.relay_public, clock_offset_s=0.0,
-                                 received_mono=self.access.received_mono, lifetime_s=self.access.lifetime_s)
+        self.access = AccessPass(
+            token=self.access.token,
+            claims=self.access.claims,
+            relay_public=self.access.relay_public,
+            clock_offset_s=0.0,
+            received_mono=self.access.received_mono,
+            lifetime_s=self.access.lifetime_s,
+        )
         self.auth = self.auth_with(self.access)
 
     def auth_with(self, access: AccessPass, peer: PeerKey | None = None, clock=None) -> SignedAuth:
         return SignedAuth(peer or self.peer, AccessPassHolder(lambda previous: access), clock=clock or self.clock)
 
-    def signed(self, method: str = "POST", path: str = "/api/peers/p1/heartbeat", body: bytes | None = b'{"a":1}',
-               auth: SignedAuth | None = None, content_type: str = "application/json") -> requests.PreparedRequest:
+    def signed(
+        self,
+        method: str = "POST",
+        path: str = "/api/peers/p1/heartbeat",
+        body: bytes | None = b'{"a":1}',
+        auth: SignedAuth | None = None,
+        content_type: str = "application/json",
+    ) -> requests.PreparedRequest:
         headers = {"Content-Type": content_type} if body is not None else {}
         prepared = requests.Request(method, RELAY_URL + path, data=body, headers=headers).prepare()
         return (auth or self.auth)(prepared)

@@ -30,8 +30,9 @@ class BlipProxy:
                 with contextlib.suppress(asyncio.CancelledError):  # close() ends it
                     await server.serve_forever()
 
-        self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(serve()), daemon=True,
-                                        name="blip-proxy")
+        self._thread = threading.Thread(
+            target=lambda: self._loop.run_until_complete(serve()), daemon=True, name="blip-proxy"
+        )
         self._thread.start()
         if not ready.wait(10):
             raise RuntimeError("the blip proxy did not start")
@@ -42,10 +43,12 @@ class BlipProxy:
 
     def drop(self) -> None:
         """Cut every client off until :meth:`restore`."""
+
         def cut() -> None:
             self.dropped = True
             for writer in list(self._writers):
                 writer.transport.abort()
+
         self._loop.call_soon_threadsafe(cut)
 
     def restore(self) -> None:

@@ -27,14 +27,18 @@ from toolkit.errors import ProtocolError
 from toolkit.wire.schema import MAX_LIST, MAX_STR, Schema
 
 EXAMPLES, SLOW_EXAMPLES = 1000, 10_000
-COMMON = dict(deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+COMMON = dict(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 RAN: dict[str, int] = {}  # decoder -> examples run in this session (printed with -s)
 
 
 def fuzz(strategy: st.SearchStrategy, examples: int = EXAMPLES, slow_examples: int = SLOW_EXAMPLES):
     """Two tests from one property: ``examples`` (derandomized) by default, ``slow_examples``
     (random) under ``-m slow``; each checks that every example it asked for actually ran."""
+
     def decorate(body: Callable[[Any], None]):
         def run(n: int, derandomize: bool) -> None:
             calls = [0]
@@ -59,6 +63,7 @@ def fuzz(strategy: st.SearchStrategy, examples: int = EXAMPLES, slow_examples: i
 
         fast.__doc__ = slow.__doc__ = body.__doc__
         return fast, slow
+
     return decorate
 
 
@@ -99,8 +104,11 @@ def conforms(value: Any, tp: Any, meta: Any, where: str) -> None:
     elif tp in (int, float):
         assert type(value) is tp, f"{where}: {type(value).__name__} where {tp.__name__} is declared"
         assert math.isfinite(value), where
-        for key, ok in (("ge", value >= meta.get("ge", -math.inf)), ("le", value <= meta.get("le", math.inf)),
-                        ("gt", value > meta.get("gt", -math.inf))):
+        for key, ok in (
+            ("ge", value >= meta.get("ge", -math.inf)),
+            ("le", value <= meta.get("le", math.inf)),
+            ("gt", value > meta.get("gt", -math.inf)),
+        ):
             assert ok, f"{where}: {value} violates {key}={meta.get(key)}"
     elif tp is str:
         assert type(value) is str and len(value) <= meta.get("max_len", MAX_STR), where
@@ -147,7 +155,9 @@ def expected_json(tp: Any, sent: Any) -> Any:
     """What a faithful decoder returns for ``sent``: the same values, defaults where omitted."""
     origin = get_origin(tp)
     if isinstance(tp, type) and issubclass(tp, Schema):
-        assert isinstance(sent, dict) and set(sent) <= {f.name for f in dataclasses.fields(tp)}, "unknown field accepted"
+        assert isinstance(sent, dict) and set(sent) <= {f.name for f in dataclasses.fields(tp)}, (
+            "unknown field accepted"
+        )
         hints, out = get_type_hints(tp), {}
         for f in dataclasses.fields(tp):
             if f.name in sent:
@@ -186,8 +196,9 @@ def check_schema_bytes(cls: type[Schema], raw: bytes) -> None:
 # machine, ~1 ms for a flat draw), so each field draws once from a pool of chosen values (valid,
 # boundary and hostile) or from one cheap primitive strategy.
 TEXT = st.text(max_size=24)
-JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                      st.floats(allow_nan=True, allow_infinity=True), TEXT)
+JSON_LEAF = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True), TEXT
+)
 
 
 def _nested(depth: int) -> Any:
@@ -197,8 +208,36 @@ def _nested(depth: int) -> Any:
     return value
 
 
-HOSTILE = [None, True, False, 0, -1, 2**63, -(2**63) - 1, 10**30, 10**400, -(10**400), 1.5, -0.0, 1e308, math.nan, math.inf, -math.inf,
-           "", "1", "\x00", "\u00e9\u2603", "\udcff", "x" * 5000, [], [1, "a"], {}, {"a": None}, _nested(8), _nested(11)]
+HOSTILE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**63,
+    -(2**63) - 1,
+    10**30,
+    10**400,
+    -(10**400),
+    1.5,
+    -0.0,
+    1e308,
+    math.nan,
+    math.inf,
+    -math.inf,
+    "",
+    "1",
+    "\x00",
+    "\u00e9\u2603",
+    "\udcff",
+    "x" * 5000,
+    [],
+    [1, "a"],
+    {},
+    {"a": None},
+    _nested(8),
+    _nested(11),
+]
 ANY_JSON = st.one_of(st.sampled_from(HOSTILE), JSON_LEAF)
 
 
@@ -238,8 +277,11 @@ def value_for(tp: Any, meta: Any, depth: int = 0) -> st.SearchStrategy:
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in get_args(tp) if a is not type(None)]
         return st.one_of(pool, *(value_for(a, meta, depth) for a in inner if get_origin(a) or issubclass(a, Schema)))
-    primitive = {int: st.integers(-(2**64), 2**64), float: st.floats(allow_nan=True, allow_infinity=True),
-                 str: TEXT}.get(tp)
+    primitive = {
+        int: st.integers(-(2**64), 2**64),
+        float: st.floats(allow_nan=True, allow_infinity=True),
+        str: TEXT,
+    }.get(tp)
     return st.one_of(pool, primitive) if primitive is not None else pool
 
 
@@ -248,8 +290,11 @@ def message_for(cls: type[Schema], depth: int = 0) -> st.SearchStrategy:
     and now and then an unknown field."""
     hints = get_type_hints(cls)
     fields = dataclasses.fields(cls)
-    required = {f.name: value_for(hints[f.name], f.metadata, depth) for f in fields
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    required = {
+        f.name: value_for(hints[f.name], f.metadata, depth)
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     optional = {f.name: value_for(hints[f.name], f.metadata, depth) for f in fields if f.name not in required}
     if depth == 0:
         optional["admin"] = st.sampled_from(HOSTILE)  # a field no schema has
@@ -264,11 +309,14 @@ def mutated(raw: bytes, position: int, byte: int) -> bytes:
     if not raw:
         return bytes([byte])
     i = position % (len(raw) + 1)
-    return raw[:i] + bytes([byte]) + raw[i + 1:]
+    return raw[:i] + bytes([byte]) + raw[i + 1 :]
 
 
 def schema_inputs(cls: type[Schema]) -> st.SearchStrategy:
     """Arbitrary bytes, structured messages, and one-byte mutations of structured messages."""
     messages = message_for(cls).map(as_bytes)
-    return st.one_of(st.binary(max_size=200), messages,
-                     st.tuples(messages, st.integers(0, 10**6), st.integers(0, 255)).map(lambda t: mutated(*t)))
+    return st.one_of(
+        st.binary(max_size=200),
+        messages,
+        st.tuples(messages, st.integers(0, 10**6), st.integers(0, 255)).map(lambda t: mutated(*t)),
+    )

@@ -28,8 +28,9 @@ def join(url: str, name: str = "peer") -> tuple[torch.nn.Module, CollaborativeOp
     rounds run in its own worker thread)."""
     client = RelayClient(url)
     model = build_model(client.get_run().model)
-    return model, CollaborativeOptimizer(model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05,
-                                         peer_name=name)
+    return model, CollaborativeOptimizer(
+        model, client=client, batch_size_per_step=BATCH, report_interval_s=0.05, peer_name=name
+    )
 
 
 def inner_step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch.Tensor) -> None:
@@ -40,8 +41,9 @@ def inner_step(model: torch.nn.Module, opt: CollaborativeOptimizer, batch: torch
     opt.step(loss=loss.item())
 
 
-def train_until(model: torch.nn.Module, opt: CollaborativeOptimizer, data: list[torch.Tensor],
-                until_step: int) -> None:
+def train_until(
+    model: torch.nn.Module, opt: CollaborativeOptimizer, data: list[torch.Tensor], until_step: int
+) -> None:
     """Train on ``data`` (cycled) until the peer holds version ``until_step``."""
     i = 0
     while opt.version < until_step:
@@ -58,8 +60,12 @@ def train(url: str, data: list[torch.Tensor], until_step: int) -> CollaborativeO
 
 
 def local_run(inner: dict, **local_sgd) -> dict:
-    return {"run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
-            "optimizer": inner, "local_sgd": local_sgd, "rounds": PATIENT}
+    return {
+        "run": {"mode": "local_sgd", "target_batch": BATCH, "max_staleness": 0, "compression": "none"},
+        "optimizer": inner,
+        "local_sgd": local_sgd,
+        "rounds": PATIENT,
+    }
 
 
 def relative_difference(a: np.ndarray, b: np.ndarray) -> float:

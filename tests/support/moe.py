@@ -26,11 +26,32 @@ from toolkit.moe.calls import LoopbackCaller
 from toolkit.wire import payloads
 
 LR = 0.05
-MOE = {"enabled": True, "uid_prefix": "ffn", "layers": 2, "grid": [2, 2], "k": 2,
-       "expert": {"kind": "ffn", "d": 8, "hidden": 16}, "optimizer": {"name": "sgd", "lr": LR}, "seed": 0,
-       "checkpoint_every_s": 0.5, "forward_timeout_s": 10.0, "backward_timeout_s": 10.0}
-KWARGS = {"in_features": IN_FEATURES, "hidden": 8, "out_features": 1, "layers": 2, "grid": [2, 2], "k": 2,
-          "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
+MOE = {
+    "enabled": True,
+    "uid_prefix": "ffn",
+    "layers": 2,
+    "grid": [2, 2],
+    "k": 2,
+    "expert": {"kind": "ffn", "d": 8, "hidden": 16},
+    "optimizer": {"name": "sgd", "lr": LR},
+    "seed": 0,
+    "checkpoint_every_s": 0.5,
+    "forward_timeout_s": 10.0,
+    "backward_timeout_s": 10.0,
+}
+KWARGS = {
+    "in_features": IN_FEATURES,
+    "hidden": 8,
+    "out_features": 1,
+    "layers": 2,
+    "grid": [2, 2],
+    "k": 2,
+    "expert_hidden": 16,
+    "uid_prefix": "ffn",
+    "expert_seed": 0,
+    "balancing_coef": 0.01,
+    "timeout_s": 10.0,
+}
 UIDS = [f"ffn{layer}.{i}.{j}" for layer in range(2) for i in range(2) for j in range(2)]
 
 
@@ -39,15 +60,32 @@ def overrides(steps: int, *, micro_batches_per_step: int = 1, experts_learn: boo
     ``experts_learn=False`` freezes the experts (``[moe] optimizer = none``): hosts only compute, so
     the order their backward calls arrive in (several micro-batches in flight) changes nothing."""
     moe = MOE if experts_learn else {**MOE, "optimizer": {"name": "none"}}
-    return {"model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS}, "moe": moe,
-            "run": {"target_batch": BATCH * micro_batches_per_step, "max_staleness": 0, "total_steps": steps},
-            "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
+    return {
+        "model": {"factory": "toolkit.models:DMoEMLP", "kwargs": KWARGS},
+        "moe": moe,
+        "run": {"target_batch": BATCH * micro_batches_per_step, "max_staleness": 0, "total_steps": steps},
+        "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0, "clip_grad_norm": 0.0},
+    }
 
 
 def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "toolkit.moe.host", "--relay", relay_url, "--capacity",
-                             str(capacity), "--name", name, "-v"], cwd=REPO, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.moe.host",
+            "--relay",
+            relay_url,
+            "--capacity",
+            str(capacity),
+            "--name",
+            name,
+            "-v",
+        ],
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -66,8 +104,13 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
 
 def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
     """``tests/moe_trainer.py`` against ``url``: its JSON outcome line."""
-    done = subprocess.run([sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -109,14 +152,30 @@ def one_process_reference(initial: np.ndarray, steps: int) -> tuple[np.ndarray, 
 
 # The DMoE language model run (tests/test_moe_lm.py, tests/test_moe_evaluation.py)
 LM_LR = 0.05
-LM_KWARGS = {"vocab_size": DEMO_TOKENIZER_VOCAB, "seq_len": SEQ_LEN, "hidden": 8, "heads": 2, "layers": 2,
-             "grid": [2, 2], "k": 2, "expert_hidden": 16, "uid_prefix": "ffn", "expert_seed": 0, "balancing_coef": 0.01, "timeout_s": 10.0}
+LM_KWARGS = {
+    "vocab_size": DEMO_TOKENIZER_VOCAB,
+    "seq_len": SEQ_LEN,
+    "hidden": 8,
+    "heads": 2,
+    "layers": 2,
+    "grid": [2, 2],
+    "k": 2,
+    "expert_hidden": 16,
+    "uid_prefix": "ffn",
+    "expert_seed": 0,
+    "balancing_coef": 0.01,
+    "timeout_s": 10.0,
+}
 
 
 def lm_run(steps: int, tokenizer: Path) -> dict:
     """A causal-LM run of :data:`LM_KWARGS` over [moe] ``MOE`` (2 layers of 2x2 FFN experts, d 8),
     SGD everywhere, one micro-batch per step."""
-    return {"model": {"factory": "toolkit.models:DMoEByteLM", "kwargs": LM_KWARGS}, "moe": MOE,
-            "tokenizer": {"file": str(tokenizer)}, "objective": {"name": "causal-lm", "seq_len": SEQ_LEN},
-            "run": {"target_batch": LM_BATCH, "max_staleness": 0, "total_steps": steps},
-            "optimizer": {"name": "sgd", "lr": LM_LR, "weight_decay": 0.0, "clip_grad_norm": 0.0}}
+    return {
+        "model": {"factory": "toolkit.models:DMoEByteLM", "kwargs": LM_KWARGS},
+        "moe": MOE,
+        "tokenizer": {"file": str(tokenizer)},
+        "objective": {"name": "causal-lm", "seq_len": SEQ_LEN},
+        "run": {"target_batch": LM_BATCH, "max_staleness": 0, "total_steps": steps},
+        "optimizer": {"name": "sgd", "lr": LM_LR, "weight_decay": 0.0, "clip_grad_norm": 0.0},
+    }

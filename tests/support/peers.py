@@ -25,8 +25,12 @@ from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, GradientMeta, Heartbeat, JoinRequest
 from toolkit.wire.tensor_container import encode_header
 
-TOKENS = {"alice": "hf_alice_attack_token_01", "bob": "hf_bob_attack_token_0001",
-          "eve": "hf_eve_attack_token_0001", "mallory": "hf_mallory_attack_token1"}
+TOKENS = {
+    "alice": "hf_alice_attack_token_01",
+    "bob": "hf_bob_attack_token_0001",
+    "eve": "hf_eve_attack_token_0001",
+    "mallory": "hf_mallory_attack_token1",
+}
 
 ALLOWED = ["alice", "bob", "eve"]  # mallory is a real HF user, just not on this run's allowlist
 
@@ -37,19 +41,30 @@ FLOOD_LIMITS = {"poll_per_s": 30.0, "poll_burst": 60.0}  # low, so the flood tes
 OVERRIDES = {  # SGD, lr 1: the applied step is exactly -(mean gradient), checkable bit for bit
     "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
     "run": {"target_batch": SAMPLES, "max_staleness": 0},
-    "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
-               "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
+    "rounds": {
+        "heartbeat_interval_s": 1.0,
+        "peer_ttl_s": 600.0,
+        "deadline_initial_s": 600.0,
+        "deadline_floor_s": 600.0,
+        "deadline_ceiling_s": 600.0,
+    },
     "limits": FLOOD_LIMITS,
 }
 
 
 def hf_relay(directory: Path, hub: HfStandin, overrides: dict | None = None, name: str = "relay") -> RelayProcess:
     """A relay process in hf mode whose identity provider is the local stand-in."""
-    config = merged({**OVERRIDES, **(overrides or {}),
-                     "auth": {"mode": "hf", "hf_endpoint": hub.url, "allow_users": ALLOWED}})
+    config = merged(
+        {**OVERRIDES, **(overrides or {}), "auth": {"mode": "hf", "hf_endpoint": hub.url, "allow_users": ALLOWED}}
+    )
     path = write_config(directory / f"{name}.toml", config)
-    env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "NO_PROXY": "127.0.0.1,localhost", "HF_TOKEN": ""}
+    env = {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_TOKEN": "",
+    }
     return RelayProcess(path, directory / f"{name}-data", directory / f"{name}.log", env=env).start()
 
 
@@ -85,8 +100,15 @@ class SignedPeer:
     def heartbeat_body(self, samples: int = SAMPLES) -> bytes:
         return Heartbeat(version=0, samples=samples, samples_per_s=10.0).dumps()
 
-    def prepared(self, method: str, path: str, body: bytes | None = None, *, auth: Any = None,
-                 content_type: str = "application/json") -> requests.PreparedRequest:
+    def prepared(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        auth: Any = None,
+        content_type: str = "application/json",
+    ) -> requests.PreparedRequest:
         headers = {"Content-Type": content_type} if body is not None else {}
         request = requests.Request(method, self.relay.url + path, data=body, headers=headers).prepare()
         return (auth or self.auth)(request)
@@ -103,19 +125,28 @@ class SignedPeer:
         metadata = {"collab": GradientMeta(**fields).dumps().decode(), "codec": codec, **digest_metadata(tensors)}
         body = encode_header(tensors, metadata) + b"".join(t.tobytes() for _, t in tensors)
         headers = {"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: container_body_sha256(tensors, metadata)}
-        request = requests.Request("PUT", f"{self.relay.url}/api/rounds/{fields['step']}/gradient",
-                                   params={"peer_id": self.peer_id}, data=iter([body]), headers=headers).prepare()
+        request = requests.Request(
+            "PUT",
+            f"{self.relay.url}/api/rounds/{fields['step']}/gradient",
+            params={"peer_id": self.peer_id},
+            data=iter([body]),
+            headers=headers,
+        ).prepare()
         request.headers["Content-Length"] = str(len(body))
         request.headers.pop("Transfer-Encoding", None)
         return self.send(self.auth(request))
 
 
-def signed_container(peer: SignedPeer, head: bytes, body: bytes, path: str,
-                      method: str = "PUT") -> requests.PreparedRequest:
+def signed_container(
+    peer: SignedPeer, head: bytes, body: bytes, path: str, method: str = "PUT"
+) -> requests.PreparedRequest:
     """A request signed the way uploads are: over the container head's hash (streamed body)."""
-    request = requests.Request(method, peer.relay.url + path, data=iter([body]),
-                               headers={"Content-Type": CONTAINER_TYPE,
-                                        BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()}).prepare()
+    request = requests.Request(
+        method,
+        peer.relay.url + path,
+        data=iter([body]),
+        headers={"Content-Type": CONTAINER_TYPE, BODY_SHA256_HEADER: hashlib.sha256(head).hexdigest()},
+    ).prepare()
     request.headers["Content-Length"] = str(len(body))
     request.headers.pop("Transfer-Encoding", None)
     return peer.auth(request)
@@ -135,8 +166,11 @@ class RawPeer:
 
     def heartbeat(self, samples: int, version: int = 0, **fields: Any) -> requests.Response:
         """``fields``: more of the heartbeat (a local SGD peer's ``inner_steps``, ``busy_fraction``)."""
-        return requests.post(f"{self.relay.url}/api/peers/{self.peer_id}/heartbeat", timeout=10,
-                             json={"version": version, "samples": samples, "samples_per_s": 10.0, **fields})
+        return requests.post(
+            f"{self.relay.url}/api/peers/{self.peer_id}/heartbeat",
+            timeout=10,
+            json={"version": version, "samples": samples, "samples_per_s": 10.0, **fields},
+        )
 
     def meta(self, **changes) -> GradientMeta:
         fields = dict(peer_id=self.peer_id, step=0, version=0, samples=10, loss_sum=1.0) | changes
@@ -147,8 +181,12 @@ class RawPeer:
         return encode_header([(name, grad)], metadata) + grad.tobytes()
 
     def upload(self, body: bytes | object, step: int = 0, peer_id: str | None = None) -> requests.Response:
-        return requests.put(f"{self.relay.url}/api/rounds/{step}/gradient", data=body, timeout=30,
-                            params={"peer_id": self.peer_id if peer_id is None else peer_id})
+        return requests.put(
+            f"{self.relay.url}/api/rounds/{step}/gradient",
+            data=body,
+            timeout=30,
+            params={"peer_id": self.peer_id if peer_id is None else peer_id},
+        )
 
 
 def raw_http(port: int, head: str, body: bytes = b"", *, close_after_send: bool = False) -> tuple[int, dict]:
@@ -178,5 +216,9 @@ def round_state(relay: RelayProcess) -> tuple:
     """Everything about the open round a bad request must not change."""
     s = relay.status()
     r = s["round"]
-    return (s["step"], s["samples_accumulated"], s["num_peers"],
-            r and (r["step"], r["round_id"], r["expected_peers"], r["received_peers"]))
+    return (
+        s["step"],
+        s["samples_accumulated"],
+        s["num_peers"],
+        r and (r["step"], r["round_id"], r["expected_peers"], r["received_peers"]),
+    )

@@ -13,18 +13,29 @@ from toolkit.models import build_model, loss_of
 from toolkit.models.flat import load_flat
 from toolkit.wire.protocol import ModelSpec
 
-SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0,
-       "schedule": "constant"}
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"}
 
 
-def pipeline_overrides(spec: ModelSpec, *, stages: int, microbatch_size: int = 2, microbatches: int = 4,
-                       **pipeline: Any) -> dict[str, dict[str, Any]]:
-    model = ({"kind": "transformers", "architecture": spec.architecture, "config": spec.config}
-             if spec.kind == "transformers" else {"factory": spec.factory, "kwargs": spec.kwargs})
-    return {"run": {"target_batch": microbatch_size * microbatches, "max_staleness": 0},
-            "model": model, "optimizer": SGD,
-            "pipeline": {"enabled": True, "stages": stages, "microbatch_size": microbatch_size,
-                         "microbatches_per_batch": microbatches, **pipeline}}
+def pipeline_overrides(
+    spec: ModelSpec, *, stages: int, microbatch_size: int = 2, microbatches: int = 4, **pipeline: Any
+) -> dict[str, dict[str, Any]]:
+    model = (
+        {"kind": "transformers", "architecture": spec.architecture, "config": spec.config}
+        if spec.kind == "transformers"
+        else {"factory": spec.factory, "kwargs": spec.kwargs}
+    )
+    return {
+        "run": {"target_batch": microbatch_size * microbatches, "max_staleness": 0},
+        "model": model,
+        "optimizer": SGD,
+        "pipeline": {
+            "enabled": True,
+            "stages": stages,
+            "microbatch_size": microbatch_size,
+            "microbatches_per_batch": microbatches,
+            **pipeline,
+        },
+    }
 
 
 def accepted_batches(workers, *, latest: bool = False) -> dict[int, Any]:
@@ -47,7 +58,9 @@ def as_batch(plain: Any) -> Any:
     return torch.tensor(plain)
 
 
-def replay(spec: ModelSpec, initial: np.ndarray, batches: dict[int, Any], *, steps: int, microbatches: int) -> np.ndarray:
+def replay(
+    spec: ModelSpec, initial: np.ndarray, batches: dict[int, Any], *, steps: int, microbatches: int
+) -> np.ndarray:
     """One process, the relay's initial parameters, the same global batches (micro-batches
     ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``."""
     torch.manual_seed(0)

@@ -14,14 +14,29 @@ import torch
 from toolkit.pipeline import Stage
 from toolkit.wire.protocol import ModelSpec
 
-BYTE_SPEC = ModelSpec(factory="toolkit.models:ByteTransformer",
-                      kwargs={"d_model": 32, "n_layer": 4, "n_head": 2, "d_ff": 64, "seq_len": 8,
-                              "tie_embeddings": False})
+BYTE_SPEC = ModelSpec(
+    factory="toolkit.models:ByteTransformer",
+    kwargs={"d_model": 32, "n_layer": 4, "n_head": 2, "d_ff": 64, "seq_len": 8, "tie_embeddings": False},
+)
 GPT2_VOCAB = 100
-GPT2_SPEC = ModelSpec(kind="transformers", architecture="AutoModelForCausalLM",
-                      config={"model_type": "gpt2", "vocab_size": GPT2_VOCAB, "n_embd": 32, "n_layer": 4, "n_head": 2,
-                              "n_positions": 16, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0,
-                              "embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0})
+GPT2_SPEC = ModelSpec(
+    kind="transformers",
+    architecture="AutoModelForCausalLM",
+    config={
+        "model_type": "gpt2",
+        "vocab_size": GPT2_VOCAB,
+        "n_embd": 32,
+        "n_layer": 4,
+        "n_head": 2,
+        "n_positions": 16,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+    },
+)
 SPECS = {"byte": BYTE_SPEC, "gpt2": GPT2_SPEC}
 
 

@@ -30,10 +30,21 @@ REPO = Path(__file__).resolve().parent.parent.parent
 BASE_CONFIG: dict[str, dict[str, Any]] = {
     "run": {"name": "test-run", "target_batch": 48, "total_steps": 0, "max_staleness": 0, "seed": 0},
     "model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}},
-    "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "betas": [0.9, 0.99],
-                  "clip_grad_norm": 0.0, "schedule": "constant"},
-    "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 2.0, "deadline_floor_s": 2.0,
-               "deadline_ceiling_s": 60.0, "deadline_initial_s": 30.0},
+    "optimizer": {
+        "name": "adamw",
+        "lr": 0.01,
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.99],
+        "clip_grad_norm": 0.0,
+        "schedule": "constant",
+    },
+    "rounds": {
+        "heartbeat_interval_s": 0.3,
+        "peer_ttl_s": 2.0,
+        "deadline_floor_s": 2.0,
+        "deadline_ceiling_s": 60.0,
+        "deadline_initial_s": 30.0,
+    },
     "server": {"host": "127.0.0.1", "keep_checkpoints": 1000},
     "auth": {"mode": "open"},
 }
@@ -85,9 +96,24 @@ class RelayProcess:
         ready = self.data_dir.parent / f"{self.data_dir.name}.ready"
         ready.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay_server.cli", "serve", "--config", str(self.config_path),
-             "--port", str(self.port), "--data-dir", str(self.data_dir), "--ready-file", str(ready)],
-            stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            [
+                sys.executable,
+                "-m",
+                "relay_server.cli",
+                "serve",
+                "--config",
+                str(self.config_path),
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=open(self.log_path, "a"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+        )
         url = read_ready_url(ready, self.proc, self.log_path, timeout_s, "relay")
         self.port = int(url.rsplit(":", 1)[1])
         return self
@@ -130,12 +156,15 @@ class RelayProcess:
             if status is not None and predicate(status):
                 return status
             time.sleep(0.05)
-        raise TimeoutError(f"timed out waiting for {what}; last status: {status}\n"
-                           f"relay log tail:\n{self.log_path.read_text()[-2000:]}")
+        raise TimeoutError(
+            f"timed out waiting for {what}; last status: {status}\n"
+            f"relay log tail:\n{self.log_path.read_text()[-2000:]}"
+        )
 
 
-def spawn_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None,
-                name: str = "relay") -> RelayProcess:
+def spawn_relay(
+    directory: Path, overrides: dict[str, dict[str, Any]] | None = None, name: str = "relay"
+) -> RelayProcess:
     """Write the merged config into ``directory`` and start a relay process (on port 0: the port it
     bound is read back)."""
     config = write_config(directory / f"{name}.toml", merged(overrides))
@@ -165,11 +194,29 @@ class AggregatorProcess:
     def start(self) -> "AggregatorProcess":
         self.ready_path.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay_server.cli", "aggregator", "--coordinator", self.relay.url,
-             "--port", str(self.port), "--data-dir", str(self.data_dir), "--name", self.name,
-             "--admin-token-file", str(self.relay.data_dir / "admin_token"), "--ready-file", str(self.ready_path),
-             "--keep-versions", "1000"],
-            stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "relay_server.cli",
+                "aggregator",
+                "--coordinator",
+                self.relay.url,
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                "--name",
+                self.name,
+                "--admin-token-file",
+                str(self.relay.data_dir / "admin_token"),
+                "--ready-file",
+                str(self.ready_path),
+                "--keep-versions",
+                "1000",
+            ],
+            stdout=open(self.log_path, "a"),
+            stderr=subprocess.STDOUT,
+        )
         return self
 
     def wait_registered(self, timeout_s: float = 60) -> "AggregatorProcess":
@@ -178,7 +225,9 @@ class AggregatorProcess:
         self.port = int(url.rsplit(":", 1)[1])
         while not self.status().get("aggregator_id"):  # then registered
             if self.proc.poll() is not None:
-                raise RuntimeError(f"aggregator exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"aggregator exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"aggregator did not register:\n{self.log_path.read_text()[-3000:]}")
             time.sleep(0.05)

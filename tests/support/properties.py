@@ -9,10 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 
-def twin_property(check: Callable[..., None], fast: int, slow: int,
-                  **strategies: Any) -> tuple[Callable, Callable]:
+def twin_property(check: Callable[..., None], fast: int, slow: int, **strategies: Any) -> tuple[Callable, Callable]:
     """The same property as a default-run test (``fast`` examples) and a ``slow`` twin (``slow``)."""
+
     def variant(n: int) -> Callable:
-        return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                        database=None)(given(**strategies)(check))
+        return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)(
+            given(**strategies)(check)
+        )
+
     return variant(fast), pytest.mark.slow(variant(slow))

@@ -54,8 +54,14 @@ class InProcessRelay:
 
         async def serve() -> None:
             self.loop = asyncio.get_running_loop()
-            await serve_app(self.app, "127.0.0.1", 0, stop=self._stop, on_ready=on_ready,
-                            connections=config.connections if config is not None else None)
+            await serve_app(
+                self.app,
+                "127.0.0.1",
+                0,
+                stop=self._stop,
+                on_ready=on_ready,
+                connections=config.connections if config is not None else None,
+            )
 
         def main() -> None:
             try:
@@ -79,15 +85,18 @@ class InProcessRelay:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` run on the relay's event loop (between its tasks), its result returned here."""
+
         async def run() -> Any:
             return fn()
+
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
 
     def status(self) -> dict[str, Any]:
         return status(self.url)
 
-    def wait_for(self, predicate: Callable[[dict[str, Any]], Any], timeout_s: float = 60,
-                 what: str = "condition") -> dict[str, Any]:
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], Any], timeout_s: float = 60, what: str = "condition"
+    ) -> dict[str, Any]:
         """The first ``/api/status`` that ``predicate`` accepts (as ``RelayProcess.wait_for``)."""
         last: list[dict[str, Any]] = []
 
@@ -102,8 +111,9 @@ class InProcessRelay:
 
     def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         token = (self.data_dir / TOKEN_FILE).read_text().strip()
-        return requests.request(method, self.url + ADMIN_PREFIX + path, timeout=30,
-                                headers={"Authorization": f"Bearer {token}"}, **kwargs)
+        return requests.request(
+            method, self.url + ADMIN_PREFIX + path, timeout=30, headers={"Authorization": f"Bearer {token}"}, **kwargs
+        )
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -122,10 +132,12 @@ def status(url: str) -> dict[str, Any]:
 
 
 # The demo run (relay_server/defaults/demo.toml) with a model small enough for quick CPU steps.
-TINY_LM = {"model": {"kwargs": {"seq_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}},
-           # strict large-batch steps (max_staleness 0 turns delayed updates off): a lone peer's
-           # accounting is then exact, which these tests check sample for sample
-           "run": {"target_batch": 16, "max_staleness": 0}}
+TINY_LM = {
+    "model": {"kwargs": {"seq_len": 32, "d_model": 32, "n_layer": 1, "n_head": 2, "d_ff": 64}},
+    # strict large-batch steps (max_staleness 0 turns delayed updates off): a lone peer's
+    # accounting is then exact, which these tests check sample for sample
+    "run": {"target_batch": 16, "max_staleness": 0},
+}
 
 
 @contextmanager
@@ -142,17 +154,28 @@ def hf_config(tmp_path: Path, hub_url: str, **sections: dict) -> Any:
     """An hf-mode run (SGD, lr 1: a step is exactly minus the mean gradient) with shard leases."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     shards = write_shards(tmp_path / "shards", 3, 5)
-    base = merged({"server": {"data_dir": str(tmp_path / "data"), "port": 0},
-                   "auth": {"mode": "hf", "hf_endpoint": hub_url, "allow_users": ALLOWED},
-                   "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
-                   "run": {"target_batch": 10, "max_staleness": 0, "precision": ""},
-                   "rounds": {"heartbeat_interval_s": 1.0, "peer_ttl_s": 600.0, "deadline_initial_s": 600.0,
-                              "deadline_floor_s": 600.0, "deadline_ceiling_s": 600.0},
-                   **sections})
+    base = merged(
+        {
+            "server": {"data_dir": str(tmp_path / "data"), "port": 0},
+            "auth": {"mode": "hf", "hf_endpoint": hub_url, "allow_users": ALLOWED},
+            "optimizer": {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0},
+            "run": {"target_batch": 10, "max_staleness": 0, "precision": ""},
+            "rounds": {
+                "heartbeat_interval_s": 1.0,
+                "peer_ttl_s": 600.0,
+                "deadline_initial_s": 600.0,
+                "deadline_floor_s": 600.0,
+                "deadline_ceiling_s": 600.0,
+            },
+            **sections,
+        }
+    )
     path = write_config(tmp_path / "relay.toml", base)
     with open(path, "a") as f:  # [dataset] is free-form: written as TOML, as an organizer would
-        f.write(f'\n[dataset]\nkind = "stream"\ncache_dir = {json.dumps(str(tmp_path / "cache"))}\n'
-                f'\n[[dataset.sources]]\nname = "web"\ndata_files = {json.dumps(shards)}\n')
+        f.write(
+            f'\n[dataset]\nkind = "stream"\ncache_dir = {json.dumps(str(tmp_path / "cache"))}\n'
+            f'\n[[dataset.sources]]\nname = "web"\ndata_files = {json.dumps(shards)}\n'
+        )
     return load_config(path)
 
 
@@ -176,6 +199,7 @@ def plain(value: Any, depth: int = 0) -> Any:
 
 def snapshot(relay: InProcessRelay) -> dict[str, Any]:
     """Everything a peer-scoped request could touch (taken on the relay's loop)."""
+
     def take() -> dict[str, Any]:
         collab = relay.app[COLLAB]
         pool = relay.app.get(SHARD_POOL)
@@ -185,16 +209,33 @@ def snapshot(relay: InProcessRelay) -> dict[str, Any]:
             "registry": plain(collab.registry.peers),  # last_seen, samples, claimable, inflight...
             "departed": [p for p in known if p not in collab.registry.peers],
             "round": plain(collab.rounds.round),
-            "sum": plain(collab.reducer.sum), "weights": plain(collab.reducer.weights),
-            "rounds_logged": collab.store.recent_rounds(), "contributions": collab.store.contributions(),
-            "leases": None if pool is None else plain({"held": pool._held_by, "granted": pool._granted,
-                                                        "reported": pool._reported,
-                                                        "coverage": pool.coverage().to_json()}),
+            "sum": plain(collab.reducer.sum),
+            "weights": plain(collab.reducer.weights),
+            "rounds_logged": collab.store.recent_rounds(),
+            "contributions": collab.store.contributions(),
+            "leases": None
+            if pool is None
+            else plain(
+                {
+                    "held": pool._held_by,
+                    "granted": pool._granted,
+                    "reported": pool._reported,
+                    "coverage": pool.coverage().to_json(),
+                }
+            ),
             "rates": plain(collab.backbone.planning.peer_rates),
             "step": collab.step,
-            "experts": None if experts is None else plain({
-                "hosts": experts.directory._host, "version": experts.directory.version,
-                "tasks": experts.broker.tasks, "stats": experts.broker.stats,
-                "checkpoints": sorted(str(f) for f in experts.checkpoints.root.rglob("*"))}),
+            "experts": None
+            if experts is None
+            else plain(
+                {
+                    "hosts": experts.directory._host,
+                    "version": experts.directory.version,
+                    "tasks": experts.broker.tasks,
+                    "stats": experts.broker.stats,
+                    "checkpoints": sorted(str(f) for f in experts.checkpoints.root.rglob("*")),
+                }
+            ),
         }
+
     return relay.call(take)

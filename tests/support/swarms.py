@@ -15,8 +15,9 @@ from relay_server.planning.problem import PeerCapacity
 MB = 1e6  # bytes/s
 
 
-def random_swarm(rng: np.random.Generator, n: int, *, p_recv: float = 0.5, pins: bool = True,
-                 aux: bool = True) -> list[PeerCapacity]:
+def random_swarm(
+    rng: np.random.Generator, n: int, *, p_recv: float = 0.5, pins: bool = True, aux: bool = True
+) -> list[PeerCapacity]:
     """n peers: links 1-1000 MB/s, compute 1-100 samples/s, some auxiliary (s = 0), some pinned."""
     peers = []
     for i in range(n):
@@ -24,8 +25,16 @@ def random_swarm(rng: np.random.Generator, n: int, *, p_recv: float = 0.5, pins:
         pin = None
         if pins and rng.random() < 0.3:
             pin = bool(rng.random() < 0.5) if speed > 0 else False
-        peers.append(PeerCapacity(f"p{i}", speed, float(10 ** rng.uniform(6, 9)),
-                                  float(10 ** rng.uniform(6, 9)), bool(rng.random() < p_recv), pin))
+        peers.append(
+            PeerCapacity(
+                f"p{i}",
+                speed,
+                float(10 ** rng.uniform(6, 9)),
+                float(10 ** rng.uniform(6, 9)),
+                bool(rng.random() < p_recv),
+                pin,
+            )
+        )
     return peers
 
 
@@ -42,8 +51,7 @@ def equal_peers(n: int, computes: bool | None = True, speed: float = 100.0) -> l
 
 
 def solvable(peers: list[PeerCapacity]) -> bool:
-    return any(p.can_receive for p in peers) and any(
-        p.samples_per_s > 0 and p.computes is not False for p in peers)
+    return any(p.can_receive for p in peers) and any(p.samples_per_s > 0 and p.computes is not False for p in peers)
 
 
 def brute_force_best(prob: pbm._Problem) -> float:
@@ -57,4 +65,3 @@ def brute_force_best(prob: pbm._Problem) -> float:
                 part = pm._partition(prob, chosen)
                 best = max(best, pm._max_xi(part) if prob.pairs else pm._max_xi_closed(part))
     return best * prob.unit
-

@@ -12,14 +12,22 @@ from tests.conftest import Clock
 
 
 def broker(tmp_path: Path, clock: Clock | None = None, **kwargs) -> TaskBroker:
-    return TaskBroker(PayloadStore(kwargs.pop("budget", 1 << 20), tmp_path / "spill"), clock=clock or Clock(1000.0),
-                      **kwargs)
+    return TaskBroker(
+        PayloadStore(kwargs.pop("budget", 1 << 20), tmp_path / "spill"), clock=clock or Clock(1000.0), **kwargs
+    )
 
 
 def submit(b: TaskBroker, call_id: str, key: str = "e.0", rows: int = 4, caller: str = "alice", **kwargs):
-    return b.submit(caller=caller, call_id=call_id, key=key, kind="forward", rows=rows,
-                    payload=kwargs.pop("payload", call_id.encode() * 3), timeout_s=kwargs.pop("timeout_s", 5.0),
-                    **kwargs)
+    return b.submit(
+        caller=caller,
+        call_id=call_id,
+        key=key,
+        kind="forward",
+        rows=rows,
+        payload=kwargs.pop("payload", call_id.encode() * 3),
+        timeout_s=kwargs.pop("timeout_s", 5.0),
+        **kwargs,
+    )
 
 
 def run(coro):

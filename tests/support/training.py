@@ -46,8 +46,12 @@ def rounds_from_events(peers) -> dict[int, list[int]]:
 def train_together(relay, launch_peer, *, steps: int, batch_sizes: tuple[int, ...], seed: int):
     """Peers with these micro-batch sizes train until the relay reaches ``steps``; the peers, the
     final parameters and which samples each round received."""
-    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=steps,
-                         extra=("--wait-peers", str(len(batch_sizes)))) for i, b in enumerate(batch_sizes)]
+    peers = [
+        launch_peer(
+            relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=steps, extra=("--wait-peers", str(len(batch_sizes)))
+        )
+        for i, b in enumerate(batch_sizes)
+    ]
     for peer in peers:
         assert peer.wait() == 0, peer.log_path.read_text()[-2000:]
     _, final = relay_params(relay.url, min_step=steps)
@@ -56,8 +60,13 @@ def train_together(relay, launch_peer, *, steps: int, batch_sizes: tuple[int, ..
     return peers, final, rounds
 
 
-FAST_AGGREGATORS = {"heartbeat_interval_s": 0.3, "ttl_s": 4.0, "call_timeout_s": 20.0, "replan_interval_s": 2.0,
-                    "state_copy_every": 3}
+FAST_AGGREGATORS = {
+    "heartbeat_interval_s": 0.3,
+    "ttl_s": 4.0,
+    "call_timeout_s": 20.0,
+    "replan_interval_s": 2.0,
+    "state_copy_every": 3,
+}
 
 
 def sliced_plan(status: dict) -> list[dict]:
@@ -68,17 +77,36 @@ def sliced_plan(status: dict) -> list[dict]:
 def train_sliced(relay, aggregators, launch_peer, more_steps: int, *, seed: int, extra: tuple[str, ...] = ()):
     """Three peers (micro-batches 4/6/8) train until the plan slices the vector among the relay and
     ``aggregators`` and ``more_steps`` steps ran sliced; (peers, the step it was sliced at, status)."""
-    peers = [launch_peer(relay.url, f"p{i}", seed=seed + i, batch_size=b, steps=10_000,
-                         extra=("--wait-peers", "3", "--wait-aggregators", str(len(aggregators)),
-                                "--sleep-per-batch", "0.02", *extra))
-             for i, b in enumerate((4, 6, 8))]
+    peers = [
+        launch_peer(
+            relay.url,
+            f"p{i}",
+            seed=seed + i,
+            batch_size=b,
+            steps=10_000,
+            extra=(
+                "--wait-peers",
+                "3",
+                "--wait-aggregators",
+                str(len(aggregators)),
+                "--sleep-per-batch",
+                "0.02",
+                *extra,
+            ),
+        )
+        for i, b in enumerate((4, 6, 8))
+    ]
     for agg in aggregators:
         agg.wait_registered()
     ways = len(aggregators) + 1
-    sliced_at = relay.wait_for(lambda s: len(sliced_plan(s)) == ways, timeout_s=90,
-                               what=f"a plan slicing the vector {ways} ways")["step"]
-    status = relay.wait_for(lambda s: len(sliced_plan(s)) == ways and s["step"] >= sliced_at + more_steps,
-                            timeout_s=60, what=f"{more_steps} steps sliced {ways} ways")
+    sliced_at = relay.wait_for(
+        lambda s: len(sliced_plan(s)) == ways, timeout_s=90, what=f"a plan slicing the vector {ways} ways"
+    )["step"]
+    status = relay.wait_for(
+        lambda s: len(sliced_plan(s)) == ways and s["step"] >= sliced_at + more_steps,
+        timeout_s=60,
+        what=f"{more_steps} steps sliced {ways} ways",
+    )
     return peers, sliced_at, status
 
 
@@ -90,7 +118,7 @@ def stored_params(step: int, data_dirs: list[Path], num_params: int) -> np.ndarr
         path = data_dir / "state" / f"step-{step:08d}.safetensors"
         if path.exists():
             meta = read_file_header(path).metadata
-            out[int(meta.get("start", 0)):int(meta.get("end", num_params))] = load_file(str(path))["params"]
+            out[int(meta.get("start", 0)) : int(meta.get("end", num_params))] = load_file(str(path))["params"]
     assert not np.isnan(out).any(), f"no owner stored all of step {step}"
     return out
 

@@ -26,11 +26,11 @@ def read_wandb_records(path: Path) -> list[Any]:
         if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
             pos += _BLOCK - pos % _BLOCK
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if (crc, length, kind) == (0, 0, 0):
             pos += _BLOCK - pos % _BLOCK
             continue
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"corrupt record at byte {pos}"
         pos += 7 + length
         if kind in (_FULL, _FIRST):
@@ -61,8 +61,11 @@ def finished_run_records(path: Path, timeout_s: float = 60) -> list[Any]:
 
 
 def history_rows(records: list[Any]) -> list[dict[str, Any]]:
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-            for r in records if r.WhichOneof("record_type") == "history"]
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def run_config(records: list[Any]) -> dict[str, Any]:

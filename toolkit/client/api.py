@@ -75,14 +75,27 @@ class RelayClient:
     each passing the call on.
     """
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 120.0,
-                 retries: int = 4, backoff_s: float = 0.5, auth: requests.auth.AuthBase | None = None,
-                 transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        auth: requests.auth.AuthBase | None = None,
+        transport: Transport | None = None,
+    ) -> None:
         """The settings are the :class:`~toolkit.client.transport.Transport`'s; ``transport``: one
         already built instead (a test rig's that delays every request), whose own settings apply."""
-        self.transport = transport or Transport(url, connect_timeout_s=connect_timeout_s,
-                                                read_timeout_s=read_timeout_s, retries=retries, backoff_s=backoff_s,
-                                                auth=auth)
+        self.transport = transport or Transport(
+            url,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            retries=retries,
+            backoff_s=backoff_s,
+            auth=auth,
+        )
         self.params = ParamsTransfer(self.transport)
         self.moe = MoeCalls(self.transport)
         self.pipeline = PipelineCalls(self.transport, self.params)
@@ -128,8 +141,12 @@ class RelayClient:
                     if exc.code not in RELOGIN:
                         raise
             if answer is None:
-                answer = self.transport.call("POST", ROUTES["login"], LoginResponse,
-                                             LoginRequest(hf_token=hf_token, peer_public_key=peer_key.public_b64))
+                answer = self.transport.call(
+                    "POST",
+                    ROUTES["login"],
+                    LoginResponse,
+                    LoginRequest(hf_token=hf_token, peer_public_key=peer_key.public_b64),
+                )
             return AccessPass.from_login(answer, peer_key=peer_key, relay_url=self.url, pins=pins)
 
         holder = AccessPassHolder(obtain)
@@ -147,8 +164,11 @@ class RelayClient:
             base = _origin(self.url)
             if getattr(exc, "status", 200) == 404 or exc.code == "not_a_relay":
                 if base != self.url and _is_relay(base, self.timeout):
-                    raise RelayUrlError("wrong_path", MESSAGES["wrong_path"][0].format(url=self.url, base=base),
-                                        MESSAGES["wrong_path"][1].format(base=base)) from None
+                    raise RelayUrlError(
+                        "wrong_path",
+                        MESSAGES["wrong_path"][0].format(url=self.url, base=base),
+                        MESSAGES["wrong_path"][1].format(base=base),
+                    ) from None
             raise
 
     def get_tokenizer(self, expected_sha256: str) -> bytes:
@@ -156,9 +176,13 @@ class RelayClient:
         body = self.transport.request("GET", ROUTES["tokenizer"]).content
         got = hashlib.sha256(body).hexdigest()
         if got != expected_sha256:
-            raise ProtocolError("tokenizer_mismatch", f"the relay's tokenizer.json has sha256 {got[:12]}..., the run "
-                                f"publishes {expected_sha256[:12] or '(none)'}...", "The relay's tokenizer changed "
-                                "under the run (or a proxy altered it): ask the organizer, then join again.")
+            raise ProtocolError(
+                "tokenizer_mismatch",
+                f"the relay's tokenizer.json has sha256 {got[:12]}..., the run "
+                f"publishes {expected_sha256[:12] or '(none)'}...",
+                "The relay's tokenizer changed "
+                "under the run (or a proxy altered it): ask the organizer, then join again.",
+            )
         return body
 
     def get_status(self) -> StatusReport:
@@ -192,7 +216,9 @@ class RelayClient:
         return self.transport.call("POST", ROUTES["shard_report"].format(peer_id=peer_id), ShardReportAck, report)
 
     def get_shards(self, source: str | None = None) -> ShardsReport:
-        return self.transport.call("GET", ROUTES["shards"], ShardsReport, params={"source": source} if source else None)
+        return self.transport.call(
+            "GET", ROUTES["shards"], ShardsReport, params={"source": source} if source else None
+        )
 
     # --- gradients -----------------------------------------------------------------------------
     def upload_gradient(self, tensors: list[tuple[str, np.ndarray]], meta: GradientMeta, codec: str) -> UploadReceipt:
@@ -205,8 +231,13 @@ class RelayClient:
             metadata.update(digest_metadata(tensors))
             headers[BODY_SHA256_HEADER] = container_body_sha256(tensors, metadata)
         response = self.transport.request(
-                     "PUT", ROUTES["gradient"].format(step=meta.step), retry=False,
-                     params={"peer_id": meta.peer_id}, data=SizedBody(tensors, metadata), headers=headers)
+            "PUT",
+            ROUTES["gradient"].format(step=meta.step),
+            retry=False,
+            params={"peer_id": meta.peer_id},
+            data=SizedBody(tensors, metadata),
+            headers=headers,
+        )
         return UploadReceipt.from_json(response.json())
 
     def get_plan(self) -> PlanInfo:
@@ -215,9 +246,14 @@ class RelayClient:
 
     def request_ticket(self, step: int, peer_id: str, request: TicketRequest) -> str:
         """The relay's permission to upload this gradient's slices (the header value to present)."""
-        response = self.transport.request("POST", ROUTES["ticket"].format(step=step), retry=False,
-                                          params={"peer_id": peer_id},
-                                          data=request.dumps(), headers={"Content-Type": "application/json"})
+        response = self.transport.request(
+            "POST",
+            ROUTES["ticket"].format(step=step),
+            retry=False,
+            params={"peer_id": peer_id},
+            data=request.dumps(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             return str(response.json()["ticket"])
         except (ValueError, KeyError, TypeError):
@@ -225,19 +261,34 @@ class RelayClient:
 
     def report_done(self, step: int, peer_id: str, request: DoneRequest) -> UploadReceipt:
         """Every slice is uploaded (or failed): the relay counts this peer's gradient in the round."""
-        return self.transport.call("POST", ROUTES["done"].format(step=step), UploadReceipt, request,
-                                   params={"peer_id": peer_id}, retry=False)
-
+        return self.transport.call(
+            "POST", ROUTES["done"].format(step=step), UploadReceipt, request, params={"peer_id": peer_id}, retry=False
+        )
 
     # --- the bulk bodies (:attr:`params`) ----------------------------------------------------------
-    def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
-                        min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
+    def download_params(
+        self,
+        public: np.ndarray,
+        *,
+        have: int | None = None,
+        codec: Codec | None = None,
+        min_step: int = 0,
+        wait_s: float = 0,
+        peer_id: str = "",
+    ) -> int | None:
         """:meth:`ParamsTransfer.download_params <toolkit.client.params.ParamsTransfer.download_params>`."""
-        return self.params.download_params(public, have=have, codec=codec, min_step=min_step, wait_s=wait_s,
-                                           peer_id=peer_id)
+        return self.params.download_params(
+            public, have=have, codec=codec, min_step=min_step, wait_s=wait_s, peer_id=peer_id
+        )
 
-    def upload_slices(self, step: int, ticket: str, parts: list[SlicePart], keepalive: Callable[[], Any] | None = None,
-                      keepalive_s: float = 1.0) -> list[CollabError | None]:
+    def upload_slices(
+        self,
+        step: int,
+        ticket: str,
+        parts: list[SlicePart],
+        keepalive: Callable[[], Any] | None = None,
+        keepalive_s: float = 1.0,
+    ) -> list[CollabError | None]:
         """:meth:`ParamsTransfer.upload_slices <toolkit.client.params.ParamsTransfer.upload_slices>`."""
         return self.params.upload_slices(step, ticket, parts, keepalive, keepalive_s)
 
@@ -260,8 +311,9 @@ class RelayClient:
     def moe_result(self, peer_id: str, task_id: str, body: bytes) -> ResultAck:
         return self.moe.result(peer_id, task_id, body)
 
-    def moe_put_checkpoint(self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]],
-                           metadata: dict[str, str]) -> CheckpointReceipt:
+    def moe_put_checkpoint(
+        self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]
+    ) -> CheckpointReceipt:
         return self.moe.put_checkpoint(peer_id, uid, tensors, metadata)
 
     def moe_get_checkpoint(self, peer_id: str, uid: str) -> bytes | None:
@@ -271,8 +323,9 @@ class RelayClient:
     def pipeline_stage(self, peer_id: str, request: StageRequest) -> StageAssignment:
         return self.pipeline.stage(peer_id, request)
 
-    def pipeline_work(self, peer_id: str, *, wait_s: int,
-                      cached: list[int]) -> tuple[PipelineWork, dict[str, np.ndarray]]:
+    def pipeline_work(
+        self, peer_id: str, *, wait_s: int, cached: list[int]
+    ) -> tuple[PipelineWork, dict[str, np.ndarray]]:
         return self.pipeline.work(peer_id, wait_s=wait_s, cached=cached)
 
     def pipeline_result(self, peer_id: str, result: PipelineResult, tensors: dict[str, np.ndarray]) -> PipelineAck:
@@ -284,10 +337,21 @@ class RelayClient:
     def pipeline_done(self, peer_id: str, step: int, done: PipelineDone) -> None:
         self.pipeline.done(peer_id, step, done)
 
-    def download_stage(self, peer_id: str, start: int, end: int, out: np.ndarray, *, min_step: int,
-                       have: int | None = None, codec: Codec | None = None, wait_s: int = 30) -> int:
-        return self.pipeline.download_stage(peer_id, start, end, out, min_step=min_step, have=have, codec=codec,
-                                            wait_s=wait_s)
+    def download_stage(
+        self,
+        peer_id: str,
+        start: int,
+        end: int,
+        out: np.ndarray,
+        *,
+        min_step: int,
+        have: int | None = None,
+        codec: Codec | None = None,
+        wait_s: int = 30,
+    ) -> int:
+        return self.pipeline.download_stage(
+            peer_id, start, end, out, min_step=min_step, have=have, codec=codec, wait_s=wait_s
+        )
 
 
 def _origin(url: str) -> str:

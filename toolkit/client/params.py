@@ -45,8 +45,16 @@ class ParamsTransfer:
         self.cache_failures = 0
         """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
 
-    def download_params(self, public: np.ndarray, *, have: int | None = None, codec: Codec | None = None,
-                        min_step: int = 0, wait_s: float = 0, peer_id: str = "") -> int | None:
+    def download_params(
+        self,
+        public: np.ndarray,
+        *,
+        have: int | None = None,
+        codec: Codec | None = None,
+        min_step: int = 0,
+        wait_s: float = 0,
+        peer_id: str = "",
+    ) -> int | None:
         """Bring ``public`` (P,) float32 to the relay's version >= ``min_step``; returns that
         version, or None if nothing newer came within ``wait_s`` seconds.
 
@@ -67,8 +75,17 @@ class ParamsTransfer:
                 self.transport.backoff(attempt, type(exc).__name__)
         raise AssertionError("unreachable")
 
-    def _download_once(self, public: np.ndarray, have: int | None, codec: Codec | None, min_step: int,
-                       wait_s: float, peer_id: str, *, via_cache: bool = True) -> int | None:
+    def _download_once(
+        self,
+        public: np.ndarray,
+        have: int | None,
+        codec: Codec | None,
+        min_step: int,
+        wait_s: float,
+        peer_id: str,
+        *,
+        via_cache: bool = True,
+    ) -> int | None:
         """One GET of the parameters: a tensor container read into ``public``, a manifest whose
         slices are then fetched from their owners, or (``via_cache``: ``ref=1``, which a relay
         without a cache ignores) a signed ref to the body at the run's HTTP cache."""
@@ -92,13 +109,15 @@ class ParamsTransfer:
             return read_checked_params(response.raw, response.headers, public, have, codec)
 
     # --- through the run's HTTP cache ([server] public_params_url) -------------------------------
-    def _download_ref(self, ref: ParamsRef, public: np.ndarray, have: int | None, codec: Codec | None,
-                      peer_id: str) -> int | None:
+    def _download_ref(
+        self, ref: ParamsRef, public: np.ndarray, have: int | None, codec: Codec | None, peer_id: str
+    ) -> int | None:
         """The body ``ref`` names, from the cache, checked against the hash the relay signed; a
         cache that fails or lies is counted, logged, and the version comes from the relay."""
         if ref.kind == "delta" and ref.base != have:
-            raise ProtocolError("bad_delta", f"the relay named a delta against version {ref.base}, "
-                                f"this peer holds {have}")
+            raise ProtocolError(
+                "bad_delta", f"the relay named a delta against version {ref.base}, this peer holds {have}"
+            )
         touched = False  # once bytes land in ``public``, only a whole version restores it
         try:
             session, _ = self.transport.owner_session(ref.url.split("/api/", 1)[0])
@@ -115,19 +134,30 @@ class ParamsTransfer:
             return step
         except (ProtocolError, requests.RequestException, *BODY_ERRORS) as exc:
             self.cache_failures += 1
-            log.warning("the run's parameter cache failed for step %d (%s: %s); downloading it from the relay "
-                        "instead (%d cache failure(s) so far). If this repeats, tell the organizer: the cache at "
-                        "%s serves wrong bytes or is down ([server] public_params_url).", ref.step,
-                        getattr(exc, "code", type(exc).__name__), exc, self.cache_failures, ref.url)
+            log.warning(
+                "the run's parameter cache failed for step %d (%s: %s); downloading it from the relay "
+                "instead (%d cache failure(s) so far). If this repeats, tell the organizer: the cache at "
+                "%s serves wrong bytes or is down ([server] public_params_url).",
+                ref.step,
+                getattr(exc, "code", type(exc).__name__),
+                exc,
+                self.cache_failures,
+                ref.url,
+            )
         return self._download_once(public, None if touched else have, codec, ref.step, 0, peer_id, via_cache=False)
 
     def _ref(self, response: requests.Response) -> ParamsRef:
         return json_answer(response, ParamsRef, "bad_json", "the relay's parameters ref is not JSON")
 
     # --- sliced rounds: the relay's plan cuts the vector among aggregators ------------------------
-    def upload_slices(self, step: int, ticket: str, parts: list[SlicePart],
-                      keepalive: Callable[[], Any] | None = None,
-                      keepalive_s: float = 1.0) -> list[CollabError | None]:
+    def upload_slices(
+        self,
+        step: int,
+        ticket: str,
+        parts: list[SlicePart],
+        keepalive: Callable[[], Any] | None = None,
+        keepalive_s: float = 1.0,
+    ) -> list[CollabError | None]:
         """Upload every slice to its owner in parallel; ``None`` per accepted slice, else the error.
 
         ``keepalive`` runs every ``keepalive_s`` in the calling thread while they stream (the
@@ -152,40 +182,51 @@ class ParamsTransfer:
         if self.transport.signed and not part.plan.url:  # the relay's own slice goes through its signed session
             headers[BODY_SHA256_HEADER] = part.header_sha256
         try:
-            response = session.put(base + ROUTES["gradient"].format(step=step),
-                                   data=SizedBody(part.tensors, part.metadata), headers=headers,
-                                   timeout=self.transport.timeout)
+            response = session.put(
+                base + ROUTES["gradient"].format(step=step),
+                data=SizedBody(part.tensors, part.metadata),
+                headers=headers,
+                timeout=self.transport.timeout,
+            )
         except (requests.ConnectionError, requests.Timeout) as exc:
-            return RelayUnreachable("owner_unreachable", f"slice [{part.plan.start}, {part.plan.end}) to "
-                                    f"{part.plan.name}: {type(exc).__name__}")
+            return RelayUnreachable(
+                "owner_unreachable",
+                f"slice [{part.plan.start}, {part.plan.end}) to {part.plan.name}: {type(exc).__name__}",
+            )
         if response.status_code >= 400:
             return rejected(response)
         return None
 
-    def _download_slices(self, manifest: ParamsManifest, public: np.ndarray, *, have: int | None,
-                         codec: Codec | None, peer_id: str) -> int:
+    def _download_slices(
+        self, manifest: ParamsManifest, public: np.ndarray, *, have: int | None, codec: Codec | None, peer_id: str
+    ) -> int:
         """Bring every slice of ``manifest`` into ``public`` from its owner, each checked against
         the relay-signed hash; a slice whose owner fails is fetched again from the owner named by
         the relay's newest manifest (slices move when an aggregator dies)."""
         if manifest.num_params != public.size:
-            raise ProtocolError("bad_manifest",
-                                f"manifest of {manifest.num_params} parameters, model has {public.size}")
+            raise ProtocolError(
+                "bad_manifest", f"manifest of {manifest.num_params} parameters, model has {public.size}"
+            )
         todo = list(manifest.slices)
         pool = self.transport.pool()
         for attempt in range(SLICE_ATTEMPTS):
-            futures = {pool.submit(self.download_slice, s, manifest.step, public, have, codec, peer_id): s
-                       for s in todo}
+            futures = {
+                pool.submit(self.download_slice, s, manifest.step, public, have, codec, peer_id): s for s in todo
+            }
             wait(futures)
             failed = [(s, f.exception()) for f, s in futures.items() if f.exception() is not None]
             if not failed:
                 return manifest.step
             if attempt + 1 == SLICE_ATTEMPTS:  # the relay will move the slice (dead owner); the caller retries later
-                raise RelayUnreachable("slices_unavailable", f"{len(failed)} slice(s) of step {manifest.step} could "
-                                       f"not be downloaded: {failed[0][1]}") from failed[0][1]
+                raise RelayUnreachable(
+                    "slices_unavailable",
+                    f"{len(failed)} slice(s) of step {manifest.step} could not be downloaded: {failed[0][1]}",
+                ) from failed[0][1]
             log.info("%d slice(s) failed (%s); asking the relay where they are now", len(failed), failed[0][1])
             self.transport.backoff(attempt, "slice download")
-            with self.transport.request("GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id},
-                                        stream=True) as response:
+            with self.transport.request(
+                "GET", ROUTES["params"], params={"min_step": manifest.step, "peer_id": peer_id}, stream=True
+            ) as response:
                 if not response.headers.get("Content-Type", "").startswith("application/json"):
                     raise ProtocolError("bad_manifest", "the relay stopped slicing mid-download; download again")
                 latest = self.manifest(response)
@@ -198,12 +239,21 @@ class ParamsTransfer:
                 todo = [s for s in latest.slices if (s.start, s.end) in wanted] or list(latest.slices)
         raise AssertionError("unreachable")
 
-    def download_slice(self, s: SliceVersion, step: int, public: np.ndarray, have: int | None,
-                       codec: Codec | None, peer_id: str, *, view: np.ndarray | None = None) -> None:
+    def download_slice(
+        self,
+        s: SliceVersion,
+        step: int,
+        public: np.ndarray,
+        have: int | None,
+        codec: Codec | None,
+        peer_id: str,
+        *,
+        view: np.ndarray | None = None,
+    ) -> None:
         """One slice from its owner into its view of ``public`` (or into ``view``, the slice
         alone: a pipeline stage holds nothing else), refused unless it is the manifest's step and
         hashes to what the relay published."""
-        view = public[s.start:s.end] if view is None else view
+        view = public[s.start : s.end] if view is None else view
         params = {"start": s.start, "end": s.end, "min_step": step, "peer_id": peer_id}
         if have is not None and codec is not None and not codec.lossless:
             params["have"] = have
@@ -217,15 +267,23 @@ class ParamsTransfer:
                     raise ProtocolError("slice_missing", f"{s.url or 'the relay'} has no step {step} of its slice")
                 header = peek_header(response.raw, view.nbytes)
                 if int(header.metadata.get("step", -1)) != step:
-                    raise ProtocolError("slice_version", f"slice [{s.start}, {s.end}) came at step "
-                                        f"{header.metadata.get('step')}, the manifest says {step}")
+                    raise ProtocolError(
+                        "slice_version",
+                        f"slice [{s.start}, {s.end}) came at step "
+                        f"{header.metadata.get('step')}, the manifest says {step}",
+                    )
                 digest = read_hashed(response.raw, header, view, have, codec)
         except (requests.ConnectionError, requests.Timeout) as exc:
-            raise RelayUnreachable("owner_unreachable", f"slice [{s.start}, {s.end}) from "
-                                   f"{s.url or self.transport.url}: {type(exc).__name__}") from None
+            raise RelayUnreachable(
+                "owner_unreachable",
+                f"slice [{s.start}, {s.end}) from {s.url or self.transport.url}: {type(exc).__name__}",
+            ) from None
         if digest != s.sha256:
-            raise ProtocolError("params_hash_mismatch", f"slice [{s.start}, {s.end}) differs from the hash the relay "
-                                "published", "Download again; if it repeats, report the aggregator to the organizer.")
+            raise ProtocolError(
+                "params_hash_mismatch",
+                f"slice [{s.start}, {s.end}) differs from the hash the relay published",
+                "Download again; if it repeats, report the aggregator to the organizer.",
+            )
 
     def manifest(self, response: requests.Response) -> ParamsManifest:
         """The relay's list of slices and where each lives (a JSON answer to a params request)."""

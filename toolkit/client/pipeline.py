@@ -44,8 +44,12 @@ class PipelineCalls:
 
     def work(self, peer_id: str, *, wait_s: int, cached: list[int]) -> tuple[PipelineWork, dict[str, np.ndarray]]:
         params = {"wait": wait_s, "cached": ",".join(map(str, cached[-1024:]))}
-        response = self.transport.request("GET", ROUTES["pipeline_work"].format(peer_id=peer_id), params=params,
-                                          timeout=(self.transport.timeout[0], self.transport.timeout[1] + wait_s))
+        response = self.transport.request(
+            "GET",
+            ROUTES["pipeline_work"].format(peer_id=peer_id),
+            params=params,
+            timeout=(self.transport.timeout[0], self.transport.timeout[1] + wait_s),
+        )
         metadata, tensors = payloads.decode(response.content, MAX_WORK_BYTES)
         try:
             return PipelineWork.loads(metadata.get("work", "").encode()), tensors
@@ -65,31 +69,56 @@ class PipelineCalls:
 
     def ticket(self, peer_id: str, step: int, request: PipelineTicketRequest) -> str:
         """The relay-signed ticket (its wire form) for this stage's upload in round ``step``."""
-        response = self.transport.request("POST", ROUTES["pipeline_ticket"].format(peer_id=peer_id, step=step),
-                                          data=request.dumps(), headers={"Content-Type": "application/json"},
-                                          retry=False)
+        response = self.transport.request(
+            "POST",
+            ROUTES["pipeline_ticket"].format(peer_id=peer_id, step=step),
+            data=request.dumps(),
+            headers={"Content-Type": "application/json"},
+            retry=False,
+        )
         try:
             return str(response.json()["ticket"])
         except (ValueError, KeyError, TypeError):
             raise ProtocolError("bad_json", "the relay's ticket answer is malformed") from None
 
     def done(self, peer_id: str, step: int, done: PipelineDone) -> None:
-        self.transport.request("POST", ROUTES["pipeline_done"].format(peer_id=peer_id, step=step), data=done.dumps(),
-                               headers={"Content-Type": "application/json"})
+        self.transport.request(
+            "POST",
+            ROUTES["pipeline_done"].format(peer_id=peer_id, step=step),
+            data=done.dumps(),
+            headers={"Content-Type": "application/json"},
+        )
 
-    def download_stage(self, peer_id: str, start: int, end: int, out: np.ndarray, *, min_step: int,
-                       have: int | None = None, codec: Codec | None = None, wait_s: int = 30) -> int:
+    def download_stage(
+        self,
+        peer_id: str,
+        start: int,
+        end: int,
+        out: np.ndarray,
+        *,
+        min_step: int,
+        have: int | None = None,
+        codec: Codec | None = None,
+        wait_s: int = 30,
+    ) -> int:
         """Stage ``[start, end)`` of version >= ``min_step`` into ``out``; its step."""
         connect_s, read_s = self.transport.timeout
-        with self.transport.request("GET", ROUTES["params"], params={"min_step": min_step, "peer_id": peer_id,
-                                                                     "wait": wait_s},
-                                    stream=True, timeout=(connect_s, read_s + wait_s)) as response:
+        with self.transport.request(
+            "GET",
+            ROUTES["params"],
+            params={"min_step": min_step, "peer_id": peer_id, "wait": wait_s},
+            stream=True,
+            timeout=(connect_s, read_s + wait_s),
+        ) as response:
             if response.status_code == 204:
                 raise ProtocolError("no_version", f"no version >= {min_step} was published in {wait_s} s")
             manifest: ParamsManifest = self.params.manifest(response)
         s = next((s for s in manifest.slices if (s.start, s.end) == (start, end)), None)
         if s is None:
-            raise ProtocolError("wrong_slice", f"the relay's manifest has no stage [{start}, {end})",
-                                "Ask for a stage again: the relay's stages changed.")
+            raise ProtocolError(
+                "wrong_slice",
+                f"the relay's manifest has no stage [{start}, {end})",
+                "Ask for a stage again: the relay's stages changed.",
+            )
         self.params.download_slice(s, manifest.step, out, have, codec, peer_id, view=out)
         return manifest.step

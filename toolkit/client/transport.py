@@ -67,8 +67,16 @@ def json_answer(response: requests.Response, schema: type[S], code: str, message
 class Transport:
     """The relay's address, the sessions that reach it and its slice owners, and the retry policy."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 10.0, read_timeout_s: float = 120.0,
-                 retries: int = 4, backoff_s: float = 0.5, auth: requests.auth.AuthBase | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        auth: requests.auth.AuthBase | None = None,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise RelayUrlError("bad_relay_url", MESSAGES["bad_relay_url"][0].format(url=url))
         self.url = url.rstrip("/")
@@ -108,17 +116,25 @@ class Transport:
             except (requests.ConnectionError, requests.Timeout) as exc:
                 if attempt + 1 == attempts:
                     message = MESSAGES["relay_unreachable"][0].format(url=self.url, reason=unreachable_reason(exc))
-                    raise RelayUnreachable("relay_unreachable",
-                                           f"{message} after {attempts} tries ({method} {path})") from None
+                    raise RelayUnreachable(
+                        "relay_unreachable", f"{message} after {attempts} tries ({method} {path})"
+                    ) from None
                 self.backoff(attempt, type(exc).__name__)
                 continue
-            if (response.status_code in (*RETRY_STATUS, 429) and attempt + 1 < attempts
-                    and rejected(response).code not in FINAL_ANSWERS):
+            if (
+                response.status_code in (*RETRY_STATUS, 429)
+                and attempt + 1 < attempts
+                and rejected(response).code not in FINAL_ANSWERS
+            ):
                 self.backoff(attempt, f"HTTP {response.status_code}", retry_after_s(response.headers))
                 response.close()
                 continue
-            if (response.status_code == 401 and attempt + 1 < attempts and isinstance(self.session.auth, SignedAuth)
-                    and rejected(response).code in RENEW_PASS):
+            if (
+                response.status_code == 401
+                and attempt + 1 < attempts
+                and isinstance(self.session.auth, SignedAuth)
+                and rejected(response).code in RENEW_PASS
+            ):
                 self.session.auth.holder.invalidate()  # the next attempt is signed with a fresh pass
                 continue
             if response.status_code >= 400:
@@ -129,7 +145,7 @@ class Transport:
     def backoff(self, attempt: int, why: str, retry_after: float | None = None) -> None:
         """Backoff (or the relay's Retry-After) plus jitter: a thousand refused peers must not
         return at once."""
-        base = min(MAX_RETRY_AFTER_S, retry_after) if retry_after is not None else self.backoff_s * 2 ** attempt
+        base = min(MAX_RETRY_AFTER_S, retry_after) if retry_after is not None else self.backoff_s * 2**attempt
         delay = base * random.uniform(1.0, 1.5)
         log.debug("relay request failed (%s); retrying in %.1fs", why, delay)
         time.sleep(delay)
@@ -141,8 +157,13 @@ class Transport:
             kwargs["data"] = body.dumps()
             kwargs["headers"] = {"Content-Type": "application/json"}
         response = self.request(method, path, **kwargs)
-        return json_answer(response, schema, "not_a_relay", not_a_relay_message(
-            response.url, response.status_code, response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT)
+        return json_answer(
+            response,
+            schema,
+            "not_a_relay",
+            not_a_relay_message(response.url, response.status_code, response.headers.get("Content-Type", "")),
+            NOT_A_RELAY_HINT,
+        )
 
     def owner_session(self, url: str) -> tuple[requests.Session, str]:
         """The session for a slice owner and its base URL ("" = the relay: signed like every
@@ -167,8 +188,16 @@ def rejected(response: requests.Response) -> RelayRejected:
     web server's error page) says so instead of quoting it."""
     try:
         body = response.json()
-        return RelayRejected(str(body.get("error", "error")), str(body.get("message", "")),
-                             str(body.get("hint", "")), status=response.status_code)
+        return RelayRejected(
+            str(body.get("error", "error")),
+            str(body.get("message", "")),
+            str(body.get("hint", "")),
+            status=response.status_code,
+        )
     except ValueError:
-        return RelayRejected("not_a_relay", not_a_relay_message(response.url, response.status_code,
-                             response.headers.get("Content-Type", "")), NOT_A_RELAY_HINT, status=response.status_code)
+        return RelayRejected(
+            "not_a_relay",
+            not_a_relay_message(response.url, response.status_code, response.headers.get("Content-Type", "")),
+            NOT_A_RELAY_HINT,
+            status=response.status_code,
+        )

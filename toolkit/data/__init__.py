@@ -36,21 +36,45 @@ from toolkit.data.dataset_config import DEFAULT_SHUFFLE_BUFFER, DatasetSpec, Str
 from toolkit.data.objectives import ObjectiveConfig, load_tokenizer, objective_batches, tokenizer_sha256
 from toolkit.data.reading import check_offline_env, infer_format, read_shard
 from toolkit.data.shards import (
-                                 LocalShardOrder,
-                                 RelayShardSource,
-                                 ShardLeaseClient,
-                                 ShardSource,
-                                 relay_shard_sources,
-                                 shard_sources_for_run,
+    LocalShardOrder,
+    RelayShardSource,
+    ShardLeaseClient,
+    ShardSource,
+    relay_shard_sources,
+    shard_sources_for_run,
 )
 from toolkit.data.stream import ShardSourceFactory, batches_for_run, stream_batches, stream_texts
 from toolkit.data.stream_ops import BYTE_EOS, Tokenizer, byte_tokenize, mix, pack, shuffle_buffer
 from toolkit.errors import DataConfigError, DataSourceError
 
 __all__ = [
-    "BYTE_EOS", "Background", "DEFAULT_SHUFFLE_BUFFER", "ObjectiveConfig", "load_tokenizer", "objective_batches",
-    "tokenizer_sha256", "DataConfigError", "DataSourceError", "DatasetSpec", "LocalShardOrder",
-    "RelayShardSource", "ShardLeaseClient", "ShardSource", "ShardSourceFactory", "StreamConfig", "Tokenizer",
-    "batches_for_run", "byte_tokenize", "check_offline_env", "infer_format", "mix", "pack", "read_shard",
-    "relay_shard_sources", "shard_sources_for_run", "shuffle_buffer", "stream_batches", "stream_texts",
+    "BYTE_EOS",
+    "Background",
+    "DEFAULT_SHUFFLE_BUFFER",
+    "ObjectiveConfig",
+    "load_tokenizer",
+    "objective_batches",
+    "tokenizer_sha256",
+    "DataConfigError",
+    "DataSourceError",
+    "DatasetSpec",
+    "LocalShardOrder",
+    "RelayShardSource",
+    "ShardLeaseClient",
+    "ShardSource",
+    "ShardSourceFactory",
+    "StreamConfig",
+    "Tokenizer",
+    "batches_for_run",
+    "byte_tokenize",
+    "check_offline_env",
+    "infer_format",
+    "mix",
+    "pack",
+    "read_shard",
+    "relay_shard_sources",
+    "shard_sources_for_run",
+    "shuffle_buffer",
+    "stream_batches",
+    "stream_texts",
 ]

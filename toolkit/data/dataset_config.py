@@ -46,22 +46,34 @@ class DatasetSpec:
         if isinstance(files, str):
             files = [files]
         if not files:
-            raise DataConfigError("no_shards", f"dataset #{index} lists no data_files",
-                                  'Give each [[dataset.sources]] entry data_files = ["path/or/glob", ...].')
+            raise DataConfigError(
+                "no_shards",
+                f"dataset #{index} lists no data_files",
+                'Give each [[dataset.sources]] entry data_files = ["path/or/glob", ...].',
+            )
         known = {"name", "data_files", "probability", "format", "text_column", "repo", "revision"}
         unknown = set(data) - known
         if unknown:
-            raise DataConfigError("bad_dataset", f"dataset #{index}: unknown keys {sorted(unknown)}",
-                                  f"Allowed keys: {sorted(known)}.")
-        spec = cls(name=str(data.get("name") or f"dataset{index}"), data_files=tuple(files),
-                   probability=float(data.get("probability", 1.0)), format=data.get("format"),
-                   text_column=str(data.get("text_column", "text")), repo=data.get("repo"),
-                   revision=data.get("revision"))
+            raise DataConfigError(
+                "bad_dataset", f"dataset #{index}: unknown keys {sorted(unknown)}", f"Allowed keys: {sorted(known)}."
+            )
+        spec = cls(
+            name=str(data.get("name") or f"dataset{index}"),
+            data_files=tuple(files),
+            probability=float(data.get("probability", 1.0)),
+            format=data.get("format"),
+            text_column=str(data.get("text_column", "text")),
+            repo=data.get("repo"),
+            revision=data.get("revision"),
+        )
         if spec.probability <= 0:
             raise DataConfigError("bad_dataset", f"dataset {spec.name!r}: probability must be > 0")
         if spec.format is not None and spec.format not in ("parquet", "json", "text"):
-            raise DataConfigError("bad_dataset", f"dataset {spec.name!r}: unknown format {spec.format!r}",
-                                  "Use parquet, json or text (or omit it to infer from extensions).")
+            raise DataConfigError(
+                "bad_dataset",
+                f"dataset {spec.name!r}: unknown format {spec.format!r}",
+                "Use parquet, json or text (or omit it to infer from extensions).",
+            )
         return spec
 
     def shards(self) -> list[str]:
@@ -107,14 +119,18 @@ class StreamConfig:
 
     def __post_init__(self) -> None:
         if not self.datasets:
-            raise DataConfigError("no_datasets", "the stream has no datasets",
-                                  "Add at least one [[dataset.sources]] entry.")
+            raise DataConfigError(
+                "no_datasets", "the stream has no datasets", "Add at least one [[dataset.sources]] entry."
+            )
         if self.shuffle_buffer < 1 or self.report_every < 1 or self.max_shard_failures < 1:
             raise DataConfigError("bad_dataset", "shuffle_buffer, report_every and max_shard_failures must be >= 1")
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):  # the lease pool and the shuffle seeds key off the name
-            raise DataConfigError("bad_dataset", f"dataset names must be unique, got {names}",
-                                  "Give each [[dataset.sources]] entry its own name = ...")
+            raise DataConfigError(
+                "bad_dataset",
+                f"dataset names must be unique, got {names}",
+                "Give each [[dataset.sources]] entry its own name = ...",
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StreamConfig":

@@ -38,8 +38,13 @@ OBJECTIVES = ("masked-lm", "causal-lm", "classification")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 """What :func:`relay_server.data.tokenizer_train` gives every tokenizer it trains."""
 IGNORE_INDEX = -100
-_ALIASES = {"pad": ("[PAD]", "<pad>"), "cls": ("[CLS]", "<s>", "<cls>"), "sep": ("[SEP]", "</s>", "<sep>"),
-            "mask": ("[MASK]", "<mask>"), "eos": ("</s>", "<|endoftext|>", "[SEP]", "<eos>")}
+_ALIASES = {
+    "pad": ("[PAD]", "<pad>"),
+    "cls": ("[CLS]", "<s>", "<cls>"),
+    "sep": ("[SEP]", "</s>", "<sep>"),
+    "mask": ("[MASK]", "<mask>"),
+    "eos": ("</s>", "<|endoftext|>", "[SEP]", "<eos>"),
+}
 _ENCODE_BATCH = 64  # documents per encode_batch call
 
 
@@ -67,7 +72,9 @@ class ObjectiveConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise DataConfigError("bad_objective", f"objective: unknown keys {sorted(unknown)}", f"Allowed: {sorted(known)}.")
+            raise DataConfigError(
+                "bad_objective", f"objective: unknown keys {sorted(unknown)}", f"Allowed: {sorted(known)}."
+            )
         try:
             config = cls(**data)
         except TypeError as exc:
@@ -75,12 +82,15 @@ class ObjectiveConfig:
         if config.name not in OBJECTIVES:
             raise DataConfigError("bad_objective", f"objective.name {config.name!r} is not one of {OBJECTIVES}")
         if not isinstance(config.seq_len, int) or config.seq_len < 4:
-            raise DataConfigError("bad_objective", f"objective.seq_len must be an integer >= 4, got {config.seq_len!r}")
+            raise DataConfigError(
+                "bad_objective", f"objective.seq_len must be an integer >= 4, got {config.seq_len!r}"
+            )
         if not isinstance(config.mlm_probability, (int, float)) or not 0 < config.mlm_probability < 1:
             raise DataConfigError("bad_objective", "objective.mlm_probability must be in (0, 1)")
         if config.mlm_count not in ("fixed", "bernoulli"):
-            raise DataConfigError("bad_objective", f"objective.mlm_count must be fixed or bernoulli, got "
-                                  f"{config.mlm_count!r}")
+            raise DataConfigError(
+                "bad_objective", f"objective.mlm_count must be fixed or bernoulli, got {config.mlm_count!r}"
+            )
         if not isinstance(config.whole_word_masking, bool):
             raise DataConfigError("bad_objective", "objective.whole_word_masking must be true or false")
         return config
@@ -95,14 +105,20 @@ def load_tokenizer(data: bytes | str) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
-        raise DataConfigError("tokenizers_missing", f"this run tokenizes its text and importing tokenizers failed "
-                              f"({exc})", 'pip install "collabtrain[hf]"') from None
+        raise DataConfigError(
+            "tokenizers_missing",
+            f"this run tokenizes its text and importing tokenizers failed ({exc})",
+            'pip install "collabtrain[hf]"',
+        ) from None
     text = data.decode("utf-8") if isinstance(data, bytes) else data
     try:
         return Tokenizer.from_str(text)
     except Exception as exc:  # the library raises plain Exception subclasses for a bad file
-        raise DataConfigError("bad_tokenizer", f"the run's tokenizer.json cannot be loaded: {exc}",
-                              "Ask the organizer to retrain it (relay-server tokenizer train).") from None
+        raise DataConfigError(
+            "bad_tokenizer",
+            f"the run's tokenizer.json cannot be loaded: {exc}",
+            "Ask the organizer to retrain it (relay-server tokenizer train).",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -124,14 +140,20 @@ class Specials:
 
         added = {tokenizer.token_to_id(t.content) for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         ids = {k: find(k) for k in _ALIASES}
-        return cls(**ids, all=frozenset(i for i in {*added, *ids.values()} if i is not None),
-                   vocab_size=tokenizer.get_vocab_size())
+        return cls(
+            **ids,
+            all=frozenset(i for i in {*added, *ids.values()} if i is not None),
+            vocab_size=tokenizer.get_vocab_size(),
+        )
 
 
 def _need(value: int | None, what: str, objective: str) -> int:
     if value is None:
-        raise DataConfigError("bad_tokenizer", f"objective {objective!r} needs a {what} token and the run's tokenizer "
-                              f"has none", f"Retrain it with the special tokens {list(SPECIAL_TOKENS)}.")
+        raise DataConfigError(
+            "bad_tokenizer",
+            f"objective {objective!r} needs a {what} token and the run's tokenizer has none",
+            f"Retrain it with the special tokens {list(SPECIAL_TOKENS)}.",
+        )
     return value
 
 
@@ -144,8 +166,9 @@ def encode_documents(tokenizer: Any, texts: Iterable[str]) -> Iterator[tuple[lis
             yield enc.ids, [i == 0 or w is None or w != words[i - 1] for i, w in enumerate(words)]
 
 
-def pack_blocks(docs: Iterable[tuple[list[int], list[bool]]], length: int,
-                separator: int) -> Iterator[tuple[list[int], list[bool]]]:
+def pack_blocks(
+    docs: Iterable[tuple[list[int], list[bool]]], length: int, separator: int
+) -> Iterator[tuple[list[int], list[bool]]]:
     """Concatenate documents, each followed by ``separator``, and cut blocks of ``length``
     tokens; the stream's last, shorter block is yielded too (the collator pads it)."""
     ids: list[int] = []
@@ -167,15 +190,23 @@ def _stack(blocks: list[tuple[list[int], list[bool]]], seq_len: int, pad: int) -
     attention = torch.zeros((len(blocks), seq_len), dtype=torch.long)
     starts = torch.zeros((len(blocks), seq_len), dtype=torch.bool)
     for row, (ids, word_starts) in enumerate(blocks):
-        input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention[row, :len(ids)] = 1
-        starts[row, :len(ids)] = torch.tensor(word_starts, dtype=torch.bool)
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[row, : len(ids)] = 1
+        starts[row, : len(ids)] = torch.tensor(word_starts, dtype=torch.bool)
     return input_ids, attention, starts
 
 
-def mask_tokens(input_ids: torch.Tensor, special: torch.Tensor, *, probability: float, mask_id: int,
-                random_ids: torch.Tensor, generator: torch.Generator, word_starts: torch.Tensor | None = None,
-                count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    input_ids: torch.Tensor,
+    special: torch.Tensor,
+    *,
+    probability: float,
+    mask_id: int,
+    random_ids: torch.Tensor,
+    generator: torch.Generator,
+    word_starts: torch.Tensor | None = None,
+    count: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT's masking: (masked inputs, labels). ``special`` marks positions never masked;
     ``word_starts`` (whole-word masking) marks the first token of each word; ``count`` predicts
     exactly that many tokens per row (fewer where a row has fewer maskable tokens) instead of
@@ -206,8 +237,9 @@ def mlm_count(objective: ObjectiveConfig) -> int | None:
     return max(1, round(objective.mlm_probability * (objective.seq_len - 2)))
 
 
-def objective_batches(texts: Iterable[Any], tokenizer: Any, objective: ObjectiveConfig, *, batch_size: int,
-                      seed: int | str) -> Iterator[dict[str, torch.Tensor]]:
+def objective_batches(
+    texts: Iterable[Any], tokenizer: Any, objective: ObjectiveConfig, *, batch_size: int, seed: int | str
+) -> Iterator[dict[str, torch.Tensor]]:
     """Dict batches for ``objective`` from a text stream (``(text, label)`` rows for classification)."""
     specials = Specials.of(tokenizer)
     seq_len, name = objective.seq_len, objective.name
@@ -218,8 +250,10 @@ def objective_batches(texts: Iterable[Any], tokenizer: Any, objective: Objective
     if name == "masked-lm":
         cls_id, sep = _need(specials.cls, "[CLS]", name), _need(specials.sep, "[SEP]", name)
         mask_id, pad = _need(specials.mask, "[MASK]", name), _need(specials.pad, "[PAD]", name)
-        blocks = ((([cls_id, *ids, sep]), [True, *starts, True])
-                  for ids, starts in pack_blocks(encode_documents(tokenizer, texts), seq_len - 2, sep))
+        blocks = (
+            (([cls_id, *ids, sep]), [True, *starts, True])
+            for ids, starts in pack_blocks(encode_documents(tokenizer, texts), seq_len - 2, sep)
+        )
         random_ids = torch.tensor(sorted(set(range(specials.vocab_size)) - specials.all), dtype=torch.long)
     else:
         sep = _need(specials.eos, "end-of-text", name)
@@ -232,24 +266,37 @@ def objective_batches(texts: Iterable[Any], tokenizer: Any, objective: Objective
             labels = input_ids.masked_fill(attention == 0, IGNORE_INDEX)
         else:
             special = torch.isin(input_ids, special_ids) | (attention == 0)
-            input_ids, labels = mask_tokens(input_ids, special, probability=objective.mlm_probability,
-                                            mask_id=mask_id, random_ids=random_ids, generator=generator,
-                                            word_starts=starts if objective.whole_word_masking else None,
-                                            count=mlm_count(objective))
+            input_ids, labels = mask_tokens(
+                input_ids,
+                special,
+                probability=objective.mlm_probability,
+                mask_id=mask_id,
+                random_ids=random_ids,
+                generator=generator,
+                word_starts=starts if objective.whole_word_masking else None,
+                count=mlm_count(objective),
+            )
         yield {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
-def _classification(rows: Iterable[Any], tokenizer: Any, specials: Specials, seq_len: int,
-                    batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+def _classification(
+    rows: Iterable[Any], tokenizer: Any, specials: Specials, seq_len: int, batch_size: int
+) -> Iterator[dict[str, torch.Tensor]]:
     cls_id, sep = _need(specials.cls, "[CLS]", "classification"), _need(specials.sep, "[SEP]", "classification")
     pad = _need(specials.pad, "[PAD]", "classification")
     rows = iter(rows)
     while chunk := list(itertools.islice(rows, batch_size)):
         if not all(isinstance(r, tuple) and len(r) == 2 for r in chunk):
-            raise DataConfigError("no_labels", "objective classification needs (text, label) rows",
-                                  "Set objective.label_column to the dataset's label column.")
+            raise DataConfigError(
+                "no_labels",
+                "objective classification needs (text, label) rows",
+                "Set objective.label_column to the dataset's label column.",
+            )
         encodings = tokenizer.encode_batch([text for text, _ in chunk], add_special_tokens=False)
-        ids = [[cls_id, *enc.ids[:seq_len - 2], sep] for enc in encodings]
+        ids = [[cls_id, *enc.ids[: seq_len - 2], sep] for enc in encodings]
         input_ids, attention, _ = _stack([(row, [True] * len(row)) for row in ids], seq_len, pad)
-        yield {"input_ids": input_ids, "attention_mask": attention,
-               "labels": torch.tensor([int(label) for _, label in chunk], dtype=torch.long)}
+        yield {
+            "input_ids": input_ids,
+            "attention_mask": attention,
+            "labels": torch.tensor([int(label) for _, label in chunk], dtype=torch.long),
+        }

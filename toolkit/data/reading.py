@@ -28,23 +28,32 @@ from toolkit.errors import DataConfigError, DataSourceError
 
 log = logging.getLogger(__name__)
 
-_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text",
-            ".text": "text"}
+_FORMATS = {
+    ".parquet": "parquet",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+    ".txt": "text",
+    ".text": "text",
+}
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _MAX_EMPTY_SHARDS = 100
 
 
 def infer_format(shard: str) -> str:
-    """"parquet", "json" or "text" from a file name, ignoring a compression suffix."""
+    """ "parquet", "json" or "text" from a file name, ignoring a compression suffix."""
     name = shard.lower().split("?")[0]
     for suffix in _COMPRESSION:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     fmt = _FORMATS.get(os.path.splitext(name)[1])
     if fmt is None:
-        raise DataConfigError("bad_format", f"cannot tell the format of shard {shard!r}",
-                              "Name shards *.parquet, *.jsonl or *.txt (optionally .gz), or set format = ...")
+        raise DataConfigError(
+            "bad_format",
+            f"cannot tell the format of shard {shard!r}",
+            "Name shards *.parquet, *.jsonl or *.txt (optionally .gz), or set format = ...",
+        )
     return fmt
 
 
@@ -59,29 +68,44 @@ def check_offline_env() -> None:
     """Warn if HF_DATASETS_OFFLINE is set but ``datasets`` was imported before it was."""
     wanted = os.environ.get("HF_DATASETS_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "")).upper() in _TRUE
     if wanted and not _datasets_module().config.HF_HUB_OFFLINE:
-        log.warning("HF_DATASETS_OFFLINE is set but `datasets` was imported before it was, so it is not "
-                    "offline. Set the variable before anything imports datasets (restart the runtime).")
+        log.warning(
+            "HF_DATASETS_OFFLINE is set but `datasets` was imported before it was, so it is not "
+            "offline. Set the variable before anything imports datasets (restart the runtime)."
+        )
 
 
 def _is_remote(shard: str) -> bool:
     return "://" in shard and not shard.startswith("file://")
 
 
-def read_shard(shard: str, *, format: str | None = None, text_column: str = "text",
-               cache_dir: str | None = None, batch_rows: int = 256, label_column: str | None = None) -> Iterator[Any]:
+def read_shard(
+    shard: str,
+    *,
+    format: str | None = None,
+    text_column: str = "text",
+    cache_dir: str | None = None,
+    batch_rows: int = 256,
+    label_column: str | None = None,
+) -> Iterator[Any]:
     """The texts of one shard, streamed (nothing is downloaded ahead of need); ``(text, label)``
     rows when ``label_column`` is set."""
     datasets = _datasets_module()
     if datasets.config.HF_HUB_OFFLINE and _is_remote(shard):
-        raise DataSourceError("offline", f"shard {shard!r} is remote but HF_DATASETS_OFFLINE is set",
-                              "Unset HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or point data_files at local copies.")
+        raise DataSourceError(
+            "offline",
+            f"shard {shard!r} is remote but HF_DATASETS_OFFLINE is set",
+            "Unset HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or point data_files at local copies.",
+        )
     fmt = format or infer_format(shard)
     ds = datasets.load_dataset(fmt, data_files=[shard], split="train", streaming=True, cache_dir=cache_dir)
     for batch in ds.iter(batch_size=batch_rows):
         for column in (text_column, label_column):
             if column is not None and column not in batch:
-                raise DataConfigError("bad_column", f"shard {shard!r} has no column {column!r} (columns: "
-                                      f"{sorted(batch)})", "Set text_column (label_column) to the column that holds it.")
+                raise DataConfigError(
+                    "bad_column",
+                    f"shard {shard!r} has no column {column!r} (columns: {sorted(batch)})",
+                    "Set text_column (label_column) to the column that holds it.",
+                )
         yield from zip(batch[text_column], batch[label_column]) if label_column else batch[text_column]
 
 
@@ -112,9 +136,14 @@ class _ShardStream:
             lease = _Lease(shard)
             self.held.append(lease)
             try:
-                for text in read_shard(shard, format=self.spec.format, text_column=self.spec.text_column,
-                                       cache_dir=self.config.cache_dir, batch_rows=self.config.read_batch_rows,
-                                       label_column=self.spec.label_column):
+                for text in read_shard(
+                    shard,
+                    format=self.spec.format,
+                    text_column=self.spec.text_column,
+                    cache_dir=self.config.cache_dir,
+                    batch_rows=self.config.read_batch_rows,
+                    label_column=self.spec.label_column,
+                ):
                     lease.read += 1
                     yield lease, text
                 lease.complete, failures = True, 0
@@ -122,17 +151,28 @@ class _ShardStream:
                 raise
             except Exception as exc:  # unreadable/corrupt/missing file, network error: skip the shard
                 failures += 1
-                log.warning("dataset %r: shard %s failed after %d rows (%s: %s); skipping it",
-                            self.spec.name, shard, lease.read, type(exc).__name__, exc)
+                log.warning(
+                    "dataset %r: shard %s failed after %d rows (%s: %s); skipping it",
+                    self.spec.name,
+                    shard,
+                    lease.read,
+                    type(exc).__name__,
+                    exc,
+                )
                 if failures >= self.config.max_shard_failures:
-                    raise DataSourceError("shards_unreadable", f"dataset {self.spec.name!r}: {failures} shards in a "
-                                          f"row failed, last {shard!r}: {exc}") from exc
+                    raise DataSourceError(
+                        "shards_unreadable",
+                        f"dataset {self.spec.name!r}: {failures} shards in a row failed, last {shard!r}: {exc}",
+                    ) from exc
             lease.reading_done = True
             self._maybe_release(lease)
             empty = 0 if lease.read else empty + 1
             if empty >= _MAX_EMPTY_SHARDS:  # e.g. every shard empty: never spin forever yielding nothing
-                raise DataSourceError("no_rows", f"dataset {self.spec.name!r}: {empty} shards in a row had no rows",
-                                      "Check that data_files point at the dataset's data, not at empty files.")
+                raise DataSourceError(
+                    "no_rows",
+                    f"dataset {self.spec.name!r}: {empty} shards in a row had no rows",
+                    "Check that data_files point at the dataset's data, not at empty files.",
+                )
         log.info("dataset %r: no more shards", self.spec.name)
 
     def consumed(self, lease: _Lease) -> None:

@@ -148,8 +148,15 @@ class RelayShardSource:
     not thread-safe); the training loop's own client is fine, as the stream runs in that loop.
     """
 
-    def __init__(self, client: RelayClient, peer_id: str, source: str, *, report_interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: RelayClient,
+        peer_id: str,
+        source: str,
+        *,
+        report_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.leases = ShardLeaseClient(client, peer_id)
         self.source, self.report_interval_s, self.clock = source, report_interval_s, clock
         self.held: Counter[str] = Counter()
@@ -167,11 +174,20 @@ class RelayShardSource:
         self.last_lease = lease
         self.held[lease.shard] += 1
         if lease.holders > 1:
-            log.info("dataset %r: every shard is leased; sharing %s with %d other lease(s)",
-                     self.source, lease.shard, lease.holders - 1)
+            log.info(
+                "dataset %r: every shard is leased; sharing %s with %d other lease(s)",
+                self.source,
+                lease.shard,
+                lease.holders - 1,
+            )
         else:
-            log.debug("dataset %r: leased %s (%d passes, %d rows so far)", self.source, lease.shard,
-                      lease.passes, lease.samples)
+            log.debug(
+                "dataset %r: leased %s (%d passes, %d rows so far)",
+                self.source,
+                lease.shard,
+                lease.passes,
+                lease.samples,
+            )
         return lease.shard
 
     def report(self, shard: str, samples: int) -> None:
@@ -191,23 +207,36 @@ class RelayShardSource:
             self._counted.pop(shard, None)
         if finished:
             self.finished[shard] += 1
-        self._queue.append(ShardUpdate(source=self.source, shard=shard, samples=self._pending.pop(shard, 0),
-                                       release=True, finished=finished, rows=rows))
+        self._queue.append(
+            ShardUpdate(
+                source=self.source,
+                shard=shard,
+                samples=self._pending.pop(shard, 0),
+                release=True,
+                finished=finished,
+                rows=rows,
+            )
+        )
         self.flush()
 
     def flush(self) -> bool:
         """Send every pending update now; False if the relay could not take them (kept for later)."""
-        updates = self._queue + [ShardUpdate(source=self.source, shard=s, samples=n)
-                                 for s, n in self._pending.items() if n]
+        updates = self._queue + [
+            ShardUpdate(source=self.source, shard=s, samples=n) for s, n in self._pending.items() if n
+        ]
         self._last_sent = self.clock()
         sent = 0
         try:
             while sent < len(updates):
-                chunk = updates[sent:sent + MAX_SHARD_UPDATES]
+                chunk = updates[sent : sent + MAX_SHARD_UPDATES]
                 ack = self.leases.report(chunk)
                 if ack.unknown:
-                    log.warning("dataset %r: the relay does not know shard(s) %s; their progress is lost "
-                                "(did the run's data_files change?)", self.source, ack.unknown[:3])
+                    log.warning(
+                        "dataset %r: the relay does not know shard(s) %s; their progress is lost "
+                        "(did the run's data_files change?)",
+                        self.source,
+                        ack.unknown[:3],
+                    )
                 sent += len(chunk)
         except RelayUnreachable as exc:
             self._keep(updates[sent:])
@@ -225,8 +254,11 @@ class RelayShardSource:
         """Keep unsent updates as queued ones (pending deltas included), bounded."""
         self._pending.clear()
         if len(unsent) > _MAX_QUEUED:
-            log.warning("dataset %r: dropping %d old shard updates the relay never took", self.source,
-                        len(unsent) - _MAX_QUEUED)
+            log.warning(
+                "dataset %r: dropping %d old shard updates the relay never took",
+                self.source,
+                len(unsent) - _MAX_QUEUED,
+            )
             unsent = unsent[-_MAX_QUEUED:]
         self._queue = unsent
 
@@ -241,8 +273,9 @@ def relay_shard_sources(client: RelayClient, peer_id: str, **kwargs: Any) -> Cal
     return factory
 
 
-def shard_sources_for_run(dataset: Mapping[str, Any], client: RelayClient,
-                          peer_id: str) -> Callable[[DatasetSpec], RelayShardSource] | None:
+def shard_sources_for_run(
+    dataset: Mapping[str, Any], client: RelayClient, peer_id: str
+) -> Callable[[DatasetSpec], RelayShardSource] | None:
     """The relay's leases for a streamed run that uses them (``[dataset] leases``, default on);
     None = the default per-peer :class:`LocalShardOrder` (demo corpus, or ``leases = false``)."""
     if (dataset.get("kind") or "demo_corpus") != "stream":

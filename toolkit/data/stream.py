@@ -21,8 +21,9 @@ ShardSourceFactory = Callable[[DatasetSpec], ShardSource]
 """Gives each dataset of the mix its :class:`ShardSource` (see :mod:`toolkit.data.shards`)."""
 
 
-def stream_texts(config: StreamConfig, *, seed: int | str,
-                 shard_source: ShardSourceFactory | None = None) -> Generator[str, None, None]:
+def stream_texts(
+    config: StreamConfig, *, seed: int | str, shard_source: ShardSourceFactory | None = None
+) -> Generator[str, None, None]:
     """The mixed, shuffled text stream of a peer (before tokenization).
 
     ``seed`` makes this peer's shard order, shuffle and mixing its own; give each peer a
@@ -32,8 +33,10 @@ def stream_texts(config: StreamConfig, *, seed: int | str,
     """
     check_offline_env()
     if shard_source is None:
+
         def shard_source(spec: DatasetSpec) -> ShardSource:
             return LocalShardOrder(spec.shards(), seed=f"{seed}/{spec.name}")
+
     streams = [_ShardStream(spec, shard_source(spec), config) for spec in config.datasets]
 
     def shuffled(stream: _ShardStream) -> Generator[str, None, None]:
@@ -55,9 +58,15 @@ def stream_texts(config: StreamConfig, *, seed: int | str,
             stream.close()
 
 
-def stream_batches(config: StreamConfig, *, batch_size: int, seq_len: int, seed: int | str,
-                   tokenize: Tokenizer = byte_tokenize,
-                   shard_source: ShardSourceFactory | None = None) -> Generator[torch.Tensor, None, None]:
+def stream_batches(
+    config: StreamConfig,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | str,
+    tokenize: Tokenizer = byte_tokenize,
+    shard_source: ShardSourceFactory | None = None,
+) -> Generator[torch.Tensor, None, None]:
     """Endless ``[batch_size, seq_len + 1]`` LongTensor batches: :func:`stream_texts`, tokenized
     lazily (one document at a time, only as the packer needs it), then :func:`pack`\\ ed."""
     texts = stream_texts(config, seed=seed, shard_source=shard_source)
@@ -67,9 +76,17 @@ def stream_batches(config: StreamConfig, *, batch_size: int, seq_len: int, seed:
         texts.close()
 
 
-def batches_for_run(dataset: Mapping[str, Any], *, batch_size: int, seq_len: int, seed: int | str,
-                    tokenize: Tokenizer = byte_tokenize, shard_source: ShardSourceFactory | None = None,
-                    objective: ObjectiveConfig | None = None, tokenizer: Any = None) -> Iterator[Any]:
+def batches_for_run(
+    dataset: Mapping[str, Any],
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int | str,
+    tokenize: Tokenizer = byte_tokenize,
+    shard_source: ShardSourceFactory | None = None,
+    objective: ObjectiveConfig | None = None,
+    tokenizer: Any = None,
+) -> Iterator[Any]:
     """Batches for a run's ``[dataset]`` section (``RunInfo.dataset``).
 
     ``kind = "demo_corpus"`` (or no section) keeps the shipped demo text of
@@ -83,33 +100,55 @@ def batches_for_run(dataset: Mapping[str, Any], *, batch_size: int, seq_len: int
         raise DataConfigError("bad_dataset", f"unknown dataset kind {kind!r}", 'Use kind = "demo_corpus" or "stream".')
     if objective is not None:
         if tokenizer is None:
-            raise DataConfigError("no_tokenizer", f"objective {objective.name!r} needs the run's tokenizer",
-                                  "Give the run a [tokenizer] file (relay-server tokenizer train writes one).")
+            raise DataConfigError(
+                "no_tokenizer",
+                f"objective {objective.name!r} needs the run's tokenizer",
+                "Give the run a [tokenizer] file (relay-server tokenizer train writes one).",
+            )
         return _objective_stream(dataset, kind, objective, tokenizer, batch_size, seed, shard_source)
     if kind == "demo_corpus":
         from toolkit.corpus import demo_batches
 
         return demo_batches(batch_size, seq_len, seed if isinstance(seed, int) else zlib.crc32(str(seed).encode()))
-    return stream_batches(StreamConfig.from_dict(dataset), batch_size=batch_size, seq_len=seq_len, seed=seed,
-                          tokenize=tokenize, shard_source=shard_source)
+    return stream_batches(
+        StreamConfig.from_dict(dataset),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        tokenize=tokenize,
+        shard_source=shard_source,
+    )
 
 
-def _objective_stream(dataset: Mapping[str, Any], kind: str, objective: ObjectiveConfig, tokenizer: Any,
-                      batch_size: int, seed: int | str,
-                      shard_source: ShardSourceFactory | None) -> Generator[dict[str, torch.Tensor], None, None]:
+def _objective_stream(
+    dataset: Mapping[str, Any],
+    kind: str,
+    objective: ObjectiveConfig,
+    tokenizer: Any,
+    batch_size: int,
+    seed: int | str,
+    shard_source: ShardSourceFactory | None,
+) -> Generator[dict[str, torch.Tensor], None, None]:
     if kind == "demo_corpus":
         if objective.name == "classification":
-            raise DataConfigError("no_labels", "the demo corpus has no labels to classify",
-                                  'Stream a labelled dataset ([dataset] kind = "stream") or use masked-lm/causal-lm.')
+            raise DataConfigError(
+                "no_labels",
+                "the demo corpus has no labels to classify",
+                'Stream a labelled dataset ([dataset] kind = "stream") or use masked-lm/causal-lm.',
+            )
         from toolkit.corpus import demo_texts
 
         texts: Iterator[Any] = demo_texts(seed)
     else:
         config = StreamConfig.from_dict(dataset)
-        specs = tuple(dataclasses.replace(
-            spec, text_column=objective.column or spec.text_column,
-            label_column=objective.label_column if objective.name == "classification" else None)
-            for spec in config.datasets)
+        specs = tuple(
+            dataclasses.replace(
+                spec,
+                text_column=objective.column or spec.text_column,
+                label_column=objective.label_column if objective.name == "classification" else None,
+            )
+            for spec in config.datasets
+        )
         texts = stream_texts(dataclasses.replace(config, datasets=specs), seed=seed, shard_source=shard_source)
     try:
         yield from objective_batches(texts, tokenizer, objective, batch_size=batch_size, seed=seed)

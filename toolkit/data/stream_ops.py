@@ -82,6 +82,6 @@ def pack(token_lists: Iterable[Sequence[int]], batch_size: int, seq_len: int) ->
             continue
         start = 0
         while len(buf) - start >= need:
-            yield torch.tensor(buf[start:start + need], dtype=torch.long).view(batch_size, seq_len + 1)
+            yield torch.tensor(buf[start : start + need], dtype=torch.long).view(batch_size, seq_len + 1)
             start += need
         del buf[:start]

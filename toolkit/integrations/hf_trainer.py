@@ -39,7 +39,9 @@ import torch
 try:
     from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(f'toolkit.integrations.hf_trainer needs transformers: pip install "collabtrain[hf]" ({exc})') from exc
+    raise ImportError(
+        f'toolkit.integrations.hf_trainer needs transformers: pip install "collabtrain[hf]" ({exc})'
+    ) from exc
 
 from toolkit.integrations.hooks import collaborative, loss_scaler_of, watch_loss
 
@@ -55,20 +57,22 @@ class CollaborativeCallback(TrainerCallback):
         self.optimizer = optimizer
         self._handle: Any = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         self.optimizer = collaborative(self.optimizer if self.optimizer is not None else optimizer)
         if args.max_grad_norm is not None and args.max_grad_norm > 0:
-            log.warning("max_grad_norm=%g would clip this peer's gradient before the collaboration sums it: "
-                        "turned off (the relay clips the averaged gradient, [optimizer] clip_grad_norm)",
-                        args.max_grad_norm)
+            log.warning(
+                "max_grad_norm=%g would clip this peer's gradient before the collaboration sums it: "
+                "turned off (the relay clips the averaged gradient, [optimizer] clip_grad_norm)",
+                args.max_grad_norm,
+            )
             args.max_grad_norm = 0.0
         if self._handle is None and model is not None:
             # The Trainer's optimizer is Accelerate's wrapper, holding the fp16 GradScaler if any.
             self._handle = watch_loss(model, self.optimizer, scaler=loss_scaler_of(optimizer) if optimizer else None)
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None,
-                          **kwargs: Any) -> None:
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any) -> None:
         opt = self.optimizer
         if opt is None:
             return

@@ -66,8 +66,10 @@ def batch_size_of_call(args: tuple, kwargs: Mapping[str, Any]) -> int | None:
     """The leading dimension of the first tensor among the call's arguments (or a dict's values)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, (Mapping, list, tuple)):
-            value = next((v for v in (value.values() if isinstance(value, Mapping) else value)
-                          if isinstance(v, torch.Tensor)), None)
+            value = next(
+                (v for v in (value.values() if isinstance(value, Mapping) else value) if isinstance(v, torch.Tensor)),
+                None,
+            )
         if isinstance(value, torch.Tensor) and value.ndim >= 1:
             return int(value.shape[0])
     return None
@@ -103,5 +105,7 @@ def watch_loss(model: torch.nn.Module, optimizer: Any, *, scalar_output: bool = 
         if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
             opt.note_loss(loss, batch_size_of_call(args, kwargs))
 
-    return _Handles(model.register_forward_pre_hook(drop_item_count, with_kwargs=True),
-                    model.register_forward_hook(hook, with_kwargs=True))
+    return _Handles(
+        model.register_forward_pre_hook(drop_item_count, with_kwargs=True),
+        model.register_forward_hook(hook, with_kwargs=True),
+    )

@@ -25,10 +25,26 @@ from toolkit.wire.protocol import ModelSpec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteTransformer", "DMoEByteLM", "DMoEMLP", "MLP", "TransformerConfig", "Vector", "build_model", "build_own_model", "check_trusted",
-           "loss_of"]
+__all__ = [
+    "ByteTransformer",
+    "DMoEByteLM",
+    "DMoEMLP",
+    "MLP",
+    "TransformerConfig",
+    "Vector",
+    "build_model",
+    "build_own_model",
+    "check_trusted",
+    "loss_of",
+]
 
-_FACTORIES = {"ByteTransformer": ByteTransformer, "DMoEByteLM": DMoEByteLM, "DMoEMLP": DMoEMLP, "MLP": MLP, "Vector": Vector}
+_FACTORIES = {
+    "ByteTransformer": ByteTransformer,
+    "DMoEByteLM": DMoEByteLM,
+    "DMoEMLP": DMoEMLP,
+    "MLP": MLP,
+    "Vector": Vector,
+}
 
 
 def check_trusted(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> None:
@@ -38,13 +54,19 @@ def check_trusted(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> None:
     module, _, name = spec.factory.partition(":")
     package = _package(spec)
     if not module or not name:
-        raise ModelMismatch("bad_model_factory", f"model factory {spec.factory!r} is not 'package.module:Name'",
-                            "Ask the organizer to fix [model] factory.")
+        raise ModelMismatch(
+            "bad_model_factory",
+            f"model factory {spec.factory!r} is not 'package.module:Name'",
+            "Ask the organizer to fix [model] factory.",
+        )
     if package not in set(trusted_models):
-        raise ModelMismatch("untrusted_model", f"this run trains the organizer's own model {spec.factory!r}, "
-                            f"and you have not opted into package {package!r}",
-                            f"If you trust the organizer: pip install their package, then call "
-                            f"join(..., trusted_models=[{package!r}]). Nothing was imported.")
+        raise ModelMismatch(
+            "untrusted_model",
+            f"this run trains the organizer's own model {spec.factory!r}, "
+            f"and you have not opted into package {package!r}",
+            f"If you trust the organizer: pip install their package, then call "
+            f"join(..., trusted_models=[{package!r}]). Nothing was imported.",
+        )
 
 
 def build_model(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> "torch.nn.Module":
@@ -57,14 +79,20 @@ def build_model(spec: ModelSpec, trusted_models: Iterable[str] = ()) -> "torch.n
         try:
             factory = getattr(import_module(module), name)
         except (ImportError, AttributeError) as exc:
-            raise ModelMismatch("model_not_installed", f"cannot import {spec.factory} ({exc})",
-                                f"pip install the organizer's package that provides {module}.") from None
+            raise ModelMismatch(
+                "model_not_installed",
+                f"cannot import {spec.factory} ({exc})",
+                f"pip install the organizer's package that provides {module}.",
+            ) from None
         return factory(**spec.kwargs)
     module, _, name = spec.factory.partition(":")
     if module != "toolkit.models" or name not in _FACTORIES:
-        raise ModelMismatch("unknown_model", f"model factory {spec.factory!r} is not part of toolkit.models",
-                            f"Use one of {', '.join('toolkit.models:' + n for n in _FACTORIES)}, "
-                            'kind = "transformers" for a transformers architecture, or pass your own model to join().')
+        raise ModelMismatch(
+            "unknown_model",
+            f"model factory {spec.factory!r} is not part of toolkit.models",
+            f"Use one of {', '.join('toolkit.models:' + n for n in _FACTORIES)}, "
+            'kind = "transformers" for a transformers architecture, or pass your own model to join().',
+        )
     return _FACTORIES[name](**spec.kwargs)
 
 

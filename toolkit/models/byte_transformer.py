@@ -56,8 +56,11 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.ff = ff if ff is not None else nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(),
-                                                          nn.Linear(cfg.d_ff, cfg.d_model))
+        self.ff = (
+            ff
+            if ff is not None
+            else nn.Sequential(nn.Linear(cfg.d_model, cfg.d_ff), nn.GELU(), nn.Linear(cfg.d_ff, cfg.d_model))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -93,9 +96,14 @@ class ByteTransformer(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor | None = None, *, input_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor | CausalLMOutput:
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | CausalLMOutput:
         """``tokens -> logits``, or, called as ``transformers`` calls a causal LM, its output:
         ``loss`` (with ``labels``: the mean CE of each next token whose label is not -100, the
         labels shifted here as in ``transformers``) and ``logits``. ``attention_mask`` is
@@ -106,15 +114,22 @@ class ByteTransformer(nn.Module):
                 raise TypeError("forward() needs tokens or input_ids")
             return self.logits(self.hidden_states(tokens))
         logits = self.logits(self.hidden_states(input_ids))
-        loss = None if labels is None else F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                           labels[:, 1:].reshape(-1), ignore_index=-100)
+        loss = (
+            None
+            if labels is None
+            else F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        )
         return CausalLMOutput(loss=loss, logits=logits)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last block's output, [b, t, d_model]."""
         if tokens.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"{tokens.shape[1]} tokens per row, the model embeds {self.cfg.seq_len} positions: "
-                             "feed rows of at most seq_len tokens (the run's objective.seq_len <= model seq_len)")
+            raise ValueError(
+                f"{tokens.shape[1]} tokens per row, the model embeds {self.cfg.seq_len} positions: "
+                "feed rows of at most seq_len tokens (the run's objective.seq_len <= model seq_len)"
+            )
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)

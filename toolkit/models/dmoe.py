@@ -55,20 +55,46 @@ class DMoEMLP(ExpertModel, nn.Module):
     ``k_min`` and ``beam_size`` are :class:`RemoteMixtureOfExperts`'s.
     """
 
-    def __init__(self, *, in_features: int = 16, hidden: int = 32, out_features: int = 1, layers: int = 2,
-                 grid: Sequence[int] = (4, 4), k: int = 4, k_min: int = 1, expert_hidden: int = 64,
-                 uid_prefix: str = "ffn", timeout_s: float = 30.0, backward_timeout_s: float | None = None,
-                 timeout_after_k_min_s: float | None = None, balancing_coef: float = 0.01, expert_seed: int = 0,
-                 beam_size: int | None = None, caller: ExpertCaller | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        in_features: int = 16,
+        hidden: int = 32,
+        out_features: int = 1,
+        layers: int = 2,
+        grid: Sequence[int] = (4, 4),
+        k: int = 4,
+        k_min: int = 1,
+        expert_hidden: int = 64,
+        uid_prefix: str = "ffn",
+        timeout_s: float = 30.0,
+        backward_timeout_s: float | None = None,
+        timeout_after_k_min_s: float | None = None,
+        balancing_coef: float = 0.01,
+        expert_seed: int = 0,
+        beam_size: int | None = None,
+        caller: ExpertCaller | None = None,
+    ) -> None:
         super().__init__()
         self.hidden, self.expert_hidden, self.expert_seed = hidden, expert_hidden, expert_seed
         self.out_features, self.balancing_coef = out_features, balancing_coef
         self.inp = nn.Linear(in_features, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
-        self.moe = nn.ModuleList(RemoteMixtureOfExperts(hidden, tuple(grid), k, caller, f"{uid_prefix}{i}", k_min,
-                                                        timeout_s, backward_timeout_s=backward_timeout_s,
-                                                        timeout_after_k_min_s=timeout_after_k_min_s, beam_size=beam_size)
-                                 for i in range(layers))
+        self.moe = nn.ModuleList(
+            RemoteMixtureOfExperts(
+                hidden,
+                tuple(grid),
+                k,
+                caller,
+                f"{uid_prefix}{i}",
+                k_min,
+                timeout_s,
+                backward_timeout_s=backward_timeout_s,
+                timeout_after_k_min_s=timeout_after_k_min_s,
+                beam_size=beam_size,
+            )
+            for i in range(layers)
+        )
         self.head = nn.Linear(hidden, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,17 +44,53 @@ class DMoEByteLM(ExpertModel, ByteTransformer):
     embedded), ``vocab_size`` and ``tie_embeddings`` are the decoder's.
     """
 
-    def __init__(self, *, vocab_size: int = 256, seq_len: int = 64, hidden: int = 64, heads: int = 4, layers: int = 2,
-                 grid: Sequence[int] = (4, 4), k: int = 4, k_min: int = 1, expert_hidden: int = 256,
-                 uid_prefix: str = "ffn", timeout_s: float = 30.0, backward_timeout_s: float | None = None,
-                 timeout_after_k_min_s: float | None = None, balancing_coef: float = 0.01, expert_seed: int = 0,
-                 beam_size: int | None = None, tie_embeddings: bool = True, caller: ExpertCaller | None = None) -> None:
-        mixtures = [RemoteMixtureOfExperts(hidden, tuple(grid), k, caller, f"{uid_prefix}{i}", k_min, timeout_s,
-                                           backward_timeout_s=backward_timeout_s,
-                                           timeout_after_k_min_s=timeout_after_k_min_s, beam_size=beam_size)
-                    for i in range(layers)]
-        super().__init__(feed_forward=mixtures.__getitem__, vocab_size=vocab_size, seq_len=seq_len, d_model=hidden,
-                         n_layer=layers, n_head=heads, d_ff=expert_hidden, tie_embeddings=tie_embeddings)
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 256,
+        seq_len: int = 64,
+        hidden: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        grid: Sequence[int] = (4, 4),
+        k: int = 4,
+        k_min: int = 1,
+        expert_hidden: int = 256,
+        uid_prefix: str = "ffn",
+        timeout_s: float = 30.0,
+        backward_timeout_s: float | None = None,
+        timeout_after_k_min_s: float | None = None,
+        balancing_coef: float = 0.01,
+        expert_seed: int = 0,
+        beam_size: int | None = None,
+        tie_embeddings: bool = True,
+        caller: ExpertCaller | None = None,
+    ) -> None:
+        mixtures = [
+            RemoteMixtureOfExperts(
+                hidden,
+                tuple(grid),
+                k,
+                caller,
+                f"{uid_prefix}{i}",
+                k_min,
+                timeout_s,
+                backward_timeout_s=backward_timeout_s,
+                timeout_after_k_min_s=timeout_after_k_min_s,
+                beam_size=beam_size,
+            )
+            for i in range(layers)
+        ]
+        super().__init__(
+            feed_forward=mixtures.__getitem__,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            d_model=hidden,
+            n_layer=layers,
+            n_head=heads,
+            d_ff=expert_hidden,
+            tie_embeddings=tie_embeddings,
+        )
         self.hidden, self.expert_hidden, self.expert_seed = hidden, expert_hidden, expert_seed
         self.balancing_coef = balancing_coef
 

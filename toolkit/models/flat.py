@@ -27,5 +27,5 @@ def load_flat(model: torch.nn.Module, flat: np.ndarray | torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p).to(p.dtype))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p).to(p.dtype))
             offset += p.numel()

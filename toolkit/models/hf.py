@@ -31,17 +31,24 @@ def _transformers():
     try:
         import transformers
     except ImportError as exc:
-        raise ModelMismatch("transformers_missing", f"this run trains a transformers model, and importing "
-                            f"transformers failed ({exc})", _HINT_INSTALL) from None
+        raise ModelMismatch(
+            "transformers_missing",
+            f"this run trains a transformers model, and importing transformers failed ({exc})",
+            _HINT_INSTALL,
+        ) from None
     return transformers
 
 
 def did_you_mean(name: str, options: Iterable[str], n: int = 3) -> str:
-    """" (did you mean X?)" for the ``n`` closest of ``options`` to a mistyped ``name``, else ""."""
+    """ " (did you mean X?)" for the ``n`` closest of ``options`` to a mistyped ``name``, else ""."""
     close = difflib.get_close_matches(name, list(options), n=n, cutoff=0.6)
     if not close:
         return ""
-    return f" (did you mean {close[0]}?)" if len(close) == 1 else f" (did you mean {', '.join(close[:-1])} or {close[-1]}?)"
+    return (
+        f" (did you mean {close[0]}?)"
+        if len(close) == 1
+        else f" (did you mean {', '.join(close[:-1])} or {close[-1]}?)"
+    )
 
 
 def architectures() -> list[str]:
@@ -59,18 +66,26 @@ def model_types() -> list[str]:
 def check_transformers_spec(architecture: str, config: Mapping[str, Any]) -> None:
     """Refuse, before anything is built, what could make a peer run code it did not install."""
     if not _ARCHITECTURE.fullmatch(architecture or ""):
-        raise ModelMismatch("unknown_architecture", f"architecture {architecture!r} is not an AutoModel class",
-                            'Name one of transformers\' AutoModel classes, e.g. "AutoModelForMaskedLM" or '
-                            '"AutoModelForCausalLM".')
+        raise ModelMismatch(
+            "unknown_architecture",
+            f"architecture {architecture!r} is not an AutoModel class",
+            'Name one of transformers\' AutoModel classes, e.g. "AutoModelForMaskedLM" or "AutoModelForCausalLM".',
+        )
     remote = [k for k in _REMOTE_CODE_KEYS if k in config]
     if remote:
-        raise ModelMismatch("remote_code_refused", f"the model config asks for code from the network ({remote[0]})",
-                            "collabtrain never runs remote code: remove auto_map/trust_remote_code and use an "
-                            "architecture that ships with transformers, or an own module the volunteers opt into "
-                            "(join(..., trusted_models=[...])).")
+        raise ModelMismatch(
+            "remote_code_refused",
+            f"the model config asks for code from the network ({remote[0]})",
+            "collabtrain never runs remote code: remove auto_map/trust_remote_code and use an "
+            "architecture that ships with transformers, or an own module the volunteers opt into "
+            "(join(..., trusted_models=[...])).",
+        )
     if not isinstance(config.get("model_type"), str):
-        raise ModelMismatch("bad_model_config", "the model config has no model_type",
-                            'Add model_type (e.g. "albert", "gpt2", "bert") to [model] config.')
+        raise ModelMismatch(
+            "bad_model_config",
+            "the model config has no model_type",
+            'Add model_type (e.g. "albert", "gpt2", "bert") to [model] config.',
+        )
 
 
 def transformers_config(architecture: str, config: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -79,20 +94,29 @@ def transformers_config(architecture: str, config: Mapping[str, Any]) -> tuple[A
     transformers = _transformers()
     auto = getattr(transformers, architecture, None)
     if auto is None:
-        raise ModelMismatch("unknown_architecture", f"transformers {transformers.__version__} has no {architecture}"
-                            f"{did_you_mean(architecture, architectures(), n=1)}",
-                            "Upgrade transformers on this machine, or ask the organizer which version the run uses.")
+        raise ModelMismatch(
+            "unknown_architecture",
+            f"transformers {transformers.__version__} has no {architecture}"
+            f"{did_you_mean(architecture, architectures(), n=1)}",
+            "Upgrade transformers on this machine, or ask the organizer which version the run uses.",
+        )
     fields = dict(config)
     model_type = fields.pop("model_type")
     if model_type not in model_types():  # transformers' own error lists all ~800 types: 16 KB
-        raise ModelMismatch("unknown_model_type", f"transformers {transformers.__version__} does not know "
-                            f"model_type {model_type!r}{did_you_mean(model_type, model_types())}",
-                            "Upgrade transformers, or use a model_type this version ships.")
+        raise ModelMismatch(
+            "unknown_model_type",
+            f"transformers {transformers.__version__} does not know "
+            f"model_type {model_type!r}{did_you_mean(model_type, model_types())}",
+            "Upgrade transformers, or use a model_type this version ships.",
+        )
     try:
         return auto, transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, TypeError) as exc:
-        raise ModelMismatch("bad_model_config", f"the {model_type} config cannot be built: {_first_line(exc)}",
-                            "Check [model] config's fields against the model_type's configuration class.") from None
+        raise ModelMismatch(
+            "bad_model_config",
+            f"the {model_type} config cannot be built: {_first_line(exc)}",
+            "Check [model] config's fields against the model_type's configuration class.",
+        ) from None
 
 
 def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn.Module:
@@ -101,8 +125,11 @@ def build_transformers(architecture: str, config: Mapping[str, Any]) -> torch.nn
     try:
         return auto.from_config(cfg)
     except ValueError as exc:
-        raise ModelMismatch("bad_model_config", f"{architecture} cannot be built from this config: {_first_line(exc)}",
-                            "Check [model] architecture against the config's model_type.") from None
+        raise ModelMismatch(
+            "bad_model_config",
+            f"{architecture} cannot be built from this config: {_first_line(exc)}",
+            "Check [model] architecture against the config's model_type.",
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -116,8 +143,11 @@ def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         out = model(**batch)
         loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
         if loss is None:
-            raise ModelMismatch("no_loss", f"{type(model).__name__} returned no loss for a batch with keys "
-                                f"{sorted(batch)}", "Give the batches labels (the run's [objective] collator adds "
-                                "them), or pass your own loop's loss to opt.step(loss=...).")
+            raise ModelMismatch(
+                "no_loss",
+                f"{type(model).__name__} returned no loss for a batch with keys {sorted(batch)}",
+                "Give the batches labels (the run's [objective] collator adds "
+                "them), or pass your own loop's loss to opt.step(loss=...).",
+            )
         return loss
     return model.loss(batch)

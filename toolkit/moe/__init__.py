@@ -18,6 +18,19 @@ from toolkit.moe.experts import FFNExpert, expert_seed
 from toolkit.moe.grid import ExpertGrid, LiveIndex, ProductKeyGate, beam_search, beam_search_tensors
 from toolkit.moe.layer import LocalMixtureOfExperts, RemoteMixtureOfExperts
 
-__all__ = ["CallRecord", "ExpertCaller", "ExpertFailed", "ExpertGrid", "FFNExpert", "LiveIndex", "LocalMixtureOfExperts",
-           "LoopbackCaller", "MoEStats", "ProductKeyGate", "RemoteMixtureOfExperts", "beam_search",
-           "beam_search_tensors", "expert_seed"]
+__all__ = [
+    "CallRecord",
+    "ExpertCaller",
+    "ExpertFailed",
+    "ExpertGrid",
+    "FFNExpert",
+    "LiveIndex",
+    "LocalMixtureOfExperts",
+    "LoopbackCaller",
+    "MoEStats",
+    "ProductKeyGate",
+    "RemoteMixtureOfExperts",
+    "beam_search",
+    "beam_search_tensors",
+    "expert_seed",
+]

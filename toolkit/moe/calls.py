@@ -36,8 +36,10 @@ class ExpertFailed(CollabError):
     A mixture layer catches it and averages the surviving experts; it reaches user code only
     from a direct call."""
 
-    default_hint = ("Nothing to do for one failure: the mixture averages the experts that answered. If most calls "
-                    "fail, check that expert hosts are running and that the relay's directory lists them.")
+    default_hint = (
+        "Nothing to do for one failure: the mixture averages the experts that answered. If most calls "
+        "fail, check that expert hosts are running and that the relay's directory lists them."
+    )
 
 
 @runtime_checkable
@@ -85,10 +87,15 @@ class LoopbackCaller:
     (a host that went silent: the layer's deadline must end the wait).
     """
 
-    def __init__(self, experts: Mapping[str, nn.Module], fail: FailRule = frozenset(),
-                 on_backward: Callable[[str, nn.Module], None] | None = None,
-                 optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
-                 max_workers: int = 1, hang: FailRule = frozenset()) -> None:
+    def __init__(
+        self,
+        experts: Mapping[str, nn.Module],
+        fail: FailRule = frozenset(),
+        on_backward: Callable[[str, nn.Module], None] | None = None,
+        optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+        max_workers: int = 1,
+        hang: FailRule = frozenset(),
+    ) -> None:
         self.experts = dict(experts)
         self.fail, self.hang = fail, hang
         self.on_backward = on_backward
@@ -148,7 +155,7 @@ class LoopbackCaller:
         module.zero_grad(set_to_none=True)
         with torch.enable_grad():
             x = x.requires_grad_(True)
-            y = module(x)              # recomputed: the forward kept no activations (App. D)
+            y = module(x)  # recomputed: the forward kept no activations (App. D)
             torch.autograd.backward(y, grad_y)
         if opt is not None:
             opt.step()

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 Result = torch.Tensor | ExpertFailed
 
 
-_STATS_LOCK = threading.Lock()   # module-wide, so stats stay plain data (copyable, picklable)
+_STATS_LOCK = threading.Lock()  # module-wide, so stats stay plain data (copyable, picklable)
 
 
 @dataclass
@@ -93,12 +93,12 @@ def group_by_expert(flat: torch.Tensor, valid: torch.Tensor, uid_of: dict[int, s
     distinct expert, rows ascending, experts in index order (a deterministic call order)."""
     rows, slots = valid.nonzero(as_tuple=True)
     experts = flat[rows, slots]
-    order = torch.argsort(experts * flat.shape[0] + rows)      # by expert, then row
+    order = torch.argsort(experts * flat.shape[0] + rows)  # by expert, then row
     rows, slots, experts = rows[order], slots[order], experts[order]
     uniq, counts = torch.unique_consecutive(experts, return_counts=True)
     groups, start = [], 0
     for e, c in zip(uniq.tolist(), counts.tolist()):
-        groups.append(Group(uid_of[e], rows[start:start + c], slots[start:start + c]))
+        groups.append(Group(uid_of[e], rows[start : start + c], slots[start : start + c]))
         start += c
     return groups
 
@@ -120,9 +120,15 @@ class CallPlan:
     meter: WaitMeter = field(default_factory=wait_meter)
 
 
-def wait_all(futures: list[concurrent.futures.Future], timeout_s: float, shapes: list[tuple[int, int]],
-             dtype: torch.dtype, device: torch.device,
-             enough: Callable[[int, bool], bool] | None = None, grace_s: float | None = None) -> list[Result]:
+def wait_all(
+    futures: list[concurrent.futures.Future],
+    timeout_s: float,
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    enough: Callable[[int, bool], bool] | None = None,
+    grace_s: float | None = None,
+) -> list[Result]:
     """Each future's tensor, or the :class:`ExpertFailed` it stands for: raised by the caller,
     still pending at the deadline (``expert_timeout``; it is cancelled), or a result of the wrong
     shape or with NaN/Inf (``bad_result``: one broken host must not poison the batch).
@@ -149,13 +155,17 @@ def wait_all(futures: list[concurrent.futures.Future], timeout_s: float, shapes:
     waited = time.monotonic() - start
     for fut, i in pending.items():
         fut.cancel()
-        results[i] = ExpertFailed("expert_timeout", f"no answer after {waited:.2f} s (timeout {timeout_s} s"
-                                  + (f", or {grace_s} s once k_min experts answered)" if grace_s is not None else ")"))
+        results[i] = ExpertFailed(
+            "expert_timeout",
+            f"no answer after {waited:.2f} s (timeout {timeout_s} s"
+            + (f", or {grace_s} s once k_min experts answered)" if grace_s is not None else ")"),
+        )
     return [results[i] for i in range(len(futures))]
 
 
-def _outcome(fut: concurrent.futures.Future, shape: tuple[int, int], dtype: torch.dtype,
-             device: torch.device) -> Result:
+def _outcome(
+    fut: concurrent.futures.Future, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> Result:
     try:
         value = fut.result(timeout=0)
     except ExpertFailed as exc:
@@ -186,14 +196,22 @@ class _CallExperts(torch.autograd.Function):
     """``x [n, in] -> (y [n, k, out], answered [n, k])``; ``y`` is zero where the call failed."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, _dummy: torch.Tensor, x: torch.Tensor,
-                plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, _dummy: torch.Tensor, x: torch.Tensor, plan: CallPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
         plan.stats.add(calls=len(futures))
         shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
         started = time.monotonic()
-        results = wait_all(futures, plan.timeout_s, shapes, x.dtype, x.device,
-                           k_min_reached(plan.groups, x.shape[0], plan.k_min), plan.timeout_after_k_min_s)
+        results = wait_all(
+            futures,
+            plan.timeout_s,
+            shapes,
+            x.dtype,
+            x.device,
+            k_min_reached(plan.groups, x.shape[0], plan.k_min),
+            plan.timeout_after_k_min_s,
+        )
         plan.meter.seconds += time.monotonic() - started
         y = x.new_zeros(x.shape[0], plan.k, plan.out_features)
         answered = torch.zeros(x.shape[0], plan.k, dtype=torch.bool, device=x.device)
@@ -213,16 +231,18 @@ class _CallExperts(torch.autograd.Function):
         return y, answered
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor,
-                 _grad_answered: torch.Tensor | None) -> tuple[None, torch.Tensor | None, None]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor, _grad_answered: torch.Tensor | None
+    ) -> tuple[None, torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
         plan: CallPlan = ctx.plan
         todo = [g for g, ok in zip(plan.groups, plan.answered) if ok]
         futures = [plan.caller.backward(g.uid, x[g.rows], grad_y[g.rows, g.slots]) for g in todo]
         plan.stats.add(backward_calls=len(futures))
         started = time.monotonic()
-        results = wait_all(futures, plan.backward_timeout_s, [(len(g.rows), x.shape[1]) for g in todo],
-                           x.dtype, x.device)
+        results = wait_all(
+            futures, plan.backward_timeout_s, [(len(g.rows), x.shape[1]) for g in todo], x.dtype, x.device
+        )
         plan.meter.seconds += time.monotonic() - started
         grad_x = torch.zeros_like(x)
         for g, res in zip(todo, results):

@@ -44,7 +44,7 @@ class FFNExpert(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for lin in (self.up, self.down):
-                bound = lin.in_features ** -0.5   # nn.Linear's default range, from our generator
+                bound = lin.in_features**-0.5  # nn.Linear's default range, from our generator
                 lin.weight.uniform_(-bound, bound, generator=gen)
                 lin.bias.uniform_(-bound, bound, generator=gen)
 
@@ -60,8 +60,9 @@ class FFNExpert(nn.Module):
 def build_expert(expert: Mapping[str, Any], uid: str, seed: int = 0) -> nn.Module:
     """Expert ``uid`` of a run whose ``[moe] expert`` is ``expert`` and ``[moe] seed`` is ``seed``."""
     if expert.get("kind") != "ffn":
-        raise CollabError("unknown_expert_kind", f"this toolkit cannot build expert kind {expert.get('kind')!r}",
-                          UPGRADE)
+        raise CollabError(
+            "unknown_expert_kind", f"this toolkit cannot build expert kind {expert.get('kind')!r}", UPGRADE
+        )
     return FFNExpert.for_uid(uid, int(expert["d"]), int(expert["hidden"]), int(seed))
 
 
@@ -79,8 +80,9 @@ def make_optimizer(optimizer: Mapping[str, Any], module: nn.Module) -> torch.opt
     if name == "sgd":
         return torch.optim.SGD(module.parameters(), lr=optimizer["lr"], momentum=optimizer.get("momentum", 0.0))
     if name == "adam":
-        return torch.optim.Adam(module.parameters(), lr=optimizer["lr"],
-                                betas=tuple(optimizer.get("betas", (0.9, 0.999))))
+        return torch.optim.Adam(
+            module.parameters(), lr=optimizer["lr"], betas=tuple(optimizer.get("betas", (0.9, 0.999)))
+        )
     raise CollabError("unknown_optimizer", f"this toolkit has no expert optimizer {name!r}", UPGRADE)
 
 
@@ -100,8 +102,9 @@ def checkpoint_of(module: nn.Module, optimizer: torch.optim.Optimizer | None, up
     return payloads.encode(dict(checkpoint_state(module, optimizer)), {"updates": str(updates)})
 
 
-def restore(module: nn.Module, optimizer: torch.optim.Optimizer | None, body: bytes,
-            shapes: Mapping[str, tuple[int, ...]]) -> int:
+def restore(
+    module: nn.Module, optimizer: torch.optim.Optimizer | None, body: bytes, shapes: Mapping[str, tuple[int, ...]]
+) -> int:
     """Load a checkpoint the relay kept into ``module`` and ``optimizer``; returns its updates."""
     updates, tensors = payloads.read_checkpoint(body, shapes)
     params = dict(module.named_parameters())
@@ -112,6 +115,7 @@ def restore(module: nn.Module, optimizer: torch.optim.Optimizer | None, body: by
         if key.startswith("opt.") and optimizer is not None:
             name, state_key = key[4:].rsplit(".", 1)
             value = torch.from_numpy(array.copy())
-            optimizer.state[params[name]][state_key] = value.reshape(()) if state_key == "step" \
-                else value.to(params[name].device)
+            optimizer.state[params[name]][state_key] = (
+                value.reshape(()) if state_key == "step" else value.to(params[name].device)
+            )
     return updates

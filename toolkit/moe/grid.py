@@ -110,8 +110,8 @@ class LiveIndex:
     """
 
     size: tuple[int, ...]
-    last: list[torch.Tensor] = field(default_factory=list)      # [n_i] last coordinate of each prefix
-    parent: list[torch.Tensor] = field(default_factory=list)    # [n_i] index into level i - 1
+    last: list[torch.Tensor] = field(default_factory=list)  # [n_i] last coordinate of each prefix
+    parent: list[torch.Tensor] = field(default_factory=list)  # [n_i] index into level i - 1
     table: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.long))  # [N, d] live coords
 
     @classmethod
@@ -124,9 +124,9 @@ class LiveIndex:
         index = cls(size)
         # Row-major codes sort like the coordinate tuples; a prefix's code is code // (its suffix span).
         span = [prod(size[depth:]) for depth in range(len(size) + 1)]
-        codes = torch.unique((coords * torch.tensor(span[1:], dtype=torch.long)).sum(1))   # sorted, deduplicated
+        codes = torch.unique((coords * torch.tensor(span[1:], dtype=torch.long)).sum(1))  # sorted, deduplicated
         index.table = torch.stack([codes // span[i + 1] % size[i] for i in range(len(size))], 1).reshape(-1, len(size))
-        parent_of_row = torch.zeros(len(codes), dtype=torch.long)   # every row's prefix at depth - 1
+        parent_of_row = torch.zeros(len(codes), dtype=torch.long)  # every row's prefix at depth - 1
         for depth in range(1, len(size) + 1):
             level, inverse = torch.unique_consecutive(codes // span[depth], return_inverse=True)
             index.last.append(level % size[depth - 1])
@@ -138,8 +138,9 @@ class LiveIndex:
         return self.table.shape[0]
 
 
-def beam_search(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int,
-                beam_size: int | None = None) -> list[list[Coords]]:
+def beam_search(
+    scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int, beam_size: int | None = None
+) -> list[list[Coords]]:
     """Algorithm 1, batched over rows: ``scores = [scores_i [n, M_i]]`` -> per row the chosen
     live coordinates, best first, ``min(k, live experts)`` of them, no duplicates.
 
@@ -153,8 +154,9 @@ def beam_search(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Seque
     return [[tuple(c) for c, ok in zip(row_c, row_v) if ok] for row_c, row_v in zip(coords.tolist(), valid.tolist())]
 
 
-def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int,
-                        beam_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def beam_search_tensors(
+    scores: Sequence[torch.Tensor], live: LiveIndex | Iterable[Sequence[int]], k: int, beam_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`beam_search` as tensors: ``coords [n, k, d]`` (0 where unused) and ``valid [n, k]``
     (False past the live experts found for that row), on the CPU; chosen experts best first."""
     size = tuple(s.shape[-1] for s in scores)
@@ -170,7 +172,7 @@ def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterab
         # index and the uids live there.
         scores = [s.detach().to("cpu", torch.float64) for s in scores]
         neg = torch.tensor(float("-inf"), dtype=torch.float64)
-        total = torch.zeros(n, 1, dtype=torch.float64)         # score of the one empty prefix
+        total = torch.zeros(n, 1, dtype=torch.float64)  # score of the one empty prefix
         for depth, (last, parent) in enumerate(zip(index.last, index.parent)):
             if last.numel() == 0:
                 return torch.zeros(n, k, len(size), dtype=torch.long), torch.zeros(n, k, dtype=torch.bool)
@@ -179,7 +181,7 @@ def beam_search_tensors(scores: Sequence[torch.Tensor], live: LiveIndex | Iterab
             keep = min(k if depth == len(size) - 1 else width, cand.shape[1])
             best, pos = cand.topk(keep, dim=1)
             total = torch.full_like(cand, neg).scatter_(1, pos, best)
-    chosen = index.table[pos]   # [n, keep, d]: after the last level, positions are live experts
+    chosen = index.table[pos]  # [n, keep, d]: after the last level, positions are live experts
     valid = torch.isfinite(best)
     pad = k - chosen.shape[1]
     if pad:

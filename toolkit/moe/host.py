@@ -67,22 +67,42 @@ class ExpertHost:
     """One host process: ``run()`` until ``stop()`` (or SIGTERM via the CLI). ``batching=False``
     runs every call alone (benchmarks/moe_batching.py's baseline)."""
 
-    def __init__(self, relay_url: str, *, capacity: int, token: str | None = None, name: str = "expert-host",
-                 max_rows: int = 4096, poll_s: int = 2, device: str | None = None, batching: bool = True) -> None:
+    def __init__(
+        self,
+        relay_url: str,
+        *,
+        capacity: int,
+        token: str | None = None,
+        name: str = "expert-host",
+        max_rows: int = 4096,
+        poll_s: int = 2,
+        device: str | None = None,
+        batching: bool = True,
+    ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.client = RelayClient(relay_url)
         self.run_info = run = self.client.get_run()
         if run.auth == "hf":
             if not token:
-                raise CollabError("token_required", f"run {run.run_name!r} needs a Hugging Face login",
-                                  "export HF_TOKEN=... (python -m toolkit.moe.host --token-env NAME reads another)")
+                raise CollabError(
+                    "token_required",
+                    f"run {run.run_name!r} needs a Hugging Face login",
+                    "export HF_TOKEN=... (python -m toolkit.moe.host --token-env NAME reads another)",
+                )
             self.client.login(token)
         self.name = name
         self._stop, self._rejoined = threading.Event(), threading.Event()
-        self.membership = Membership(self.client, JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION,
-                                                              precision=run.precision or None,
-                                                              device={"role": "expert_host"}),
-                                     on_rejoin=lambda _: self._rejoined.set(), what="host")
+        self.membership = Membership(
+            self.client,
+            JoinRequest(
+                peer_name=name,
+                protocol=PROTOCOL_VERSION,
+                precision=run.precision or None,
+                device={"role": "expert_host"},
+            ),
+            on_rejoin=lambda _: self._rejoined.set(),
+            what="host",
+        )
         self.membership.join()
         self.membership.keep_alive(run.heartbeat_interval_s)  # from the join on: building experts takes time
         self.capacity, self.max_rows, self.poll_s, self.batching = capacity, max_rows, poll_s, batching
@@ -91,7 +111,9 @@ class ExpertHost:
         self.codec = get_codec(self.spec.codec)
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec.optimizer, m))
         self.updates: dict[str, int] = {}
-        self._uploads = concurrent.futures.ThreadPoolExecutor(RESULT_UPLOADERS, thread_name_prefix="collab-host-result")
+        self._uploads = concurrent.futures.ThreadPoolExecutor(
+            RESULT_UPLOADERS, thread_name_prefix="collab-host-result"
+        )
         self.tasks_done = self.batches_done = 0
         self.last_checkpoint: float | None = None
         self.waiting: str | None = None
@@ -200,7 +222,7 @@ class ExpertHost:
         rows = out.float().cpu().numpy()
         offset = 0
         for task, _ in group:
-            answer, offset = rows[offset:offset + task.rows], offset + task.rows
+            answer, offset = rows[offset : offset + task.rows], offset + task.rows
             try:
                 body = payloads.encode(payloads.encode_rows(name, answer, self.codec))
             except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
@@ -268,8 +290,9 @@ class ExpertHost:
         code = exc.code
         if code == "no_lease":
             self.waiting = "leasing experts again (the relay had ended this host's leases)"
-            log.warning("the relay holds no lease of this host (away past the peer TTL, or a relay restart); "
-                        "leasing again")
+            log.warning(
+                "the relay holds no lease of this host (away past the peer TTL, or a relay restart); leasing again"
+            )
             return True
         if code == "unknown_peer":
             self.waiting = "joining again (the relay no longer knows this host)"
@@ -289,10 +312,15 @@ class ExpertHost:
     def describe(self) -> str:
         """One line for a panel: what this host holds and has served, and what it waits for."""
         held = sorted(self.runtime.experts)
-        since = "" if self.last_checkpoint is None else \
-            f", last checkpoint {time.monotonic() - self.last_checkpoint:.0f} s ago"
-        line = (f"{len(held)} experts ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) on {self.device}, "
-                f"{self.tasks_done:,} tasks served in {self.batches_done:,} batches{since}")
+        since = (
+            ""
+            if self.last_checkpoint is None
+            else f", last checkpoint {time.monotonic() - self.last_checkpoint:.0f} s ago"
+        )
+        line = (
+            f"{len(held)} experts ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}) on {self.device}, "
+            f"{self.tasks_done:,} tasks served in {self.batches_done:,} batches{since}"
+        )
         return line if self.waiting is None else f"{line}; {self.waiting}"
 
     def stop(self) -> None:
@@ -315,20 +343,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relay", required=True, help="relay URL, e.g. http://127.0.0.1:8750")
     parser.add_argument("--capacity", type=int, default=8, help="experts this machine hosts (default 8)")
     parser.add_argument("--name", default="expert-host", help="shown on the dashboard")
-    parser.add_argument("--token-env", default="HF_TOKEN", help="variable holding your Hugging Face token "
-                        "(runs that need a login; default HF_TOKEN)")
+    parser.add_argument(
+        "--token-env",
+        default="HF_TOKEN",
+        help="variable holding your Hugging Face token (runs that need a login; default HF_TOKEN)",
+    )
     parser.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--device", default=None, help="where experts run (default: cuda if available, else cpu)")
     parser.add_argument("--no-batching", action="store_true", help="run every call alone (a benchmark's baseline)")
     parser.add_argument("--verbose", "-v", action="store_true", help="log each lease and checkpoint")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format=f"%(asctime)s {args.name} %(levelname)s %(name)s: %(message)s",
+    )
     torch.set_num_threads(args.threads)
     try:
-        host = ExpertHost(args.relay, capacity=args.capacity, token=os.environ.get(args.token_env) or None,
-                          name=args.name, device=args.device, batching=not args.no_batching)
+        host = ExpertHost(
+            args.relay,
+            capacity=args.capacity,
+            token=os.environ.get(args.token_env) or None,
+            name=args.name,
+            device=args.device,
+            batching=not args.no_batching,
+        )
     except CollabError as exc:
         print(f"{args.name}: {exc}", flush=True)
         return 1

@@ -128,13 +128,17 @@ class InFlightTrainer:
     measurements, up to :data:`MAX_IN_FLIGHT`.
     """
 
-    def __init__(self, model: nn.Module, compute: Compute, policy: Any, *, shared: tuple[Any, ...] = (),
-                 jobs: int | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, compute: Compute, policy: Any, *, shared: tuple[Any, ...] = (), jobs: int | None = None
+    ) -> None:
         if jobs is not None and jobs < 1:
             raise ValueError(f"moe_in_flight must be >= 1 (or None: sized from measurements), got {jobs}")
         self.model, self.compute, self.policy = model, compute, policy
         self.fixed = jobs is not None
-        self._shared = (*shared, *(m.stats for m in model.modules() if isinstance(getattr(m, "stats", None), MoEStats)))
+        self._shared = (
+            *shared,
+            *(m.stats for m in model.modules() if isinstance(getattr(m, "stats", None), MoEStats)),
+        )
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._snapshot: Snapshot | None = None
@@ -146,8 +150,14 @@ class InFlightTrainer:
         self._closed = False
 
     # --- the main thread ----------------------------------------------------------------------
-    def run(self, opt: CollaborativeOptimizer, batches: Iterator[Any], size_of: Callable[[Any], int],
-            on_result: Callable[[Result], bool], should_stop: Callable[[], bool]) -> None:
+    def run(
+        self,
+        opt: CollaborativeOptimizer,
+        batches: Iterator[Any],
+        size_of: Callable[[Any], int],
+        on_result: Callable[[Result], bool],
+        should_stop: Callable[[], bool],
+    ) -> None:
         """Train on ``batches`` until they end, ``opt`` finishes, ``on_result`` (called after each
         result was contributed) or ``should_stop`` (asked while waiting for a round) says stop."""
         pending: deque[tuple[concurrent.futures.Future, int]] = deque()
@@ -175,8 +185,13 @@ class InFlightTrainer:
                     continue
                 result = pending.popleft()[0].result()
                 self._observe(result)
-                opt.contribute(result.grads, batch_size=result.samples, loss=result.loss, version=result.version,
-                               skip=not result.finite)
+                opt.contribute(
+                    result.grads,
+                    batch_size=result.samples,
+                    loss=result.loss,
+                    version=result.version,
+                    skip=not result.finite,
+                )
                 if on_result(result):
                     return
         finally:
@@ -227,8 +242,12 @@ class InFlightTrainer:
         c = max(self._compute_s, 1e-4)
         jobs = max(1, min(MAX_IN_FLIGHT, math.ceil((c + self._wait_s) / c)))
         if jobs != self.jobs:
-            log.info("%d micro-batches in flight (compute %.0f ms, expert waits %.0f ms per micro-batch)",
-                     jobs, 1000 * self._compute_s, 1000 * self._wait_s)
+            log.info(
+                "%d micro-batches in flight (compute %.0f ms, expert waits %.0f ms per micro-batch)",
+                jobs,
+                1000 * self._compute_s,
+                1000 * self._wait_s,
+            )
         self.jobs = jobs
         self.most_jobs = max(self.most_jobs, jobs)
 
@@ -238,8 +257,12 @@ class InFlightTrainer:
         replica = copy.deepcopy(self.model, memo)
         for p in replica.parameters():
             p.grad = None
-        t = threading.Thread(target=self._work, args=(replica, copy.deepcopy(self.policy)), daemon=True,
-                             name=f"collab-micro-batch-{len(self._threads)}")
+        t = threading.Thread(
+            target=self._work,
+            args=(replica, copy.deepcopy(self.policy)),
+            daemon=True,
+            name=f"collab-micro-batch-{len(self._threads)}",
+        )
         self._threads.append(t)
         t.start()
 
@@ -265,7 +288,16 @@ class InFlightTrainer:
                 for p in params:
                     p.grad = None
                 wall, cpu, waited = time.monotonic() - started, time.thread_time() - cpu, meter.seconds - waited
-                job.future.set_result(Result(grads, job.samples, loss, finite, job.snapshot.version,
-                                             max(min(wall - waited, cpu), 0.0), waited))
+                job.future.set_result(
+                    Result(
+                        grads,
+                        job.samples,
+                        loss,
+                        finite,
+                        job.snapshot.version,
+                        max(min(wall - waited, cpu), 0.0),
+                        waited,
+                    )
+                )
             except BaseException as exc:  # raised in the main thread when this micro-batch's turn comes
                 job.future.set_exception(exc)

@@ -36,8 +36,16 @@ DEFAULT_BEAM_FACTOR = 4
 class _Mixture(nn.Module):
     """Gating, selection and the weighted average, shared by the remote and the local layer."""
 
-    def __init__(self, in_features: int, grid: Sequence[int], k: int, uid_prefix: str, k_min: int,
-                 out_features: int | None, beam_size: int | None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        grid: Sequence[int],
+        k: int,
+        uid_prefix: str,
+        k_min: int,
+        out_features: int | None,
+        beam_size: int | None,
+    ) -> None:
         super().__init__()
         if not 1 <= k_min <= k:
             raise ValueError(f"k_min = {k_min} must be between 1 and k = {k}")
@@ -78,15 +86,18 @@ class _Mixture(nn.Module):
             cached = self._index = (live, LiveIndex.build(self.grid.live_coords(live), self.grid.size))
         return cached[1]
 
-    def select(self, x: torch.Tensor, live: frozenset[str]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor, list[Group]]:
+    def select(
+        self, x: torch.Tensor, live: frozenset[str]
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, list[Group]]:
         """``x [n, in]`` -> (scores, logits [n, k], valid [n, k], flat expert index [n, k], groups)."""
         scores = self.gate(x)
         coords, valid = beam_search_tensors(scores, self.live_index(live), self.k, self.beam_size)
         coords, valid = coords.to(x.device), valid.to(x.device)
         flat = (coords * self._strides.to(x.device)).sum(-1)
-        uid_of = {f: self.grid.uid([f // s % m for s, m in zip(self._strides.tolist(), self.grid.size)])
-                  for f in torch.unique(flat[valid]).tolist()}
+        uid_of = {
+            f: self.grid.uid([f // s % m for s, m in zip(self._strides.tolist(), self.grid.size)])
+            for f in torch.unique(flat[valid]).tolist()
+        }
         self._local.balancing_loss = self._balancing(scores, coords, valid)
         return scores, expert_logits(scores, coords), valid, flat, group_by_expert(flat, valid, uid_of)
 
@@ -133,10 +144,21 @@ class RemoteMixtureOfExperts(_Mixture):
     ``layer.caller`` before the first forward.
     """
 
-    def __init__(self, in_features: int, grid: Sequence[int], k: int, caller: ExpertCaller | None,
-                 uid_prefix: str, k_min: int = 1, timeout_s: float = 30.0, *, backward_timeout_s: float | None = None,
-                 timeout_after_k_min_s: float | None = None, out_features: int | None = None,
-                 beam_size: int | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        grid: Sequence[int],
+        k: int,
+        caller: ExpertCaller | None,
+        uid_prefix: str,
+        k_min: int = 1,
+        timeout_s: float = 30.0,
+        *,
+        backward_timeout_s: float | None = None,
+        timeout_after_k_min_s: float | None = None,
+        out_features: int | None = None,
+        beam_size: int | None = None,
+    ) -> None:
         super().__init__(in_features, grid, k, uid_prefix, k_min, out_features, beam_size)
         self.caller = caller
         self.timeout_s = timeout_s
@@ -146,15 +168,27 @@ class RemoteMixtureOfExperts(_Mixture):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in] -> [..., out]``."""
         if self.caller is None:
-            raise ExpertFailed("no_expert_caller", f"mixture {self.grid.uid_prefix!r} has no expert caller",
-                               "Set layer.caller (or model.attach_caller(caller)) before the forward pass: "
-                               "toolkit.moe.remote provides the relay's caller, LoopbackCaller runs experts here.")
+            raise ExpertFailed(
+                "no_expert_caller",
+                f"mixture {self.grid.uid_prefix!r} has no expert caller",
+                "Set layer.caller (or model.attach_caller(caller)) before the forward pass: "
+                "toolkit.moe.remote provides the relay's caller, LoopbackCaller runs experts here.",
+            )
         rows = self._rows(x)
         _, logits, valid, _, groups = self.select(rows, self.caller.live())
         if rows.device.type != "cpu":  # the node below indexes its CPU copy of the rows with these
             groups = [Group(g.uid, g.rows.cpu(), g.slots.cpu()) for g in groups]
-        plan = CallPlan(self.caller, groups, self.k, self.out_features, self.timeout_s, self.backward_timeout_s,
-                        self.stats, self.k_min, self.timeout_after_k_min_s)
+        plan = CallPlan(
+            self.caller,
+            groups,
+            self.k,
+            self.out_features,
+            self.timeout_s,
+            self.backward_timeout_s,
+            self.stats,
+            self.k_min,
+            self.timeout_after_k_min_s,
+        )
         # The calls' autograd node works on a CPU copy of the rows (their bytes leave from the CPU
         # anyway): a node on an accelerator runs its backward on that device's single autograd
         # thread, where the backward waits of micro-batches in flight on other threads queue behind
@@ -177,12 +211,21 @@ class LocalMixtureOfExperts(_Mixture):
     the outputs of experts in ``detached`` carry no gradient, as after a failed backward call.
     """
 
-    def __init__(self, in_features: int, grid: Sequence[int], k: int, experts: Mapping[str, nn.Module],
-                 uid_prefix: str, k_min: int = 1, *, out_features: int | None = None,
-                 beam_size: int | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        grid: Sequence[int],
+        k: int,
+        experts: Mapping[str, nn.Module],
+        uid_prefix: str,
+        k_min: int = 1,
+        *,
+        out_features: int | None = None,
+        beam_size: int | None = None,
+    ) -> None:
         super().__init__(in_features, grid, k, uid_prefix, k_min, out_features, beam_size)
         for uid in experts:
-            self.grid.coords(uid)   # ValueError for a uid of another grid
+            self.grid.coords(uid)  # ValueError for a uid of another grid
         self.uids = sorted(experts)
         # ModuleDict keys cannot hold ".", so experts are stored in uid order.
         self.experts = nn.ModuleList(experts[u] for u in self.uids)
@@ -191,8 +234,9 @@ class LocalMixtureOfExperts(_Mixture):
     def expert(self, uid: str) -> nn.Module:
         return self.experts[self._position[uid]]
 
-    def forward(self, x: torch.Tensor, masked: torch.Tensor | None = None,
-                detached: Collection[str] = ()) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, masked: torch.Tensor | None = None, detached: Collection[str] = ()
+    ) -> torch.Tensor:
         rows = self._rows(x)
         _, logits, valid, flat, groups = self.select(rows, frozenset(self.uids))
         y = rows.new_zeros(rows.shape[0], self.k, self.out_features)

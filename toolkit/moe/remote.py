@@ -32,14 +32,16 @@ DIRECTORY_REFRESH_S = 1.0
 
 
 class RelayExpertCaller:
-    def __init__(self, client: RelayClient, peer_id: str, *, max_workers: int = 16,
-                 refresh_s: float = DIRECTORY_REFRESH_S) -> None:
+    def __init__(
+        self, client: RelayClient, peer_id: str, *, max_workers: int = 16, refresh_s: float = DIRECTORY_REFRESH_S
+    ) -> None:
         self.client, self.peer_id = client, peer_id
         # requests keeps 10 connections per host: with more calls in flight, every extra call
         # opened a connection and discarded it after one answer -- a TCP (and TLS) handshake each,
         # round trips on exactly the slow links DMoE is for. Keep one connection per worker.
-        client.session.mount(client.url + "/", HTTPAdapter(pool_connections=1,
-                                                          pool_maxsize=max(max_workers, DEFAULT_POOLSIZE)))
+        client.session.mount(
+            client.url + "/", HTTPAdapter(pool_connections=1, pool_maxsize=max(max_workers, DEFAULT_POOLSIZE))
+        )
         self.spec: MoeSpec = client.moe_spec()
         self.width = self.spec.width
         self.codec = get_codec(self.spec.codec)  # activations on the wire

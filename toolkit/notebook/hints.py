@@ -71,8 +71,10 @@ def platform_hints(info: DeviceInfo | None = None) -> list[str]:
     hints = list(info.hints)  # e.g. a torch_xla that does not match torch
     tpu_runtime = _tpu_runtime()
     if info.kind == "tpu":
-        hints.append(f"TPU: training with the preinstalled torch {info.torch_version} / torch_xla "
-                     f"{info.torch_xla_version}; never pip install torch on this runtime.")
+        hints.append(
+            f"TPU: training with the preinstalled torch {info.torch_version} / torch_xla "
+            f"{info.torch_xla_version}; never pip install torch on this runtime."
+        )
     elif tpu_runtime and not info.hints:
         minor = ".".join(info.torch_version.split("+")[0].split(".")[:2])
         hints.append("TPU runtime, but torch_xla is not usable: training on CPU. " + TPU_PAIR_HINT.format(minor=minor))
@@ -113,8 +115,11 @@ def _colab_secret(name: str) -> str | None:
 
         return userdata.get(name) or None
     except Exception as exc:  # SecretNotFoundError, NotebookAccessError, or not on Colab after all
-        log.info("Colab secret %s not available (%s); add it under the key icon and allow this "
-                 "notebook access", name, type(exc).__name__)
+        log.info(
+            "Colab secret %s not available (%s); add it under the key icon and allow this notebook access",
+            name,
+            type(exc).__name__,
+        )
         return None
 
 
@@ -124,8 +129,7 @@ def _kaggle_secret(name: str) -> str | None:
 
         return UserSecretsClient().get_secret(name) or None
     except Exception as exc:  # the secret is not attached to this notebook
-        log.info("Kaggle secret %s not available (%s); attach it under Add-ons -> Secrets", name,
-                 type(exc).__name__)
+        log.info("Kaggle secret %s not available (%s); attach it under Add-ons -> Secrets", name, type(exc).__name__)
         return None
 
 

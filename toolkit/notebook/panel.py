@@ -75,20 +75,30 @@ class PeerProgress:
     4 outer rounds counted, 0 late, busy 93 %" (:func:`local_sgd_line`)."""
 
     @classmethod
-    def from_optimizer(cls, opt: "CollaborativeOptimizer", *, loss: float | None,
-                       first_contribution_s: float | None) -> "PeerProgress":
+    def from_optimizer(
+        cls, opt: "CollaborativeOptimizer", *, loss: float | None, first_contribution_s: float | None
+    ) -> "PeerProgress":
         state, error = opt.collab_state, opt.last_error
         # Parameters newer than the last heartbeat's answer mean that answer's round is over: its
         # accumulation and ETA describe a step that already happened.
         stale = opt.version > state.step
-        return cls(peers_online=state.num_peers, samples_per_s=state.samples_per_s,
-                   global_step=max(state.step, opt.version), total_steps=opt.run.total_steps,
-                   samples_accumulated=0 if stale else state.samples_accumulated, target_batch=state.target_batch,
-                   eta_s=None if stale else state.eta_s, contributed_samples=opt.contributed_samples,
-                   local_samples_per_s=opt.samples_per_s, loss=loss, first_contribution_s=first_contribution_s,
-                   problem=error.message if error else None, hint=error.hint if error else None,
-                   finished=opt.finished or state.finished,
-                   local_sgd=local_sgd_line(local) if (local := getattr(opt, "local_sgd", None)) is not None else None)
+        return cls(
+            peers_online=state.num_peers,
+            samples_per_s=state.samples_per_s,
+            global_step=max(state.step, opt.version),
+            total_steps=opt.run.total_steps,
+            samples_accumulated=0 if stale else state.samples_accumulated,
+            target_batch=state.target_batch,
+            eta_s=None if stale else state.eta_s,
+            contributed_samples=opt.contributed_samples,
+            local_samples_per_s=opt.samples_per_s,
+            loss=loss,
+            first_contribution_s=first_contribution_s,
+            problem=error.message if error else None,
+            hint=error.hint if error else None,
+            finished=opt.finished or state.finished,
+            local_sgd=local_sgd_line(local) if (local := getattr(opt, "local_sgd", None)) is not None else None,
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) pairs, in display order; every panel renders these same strings."""
@@ -99,9 +109,13 @@ class PeerProgress:
         first = "waiting..." if self.first_contribution_s is None else f"{self.first_contribution_s:.1f} s after join"
         problem = "none" if self.problem is None else self.problem + (f" -- {self.hint}" if self.hint else "")
         if self.hosting is not None:
-            return [("peers online", f"{self.peers_online}"),
-                    ("collaboration", f"{self.samples_per_s:,.1f} samples/s"), ("global step", step),
-                    ("you host", self.hosting), ("last problem", problem)]
+            return [
+                ("peers online", f"{self.peers_online}"),
+                ("collaboration", f"{self.samples_per_s:,.1f} samples/s"),
+                ("global step", step),
+                ("you host", self.hosting),
+                ("last problem", problem),
+            ]
         return [
             ("peers online", f"{self.peers_online}"),
             ("collaboration", f"{self.samples_per_s:,.1f} samples/s"),
@@ -121,8 +135,10 @@ def local_sgd_line(local: Any) -> str:
     counted in and those that came too late (dropped); its busy fraction once measured."""
     of = f" of {local.inner_steps}" if local.inner_steps else ""
     busy = "busy: not measured yet" if local.busy_fraction is None else f"busy {100 * local.busy_fraction:.0f} %"
-    return (f"inner step {local.steps}{of}, {local.outer_rounds} outer round{'' if local.outer_rounds == 1 else 's'} "
-            f"counted, {local.late_rounds} late, {busy}")
+    return (
+        f"inner step {local.steps}{of}, {local.outer_rounds} outer round{'' if local.outer_rounds == 1 else 's'} "
+        f"counted, {local.late_rounds} late, {busy}"
+    )
 
 
 class Panel(Protocol):
@@ -184,8 +200,14 @@ class NullPanel:
 class WidgetPanel(_Throttled):
     """An ipywidgets box: a bar of samples toward the next global step, and a table."""
 
-    def __init__(self, title: str, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic, show: bool = True) -> None:
+    def __init__(
+        self,
+        title: str,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        show: bool = True,
+    ) -> None:
         super().__init__(interval_s, clock)
         import ipywidgets as widgets
 
@@ -216,22 +238,28 @@ class WidgetPanel(_Throttled):
 class TqdmPanel(_Throttled):
     """One ``tqdm.auto`` bar over global steps; numbers in the postfix; problems written once."""
 
-    def __init__(self, title: str, *, interval_s: float = DEFAULT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic, file: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        title: str,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        file: IO[str] | None = None,
+    ) -> None:
         super().__init__(interval_s, clock)
         self._file = file
         self._shown_problem: str | None = None
         self._joined_at_step: int | None = None
         self._closing = False
         self._on_screen: PeerProgress | None = None
-        self.bar = _quiet_tqdm()(desc=title, unit="step", file=file, leave=True, mininterval=0,
-                                 dynamic_ncols=True)
+        self.bar = _quiet_tqdm()(desc=title, unit="step", file=file, leave=True, mininterval=0, dynamic_ncols=True)
 
     def _render(self, progress: PeerProgress) -> None:
         if progress.problem and progress.problem != self._shown_problem:
             self._shown_problem = progress.problem
-            self.bar.write(f"problem: {progress.problem}" + (f" -- {progress.hint}" if progress.hint else ""),
-                           file=self._file)
+            self.bar.write(
+                f"problem: {progress.problem}" + (f" -- {progress.hint}" if progress.hint else ""), file=self._file
+            )
         if progress.total_steps and self.bar.total != progress.total_steps:
             self.bar.total = progress.total_steps
         if self._joined_at_step is None:  # steps/s counts the steps seen here, not the run's steps before we joined
@@ -242,7 +270,9 @@ class TqdmPanel(_Throttled):
         self.bar.set_postfix_str(
             f"peers {values['peers online']} | {values['collaboration']} | next {values['next step']} | "
             f"you {progress.contributed_samples:,} samples | loss {values['loss']} | "
-            f"first {values['first contribution']}{local}", refresh=False)
+            f"first {values['first contribution']}{local}",
+            refresh=False,
+        )
         if not self._closing:  # the bar's close() draws the final line, once
             self.bar.refresh()
             self._on_screen = progress
@@ -295,8 +325,9 @@ def _html_table(progress: PeerProgress) -> str:
     cells = []
     for label, value in progress.rows():
         style = ' style="color:#b00"' if label == "last problem" and progress.problem else ""
-        cells.append(f"<tr><td style='padding-right:1em'>{html.escape(label)}</td>"
-                     f"<td{style}>{html.escape(value)}</td></tr>")
+        cells.append(
+            f"<tr><td style='padding-right:1em'>{html.escape(label)}</td><td{style}>{html.escape(value)}</td></tr>"
+        )
     return "<table>" + "".join(cells) + "</table>"
 
 

@@ -101,9 +101,11 @@ class WandbRun:
         run.finish()
 
     def _log(self, progress: PeerProgress) -> None:
-        row: dict[str, float | int] = {"global_step": progress.global_step,
-                                       "local_samples_per_s": progress.local_samples_per_s,
-                                       "contributed_samples": progress.contributed_samples}
+        row: dict[str, float | int] = {
+            "global_step": progress.global_step,
+            "local_samples_per_s": progress.local_samples_per_s,
+            "contributed_samples": progress.contributed_samples,
+        }
         if self._losses:
             row["local_loss"] = self._loss_sum / self._losses
         if progress.first_contribution_s is not None:
@@ -121,8 +123,12 @@ def open_wandb_run(target: WandbTarget | None, *, name: str, group: str, config:
         return NullRun()
     key = secret(WANDB_API_KEY)
     if mode == "online" and not key and not _netrc_has_key():
-        log.warning("W&B project %r is configured, but this notebook has no W&B API key: add %s to its "
-                    "secrets to log your own run (training continues without it)", target.project, WANDB_API_KEY)
+        log.warning(
+            "W&B project %r is configured, but this notebook has no W&B API key: add %s to its "
+            "secrets to log your own run (training continues without it)",
+            target.project,
+            WANDB_API_KEY,
+        )
         return NullRun()
     try:
         import wandb
@@ -132,9 +138,18 @@ def open_wandb_run(target: WandbTarget | None, *, name: str, group: str, config:
     settings = wandb.Settings(console="off", api_key=key) if key else wandb.Settings(console="off")
     try:
         # wandb reads WANDB_DIR once per process: pass it, so a re-run cell gets the current value.
-        run = wandb.init(project=target.project, entity=target.entity or None, name=name, group=group,
-                         job_type="peer", config=config, mode=mode, dir=os.environ.get("WANDB_DIR") or None,
-                         reinit="create_new", settings=settings)
+        run = wandb.init(
+            project=target.project,
+            entity=target.entity or None,
+            name=name,
+            group=group,
+            job_type="peer",
+            config=config,
+            mode=mode,
+            dir=os.environ.get("WANDB_DIR") or None,
+            reinit="create_new",
+            settings=settings,
+        )
     except Exception as exc:  # network, permissions, a bad entity: W&B never blocks contributing
         log.warning("could not start the W&B run (%s: %s); training continues without it", type(exc).__name__, exc)
         return NullRun()

@@ -47,11 +47,23 @@ class CollaborativeOptimizer(CollabOptimizerBase):
     This class owns the loop's side: the accumulator, the progress reports and what they last
     said, the background worker and leaving."""
 
-    def __init__(self, model: torch.nn.Module, relay_url: str | None = None, *, batch_size_per_step: int,
-                 client: RelayClient | None = None, peer_name: str = "peer", delayed_updates: bool = False,
-                 device_info: dict[str, Any] | None = None, precision: str | None = None, scaler: Any = None,
-                 report_interval_s: float = 0.5, round_wait_s: float = 120.0, accumulate_on_host: bool = False,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        relay_url: str | None = None,
+        *,
+        batch_size_per_step: int,
+        client: RelayClient | None = None,
+        peer_name: str = "peer",
+        delayed_updates: bool = False,
+        device_info: dict[str, Any] | None = None,
+        precision: str | None = None,
+        scaler: Any = None,
+        report_interval_s: float = 0.5,
+        round_wait_s: float = 120.0,
+        accumulate_on_host: bool = False,
+        verbose: bool = False,
+    ) -> None:
         """
         Args:
             model: the model to train; its parameters must match the run's layout
@@ -87,14 +99,18 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         if precision is None:
             precision = pinned  # the run's pin, if any, as join() takes it
         elif pinned and precision != pinned:
-            raise PrecisionUnsupported("precision_mismatch", f"this run trains in {pinned} only; the optimizer "
-                                       f"was asked for {precision}", f"Pass precision={pinned!r}, or leave "
-                                       "precision out: the optimizer takes the run's pin by itself.")
+            raise PrecisionUnsupported(
+                "precision_mismatch",
+                f"this run trains in {pinned} only; the optimizer was asked for {precision}",
+                f"Pass precision={pinned!r}, or leave precision out: the optimizer takes the run's pin by itself.",
+            )
         # this peer's place in the run, as every role's (toolkit.run_membership); reports are handed to
         # it one by one, so it holds no reference to this optimizer (the finalizer below works)
-        self.membership = Membership(self.client, JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION,
-                                                              device=device_info or {}, precision=precision),
-                                     what="trainer")
+        self.membership = Membership(
+            self.client,
+            JoinRequest(peer_name=peer_name, protocol=PROTOCOL_VERSION, device=device_info or {}, precision=precision),
+            what="trainer",
+        )
         joined = self.membership.join()
         self.run = joined.run
         self._rejoins_seen = 0
@@ -105,8 +121,9 @@ class CollaborativeOptimizer(CollabOptimizerBase):
             self.delayed_updates = False
         codecs = run_codecs(self.run.compression, self.run.download_compression)
         self.codec, self.download_codec = codecs.up, codecs.down  # of this peer's uploads, of the deltas
-        self.accumulator = Accumulator([p for _, p in self._named], self.run.layout, self.run.num_params, self.codec,
-                                       on_host=accumulate_on_host)
+        self.accumulator = Accumulator(
+            [p for _, p in self._named], self.run.layout, self.run.num_params, self.codec, on_host=accumulate_on_host
+        )
         self._report_lock = threading.Lock()  # one progress report in flight at a time
         self.dropped_stale_samples = 0  # handed to contribute() computed on too old a version
         self._reported_samples = 0  # this peer's samples in the relay's last answer (see room())
@@ -118,8 +135,11 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         self._last_step_end: float | None = None
         self._warned_no_loss = False
         self.local_sgd: LocalSgd | None = None
-        self._worker = PeerWorker(weakref.ref(self), RelayClient(self.client.url, auth=self.client.session.auth),
-                                  self.run.heartbeat_interval_s)  # started once the peer is set up
+        self._worker = PeerWorker(
+            weakref.ref(self),
+            RelayClient(self.client.url, auth=self.client.session.auth),
+            self.run.heartbeat_interval_s,
+        )  # started once the peer is set up
         self.rounds = RoundParticipation(self, [p for _, p in self._named], self._report_lock, self._worker)
         self.rounds.load_latest()
         # run.mode = "local_sgd": step() runs the inner optimizer and an outer round per budget
@@ -133,8 +153,14 @@ class CollaborativeOptimizer(CollabOptimizerBase):
 
     # --- the public loop API ------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None,
-             loss: float | torch.Tensor | None = None, skip: bool = False) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        batch_size: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        skip: bool = False,
+    ) -> Any:
         """Add this step's gradients to the local accumulator; take part in a round if due.
 
         What the gradients are the sum over: the micro-batches noted since the last step
@@ -151,23 +177,36 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         started = time.monotonic()
         noted_loss, noted_n, mode = self._take_notes()
         if mode == "sum" and batch_size is not None and batch_size != noted_n:
-            raise ValueError(f"step(batch_size={batch_size}) but the noted micro-batches hold {noted_n} samples: "
-                             "pass no batch_size when the loop notes its losses")
+            raise ValueError(
+                f"step(batch_size={batch_size}) but the noted micro-batches hold {noted_n} samples: "
+                "pass no batch_size when the loop notes its losses"
+            )
         value = next((float(v) for v in (explicit, noted_loss, loss) if v is not None), None)
         n = batch_size or noted_n or self.batch_size_per_step
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self._named]
         if value is None and not self._warned_no_loss:
             self._warned_no_loss = True
-            log.warning("step() got no loss: pass step(loss=..., batch_size=...) or note it (toolkit.integrations."
-                        "watch_loss); the relay charts this peer's samples without a loss")
-        self.contribute(grads, batch_size=n, loss=value, skip=skip, weight=self.grad_unit if mode == "sum" else n,
-                        started=started)
+            log.warning(
+                "step() got no loss: pass step(loss=..., batch_size=...) or note it (toolkit.integrations."
+                "watch_loss); the relay charts this peer's samples without a loss"
+            )
+        self.contribute(
+            grads, batch_size=n, loss=value, skip=skip, weight=self.grad_unit if mode == "sum" else n, started=started
+        )
         return loss
 
     @torch.no_grad()
-    def contribute(self, grads: list[torch.Tensor], *, batch_size: int, loss: float | None = None,
-                   version: int | None = None, skip: bool = False, weight: float | None = None,
-                   started: float | None = None) -> bool:
+    def contribute(
+        self,
+        grads: list[torch.Tensor],
+        *,
+        batch_size: int,
+        loss: float | None = None,
+        version: int | None = None,
+        skip: bool = False,
+        weight: float | None = None,
+        started: float | None = None,
+    ) -> bool:
         """Add one micro-batch's gradients, computed on parameters ``version``, to the local
         accumulator; take part in a round if due. :meth:`step` is this with ``.grad``.
 
@@ -190,10 +229,15 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         added = False
         if self.version - version > self.run.max_staleness:
             self.dropped_stale_samples += batch_size
-            self.note_error(CollabError("stale_gradient", f"dropped a micro-batch of {batch_size} samples computed on "
-                                         f"step {version}: step {self.version} was loaded meanwhile and the run "
-                                         f"allows {self.run.max_staleness} step(s) of staleness "
-                                         f"({self.dropped_stale_samples} samples dropped so far)"))
+            self.note_error(
+                CollabError(
+                    "stale_gradient",
+                    f"dropped a micro-batch of {batch_size} samples computed on "
+                    f"step {version}: step {self.version} was loaded meanwhile and the run "
+                    f"allows {self.run.max_staleness} step(s) of staleness "
+                    f"({self.dropped_stale_samples} samples dropped so far)",
+                )
+            )
         elif skip:
             log.info("skipping a micro-batch (loss scaling overflow): only this peer's contribution is lost")
         elif not math.isfinite(float(torch.stack(torch._foreach_norm(grads)).sum())):
@@ -231,8 +275,9 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         others = 0 if self.version > state.step else max(0, state.samples_accumulated - self._reported_samples)
         return state.target_batch - others - self.samples
 
-    def batches(self, data: Iterable[Any] | None = None, *, batch_size: int | None = None,
-                seed: int | str | None = None) -> Iterator[Any]:
+    def batches(
+        self, data: Iterable[Any] | None = None, *, batch_size: int | None = None, seed: int | str | None = None
+    ) -> Iterator[Any]:
         """The micro-batches to train on, ending when the run finishes.
 
         Without ``data``, the run's own data for this peer, as :func:`toolkit.join` trains on it:
@@ -242,8 +287,9 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         its batches, pass after pass. Either way the loop ends by itself, even when a framework
         wraps this optimizer.
         """
-        return until_finished(self, data, batch_size or self.batch_size_per_step,
-                              self.peer_id if seed is None else seed)
+        return until_finished(
+            self, data, batch_size or self.batch_size_per_step, self.peer_id if seed is None else seed
+        )
 
     def close(self, finish_round_s: float = 10.0) -> None:
         """Leave the collaboration and stop the background thread (idempotent).
@@ -285,9 +331,13 @@ class CollaborativeOptimizer(CollabOptimizerBase):
                 version, samples = sending.version, sending.samples
             else:
                 version, samples = (local.working_version() if local is not None else max(self.version, 0)), 0
-            return Heartbeat(version=version, samples=samples, samples_per_s=self.samples_per_s,
-                             inner_steps=local.steps if local is not None else 0,
-                             busy_fraction=local.busy_fraction if local is not None else None)
+            return Heartbeat(
+                version=version,
+                samples=samples,
+                samples_per_s=self.samples_per_s,
+                inner_steps=local.steps if local is not None else 0,
+                busy_fraction=local.busy_fraction if local is not None else None,
+            )
 
     def report_progress(self, client: RelayClient | None = None) -> CollabState:
         """Send progress.
@@ -377,21 +427,29 @@ class CollaborativeOptimizer(CollabOptimizerBase):
                 if rounds.pending is not None:
                     return  # the lost id's round in flight ends first
                 self._rejoins_seen = self.membership.rejoins
-                rounds.start_over("the relay forgot this peer and it joined again: its gradient is dropped, the "
-                                  "relay's parameters downloaded in full")
+                rounds.start_over(
+                    "the relay forgot this peer and it joined again: its gradient is dropped, the "
+                    "relay's parameters downloaded in full"
+                )
             if state.finished:
                 self.finished = True
                 return
             rounds.settle_limbo(state)
             if self.samples and state.step - self.accumulator.version > self.run.max_staleness:
-                rounds.discard(f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; "
-                              "resyncing")
+                rounds.discard(
+                    f"behind: gradient from step {self.accumulator.version}, relay at {state.step}; resyncing"
+                )
             behind = self.version < state.step - self.run.max_staleness
             if rounds.pending is None and (behind or (not self.samples and self.version < state.step)):
                 rounds.load_latest()
             r = state.round
-            if (r is not None and self.samples and rounds.new_round(r.round_id) and rounds.pending is None
-                    and 0 <= r.step - self.accumulator.version <= self.run.max_staleness):
+            if (
+                r is not None
+                and self.samples
+                and rounds.new_round(r.round_id)
+                and rounds.pending is None
+                and 0 <= r.step - self.accumulator.version <= self.run.max_staleness
+            ):
                 rounds.contribute(r.step, r.round_id)
         except (RelayUnreachable, RelayRejected) as exc:
             self.note_error(exc)

@@ -42,8 +42,11 @@ def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str,
         device = next((p.device for _, p in params), torch.device("cpu"))
         eight_bit = adamw8bit(device)
         if isinstance(eight_bit, str):
-            log.warning("optimizer.state_bits = 8: %s; the inner optimizer keeps float32 moments on this peer "
-                        "(6 bytes per parameter more; pip install -U \"bitsandbytes>=0.50\" to save them)", eight_bit)
+            log.warning(
+                "optimizer.state_bits = 8: %s; the inner optimizer keeps float32 moments on this peer "
+                '(6 bytes per parameter more; pip install -U "bitsandbytes>=0.50" to save them)',
+                eight_bit,
+            )
         else:
             return eight_bit(groups, lr=lr, betas=betas, eps=eps, weight_decay=0.0, min_8bit_size=MIN_8BIT_SIZE)
     if name == "adam":
@@ -57,4 +60,3 @@ def inner_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: dict[str,
 def adamw8bit(device: torch.device) -> type[torch.optim.Optimizer] | str:
     """:func:`probe_adamw8bit`, once per device (the probe costs one tiny step)."""
     return probe_adamw8bit(device)
-

@@ -161,9 +161,13 @@ class LocalSgd:
         steps since`` -- the same position on every peer, whichever round it joined in (the relay
         refuses a schedule without ``inner_steps``)."""
         inner = self.inner
-        return lr_at(self.version * self.inner_steps + self.steps, lr=float(inner["lr"]),
-                     schedule=inner.get("schedule", "constant"), warmup_steps=int(inner.get("warmup_steps", 0)),
-                     total_steps=int(inner.get("total_steps", 0)))
+        return lr_at(
+            self.version * self.inner_steps + self.steps,
+            lr=float(inner["lr"]),
+            schedule=inner.get("schedule", "constant"),
+            warmup_steps=int(inner.get("warmup_steps", 0)),
+            total_steps=int(inner.get("total_steps", 0)),
+        )
 
     def after_step(self) -> None:
         """What ``step()`` does after the inner step: report, and the outer round when the budget is
@@ -193,8 +197,9 @@ class LocalSgd:
     def budget_spent(self) -> bool:
         if self.inner_steps and self.steps >= self.inner_steps:
             return True
-        return bool(self.inner_seconds and self.started is not None
-                    and time.monotonic() - self.started >= self.inner_seconds)
+        return bool(
+            self.inner_seconds and self.started is not None and time.monotonic() - self.started >= self.inner_seconds
+        )
 
     # --- without overlap: the outer round blocks step() -------------------------------------------
     def check_in(self) -> None:
@@ -215,8 +220,12 @@ class LocalSgd:
 
     def _late(self, step: int) -> None:
         self.late_rounds += 1
-        log.info("outer round %d closed without this peer's %d inner steps: dropped; continuing from step %d",
-                 self.version, self.steps, step)
+        log.info(
+            "outer round %d closed without this peer's %d inner steps: dropped; continuing from step %d",
+            self.version,
+            self.steps,
+            step,
+        )
         self.rounds.load_latest()
         self.restart()
 
@@ -226,8 +235,9 @@ class LocalSgd:
         if self.samples == 0:
             self.restart()
             return
-        opt.accumulator.add(self.pseudo_gradient(), self.samples, self.loss_sum / self.samples, self.version,
-                            weight=self.samples)
+        opt.accumulator.add(
+            self.pseudo_gradient(), self.samples, self.loss_sum / self.samples, self.version, weight=self.samples
+        )
         contributed = opt.contributed_samples
         give_up = time.monotonic() + opt.round_wait_s
         while opt.samples and not opt.finished and time.monotonic() < give_up:
@@ -250,8 +260,10 @@ class LocalSgd:
         """``global - local``: the public parameters (the version this loop started on) minus the model's."""
         public = torch.from_numpy(self.rounds.public)
         with torch.no_grad():
-            return [public[spec.offset:spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()
-                    for spec, (_, p) in zip(self.opt.run.layout, self.named)]
+            return [
+                public[spec.offset : spec.offset + p.numel()].view_as(p).to(p.device) - p.detach().float()
+                for spec, (_, p) in zip(self.opt.run.layout, self.named)
+            ]
 
     def leave(self, *, public_whole: bool) -> None:
         """End of the run or ``close()``: nothing stays to send, and the model holds global

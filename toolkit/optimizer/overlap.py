@@ -107,8 +107,9 @@ class OverlappedRound:
             # steps stay in the model and are carried by the rebase once it is back)
             local.restart()
             return
-        opt.accumulator.add(local.pseudo_gradient(), local.samples, local.loss_sum / local.samples, opt.version,
-                            weight=local.samples)
+        opt.accumulator.add(
+            local.pseudo_gradient(), local.samples, local.loss_sum / local.samples, opt.version, weight=local.samples
+        )
         self.snapshot = [p.detach().clone() for p in self.rounds.params]
         self.flight_version = opt.version
         self.give_up = time.monotonic() + opt.round_wait_s

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from toolkit.optimizer.core import CollaborativeOptimizer
 
 
-def run_model(relay_url: str | None = None, *, client: RelayClient | None = None,
-              trusted_models: Sequence[str] = ()) -> torch.nn.Module:
+def run_model(
+    relay_url: str | None = None, *, client: RelayClient | None = None, trusted_models: Sequence[str] = ()
+) -> torch.nn.Module:
     """The run's model, freshly built from the configuration the relay publishes (no weights
     downloaded: the optimizer loads the relay's parameters when it joins). A run whose model is
     an organizer's own package needs that package installed and named in ``trusted_models``."""
@@ -44,8 +45,9 @@ def run_model(relay_url: str | None = None, *, client: RelayClient | None = None
     return build_model(spec, trusted_models)
 
 
-def until_finished(opt: CollaborativeOptimizer, data: Iterable[Any] | None, batch_size: int,
-                   seed: int | str) -> Iterator[Any]:
+def until_finished(
+    opt: CollaborativeOptimizer, data: Iterable[Any] | None, batch_size: int, seed: int | str
+) -> Iterator[Any]:
     """The micro-batches of :meth:`CollaborativeOptimizer.batches` (see there)."""
     if data is None:
         from toolkit.data.input_pipeline import peer_batches  # the data stack only for a loop that asks for it

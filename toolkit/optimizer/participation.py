@@ -69,8 +69,13 @@ class RoundParticipation:
     go through the methods below.
     """
 
-    def __init__(self, opt: CollaborativeOptimizer, params: list[torch.nn.Parameter], report_lock: threading.Lock,
-                 worker: PeerWorker) -> None:
+    def __init__(
+        self,
+        opt: CollaborativeOptimizer,
+        params: list[torch.nn.Parameter],
+        report_lock: threading.Lock,
+        worker: PeerWorker,
+    ) -> None:
         """``report_lock``: the lock the optimizer builds its reports under, so that a report
         never sees a gradient neither in the accumulator nor ``sending``; ``worker``: the thread
         background rounds run on."""
@@ -187,8 +192,9 @@ class RoundParticipation:
             upload = self.opt.accumulator.encode(meta, grad, state.round.slices)
         except ValueError as exc:  # e.g. a sum that overflowed float16's range
             self._sent()
-            self.opt.note_error(CollabError("encode_failed",
-                                            f"round {round_step}: {exc}; {meta.samples} samples dropped"))
+            self.opt.note_error(
+                CollabError("encode_failed", f"round {round_step}: {exc}; {meta.samples} samples dropped")
+            )
             return None
         self._last_round_id = round_id
         return upload
@@ -259,24 +265,40 @@ class RoundParticipation:
         contribution.
         """
         meta = upload.meta
-        parts = [slice_part(plan, tensors, meta, self.opt.codec.name, signed=client.signed)
-                 for plan, tensors in upload.parts]
+        parts = [
+            slice_part(plan, tensors, meta, self.opt.codec.name, signed=client.signed)
+            for plan, tensors in upload.parts
+        ]
         try:
-            ticket = client.request_ticket(meta.step, self.opt.peer_id, TicketRequest(
-                round_id=round_id, version=meta.version, samples=meta.samples, loss_sum=meta.loss_sum,
-                slices=[p.digest for p in parts]))
+            ticket = client.request_ticket(
+                meta.step,
+                self.opt.peer_id,
+                TicketRequest(
+                    round_id=round_id,
+                    version=meta.version,
+                    samples=meta.samples,
+                    loss_sum=meta.loss_sum,
+                    slices=[p.digest for p in parts],
+                ),
+            )
         except RelayRejected as exc:
             return Outcome(upload, error=exc, fate="not_received" if exc.code in NOT_RECEIVED else "dropped")
         except RelayUnreachable as exc:  # no ticket in hand: nothing was sent anywhere
             return Outcome(upload, error=exc, fate="not_received")
-        errors = client.upload_slices(meta.step, ticket, parts, keepalive=lambda: self.opt.report_progress(client),
-                                      keepalive_s=self.opt.run.heartbeat_interval_s)
+        errors = client.upload_slices(
+            meta.step,
+            ticket,
+            parts,
+            keepalive=lambda: self.opt.report_progress(client),
+            keepalive_s=self.opt.run.heartbeat_interval_s,
+        )
         delivered = [p.plan.start for p, e in zip(parts, errors) if e is None]
         failures = [e for e in errors if e is not None]
         partial = any(not (isinstance(e, RelayRejected) and e.code in NOT_RECEIVED) for e in failures)
         try:
-            client.report_done(meta.step, self.opt.peer_id, DoneRequest(round_id=round_id, delivered=delivered,
-                                                                     partial=partial))
+            client.report_done(
+                meta.step, self.opt.peer_id, DoneRequest(round_id=round_id, delivered=delivered, partial=partial)
+            )
         except (RelayRejected, RelayUnreachable) as exc:
             if not delivered:
                 return Outcome(upload, error=exc, fate="dropped" if partial else "not_received")
@@ -284,8 +306,13 @@ class RoundParticipation:
         if not delivered:
             return Outcome(upload, error=failures[0], fate="dropped" if partial else "not_received")
         if failures:
-            self.opt.note_error(CollabError("slice_lost", f"round {meta.step}: {len(failures)} of {len(parts)} slices "
-                                         f"not delivered ({failures[0]}); only their contribution is lost"))
+            self.opt.note_error(
+                CollabError(
+                    "slice_lost",
+                    f"round {meta.step}: {len(failures)} of {len(parts)} slices "
+                    f"not delivered ({failures[0]}); only their contribution is lost",
+                )
+            )
         return None
 
     def settle(self, outcome: Outcome | None) -> None:
@@ -345,8 +372,14 @@ class RoundParticipation:
     def download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
         try:
-            step = client.download_params(self._public, have=self._public_version, codec=self.opt.download_codec,
-                                          min_step=min_step, wait_s=wait_s, peer_id=self.opt.peer_id)
+            step = client.download_params(
+                self._public,
+                have=self._public_version,
+                codec=self.opt.download_codec,
+                min_step=min_step,
+                wait_s=wait_s,
+                peer_id=self.opt.peer_id,
+            )
         except BaseException:
             self._public_version = -1  # possibly half-overwritten: the next download is a full one
             raise
@@ -370,7 +403,7 @@ class RoundParticipation:
         flat = torch.from_numpy(self._public)
         with torch.no_grad():
             for spec, p in zip(self.opt.run.layout, params):
-                p.copy_(flat[spec.offset:spec.offset + p.numel()].view_as(p))
+                p.copy_(flat[spec.offset : spec.offset + p.numel()].view_as(p))
             if carry is not None:
                 torch._foreach_sub_(params, carry)  # carry = snapshot - local: theta + (local - snapshot)
         self.version = step

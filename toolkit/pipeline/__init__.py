@@ -22,5 +22,13 @@ from toolkit.pipeline.cuts import PipelineUnits, StageCut, cut_stages
 from toolkit.pipeline.stage import Stage
 from toolkit.pipeline.stages import build_stage, meta_model, pipeline_units, units_of
 
-__all__ = ["PipelineUnits", "Stage", "StageCut", "build_stage", "cut_stages", "meta_model", "pipeline_units",
-           "units_of"]
+__all__ = [
+    "PipelineUnits",
+    "Stage",
+    "StageCut",
+    "build_stage",
+    "cut_stages",
+    "meta_model",
+    "pipeline_units",
+    "units_of",
+]

@@ -55,5 +55,8 @@ class ByteStage(Stage):
         what = type(batch).__name__
         if isinstance(batch, torch.Tensor):
             what = f"a {tuple(batch.shape)} {batch.dtype} tensor"
-        raise ModelMismatch("bad_batch", f"a ByteTransformer stage takes LongTensor batches [b, t+1] of bytes, got "
-                            f"{what}", "Feed the run's byte batches (toolkit.data), or tokens as a LongTensor.")
+        raise ModelMismatch(
+            "bad_batch",
+            f"a ByteTransformer stage takes LongTensor batches [b, t+1] of bytes, got {what}",
+            "Feed the run's byte batches (toolkit.data), or tokens as a LongTensor.",
+        )

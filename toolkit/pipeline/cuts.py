@@ -41,7 +41,7 @@ class Anatomy:
         if any(_under(name, p) for p in self.prefix):
             return -1
         if _under(name, self.blocks):
-            index = name[len(self.blocks) + 1:].split(".", 1)[0]
+            index = name[len(self.blocks) + 1 :].split(".", 1)[0]
             return int(index) if index.isdigit() and int(index) < num_layers else None
         if any(_under(name, s) for s in self.suffix):
             return num_layers
@@ -106,24 +106,38 @@ def units_from_named(named: Iterable[tuple[str, torch.Tensor]], anatomy: Anatomy
     for name, param in named:
         rank = anatomy.rank(name, num_layers)
         if rank is None:
-            raise ModelMismatch("not_cuttable", f"parameter {name} of this {anatomy.name} is in no stage part "
-                                "(embeddings, blocks, final norm and head)",
-                                "Cut only the model as its architecture defines it, without added modules.")
+            raise ModelMismatch(
+                "not_cuttable",
+                f"parameter {name} of this {anatomy.name} is in no stage part "
+                "(embeddings, blocks, final norm and head)",
+                "Cut only the model as its architecture defines it, without added modules.",
+            )
         if rank < last_rank:
-            raise ModelMismatch("not_layer_ordered", f"this {anatomy.name}'s parameters are not in layer order: "
-                                f"{name} comes after {last_name}", "Register the modules in the order they run "
-                                "(embeddings, blocks, final norm, head), so that each stage is one contiguous range "
-                                "of the flat parameter vector.")
+            raise ModelMismatch(
+                "not_layer_ordered",
+                f"this {anatomy.name}'s parameters are not in layer order: {name} comes after {last_name}",
+                "Register the modules in the order they run "
+                "(embeddings, blocks, final norm, head), so that each stage is one contiguous range "
+                "of the flat parameter vector.",
+            )
         span = ranges.setdefault(rank, [offset, offset])
         span[1] = offset = offset + param.numel()
         last_rank, last_name = rank, name
     missing = [i for i in range(num_layers) if i not in ranges]
     if num_layers < 1 or missing:
-        raise ModelMismatch("not_cuttable", f"this {anatomy.name} has no parameters in block(s) {missing or [0]}",
-                            "A stage is cut from whole blocks that have parameters: check the model's config.")
+        raise ModelMismatch(
+            "not_cuttable",
+            f"this {anatomy.name} has no parameters in block(s) {missing or [0]}",
+            "A stage is cut from whole blocks that have parameters: check the model's config.",
+        )
     blocks = tuple(tuple(ranges[i]) for i in range(num_layers))
-    return PipelineUnits(num_layers=num_layers, prefix=tuple(ranges.get(-1, (0, 0))), blocks=blocks,
-                         suffix=tuple(ranges.get(num_layers, (offset, offset))), total=offset)
+    return PipelineUnits(
+        num_layers=num_layers,
+        prefix=tuple(ranges.get(-1, (0, 0))),
+        blocks=blocks,
+        suffix=tuple(ranges.get(num_layers, (offset, offset))),
+        total=offset,
+    )
 
 
 def cut_stages(units: PipelineUnits, layers_per_stage: Sequence[int]) -> list[StageCut]:
@@ -134,11 +148,15 @@ def cut_stages(units: PipelineUnits, layers_per_stage: Sequence[int]) -> list[St
         raise ValueError("layers_per_stage is empty: give each stage (at least one) its number of layers")
     bad = [k for k, n in enumerate(layers) if not isinstance(n, int) or isinstance(n, bool) or n < 1]
     if bad:
-        raise ValueError(f"layers_per_stage {layers}: stage {bad[0]} has {layers[bad[0]]!r} layers; every stage "
-                         "needs a whole number >= 1 of them")
+        raise ValueError(
+            f"layers_per_stage {layers}: stage {bad[0]} has {layers[bad[0]]!r} layers; every stage "
+            "needs a whole number >= 1 of them"
+        )
     if sum(layers) != units.num_layers:
-        raise ValueError(f"layers_per_stage {layers} deals {sum(layers)} layers and the model has "
-                         f"{units.num_layers}: make them sum to {units.num_layers}")
+        raise ValueError(
+            f"layers_per_stage {layers} deals {sum(layers)} layers and the model has "
+            f"{units.num_layers}: make them sum to {units.num_layers}"
+        )
     cuts, first_layer = [], 0
     for index, count in enumerate(layers):
         cuts.append(stage_cut(units, index, len(layers), first_layer, first_layer + count))
@@ -149,12 +167,19 @@ def cut_stages(units: PipelineUnits, layers_per_stage: Sequence[int]) -> list[St
 def stage_cut(units: PipelineUnits, index: int, num_stages: int, first_layer: int, end_layer: int) -> StageCut:
     """The cut of stage ``index`` holding blocks [``first_layer``, ``end_layer``); a cut that
     cannot be one of ``units``' is a ValueError."""
-    fits = (0 <= index < num_stages and 0 <= first_layer < end_layer <= units.num_layers
-            and (first_layer == 0) == (index == 0) and (end_layer == units.num_layers) == (index == num_stages - 1))
+    fits = (
+        0 <= index < num_stages
+        and 0 <= first_layer < end_layer <= units.num_layers
+        and (first_layer == 0) == (index == 0)
+        and (end_layer == units.num_layers) == (index == num_stages - 1)
+    )
     if not fits:
-        raise ValueError(f"stage {index} of {num_stages} with blocks [{first_layer}, {end_layer}) is no stage of a "
-                         f"{units.num_layers}-layer model: cut the stages with cut_stages(units, layers_per_stage)")
+        raise ValueError(
+            f"stage {index} of {num_stages} with blocks [{first_layer}, {end_layer}) is no stage of a "
+            f"{units.num_layers}-layer model: cut the stages with cut_stages(units, layers_per_stage)"
+        )
     start = 0 if index == 0 else units.blocks[first_layer][0]
     end = units.total if index == num_stages - 1 else units.blocks[end_layer - 1][1]
-    return StageCut(index=index, num_stages=num_stages, first_layer=first_layer, end_layer=end_layer, start=start,
-                    end=end)
+    return StageCut(
+        index=index, num_stages=num_stages, first_layer=first_layer, end_layer=end_layer, start=start, end=end
+    )

@@ -35,13 +35,18 @@ BATCH_KEYS = frozenset({"input_ids", "attention_mask", "labels"})
 
 
 class GPT2Stage(Stage):
-    anatomy = Anatomy(name="GPT2LMHeadModel", prefix=("transformer.wte", "transformer.wpe"), blocks="transformer.h",
-                      suffix=("transformer.ln_f", "lm_head"))
+    anatomy = Anatomy(
+        name="GPT2LMHeadModel",
+        prefix=("transformer.wte", "transformer.wpe"),
+        blocks="transformer.h",
+        suffix=("transformer.ln_f", "lm_head"),
+    )
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
-        return any(c.__name__ == "GPT2LMHeadModel" and c.__module__.startswith("transformers.")
-                   for c in type(model).__mro__)
+        return any(
+            c.__name__ == "GPT2LMHeadModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__
+        )
 
     @staticmethod
     def tie_hint(model: nn.Module) -> str | None:
@@ -51,9 +56,12 @@ class GPT2Stage(Stage):
     @staticmethod
     def check(model: nn.Module) -> None:
         if model.config.add_cross_attention or not getattr(model.config, "is_causal", True):
-            raise ModelMismatch("not_cuttable", "pipeline stages cut GPT-2 as a causal decoder only (this config has "
-                                "cross-attention or is not causal)", "Set add_cross_attention = false in [model] "
-                                "config, or train this model without [pipeline].")
+            raise ModelMismatch(
+                "not_cuttable",
+                "pipeline stages cut GPT-2 as a causal decoder only (this config has "
+                "cross-attention or is not causal)",
+                "Set add_cross_attention = false in [model] config, or train this model without [pipeline].",
+            )
 
     @staticmethod
     def num_layers(model: nn.Module) -> int:
@@ -67,8 +75,9 @@ class GPT2Stage(Stage):
         from transformers.masking_utils import create_causal_mask
 
         position_ids = _positions(h)
-        mask = create_causal_mask(config=self.body.config, inputs_embeds=h, attention_mask=None, cache=None,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.body.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=position_ids
+        )
         for block in self.blocks:
             h = block(h, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=position_ids)
         return h
@@ -76,8 +85,11 @@ class GPT2Stage(Stage):
     def head_loss(self, h: torch.Tensor, batch: Any) -> torch.Tensor:
         labels = self._checked(batch).get("labels")
         if labels is None:
-            raise ModelMismatch("no_loss", "the last GPT-2 stage got a batch without labels",
-                                "Give the batches labels (the run's causal-lm objective adds them).")
+            raise ModelMismatch(
+                "no_loss",
+                "the last GPT-2 stage got a batch without labels",
+                "Give the batches labels (the run's causal-lm objective adds them).",
+            )
         logits = self.body.lm_head(self.body.transformer.ln_f(h))
         return self.body.loss_function(logits, labels, vocab_size=self.body.config.vocab_size)
 
@@ -88,22 +100,31 @@ class GPT2Stage(Stage):
     def _checked(batch: Any) -> Mapping[str, torch.Tensor]:
         """The batch, refused unless the stages compute exactly what the whole model would."""
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
-            raise ModelMismatch("bad_batch", f"a GPT-2 stage takes dict batches with input_ids, got "
-                                f"{sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__}",
-                                "Feed the run's causal-lm objective batches (input_ids, attention_mask, labels).")
+            raise ModelMismatch(
+                "bad_batch",
+                f"a GPT-2 stage takes dict batches with input_ids, got "
+                f"{sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__}",
+                "Feed the run's causal-lm objective batches (input_ids, attention_mask, labels).",
+            )
         extra = sorted(set(batch) - BATCH_KEYS)
         if extra:
-            raise ModelMismatch("bad_batch", f"a GPT-2 stage cannot pass {extra} across stage boundaries",
-                                "Feed batches with only input_ids, attention_mask and labels.")
+            raise ModelMismatch(
+                "bad_batch",
+                f"a GPT-2 stage cannot pass {extra} across stage boundaries",
+                "Feed batches with only input_ids, attention_mask and labels.",
+            )
         mask = batch.get("attention_mask")
         if mask is not None and not bool((mask == 1).all()):
             right_padded = bool(((mask == 0) | (mask == 1)).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
             labels = batch.get("labels")
             unlabelled = labels is None or bool((labels[mask == 0] == IGNORE_INDEX).all())
             if not (right_padded and unlabelled):
-                raise ModelMismatch("bad_batch", "a GPT-2 stage honours an attention_mask only as the causal-lm "
-                                    "objective pads: ones then zeros at the end of a row, labels -100 there",
-                                    "Use the run's causal-lm objective batches, or drop the padded rows.")
+                raise ModelMismatch(
+                    "bad_batch",
+                    "a GPT-2 stage honours an attention_mask only as the causal-lm "
+                    "objective pads: ones then zeros at the end of a row, labels -100 there",
+                    "Use the run's causal-lm objective batches, or drop the padded rows.",
+                )
         return batch
 
 

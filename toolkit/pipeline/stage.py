@@ -96,8 +96,10 @@ class Stage(nn.Module):
     def inputs(self, batch: Any) -> torch.Tensor:
         """Stage 0's input: the tokens of a data batch (any other stage's is the boundary before it)."""
         if not self.first:
-            raise ValueError(f"stage {self.index}'s input is stage {self.index - 1}'s boundary activation, not a "
-                             "data batch: only stage 0 reads batches")
+            raise ValueError(
+                f"stage {self.index}'s input is stage {self.index - 1}'s boundary activation, not a "
+                "data batch: only stage 0 reads batches"
+            )
         return self.tokens(batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,14 +134,20 @@ class Stage(nn.Module):
         """Set the parameters from the run's flat slice [``cut.start``, ``cut.end``)."""
         flat = torch.as_tensor(values).reshape(-1)
         if flat.numel() != self.cut.numel:
-            raise ValueError(f"stage {self.index} holds {self.cut.numel} parameters and got {flat.numel()} values: "
-                             f"pass the run's flat slice [{self.cut.start}, {self.cut.end})")
+            raise ValueError(
+                f"stage {self.index} holds {self.cut.numel} parameters and got {flat.numel()} values: "
+                f"pass the run's flat slice [{self.cut.start}, {self.cut.end})"
+            )
         offset = 0
         for p in self.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def flat_grad(self) -> torch.Tensor:
         """The stage's gradient in flat order (zeros for a parameter without one), float32 on the CPU."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                          for p in self.parameters()])
+        return torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                for p in self.parameters()
+            ]
+        )

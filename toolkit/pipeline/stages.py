@@ -22,14 +22,25 @@ from toolkit.pipeline.gpt2 import GPT2Stage
 from toolkit.pipeline.stage import Stage
 from toolkit.wire.protocol import ModelSpec
 
-__all__ = ["ARCHITECTURES", "PipelineUnits", "Stage", "StageCut", "build_stage", "cut_stages", "meta_model",
-           "pipeline_units", "units_of"]
+__all__ = [
+    "ARCHITECTURES",
+    "PipelineUnits",
+    "Stage",
+    "StageCut",
+    "build_stage",
+    "cut_stages",
+    "meta_model",
+    "pipeline_units",
+    "units_of",
+]
 
 ARCHITECTURES: tuple[type[Stage], ...] = (ByteStage, GPT2Stage)
 """The architectures a pipeline can cut, each with the stage that runs its parts."""
 
-SUPPORTED = ('the toolkit\'s ByteTransformer (factory "toolkit.models:ByteTransformer") and transformers\' '
-             'GPT-2 (architecture "AutoModelForCausalLM", model_type "gpt2")')
+SUPPORTED = (
+    "the toolkit's ByteTransformer (factory \"toolkit.models:ByteTransformer\") and transformers' "
+    'GPT-2 (architecture "AutoModelForCausalLM", model_type "gpt2")'
+)
 
 
 def architecture_of(model: nn.Module) -> type[Stage]:
@@ -37,9 +48,11 @@ def architecture_of(model: nn.Module) -> type[Stage]:
     for arch in ARCHITECTURES:
         if arch.matches(model):
             return arch
-    raise ModelMismatch("not_cuttable", f"pipeline stages cannot be cut from {type(model).__name__}; they are cut "
-                        f"from {SUPPORTED}", "Name one of those in [model], or train this model without [pipeline] "
-                        "(data parallelism).")
+    raise ModelMismatch(
+        "not_cuttable",
+        f"pipeline stages cannot be cut from {type(model).__name__}; they are cut from {SUPPORTED}",
+        "Name one of those in [model], or train this model without [pipeline] (data parallelism).",
+    )
 
 
 def pipeline_units(model: nn.Module) -> PipelineUnits:
@@ -48,17 +61,23 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
     arch = architecture_of(model)
     hint = arch.tie_hint(model)
     if hint:
-        raise ModelMismatch("tied_embeddings", f"this {arch.anatomy.name} ties its input and output embeddings, and "
-                            "a pipeline's first and last stages cannot share one matrix",
-                            hint[0].upper() + hint[1:] + ".")
+        raise ModelMismatch(
+            "tied_embeddings",
+            f"this {arch.anatomy.name} ties its input and output embeddings, and "
+            "a pipeline's first and last stages cannot share one matrix",
+            hint[0].upper() + hint[1:] + ".",
+        )
     arch.check(model)
     num_layers = arch.num_layers(model)
     named, seen = list(model.named_parameters(remove_duplicate=False)), {}
     for name, param in named:
         if id(param) in seen:
-            raise ModelMismatch("shared_parameters", f"{name} and {seen[id(param)]} of this {arch.anatomy.name} are "
-                                "one shared parameter, and a stage owns each of its parameters alone",
-                                "Give each module its own parameters (untie them) to cut the model into stages.")
+            raise ModelMismatch(
+                "shared_parameters",
+                f"{name} and {seen[id(param)]} of this {arch.anatomy.name} are "
+                "one shared parameter, and a stage owns each of its parameters alone",
+                "Give each module its own parameters (untie them) to cut the model into stages.",
+            )
         seen[id(param)] = name
     return units_from_named(named, arch.anatomy, num_layers)
 
@@ -66,9 +85,12 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
 def meta_model(spec: ModelSpec) -> nn.Module:
     """The run's full model on the meta device: its parameters' names and shapes, no storage."""
     if spec.kind == "module":
-        raise ModelMismatch("not_cuttable", f"pipeline stages cannot be cut from the organizer's own model "
-                            f"{spec.factory!r}; they are cut from {SUPPORTED}", "Name one of those in [model], or "
-                            "train this model without [pipeline] (data parallelism).")
+        raise ModelMismatch(
+            "not_cuttable",
+            f"pipeline stages cannot be cut from the organizer's own model "
+            f"{spec.factory!r}; they are cut from {SUPPORTED}",
+            "Name one of those in [model], or train this model without [pipeline] (data parallelism).",
+        )
     with torch.device("meta"):
         return build_model(spec)
 
@@ -78,8 +100,9 @@ def units_of(spec: ModelSpec) -> PipelineUnits:
     return pipeline_units(meta_model(spec))
 
 
-def build_stage(spec: ModelSpec, cut: StageCut, device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = None) -> Stage:
+def build_stage(
+    spec: ModelSpec, cut: StageCut, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> Stage:
     """Stage ``cut`` of the run's model on ``device``, the rest never allocated. Its parameters
     hold finite placeholder values: load the run's slice into them (:meth:`Stage.load_flat`)."""
     model = meta_model(spec)
@@ -89,13 +112,18 @@ def build_stage(spec: ModelSpec, cut: StageCut, device: str | torch.device = "cp
     except ValueError:
         fits = False
     if not fits:
-        raise ModelMismatch("stage_mismatch", f"stage cut {cut} does not fit this model ({units.num_layers} layers, "
-                            f"{units.total} parameters)", "Cut the stages from the run's own model: "
-                            "cut_stages(units_of(spec), layers_per_stage).")
+        raise ModelMismatch(
+            "stage_mismatch",
+            f"stage cut {cut} does not fit this model ({units.num_layers} layers, {units.total} parameters)",
+            "Cut the stages from the run's own model: cut_stages(units_of(spec), layers_per_stage).",
+        )
     stage = architecture_of(model)(model, cut)
     if any(True for _ in stage.buffers()):
-        raise ModelMismatch("not_cuttable", f"this {stage.anatomy.name} stage has buffers, which a stage built on the "
-                            "meta device cannot restore", "Train this model without [pipeline].")
+        raise ModelMismatch(
+            "not_cuttable",
+            f"this {stage.anatomy.name} stage has buffers, which a stage built on the meta device cannot restore",
+            "Train this model without [pipeline].",
+        )
     stage.to_empty(device=device)
     with torch.no_grad():
         for name, param in stage.named_parameters():

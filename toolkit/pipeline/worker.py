@@ -75,9 +75,16 @@ class WorkerProgress:
 
 
 class StageWorker:
-    def __init__(self, membership: Membership, run: RunInfo, batches: Iterator[Any], *,
-                 device: str | torch.device = "cpu", memory_bytes: int = 0,
-                 on_first: Callable[[int, Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        run: RunInfo,
+        batches: Iterator[Any],
+        *,
+        device: str | torch.device = "cpu",
+        memory_bytes: int = 0,
+        on_first: Callable[[int, Any], None] | None = None,
+    ) -> None:
         """``membership``: this worker's, joined (the worker supplies its heartbeat and what to do
         on a rejoin). ``on_first(microbatch, batch)``: called when the relay accepted this worker's
         first-stage result for ``microbatch`` (which data went into which batch: tests replay it)."""
@@ -106,19 +113,28 @@ class StageWorker:
     # --- the stage ------------------------------------------------------------------------------
     def _take_stage(self) -> None:
         self.assignment = a = self.client.pipeline_stage(
-            self.peer_id, StageRequest(memory_bytes=self.memory_bytes, samples_per_s=self.samples_per_s))
+            self.peer_id, StageRequest(memory_bytes=self.memory_bytes, samples_per_s=self.samples_per_s)
+        )
         cut = cut_stages(self.units, a.layers_per_stage)[a.stage]
         if (cut.start, cut.end) != (a.start, a.end):
-            raise CollabError("stage_mismatch", f"the relay's stage {a.stage} is [{a.start}, {a.end}), this "
-                              f"toolkit cuts [{cut.start}, {cut.end})", "Install the relay's collabtrain version.")
+            raise CollabError(
+                "stage_mismatch",
+                f"the relay's stage {a.stage} is [{a.start}, {a.end}), this toolkit cuts [{cut.start}, {cut.end})",
+                "Install the relay's collabtrain version.",
+            )
         self.stage = build_stage(self.info.model, cut, self.device)
         self.params = list(self.stage.parameters())
         self.flat = np.zeros(a.end - a.start, dtype=np.float32)
         self.version = -1
         self.cache.clear()
         self._reset_sum()
-        log.info("pipeline stage %d of %d: layers %s, %d parameters", a.stage, a.num_stages,
-                 a.layers_per_stage, a.end - a.start)
+        log.info(
+            "pipeline stage %d of %d: layers %s, %d parameters",
+            a.stage,
+            a.num_stages,
+            a.layers_per_stage,
+            a.end - a.start,
+        )
 
     def _ensure_version(self, version: int) -> None:
         if self.version == version:
@@ -133,7 +149,7 @@ class StageWorker:
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                p.copy_(torch.from_numpy(self.flat[offset:offset + p.numel()]).view_as(p))
+                p.copy_(torch.from_numpy(self.flat[offset : offset + p.numel()]).view_as(p))
                 offset += p.numel()
         self.version = step
 
@@ -146,8 +162,13 @@ class StageWorker:
     def stop(self) -> None:
         self._stop.set()
 
-    def run(self, *, until: Callable[[], bool] = lambda: False, on_progress: Callable[[WorkerProgress], None] | None = None,
-            wait_s: int = 5) -> None:
+    def run(
+        self,
+        *,
+        until: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[WorkerProgress], None] | None = None,
+        wait_s: int = 5,
+    ) -> None:
         """Serve tasks until ``until()`` or :meth:`stop`, heartbeating meanwhile; the caller leaves
         (``membership.leave()``) once this returns."""
         self.membership.keep_alive(self.info.heartbeat_interval_s)
@@ -189,13 +210,20 @@ class StageWorker:
                 self._ensure_version(task.version)
             except _Stale:
                 continue  # the batch moved on; its tasks are gone
-            self._do(task, {k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
+            self._do(task, {k[len(f"{i}.") :]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
 
     def progress(self) -> WorkerProgress:
         a = self.assignment
-        return WorkerProgress(stage=a.stage if a else -1, num_stages=a.num_stages if a else 0, step=self.version,
-                              tasks_done=self.tasks_done, tasks_refused=self.tasks_refused,
-                              microbatches_held=len(self.held), last_loss=self.last_loss, uploads=self.uploads)
+        return WorkerProgress(
+            stage=a.stage if a else -1,
+            num_stages=a.num_stages if a else 0,
+            step=self.version,
+            tasks_done=self.tasks_done,
+            tasks_refused=self.tasks_refused,
+            microbatches_held=len(self.held),
+            last_loss=self.last_loss,
+            uploads=self.uploads,
+        )
 
     def _report(self) -> Heartbeat:
         return Heartbeat(version=max(0, self.version), samples=0, samples_per_s=self.samples_per_s)
@@ -243,12 +271,13 @@ class StageWorker:
             else:
                 g = self._boundary(inputs, "g")
                 results = torch.autograd.grad(stage(x), wrt + self.params, grad_outputs=g)
-            grads = results[len(wrt):]
+            grads = results[len(wrt) :]
             if wrt and not task.redo:
                 out.update(self._rows("g", results[0]))
         try:
-            ack = self.client.pipeline_result(self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum),
-                                              out)
+            ack = self.client.pipeline_result(
+                self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum), out
+            )
         except RelayRejected as exc:
             if exc.status not in (409, 410):
                 raise
@@ -262,8 +291,11 @@ class StageWorker:
         if task.kind == "first" and self.on_first is not None:
             self.on_first(task.microbatch, self.cache.get(task.microbatch))
         elapsed = max(time.monotonic() - started, 1e-6)
-        self.samples_per_s = 0.8 * self.samples_per_s + 0.2 * a.microbatch_size / elapsed if self.samples_per_s else \
-            a.microbatch_size / elapsed
+        self.samples_per_s = (
+            0.8 * self.samples_per_s + 0.2 * a.microbatch_size / elapsed
+            if self.samples_per_s
+            else a.microbatch_size / elapsed
+        )
         if grads is not None:
             if self.grad_sum is None:
                 self.grad_sum = [g.detach().clone() for g in grads]
@@ -279,8 +311,9 @@ class StageWorker:
             self.cache.popitem(last=False)
 
     def _rows(self, name: str, h: torch.Tensor) -> dict[str, np.ndarray]:
-        return payloads.encode_rows(name, h.detach().to("cpu", torch.float32).reshape(-1, h.shape[-1]).numpy(),
-                                    self.codec)
+        return payloads.encode_rows(
+            name, h.detach().to("cpu", torch.float32).reshape(-1, h.shape[-1]).numpy(), self.codec
+        )
 
     def _boundary(self, inputs: Mapping[str, np.ndarray], name: str) -> torch.Tensor:
         width = self.assignment.width
@@ -292,23 +325,45 @@ class StageWorker:
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
         if sorted(self.held) != call.microbatches or self.grad_sum is None:
-            log.debug("the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
-                        "says so, and the relay recomputes them", call.microbatches, call.stage, sorted(self.held))
-        vector = torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy() \
-            if self.grad_sum is not None else np.zeros(a.end - a.start, dtype=np.float32)
+            log.debug(
+                "the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
+                "says so, and the relay recomputes them",
+                call.microbatches,
+                call.stage,
+                sorted(self.held),
+            )
+        vector = (
+            torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy()
+            if self.grad_sum is not None
+            else np.zeros(a.end - a.start, dtype=np.float32)
+        )
         run_codec = get_codec(self.info.compression)
         tensors = list(run_codec.encode(vector))
-        plan = PlanSlice(aggregator_id=f"stage{a.stage}", name=f"stage {a.stage}", start=a.start, end=a.end,
-                         fraction=0.0)
+        plan = PlanSlice(
+            aggregator_id=f"stage{a.stage}", name=f"stage {a.stage}", start=a.start, end=a.end, fraction=0.0
+        )
         held = sorted(self.held)
-        meta = GradientMeta(peer_id=call.contributor, step=call.step, version=call.step,
-                            samples=max(1, len(held)) * a.microbatch_size, loss_sum=self.loss_sum)
+        meta = GradientMeta(
+            peer_id=call.contributor,
+            step=call.step,
+            version=call.step,
+            samples=max(1, len(held)) * a.microbatch_size,
+            loss_sum=self.loss_sum,
+        )
         part = slice_part(plan, tensors, meta, run_codec.name, signed=self.client.signed)
         self._reset_sum()  # whatever happens next, this sum is sent once or recomputed by the relay's choice
         try:
-            ticket = self.client.pipeline_ticket(self.peer_id, call.step, PipelineTicketRequest(
-                round_id=call.round_id, stage=a.stage, microbatches=held, loss_sum=meta.loss_sum,
-                header_sha256=part.header_sha256))
+            ticket = self.client.pipeline_ticket(
+                self.peer_id,
+                call.step,
+                PipelineTicketRequest(
+                    round_id=call.round_id,
+                    stage=a.stage,
+                    microbatches=held,
+                    loss_sum=meta.loss_sum,
+                    header_sha256=part.header_sha256,
+                ),
+            )
         except RelayRejected as exc:
             log.debug("ticket refused (%s): this stage gradient is dropped and recomputed", exc)
             return
@@ -317,9 +372,11 @@ class StageWorker:
             self.uploads += 1
         else:
             log.debug("stage gradient upload failed (%s): the relay recomputes its micro-batches", error)
-        self.client.pipeline_done(self.peer_id, call.step, PipelineDone(round_id=call.round_id,
-                                                                         contributor=call.contributor,
-                                                                         delivered=error is None))
+        self.client.pipeline_done(
+            self.peer_id,
+            call.step,
+            PipelineDone(round_id=call.round_id, contributor=call.contributor, delivered=error is None),
+        )
 
 
 class _Stale(Exception):
@@ -342,4 +399,6 @@ def _batch_tensors(batch: Any) -> dict[str, np.ndarray]:
 def _from_tensors(inputs: Mapping[str, np.ndarray], device: torch.device) -> Any:
     if "batch" in inputs:
         return torch.from_numpy(inputs["batch"].copy()).to(device)
-    return {k[len("batch."):]: torch.from_numpy(v.copy()).to(device) for k, v in inputs.items() if k.startswith("batch.")}
+    return {
+        k[len("batch.") :]: torch.from_numpy(v.copy()).to(device) for k, v in inputs.items() if k.startswith("batch.")
+    }

@@ -25,11 +25,23 @@ def host_experts(relay_url: str, options: ExpertHostOptions, started: float) -> 
     def show(h: ExpertHost) -> None:
         state = h.collab_state
         if state is not None:
-            view.update(PeerProgress(peers_online=state.num_peers, samples_per_s=state.samples_per_s,
-                                     global_step=state.step, total_steps=0, samples_accumulated=state.samples_accumulated,
-                                     target_batch=state.target_batch, eta_s=state.eta_s, contributed_samples=0,
-                                     local_samples_per_s=0.0, loss=None, first_contribution_s=None,
-                                     finished=state.finished, hosting=h.describe()))
+            view.update(
+                PeerProgress(
+                    peers_online=state.num_peers,
+                    samples_per_s=state.samples_per_s,
+                    global_step=state.step,
+                    total_steps=0,
+                    samples_accumulated=state.samples_accumulated,
+                    target_batch=state.target_batch,
+                    eta_s=state.eta_s,
+                    contributed_samples=0,
+                    local_samples_per_s=0.0,
+                    loss=None,
+                    first_contribution_s=None,
+                    finished=state.finished,
+                    hosting=h.describe(),
+                )
+            )
 
     try:
         host.run(options.max_seconds, on_progress=show)
@@ -37,6 +49,15 @@ def host_experts(relay_url: str, options: ExpertHostOptions, started: float) -> 
         log.info("interrupted: handing the experts back")
     finally:
         view.close()
-    return JoinResult(peer_id=host.peer_id, final_step=0, contributed_samples=0, local_steps=host.tasks_done,
-                      last_loss=None, seconds=time.monotonic() - started, finished=False, device=str(host.device),
-                      precision="fp32", hosted_experts=True)
+    return JoinResult(
+        peer_id=host.peer_id,
+        final_step=0,
+        contributed_samples=0,
+        local_steps=host.tasks_done,
+        last_loss=None,
+        seconds=time.monotonic() - started,
+        finished=False,
+        device=str(host.device),
+        precision="fp32",
+        hosted_experts=True,
+    )

@@ -61,8 +61,9 @@ class TrainerOptions(PeerOptions):
 
     def __post_init__(self) -> None:
         if self.moe_in_flight is not None and (not isinstance(self.moe_in_flight, int) or self.moe_in_flight < 1):
-            raise ValueError(f"moe_in_flight must be an integer >= 1 (or None: sized from measurements), "
-                             f"got {self.moe_in_flight!r}")
+            raise ValueError(
+                f"moe_in_flight must be an integer >= 1 (or None: sized from measurements), got {self.moe_in_flight!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,11 @@ class StageWorkerOptions(PeerOptions):
     max_steps: int | None = None
 
 
-ROLES: dict[str, type[PeerOptions]] = {"trainer": TrainerOptions, "expert_host": ExpertHostOptions,
-                                       "stage_worker": StageWorkerOptions}
+ROLES: dict[str, type[PeerOptions]] = {
+    "trainer": TrainerOptions,
+    "expert_host": ExpertHostOptions,
+    "stage_worker": StageWorkerOptions,
+}
 """Every role ``join(role=...)`` takes, and its options."""
 ROLE_NAMES = {"trainer": "a trainer", "expert_host": "an expert host", "stage_worker": "a stage worker"}
 AUTOMATIC = ("trainer", "stage_worker")
@@ -100,9 +104,12 @@ def options_for(role: str, given: Mapping[str, Any]) -> PeerOptions:
     """``role``'s options from ``join()``'s keywords; :class:`OptionRefused` for the first one
     the role does not use."""
     if role not in ROLES:
-        raise OptionRefused("unknown_role", f"join(role={role!r}): there is no such role",
-                            "Use role='trainer', 'expert_host' or 'stage_worker', or leave role out (the run "
-                            "decides between a trainer and a stage worker).")
+        raise OptionRefused(
+            "unknown_role",
+            f"join(role={role!r}): there is no such role",
+            "Use role='trainer', 'expert_host' or 'stage_worker', or leave role out (the run "
+            "decides between a trainer and a stage worker).",
+        )
     refuse_unused(given, (role,), f"join(role={role!r})")
     return ROLES[role](**given)
 
@@ -122,5 +129,8 @@ def refuse_unused(given: Iterable[str], roles: Sequence[str], who: str, hint: st
             hint = hint or f"remove it, or join as {' or '.join(ROLE_NAMES[r] for r in users)} (role={users[0]!r})."
             raise OptionRefused("unused_option", f"{who} does not use {name}", hint)
         known = sorted({option for role in roles for option in options_of(role)})
-        raise OptionRefused("unknown_option", f"{who} has no option {name}",
-                            f"remove it; {' or '.join(ROLE_NAMES[r] for r in roles)} takes: {', '.join(known)}.")
+        raise OptionRefused(
+            "unknown_option",
+            f"{who} has no option {name}",
+            f"remove it; {' or '.join(ROLE_NAMES[r] for r in roles)} takes: {', '.join(known)}.",
+        )

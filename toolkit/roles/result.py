@@ -37,8 +37,10 @@ class JoinResult:
         steps = self.final_step - self.joined_step
         over = f"over {steps:,} step{'s' if steps != 1 else ''}"
         if self.contributed_samples and self.first_contribution_s is not None:
-            what = (f"Contributed {self.contributed_samples:,} samples {over} (first contribution "
-                    f"{self.first_contribution_s:.1f} s after joining)")
+            what = (
+                f"Contributed {self.contributed_samples:,} samples {over} (first contribution "
+                f"{self.first_contribution_s:.1f} s after joining)"
+            )
         elif self.contributed_samples:
             what = f"Contributed {self.contributed_samples:,} samples {over}"
         else:

@@ -58,12 +58,18 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
         name = options.peer_name or socket.gethostname()[:64]
         view = open_panel(options.panel, f"{run.run_name}: {name} on {info.label}, {policy.name}")
         cleanup.callback(view.close)
-        opt = CollaborativeOptimizer(model, client=client, batch_size_per_step=batch_size, peer_name=name,
-                                     delayed_updates=run.max_staleness >= 1 if options.delayed_updates is None
-                                     else options.delayed_updates,
-                                     device_info={**info.to_json(), "precision": policy.to_json()},
-                                     precision=policy.name, accumulate_on_host=options.accumulate_on_host,
-                                     report_interval_s=options.report_interval_s, verbose=options.verbose)
+        opt = CollaborativeOptimizer(
+            model,
+            client=client,
+            batch_size_per_step=batch_size,
+            peer_name=name,
+            delayed_updates=run.max_staleness >= 1 if options.delayed_updates is None else options.delayed_updates,
+            device_info={**info.to_json(), "precision": policy.to_json()},
+            precision=policy.name,
+            accumulate_on_host=options.accumulate_on_host,
+            report_interval_s=options.report_interval_s,
+            verbose=options.verbose,
+        )
         cleanup.callback(opt.close)
         flight: InFlightTrainer | None = None
         if hasattr(model, "attach_caller"):  # mixture-of-experts layers: their experts live on volunteer hosts
@@ -71,20 +77,37 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
             cleanup.callback(caller.close)
             model.attach_caller(caller)
             if moe_in_flight != 1 and info.kind != "tpu":  # XLA's lazy graphs are built by one thread
-                flight = InFlightTrainer(model, lambda m, p, b: _micro_batch(m, p, b, info, device), policy,
-                                         shared=(caller,), jobs=moe_in_flight)
+                flight = InFlightTrainer(
+                    model,
+                    lambda m, p, b: _micro_batch(m, p, b, info, device),
+                    policy,
+                    shared=(caller,),
+                    jobs=moe_in_flight,
+                )
                 cleanup.callback(flight.close)
         if opt.collab_state.finished:  # joined after the last step: say so rather than return 0 samples
-            raise RunFinished("run_finished", MESSAGES["run_finished"][0].format(run=run.run_name,
-                                                                                 step=opt.collab_state.step))
+            raise RunFinished(
+                "run_finished", MESSAGES["run_finished"][0].format(run=run.run_name, step=opt.collab_state.step)
+            )
         target = WandbTarget.parse(options.wandb_project) or (
-            WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", "")) if run.wandb.get("project")
-            else None)
-        tracker = open_wandb_run(target, name=name, group=run.run_name,
-                                 config=_wandb_config(run, info, policy.name, batch_size, opt.peer_id))
+            WandbTarget(project=run.wandb["project"], entity=run.wandb.get("entity", ""))
+            if run.wandb.get("project")
+            else None
+        )
+        tracker = open_wandb_run(
+            target,
+            name=name,
+            group=run.run_name,
+            config=_wandb_config(run, info, policy.name, batch_size, opt.peer_id),
+        )
         cleanup.callback(tracker.close)
-        batches: Iterator[Any] = iter(data) if data is not None else peer_batches(
-            run, client, opt.peer_id, batch_size=batch_size, seed=seed if seed is not None else opt.peer_id)
+        batches: Iterator[Any] = (
+            iter(data)
+            if data is not None
+            else peer_batches(
+                run, client, opt.peer_id, batch_size=batch_size, seed=seed if seed is not None else opt.peer_id
+            )
+        )
         close_batches = getattr(batches, "close", None)
         if close_batches is not None:
             cleanup.callback(close_batches)  # a streaming source reports and releases the shards it holds
@@ -94,8 +117,11 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
         progress: PeerProgress | None = None
 
         def should_stop() -> bool:
-            return opt.finished or (max_steps is not None and opt.version - first_step >= max_steps) or (
-                max_seconds is not None and time.monotonic() - started > max_seconds)
+            return (
+                opt.finished
+                or (max_steps is not None and opt.version - first_step >= max_steps)
+                or (max_seconds is not None and time.monotonic() - started > max_seconds)
+            )
 
         def after_micro_batch(loss: float) -> bool:
             """Panel, W&B and the first contribution after each micro-batch; True: stop."""
@@ -116,8 +142,9 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
                 for batch in batches:
                     opt.zero_grad()
                     loss_now, finite = _micro_batch(model, policy, batch, info, device)
-                    environment.optimizer_step(opt, info, batch_size=batch_size_of(batch), loss=loss_now,
-                                               skip=not finite)
+                    environment.optimizer_step(
+                        opt, info, batch_size=batch_size_of(batch), loss=loss_now, skip=not finite
+                    )
                     if after_micro_batch(loss_now):
                         break
         except KeyboardInterrupt:
@@ -126,15 +153,25 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
             if progress is not None:  # the panel's last word is what went wrong and what to do
                 view.update(replace(progress, problem=exc.message, hint=exc.hint))
             raise
-    return JoinResult(peer_id=opt.peer_id, final_step=opt.version, contributed_samples=opt.contributed_samples,
-                      local_steps=local_steps, last_loss=loss_value, seconds=time.monotonic() - started,
-                      finished=opt.finished, device=info.label, precision=policy.name,
-                      first_contribution_s=first_contribution_s, joined_step=first_step,
-                      in_flight=flight.most_jobs if flight is not None else 1)
+    return JoinResult(
+        peer_id=opt.peer_id,
+        final_step=opt.version,
+        contributed_samples=opt.contributed_samples,
+        local_steps=local_steps,
+        last_loss=loss_value,
+        seconds=time.monotonic() - started,
+        finished=opt.finished,
+        device=info.label,
+        precision=policy.name,
+        first_contribution_s=first_contribution_s,
+        joined_step=first_step,
+        in_flight=flight.most_jobs if flight is not None else 1,
+    )
 
 
-def _micro_batch(model: torch.nn.Module, policy: PrecisionPolicy, batch: Any, info: DeviceInfo,
-                 device: torch.device) -> tuple[float, bool]:
+def _micro_batch(
+    model: torch.nn.Module, policy: PrecisionPolicy, batch: Any, info: DeviceInfo, device: torch.device
+) -> tuple[float, bool]:
     """Forward and backward of one micro-batch under the precision policy: (loss, whether its
     gradients are finite); an out-of-memory error becomes :class:`DeviceOutOfMemory`, which says
     what to do."""
@@ -146,8 +183,9 @@ def _micro_batch(model: torch.nn.Module, policy: PrecisionPolicy, batch: Any, in
     except RuntimeError as exc:
         if not is_out_of_memory(exc):
             raise
-        raise DeviceOutOfMemory("out_of_memory", f"the {info.label} ran out of memory on a micro-batch "
-                                f"of {batch_size_of(batch)} samples") from None
+        raise DeviceOutOfMemory(
+            "out_of_memory", f"the {info.label} ran out of memory on a micro-batch of {batch_size_of(batch)} samples"
+        ) from None
     return loss.item(), policy.unscale_and_check(model.parameters())
 
 
@@ -166,9 +204,17 @@ def relay_first_contribution(client: RelayClient, peer_id: str) -> float | None:
 
 def _wandb_config(run: RunInfo, info: DeviceInfo, precision: str, batch_size: int, peer_id: str) -> dict:
     """What a volunteer's W&B run records about this peer (no secrets, no URLs with credentials)."""
-    return {"run_name": run.run_name, "peer_id": peer_id, "device": info.label, "device_kind": info.kind,
-            "platform": info.platform or "", "precision": precision, "batch_size": batch_size,
-            "target_batch": run.target_batch, "model": run.model.factory or run.model.architecture}
+    return {
+        "run_name": run.run_name,
+        "peer_id": peer_id,
+        "device": info.label,
+        "device_kind": info.kind,
+        "platform": info.platform or "",
+        "precision": precision,
+        "batch_size": batch_size,
+        "target_batch": run.target_batch,
+        "model": run.model.factory or run.model.architecture,
+    }
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

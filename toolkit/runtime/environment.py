@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 
 DeviceKind = Literal["cuda", "tpu", "mps", "cpu"]
 
-TPU_PAIR_HINT = ("On Colab/Kaggle TPU runtimes keep the preinstalled torch/torch_xla pair: do not "
-                 "pip install torch (or anything that upgrades it). Elsewhere install a matching pair, "
-                 "e.g. pip install 'torch~={minor}.0' 'torch_xla[tpu]~={minor}.0'.")
+TPU_PAIR_HINT = (
+    "On Colab/Kaggle TPU runtimes keep the preinstalled torch/torch_xla pair: do not "
+    "pip install torch (or anything that upgrades it). Elsewhere install a matching pair, "
+    "e.g. pip install 'torch~={minor}.0' 'torch_xla[tpu]~={minor}.0'."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,20 +104,33 @@ def _detect() -> DeviceInfo:
         return DeviceInfo(**tpu, **base, hints=tuple(hints))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        return DeviceInfo(kind="cuda", name=props.name, memory_bytes=int(props.total_memory),
-                          compute_capability=(int(props.major), int(props.minor)),
-                          device_count=torch.cuda.device_count(), **base, hints=tuple(hints))
+        return DeviceInfo(
+            kind="cuda",
+            name=props.name,
+            memory_bytes=int(props.total_memory),
+            compute_capability=(int(props.major), int(props.minor)),
+            device_count=torch.cuda.device_count(),
+            **base,
+            hints=tuple(hints),
+        )
     mps = getattr(torch.backends, "mps", None)
     if mps is not None and mps.is_available():
         recommended = getattr(torch.mps, "recommended_max_memory", None)
-        return DeviceInfo(kind="mps", name="Apple MPS", memory_bytes=_call_or_none(recommended),
-                          **base, hints=tuple(hints))
-    return DeviceInfo(kind="cpu", name=_cpu_name(), memory_bytes=_host_memory(),
-                      device_count=os.cpu_count() or 1, **base, hints=tuple(hints))
+        return DeviceInfo(
+            kind="mps", name="Apple MPS", memory_bytes=_call_or_none(recommended), **base, hints=tuple(hints)
+        )
+    return DeviceInfo(
+        kind="cpu",
+        name=_cpu_name(),
+        memory_bytes=_host_memory(),
+        device_count=os.cpu_count() or 1,
+        **base,
+        hints=tuple(hints),
+    )
 
 
 def notebook_platform() -> str | None:
-    """"colab", "kaggle" or None, from the environment variables those runtimes set."""
+    """ "colab", "kaggle" or None, from the environment variables those runtimes set."""
     if "COLAB_RELEASE_TAG" in os.environ or "COLAB_GPU" in os.environ or "COLAB_TPU_ADDR" in os.environ:
         return "colab"
     if "KAGGLE_KERNEL_RUN_TYPE" in os.environ or "KAGGLE_URL_BASE" in os.environ:
@@ -148,17 +163,23 @@ def _probe_tpu(hints: list[str]) -> dict[str, Any] | None:
     xla_version = _dist_version("torch_xla") or "unknown"
     torch_minor = ".".join(map(str, _minor(torch.__version__)))
     if xla_version != "unknown" and _minor(xla_version) != _minor(torch.__version__):
-        _warn(hints, f"torch_xla {xla_version} cannot run with torch {torch.__version__} (each torch_xla "
-                     f"needs the torch of its own minor version); not using the TPU. "
-                     + TPU_PAIR_HINT.format(minor=torch_minor))
+        _warn(
+            hints,
+            f"torch_xla {xla_version} cannot run with torch {torch.__version__} (each torch_xla "
+            f"needs the torch of its own minor version); not using the TPU. "
+            + TPU_PAIR_HINT.format(minor=torch_minor),
+        )
         return None
     try:
         xla = importlib.import_module("torch_xla")
         xm = importlib.import_module("torch_xla.core.xla_model")
         xr = importlib.import_module("torch_xla.runtime")
     except Exception as exc:  # ImportError, OSError (undefined symbol), RuntimeError: all mean "unusable"
-        _warn(hints, f"torch_xla {xla_version} is installed but failed to import ({type(exc).__name__}: "
-                     f"{exc}); not using the TPU. " + TPU_PAIR_HINT.format(minor=torch_minor))
+        _warn(
+            hints,
+            f"torch_xla {xla_version} is installed but failed to import ({type(exc).__name__}: "
+            f"{exc}); not using the TPU. " + TPU_PAIR_HINT.format(minor=torch_minor),
+        )
         return None
     try:
         kind = xr.device_type()  # importing torch_xla picked it: TPU when libtpu finds chips, else CPU/CUDA
@@ -167,14 +188,25 @@ def _probe_tpu(hints: list[str]) -> dict[str, Any] | None:
             return None
         dev = _xla_device(xla, xm)
     except Exception as exc:  # e.g. the TPU is held by another process (a second notebook kernel)
-        _warn(hints, f"torch_xla could not open the TPU ({type(exc).__name__}: {exc}); not using it. If another "
-                     "process holds the TPU, stop it (restart the runtime) and run this cell again.")
+        _warn(
+            hints,
+            f"torch_xla could not open the TPU ({type(exc).__name__}: {exc}); not using it. If another "
+            "process holds the TPU, stop it (restart the runtime) and run this cell again.",
+        )
         return None
-    count = _call_or_none(getattr(xr, "global_runtime_device_count", None)) or \
-        _call_or_none(getattr(xr, "addressable_device_count", None)) or 1
+    count = (
+        _call_or_none(getattr(xr, "global_runtime_device_count", None))
+        or _call_or_none(getattr(xr, "addressable_device_count", None))
+        or 1
+    )
     accel = os.environ.get("TPU_ACCELERATOR_TYPE")  # e.g. "v5litepod-8" on TPU VMs
-    return {"kind": "tpu", "name": f"TPU {accel}" if accel else "TPU", "memory_bytes": _xla_memory(xm, dev),
-            "device_count": int(count), "torch_xla_version": getattr(xla, "__version__", xla_version)}
+    return {
+        "kind": "tpu",
+        "name": f"TPU {accel}" if accel else "TPU",
+        "memory_bytes": _xla_memory(xm, dev),
+        "device_count": int(count),
+        "torch_xla_version": getattr(xla, "__version__", xla_version),
+    }
 
 
 def _xla_device(xla: Any, xm: Any) -> torch.device:

@@ -58,8 +58,6 @@ _AUTOCAST_DEVICE = {"cuda": "cuda", "tpu": "xla", "mps": "mps", "cpu": "cpu"}
 _FAST_FP16 = {(6, 0)}  # P100; every 7.x (V100 7.0, Xavier 7.2, T4 7.5) has tensor cores
 
 
-
-
 class LossScaler:
     """A dynamic loss scaler for one peer, written for our split of the step.
 
@@ -75,12 +73,21 @@ class LossScaler:
     ``growth_interval`` clean steps, never below ``min_scale``.
     """
 
-    def __init__(self, *, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0) -> None:
-        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0
-                and init_scale >= min_scale > 0):
-            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0 "
-                             "and init_scale >= min_scale > 0")
+    def __init__(
+        self,
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ) -> None:
+        if not (
+            growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0 and init_scale >= min_scale > 0
+        ):
+            raise ValueError(
+                "need growth_factor > 1, 0 < backoff_factor < 1, growth_interval > 0 and init_scale >= min_scale > 0"
+            )
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
@@ -120,9 +127,11 @@ class LossScaler:
         self.scale = max(self.min_scale, self.scale * self.backoff_factor)
         log.info("fp16 overflow: micro-batch skipped, loss scale now %g", self.scale)
         if self.scale == self.min_scale and self.consecutive_overflows >= 10:
-            log.warning("fp16: %d overflows in a row at the minimum loss scale: the loss itself is not "
-                        "finite. Check the data and learning rate, or ask the organizer to pin bf16/fp32.",
-                        self.consecutive_overflows)
+            log.warning(
+                "fp16: %d overflows in a row at the minimum loss scale: the loss itself is not "
+                "finite. Check the data and learning rate, or ask the organizer to pin bf16/fp32.",
+                self.consecutive_overflows,
+            )
 
     def state(self) -> dict[str, Any]:
         return {"scale": self.scale, "overflows": self.overflows}
@@ -173,8 +182,13 @@ class PrecisionPolicy:
 
     def to_json(self) -> dict[str, Any]:
         """What the relay shows for this peer: the policy, why, and (fp16) the scaler's state."""
-        data: dict[str, Any] = {"name": self.name, "device_type": self.device_type, "pinned": self.pinned,
-                                "reason": self.reason, "loss_scaling": self.scaler is not None}
+        data: dict[str, Any] = {
+            "name": self.name,
+            "device_type": self.device_type,
+            "pinned": self.pinned,
+            "reason": self.reason,
+            "loss_scaling": self.scaler is not None,
+        }
         if self.scaler is not None:
             data.update(self.scaler.state())
         return data
@@ -205,14 +219,17 @@ def _support(info: DeviceInfo, name: str) -> Literal["yes", "slow", "no"]:
         "tpu": {"bf16": "yes", "fp16": "no"},
         "mps": {"bf16": "no", "fp16": "no"},
         "cpu": {"bf16": "slow", "fp16": "slow"},
-        "cuda": {"bf16": "yes" if cc >= (8, 0) else "no",
-                 "fp16": "yes" if cc >= (7, 0) or cc in _FAST_FP16 else "slow"},
+        "cuda": {
+            "bf16": "yes" if cc >= (8, 0) else "no",
+            "fp16": "yes" if cc >= (7, 0) or cc in _FAST_FP16 else "slow",
+        },
     }
     return table[info.kind][name]  # type: ignore[return-value]
 
 
-def choose_precision(info: DeviceInfo, pinned: str | None = None, *,
-                     scaler: LossScaler | None = None) -> PrecisionPolicy:
+def choose_precision(
+    info: DeviceInfo, pinned: str | None = None, *, scaler: LossScaler | None = None
+) -> PrecisionPolicy:
     """The policy this peer trains in: the run's ``pinned`` one ("bf16"/"fp16"/"fp32") if set,
     else :func:`local_choice`. Raises :class:`PrecisionUnsupported` if the pin cannot run here.
 
@@ -221,13 +238,18 @@ def choose_precision(info: DeviceInfo, pinned: str | None = None, *,
     device_type = _AUTOCAST_DEVICE[info.kind]
     if pinned:
         if pinned not in POLICIES:
-            raise PrecisionUnsupported("bad_precision", f"unknown precision {pinned!r}",
-                                       "Pin one of bf16, fp16, fp32 (or leave run.precision empty).")
+            raise PrecisionUnsupported(
+                "bad_precision",
+                f"unknown precision {pinned!r}",
+                "Pin one of bf16, fp16, fp32 (or leave run.precision empty).",
+            )
         support = _support(info, pinned)
         if support == "no":
-            raise PrecisionUnsupported("precision_unsupported",
-                                       f"this run pins {pinned}, which {info.label} cannot execute",
-                                       _unsupported_hint(info, pinned))
+            raise PrecisionUnsupported(
+                "precision_unsupported",
+                f"this run pins {pinned}, which {info.label} cannot execute",
+                _unsupported_hint(info, pinned),
+            )
         if support == "slow":
             log.warning("this run pins %s; %s runs it correctly but slowly", pinned, info.label)
         reason = "pinned by the run" + (f" (correct but slow on {info.name})" if support == "slow" else "")
@@ -235,15 +257,24 @@ def choose_precision(info: DeviceInfo, pinned: str | None = None, *,
     else:
         name, reason = local_choice(info)
         is_pinned = False
-    policy = PrecisionPolicy(name=name, device_type=device_type, pinned=is_pinned, reason=reason,
-                             scaler=(scaler or LossScaler()) if name == "fp16" else None)
+    policy = PrecisionPolicy(
+        name=name,
+        device_type=device_type,
+        pinned=is_pinned,
+        reason=reason,
+        scaler=(scaler or LossScaler()) if name == "fp16" else None,
+    )
     log.info("precision %s on %s: %s", name, info.label, reason)
     return policy
 
 
 def _unsupported_hint(info: DeviceInfo, pinned: str) -> str:
-    where = {"bf16": "a GPU of compute capability >= 8.0 (A100, L4, H100, RTX 30xx+), a TPU or a CPU",
-             "fp16": "a CUDA GPU (T4, P100, V100 or newer) or a CPU"}[pinned]
-    platform_fix = {"colab": " On Colab pick Runtime -> Change runtime type.",
-                    "kaggle": " On Kaggle pick Settings -> Accelerator."}.get(info.platform or "", "")
+    where = {
+        "bf16": "a GPU of compute capability >= 8.0 (A100, L4, H100, RTX 30xx+), a TPU or a CPU",
+        "fp16": "a CUDA GPU (T4, P100, V100 or newer) or a CPU",
+    }[pinned]
+    platform_fix = {
+        "colab": " On Colab pick Runtime -> Change runtime type.",
+        "kaggle": " On Kaggle pick Settings -> Accelerator.",
+    }.get(info.platform or "", "")
     return f"Join from {where}, or ask the organizer to pin fp32 or leave the precision unpinned.{platform_fix}"

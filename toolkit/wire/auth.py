@@ -117,8 +117,18 @@ class PassClaims:
 
     def encode_claims(self) -> bytes:
         name = self.username.encode("ascii")
-        return _PASS_FIXED.pack(PASS_VERSION, bytes.fromhex(self.relay_key_id), self.issued_at,
-                                self.expires_at, self.auth_at, self.peer_key, len(name)) + name
+        return (
+            _PASS_FIXED.pack(
+                PASS_VERSION,
+                bytes.fromhex(self.relay_key_id),
+                self.issued_at,
+                self.expires_at,
+                self.auth_at,
+                self.peer_key,
+                len(name),
+            )
+            + name
+        )
 
     @staticmethod
     def signed_message(claims: bytes) -> bytes:
@@ -139,7 +149,7 @@ def decode_pass(token: str) -> tuple[PassClaims, bytes, bytes]:
     if len(raw) != end + 64:
         raise ValueError("pass length does not match its username length")
     try:
-        username = raw[_PASS_FIXED.size:end].decode("ascii")
+        username = raw[_PASS_FIXED.size : end].decode("ascii")
     except UnicodeDecodeError:
         raise ValueError("pass username is not ASCII") from None
     if not USERNAME_RE.fullmatch(username):
@@ -155,8 +165,9 @@ def verify_pass(token: str, relay_public: Ed25519PublicKey) -> PassClaims:
 
 
 # --- request / response messages ----------------------------------------------------------------
-def request_message(relay_key_id: str, method: str, path_qs: str, content_type: str, timestamp: str,
-                    nonce: str, body_sha256: str) -> bytes:
+def request_message(
+    relay_key_id: str, method: str, path_qs: str, content_type: str, timestamp: str, nonce: str, body_sha256: str
+) -> bytes:
     """The bytes a peer signs. ``path_qs`` is the path and query exactly as sent (requests'
     ``path_url`` == aiohttp's ``raw_path``): a reverse proxy must not rewrite paths. The relay key
     id names the intended recipient (paper I.5), the content type fixes which body-hash rule applies."""
@@ -178,9 +189,14 @@ def format_relay_signature(relay_key_id: str, covers: str, signature: bytes) -> 
     return f"v1;kid={relay_key_id};covers={covers};sig={b64u(signature)}"
 
 
-def verify_relay_signature(relay_public: Ed25519PublicKey, header_value: str | None, *,
-                           request_nonce: str, body: bytes | None = None,
-                           headers: Mapping[str, str] | None = None) -> None:
+def verify_relay_signature(
+    relay_public: Ed25519PublicKey,
+    header_value: str | None,
+    *,
+    request_nonce: str,
+    body: bytes | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> None:
     """Check a relay-signed response: raise :class:`RelaySignatureInvalid` unless the header
     verifies over ``body`` (``covers=body``) or the named ``headers`` (``covers=headers:...``)."""
     if not header_value:
@@ -192,7 +208,7 @@ def verify_relay_signature(relay_public: Ed25519PublicKey, header_value: str | N
     if covers == "body":
         payload = body if body is not None else b""
     elif covers.startswith("headers:"):
-        payload = covered_headers_payload(headers or {}, covers[len("headers:"):].split(","))
+        payload = covered_headers_payload(headers or {}, covers[len("headers:") :].split(","))
     else:
         raise RelaySignatureInvalid("bad_relay_signature", f"unknown signature coverage {covers[:40]!r}")
     if kid != key_id(relay_public.public_bytes_raw()):
@@ -207,7 +223,7 @@ def verify_relay_signature(relay_public: Ed25519PublicKey, header_value: str | N
 def chunk_sha256(buffer: np.ndarray | bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[bytes]:
     """sha256 of each ``chunk_bytes`` slice of a contiguous buffer (the last one may be short)."""
     flat = memoryview(np.ascontiguousarray(buffer) if isinstance(buffer, np.ndarray) else buffer).cast("B")
-    return [hashlib.sha256(flat[i:i + chunk_bytes]).digest() for i in range(0, len(flat), chunk_bytes)]
+    return [hashlib.sha256(flat[i : i + chunk_bytes]).digest() for i in range(0, len(flat), chunk_bytes)]
 
 
 def digest_metadata(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, str]:

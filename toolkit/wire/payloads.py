@@ -38,7 +38,9 @@ NONE = get_codec("none")
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
     items = [(name, np.ascontiguousarray(array)) for name, array in tensors.items()]
     # one copy of each tensor's bytes (into the joined body), none in between
-    return b"".join([encode_header(items, dict(metadata or {})), *(memoryview(a.reshape(-1).view(np.uint8)) for _, a in items)])
+    return b"".join(
+        [encode_header(items, dict(metadata or {})), *(memoryview(a.reshape(-1).view(np.uint8)) for _, a in items)]
+    )
 
 
 def decode(body: bytes, max_bytes: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
@@ -46,8 +48,10 @@ def decode(body: bytes, max_bytes: int) -> tuple[dict[str, str], dict[str, np.nd
     stream = io.BytesIO(body)
     header = peek_header(stream, max_bytes)
     if header.header_bytes + header.data_bytes != len(body):
-        raise ProtocolError("bad_body", f"the body is {len(body)} bytes; its container declares "
-                            f"{header.header_bytes + header.data_bytes}")
+        raise ProtocolError(
+            "bad_body",
+            f"the body is {len(body)} bytes; its container declares {header.header_bytes + header.data_bytes}",
+        )
     _, tensors = read_container(stream, max_bytes, header=header)
     return dict(header.metadata), tensors
 
@@ -57,11 +61,17 @@ def rows_of(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, widt
     array = tensors.get(name)
     if array is None:
         raise ProtocolError("bad_tensor", f"tensor {name!r} is missing")
-    if array.dtype != np.float32 or array.ndim != 2 or array.shape[1] != width or \
-            (rows is not None and array.shape[0] != rows) or array.shape[0] < 1:
+    if (
+        array.dtype != np.float32
+        or array.ndim != 2
+        or array.shape[1] != width
+        or (rows is not None and array.shape[0] != rows)
+        or array.shape[0] < 1
+    ):
         want = f"[{rows if rows is not None else 'rows'}, {width}]"
-        raise ProtocolError("bad_tensor", f"tensor {name!r} must be float32 {want}, got {array.dtype} "
-                            f"{list(array.shape)}")
+        raise ProtocolError(
+            "bad_tensor", f"tensor {name!r} must be float32 {want}, got {array.dtype} {list(array.shape)}"
+        )
     if not np.isfinite(array).all():
         raise ProtocolError("non_finite", f"tensor {name!r} holds NaN or Inf")
     return array
@@ -80,16 +90,24 @@ def row_names(name: str, codec: Codec = NONE) -> set[str]:
     return {name} if _dense(codec).name == "none" else {f"{name}.{spec.name}" for spec in codec.layout(1)}
 
 
-def read_rows(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, width: int,
-              codec: Codec = NONE) -> np.ndarray:
+def read_rows(
+    tensors: Mapping[str, np.ndarray], name: str, rows: int | None, width: int, codec: Codec = NONE
+) -> np.ndarray:
     """The float32 [rows, width] matrix ``name`` encodes with ``codec``: layout checked against
     the codec before decoding, values finite (:func:`rows_of`)."""
     if _dense(codec).name == "none":
         return rows_of(tensors, name, rows, width)
-    parts = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
     payload = parts.get("payload")
-    if payload is None or payload.ndim != 1 or payload.size % width or (rows is not None and payload.size != rows * width):
-        raise ProtocolError("bad_tensor", f"{name!r} must carry {codec.name} tensors for [{rows or 'rows'}, {width}] values")
+    if (
+        payload is None
+        or payload.ndim != 1
+        or payload.size % width
+        or (rows is not None and payload.size != rows * width)
+    ):
+        raise ProtocolError(
+            "bad_tensor", f"{name!r} must carry {codec.name} tensors for [{rows or 'rows'}, {width}] values"
+        )
     side = {k: v for k, v in parts.items() if k != "payload"}
     codec.validate(side, payload.dtype, payload.size)
     decoded = codec.decode([*side.items(), ("payload", payload)]).reshape(-1, width)
@@ -100,8 +118,10 @@ def _dense(codec: Codec) -> Codec:
     """``codec`` if it is dense (element i of its payload encodes value i of the rows); a sparse
     codec (``topk2-<K>``) cannot carry activations and is refused in one line."""
     if not codec.dense:
-        raise ValueError(f"codec {codec.name!r} is sparse: activations and boundaries travel in a dense codec "
-                         "(none, float16 or int8); topk2-<K> is for run.compression only")
+        raise ValueError(
+            f"codec {codec.name!r} is sparse: activations and boundaries travel in a dense codec "
+            "(none, float16 or int8); topk2-<K> is for run.compression only"
+        )
     return codec
 
 
@@ -120,8 +140,9 @@ def task_batch(heads: list[TaskHead], bodies: list[bytes]) -> bytes:
     return encode(tensors, {"tasks": TaskBatch(tasks=list(heads)).dumps().decode()})
 
 
-def read_task_batch(body: bytes, max_bytes: int, width: int,
-                    codec: Codec = NONE) -> list[tuple[TaskHead, dict[str, np.ndarray]]]:
+def read_task_batch(
+    body: bytes, max_bytes: int, width: int, codec: Codec = NONE
+) -> list[tuple[TaskHead, dict[str, np.ndarray]]]:
     """Each task of a batch and its rows (``x``, and ``g`` for a backward), every tensor checked
     against the task's head and the run's codec: a host trusts no byte it did not validate."""
     metadata, tensors = decode(body, max_bytes)
@@ -142,8 +163,10 @@ def read_task_batch(body: bytes, max_bytes: int, width: int,
     return out
 
 
-def checkpoint_tensors(params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray],
-                       ) -> list[tuple[str, np.ndarray]]:
+def checkpoint_tensors(
+    params: Mapping[str, np.ndarray],
+    optimizer: Mapping[str, np.ndarray],
+) -> list[tuple[str, np.ndarray]]:
     tensors = {**{f"p.{k}": v for k, v in params.items()}, **{f"opt.{k}": v for k, v in optimizer.items()}}
     return [(k, np.ascontiguousarray(v, dtype=np.float32)) for k, v in tensors.items()]
 
@@ -170,8 +193,9 @@ def read_checkpoint(body: bytes, shapes: Mapping[str, tuple[int, ...]]) -> tuple
         if kind not in ("p", "opt") or param not in shapes or array.dtype != np.float32:
             raise ProtocolError("bad_checkpoint", f"unexpected tensor {name!r} ({array.dtype})")
         if array.shape != tuple(shapes[param]) and not (kind == "opt" and array.size == 1):
-            raise ProtocolError("bad_checkpoint", f"{name!r} has shape {list(array.shape)}, "
-                                f"expected {list(shapes[param])}")
+            raise ProtocolError(
+                "bad_checkpoint", f"{name!r} has shape {list(array.shape)}, expected {list(shapes[param])}"
+            )
         if not np.isfinite(array).all():
             raise ProtocolError("non_finite", f"{name!r} holds NaN or Inf")
     try:

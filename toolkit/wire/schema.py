@@ -26,13 +26,22 @@ MAX_STR = 4096
 MAX_LIST = 1_000_000
 
 
-def limits(*, ge: float | None = None, le: float | None = None, gt: float | None = None,
-           max_len: int | None = None, choices: tuple[str, ...] | None = None,
-           pattern: str | None = None) -> dict[str, Any]:
+def limits(
+    *,
+    ge: float | None = None,
+    le: float | None = None,
+    gt: float | None = None,
+    max_len: int | None = None,
+    choices: tuple[str, ...] | None = None,
+    pattern: str | None = None,
+) -> dict[str, Any]:
     """Field metadata with the bounds :func:`Schema.from_json` enforces (``pattern``: a regular
     expression the whole string must match, for a family of names such as ``topk2-<K>``)."""
-    return {k: v for k, v in dict(ge=ge, le=le, gt=gt, max_len=max_len, choices=choices, pattern=pattern).items()
-            if v is not None}
+    return {
+        k: v
+        for k, v in dict(ge=ge, le=le, gt=gt, max_len=max_len, choices=choices, pattern=pattern).items()
+        if v is not None
+    }
 
 
 class Schema:

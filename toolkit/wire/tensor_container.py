@@ -27,9 +27,15 @@ import numpy as np
 
 from toolkit.errors import ProtocolError
 
-DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1"),
-          "U8": np.dtype("u1"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"),
-          "F64": np.dtype("<f8")}
+DTYPES = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
+    "F64": np.dtype("<f8"),
+}
 _CODES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 64 * 1024
 STREAM_CHUNK = 4 * 1024 * 1024  # bytes per write/read: big enough to amortise syscalls
@@ -71,8 +77,9 @@ def encode_header(tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str
     return encode_header_for([(name, a.dtype, a.shape) for name, a in tensors], metadata)
 
 
-def encode_header_for(specs: list[tuple[str, np.dtype, tuple[int, ...]]],
-                      metadata: dict[str, str] | None = None) -> bytes:
+def encode_header_for(
+    specs: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> bytes:
     """The header for tensors described by (name, dtype, shape), whose bytes come from elsewhere
     (the relay sends a stored byte range behind it)."""
     header: dict[str, Any] = {}
@@ -92,18 +99,25 @@ def encode_header_for(specs: list[tuple[str, np.dtype, tuple[int, ...]]],
     return struct.pack("<Q", len(raw)) + raw
 
 
-def iter_encoded(tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,
-                 chunk: int = STREAM_CHUNK) -> Iterator[memoryview | bytes]:
+def iter_encoded(
+    tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None, chunk: int = STREAM_CHUNK
+) -> Iterator[memoryview | bytes]:
     """Yield the container as header bytes then zero-copy views of each tensor's buffer."""
     yield encode_header(tensors, metadata)
     for _, array in tensors:
         flat = memoryview(np.ascontiguousarray(array)).cast("B")
         for start in range(0, len(flat), chunk):
-            yield flat[start:start + chunk]
+            yield flat[start : start + chunk]
 
 
-def write_file(path: str | Path, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None,
-               *, digest_of: str | None = None, fsync: bool = False) -> tuple[Header, str | None]:
+def write_file(
+    path: str | Path,
+    tensors: list[tuple[str, np.ndarray]],
+    metadata: dict[str, str] | None = None,
+    *,
+    digest_of: str | None = None,
+    fsync: bool = False,
+) -> tuple[Header, str | None]:
     """Write a container to ``path`` atomically (temporary file, then rename), in chunks.
 
     Returns its header and, if ``digest_of`` names a tensor, the sha256 of that tensor's bytes,
@@ -118,7 +132,7 @@ def write_file(path: str | Path, tensors: list[tuple[str, np.ndarray]], metadata
         for name, array in tensors:
             flat = memoryview(np.ascontiguousarray(array)).cast("B")
             for start in range(0, len(flat), STREAM_CHUNK):
-                piece = flat[start:start + STREAM_CHUNK]
+                piece = flat[start : start + STREAM_CHUNK]
                 if digest is not None and name == digest_of:
                     digest.update(piece)
                 fh.write(piece)
@@ -205,10 +219,10 @@ class Pieces:
         ``staging`` (uint8, at least the chunk's bytes; numpy copies without holding the GIL)."""
         if len(self.buffers) == 1:
             return np.frombuffer(self.buffers[0], dtype=self.dtype, count=self.count)
-        out = staging[:self.count * self.dtype.itemsize]
+        out = staging[: self.count * self.dtype.itemsize]
         position = 0
         for buffer in self.buffers:
-            out[position:position + len(buffer)] = np.frombuffer(buffer, dtype=np.uint8)
+            out[position : position + len(buffer)] = np.frombuffer(buffer, dtype=np.uint8)
             position += len(buffer)
         return out.view(self.dtype)
 
@@ -230,8 +244,11 @@ class AsyncContainerReader:
         raw = await self._read(_header_length(prefix))
         self.header = parse_header(prefix, raw, self._max)
         if self._total is not None and self.header.header_bytes + self.header.data_bytes != self._total:
-            raise ProtocolError("length_mismatch", f"the body is {self._total} bytes but its tensor header "
-                                f"accounts for {self.header.header_bytes + self.header.data_bytes}")
+            raise ProtocolError(
+                "length_mismatch",
+                f"the body is {self._total} bytes but its tensor header "
+                f"accounts for {self.header.header_bytes + self.header.data_bytes}",
+            )
         return self.header
 
     async def read_tensor(self, entry: TensorEntry) -> np.ndarray:
@@ -286,9 +303,13 @@ def peek_header(stream: BinaryIO, max_data_bytes: int) -> Header:
     return parse_header(prefix, _read_exactly(stream, _header_length(prefix)), max_data_bytes)
 
 
-def read_container(stream: BinaryIO, max_data_bytes: int, out: dict[str, np.ndarray] | None = None,
-                   header: Header | None = None,
-                   on_data: Callable[[memoryview], None] | None = None) -> tuple[Header, dict[str, np.ndarray]]:
+def read_container(
+    stream: BinaryIO,
+    max_data_bytes: int,
+    out: dict[str, np.ndarray] | None = None,
+    header: Header | None = None,
+    on_data: Callable[[memoryview], None] | None = None,
+) -> tuple[Header, dict[str, np.ndarray]]:
     """Read a whole container from a blocking file-like object (the peer's download path);
     pass ``header`` if :func:`peek_header` already consumed it.
 
@@ -307,11 +328,11 @@ def read_container(stream: BinaryIO, max_data_bytes: int, out: dict[str, np.ndar
         view = memoryview(target.reshape(-1)).cast("B")
         position = 0
         while position < len(view):
-            got = stream.readinto(view[position:position + STREAM_CHUNK])  # type: ignore[attr-defined]
+            got = stream.readinto(view[position : position + STREAM_CHUNK])  # type: ignore[attr-defined]
             if not got:
                 raise ProtocolError("truncated_body", "the tensor stream ended early")
             if on_data is not None:
-                on_data(view[position:position + got])
+                on_data(view[position : position + got])
             position += got
         result[entry.name] = target.reshape(entry.shape)
     return header, result

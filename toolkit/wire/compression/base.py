@@ -45,8 +45,9 @@ class _EntryLike(Protocol):
 
 
 def _bad(message: str) -> ProtocolError:
-    return ProtocolError("bad_tensor", message,
-                         "Peer and relay must use the run's compression codec and the same collabtrain version.")
+    return ProtocolError(
+        "bad_tensor", message, "Peer and relay must use the run's compression codec and the same collabtrain version."
+    )
 
 
 class Codec(ABC):
@@ -105,8 +106,9 @@ class Codec(ABC):
         got = [(e.name, np.dtype(e.dtype), tuple(e.shape)) for e in entries]
         expected = [tuple(spec) for spec in self.layout(n)]
         if got != expected:
-            raise _bad(f"codec {self.name!r} expects tensors {_describe(expected)} for {n} values, "
-                       f"got {_describe(got)}")
+            raise _bad(
+                f"codec {self.name!r} expects tensors {_describe(expected)} for {n} values, got {_describe(got)}"
+            )
 
     def validate(self, side: Mapping[str, np.ndarray], payload_dtype: np.dtype, n: int) -> None:
         """Check received side tensors (names, dtypes, shapes, values) and the payload dtype for an
@@ -117,8 +119,10 @@ class Codec(ABC):
         for spec in expected:
             array = side[spec.name]
             if not isinstance(array, np.ndarray) or array.dtype != spec.dtype or array.shape != spec.shape:
-                raise _bad(f"codec {self.name!r}: side tensor {spec.name!r} must be {spec.dtype} of shape "
-                           f"{spec.shape} for {n} values, got {_array_label(array)}")
+                raise _bad(
+                    f"codec {self.name!r}: side tensor {spec.name!r} must be {spec.dtype} of shape "
+                    f"{spec.shape} for {n} values, got {_array_label(array)}"
+                )
         if np.dtype(payload_dtype) != self.payload_dtype:
             raise _bad(f"codec {self.name!r}: payload must be {self.payload_dtype}, got {np.dtype(payload_dtype)}")
         self._check_side_values(side)
@@ -147,7 +151,7 @@ class Codec(ABC):
         buffers = dict(tensors)
         scratch = np.empty(min(_WORK, x.size), dtype=np.float32)
         for start in range(0, x.size, _WORK):  # cache-sized slices
-            self.encode_slice(x[start:start + _WORK], buffers, start, scratch)
+            self.encode_slice(x[start : start + _WORK], buffers, start, scratch)
         return tensors
 
     def output_tensors(self, n: int, out: Tensors | None) -> Tensors:
@@ -156,8 +160,9 @@ class Codec(ABC):
             return [(spec.name, np.empty(spec.shape, spec.dtype)) for spec in self.layout(n)]
         got = [TensorSpec(name, a.dtype, a.shape) for name, a in out]
         if got != self.layout(n) or not all(a.flags.c_contiguous and a.flags.writeable for _, a in out):
-            raise ValueError(f"out must be writable tensors laid out as {_describe(self.layout(n))}, "
-                             f"got {_describe(got)}")
+            raise ValueError(
+                f"out must be writable tensors laid out as {_describe(self.layout(n))}, got {_describe(got)}"
+            )
         return out
 
     @abstractmethod
@@ -170,8 +175,14 @@ class Codec(ABC):
         with encoding while a slice is still in cache.
         """
 
-    def decode_range(self, side: Mapping[str, np.ndarray], payload_piece: np.ndarray, start: int,
-                     out: np.ndarray | None = None, count: int | None = None) -> np.ndarray:
+    def decode_range(
+        self,
+        side: Mapping[str, np.ndarray],
+        payload_piece: np.ndarray,
+        start: int,
+        out: np.ndarray | None = None,
+        count: int | None = None,
+    ) -> np.ndarray:
         """Decode the values ``[start, start + count)`` from the payload elements that encode
         them (``payload_piece``, exactly ``payload_range(start, count)`` of the payload) into float32.
 
@@ -185,18 +196,27 @@ class Codec(ABC):
         ``bad_tensor``). Returns ``out`` (or a new array). Unless ``finite_output``, a hostile
         payload can decode to NaN/Inf: the receiver still checks.
         """
-        if not isinstance(payload_piece, np.ndarray) or payload_piece.dtype != self.payload_dtype \
-                or payload_piece.ndim != 1:
-            raise _bad(f"codec {self.name!r}: payload piece must be 1-D {self.payload_dtype}, "
-                       f"got {_array_label(payload_piece)}")
+        if (
+            not isinstance(payload_piece, np.ndarray)
+            or payload_piece.dtype != self.payload_dtype
+            or payload_piece.ndim != 1
+        ):
+            raise _bad(
+                f"codec {self.name!r}: payload piece must be 1-D {self.payload_dtype}, "
+                f"got {_array_label(payload_piece)}"
+            )
         if start < 0 or start % self.alignment:
-            raise ValueError(f"codec {self.name!r}: decode_range start {start} is not a multiple of "
-                             f"the codec's alignment {self.alignment}")
+            raise ValueError(
+                f"codec {self.name!r}: decode_range start {start} is not a multiple of "
+                f"the codec's alignment {self.alignment}"
+            )
         count = self._values(out, count, payload_piece, "decode_range needs out or count (values the piece covers)")
         if payload_piece.size != self.payload_size(count):  # the caller cut the payload wrong
-            raise ValueError(f"out must be float32 of the values the piece covers: codec {self.name!r} "
-                             f"encodes {count} values in {self.payload_size(count)} payload elements, "
-                             f"the piece has {payload_piece.size} (cut it with payload_range)")
+            raise ValueError(
+                f"out must be float32 of the values the piece covers: codec {self.name!r} "
+                f"encodes {count} values in {self.payload_size(count)} payload elements, "
+                f"the piece has {payload_piece.size} (cut it with payload_range)"
+            )
         if out is None:
             out = np.empty(count, dtype=np.float32)
         self._decode_range(side, payload_piece, start, out)
@@ -216,13 +236,13 @@ class Codec(ABC):
         return payload.size
 
     @abstractmethod
-    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None:
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int, out: np.ndarray) -> None:
         """Decode values ``[start, start + out.size)`` from ``piece`` (checked: its length is
         ``payload_size(out.size)`` and ``start`` is aligned) into ``out``."""
 
-    def decode(self, tensors: Mapping[str, np.ndarray] | Tensors, out: np.ndarray | None = None,
-               n: int | None = None) -> np.ndarray:
+    def decode(
+        self, tensors: Mapping[str, np.ndarray] | Tensors, out: np.ndarray | None = None, n: int | None = None
+    ) -> np.ndarray:
         """The whole float32 vector (n,) from ``encode``'s output (a list or a dict); validates.
         ``n``: the vector's length, ``out.size`` when ``out`` is given (dense codecs: the payload's)."""
         tensors = dict(tensors)
@@ -231,8 +251,9 @@ class Codec(ABC):
             raise _bad(f"codec {self.name!r}: a 1-D 'payload' tensor is required")
         n = self._values(out, n, payload, "decode needs out or n (the vector's length)")
         if payload.size != self.payload_size(n):
-            raise _bad(f"codec {self.name!r}: {n} values take {self.payload_size(n)} payload elements, "
-                       f"got {payload.size}")
+            raise _bad(
+                f"codec {self.name!r}: {n} values take {self.payload_size(n)} payload elements, got {payload.size}"
+            )
         self.validate(tensors, payload.dtype, n)
         if out is None:
             out = np.empty(n, dtype=np.float32)
@@ -241,8 +262,9 @@ class Codec(ABC):
         return out
 
 
-def _iter_decoded(codec: Codec, side: Mapping[str, np.ndarray], payload: np.ndarray, n: int,
-                  out: np.ndarray | None = None) -> Iterator[tuple[int, np.ndarray]]:
+def _iter_decoded(
+    codec: Codec, side: Mapping[str, np.ndarray], payload: np.ndarray, n: int, out: np.ndarray | None = None
+) -> Iterator[tuple[int, np.ndarray]]:
     """Decode the n values of ``payload`` slice by slice: yields ``(start, float32 values)``, into
     ``out`` (n,) when given, else into one reused cache-sized scratch (valid until the next
     iteration). Assumes ``validate`` passed and ``payload.size == codec.payload_size(n)``."""
@@ -250,7 +272,7 @@ def _iter_decoded(codec: Codec, side: Mapping[str, np.ndarray], payload: np.ndar
     for start in range(0, n, _WORK):  # _WORK is a multiple of every alignment
         count = min(_WORK, n - start)
         a, b = codec.payload_range(start, count)
-        target = out[start:start + count] if scratch is None else scratch[:count]
+        target = out[start : start + count] if scratch is None else scratch[:count]
         yield start, codec.decode_range(side, payload[a:b], start, target)
 
 

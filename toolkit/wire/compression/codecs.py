@@ -25,7 +25,7 @@ _F32_NORMAL_MIN = np.float32(np.finfo(np.float32).tiny)  # 2^-126: 1/s is finite
 # fl(FLT_MAX/127) already overflows to inf.) The price: inputs above 127/128 x FLT_MAX (3.376e38)
 # are rejected, not quantized; a gradient there has diverged anyway.
 SCALE_MAX = np.float32(_F32_MAX / 128)
-_INV127_UP = np.float32(1 / 127 * (1 + 2 ** -20))  # see _quantize_blocks
+_INV127_UP = np.float32(1 / 127 * (1 + 2**-20))  # see _quantize_blocks
 INT8_INPUT_MAX = float(SCALE_MAX) / float(_INV127_UP)  # ~3.376e38
 # float32 values at or above 65520 round to inf in float16 (65504 is float16's largest finite):
 # the largest float32 below it is the largest input float16 can take.
@@ -45,15 +45,14 @@ class NoneCodec(Codec):
             raise ValueError(f"codec {self.name!r} encodes a 1-D float32 array, got {_array_label(x)}")
         x = np.ascontiguousarray(x)
         for start in range(0, x.size, _WORK):
-            _check_within(x[start:start + _WORK], start, _F32_MAX, self.name)
+            _check_within(x[start : start + _WORK], start, _F32_MAX, self.name)
         return [("payload", x)]
 
     def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         _check_within(x, start, _F32_MAX, self.name)
-        out["payload"][start:start + x.size] = x
+        out["payload"][start : start + x.size] = x
 
-    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None:
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int, out: np.ndarray) -> None:
         np.copyto(out, piece)
 
 
@@ -66,10 +65,9 @@ class Float16Codec(Codec):
 
     def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         _check_within(x, start, _F16_MAX_INPUT, self.name)
-        np.copyto(out["payload"][start:start + x.size], x, casting="same_kind")
+        np.copyto(out["payload"][start : start + x.size], x, casting="same_kind")
 
-    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None:
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int, out: np.ndarray) -> None:
         np.copyto(out, piece)
 
 
@@ -91,34 +89,47 @@ class Int8Codec(Codec):
         # One min and one max cover NaN (comparisons with NaN are False), Inf, < 0 and too large.
         if scales.size and not (scales.min() >= 0 and scales.max() <= SCALE_MAX):
             bad = np.flatnonzero(~((scales >= 0) & (scales <= SCALE_MAX)))
-            raise _bad(f"codec 'int8': scales must be finite, >= 0 and <= {float(SCALE_MAX):.4g}; "
-                       f"{bad.size} are not (first: block {bad[0]} = {scales[bad[0]]!r})")
+            raise _bad(
+                f"codec 'int8': scales must be finite, >= 0 and <= {float(SCALE_MAX):.4g}; "
+                f"{bad.size} are not (first: block {bad[0]} = {scales[bad[0]]!r})"
+            )
 
     def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
         size, first = x.size, start // BLOCK
         full = size - size % BLOCK  # only the vector's last slice can end mid-block
-        scales, payload = out["scales"][first:], out["payload"][start:start + size]
+        scales, payload = out["scales"][first:], out["payload"][start : start + size]
         if full:
-            _quantize_blocks(x[:full].reshape(-1, BLOCK), payload[:full].reshape(-1, BLOCK),
-                             scales[:full // BLOCK], scratch[:full].reshape(-1, BLOCK), start)
+            _quantize_blocks(
+                x[:full].reshape(-1, BLOCK),
+                payload[:full].reshape(-1, BLOCK),
+                scales[: full // BLOCK],
+                scratch[:full].reshape(-1, BLOCK),
+                start,
+            )
         if full < size:  # the last, short block: same code with a (1, size - full) view
             tail = full // BLOCK
-            _quantize_blocks(x[full:].reshape(1, -1), payload[full:].reshape(1, -1), scales[tail:tail + 1],
-                             scratch[:size - full].reshape(1, -1), start + full)
+            _quantize_blocks(
+                x[full:].reshape(1, -1),
+                payload[full:].reshape(1, -1),
+                scales[tail : tail + 1],
+                scratch[: size - full].reshape(1, -1),
+                start + full,
+            )
 
-    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None:
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int, out: np.ndarray) -> None:
         scales = side["scales"]
         first, size = start // BLOCK, piece.size
         if first + -(-size // BLOCK) > scales.size:
-            raise _bad(f"codec 'int8': payload range [{start}, {start + size}) is beyond the "
-                       f"{scales.size} blocks the scales cover")
+            raise _bad(
+                f"codec 'int8': payload range [{start}, {start + size}) is beyond the "
+                f"{scales.size} blocks the scales cover"
+            )
         for lo in range(0, size, _WORK):  # cache-sized slices; only the last can end mid-block
             hi = min(lo + _WORK, size)
             np.copyto(out[lo:hi], piece[lo:hi], casting="unsafe")  # int8 -> float32, exact
             full = hi - (hi - lo) % BLOCK
             view = out[lo:full].reshape(-1, BLOCK)  # (blocks, 256)
-            np.multiply(view, scales[first + lo // BLOCK:first + full // BLOCK, None], out=view)
+            np.multiply(view, scales[first + lo // BLOCK : first + full // BLOCK, None], out=view)
             if full < hi:
                 tail = out[full:hi]
                 np.multiply(tail, scales[first + full // BLOCK], out=tail)
@@ -159,9 +170,12 @@ def _check_within(x: np.ndarray, offset: int, limit: float, codec: str) -> None:
         _raise_out_of_range(x, offset, codec)
 
 
-_RANGES = {"none": "finite float32", "float16": "|x| < 65520, where float16 overflows; use codec 'int8' or 'none'",
-           "int8": f"|x| <= {INT8_INPUT_MAX:.4g} = 127/128 of float32's max",
-           "topk2": "|x| <= 1.5 * 2^100 = 1.9e30, so that sums of decoded uploads stay finite"}
+_RANGES = {
+    "none": "finite float32",
+    "float16": "|x| < 65520, where float16 overflows; use codec 'int8' or 'none'",
+    "int8": f"|x| <= {INT8_INPUT_MAX:.4g} = 127/128 of float32's max",
+    "topk2": "|x| <= 1.5 * 2^100 = 1.9e30, so that sums of decoded uploads stay finite",
+}
 
 
 def _raise_out_of_range(x: np.ndarray, offset: int, codec: str) -> NoReturn:
@@ -169,11 +183,15 @@ def _raise_out_of_range(x: np.ndarray, offset: int, codec: str) -> NoReturn:
     finite = np.isfinite(x)
     if not finite.all():
         i = int(np.flatnonzero(~finite)[0])
-        raise ValueError(f"cannot encode: value {float(x[i]):.9g} at index {offset + i} is not finite "
-                         "(lower the learning rate or check the loss scale; drop this gradient)")
+        raise ValueError(
+            f"cannot encode: value {float(x[i]):.9g} at index {offset + i} is not finite "
+            "(lower the learning rate or check the loss scale; drop this gradient)"
+        )
     i = int(np.argmax(np.abs(x)))
-    raise ValueError(f"cannot encode with codec {codec!r}: value {float(x[i]):.9g} at index {offset + i} "
-                     f"is out of range ({_RANGES[codec]})")
+    raise ValueError(
+        f"cannot encode with codec {codec!r}: value {float(x[i]):.9g} at index {offset + i} "
+        f"is out of range ({_RANGES[codec]})"
+    )
 
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, Float16Codec, Int8Codec)}

@@ -30,25 +30,30 @@ class ErrorFeedback:
     def compress(self, x: np.ndarray, start: int = 0, out: Tensors | None = None) -> Tensors:
         """Encode ``x`` (len(x),) plus the residual owed for ``[start, start + len(x))``; ``out``
         as in ``Codec.encode``. Raises ValueError for NaN/Inf and then forgets that range's debt."""
-        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1 \
-                or not 0 <= start <= self.residual.size - x.size:
-            raise ValueError(f"x must be 1-D float32 within the {self.residual.size} values, "
-                             f"got {_array_label(x)} at {start}")
+        if (
+            not isinstance(x, np.ndarray)
+            or x.dtype != np.float32
+            or x.ndim != 1
+            or not 0 <= start <= self.residual.size - x.size
+        ):
+            raise ValueError(
+                f"x must be 1-D float32 within the {self.residual.size} values, got {_array_label(x)} at {start}"
+            )
         if self.codec.lossless:
             return self.codec.encode(x, out)  # nothing is ever owed
-        residual = self.residual[start:start + x.size]
+        residual = self.residual[start : start + x.size]
         tensors = self.codec.output_tensors(x.size, out)
         buffers = dict(tensors)
         side = {name: array for name, array in tensors[:-1]}
         scratch, decoded = (np.empty(min(_WORK, x.size), dtype=np.float32) for _ in range(2))
         try:
             for lo in range(0, x.size, _WORK):  # all four passes on one cache-sized slice
-                owed = residual[lo:lo + _WORK]
-                np.add(owed, x[lo:lo + owed.size], out=owed)  # the target x + residual
+                owed = residual[lo : lo + _WORK]
+                np.add(owed, x[lo : lo + owed.size], out=owed)  # the target x + residual
                 self.codec.encode_slice(owed, buffers, lo, scratch)
                 a, b = self.codec.payload_range(lo, owed.size)
-                self.codec.decode_range(side, buffers["payload"][a:b], lo, decoded[:owed.size])
-                np.subtract(owed, decoded[:owed.size], out=owed)
+                self.codec.decode_range(side, buffers["payload"][a:b], lo, decoded[: owed.size])
+                np.subtract(owed, decoded[: owed.size], out=owed)
         except ValueError:
             residual.fill(0.0)  # x + residual is unusable; drop the debt with the bad step
             raise
@@ -63,12 +68,12 @@ class ErrorFeedback:
             raise ValueError(f"undo needs the x (and start) that produced tensors of {payload.size} payload elements")
         if self.codec.lossless:
             return
-        residual = self.residual[start:start + x.size]
+        residual = self.residual[start : start + x.size]
         side = {name: array for name, array in tensors[:-1]}
         for lo, decoded in _iter_decoded(self.codec, side, payload, x.size):
-            owed = residual[lo:lo + decoded.size]
+            owed = residual[lo : lo + decoded.size]
             np.add(owed, decoded, out=owed)
-            np.subtract(owed, x[lo:lo + decoded.size], out=owed)
+            np.subtract(owed, x[lo : lo + decoded.size], out=owed)
 
     def reset(self) -> None:
         """Forget the debt, e.g. after re-downloading parameters from a rolled-back relay."""
@@ -102,8 +107,8 @@ class DeltaEncoder:
         buffers = dict(tensors)
         delta, scratch = (np.empty(min(_WORK, n), dtype=np.float32) for _ in range(2))
         for lo in range(0, n, _WORK):  # encode every slice first: a bad value leaves public as is
-            piece = delta[:min(_WORK, n - lo)]
-            np.subtract(master[lo:lo + piece.size], self.public[lo:lo + piece.size], out=piece)
+            piece = delta[: min(_WORK, n - lo)]
+            np.subtract(master[lo : lo + piece.size], self.public[lo : lo + piece.size], out=piece)
             self.codec.encode_slice(piece, buffers, lo, scratch)
         apply_delta(self.codec, self.public, tensors)
         return tensors
@@ -121,10 +126,12 @@ def apply_delta(codec: Codec, public: np.ndarray, tensors: Mapping[str, np.ndarr
         raise ValueError(f"public must be a 1-D float32 array, got {_array_label(public)}")
     size = codec.payload_size(public.size)
     if not isinstance(payload, np.ndarray) or payload.ndim != 1 or payload.size != size:
-        raise _bad(f"delta payload for {public.size} values must be a 1-D tensor of {size} elements, "
-                   f"got {_array_label(payload)}")
+        raise _bad(
+            f"delta payload for {public.size} values must be a 1-D tensor of {size} elements, "
+            f"got {_array_label(payload)}"
+        )
     codec.validate(tensors, payload.dtype, public.size)
     codec.check_payload(tensors, payload, public.size)  # refused whole: public stays as it was
     for lo, decoded in _iter_decoded(codec, tensors, payload, public.size):
-        segment = public[lo:lo + decoded.size]
+        segment = public[lo : lo + decoded.size]
         np.add(segment, decoded, out=segment)

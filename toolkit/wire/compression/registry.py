@@ -9,8 +9,7 @@ from toolkit.wire.compression.base import Codec
 from toolkit.wire.compression.codecs import CODECS
 from toolkit.wire.compression.sparse import TopK2Codec, topk2_keep
 
-CHOICES = ("none, float16, int8 or topk2-<K> (K values kept per 4096: a multiple of 4 from 4 to 2048, "
-           "e.g. topk2-64)")
+CHOICES = "none, float16, int8 or topk2-<K> (K values kept per 4096: a multiple of 4 from 4 to 2048, e.g. topk2-64)"
 DENSE_CHOICES = tuple(CODECS)
 
 

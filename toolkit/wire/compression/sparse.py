@@ -51,7 +51,7 @@ CHUNK = 4096  # values per chunk: positions fit uint16, and it divides _WORK and
 K_MIN, K_MAX = 4, 2048  # K: a multiple of 4 (whole code bytes); above C / 2 dense int8 is smaller
 NAME = re.compile(r"topk2-([0-9]+)")
 _LEVELS = np.array([-1.5, -0.5, 0.5, 1.5], dtype=np.float32)
-TOPK2_SCALE_MAX = np.float32(2.0 ** 100)  # see the module docstring: decoded sums stay finite
+TOPK2_SCALE_MAX = np.float32(2.0**100)  # see the module docstring: decoded sums stay finite
 TOPK2_INPUT_MAX = float(TOPK2_SCALE_MAX) * 1.5  # the largest |x| whose scale stays <= TOPK2_SCALE_MAX
 _SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 FIT_ROUNDS = 2  # Lloyd iterations of the scale: the kept values' squared error 13% -> 2% (Gaussian, K = 64)
@@ -66,8 +66,10 @@ def topk2_keep(name: str) -> int | None:
         return None
     k = int(match.group(1))
     if not (K_MIN <= k <= K_MAX and k % 4 == 0):
-        raise ValueError(f"compression codec {name!r}: K (values kept per {CHUNK}) must be a multiple of 4 "
-                         f"from {K_MIN} to {K_MAX}, e.g. 'topk2-64'")
+        raise ValueError(
+            f"compression codec {name!r}: K (values kept per {CHUNK}) must be a multiple of 4 "
+            f"from {K_MIN} to {K_MAX}, e.g. 'topk2-64'"
+        )
     return k
 
 
@@ -103,8 +105,10 @@ class TopK2Codec(Codec):
         scales = side["scales"]
         if scales.size and not (scales.min() >= 0 and scales.max() <= TOPK2_SCALE_MAX):  # False for NaN
             bad = np.flatnonzero(~((scales >= 0) & (scales <= TOPK2_SCALE_MAX)))
-            raise _bad(f"codec {self.name!r}: scales must be finite, >= 0 and <= 2^100; "
-                       f"{bad.size} are not (first: chunk {bad[0]} = {scales[bad[0]]!r})")
+            raise _bad(
+                f"codec {self.name!r}: scales must be finite, >= 0 and <= 2^100; "
+                f"{bad.size} are not (first: chunk {bad[0]} = {scales[bad[0]]!r})"
+            )
 
     # --- encode ---------------------------------------------------------------------------------
     def encode_slice(self, x: np.ndarray, out: dict[str, np.ndarray], start: int, scratch: np.ndarray) -> None:
@@ -114,15 +118,25 @@ class TopK2Codec(Codec):
         payload, scales = out["payload"][a:b], out["scales"][first:]
         whole = self.payload_size(full)
         if full:
-            self._encode_chunks(x[:full].reshape(-1, CHUNK), payload[:whole].reshape(full // CHUNK, -1),
-                                scales[:full // CHUNK], scratch[:full].reshape(-1, CHUNK), start)
+            self._encode_chunks(
+                x[:full].reshape(-1, CHUNK),
+                payload[:whole].reshape(full // CHUNK, -1),
+                scales[: full // CHUNK],
+                scratch[:full].reshape(-1, CHUNK),
+                start,
+            )
         if full < size:
-            self._encode_chunks(x[full:].reshape(1, -1), payload[whole:].reshape(1, -1),
-                                scales[full // CHUNK:full // CHUNK + 1], scratch[:size - full].reshape(1, -1),
-                                start + full)
+            self._encode_chunks(
+                x[full:].reshape(1, -1),
+                payload[whole:].reshape(1, -1),
+                scales[full // CHUNK : full // CHUNK + 1],
+                scratch[: size - full].reshape(1, -1),
+                start + full,
+            )
 
-    def _encode_chunks(self, x: np.ndarray, records: np.ndarray, scales: np.ndarray, scratch: np.ndarray,
-                       offset: int) -> None:
+    def _encode_chunks(
+        self, x: np.ndarray, records: np.ndarray, scales: np.ndarray, scratch: np.ndarray, offset: int
+    ) -> None:
         """Encode x (chunks, L) into records (chunks, record bytes) and scales (chunks,)."""
         length = x.shape[1]
         k = self._kept(length)
@@ -131,7 +145,7 @@ class TopK2Codec(Codec):
         if not absmax.max() <= TOPK2_INPUT_MAX:
             _raise_out_of_range(x.reshape(-1), offset, "topk2")
         if k < length:
-            positions = np.argpartition(magnitude, length - k, axis=1)[:, length - k:]
+            positions = np.argpartition(magnitude, length - k, axis=1)[:, length - k :]
             positions.sort(axis=1)  # canonical: strictly increasing
         else:
             positions = np.broadcast_to(np.arange(length), x.shape)
@@ -144,26 +158,35 @@ class TopK2Codec(Codec):
             fit /= np.einsum("ij,ij->i", levels, levels, dtype=np.float64)
             np.copyto(scales, np.minimum(fit, TOPK2_SCALE_MAX), casting="same_kind")
             codes = _nearest_codes(values, scales)
-        records[:, :2 * k] = positions.astype("<u2").view(np.uint8).reshape(len(x), 2 * k)
-        records[:, 2 * k:] = _pack(codes)
+        records[:, : 2 * k] = positions.astype("<u2").view(np.uint8).reshape(len(x), 2 * k)
+        records[:, 2 * k :] = _pack(codes)
 
     # --- decode ---------------------------------------------------------------------------------
-    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int,
-                      out: np.ndarray) -> None:
+    def _decode_range(self, side: Mapping[str, np.ndarray], piece: np.ndarray, start: int, out: np.ndarray) -> None:
         scales = side["scales"]
         first, count = start // CHUNK, out.size
         chunks = -(-count // CHUNK)
         if first + chunks > scales.size or (count % CHUNK and first + chunks != scales.size):
-            raise _bad(f"codec {self.name!r}: values [{start}, {start + count}) are not whole chunks of the "
-                       f"{scales.size} the scales cover")
+            raise _bad(
+                f"codec {self.name!r}: values [{start}, {start + count}) are not whole chunks of the "
+                f"{scales.size} the scales cover"
+            )
         full = count - count % CHUNK
         whole = self.payload_size(full)
         if full:
-            self._decode_chunks(piece[:whole].reshape(full // CHUNK, -1), scales[first:first + full // CHUNK],
-                                out[:full].reshape(-1, CHUNK), first)
+            self._decode_chunks(
+                piece[:whole].reshape(full // CHUNK, -1),
+                scales[first : first + full // CHUNK],
+                out[:full].reshape(-1, CHUNK),
+                first,
+            )
         if full < count:
-            self._decode_chunks(piece[whole:].reshape(1, -1), scales[first + full // CHUNK:][:1],
-                                out[full:].reshape(1, -1), first + full // CHUNK)
+            self._decode_chunks(
+                piece[whole:].reshape(1, -1),
+                scales[first + full // CHUNK :][:1],
+                out[full:].reshape(1, -1),
+                first + full // CHUNK,
+            )
 
     def check_payload(self, side: Mapping[str, np.ndarray], payload: np.ndarray, n: int) -> None:
         full = n - n % CHUNK
@@ -178,7 +201,7 @@ class TopK2Codec(Codec):
         index of the first chunk in the vector, for error messages."""
         positions = self._check_records(records, out.shape[1], first)
         k = positions.shape[1]
-        codes = ((records[:, 2 * k:, None] >> _SHIFTS) & np.uint8(3)).reshape(len(records), -1)[:, :k]
+        codes = ((records[:, 2 * k :, None] >> _SHIFTS) & np.uint8(3)).reshape(len(records), -1)[:, :k]
         out.fill(0.0)
         np.put_along_axis(out, positions.astype(np.intp), _LEVELS[codes] * scales[:, None], axis=1)
 
@@ -187,17 +210,19 @@ class TopK2Codec(Codec):
         refused (``bad_tensor``, naming the chunk) unless positions are strictly increasing and
         < length and no padding bit is set."""
         k = self._kept(length)
-        positions = np.ascontiguousarray(records[:, :2 * k]).view("<u2")  # (chunks, k)
+        positions = np.ascontiguousarray(records[:, : 2 * k]).view("<u2")  # (chunks, k)
         ordered = (positions[:, 1:] > positions[:, :-1]).all(axis=1) if k > 1 else np.ones(len(records), bool)
         ok = ordered & (positions[:, -1] < length)
-        packed = records[:, 2 * k:]
+        packed = records[:, 2 * k :]
         if k % 4:
             ok &= (packed[:, -1] >> np.uint8(2 * (k % 4))) == 0
         if not ok.all():
             c = int(np.flatnonzero(~ok)[0])
-            raise _bad(f"codec {self.name!r}: chunk {first + c} is not canonical: its {k} positions must be "
-                       f"strictly increasing and < {length}, unused code bits zero (got positions "
-                       f"{positions[c, :8].tolist()}{'...' if k > 8 else ''})")
+            raise _bad(
+                f"codec {self.name!r}: chunk {first + c} is not canonical: its {k} positions must be "
+                f"strictly increasing and < {length}, unused code bits zero (got positions "
+                f"{positions[c, :8].tolist()}{'...' if k > 8 else ''})"
+            )
         return positions
 
 
