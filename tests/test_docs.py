@@ -158,10 +158,25 @@ def test_every_runnable_shell_block_parses() -> None:
             assert not error, f"{page.relative_to(REPO)}: a runnable block does not parse:\n{body}\n{error}"
 
 
+def python_error(body: str) -> str:
+    """What ``ast.parse`` says of ``body`` (empty: it parses)."""
+    try:
+        ast.parse(body)
+    except SyntaxError as exc:
+        return f"line {exc.lineno}: {exc.msg}"
+    return ""
+
+
 def test_every_runnable_python_block_parses() -> None:
-    for page, language, body in runnable_blocks():
-        if language == "python":
-            ast.parse(body, filename=f"{page.relative_to(REPO)} (runnable block)")
+    blocks = [(page, body) for page, language, body in runnable_blocks() if language == "python"]
+    assert blocks, "no block is marked python runnable: the docs lost their runnable examples"
+    broken = [f"{page.relative_to(REPO)}: {error}\n{body}" for page, body in blocks if (error := python_error(body))]
+    assert not broken, "runnable python blocks that do not parse:\n" + "\n".join(broken)
+
+
+def test_a_malformed_python_block_is_caught() -> None:
+    assert python_error("def f(:\n    pass\n")
+    assert not python_error("import toolkit\nrun = toolkit.join('http://127.0.0.1:8750')\n")
 
 
 @pytest.mark.integration
