@@ -127,19 +127,7 @@ class Collaboration:
             return
         step, manifest = self._resume
         published, new_version = await self.backbone.resume(step, manifest)
-        record = (
-            RoundLog(
-                contributions={},
-                loss=None,
-                duration_s=0.0,
-                deadline_s=0.0,
-                finalized_by="recovery",
-                lr=0.0,
-                grad_norm=0.0,
-            )
-            if new_version
-            else None
-        )
+        record = RoundLog.recovery() if new_version else None
         await asyncio.to_thread(self.store.commit, published.step, published.sha256, record, {"manifest": ""})
         self.backbone.board.publish(published)
         self._resume = None

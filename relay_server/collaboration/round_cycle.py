@@ -233,19 +233,7 @@ class RoundCycle:
         try:
             published, new_version = await self.backbone.migrate(self.step)
             if published is not None:
-                record = (
-                    RoundLog(
-                        contributions={},
-                        loss=None,
-                        duration_s=0.0,
-                        deadline_s=0.0,
-                        finalized_by="recovery",
-                        lr=0.0,
-                        grad_norm=0.0,
-                    )
-                    if new_version
-                    else None
-                )
+                record = RoundLog.recovery() if new_version else None
                 await self.after_publish.commit_and_publish(published, record)
         except Exception:
             log.exception("moving slices failed; the relay keeps the current plan")

@@ -42,6 +42,14 @@ class RoundLog:
     """The samples the step applied, when not the sum of the contributions: a pipeline's batch,
     which every stage's workers contributed to (each credited with the samples of its stage)."""
 
+    @classmethod
+    def recovery(cls) -> RoundLog:
+        """The record of a version the relay gathered back from its slice owners (a resume or a
+        slice move), not made by a round: no contributions, no loss."""
+        return cls(
+            contributions={}, loss=None, duration_s=0.0, deadline_s=0.0, finalized_by="recovery", lr=0.0, grad_norm=0.0
+        )
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
