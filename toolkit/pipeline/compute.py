@@ -15,10 +15,12 @@ generator state has to travel with the boundary, and nothing new crosses the wir
 
 The one-process run these gradients equal is the whole model with its generators seeded the same
 way: :func:`pipeline_masks` seeds ``(m, 0)`` before the micro-batch's forward and ``(m, k)`` as
-stage ``k``'s first block starts. Within one device kind the masks are the same ones (CPU's
-generator on every CPU; on GPUs, torch's CUDA dropout kernels derive their masks from the seed
-and the launch grid, which follows from the GPU model, so a backward moved to another GPU
-model draws other masks: the relay prefers the forward's own worker for a backward).
+stage ``k``'s first block starts. One seed gives one set of masks on every CPU; on GPUs, torch's
+CUDA dropout kernels spread their random numbers over a launch grid that follows from the GPU
+model, so a backward moved to a CPU or another GPU model draws other masks (the relay prefers
+the forward's own worker for a backward; a stage served by one kind of device stays exact). The
+generators are the process's default ones: nothing else in the worker may draw from them while a
+task runs (its data comes from generators of its own, :mod:`toolkit.data`).
 
 **Precision** (:class:`~toolkit.runtime.precision.PrecisionPolicy`): the forward and its
 recomputation run under the same autocast, so the recomputed forward is the forward. Boundaries
