@@ -95,7 +95,8 @@ class DMoEByteLM(ExpertModel, ByteTransformer):
         self.hidden, self.expert_hidden, self.expert_seed = hidden, expert_hidden, expert_seed
         self.balancing_coef = balancing_coef
 
-    @property  # read-only here, where ExpertModel declares an attribute: nothing assigns it on this model
+    # read-only here, where ExpertModel declares an attribute: nothing assigns it on this model
+    @property
     def moe(self) -> list[RemoteMixtureOfExperts]:  # type: ignore[override]
         """The mixture of each block, in layer order (registered in the blocks, not twice)."""
         return [cast(RemoteMixtureOfExperts, block.ff) for block in self.blocks]  # what feed_forward put there
