@@ -1,7 +1,7 @@
 """The tree passes ruff's formatter check and lint (pyproject.toml's ``[tool.ruff]``: line length 119,
 pyflakes, syntax, sorted imports) and mypy on what ``[tool.mypy]`` covers (the toolkit's shared
-layer and the relay's core, every ``type: ignore`` with its code), as part of the suite the README's
-test command runs, so CI cannot skip them."""
+layer and the relay's lower units, every ``type: ignore`` with its code; the shared layer all of it),
+as part of the suite the README's test command runs, so CI cannot skip them."""
 
 from __future__ import annotations
 
