@@ -5,7 +5,8 @@ not those under ``if TYPE_CHECKING:``, which never run) and asserts that there i
 modules nor among subpackages, that each unit imports only from the units declared below it (the
 order the ``toolkit`` and ``relay_server`` ``__init__`` docstrings state, read from there: they are
 the one statement of the layering), that the relay imports only the toolkit's shared layer (the
-units ``toolkit/__init__.py`` lists under "The shared layer"), that ARCHITECTURE.md draws the same
+units ``toolkit/__init__.py`` lists under "The shared layer", every module of which mypy checks:
+pyproject.toml's ``[tool.mypy]``), that ARCHITECTURE.md draws the same
 order, that the peer side never imports the relay, that no module holds more than one sitting's
 reading (past 400 lines a warning names it; past 600 it fails), and that none was squeezed.
 """
@@ -16,6 +17,7 @@ import ast
 import io
 import re
 import tokenize
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -182,6 +184,26 @@ def test_the_relay_imports_only_the_shared_layer() -> None:
         + "\n".join(outside)
         + "\nMove what both sides need into a shared unit, or find the seam "
         "that keeps the relay off the peer side."
+    )
+
+
+def test_mypy_covers_the_shared_layer() -> None:
+    """Every module of a unit toolkit/__init__.py lists under "The shared layer" is in what
+    ``[tool.mypy]`` checks: a unit added to the layer, or a module added to a unit, is typed too."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]
+    covered = [REPO / entry for entry in config["files"]]
+    excludes = config.get("exclude", [])
+    exclude = re.compile("|".join(excludes if isinstance(excludes, list) else [excludes]) or "(?!)")
+    missing = [
+        rel
+        for name, path in module_files().items()
+        if name.startswith("toolkit.") and unit_of(name) in SHARED
+        for rel in [path.relative_to(REPO).as_posix()]
+        if exclude.search(rel) or not any(path == c or c in path.parents for c in covered)
+    ]
+    assert SHARED and not missing, (
+        "shared-layer modules mypy does not check (add them to [tool.mypy] files in pyproject.toml, "
+        f"or take them out of exclude): {missing}"
     )
 
 
