@@ -248,4 +248,5 @@ FEATURE = Feature(
     status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()},
     places=_places,
     opening=lambda config: RoundsElsewhere(),
+    keeps_parameters=True,
 )  # a round opens when the batch is complete (the coordinator's)

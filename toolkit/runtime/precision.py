@@ -215,7 +215,7 @@ def _support(info: DeviceInfo, name: str) -> Literal["yes", "slow", "no"]:
     if name == "fp32":
         return "yes"
     cc = info.compute_capability or (0, 0)
-    table = {
+    table: dict[str, dict[str, Literal["yes", "slow", "no"]]] = {
         "tpu": {"bf16": "yes", "fp16": "no"},
         "mps": {"bf16": "no", "fp16": "no"},
         "cpu": {"bf16": "slow", "fp16": "slow"},
@@ -224,7 +224,7 @@ def _support(info: DeviceInfo, name: str) -> Literal["yes", "slow", "no"]:
             "fp16": "yes" if cc >= (7, 0) or cc in _FAST_FP16 else "slow",
         },
     }
-    return table[info.kind][name]  # type: ignore[return-value]
+    return table[info.kind][name]
 
 
 def choose_precision(
