@@ -276,7 +276,7 @@ def _trial(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps must be at least 1, got {args.steps} (leave it out to run until Ctrl-C)")
     if min(args.target_batch, args.batch_size, args.threads) < 1:
         raise ConfigError("--target-batch, --batch-size and --threads must be at least 1")
-    from relay_server.demo import run_trial
+    from relay_server.trial import run_trial
 
     return run_trial(
         args.config,
