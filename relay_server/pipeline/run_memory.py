@@ -49,6 +49,8 @@ class PipelineMemory:
 
     relay: MemoryTerms
     workers: list[MemoryTerms]
+    activations_counted: bool = True
+    """False where the model's code cannot run on the meta device and activations are estimated."""
 
     def worker_bytes(self) -> list[int]:
         return [w.total for w in self.workers]
@@ -61,6 +63,7 @@ class PipelineMemory:
         return {
             "relay": self.relay.to_json(),
             "workers": [{"stage": k, **w.to_json()} for k, w in enumerate(self.workers)],
+            "activations": "counted" if self.activations_counted else "estimated",
         }
 
 
@@ -87,4 +90,5 @@ def predict_memory(config: RelayConfig, cut: Any) -> PipelineMemory:
     return PipelineMemory(
         relay=relay_memory(config, num_params, cut.memory, num_stages),
         workers=[cut.memory.worker(k, num_stages, h) for k, h in enumerate(cut.layers)],
+        activations_counted=cut.memory.activations_counted,
     )

@@ -12,7 +12,8 @@ The terms, per stage of ``P`` parameters (``docs/pipeline.md`` has the measured 
 * **optimizer state**: none -- each stage's owner on the relay steps it;
 * **activations**: what autograd saves for backward on one micro-batch of the stage (a backward
   task recomputes the forward once; the last stage adds the head and the loss), counted exactly by
-  running the stage on the meta device (shapes, no memory) under ``saved_tensors_hooks``;
+  running the stage on the meta device (shapes, no memory) under ``saved_tensors_hooks`` -- or,
+  for code the meta device cannot run (transformers' GPT-2), estimated from the boundary's size;
 * **input cache**: the stage inputs of up to :data:`CACHE_INPUTS` micro-batches it ran forward on
   (a backward then needs no input from the relay); the last stage runs forward and backward as one
   task and caches nothing;
@@ -40,6 +41,11 @@ WORKER_BYTES_PER_PARAM = {"parameters": 8, "gradients": 8, "transfers": 5, "opti
 """Bytes a stage worker holds per parameter of its stage, by term (the module docstring says which)."""
 BOUNDARY_TENSORS = 4
 """Boundary matrices one task holds at once: input, its gradient, output, the gradient coming back."""
+ESTIMATED_LAYER_BOUNDARIES = 18
+"""Where a block cannot run on the meta device: its saved activations in boundary matrices (a
+pre-norm transformer block with a 4x MLP saves 17-18 of them on the toolkit's model, counted)."""
+HEAD_COPIES = 3
+"""... and the head's: the logits, their softmax and its gradient, each ``[b, t, vocab]`` float32."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,9 @@ class StageMemoryModel:
     last_activations: int
     boundary_bytes: int
     batch_bytes: int
+    activations_counted: bool = True
+    """False: the model's code cannot run on the meta device (transformers' GPT-2 masks call
+    ``.item()``), so activations are estimated (:data:`ESTIMATED_LAYER_BOUNDARIES`, :data:`HEAD_COPIES`)."""
 
     def stage_params(self, k: int, num_stages: int, layers: int) -> int:
         return (
@@ -164,18 +173,33 @@ def memory_model(spec: ModelSpec, units: PipelineUnits, microbatch_size: int, to
     def hidden() -> torch.Tensor:
         return torch.empty(microbatch_size, tokens, width, device="meta", requires_grad=True)
 
+    boundary = microbatch_size * tokens * width * 4
+    try:
+        layer = math.ceil(saved(lambda: stage.run_blocks(hidden())) / units.num_layers)
+        first = saved(lambda: stage.embed(stage.inputs(batch)))
+        last = saved(lambda: stage.head_loss(hidden(), batch))
+        counted = True
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):  # code the meta device cannot run
+        layer, first, last = ESTIMATED_LAYER_BOUNDARIES * boundary, 0, HEAD_COPIES * boundary // width * _vocab(model)
+        counted = False
     data = batch.values() if isinstance(batch, dict) else [batch]
     return StageMemoryModel(
         layers=units.num_layers,
         layer_params=max(units.layer_numels) if units.layer_numels else 0,
         first_params=units.prefix[1] - units.prefix[0],
         last_params=units.suffix[1] - units.suffix[0],
-        layer_activations=math.ceil(saved(lambda: stage.run_blocks(hidden())) / units.num_layers),
-        first_activations=saved(lambda: stage.embed(stage.inputs(batch))),
-        last_activations=saved(lambda: stage.head_loss(hidden(), batch)),
-        boundary_bytes=microbatch_size * tokens * width * 4,
+        layer_activations=layer,
+        first_activations=first,
+        last_activations=last,
+        boundary_bytes=boundary,
         batch_bytes=sum(t.numel() * t.element_size() for t in data),
+        activations_counted=counted,
     )
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    cfg = getattr(model, "cfg", None)
+    return int(cfg.vocab_size) if cfg is not None else int(model.config.vocab_size)
 
 
 def _of_parameter(t: torch.Tensor, params: set[int]) -> bool:
