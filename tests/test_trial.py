@@ -213,3 +213,26 @@ def test_a_pipeline_trial_says_what_it_changed_and_refuses_a_batch_it_cannot_cut
         "pipeline batch is pipeline.microbatch_size x pipeline.microbatches_per_batch): pick a multiple of 4"
     ], err
     assert "relay:" not in out
+
+
+def test_a_pipeline_too_large_for_this_machine_is_one_line(tmp_path: Path, capsys) -> None:
+    """A pipeline whose predicted memory (its workers and relay together, 38B parameters here)
+    exceeds what this machine has: the trial says so in one line, before any process or relay
+    starts (the model is only ever built on the meta device)."""
+    config = tmp_path / "huge.toml"
+    config.write_text(
+        PIPELINE_TOML.read_text()
+        .replace(
+            "d_model = 128, n_layer = 4, n_head = 4, d_ff = 512",
+            "d_model = 8192, n_layer = 48, n_head = 64, d_ff = 32768",
+        )
+        .replace("port = 8750", "port = 0")
+    )
+    assert main(["trial", "--config", str(config), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert not out
+    [line] = err.strip().splitlines()
+    assert line.startswith(
+        "relay-server: configuration error: the trial cannot run this pipeline here: its 2 stage workers "
+    ), line
+    assert "MiB available: try it on a machine with more memory" in line, line
