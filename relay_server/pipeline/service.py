@@ -128,6 +128,12 @@ class PipelineService:
             cfg.microbatches_per_batch,
             cfg.microbatch_size,
         )
+        log.info(
+            "pipeline memory predicted: this relay %d MiB, a worker of each stage %s MiB (GET /api/pipeline "
+            "states every term)",
+            service.memory.relay.total >> 20,
+            [w >> 20 for w in service.memory.worker_bytes()],
+        )
         return service
 
     async def start(self) -> None:
