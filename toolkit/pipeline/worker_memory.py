@@ -199,7 +199,7 @@ def memory_model(spec: ModelSpec, units: PipelineUnits, microbatch_size: int, to
 
 def _vocab(model: torch.nn.Module) -> int:
     cfg = getattr(model, "cfg", None)
-    return int(cfg.vocab_size) if cfg is not None else int(model.config.vocab_size)
+    return int(cfg.vocab_size) if cfg is not None else int(_hf_config(model).vocab_size)
 
 
 def _of_parameter(t: torch.Tensor, params: set[int]) -> bool:
@@ -221,7 +221,7 @@ def _of_parameter(t: torch.Tensor, params: set[int]) -> bool:
 
 def _width(model: torch.nn.Module) -> int:
     cfg = getattr(model, "cfg", None)
-    return int(cfg.d_model) if cfg is not None else int(model.config.hidden_size)
+    return int(cfg.d_model) if cfg is not None else int(_hf_config(model).hidden_size)
 
 
 def _meta_batch(stage: Any, microbatch_size: int, tokens: int) -> Any:
@@ -243,5 +243,10 @@ def sequence_length(model: torch.nn.Module) -> int:
     cfg = getattr(model, "cfg", None)
     if cfg is not None:
         return int(cfg.seq_len)
-    hf = model.config
+    hf = _hf_config(model)
     return int(getattr(hf, "n_positions", None) or hf.max_position_embeddings)
+
+
+def _hf_config(model: torch.nn.Module) -> Any:
+    """A transformers model's ``config`` (the toolkit's own keep theirs in ``cfg``)."""
+    return getattr(model, "config")
