@@ -44,6 +44,7 @@ import torch
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.pipeline import compute
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
+from toolkit.pipeline.worker_memory import CACHE_INPUTS
 from toolkit.run_membership import Membership
 from toolkit.runtime.precision import PrecisionPolicy
 from toolkit.transfer import slice_part
@@ -65,7 +66,6 @@ from toolkit.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-CACHE_INPUTS = 64
 
 
 @dataclass
