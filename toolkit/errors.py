@@ -100,6 +100,8 @@ UNREACHABLE_REASONS = (
     ("Name or service not known", "the host name does not resolve"),
     ("nodename nor servname", "the host name does not resolve"),
     ("Temporary failure in name resolution", "the host name does not resolve"),
+    ("IncompleteRead", "its answer was cut off mid-way"),
+    ("Connection broken", "its answer was cut off mid-way"),
     ("Connection reset", "connection reset"),
     ("Connection aborted", "connection reset"),
     ("CERTIFICATE_VERIFY_FAILED", "its TLS certificate is not valid"),

@@ -19,7 +19,11 @@ in one, a doubling backoff in another, no rejoin at all in the third):
 * **backoff**: :class:`Backoff`, exponential from ``first_s``, capped at ``max_s``, each wait
   jittered down by up to ``jitter`` of it so that the hosts of a restarted relay do not all come
   back in the same instant. :meth:`Membership.recover` is the one policy a role's loop applies to
-  an error it can wait out.
+  an error it can wait out, and :func:`waits_out` says which those are: the relay out of reach,
+  restarting, or killed mid-answer (a transfer cut off is the transport's
+  :class:`~toolkit.errors.RelayUnreachable` too, never a library's exception), busy past the
+  transport's own retries, or this peer's id forgotten. A role's loop keeps every call to the
+  relay inside it -- its progress display included -- so no outage ends a volunteer.
 * **leave**: stops the heartbeat thread first (no heartbeat may follow the leave: the relay would
   re-admit the peer it just removed), then says goodbye, best effort.
 """
@@ -34,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from toolkit.client import RelayClient
-from toolkit.errors import CollabError
+from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
 from toolkit.wire.protocol import CollabState, Heartbeat, JoinRequest, JoinResponse
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,17 @@ class Backoff:
     def reset(self) -> None:
         """A success: the next failure waits ``first_s`` (jittered) again."""
         self.failures = 0
+
+
+def waits_out(exc: CollabError) -> bool:
+    """Whether waiting (:meth:`Membership.recover`) cures ``exc``: no answer from the relay, or one
+    cut off mid-body (:class:`~toolkit.errors.RelayUnreachable`), the relay busy or restarting
+    past the transport's retries (HTTP 5xx, 429), or this peer's id forgotten (``unknown_peer``:
+    the member joins again). Anything else is the relay's answer about what the role asked, which
+    the role decides on."""
+    if isinstance(exc, RelayUnreachable) or exc.code == "unknown_peer":
+        return True
+    return isinstance(exc, RelayRejected) and (exc.status >= 500 or exc.status == 429)
 
 
 def idle_report() -> Heartbeat:

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import requests
 
-from toolkit.client.transport import Transport, json_answer, rejected
-from toolkit.errors import CollabError, ProtocolError, RelayUnreachable
+from toolkit.client.transport import NO_ANSWER, Transport, json_answer, rejected
+from toolkit.errors import CollabError, ProtocolError, RelayUnreachable, unreachable_reason
 from toolkit.transfer import BODY_ERRORS, SizedBody, SlicePart, read_checked_params, read_hashed
 from toolkit.wire.auth import BODY_SHA256_HEADER
 from toolkit.wire.compression import Codec
@@ -188,7 +188,7 @@ class ParamsTransfer:
                 headers=headers,
                 timeout=self.transport.timeout,
             )
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except NO_ANSWER as exc:
             return RelayUnreachable(
                 "owner_unreachable",
                 f"slice [{part.plan.start}, {part.plan.end}) to {part.plan.name}: {type(exc).__name__}",
@@ -273,11 +273,15 @@ class ParamsTransfer:
                         f"{header.metadata.get('step')}, the manifest says {step}",
                     )
                 digest = read_hashed(response.raw, header, view, have, codec)
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except CollabError:
+            raise
+        except NO_ANSWER as exc:
             raise RelayUnreachable(
                 "owner_unreachable",
                 f"slice [{s.start}, {s.end}) from {s.url or self.transport.url}: {type(exc).__name__}",
             ) from None
+        except BODY_ERRORS as exc:  # urllib3's IncompleteRead & co: the owner died (or restarted) mid-body
+            raise cut_transfer(f"slice [{s.start}, {s.end}) from {s.url or self.transport.url}", exc) from None
         if digest != s.sha256:
             raise ProtocolError(
                 "params_hash_mismatch",
@@ -288,3 +292,14 @@ class ParamsTransfer:
     def manifest(self, response: requests.Response) -> ParamsManifest:
         """The relay's list of slices and where each lives (a JSON answer to a params request)."""
         return json_answer(response, ParamsManifest, "bad_json", "the relay's manifest is not JSON")
+
+
+def cut_transfer(what: str, exc: BaseException) -> RelayUnreachable:
+    """A body cut off mid-way (the relay or a slice owner died or restarted while it streamed) as
+    the error a peer waits out: the bytes that did arrive are never taken for a version, and the
+    caller's retry fetches the whole body again."""
+    return RelayUnreachable(
+        "transfer_cut",
+        f"the download of {what} was cut off ({unreachable_reason(exc)}: {type(exc).__name__}); "
+        "it is downloaded again, whole",
+    )

@@ -8,11 +8,13 @@ every sliced run uses (:meth:`~toolkit.client.params.ParamsTransfer.upload_slice
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-from toolkit.client.params import ParamsTransfer
-from toolkit.client.transport import Transport
-from toolkit.errors import ProtocolError
+from toolkit.client.params import DOWNLOAD_ATTEMPTS, ParamsTransfer, cut_transfer
+from toolkit.client.transport import NO_ANSWER, Transport
+from toolkit.errors import ProtocolError, RelayUnreachable
 from toolkit.transfer import SizedBody
 from toolkit.wire import payloads
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
@@ -29,6 +31,7 @@ from toolkit.wire.protocol import (
     StageRequest,
 )
 
+log = logging.getLogger(__name__)
 MAX_WORK_BYTES = 1 << 31
 
 
@@ -101,18 +104,49 @@ class PipelineCalls:
         codec: Codec | None = None,
         wait_s: int = 30,
     ) -> int:
-        """Stage ``[start, end)`` of version >= ``min_step`` into ``out``; its step."""
+        """Stage ``[start, end)`` of version >= ``min_step`` into ``out``; its step.
+
+        A download cut off mid-way (``transfer_cut``: the relay killed or restarted while it
+        streamed) is fetched again, whole, after the transport's backoff, as a trainer's
+        parameters are (:data:`~toolkit.client.params.DOWNLOAD_ATTEMPTS` tries); after the last,
+        or when the relay does not answer at all, it is :class:`~toolkit.errors.RelayUnreachable`,
+        which the worker's loop waits out (:meth:`toolkit.run_membership.Membership.recover`)."""
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            try:
+                return self._download_stage_once(peer_id, start, end, out, min_step, have, codec, wait_s)
+            except RelayUnreachable as exc:
+                if exc.code != "transfer_cut" or attempt + 1 == DOWNLOAD_ATTEMPTS:
+                    raise  # no answer at all: the transport retried already, the worker's loop waits it out
+                log.info("stage download failed (%s); downloading it again", exc.message)
+                have = None  # ``out`` may be half-written: only a whole stage restores it
+                self.transport.backoff(attempt, exc.code)
+        raise AssertionError("unreachable")
+
+    def _download_stage_once(
+        self,
+        peer_id: str,
+        start: int,
+        end: int,
+        out: np.ndarray,
+        min_step: int,
+        have: int | None,
+        codec: Codec | None,
+        wait_s: int,
+    ) -> int:
         connect_s, read_s = self.transport.timeout
-        with self.transport.request(
-            "GET",
-            ROUTES["params"],
-            params={"min_step": min_step, "peer_id": peer_id, "wait": wait_s},
-            stream=True,
-            timeout=(connect_s, read_s + wait_s),
-        ) as response:
-            if response.status_code == 204:
-                raise ProtocolError("no_version", f"no version >= {min_step} was published in {wait_s} s")
-            manifest: ParamsManifest = self.params.manifest(response)
+        try:
+            with self.transport.request(
+                "GET",
+                ROUTES["params"],
+                params={"min_step": min_step, "peer_id": peer_id, "wait": wait_s},
+                stream=True,
+                timeout=(connect_s, read_s + wait_s),
+            ) as response:
+                if response.status_code == 204:
+                    raise ProtocolError("no_version", f"no version >= {min_step} was published in {wait_s} s")
+                manifest: ParamsManifest = self.params.manifest(response)
+        except NO_ANSWER as exc:  # the manifest's body cut off (reading it is the caller's, not the transport's)
+            raise cut_transfer("the stage manifest", exc) from None
         s = next((s for s in manifest.slices if (s.start, s.end) == (start, end)), None)
         if s is None:
             raise ProtocolError(

@@ -3,7 +3,8 @@
 :class:`Transport` owns the connections: one keep-alive ``requests.Session`` for the relay and
 one per slice owner (an aggregator the relay's plan names), plus the small thread pool that
 moves slices in parallel. Its :meth:`Transport.request` is the one place that decides what a
-failed request means: no answer (retried, then :class:`~toolkit.errors.RelayUnreachable`), busy
+failed request means: no answer, or an answer cut off mid-body (retried, then
+:class:`~toolkit.errors.RelayUnreachable`), busy
 or rate-limited (retried after the relay's Retry-After), an expired pass (signed again with a
 fresh one), an error body (:class:`~toolkit.errors.RelayRejected` with the relay's hint), or a
 web page where the relay's JSON should be (``not_a_relay``).
@@ -51,6 +52,16 @@ RENEW_PASS = {"pass_expired", "stale_timestamp"}
 """Refusals a fresh access pass (and with it a fresh clock offset) fixes: retried at once."""
 
 USER_AGENT = "collabtrain-peer"
+
+NO_ANSWER: tuple[type[BaseException], ...] = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+)
+"""What ``requests`` raises when the relay gave no whole answer: no connection, no answer in time,
+or a body cut off mid-way (``ChunkedEncodingError`` is how requests reports urllib3's
+``IncompleteRead`` on a body it reads for the caller: a relay killed mid-answer). All mean the
+same to a peer: ask again, and once the retries are spent, :class:`~toolkit.errors.RelayUnreachable`."""
 
 
 def json_answer(response: requests.Response, schema: type[S], code: str, message: str, hint: str = "") -> S:
@@ -113,7 +124,7 @@ class Transport:
         for attempt in range(attempts):
             try:
                 response = self.session.request(method, self.url + path, **kwargs)
-            except (requests.ConnectionError, requests.Timeout) as exc:
+            except NO_ANSWER as exc:
                 if attempt + 1 == attempts:
                     message = MESSAGES["relay_unreachable"][0].format(url=self.url, reason=unreachable_reason(exc))
                     raise RelayUnreachable(

@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
+from toolkit.errors import CollabError, RelayRejected, volunteer_line
 from toolkit.pipeline import compute
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.pipeline.worker_memory import CACHE_INPUTS
-from toolkit.run_membership import Membership
+from toolkit.run_membership import Membership, waits_out
 from toolkit.runtime.precision import PrecisionPolicy
 from toolkit.transfer import slice_part
 from toolkit.wire import payloads
@@ -66,6 +66,11 @@ from toolkit.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
+STAGE_LOST = frozenset({"no_stage", "stage_mismatch", "stage_moved"})
+"""The relay's answers that mean it no longer knows this worker's stage (a rejoin, a restart that
+lost it, a re-plan): the worker asks for a stage again."""
+FINAL = frozenset({"stage_too_large"})
+"""Refusals no retry changes (this machine cannot hold any stage): the worker ends, saying so."""
 
 
 @dataclass
@@ -98,7 +103,6 @@ class StageWorker:
         ``precision``: what the stage computes in; by default the run's pin (fp32 when it pins
         none: :func:`toolkit.pipeline.compute.stage_precision`)."""
         self.membership, self.client, self.info, self.batches = membership, membership.client, run, batches
-        membership.play(report=self._report, on_rejoin=self._on_rejoin)
         self._stage_lost = threading.Event()
         self.on_first = on_first
         self.device, self.memory_bytes = torch.device(device), memory_bytes
@@ -114,6 +118,8 @@ class StageWorker:
         self.last_loss: float | None = None
         self.samples_per_s = 0.0
         self._stop = threading.Event()
+        # last: the membership may be heartbeating already (from the join on), and reports from now
+        membership.play(report=self._report, on_rejoin=self._on_rejoin)
 
     @property
     def peer_id(self) -> str:
@@ -182,31 +188,49 @@ class StageWorker:
         """Serve tasks until ``until()`` or :meth:`stop`, heartbeating meanwhile; the caller leaves
         (``membership.leave()``) once this returns."""
         self.membership.keep_alive(self.info.heartbeat_interval_s)
+        self._stage_lost.set()  # the first stage is taken inside the loop: a relay away then is waited out too
         try:
-            self._take_stage()
             while not self._stop.is_set() and not until():
                 try:
-                    if self._stage_lost.is_set():  # a new peer id, or a relay that forgot the stage
+                    if self._stage_lost.is_set():  # the first, a new peer id, or a relay that forgot the stage
                         self._stage_lost.clear()
-                        self._take_stage()
+                        try:
+                            self._take_stage()
+                        except BaseException:
+                            self._stage_lost.set()  # still without a stage: ask again next time
+                            raise
                     self._serve_once(wait_s)
                     self.membership.succeeded()
-                except RelayRejected as exc:
-                    if exc.code == "unknown_peer":
-                        self.membership.recover(exc, self._stop.wait)  # joined again: _on_rejoin flags it
-                    elif exc.code in ("no_stage", "stage_mismatch", "wrong_slice"):
-                        log.debug("the relay no longer knows this worker's stage (%s): asking again", exc.code)
-                        self._stage_lost.set()
-                    else:
-                        raise
-                except RelayUnreachable as exc:  # a blip or a relay restart: the transport retried already
-                    log.warning("relay unreachable (%s); trying again", exc)
-                    self.membership.recover(exc, self._stop.wait)
+                except CollabError as exc:
+                    self._recover(exc)
                 if on_progress is not None:
-                    on_progress(self.progress())
+                    try:
+                        on_progress(self.progress())
+                    except CollabError as exc:  # the display is cosmetic: never the end of a worker
+                        log.info("progress not shown this time: %s", exc.message)
         finally:
             self._stop.set()
             self.membership.stop(timeout_s=self.info.heartbeat_interval_s + 30)  # never mid-request at exit
+
+    def _recover(self, exc: CollabError) -> None:
+        """What the loop does about a failed call: ask for a stage again when the relay no longer
+        knows this worker's; go on at once past a task or round that ended meanwhile; wait out what
+        :func:`~toolkit.run_membership.waits_out` says can be (the membership's backoff, joining
+        again on ``unknown_peer``); raise anything else (a refusal no retry changes)."""
+        refused = exc if isinstance(exc, RelayRejected) else None
+        if exc.code == "wrong_slice" or (refused is not None and exc.code in STAGE_LOST):
+            log.debug("the relay no longer knows this worker's stage (%s): asking again", exc.code)
+            self._stage_lost.set()
+        elif exc.code == "no_version" or (
+            refused is not None and refused.status in (409, 410) and exc.code not in FINAL
+        ):
+            log.debug("what this worker held is over (%s): going on", exc)
+        elif waits_out(exc):
+            if exc.code != "unknown_peer":  # a blip or a relay restart: the transport retried already
+                log.warning("%s; trying again", volunteer_line(exc))
+            self.membership.recover(exc, self._stop.wait)  # unknown_peer: joined again, _on_rejoin flags it
+        else:
+            raise exc
 
     def _serve_once(self, wait_s: int) -> None:
         work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))

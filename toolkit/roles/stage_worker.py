@@ -4,9 +4,14 @@ the run ends, ``max_steps`` or ``max_seconds`` pass, or the cell is interrupted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 
 from toolkit.client import RelayClient
 from toolkit.data.input_pipeline import peer_batches
@@ -18,6 +23,26 @@ from toolkit.runtime import environment
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, RunInfo
 
 log = logging.getLogger(__name__)
+
+
+def note_first(microbatch: int, batch: Any) -> None:
+    """Say which data the relay counted as a first-stage micro-batch (verbose log: ``-v``): the
+    sha256 of its tokens, so that a run can be replayed, or a sample traced, from the volunteers'
+    logs without shipping the data itself."""
+    if batch is None:  # no longer cached here (it cannot be: it was just computed); nothing to say
+        return
+    log.info("micro-batch %d taken from this worker's data (sha256 %s)", microbatch, batch_digest(batch))
+
+
+def batch_digest(batch: Any) -> str:
+    """sha256 of a batch's tokens: int64, row-major, a dict's tensors in key order."""
+    sha = hashlib.sha256()
+    for key in sorted(batch) if isinstance(batch, Mapping) else [None]:
+        tensor = batch[key] if key is not None else batch
+        if key is not None:
+            sha.update(key.encode())
+        sha.update(tensor.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return sha.hexdigest()
 
 
 def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions, started: float) -> JoinResult:
@@ -32,6 +57,7 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
         what="stage worker",
     )
     joined = membership.join()
+    membership.keep_alive(run.heartbeat_interval_s)  # from the join on: building the stage takes time
     peer_id, first_step = joined.peer_id, joined.state.step
     size = int(run.pipeline["microbatch_size"])
     seed = options.seed if options.seed is not None else peer_id
@@ -41,12 +67,22 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
         else peer_batches(run, client, peer_id, batch_size=size, seed=seed)
     )
     worker = StageWorker(
-        membership, run, batches, device=environment.device(info), memory_bytes=info.memory_bytes or 0
+        membership,
+        run,
+        batches,
+        device=environment.device(info),
+        memory_bytes=info.memory_bytes or 0,
+        on_first=note_first,
     )
     view = open_panel(options.panel, f"{run.run_name}: {name} on {info.label}, pipeline stage")
 
     def show(p) -> None:
-        state = client.get_progress()
+        """The panel from what the worker holds and the relay's answer to the membership's last
+        heartbeat: no call to the relay of its own, so a relay away cannot end a worker here (the
+        panel keeps its last figures until the relay answers again)."""
+        state = membership.state
+        if state is None:
+            return
         view.update(
             PeerProgress(
                 peers_online=state.num_peers,
@@ -65,11 +101,17 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
             )
         )
 
+    def finished() -> bool:
+        """The run reached its last step: as the relay's latest answer says (the last batch's
+        version is published, never served), or as the parameters this worker holds say."""
+        state = membership.state
+        return (state is not None and state.finished) or 0 < run.total_steps <= worker.version
+
     def until() -> bool:
         return (
             (options.max_seconds is not None and time.monotonic() - started > options.max_seconds)
             or (options.max_steps is not None and worker.version - first_step >= options.max_steps)
-            or (0 < run.total_steps <= worker.version)
+            or finished()
         )
 
     try:
@@ -87,7 +129,7 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
         local_steps=worker.tasks_done,
         last_loss=worker.last_loss,
         seconds=time.monotonic() - started,
-        finished=0 < run.total_steps <= worker.version,
+        finished=finished(),
         device=info.label,
         precision=worker.precision.name,
         joined_step=first_step,
