@@ -37,9 +37,11 @@ from toolkit.client import RelayClient
 from toolkit.client.params import DOWNLOAD_ATTEMPTS
 from toolkit.corpus import demo_batches
 from toolkit.errors import RelayUnreachable
+from toolkit.pipeline.worker import StageWorker
 from toolkit.roles.stage_worker import batch_digest
+from toolkit.run_membership import Membership
 from toolkit.wire import payloads
-from toolkit.wire.protocol import CollabState, ParamsManifest, SliceVersion
+from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, JoinRequest, ParamsManifest, SliceVersion
 
 pytestmark = pytest.mark.integration
 
@@ -144,6 +146,30 @@ def test_volunteers_finish_through_relay_restarts_mid_download_and_mid_batch(sta
                 v.proc.kill()
                 v.proc.wait(10)
         proxy.close()
+
+
+def test_a_failing_progress_display_never_ends_a_worker(serve_relay):
+    """The display is cosmetic: a callback that fails with the relay's error every time is logged
+    and skipped, and the worker serves on until it is stopped."""
+    relay = serve_relay(pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES))
+    client = RelayClient(relay.url)
+    membership = Membership(client, JoinRequest(peer_name="w", protocol=PROTOCOL_VERSION, device={}))
+    membership.join()
+    worker = StageWorker(membership, client.get_run(), demo_batches(2, BYTE_SPEC.kwargs["seq_len"], 0))
+    shown = []
+
+    def show(progress) -> None:
+        shown.append(progress)
+        if len(shown) == 3:
+            worker.stop()
+        raise RelayUnreachable("relay_unreachable", "the display's own call to the relay failed")
+
+    try:
+        worker.run(on_progress=show, wait_s=1)  # returns: stopped, not ended by the display
+    finally:
+        membership.leave()
+        client.close()
+    assert len(shown) == 3 and shown[-1].stage == 0
 
 
 class CuttingServer(BaseHTTPRequestHandler):

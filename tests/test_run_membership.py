@@ -18,10 +18,10 @@ from tests.conftest import Clock, wait_until
 from tests.support.blip import BlipProxy
 from tests.support.training import params_of, regression_step
 from toolkit.client import RelayClient
-from toolkit.errors import RelayRejected, RelayUnreachable
+from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable
 from toolkit.models import build_model
 from toolkit.optimizer import CollaborativeOptimizer
-from toolkit.run_membership import Backoff, Membership
+from toolkit.run_membership import Backoff, Membership, waits_out
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest, ModelSpec
 
 SPEC = ModelSpec(factory="toolkit.models:MLP", kwargs={"sizes": [8, 16, 1]})
@@ -57,6 +57,24 @@ def test_backoff_is_deterministic_under_a_seed_and_exact_without_jitter() -> Non
         Backoff(first_s=2.0, max_s=1.0)
     with pytest.raises(ValueError, match="jitter"):
         Backoff(jitter=1.0)
+
+
+def test_what_a_role_waits_out_is_the_relay_away_cut_off_busy_or_forgetful_never_a_refusal() -> None:
+    waited = [
+        RelayUnreachable("relay_unreachable", "no answer"),
+        RelayUnreachable("transfer_cut", "the download of slice [0, 8) was cut off"),
+        RelayRejected("busy", "try later", status=503),
+        RelayRejected("rate_limited", "slow down", status=429),
+        RelayRejected("unknown_peer", "who?", status=404),
+    ]
+    decided_by_the_role = [
+        RelayRejected("stage_too_large", "no stage fits", status=409),
+        RelayRejected("bad_result", "rows do not match", status=422),
+        RelayRejected("banned", "banned", status=403),
+        ProtocolError("bad_work", "unreadable"),
+    ]
+    assert [waits_out(e) for e in waited] == [True] * len(waited)
+    assert [waits_out(e) for e in decided_by_the_role] == [False] * len(decided_by_the_role)
 
 
 def test_a_member_the_relay_forgot_joins_again_once_and_tells_its_role(serve_relay) -> None:
