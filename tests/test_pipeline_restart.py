@@ -135,6 +135,7 @@ def test_volunteers_finish_through_relay_restarts_mid_download_and_mid_batch(sta
             assert json.loads(v.out_path.read_text())["finished"], logs[v.name][-2000:]
             assert "Traceback" not in logs[v.name], logs[v.name]  # no thread of it died either
         assert any("was cut off" in text for text in logs.values()), "no volunteer saw its download cut"
+        assert "Traceback" not in relay.log_path.read_text(), relay.log_path.read_text()[-3000:]
         step, final = relay_params(relay.url, min_step=TOTAL_STEPS)
         assert step == TOTAL_STEPS
         batches = accepted_batches(volunteers, latest=True)  # a crashed batch's micro-batches were read again

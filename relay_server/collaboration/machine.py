@@ -411,6 +411,8 @@ class Collaboration:
         for peer in self.registry.expire():
             log.info("peer %s timed out", peer.name)
             self._forget(peer.peer_id)
+        if self.backbone.board.latest is None:  # no version yet: a pipeline's stages load after the ticker starts
+            return
         self.rounds.maybe_finalize()
         self.backbone.expire()
         self.backbone.maybe_replan()
