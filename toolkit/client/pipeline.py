@@ -27,6 +27,7 @@ from toolkit.wire.protocol import (
     PipelineWork,
     StageAssignment,
     StageRequest,
+    WorkerCredit,
 )
 
 MAX_WORK_BYTES = 1 << 31
@@ -88,6 +89,10 @@ class PipelineCalls:
             data=done.dumps(),
             headers={"Content-Type": "application/json"},
         )
+
+    def credit(self, peer_id: str) -> WorkerCredit:
+        """The tasks and samples the relay credited this worker with (asked once, as it leaves)."""
+        return self.transport.call("GET", ROUTES["pipeline_credit"].format(peer_id=peer_id), WorkerCredit, retry=False)
 
     def download_stage(
         self,
