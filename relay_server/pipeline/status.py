@@ -92,7 +92,8 @@ def run_figures(service: "PipelineService") -> RunFigures:
     ETA, the samples of its finished micro-batches, each worker's credit; no averaging plan."""
     c = service.coordinator
 
-    def credit(peer_id: str) -> tuple[int, int]:  # every peer of a pipeline run is a stage worker
+    def credit(peer_id: str) -> tuple[int, int]:
+        """Every peer of a pipeline run is a stage worker: its credit, 0 before it has one."""
         entry = c.figures.credit(peer_id)
         return entry.tasks, entry.samples
 
