@@ -136,6 +136,9 @@ def test_worker_credits_and_wasted_work_per_batch_are_counted_where_they_happen(
         WastedWork(batch=0, redispatched=2, recomputed=1, refused=0),
         WastedWork(batch=1, redispatched=3, recomputed=0, refused=3),
     ]
+    resumed = PipelineFigures()  # a restarted relay: the samples the store credited, tasks from zero
+    resumed.resume({"a": 16, "gone": 0})
+    assert resumed.credit("a") == WorkerCredit(peer_id="a", samples=16) and "gone" not in resumed.credits
     # the credits of workers that left are kept for the most recent MAX_CREDITED (a leaving worker asks for its own)
     for i in range(MAX_CREDITED):
         figures.task_accepted(f"w{i}")
@@ -250,3 +253,40 @@ def test_a_pipeline_run_s_status_and_its_volunteers_results_are_the_relay_s_coun
     for name, result in results.items():
         assert result.contributed_samples == board[f"anonymous:{name}"] > 0, (name, result, board)
     assert relay.status()["peers"] == []  # they left; their credit was asked for before or after, the same
+
+
+def test_a_restarted_relay_credits_each_stage_worker_what_its_leaderboard_entry_says(
+    start_relay, launch_stage_worker
+) -> None:
+    """SIGKILL the relay of a pipeline run and start it again: the workers carry on, and each
+    one's contributed samples (its dashboard row, and the credit its ``join()`` result reports)
+    still equal its leaderboard entry, which the store kept: the count does not start again at 0."""
+    from tests.support.pipeline import pipeline_overrides
+    from tests.support.pipeline_models import BYTE_SPEC
+
+    relay = start_relay(pipeline_overrides(BYTE_SPEC, stages=2))
+    workers = [
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1_000_000, extra=("--sleep-per-task", "0.05"))
+        for i in range(2)
+    ]
+    before = relay.wait_for(lambda s: s["step"] >= 2 and len(s["peers"]) == 2, timeout_s=180, what="two steps")
+    relay.kill()
+    relay.start()
+    relay.wait_for(lambda s: s["step"] >= before["step"] + 2, timeout_s=240, what="two steps after the restart")
+
+    def agree() -> bool:
+        status = relay.status()
+        board = {entry["username"]: entry["samples"] for entry in status["leaderboard"]}
+        rows = {peer["username"]: peer["samples_contributed"] for peer in status["peers"]}
+        return len(rows) == 2 and rows == {user: board.get(user) for user in rows}
+
+    wait_until(agree, 60, "each worker's contributed samples to equal its leaderboard entry")
+    for worker in workers:  # what its join() result will report: the relay's credit, asked by the worker
+        (joined,) = [e for e in worker.events() if e["event"] == "joined"]
+        route = f"{relay.url}/api/pipeline/workers/{joined['peer_id']}/credit"
+
+        def credited_as_on_the_board() -> bool:
+            board = {entry["username"]: entry["samples"] for entry in relay.status()["leaderboard"]}
+            return requests.get(route, timeout=10).json()["samples"] == board[f"anonymous:{worker.name}"] > 0
+
+        wait_until(credited_as_on_the_board, 60, f"{worker.name}'s credit to equal its leaderboard entry")

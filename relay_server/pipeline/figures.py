@@ -59,6 +59,14 @@ class PipelineFigures:
         self.wasted: list[WastedWork] = []
         self.batch_start = WasteTotals(0, 0, 0)
 
+    def resume(self, samples_by_worker: dict[str, int]) -> None:
+        """A restarted relay: each worker's samples as the store credited them before (tasks and
+        wasted work count from the restart), so a worker's row, its leaderboard entry and its
+        ``join()`` result still agree."""
+        for worker, samples in samples_by_worker.items():
+            if samples > 0:
+                self._entry(worker)[1] += samples
+
     def _entry(self, worker: str) -> list[int]:
         entry = self.credits.get(worker)
         if entry is None:

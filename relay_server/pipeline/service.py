@@ -112,6 +112,8 @@ class PipelineService:
             clock=collab.loop_clock,
         )
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
+        if resume is not None:  # the workers' credit so far, as the store committed it
+            service.coordinator.figures.resume(await asyncio.to_thread(collab.store.contributions))
         collab.backbone.board.publish(owners.published())
         log.info(
             "pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",
