@@ -90,6 +90,9 @@ class Feature:
     status: Callable[[Any], dict[str, Any]] | None = None
     """The ``StatusReport`` fields its dashboard panel reads, from the service."""
     places: Callable[[Any], PeerPlaces] | None = None
+    keeps_parameters: bool = False
+    """Its service keeps the run's parameters across relay restarts (the pipeline's stage owners
+    each resume from their own store): the collaboration then restores no version of its own."""
     figures: Callable[[Any], RunFigures] | None = None
     """A feature whose service makes the steps: its figures, from the service, in place of the
     rounds' (at most one enabled feature has them, as at most one says when rounds open)."""
@@ -125,6 +128,10 @@ class FeatureSet:
         if len(rules) > 1:  # the config's compatibility checks refuse such a run first; this is the backstop
             raise ValueError(f"features {[name for name, _ in rules]} each decide when rounds open: enable one")
         return rules[0][1] if rules else None
+
+    def keep_parameters(self, config: RelayConfig) -> bool:
+        """Whether an enabled feature keeps the run's parameters itself (:attr:`Feature.keeps_parameters`)."""
+        return any(f.keeps_parameters and f.enabled(config) for f in self.features)
 
     def container_limits(self, app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
         """Each streamed-container route -> its byte limit now (from the running service, or

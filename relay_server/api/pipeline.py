@@ -277,4 +277,5 @@ FEATURE = Feature(
     places=_places,
     figures=run_figures,
     opening=lambda config: RoundsElsewhere(),
+    keeps_parameters=True,
 )  # a round opens when the batch is complete (the coordinator's)
