@@ -57,6 +57,8 @@ class RunFigures:
     """peer id -> (tasks, samples) the relay credited it with; None: not one of the feature's peers."""
     averaging_plan: bool = False
     """Whether ``StatusReport.plan`` applies (False: reported as None, the panel hidden)."""
+    peer_role: str = "stage_worker"
+    """The role the run's peers play (one of :data:`~toolkit.wire.protocol.status.PEER_ROLES`)."""
 
 
 def run_info_of(
@@ -227,9 +229,9 @@ def status_report(
     run_cfg, now = config.run, time.monotonic()
     online = registry.peers.values()
     local = run_cfg.mode == "local_sgd"
-    pipeline = config.pipeline.enabled
+    role = figures.peer_role if figures is not None else "trainer"
     credit = figures.credit if figures is not None else (lambda peer_id: None)
-    peers = [peer_status(p, now, local, pipeline, credit(p.peer_id)) for p in online]
+    peers = [peer_status(p, now, local, role, credit(p.peer_id)) for p in online]
     measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # refused / partial / banned uploads
@@ -284,14 +286,17 @@ def status_report(
     )
 
 
-def peer_status(p: Peer, now: float, local: bool, pipeline: bool, credit: tuple[int, int] | None = None) -> PeerStatus:
+def peer_status(
+    p: Peer, now: float, local: bool, run_role: str = "trainer", credit: tuple[int, int] | None = None
+) -> PeerStatus:
     """One peer online as the dashboard lists it, in its role: an expert host (it joined saying so)
-    shows no device, samples/s or contribution, since it trains nothing; a pipeline run's peers are
-    stage workers (:func:`place_peers` adds their stage), with the tasks and samples the relay
-    credited them (``credit``); the rest are trainers, whose self-reported samples/s is bounded by
-    what their reports' growth makes plausible."""
+    shows no device, samples/s or contribution, since it trains nothing; on a run whose steps a
+    feature makes, its peers play that feature's role (``run_role``: a pipeline's stage workers,
+    :func:`place_peers` adds their stage), with the tasks and samples the relay credited them
+    (``credit``); the rest are trainers, whose self-reported samples/s is bounded by what their
+    reports' growth makes plausible."""
     host = p.device.get("role") == "expert_host"
-    role = "expert_host" if host else "stage_worker" if pipeline else "trainer"
+    role = "expert_host" if host else run_role
     reported, capped = (
         bounded_report(p.samples_per_s, p.accumulated, now - p.joined_at) if role == "trainer" else (0.0, False)
     )
