@@ -20,6 +20,7 @@ follow the same order.
 * :mod:`relay_server.api`           the aiohttp app: each concern's routes, auth, rate limits, moderation, dashboard
 * :mod:`relay_server.aggregator`    entry point: an aggregator process
 * :mod:`relay_server.demo`          entry point: a relay and peer processes on this machine
+* :mod:`relay_server.trial`         entry point: an organizer's own run on this machine, before anyone joins
 * :mod:`relay_server.notebooks`     entry point: the notebook templates
 * :mod:`relay_server.cli`           entry point: ``relay-server``
 """

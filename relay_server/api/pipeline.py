@@ -164,7 +164,11 @@ async def post_done(request: web.Request) -> web.Response:
 
 
 async def get_status(request: web.Request) -> web.Response:
-    return json_ok(pipeline_status(_pipeline(request)))
+    """The Pipeline panel's figures, and the memory the relay and each stage's worker are
+    predicted to need (``memory``: every term, :mod:`relay_server.pipeline.run_memory`)."""
+    body = pipeline_status(_pipeline(request)).to_json()
+    body["memory"] = request.app[PIPELINE].memory.to_json()
+    return json_ok(body)
 
 
 async def put_stage_gradient(
