@@ -242,13 +242,23 @@ def test_a_pipeline_run_s_status_and_its_volunteers_results_are_the_relay_s_coun
     assert 0 <= status["progress"]["done"] <= status["progress"]["total"]
     for peer in status["peers"]:  # credited as the leaderboard credits: samples of the stage gradients delivered
         assert peer["role"] == "stage_worker" and peer["samples_contributed"] > 0 and peer["tasks_done"] > 0
-    traffic, parts = status["traffic"], pipe["traffic"]
-    assert traffic["up_bytes"] >= parts["boundaries_up"] + parts["stage_gradients_up"] > 0
-    assert traffic["down_bytes"] >= parts["boundaries_down"] + parts["stage_params_down"] > 0
-    assert traffic["up_bytes_per_sample"] > pipe["boundary_bytes_per_sample"]  # the stage gradients count too
     for thread in threads:
         thread.join(timeout=180)
     assert not any(thread.is_alive() for thread in threads)
+
+    def traffic_is_the_pipeline_s() -> bool:  # both read once the volunteers left (status is cached up to 1 s)
+        traffic = relay.status()["traffic"]
+        parts = requests.get(relay.url + "/api/pipeline", timeout=10).json()["traffic"]
+        return (
+            traffic["up_bytes"] == parts["boundaries_up"] + parts["stage_gradients_up"] > 0
+            and traffic["down_bytes"] >= parts["boundaries_down"] + parts["stage_params_down"] > 0
+            and parts["stage_gradients_up"] > 0
+            and parts["stage_params_down"] > 0
+        )
+
+    wait_until(traffic_is_the_pipeline_s, 10, "status's traffic to be the pipeline's bytes")
+    pipe = requests.get(relay.url + "/api/pipeline", timeout=10).json()
+    assert relay.status()["traffic"]["up_bytes_per_sample"] > pipe["boundary_bytes_per_sample"]  # gradients count too
     board = {entry["username"]: entry["samples"] for entry in relay.status()["leaderboard"]}
     for name, result in results.items():
         assert result.contributed_samples == board[f"anonymous:{name}"] > 0, (name, result, board)
