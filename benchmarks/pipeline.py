@@ -210,6 +210,12 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
         "redone": pipe.get("redone"),
         "restarted": pipe.get("restarted"),
         "refused_results": pipe.get("refused_results"),
+        # per committed batch, oldest first: [re-dispatched tasks, recomputed stage gradients, refused duplicates]
+        "wasted_per_batch": [[w["redispatched"], w["recomputed"], w["refused"]] for w in pipe.get("wasted", [])],
+        "traffic_bytes_per_sample": {
+            "up": (status.get("traffic") or {}).get("up_bytes_per_sample"),
+            "down": (status.get("traffic") or {}).get("down_bytes_per_sample"),
+        },
         "counted": pipe.get("counted"),
         "disconnections": sum(w["disconnections"] for w in workers),
         "lost_results": sum(w["lost_results"] for w in workers),

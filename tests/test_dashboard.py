@@ -529,3 +529,172 @@ def test_the_dashboard_says_when_the_relay_refused_a_step(relay_factory, browser
     expect(page.locator("#refused-steps")).to_contain_text("1 step refused")
     expect(page.locator("#step")).to_have_text("0")
     assert problems.snapshot() == []
+
+
+# --- a pipeline run's figures, read off the page as an observer reads them -----------------------
+
+BYTE_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+READ_PAGE = """() => {
+  const t = (id) => document.getElementById(id).textContent;
+  const bar = document.getElementById("round-progress");
+  const mode = [...document.querySelectorAll("#config dt")].find((dt) => dt.textContent === "Mode");
+  return {
+    samplesPerS: t("samples-per-s"), bytesUp: t("bytes-up"), bytesDown: t("bytes-down"),
+    reportedHidden: document.getElementById("samples-per-s-reported").hidden,
+    roundLabel: t("round-label"), roundText: t("round-text"), barValue: bar.value, barMax: bar.max,
+    mode: mode ? mode.nextElementSibling.textContent : null,
+    planHidden: document.getElementById("plan-panel").hidden,
+    tasksHeaderHidden: document.querySelector("#peers th.pipeline").hidden,
+    peers: [...document.querySelectorAll("#peers tbody tr")].map((tr) => ({
+      name: tr.cells[0].textContent,
+      contributed: tr.querySelector("td.contributed") && tr.querySelector("td.contributed").textContent,
+      tasks: tr.querySelector("td.tasks") && tr.querySelector("td.tasks").textContent,
+    })),
+    wasted: [...document.querySelectorAll("#pipeline-wasted tbody tr")].map((tr) =>
+      [...tr.cells].map((td) => td.textContent)),
+  };
+}"""
+
+
+def page_number(text: str) -> float:
+    """A figure as the page prints it: "1,234", "1.6", "43 KB", "3.7 MB"."""
+    value, _, unit = text.strip().partition(" ")
+    return float(value.replace(",", "")) * BYTE_UNITS.get(unit, 1)
+
+
+def within_10_percent(shown: float, truth: float) -> bool:
+    return abs(shown - truth) <= 0.1 * abs(truth) + 1e-9
+
+
+def pipeline_figures_differ(page, relay, *, frozen: bool) -> list[str]:
+    """Every figure the page shows for a pipeline run against ``/api/status`` and ``/api/pipeline``
+    read just after it: what differs by more than 10% (empty: all agree). ``frozen``: the workers
+    are stopped, so the batch's progress and its wasted work stand still and are compared too."""
+    import requests
+
+    shown = page.evaluate(READ_PAGE)
+    status, pipe = relay.status(), requests.get(relay.url + "/api/pipeline", timeout=10).json()
+    wrong: list[str] = []
+
+    def check(what: str, shown_value: float, truth: float) -> None:
+        if not within_10_percent(shown_value, truth):
+            wrong.append(f"{what}: the page shows {shown_value}, the relay {truth}")
+
+    check("samples/s", page_number(shown["samplesPerS"]), status["samples_per_s"])
+    check("bytes up per sample", page_number(shown["bytesUp"]), status["traffic"]["up_bytes_per_sample"])
+    check("bytes down per sample", page_number(shown["bytesDown"]), status["traffic"]["down_bytes_per_sample"])
+    names = {p["peer_id"]: p["name"] for p in status["peers"]}
+    rows = {row["name"]: row for row in shown["peers"]}
+    for worker in pipe["workers"]:
+        row = rows.get(names[worker["peer_id"]])
+        if row is None or row["contributed"] is None or row["tasks"] is None:
+            wrong.append(f"worker {names[worker['peer_id']]}: no contributed/tasks cells on the page ({row})")
+            continue
+        check(f"{row['name']} contributed", page_number(row["contributed"]), worker["samples"])
+        check(f"{row['name']} tasks", page_number(row["tasks"]), worker["tasks"])
+    stages, micro = len(pipe["stages"]), pipe["microbatches"]
+    expected_mode = f"pipeline: {stages} stages, {micro} micro-batches of {status['target_batch'] // micro} per batch"
+    for what, ok in [
+        (f"mode {shown['mode']!r}", shown["mode"] == expected_mode),
+        ("the averaging-plan panel hidden", shown["planHidden"]),
+        ("no trainers' samples/s", shown["reportedHidden"]),
+        ("the Tasks column shown", not shown["tasksHeaderHidden"]),
+        (f"round label {shown['roundLabel']!r}", shown["roundLabel"] == "Current batch"),
+        (f"bar max {shown['barMax']} = tasks per batch {pipe['tasks_total']}", shown["barMax"] == pipe["tasks_total"]),
+        (f"round text {shown['roundText']!r}", "micro-batch tasks" in shown["roundText"]),
+    ]:
+        if not ok:
+            wrong.append(what)
+    if frozen:
+        progress = status["progress"]
+        check("tasks done", shown["barValue"], progress["done"])
+        if (
+            progress["done"] < progress["total"]
+            and f"{progress['done']} of {progress['total']}" not in shown["roundText"]
+        ):
+            wrong.append(f"round text {shown['roundText']!r} vs {progress}")
+        now, total = pipe["wasted_now"], ["All batches", pipe["redispatched"], pipe["redone"], pipe["refused_results"]]
+        table = {row[0]: [page_number(x) for x in row[1:]] for row in shown["wasted"]}
+        expected = {
+            f"Batch {now['batch']} (in flight)": now,
+            **{f"Batch {w['batch']}": w for w in pipe["wasted"][-5:]},
+        }
+        for label, w in expected.items():
+            if table.get(label) != [w["redispatched"], w["recomputed"], w["refused"]]:
+                wrong.append(f"wasted work {label}: the page shows {table.get(label)}, the relay {w}")
+        if table.get(total[0]) != total[1:]:
+            wrong.append(f"wasted work in all batches: the page shows {table.get(total[0])}, the relay {total[1:]}")
+    return wrong
+
+
+def test_the_dashboard_shows_a_pipeline_run_s_figures_as_the_relay_counts_them(
+    start_relay, launch_stage_worker, browser_page
+):
+    """A live pipeline run (2 stages, 3 real stage workers): every figure the dashboard shows --
+    samples/s, each worker's contributed samples and tasks, bytes per sample both ways, the mode,
+    the batch's progress in micro-batch tasks, the wasted work per batch -- within 10% of
+    ``/api/status`` and ``/api/pipeline``, first while it trains, then with the workers stopped
+    (SIGSTOP: their leases lapse, so the batch in flight shows re-dispatched tasks), and no
+    averaging-plan panel. The relay's own figures are checked against the run itself: samples/s
+    from the committed batches' times, contributions summing to the leaderboard's."""
+    import os
+    import signal
+
+    from playwright.sync_api import expect
+
+    from tests.conftest import wait_until
+    from tests.support.pipeline import pipeline_overrides
+    from tests.support.pipeline_models import BYTE_SPEC
+
+    page, problems = browser_page
+    overrides = pipeline_overrides(BYTE_SPEC, stages=2)
+    overrides["rounds"] = {"peer_ttl_s": 600.0}  # stopped workers stay listed while their figures are read
+    relay = start_relay(overrides)
+    workers = [
+        launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=1_000_000, extra=("--sleep-per-task", "0.05"))
+        for i in range(3)
+    ]
+    status = relay.wait_for(
+        lambda s: s["samples_per_s_rounds"] >= 2 and len(s["peers"]) == 3,
+        timeout_s=180,
+        what="three committed batches with three stage workers",
+    )
+    rounds = status["recent_rounds"][-1 - status["samples_per_s_rounds"] :]  # the relay's samples/s, from its batches
+    span = rounds[-1]["finalized_at"] - rounds[0]["finalized_at"]
+    assert 0 < status["samples_per_s"] <= sum(r["samples"] for r in rounds[1:]) / span * 1.000001
+
+    page.goto(relay.url + "/")
+    expect(page.locator("#connection")).to_have_text("live", timeout=UI_TIMEOUT_MS)
+    expect(page.locator("#plan-panel")).to_be_hidden()
+    wrong: list[str] = []
+
+    def agree(frozen: bool) -> bool:
+        wrong[:] = pipeline_figures_differ(page, relay, frozen=frozen)
+        return not wrong
+
+    try:
+        wait_until(lambda: agree(False), 60, "the dashboard's figures to match the relay's while it trains")
+    except TimeoutError:
+        pytest.fail(f"the dashboard's figures differ from the relay's: {wrong}")
+    board = relay.status()["leaderboard"]
+    pipe = page.request.get(relay.url + "/api/pipeline").json()
+    assert sum(w["samples"] for w in pipe["workers"]) == sum(e["samples"] for e in board)  # one count, two views
+
+    for worker in workers:
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        relay.wait_for(
+            lambda s: s["pipeline"]["wasted_now"]["redispatched"] > 0,
+            timeout_s=60,
+            what="a lapsed lease re-dispatched",
+        )
+        try:
+            wait_until(lambda: agree(True), 30, "the dashboard's figures to match the relay's, the workers stopped")
+        except TimeoutError:
+            pytest.fail(f"the dashboard's figures differ from the relay's: {wrong}")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-pipeline-figures.png"), full_page=True)
+    finally:
+        for worker in workers:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+    assert problems.snapshot() == [], problems

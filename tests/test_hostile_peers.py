@@ -218,6 +218,7 @@ def _requests_on_alice(scene: Scene) -> dict[tuple[str, str], list[Callable[[], 
                 PipelineDone(round_id="r" * 16, contributor=a, delivered=True).dumps(),
             )
         ],
+        ("GET", ROUTES["pipeline_credit"]): [lambda: _json(bob, "GET", f"/api/pipeline/workers/{a}/credit")],
     }
 
 

@@ -50,6 +50,10 @@ def test_pipeline_benchmark_reports_every_ratio_and_ours_completes():
         batch = out["settings"]["microbatches"] * out["settings"]["microbatch_size"]
         assert ours["counted"] and all(stages == [batch, batch] for stages in ours["counted"]), ours["counted"]
         assert set(out["seconds_per_batch"][case]) == {"ours", "static", "swarm"}
+        wasted = ours["wasted_per_batch"]  # per committed batch; the totals also hold the batch in flight's
+        assert wasted and all(len(w) == 3 and min(w) >= 0 for w in wasted), wasted
+        assert sum(w[0] for w in wasted) <= ours["redispatched"] and sum(w[1] for w in wasted) <= ours["redone"]
+        assert sum(w[2] for w in wasted) <= ours["refused_results"]
     assert out["runs"]["case4"]["ours"]["disconnections"] >= 1  # case 4 did disconnect workers
     for key in ("case1_vs_static", "case4_vs_static", "case4_vs_swarm"):
         assert out[key] is None or out[key] > 0, out[key]

@@ -5,7 +5,10 @@ iterates the :class:`FeatureSet` of :data:`relay_server.api.app.FEATURES`. Each 
 section, its routes (with the public ones, the streamed-container bodies and their limits), the
 service it runs, built outside HTTP from the config and the collaboration's shared services,
 started and stopped by the app's lifespan, what it adds to ``GET /api/status``, and (a mode)
-when the collaboration's rounds open.
+when the collaboration's rounds open. A feature whose service makes the run's steps itself (the
+pipeline) also says what stands in for the rounds' figures -- the mode's name, the step's
+progress, each peer's credit, whether the averaging plan applies -- in status, the peers' progress
+and the observers' step events (``figures``; :class:`~relay_server.collaboration.status.RunFigures`).
 
 A feature that must serve part of a core route registers a *takeover* under one of the names
 below; the core route hands such requests to whichever running feature took it, without naming
@@ -27,6 +30,7 @@ from aiohttp import web
 from relay_server.api.context import COLLAB, CONFIG
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.opening import OpeningRule
+from relay_server.collaboration.status import RunFigures
 from relay_server.core.config import RelayConfig
 
 TICKETED_GRADIENT = "ticketed_gradient"
@@ -95,6 +99,9 @@ class Feature:
     keeps_parameters: bool = False
     """Its service keeps the run's parameters across relay restarts (the pipeline's stage owners
     each resume from their own store): the collaboration then restores no version of its own."""
+    figures: Callable[[Any], RunFigures] | None = None
+    """A feature whose service makes the steps: its figures, from the service, in place of the
+    rounds' (at most one enabled feature has them, as at most one says when rounds open)."""
 
 
 RUNNING = web.AppKey("features", dict)
@@ -160,8 +167,11 @@ class FeatureSet:
                 )
                 await service.start()
                 started.append(service)
+                if feature.figures is not None:
+                    app[COLLAB].report_figures_from(functools.partial(feature.figures, service))
             yield
         finally:
+            app[COLLAB].report_figures_from(lambda: None)
             for service in reversed(started):
                 await service.stop()
 

@@ -10,7 +10,14 @@ Routes (paths from :data:`toolkit.wire.protocol.ROUTES`, bodies in :mod:`toolkit
 * ``POST /api/pipeline/workers/{peer_id}/rounds/{step}/ticket``  PipelineTicketRequest -> Ticket; the
   stage's slice then goes up through ``ROUTES["gradient"]`` with the ticket (:func:`put_stage_gradient`)
 * ``POST /api/pipeline/workers/{peer_id}/rounds/{step}/done``    PipelineDone
+* ``GET  /api/pipeline/workers/{peer_id}/credit``      WorkerCredit: the tasks and samples the relay
+  credited this worker (what a volunteer's ``join()`` result reports; answered after it left too)
 * ``GET  /api/pipeline``                                PipelineStatus (the dashboard's panel)
+
+Every body these routes (and the takeovers of the core gradient and params routes) move is
+counted, by kind (:class:`~relay_server.pipeline.figures.PipelineBytes`), and in the
+collaboration's traffic (``StatusReport.traffic``): boundaries both ways, stage gradients up,
+stage parameters down.
 
 Workers are registered peers (join, heartbeats); one that leaves the registry has its tasks
 re-dispatched and its undelivered stage gradients recomputed (:meth:`PipelineCoordinator.worker_left`).
@@ -38,7 +45,7 @@ from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, path_int, read_message, upload_length
 from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.service import PipelineService
-from relay_server.pipeline.status import pipeline_status
+from relay_server.pipeline.status import pipeline_status, run_figures
 from toolkit.wire import payloads
 from toolkit.wire.protocol import (
     MAX_JSON_BODY,
@@ -113,6 +120,8 @@ async def get_work(request: web.Request) -> web.Response:
         peer.inflight -= 1
     body = payloads.encode(tensors, {"work": work.dumps().decode()})
     coordinator.bytes_out += len(body)
+    coordinator.figures.bytes.boundaries_down += len(body)
+    _collab(request).traffic.down_bytes += len(body)
     return web.Response(body=body, content_type="application/octet-stream")
 
 
@@ -125,7 +134,20 @@ async def put_result(request: web.Request) -> web.Response:
         body = await stream.readexactly(length)
     except asyncio.IncompleteReadError:
         raise ApiError(400, "truncated_body", "the result ended early") from None
-    return json_ok(coordinator.result(peer_id, task_id, body))
+    ack = coordinator.result(peer_id, task_id, body)
+    if ack.accepted:  # a refused duplicate is wasted work (PipelineStatus.refused_results), not traffic
+        coordinator.figures.bytes.boundaries_up += length
+        _collab(request).traffic.up_bytes += length
+    return json_ok(ack)
+
+
+async def get_credit(request: web.Request) -> web.Response:
+    """This worker's credit: the relay's count, which its ``join()`` result reports. Not a
+    request that re-admits the worker: it is asked once the worker left."""
+    peer_id = own_peer(request, request.match_info["peer_id"])
+    coordinator = _pipeline(request)
+    stage = coordinator.workers.stage_of(peer_id) if peer_id in coordinator.workers.by_id else None
+    return json_ok(coordinator.figures.credit(peer_id, stage))
 
 
 async def post_ticket(request: web.Request) -> web.Response:
@@ -191,6 +213,8 @@ async def put_stage_gradient(
     finally:
         coordinator.uploading.discard(ticket.peer_id)
         coordinator.check_delivered()
+    coordinator.figures.bytes.stage_gradients_up += request.content_length or 0  # committed
+    _collab(request).traffic.up_bytes += request.content_length or 0
     return json_ok(receipt)
 
 
@@ -199,7 +223,10 @@ async def get_stage_params(request: web.Request, coordinator: PipelineCoordinato
     start, end = int_query(request, "start"), int_query(request, "end")
     stage = coordinator.owners.stage_of(start, end)
     owner = coordinator.owners.owners[stage] if stage is not None else None
-    return await get_slice(request, owner, lambda *a: None)
+    response = await get_slice(request, owner, lambda *a: None)
+    coordinator.figures.bytes.stage_params_down += response.content_length or 0
+    _collab(request).traffic.down_bytes += response.content_length or 0
+    return response
 
 
 ROUTE_TABLE = [
@@ -208,6 +235,7 @@ ROUTE_TABLE = [
     ("PUT", ROUTES["pipeline_result"], put_result),
     ("POST", ROUTES["pipeline_ticket"], post_ticket),
     ("POST", ROUTES["pipeline_done"], post_done),
+    ("GET", ROUTES["pipeline_credit"], get_credit),
     ("GET", ROUTES["pipeline"], get_status),
 ]
 PUBLIC = frozenset({ROUTES["pipeline"]})
@@ -251,6 +279,7 @@ FEATURE = Feature(
     takeovers={TICKETED_GRADIENT: _ticketed_gradient, SLICE_PARAMS: _slice_params},
     status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()},
     places=_places,
+    figures=run_figures,
     opening=lambda config: RoundsElsewhere(),
     keeps_parameters=True,
 )  # a round opens when the batch is complete (the coordinator's)

@@ -22,6 +22,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,14 @@ from relay_server.backbone.tickets import sign_ticket
 from relay_server.collaboration.opening import OpeningRule
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.collaboration.round_cycle import RoundCycle
-from relay_server.collaboration.status import Leaderboard, collab_state, run_info_of, run_summary, status_report
+from relay_server.collaboration.status import (
+    Leaderboard,
+    RunFigures,
+    collab_state,
+    run_info_of,
+    run_summary,
+    status_report,
+)
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
 from relay_server.core.loop_clock import LoopClock
@@ -123,6 +131,13 @@ class Collaboration:
         if self._resume is None and self.publisher.latest is not None:
             self.rounds.publish_local(self.publisher.latest)
         self.started = time.monotonic()
+        self.figures: Callable[[], RunFigures | None] = lambda: None
+        """What a feature that makes the run's steps counts instead of the rounds' figures
+        (set by the feature set while such a feature runs: :meth:`report_figures_from`)."""
+
+    def report_figures_from(self, figures: Callable[[], RunFigures | None]) -> None:
+        """Status and progress take ``figures`` in place of the rounds' own (the pipeline's)."""
+        self.figures = figures
 
     async def start(self) -> None:
         """Before serving: a relay restarted while aggregators owned slices gathers its last
@@ -190,6 +205,7 @@ class Collaboration:
             self.finished,
             self.config.master_optimizer(),
             self.store.rate.samples_per_s()[0],
+            self.figures(),
         )
 
     # --- registry -----------------------------------------------------------------------------
@@ -452,9 +468,11 @@ class Collaboration:
         return self.backbone.plan_info()
 
     def run_summary(self) -> RunSummary:
-        return run_summary(self.config, self.num_params)
+        figures = self.figures()
+        return run_summary(self.config, self.num_params, figures.mode if figures is not None else None)
 
     def status(self) -> StatusReport:
+        figures = self.figures()
         return status_report(
             self.config,
             self.store,
@@ -467,6 +485,7 @@ class Collaboration:
             self.traffic,
             self.rounds.inner_steps_last_round,
             self.rounds.refused_steps + self.backbone.refused_rounds,
+            figures,
         )
 
 

@@ -3,7 +3,8 @@
 The run a peer receives on joining (:func:`run_info_of`), the progress every heartbeat answers
 with (:func:`collab_state`), and the report behind ``GET /status``, the dashboard and the
 observers -- peers online, recent rounds, leaderboard, plan, configuration (:func:`status_report`).
-Kept out of the state machine (:mod:`.machine`) because none of it changes state: these are
+A feature that makes the run's steps itself (the pipeline) says what stands in for the rounds'
+figures there (:class:`RunFigures`): the core names no feature. Kept out of the state machine (:mod:`.machine`) because none of it changes state: these are
 read-only views over the registry, the store and the open round, which the machine passes in.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
@@ -22,6 +25,7 @@ from relay_server.rounds.throughput import bounded_report
 from relay_server.rounds.traffic import Traffic
 from toolkit.wire.protocol import (
     PROTOCOL_VERSION,
+    BatchProgress,
     CollabState,
     LeaderboardEntry,
     LocalSgdStatus,
@@ -34,6 +38,27 @@ from toolkit.wire.protocol import (
     RunSummary,
     StatusReport,
 )
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """What a feature whose service makes the run's steps (the pipeline) counts in place of the
+    collaboration's round figures, which say nothing true about such a run: its steps are not
+    rounds of samples that peers upload (the round bar read "0 of 32" against a 31 s batch, the
+    workers "contributed 0"), and it has no averaging plan."""
+
+    mode: str
+    """The run's mode as observers see it (``RunSummary.mode``): "pipeline"."""
+    progress: BatchProgress
+    """The step in flight in the feature's unit, with its ETA (``StatusReport.progress``)."""
+    samples_accumulated: int
+    """Samples of the step in flight that are done (a pipeline: its finished micro-batches')."""
+    credit: Callable[[str], tuple[int, int] | None]
+    """peer id -> (tasks, samples) the relay credited it with; None: not one of the feature's peers."""
+    averaging_plan: bool = False
+    """Whether ``StatusReport.plan`` applies (False: reported as None, the panel hidden)."""
+    peer_role: str = "stage_worker"
+    """The role the run's peers play (one of :data:`~toolkit.wire.protocol.status.PEER_ROLES`)."""
 
 
 def run_info_of(
@@ -94,19 +119,25 @@ def collab_state(
     finished: bool,
     optimizer: OptimizerSection | None = None,
     samples_per_s: float = 0.0,
+    figures: RunFigures | None = None,
 ) -> CollabState:
     """Progress as peers see it; with ``optimizer``, the lr of the next update (peers show it in
     their optimizer's ``param_groups``). ``samples_per_s``: the relay's measured figure
-    (:class:`~relay_server.rounds.throughput.RoundRate`), which the ETA divides by."""
-    collected = registry.collected(step, run_cfg.max_staleness)
+    (:class:`~relay_server.rounds.throughput.RoundRate`), which the ETA divides by; with
+    ``figures`` (a feature makes the steps), the samples done and the ETA are the feature's."""
     rate = samples_per_s
-    remaining = max(0, run_cfg.target_batch - collected)
+    if figures is not None:
+        collected, eta = figures.samples_accumulated, figures.progress.eta_s
+    else:
+        collected = registry.collected(step, run_cfg.max_staleness)
+        remaining = max(0, run_cfg.target_batch - collected)
+        eta = (remaining / rate) if rate > 0 else None
     return CollabState(
         step=step,
         target_batch=run_cfg.target_batch,
         samples_accumulated=collected,
         samples_per_s=rate,
-        eta_s=(remaining / rate) if rate > 0 else None,
+        eta_s=eta,
         num_peers=len(registry.peers),
         round=round_info(r),
         finished=finished,
@@ -114,7 +145,8 @@ def collab_state(
     )
 
 
-def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
+def run_summary(config: RelayConfig, num_params: int, mode: str | None = None) -> RunSummary:
+    """The run's configuration; ``mode``: a feature's name for how the run steps (default ``run.mode``)."""
     opt, run_cfg = config.master_optimizer(), config.run
     return RunSummary(
         model=config.model.label(),
@@ -127,7 +159,7 @@ def run_summary(config: RelayConfig, num_params: int) -> RunSummary:
         precision=run_cfg.precision or None,
         compression="none",
         auth_mode=config.auth.mode,
-        mode=run_cfg.mode,
+        mode=mode or run_cfg.mode,
     )
 
 
@@ -189,14 +221,17 @@ def status_report(
     traffic: Traffic,
     inner_steps_last_round: float | None = None,
     refused_steps: int = 0,
+    figures: RunFigures | None = None,
 ) -> StatusReport:
-    """Everything the dashboard shows, ``state`` being the collaboration's progress just now.
+    """Everything the dashboard shows, ``state`` being the collaboration's progress just now
+    (``figures``: what a feature that makes the steps counts instead of the rounds' figures).
     O(peers online + the leaderboard's size), whatever the number of peers that ever joined."""
     run_cfg, now = config.run, time.monotonic()
     online = registry.peers.values()
     local = run_cfg.mode == "local_sgd"
-    pipeline = config.pipeline.enabled
-    peers = [peer_status(p, now, local, pipeline) for p in online]
+    role = figures.peer_role if figures is not None else "trainer"
+    credit = figures.credit if figures is not None else (lambda peer_id: None)
+    peers = [peer_status(p, now, local, role, credit(p.peer_id)) for p in online]
     measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # refused / partial / banned uploads
@@ -242,21 +277,26 @@ def status_report(
         auth_mode=config.auth.mode,
         uptime_s=now - started,
         leaderboard=board,
-        plan=plan,
-        config=run_summary(config, num_params),
+        plan=plan if figures is None or figures.averaging_plan else None,
+        config=run_summary(config, num_params, figures.mode if figures is not None else None),
         traffic=traffic.report(),
         local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round),
         refused_steps=refused_steps,
+        progress=figures.progress if figures is not None else None,
     )
 
 
-def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:
+def peer_status(
+    p: Peer, now: float, local: bool, run_role: str = "trainer", credit: tuple[int, int] | None = None
+) -> PeerStatus:
     """One peer online as the dashboard lists it, in its role: an expert host (it joined saying so)
-    shows no device, samples/s or contribution, since it trains nothing; a pipeline run's peers are
-    stage workers (:func:`place_peers` adds their stage); the rest are trainers, whose self-reported
-    samples/s is bounded by what their reports' growth makes plausible."""
+    shows no device, samples/s or contribution, since it trains nothing; on a run whose steps a
+    feature makes, its peers play that feature's role (``run_role``: a pipeline's stage workers,
+    :func:`place_peers` adds their stage), with the tasks and samples the relay credited them
+    (``credit``); the rest are trainers, whose self-reported samples/s is bounded by what their
+    reports' growth makes plausible."""
     host = p.device.get("role") == "expert_host"
-    role = "expert_host" if host else "stage_worker" if pipeline else "trainer"
+    role = "expert_host" if host else run_role
     reported, capped = (
         bounded_report(p.samples_per_s, p.accumulated, now - p.joined_at) if role == "trainer" else (0.0, False)
     )
@@ -269,7 +309,8 @@ def peer_status(p: Peer, now: float, local: bool, pipeline: bool) -> PeerStatus:
         samples_per_s=reported,
         samples_per_s_capped=capped,
         role=role,
-        samples_contributed=p.contributed,
+        samples_contributed=credit[1] if credit is not None else p.contributed,
+        tasks_done=credit[0] if credit is not None else None,
         last_seen_s=now - p.last_seen,
         online=True,
         precision=p.precision,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
 from relay_server.pipeline.boundaries import Boundaries
+from relay_server.pipeline.figures import PipelineFigures, WasteTotals
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
@@ -112,6 +113,7 @@ class PipelineCoordinator:
         self.ledger = self._mint()
         self.bytes_out = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
+        self.figures = PipelineFigures()  # credits, bytes by kind, wasted work per batch
         self.rounds = PipelineRounds(
             RoundDeps(
                 owners=self.owners,
@@ -120,7 +122,7 @@ class PipelineCoordinator:
                 microbatch_size=self.mb_size,
                 microbatches_per_batch=self.d,
                 ticket_key=self.ticket_key,
-                publish=self.publish,
+                publish=self._publish,
                 seen=lambda worker: self.guard.seen(worker),
                 strike=lambda worker: self.guard.strike(worker),
                 committed=lambda worker, stage: self.guard.committed(worker, stage),
@@ -176,9 +178,20 @@ class PipelineCoordinator:
         )
         self.steps[task.task_id] = step
 
+    async def _publish(self, outcome: BatchOutcome) -> None:
+        """The batch's step through the relay's after-publish sequence, its workers credited
+        with what the leaderboard credits them."""
+        await self.publish(outcome)
+        self.figures.batch_committed(outcome.contributions)
+
+    def waste_totals(self) -> WasteTotals:
+        """Re-dispatched tasks, recomputed stage gradients, refused duplicate results: so far."""
+        return WasteTotals(redispatched=self.broker.stats.requeued, recomputed=self.redone, refused=self.refused)
+
     def _next_batch(self, round_s: float) -> None:
         """The batch's step is published: nothing of it may be leased after its boundaries go;
         re-time the placement; the next batch starts on the new version."""
+        self.figures.batch_over(self.ledger.batch, self.waste_totals())
         for task_id in list(self.steps):
             self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
         self.steps.clear()
@@ -358,6 +371,7 @@ class PipelineCoordinator:
                 self.refused += 1
                 return PipelineAck(task_id=task_id, accepted=False)
             raise
+        self.figures.task_accepted(worker)
         if self.planner is not None and task.attempts == 1 and task.leased_at is not None:
             self.planner.observe_task(worker, self.clock() - task.leased_at)
         for name, entry in accepted.entries.items():

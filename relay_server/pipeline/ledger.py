@@ -83,6 +83,13 @@ class Ledger:
         return all(len(mb.delivered) == self.num_stages for mb in self.microbatches.values())
 
     @property
+    def tasks_done(self) -> int:
+        """Tasks of this batch whose accepted result still counts: a forward per stage but the
+        last, a backward (or ``last``) per stage; a stage gradient sent to be recomputed is not
+        done again until its redo's result is accepted."""
+        return sum(len(mb.forward_workers) + len(mb.owners) for mb in self.microbatches.values())
+
+    @property
     def loss_sum(self) -> float:
         return sum(mb.loss_sum or 0.0 for mb in self.microbatches.values())
 

@@ -120,6 +120,8 @@ class PipelineService:
         )
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
         service.memory = predict_memory(config, cut)
+        if resume is not None:  # the workers' credit so far, as the store committed it
+            service.coordinator.figures.resume(await asyncio.to_thread(collab.store.contributions))
         collab.backbone.board.publish(owners.published())
         log.info(
             "pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",

@@ -1,13 +1,33 @@
-"""``GET /api/pipeline``: what the Pipeline panel of the dashboard shows."""
+"""``GET /api/pipeline``: what the Pipeline panel of the dashboard shows, and (:func:`batch_progress`)
+how far the batch in flight is, which ``GET /api/status`` reports as the step's progress."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toolkit.wire.protocol import PipelineStatus, StageStatus
+from relay_server.collaboration.status import RunFigures
+from relay_server.pipeline.figures import batch_eta_s, tasks_per_batch
+from toolkit.wire.protocol import BatchProgress, PipelineStatus, StageStatus
 
 if TYPE_CHECKING:
     from relay_server.pipeline.coordinator import PipelineCoordinator
+    from relay_server.pipeline.service import PipelineService
+
+
+def measured_batch_s(c: "PipelineCoordinator") -> float | None:
+    """The mean time of the last batches, from their first lease to their commit (None: none yet)."""
+    times = c.rounds.batch_times
+    return sum(times) / len(times) if times else None
+
+
+def batch_progress(c: "PipelineCoordinator") -> BatchProgress:
+    """The batch in flight in tasks (done of total), with the seconds until it commits."""
+    total, done = tasks_per_batch(c.d, c.K), c.ledger.tasks_done
+    started = c.rounds.batch_started
+    elapsed = c.clock() - started if started is not None else None
+    return BatchProgress(
+        unit="tasks", done=done, total=total, eta_s=batch_eta_s(measured_batch_s(c), done, total, elapsed)
+    )
 
 
 def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
@@ -31,8 +51,8 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
             )
         )
         first += c.layers[k]
-    times = c.rounds.batch_times
-    measured = sum(times) / len(times) if times else None
+    measured = measured_batch_s(c)
+    progress = batch_progress(c)
     per_sample = (c.boundaries.bytes_in + c.bytes_out) / c.rounds.samples_done if c.rounds.samples_done else None
     return PipelineStatus(
         stages=stages,
@@ -56,4 +76,30 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
         refused_steps=c.owners.refused_rounds,
         hold_deadline_s=[c.guard.hold_deadline(k) for k in range(c.K)],
         counted=[list(x) for x in c.rounds.counted],
+        tasks_done=progress.done,
+        tasks_total=progress.total,
+        eta_s=progress.eta_s,
+        workers=[c.figures.credit(w, k) for k, st in enumerate(stages) for w in st.workers],
+        traffic=c.figures.bytes.report(),
+        wasted=list(c.figures.wasted),
+        wasted_now=c.figures.wasted_since(c.ledger.batch, c.waste_totals()),
+    )
+
+
+def run_figures(service: "PipelineService") -> RunFigures:
+    """What ``GET /api/status``, the peers' progress and the observers report for a pipeline run
+    instead of the rounds' figures: the mode "pipeline", the batch's progress in tasks with its
+    ETA, the samples of its finished micro-batches, each worker's credit; no averaging plan."""
+    c = service.coordinator
+
+    def credit(peer_id: str) -> tuple[int, int]:
+        """Every peer of a pipeline run is a stage worker: its credit, 0 before it has one."""
+        entry = c.figures.credit(peer_id)
+        return entry.tasks, entry.samples
+
+    return RunFigures(
+        mode="pipeline",
+        progress=batch_progress(c),
+        samples_accumulated=sum(mb.finished for mb in c.ledger.microbatches.values()) * c.mb_size,
+        credit=credit,
     )

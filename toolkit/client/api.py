@@ -58,6 +58,7 @@ from toolkit.wire.protocol import (
     StatusReport,
     TicketRequest,
     UploadReceipt,
+    WorkerCredit,
 )
 
 RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
@@ -336,6 +337,9 @@ class RelayClient:
 
     def pipeline_done(self, peer_id: str, step: int, done: PipelineDone) -> None:
         self.pipeline.done(peer_id, step, done)
+
+    def pipeline_credit(self, peer_id: str) -> WorkerCredit:
+        return self.pipeline.credit(peer_id)
 
     def download_stage(
         self,

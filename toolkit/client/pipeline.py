@@ -29,6 +29,7 @@ from toolkit.wire.protocol import (
     PipelineWork,
     StageAssignment,
     StageRequest,
+    WorkerCredit,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class PipelineCalls:
             data=done.dumps(),
             headers={"Content-Type": "application/json"},
         )
+
+    def credit(self, peer_id: str) -> WorkerCredit:
+        """The tasks and samples the relay credited this worker with (asked once, as it leaves)."""
+        return self.transport.call("GET", ROUTES["pipeline_credit"].format(peer_id=peer_id), WorkerCredit, retry=False)
 
     def download_stage(
         self,

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from toolkit.errors import CollabError
+
+if TYPE_CHECKING:
+    from toolkit.client import RelayClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,3 +63,14 @@ def _duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def relay_credited_samples(client: "RelayClient", peer_id: str) -> int:
+    """The samples the relay credited this stage worker with (the count its dashboard and
+    leaderboard show): asked once, as the worker leaves. 0 when the relay cannot say right now
+    (it is unreachable, or restarted and counts from zero)."""
+    try:
+        return client.pipeline_credit(peer_id).samples
+    except CollabError as exc:
+        log.warning("could not ask the relay for this worker's credited samples: %s", exc)
+        return 0

@@ -17,7 +17,7 @@ from toolkit.client import RelayClient
 from toolkit.data.input_pipeline import peer_batches
 from toolkit.notebook.panel import PeerProgress, open_panel
 from toolkit.roles.options import StageWorkerOptions
-from toolkit.roles.result import JoinResult
+from toolkit.roles.result import JoinResult, relay_credited_samples
 from toolkit.run_membership import Membership
 from toolkit.runtime import environment
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest, RunInfo
@@ -125,7 +125,7 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
     return JoinResult(
         peer_id=peer_id,
         final_step=max(worker.version, first_step),
-        contributed_samples=0,
+        contributed_samples=relay_credited_samples(client, peer_id),  # the relay's count, as its dashboard shows
         local_steps=worker.tasks_done,
         last_loss=worker.last_loss,
         seconds=time.monotonic() - started,

@@ -138,6 +138,9 @@ function innerBudget(l) {
   return steps && secs ? `${steps} or ${secs}` : steps || secs;
 }
 
+/** A run whose step is not a round of samples (a pipeline's batch): its progress comes in its own unit. */
+const stepWord = (s) => (s.progress ? "batch" : "round");
+
 function renderCards(s) {
   const local = s.local_sgd;  // a low-bandwidth run: the step is the outer round
   $("step-label").textContent = local ? "Outer round" : "Global step";
@@ -150,16 +153,26 @@ function renderCards(s) {
   // The relay's own measurement (samples its rounds applied over their time); the peers' reports beside it, as such.
   $("samples-per-s").textContent = s.samples_per_s_rounds ? fmt.rate(s.samples_per_s) : "–";
   $("samples-per-s").dataset.value = String(s.samples_per_s);
+  const unit = stepWord(s);
+  const plural = (n) => (n === 1 ? unit : unit === "batch" ? "batches" : `${unit}s`);
   $("samples-per-s-basis").textContent = s.samples_per_s_rounds
-    ? `measured over the last ${s.samples_per_s_rounds} round${s.samples_per_s_rounds === 1 ? "" : "s"}`
-    : "measured once two rounds finished";
-  $("samples-per-s-reported").textContent = `trainers report ${fmt.rate(s.reported_samples_per_s)}`;
+    ? `measured over the last ${s.samples_per_s_rounds} ${plural(s.samples_per_s_rounds)}`
+    : `measured once two ${plural(2)} finished`;
+  // A pipeline's stage workers report no samples/s of their own: only the relay's measurement applies.
+  $("samples-per-s-reported").hidden = !!s.progress;
+  $("samples-per-s-reported").textContent = s.progress ? "" : `trainers report ${fmt.rate(s.reported_samples_per_s)}`;
   $("num-peers").textContent = fmt.int(s.num_peers);
   const t = s.traffic;
   for (const [id, value] of [["bytes-up", t && t.up_bytes_per_sample], ["bytes-down", t && t.down_bytes_per_sample]]) {
     $(id).textContent = fmt.bytes(value);
     $(id).dataset.value = value === null || value === undefined ? "" : String(value);
   }
+  // A pipeline's bytes by what they carry: stage parameters and gradients outweigh the boundaries.
+  const parts = s.pipeline && s.pipeline.traffic;
+  const per = (n) => (t && t.samples ? fmt.bytes(n / t.samples) : "–");
+  $("bytes-per-sample").title = parts ? `per sample: boundaries ${per(parts.boundaries_up)} up, ` +
+    `${per(parts.boundaries_down)} down; stage gradients ${per(parts.stage_gradients_up)} up; ` +
+    `stage parameters ${per(parts.stage_params_down)} down` : "";
   // Steps the relay refused to publish (they would have made parameters non-finite): the run kept its last version.
   const refused = (s.refused_steps || 0) + (s.pipeline ? s.pipeline.refused_steps || 0 : 0);
   $("refused-steps").hidden = !refused;
@@ -175,11 +188,23 @@ function renderCards(s) {
 
 function renderRound(s) {
   const bar = $("round-progress");
-  bar.max = s.target_batch;
-  bar.value = Math.min(s.samples_accumulated, s.target_batch);
+  const progress = s.progress;  // a pipeline's batch: micro-batch tasks done of the batch's
+  $("round-label").textContent = progress ? "Current batch" : "Current round";
+  bar.max = progress ? Math.max(progress.total, 1) : s.target_batch;
+  bar.value = progress ? progress.done : Math.min(s.samples_accumulated, s.target_batch);
+  bar.dataset.done = progress ? String(progress.done) : String(s.samples_accumulated);
+  bar.dataset.total = progress ? String(progress.total) : String(s.target_batch);
   let text;
   if (s.finished) {
     text = "The run reached its last step.";
+  } else if (progress) {
+    const eta = progress.eta_s === null || progress.eta_s === undefined ? "ETA once a batch was measured"
+      : `ETA ${fmt.secs(progress.eta_s)}`;
+    text = progress.done >= progress.total
+      ? `All ${fmt.int(progress.total)} micro-batch ${progress.unit} of step ${s.step + 1} done; ` +
+        `its stage gradients are uploading (${eta}).`
+      : `${fmt.int(progress.done)} of ${fmt.int(progress.total)} micro-batch ${progress.unit} ` +
+        `for step ${s.step + 1} (${eta}).`;
   } else if (s.round) {
     const r = s.round;
     text = `${s.local_sgd ? "Outer" : "Averaging"} round for step ${r.step}: ` +
@@ -232,8 +257,9 @@ function renderCharts(s) {
       `latest ${fmt.loss(lossPoints[lossPoints.length - 1][1])} at step ${lossPoints[lossPoints.length - 1][0]}. `
     : "") + valText + (refText ? `References: ${refText}.` : "");
 
-  reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.reported_samples_per_s || 0]);
+  if (!s.progress) reportedHistory.push([Date.now() / 1000 + clockOffsetS, s.reported_samples_per_s || 0]);
   if (reportedHistory.length > HISTORY) reportedHistory.shift();
+  $("reported-key").hidden = !!s.progress;  // a pipeline's workers report no samples/s of their own
   const measured = roundRates(rounds);
   $("throughput-chart").dataset.roundsRate = measured.length ? String(measured.at(-1)[1]) : "";
   lineChart($("throughput-chart"),
@@ -266,6 +292,10 @@ function renderPeers(s) {
   const peers = s.peers.filter((p) => p.online !== false).sort((a, b) => a.name.localeCompare(b.name));
   const local = s.local_sgd;  // local SGD runs: each peer's inner steps (of H) and busy fraction
   for (const th of $("peers").querySelectorAll("th.local-sgd")) th.hidden = !local;
+  const staged = !!s.progress;  // pipeline runs: the tasks the relay accepted from each stage worker
+  for (const th of $("peers").querySelectorAll("th.pipeline")) th.hidden = !staged;
+  const taskCells = (p) => !staged ? [] : [p.role === "stage_worker"
+    ? el("td", fmt.int(p.tasks_done || 0), { class: "num tasks" }) : notApplicable(p)];
   const H = local && local.inner_steps ? ` of ${fmt.int(local.inner_steps)}` : "";
   const localCells = (p) => !local ? [] : [
     el("td", `${fmt.int(p.inner_steps)}${H}`, { class: "num inner-steps" }),
@@ -277,6 +307,7 @@ function renderPeers(s) {
     p.username,
     el("td", roleText(p), { class: `role ${p.role || "trainer"}` }),
     ...roleCells(p),
+    ...taskCells(p),
     num(`${fmt.secs(p.last_seen_s)} ago`),
     ...(p.role === "trainer" || !p.role ? [num(p.first_contribution_s === null || p.first_contribution_s === undefined
       ? "not yet" : fmt.secs(p.first_contribution_s))] : [notApplicable(p)]),
@@ -301,15 +332,18 @@ function notApplicable(p) {
 }
 
 /** Device, precision, samples/s (reported) and samples contributed: what a trainer has; an expert
- * host only hosts; a stage worker's work is counted per stage in the Pipeline panel. */
+ * host only hosts; a stage worker reports no samples/s, and contributed the samples the relay
+ * credited it as batches committed (what the leaderboard counts). */
 function roleCells(p) {
   if (p.role === "expert_host") return [notApplicable(p), notApplicable(p), notApplicable(p), notApplicable(p)];
   const device = [p.device || "–", p.precision || "–"];
-  if (p.role === "stage_worker") return [...device, notApplicable(p), notApplicable(p)];
+  if (p.role === "stage_worker") {
+    return [...device, notApplicable(p), el("td", fmt.int(p.samples_contributed), { class: "num contributed" })];
+  }
   const rate = el("td", p.samples_per_s_capped ? `≤ ${fmt.rate(p.samples_per_s)}` : fmt.rate(p.samples_per_s),
     { class: `num reported${p.samples_per_s_capped ? " capped" : ""}` });
   if (p.samples_per_s_capped) rate.title = "capped: the peer reported more than 10x the rate its progress reports grew";
-  return [...device, rate, num(fmt.int(p.samples_contributed))];
+  return [...device, rate, el("td", fmt.int(p.samples_contributed), { class: "num contributed" })];
 }
 
 function renderLeaderboard(s) {
@@ -326,6 +360,8 @@ function renderLeaderboard(s) {
 
 function renderPlan(s) {
   const plan = s.plan;
+  $("plan-panel").hidden = !plan;  // a run with no averaging (a pipeline) has no plan
+  if (!plan) return;
   const slices = plan ? plan.slices : [];
   $("plan-summary").textContent = plan
     ? `Plan ${plan.version}: ${slices.length} aggregator${slices.length === 1 ? "" : "s"}` +
@@ -388,6 +424,7 @@ function renderPipeline(s) {
   $("pipeline-recovery").textContent = `${many(p.redispatched, "task")} re-dispatched, ` +
     `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused, ` +
     `${many(p.cut_uploads || 0, "upload")} cut at the hold deadline`;
+  renderWasted(p);
 
   const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
   const exact = rounds.every((r) => r.every((n) => n === s.target_batch));
@@ -411,13 +448,37 @@ function renderPipeline(s) {
   }));
 }
 
+/** Work each batch paid for twice: the batch in flight, the last committed ones, and the run's totals. */
+function renderWasted(p) {
+  const batches = [...(p.wasted || []).slice(-COUNTED_ROUNDS)].reverse();
+  const cells = (w) => [num(fmt.int(w.redispatched)), num(fmt.int(w.recomputed)), num(fmt.int(w.refused))];
+  const rows = [];
+  if (p.wasted_now) rows.push(row([`Batch ${fmt.int(p.wasted_now.batch)} (in flight)`, ...cells(p.wasted_now)]));
+  for (const w of batches) rows.push(row([`Batch ${fmt.int(w.batch)}`, ...cells(w)]));
+  const total = row(["All batches", ...cells({ redispatched: p.redispatched, recomputed: p.redone,
+    refused: p.refused_results })]);
+  total.className = "total";
+  rows.push(total);
+  fillTable($("pipeline-wasted"), rows);
+}
+
+/** "pipeline: 2 stages, 4 micro-batches of 2 per batch", from the Pipeline report. */
+function pipelineMode(s) {
+  const p = s.pipeline;
+  if (!p) return "pipeline";
+  const size = s.target_batch / Math.max(p.microbatches, 1);
+  return `pipeline: ${fmt.int(p.stages.length)} stages, ${fmt.int(p.microbatches)} micro-batches of ` +
+    `${fmt.int(size)} per batch`;
+}
+
 function renderConfig(s) {
   const c = s.config || {};
   const items = [
     ["Run", s.run_name],
     ["Model", c.model],
     ["Parameters", fmt.int(s.num_params)],
-    ["Mode", s.local_sgd ? `local SGD: ${innerBudget(s.local_sgd)} per outer round` : c.mode],
+    ["Mode", s.local_sgd ? `local SGD: ${innerBudget(s.local_sgd)} per outer round`
+      : c.mode === "pipeline" ? pipelineMode(s) : c.mode],
     [s.local_sgd ? "Outer optimizer" : "Optimizer", c.optimizer && `${c.optimizer}, lr ${c.lr}, ${c.schedule} schedule`],
     ["Target batch", fmt.int(s.target_batch)],
     ["Total steps", s.total_steps ? fmt.int(s.total_steps) : "until stopped"],

@@ -15,7 +15,7 @@ only those above it:
     shards   shard leases and data coverage (ShardLease, ShardReport, ShardsReport, ...)
     peers    join, heartbeat and progress: JoinRequest/Response, Heartbeat, CollabState
     status   GET /api/status: StatusReport, PeerStatus, LeaderboardEntry, RunSummary, LossReference,
-             EvalRecord, EvalSample, TrafficStatus, LocalSgdStatus
+             EvalRecord, EvalSample, TrafficStatus, LocalSgdStatus, BatchProgress
     login    LoginRequest, LoginResponse (the HF login and the access pass)
     pipeline the staged pipeline: StageRequest/Assignment, PipelineWork/Task/Result, its tickets
     params   ParamsRef: a version's immutable body at the run's HTTP cache, and its cache headers
@@ -47,10 +47,13 @@ from toolkit.wire.protocol.pipeline import (
     PipelineStatus,
     PipelineTask,
     PipelineTicketRequest,
+    PipelineTraffic,
     PipelineWork,
     StageAssignment,
     StageRequest,
     StageStatus,
+    WastedWork,
+    WorkerCredit,
 )
 from toolkit.wire.protocol.rounds import GradientMeta, RoundInfo, RoundRecord, StateInfo, UploadReceipt
 from toolkit.wire.protocol.routes import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, TICKET_HEADER, ErrorBody
@@ -90,6 +93,7 @@ from toolkit.wire.protocol.slices import (
 )
 from toolkit.wire.protocol.status import (
     PEER_ROLES,
+    BatchProgress,
     EvalRecord,
     EvalSample,
     LeaderboardEntry,
@@ -165,6 +169,7 @@ __all__ = [
     "EvalSample",
     "TrafficStatus",
     "LocalSgdStatus",
+    "BatchProgress",
     # login
     "MAX_PASS_CHARS",
     "LoginRequest",
@@ -182,6 +187,9 @@ __all__ = [
     "PipelineDone",
     "StageStatus",
     "PipelineStatus",
+    "PipelineTraffic",
+    "WastedWork",
+    "WorkerCredit",
     # params
     "PARAMS_REF_TYPE",
     "BLOB_CACHE_CONTROL",

@@ -126,6 +126,49 @@ class PipelineDone(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WorkerCredit(Schema):
+    """One stage worker's work as the relay counted it since it started: ``tasks`` whose result
+    it accepted first, and ``samples`` credited when batches committed (a micro-batch's samples
+    for each stage whose gradient of it this worker delivered: what the leaderboard credits).
+    ``GET ROUTES["pipeline_credit"]`` answers a worker with its own; ``PipelineStatus.workers``
+    lists the workers online."""
+
+    peer_id: str = field(metadata=_ID)
+    stage: int | None = None
+    """The stage it runs now (None: it left, or has none yet)."""
+    tasks: int = field(default=0, metadata=_NONNEG)
+    samples: int = field(default=0, metadata=_NONNEG)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineTraffic(Schema):
+    """The pipeline's bytes through the relay since it started, by what they carry. Up:
+    ``boundaries_up`` (task results: activations, their gradients, the first stage's data) and
+    ``stage_gradients_up`` (each worker's stage gradient, once per batch it holds some of);
+    down: ``boundaries_down`` (work answers: task inputs) and ``stage_params_down`` (each
+    worker's stage parameters, once per version it computes on). All four are also in
+    ``StatusReport.traffic``."""
+
+    boundaries_up: int = 0
+    boundaries_down: int = 0
+    stage_gradients_up: int = 0
+    stage_params_down: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class WastedWork(Schema):
+    """Work a batch paid for twice: ``redispatched`` tasks (a lease lapsed or its worker left:
+    the task ran, or began, again elsewhere), ``recomputed`` stage gradients (their holder left
+    or failed to deliver: a redo task recomputed them) and ``refused`` results (a duplicate that
+    came after another worker's result for the same task)."""
+
+    batch: int
+    redispatched: int = 0
+    recomputed: int = 0
+    refused: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class StageStatus(Schema):
     stage: int
     layers: list[int]
@@ -172,3 +215,17 @@ class PipelineStatus(Schema):
     """Stage-gradient uploads cut for running past their stage's hold deadline (recomputed)."""
     refused_steps: int = 0
     """Batches in which some stage refused its step because it would have made parameters non-finite."""
+    tasks_done: int = 0
+    """Tasks of the batch in flight whose result was accepted (a redo's undone one counts again when redone)."""
+    tasks_total: int = 0
+    """Tasks one batch needs: ``microbatches`` x (2 x stages - 1) (a forward per stage, a backward per stage but the last)."""
+    eta_s: float | None = None
+    """Seconds until the batch in flight commits, from the measured batch time and the tasks left
+    (None before a batch was measured)."""
+    workers: list[WorkerCredit] = field(default_factory=list)
+    """The workers online, each with the tasks and samples the relay credited it."""
+    traffic: PipelineTraffic | None = None
+    wasted: list[WastedWork] = field(default_factory=list)
+    """Per recent committed batch, oldest first (totals: ``redispatched``, ``redone``, ``refused_results``)."""
+    wasted_now: WastedWork | None = None
+    """The batch in flight's so far."""

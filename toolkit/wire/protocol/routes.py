@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from toolkit.wire.schema import Schema, limits
 
-# 7: refusal counts (StatusReport.refused_steps, SliceReport's refused step, PipelineStatus.cut_uploads
+# 8: a pipeline run's own figures (StatusReport.progress, PeerStatus.tasks_done, PipelineStatus's tasks,
+# workers, traffic and wasted work, WorkerCredit on ROUTES["pipeline_credit"]); 7: refusal counts (StatusReport.refused_steps, SliceReport's refused step, PipelineStatus.cut_uploads
 # and refused_steps), capability parameter URLs on hf runs; 6: the inner learning-rate schedule in RunInfo.local_sgd; 5: RunInfo.download_compression and topk2
 # codecs; 4: local SGD runs (RunInfo.local_sgd), HTTP-cache refs, typed DMoE messages; 3: aggregators
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 ROUTES = {
     "run": "/api/run",
@@ -56,6 +57,7 @@ ROUTES = {
     "pipeline_result": "/api/pipeline/workers/{peer_id}/tasks/{task_id}",
     "pipeline_ticket": "/api/pipeline/workers/{peer_id}/rounds/{step}/ticket",
     "pipeline_done": "/api/pipeline/workers/{peer_id}/rounds/{step}/done",
+    "pipeline_credit": "/api/pipeline/workers/{peer_id}/credit",
     # relay <-> aggregator, under the admin prefix: the admin token, never a peer's pass
     "aggregator_register": "/api/admin/aggregators/register",
     "aggregator_heartbeat": "/api/admin/aggregators/{aggregator_id}/heartbeat",

@@ -55,6 +55,9 @@ class PeerStatus(Schema):
     busy_fraction: float | None = None
     """``run.mode = "local_sgd"``: the share of the peer's training time spent computing rather
     than waiting in outer rounds, as its last heartbeat said (None: not measured yet, or sync mode)."""
+    tasks_done: int | None = None
+    """``stage_worker``: the tasks whose result the relay accepted from it since it started (its
+    ``samples_contributed`` are the samples credited to it as batches committed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +85,8 @@ class RunSummary(Schema):
     compression: str
     auth_mode: str
     mode: str = "sync"
-    """``run.mode``: "sync" (one averaging round per optimizer step) or "local_sgd"."""
+    """How the run makes a step: "sync" (one averaging round per optimizer step), "local_sgd"
+    (``run.mode``), or "pipeline" (a ``[pipeline]`` run: stages on a task pool, no averaging)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +105,18 @@ class TrafficStatus(Schema):
     """``up_bytes / samples`` (None before the first applied round)."""
     down_bytes_per_sample: float | None = None
     """``down_bytes / samples`` (None before the first applied round)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchProgress(Schema):
+    """How far the step in flight is, on a run whose step is not a round of samples uploaded by
+    peers (a pipeline's batch: ``unit`` "tasks", the micro-batch tasks of the batch)."""
+
+    unit: str
+    done: int
+    total: int
+    eta_s: float | None = None
+    """Seconds until the step commits, by the relay's measured step time (None: none measured yet)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +230,9 @@ class StatusReport(Schema):
     reported_samples_per_s: float = 0.0
     """The trainers' self-reported samples/s, each bounded (``PeerStatus.samples_per_s``), summed:
     what the peers say they compute, beside what the rounds applied."""
+    progress: BatchProgress | None = None
+    """Runs whose step is not a round of samples (pipeline): the step in flight's progress in its
+    own unit; ``samples_accumulated`` then counts the samples of finished micro-batches."""
     refused_steps: int = 0
     """Rounds whose step the relay refused because it would have made the parameters or the
     optimizer state non-finite: on a single relay nothing was published (the next round starts
