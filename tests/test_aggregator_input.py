@@ -12,8 +12,8 @@ import numpy as np
 import requests
 
 from relay_server.backbone.tickets import encode_ticket
+from relay_server.harness.process import RelayProcess
 from tests.support.peers import RawPeer, raw_http
-from tests.support.processes import RelayProcess
 from toolkit.client import RelayClient
 from toolkit.wire.auth import unb64u
 from toolkit.wire.protocol import GradientMeta, Ticket

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.hf_standin import HfStandin
+from relay_server.harness.hf_standin import HfStandin
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest

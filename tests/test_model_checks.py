@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO
-from tests.support.processes import write_config
+from tests.support.processes import REPO, write_config
 
 pytest.importorskip("transformers")
 

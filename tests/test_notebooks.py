@@ -28,7 +28,6 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
-from tests.conftest import REPO
 from tests.support.notebooks import (
     FAKE_TOKEN,
     MAX_STEPS,
@@ -38,6 +37,7 @@ from tests.support.notebooks import (
     kernel_spec_manager,
     outputs_text,
 )
+from tests.support.processes import REPO
 from tests.support.relays import TINY_LM, running_relay, status
 from toolkit.notebook import hints as notebook
 from toolkit.runtime.environment import DeviceInfo

@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
-from tests.support.processes import RelayProcess, merged, write_config
-from tests.support.relays import InProcessRelay
+from relay_server.harness.process import RelayProcess, wait_until
+from relay_server.harness.thread import RelayThread
+from tests.support.processes import REPO, merged, write_config
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, JoinRequest
@@ -260,7 +260,10 @@ def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() 
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/half", half)
-    with InProcessRelay(app=app) as served, socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+    with (
+        RelayThread(app=app).start() as served,
+        socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock,
+    ):
         sock.sendall(b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
         data = b""
         while chunk := sock.recv(65536):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.harness.process import wait_until
 from relay_server.rounds.throughput import measured_samples_per_s
-from tests.conftest import wait_until
 from tests.support.peers import OVERRIDES, SAMPLES, RawPeer
 from toolkit.wire.protocol import PROTOCOL_VERSION
 
