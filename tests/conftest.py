@@ -10,8 +10,10 @@ live in ``tests/support/``: no test module imports another test module, nor this
 
 from __future__ import annotations
 
+import fcntl
 import http.server
 import multiprocessing.process
+import os
 import socket
 import subprocess
 import sys
@@ -327,9 +329,23 @@ def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
 @pytest.fixture(scope="session")
 def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``relay-server tokenizer train --vocab-size 200`` on the demo corpus the toolkit ships, run
-    once per session: every run with a vocabulary of 200 (evaluation, examples, loop and HF
-    exactness, the dashboard) reads this one file, and training it is a process importing torch."""
-    where = tmp_path_factory.mktemp("demo-tokenizer")
+    once per test run: every run with a vocabulary of 200 (evaluation, examples, loop and HF
+    exactness, the dashboard) reads this one file, and training it is a process importing torch.
+    Under xdist the workers share it through the run's temporary root: the first to take the lock
+    trains it, the others wait and read it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        where = tmp_path_factory.getbasetemp().parent / "demo-tokenizer"  # this run's, shared by its workers
+        where.mkdir(exist_ok=True)
+    else:
+        where = tmp_path_factory.mktemp("demo-tokenizer")
+    with open(where / "train.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (where / "tokenizer.json").exists():
+            train_demo_tokenizer(where)
+    return where / "tokenizer.json"
+
+
+def train_demo_tokenizer(where: Path) -> None:
     config = where / "tok.toml"
     config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
     done = subprocess.run(
@@ -352,7 +368,6 @@ def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
-    return where / "tokenizer.json"
 
 
 @pytest.fixture

@@ -51,6 +51,9 @@ from toolkit.wire.auth import (
 from toolkit.wire.protocol import PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, ParamsRef
 from toolkit.wire.tensor_container import encode_header
 
+# one worker builds its relay process and peers (the module-scoped world) once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("attacks")
+
 
 # --- passes minted by hand (the relay and the signed peers: tests/support/peers.py) -----------------
 def minted_pass(

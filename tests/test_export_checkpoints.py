@@ -23,6 +23,9 @@ import pytest
 from relay_server.cli import main
 from tests.support.processes import REPO, merged, write_config
 
+# one worker builds its trained tokenizer once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("export_checkpoints")
+
 pytest.importorskip("transformers")
 
 VOCAB = 300

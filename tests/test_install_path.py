@@ -49,6 +49,9 @@ from tests.support.relays import TINY_LM, running_relay, status
 from toolkit import join
 from toolkit.errors import MESSAGES
 
+# one worker builds its fresh virtualenv, generated notebook and finished relay once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("install_path")
+
 HASH_MESSAGE = "serves a different toolkit than this notebook pins"
 
 

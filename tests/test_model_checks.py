@@ -18,6 +18,8 @@ import pytest
 from relay_server.cli import main
 from tests.support.processes import REPO, write_config
 
+pytestmark = pytest.mark.xdist_group("model_checks")  # one worker builds its trained tokenizer once (--dist loadgroup)
+
 pytest.importorskip("transformers")
 
 ALBERT = {

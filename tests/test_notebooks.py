@@ -42,6 +42,8 @@ from tests.support.relays import TINY_LM, running_relay, status
 from toolkit.notebook import hints as notebook
 from toolkit.runtime.environment import DeviceInfo
 
+pytestmark = pytest.mark.xdist_group("notebooks")  # one worker builds its kernel specs once (--dist loadgroup)
+
 NOTEBOOKS = ("local", "colab", "kaggle", "tpu")
 
 
