@@ -21,6 +21,7 @@ follow the same order.
 * :mod:`relay_server.aggregator`    entry point: an aggregator process
 * :mod:`relay_server.harness`       running a relay here (a thread or a process), for the demo, tests and benchmarks
 * :mod:`relay_server.demo`          entry point: a relay and peer processes on this machine
+* :mod:`relay_server.trial`         entry point: an organizer's own run on this machine, before anyone joins
 * :mod:`relay_server.notebooks`     entry point: the notebook templates
 * :mod:`relay_server.cli`           entry point: ``relay-server``
 """

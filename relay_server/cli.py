@@ -132,23 +132,27 @@ def build_parser() -> argparse.ArgumentParser:
     trial = sub.add_parser(
         "trial",
         help="try a run's configuration on this machine: its model, objective and data "
-        "with one local CPU peer, a small target batch, open auth on 127.0.0.1, state in a "
-        "temporary directory; the dashboard stays up until Ctrl-C",
+        "with one local CPU peer and a small target batch (a pipeline run: one local stage worker per "
+        "stage, the run's own batch), open auth on 127.0.0.1, state in a temporary directory; the "
+        "dashboard stays up until Ctrl-C",
     )
     trial.add_argument("--config", required=True, help="the run's configuration (TOML; relay-server init writes one)")
     trial.add_argument("--steps", type=int, help="stop after this many optimizer steps (default: run until Ctrl-C)")
     trial.add_argument(
         "--target-batch",
         type=int,
-        default=16,
-        help="global batch per step (default 16; the run's own target_batch is for the real collaboration)",
+        help="global batch per step (default 16, a pipeline run's own; the run's own target_batch is for the "
+        "real collaboration)",
     )
-    trial.add_argument("--batch-size", type=int, default=8, help="the local peer's micro-batch (default 8)")
+    trial.add_argument(
+        "--batch-size", type=int, help="the local peer's micro-batch (default 8, a pipeline run's own microbatch_size)"
+    )
     trial.add_argument(
         "--threads",
         type=int,
         default=max(1, (os.cpu_count() or 2) // 2),
-        help="the local peer's CPU threads (default: half of this machine's cores)",
+        help="the local peers' CPU threads, shared by a pipeline run's stage workers (default: half of this "
+        "machine's cores)",
     )
     trial.add_argument(
         "--port",
@@ -274,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
 def _trial(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps} (leave it out to run until Ctrl-C)")
-    if min(args.target_batch, args.batch_size, args.threads) < 1:
+    if min(args.target_batch or 1, args.batch_size or 1, args.threads) < 1:
         raise ConfigError("--target-batch, --batch-size and --threads must be at least 1")
-    from relay_server.demo import run_trial
+    from relay_server.trial import run_trial
 
     return run_trial(
         args.config,

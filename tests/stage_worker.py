@@ -179,7 +179,9 @@ def main() -> int:
         client.login(os.environ[args.hf_token_env])
     run = client.get_run()
     membership = Membership(
-        client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}), what="stage worker"
+        client,
+        JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}, precision=run.precision or None),
+        what="stage worker",
     )
     peer_id = membership.join().peer_id
     size = int(run.pipeline["microbatch_size"])
@@ -217,7 +219,7 @@ def main() -> int:
 
     kind = HOSTILE[args.hostile](Logged, args.relay, log) if args.hostile else Logged
     worker = kind(membership, run, data(run, size, args.seed), on_first=on_first)
-    log(event="joined", peer_id=peer_id, step=client.get_state().step)
+    log(event="joined", peer_id=peer_id, step=client.get_state().step, precision=worker.precision.name)
 
     def until() -> bool:
         return client.get_state().step >= args.until_step or time.monotonic() - started > args.max_seconds

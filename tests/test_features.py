@@ -77,3 +77,12 @@ def test_two_features_may_not_both_decide_when_rounds_open() -> None:
     other = Feature(name="b", section="b", enabled=lambda config: True, opening=lambda config: RoundsElsewhere())
     with pytest.raises(ValueError, match="each decide when rounds open"):
         FeatureSet((rule, other)).opening(run())
+
+
+def test_the_pipeline_keeps_its_own_parameters_and_the_collaboration_names_no_mode() -> None:
+    """A relay restarted on a pipeline run resumes each stage from its owner's store; the
+    collaboration learns that from the feature, not by reading ``[pipeline]``."""
+    assert FEATURES.keep_parameters(run(pipeline=True))
+    assert not FEATURES.keep_parameters(run()) and not FEATURES.keep_parameters(run(mode="local_sgd"))
+    collaboration = (APP.parents[1] / "collaboration" / "machine.py").read_text()
+    assert "config.pipeline" not in collaboration

@@ -23,8 +23,14 @@ import requests
 from relay_server.core.config import ConfigError, load_config
 from relay_server.harness.process import wait_until
 from tests.support.peers import TOKENS, hf_relay, standin
-from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
-from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC
+from tests.support.pipeline import (
+    accepted_batches,
+    layers_per_stage,
+    pipeline_overrides,
+    relative_difference,
+    replay,
+)
+from tests.support.pipeline_models import BYTE_SPEC, GPT2_DROPOUT_SPEC, GPT2_SPEC
 from tests.support.processes import merged, write_config
 from tests.support.training import relay_params
 from toolkit.client import RelayClient
@@ -37,8 +43,11 @@ WIDE_BYTE_SPEC = dataclasses.replace(BYTE_SPEC, kwargs={**BYTE_SPEC.kwargs, "d_m
 MICROBATCHES = 4
 
 
-def train(serve_relay, launch_stage_worker, spec, *, stages: int, steps: int = STEPS, extra=()):
-    relay = serve_relay(pipeline_overrides(spec, stages=stages, microbatches=MICROBATCHES))
+def train(serve_relay, launch_stage_worker, spec, *, stages: int, steps: int = STEPS, extra=(), precision: str = ""):
+    overrides = pipeline_overrides(spec, stages=stages, microbatches=MICROBATCHES)
+    if precision:
+        overrides["run"]["precision"] = precision
+    relay = serve_relay(overrides)
     _, initial = relay_params(relay.url)
     workers = [
         launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=steps, extra=extra) for i in range(2 * stages)
@@ -46,11 +55,21 @@ def train(serve_relay, launch_stage_worker, spec, *, stages: int, steps: int = S
     return relay, initial, workers
 
 
-def check_exact(relay, spec, initial, workers, steps: int) -> float:
+def check_exact(relay, spec, initial, workers, steps: int, precision: str = "") -> float:
+    """How far the run's parameters are from one process training on the same batches with the
+    same dropout masks (and under the same autocast)."""
     for worker in workers:
         assert worker.wait(timeout_s=240) in (0, -signal.SIGKILL), worker.log_path.read_text()[-3000:]
     step, final = relay_params(relay.url, min_step=steps)
-    reference = replay(spec, initial, accepted_batches(workers), steps=step, microbatches=MICROBATCHES)
+    reference = replay(
+        spec,
+        initial,
+        accepted_batches(workers),
+        steps=step,
+        microbatches=MICROBATCHES,
+        layers=layers_per_stage(relay.url),
+        precision=precision,
+    )
     return relative_difference(final, reference)
 
 
@@ -58,17 +77,50 @@ def check_exact(relay, spec, initial, workers, steps: int) -> float:
     "model,spec,stages",
     [
         ("byte", BYTE_SPEC, 3),
-        ("gpt2", GPT2_SPEC, 2),
+        ("gpt2-dropout", GPT2_DROPOUT_SPEC, 2),
+        ("gpt2-dropout", GPT2_DROPOUT_SPEC, 3),
         pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
-        pytest.param("gpt2", GPT2_SPEC, 3, marks=pytest.mark.slow),
+        pytest.param("gpt2", GPT2_SPEC, 2, marks=pytest.mark.slow),  # (dropout 0: a special case of the above)
     ],
 )
 def test_pipeline_equals_one_process(serve_relay, launch_stage_worker, model, spec, stages):
     """K stages, 2 workers each, staleness 0, 5 steps: the parameters equal one process on the
-    same global batches, and every stage's every round counted exactly the batch."""
+    same global batches -- for GPT-2 with its default dropout, drawing the same masks (each
+    micro-batch's forward on stage k seeded by (micro-batch, k), the recomputed backward replaying
+    it, on whichever worker it runs) -- and every stage's every round counted exactly the batch."""
     relay, initial, workers = train(serve_relay, launch_stage_worker, spec, stages=stages, steps=EXACT_STEPS)
     assert check_exact(relay, spec, initial, workers, EXACT_STEPS) <= 1e-5
     assert counted(relay) == [[2 * MICROBATCHES] * stages] * EXACT_STEPS
+    if model == "gpt2-dropout":  # the masks crossed workers: backwards replayed forwards they did not run
+        assert moved_backwards(workers) >= 1
+
+
+def moved_backwards(workers) -> int:
+    """Backwards (not of the last stage) accepted from another worker than their forward's: each
+    replayed the masks of a forward it did not run."""
+    ran: dict[tuple[str, int, int], set[str]] = {}
+    for worker in workers:
+        for e in worker.events():
+            if e["event"] == "accepted" and e["kind"] != "last":
+                step = "forward" if e["kind"] in ("first", "forward") else "backward"
+                ran.setdefault((step, e["stage"], e["microbatch"]), set()).add(worker.name)
+    return sum(
+        1 for (step, k, m), names in ran.items() if step == "backward" and names != ran.get(("forward", k, m), names)
+    )
+
+
+def test_a_pinned_precision_is_the_stage_workers_precision(serve_relay, launch_stage_worker):
+    """``run.precision = "bf16"`` on a pipeline run: every stage worker computes its forwards and
+    recomputed backwards under bf16 autocast (the dropout masks replayed as in fp32), so the
+    parameters equal one process under the same autocast with the same masks, and are measurably
+    not the fp32 run's."""
+    spec, steps = GPT2_DROPOUT_SPEC, 3
+    relay, initial, workers = train(serve_relay, launch_stage_worker, spec, stages=2, steps=steps, precision="bf16")
+    difference = check_exact(relay, spec, initial, workers, steps, precision="bf16")
+    assert difference <= 1e-5, difference
+    assert {e["precision"] for w in workers for e in w.events() if e["event"] == "joined"} == {"bf16"}
+    assert check_exact(relay, spec, initial, workers, steps) > 100 * max(difference, 1e-7)
+    assert counted(relay) == [[2 * MICROBATCHES] * 2] * steps
 
 
 def counted(relay) -> list[list[int]]:

@@ -10,6 +10,8 @@ what cannot be cut is refused in one line that says what to do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -17,11 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from relay_server.rounds.master import layout_of
-from tests.support.pipeline_models import SPECS, batch_for, run_pipeline, worst_relative
+from tests.support.pipeline_models import GPT2_DROPOUT_SPEC, SPECS, batch_for, run_pipeline, run_tasks, worst_relative
 from toolkit.errors import ModelMismatch
 from toolkit.models import build_model, loss_of
 from toolkit.models.flat import flatten
-from toolkit.pipeline import build_stage, cut_stages, pipeline_units, units_of
+from toolkit.pipeline import build_stage, compute, cut_stages, pipeline_units, units_of
+from toolkit.pipeline.compute import pipeline_masks
+from toolkit.runtime.precision import LossScaler
 from toolkit.wire.protocol import ModelSpec
 
 ALLOCATIONS = [[1, 3], [3, 1], [1, 2, 1], [2, 1, 1]]
@@ -287,3 +291,97 @@ def test_a_batch_the_stages_cannot_honour_is_refused(name: str, change, words: s
         first.inputs(bad)
         last.loss(first(first.inputs(good)), bad)
     assert words in one_line(info)
+
+
+# --- dropout and precision: what the stage worker's tasks compute ------------------------------------
+def dropout_stages(layers: list[int]) -> tuple[torch.nn.Module, list]:
+    """GPT-2 with its default dropout (in training mode) and its stages, loaded from its vector."""
+    torch.manual_seed(0)
+    model = build_model(GPT2_DROPOUT_SPEC)
+    flat = flatten(model)
+    stages = [build_stage(GPT2_DROPOUT_SPEC, cut) for cut in cut_stages(pipeline_units(model), layers)]
+    for stage in stages:
+        stage.load_flat(flat[stage.cut.start : stage.cut.end])
+    return model, stages
+
+
+def masked_reference(
+    model: torch.nn.Module, layers: list[int], batch, microbatch: int, policy=compute.FP32, *, samples: int = 1
+) -> tuple[float, torch.Tensor]:
+    """The whole model's loss and flat gradient (of ``samples`` x the loss) with the masks the
+    pipeline's tasks draw for ``microbatch`` (:func:`toolkit.pipeline.compute.pipeline_masks`)."""
+    model.zero_grad()
+    with pipeline_masks(model, layers, microbatch), policy.autocast():
+        loss = loss_of(model, batch)
+    scale = policy.scaler.scale if policy.scaler is not None else 1.0  # fp16: loss-scaled as the stages are
+    (loss * samples * scale).backward()
+    return float(loss.detach()), torch.cat([p.grad.reshape(-1) / scale for p in model.parameters()])
+
+
+@pytest.mark.parametrize("layers", [[2, 2], [1, 2, 1]], ids=lambda layers: "-".join(map(str, layers)))
+def test_dropout_masks_are_replayed_by_the_recomputed_backward(layers: list[int]) -> None:
+    """GPT-2 with dropout 0.1: forwards as tasks (no graph), backwards recomputed from the stored
+    inputs, whatever the worker's generators held before each task, give the whole model's loss
+    and gradients with the pipeline's masks to 1e-5; those masks are real dropout (another
+    micro-batch's masks give other gradients, far from it)."""
+    model, stages = dropout_stages(layers)
+    assert model.config.attn_pdrop == model.config.resid_pdrop == model.config.embd_pdrop == 0.1
+    batch = batch_for("gpt2", torch.Generator().manual_seed(6))
+    for microbatch in (0, 7):
+        want_loss, want = masked_reference(model, layers, batch, microbatch, samples=2)
+        torch.manual_seed(1234 + microbatch)  # the worker's own generators: nothing of them may matter
+        loss, grads = run_tasks(stages, batch, microbatch, samples=2)
+        assert abs(loss - want_loss) <= TOLERANCE * abs(want_loss)
+        assert worst_relative(torch.cat(grads), want) <= TOLERANCE
+    _, other = masked_reference(model, layers, batch, 8, samples=2)
+    cosine = torch.nn.functional.cosine_similarity(other, want, dim=0)
+    assert worst_relative(other, want) > 0.05 and cosine < 0.99, (worst_relative(other, want), cosine)
+
+
+def test_the_task_seed_is_one_per_stage_and_micro_batch_and_the_same_everywhere() -> None:
+    seeds = {compute.stage_seed(m, k) for m in range(64) for k in range(8)}
+    assert len(seeds) == 64 * 8 and all(0 <= s < 2**63 for s in seeds)
+    # pinned: a hash of the ids (never Python's per-process salted hash()), and a change of it
+    # would make workers of two toolkit versions draw different masks for one task
+    assert compute.stage_seed(3, 1) == 1684389169619866894
+
+
+def test_a_task_leaves_the_workers_generators_as_they_were() -> None:
+    _, stages = dropout_stages([2, 2])
+    batch = batch_for("gpt2", torch.Generator().manual_seed(7))
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    run_tasks(stages, batch, 5)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_stage_tasks_compute_in_the_runs_precision_with_the_same_masks(name: str) -> None:
+    """A pinned bf16 or fp16 run: the stages' forwards and their recomputations run under the
+    policy's autocast, the fp16 backward loss-scaled by the worker's scaler and unscaled before
+    leaving it; equal to the whole model under the same autocast with the same masks, and
+    measurably not fp32."""
+    layers = [2, 2]
+    model, stages = dropout_stages(layers)
+    batch = batch_for("gpt2", torch.Generator().manual_seed(8))
+    policy = compute.stage_precision(name, "cpu")
+    assert policy.name == name and (policy.scaler is not None) == (name == "fp16")
+    _, grads = run_tasks(stages, batch, 3, policy)
+    _, want = masked_reference(model, layers, batch, 3, policy)  # fp16: at the scale the stages ended at
+    _, fp32 = masked_reference(model, layers, batch, 3)
+    got = torch.cat(grads)
+    assert worst_relative(got, want) <= TOLERANCE
+    assert worst_relative(got, fp32) > 1e-4  # fp16 and bf16 round at 2^-11 and 2^-8: autocast ran
+
+
+def test_an_fp16_overflow_recomputes_the_backward_at_a_lower_scale() -> None:
+    """An fp16 backward that overflows is not dropped (the relay counts every micro-batch): the
+    scale halves and the same backward, same masks, is recomputed until it is finite."""
+    _, stages = dropout_stages([2, 2])
+    batch = batch_for("gpt2", torch.Generator().manual_seed(9))
+    calm = compute.stage_precision("fp16", "cpu")
+    _, want = run_tasks(stages, batch, 4, calm)
+    hot = dataclasses.replace(calm, scaler=LossScaler(init_scale=2.0**40))
+    _, got = run_tasks(stages, batch, 4, hot)
+    assert hot.scaler.overflows >= 1 and hot.scaler.scale < 2.0**40
+    assert worst_relative(torch.cat(got), torch.cat(want)) <= TOLERANCE

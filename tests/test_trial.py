@@ -164,3 +164,75 @@ def test_a_model_the_peer_cannot_train_is_explained_by_the_trial(tmp_path: Path)
     assert "all peers exited early; the end of peer-0's log:" in err and "has no attribute 'loss'" in err, err
     assert "untrusted_model" not in err
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 0
+
+
+PIPELINE_TOML = REPO / "relay_server/defaults/pipeline-tiny.toml"
+PIPELINE_STEP = re.compile(
+    r"^step\s+(\d+)\s+loss (\S+)\s+.*\(applied (\d+) of target (\d+) samples from (\d+) peers", re.M
+)
+
+
+def test_trial_of_a_pipeline_config_starts_a_worker_per_stage_and_keeps_its_batch() -> None:
+    """The organizer's pipeline run as shipped (2 stages, 4 micro-batches of 4): the trial starts
+    one local stage worker per stage, keeps the batch shape (saying so), states the predicted
+    memory, and makes the 3 steps asked for, each applying exactly the run's batch."""
+    proc = trial("--config", str(PIPELINE_TOML), "--steps", "3", "--threads", "2")
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    assert "pipeline:  2 stages (layers [2, 2]); the trial starts one local stage worker per stage" in out, out
+    assert "workers:   2 CPU processes (1 thread each), stops after 3 steps" in out, out
+    assert (
+        "batch:     the run's own: 4 micro-batches of 4 = target batch 16 (unchanged; --batch-size / "
+        "--target-batch change it)"
+    ) in out, out
+    assert re.search(r"^memory:    predicted \d+ MiB in all \(workers \d+, \d+ MiB, relay \d+ MiB\)", out, re.M), out
+    steps = [(int(m[1]), int(m[3]), int(m[4]), int(m[5])) for m in PIPELINE_STEP.finditer(out)]
+    assert [s[0] for s in steps] == [1, 2, 3], out
+    assert all(applied == target == 16 and peers == 2 for _, applied, target, peers in steps), out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and summary["peers"] == 2
+
+
+def test_a_pipeline_trial_says_what_it_changed_and_refuses_a_batch_it_cannot_cut() -> None:
+    """``--batch-size`` / ``--target-batch`` on a pipeline run change its shape, in the header's
+    words; a batch that is no whole number of micro-batches is one line, before anything starts."""
+    from relay_server.trial import pipeline_batch
+
+    assert pipeline_batch(4, 4, None, 2)[:2] == (2, 8)
+    size, count, line = pipeline_batch(4, 4, 32, None)
+    assert (size, count) == (4, 8)
+    assert line == (
+        "batch:     8 micro-batches of 4 = target batch 32 (changed by --target-batch 32; the run's own, "
+        "4 micro-batches of 4 = 16, is for the collaboration)"
+    )
+    proc = trial("--config", str(PIPELINE_TOML), "--steps", "1", "--target-batch", "10")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert err.strip().splitlines() == [
+        "relay-server: configuration error: --target-batch 10 is not a whole number of micro-batches of 4 (a "
+        "pipeline batch is pipeline.microbatch_size x pipeline.microbatches_per_batch): pick a multiple of 4"
+    ], err
+    assert "relay:" not in out
+
+
+def test_a_pipeline_too_large_for_this_machine_is_one_line(tmp_path: Path, capsys) -> None:
+    """A pipeline whose predicted memory (its workers and relay together, 38B parameters here)
+    exceeds what this machine has: the trial says so in one line, before any process or relay
+    starts (the model is only ever built on the meta device)."""
+    config = tmp_path / "huge.toml"
+    config.write_text(
+        PIPELINE_TOML.read_text()
+        .replace(
+            "d_model = 128, n_layer = 4, n_head = 4, d_ff = 512",
+            "d_model = 8192, n_layer = 48, n_head = 64, d_ff = 32768",
+        )
+        .replace("port = 8750", "port = 0")
+    )
+    assert main(["trial", "--config", str(config), "--steps", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert not out
+    [line] = err.strip().splitlines()
+    assert line.startswith(
+        "relay-server: configuration error: the trial cannot run this pipeline here: its 2 stage workers "
+    ), line
+    assert "MiB available: try it on a machine with more memory" in line, line

@@ -140,6 +140,7 @@ class Membership:
         join's answer is returned either way)."""
         with self._lock:
             if self.peer_id != lost or self.joined is None:
+                # None only before the first join(), and nothing can be lost before it
                 return self.joined  # type: ignore[return-value]
             log.warning("the relay no longer knows this %s; joining again", self.what)
             joined = self._join(client)

@@ -244,7 +244,7 @@ class SignedAuth(requests.auth.AuthBase):
         body_sha256 = _body_sha256(r)
         timestamp = str(int(self.clock() + access.clock_offset_s))
         nonce = b64u(os.urandom(16))
-        content_type = r.headers.get("Content-Type", "")
+        content_type = _header(r, "Content-Type")
         message = request_message(
             access.claims.relay_key_id, r.method or "GET", r.path_url, content_type, timestamp, nonce, body_sha256
         )
@@ -277,6 +277,13 @@ class _ResponseCheck:
         return response
 
 
+def _header(r: requests.PreparedRequest, name: str) -> str:
+    """A request header as the relay will read it: requests sends a bytes value as it is, and
+    aiohttp decodes it as UTF-8 with surrogateescape (so the signed message has the same bytes)."""
+    value = r.headers.get(name, "")
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else value
+
+
 def _body_sha256(r: requests.PreparedRequest) -> str:
     body = r.body
     if body is None:
@@ -290,7 +297,7 @@ def _body_sha256(r: requests.PreparedRequest) -> str:
             ) from None
     if isinstance(body, (bytes, bytearray, memoryview)):
         return hashlib.sha256(body).hexdigest()
-    claimed = r.headers.get(BODY_SHA256_HEADER, "")
+    claimed = _header(r, BODY_SHA256_HEADER)
     if not _HEX64_RE.fullmatch(claimed):
         raise AuthError(
             "unsignable_body",

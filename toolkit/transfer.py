@@ -8,9 +8,10 @@ Pure functions of tensors and container headers; :mod:`toolkit.client` sends and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 import urllib3
@@ -19,7 +20,7 @@ from toolkit.errors import ProtocolError
 from toolkit.wire.auth import container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec, apply_delta
 from toolkit.wire.protocol import GradientMeta, PlanSlice, SliceDigest
-from toolkit.wire.tensor_container import encoded_size, iter_encoded, peek_header, read_container
+from toolkit.wire.tensor_container import Header, encoded_size, iter_encoded, peek_header, read_container
 
 # What reading a body can raise when its connection is cut (requests' exceptions are OSErrors too).
 BODY_ERRORS: tuple[type[BaseException], ...] = (urllib3.exceptions.HTTPError, OSError)
@@ -61,7 +62,7 @@ class SizedBody:
     def __len__(self) -> int:
         return self.size
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[memoryview | bytes]:
         return iter_encoded(self.tensors, self.metadata)
 
 
@@ -80,7 +81,7 @@ class StreamingHash:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="collab-hash")
         self._pending: list[memoryview] = []
         self._pending_bytes = 0
-        self._last: Future | None = None
+        self._last: Future[None] | None = None
 
     def __call__(self, view: memoryview) -> None:
         self._pending.append(view)
@@ -107,14 +108,14 @@ class StreamingHash:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _update_all(sha, views: list[memoryview]) -> None:
+def _update_all(sha: hashlib._Hash, views: list[memoryview]) -> None:
     for view in views:
         sha.update(view)
 
 
 def read_params(
-    stream,
-    header,
+    stream: BinaryIO,
+    header: Header,
     out: np.ndarray,
     have: int | None,
     codec: Codec | None,
@@ -135,7 +136,7 @@ def read_params(
     return True
 
 
-def read_hashed(stream, header, out: np.ndarray, have: int | None, codec: Codec | None) -> str:
+def read_hashed(stream: BinaryIO, header: Header, out: np.ndarray, have: int | None, codec: Codec | None) -> str:
     """:func:`read_params`, then the sha256 of ``out`` (the parameters the peer now holds), to be
     compared with the hash the relay signed: computed while a whole body arrives, over the
     result after a delta."""
@@ -145,11 +146,11 @@ def read_hashed(stream, header, out: np.ndarray, have: int | None, codec: Codec 
     except BaseException:
         streaming.close()
         raise
-    return streaming.hexdigest() if whole else hashlib.sha256(memoryview(out).cast("B")).hexdigest()
+    return streaming.hexdigest() if whole else hashlib.sha256(out.data.cast("B")).hexdigest()
 
 
 def read_checked_params(
-    stream, headers: Mapping[str, str], out: np.ndarray, have: int | None, codec: Codec | None
+    stream: BinaryIO, headers: Mapping[str, str], out: np.ndarray, have: int | None, codec: Codec | None
 ) -> int:
     """Read a parameters answer into ``out`` and check it: its length against Content-Length and
     the result against the published ``X-Collab-Sha256``. A connection cut mid-body, or anything

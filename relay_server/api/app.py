@@ -394,7 +394,9 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     set_upload_memory(config.server.upload_memory_mb << 20)
     store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
     observers = ObserverThread(build_observers(config))
-    collab = await asyncio.to_thread(Collaboration, config, store, observers, FEATURES.opening(config))
+    collab = await asyncio.to_thread(
+        Collaboration, config, store, observers, FEATURES.opening(config), FEATURES.keep_parameters(config)
+    )
     app[COLLAB] = collab
     collab.backbone.attach(read_token(token_path(config)))  # written by build_admin: calls to aggregators carry it
     await collab.start()

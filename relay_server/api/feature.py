@@ -47,6 +47,12 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
+class Takeover(Protocol):
+    """A feature's handler of a core route: the request, and its running service by keyword."""
+
+    def __call__(self, request: web.Request, *, service: Any) -> Awaitable[web.StreamResponse]: ...
+
+
 @dataclass(frozen=True)
 class PeerPlaces:
     """What a feature knows of peers that the registry does not: the experts each host serves,
@@ -65,7 +71,7 @@ class Feature:
     """Its ``RelayConfig`` section (``[moe]``, ``[pipeline]``...), whose ``checks()`` the config
     runs when it loads (:mod:`relay_server.core.config`): a run that cannot combine fails there."""
     enabled: Callable[[RelayConfig], bool]
-    key: web.AppKey | None = None
+    key: web.AppKey[Any] | None = None
     """Where the running service lives in the app (absent: the run does not enable it)."""
     build: Callable[[RelayConfig, Collaboration], Awaitable[Service]] | None = None
     """The service, from the config and the collaboration's shared services (store, backbone,
@@ -78,7 +84,7 @@ class Feature:
     container_limits: Mapping[tuple[str, str], Callable[[Any], int]] = field(default_factory=dict)
     """(method, path) whose body is a streamed container -> its byte limit given the service
     (None when the run does not enable the feature)."""
-    takeovers: Mapping[str, Callable[[web.Request, Any], Awaitable[web.StreamResponse]]] = field(default_factory=dict)
+    takeovers: Mapping[str, Takeover] = field(default_factory=dict)
     """Core route name (:data:`TAKEOVERS`) -> the handler that serves it for this feature's service."""
     opening: Callable[[RelayConfig], OpeningRule] | None = None
     """When the collaboration's rounds open on a run that enables it (at most one enabled feature
@@ -86,6 +92,9 @@ class Feature:
     status: Callable[[Any], dict[str, Any]] | None = None
     """The ``StatusReport`` fields its dashboard panel reads, from the service."""
     places: Callable[[Any], PeerPlaces] | None = None
+    keeps_parameters: bool = False
+    """Its service keeps the run's parameters across relay restarts (the pipeline's stage owners
+    each resume from their own store): the collaboration then restores no version of its own."""
 
 
 RUNNING = web.AppKey("features", dict)
@@ -119,6 +128,10 @@ class FeatureSet:
             raise ValueError(f"features {[name for name, _ in rules]} each decide when rounds open: enable one")
         return rules[0][1] if rules else None
 
+    def keep_parameters(self, config: RelayConfig) -> bool:
+        """Whether an enabled feature keeps the run's parameters itself (:attr:`Feature.keeps_parameters`)."""
+        return any(f.keeps_parameters and f.enabled(config) for f in self.features)
+
     def container_limits(self, app: web.Application) -> dict[tuple[str, str], Callable[[], int]]:
         """Each streamed-container route -> its byte limit now (from the running service, or
         what the feature allows while the run does not enable it)."""
@@ -133,7 +146,9 @@ class FeatureSet:
         takes over; stop them in reverse order."""
         config, running, taken, started = app[CONFIG], app[RUNNING], app[TAKEN_OVER], []
         try:
-            for feature in (f for f in self.features if f.enabled(config) and f.build is not None):
+            for feature in self.features:
+                if feature.build is None or not feature.enabled(config):
+                    continue
                 service = await feature.build(config, app[COLLAB])
                 if service is None:
                     continue

@@ -142,7 +142,11 @@ async def post_done(request: web.Request) -> web.Response:
 
 
 async def get_status(request: web.Request) -> web.Response:
-    return json_ok(pipeline_status(_pipeline(request)))
+    """The Pipeline panel's figures, and the memory the relay and each stage's worker are
+    predicted to need (``memory``: every term, :mod:`relay_server.pipeline.run_memory`)."""
+    body = pipeline_status(_pipeline(request)).to_json()
+    body["memory"] = request.app[PIPELINE].memory.to_json()
+    return json_ok(body)
 
 
 async def put_stage_gradient(
@@ -248,4 +252,5 @@ FEATURE = Feature(
     status=lambda service: {"pipeline": pipeline_status(service.coordinator).to_json()},
     places=_places,
     opening=lambda config: RoundsElsewhere(),
+    keeps_parameters=True,
 )  # a round opens when the batch is complete (the coordinator's)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from relay_server.auth.identity import HfIdentityVerifier
 from relay_server.auth.relay_key import RelayKey
@@ -140,7 +141,7 @@ class LoginService:
             )
         return _json(self.refresh(claims))
 
-    def routes(self) -> list[tuple[str, str, Callable]]:
+    def routes(self) -> list[tuple[str, str, Handler]]:
         """Route table entries; LOGIN_ROUTE must be public, REFRESH_ROUTE must not."""
         return [("POST", LOGIN_ROUTE, self.handle_login), ("POST", REFRESH_ROUTE, self.handle_refresh)]
 

@@ -127,7 +127,7 @@ class HfIdentityVerifier:
         if not self._slots.acquire(blocking=False):
             raise AuthRejected(503, "login_busy", "too many logins in progress", "Retry in a few seconds.")
         loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        done: asyncio.Future[tuple[Any, BaseException | None]] = loop.create_future()
 
         def work() -> None:
             try:
@@ -157,7 +157,9 @@ class HfIdentityVerifier:
         return info
 
 
-def _settle(future: asyncio.Future, outcome: tuple[Any, BaseException | None]) -> None:
+def _settle(
+    future: asyncio.Future[tuple[Any, BaseException | None]], outcome: tuple[Any, BaseException | None]
+) -> None:
     if not future.done():
         future.set_result(outcome)
 

@@ -12,6 +12,8 @@ import hmac
 import struct
 from collections.abc import Iterable, Mapping
 
+from aiohttp import StreamReader
+
 from relay_server.auth.rejections import _reject
 from toolkit.errors import ProtocolError
 from toolkit.wire.auth import CHUNK_BYTES_KEY, CHUNK_SHA256_KEY, segment_lengths, unb64u
@@ -74,7 +76,7 @@ class VerifiedBodyStream:
     already read by the middleware, then the data in digest segments, each read whole and checked
     before any byte of it is returned. Memory: one segment (4 MiB by default)."""
 
-    def __init__(self, stream, head: bytes, digests: ChunkDigests) -> None:
+    def __init__(self, stream: StreamReader, head: bytes, digests: ChunkDigests) -> None:
         self._stream, self.digests = stream, digests
         self._pending = memoryview(head)  # verified bytes not yet handed out
         self._index = 0  # next segment to read from the wire
@@ -101,7 +103,7 @@ class VerifiedBodyStream:
         return data
 
 
-async def read_container_head(stream) -> bytes:
+async def read_container_head(stream: StreamReader) -> bytes:
     """The 8 + N header bytes of a container, N bounded by MAX_HEADER."""
     try:
         prefix = await stream.readexactly(8)

@@ -27,8 +27,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -61,7 +63,7 @@ from toolkit.wire.tensor_container import MAX_HEADER
 log = logging.getLogger(__name__)
 
 
-def _request_key(name: str, tp: type):
+def _request_key(name: str, tp: type) -> Any:
     """A typed request key where aiohttp has them (3.13+), the plain name before."""
     return web.RequestKey(name, tp) if hasattr(web, "RequestKey") else name
 
@@ -302,7 +304,7 @@ def auth_middleware(
     container_limit: Callable[[], int] = lambda: 0,
     binary_routes: Iterable[tuple[str, str]] = (),
     container_limits: Mapping[tuple[str, str], Callable[[], int]] | None = None,
-):
+) -> Middleware:
     """Require a signed request on every route except ``public_paths`` (where a request that
     carries a pass is still verified, so a logged-in peer gets signed answers everywhere).
 
@@ -326,7 +328,7 @@ def auth_middleware(
     limits = dict.fromkeys(containers, container_limit) | dict(container_limits or {})
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
         if resource is None or (resource.canonical in public and PASS_HEADER not in request.headers):
             return await handler(request)  # public, and not signed: observers and not-yet-logged-in peers

@@ -77,9 +77,13 @@ class Collaboration:
         store: Store,
         observers: ObserverThread | None = None,
         opening: OpeningRule | None = None,
+        parameters_kept_elsewhere: bool = False,
     ) -> None:
         """``opening``: when rounds open, as the run's mode plugs it in (default: sync's target
-        batch, :class:`~relay_server.collaboration.opening.TargetBatch`)."""
+        batch, :class:`~relay_server.collaboration.opening.TargetBatch`).
+        ``parameters_kept_elsewhere``: a feature keeps the run's parameters and resumes them from
+        its own store after a restart (the pipeline's stage owners), so the collaboration restores
+        no version of its own; a fresh run still writes version 0 here."""
         self.config, self.store = config, store
         self.observers = observers or ObserverThread([])
         self.run_cfg, self.rounds_cfg = config.run, config.rounds
@@ -105,8 +109,8 @@ class Collaboration:
         step = store.latest_step()
         manifest = store.get_meta("manifest") if step is not None else None
         self._resume: tuple[int, ParamsManifest] | None = None
-        if config.pipeline.enabled and step is not None:
-            pass  # every stage resumes from its own store (relay_server.pipeline.stage_owners)
+        if parameters_kept_elsewhere and step is not None:
+            pass  # the feature that keeps them resumes them (the pipeline: relay_server.pipeline.stage_owners)
         elif manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
             self._resume = (step, ParamsManifest.loads(manifest))
         elif step is not None:

@@ -81,7 +81,7 @@ class Acceptor:
         self.guard, self.sock, self.factory = guard, sock, factory
         self.loop = asyncio.get_running_loop()
         self.failed, self._logged, self._closed = 0, 0.0, False
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         if not self._closed:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -63,10 +64,10 @@ from relay_server.core.service_config import (
 from relay_server.core.training_config import ModelSection, OptimizerSection, RoundsSection, RunSection
 from relay_server.core.typed import ConfigError, build_section, path_settings, set_setting
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10 (some TPU VMs): the same parser from PyPI
+    import tomli as tomllib
 
 __all__ = [
     "AdminSection",

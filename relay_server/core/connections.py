@@ -37,8 +37,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from relay_server.core.accept import RETRY_AFTER_S, Acceptor, open_descriptors, raise_descriptor_limit, shut
 from relay_server.core.client_address import forwarded_client, is_loopback
@@ -110,7 +112,7 @@ class _Conn:
         self.transport, self.address = transport, address  # the socket's peer: what TCP-level caps count
         self.idle_since = self.last_bytes = now
         self.request: web.BaseRequest | None = None
-        self.task: asyncio.Task | None = None  # a GET's handler: cancelled if its client goes away
+        self.task: asyncio.Task[Any] | None = None  # a GET's handler: cancelled if its client goes away
 
 
 class _GuardedProtocol(asyncio.Protocol):
@@ -119,9 +121,11 @@ class _GuardedProtocol(asyncio.Protocol):
     __slots__ = ("_guard", "_inner", "_conn")
 
     def __init__(self, guard: "ConnectionGuard", inner: asyncio.Protocol) -> None:
-        self._guard, self._inner, self._conn = guard, inner, None
+        self._guard, self._inner = guard, inner
+        self._conn: _Conn | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # a listening socket's protocol gets a Transport; asyncio.Protocol declares the base class
         self._conn = self._guard.admit(transport)  # type: ignore[arg-type]
         if self._conn is not None:
             self._inner.connection_made(transport)
@@ -270,7 +274,8 @@ class ConnectionGuard:
 
     # --- requests --------------------------------------------------------------------------------
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # transport is None once the client left: it then finds no connection, as an unknown one would
         conn = self._conns.get(request.transport)  # type: ignore[arg-type]
         if conn is None:
             return await handler(request)

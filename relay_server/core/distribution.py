@@ -144,7 +144,7 @@ def _metadata_text(dist: metadata.Distribution) -> str:
     source, out = dist.metadata, Message()
     out["Metadata-Version"] = "2.1"
     for field in METADATA_FIELDS:
-        if source.get(field):
+        if field in source and source[field]:
             out[field] = source[field]
     for extra in source.get_all("Provides-Extra") or []:
         out["Provides-Extra"] = extra

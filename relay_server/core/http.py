@@ -10,8 +10,10 @@ import asyncio
 import errno
 import logging
 import re
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from relay_server.core.errors import ApiError
 from toolkit.errors import ProtocolError
@@ -87,12 +89,12 @@ def _disconnected(request: web.Request, exc: BaseException) -> bool:
     return gone and isinstance(exc, (OSError, asyncio.IncompleteReadError, EOFError))
 
 
-def json_ok(message: Schema | dict) -> web.Response:
+def json_ok(message: Schema | dict[str, Any]) -> web.Response:
     return web.json_response(message.to_json() if isinstance(message, Schema) else message)
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except asyncio.CancelledError:

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relay_server.core.typed import ConfigError
+
+if TYPE_CHECKING:  # service_config's sections hold no code this module needs at run time
+    from relay_server.core.service_config import HubSection
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
-def hub_endpoint(hub) -> str:
+def hub_endpoint(hub: HubSection) -> str:
     """``hub.endpoint``, else ``HF_ENDPOINT`` as the environment says now (huggingface_hub reads
     it once at import time, so we pass it explicitly), else the public Hub."""
     return (hub.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
-def hub_token(hub) -> str | None:
+def hub_token(hub: HubSection) -> str | None:
     return os.environ.get(hub.token_env) or None
 
 
@@ -40,7 +44,7 @@ def parse_repo(value: str, setting: str, *, pinned: bool) -> tuple[str, str | No
 
 
 def download_hub_file(
-    hub, value: str, filename: str, setting: str, *, pinned: bool = True, cache_dir: str | None = None
+    hub: HubSection, value: str, filename: str, setting: str, *, pinned: bool = True, cache_dir: str | None = None
 ) -> Path:
     """The local path of ``filename`` in the repo ``value`` (pinned to a revision unless
     ``pinned=False``); a ConfigError naming ``setting`` when the repo, revision or file is not there."""

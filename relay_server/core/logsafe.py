@@ -63,7 +63,11 @@ class SecretFilter(logging.Filter):
             record.exc_info, record.exc_text = None, None
             return True
         if isinstance(record.args, tuple):
-            record.args = tuple(printable(redact(a), 400) if isinstance(a, (str, bytes)) else a for a in record.args)
+            # bytes are redacted in their repr (a str pattern cannot search bytes: redact(bytes) raised here)
+            record.args = tuple(
+                printable(redact(a if isinstance(a, str) else repr(a)), 400) if isinstance(a, (str, bytes)) else a
+                for a in record.args
+            )
         return True
 
 

@@ -83,6 +83,24 @@ def _check_pipeline(config: Any) -> None:
             f"pipeline.layers_per_stage = {list(pipeline.layers_per_stage)} adds up to "
             f"{sum(pipeline.layers_per_stage)}, but the model has {units.num_layers} layers"
         )
+    if stages is None and pipeline.worker_memory_mb > 0:  # "auto": the count the relay will cut, or why none fits
+        _check_auto_stages(config, units)
+
+
+def _check_auto_stages(config: Any, units: Any) -> None:
+    """``stages = "auto"`` resolves as the relay will (:func:`toolkit.pipeline.worker_memory.auto_stage_count`
+    on the model measured on the meta device), so a worker memory that no cut fits is one line here."""
+    from toolkit.pipeline.stages import meta_model
+    from toolkit.pipeline.worker_memory import auto_stage_count, memory_model, sequence_length
+
+    spec = config.model.spec()
+    tokens = sequence_length(meta_model(spec))
+    try:
+        auto_stage_count(
+            memory_model(spec, units, config.pipeline.microbatch_size, tokens), config.pipeline.worker_memory_mb << 20
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_own_model(model: Any) -> None:

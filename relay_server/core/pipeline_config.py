@@ -28,8 +28,9 @@ class PipelineSection:
     ``worker_memory_mb`` (fewer stages, fewer boundaries through the relay)."""
     worker_memory_mb: int = 0
     """The accelerator memory the organizer expects every volunteer to have (e.g. 15000 for a
-    Colab T4); needed by ``stages = "auto"``. Workers report their own memory when they join; a
-    worker that cannot hold any stage is told so."""
+    Colab T4); needed by ``stages = "auto"``, which holds it against each worker's predicted
+    memory (parameters, gradients, activations, input cache: docs/pipeline.md). Workers report their
+    own memory when they join; a worker that cannot hold any stage is told so."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Layers of each stage, in order (empty: the planner allocates them by stage compute, or
     evenly before any worker was measured)."""

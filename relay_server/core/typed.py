@@ -23,12 +23,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import sys
+from types import GenericAlias
 from typing import Any, get_args, get_origin, get_type_hints
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10 (some TPU VMs): the same parser from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # Python 3.10 (some TPU VMs): the same parser from PyPI
+    import tomli as tomllib
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _PLURALS = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
@@ -60,7 +62,7 @@ def build_section(cls: type, raw: dict[str, Any], where: str) -> Any:
     values = {}
     for name, value in raw.items():
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{name} must be a table: write it as [{where}{name}]")
             values[name] = build_section(tp, value, f"{where}{name}.")
@@ -116,13 +118,13 @@ def check_value(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _check_items(items: list[Any], origin: type, args: tuple, where: str) -> Any:
+def _check_items(items: list[Any], origin: type, args: tuple[Any, ...], where: str) -> Any:
     if origin is list or (len(args) == 2 and args[1] is Ellipsis):
         item_tp = args[0] if args else Any
         checked = [check_value(v, item_tp, f"{where}[{i}]") for i, v in enumerate(items)]
         return checked if origin is list else tuple(checked)
     if len(items) != len(args):
-        raise ConfigError(f"{where} must be {describe(tuple[args])}, got {len(items)} value(s)")  # type: ignore[misc]
+        raise ConfigError(f"{where} must be {describe(GenericAlias(tuple, args))}, got {len(items)} value(s)")
     return tuple(check_value(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(items, args)))
 
 

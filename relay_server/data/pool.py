@@ -103,7 +103,7 @@ class ShardPool:
         self._granted: dict[str, dict[str, tuple[str, ShardKey]]] = {}  # peer -> source -> (request id, shard)
         self._reported: dict[str, str] = {}  # peer -> last report request id
         self._dirty: set[ShardKey] = set()
-        self._events: list[tuple] = []
+        self._events: list[tuple[Any, ...]] = []
         self._seq = first_seq
         self._log("", "", "", "start", 0)  # replaying the log: every lease before this one is gone
 
@@ -262,7 +262,7 @@ class ShardPool:
         return dict(self._held_by.get(peer_id, {}))
 
     # --- persistence -----------------------------------------------------------------------------
-    def take_changes(self) -> tuple[list[tuple], list[tuple]]:
+    def take_changes(self) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         """(coverage rows of changed shards, new lease-log events) since the last call."""
         rows = [
             (s.source, s.shard, s.samples, s.passes, s.rows, self.clock())
@@ -271,7 +271,7 @@ class ShardPool:
         events, self._events, self._dirty = self._events, [], set()
         return rows, events
 
-    def restore_changes(self, rows: list[tuple], events: list[tuple]) -> None:
+    def restore_changes(self, rows: list[tuple[Any, ...]], events: list[tuple[Any, ...]]) -> None:
         """Put back what a failed write took: the counts are absolute, so re-marking is enough."""
         self._dirty.update((r[0], r[1]) for r in rows)
         self._events[:0] = events
@@ -318,7 +318,7 @@ class ShardLedger:
     def last_seq(self) -> int:
         return int(self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM shard_events").fetchone()[0])
 
-    def write(self, rows: list[tuple], events: list[tuple]) -> None:
+    def write(self, rows: list[tuple[Any, ...]], events: list[tuple[Any, ...]]) -> None:
         """One transaction: absolute coverage rows (upserted) and new log events."""
         if not rows and not events:
             return
@@ -336,7 +336,7 @@ class ShardLedger:
             self.db.execute("ROLLBACK")
             raise
 
-    def events(self, since: int = 0) -> list[tuple]:
+    def events(self, since: int = 0) -> list[tuple[Any, ...]]:
         """The lease log after ``since``: (seq, at, source, shard, peer_id, event, leases)."""
         return self.db.execute("SELECT * FROM shard_events WHERE seq > ? ORDER BY seq", (since,)).fetchall()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import Any
 
 from relay_server.core.config import ConfigError, RelayConfig
@@ -19,7 +19,7 @@ from toolkit.data.objectives import SPECIAL_TOKENS
 MODELS = ("wordpiece", "bpe", "unigram")
 
 
-def training_texts(config: RelayConfig, *, max_texts: int | None = None) -> Iterator[str]:
+def training_texts(config: RelayConfig, *, max_texts: int | None = None) -> Generator[str, None, None]:
     """The run's text, at most ``max_texts`` documents."""
     kind = config.dataset.get("kind") or "demo_corpus"
     if kind == "demo_corpus":

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay_server.core.errors import ApiError
 from relay_server.core.moe_config import MoeSection
@@ -43,11 +44,11 @@ class Experts:
     known: frozenset[str] = frozenset()
     codec: Codec = field(default_factory=lambda: get_codec("none"))
     """How activations travel (``[moe] codec``), built once."""
-    calls: deque = field(default_factory=deque)
+    calls: deque[tuple[float, bool]] = field(default_factory=deque)
     """(monotonic time, failed) of the calls answered in the last minute: the dashboard's rates."""
     live_peers: Callable[[], Collection[str]] = frozenset
     """The registry's live peers: a host not among them loses its leases (:meth:`expire`)."""
-    ticker: asyncio.Task | None = None
+    ticker: asyncio.Task[None] | None = None
 
     @classmethod
     def create(
@@ -96,7 +97,7 @@ class Experts:
         while self.calls and now - self.calls[0][0] > RATE_WINDOW_S:
             self.calls.popleft()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         window = [c for c in self.calls if time.monotonic() - c[0] <= RATE_WINDOW_S]
         failed = sum(1 for _, f in window if f)
         return {

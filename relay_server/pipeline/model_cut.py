@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from relay_server.core.config import RelayConfig
-from relay_server.pipeline.plan import auto_stages, model_shape
+from relay_server.pipeline.plan import model_shape
 from relay_server.pipeline.results import Shapes
-from relay_server.pipeline.star_model import ModelShape, PipelineConfig, stage_memory
+from relay_server.pipeline.star_model import ModelShape, PipelineConfig
 from toolkit.pipeline.stages import cut_stages, meta_model, pipeline_units
+from toolkit.pipeline.worker_memory import StageMemoryModel, auto_stage_count, even_layers, memory_model
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,12 @@ class ModelCut:
     model: ModelShape
     """What the planner weighs (layers, parameters per layer, embeddings, head, boundary bytes)."""
     plan_config: PipelineConfig
+    memory: StageMemoryModel
+    """What a worker of each stage holds (:mod:`toolkit.pipeline.worker_memory`)."""
 
     def stage_bytes(self) -> list[int]:
-        """The memory a worker needs for each stage (:func:`.star_model.stage_memory`)."""
-        return [stage_memory(self.model, self.plan_config, k, len(self.layers), h) for k, h in enumerate(self.layers)]
-
-
-def even_layers(num_layers: int, num_stages: int) -> list[int]:
-    """Layers per stage as even as they go, the earlier stages taking the remainder."""
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if k < extra else 0) for k in range(num_stages)]
+        """The memory a worker needs for each stage, every term counted (:mod:`toolkit.pipeline.worker_memory`)."""
+        return [self.memory.worker_bytes(k, len(self.layers), h) for k, h in enumerate(self.layers)]
 
 
 def cut_model(config: RelayConfig) -> ModelCut:
@@ -50,7 +47,8 @@ def cut_model(config: RelayConfig) -> ModelCut:
         microbatches=cfg.microbatches_per_batch,
         rebalance_every_batches=max(1, cfg.rebalance_every_batches),
     )
-    stages = cfg.num_stages() or auto_stages(shape, plan_config, cfg.worker_memory_mb << 20)
+    memory = memory_model(config.model.spec(), units, cfg.microbatch_size, shapes.max_positions)
+    stages = cfg.num_stages() or auto_stage_count(memory, cfg.worker_memory_mb << 20)
     if stages > units.num_layers:
         raise ValueError(
             f"pipeline.stages = {stages}, but the model has {units.num_layers} layers: lower pipeline.stages"
@@ -58,7 +56,12 @@ def cut_model(config: RelayConfig) -> ModelCut:
     layers = list(cfg.layers_per_stage) or even_layers(units.num_layers, stages)
     cuts = cut_stages(units, layers)
     return ModelCut(
-        cuts=[(c.start, c.end) for c in cuts], layers=layers, shapes=shapes, model=shape, plan_config=plan_config
+        cuts=[(c.start, c.end) for c in cuts],
+        layers=layers,
+        shapes=shapes,
+        model=shape,
+        plan_config=plan_config,
+        memory=memory,
     )
 
 

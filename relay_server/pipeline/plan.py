@@ -2,10 +2,11 @@
 
 * **The stage count.** ``pipeline.stages`` is a number, or "auto": the fewest stages whose
   every stage fits ``pipeline.worker_memory_mb`` (the smallest accelerator the organizer expects
-  volunteers to bring), by the planner's memory accounting (:func:`.star_model.stage_memory`:
-  parameters, their gradient, the gradient sum and the copy uploaded from, 16 bytes each). Fewer
-  stages is faster in our star: every boundary crosses the relay's link twice each way. The cut
-  is fixed when the relay starts (moving layers would make every worker of two stages download).
+  volunteers to bring), by the worker's memory prediction (:mod:`toolkit.pipeline.worker_memory`:
+  parameters, gradients, transfers, activations, the input cache, boundaries), checked when the
+  configuration loads. Fewer stages is faster in our star: every boundary crosses the relay's link
+  twice each way. The cut is fixed when the relay starts (moving layers would make every worker of
+  two stages download).
 * **Predicted vs measured.** The relay times every accepted task per worker (lease to result:
   compute plus that worker's link, as the worker lives it) and turns it into the planner's
   per-layer throughput; the planner's Eq. 2 for the current placement (the stage whose workers
@@ -31,7 +32,6 @@ from relay_server.pipeline.star_model import (
     Move,
     PipelineConfig,
     StagePlan,
-    StagePlanError,
     boundary_bytes_per_sample,
     stage_memory,
 )
@@ -49,19 +49,6 @@ def model_shape(units: PipelineUnits, codec: str, width: int, tokens: int) -> Mo
         first_params=units.prefix[1] - units.prefix[0],
         last_params=units.suffix[1] - units.suffix[0],
         boundary_bytes_per_sample=boundary_bytes_per_sample(codec, width, tokens),
-    )
-
-
-def auto_stages(model: ModelShape, cfg: PipelineConfig, memory_bytes: int) -> int:
-    """The fewest stages (even layers) whose every stage fits ``memory_bytes``."""
-    for k in range(1, model.layers + 1):
-        layers = [model.layers // k + (1 if i < model.layers % k else 0) for i in range(k)]
-        if all(stage_memory(model, cfg, i, k, h) <= memory_bytes for i, h in enumerate(layers)):
-            return max(k, 2)
-    raise StagePlanError(
-        f'pipeline.stages = "auto": even one layer per stage needs '
-        f"{stage_memory(model, cfg, 0, model.layers, 1)} bytes, more than pipeline.worker_memory_mb "
-        f"({memory_bytes >> 20} MiB): raise worker_memory_mb or use a smaller model"
     )
 
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.publishing import AfterPublish
@@ -30,6 +31,9 @@ from relay_server.rounds.store import RoundLog
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.payload_store import PayloadStore
 from toolkit.wire.compression import get_codec
+
+if TYPE_CHECKING:
+    from relay_server.pipeline.run_memory import PipelineMemory
 
 log = logging.getLogger(__name__)
 TICK_S = 0.1
@@ -65,11 +69,14 @@ class PipelineService:
     ) -> None:
         self.config, self.collab, self.owners, self.coordinator = config, collab, owners, coordinator
         self.ticker: asyncio.Task | None = None
+        self.memory: PipelineMemory | None = None
+        """What the relay and each stage's worker are predicted to hold (``GET /api/pipeline``)."""
 
     @classmethod
     async def build(cls, config: RelayConfig, collab: Collaboration) -> PipelineService:
         """Cut the model, resume or start every stage, mint the first batch; publish its version."""
         from relay_server.pipeline.model_cut import cut_model  # torch and the stage code: pipeline relays only
+        from relay_server.pipeline.run_memory import predict_memory
 
         cfg = config.pipeline
         cut = await asyncio.to_thread(cut_model, config)
@@ -112,6 +119,7 @@ class PipelineService:
             clock=collab.loop_clock,
         )
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
+        service.memory = predict_memory(config, cut)
         collab.backbone.board.publish(owners.published())
         log.info(
             "pipeline: %d stages of %s layers, %d micro-batches of %d per batch; waiting for workers",
@@ -119,6 +127,12 @@ class PipelineService:
             cut.layers,
             cfg.microbatches_per_batch,
             cfg.microbatch_size,
+        )
+        log.info(
+            "pipeline memory predicted: this relay %d MiB, a worker of each stage %s MiB (GET /api/pipeline "
+            "states every term)",
+            service.memory.relay.total >> 20,
+            [w >> 20 for w in service.memory.worker_bytes()],
         )
         return service
 

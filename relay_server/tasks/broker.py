@@ -56,7 +56,8 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 from relay_server.core.errors import ApiError
 from relay_server.tasks.payload_store import PayloadStore
@@ -74,7 +75,7 @@ class TaskBroker:
         *,
         max_queued_rows: int = 4096,
         retain_s: float = 30.0,
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
         lease_floor_s: float = 2.0,
         lease_factor: float = 4.0,
         initial_lease_s: float = 30.0,
@@ -116,7 +117,7 @@ class TaskBroker:
         after: Collection[str] = (),
         group: str = "",
         requeue_on_loss: bool = False,
-        priority: tuple = (),
+        priority: tuple[Any, ...] = (),
         prefer: str | None = None,
     ) -> Task:
         """Post a task (or find the one this call id already posted)."""
@@ -169,8 +170,8 @@ class TaskBroker:
         if any(d.state == FAILED for d in pending):
             self._fail(task, ApiError(424, "dependency_failed", "a task this one comes after failed"))
         elif pending:
-            for dep in pending:
-                self._dependents.setdefault(dep.task_id, []).append(task)
+            for parent in pending:
+                self._dependents.setdefault(parent.task_id, []).append(task)
         else:
             self._enqueue(task)
         return task
@@ -270,11 +271,11 @@ class TaskBroker:
         """Accept ``worker``'s result (first result wins: see the module docstring)."""
         task = self.leased(worker, task_id)
         now = self.clock()
-        if task.state == LEASED and task.worker == worker:
+        if task.state == LEASED and task.worker == worker and task.leased_at is not None:  # set with LEASED
             self._leases.record(task.key, now - task.leased_at)  # may cut the key's other leases
         else:  # a previous lessee, first: the task is queued again or leased to another worker
             self.stats.late_accepted += 1
-            if task.state == LEASED:
+            if task.state == LEASED and task.worker is not None:  # a leased task has its worker
                 task.previous_workers.append(task.worker)  # its later result gets task_done
         self._leave_queue_or_lease(task)
         task.previous_workers = [w for w in task.previous_workers if w != worker]
@@ -404,7 +405,8 @@ class TaskBroker:
 
     def _requeue(self, task: Task) -> None:
         """A leased task goes back to its place: same priority and seq, so ahead of later ones."""
-        task.previous_workers.append(task.worker)
+        if task.worker is not None:  # always, for a leased task
+            task.previous_workers.append(task.worker)
         self._leave_queue_or_lease(task)
         task.worker = None
         if task.deadline <= self.clock():
@@ -417,8 +419,7 @@ class TaskBroker:
         if task.state == QUEUED:
             self._queues.discard(task)
         elif task.state == LEASED:
-            held = self._by_worker.get(task.worker)
-            if held is not None:
+            if task.worker is not None and (held := self._by_worker.get(task.worker)) is not None:
                 held.pop(task.task_id, None)
                 if not held:
                     del self._by_worker[task.worker]

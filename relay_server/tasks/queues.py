@@ -31,7 +31,9 @@ import itertools
 from collections.abc import Callable, Collection
 from typing import Any
 
-Entry = tuple  # (order..., token or seq, task): the last element is never compared (the one before it is unique)
+Entry = tuple[
+    Any, ...
+]  # (order..., token or seq, task): the last element is never compared (the one before it is unique)
 
 
 class LazyHeap:
@@ -151,13 +153,13 @@ class Waiters:
     (a worker serving stage 3 is not woken, to find nothing, by every task of stage 0)."""
 
     def __init__(self) -> None:
-        self._by_key: dict[str, set[asyncio.Future]] = {}
+        self._by_key: dict[str, set[asyncio.Future[None]]] = {}
 
-    def add(self, keys: Collection[str], waiter: asyncio.Future) -> None:
+    def add(self, keys: Collection[str], waiter: asyncio.Future[None]) -> None:
         for key in keys:
             self._by_key.setdefault(key, set()).add(waiter)
 
-    def remove(self, keys: Collection[str], waiter: asyncio.Future) -> None:
+    def remove(self, keys: Collection[str], waiter: asyncio.Future[None]) -> None:
         for key in keys:
             waiting = self._by_key.get(key)
             if waiting is not None:

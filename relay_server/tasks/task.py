@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from relay_server.core.errors import ApiError
 from relay_server.tasks.payload_store import PayloadRef
@@ -29,7 +30,7 @@ class Task:
     after: tuple[str, ...] = ()
     group: str = ""
     requeue_on_loss: bool = False
-    priority: tuple = ()
+    priority: tuple[Any, ...] = ()
     """Leasing order within and across keys: smaller first, then older (``seq``)."""
     prefer: str | None = None
     """The worker that should lease it if it asks (see :mod:`.queues`); anyone may."""

@@ -4,13 +4,17 @@ process (the exactness reference)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
+import requests
 import torch
 
 from toolkit.models import build_model, loss_of
 from toolkit.models.flat import load_flat
+from toolkit.pipeline import compute
+from toolkit.pipeline.compute import pipeline_masks
 from toolkit.wire.protocol import ModelSpec
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"}
@@ -59,21 +63,42 @@ def as_batch(plain: Any) -> Any:
 
 
 def replay(
-    spec: ModelSpec, initial: np.ndarray, batches: dict[int, Any], *, steps: int, microbatches: int
+    spec: ModelSpec,
+    initial: np.ndarray,
+    batches: dict[int, Any],
+    *,
+    steps: int,
+    microbatches: int,
+    layers: list[int] | None = None,
+    precision: str = "",
 ) -> np.ndarray:
     """One process, the relay's initial parameters, the same global batches (micro-batches
-    ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``."""
+    ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``.
+    With ``layers`` (the run's layers per stage) micro-batch ``m`` draws the dropout masks the
+    pipeline's tasks draw for it (:func:`toolkit.pipeline.compute.pipeline_masks`); with
+    ``precision`` its forward runs under that policy's CPU autocast, as the stage workers' do."""
     torch.manual_seed(0)
     model = build_model(spec)
     load_flat(model, initial)
     opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
+    policy = compute.stage_precision(precision, "cpu")
+
+    def loss(m: int) -> torch.Tensor:
+        with pipeline_masks(model, layers, m) if layers else contextlib.nullcontext(), policy.autocast():
+            return loss_of(model, as_batch(batches[m]))
+
     for t in range(steps):
         opt.zero_grad()
         ids = range(t * microbatches, (t + 1) * microbatches)
-        loss = sum(loss_of(model, as_batch(batches[m])) for m in ids) / microbatches
-        loss.backward()
+        (sum(loss(m) for m in ids) / microbatches).backward()
         opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def layers_per_stage(relay_url: str) -> list[int]:
+    """The run's layers per stage, as ``/api/pipeline`` states them."""
+    stages = requests.get(relay_url + "/api/pipeline", timeout=10).json()["stages"]
+    return [end - first for first, end in (stage["layers"] for stage in stages)]
 
 
 def relative_difference(a: np.ndarray, b: np.ndarray) -> float:

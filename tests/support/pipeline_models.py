@@ -2,7 +2,8 @@
 
 Both are sized so that K = 2 stages of 2 blocks each hold about half the parameters (the
 embeddings and the head weigh about a block each), and dropout is 0 so that a forward computed
-twice is the same forward.
+twice is the same forward; :data:`GPT2_DROPOUT_SPEC` keeps GPT-2's default dropout, and
+:func:`run_tasks` computes as the stage worker does (masks replayed from the task's seed).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 import torch
 
-from toolkit.pipeline import Stage
+from toolkit.pipeline import Stage, compute
+from toolkit.runtime.precision import PrecisionPolicy
 from toolkit.wire.protocol import ModelSpec
 
 BYTE_SPEC = ModelSpec(
@@ -38,6 +40,13 @@ GPT2_SPEC = ModelSpec(
     },
 )
 SPECS = {"byte": BYTE_SPEC, "gpt2": GPT2_SPEC}
+GPT2_DROPOUT_SPEC = ModelSpec(
+    kind="transformers",
+    architecture="AutoModelForCausalLM",
+    config={k: v for k, v in GPT2_SPEC.config.items() if not k.endswith("_pdrop")},
+)
+"""GPT-2 with its default dropout (0.1 on embeddings, attention and residuals): exact only when
+a recomputed backward replays its forward's masks (:mod:`toolkit.pipeline.compute`)."""
 
 
 def batch_for(name: str, generator: torch.Generator, rows: int = 3, seq_len: int = 8) -> Any:
@@ -67,3 +76,27 @@ def run_pipeline(stages: list[Stage], batch: Any) -> tuple[torch.Tensor, list[to
 def worst_relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest |a - b| relative to the largest |b|: 0 when equal."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_tasks(
+    stages: list[Stage], batch: Any, microbatch: int, policy: PrecisionPolicy = compute.FP32, *, samples: int = 1
+) -> tuple[float, list[torch.Tensor]]:
+    """One micro-batch through ``stages`` as the stage worker's tasks compute it
+    (:mod:`toolkit.pipeline.compute`): forward tasks without a graph, then the last stage's
+    forward-loss-backward, then each earlier stage's backward recomputed from its stored input.
+    Returns the loss and every stage's flat parameter gradient (of ``samples`` x the loss)."""
+    inputs = [stages[0].inputs(batch)]
+    for stage in stages[:-1]:
+        inputs.append(compute.forward(stage, inputs[-1], microbatch, policy).float())
+    grads: list[torch.Tensor] = [torch.empty(0)] * len(stages)
+    last = compute.backward(stages[-1], inputs[-1], microbatch, policy, batch=batch, samples=samples)
+    grads[-1], g = _flat(last.params), last.input
+    for k in reversed(range(len(stages) - 1)):
+        result = compute.backward(stages[k], inputs[k], microbatch, policy, grad_output=g)
+        grads[k], g = _flat(result.params), result.input
+    assert last.loss is not None
+    return last.loss, grads
+
+
+def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.detach().reshape(-1).float() for g in grads])

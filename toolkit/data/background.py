@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 T = TypeVar("T")
 _END = object()
@@ -24,7 +24,8 @@ class Background(Generic[T]):
 
     def __init__(self, source: Iterator[T], *, depth: int = 4, name: str = "collabtrain-data") -> None:
         self._source = source
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        # the source's items, then _END or the exception the source raised
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._done = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -66,7 +67,7 @@ class Background(Generic[T]):
         if isinstance(item, BaseException):
             self._done = True
             raise item
-        return item  # type: ignore[return-value]
+        return cast(T, item)  # neither _END nor an exception: an item the source yielded
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the worker and wait (up to ``timeout_s``) until it closed its source."""

@@ -247,6 +247,7 @@ def objective_batches(
     if name == "classification":
         yield from _classification(texts, tokenizer, specials, seq_len, batch_size)
         return
+    blocks: Iterator[tuple[list[int], list[bool]]]
     if name == "masked-lm":
         cls_id, sep = _need(specials.cls, "[CLS]", name), _need(specials.sep, "[SEP]", name)
         mask_id, pad = _need(specials.mask, "[MASK]", name), _need(specials.pad, "[PAD]", name)

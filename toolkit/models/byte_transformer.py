@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ class ByteTransformer(nn.Module):
     ``feed_forward(layer) -> module`` replaces block ``layer``'s dense feed-forward (a subclass's
     hook: :class:`~toolkit.models.dmoe_lm.DMoEByteLM` puts mixtures of experts there)."""
 
-    def __init__(self, *, feed_forward: Callable[[int], nn.Module] | None = None, **kwargs: int | bool) -> None:
+    def __init__(self, *, feed_forward: Callable[[int], nn.Module] | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.cfg = cfg = TransformerConfig(**kwargs)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)

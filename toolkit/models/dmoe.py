@@ -10,6 +10,7 @@ parameter layout; a trainer attaches its caller (:meth:`DMoEMLP.attach_caller`) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 from toolkit.moe.calls import ExpertCaller
 from toolkit.moe.experts import FFNExpert
 from toolkit.moe.layer import RemoteMixtureOfExperts
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; annotations are not evaluated at run time
+    from typing import Self
 
 
 class ExpertModel:
@@ -30,10 +34,20 @@ class ExpertModel:
     expert_hidden: int
     expert_seed: int
 
-    def attach_caller(self, caller: ExpertCaller):
+    def attach_caller(self, caller: ExpertCaller) -> Self:
         for layer in self.moe:
             layer.caller = caller
         return self
+
+    def balancing_losses(self) -> list[torch.Tensor]:
+        """Each mixture's balancing loss from this thread's last forward."""
+        losses = []
+        for layer in self.moe:
+            loss = layer.balancing_loss
+            if loss is None:
+                raise RuntimeError("the balancing loss is read after a forward, and this thread ran none")
+            losses.append(loss)
+        return losses
 
     def expert_uids(self) -> list[str]:
         """Every expert uid of every block's full grid (hosts lease a subset)."""
@@ -80,7 +94,8 @@ class DMoEMLP(ExpertModel, nn.Module):
         self.out_features, self.balancing_coef = out_features, balancing_coef
         self.inp = nn.Linear(in_features, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
-        self.moe = nn.ModuleList(
+        # a ModuleList (registered, in the flat vector) of mixtures: torch's ModuleList is not generic
+        self.moe = nn.ModuleList(  # type: ignore[assignment]
             RemoteMixtureOfExperts(
                 hidden,
                 tuple(grid),
@@ -109,5 +124,5 @@ class DMoEMLP(ExpertModel, nn.Module):
             task = F.mse_loss(out.squeeze(-1), batch[:, -1])
         else:
             task = F.cross_entropy(out, batch[:, -1].long())
-        balance = torch.stack([m.balancing_loss for m in self.moe]).mean()
+        balance = torch.stack(self.balancing_losses()).mean()
         return task + self.balancing_coef * balance

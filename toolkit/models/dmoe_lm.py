@@ -23,6 +23,7 @@ failed gets zero from the mixture, so it keeps ``x`` (the same rule as :class:`D
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -94,14 +95,15 @@ class DMoEByteLM(ExpertModel, ByteTransformer):
         self.hidden, self.expert_hidden, self.expert_seed = hidden, expert_hidden, expert_seed
         self.balancing_coef = balancing_coef
 
+    # read-only here, where ExpertModel declares an attribute: nothing assigns it on this model
     @property
-    def moe(self) -> list[RemoteMixtureOfExperts]:
+    def moe(self) -> list[RemoteMixtureOfExperts]:  # type: ignore[override]
         """The mixture of each block, in layer order (registered in the blocks, not twice)."""
-        return [block.ff for block in self.blocks]
+        return [cast(RemoteMixtureOfExperts, block.ff) for block in self.blocks]  # what feed_forward put there
 
     def balancing(self) -> torch.Tensor:
         """``balancing_coef`` times the mean balancing loss of this thread's last forward."""
-        return self.balancing_coef * torch.stack([m.balancing_loss for m in self.moe]).mean()
+        return self.balancing_coef * torch.stack(self.balancing_losses()).mean()
 
     def forward(self, tokens: torch.Tensor | None = None, **hf: torch.Tensor | None) -> torch.Tensor | CausalLMOutput:
         out = super().forward(tokens, **hf)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ _REMOTE_CODE_KEYS = ("auto_map", "trust_remote_code", "custom_pipelines")
 _HINT_INSTALL = 'Install the extra on this machine: pip install "collabtrain[hf]".'
 
 
-def _transformers():
+def _transformers() -> ModuleType:
     try:
         import transformers
     except ImportError as exc:
@@ -150,4 +151,5 @@ def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
                 "them), or pass your own loop's loss to opt.step(loss=...).",
             )
         return loss
-    return model.loss(batch)
+    own: Any = model  # one of the toolkit's models: nn.Module itself declares no loss()
+    return own.loss(batch)

@@ -124,7 +124,9 @@ class LoopbackCaller:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None) -> concurrent.futures.Future:
+    def _submit(
+        self, kind: str, uid: str, x: torch.Tensor, grad_y: torch.Tensor | None
+    ) -> concurrent.futures.Future[torch.Tensor]:
         # Copies: what a host receives is bytes, never a view of the trainer's tensors.
         x = x.detach().clone()
         grad_y = None if grad_y is None else grad_y.detach().clone()
@@ -162,7 +164,7 @@ class LoopbackCaller:
             opt.zero_grad(set_to_none=True)
         if self.on_backward is not None:
             self.on_backward(uid, module)
-        return x.grad
+        return x.grad if x.grad is not None else torch.zeros_like(x)  # None: the output ignores its input
 
 
 def _matches(rule: FailRule, uid: str, kind: str, x: torch.Tensor) -> bool:

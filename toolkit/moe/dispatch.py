@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ class CallPlan:
 
 
 def wait_all(
-    futures: list[concurrent.futures.Future],
+    futures: list[concurrent.futures.Future[torch.Tensor]],
     timeout_s: float,
     shapes: list[tuple[int, int]],
     dtype: torch.dtype,
@@ -164,7 +165,7 @@ def wait_all(
 
 
 def _outcome(
-    fut: concurrent.futures.Future, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+    fut: concurrent.futures.Future[torch.Tensor], shape: tuple[int, int], dtype: torch.dtype, device: torch.device
 ) -> Result:
     try:
         value = fut.result(timeout=0)
@@ -193,12 +194,13 @@ def k_min_reached(groups: list[Group], n: int, k_min: int) -> Callable[[int, boo
 
 
 class _CallExperts(torch.autograd.Function):
-    """``x [n, in] -> (y [n, k, out], answered [n, k])``; ``y`` is zero where the call failed."""
+    """``x [n, in] -> (y [n, k, out], answered [n, k])``; ``y`` is zero where the call failed.
+
+    ``ctx`` is ``Any``, as in torch's own Functions: its stub type (``FunctionCtx``) lacks
+    ``saved_tensors``, ``needs_input_grad`` and the ``plan`` stored on it."""
 
     @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, _dummy: torch.Tensor, x: torch.Tensor, plan: CallPlan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, _dummy: torch.Tensor, x: torch.Tensor, plan: CallPlan) -> tuple[torch.Tensor, torch.Tensor]:
         futures = [plan.caller.forward(g.uid, x[g.rows]) for g in plan.groups]
         plan.stats.add(calls=len(futures))
         shapes = [(len(g.rows), plan.out_features) for g in plan.groups]
@@ -217,9 +219,8 @@ class _CallExperts(torch.autograd.Function):
         answered = torch.zeros(x.shape[0], plan.k, dtype=torch.bool, device=x.device)
         plan.answered = []
         for g, res in zip(plan.groups, results):
-            ok = isinstance(res, torch.Tensor)
-            plan.answered.append(ok)
-            if ok:
+            plan.answered.append(isinstance(res, torch.Tensor))
+            if isinstance(res, torch.Tensor):
                 y[g.rows, g.slots] = res
                 answered[g.rows, g.slots] = True
             else:
@@ -232,7 +233,7 @@ class _CallExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor, _grad_answered: torch.Tensor | None
+        ctx: Any, grad_y: torch.Tensor, _grad_answered: torch.Tensor | None
     ) -> tuple[None, torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
         plan: CallPlan = ctx.plan

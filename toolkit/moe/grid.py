@@ -96,7 +96,10 @@ class ProductKeyGate(nn.Module):
 def expert_logits(scores: Sequence[torch.Tensor], coords: torch.Tensor) -> torch.Tensor:
     """``g(x, f) = sum_i scores_i[x, u_i]``: ``coords [n, k, d]`` (any valid index where unused)
     -> logits ``[n, k]``, differentiable in the scores."""
-    return sum(s.gather(1, coords[..., i]) for i, s in enumerate(scores))
+    logits = scores[0].gather(1, coords[..., 0])
+    for i in range(1, len(scores)):
+        logits = logits + scores[i].gather(1, coords[..., i])
+    return logits
 
 
 @dataclass
@@ -171,7 +174,6 @@ def beam_search_tensors(
         # float64: the ranking does not hinge on float32 rounding of the d-term sums; CPU: the
         # index and the uids live there.
         scores = [s.detach().to("cpu", torch.float64) for s in scores]
-        neg = torch.tensor(float("-inf"), dtype=torch.float64)
         total = torch.zeros(n, 1, dtype=torch.float64)  # score of the one empty prefix
         for depth, (last, parent) in enumerate(zip(index.last, index.parent)):
             if last.numel() == 0:
@@ -180,7 +182,7 @@ def beam_search_tensors(
             cand = total[:, parent] + scores[depth][:, last]
             keep = min(k if depth == len(size) - 1 else width, cand.shape[1])
             best, pos = cand.topk(keep, dim=1)
-            total = torch.full_like(cand, neg).scatter_(1, pos, best)
+            total = torch.full_like(cand, float("-inf")).scatter_(1, pos, best)
     chosen = index.table[pos]  # [n, keep, d]: after the last level, positions are live experts
     valid = torch.isfinite(best)
     pad = k - chosen.shape[1]

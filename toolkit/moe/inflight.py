@@ -115,7 +115,7 @@ class _Job:
     batch: Any
     samples: int
     snapshot: Snapshot
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[Result]
 
 
 class InFlightTrainer:
@@ -160,7 +160,7 @@ class InFlightTrainer:
     ) -> None:
         """Train on ``batches`` until they end, ``opt`` finishes, ``on_result`` (called after each
         result was contributed) or ``should_stop`` (asked while waiting for a round) says stop."""
-        pending: deque[tuple[concurrent.futures.Future, int]] = deque()
+        pending: deque[tuple[concurrent.futures.Future[Result], int]] = deque()
         exhausted = False
         try:
             while True:
@@ -180,7 +180,7 @@ class InFlightTrainer:
                     if exhausted or opt.finished or should_stop():
                         return
                     opt.sync()  # held back for a round: report, contribute, load what it produced
-                    if opt.version == self._snapshot.version:
+                    if self._snapshot is not None and opt.version == self._snapshot.version:
                         time.sleep(POLL_S)
                     continue
                 result = pending.popleft()[0].result()
@@ -203,13 +203,13 @@ class InFlightTrainer:
         with torch.no_grad():
             self._snapshot = Snapshot(version, tuple(p.detach().clone() for p in self.model.parameters()))
 
-    def submit(self, batch: Any, samples: int) -> concurrent.futures.Future:
+    def submit(self, batch: Any, samples: int) -> concurrent.futures.Future[Result]:
         """Queue one micro-batch on the current snapshot; its :class:`Result` comes in the future."""
         if self._snapshot is None:
             raise RuntimeError("publish() the parameters before the first submit()")
         while len(self._threads) < self.jobs:
             self._start_worker()
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         self._jobs.put(_Job(batch, samples, self._snapshot, future))
         return future
 

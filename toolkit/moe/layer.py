@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,13 +65,13 @@ class _Mixture(nn.Module):
             strides[i] = strides[i + 1] * self.grid.size[i + 1]
         self._strides = torch.tensor(strides, dtype=torch.long)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         # copy.deepcopy and pickle: a thread-local cannot be copied, and a snapshot cache need not be.
         state = dict(self.__dict__, _index=None)
         state.pop("_local", None)
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._local = threading.local()
 

@@ -12,7 +12,9 @@ pipeline with a parameter server per stage and a task pool).
   (:mod:`toolkit.pipeline.byte` for the toolkit's ByteTransformer, :mod:`toolkit.pipeline.gpt2`
   for transformers' GPT-2);
 * :mod:`toolkit.pipeline.stages`: :func:`pipeline_units` (and its refusals) and
-  :func:`build_stage`, which builds a stage without ever materialising the full model.
+  :func:`build_stage`, which builds a stage without ever materialising the full model;
+* :mod:`toolkit.pipeline.compute`: what a task computes on a stage -- its forward with the
+  micro-batch's dropout masks under the run's precision, and a backward replaying that forward.
 
 All but the worker are in the shared layer (:mod:`toolkit`): the relay cuts the same stages. The
 stage worker (:mod:`toolkit.pipeline.worker`), which talks to the relay, is a peer-side unit.

@@ -7,7 +7,7 @@ and :func:`~toolkit.models.byte_transformer.next_byte_loss`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from toolkit.pipeline.stage import Stage
 
 class ByteStage(Stage):
     anatomy = Anatomy(name="ByteTransformer", prefix=("tok", "pos"), blocks="blocks", suffix=("ln_f", "head"))
+    body: ByteTransformer  # what matches() accepted (the static methods' casts say the same)
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
@@ -27,11 +28,12 @@ class ByteStage(Stage):
 
     @staticmethod
     def tie_hint(model: nn.Module) -> str | None:
-        return "set tie_embeddings = false in [model] kwargs" if model.cfg.tie_embeddings else None
+        tied = cast(ByteTransformer, model).cfg.tie_embeddings
+        return "set tie_embeddings = false in [model] kwargs" if tied else None
 
     @staticmethod
     def num_layers(model: nn.Module) -> int:
-        return model.cfg.n_layer
+        return cast(ByteTransformer, model).cfg.n_layer
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.body.embed(tokens)

@@ -130,12 +130,13 @@ def units_from_named(named: Iterable[tuple[str, torch.Tensor]], anatomy: Anatomy
             f"this {anatomy.name} has no parameters in block(s) {missing or [0]}",
             "A stage is cut from whole blocks that have parameters: check the model's config.",
         )
-    blocks = tuple(tuple(ranges[i]) for i in range(num_layers))
+    blocks = tuple((ranges[i][0], ranges[i][1]) for i in range(num_layers))
+    prefix, suffix = ranges.get(-1, [0, 0]), ranges.get(num_layers, [offset, offset])
     return PipelineUnits(
         num_layers=num_layers,
-        prefix=tuple(ranges.get(-1, (0, 0))),
+        prefix=(prefix[0], prefix[1]),
         blocks=blocks,
-        suffix=tuple(ranges.get(num_layers, (offset, offset))),
+        suffix=(suffix[0], suffix[1]),
         total=offset,
     )
 

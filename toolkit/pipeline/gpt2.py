@@ -41,6 +41,9 @@ class GPT2Stage(Stage):
         blocks="transformer.h",
         suffix=("transformer.ln_f", "lm_head"),
     )
+    # transformers' GPT2LMHeadModel (matches() checks the class by name, without importing it):
+    # its config, transformer and lm_head are used as transformers defines them, untyped here
+    body: Any
 
     @staticmethod
     def matches(model: nn.Module) -> bool:
@@ -49,12 +52,12 @@ class GPT2Stage(Stage):
         )
 
     @staticmethod
-    def tie_hint(model: nn.Module) -> str | None:
+    def tie_hint(model: Any) -> str | None:
         tied = model.config.tie_word_embeddings or model.lm_head.weight is model.transformer.wte.weight
         return "set tie_word_embeddings = false in [model] config" if tied else None
 
     @staticmethod
-    def check(model: nn.Module) -> None:
+    def check(model: Any) -> None:
         if model.config.add_cross_attention or not getattr(model.config, "is_causal", True):
             raise ModelMismatch(
                 "not_cuttable",
@@ -64,7 +67,7 @@ class GPT2Stage(Stage):
             )
 
     @staticmethod
-    def num_layers(model: nn.Module) -> int:
+    def num_layers(model: Any) -> int:
         return len(model.transformer.h)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

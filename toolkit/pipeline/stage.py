@@ -12,8 +12,8 @@ stages computes what the whole model computes:
 
 Backward through a boundary is the pipeline's: the next stage's input was
 ``h.detach().requires_grad_()``, so ``h.backward(x_next.grad)`` continues it; recomputing a
-backward from a stored input is running the forward again first (dropout aside: use 0, or the
-same generator state).
+backward from a stored input is running the forward again first, with the same dropout masks
+(:mod:`toolkit.pipeline.compute` seeds every forward of a (micro-batch, stage) alike).
 """
 
 from __future__ import annotations

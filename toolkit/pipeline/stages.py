@@ -69,7 +69,7 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
         )
     arch.check(model)
     num_layers = arch.num_layers(model)
-    named, seen = list(model.named_parameters(remove_duplicate=False)), {}
+    named, seen = list(model.named_parameters(remove_duplicate=False)), dict[int, str]()
     for name, param in named:
         if id(param) in seen:
             raise ModelMismatch(

@@ -11,6 +11,10 @@ version, then pulls tasks until stopped:
   leaves the input out when this worker ran the forward and still holds it) and sends the
   gradient of the stage's input.
 
+Every forward, and every forward a backward recomputes, runs as :mod:`toolkit.pipeline.compute`
+says: with the dropout masks of its (micro-batch, stage), whichever worker runs it, and under the
+run's precision.
+
 The loss is scaled by the micro-batch's samples, so every gradient is a *sum* over samples, as a
 data-parallel peer's is (the relay divides by the batch). A task's parameter gradient is kept
 apart until the relay accepts its result: the first result of a task wins, and a worker whose
@@ -38,8 +42,11 @@ import numpy as np
 import torch
 
 from toolkit.errors import CollabError, RelayRejected, RelayUnreachable
+from toolkit.pipeline import compute
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
+from toolkit.pipeline.worker_memory import CACHE_INPUTS
 from toolkit.run_membership import Membership
+from toolkit.runtime.precision import PrecisionPolicy
 from toolkit.transfer import slice_part
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
@@ -59,7 +66,6 @@ from toolkit.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-CACHE_INPUTS = 64
 
 
 @dataclass
@@ -84,15 +90,19 @@ class StageWorker:
         device: str | torch.device = "cpu",
         memory_bytes: int = 0,
         on_first: Callable[[int, Any], None] | None = None,
+        precision: PrecisionPolicy | None = None,
     ) -> None:
         """``membership``: this worker's, joined (the worker supplies its heartbeat and what to do
         on a rejoin). ``on_first(microbatch, batch)``: called when the relay accepted this worker's
-        first-stage result for ``microbatch`` (which data went into which batch: tests replay it)."""
+        first-stage result for ``microbatch`` (which data went into which batch: tests replay it).
+        ``precision``: what the stage computes in; by default the run's pin (fp32 when it pins
+        none: :func:`toolkit.pipeline.compute.stage_precision`)."""
         self.membership, self.client, self.info, self.batches = membership, membership.client, run, batches
         membership.play(report=self._report, on_rejoin=self._on_rejoin)
         self._stage_lost = threading.Event()
         self.on_first = on_first
         self.device, self.memory_bytes = torch.device(device), memory_bytes
+        self.precision = precision or compute.stage_precision(run.precision, self.device)
         self.codec = get_codec(run.pipeline.get("boundary_codec", "none"))
         self.units = units_of(run.model)
         self.assignment: StageAssignment | None = None
@@ -242,16 +252,13 @@ class StageWorker:
         loss_sum, grads = 0.0, None
         if task.kind == "first":
             batch = next(self.batches)
-            x = stage.inputs(_to(batch, self.device))
-            with torch.no_grad():
-                y = stage(x)
+            y = compute.forward(stage, stage.inputs(_to(batch, self.device)), task.microbatch, self.precision)
             out.update(self._rows("y", y))
             out.update(_batch_tensors(batch))
             self._remember(task.microbatch, batch)
         elif task.kind == "forward":
             x = self._boundary(inputs, "x")
-            with torch.no_grad():
-                y = stage(x)
+            y = compute.forward(stage, x, task.microbatch, self.precision)
             out.update(self._rows("y", y))
             self._remember(task.microbatch, x)
         else:
@@ -260,20 +267,22 @@ class StageWorker:
                 x_in = self.cache[task.microbatch]
             else:
                 x_in = batch if stage.first else self._boundary(inputs, "x")
-            x = stage.inputs(_to(x_in, self.device)) if stage.first else x_in.detach().requires_grad_(True)
-            wrt = [] if stage.first else [x]
-            if task.kind == "last":
-                loss = stage.loss(x, batch)
-                samples = a.microbatch_size
-                self.last_loss = float(loss.detach())
-                loss_sum = self.last_loss * samples
-                results = torch.autograd.grad(loss * samples, wrt + self.params)
-            else:
-                g = self._boundary(inputs, "g")
-                results = torch.autograd.grad(stage(x), wrt + self.params, grad_outputs=g)
-            grads = results[len(wrt) :]
-            if wrt and not task.redo:
-                out.update(self._rows("g", results[0]))
+            x = stage.inputs(_to(x_in, self.device)) if stage.first else x_in
+            result = compute.backward(
+                stage,
+                x,
+                task.microbatch,
+                self.precision,
+                grad_output=None if task.kind == "last" else self._boundary(inputs, "g"),
+                batch=batch,
+                samples=a.microbatch_size,
+            )
+            if result.loss is not None:
+                self.last_loss = result.loss
+                loss_sum = result.loss * a.microbatch_size
+            grads = result.params
+            if result.input is not None and not task.redo:
+                out.update(self._rows("g", result.input))
         try:
             ack = self.client.pipeline_result(
                 self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum), out

@@ -89,6 +89,6 @@ def work_a_stage(client: RelayClient, run: RunInfo, options: StageWorkerOptions,
         seconds=time.monotonic() - started,
         finished=0 < run.total_steps <= worker.version,
         device=info.label,
-        precision="fp32",
+        precision=worker.precision.name,
         joined_step=first_step,
     )

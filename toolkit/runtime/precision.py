@@ -99,7 +99,7 @@ class LossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+    def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
         """Unscale every ``.grad`` in place; on inf/NaN zero them instead and return False."""
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
@@ -176,7 +176,7 @@ class PrecisionPolicy:
         """The loss to call ``backward()`` on (multiplied by the loss scale under fp16)."""
         return self.scaler.scale_loss(loss) if self.scaler is not None else loss
 
-    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+    def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
         """fp16: unscale grads in place; False (grads zeroed) if they overflowed. Else True, free."""
         return self.scaler.unscale_and_check(params) if self.scaler is not None else True
 
@@ -215,7 +215,7 @@ def _support(info: DeviceInfo, name: str) -> Literal["yes", "slow", "no"]:
     if name == "fp32":
         return "yes"
     cc = info.compute_capability or (0, 0)
-    table = {
+    table: dict[str, dict[str, Literal["yes", "slow", "no"]]] = {
         "tpu": {"bf16": "yes", "fp16": "no"},
         "mps": {"bf16": "no", "fp16": "no"},
         "cpu": {"bf16": "slow", "fp16": "slow"},
@@ -224,7 +224,7 @@ def _support(info: DeviceInfo, name: str) -> Literal["yes", "slow", "no"]:
             "fp16": "yes" if cc >= (7, 0) or cc in _FAST_FP16 else "slow",
         },
     }
-    return table[info.kind][name]  # type: ignore[return-value]
+    return table[info.kind][name]
 
 
 def choose_precision(

@@ -222,7 +222,7 @@ def verify_relay_signature(
 # --- streamed bodies: container header hash + per-chunk digests ---------------------------------
 def chunk_sha256(buffer: np.ndarray | bytes | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[bytes]:
     """sha256 of each ``chunk_bytes`` slice of a contiguous buffer (the last one may be short)."""
-    flat = memoryview(np.ascontiguousarray(buffer) if isinstance(buffer, np.ndarray) else buffer).cast("B")
+    flat = (np.ascontiguousarray(buffer).data if isinstance(buffer, np.ndarray) else memoryview(buffer)).cast("B")
     return [hashlib.sha256(flat[i : i + chunk_bytes]).digest() for i in range(0, len(flat), chunk_bytes)]
 
 

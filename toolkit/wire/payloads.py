@@ -39,7 +39,7 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
     items = [(name, np.ascontiguousarray(array)) for name, array in tensors.items()]
     # one copy of each tensor's bytes (into the joined body), none in between
     return b"".join(
-        [encode_header(items, dict(metadata or {})), *(memoryview(a.reshape(-1).view(np.uint8)) for _, a in items)]
+        [encode_header(items, dict(metadata or {})), *(a.reshape(-1).view(np.uint8).data for _, a in items)]
     )
 
 

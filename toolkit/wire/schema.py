@@ -60,6 +60,7 @@ class Schema:
         if not isinstance(obj, dict):
             raise ProtocolError("bad_schema", f"{where}: expected an object, got {type(obj).__name__}")
         hints = _hints(cls)
+        # Schema is a mixin of dataclasses, not one itself: its type does not say that cls is
         known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(obj) - set(known)
         if unknown:
@@ -95,7 +96,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _dump(value: Any) -> Any:
     if isinstance(value, Schema):
-        return {f.name: _dump(getattr(value, f.name)) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        fields = dataclasses.fields(value)  # type: ignore[arg-type]  # a Schema is a dataclass (see from_json)
+        return {f.name: _dump(getattr(value, f.name)) for f in fields}
     if isinstance(value, (list, tuple)):
         return [_dump(v) for v in value]
     if isinstance(value, dict):

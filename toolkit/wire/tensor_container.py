@@ -27,7 +27,7 @@ import numpy as np
 
 from toolkit.errors import ProtocolError
 
-DTYPES = {
+DTYPES: dict[str, np.dtype[Any]] = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "I8": np.dtype("i1"),
@@ -105,7 +105,8 @@ def iter_encoded(
     """Yield the container as header bytes then zero-copy views of each tensor's buffer."""
     yield encode_header(tensors, metadata)
     for _, array in tensors:
-        flat = memoryview(np.ascontiguousarray(array)).cast("B")
+        # ``.data`` is memoryview(array), typed: numpy's stubs give ndarray the buffer protocol only from Python 3.12
+        flat = np.ascontiguousarray(array).data.cast("B")
         for start in range(0, len(flat), chunk):
             yield flat[start : start + chunk]
 
@@ -130,7 +131,7 @@ def write_file(
     with open(tmp, "wb") as fh:
         fh.write(head)
         for name, array in tensors:
-            flat = memoryview(np.ascontiguousarray(array)).cast("B")
+            flat = np.ascontiguousarray(array).data.cast("B")
             for start in range(0, len(flat), STREAM_CHUNK):
                 piece = flat[start : start + STREAM_CHUNK]
                 if digest is not None and name == digest_of:
@@ -325,9 +326,11 @@ def read_container(
             target = np.empty(entry.shape, dtype=entry.dtype)
         elif target.dtype != entry.dtype or target.size != entry.numel or not target.flags.c_contiguous:
             raise ProtocolError("bad_tensor", f"tensor {entry.name!r} does not match the expected buffer")
-        view = memoryview(target.reshape(-1)).cast("B")
+        view = target.reshape(-1).data.cast("B")
         position = 0
         while position < len(view):
+            # every stream passed here (a response's raw body, a file opened "rb") has readinto;
+            # typing.BinaryIO does not declare it
             got = stream.readinto(view[position : position + STREAM_CHUNK])  # type: ignore[attr-defined]
             if not got:
                 raise ProtocolError("truncated_body", "the tensor stream ended early")

@@ -104,7 +104,7 @@ class Codec(ABC):
         """Check a received container's header (names, order, dtypes, shapes) before reading any
         tensor bytes, so a hostile header cannot make the relay read a huge "side" tensor."""
         got = [(e.name, np.dtype(e.dtype), tuple(e.shape)) for e in entries]
-        expected = [tuple(spec) for spec in self.layout(n)]
+        expected = [(spec.name, spec.dtype, spec.shape) for spec in self.layout(n)]
         if got != expected:
             raise _bad(
                 f"codec {self.name!r} expects tensors {_describe(expected)} for {n} values, got {_describe(got)}"
@@ -268,11 +268,11 @@ def _iter_decoded(
     """Decode the n values of ``payload`` slice by slice: yields ``(start, float32 values)``, into
     ``out`` (n,) when given, else into one reused cache-sized scratch (valid until the next
     iteration). Assumes ``validate`` passed and ``payload.size == codec.payload_size(n)``."""
-    scratch = np.empty(min(_WORK, n), dtype=np.float32) if out is None else None
+    into = out if out is not None else np.empty(min(_WORK, n), dtype=np.float32)
     for start in range(0, n, _WORK):  # _WORK is a multiple of every alignment
         count = min(_WORK, n - start)
         a, b = codec.payload_range(start, count)
-        target = out[start : start + count] if scratch is None else scratch[:count]
+        target = into[start : start + count] if out is not None else into[:count]
         yield start, codec.decode_range(side, payload[a:b], start, target)
 
 

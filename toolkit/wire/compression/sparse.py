@@ -84,7 +84,7 @@ class TopK2Codec(Codec):
         if not (K_MIN <= k <= K_MAX and k % 4 == 0):
             raise ValueError(f"topk2 keeps a multiple of 4 from {K_MIN} to {K_MAX} values per chunk, got {k}")
         self.k = k
-        self.name = f"topk2-{k}"  # type: ignore[misc]  # one class, a name per K
+        self.name = f"topk2-{k}"  # type: ignore[misc]  # Codec.name is a ClassVar; topk2 is one class, a name per K
 
     def _kept(self, length: int) -> int:
         return min(self.k, length)
