@@ -48,14 +48,12 @@ def start_limited(
     """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
     config = write_config(tmp_path / f"{name}.toml", merged(overrides))
-    relay = RelayProcess(config, tmp_path / f"{name}-data", tmp_path / f"{name}.log")
-    limited = functools.partial(
-        subprocess.Popen, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    )
-    with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits
-        patch.setattr(subprocess, "Popen", limited)
-        relay.start()
-    return relay
+    return RelayProcess(  # only this process: peers keep the test's limits
+        config,
+        tmp_path / f"{name}-data",
+        tmp_path / f"{name}.log",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+    ).start()
 
 
 @pytest.fixture
