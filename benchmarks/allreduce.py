@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from servers import ServerRun, start_aggregator, start_relay
+
+from relay_server.harness.process import ServerProcess, start_aggregator, start_relay
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 8  # each peer's gradient is a sum over this many samples
@@ -180,7 +181,7 @@ def run_relay_rounds(
         relay = start_relay(
             Path(tmp), relay_config(numel, peers), command=tracer, env={**os.environ, "ROUND_TRACE": str(trace)}
         )
-        helpers: list[ServerRun] = []
+        helpers: list[ServerProcess] = []
         try:
             url = relay.url
             helpers = [start_aggregator(Path(tmp), relay, f"agg{i}") for i in range(aggregators)]

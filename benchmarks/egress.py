@@ -12,7 +12,7 @@ rounds. One trainer in this process (a joined peer sending one SGD gradient per 
 step, once every light peer holds the version before, so every peer downloads every version.
 
 "Without cache": ``[server] public_params_url`` unset, every body comes from the relay. "With
-cache": a real nginx (``examples/nginx_params_cache.conf``, ``benchmarks/nginx.py``) in
+cache": a real nginx (``examples/nginx_params_cache.conf``, ``relay_server/harness/nginx.py``) in
 front, and the relay's public_params_url names it. The relay's figures are its own counters
 (``GET /api/admin/params/egress``: bodies it wrote, plus the refs' JSON), over the S+1 versions
 (the initial one included). The last line is one JSON object; ``relay_bytes_per_step_ratio`` is
@@ -36,7 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.servers import start_relay  # noqa: E402
+from relay_server.harness.process import start_relay  # noqa: E402
 
 
 def relay_config(numel: int, cache_url: str) -> str:
@@ -92,7 +92,7 @@ def light_peers(url: str, count: int, steps: int, reports) -> None:
 def start_servers(tmp: Path, numel: int, cached: bool):
     """The relay, and nginx in front of it when ``cached``: nginx cannot bind port 0, so its port
     is picked first (the relay's public_params_url names it), again if another process took it."""
-    from benchmarks.nginx import PortTaken, cache_http_block, free_port, run_nginx
+    from relay_server.harness.nginx import PortTaken, cache_http_block, free_port, run_nginx
 
     for attempt in range(5):
         directory = tmp / f"try-{attempt}"

@@ -40,7 +40,7 @@ per peer per outer round (after the join) * 8 / parameters. The final global par
 evaluated on fixed batches of the corpus drawn with a seed no peer uses: ``final_loss`` is the
 master's (the run's model: what a checkpoint exports), ``public_loss`` the copy peers hold.
 
-**Shaped links** (``benchmarks/netns.py``; root and iproute2): the relay and every peer are
+**Shaped links** (``relay_server/harness/netns.py``; root and iproute2): the relay and every peer are
 processes in network namespaces of their own; peers upload at ``--peer-up`` (10) and download at
 ``--peer-down`` (50) Mbit/s, the relay at ``--relay-mbit`` (200) both ways. ``shaped_speedup`` =
 the best local SGD variant's samples/s / sync's, both on those links. ``--no-shape`` (or a machine
@@ -76,10 +76,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from low_bandwidth_figures import bars, summarize_model, summarize_variant, worst  # noqa: E402
-from netns import Host, Star, unavailable  # noqa: E402
-from servers import REPO, ServerFailed, start_server, toml_text  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from relay_server.harness.netns import Host, Star, unavailable  # noqa: E402
+from relay_server.harness.process import ServerFailed, ServerProcess, toml_text  # noqa: E402
 
 EVAL_SEED, EVAL_BATCHES = 10_000, 4
 GPT2_BYTES = {
@@ -242,7 +244,7 @@ def evaluate(url: str, model_name: str, data_dir: Path) -> tuple[float, float]:
 
 
 class Links:
-    """Where the relay and the peers run: one shaped namespace each (``benchmarks/netns.py``), or
+    """Where the relay and the peers run: one shaped namespace each (``relay_server/harness/netns.py``), or
     plain processes on 127.0.0.1 (``star`` None)."""
 
     def __init__(self, star: Star | None, relay: Host | None, peers: list[Host]) -> None:
@@ -267,13 +269,12 @@ def run_variant(
     seeded = {**overrides, "run": {**overrides.get("run", {}), "seed": args.repeat}}
     config = write_run(tmp / "run.toml", model, seeded)
     try:
-        relay = start_server(
-            tmp,
-            "relay",
+        relay = ServerProcess(
             ["serve", "--config", str(config), "--data-dir", str(tmp / "data")],
             tmp / "data",
+            tmp / "relay.log",
             wrap=links.relay_argv,
-        )
+        ).start()
     except ServerFailed as failed:
         if not failed.returncode:  # it hung, or exited cleanly without listening: not a refusal
             raise

@@ -46,7 +46,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.servers import start_relay  # noqa: E402
+from relay_server.harness.process import start_relay  # noqa: E402
 
 LR = 0.1
 HEARTBEAT_S = 1.0
@@ -91,7 +91,7 @@ enabled = false
 
 # --- the relay process and what it costs -------------------------------------------------------
 class Relay:
-    """The relay (:func:`servers.start_relay`, its descriptors capped at ``soft_limit``) and what
+    """The relay (:func:`relay_server.harness.process.start_relay`, its descriptors capped at ``soft_limit``) and what
     this benchmark reads of its process: CPU seconds, peak RSS and open descriptors."""
 
     def __init__(self, tmp: Path, config: str, soft_limit: int) -> None:
@@ -319,7 +319,7 @@ def worker(
 def run_level(peers: int, args: argparse.Namespace, hf: bool) -> dict:
     standin, tokens = None, {}
     if hf:
-        from tests.hf_standin import HfStandin
+        from relay_server.harness.hf_standin import HfStandin
 
         standin = HfStandin().start()
         for i in range(peers):

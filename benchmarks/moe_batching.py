@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_rig import Member, caller_for, directory, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
-from servers import start_relay  # noqa: E402
+
+from relay_server.harness.process import start_relay  # noqa: E402
 
 UID = "ffn0.0"
 

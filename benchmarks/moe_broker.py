@@ -13,7 +13,7 @@ Processes: a relay with ``[moe]`` (one expert of width ``--d``), one real expert
    trainer -> relay (PUT, validated, queued) -> the host's task long poll -> the host's result PUT
    (validated) -> the relay's answer to the held PUT -> trainer. Median and p99.
 2. Bytes: the same calls again with the trainer and a second host behind byte-counting proxies
-   (``benchmarks/latency_proxy.py``, no delay): everything the relay sent and received for them,
+   (``relay_server/harness/latency_proxy.py``, no delay): everything the relay sent and received for them,
    per call, against the model 4 x payload (x in and out, y in and out; MODEL_PARALLEL.md
    s2.4.6). The measured side includes every HTTP header, the containers' headers, the host's
    polls, heartbeats and lease renewals over the same seconds (``idle_bytes_per_s``, measured
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency_proxy import spawn  # noqa: E402
 from moe_rig import Member, caller_for, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
-from servers import start_relay  # noqa: E402
 
+from relay_server.harness.latency_proxy import spawn  # noqa: E402
+from relay_server.harness.process import start_relay  # noqa: E402
 from toolkit.wire.protocol import ROUTES  # noqa: E402
 
 UID = "ffn0.0"
@@ -77,7 +77,7 @@ def measure(auth: str, args: argparse.Namespace) -> dict:
     x = torch.randn(rows, args.d, generator=torch.Generator().manual_seed(0))
     standin, env = None, {}
     if auth == "hf":  # logins through the local Hugging Face stand-in; every request signed
-        from tests.hf_standin import HfStandin
+        from relay_server.harness.hf_standin import HfStandin
 
         standin = HfStandin().start()
         for name, token in TOKENS.items():

@@ -7,7 +7,7 @@ one at a time (``join(moe_in_flight=1)``).
 
 Processes: one relay with ``[moe]`` (``relay-server serve``), ``--hosts`` expert host processes
 (``benchmarks/moe_rig.py host``: the real ExpertHost with ``--compute-ms`` of emulated compute per
-task), ``benchmarks/latency_proxy.py`` in front of the relay, which delays every forwarded chunk
+task), ``relay_server/harness/latency_proxy.py`` in front of the relay, which delays every forwarded chunk
 by delta/2 each way, and per (delta, mode) one trainer process (this file's ``trainer``
 subcommand) that calls ``toolkit.join()`` through the proxy, exactly as a volunteer's notebook
 would: its relay traffic (join, heartbeats, parameters) and every expert call pay delta. Every call
@@ -61,9 +61,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency_proxy import ProxyProcess, spawn  # noqa: E402
 from moe_rig import directory, relay_overrides, start_hosts, stop_all, wait_until  # noqa: E402
-from servers import start_relay  # noqa: E402
+
+from relay_server.harness.latency_proxy import ProxyProcess, spawn  # noqa: E402
+from relay_server.harness.process import start_relay  # noqa: E402
 
 
 def trainer_main(argv: list[str]) -> int:

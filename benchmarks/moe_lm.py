@@ -13,7 +13,7 @@ out for validation):
   token. The experts live on ``--hosts`` host processes (``benchmarks/moe_rig.py host``: the real
   :class:`~toolkit.moe.host.ExpertHost`), each dropping ``--fail-rate`` of its tasks (no result:
   the relay times the call out, the trainer masks the expert). The hosts reach the relay through
-  ``benchmarks/latency_proxy.py`` adding ``--latency-ms`` to every round trip, so every expert
+  ``relay_server/harness/latency_proxy.py`` adding ``--latency-ms`` to every round trip, so every expert
   call crosses it (the task to the host, its result back): the paper's trainer-to-expert latency.
   Why not the trainer behind the proxy: the paper's trainer has no DeDLOC rounds, and here one
   trainer behind 500 ms loses most of its rounds (the relay closes them as ``peers_gone`` about
@@ -51,9 +51,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.latency_proxy import spawn  # noqa: E402
 from benchmarks.moe_rig import BASE_RUN, directory, start_hosts, stop_all, wait_until  # noqa: E402
-from benchmarks.servers import start_relay  # noqa: E402
+from relay_server.harness.latency_proxy import spawn  # noqa: E402
+from relay_server.harness.process import start_relay  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.corpus import demo_paragraphs  # noqa: E402
 from toolkit.data.objectives import IGNORE_INDEX, ObjectiveConfig, objective_batches  # noqa: E402

@@ -15,7 +15,7 @@ the real host then sends no result, as one preempted mid-task would, and the rel
 out (``[moe] forward_timeout_s`` / ``backward_timeout_s``), so the trainer sees a failed expert.
 Everything between the trainer and the expert is the production path.
 
-The relay runs as ``relay-server serve --port 0`` (``servers.start_relay``), on the run of
+The relay runs as ``relay-server serve --port 0`` (``relay_server.harness.process.start_relay``), on the run of
 ``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
 no conftest (the one helper they share with the tests is the HF stand-in, ``tests/hf_standin.py``,
 for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from here.

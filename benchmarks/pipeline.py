@@ -62,7 +62,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_rig import REPO, stop_all, wait_until  # noqa: E402
-from servers import start_relay  # noqa: E402
+
+from relay_server.harness.process import start_relay  # noqa: E402
 
 RIG = Path(__file__).resolve().parent / "pipeline_rig.py"
 DISPATCH = {"ours": "pool", "static": "static", "swarm": "restart"}

@@ -3,7 +3,7 @@
     sudo python benchmarks/shaped.py                     # ~4 minutes
     sudo python benchmarks/shaped.py --mb 10 --rounds 3  # quicker
 
-Every server and peer is a real process in its own network namespace (``benchmarks/netns.py``:
+Every server and peer is a real process in its own network namespace (``relay_server/harness/netns.py``:
 a star of veth links with ``tbf`` rate limits), sending real bytes over real HTTP. Defaults:
 
 * the relay (coordinator) at 200 Mbit/s, two ``relay-server aggregator`` servers at 1 Gbit/s;
@@ -41,10 +41,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from allreduce import REPO, relay_config, run_peer  # noqa: E402
-from netns import Host, Star, unavailable  # noqa: E402
-from servers import wait_ready  # noqa: E402
 
 sys.path.insert(0, str(REPO))
+
+from relay_server.harness.netns import Host, Star, unavailable  # noqa: E402
+from relay_server.harness.process import wait_ready  # noqa: E402
 
 RELAY_PORT, AGG_PORT = 8750, 8751
 SAMPLES_PER_S = 1000.0  # compute never binds, so the LP's shares follow the links

@@ -19,6 +19,7 @@ follow the same order.
 * :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger
 * :mod:`relay_server.api`           the aiohttp app: each concern's routes, auth, rate limits, moderation, dashboard
 * :mod:`relay_server.aggregator`    entry point: an aggregator process
+* :mod:`relay_server.harness`       running a relay here (a thread or a process), for the demo, tests and benchmarks
 * :mod:`relay_server.demo`          entry point: a relay and peer processes on this machine
 * :mod:`relay_server.trial`         entry point: an organizer's own run on this machine, before anyone joins
 * :mod:`relay_server.notebooks`     entry point: the notebook templates

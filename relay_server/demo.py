@@ -19,7 +19,6 @@ computes (chance level; the demo text's unigram entropy), so a newcomer can tell
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import json
@@ -34,53 +33,11 @@ from pathlib import Path
 
 import requests
 
-from relay_server.api.server import serve
 from relay_server.core.config import ConfigError, RelayConfig, load_config
-from relay_server.core.data_lock import DataDirInUse
+from relay_server.harness.thread import RelayThread
 from toolkit.errors import CollabError
 from toolkit.runtime.parent import child_env
 from toolkit.wire.protocol import ROUTES, StatusReport
-
-
-class RelayThread:
-    """The relay's event loop in a background thread, stoppable from the main thread."""
-
-    def __init__(self, config) -> None:
-        self.config, self.url = config, ""
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="relay", daemon=True)
-
-    def start(self, timeout_s: float = 60) -> str:
-        self._thread.start()
-        if not self._ready.wait(timeout_s) or self.error:
-            if isinstance(self.error, DataDirInUse):  # demo --data-dir of a running relay: its one line
-                raise self.error
-            raise RuntimeError(f"the relay did not start: {self.error}")
-        return self.url
-
-    def _main(self) -> None:
-        async def run() -> None:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            await serve(self.config, stop=self._stop, on_ready=self._on_ready)
-
-        try:
-            asyncio.run(run())
-        except BaseException as exc:  # surfaced by start()
-            self.error = exc
-            self._ready.set()
-
-    def _on_ready(self, url: str) -> None:
-        self.url = url
-        self._ready.set()
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
-
 
 RECIPES = ("byte-lm", "albert-tiny", "pipeline-tiny", "dmoe-lm-tiny")
 TOKENIZED = {"albert-tiny": "wordpiece", "dmoe-lm-tiny": "bpe"}
@@ -290,7 +247,7 @@ class LocalRun:
         stopped, just before the JSON summary. Returns the exit code."""
         relay = RelayThread(self.config)
         try:
-            url = relay.start()
+            url = relay.start().url
         except RuntimeError as exc:  # the relay's own error, in one line: the run's config, not this tool
             print(f"{self.name} stopped: {exc}", file=sys.stderr)
             return 1

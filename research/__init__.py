@@ -10,6 +10,9 @@ them as references.
   arXiv:2106.10207), Appendix B: the relaxed linear program (eq. 5 with continuous c, then eq. 6),
   literal and compact forms. The relay solves its own exact reformulation,
   :mod:`relay_server.planning.planner`, and tests compare the two.
+* :mod:`.dedloc_group_size` -- the same paper's Appendix C: the optimal group size of group
+  all-reduce under peer failures (Figure 8), read as a model of expected iterations; the relay,
+  a star per slice, does not need it (``benchmarks/group_size.py`` prints the grid).
 * :mod:`.hetero_pipeline` -- the heterogeneous-pipeline paper (an anonymous ICLR 2025 submission,
   "a parameter server per stage, pipeline parallelism and a task pool"; no arXiv id; its text is
   seed 004, ``heterogeneous-pipeline-taskpool.txt``), section 3.3: the time model (Eq. 1-3), the

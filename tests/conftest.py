@@ -1,39 +1,32 @@
 """Shared fixtures: real relay, aggregator, peer and nginx processes on 127.0.0.1, always cleaned up
-(the process classes themselves are ``tests/support/processes.py``'s, nginx ``benchmarks/nginx.py``'s).
+(relays, aggregators and nginx are the package's harness, ``relay_server.harness``: the demo's and
+the benchmarks' too; peers are ``tests/support/processes.py``'s).
 
 Every server a test starts binds port 0 and says which port it got (``--ready-file``), so no two
-tests can race for a port. The one fake clock is :class:`Clock`; the one in-process relay is
-``tests/support/relays.py``'s ``InProcessRelay``. Helpers test modules share that are not fixtures
-live in ``tests/support/``: no test module imports another test module.
+tests can race for a port. The one in-process relay is ``relay_server.harness.thread.RelayThread``;
+the one fake clock ``tests/support/clock.py``'s. Helpers test modules share that are not fixtures
+live in ``tests/support/``: no test module imports another test module, nor this one, nor a benchmark.
 """
 
 from __future__ import annotations
 
-import asyncio
+import fcntl
 import http.server
 import multiprocessing.process
+import os
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.nginx import NGINX, NginxProcess, run_nginx
-from tests.support.processes import (
-    REPO,
-    AggregatorProcess,
-    PeerProcess,
-    RelayProcess,
-    merged,
-    spawn_relay,
-    write_config,
-)
+from relay_server.harness.nginx import NGINX, NginxProcess, run_nginx
+from relay_server.harness.process import AggregatorProcess, RelayProcess
+from tests.support.processes import DEMO_TOKENIZER_VOCAB, REPO, PeerProcess, merged, spawn_relay, write_config
 
 pytest_plugins = ["tests.hf_standin", "tests.hub_standin"]  # `hf_standin`, `hub_standin`: local HF Hub stand-ins
 
@@ -140,19 +133,19 @@ def start_relay(tmp_path: Path) -> Iterator:
 @pytest.fixture
 def serve_relay(tmp_path: Path) -> Iterator:
     """``serve_relay(overrides)`` -> the same run as ``start_relay``'s, served by
-    ``tests.support.relays.InProcessRelay`` (the relay's real app and real HTTP on 127.0.0.1, in
-    this process: no process start and torch import per relay), its config written to
+    ``relay_server.harness.thread.RelayThread`` (the relay's real app and real HTTP on 127.0.0.1,
+    in this process: no process start and torch import per relay), its config written to
     ``tmp_path/<name>.toml`` and its data dir ``tmp_path/<name>-data``; stopped after the test.
     For tests that never restart, kill or read the log of the relay."""
     from relay_server.core.config import load_config
-    from tests.support.relays import InProcessRelay
+    from relay_server.harness.thread import RelayThread
 
     relays: list[Any] = []
 
     def start(overrides: dict[str, dict[str, Any]] | None = None, name: str = "relay") -> Any:
         config = merged(overrides)
         config["server"] = {**config["server"], "port": 0, "data_dir": str(tmp_path / f"{name}-data")}
-        relays.append(InProcessRelay(load_config(write_config(tmp_path / f"{name}.toml", config))))
+        relays.append(RelayThread(load_config(write_config(tmp_path / f"{name}.toml", config))).start())
         return relays[-1]
 
     yield start
@@ -169,7 +162,9 @@ def start_aggregators(tmp_path: Path) -> Iterator:
 
     def start(relay: RelayProcess, *names: str, wait: bool = True) -> list[AggregatorProcess]:
         new = [
-            AggregatorProcess(relay, name, tmp_path / f"{name}-data", tmp_path / f"{name}.log").start()
+            AggregatorProcess(
+                relay, name, tmp_path / f"{name}-data", tmp_path / f"{name}.log", extra=("--keep-versions", "1000")
+            ).start(wait=False)
             for name in names
         ]
         aggregators.extend(new)
@@ -263,41 +258,6 @@ def launch_stage_worker(tmp_path: Path) -> Iterator:
             worker.proc.wait(timeout=10)
 
 
-class BytesStream:
-    """The ``readexactly`` of aiohttp's StreamReader, over bytes."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    async def readexactly(self, n: int) -> bytes:
-        if self.pos + n > len(self.data):
-            raise asyncio.IncompleteReadError(self.data[self.pos :], n)
-        self.pos += n
-        return self.data[self.pos - n : self.pos]
-
-
-@dataclass
-class Clock:
-    """A clock a test moves by hand (``clock.now += 5``): pass it where code takes ``clock=``."""
-
-    now: float = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def wait_until(predicate, timeout_s: float, what: str):
-    """Poll ``predicate`` every 50 ms until it returns something truthy (returned), or raise
-    ``TimeoutError`` naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 class WebPage(http.server.BaseHTTPRequestHandler):
     """A web server that is not a relay: /api/run and /api/toolkit are HTML pages, everything else a
     404 page."""
@@ -352,12 +312,13 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
     """``relay_factory(**sections)`` -> an in-process hf-mode relay (``tests.support.relays.hf_config``:
     SGD at lr 1, shard leases) whose identity provider is ``hub``, stopped after the test."""
-    from tests.support.relays import InProcessRelay, hf_config
+    from relay_server.harness.thread import RelayThread
+    from tests.support.relays import hf_config
 
-    relays: list[InProcessRelay] = []
+    relays: list[RelayThread] = []
 
-    def start(**sections: dict) -> InProcessRelay:
-        relays.append(InProcessRelay(hf_config(tmp_path / f"r{len(relays)}", hub.url, **sections)))
+    def start(**sections: dict) -> RelayThread:
+        relays.append(RelayThread(hf_config(tmp_path / f"r{len(relays)}", hub.url, **sections)).start())
         return relays[-1]
 
     yield start
@@ -365,15 +326,26 @@ def relay_factory(tmp_path: Path, hub: Any) -> Iterator:
         relay.stop()
 
 
-DEMO_TOKENIZER_VOCAB = 200
-
-
 @pytest.fixture(scope="session")
 def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``relay-server tokenizer train --vocab-size 200`` on the demo corpus the toolkit ships, run
-    once per session: every run with a vocabulary of 200 (evaluation, examples, loop and HF
-    exactness, the dashboard) reads this one file, and training it is a process importing torch."""
-    where = tmp_path_factory.mktemp("demo-tokenizer")
+    once per test run: every run with a vocabulary of 200 (evaluation, examples, loop and HF
+    exactness, the dashboard) reads this one file, and training it is a process importing torch.
+    Under xdist the workers share it through the run's temporary root: the first to take the lock
+    trains it, the others wait and read it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        where = tmp_path_factory.getbasetemp().parent / "demo-tokenizer"  # this run's, shared by its workers
+        where.mkdir(exist_ok=True)
+    else:
+        where = tmp_path_factory.mktemp("demo-tokenizer")
+    with open(where / "train.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (where / "tokenizer.json").exists():
+            train_demo_tokenizer(where)
+    return where / "tokenizer.json"
+
+
+def train_demo_tokenizer(where: Path) -> None:
     config = where / "tok.toml"
     config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
     done = subprocess.run(
@@ -396,7 +368,6 @@ def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
-    return where / "tokenizer.json"
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.hf_standin import HfStandin, HfUser, StandinRequest, StandinResponse, scope_hf_env
+from relay_server.harness.hf_standin import HfStandin, HfUser, StandinRequest, StandinResponse
+from tests.hf_standin import scope_hf_env
 
 _REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 _REV = r"(?P<rev>[^/]+)"

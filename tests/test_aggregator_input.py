@@ -12,8 +12,8 @@ import numpy as np
 import requests
 
 from relay_server.backbone.tickets import encode_ticket
+from relay_server.harness.thread import RelayThread
 from tests.support.peers import RawPeer, raw_http
-from tests.support.processes import RelayProcess
 from toolkit.client import RelayClient
 from toolkit.wire.auth import unb64u
 from toolkit.wire.protocol import GradientMeta, Ticket
@@ -50,14 +50,14 @@ def answer(response: requests.Response | tuple[int, dict]) -> tuple[int, str]:
     return response.status_code, body.get("error", "")
 
 
-def relay_state(relay: RelayProcess) -> tuple:
+def relay_state(relay: RelayThread) -> tuple:
     s = relay.status()
     r = s["round"]
     return s["step"], r and (r["round_id"], r["expected_peers"], r["received_peers"])
 
 
-def test_hostile_slice_uploads_and_internal_calls(start_relay, start_aggregators):
-    relay = start_relay(OVERRIDES)
+def test_hostile_slice_uploads_and_internal_calls(serve_relay, start_aggregators):
+    relay = serve_relay(OVERRIDES)  # in this process: the aggregator is the process under test
     (agg,) = start_aggregators(relay, "agg")
     peer = RawPeer(relay).join("raw")
     num_params = relay.status()["num_params"]

@@ -17,7 +17,7 @@ import pytest
 import requests
 import torch
 
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.peer_worker import make_dataset
 from tests.support.training import (
     FAST_AGGREGATORS,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 

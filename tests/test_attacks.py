@@ -30,9 +30,9 @@ import requests
 from relay_server.api.app import PUBLIC_ROUTES
 from relay_server.api.moderation import TOKEN_FILE
 from relay_server.auth.relay_key import RelayKey
-from tests.hf_standin import HfStandin
+from relay_server.harness.hf_standin import HfStandin
+from relay_server.harness.process import RelayProcess
 from tests.support.peers import FLOOD_LIMITS, SAMPLES, TOKENS, SignedPeer, hf_relay, raw_http, round_state, standin
-from tests.support.processes import RelayProcess
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, SignedAuth
@@ -50,6 +50,9 @@ from toolkit.wire.auth import (
 )
 from toolkit.wire.protocol import PARAMS_REF_TYPE, PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, ParamsRef
 from toolkit.wire.tensor_container import encode_header
+
+# one worker builds its relay process and peers (the module-scoped world) once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("attacks")
 
 
 # --- passes minted by hand (the relay and the signed peers: tests/support/peers.py) -----------------

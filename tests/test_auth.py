@@ -30,8 +30,8 @@ from relay_server.auth.verify import (
     read_container_head,
     sign_response,
 )
-from tests.conftest import Clock
 from tests.support.auth import RELAY_URL, SKEW, Env, pass_for, raw_pass, signed_container
+from tests.support.clock import Clock
 from toolkit.errors import (
     RelayKeyChanged,
     RelayKeyError,

@@ -1,5 +1,9 @@
 """Authentication wired through a real relay process: HF login against the local stand-in, signed
-requests from a real peer process, and refusals that leave the collaboration untouched."""
+requests from a real peer process, and refusals that leave the collaboration untouched.
+
+One relay process (and one identity stand-in) serves the module: each test adds what it checks to
+that run (a peer that trains, logins that are refused), and every refusal is asserted against the
+state just before it, not against a fresh relay."""
 
 from __future__ import annotations
 
@@ -7,21 +11,44 @@ import numpy as np
 import pytest
 import requests
 
-from tests.hf_standin import HfStandin
+from relay_server.harness.hf_standin import HfStandin
+from relay_server.harness.process import RelayProcess
+from tests.support.processes import merged, write_config
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected
 from toolkit.wire.protocol import PROTOCOL_VERSION, Heartbeat, JoinRequest
 
-ALICE, MALLORY = "hf_alice_token_123456", "hf_mallory_token_1234"
+# the module's relay is a process, started once on one worker (--dist loadgroup)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("auth_relay")]
+
+ALICE, MALLORY, BOB = "hf_alice_token_123456", "hf_mallory_token_1234", "hf_bob_token_12345678"
 
 
-@pytest.fixture
-def signed_relay(start_relay, hf_standin: HfStandin):
-    hf_standin.add_user(ALICE, "alice")
-    hf_standin.add_user(MALLORY, "mallory")
-    return start_relay(
-        {"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}, "run": {"target_batch": 24}}
-    )
+@pytest.fixture(scope="module")
+def signed_relay(tmp_path_factory: pytest.TempPathFactory):
+    """An hf-mode relay process (only alice allowlisted; mallory and bob are real users of the
+    stand-in), shared by the module's tests."""
+    directory = tmp_path_factory.mktemp("signed-relay")
+    with HfStandin() as hub:
+        for token, user in ((ALICE, "alice"), (MALLORY, "mallory"), (BOB, "bob")):
+            hub.add_user(token, user)
+        sections = {
+            "auth": {"mode": "hf", "hf_endpoint": hub.url, "allow_users": ["alice"]},
+            "run": {"target_batch": 24},
+        }
+        config = write_config(directory / "relay.toml", merged(sections))
+        env = {  # what the hf_standin fixture gives a test's environment, for this process alone
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_OFFLINE": "0",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "HF_TOKEN": "",
+        }
+        relay = RelayProcess(config, directory / "relay-data", directory / "relay.log", env=env).start()
+        try:
+            yield relay
+        finally:
+            relay.stop()
 
 
 def test_allowlisted_peer_logs_in_signs_everything_and_trains(signed_relay, launch_peer, monkeypatch):
@@ -38,15 +65,15 @@ def test_allowlisted_peer_logs_in_signs_everything_and_trains(signed_relay, laun
 
 
 def test_user_not_on_the_allowlist_is_refused_with_a_hint(signed_relay):
+    before = signed_relay.status()["num_peers"]
     client = RelayClient(signed_relay.url, retries=0)
     with pytest.raises(RelayRejected) as refused:
         client.login(MALLORY)
     assert refused.value.status == 403 and refused.value.hint
-    assert signed_relay.status()["num_peers"] == 0
+    assert signed_relay.status()["num_peers"] == before
 
 
-def test_unsigned_and_cross_user_requests_are_refused(signed_relay, hf_standin):
-    hf_standin.add_user("hf_bob_token_12345678", "bob")
+def test_unsigned_and_cross_user_requests_are_refused(signed_relay):
     url = signed_relay.url
     # No pass at all: every protected route answers 401, the public ones still work.
     for method, path, body in [
@@ -63,12 +90,13 @@ def test_unsigned_and_cross_user_requests_are_refused(signed_relay, hf_standin):
     alice.login(ALICE)
     joined = alice.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
     out = np.empty(joined.run.num_params, dtype=np.float32)
-    assert alice.download_params(out, peer_id=joined.peer_id) == 0  # hash checked against the signed header
+    step = signed_relay.status()["step"]  # the module's run: whatever the tests before it trained
+    assert alice.download_params(out, peer_id=joined.peer_id) == step  # hash checked against the signed header
 
     # bob is allowlisted nowhere: refused at login; even with a pass he could not act as alice's peer.
     bob = RelayClient(url, retries=0)
     with pytest.raises(RelayRejected):
-        bob.login("hf_bob_token_12345678")
+        bob.login(BOB)
     before = signed_relay.status()
     hb = Heartbeat(version=0, samples=5, samples_per_s=1.0)
     with pytest.raises(RelayRejected) as refused:

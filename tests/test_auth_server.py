@@ -29,10 +29,10 @@ from relay_server.auth.verify import (
     sign_response_headers,
 )
 from relay_server.core.errors import ApiError
-from tests.conftest import wait_until
-from tests.hf_standin import HfStandin, StandinResponse
+from relay_server.harness.hf_standin import HfStandin, StandinResponse
+from relay_server.harness.process import wait_until
+from relay_server.harness.thread import RelayThread
 from tests.support.auth import RELAY_URL, SKEW, Env, signed_container
-from tests.support.relays import InProcessRelay
 from toolkit.errors import (
     AuthError,
     ProtocolError,
@@ -117,7 +117,7 @@ def relay(hub: HfStandin, allow: AllowList, **identity_kwargs) -> Iterator[Relay
         *service.routes(),
     ]:
         app.router.add_route(method, path, handler)
-    with InProcessRelay(app=app) as served:  # the relay's serve_app, on port 0
+    with RelayThread(app=app).start() as served:  # the relay's serve_app, on port 0
         yield Relay(served.url, used, banned)
 
 

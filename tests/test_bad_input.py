@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.harness.process import RelayProcess
 from tests.support.peers import RawPeer, raw_http, round_state
-from tests.support.processes import RelayProcess, spawn_relay
+from tests.support.processes import spawn_relay
 from toolkit.client import RelayClient
 from toolkit.wire.tensor_container import encode_header
 

@@ -417,8 +417,9 @@ VECTOR = CHUNK_ELEMS + 3 * CHUNK + 1000  # two relay chunks; the last chunk's ta
 SGD = {"name": "sgd", "lr": 1.0, "weight_decay": 0.0, "momentum": 0.0}
 
 
-def vector_relay(start_relay, compression: str, download: str = ""):
-    return start_relay(
+def vector_relay(serve_relay, compression: str, download: str = ""):
+    """The run of these tests on an in-process relay (requests only: no restart, no log read)."""
+    return serve_relay(
         {
             "model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": VECTOR}},
             "optimizer": SGD,
@@ -433,8 +434,8 @@ def stored(relay, step: int) -> dict[str, np.ndarray]:
     return load_file(str(relay.data_dir / "state" / f"step-{step:08d}.safetensors"))
 
 
-def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the_good_one(start_relay) -> None:
-    relay = vector_relay(start_relay, "topk2-64")
+def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the_good_one(serve_relay) -> None:
+    relay = vector_relay(serve_relay, "topk2-64")
     client = RelayClient(relay.url)
     joined = client.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
     codec, peer = get_codec(joined.run.compression), joined.peer_id
@@ -482,12 +483,12 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
 @pytest.mark.parametrize(
     ("compression", "download"), [("int8", ""), ("topk2-64", ""), ("topk2-64", "topk2-256"), ("topk2-64", "int8")]
 )
-def test_two_peers_hold_the_relays_public_copy_bit_for_bit(start_relay, compression: str, download: str) -> None:
+def test_two_peers_hold_the_relays_public_copy_bit_for_bit(serve_relay, compression: str, download: str) -> None:
     """Sync mode, two peers with error feedback; the relay broadcasts deltas against ``public``
     (in ``run.download_compression`` where it is set): after every step both peers (one always on
     deltas, one that rejoins with a full download) hold the relay's stored ``params`` bit for bit,
     and the master is exactly the SGD of what the relay decoded."""
-    relay = vector_relay(start_relay, compression, download)
+    relay = vector_relay(serve_relay, compression, download)
     codec, down = get_codec(compression), get_codec(download or compression)
     assert RelayClient(relay.url).get_run().download_compression == download  # peers are told
     peers = []

@@ -14,8 +14,8 @@ import torch
 
 from relay_server.core.config import ConfigError, load_config
 from relay_server.core.typed import parse_env
+from relay_server.harness.hf_standin import HfStandin
 from relay_server.rounds.master import MasterState
-from tests.hf_standin import HfStandin
 from tests.support.moe import overrides as moe_run
 from toolkit.client import RelayClient
 from toolkit.errors import RelayRejected

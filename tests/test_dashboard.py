@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
 from tests.support.moe import directory, overrides, start_host, stop
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.browser
 
@@ -177,7 +177,7 @@ def show_a_local_sgd_run(page, problems: PageProblems, serve_relay) -> None:
     import requests
     from playwright.sync_api import expect
 
-    from tests.conftest import wait_until
+    from relay_server.harness.process import wait_until
     from tests.support.local_sgd import BATCH, PATIENT, SGD1, local_run
     from tests.support.peers import RawPeer
 
@@ -219,7 +219,7 @@ def test_dashboard_shows_the_experts_of_a_mixture_run(start_relay, browser_page,
     """A run with [moe]: the Experts panel says how many experts have a host and who hosts them."""
     from playwright.sync_api import expect
 
-    from tests.conftest import wait_until
+    from relay_server.harness.process import wait_until
 
     page, problems = browser_page
     relay = start_relay(overrides(0))

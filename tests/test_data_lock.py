@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from relay_server.core.data_lock import LOCK_FILE
-from tests.support.processes import AggregatorProcess, RelayProcess
+from relay_server.harness.process import AggregatorProcess, RelayProcess
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,9 +23,10 @@ import psutil
 import pytest
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import REPO, wait_until
+from relay_server.harness.process import wait_until
 from tests.hub_standin import HubStandin
 from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run, train_until_evaluated
+from tests.support.processes import REPO
 from tests.support.wandb_records import finished_run_records, history_rows
 
 HUB_TOKEN = "hf_test_organizer_write_token"
@@ -405,7 +406,7 @@ def test_causal_and_classification_runs_score_the_models_own_loss(
 
 def test_which_versions_are_due() -> None:
     from relay_server.observers.evaluation import Schedule
-    from tests.conftest import Clock
+    from tests.support.clock import Clock
 
     clock = Clock()
     every_3 = Schedule(3, 0.0, clock=clock)

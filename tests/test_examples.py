@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB
+from tests.support.processes import DEMO_TOKENIZER_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = ("plain_loop.py", "hf_trainer.py", "accelerate_loop.py", "lightning_loop.py")

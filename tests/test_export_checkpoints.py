@@ -2,7 +2,7 @@
 
 End to end as an organizer does it: ``relay-server tokenizer train`` on the shipped text (its size
 from the config; trained once, both runs read the same text at the same size), a real relay (in
-this process: ``tests.support.relays.InProcessRelay``) and a real peer process for a few steps,
+this process: ``relay_server.harness.thread.RelayThread``) and a real peer process for a few steps,
 ``relay-server export``; then
 ``AutoTokenizer`` / ``AutoModelFor*.from_pretrained`` on the folder and a ``transformers.pipeline``
 on a batch of texts of different lengths, whose answers must equal the one-text-at-a-time
@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO
-from tests.support.processes import merged, write_config
+from tests.support.processes import REPO, merged, write_config
+
+# one worker builds its trained tokenizer once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("export_checkpoints")
 
 pytest.importorskip("transformers")
 

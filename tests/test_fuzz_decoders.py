@@ -48,7 +48,6 @@ from relay_server.backbone.tickets import encode_ticket, new_ticket_key, sign_ti
 from relay_server.collaboration.machine import _gradient_meta
 from relay_server.core.errors import ApiError
 from relay_server.rounds.reducer import Reducer, UploadProgress
-from tests.conftest import BytesStream
 from tests.support.fuzz import (
     ANY_JSON,
     COMMON,
@@ -61,6 +60,7 @@ from tests.support.fuzz import (
     mutated,
     schema_inputs,
 )
+from tests.support.streams import BytesStream
 from toolkit.errors import ProtocolError
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec

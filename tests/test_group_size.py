@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.group_size import (
+from research.dedloc_group_size import (
     expected_iterations,
     group_size_candidates,
     optimal_group_size,
@@ -32,7 +32,7 @@ FIGURE_8 = """
 10000 100 22 22 22 22 10 10 10 10 10 10 10 10 10
 """
 FIGURE = np.array([line.split() for line in FIGURE_8.strip().splitlines()], dtype=int)
-# (row, column) cells where our model disagrees, each next to a boundary (see group_size.py)
+# (row, column) cells where our model disagrees, each next to a boundary (see research/dedloc_group_size.py)
 KNOWN_DIFFERENCES = {(2, 12), (2, 13), (2, 14), (3, 5), (3, 6), (4, 3), (5, 1), (7, 13), (8, 10)}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
+from tests.support.processes import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import relay_params, train_together
 from toolkit.models import build_model, loss_of
 from toolkit.models.flat import flatten, load_flat

@@ -6,7 +6,7 @@ against the local Hugging Face stand-in), so a test can take a snapshot of the W
 registry with last-seen times, departed peers, the open round, the reducer's sums, shard leases,
 transfer measurements, the round log -- and prove that a refused request changed none of it.
 Clients are the toolkit's own signed clients (``tests/support/peers.py``'s ``SignedPeer``); the relay
-is conftest's ``relay_factory`` (``tests/support/relays.py``'s ``InProcessRelay``).
+is conftest's ``relay_factory`` (``relay_server.harness.thread.RelayThread``).
 The second file, ``tests/test_hostile_uploads.py``, holds the upload and moderation attacks.
 """
 
@@ -29,8 +29,9 @@ from aiohttp import web
 from relay_server.api.app import PUBLIC_ROUTES
 from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
 from relay_server.auth.verify import ChunkDigests
+from relay_server.harness.thread import RelayThread
 from tests.support.peers import ALLOWED, TOKENS, SignedPeer, signed_container
-from tests.support.relays import InProcessRelay, snapshot
+from tests.support.relays import snapshot
 from toolkit.errors import ProtocolError
 from toolkit.wire import payloads
 from toolkit.wire.auth import b64u, digest_metadata
@@ -55,7 +56,7 @@ from toolkit.wire.tensor_container import encode_header, parse_header
 
 
 # --- the whole state, as plain data (tests/support/relays.py's snapshot), once it settled -----------
-def settled_snapshot(relay: InProcessRelay, timeout_s: float = 10.0) -> dict[str, Any]:
+def settled_snapshot(relay: RelayThread, timeout_s: float = 10.0) -> dict[str, Any]:
     """A snapshot that stays the same for 0.5 s (housekeeping -- lease expiry after a leave --
     runs on timers): only a state that does not move on its own can show a request moved it."""
     deadline = time.monotonic() + timeout_s
@@ -99,7 +100,7 @@ def router_routes(app: web.Application) -> set[tuple[str, str]]:
 
 @dataclasses.dataclass
 class Scene:
-    relay: InProcessRelay
+    relay: RelayThread
     alice: SignedPeer
     bob: SignedPeer
 
@@ -282,7 +283,7 @@ def test_a_small_header_declaring_2_to_59_floats_is_refused_before_any_allocatio
     declared size is checked against the run's parameters in its codec first: 413."""
     relay = relay_factory()
     bob = SignedPeer.login(relay, "bob").join("bob-nb")
-    before = snapshot(relay)
+    before = settled_snapshot(relay)  # after the join's own bookkeeping, which a loaded machine delays
     for numel in (1 << 59, 16_777_216 * 4):  # absurd, and merely bigger than this run's model
         header = {
             "payload": {"dtype": "F32", "shape": [numel], "data_offsets": [0, numel * 4]},
@@ -377,7 +378,7 @@ def test_the_dashboard_renders_user_text_as_text() -> None:
 
 
 # --- login limits on loopback, and the proxy warning ------------------------------------------------
-def _login(relay: InProcessRelay) -> requests.Response:
+def _login(relay: RelayThread) -> requests.Response:
     return requests.post(
         relay.url + ROUTES["login"], timeout=10, json={"hf_token": TOKENS["eve"], "peer_public_key": b64u(b"k" * 32)}
     )

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.training import relay_params

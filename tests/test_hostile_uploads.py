@@ -15,12 +15,13 @@ import torch
 from relay_server.api.context import COLLAB
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.core.config import OptimizerSection
+from relay_server.harness.thread import RelayThread
 from relay_server.rounds.master import MasterState, NonFiniteStep
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import CHUNK_ELEMS
 from relay_server.rounds.store import RoundLog, Store
 from tests.support.peers import SignedPeer, signed_container
-from tests.support.relays import InProcessRelay, snapshot
+from tests.support.relays import snapshot
 from toolkit.wire.auth import digest_metadata
 from toolkit.wire.compression import get_codec, run_codecs
 from toolkit.wire.protocol import GradientMeta, Heartbeat, ParamSpec, StatusReport
@@ -30,7 +31,7 @@ NUM = CHUNK_ELEMS + 4096  # two chunks: the first is reduced before the second a
 TWO_CHUNKS = {"model": {"factory": "toolkit.models:Vector", "kwargs": {"numel": NUM}}}
 
 
-def open_round(relay: InProcessRelay) -> tuple[SignedPeer, SignedPeer]:
+def open_round(relay: RelayThread) -> tuple[SignedPeer, SignedPeer]:
     """Alice and bob each report 5 samples: a round of 10 opens, waiting for both."""
     alice, bob = SignedPeer.login(relay, "alice").join("alice-nb"), SignedPeer.login(relay, "bob").join("bob-nb")
     for peer in (alice, bob):
@@ -39,13 +40,13 @@ def open_round(relay: InProcessRelay) -> tuple[SignedPeer, SignedPeer]:
     return alice, bob
 
 
-def params_after(relay: InProcessRelay, peer: SignedPeer, step: int) -> np.ndarray:
+def params_after(relay: RelayThread, peer: SignedPeer, step: int) -> np.ndarray:
     out = np.empty(NUM, np.float32)
     assert peer.client.download_params(out, min_step=step, wait_s=30, peer_id=peer.peer_id) == step
     return out
 
 
-def reducer_state(relay: InProcessRelay) -> tuple:
+def reducer_state(relay: RelayThread) -> tuple:
     state = snapshot(relay)
     return state["sum"], state["weights"]
 
@@ -133,7 +134,7 @@ def test_a_ban_after_the_upload_counted_says_what_it_could_take_back(relay_facto
 RUN = {"target_batch": 10, "max_staleness": 0, "precision": ""}
 
 
-def two_peers_of(relay: InProcessRelay, user: str) -> tuple[SignedPeer, SignedPeer]:
+def two_peers_of(relay: RelayThread, user: str) -> tuple[SignedPeer, SignedPeer]:
     """Two notebooks of one volunteer, 5 samples each: a round of 10 opens, waiting for both."""
     peers = SignedPeer.login(relay, user).join(f"{user}-1"), SignedPeer.login(relay, user).join(f"{user}-2")
     for peer in peers:

@@ -1,5 +1,5 @@
 """Parameter downloads through a standard HTTP cache: a real nginx (``proxy_cache``, configured by
-``examples/nginx_params_cache.conf`` as written: ``benchmarks/nginx.py``) in front of a
+``examples/nginx_params_cache.conf`` as written: ``relay_server/harness/nginx.py``) in front of a
 real relay.
 
 The relay names each version's immutable body URL in a small signed answer that is never cached;
@@ -21,13 +21,12 @@ import numpy as np
 import pytest
 import requests
 
-from benchmarks.nginx import cache_http_block
 from relay_server.api.moderation import ADMIN_PREFIX
 from relay_server.cli import main as cli_main
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import REPO
-from tests.hf_standin import HfStandin
-from tests.support.processes import merged, write_config
+from relay_server.harness.hf_standin import HfStandin
+from relay_server.harness.nginx import cache_http_block
+from tests.support.processes import REPO, merged, write_config
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import (

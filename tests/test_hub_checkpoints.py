@@ -22,6 +22,8 @@ from safetensors.torch import load, save_file
 
 from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import ConfigError, load_config
+from relay_server.harness.hf_standin import StandinResponse
+from relay_server.harness.process import wait_until
 from relay_server.observers.events import StepEvent
 from relay_server.observers.hub_checkpoints import (
     INFO_FILE,
@@ -32,8 +34,6 @@ from relay_server.observers.hub_checkpoints import (
     parse_init_from,
 )
 from relay_server.observers.pretrained import MODEL_FILE, master_params
-from tests.conftest import wait_until
-from tests.hf_standin import StandinResponse
 from tests.hub_standin import HubStandin
 from tests.support.processes import BASE_CONFIG, write_config
 from tests.support.training import relay_params

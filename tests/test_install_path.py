@@ -43,11 +43,14 @@ from relay_server.cli import main
 from relay_server.core.distribution import build_wheel_bytes, ensure_wheel, installed_distribution
 from relay_server.core.typed import ConfigError
 from relay_server.notebooks import PLATFORMS, ToolkitPin, fetch_pin, generated_block, render, template
-from tests.conftest import REPO
 from tests.support.notebooks import MAX_STEPS, code_cells, kernel_env, kernel_spec_manager, outputs_text
+from tests.support.processes import REPO
 from tests.support.relays import TINY_LM, running_relay, status
 from toolkit import join
 from toolkit.errors import MESSAGES
+
+# one worker builds its fresh virtualenv, generated notebook and finished relay once (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("install_path")
 
 HASH_MESSAGE = "serves a different toolkit than this notebook pins"
 

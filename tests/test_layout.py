@@ -380,3 +380,36 @@ def test_docstrings_cite_documents_that_exist() -> None:
         for first, last in re.findall(r"DESIGN\.md (?:s|sections? )(\d+)(?:-(\d+))?", text):
             cited = range(int(first), int(last or first) + 1)
             assert set(cited) <= sections, f"{name} cites DESIGN.md section {first}{'-' + last if last else ''}"
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports (lazy ones included), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+    return found
+
+
+def test_tests_import_no_benchmark_and_no_conftest_and_benchmarks_no_test() -> None:
+    """One harness (``relay_server.harness``) for tests, demo and benchmarks: a test needing what a
+    benchmark has means that thing belongs in the harness (or ``research/``), and a helper in
+    ``tests/conftest.py`` belongs in ``tests/support/`` (conftest holds fixtures, which pytest
+    hands out). A benchmark importing a test module would tie measurements to test scaffolding."""
+    scripts = {p.stem for p in (REPO / "benchmarks").glob("*.py")}  # importable bare once on sys.path
+    wrong = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for line, module in _imported_modules(path):
+            top = module.split(".")[0]
+            if top in ("benchmarks", "conftest") or top in scripts or module.startswith("tests.conftest"):
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        for line, module in _imported_modules(path):
+            if module.split(".")[0] == "tests":
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not wrong, (
+        "tests import no benchmark and no tests/conftest.py, benchmarks no test module: move what both "
+        "need into relay_server/harness/ (or research/), a test helper into tests/support/:\n" + "\n".join(wrong)
+    )

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.integration  # runs ruff, a process
 

@@ -29,7 +29,7 @@ import torch
 from safetensors.numpy import load_file
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.support.local_sgd import (
     BATCH,
     PATIENT,

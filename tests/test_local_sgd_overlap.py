@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
+from relay_server.harness.process import wait_until
 from relay_server.rounds.local_sgd import OuterRoundRule
 from relay_server.rounds.peer_registry import Peer, Registry
-from tests.conftest import wait_until
 from tests.support.local_sgd import (
     BATCH,
     PATIENT,

@@ -17,7 +17,7 @@ import threading
 import pytest
 import requests
 
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.support.local_sgd import BATCH, PATIENT, SGD1, batches, join, local_run, train, train_until
 from tests.support.peers import RawPeer
 from toolkit.errors import ProtocolError

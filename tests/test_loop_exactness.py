@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
+from tests.support.processes import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import params_of
 from toolkit.client import RelayClient
 from toolkit.models import build_model

@@ -26,12 +26,13 @@ from relay_server.api.experts import EXPERTS
 from relay_server.api.stall_hook import ENV, parse, stall_middlewares
 from relay_server.core.loop_clock import LoopClock, StallReport
 from relay_server.core.typed import ConfigError
+from relay_server.harness.process import RelayProcess
 from relay_server.tasks.broker import DONE, FAILED
-from tests.conftest import Clock
+from tests.support.clock import Clock
 from tests.support.moe import MOE, Member, one_process_reference, overrides, train_with_two_hosts
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
-from tests.support.processes import RelayProcess, merged, write_config
+from tests.support.processes import merged, write_config
 from tests.support.tasks import broker, run, submit
 from tests.support.training import relay_params
 from toolkit.client import RelayClient

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 

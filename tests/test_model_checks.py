@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO
-from tests.support.processes import write_config
+from tests.support.processes import REPO, write_config
+
+pytestmark = pytest.mark.xdist_group("model_checks")  # one worker builds its trained tokenizer once (--dist loadgroup)
 
 pytest.importorskip("transformers")
 

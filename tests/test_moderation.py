@@ -36,9 +36,9 @@ from relay_server.auth.verify import IDENTITY_KEY
 from relay_server.cli import main as cli_main
 from relay_server.core.config import load_config
 from relay_server.core.errors import ApiError
-from tests.conftest import REPO, Clock
+from tests.support.clock import Clock
 from tests.support.peers import TOKENS, SignedPeer, hf_relay, standin
-from tests.support.processes import merged
+from tests.support.processes import REPO, merged
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES
 
 

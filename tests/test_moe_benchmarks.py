@@ -27,11 +27,9 @@ import threading
 import pytest
 import torch
 
-from tests.conftest import REPO
+from relay_server.harness.latency_proxy import LatencyProxy
 from tests.support.moe import UIDS, Member, directory, overrides, start_host, stop
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-from latency_proxy import LatencyProxy  # noqa: E402
+from tests.support.processes import REPO
 
 
 def run_benchmark(script: str, *args: str, timeout_s: float = 600) -> dict:
@@ -84,7 +82,7 @@ def test_the_relay_caller_keeps_one_connection_per_worker(start_relay, tmp_path)
     """16 calls in flight at a time, 20 times, through a real relay and host: the caller reuses
     at most one connection per worker (requests' default pool of 10 made it open and discard a new
     one for most calls beyond the tenth: 85 connections for 320 calls in the benchmark rig)."""
-    from tests.conftest import wait_until
+    from relay_server.harness.process import wait_until
     from toolkit.client import RelayClient
     from toolkit.moe.remote import RelayExpertCaller
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from relay_server.harness.process import wait_until
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
-from tests.conftest import REPO, wait_until
 from tests.support.evaluation import VALIDATION
 from tests.support.moe import MOE, UIDS, directory, lm_run, start_host, stop
+from tests.support.processes import REPO
 from toolkit.moe.experts import build_expert, checkpoint_of
 
 STEPS = 3

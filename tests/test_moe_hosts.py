@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, wait_until
+from relay_server.harness.process import wait_until
 from tests.support.moe import KWARGS, LR, Member, directory, latest_checkpoint, overrides, start_host, stop
+from tests.support.processes import REPO
 from toolkit.models import DMoEMLP
 from toolkit.moe.calls import ExpertFailed
 from toolkit.moe.remote import RelayExpertCaller

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, wait_until
+from relay_server.harness.process import wait_until
 from tests.dmoe_lm_trainer import lm_batches
 from tests.support.moe import LM_KWARGS as KWARGS
 from tests.support.moe import LM_LR as LR
 from tests.support.moe import directory, lm_run, start_host, stop
-from tests.support.processes import merged, write_config
+from tests.support.processes import REPO, merged, write_config
 from tests.support.training import relay_params
 from toolkit.models import ByteTransformer, DMoEByteLM, loss_of
 from toolkit.models.flat import load_flat

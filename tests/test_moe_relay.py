@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import REPO, wait_until
+from relay_server.harness.process import wait_until
 from tests.moe_trainer import BATCH, batches
 from tests.support.moe import (
     KWARGS,
@@ -44,6 +44,7 @@ from tests.support.moe import (
     stop,
     train_with_two_hosts,
 )
+from tests.support.processes import REPO
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat

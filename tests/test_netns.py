@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from netns import Star, unavailable  # noqa: E402
+from relay_server.harness.netns import Star, unavailable
+from tests.support.processes import REPO
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"shaped links unavailable: {REASON}")

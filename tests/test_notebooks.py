@@ -28,7 +28,6 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
-from tests.conftest import REPO
 from tests.support.notebooks import (
     FAKE_TOKEN,
     MAX_STEPS,
@@ -38,9 +37,12 @@ from tests.support.notebooks import (
     kernel_spec_manager,
     outputs_text,
 )
+from tests.support.processes import REPO
 from tests.support.relays import TINY_LM, running_relay, status
 from toolkit.notebook import hints as notebook
 from toolkit.runtime.environment import DeviceInfo
+
+pytestmark = pytest.mark.xdist_group("notebooks")  # one worker builds its kernel specs once (--dist loadgroup)
 
 NOTEBOOKS = ("local", "colab", "kaggle", "tpu")
 

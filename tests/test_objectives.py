@@ -26,6 +26,8 @@ from toolkit.data.objectives import IGNORE_INDEX, SPECIAL_TOKENS, Specials, enco
 from toolkit.errors import DataConfigError, ProtocolError  # noqa: E402
 from toolkit.wire.protocol import ModelSpec, ParamSpec, RunInfo  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("objectives")  # one worker builds its tokenizer once (--dist loadgroup)
+
 
 @pytest.fixture(scope="module")
 def tok_json() -> str:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import Clock
+from tests.support.clock import Clock
 from tests.support.progress import progress
 from tests.support.relays import running_relay, status
 from toolkit.errors import RelayUnreachable

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from benchmarks.latency_proxy import LatencyProxy
+from relay_server.harness.latency_proxy import LatencyProxy
 from tests.support.training import regression_step
 from toolkit.errors import CollabError, handled_by_peer, volunteer_line
 from toolkit.models import build_model

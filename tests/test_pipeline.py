@@ -21,7 +21,7 @@ import pytest
 import requests
 
 from relay_server.core.config import ConfigError, load_config
-from tests.conftest import wait_until
+from relay_server.harness.process import wait_until
 from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.pipeline import (
     accepted_batches,

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 KEYS = {
     "case1_vs_static",

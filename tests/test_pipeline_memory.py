@@ -21,7 +21,7 @@ from relay_server.cli import main
 from relay_server.core.config import load_config
 from relay_server.pipeline.model_cut import cut_model
 from relay_server.pipeline.run_memory import predict_memory
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 RECIPE = REPO / "relay_server/defaults/pipeline-tiny.toml"
 

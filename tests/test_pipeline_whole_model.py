@@ -23,11 +23,11 @@ from safetensors.torch import load, load_file
 
 from relay_server.cli import main
 from relay_server.core.config import load_config
+from relay_server.harness.process import wait_until
 from relay_server.observers.eval_model import score, validation_batches
 from relay_server.observers.hub_checkpoints import INFO_FILE
 from relay_server.observers.pretrained import MODEL_FILE
 from relay_server.pipeline.model_cut import cut_model
-from tests.conftest import wait_until
 from tests.hub_standin import HubStandin
 from tests.support.pipeline import pipeline_overrides
 from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC, GPT2_VOCAB

@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 import requests
 
-from benchmarks.nginx import NginxProcess
-from tests.conftest import REPO, wait_until
+from relay_server.harness.nginx import NginxProcess
+from relay_server.harness.process import wait_until
+from tests.support.processes import REPO
 from toolkit.client import RelayClient
 from toolkit.wire.auth import b64u
 from toolkit.wire.compression import get_codec

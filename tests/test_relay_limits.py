@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
-from tests.support.processes import RelayProcess, merged, write_config
-from tests.support.relays import InProcessRelay
+from relay_server.harness.process import RelayProcess, wait_until
+from relay_server.harness.thread import RelayThread
+from tests.support.processes import REPO, merged, write_config
 from toolkit.client import RelayClient
 from toolkit.wire.compression import get_codec
 from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, GradientMeta, Heartbeat, JoinRequest
@@ -48,14 +48,12 @@ def start_limited(
     """A relay process whose RLIMIT_NOFILE is (soft, hard) from its first instruction on."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard is None else hard
     config = write_config(tmp_path / f"{name}.toml", merged(overrides))
-    relay = RelayProcess(config, tmp_path / f"{name}-data", tmp_path / f"{name}.log")
-    limited = functools.partial(
-        subprocess.Popen, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    )
-    with pytest.MonkeyPatch.context() as patch:  # only this Popen: peers keep the test's limits
-        patch.setattr(subprocess, "Popen", limited)
-        relay.start()
-    return relay
+    return RelayProcess(  # only this process: peers keep the test's limits
+        config,
+        tmp_path / f"{name}-data",
+        tmp_path / f"{name}.log",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)),
+    ).start()
 
 
 @pytest.fixture
@@ -260,7 +258,10 @@ def test_error_after_headers_cuts_the_connection_instead_of_a_second_response() 
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/half", half)
-    with InProcessRelay(app=app) as served, socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock:
+    with (
+        RelayThread(app=app).start() as served,
+        socket.create_connection(("127.0.0.1", served.port), timeout=10) as sock,
+    ):
         sock.sendall(b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
         data = b""
         while chunk := sock.recv(65536):

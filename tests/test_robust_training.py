@@ -38,12 +38,12 @@ import torch
 
 from relay_server.core.config import ConfigError, load_config
 from relay_server.core.errors import ApiError
+from relay_server.harness.thread import RelayThread
 from relay_server.rounds.master import MasterState, layout_of
 from relay_server.rounds.reducer import CHUNK_ELEMS, Reducer, UploadProgress, robust_config
 from relay_server.rounds.robust import CenteredClipConfig, centered_clip
-from tests.conftest import BytesStream
 from tests.support.processes import merged
-from tests.support.relays import InProcessRelay
+from tests.support.streams import BytesStream
 from toolkit.client import RelayClient
 from toolkit.corpus import demo_batches
 from toolkit.models import build_model
@@ -211,7 +211,7 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
             "server": {"port": 0, "data_dir": str(tmp_path / f"{name}-data")},
         }
     )
-    relay = InProcessRelay(load_config(None, overrides=config))
+    relay = RelayThread(load_config(None, overrides=config)).start()
     stop, threads, optimizers = threading.Event(), [], []
     started = time.monotonic()
     try:

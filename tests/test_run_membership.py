@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import Clock, wait_until
+from relay_server.harness.process import wait_until
 from tests.support.blip import BlipProxy
+from tests.support.clock import Clock
 from tests.support.training import params_of, regression_step
 from toolkit.client import RelayClient
 from toolkit.errors import ProtocolError, RelayRejected, RelayUnreachable

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import REPO, wait_until
-from tests.support.processes import RelayProcess, merged, write_config
+from relay_server.harness.process import RelayProcess, wait_until
+from tests.support.processes import REPO, merged, write_config
 from tests.support.training import write_shards
 from toolkit.client import RelayClient
 from toolkit.data import RelayShardSource, ShardLeaseClient, StreamConfig, stream_texts

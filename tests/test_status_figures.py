@@ -16,6 +16,7 @@ import torch
 
 from relay_server.collaboration.status import RunFigures, collab_state, peer_status, run_summary
 from relay_server.core.config import RelayConfig
+from relay_server.harness.process import wait_until
 from relay_server.pipeline.figures import (
     MAX_CREDITED,
     PipelineFigures,
@@ -26,7 +27,6 @@ from relay_server.pipeline.figures import (
 from relay_server.pipeline.ledger import Ledger
 from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.throughput import measured_samples_per_s
-from tests.conftest import wait_until
 from tests.support.peers import OVERRIDES, SAMPLES, RawPeer
 from toolkit.wire.protocol import PROTOCOL_VERSION, BatchProgress, WastedWork, WorkerCredit
 

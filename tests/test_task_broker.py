@@ -11,7 +11,7 @@ import pytest
 
 from relay_server.core.errors import ApiError
 from relay_server.tasks.broker import DONE, FAILED, LEASED, QUEUED, WAITING
-from tests.conftest import Clock
+from tests.support.clock import Clock
 from tests.support.tasks import broker, run, submit
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from relay_server.cli import main
-from tests.conftest import REPO
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 

@@ -27,8 +27,11 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[str], None] | None = None,
     extra_middlewares: tuple = (),
+    app: web.Application | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread).
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread). ``app``: the
+    run's app already built (``create_app(config)``), for a caller that looks into it while it
+    runs (:class:`relay_server.harness.RelayThread`).
 
     The data dir's lock comes first (:mod:`relay_server.core.data_lock`): a second relay on the
     same state raises :class:`~relay_server.core.data_lock.DataDirInUse` before it reads or
@@ -42,7 +45,7 @@ async def serve(
                 on_ready(url)
 
         await serve_app(
-            create_app(config, extra_middlewares),
+            app if app is not None else create_app(config, extra_middlewares),
             config.server.host,
             config.server.port,
             ready_file=ready_file,

@@ -4,4 +4,4 @@ compute rates it is solved from (:mod:`.measure`) and when to solve it again (:m
 Pure computation plus :mod:`relay_server.core`'s config; no HTTP, no torch.
 
 Appendix C's group size is not here: it sizes peer-to-peer all-reduce groups, which the relay's
-star topology does not have; its reproduction of Figure 8 lives in ``benchmarks/group_size.py``."""
+star topology does not have; its reproduction of Figure 8 lives in ``research/dedloc_group_size.py``."""

@@ -14,7 +14,7 @@ import requests
 from relay_server.auth.access import PassIssuer
 from relay_server.auth.relay_key import RelayKey
 from relay_server.auth.verify import AuthRejected, RequestVerifier
-from tests.conftest import Clock
+from tests.support.clock import Clock
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, RelayKeyPins, SignedAuth
 from toolkit.wire.auth import PassClaims, decode_pass, digest_metadata
 from toolkit.wire.protocol import LoginResponse

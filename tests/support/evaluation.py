@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import DEMO_TOKENIZER_VOCAB as VOCAB
+from tests.support.processes import DEMO_TOKENIZER_VOCAB as VOCAB
 
 SEQ_LEN = 24
 ALBERT_TINY = {

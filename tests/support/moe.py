@@ -1,7 +1,6 @@
 """The DMoE run the MoE tests share: its ``[moe]`` section and model (two mixtures of a 2x2 grid,
-k=2, SGD everywhere), expert host processes, and (from ``benchmarks/moe_rig.py``, whose benchmarks
-use them too) :class:`Member`, a peer driven by hand (join and heartbeats) that plays a hostile
-host or a trainer, and the relay's expert ``directory``."""
+k=2, SGD everywhere), expert host processes, :class:`Member`, a peer driven by hand (join and
+heartbeats) that plays a hostile host or a trainer, and the relay's expert :func:`directory`."""
 
 from __future__ import annotations
 
@@ -9,21 +8,57 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
+import requests
 import torch
 
-from benchmarks.moe_rig import Member, directory  # noqa: F401 (shared with the benchmarks, which own them)
-from tests.conftest import DEMO_TOKENIZER_VOCAB, REPO, wait_until
+from relay_server.harness.process import wait_until
 from tests.dmoe_lm_trainer import BATCH as LM_BATCH
 from tests.dmoe_lm_trainer import SEQ_LEN
 from tests.moe_trainer import BATCH, IN_FEATURES, batches
+from tests.support.processes import DEMO_TOKENIZER_VOCAB, REPO
 from tests.support.training import relay_params
+from toolkit.client import RelayClient
 from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
 from toolkit.moe.calls import LoopbackCaller
 from toolkit.wire import payloads
+from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest
+
+
+def directory(url: str) -> dict:
+    """The relay's expert directory (``GET moe_directory``): live experts, their hosts, orphans."""
+    return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
+
+
+class Member:
+    """A peer of the run driven by hand (join, then heartbeats every 0.2 s on a thread): a hostile
+    host or a trainer whose requests a test writes itself (:meth:`request`)."""
+
+    def __init__(self, url: str, name: str, token: str | None = None) -> None:
+        self.client = RelayClient(url, retries=0)
+        if token:
+            self.client.login(token)
+        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(0.2):
+            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
+
+    def request(self, method: str, route: str, **kwargs):
+        """``method ROUTES[route]`` for this peer (``uid``/``task_id`` fill the route's fields)."""
+        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
+        return self.client.transport.request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()
+
 
 LR = 0.05
 MOE = {

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import requests
 
-from tests.hf_standin import HfStandin
-from tests.support.processes import RelayProcess, merged, write_config
+from relay_server.harness.hf_standin import HfStandin
+from relay_server.harness.process import RelayProcess
+from tests.support.processes import merged, write_config
 from toolkit.client import RelayClient
 from toolkit.signing import SignedAuth
 from toolkit.wire.auth import BODY_SHA256_HEADER, CONTAINER_TYPE, container_body_sha256, digest_metadata

@@ -1,130 +1,33 @@
-"""The one in-process relay of the tests, and what tests read from it.
+"""What tests read from an in-process relay, and the runs they start it with.
 
-:class:`InProcessRelay` serves the relay's real app (``create_app(config)``), or an app a test
-builds from the relay's parts, with the relay's own ``serve_app`` (port 0 and the port it bound
-read back, its connection guard) from an event loop on a thread of this process: real HTTP on
-127.0.0.1 without a second torch import per relay, and :meth:`InProcessRelay.call` runs a function
-on that loop, so a snapshot of the relay's state never races the relay's own tasks. Tests that need
-a relay process (restarts, kills, its log) use conftest's ``start_relay`` instead.
+The in-process relay itself is the package's :class:`relay_server.harness.thread.RelayThread`
+(the demo's relay too): the relay's real app and its own ``serve`` (data-dir lock, connection
+guard, port 0 and the port it bound read back) from an event loop on a thread of this process:
+real HTTP on 127.0.0.1 without a second torch import per relay. Tests that need a relay process
+(restarts, kills, its log) use conftest's ``start_relay`` instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import requests
-from aiohttp import web
 
-from relay_server.api.app import create_app
 from relay_server.api.context import COLLAB
 from relay_server.api.experts import EXPERTS
-from relay_server.api.moderation import ADMIN_PREFIX, TOKEN_FILE
-from relay_server.api.server import serve_app
 from relay_server.api.shards import SHARD_POOL
 from relay_server.core.config import load_config
-from tests.conftest import wait_until
+from relay_server.harness.thread import RelayThread
 from tests.support.peers import ALLOWED
 from tests.support.processes import merged, write_config
 from tests.support.training import write_shards
-
-
-class InProcessRelay:
-    """``InProcessRelay(config)``: the relay of that run; ``InProcessRelay(app=app)``: any aiohttp
-    app, served the same way. Also a context manager that stops it on exit."""
-
-    def __init__(self, config: Any = None, *, app: web.Application | None = None, timeout_s: float = 60) -> None:
-        self.config, self.url, self.error = config, "", None
-        self.app = app if app is not None else create_app(config)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._stop = asyncio.Event()
-        ready = threading.Event()
-
-        def on_ready(url: str) -> None:
-            self.url = url
-            ready.set()
-
-        async def serve() -> None:
-            self.loop = asyncio.get_running_loop()
-            await serve_app(
-                self.app,
-                "127.0.0.1",
-                0,
-                stop=self._stop,
-                on_ready=on_ready,
-                connections=config.connections if config is not None else None,
-            )
-
-        def main() -> None:
-            try:
-                asyncio.run(serve())  # the loop closed (and its executor shut down) once stopped
-            except BaseException as exc:  # surfaced below
-                self.error = exc
-                ready.set()
-
-        self._thread = threading.Thread(target=main, name="in-process-relay", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout_s) or self.error:
-            raise RuntimeError(f"the in-process relay did not start: {self.error!r}")
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-    @property
-    def data_dir(self) -> Path:
-        return Path(self.config.server.data_dir)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on the relay's event loop (between its tasks), its result returned here."""
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def status(self) -> dict[str, Any]:
-        return status(self.url)
-
-    def wait_for(
-        self, predicate: Callable[[dict[str, Any]], Any], timeout_s: float = 60, what: str = "condition"
-    ) -> dict[str, Any]:
-        """The first ``/api/status`` that ``predicate`` accepts (as ``RelayProcess.wait_for``)."""
-        last: list[dict[str, Any]] = []
-
-        def accepted() -> dict[str, Any] | None:
-            last[:] = [self.status()]
-            return last[0] if predicate(last[0]) else None
-
-        try:
-            return wait_until(accepted, timeout_s, what)
-        except TimeoutError:
-            raise TimeoutError(f"timed out waiting for {what}; last status: {last}") from None
-
-    def admin(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        token = (self.data_dir / TOKEN_FILE).read_text().strip()
-        return requests.request(
-            method, self.url + ADMIN_PREFIX + path, timeout=30, headers={"Authorization": f"Bearer {token}"}, **kwargs
-        )
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(timeout=30)
-
-    def __enter__(self) -> "InProcessRelay":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def status(url: str) -> dict[str, Any]:
@@ -141,12 +44,12 @@ TINY_LM = {
 
 
 @contextmanager
-def running_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[InProcessRelay]:
+def running_relay(directory: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Iterator[RelayThread]:
     """The demo run with :data:`TINY_LM` (and ``overrides``) on an in-process relay, stopped on exit."""
     sections = {"server": {"host": "127.0.0.1", "port": 0, "data_dir": str(directory / "relay-data")}}
     for name, values in {**TINY_LM, **(overrides or {})}.items():
         sections.setdefault(name, {}).update(values)
-    with InProcessRelay(load_config(None, overrides=sections)) as relay:
+    with RelayThread(load_config(None, overrides=sections)).start() as relay:
         yield relay
 
 
@@ -197,7 +100,7 @@ def plain(value: Any, depth: int = 0) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
-def snapshot(relay: InProcessRelay) -> dict[str, Any]:
+def snapshot(relay: RelayThread) -> dict[str, Any]:
     """Everything a peer-scoped request could touch (taken on the relay's loop)."""
 
     def take() -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.payload_store import PayloadStore
-from tests.conftest import Clock
+from tests.support.clock import Clock
 
 
 def broker(tmp_path: Path, clock: Clock | None = None, **kwargs) -> TaskBroker:

@@ -1,6 +1,6 @@
 """A TCP proxy on 127.0.0.1 that adds latency and counts bytes: the benchmarks' slow internet.
 
-    python benchmarks/latency_proxy.py --upstream 8750 --delay-ms 100      # prints its port, then runs
+    python -m relay_server.harness.latency_proxy --upstream 8750 --delay-ms 100      # prints its port, then runs
 
 Every chunk read from one side is written to the other ``delay_ms / 2`` later, in order, in each
 direction, so a request/answer round trip through it costs ``delay_ms`` more (the delta of
@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 CHUNK = 1 << 16
 
@@ -97,8 +96,17 @@ class LatencyProxy:
         return self._counters.down
 
     @property
+    def connections(self) -> int:
+        return self._counters.connections
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def stop_serving(self) -> None:
+        """End :meth:`serve`; call it on the proxy's own loop (a signal handler there)."""
+        if self._stopped is not None:
+            self._stopped.set()
 
     async def serve(self, ready: threading.Event | None = None) -> None:
         """Run until :meth:`close` (or the task is cancelled)."""
@@ -121,7 +129,8 @@ class LatencyProxy:
             return
         counters = self._counters
 
-        def half() -> float:  # read per chunk: set_delay applies to bytes that arrive after it
+        def half() -> float:
+            """Read per chunk: a new delay applies to bytes that arrive after it."""
             return self.delay_s / 2
 
         def up(n: int) -> None:
@@ -189,11 +198,12 @@ class ProxyProcess:
 
 
 def spawn(upstream_port: int, delay_s: float) -> ProxyProcess:
-    """Start ``python benchmarks/latency_proxy.py`` in front of ``upstream_port``."""
+    """Start ``python -m relay_server.harness.latency_proxy`` in front of ``upstream_port``."""
     proc = subprocess.Popen(
         [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            "relay_server.harness.latency_proxy",
             "--upstream",
             str(upstream_port),
             "--delay-ms",
@@ -211,7 +221,7 @@ def spawn(upstream_port: int, delay_s: float) -> ProxyProcess:
 
 
 def _counts(proxy: LatencyProxy) -> dict:
-    return {"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down, "connections": proxy._counters.connections}
+    return {"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down, "connections": proxy.connections}
 
 
 def _commands(proxy: LatencyProxy) -> None:
@@ -233,7 +243,7 @@ async def _main(upstream: int, delay_s: float) -> None:
         await asyncio.sleep(0.01)
     print(json.dumps({"port": proxy.port}), flush=True)
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, proxy._stopped.set)
+    loop.add_signal_handler(signal.SIGTERM, proxy.stop_serving)
 
     threading.Thread(target=_commands, args=(proxy,), daemon=True).start()
     await task

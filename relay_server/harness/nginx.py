@@ -3,8 +3,7 @@ put it in front of a relay: the TLS proxy of docs/organizer.md (tests/test_proxy
 cache of ``examples/nginx_params_cache.conf`` (tests/test_http_cache.py, ``benchmarks/egress.py``).
 
 nginx cannot listen on port 0 and say which port it got, as our own servers do, so a port is
-picked free and picked again when another process took it first (:func:`on_free_port`). Like
-``servers.py`` this module imports no test module, so a benchmark and a test share it.
+picked free and picked again when another process took it first (:func:`on_free_port`).
 """
 
 from __future__ import annotations
@@ -18,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.servers import REPO, stop_process
+from relay_server.harness.process import stop_process
 
-CACHE_CONF = REPO / "examples" / "nginx_params_cache.conf"
+CACHE_CONF = Path(__file__).resolve().parents[2] / "examples" / "nginx_params_cache.conf"
+"""The organizer's cache example, as a checkout holds it (the wheel ships no ``examples/``)."""
 
 
 def free_port() -> int:
@@ -129,6 +129,6 @@ def cache_http_block(port: int, upstream: int, cache_dir: Path) -> str:
         ("proxy_pass https://relay.example.org;", f"proxy_pass http://127.0.0.1:{upstream};"),
         ("/var/cache/nginx/collab-params", str(cache_dir)),
     ):
-        assert old in text, f"{CACHE_CONF.name} no longer has {old!r}: update benchmarks/nginx.py with it"
+        assert old in text, f"{CACHE_CONF.name} no longer has {old!r}: update relay_server/harness/nginx.py with it"
         text = text.replace(old, new)
     return text

@@ -1,0 +1,18 @@
+"""Running a relay on this machine: the one way the demo, the tests and the benchmarks do it.
+
+* :mod:`.thread` -- :class:`~relay_server.harness.thread.RelayThread`, the relay (or any aiohttp
+  app) served from an event loop on a thread of this process: ``relay-server demo``'s relay and
+  the tests' in-process relays;
+* :mod:`.process` -- ``relay-server serve`` / ``aggregator`` as processes, started as an organizer
+  starts them (port 0, ``--ready-file``, one log each), restarted on the same port, stopped
+  cleanly; :func:`~relay_server.harness.process.wait_until`;
+* :mod:`.nginx` -- a real nginx in front of a relay (the TLS proxy, the parameter cache);
+* :mod:`.latency_proxy` -- a TCP proxy that adds latency and counts bytes;
+* :mod:`.netns` -- hosts with shaped links (network namespaces, veth, ``tc``);
+* :mod:`.hf_standin` -- a local stand-in for the Hugging Face Hub's identity API (and the routes a
+  test adds), so that hf-mode runs log in without the internet.
+
+Nothing in the relay's serving path imports this package; it sits above ``api`` (it serves the
+relay's app) and below the ``demo`` entry point. Each module is imported by name (no re-exports
+here), so that starting a process does not import the relay's app.
+"""
