@@ -642,7 +642,7 @@ def test_the_dashboard_shows_a_pipeline_run_s_figures_as_the_relay_counts_them(
 
     from playwright.sync_api import expect
 
-    from tests.conftest import wait_until
+    from relay_server.harness.process import wait_until
     from tests.support.pipeline import pipeline_overrides
     from tests.support.pipeline_models import BYTE_SPEC
 
