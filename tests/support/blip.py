@@ -70,14 +70,25 @@ class BlipProxy:
             return
         self._writers.update((writer, up_writer))
         try:
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            await self.forward(reader, up_writer, up_reader, writer)
         finally:
             for w in (writer, up_writer):
                 self._writers.discard(w)
                 w.transport.abort()
 
+    async def forward(
+        self,
+        reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Carry one connection both ways until either side closes: untouched here; a proxy that
+        shapes what passes (:class:`tests.support.slow_proxy.SlowProxy`) overrides this alone."""
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(ConnectionError, OSError):
         while data := await reader.read(1 << 16):
             writer.write(data)
