@@ -15,6 +15,7 @@ import torch
 from relay_server.api.context import COLLAB
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.core.config import OptimizerSection
+from relay_server.harness.process import wait_until
 from relay_server.harness.thread import RelayThread
 from relay_server.rounds.master import MasterState, NonFiniteStep
 from relay_server.rounds.publisher import Publisher
@@ -259,7 +260,9 @@ def test_a_step_that_would_overflow_the_parameters_is_refused_counted_and_not_ap
         assert peer.upload(np.full(NUM, 1e10, np.float32), samples=5).status_code == 200
     status = relay.wait_for(lambda s: s["refused_steps"] == 1 and s["round"] is None, what="the refused step")
     assert status["step"] == 0 and status["recent_rounds"] == []
-    after = snapshot(relay)
+    # the round's sum is zeroed on the reducer's thread, off the critical path, after the round
+    # closes: wait for that (a sum never zeroed times out here), then compare everything
+    after = wait_until(lambda: (taken := snapshot(relay))["sum"] == before["sum"] and taken, 30, "the sum zeroed")
     for key in ("sum", "weights", "step", "rounds_logged", "contributions"):  # as before the round opened
         assert after[key] == before[key], key
     np.testing.assert_array_equal(params_after(relay, alice, 0), np.zeros(NUM, np.float32))
