@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +47,25 @@ def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_
     callers = [RelayExpertCaller(m.client, m.peer_id) for m in members]
     broker = relay.app[EXPERTS].broker
 
+    def no_poll_for(seconds: float):
+        """True once the host has had no poll waiting for ``seconds``: a poll it sent just before
+        SIGSTOP may reach the relay after one empty look, and would take the calls queued next."""
+        since: list[float | None] = [None]
+
+        def check() -> bool:
+            if relay.call(lambda: broker._waiters.waiting(uid)) != 0:
+                since[0] = None
+                return False
+            since[0] = since[0] if since[0] is not None else time.monotonic()
+            return time.monotonic() - since[0] >= seconds
+
+        return check
+
     def queued_while_paused(send) -> list:
         """Pause the host, wait until its long poll ended, queue the calls, then let it go."""
         host.send_signal(signal.SIGSTOP)
         try:
-            wait_until(lambda: relay.call(lambda: broker._waiters.waiting(uid)) == 0, 30, "the host's poll to end")
+            wait_until(no_poll_for(0.5), 30, "the host's poll to end")
             futures = send()
             rows = sum(int(f[1].shape[0]) for f in futures)
             wait_until(lambda: relay.call(lambda: broker.queued_rows(uid)) == rows, 30, "every call queued")
