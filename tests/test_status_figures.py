@@ -291,12 +291,21 @@ def test_a_restarted_relay_credits_each_stage_worker_what_its_leaderboard_entry_
         return len(rows) == 2 and rows == {user: board.get(user) for user in rows}
 
     wait_until(agree, 60, "each worker's contributed samples to equal its leaderboard entry")
+    earlier = {entry["username"]: entry["samples"] for entry in before["leaderboard"]}
+    after = {peer["username"]: peer["samples_contributed"] for peer in relay.status()["peers"]}
+    for user, samples in after.items():  # counted on from the store's figure, not again from 0
+        assert samples > earlier.get(user, 0) > 0, (user, samples, earlier)
     for worker in workers:  # what its join() result will report: the relay's credit, asked by the worker
         (joined,) = [e for e in worker.events() if e["event"] == "joined"]
         route = f"{relay.url}/api/pipeline/workers/{joined['peer_id']}/credit"
 
-        def credited_as_on_the_board() -> bool:
+        def credit_and_board() -> tuple[int, int]:
             board = {entry["username"]: entry["samples"] for entry in relay.status()["leaderboard"]}
-            return requests.get(route, timeout=10).json()["samples"] == board[f"anonymous:{worker.name}"] > 0
+            return requests.get(route, timeout=10).json()["samples"], board[f"anonymous:{worker.name}"]
 
-        wait_until(credited_as_on_the_board, 60, f"{worker.name}'s credit to equal its leaderboard entry")
+        credit, board_samples = wait_until(
+            lambda: (pair := credit_and_board())[0] == pair[1] and pair,
+            60,
+            f"{worker.name}'s credit to equal its board",
+        )  # the pair read when they agreed: the run goes on, so a later read may straddle a commit
+        assert credit == board_samples > earlier[f"anonymous:{worker.name}"], (worker.name, credit, board_samples)
