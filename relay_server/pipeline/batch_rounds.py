@@ -6,7 +6,9 @@ ticket naming exactly those (anything else is refused, and its micro-batches rec
 uploads its stage's slice to that stage's parameter server through the ticketed route every
 sliced run uses. What a parameter server committed counts (never what a worker says); the round
 closes when every stage counted every micro-batch, at once (not at the next tick): every stage
-steps, the version is published, and the next batch starts on it.
+steps, the version is published, and the next batch starts on it -- or, with delayed parameter
+updates, the next batch started when the round opened, and this one's close lets the batch after
+it start.
 
 :class:`PipelineRounds` owns the open round, the uploads streaming into it and the finalize; it
 reaches the rest of the pipeline only through :class:`RoundDeps` (the batch's ledger, the stages'
@@ -61,7 +63,10 @@ class RoundDeps:
 
     owners: StageOwners
     ledger: Callable[[], Ledger]
-    """The batch in flight's (the coordinator mints a new one per batch)."""
+    """The ledger of the batch whose round is open or opens next: the oldest in flight (the
+    coordinator mints a new one per batch)."""
+    ledgers: Callable[[], list[Ledger]]
+    """Every batch in flight's (two with delayed parameter updates: the round's and the next)."""
     clock: Callable[[], float]
     microbatch_size: int
     microbatches_per_batch: int
@@ -147,7 +152,7 @@ class PipelineRounds:
         call = self.call(worker)
         self.deps.seen(worker)
         if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
-            if self.recompute(worker):
+            if self.recompute(worker, round_only=True):
                 self.deps.strike(worker)  # its gradients are recomputed by others while any serve its stage
             raise ApiError(
                 409,
@@ -215,12 +220,18 @@ class PipelineRounds:
         del r.tickets[contributor]
         self.recompute(worker, only=(stage, set(ms)))
 
-    def recompute(self, worker: str, only: tuple[int, set[int]] | None = None) -> int:
-        """``worker``'s undelivered stage gradients (``only`` those of one stage) are recomputed
-        by others, except what it is uploading now; every ticket of it naming one of them is void
-        at once (an upload with it is refused ``round_closed``), so a gradient is never counted
-        from both its old holder and its redo. How many were sent to be recomputed."""
-        redo = self.deps.ledger().orphan(worker, keep=self.in_flight(), only=only)
+    def recompute(self, worker: str, only: tuple[int, set[int]] | None = None, round_only: bool = False) -> int:
+        """``worker``'s undelivered stage gradients (``only`` those of one stage of the round's
+        batch; ``round_only``: of the round's batch, not of the batch computing meanwhile) are
+        recomputed by others, except what it is uploading now; every ticket of it naming one of
+        them is void at once (an upload with it is refused ``round_closed``), so a gradient is
+        never counted from both its old holder and its redo. How many were sent to be recomputed."""
+        closing = self.deps.ledger()
+        redo = closing.orphan(worker, keep=self.in_flight(), only=only)
+        if only is None and not round_only:
+            for ledger in self.deps.ledgers():
+                if ledger is not closing:
+                    redo += ledger.orphan(worker)
         gone = {(s.stage, s.microbatch) for s in redo}
         r = self.round
         if r is not None and gone:

@@ -13,7 +13,14 @@ optimizer steps.
 * **Rounds** (:mod:`.batch_rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
   its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
-  every stage steps and the next batch starts on the new version (staleness 0). No barrier waits
+  every stage steps. With ``run.max_staleness = 0`` the next batch starts then, on the new
+  version. With 1 (delayed parameter updates, as the seed paper's aggregation does) the next batch
+  starts the moment the round *opens*, on the version before the one the round produces: batch
+  ``b`` computes on version ``max(b - 1, 0)`` and its gradient makes version ``b + 1`` from
+  version ``b``, so a round's uploads, optimizer step and publish overlap the next batch's
+  compute. Which version a batch uses is fixed when it is minted, never by timing, so the run
+  stays exactly one process with the same one-step delay. At most two batches are in flight:
+  the one whose round is open (only redo tasks left) and the one computing. No barrier waits
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
 * **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
   speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
@@ -64,6 +71,9 @@ class PipelineShape:
     """How boundaries travel (``[pipeline] boundary_codec``)."""
     dispatch: str = "pool"
     rebalance_every: int = 0
+    max_staleness: int = 0
+    """``run.max_staleness``: 0 (every batch on the version its predecessor's round produced) or
+    1 (delayed parameter updates: the next batch computes while a round closes)."""
 
 
 @dataclass(frozen=True)
@@ -106,23 +116,28 @@ class PipelineCoordinator:
         self.dispatch = shape.dispatch
         self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
-        self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
-        # batch t is version t's (staleness 0) and its micro-batches are t*d ..: the same ids after a restart
+        self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batches in flight)
+        self.staleness = shape.max_staleness
+        # batch t is the one round t steps with (its version: t, or t - 1 with delayed updates);
+        # its micro-batches are t*d ..: the same ids after a restart
         self.batch_index = self.owners.step
         self.next_microbatch = self.owners.step * self.d
+        self.ledgers: dict[int, Ledger] = {}  # batch -> its ledger: the batches in flight, oldest first
         self.ledger = self._mint()
+        """The newest batch in flight (the one computing)."""
         self.bytes_out = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
         self.figures = PipelineFigures()  # credits, bytes by kind, wasted work per batch
         self.rounds = PipelineRounds(
             RoundDeps(
                 owners=self.owners,
-                ledger=lambda: self.ledger,
+                ledger=self.closing,
                 clock=self.clock,
                 microbatch_size=self.mb_size,
                 microbatches_per_batch=self.d,
                 ticket_key=self.ticket_key,
                 publish=self._publish,
+                ledgers=lambda: list(self.ledgers.values()),
                 seen=lambda worker: self.guard.seen(worker),
                 strike=lambda worker: self.guard.strike(worker),
                 committed=lambda worker, stage: self.guard.committed(worker, stage),
@@ -135,7 +150,7 @@ class PipelineCoordinator:
                 broker=self.broker,
                 workers=self.workers,
                 rounds=self.rounds,
-                ledger=lambda: self.ledger,
+                ledger=self.closing,
                 steps=lambda: self.steps,
                 batch_index=lambda: self.batch_index,
                 clock=self.clock,
@@ -147,11 +162,13 @@ class PipelineCoordinator:
 
     # --- batches --------------------------------------------------------------------------------
     def _mint(self) -> Ledger:
-        ledger = Ledger(self.batch_index, self.owners.step, self.K, self.next_microbatch, self.d)
+        ledger = Ledger(
+            self.batch_index, max(self.batch_index - self.staleness, 0), self.K, self.next_microbatch, self.d
+        )
         self.next_microbatch += self.d
-        self.ledger = ledger
+        self.ledgers[ledger.batch] = self.ledger = ledger
         if self.dispatch == "static":  # each stage's micro-batches dealt round-robin to its workers now
-            self.pins = {
+            self.pins |= {
                 (k, m): ws[i % len(ws)]
                 for k in range(self.K)
                 if (ws := self.workers.on_stage(k))
@@ -161,11 +178,19 @@ class PipelineCoordinator:
             self._submit(step)
         return ledger
 
+    def closing(self) -> Ledger:
+        """The oldest batch in flight: the one whose round is open, or opens next."""
+        return self.ledgers[min(self.ledgers)]
+
+    def versions_in_use(self) -> set[int]:
+        """The versions some batch in flight computes on (the relay keeps serving them)."""
+        return {ledger.version for ledger in self.ledgers.values()}
+
     def _submit(self, step: Step) -> None:
         backward_work = step.kind in (LAST, BACKWARD)
         task = self.broker.submit(
             caller="pipeline",
-            call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
+            call_id=f"{step.batch}.{step.kind}.{step.stage}."
             f"{step.microbatch}.{'r' if step.redo else ''}{secrets.token_hex(4)}",
             key=self._key_of(step),
             kind=step.kind,
@@ -174,7 +199,7 @@ class PipelineCoordinator:
             timeout_s=NO_DEADLINE_S,
             requeue_on_loss=True,
             prefer=step.prefer,
-            priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch),
+            priority=(0 if backward_work else 1, step.batch, step.microbatch),
         )
         self.steps[task.task_id] = step
 
@@ -190,17 +215,36 @@ class PipelineCoordinator:
 
     def _next_batch(self, round_s: float) -> None:
         """The batch's step is published: nothing of it may be leased after its boundaries go;
-        re-time the placement; the next batch starts on the new version."""
-        self.figures.batch_over(self.ledger.batch, self.waste_totals())
-        for task_id in list(self.steps):
-            self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
-        self.steps.clear()
+        re-time the placement; the next batch starts on the new version (with delayed updates it
+        is computing already, and its round may open now)."""
+        closed = self.ledgers.pop(min(self.ledgers))
+        self.figures.batch_over(closed.batch, self.waste_totals())
+        for task_id, step in list(self.steps.items()):
+            if step.batch == closed.batch:
+                self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
+                del self.steps[task_id]
         self.guard.batch_over()
-        for m in self.ledger.microbatches:
+        for m in closed.microbatches:
             self.boundaries.drop(m)
+            for k in range(self.K):
+                self.pins.pop((k, m), None)
         self._replan(round_s)
-        self.batch_index += 1
-        self._mint()
+        if self.ledgers:
+            self._advance()
+        else:
+            self.batch_index += 1
+            self._mint()
+
+    def _advance(self) -> None:
+        """Open the oldest batch's round once all its backwards finished and no round is open;
+        with delayed updates the next batch starts then, on the version just published (the one
+        before the version this round produces)."""
+        if self.round is not None or not self.closing().complete:
+            return
+        self.rounds.open()
+        if self.staleness and len(self.ledgers) == 1:
+            self.batch_index += 1
+            self._mint()
 
     # --- the round (:class:`~relay_server.pipeline.batch_rounds.PipelineRounds` owns it) -----------------
     @property
@@ -266,9 +310,9 @@ class PipelineCoordinator:
                     task_id=task.task_id,
                     kind=step.kind,
                     stage=step.stage,
-                    batch=self.ledger.batch,
+                    batch=step.batch,
                     microbatch=step.microbatch,
-                    version=self.ledger.version,
+                    version=self.ledgers[step.batch].version,
                     lease_s=self.broker.lease_deadline(task.key),
                     input_cached=cached_input,
                     redo=step.redo,
@@ -298,9 +342,9 @@ class PipelineCoordinator:
             self.boundaries.drop(step.microbatch)
             fresh = self.next_microbatch
             self.next_microbatch += 1
-            self.ledger.replace(step.microbatch, fresh)
+            self.ledgers[step.batch].replace(step.microbatch, fresh)
             self.restarted += 1
-            self._submit(Step(FIRST, 0, fresh))
+            self._submit(Step(FIRST, 0, fresh, batch=step.batch))
 
     async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list:
         """A task of the worker's stage, or nothing when the round opens first (the worker then
@@ -362,7 +406,8 @@ class PipelineCoordinator:
                 f"this worker moved off stage {step.stage}; its result for it is not used",
                 "Drop it and take the next task of your new stage.",
             )
-        mb = self.ledger.microbatches[step.microbatch]
+        ledger = self.ledgers[step.batch]
+        mb = ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
             task = self.broker.complete(worker, task_id, b"")
@@ -378,13 +423,13 @@ class PipelineCoordinator:
             self.boundaries.put(step.microbatch, name, entry)
         if step.redo:
             self.redone += 1
-        following = self.ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
+        following = ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
         self.guard.now_holds(worker, step)
         del self.steps[task_id]
         if following is not None:
             self._submit(following)
-        elif self.ledger.complete and self.round is None:
-            self.rounds.open()
+        elif ledger.complete:
+            self._advance()
         return PipelineAck(task_id=task_id, accepted=True)
 
     # --- the planner ----------------------------------------------------------------------------
@@ -408,7 +453,7 @@ class PipelineCoordinator:
         holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
+        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.owned(w))
         if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
@@ -421,6 +466,7 @@ class PipelineCoordinator:
             why,
         )
         self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
+        self.rounds.recompute(worker)  # (delayed updates) what it holds of the batch computing: its new stage drops it
         self.workers.move(worker, stage)
         self.planner.forget(worker)
         self.moves += 1
@@ -435,7 +481,7 @@ class PipelineCoordinator:
         if self.dispatch == "static":
             return
         for worker, silent_s in silence.items():
-            owned = self.ledger.owned(worker)
+            owned = self.owned(worker)
             if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
                 continue
             redo = self.rounds.recompute(worker)
@@ -447,6 +493,14 @@ class PipelineCoordinator:
                     redo,
                 )
                 self.silenced += 1
+
+    def owned(self, worker: str) -> dict[int, list[int]]:
+        """stage -> micro-batches whose gradient ``worker`` holds undelivered, of every batch in flight."""
+        out: dict[int, list[int]] = {}
+        for ledger in self.ledgers.values():
+            for stage, ms in ledger.owned(worker).items():
+                out.setdefault(stage, []).extend(ms)
+        return out
 
     # --- membership -----------------------------------------------------------------------------
     def worker_left(self, worker: str) -> None:

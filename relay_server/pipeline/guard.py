@@ -55,9 +55,9 @@ class GuardDeps:
     workers: Workers
     rounds: PipelineRounds
     ledger: Callable[[], Ledger]
-    """The batch in flight's."""
+    """The ledger of the batch whose round is open or opens next (the oldest in flight)."""
     steps: Callable[[], Mapping[str, Step]]
-    """Task id -> step, of the batch in flight's tasks."""
+    """Task id -> step, of the tasks of every batch in flight."""
     batch_index: Callable[[], int]
     clock: Callable[[], float]
     dispatch: str = "pool"
@@ -121,7 +121,7 @@ class PipelineGuard:
             seconds,
             stage,
         )
-        self.rounds.recompute(worker)
+        self.rounds.recompute(worker, round_only=True)
         self.strike(worker)
 
     def committed(self, worker: str, stage: int) -> None:
@@ -146,7 +146,7 @@ class PipelineGuard:
             held_s = now - max(r.opened_at, self.held_since.get(worker, r.opened_at))
             if held_s <= max(self.hold_deadline(k) for k in owned):
                 continue
-            redo = self.rounds.recompute(worker)
+            redo = self.rounds.recompute(worker, round_only=True)
             if redo:
                 log.info(
                     "pipeline worker %s held %d stage gradient(s) %.1f s into the round without committing "
@@ -243,7 +243,8 @@ class PipelineGuard:
 
     def batch_over(self) -> None:
         self.held_since.clear()
-        self.lapses_seen.clear()
+        live = self.deps.steps()  # (delayed updates) the next batch's tasks stay: their lapses were struck
+        self.lapses_seen = {task_id: n for task_id, n in self.lapses_seen.items() if task_id in live}
 
     # --- placement -------------------------------------------------------------------------------
     def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
