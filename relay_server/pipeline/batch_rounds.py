@@ -95,15 +95,15 @@ class PipelineRounds:
         self.opened = asyncio.Event()
         """Set when the round opens (then replaced): what a waiting worker's long poll also waits on."""
         self.finalize_task: asyncio.Task | None = None
-        self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time
+        self.batch_started: dict[int, float] = {}  # batch -> its first lease: joining time is not batch time
         self.batch_times: list[float] = []
         self.samples_done = 0
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
 
-    def batch_began(self) -> None:
-        """A task of the batch was leased: the batch's time counts from the first one."""
-        if self.batch_started is None:
-            self.batch_started = self.deps.clock()
+    def batch_began(self, batch: int) -> None:
+        """A task of ``batch`` was leased: the batch's time counts from the first one (with
+        delayed updates, while the round before it may still be open)."""
+        self.batch_started.setdefault(batch, self.deps.clock())
 
     def open(self) -> None:
         ledger = self.deps.ledger()
@@ -265,7 +265,8 @@ class PipelineRounds:
         r, ledger, mb_size = self.round, self.deps.ledger(), self.deps.microbatch_size
         published, grad_norm, counted = await self.deps.owners.finalize(r.step, r.round_id)
         self.counted = (self.counted + [counted])[-20:]
-        elapsed = self.deps.clock() - (self.batch_started if self.batch_started is not None else r.opened_at)
+        started = self.batch_started.get(ledger.batch)
+        elapsed = self.deps.clock() - (started if started is not None else r.opened_at)
         self.batch_times = (self.batch_times + [elapsed])[-20:]
         contributions: dict[str, int] = {}
         for mb in ledger.microbatches.values():
@@ -285,7 +286,7 @@ class PipelineRounds:
         )
         round_s = self.deps.clock() - r.opened_at
         self.round, self.finalizing = None, False
-        self.batch_started = None
+        self.batch_started = {b: t for b, t in self.batch_started.items() if b > ledger.batch}
         self.deps.batch_over(round_s)
 
 

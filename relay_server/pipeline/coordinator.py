@@ -223,7 +223,7 @@ class PipelineCoordinator:
             if step.batch == closed.batch:
                 self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
                 del self.steps[task_id]
-        self.guard.batch_over()
+        self.guard.batch_over(closed.batch)
         for m in closed.microbatches:
             self.boundaries.drop(m)
             for k in range(self.K):
@@ -294,8 +294,8 @@ class PipelineCoordinator:
                     self.broker.requeue(task.task_id)
                 continue
             tasks = [t for t in tasks if self._still_wanted(t)]
-            if tasks:
-                self.rounds.batch_began()
+            for task in tasks:
+                self.rounds.batch_began(self.steps[task.task_id].batch)
             if tasks or self.clock() >= deadline:
                 break
         out, tensors = [], {}
