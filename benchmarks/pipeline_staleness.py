@@ -13,18 +13,21 @@ holder's ticket, upload and done, every stage's optimizer step, the publish, the
 downloads); with 1 it starts when that round opens, on the version before.
 
 Seconds per batch here are wall time between consecutive steps (the relay's ``finalized_at``),
-the first step left out (warm-up): with delayed updates batches overlap, so a batch's own first
-lease to commit (``duration_s``, what ``benchmarks/pipeline.py`` averages) no longer adds up to
-the run's time.
+the first step left out (warm-up), their median (one step slowed by the shared machine moves a
+mean of five by a fifth of its delay; the mean is reported too): with delayed updates batches
+overlap, so a batch's own first lease to commit (``duration_s``, what ``benchmarks/pipeline.py``
+averages) no longer adds up to the run's time.
 
-Last line: one JSON object: ``staleness1_vs_0`` (seconds per batch, < 1 is faster),
-``seconds_per_batch`` for each, the rounds' own durations and the settings.
+Last line: one JSON object: ``staleness1_vs_0`` (median seconds per batch, < 1 is faster),
+``seconds_per_batch`` (median) and ``mean_seconds_per_batch`` for each, every interval, and the
+settings.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -33,12 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline as bench  # noqa: E402
 
 
-def wall_per_batch(run: dict) -> float | None:
-    """Mean seconds between consecutive steps, after the first (warm-up) one."""
+def intervals(run: dict) -> list[float]:
+    """Seconds between consecutive steps, after the first (warm-up) one."""
     stamps = run.get("finalized_at") or []
-    if not run["completed"] or len(stamps) < 3:
-        return None
-    return round((stamps[-1] - stamps[1]) / (len(stamps) - 2), 3)
+    return [round(b - a, 3) for a, b in zip(stamps[1:], stamps[2:])] if run["completed"] else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +72,18 @@ def main(argv: list[str] | None = None) -> int:
         for staleness in (0, 1):
             args.max_staleness = staleness
             runs[f"staleness{staleness}"] = bench.run_once(1, "ours", args, logs / f"staleness{staleness}")
-    spb = {name: wall_per_batch(run) for name, run in runs.items()}
-    for name, seconds in spb.items():
-        print(f"{name}: {seconds} s per batch (wall, between steps)", flush=True)
+    between = {name: intervals(run) for name, run in runs.items()}
+    spb = {name: round(statistics.median(ts), 3) if ts else None for name, ts in between.items()}
+    mean = {name: round(statistics.fmean(ts), 3) if ts else None for name, ts in between.items()}
+    for name in runs:
+        print(
+            f"{name}: median {spb[name]} s, mean {mean[name]} s per batch (between steps: {between[name]})", flush=True
+        )
     summary = {
         "staleness1_vs_0": bench.ratio(spb["staleness1"], spb["staleness0"]),
         "seconds_per_batch": spb,
+        "mean_seconds_per_batch": mean,
+        "between_steps_s": between,
         "batch_first_lease_to_step_s": {name: run["seconds_per_batch"] for name, run in runs.items()},
         "completed": all(run["completed"] for run in runs.values()),
         "counted": {name: run["counted"] for name, run in runs.items()},

@@ -14,13 +14,13 @@ optimizer steps.
   its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
   every stage steps. With ``run.max_staleness = 0`` the next batch starts then, on the new
-  version. With 1 (delayed parameter updates, as the seed paper's aggregation does) the next batch
-  starts the moment the round *opens*, on the version before the one the round produces: batch
-  ``b`` computes on version ``max(b - 1, 0)`` and its gradient makes version ``b + 1`` from
-  version ``b``, so a round's uploads, optimizer step and publish overlap the next batch's
-  compute. Which version a batch uses is fixed when it is minted, never by timing, so the run
-  stays exactly one process with the same one-step delay. At most two batches are in flight:
-  the one whose round is open (only redo tasks left) and the one computing. No barrier waits
+  version. With 1 (delayed parameter updates, as the seed paper's aggregation does) batch ``b``
+  computes on version ``max(b - 1, 0)`` and its gradient makes version ``b + 1`` from version
+  ``b``: batch ``b + 1`` starts as soon as version ``b`` is published, alongside batch ``b``'s
+  last tasks and its round, so a round's uploads, optimizer step and publish -- and the drain and
+  fill of the pipeline between batches -- overlap compute. Which version a batch uses is fixed
+  when it is minted, never by timing, so the run stays exactly one process with the same
+  one-step delay. At most two batches are in flight. No barrier waits
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
 * **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
   speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
@@ -159,6 +159,7 @@ class PipelineCoordinator:
             )
         )
         self.predicted_batch_s: float | None = None
+        self._fill()  # with delayed updates the second batch starts at once: its version is published
 
     # --- batches --------------------------------------------------------------------------------
     def _mint(self) -> Ledger:
@@ -229,22 +230,25 @@ class PipelineCoordinator:
             for k in range(self.K):
                 self.pins.pop((k, m), None)
         self._replan(round_s)
-        if self.ledgers:
-            self._advance()
-        else:
+        self._fill()
+        self._advance()
+
+    def _fill(self) -> None:
+        """Start batches while fewer than ``1 + staleness`` are in flight and the next one's
+        version is published: with staleness 0 the next batch once this one's round closed, on
+        the version it produced; with 1 batch ``b + 1`` as soon as version ``b`` exists (round
+        ``b - 1`` closed), so it computes alongside batch ``b``'s last tasks and round (the older
+        batch's tasks first: the broker's priority), and the pool never drains between batches."""
+        while (
+            len(self.ledgers) <= self.staleness and max(self.batch_index + 1 - self.staleness, 0) <= self.owners.step
+        ):
             self.batch_index += 1
             self._mint()
 
     def _advance(self) -> None:
-        """Open the oldest batch's round once all its backwards finished and no round is open;
-        with delayed updates the next batch starts then, on the version just published (the one
-        before the version this round produces)."""
-        if self.round is not None or not self.closing().complete:
-            return
-        self.rounds.open()
-        if self.staleness and len(self.ledgers) == 1:
-            self.batch_index += 1
-            self._mint()
+        """Open the oldest batch's round once all its backwards finished and no round is open."""
+        if self.round is None and self.closing().complete:
+            self.rounds.open()
 
     # --- the round (:class:`~relay_server.pipeline.batch_rounds.PipelineRounds` owns it) -----------------
     @property
@@ -466,7 +470,8 @@ class PipelineCoordinator:
             why,
         )
         self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
-        self.rounds.recompute(worker)  # (delayed updates) what it holds of the batch computing: its new stage drops it
+        if self.owned(worker):  # (delayed updates) it holds the computing batch's gradients: its new stage drops them
+            self.rounds.recompute(worker)
         self.workers.move(worker, stage)
         self.planner.forget(worker)
         self.moves += 1
