@@ -3,7 +3,8 @@ relay process and real stage-worker processes on 127.0.0.1.
 
 Batch ``b`` computes on version ``max(b - 1, 0)`` -- on every stage, whichever worker runs it,
 however the round before it is timed -- and its gradient makes version ``b + 1`` from version
-``b``; batch ``b + 1`` starts the moment round ``b`` opens. So the run is exactly one process
+``b``; batch ``b + 1`` starts as soon as version ``b`` is published, alongside batch ``b``'s last tasks and
+round. So the run is exactly one process
 that applies the gradient of batch ``b``, computed at the parameters of step ``b - 1``, to those
 of step ``b`` (relative difference <= 1e-5), and measurably not the undelayed run.
 """

@@ -24,11 +24,10 @@ their sum with a ticket naming exactly them, through the ticketed slice upload e
 uses.
 
 Every task names the version it computes on. With delayed parameter updates
-(``run.max_staleness = 1``) that is the version before the latest while the previous batch's
-round closes, so the worker keeps its stage of two versions (:class:`_Versions`), fetches each
-by its exact step (the relay serves a version while a batch in flight uses it), and
-keeps a stage-gradient sum per batch: batch ``b``'s sum waits for its round while batch ``b + 1``'s
-tasks add to the next.
+(``run.max_staleness = 1``) batch ``b``'s tasks compute on version ``b - 1`` while batch
+``b + 1``'s compute on ``b``, so the worker keeps its stage of two versions and a stage-gradient
+sum per batch (:mod:`toolkit.pipeline.held`), and fetches each version by its exact step (the
+relay serves a version while a batch in flight uses it).
 
 The worker is a member of the run as every role is (:mod:`toolkit.run_membership`): the membership
 heartbeats for it, joins again when the relay forgot its peer id (the worker then asks for a stage
@@ -42,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,6 +49,7 @@ import torch
 
 from toolkit.errors import CollabError, RelayRejected, volunteer_line
 from toolkit.pipeline import compute
+from toolkit.pipeline.held import BatchSums, StageVersions
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.pipeline.worker_memory import CACHE_INPUTS
 from toolkit.run_membership import Membership, waits_out
@@ -119,7 +119,7 @@ class StageWorker:
         self.assignment: StageAssignment | None = None
         self.stage: Stage | None = None
         self.version = -1
-        self.versions = _Versions()
+        self.versions = StageVersions()
         self.cache: OrderedDict[int, Any] = OrderedDict()  # micro-batch -> the stage input it ran forward on
         self._reset_sum()
         self.tasks_done = self.tasks_refused = self.uploads = 0
@@ -149,7 +149,7 @@ class StageWorker:
         self.stage = build_stage(self.info.model, cut, self.device)
         self.params = list(self.stage.parameters())
         self.version = -1
-        self.versions = _Versions()
+        self.versions = StageVersions()
         self.cache.clear()
         self._reset_sum()
         log.info(
@@ -185,13 +185,12 @@ class StageWorker:
         self.version = version
 
     def _reset_sum(self) -> None:
-        self.sums: dict[int, _Sum] = {}
-        """batch -> the stage gradient this worker holds of it, until that batch's round."""
+        self.sums = BatchSums(self.info.max_staleness)
 
     @property
     def held(self) -> list[int]:
         """The micro-batches whose stage gradient this worker holds (of every batch)."""
-        return [m for held in self.sums.values() for m in held.microbatches]
+        return self.sums.held
 
     # --- the loop ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -349,25 +348,7 @@ class StageWorker:
             else a.microbatch_size / elapsed
         )
         if grads is not None:
-            self._add(task.batch, task.microbatch, grads, loss_sum)
-
-    def _add(self, batch: int, microbatch: int, grads: list[torch.Tensor], loss_sum: float) -> None:
-        """A stage gradient the relay accepted joins its batch's sum. A sum of a batch older than
-        the relay keeps in flight is dropped: its round closed without this worker's upload (it
-        was silent, and the relay recomputed those micro-batches)."""
-        for old in [b for b in self.sums if b < batch - self.info.max_staleness]:
-            log.debug(
-                "dropping the stage gradient of micro-batches %s: their batch is over", self.sums[old].microbatches
-            )
-            del self.sums[old]
-        held = self.sums.setdefault(batch, _Sum())
-        if held.grads is None:
-            held.grads = [g.detach().clone() for g in grads]
-        else:
-            for total, g in zip(held.grads, grads):
-                total.add_(g)
-        held.microbatches.append(microbatch)
-        held.loss_sum += loss_sum
+            self.sums.add(task.batch, task.microbatch, grads, loss_sum)
 
     def _remember(self, microbatch: int, x: Any) -> None:
         self.cache[microbatch] = x
@@ -388,7 +369,7 @@ class StageWorker:
     # --- rounds -----------------------------------------------------------------------------------
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
-        mine = self.sums.pop(call.step, _Sum())  # round ``step`` steps with batch ``step``'s gradient
+        mine = self.sums.pop(call.step)  # round ``step`` steps with batch ``step``'s gradient
         if sorted(mine.microbatches) != call.microbatches or mine.grads is None:
             log.debug(
                 "the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
@@ -446,37 +427,6 @@ class StageWorker:
 
 class _Stale(Exception):
     """A newer version than the task's was published: the task's batch is over."""
-
-
-@dataclass
-class _Sum:
-    """A batch's stage gradient held by this worker: the sum over its accepted micro-batches."""
-
-    grads: list[torch.Tensor] | None = None
-    microbatches: list[int] = field(default_factory=list)
-    loss_sum: float = 0.0
-
-
-class _Versions:
-    """The stage's flat parameters of at most two versions: a task of batch ``b`` computes on
-    ``b - 1`` while batch ``b + 1``'s compute on ``b`` (delayed updates), or the latest alone."""
-
-    KEEP = 2
-
-    def __init__(self) -> None:
-        self.flats: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def get(self, version: int) -> np.ndarray | None:
-        flat = self.flats.get(version)
-        if flat is not None:
-            self.flats.move_to_end(version)
-        return flat
-
-    def keep(self, version: int, flat: np.ndarray) -> None:
-        self.flats[version] = flat
-        self.flats.move_to_end(version)
-        while len(self.flats) > self.KEEP:
-            self.flats.popitem(last=False)
 
 
 def _to(batch: Any, device: torch.device) -> Any:
