@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from toolkit.errors import ModelMismatch
 from toolkit.pipeline.cuts import Anatomy, StageCut
 
 
@@ -75,6 +76,16 @@ class Stage(nn.Module):
     def num_layers(model: nn.Module) -> int:
         """The number of blocks of the full ``model``."""
         raise NotImplementedError
+
+    def restore_buffers(self, device: torch.device | str) -> None:
+        """Give the stage's buffers their values on ``device`` after it was built on the meta
+        device (where a buffer has no values); a stage with buffers it cannot restore is refused."""
+        if any(True for _ in self.buffers()):
+            raise ModelMismatch(
+                "not_cuttable",
+                f"this {self.anatomy.name} stage has buffers, which a stage built on the meta device cannot restore",
+                "Train this model without [pipeline].",
+            )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Stage 0: the first block's input from the tokens."""

@@ -18,7 +18,7 @@ from toolkit.errors import ModelMismatch
 from toolkit.models import build_model
 from toolkit.pipeline.byte import ByteStage
 from toolkit.pipeline.cuts import PipelineUnits, StageCut, cut_stages, stage_cut, units_from_named
-from toolkit.pipeline.gpt2 import GPT2Stage
+from toolkit.pipeline.families import DECODERS
 from toolkit.pipeline.stage import Stage
 from toolkit.wire.protocol import ModelSpec
 
@@ -34,12 +34,14 @@ __all__ = [
     "units_of",
 ]
 
-ARCHITECTURES: tuple[type[Stage], ...] = (ByteStage, GPT2Stage)
+ARCHITECTURES: tuple[type[Stage], ...] = (ByteStage, *DECODERS)
 """The architectures a pipeline can cut, each with the stage that runs its parts."""
 
 SUPPORTED = (
     "the toolkit's ByteTransformer (factory \"toolkit.models:ByteTransformer\") and transformers' "
-    'GPT-2 (architecture "AutoModelForCausalLM", model_type "gpt2")'
+    'decoders (architecture "AutoModelForCausalLM", model_type '
+    + " / ".join(f'"{t}"' for d in DECODERS for t in d.family.model_types)
+    + ")"
 )
 
 
@@ -118,13 +120,8 @@ def build_stage(
             "Cut the stages from the run's own model: cut_stages(units_of(spec), layers_per_stage).",
         )
     stage = architecture_of(model)(model, cut)
-    if any(True for _ in stage.buffers()):
-        raise ModelMismatch(
-            "not_cuttable",
-            f"this {stage.anatomy.name} stage has buffers, which a stage built on the meta device cannot restore",
-            "Train this model without [pipeline].",
-        )
     stage.to_empty(device=device)
+    stage.restore_buffers(device)
     with torch.no_grad():
         for name, param in stage.named_parameters():
             if param.dim() >= 2:
