@@ -1,7 +1,7 @@
 """Stages cut from real models compute what the whole model computes, and hold only their part.
 
 For the toolkit's ByteTransformer and transformers' GPT-2, Llama, Mistral (sliding window),
-Qwen2 (full and sliding layers) and GPT-NeoX, cut into 2 and 3 stages with uneven layer
+Qwen2 (full and sliding layers), Qwen3 and GPT-NeoX, cut into 2 and 3 stages with uneven layer
 allocations: the stages loaded from slices of the flat vector, chained forward to the loss and
 backward through detached boundaries, give the whole model's ``loss_of`` and every parameter
 gradient exactly (0.0 difference in fp32: each stage runs the very operations the whole model's
@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from relay_server.rounds.master import layout_of
 from tests.support.pipeline_models import (
+    DROPOUT_SPECS,
     GPT2_DROPOUT_SPEC,
     LLAMA_SPEC,
     SPECS,
@@ -333,12 +334,12 @@ def test_a_batch_the_stages_cannot_honour_is_refused(name: str, change, words: s
 
 
 # --- dropout and precision: what the stage worker's tasks compute ------------------------------------
-def dropout_stages(layers: list[int]) -> tuple[torch.nn.Module, list]:
-    """GPT-2 with its default dropout (in training mode) and its stages, loaded from its vector."""
+def dropout_stages(layers: list[int], spec: ModelSpec = GPT2_DROPOUT_SPEC) -> tuple[torch.nn.Module, list]:
+    """A decoder with dropout (in training mode; GPT-2's default) and its stages, loaded from its vector."""
     torch.manual_seed(0)
-    model = build_model(GPT2_DROPOUT_SPEC)
+    model = build_model(spec)
     flat = flatten(model)
-    stages = [build_stage(GPT2_DROPOUT_SPEC, cut) for cut in cut_stages(pipeline_units(model), layers)]
+    stages = [build_stage(spec, cut) for cut in cut_stages(pipeline_units(model), layers)]
     for stage in stages:
         stage.load_flat(flat[stage.cut.start : stage.cut.end])
     return model, stages
@@ -375,6 +376,22 @@ def test_dropout_masks_are_replayed_by_the_recomputed_backward(layers: list[int]
     _, other = masked_reference(model, layers, batch, 8, samples=2)
     cosine = torch.nn.functional.cosine_similarity(other, want, dim=0)
     assert worst_relative(other, want) > 0.05 and cosine < 0.99, (worst_relative(other, want), cosine)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox"])
+def test_dropout_masks_are_replayed_on_every_family(name: str) -> None:
+    """Llama's attention dropout, GPT-NeoX's attention, residual and embedding dropout: the
+    stages' tasks draw the pipeline's masks as GPT-2's do, equal to the whole model's to 1e-5."""
+    layers = [1, 2, 1]
+    model, stages = dropout_stages(layers, DROPOUT_SPECS[name])
+    batch = batch_for(name, torch.Generator().manual_seed(6))
+    want_loss, want = masked_reference(model, layers, batch, 3, samples=2)
+    torch.manual_seed(4321)
+    loss, grads = run_tasks(stages, batch, 3, samples=2)
+    assert abs(loss - want_loss) <= TOLERANCE * abs(want_loss)
+    assert worst_relative(torch.cat(grads), want) <= TOLERANCE
+    _, other = masked_reference(model, layers, batch, 8, samples=2)
+    assert worst_relative(other, want) > 0.01  # the masks are real dropout
 
 
 def test_the_task_seed_is_one_per_stage_and_micro_batch_and_the_same_everywhere() -> None:

@@ -68,6 +68,7 @@ QWEN2_SPEC = decoder_spec(
 )
 """Qwen2 with full attention in layers 0-1 and a window of 4 in layers 2-3: a stage's blocks
 take the mask of their own index in the whole model."""
+QWEN3_SPEC = decoder_spec("qwen3", num_key_value_heads=2, head_dim=8)
 NEOX_SPEC = decoder_spec("gpt_neox")
 SPECS = {
     "byte": BYTE_SPEC,
@@ -75,6 +76,7 @@ SPECS = {
     "llama": LLAMA_SPEC,
     "mistral": MISTRAL_SPEC,
     "qwen2": QWEN2_SPEC,
+    "qwen3": QWEN3_SPEC,
     "gpt_neox": NEOX_SPEC,
 }
 GPT2_DROPOUT_SPEC = ModelSpec(
@@ -84,6 +86,13 @@ GPT2_DROPOUT_SPEC = ModelSpec(
 )
 """GPT-2 with its default dropout (0.1 on embeddings, attention and residuals): exact only when
 a recomputed backward replays its forward's masks (:mod:`toolkit.pipeline.compute`)."""
+DROPOUT_SPECS = {
+    "gpt2": GPT2_DROPOUT_SPEC,
+    "llama": decoder_spec("llama", num_key_value_heads=2, attention_dropout=0.1),
+    "gpt_neox": decoder_spec("gpt_neox", attention_dropout=0.1, hidden_dropout=0.1),
+}
+"""Decoders with dropout (Llama's on attention probabilities; GPT-NeoX's on attention, residuals
+and embeddings too)."""
 
 
 def batch_for(name: str, generator: torch.Generator, rows: int = 3, seq_len: int = 8) -> Any:
