@@ -61,6 +61,7 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
     """Where ``model``'s embeddings, blocks and head lie in the flat parameter vector (``model``
     may live on the meta device: only names and shapes are read)."""
     arch = architecture_of(model)
+    arch.check(model)  # first: tie_hint reads the parts where the architecture says they are
     hint = arch.tie_hint(model)
     if hint:
         raise ModelMismatch(
@@ -69,7 +70,6 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
             "a pipeline's first and last stages cannot share one matrix",
             hint[0].upper() + hint[1:] + ".",
         )
-    arch.check(model)
     num_layers = arch.num_layers(model)
     named, seen = list(model.named_parameters(remove_duplicate=False)), dict[int, str]()
     for name, param in named:
