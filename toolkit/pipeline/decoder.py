@@ -120,6 +120,14 @@ class DecoderStage(Stage):
         return "set tie_word_embeddings = false in [model] config" if tied else None
 
     @classmethod
+    def tied_pair(cls, model: Any) -> tuple[str, str] | None:
+        f = cls.family
+        head, embed = getattr(model, f.head), getattr(getattr(model, f.trunk), f.embed)
+        if head.weight is not embed.weight or getattr(head, "bias", None) is not None:
+            return None
+        return f"{f.trunk}.{f.embed}.weight", f"{f.head}.weight"
+
+    @classmethod
     def check(cls, model: Any) -> None:
         """Refuse a model whose parts are not where :attr:`family` says (another transformers
         version moved them): its stages would silently run something else."""
@@ -157,7 +165,11 @@ class DecoderStage(Stage):
             with torch.device(device):
                 setattr(self.trunk, rotary, type(getattr(self.trunk, rotary))(config=self.body.config))
         prefix = f"{self.family.trunk}.{rotary}." if rotary else None
-        others = [name for name, _ in self.body.named_buffers() if prefix is None or not name.startswith(prefix)]
+        others = [
+            name
+            for name, _ in self.body.named_buffers()
+            if name != self.tied_name and (prefix is None or not name.startswith(prefix))
+        ]
         if others:
             raise ModelMismatch(
                 "not_cuttable",
