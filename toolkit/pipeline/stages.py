@@ -2,8 +2,9 @@
 
 :func:`pipeline_units` refuses, in one line that says what to do, a model it cannot cut: an
 architecture it does not know how to run in parts, tied input/output embeddings unless asked
-(``tied=True``: the last stage then reads stage 0's embedding as a copy), parameters out of layer order, or parameters shared
-between modules (a stage owns each of its parameters alone). :func:`build_stage` builds the
+(``tied=True``: the last stage then reads stage 0's embedding as a copy; relay runs do not ask
+yet), parameters out of layer order, or parameters shared between modules (a stage owns each of
+its parameters alone, a tied head aside). :func:`build_stage` builds the
 model on the meta device, where a parameter is a shape without storage, keeps the stage's
 modules and only then allocates them: a worker never holds more than its stage, which is the
 point of a pipeline (a model larger than any one volunteer's memory).
