@@ -150,7 +150,8 @@ def corrupter(how: str, log):
     """A worker whose results are finite, well shaped and wrong (what only checks of the work
     itself can find): ``scale`` multiplies every activation it sends by 1.3, ``noise`` adds noise
     of 10% of each activation matrix's norm, ``flip`` flips the sign of every tenth stage gradient
-    it sends (the first one included). Each corrupted result is logged."""
+    it sends (the first one included), ``stale`` computes every version's tasks on the first
+    version's parameters (it never downloads another). Each corrupted result is logged."""
 
     def wrap(base):
         class Corrupt(base):
@@ -170,14 +171,26 @@ def corrupter(how: str, log):
                         h = -h
                         log(event="corrupted", how=how)
                     self.sent_gradients += 1
+                elif how == "stale" and self.version > self.first_version:
+                    log(event="corrupted", how=how)
                 return super()._rows(name, h)
+
+            first_version = -1
+
+            def _ensure_version(self, version: int) -> None:
+                if how != "stale" or self.first_version < 0:
+                    super()._ensure_version(version)
+                    self.first_version = self.version
+                elif version != self.version:  # a new batch: drop what it held, keep the old parameters
+                    self._reset_sum()
+                    self.version = version
 
         return Corrupt
 
     return wrap
 
 
-CORRUPT = ("scale", "noise", "flip")
+CORRUPT = ("scale", "noise", "flip", "stale")
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ shaped, wrong results, three honest ones, two stages.
 * ``scale`` (stage 0) multiplies every activation it sends by 1.3;
 * ``noise`` (stage 0) adds noise of 10% of each activation matrix's norm;
 * ``flip`` (stage 1) flips the sign of every tenth stage gradient it sends, the first included.
+* ``stale`` (stage 0) computes every batch on the first version's parameters (batch 0 is honest).
 
 Every result is checked here (``check_share = 1.0``: which ones are checked at a smaller share is
 the secret's business, tested in ``tests/test_trust.py``), so each liar is banned at its first
@@ -26,7 +27,8 @@ from tests.support.training import relay_params
 MICROBATCHES = 4
 STEPS = 3
 BANNED_BY_BATCH = 1
-"""A liar is banned in batch 0 or 1 (each corrupts its first result of its kind)."""
+"""A liar is banned in batch 0 or 1 (each corrupts its first result of its kind; the stale one
+its first of batch 1)."""
 
 
 def pipeline(relay) -> dict:
@@ -81,7 +83,7 @@ def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage:
     return status, liar, honest
 
 
-@pytest.mark.parametrize("corrupt, liar_stage", [("scale", 0), ("noise", 0), ("flip", 1)])
+@pytest.mark.parametrize("corrupt, liar_stage", [("scale", 0), ("noise", 0), ("flip", 1), ("stale", 0)])
 def test_a_worker_sending_wrong_results_is_banned_and_its_batch_recomputed(
     serve_relay, launch_stage_worker, corrupt, liar_stage
 ):
