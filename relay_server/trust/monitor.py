@@ -31,9 +31,15 @@ SUSPECT = 0.4
 """Suspicion from which every result of a worker is checked (two outliers in a row: 0.44)."""
 
 
+REFRESH = 16
+"""Observations between two computations of a boundary's median and MAD: scoring one result is
+then a subtraction and a division (the reference moves slowly, as parameters do)."""
+
+
 class ResultMonitor:
     def __init__(self) -> None:
         self.window: dict[str, deque[float]] = {}
+        self.reference: dict[str, tuple[float, float, int]] = {}  # name -> (median, spread, observations left)
         self.suspicion: dict[str, float] = {}
         self.observed = self.outliers = 0
         self.outliers_by: dict[str, int] = {}
@@ -45,9 +51,13 @@ class ResultMonitor:
         window = self.window.setdefault(name, deque(maxlen=WINDOW))
         z = 0.0
         if len(window) >= WARMUP:
-            values = np.fromiter(window, dtype=np.float64)
-            median = float(np.median(values))
-            spread = max(1.4826 * float(np.median(np.abs(values - median))), FLOOR)
+            median, spread, left = self.reference.get(name, (0.0, 0.0, 0))
+            if left <= 0:
+                values = np.fromiter(window, dtype=np.float64)
+                median = float(np.median(values))
+                spread = max(1.4826 * float(np.median(np.abs(values - median))), FLOOR)
+                left = REFRESH
+            self.reference[name] = (median, spread, left - 1)
             z = (x - median) / spread
         outlier = abs(z) > OUTLIER_Z
         if outlier:
