@@ -16,6 +16,7 @@ follow the same order.
 * :mod:`relay_server.data`          the shard-lease pool (the data task pool), training the run's tokenizer
 * :mod:`relay_server.backbone`      slices of the vector owned by the relay and aggregators, tickets, recovery
 * :mod:`relay_server.collaboration` the state machine composing rounds, backbone, planning and observers
+* :mod:`relay_server.trust`         checking stage workers' results: spot checks, monitors, the relay's referee, bans
 * :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger
 * :mod:`relay_server.api`           the aiohttp app: each concern's routes, auth, rate limits, moderation, dashboard
 * :mod:`relay_server.aggregator`    entry point: an aggregator process

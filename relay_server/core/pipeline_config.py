@@ -60,6 +60,11 @@ class PipelineSection:
     rebalance_every_batches: int = 4
     """Between batches, every this many, the planner may move one worker to the bottleneck
     stage (0: never), when the predicted gain beats the cost of downloading its new stage."""
+    check_share: float = 0.0
+    """The share of stage workers' results the relay spot-checks (0..1): chosen by a secret seed,
+    re-issued to another worker of the stage as an ordinary task (first-stage results: computed
+    by the relay itself) and compared; a worker caught lying is banned and its batch recomputed
+    (docs/pipeline.md, "Trusting stage workers"). Costs this share of extra compute."""
 
     @property
     def batch(self) -> int:
@@ -106,6 +111,11 @@ class PipelineSection:
                 f"pipeline runs take run.max_staleness = 0 or 1 (1: delayed parameter updates, each batch "
                 f"on the version before the latest), got {max_staleness}: set 0 or 1",
             ),
+            (
+                max_staleness == 0 or self.check_share == 0.0,
+                "pipeline.check_share needs run.max_staleness = 0 (spot checks restart the batch in flight, and "
+                "with delayed updates two are in flight): set one of them to 0",
+            ),
             (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
             (
                 self.boundary_codec in BOUNDARY_CODECS,
@@ -119,4 +129,9 @@ class PipelineSection:
             ),
             (self.dispatch in DISPATCH, f"pipeline.dispatch must be one of {DISPATCH}"),
             (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
+            (
+                0.0 <= self.check_share <= 1.0 and (self.check_share == 0.0 or self.dispatch == "pool"),
+                f'pipeline.check_share must be 0..1 and needs pipeline.dispatch = "pool", got {self.check_share!r} '
+                f"with {self.dispatch!r}",
+            ),
         ]
