@@ -238,7 +238,7 @@ async def _stage_version(
     request: web.Request, coordinator: PipelineCoordinator, stage: int, step: int
 ) -> web.StreamResponse:
     version = coordinator.owners.version(stage, step)
-    if version is None or step not in coordinator.versions_in_use():
+    if version is None or step not in coordinator.flight.versions():
         raise ApiError(
             410,
             "version_gone",

@@ -13,14 +13,9 @@ optimizer steps.
 * **Rounds** (:mod:`.batch_rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
   its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
-  every stage steps. With ``run.max_staleness = 0`` the next batch starts then, on the new
-  version. With 1 (delayed parameter updates, as the seed paper's aggregation does) batch ``b``
-  computes on version ``max(b - 1, 0)`` and its gradient makes version ``b + 1`` from version
-  ``b``: batch ``b + 1`` starts as soon as version ``b`` is published, alongside batch ``b``'s
-  last tasks and its round, so a round's uploads, optimizer step and publish -- and the drain and
-  fill of the pipeline between batches -- overlap compute. Which version a batch uses is fixed
-  when it is minted, never by timing, so the run stays exactly one process with the same
-  one-step delay. At most two batches are in flight. No barrier waits
+  every stage steps; the next batch starts on the new version. With ``run.max_staleness = 1``
+  (delayed parameter updates, :mod:`.in_flight`) batch ``b + 1`` starts once version ``b`` is
+  published, alongside batch ``b``'s last tasks and round, which then overlap compute. No barrier waits
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
 * **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
   speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
@@ -47,6 +42,7 @@ from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, Pipeline
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.figures import PipelineFigures, WasteTotals
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
+from relay_server.pipeline.in_flight import InFlight
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
@@ -134,13 +130,9 @@ class PipelineCoordinator:
         self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
         self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batches in flight)
-        self.staleness = shape.max_staleness
-        # batch t is the one round t steps with (its version: t, or t - 1 with delayed updates);
-        # its micro-batches are t*d ..: the same ids after a restart
-        self.batch_index = self.owners.step
-        self.next_microbatch = self.owners.step * self.d
-        self.ledgers: dict[int, Ledger] = {}  # batch -> its ledger: the batches in flight, oldest first
-        self.ledger = self._mint()
+        # batch t is the one round t steps with (its version: t, or t - 1 with delayed updates)
+        self.flight = InFlight(self.owners.step, self.K, self.d, shape.max_staleness)
+        self.ledger = self._mint(self.owners.step)
         """The newest batch in flight (the one computing)."""
         self.bytes_out = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
@@ -148,13 +140,13 @@ class PipelineCoordinator:
         self.rounds = PipelineRounds(
             RoundDeps(
                 owners=self.owners,
-                ledger=self.closing,
+                ledger=self.flight.closing,
                 clock=self.clock,
                 microbatch_size=self.mb_size,
                 microbatches_per_batch=self.d,
                 ticket_key=self.ticket_key,
                 publish=self._publish,
-                ledgers=lambda: list(self.ledgers.values()),
+                ledgers=lambda: list(self.flight.ledgers.values()),
                 seen=lambda worker: self.guard.seen(worker),
                 strike=lambda worker: self.guard.strike(worker),
                 committed=lambda worker, stage: self.guard.committed(worker, stage),
@@ -167,9 +159,9 @@ class PipelineCoordinator:
                 broker=self.broker,
                 workers=self.workers,
                 rounds=self.rounds,
-                ledger=self.closing,
+                ledger=self.flight.closing,
                 steps=lambda: self.steps,
-                batch_index=lambda: self.batch_index,
+                batch_index=lambda: self.flight.batch_index,
                 clock=self.clock,
                 dispatch=self.dispatch,
                 planner=self.planner,
@@ -197,12 +189,8 @@ class PipelineCoordinator:
         self._fill()  # with delayed updates the second batch starts at once: its version is published
 
     # --- batches --------------------------------------------------------------------------------
-    def _mint(self) -> Ledger:
-        ledger = Ledger(
-            self.batch_index, max(self.batch_index - self.staleness, 0), self.K, self.next_microbatch, self.d
-        )
-        self.next_microbatch += self.d
-        self.ledgers[ledger.batch] = self.ledger = ledger
+    def _mint(self, batch: int) -> Ledger:
+        ledger = self.ledger = self.flight.mint(batch)
         if self.dispatch == "static":  # each stage's micro-batches dealt round-robin to its workers now
             self.pins |= {
                 (k, m): ws[i % len(ws)]
@@ -213,14 +201,6 @@ class PipelineCoordinator:
         for step in ledger.start():
             self._submit(step)
         return ledger
-
-    def closing(self) -> Ledger:
-        """The oldest batch in flight: the one whose round is open, or opens next."""
-        return self.ledgers[min(self.ledgers)]
-
-    def versions_in_use(self) -> set[int]:
-        """The versions some batch in flight computes on (the relay keeps serving them)."""
-        return {ledger.version for ledger in self.ledgers.values()}
 
     def _submit(self, step: Step, exclude: frozenset[str] = frozenset()) -> str:
         """Queue ``step`` (``exclude``: workers never to lease it, a spot check's); its task id."""
@@ -256,7 +236,7 @@ class PipelineCoordinator:
         """The batch's step is published: nothing of it may be leased after its boundaries go;
         re-time the placement; the next batch starts on the new version (with delayed updates it
         is computing already, and its round may open now)."""
-        closed = self.ledgers.pop(min(self.ledgers))
+        closed = self.flight.close()
         self.figures.batch_over(closed.batch, self.waste_totals())
         for task_id, step in list(self.steps.items()):
             if step.batch == closed.batch:
@@ -273,21 +253,16 @@ class PipelineCoordinator:
         self._advance()
 
     def _fill(self) -> None:
-        """Start batches while fewer than ``1 + staleness`` are in flight and the next one's
-        version is published: with staleness 0 the next batch once this one's round closed, on
-        the version it produced; with 1 batch ``b + 1`` as soon as version ``b`` exists (round
-        ``b - 1`` closed), so it computes alongside batch ``b``'s last tasks and round (the older
-        batch's tasks first: the broker's priority), and the pool never drains between batches."""
-        while (
-            len(self.ledgers) <= self.staleness and max(self.batch_index + 1 - self.staleness, 0) <= self.owners.step
-        ):
-            self.batch_index += 1
-            self._mint()
+        """Start the next batches that may start (:meth:`InFlight.due`): with delayed updates batch
+        ``b + 1`` computes alongside batch ``b``'s last tasks and round (the older batch's tasks
+        first: the broker's priority), and the pool never drains between batches."""
+        while self.flight.due(self.owners.step):
+            self._mint(self.flight.batch_index + 1)
 
     def _advance(self) -> None:
         """Open the oldest batch's round once all its backwards finished, every check of it
         settled (:mod:`relay_server.trust`) and no round is open."""
-        if self.round is None and self.closing().complete and self.trust.settled:
+        if self.round is None and self.flight.closing().complete and self.trust.settled:
             self.rounds.open()
 
     # --- the round (:class:`~relay_server.pipeline.batch_rounds.PipelineRounds` owns it) -----------------
@@ -365,7 +340,7 @@ class PipelineCoordinator:
                     stage=step.stage,
                     batch=step.batch,
                     microbatch=step.microbatch,
-                    version=self.ledgers[step.batch].version,
+                    version=self.flight.ledgers[step.batch].version,
                     lease_s=self.broker.lease_deadline(task.key),
                     input_cached=cached_input,
                     redo=step.redo,
@@ -393,9 +368,9 @@ class PipelineCoordinator:
             self.broker.cancel(task_id, ApiError(410, "restarted", "the micro-batch restarts from stage 0"))
             del self.steps[task_id]
             self.boundaries.drop(step.microbatch)
-            fresh = self.next_microbatch
-            self.next_microbatch += 1
-            self.ledgers[step.batch].replace(step.microbatch, fresh)
+            fresh = self.flight.next_microbatch
+            self.flight.next_microbatch += 1
+            self.flight.ledgers[step.batch].replace(step.microbatch, fresh)
             self.restarted += 1
             self._submit(Step(FIRST, 0, fresh, batch=step.batch))
 
@@ -461,7 +436,7 @@ class PipelineCoordinator:
                 f"this worker moved off stage {step.stage}; its result for it is not used",
                 "Drop it and take the next task of your new stage.",
             )
-        ledger = self.ledgers[step.batch]
+        ledger = self.flight.ledgers[step.batch]
         mb = ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
@@ -520,8 +495,8 @@ class PipelineCoordinator:
         self.trust.batch_over()
         for m in self.ledger.microbatches:
             self.boundaries.drop(m)
-        self.next_microbatch = min(self.ledger.microbatches)
-        self._mint()
+        self.flight.next_microbatch = min(self.ledger.microbatches)
+        self._mint(self.ledger.batch)
         self.trust.must_reset(sorted(holders - {worker}))
         if worker in self.workers.by_id:
             self.worker_left(worker)
@@ -535,7 +510,7 @@ class PipelineCoordinator:
             return
         self.planner.observe_round(round_s)
         placement = self.workers.placement()
-        due = self.dispatch == "pool" and self.rebalance_every and self.batch_index % self.rebalance_every == 0
+        due = self.dispatch == "pool" and self.rebalance_every and self.flight.batch_index % self.rebalance_every == 0
         move = self.planner.move(placement) if due else None
         self.planner.replan(placement)
         self.predicted_batch_s = self.planner.predicted_batch_s()
@@ -548,7 +523,7 @@ class PipelineCoordinator:
         holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.owned(w))
+        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.flight.owned(w))
         if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
@@ -561,7 +536,9 @@ class PipelineCoordinator:
             why,
         )
         self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
-        if self.owned(worker):  # (delayed updates) it holds the computing batch's gradients: its new stage drops them
+        if self.flight.owned(
+            worker
+        ):  # (delayed updates) it holds the computing batch's gradients: its new stage drops them
             self.rounds.recompute(worker)
         self.workers.move(worker, stage)
         self.planner.forget(worker)
@@ -577,7 +554,7 @@ class PipelineCoordinator:
         if self.dispatch == "static":
             return
         for worker, silent_s in silence.items():
-            owned = self.owned(worker)
+            owned = self.flight.owned(worker)
             if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
                 continue
             redo = self.rounds.recompute(worker)
@@ -589,14 +566,6 @@ class PipelineCoordinator:
                     redo,
                 )
                 self.silenced += 1
-
-    def owned(self, worker: str) -> dict[int, list[int]]:
-        """stage -> micro-batches whose gradient ``worker`` holds undelivered, of every batch in flight."""
-        out: dict[int, list[int]] = {}
-        for ledger in self.ledgers.values():
-            for stage, ms in ledger.owned(worker).items():
-                out.setdefault(stage, []).extend(ms)
-        return out
 
     # --- membership -----------------------------------------------------------------------------
     def worker_left(self, worker: str) -> None:
