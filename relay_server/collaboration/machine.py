@@ -120,7 +120,8 @@ class Collaboration:
         if parameters_kept_elsewhere and step is not None:
             pass  # the feature that keeps them resumes them (the pipeline: relay_server.pipeline.stage_owners)
         elif manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
-            self._resume = (step, ParamsManifest.loads(manifest))
+            # a manifest is read only with a step (above)
+            self._resume = (step, ParamsManifest.loads(manifest))  # type: ignore[assignment]
         elif step is not None:
             self.publisher.restore(step)
             log.info("resumed from %s at step %d", store.dir, step)

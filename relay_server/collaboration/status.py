@@ -15,6 +15,7 @@ import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
@@ -170,7 +171,7 @@ class Leaderboard:
 
     def __init__(self, store: Store, registry: Registry, size: int = 100) -> None:
         self.store, self.registry, self.size = store, registry, size
-        self._users: dict[str, list] = {u: [u, n, r] for u, n, r in store.leaderboard(limit=-1)}
+        self._users: dict[str, list[Any]] = {u: [u, n, r] for u, n, r in store.leaderboard(limit=-1)}
         self._top: list[tuple[str, int, int]] | None = None
 
     def credit(self, contributions: dict[str, int]) -> None:
