@@ -22,7 +22,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -86,12 +87,14 @@ class Collaboration:
         observers: ObserverThread | None = None,
         opening: OpeningRule | None = None,
         parameters_kept_elsewhere: bool = False,
+        run_info_fields: Mapping[str, Any] | None = None,
     ) -> None:
         """``opening``: when rounds open, as the run's mode plugs it in (default: sync's target
         batch, :class:`~relay_server.collaboration.opening.TargetBatch`).
         ``parameters_kept_elsewhere``: a feature keeps the run's parameters and resumes them from
         its own store after a restart (the pipeline's stage owners), so the collaboration restores
-        no version of its own; a fresh run still writes version 0 here."""
+        no version of its own; a fresh run still writes version 0 here. ``run_info_fields``: what
+        the enabled features tell a joining peer (``RunInfo``'s ``local_sgd``, ``pipeline``)."""
         self.config, self.store = config, store
         self.observers = observers or ObserverThread([])
         self.run_cfg, self.rounds_cfg = config.run, config.rounds
@@ -100,7 +103,9 @@ class Collaboration:
         params = flatten(model)
         del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
         self.codecs = run_codecs(config.run.compression, config.run.download_compression)
-        self.run_info = run_info_of(config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name)
+        self.run_info = run_info_of(
+            config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name, run_info_fields or {}
+        )
         self.backbone = Backbone(config, store, self.layout, self.codecs, params, self.run_info)
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.loop_clock = LoopClock()  # the relay's clock: deadlines on the relay count on it
@@ -134,10 +139,17 @@ class Collaboration:
         self.figures: Callable[[], RunFigures | None] = lambda: None
         """What a feature that makes the run's steps counts instead of the rounds' figures
         (set by the feature set while such a feature runs: :meth:`report_figures_from`)."""
+        self.amendments: tuple[Callable[[StatusReport], StatusReport], ...] = ()
+        """What the running features add to the report (:meth:`amend_reports_with`)."""
 
     def report_figures_from(self, figures: Callable[[], RunFigures | None]) -> None:
         """Status and progress take ``figures`` in place of the rounds' own (the pipeline's)."""
         self.figures = figures
+
+    def amend_reports_with(self, *amendments: Callable[[StatusReport], StatusReport]) -> None:
+        """:meth:`status` passes its report through ``amendments`` in order (local SGD's outer
+        loop): the core report names no feature, and the observers' step events carry them too."""
+        self.amendments = amendments
 
     async def start(self) -> None:
         """Before serving: a relay restarted while aggregators owned slices gathers its last
@@ -473,7 +485,7 @@ class Collaboration:
 
     def status(self) -> StatusReport:
         figures = self.figures()
-        return status_report(
+        report = status_report(
             self.config,
             self.store,
             self.registry,
@@ -483,10 +495,12 @@ class Collaboration:
             self.started,
             self.leaderboard,
             self.traffic,
-            self.rounds.inner_steps_last_round,
             self.rounds.refused_steps + self.backbone.refused_rounds,
             figures,
         )
+        for amend in self.amendments:
+            report = amend(report)
+        return report
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:
