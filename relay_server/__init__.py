@@ -6,8 +6,8 @@ is the one statement of the relay's layering: ``tests/test_layout.py`` reads it 
 every import, lazy ones included, and checks that ARCHITECTURE.md's drawing and docs/layout.md
 follow the same order.
 
-A feature the relay plugs in (DMoE's experts in ``moe/``, local SGD in ``local_sgd/``,
-evaluation in ``evaluation/``) is one folder whose modules sit at up to three heights, each listed
+A feature the relay plugs in (DMoE's experts in ``moe/``, the staged pipeline in ``pipeline/``,
+local SGD in ``local_sgd/``, evaluation in ``evaluation/``) is one folder whose modules sit at up to three heights, each listed
 below as a unit of its own: its config section with its compatibility checks (``moe/moe_config``),
 under the run's whole configuration; its state and service (the folder itself); its routes and
 the ``FEATURE`` object the app iterates (``moe/feature``), over the app's feature contract and
@@ -15,6 +15,7 @@ under the app.
 
 * :mod:`relay_server.core`          config sections, error types, HTTP helpers every layer uses
 * :mod:`relay_server.moe.moe_config` ``[moe]`` and its checks
+* :mod:`relay_server.pipeline.pipeline_config` ``[pipeline]`` and its checks
 * :mod:`relay_server.local_sgd.local_sgd_config` ``[local_sgd]`` and its checks
 * :mod:`relay_server.evaluation.evaluation_config` ``[evaluation]`` and its checks
 * :mod:`relay_server.core.config`   the run's whole configuration: every section, loaded and checked
@@ -28,9 +29,11 @@ under the app.
 * :mod:`relay_server.backbone`      slices of the vector owned by the relay and aggregators, tickets, recovery
 * :mod:`relay_server.collaboration` the state machine composing rounds, backbone, planning and observers
 * :mod:`relay_server.local_sgd`     local SGD: when an outer round opens, its outer loop's figures
+* :mod:`relay_server.evaluation`    evaluation's folder (its evaluator is one of the observers)
 * :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger
 * :mod:`relay_server.api`           the feature contract, each core concern's routes, rate limits, moderation, dashboard
 * :mod:`relay_server.moe.feature`   DMoE's routes and FEATURE
+* :mod:`relay_server.pipeline.feature` the pipeline's routes and FEATURE
 * :mod:`relay_server.local_sgd.feature` local SGD's FEATURE
 * :mod:`relay_server.evaluation.feature` evaluation's FEATURE: its panel
 * :mod:`relay_server.api.app`       the aiohttp app: the core routes and the features it plugs in, its lifespan

@@ -18,7 +18,6 @@ from importlib import resources
 from aiohttp import web
 
 from relay_server.api import params_cache
-from relay_server.api import pipeline as pipeline_api
 from relay_server.api import shards as shards_api
 from relay_server.api import tokenizer as tokenizer_api
 from relay_server.api import toolkit_dist as toolkit_api
@@ -50,6 +49,7 @@ from relay_server.evaluation import feature as evaluation_feature
 from relay_server.local_sgd import feature as local_sgd_feature
 from relay_server.moe import feature as moe_feature
 from relay_server.observers import ObserverThread, build_observers
+from relay_server.pipeline import feature as pipeline_feature
 from relay_server.rounds.reducer import set_upload_memory
 from relay_server.rounds.store import Store
 from toolkit.errors import ProtocolError
@@ -76,7 +76,7 @@ async def get_run(request: web.Request) -> web.Response:
 
 
 FEATURES = FeatureSet(
-    (moe_feature.FEATURE, pipeline_api.FEATURE, local_sgd_feature.FEATURE, evaluation_feature.FEATURE)
+    (moe_feature.FEATURE, pipeline_feature.FEATURE, local_sgd_feature.FEATURE, evaluation_feature.FEATURE)
 )
 """Every feature the relay can plug in (:mod:`relay_server.api.feature`); a run enables some."""
 
