@@ -153,7 +153,7 @@ def test_a_call_past_its_deadline_is_answered_once_not_retried(serve_relay) -> N
     try:
         host.request("POST", "moe_lease", params={"capacity": 8})  # leased, never answered
         with pytest.raises(RelayRejected) as refused:
-            client.moe_call(
+            client.moe.call(
                 trainer.peer_id,
                 "ffn0.0.0",
                 kind="forward",
