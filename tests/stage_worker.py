@@ -146,8 +146,56 @@ def trickler(base, relay: str, log):
 HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": liar, "trickle": trickler}
 
 
+def corrupter(how: str, log):
+    """A worker whose results are finite, well shaped and wrong (what only checks of the work
+    itself can find): ``scale`` multiplies every activation it sends by 1.3, ``noise`` adds noise
+    of 10% of each activation matrix's norm, ``flip`` flips the sign of every tenth stage gradient
+    it sends (the first one included), ``stale`` computes every version's tasks on the first
+    version's parameters (it never downloads another). Each corrupted result is logged."""
+
+    def wrap(base):
+        class Corrupt(base):
+            sent_gradients = 0
+
+            def _rows(self, name, h):
+                if name == "y" and how in ("scale", "noise"):
+                    if how == "scale":
+                        h = h * 1.3
+                    else:
+                        g = torch.Generator().manual_seed(7 + self.tasks_done)
+                        noise = torch.randn(h.shape, generator=g).to(h.dtype)
+                        h = h + noise * (0.1 * h.norm() / noise.norm())
+                    log(event="corrupted", how=how)
+                elif name == "g" and how == "flip":
+                    if self.sent_gradients % 10 == 0:
+                        h = -h
+                        log(event="corrupted", how=how)
+                    self.sent_gradients += 1
+                elif how == "stale" and self.version > self.first_version:
+                    log(event="corrupted", how=how)
+                return super()._rows(name, h)
+
+            first_version = -1
+
+            def _ensure_version(self, version: int) -> None:
+                if how != "stale" or self.first_version < 0:
+                    super()._ensure_version(version)
+                    self.first_version = self.version
+                elif version != self.version:  # a new batch: drop what it held, keep the old parameters
+                    self._reset_sum()
+                    self.version = version
+
+        return Corrupt
+
+    return wrap
+
+
+CORRUPT = ("scale", "noise", "flip", "stale")
+
+
 def main() -> int:
     from toolkit.client import RelayClient
+    from toolkit.errors import RelayRejected
     from toolkit.pipeline.worker import StageWorker
     from toolkit.run_membership import Membership
     from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest
@@ -166,6 +214,12 @@ def main() -> int:
         choices=sorted(HOSTILE),
         default="",
         help="misbehave as one of the hostile workers of tests/test_hostile_pipeline.py",
+    )
+    ap.add_argument(
+        "--corrupt",
+        choices=CORRUPT,
+        default="",
+        help="send wrong results as one of the dishonest workers of tests/test_trust_pipeline.py",
     )
     args = ap.parse_args()
     started = time.monotonic()
@@ -218,13 +272,22 @@ def main() -> int:
             log(event="uploaded", step=call.step, microbatches=call.microbatches, stage=call.stage)
 
     kind = HOSTILE[args.hostile](Logged, args.relay, log) if args.hostile else Logged
+    kind = corrupter(args.corrupt, log)(kind) if args.corrupt else kind
     worker = kind(membership, run, data(run, size, args.seed), on_first=on_first)
     log(event="joined", peer_id=peer_id, step=client.get_state().step, precision=worker.precision.name)
 
     def until() -> bool:
         return client.get_state().step >= args.until_step or time.monotonic() - started > args.max_seconds
 
-    worker.run(until=until, wait_s=1)
+    try:
+        worker.run(until=until, wait_s=1)
+    except RelayRejected as exc:
+        if exc.code != "banned":
+            raise
+        log(event="banned", message=exc.message)
+        membership.leave()
+        client.close()
+        return 3
     log(event="done", step=client.get_state().step, stage=worker.assignment.stage)
     membership.leave()
     client.close()

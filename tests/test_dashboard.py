@@ -495,6 +495,7 @@ def test_dashboard_shows_the_stages_of_a_pipeline_run(start_relay, launch_stage_
     )
     expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ tasks? re-dispatched"))
     expect(page.locator("#pipeline-recovery")).to_contain_text(re.compile(r"\d+ uploads? cut at the hold deadline"))
+    expect(page.locator("#pipeline-trust")).to_have_text("not checked (pipeline.check_share = 0)")
 
     ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#pipeline-panel").screenshot(path=str(ARTIFACTS / "dashboard-pipeline.png"))

@@ -30,7 +30,7 @@ from tests.support.pipeline import (
     relative_difference,
     replay,
 )
-from tests.support.pipeline_models import BYTE_SPEC, GPT2_DROPOUT_SPEC, GPT2_SPEC
+from tests.support.pipeline_models import BYTE_SPEC, GPT2_DROPOUT_SPEC, GPT2_SPEC, LLAMA_SPEC, NEOX_SPEC, QWEN2_SPEC
 from tests.support.processes import merged, write_config
 from tests.support.training import relay_params
 from toolkit.client import RelayClient
@@ -79,6 +79,9 @@ def check_exact(relay, spec, initial, workers, steps: int, precision: str = "") 
         ("byte", BYTE_SPEC, 3),
         ("gpt2-dropout", GPT2_DROPOUT_SPEC, 2),
         ("gpt2-dropout", GPT2_DROPOUT_SPEC, 3),
+        ("llama", LLAMA_SPEC, 2),
+        pytest.param("gpt_neox", NEOX_SPEC, 2, marks=pytest.mark.slow),
+        pytest.param("qwen2", QWEN2_SPEC, 3, marks=pytest.mark.slow),
         pytest.param("byte", BYTE_SPEC, 2, marks=pytest.mark.slow),  # (K = 2 bytes: also the kill test's run)
         pytest.param("gpt2", GPT2_SPEC, 2, marks=pytest.mark.slow),  # (dropout 0: a special case of the above)
     ],
@@ -349,6 +352,16 @@ def relay_step_when(worker) -> int:
             "tie_embeddings",
         ),
         ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
+        (
+            {
+                "model": {
+                    "kind": "transformers",
+                    "architecture": "AutoModelForCausalLM",
+                    "config": {**LLAMA_SPEC.config, "tie_word_embeddings": True},
+                }
+            },
+            "tie_word_embeddings = false",
+        ),
     ],
 )
 def test_configuration_mistakes_end_in_one_line_before_anything_is_created(tmp_path, change, names):

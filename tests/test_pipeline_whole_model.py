@@ -2,7 +2,7 @@
 
 End to end: a real relay (in this process) and real stage-worker processes train a few batches;
 then ``relay-server export`` writes the latest version as a folder, loaded the way a user loads
-it (``AutoModelForCausalLM.from_pretrained`` for GPT-2, ``build_model`` + ``load_state_dict``
+it (``AutoModelForCausalLM.from_pretrained`` for GPT-2 and Llama, ``build_model`` + ``load_state_dict``
 for the toolkit's model, as the folder's ``collabtrain-model.json`` says), and its logits must
 equal those of the relay's own stages -- each built from its cut and loaded with the slice the
 relay publishes for it -- chained as the workers chain them. ``[evaluation]`` on a pipeline run
@@ -30,11 +30,12 @@ from relay_server.observers.pretrained import MODEL_FILE
 from relay_server.pipeline.model_cut import cut_model
 from tests.hub_standin import HubStandin
 from tests.support.pipeline import pipeline_overrides
-from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC, GPT2_VOCAB
+from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC, GPT2_VOCAB, LLAMA_SPEC
 from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.models.flat import load_flat
 from toolkit.pipeline import build_stage, cut_stages, units_of
+from toolkit.pipeline.decoder import DecoderStage
 from toolkit.wire.protocol import ModelSpec
 
 RECIPE = Path(__file__).resolve().parent.parent / "relay_server" / "defaults" / "pipeline-tiny.toml"
@@ -50,7 +51,11 @@ def recipe_overrides() -> dict:
     return sections
 
 
-RUNS = {"pipeline-tiny": recipe_overrides, "gpt2": lambda: pipeline_overrides(GPT2_SPEC, stages=2)}
+RUNS = {
+    "pipeline-tiny": recipe_overrides,
+    "gpt2": lambda: pipeline_overrides(GPT2_SPEC, stages=2),
+    "llama": lambda: pipeline_overrides(LLAMA_SPEC, stages=2),
+}
 
 
 def train(serve_relay, launch_stage_worker, overrides: dict):
@@ -73,8 +78,10 @@ def stages_logits(config, flat, tokens: torch.Tensor) -> torch.Tensor:
         h = tokens
         for stage in stages:
             h = stage(h)
-        body = stages[-1].body
-        return body.logits(h) if spec.kind != "transformers" else body.lm_head(body.transformer.ln_f(h))
+        last = stages[-1]
+        if isinstance(last, DecoderStage):
+            return last.body.lm_head(getattr(last.trunk, last.family.norm)(h))
+        return last.body.logits(h)
 
 
 def load_exported(folder: Path) -> torch.nn.Module:
@@ -88,7 +95,9 @@ def load_exported(folder: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize(
+    "run", [pytest.param(r, marks=pytest.mark.slow) if r == "llama" else r for r in sorted(RUNS)]
+)  # (llama: 48 s here; its stages are exact in tests/test_pipeline.py's default tier)
 def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launch_stage_worker, tmp_path, capsys, run):
     relay, step, flat = train(serve_relay, launch_stage_worker, RUNS[run]())
     out = tmp_path / "export"

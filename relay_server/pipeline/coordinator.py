@@ -17,6 +17,9 @@ optimizer steps.
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
 * **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
   speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
+* **A lying worker** -- a finite, well-shaped, wrong result -- is found by spot checks and
+  monitors (:mod:`relay_server.trust`): the round opens only once its batch's checks settled, and
+  a ban restarts the batch (:meth:`PipelineCoordinator.banned`), so no lie is ever counted.
 * **Placement** (:mod:`.plan`): measured task times feed the planner's predicted time per batch
   and its rebalancing; ``dispatch = "static" | "restart"`` are the baselines the benchmark
   compares the pool with.
@@ -30,6 +33,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from relay_server.core.errors import ApiError
 from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, PipelineRounds, RoundDeps
@@ -42,9 +46,14 @@ from relay_server.pipeline.results import Shapes, read_result
 from relay_server.pipeline.stage_owners import StageOwners
 from relay_server.pipeline.workers import Worker, Workers
 from relay_server.tasks.broker import TaskBroker
+from relay_server.trust.checks import PipelineTrust, TrustDeps
+from relay_server.trust.compare import tolerance
 from toolkit.wire import payloads
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineTicketRequest, PipelineWork, Ticket
+
+if TYPE_CHECKING:
+    from relay_server.trust.referee import Referee  # torch: built only on a relay that checks
 
 log = logging.getLogger(__name__)
 NO_DEADLINE_S = 7 * 24 * 3600.0  # tasks never fail by age: their leases expire and they are re-dispatched
@@ -64,6 +73,10 @@ class PipelineShape:
     """How boundaries travel (``[pipeline] boundary_codec``)."""
     dispatch: str = "pool"
     rebalance_every: int = 0
+    check_share: float = 0.0
+    """``[pipeline] check_share``: the share of results spot-checked (:mod:`relay_server.trust.checks`)."""
+    precision: str = ""
+    """``[run] precision``: what the checks' tolerance follows from."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,10 @@ class PipelineDeps:
     """The relay's after-publish sequence for a batch's step (:class:`relay_server.pipeline.service.PipelinePublisher`)."""
     planner: Planner | None = None
     clock: Callable[[], float] = time.monotonic
+    referee: Referee | None = None
+    """The relay's own copy of the stages, for checks no other worker can serve."""
+    on_ban: Callable[[str, str], None] = lambda worker, reason: None
+    """The relay's moderation: a worker was banned for lying (the reason)."""
 
 
 class PipelineCoordinator:
@@ -144,6 +161,24 @@ class PipelineCoordinator:
             )
         )
         self.predicted_batch_s: float | None = None
+        self.on_ban = deps.on_ban
+        self.trust = PipelineTrust(
+            TrustDeps(
+                share=shape.check_share,
+                tolerance=tolerance(shape.precision, self.codec.name),
+                width=self.shapes.width,
+                codec=self.codec,
+                submit_check=lambda step, exclude: self._submit(step, exclude),
+                cancel=lambda task_id: self._drop_task(task_id, "check_dropped"),
+                can_serve=self._can_serve,
+                inputs=lambda step: {n: self.boundaries.get(step.microbatch, n) for n in step.inputs()},
+                version=lambda: self.ledger.version,
+                batch=lambda: self.ledger.batch,
+                banned=self.banned,
+                settled=self._maybe_open,
+                referee=deps.referee,
+            )
+        )
 
     # --- batches --------------------------------------------------------------------------------
     def _mint(self) -> Ledger:
@@ -161,12 +196,13 @@ class PipelineCoordinator:
             self._submit(step)
         return ledger
 
-    def _submit(self, step: Step) -> None:
+    def _submit(self, step: Step, exclude: frozenset[str] = frozenset()) -> str:
+        """Queue ``step`` (``exclude``: workers never to lease it, a spot check's); its task id."""
         backward_work = step.kind in (LAST, BACKWARD)
         task = self.broker.submit(
             caller="pipeline",
             call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
-            f"{step.microbatch}.{'r' if step.redo else ''}{secrets.token_hex(4)}",
+            f"{step.microbatch}.{'r' if step.redo else ''}{'c' if exclude else ''}{secrets.token_hex(4)}",
             key=self._key_of(step),
             kind=step.kind,
             rows=1,
@@ -175,8 +211,10 @@ class PipelineCoordinator:
             requeue_on_loss=True,
             prefer=step.prefer,
             priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch),
+            exclude=exclude,
         )
         self.steps[task.task_id] = step
+        return task.task_id
 
     async def _publish(self, outcome: BatchOutcome) -> None:
         """The batch's step through the relay's after-publish sequence, its workers credited
@@ -196,6 +234,7 @@ class PipelineCoordinator:
             self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
         self.steps.clear()
         self.guard.batch_over()
+        self.trust.batch_over()
         for m in self.ledger.microbatches:
             self.boundaries.drop(m)
         self._replan(round_s)
@@ -214,9 +253,11 @@ class PipelineCoordinator:
 
     def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:
         """The worker's stage (:meth:`PipelineGuard.assign`: by measured task rates only)."""
+        self.trust.admit(peer_id)
         return self.guard.assign(peer_id, memory_bytes, samples_per_s)
 
     def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
+        self.trust.admit(worker)
         return self.rounds.ticket(worker, step, req)
 
     def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
@@ -228,6 +269,7 @@ class PipelineCoordinator:
     # --- workers: tasks -------------------------------------------------------------------------
     async def work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
         """The worker's next tasks with their inputs, or the round it must upload to."""
+        self.trust.admit(worker, work=True)
         with self.guard.polling(worker):
             return await self._work(worker, cached, wait_s)
 
@@ -245,6 +287,12 @@ class PipelineCoordinator:
                     break
                 continue
             tasks = await self._lease_or_round(worker, stage, max(0.0, deadline - self.clock()))
+            try:
+                self.trust.admit(worker, work=True)  # banned, or its batch restarted, while it waited
+            except ApiError:
+                for task in tasks:
+                    self.broker.requeue(task.task_id)
+                raise
             if tasks and self.guard.leases_held(worker) > MAX_LEASES_PER_WORKER:  # parallel polls all leased at once
                 for task in tasks:
                     self.broker.requeue(task.task_id)
@@ -339,8 +387,10 @@ class PipelineCoordinator:
         return False
 
     def result(self, worker: str, task_id: str, body: bytes) -> PipelineAck:
-        """Validate a task's result, then (first result wins) store its boundary and queue the next step."""
+        """Validate a task's result, then (first result wins) store its boundary and queue the next
+        step; a spot check's result goes to the checks (:mod:`relay_server.trust`), nowhere else."""
         self.guard.seen(worker)
+        self.trust.admit(worker)
         task = self.broker.tasks.get(task_id)
         if task is not None and task.state == "done":
             if task.worker == worker:  # our own result, retried after a lost answer
@@ -372,6 +422,11 @@ class PipelineCoordinator:
                 return PipelineAck(task_id=task_id, accepted=False)
             raise
         self.figures.task_accepted(worker)
+        if self.trust.is_check(task_id):
+            del self.steps[task_id]
+            self.trust.check_result(task_id, worker, accepted.entries)
+            # a checker's parameter gradient must not be held: "not accepted", as a duplicate is
+            return PipelineAck(task_id=task_id, accepted=step.kind not in (LAST, BACKWARD))
         if self.planner is not None and task.attempts == 1 and task.leased_at is not None:
             self.planner.observe_task(worker, self.clock() - task.leased_at)
         for name, entry in accepted.entries.items():
@@ -381,11 +436,51 @@ class PipelineCoordinator:
         following = self.ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
         self.guard.now_holds(worker, step)
         del self.steps[task_id]
+        self.trust.accepted(task_id, step, worker, accepted.entries, accepted.norms or {})
         if following is not None:
             self._submit(following)
-        elif self.ledger.complete and self.round is None:
-            self.rounds.open()
+        else:
+            self._maybe_open()
         return PipelineAck(task_id=task_id, accepted=True)
+
+    # --- trust (:mod:`relay_server.trust`) --------------------------------------------------------
+    def _maybe_open(self) -> None:
+        """Open the round once every micro-batch finished and every check of the batch settled."""
+        if self.ledger.complete and self.round is None and self.trust.settled:
+            self.rounds.open()
+
+    def _can_serve(self, stage: int, exclude: frozenset[str]) -> bool:
+        return any(
+            k == stage and w not in exclude and w not in self.trust.banned
+            for w, (k, _) in self.guard.serving_placement().items()
+        )
+
+    def _drop_task(self, task_id: str, code: str) -> None:
+        if self.steps.pop(task_id, None) is not None:
+            self.broker.cancel(task_id, ApiError(410, code, "this task is no longer wanted"))
+
+    def banned(self, worker: str, reason: str) -> None:
+        """``worker`` lied (:class:`~relay_server.trust.checks.PipelineTrust` proved it): the open
+        batch restarts -- every task cancelled, every boundary dropped, the same micro-batches
+        queued again from their first stage -- so every result the liar delivered, and all that
+        was computed from it, is recomputed by others before the round counts (the round cannot
+        have opened: it waits for the batch's checks). Workers holding stage gradients of the
+        batch drop them at their next request (``batch_restarted``). Then it leaves the pipeline,
+        and the relay's moderation records the ban."""
+        holders = {w for mb in self.ledger.microbatches.values() for w in mb.owners.values()}
+        for task_id in list(self.steps):
+            self.broker.cancel(task_id, ApiError(410, "batch_restarted", "the batch restarted: a liar was banned"))
+        self.steps.clear()
+        self.guard.batch_over()
+        self.trust.batch_over()
+        for m in self.ledger.microbatches:
+            self.boundaries.drop(m)
+        self.next_microbatch = min(self.ledger.microbatches)
+        self._mint()
+        self.trust.must_reset(sorted(holders - {worker}))
+        if worker in self.workers.by_id:
+            self.worker_left(worker)
+        self.on_ban(worker, reason)
 
     # --- the planner ----------------------------------------------------------------------------
     def _replan(self, round_s: float) -> None:

@@ -58,6 +58,11 @@ class PipelineSection:
     rebalance_every_batches: int = 4
     """Between batches, every this many, the planner may move one worker to the bottleneck
     stage (0: never), when the predicted gain beats the cost of downloading its new stage."""
+    check_share: float = 0.0
+    """The share of stage workers' results the relay spot-checks (0..1): chosen by a secret seed,
+    re-issued to another worker of the stage as an ordinary task (first-stage results: computed
+    by the relay itself) and compared; a worker caught lying is banned and its batch recomputed
+    (docs/pipeline.md, "Trusting stage workers"). Costs this share of extra compute."""
 
     @property
     def batch(self) -> int:
@@ -117,4 +122,9 @@ class PipelineSection:
             ),
             (self.dispatch in DISPATCH, f"pipeline.dispatch must be one of {DISPATCH}"),
             (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
+            (
+                0.0 <= self.check_share <= 1.0 and (self.check_share == 0.0 or self.dispatch == "pool"),
+                f'pipeline.check_share must be 0..1 and needs pipeline.dispatch = "pool", got {self.check_share!r} '
+                f"with {self.dispatch!r}",
+            ),
         ]

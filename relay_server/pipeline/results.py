@@ -78,6 +78,8 @@ class Accepted:
     entries: dict[str, bytes]
     """Boundary names (:mod:`.boundaries`) -> the container to keep."""
     rows: int | None = None
+    norms: dict[str, tuple[float, int]] | None = None
+    """Boundary name -> (L2 norm, values) of its decoded matrix: what :mod:`relay_server.trust.monitor` scores."""
 
 
 def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shapes, codec: Codec) -> Accepted:
@@ -94,17 +96,18 @@ def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shap
     if not math.isfinite(result.loss_sum):
         raise ApiError(422, "non_finite", "the result's loss is NaN or Inf", "Lower the learning rate.")
     entries: dict[str, bytes] = {}
+    norms: dict[str, tuple[float, int]] = {}
     rows = expected_rows
     try:
         if step.kind == FIRST:  # the rows follow from the data it carries: samples x tokens
             entries["batch"], rows = _batch(tensors, shapes)
-            _rows(tensors, "y", rows, shapes, codec)
+            norms["a"] = _rows(tensors, "y", rows, shapes, codec)
             entries["a0"] = _group(tensors, "y")
         elif step.kind == FORWARD:
-            _rows(tensors, "y", expected_rows, shapes, codec)
+            norms["a"] = _rows(tensors, "y", expected_rows, shapes, codec)
             entries[f"a{step.stage}"] = _group(tensors, "y")
         elif not step.redo and step.stage > 0:  # LAST or BACKWARD: the gradient of the stage's input
-            _rows(tensors, "g", expected_rows, shapes, codec)
+            norms["g"] = _rows(tensors, "g", expected_rows, shapes, codec)
             entries[f"g{step.stage - 1}"] = _group(tensors, "g")
         expected = {"y"} if step.kind in (FIRST, FORWARD) else ({"g"} if entries else set())
         extra = {name.split(".", 1)[0] for name in tensors} - expected - ({"batch"} if step.kind == FIRST else set())
@@ -117,15 +120,18 @@ def read_result(body: bytes, step: Step, expected_rows: int | None, shapes: Shap
             f"{step.kind} result for micro-batch {step.microbatch}: {exc}",
             "Nothing of it was used; the task will be re-dispatched.",
         ) from None
-    return Accepted(result, entries, rows)
+    return Accepted(result, entries, rows, norms)
 
 
-def _rows(tensors: dict[str, np.ndarray], name: str, rows: int | None, shapes: Shapes, codec: Codec) -> int:
-    """Validate the boundary matrix ``name`` (layout, then finite decoded values); its rows."""
+def _rows(
+    tensors: dict[str, np.ndarray], name: str, rows: int | None, shapes: Shapes, codec: Codec
+) -> tuple[float, int]:
+    """Validate the boundary matrix ``name`` (layout, then finite decoded values); its L2 norm
+    and size (one BLAS pass over what was just decoded: the monitors' input, nearly free)."""
     array = payloads.read_rows(tensors, name, rows, shapes.width, codec)
     if array.shape[0] > shapes.max_rows:
         raise ProtocolError("bad_tensor", f"{name!r} has {array.shape[0]} rows, at most {shapes.max_rows}")
-    return int(array.shape[0])
+    return float(np.linalg.norm(array.reshape(-1))), int(array.size)
 
 
 def _group(tensors: dict[str, np.ndarray], name: str) -> bytes:

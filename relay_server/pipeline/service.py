@@ -107,6 +107,8 @@ class PipelineService:
             codec=get_codec(cfg.boundary_codec),
             dispatch=cfg.dispatch,
             rebalance_every=cfg.rebalance_every_batches,
+            check_share=cfg.check_share,
+            precision=config.run.precision,
         )
         deps = PipelineDeps(
             owners=owners,
@@ -117,6 +119,8 @@ class PipelineService:
             ticket_key=collab.backbone.ticket_key,
             publish=PipelinePublisher(config, collab.after_publish, owners),
             clock=collab.loop_clock,
+            referee=_referee(config, cut, owners) if cfg.check_share > 0 else None,
+            on_ban=lambda worker, reason: _ban_user(config, collab, worker, reason),
         )
         service = cls(config, collab, owners, PipelineCoordinator(shape, deps))
         service.memory = predict_memory(config, cut)
@@ -176,5 +180,34 @@ class PipelineService:
         coordinator.guard.expire_holds()
         coordinator.restart_lost()
         coordinator.staff_empty_stages()
+        coordinator.trust.expire()  # a spot check no worker can serve any more is dropped, not waited for
         coordinator.check_delivered()  # an owner's commit no worker reported (it died right after)
         coordinator.rounds.retry_finalize()
+
+
+def _referee(config: RelayConfig, cut, owners: StageOwners):
+    """The relay's own copy of the stages (:mod:`relay_server.trust.referee`), on the masters the
+    stages' parameter servers hold."""
+    from relay_server.trust.referee import Referee
+
+    return Referee(
+        config.model.spec(),
+        list(cut.layers),
+        lambda k: (owners.step, owners.owners[k].master.flat.numpy()),
+        width=cut.shapes.width,
+        microbatch_size=config.pipeline.microbatch_size,
+        codec=get_codec(config.pipeline.boundary_codec),
+        precision=config.run.precision,
+    )
+
+
+def _ban_user(config: RelayConfig, collab: Collaboration, worker: str, reason: str) -> None:
+    """A pipeline worker was caught lying: on a run with verified usernames its user is banned
+    like one an organizer bans (the store's ban list, ``GET /api/admin/bans``; every peer of the
+    user leaves); on an open run, where nobody has a verified name, the pipeline refuses its id."""
+    peer = collab.registry.get(worker)
+    if peer is None or not peer.username or config.auth.mode == "open":
+        return
+    collab.store.ban(peer.username, f"pipeline results failed a spot check: {reason}"[:500])
+    for other in [p.peer_id for p in list(collab.registry.peers.values()) if p.username == peer.username]:
+        collab.leave(other)

@@ -119,8 +119,10 @@ class TaskBroker:
         requeue_on_loss: bool = False,
         priority: tuple[Any, ...] = (),
         prefer: str | None = None,
+        exclude: Collection[str] = (),
     ) -> Task:
-        """Post a task (or find the one this call id already posted)."""
+        """Post a task (or find the one this call id already posted); ``exclude``: workers never
+        to lease it (:mod:`.queues`)."""
         existing = self._by_call.get((caller, call_id))
         if existing is not None:
             if existing.key != key or existing.kind != kind or existing.payload.size != len(payload):
@@ -158,6 +160,7 @@ class TaskBroker:
             requeue_on_loss=requeue_on_loss,
             priority=tuple(priority),
             prefer=prefer,
+            excluded=frozenset(exclude),
         )
         self.tasks[task.task_id] = task
         self._by_call[(caller, call_id)] = task

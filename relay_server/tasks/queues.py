@@ -67,7 +67,7 @@ class LazyHeap:
 class ReadyQueues:
     """Queued tasks by key in ``(priority, seq)`` order, with per-worker affinity.
 
-    A task here needs ``key``, ``rows``, ``priority``, ``seq``, ``prefer`` and a writable
+    A task here needs ``key``, ``rows``, ``priority``, ``seq``, ``prefer``, ``excluded``, ``lapsed_by`` and a writable
     ``queue_token`` (``None`` while it is not queued)."""
 
     def __init__(self, affinity_prefix: int = 1) -> None:
@@ -102,11 +102,12 @@ class ReadyQueues:
 
         ``skip_lapsed``: never one whose lease ``worker`` let lapse (``task.lapsed_by``): a worker
         that sits on its leases would take each task again as it comes back, and hold the batch
-        for a lease deadline each time. The caller asks it only when another worker can take it."""
-        if not skip_lapsed:
-            return self._best(worker, keys)
+        for a lease deadline each time. The caller asks it only when another worker can take it.
+        A task never goes to a worker in its ``excluded`` (whatever ``skip_lapsed`` says)."""
         aside = []
-        while (task := self._best(worker, keys)) is not None and worker in task.lapsed_by:
+        while (task := self._best(worker, keys)) is not None and (
+            worker in task.excluded or skip_lapsed and worker in task.lapsed_by
+        ):
             self.discard(task)
             aside.append(task)
         for other in aside:  # back in their places: (priority, seq) keeps the order

@@ -34,6 +34,8 @@ class Task:
     """Leasing order within and across keys: smaller first, then older (``seq``)."""
     prefer: str | None = None
     """The worker that should lease it if it asks (see :mod:`.queues`); anyone may."""
+    excluded: frozenset[str] = frozenset()
+    """Workers that may never lease it (a spot check is never its own original's worker's)."""
     state: str = WAITING
     worker: str | None = None
     """The lessee while leased; once done, the worker whose result was accepted."""

@@ -39,7 +39,46 @@ GPT2_SPEC = ModelSpec(
         "resid_pdrop": 0.0,
     },
 )
-SPECS = {"byte": BYTE_SPEC, "gpt2": GPT2_SPEC}
+
+
+def decoder_spec(model_type: str, **config: Any) -> ModelSpec:
+    """A small transformers decoder of ``model_type`` (4 layers, 32 wide, the GPT-2 spec's
+    vocabulary), untied, without dropout."""
+    base = {
+        "model_type": model_type,
+        "vocab_size": GPT2_VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 16,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+    return ModelSpec(kind="transformers", architecture="AutoModelForCausalLM", config={**base, **config})
+
+
+LLAMA_SPEC = decoder_spec("llama", num_key_value_heads=2)
+MISTRAL_SPEC = decoder_spec("mistral", num_key_value_heads=2, sliding_window=4)
+"""Mistral attending within a window of 4 (shorter than the tests' 8 tokens): every layer's mask
+is the sliding one."""
+QWEN2_SPEC = decoder_spec(
+    "qwen2", num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2
+)
+"""Qwen2 with full attention in layers 0-1 and a window of 4 in layers 2-3: a stage's blocks
+take the mask of their own index in the whole model."""
+QWEN3_SPEC = decoder_spec("qwen3", num_key_value_heads=2, head_dim=8)
+NEOX_SPEC = decoder_spec("gpt_neox")
+SPECS = {
+    "byte": BYTE_SPEC,
+    "gpt2": GPT2_SPEC,
+    "llama": LLAMA_SPEC,
+    "mistral": MISTRAL_SPEC,
+    "qwen2": QWEN2_SPEC,
+    "qwen3": QWEN3_SPEC,
+    "gpt_neox": NEOX_SPEC,
+}
 GPT2_DROPOUT_SPEC = ModelSpec(
     kind="transformers",
     architecture="AutoModelForCausalLM",
@@ -47,6 +86,13 @@ GPT2_DROPOUT_SPEC = ModelSpec(
 )
 """GPT-2 with its default dropout (0.1 on embeddings, attention and residuals): exact only when
 a recomputed backward replays its forward's masks (:mod:`toolkit.pipeline.compute`)."""
+DROPOUT_SPECS = {
+    "gpt2": GPT2_DROPOUT_SPEC,
+    "llama": decoder_spec("llama", num_key_value_heads=2, attention_dropout=0.1),
+    "gpt_neox": decoder_spec("gpt_neox", attention_dropout=0.1, hidden_dropout=0.1),
+}
+"""Decoders with dropout (Llama's on attention probabilities; GPT-NeoX's on attention, residuals
+and embeddings too)."""
 
 
 def batch_for(name: str, generator: torch.Generator, rows: int = 3, seq_len: int = 8) -> Any:

@@ -9,8 +9,9 @@ pipeline with a parameter server per stage and a task pool).
   (:class:`PipelineUnits`) and how layers are dealt to stages (:func:`cut_stages`), as pure data;
 * :mod:`toolkit.pipeline.stage`: :class:`Stage`, one stage as a module (inputs, forward to the
   boundary, loss on the last stage), with one subclass per architecture it can cut
-  (:mod:`toolkit.pipeline.byte` for the toolkit's ByteTransformer, :mod:`toolkit.pipeline.gpt2`
-  for transformers' GPT-2);
+  (:mod:`toolkit.pipeline.byte` for the toolkit's ByteTransformer, :mod:`toolkit.pipeline.decoder`
+  for transformers' decoders, whose families -- GPT-2, Llama / Qwen, Mistral, GPT-NeoX -- are the
+  table in :mod:`toolkit.pipeline.families`);
 * :mod:`toolkit.pipeline.stages`: :func:`pipeline_units` (and its refusals) and
   :func:`build_stage`, which builds a stage without ever materialising the full model;
 * :mod:`toolkit.pipeline.compute`: what a task computes on a stage -- its forward with the

@@ -95,7 +95,7 @@ def pipeline_masks(model: nn.Module, layers_per_stage: Sequence[int], microbatch
     when stage ``k``'s first block starts. One micro-batch's forward per context."""
     from toolkit.pipeline.stages import architecture_of, pipeline_units
 
-    units = pipeline_units(model)
+    units = pipeline_units(model, tied=True)  # a reference: which blocks start a stage
     parent, _, leaf = architecture_of(model).anatomy.blocks.rpartition(".")
     blocks = list(getattr(model.get_submodule(parent), leaf))
     device = next(model.parameters()).device
@@ -129,6 +129,8 @@ class StageGrads:
     params: list[torch.Tensor]
     input: torch.Tensor | None
     loss: float | None = None
+    tied: torch.Tensor | None = None
+    """The last stage's head gradient for stage 0's tied embedding (tied models only)."""
 
 
 def backward(
@@ -146,12 +148,13 @@ def backward(
     ``batch`` times ``samples`` (a *sum* over samples, as a data-parallel peer's gradient is),
     elsewhere ``grad_output``, the gradient of the stage's output."""
     params = list(stage.parameters())
+    tied = [stage.tied_weight()] if stage.tied_name is not None else []
     x = x if stage.first else x.detach().requires_grad_(True)
     wrt = [] if stage.first else [x]
     scaler = policy.scaler
     while True:
         scale = scaler.scale if scaler is not None else 1.0
-        for t in [*wrt, *params]:
+        for t in [*wrt, *params, *tied]:
             t.grad = None
         with replaying(stage_seed(microbatch, stage.index), x.device):
             with policy.autocast():
@@ -165,8 +168,8 @@ def backward(
                     out = out * scale
                 else:
                     grad = grad * scale
-            torch.autograd.backward(out, grad, inputs=[*wrt, *params])
-        if policy.unscale_and_check([*wrt, *params]):
+            torch.autograd.backward(out, grad, inputs=[*wrt, *params, *tied])
+        if policy.unscale_and_check([*wrt, *params, *tied]):
             break
         if scaler is not None and scaler.scale <= scaler.min_scale:
             raise CollabError(
@@ -175,11 +178,12 @@ def backward(
                 f"(micro-batch {microbatch}): the loss itself is not finite",
                 "Ask the organizer to pin bf16 or fp32, or to lower the learning rate.",
             )
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    for t in params:
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in [*params, *tied]]
+    for t in [*params, *tied]:
         t.grad = None
     return StageGrads(
-        params=grads,
+        params=grads[: len(params)],
         input=x.grad if wrt else None,
         loss=float(loss.detach()) if stage.last else None,
+        tied=grads[-1] if tied else None,
     )

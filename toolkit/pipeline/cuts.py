@@ -62,6 +62,9 @@ class PipelineUnits:
     blocks: tuple[Range, ...]
     suffix: Range
     total: int
+    tied: Range | None = None
+    """The input embedding's range (in the prefix) when the output head is the same matrix (tied
+    embeddings): the flat vector holds it once, on stage 0, and the last stage's head reads it."""
 
     @property
     def layer_numels(self) -> tuple[int, ...]:
@@ -80,6 +83,9 @@ class StageCut:
     end_layer: int
     start: int
     end: int
+    tied: Range | None = None
+    """Tied embeddings, on the last stage of two or more: stage 0's range of the input embedding,
+    which this stage's head reads as a copy outside its own range (its gradient goes to stage 0)."""
 
     @property
     def first(self) -> bool:
@@ -181,6 +187,13 @@ def stage_cut(units: PipelineUnits, index: int, num_stages: int, first_layer: in
         )
     start = 0 if index == 0 else units.blocks[first_layer][0]
     end = units.total if index == num_stages - 1 else units.blocks[end_layer - 1][1]
+    tied = units.tied if index == num_stages - 1 and index > 0 else None
     return StageCut(
-        index=index, num_stages=num_stages, first_layer=first_layer, end_layer=end_layer, start=start, end=end
+        index=index,
+        num_stages=num_stages,
+        first_layer=first_layer,
+        end_layer=end_layer,
+        start=start,
+        end=end,
+        tied=tied,
     )

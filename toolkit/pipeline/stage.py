@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from toolkit.errors import ModelMismatch
 from toolkit.pipeline.cuts import Anatomy, StageCut
 
 
@@ -38,8 +39,30 @@ class Stage(nn.Module):
         self.cut = cut
         self.index, self.num_stages = cut.index, cut.num_stages
         self.first, self.last = cut.first, cut.last
+        pair = self.tied_pair(model) if cut.tied is not None or (cut.first and cut.last) else None
+        self.shared = pair if cut.first and cut.last else None
+        """A single stage's tied pair, one Parameter in the model (:meth:`retie` after allocating)."""
+        if cut.tied is not None and pair is None:
+            raise ModelMismatch(
+                "stage_mismatch",
+                f"stage cut {cut} reads a tied embedding this {self.anatomy.name} does not have",
+                "Cut the stages from the run's own model: cut_stages(units_of(spec), layers_per_stage).",
+            )
         self.prune(model, cut)
         self.body = model
+        self.tied: tuple[int, int] | None = cut.tied
+        """Stage 0's flat range of the tied embedding this (last) stage's head reads, or None."""
+        self.tied_name: str | None = None
+        """The head's weight, here a buffer holding the copy (not a parameter: not in the range)."""
+        if pair is not None and self.shared is None:
+            # the pruned embedding's Parameter is still the head's weight: swap it for a buffer,
+            # so that parameters() is exactly [cut.start, cut.end) and the copy is loaded apart
+            self.tied_name = pair[1]
+            path, _, leaf = pair[1].rpartition(".")
+            head = model.get_submodule(path)
+            shape = getattr(head, leaf)
+            delattr(head, leaf)
+            head.register_buffer(leaf, torch.empty_like(shape), persistent=False)
 
     @classmethod
     def prune(cls, model: nn.Module, cut: StageCut) -> None:
@@ -67,6 +90,12 @@ class Stage(nn.Module):
         """What to set when ``model`` ties its input and output embeddings (None: untied)."""
         raise NotImplementedError
 
+    @classmethod
+    def tied_pair(cls, model: nn.Module) -> tuple[str, str] | None:
+        """When ``model``'s output head IS its input embedding (one Parameter) and its stages can
+        run that: the two parameters' names (embedding, head). None: the stages cannot."""
+        return None
+
     @staticmethod
     def check(model: nn.Module) -> None:
         """Refuse a configuration of this architecture that its stages cannot run (none by default)."""
@@ -75,6 +104,16 @@ class Stage(nn.Module):
     def num_layers(model: nn.Module) -> int:
         """The number of blocks of the full ``model``."""
         raise NotImplementedError
+
+    def restore_buffers(self, device: torch.device | str) -> None:
+        """Give the stage's buffers their values on ``device`` after it was built on the meta
+        device (where a buffer has no values); a stage with buffers it cannot restore is refused."""
+        if any(name != self.tied_name for name, _ in self.body.named_buffers()):
+            raise ModelMismatch(
+                "not_cuttable",
+                f"this {self.anatomy.name} stage has buffers, which a stage built on the meta device cannot restore",
+                "Train this model without [pipeline].",
+            )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Stage 0: the first block's input from the tokens."""
@@ -142,6 +181,48 @@ class Stage(nn.Module):
         for p in self.parameters():
             p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def retie(self) -> None:
+        """A single stage of a tied model: make the head's weight the embedding's Parameter again
+        (allocating a module, ``to_empty``, gives each of them its own)."""
+        if self.shared is not None:
+            embed, head = self.shared
+            path, _, leaf = head.rpartition(".")
+            setattr(self.body.get_submodule(path), leaf, self.body.get_parameter(embed))
+
+    def tied_weight(self) -> torch.Tensor:
+        """The last stage's copy of the tied embedding (what its head multiplies by)."""
+        if self.tied_name is None:
+            raise ValueError(f"stage {self.index} of {self.num_stages} reads no tied embedding")
+        path, _, leaf = self.tied_name.rpartition(".")
+        return getattr(self.body.get_submodule(path), leaf)
+
+    @torch.no_grad()
+    def load_tied(self, values: torch.Tensor | np.ndarray) -> None:
+        """Set the head's copy of the tied embedding from stage 0's flat slice ``tied`` (of the
+        same version as this stage's own); its gradient then accumulates in :meth:`tied_grad`."""
+        current = self.tied_weight()
+        flat = torch.as_tensor(values).reshape(-1)
+        if flat.numel() != current.numel():
+            raise ValueError(
+                f"stage {self.index}'s tied embedding holds {current.numel()} values and got {flat.numel()}: "
+                f"pass stage 0's flat slice [{self.tied[0] if self.tied else 0}, {self.tied[1] if self.tied else 0})"
+            )
+        copy = flat.to(current.device, current.dtype).view_as(current).clone().requires_grad_()
+        path, _, leaf = (self.tied_name or "").rpartition(".")
+        self.body.get_submodule(path).register_buffer(leaf, copy, persistent=False)
+
+    def tied_grad(self) -> torch.Tensor:
+        """The head's gradient for the tied embedding, float32 on the CPU (zeros before any
+        backward): stage 0's embedding gradient plus this is the whole model's, as one process sums them."""
+        weight = self.tied_weight()
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        return grad.detach().reshape(-1).float().cpu()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.tied_name is not None:
+            self.tied_weight().grad = None
 
     def flat_grad(self) -> torch.Tensor:
         """The stage's gradient in flat order (zeros for a parameter without one), float32 on the CPU."""

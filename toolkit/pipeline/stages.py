@@ -1,15 +1,18 @@
 """Cutting a run's model into stages: which models can be cut, and building one stage alone.
 
 :func:`pipeline_units` refuses, in one line that says what to do, a model it cannot cut: an
-architecture it does not know how to run in parts, tied input/output embeddings (the first and
-last stages live on different machines), parameters out of layer order, or parameters shared
-between modules (a stage owns each of its parameters alone). :func:`build_stage` builds the
+architecture it does not know how to run in parts, tied input/output embeddings unless asked
+(``tied=True``: the last stage then reads stage 0's embedding as a copy; relay runs do not ask
+yet), parameters out of layer order, or parameters shared between modules (a stage owns each of
+its parameters alone, a tied head aside). :func:`build_stage` builds the
 model on the meta device, where a parameter is a shape without storage, keeps the stage's
 modules and only then allocates them: a worker never holds more than its stage, which is the
 point of a pipeline (a model larger than any one volunteer's memory).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -18,7 +21,7 @@ from toolkit.errors import ModelMismatch
 from toolkit.models import build_model
 from toolkit.pipeline.byte import ByteStage
 from toolkit.pipeline.cuts import PipelineUnits, StageCut, cut_stages, stage_cut, units_from_named
-from toolkit.pipeline.gpt2 import GPT2Stage
+from toolkit.pipeline.families import DECODERS
 from toolkit.pipeline.stage import Stage
 from toolkit.wire.protocol import ModelSpec
 
@@ -34,12 +37,14 @@ __all__ = [
     "units_of",
 ]
 
-ARCHITECTURES: tuple[type[Stage], ...] = (ByteStage, GPT2Stage)
+ARCHITECTURES: tuple[type[Stage], ...] = (ByteStage, *DECODERS)
 """The architectures a pipeline can cut, each with the stage that runs its parts."""
 
 SUPPORTED = (
     "the toolkit's ByteTransformer (factory \"toolkit.models:ByteTransformer\") and transformers' "
-    'GPT-2 (architecture "AutoModelForCausalLM", model_type "gpt2")'
+    'decoders (architecture "AutoModelForCausalLM", model_type '
+    + " / ".join(f'"{t}"' for d in DECODERS for t in d.family.model_types)
+    + ")"
 )
 
 
@@ -55,23 +60,31 @@ def architecture_of(model: nn.Module) -> type[Stage]:
     )
 
 
-def pipeline_units(model: nn.Module) -> PipelineUnits:
+def pipeline_units(model: nn.Module, *, tied: bool = False) -> PipelineUnits:
     """Where ``model``'s embeddings, blocks and head lie in the flat parameter vector (``model``
-    may live on the meta device: only names and shapes are read)."""
+    may live on the meta device: only names and shapes are read).
+
+    ``tied``: accept a decoder whose head is its input embedding (``units.tied`` is then that
+    matrix's range, which the last stage reads as a copy); refused otherwise, as relay runs do
+    until their rounds sum the head's gradient into stage 0's."""
     arch = architecture_of(model)
+    arch.check(model)  # first: tie_hint reads the parts where the architecture says they are
     hint = arch.tie_hint(model)
-    if hint:
+    pair = arch.tied_pair(model) if hint and tied else None
+    if hint and pair is None:
         raise ModelMismatch(
             "tied_embeddings",
-            f"this {arch.anatomy.name} ties its input and output embeddings, and "
-            "a pipeline's first and last stages cannot share one matrix",
+            f"this {arch.anatomy.name} ties its input and output embeddings, and a pipeline run "
+            "cannot yet sum the last stage's head gradient into stage 0's embedding gradient",
             hint[0].upper() + hint[1:] + ".",
         )
-    arch.check(model)
     num_layers = arch.num_layers(model)
     named, seen = list(model.named_parameters(remove_duplicate=False)), dict[int, str]()
+    kept = []
     for name, param in named:
         if id(param) in seen:
+            if pair == (seen[id(param)], name):
+                continue  # the head is the embedding: held once, where the embedding is
             raise ModelMismatch(
                 "shared_parameters",
                 f"{name} and {seen[id(param)]} of this {arch.anatomy.name} are "
@@ -79,7 +92,16 @@ def pipeline_units(model: nn.Module) -> PipelineUnits:
                 "Give each module its own parameters (untie them) to cut the model into stages.",
             )
         seen[id(param)] = name
-    return units_from_named(named, arch.anatomy, num_layers)
+        kept.append((name, param))
+    units = units_from_named(kept, arch.anatomy, num_layers)
+    if pair is None:
+        return units
+    offset = 0
+    for name, param in kept:
+        if name == pair[0]:
+            return dataclasses.replace(units, tied=(offset, offset + param.numel()))
+        offset += param.numel()
+    raise AssertionError(f"{pair[0]} is not a parameter of the model")  # tied_pair names the model's own
 
 
 def meta_model(spec: ModelSpec) -> nn.Module:
@@ -106,7 +128,7 @@ def build_stage(
     """Stage ``cut`` of the run's model on ``device``, the rest never allocated. Its parameters
     hold finite placeholder values: load the run's slice into them (:meth:`Stage.load_flat`)."""
     model = meta_model(spec)
-    units = pipeline_units(model)
+    units = pipeline_units(model, tied=True)
     try:
         fits = stage_cut(units, cut.index, cut.num_stages, cut.first_layer, cut.end_layer) == cut
     except ValueError:
@@ -118,13 +140,9 @@ def build_stage(
             "Cut the stages from the run's own model: cut_stages(units_of(spec), layers_per_stage).",
         )
     stage = architecture_of(model)(model, cut)
-    if any(True for _ in stage.buffers()):
-        raise ModelMismatch(
-            "not_cuttable",
-            f"this {stage.anatomy.name} stage has buffers, which a stage built on the meta device cannot restore",
-            "Train this model without [pipeline].",
-        )
     stage.to_empty(device=device)
+    stage.retie()
+    stage.restore_buffers(device)
     with torch.no_grad():
         for name, param in stage.named_parameters():
             if param.dim() >= 2:
@@ -133,4 +151,6 @@ def build_stage(
                 param.fill_(0.0 if name.endswith("bias") else 1.0)
     if dtype is not None:
         stage.to(dtype)
+    if stage.tied is not None:  # after the cast: the copy is a leaf of the stage's dtype
+        stage.load_tied(torch.zeros(stage.tied[1] - stage.tied[0]))
     return stage

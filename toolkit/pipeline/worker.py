@@ -66,9 +66,10 @@ from toolkit.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
-STAGE_LOST = frozenset({"no_stage", "stage_mismatch", "stage_moved"})
+STAGE_LOST = frozenset({"no_stage", "stage_mismatch", "stage_moved", "batch_restarted"})
 """The relay's answers that mean it no longer knows this worker's stage (a rejoin, a restart that
-lost it, a re-plan): the worker asks for a stage again."""
+lost it, a re-plan) or that what it holds is void (its batch restarted after a liar was banned):
+the worker asks for a stage again, dropping what it held."""
 FINAL = frozenset({"stage_too_large"})
 """Refusals no retry changes (this machine cannot hold any stage): the worker ends, saying so."""
 

@@ -425,6 +425,7 @@ function renderPipeline(s) {
     `${many(p.redone, "stage gradient")} recomputed, ${many(p.refused_results, "result")} refused, ` +
     `${many(p.cut_uploads || 0, "upload")} cut at the hold deadline`;
   renderWasted(p);
+  renderTrust(p.trust, many);
 
   const rounds = (p.counted || []).slice(-COUNTED_ROUNDS);
   const exact = rounds.every((r) => r.every((n) => n === s.target_batch));
@@ -446,6 +447,23 @@ function renderPipeline(s) {
       num(st.task_s === null ? "not yet" : fmt.dur(st.task_s)),
       num(rounds.map((r) => fmt.int(r[st.stage])).join(" · ") || "–")]);
   }));
+}
+
+/** Spot checks of the workers' results ([pipeline] check_share): how many, what they found, who was banned. */
+function renderTrust(t, many) {
+  const out = $("pipeline-trust");
+  if (!t || !t.check_share) {
+    out.textContent = "not checked (pipeline.check_share = 0)";
+    out.className = "";
+    return;
+  }
+  const bans = t.bans || [];
+  out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results): ` +
+    `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
+    (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned");
+  out.title = bans.map((b) => `${b.worker.slice(0, 8)} (batch ${b.batch}): ${b.reason}`).join("\n") ||
+    `tolerance ${t.tolerance}, largest distance between agreeing results ${t.max_agreeing_distance}`;
+  out.className = bans.length ? "warn" : "";
 }
 
 /** Work each batch paid for twice: the batch in flight, the last committed ones, and the run's totals. */

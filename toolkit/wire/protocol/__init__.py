@@ -52,6 +52,8 @@ from toolkit.wire.protocol.pipeline import (
     StageAssignment,
     StageRequest,
     StageStatus,
+    TrustBan,
+    TrustStatus,
     WastedWork,
     WorkerCredit,
 )
@@ -188,6 +190,8 @@ __all__ = [
     "StageStatus",
     "PipelineStatus",
     "PipelineTraffic",
+    "TrustBan",
+    "TrustStatus",
     "WastedWork",
     "WorkerCredit",
     # params

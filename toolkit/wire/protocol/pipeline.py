@@ -183,6 +183,40 @@ class StageStatus(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrustBan(Schema):
+    worker: str
+    reason: str
+    batch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrustStatus(Schema):
+    """What the relay's spot checks and monitors of stage workers' results found so far."""
+
+    check_share: float
+    tolerance: float
+    """The relative L2 distance two honest results of one task may have (the run's precision and codec)."""
+    checks: int = 0
+    """Results chosen for a check."""
+    agreed: int = 0
+    disagreed: int = 0
+    refereed: int = 0
+    """Tasks the relay computed itself (checked first-stage results, disagreements)."""
+    unserved: int = 0
+    """Checks dropped because no other worker of the stage (nor the relay's copy) could compute them."""
+    pending: int = 0
+    max_agreeing_distance: float = 0.0
+    """The largest distance measured between results that agreed: the tolerance's margin."""
+    batches_restarted: int = 0
+    bans: list[TrustBan] = field(default_factory=list)
+    monitored: int = 0
+    """Boundaries the statistical monitors scored (every accepted one)."""
+    outliers: int = 0
+    suspects: list[str] = field(default_factory=list)
+    """Workers whose every result is checked now (the monitors found them odd)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class PipelineStatus(Schema):
     """``GET /api/pipeline``: the stages, the batch in flight, the boundaries and the plan."""
 
@@ -229,3 +263,5 @@ class PipelineStatus(Schema):
     """Per recent committed batch, oldest first (totals: ``redispatched``, ``redone``, ``refused_results``)."""
     wasted_now: WastedWork | None = None
     """The batch in flight's so far."""
+    trust: TrustStatus | None = None
+    """Spot checks, monitors and bans of workers caught lying (``[pipeline] check_share``)."""

@@ -1,0 +1,19 @@
+"""Trusting the work of stage workers, not only their signatures.
+
+A pipeline result that is finite and well shaped may still be wrong (activations scaled, a
+gradient's sign flipped, noise added): :mod:`relay_server.pipeline.results` cannot see it. This
+package decides whether a result is right, and what follows when it is not:
+
+* :mod:`.compare` -- how far two computations of one task may differ for the run's precision and
+  boundary codec (the tolerance), and how far they do;
+* :mod:`.monitor` -- cheap statistics of every result against its stage's running distribution,
+  feeding a per-worker suspicion score;
+* :mod:`.referee` -- the relay's own copy of a stage, which recomputes a task when a worker's
+  result cannot be re-issued (a first-stage task reads the worker's own data) or when two
+  workers disagree;
+* :mod:`.checks` -- spot checks: a secret-seeded share of tasks (all of a suspect's) re-issued to
+  another worker of the stage as an ordinary task, compared, disputes refereed, liars banned.
+
+The pipeline's coordinator owns the hooks (where a result is accepted, where tasks are leased,
+when a round may open); this package owns the decisions and their counters.
+"""

@@ -1,0 +1,201 @@
+"""The parts of the pipeline's spot checks that need no process (``relay_server.trust``): which
+tasks are checked, the monitors' scores, the tolerance, the relay's own copy of a stage, a
+check's exclusion in the task queues, and the configuration. The checks against real dishonest
+workers are ``tests/test_trust_pipeline.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from relay_server.core.config import ConfigError, load_config
+from relay_server.pipeline.ledger import FIRST, LAST, Step
+from relay_server.tasks.queues import ReadyQueues
+from relay_server.trust.checks import PipelineTrust, TrustDeps
+from relay_server.trust.compare import distance, tolerance
+from relay_server.trust.monitor import OUTLIER_Z, ResultMonitor
+from relay_server.trust.referee import Referee
+from tests.support.pipeline import pipeline_overrides
+from tests.support.pipeline_models import BYTE_SPEC
+from toolkit.pipeline import compute
+from toolkit.pipeline.cuts import cut_stages
+from toolkit.pipeline.stages import build_stage, units_of
+from toolkit.wire import payloads
+from toolkit.wire.compression import get_codec
+
+WIDTH = BYTE_SPEC.kwargs["d_model"]
+NONE = get_codec("none")
+
+
+def trust(share: float, **deps) -> PipelineTrust:
+    base = dict(
+        share=share,
+        tolerance=1e-3,
+        width=WIDTH,
+        codec=NONE,
+        submit_check=lambda step, exclude: "c1",
+        cancel=lambda task_id: None,
+        can_serve=lambda stage, exclude: True,
+        inputs=lambda step: {},
+        version=lambda: 0,
+        batch=lambda: 0,
+        banned=lambda worker, reason: None,
+        settled=lambda: None,
+    )
+    return PipelineTrust(TrustDeps(**{**base, **deps}))
+
+
+def entry(array: np.ndarray) -> bytes:
+    """A stored boundary entry, as :mod:`relay_server.pipeline.results` keeps it."""
+    return payloads.encode(payloads.encode_rows("v", array.astype(np.float32), NONE))
+
+
+def test_the_share_of_checked_tasks_follows_the_config_and_the_secret_not_the_task_id() -> None:
+    ids = [f"t{i}" for i in range(20000)]
+    one, other = trust(0.1), trust(0.1)
+    a = {t for t in ids if one.chosen(t, "w")}
+    b = {t for t in ids if other.chosen(t, "w")}
+    assert 0.09 <= len(a) / len(ids) <= 0.11 and 0.09 <= len(b) / len(ids) <= 0.11
+    assert len(a & b) / len(ids) < 0.02  # two relays' secrets choose independently (0.01 expected)
+    assert not any(trust(0.0).chosen(t, "w") for t in ids[:1000])
+    assert all(trust(1.0).chosen(t, "w") for t in ids[:1000])
+
+
+def test_the_monitor_scores_a_scaled_result_an_outlier_and_honest_ones_not() -> None:
+    monitor, g = ResultMonitor(), np.random.default_rng(0)
+    honest = [float(np.linalg.norm(g.normal(size=(16, WIDTH)))) for _ in range(40)]
+    scores = [monitor.observe("a0", f"w{i % 3}", n, 16 * WIDTH) for i, n in enumerate(honest)]
+    assert max(abs(z) for z in scores) < OUTLIER_Z and monitor.outliers == 0
+    assert not any(monitor.suspect(f"w{i}") for i in range(3))
+    z = monitor.observe("a0", "liar", 1.3 * honest[0], 16 * WIDTH)
+    assert z > OUTLIER_Z and not monitor.suspect("liar")  # one outlier makes no suspect
+    monitor.observe("a0", "liar", 1.3 * honest[1], 16 * WIDTH)
+    assert monitor.suspect("liar")
+    assert trust(0.0).chosen("t1", "w") is False
+    suspicious = trust(1e-9)
+    suspicious.monitor.suspicion["liar"] = 1.0
+    assert suspicious.chosen("t1", "liar") and not suspicious.chosen("t1", "w")  # every result of a suspect
+
+
+def test_the_tolerance_separates_rounding_from_every_attack() -> None:
+    g = np.random.default_rng(1)
+    y = g.normal(size=(16, WIDTH)).astype(np.float32)
+    noise = g.normal(size=y.shape).astype(np.float32)
+    for precision in ("", "fp32", "fp16", "bf16"):
+        tol = tolerance(precision, "none")
+        assert distance(y, y * 1.3) > 2 * tol
+        assert distance(y, -y) == pytest.approx(2.0)
+        assert distance(y, y + noise * 0.1 * np.linalg.norm(y) / np.linalg.norm(noise)) > tol
+    assert distance(y, (y.astype(np.float64) * (1 + 1e-7)).astype(np.float32)) < tolerance("fp32", "none")
+    assert distance(y, y[:8]) == 2.0
+    assert tolerance("bf16", "int8") > tolerance("bf16", "none") > tolerance("fp32", "none")
+
+
+def test_a_check_is_never_leased_to_the_worker_it_checks() -> None:
+    queues = ReadyQueues()
+
+    def task(seq: int, excluded: frozenset[str]) -> SimpleNamespace:
+        return SimpleNamespace(
+            key="stage1",
+            rows=1,
+            priority=(0,),
+            seq=seq,
+            prefer=None,
+            excluded=excluded,
+            lapsed_by=[],
+            queue_token=None,
+        )
+
+    check, other = task(1, frozenset({"a"})), task(2, frozenset())
+    queues.push(check)
+    queues.push(other)
+    assert queues.best("a", ["stage1"]) is other  # the older check is skipped, and stays queued
+    assert queues.best("b", ["stage1"]) is check
+    queues.discard(other)
+    assert queues.best("a", ["stage1"]) is None
+
+
+def test_the_relays_copy_of_a_stage_computes_what_a_worker_does() -> None:
+    """The referee's forward of stage 0 on a micro-batch and its backward of the last stage are a
+    worker's (the same stage code, masks and precision), so an honest result is at distance 0."""
+    units = units_of(BYTE_SPEC)
+    cuts = cut_stages(units, [2, 2])
+    torch.manual_seed(0)
+    flats = [torch.randn(c.end - c.start) * 0.02 for c in cuts]
+    referee = Referee(BYTE_SPEC, [2, 2], lambda k: (5, flats[k].numpy()), width=WIDTH, microbatch_size=2, codec=NONE)
+    stages = []
+    for k, cut in enumerate(cuts):
+        stage = build_stage(BYTE_SPEC, cut, "cpu")
+        with torch.no_grad():
+            stage.load_flat(flats[k])
+        stages.append(stage)
+    batch = torch.randint(0, 256, (2, BYTE_SPEC.kwargs["seq_len"] + 1))
+    y = compute.forward(stages[0], stages[0].inputs(batch), 7).reshape(-1, WIDTH)
+    batch_entry = payloads.encode({"batch": batch.numpy()})
+    assert distance(referee.compute(Step(FIRST, 0, 7), 5, {"batch": batch_entry}), y.numpy()) == 0.0
+    assert referee.compute(Step(FIRST, 0, 7), 4, {"batch": batch_entry}) is None  # another version: no opinion
+    x = y.view(2, -1, WIDTH)
+    g = compute.backward(stages[1], x, 7, grad_output=None, batch=batch, samples=2).input.reshape(-1, WIDTH)
+    inputs = {"a0": entry(y.numpy()), "batch": batch_entry}
+    assert distance(referee.compute(Step(LAST, 1, 7), 5, inputs), g.numpy()) < 1e-6
+
+
+def test_a_first_stage_result_that_differs_from_the_relays_copy_bans_its_worker() -> None:
+    """Checked first-stage results go to the referee; one 1.3x off is banned, with its reason."""
+    truth = np.random.default_rng(2).normal(size=(16, WIDTH)).astype(np.float32)
+    referee = SimpleNamespace(compute=lambda step, version, inputs: truth)
+    banned, settled = [], []
+    checks = trust(1.0, referee=referee, banned=lambda w, r: banned.append((w, r)), settled=lambda: settled.append(1))
+
+    async def run() -> None:
+        checks.accepted("t1", Step(FIRST, 0, 3), "honest", {"a0": entry(truth), "batch": b""}, {})
+        checks.accepted("t2", Step(FIRST, 0, 4), "liar", {"a0": entry(1.3 * truth), "batch": b""}, {})
+        assert not checks.settled  # the round waits for both
+        await asyncio.gather(*checks.referee_tasks)
+
+    asyncio.run(run())
+    assert [w for w, _ in banned] == ["liar"] and "relay's own computation" in banned[0][1]
+    assert checks.settled and settled and checks.counters.refereed == 2
+    status = checks.status()
+    assert [b.worker for b in status.bans] == ["liar"] and status.max_agreeing_distance == 0.0
+
+
+def test_a_disagreement_between_two_workers_is_refereed_and_only_the_liar_banned() -> None:
+    truth = np.random.default_rng(3).normal(size=(16, WIDTH)).astype(np.float32)
+    referee = SimpleNamespace(compute=lambda step, version, inputs: truth)
+    banned, submitted = [], []
+
+    def submit(step, exclude):
+        submitted.append(exclude)
+        return f"c{len(submitted)}"
+
+    checks = trust(1.0, referee=referee, banned=lambda w, r: banned.append(w), submit_check=submit)
+
+    async def run() -> None:
+        checks.accepted("t1", Step(LAST, 1, 0), "honest", {"g0": entry(truth)}, {})
+        assert submitted == [frozenset({"honest"})] and checks.is_check("c1")
+        checks.check_result("c1", "liar", {"g0": entry(-truth)})  # the checker lies
+        await asyncio.gather(*checks.referee_tasks)
+        checks.accepted("t2", Step(LAST, 1, 1), "honest", {"g0": entry(truth)}, {})
+        checks.check_result("c2", "other", {"g0": entry(truth * (1 + 1e-6))})  # agrees
+
+    asyncio.run(run())
+    assert banned == ["liar"] and checks.counters.disagreed == 1 and checks.counters.agreed == 1
+    assert checks.settled
+
+
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        ({"check_share": 1.5}, "pipeline.check_share must be 0..1"),
+        ({"check_share": 0.1, "dispatch": "static"}, 'needs pipeline.dispatch = "pool"'),
+    ],
+)
+def test_a_bad_check_share_is_refused_in_one_line_naming_the_field(pipeline, message) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env={}, overrides=pipeline_overrides(BYTE_SPEC, stages=2, **pipeline))
+    assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -1,0 +1,109 @@
+"""Dishonest stage workers against the pipeline's spot checks: a real relay and real worker
+processes on 127.0.0.1 (``tests/stage_worker.py --corrupt``), one worker sending finite, well
+shaped, wrong results, three honest ones, two stages.
+
+* ``scale`` (stage 0) multiplies every activation it sends by 1.3;
+* ``noise`` (stage 0) adds noise of 10% of each activation matrix's norm;
+* ``flip`` (stage 1) flips the sign of every tenth stage gradient it sends, the first included.
+* ``stale`` (stage 0) computes every batch on the first version's parameters (batch 0 is honest).
+
+Every result is checked here (``check_share = 1.0``: which ones are checked at a smaller share is
+the secret's business, tested in ``tests/test_trust.py``), so each liar is banned at its first
+corrupted result that is checked: within the first two batches (a batch it never served in
+costs nothing). The ban restarts the batch, so the run equals one process replaying the batches
+that were counted, to 1e-5, and no honest worker is ever banned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from relay_server.harness.process import wait_until
+from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
+from tests.support.pipeline_models import BYTE_SPEC
+from tests.support.training import relay_params
+
+MICROBATCHES = 4
+STEPS = 3
+BANNED_BY_BATCH = 1
+"""A liar is banned in batch 0 or 1 (each corrupts its first result of its kind; the stale one
+its first of batch 1)."""
+
+
+def pipeline(relay) -> dict:
+    return requests.get(relay.url + "/api/pipeline", timeout=10).json()
+
+
+def placed(relay) -> int:
+    """Workers placed so far: on a stage now, or banned (a liar may be banned before the next joins)."""
+    status = pipeline(relay)
+    return sum(len(s["workers"]) for s in status["stages"]) + len(status["trust"]["bans"])
+
+
+def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage: int = 0):
+    """Four workers placed in turn (a joiner goes to the stage with the fewest workers, the lower
+    first), the liar (if any) the first placed on ``liar_stage``: the relay's status after
+    ``STEPS`` batches, checked exact, the liar and the honest workers."""
+    relay = serve_relay(
+        {
+            **pipeline_overrides(
+                BYTE_SPEC,
+                stages=2,
+                microbatches=MICROBATCHES,
+                initial_lease_s=5.0,
+                lease_floor_s=1.0,
+                check_share=1.0,
+            ),
+            "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+        }
+    )
+    _, initial = relay_params(relay.url)
+    liar, honest = None, []
+    for i in range(4):
+        if corrupt and i == liar_stage:
+            liar = launch_stage_worker(
+                relay.url, f"liar-{corrupt}", seed=100, until_step=STEPS, extra=("--corrupt", corrupt)
+            )
+        else:
+            honest.append(launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=STEPS))
+        if i <= liar_stage:  # placed in this order: the liar lands on its stage
+            wait_until(lambda n=i + 1: placed(relay) >= n, 120, f"{i + 1} workers placed")
+    for worker in honest:
+        assert worker.wait(timeout_s=300) == 0, worker.log_path.read_text()[-3000:]
+    step, final = relay_params(relay.url, min_step=STEPS)
+    workers = honest + ([liar] if liar else [])
+    batches = accepted_batches(workers, latest=True)  # a restarted batch's micro-batches: their last read
+    reference = replay(BYTE_SPEC, initial, batches, steps=step, microbatches=MICROBATCHES)
+    assert relative_difference(final, reference) <= 1e-5
+    status = pipeline(relay)
+    assert status["counted"] == [[2 * MICROBATCHES] * 2] * step, status
+    honest_ids = {next(e["peer_id"] for e in w.events() if e["event"] == "joined") for w in honest}
+    assert not {b["worker"] for b in status["trust"]["bans"]} & honest_ids, status["trust"]  # no false ban
+    return status, liar, honest
+
+
+@pytest.mark.parametrize("corrupt, liar_stage", [("scale", 0), ("noise", 0), ("flip", 1), ("stale", 0)])
+def test_a_worker_sending_wrong_results_is_banned_and_its_batch_recomputed(
+    serve_relay, launch_stage_worker, corrupt, liar_stage
+):
+    status, liar, _ = checked_run(serve_relay, launch_stage_worker, corrupt, liar_stage)
+    assert liar.wait(timeout_s=120) == 3, liar.log_path.read_text()[-3000:]  # it ends, told it is banned
+    events = liar.events()
+    liar_id = next(e["peer_id"] for e in events if e["event"] == "joined")
+    assert [e for e in events if e["event"] == "corrupted"], liar.log_path.read_text()[-2000:]
+    assert [e for e in events if e["event"] == "banned"], liar.log_path.read_text()[-2000:]
+    trust = status["trust"]
+    (ban,) = trust["bans"]
+    assert ban["worker"] == liar_id and ban["batch"] <= BANNED_BY_BATCH, trust
+    assert trust["batches_restarted"] == 1 and trust["refereed"] >= 1, trust
+    assert liar_id not in {w for s in status["stages"] for w in s["workers"]}, status["stages"]
+
+
+def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_worker):
+    status, _, _ = checked_run(serve_relay, launch_stage_worker)
+    trust = status["trust"]
+    assert trust["bans"] == [] and trust["disagreed"] == 0 and trust["batches_restarted"] == 0, trust
+    # every stage-1 result went to another worker, every first-stage one to the relay's copy
+    assert trust["checks"] >= STEPS * MICROBATCHES * 2 and trust["agreed"] >= 1, trust
+    assert trust["max_agreeing_distance"] <= trust["tolerance"], trust
