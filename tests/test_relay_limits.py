@@ -233,7 +233,7 @@ def test_spoiled_download_is_retried_and_ends_right(shared_relay, mode: str) -> 
         client = RelayClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.05)
         run = client.get_run()
         public = np.zeros(run.num_params, dtype=np.float32)
-        assert client.download_params(public) == 0
+        assert client.params.download_params(public) == 0
         client.close()
     finally:
         proxy.close()
