@@ -150,7 +150,7 @@ def run_peer(
                     slices=[p.digest for p in parts],
                 ),
             )
-            errors = client.upload_slices(step, ticket, parts)
+            errors = client.params.upload_slices(step, ticket, parts)
             assert not any(errors), errors
             client.report_done(
                 step, peer_id, DoneRequest(round_id=state.round.round_id, delivered=[p.plan.start for p in parts])
@@ -158,7 +158,7 @@ def run_peer(
         else:
             client.upload_gradient([("payload", grad)], meta, "none")
         uploaded = time.time()
-        version = client.download_params(params, min_step=step + 1, wait_s=300, peer_id=peer_id)
+        version = client.params.download_params(params, min_step=step + 1, wait_s=300, peer_id=peer_id)
         owners = {s.name: round(s.fraction, 4) for s in state.round.slices}
         report((index, step, started, time.time(), version, owners, uploaded))
     if index == 0:

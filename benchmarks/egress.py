@@ -6,7 +6,7 @@ sent itself for N light peers, N = 4, 16, 64.
 
 Light peers: ``--processes`` worker processes, each running its share of the N peers as threads;
 each peer is a real ``RelayClient`` that only downloads: it long-polls every version in turn
-(``download_params``: the relay's ref, then the body from the cache when the run has one, hashed
+(``client.params.download_params``: the relay's ref, then the body from the cache when the run has one, hashed
 and checked against the relay's hash) and reports it. They never join, so they add nothing to the
 rounds. One trainer in this process (a joined peer sending one SGD gradient per round) makes each
 step, once every light peer holds the version before, so every peer downloads every version.
@@ -78,8 +78,8 @@ def light_peers(url: str, count: int, steps: int, reports) -> None:
         for step in range(steps + 1):
             got = None
             while got is None:
-                got = client.download_params(out, min_step=step, wait_s=30)
-            reports.put((got, client.cache_failures))
+                got = client.params.download_params(out, min_step=step, wait_s=30)
+            reports.put((got, client.params.cache_failures))
         client.close()
 
     threads = [threading.Thread(target=peer) for _ in range(count)]

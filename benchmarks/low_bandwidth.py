@@ -225,7 +225,7 @@ def evaluate(url: str, model_name: str, data_dir: Path) -> tuple[float, float]:
     client = RelayClient(url)
     run = client.get_run()
     public = np.empty(run.num_params, dtype=np.float32)
-    step = client.download_params(public)
+    step = client.params.download_params(public)
     client.close()
     store = Store(data_dir)
     try:

@@ -168,7 +168,7 @@ def final_params(url: str, steps: int) -> tuple[int, np.ndarray]:
     client = RelayClient(url)
     try:
         out = np.empty(client.get_run().num_params, dtype=np.float32)
-        got = client.download_params(out, min_step=last, wait_s=60)
+        got = client.params.download_params(out, min_step=last, wait_s=60)
     finally:
         client.close()
     if got is None:

@@ -18,7 +18,8 @@ Everything between the trainer and the expert is the production path.
 The relay runs as ``relay-server serve --port 0`` (``relay_server.harness.process.start_relay``), on the run of
 ``tests/support/moe.py`` resized (:func:`relay_overrides`). Benchmarks import no test module and
 no conftest (the one helper they share with the tests is the HF stand-in, ``tests/hf_standin.py``,
-for hf-mode runs); the MoE tests take :class:`Member` and :func:`directory` from here.
+for hf-mode runs); the hand-driven peer both use is the harness's
+(:class:`relay_server.harness.manual_peer.ManualPeer`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -42,10 +42,12 @@ from requests.auth import AuthBase
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from relay_server.harness.manual_peer import ManualPeer  # noqa: E402
+from relay_server.harness.process import wait_until  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller  # noqa: E402
 from toolkit.moe.remote import RelayExpertCaller  # noqa: E402
-from toolkit.wire.protocol import MAX_JSON_BODY, PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest  # noqa: E402
+from toolkit.wire.protocol import MAX_JSON_BODY, ROUTES  # noqa: E402
 
 __all__ = [
     "EmulatedRuntime",
@@ -127,44 +129,19 @@ def relay_overrides(
     return base
 
 
-def wait_until(predicate, timeout_s: float, what: str):
-    """Poll ``predicate`` every 50 ms until it returns something truthy (returned), or raise
-    ``TimeoutError`` naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
-
-
 def directory(url: str) -> dict:
     return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
 
 
-class Member:
-    """A peer of the run driven by hand (join + heartbeats): a hostile host or a trainer."""
+class Member(ManualPeer):
+    """A registered trainer driven by hand (the harness's :class:`ManualPeer`), through a client of
+    its own, logged in with ``token`` on an hf-mode run."""
 
     def __init__(self, url: str, name: str, token: str | None = None) -> None:
-        self.client = RelayClient(url, retries=0)
+        client = RelayClient(url, retries=0)
         if token:
-            self.client.login(token)
-        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
-        self._stop = threading.Event()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(0.2):
-            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
-
-    def request(self, method: str, route: str, **kwargs):
-        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
-        return self.client.transport.request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.client.close()
+            client.login(token)
+        super().__init__(client, name)
 
 
 class EmulatedRuntime(LoopbackCaller):

@@ -6,7 +6,19 @@ is the one statement of the relay's layering: ``tests/test_layout.py`` reads it 
 every import, lazy ones included, and checks that ARCHITECTURE.md's drawing and docs/layout.md
 follow the same order.
 
-* :mod:`relay_server.core`          configuration, error types, HTTP helpers every layer uses
+A feature the relay plugs in (DMoE's experts in ``moe/``, the staged pipeline in ``pipeline/``,
+local SGD in ``local_sgd/``, evaluation in ``evaluation/``) is one folder whose modules sit at up to three heights, each listed
+below as a unit of its own: its config section with its compatibility checks (``moe/moe_config``),
+under the run's whole configuration; its state and service (the folder itself); its routes and
+the ``FEATURE`` object the app iterates (``moe/feature``), over the app's feature contract and
+under the app.
+
+* :mod:`relay_server.core`          config sections, error types, HTTP helpers every layer uses
+* :mod:`relay_server.moe.moe_config` ``[moe]`` and its checks
+* :mod:`relay_server.pipeline.pipeline_config` ``[pipeline]`` and its checks
+* :mod:`relay_server.local_sgd.local_sgd_config` ``[local_sgd]`` and its checks
+* :mod:`relay_server.evaluation.evaluation_config` ``[evaluation]`` and its checks
+* :mod:`relay_server.core.config`   the run's whole configuration: every section, loaded and checked
 * :mod:`relay_server.auth`          who is asking: relay key, HF identity, access passes, signed requests
 * :mod:`relay_server.tasks`         the task broker: payloads posted to keys, pulled by outbound-only workers
 * :mod:`relay_server.moe`           the expert directory, expert checkpoints, the relay's DMoE state
@@ -17,8 +29,16 @@ follow the same order.
 * :mod:`relay_server.backbone`      slices of the vector owned by the relay and aggregators, tickets, recovery
 * :mod:`relay_server.collaboration` the state machine composing rounds, backbone, planning and observers
 * :mod:`relay_server.trust`         checking stage workers' results: spot checks, monitors, the relay's referee, bans
+* :mod:`relay_server.local_sgd`     local SGD: when an outer round opens, its outer loop's figures
+* :mod:`relay_server.evaluation`    evaluation's folder (its evaluator is one of the observers)
 * :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger
-* :mod:`relay_server.api`           the aiohttp app: each concern's routes, auth, rate limits, moderation, dashboard
+* :mod:`relay_server.api`           the feature contract, each core concern's routes, rate limits, moderation, dashboard
+* :mod:`relay_server.moe.feature`   DMoE's routes and FEATURE
+* :mod:`relay_server.pipeline.feature` the pipeline's routes and FEATURE
+* :mod:`relay_server.local_sgd.feature` local SGD's FEATURE
+* :mod:`relay_server.evaluation.feature` evaluation's FEATURE: its panel
+* :mod:`relay_server.api.app`       the aiohttp app: the core routes and the features it plugs in, its lifespan
+* :mod:`relay_server.api.server`    serving an app: signals, the ready file
 * :mod:`relay_server.aggregator`    entry point: an aggregator process
 * :mod:`relay_server.harness`       running a relay here (a thread or a process), for the demo, tests and benchmarks
 * :mod:`relay_server.demo`          entry point: a relay and peer processes on this machine

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from relay_server.core.config import ConfigError, RelayConfig, load_config
 from relay_server.demo import LocalRun, ending_signals
@@ -40,7 +41,7 @@ def run_trial(
     16 and 8, a pipeline run keeps its own batch shape."""
     with ending_signals(), tempfile.TemporaryDirectory(prefix="collab-trial-") as tmp:
         directory = Path(tmp)
-        local = {
+        local: dict[str, dict[str, Any]] = {
             "server": {"host": "127.0.0.1", "port": port, "data_dir": str(directory / "relay")},
             "auth": {"mode": "open"},
             "hub": {"repo_id": ""},
@@ -98,7 +99,7 @@ def pipeline_batch(
 def _pipeline_trial(
     path: str,
     config: RelayConfig,
-    local: dict,
+    local: dict[str, dict[str, Any]],
     directory: Path,
     steps: int | None,
     target_batch: int | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import http.server
+import json
 import multiprocessing.process
 import os
 import socket
@@ -38,6 +39,7 @@ INTEGRATION_FIXTURES = frozenset(
         "start_nginx",
         "start_relay",
         "serve_relay",
+        "shared_relay",
         "start_aggregators",
         "launch_peer",
         "launch_stage_worker",
@@ -150,6 +152,33 @@ def serve_relay(tmp_path: Path) -> Iterator:
 
     yield start
     for relay in relays:
+        relay.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """``shared_relay(overrides)`` -> ``serve_relay``'s relay, started once per module for each
+    distinct ``overrides`` and shared by the module's tests that ask for it; stopped at the
+    module's end. Only for tests that leave the relay as they found it (they read its run, its
+    state or its parameters, or are refused before anything counts): a test that trains, joins
+    peers it leaves behind, bans or restarts takes its own (``serve_relay``). Tests sharing one
+    carry the same ``xdist_group`` mark, so under ``-n`` one worker runs them all on one relay."""
+    from relay_server.core.config import load_config
+    from relay_server.harness.thread import RelayThread
+
+    relays: dict[str, Any] = {}
+
+    def start(overrides: dict[str, dict[str, Any]] | None = None) -> Any:
+        key = json.dumps(overrides or {}, sort_keys=True)
+        if key not in relays:
+            directory = tmp_path_factory.mktemp("shared-relay")
+            config = merged(overrides)
+            config["server"] = {**config["server"], "port": 0, "data_dir": str(directory / "data")}
+            relays[key] = RelayThread(load_config(write_config(directory / "relay.toml", config))).start()
+        return relays[key]
+
+    yield start
+    for relay in relays.values():
         relay.stop()
 
 

@@ -13,7 +13,19 @@ skips that accumulation window (an overflow, deterministically).
 It records what the exactness tests need to rebuild every round in one process: each training
 forward's inputs (``<result>.batches.pt``) and, from the accumulator, which accumulation windows
 went into which round. With ``--barrier`` the peers' first forwards wait for each other, so no
-loop's set-up time keeps it out of the rounds. Every loop ends by itself when the run finishes.
+loop's set-up time keeps it out of the rounds (local SGD's outer round waits only for the peers
+that joined). Every loop ends by itself when the run finishes.
+
+``--lockstep``: a window's first forward waits until this peer's last window went to a round and
+that round closed (the optimizer's own ``sync()`` keeps reporting and contributing meanwhile).
+The relay opens a round once the reported samples reach ``target_batch`` and closes it when the
+peers expected at its opening delivered; free-running loops therefore race: which windows make a
+round depends on how the OS schedules the processes. A test whose target is one window of each
+peer gets, on a loaded machine, rounds made by the faster loop alone -- the HF Trainer at k = 2
+reporting two windows (8 samples) before a plain k = 1 loop's first, or the plain loop reporting
+three (6) before the Trainer's first report reached the relay -- and a peer whose gradient no
+round counted. With lockstep no peer holds more than one window, so a round can only open once
+every peer added its window, and each round holds exactly one window of each peer.
 """
 
 from __future__ import annotations
@@ -156,15 +168,23 @@ LOOPS = {"plain": run_plain, "trainer": run_trainer, "accelerate": run_accelerat
 
 class Recorder:
     """Each training forward's inputs, and the accumulator's adds, takes and discards and what
-    became of each upload, in order."""
+    became of each upload, in order; with ``lockstep``, each window waits for the last one's round
+    (module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, opt: Any, skip: int | None, barrier: tuple[Path, str, int] | None
+        self,
+        model: torch.nn.Module,
+        opt: Any,
+        skip: int | None,
+        barrier: tuple[Path, str, int] | None,
+        lockstep: bool,
     ) -> None:
         self.forwards: list[dict[str, torch.Tensor]] = []
         self.events: list[list] = []
         self.skip = skip
         self.barrier = barrier
+        self.opt = opt
+        self.lockstep = lockstep
         model.register_forward_pre_hook(self.on_forward, with_kwargs=True)
         acc = opt.accumulator
         for name in ("add", "take", "discard", "restore"):
@@ -187,32 +207,29 @@ class Recorder:
             deadline = time.monotonic() + 600
             while len(list(directory.iterdir())) < peers and time.monotonic() < deadline:
                 time.sleep(0.02)
+        if self.lockstep:
+            self.wait_for_last_window()
         self.forwards.append({k: kwargs[k].detach().clone() for k in KEYS if k in kwargs})
         if len(self.forwards) - 1 == self.skip:  # an overflow in this micro-batch's backward
             param = next(module.parameters())
             handle = param.register_hook(lambda g: (handle.remove(), g * float("inf"))[1])
 
-    def wait_for_every_first_add(self) -> None:
-        """Each peer's first window reaches its accumulator before any peer reports it: the
-        first barrier only starts the loops together, and a loop with a larger window (the HF
-        Trainer at k = 2) could otherwise report two windows, reach the target alone and close
-        every round before a slower peer's first report (a clean-clone CI race: no gradient of
-        plain-k1 counted). After this, every peer's first samples are reported within
-        milliseconds of each other, long before anyone computes its next window."""
-        directory, name, peers = self.barrier
-        added = directory.parent / (directory.name + "-first-add")
-        added.mkdir(exist_ok=True)
-        (added / name).touch()
-        deadline = time.monotonic() + 120  # a peer that never adds (its run ended) holds no one forever
-        while len(list(added.iterdir())) < peers and time.monotonic() < deadline:
+    def wait_for_last_window(self) -> None:
+        """Hold this forward while the accumulator still holds a window: the optimizer's
+        ``sync()`` reports it and, once its round opens, sends it and waits for the version that
+        round produces (without delayed updates, in this thread), so an empty accumulator means
+        the round holding the last window closed. Within a window the accumulator is empty (the
+        window is added at its step), so only a window's first forward ever waits."""
+        opt = self.opt
+        deadline = time.monotonic() + 600  # the test's own timeout ends a peer stuck longer
+        while opt.samples and not opt.finished and time.monotonic() < deadline:
+            opt.sync()
             time.sleep(0.02)
 
     def wrap(self, name: str, method):
         def recorded(*a, **kw):
             out = method(*a, **kw)
             if name == "add":
-                if self.barrier is not None and not any(e[0] == "add" for e in self.events):
-                    self.wait_for_every_first_add()
                 self.events.append(["add", a[1], len(self.forwards)])  # samples, forwards so far
             elif name == "take":
                 meta = out[0]
@@ -234,6 +251,7 @@ def main() -> int:
     parser.add_argument("--skip-micro-batch", type=int, default=None)
     parser.add_argument("--barrier", help="a directory: compute the first micro-batch once --peers loops wait there")
     parser.add_argument("--peers", type=int, default=1)
+    parser.add_argument("--lockstep", action="store_true", help="each window waits for the last one's round to close")
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
@@ -255,7 +273,7 @@ def main() -> int:
         model, args.relay, batch_size_per_step=args.batch_size, peer_name=args.name, report_interval_s=0.05
     )
     barrier = (Path(args.barrier), args.name, args.peers) if args.barrier else None
-    recorder = Recorder(model, opt, args.skip_micro_batch, barrier)
+    recorder = Recorder(model, opt, args.skip_micro_batch, barrier, args.lockstep)
     try:
         LOOPS[args.loop](model, opt, args, opt.precision or "fp32")
     except KeyboardInterrupt:

@@ -48,7 +48,7 @@ def ticket_reuser(base, relay: str, log):
 
     class Reuser(base):
         def _upload(self, call) -> None:
-            client, real = self.client, self.client.pipeline_ticket
+            client, real = self.client, self.client.pipeline.ticket
 
             def twice(peer_id, step, req):
                 ticket = real(peer_id, step, req)
@@ -58,11 +58,11 @@ def ticket_reuser(base, relay: str, log):
                     log(event="second_ticket_refused", code=exc.code)
                 return ticket
 
-            client.pipeline_ticket = twice
+            client.pipeline.ticket = twice
             try:
                 super()._upload(call)
             finally:
-                client.pipeline_ticket = real
+                client.pipeline.ticket = real
 
     return Reuser
 
@@ -86,7 +86,7 @@ def lease_hog(base, relay: str, log):
             client = RelayClient(relay)
             while not self._stop.is_set():
                 try:
-                    work, _ = client.pipeline_work(self.peer_id, wait_s=2, cached=[])
+                    work, _ = client.pipeline.work(self.peer_id, wait_s=2, cached=[])
                     for task in work.tasks:
                         log(
                             event="hogged",

@@ -63,7 +63,7 @@ def test_hostile_slice_uploads_and_internal_calls(serve_relay, start_aggregators
     num_params = relay.status()["num_params"]
     client = RelayClient(relay.url)
     before = np.empty(num_params, dtype=np.float32)
-    client.download_params(before)
+    client.params.download_params(before)
 
     # A computing peer with nothing to send yet: the relay plans, then slices the vector.
     requests.post(
@@ -207,7 +207,7 @@ def test_hostile_slice_uploads_and_internal_calls(serve_relay, start_aggregators
     )
     assert manifest["step"] == 1 and len(manifest["slices"]) == 2, manifest
     after = before.copy()
-    assert client.download_params(after, min_step=1, have=0) == 1  # each slice checked against the manifest
+    assert client.params.download_params(after, min_step=1, have=0) == 1  # each slice checked against the manifest
     np.testing.assert_allclose(after, before - grad / 10, rtol=1e-6, atol=1e-7)
     assert json.loads(json.dumps(relay.status()["recent_rounds"][-1]))["contributors"] == 1
     client.close()

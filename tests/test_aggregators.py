@@ -96,7 +96,7 @@ def signed_params(url: str, min_step: int = 0) -> tuple[int, np.ndarray]:
     client = RelayClient(url)
     client.login(ALICE)
     out = np.empty(client.get_run().num_params, dtype=np.float32)
-    step = client.download_params(out, min_step=min_step, wait_s=30)
+    step = client.params.download_params(out, min_step=min_step, wait_s=30)
     client.close()
     assert step is not None
     return step, out

@@ -117,7 +117,7 @@ def world(tmp_path_factory) -> Iterator[World]:
         bob = SignedPeer.login(relay, "bob").join("bob-notebook")
         num_params = relay.status()["num_params"]
         before = np.empty(num_params, dtype=np.float32)
-        assert alice.client.download_params(before, peer_id=alice.peer_id) == 0
+        assert alice.client.params.download_params(before, peer_id=alice.peer_id) == 0
         alice.client.heartbeat(alice.peer_id, Heartbeat(version=0, samples=SAMPLES, samples_per_s=10.0))
         round_ = relay.status()["round"]
         assert round_ and (round_["expected_peers"], round_["received_peers"]) == (1, 0)  # waiting for alice
@@ -490,7 +490,7 @@ def test_round_after_all_attacks_applies_exactly_alices_gradient(world: World) -
     response = world.alice.upload(grad_sum)
     assert response.status_code == 200, response.text
     after = np.empty(world.num_params, dtype=np.float32)
-    assert world.alice.client.download_params(after, min_step=1, wait_s=30, peer_id=world.alice.peer_id) == 1
+    assert world.alice.client.params.download_params(after, min_step=1, wait_s=30, peer_id=world.alice.peer_id) == 1
     np.testing.assert_allclose(after, world.before_params - grad_sum / np.float32(SAMPLES), rtol=1e-6, atol=1e-7)
     assert [e["username"] for e in world.relay.status()["leaderboard"]] == ["alice"]
 

@@ -91,7 +91,7 @@ def test_unsigned_and_cross_user_requests_are_refused(signed_relay):
     joined = alice.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
     out = np.empty(joined.run.num_params, dtype=np.float32)
     step = signed_relay.status()["step"]  # the module's run: whatever the tests before it trained
-    assert alice.download_params(out, peer_id=joined.peer_id) == step  # hash checked against the signed header
+    assert alice.params.download_params(out, peer_id=joined.peer_id) == step  # hash checked against the signed header
 
     # bob is allowlisted nowhere: refused at login; even with a pass he could not act as alice's peer.
     bob = RelayClient(url, retries=0)

@@ -39,7 +39,7 @@ OVERRIDES = {
 def relay_params(relay: RelayProcess, num_params: int, min_step: int = 0) -> np.ndarray:
     client = RelayClient(relay.url)
     out = np.empty(num_params, dtype=np.float32)
-    assert client.download_params(out, min_step=min_step, wait_s=30) is not None
+    assert client.params.download_params(out, min_step=min_step, wait_s=30) is not None
     client.close()
     return out
 

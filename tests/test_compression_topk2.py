@@ -440,7 +440,7 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
     joined = client.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
     codec, peer = get_codec(joined.run.compression), joined.peer_id
     public = np.empty(VECTOR, np.float32)
-    assert client.download_params(public, codec=codec, peer_id=peer) == 0
+    assert client.params.download_params(public, codec=codec, peer_id=peer) == 0
     meta = GradientMeta(peer_id=peer, step=0, version=0, samples=8, loss_sum=1.0)
     gradient = np.random.default_rng(1).standard_normal(VECTOR).astype(np.float32)
     good = dict(codec.encode(gradient))
@@ -472,7 +472,7 @@ def test_hostile_uploads_to_a_real_relay_are_refused_and_the_round_adds_only_the
         assert info.value.code == "bad_tensor" and info.value.status in (400, 422), (what, info.value)
         assert relay.status()["step"] == 0, what  # nothing was applied
     client.upload_gradient(list(good.items()), meta, codec.name)
-    assert client.download_params(public, have=0, codec=codec, min_step=1, wait_s=30, peer_id=peer) == 1
+    assert client.params.download_params(public, have=0, codec=codec, min_step=1, wait_s=30, peer_id=peer) == 1
     state = stored(relay, 1)
     expected = np.zeros(VECTOR, np.float32) - codec.decode(list(good.items()), n=VECTOR) / np.float32(8)
     np.testing.assert_allclose(state["master"], expected, rtol=0, atol=1e-6)  # the good upload alone
@@ -496,7 +496,7 @@ def test_two_peers_hold_the_relays_public_copy_bit_for_bit(serve_relay, compress
         client = RelayClient(relay.url)
         joined = client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION))
         public = np.empty(VECTOR, np.float32)
-        assert client.download_params(public, codec=down, peer_id=joined.peer_id) == 0
+        assert client.params.download_params(public, codec=down, peer_id=joined.peer_id) == 0
         peers.append((client, joined.peer_id, public, ErrorFeedback(codec, VECTOR)))
     rng = np.random.default_rng(11)
     master = np.zeros(VECTOR, np.float32)
@@ -515,7 +515,9 @@ def test_two_peers_hold_the_relays_public_copy_bit_for_bit(serve_relay, compress
         for i, (client, peer, public, _) in enumerate(peers):
             have = None if (i == 1 and step == 2) else step  # b re-downloads once in full
             assert (
-                client.download_params(public, have=have, codec=down, min_step=step + 1, wait_s=30, peer_id=peer)
+                client.params.download_params(
+                    public, have=have, codec=down, min_step=step + 1, wait_s=30, peer_id=peer
+                )
                 == step + 1
             )
         state = stored(relay, step + 1)

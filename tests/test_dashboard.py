@@ -46,24 +46,37 @@ class PageProblems:
         return [*self.console_errors, *self.page_errors, *self.failed_requests]
 
 
-@pytest.fixture
-def browser_page() -> Iterator[tuple[object, PageProblems]]:
+@pytest.fixture(scope="module")
+def chromium_browser() -> Iterator[object]:
+    """One headless chromium for the module's tests (each launch is a browser's whole start-up);
+    every test gets its own context (cookies, storage, cache) and page from it, so nothing a test
+    did carries over. Under xdist each worker that runs some of them launches its own."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
     from playwright.sync_api import sync_playwright
 
-    problems = PageProblems()
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        launched = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            page.on("console", lambda m: m.type == "error" and problems.console_errors.append(m.text))
-            page.on("pageerror", lambda e: problems.page_errors.append(str(e)))
-            page.on("requestfailed", lambda r: problems.failed_requests.append(f"{r.method} {r.url}: {r.failure}"))
-            page.on("response", lambda r: r.status >= 400 and problems.failed_requests.append(f"{r.status} {r.url}"))
-            yield page, problems
+            yield launched
         finally:
-            browser.close()
+            launched.close()
+
+
+@pytest.fixture
+def browser_page(chromium_browser) -> Iterator[tuple[object, PageProblems]]:
+    """A fresh context and page of the module's browser, and what goes wrong on it."""
+    problems = PageProblems()
+    context = chromium_browser.new_context(viewport={"width": 1280, "height": 1100})
+    try:
+        page = context.new_page()
+        page.on("console", lambda m: m.type == "error" and problems.console_errors.append(m.text))
+        page.on("pageerror", lambda e: problems.page_errors.append(str(e)))
+        page.on("requestfailed", lambda r: problems.failed_requests.append(f"{r.method} {r.url}: {r.failure}"))
+        page.on("response", lambda r: r.status >= 400 and problems.failed_requests.append(f"{r.status} {r.url}"))
+        yield page, problems
+    finally:
+        context.close()
 
 
 def to_precision_4(x: float) -> str:

@@ -16,10 +16,10 @@ import pytest
 from relay_server.api.app import FEATURES
 from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, FeatureSet
 from relay_server.collaboration.opening import RoundsElsewhere
-from relay_server.rounds.local_sgd import OuterRoundRule
+from relay_server.local_sgd.outer_rounds import OuterRoundRule
 
 APP = Path(__file__).resolve().parents[1] / "relay_server" / "api" / "app.py"
-FEATURE_MODULES = {"experts_api", "pipeline_api", "local_sgd_api", "evaluation_api"}
+FEATURE_MODULES = {"moe_feature", "pipeline_feature", "local_sgd_feature", "evaluation_feature"}
 
 
 def test_the_app_names_a_feature_only_in_its_list_of_features() -> None:

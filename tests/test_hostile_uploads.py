@@ -43,7 +43,7 @@ def open_round(relay: RelayThread) -> tuple[SignedPeer, SignedPeer]:
 
 def params_after(relay: RelayThread, peer: SignedPeer, step: int) -> np.ndarray:
     out = np.empty(NUM, np.float32)
-    assert peer.client.download_params(out, min_step=step, wait_s=30, peer_id=peer.peer_id) == step
+    assert peer.client.params.download_params(out, min_step=step, wait_s=30, peer_id=peer.peer_id) == step
     return out
 
 

@@ -67,8 +67,8 @@ def download(url: str) -> tuple[int, np.ndarray, int]:
     client = RelayClient(url)
     try:
         out = np.empty(client.get_run().num_params, dtype=np.float32)
-        step = client.download_params(out, min_step=0, wait_s=30)
-        return step, out, client.cache_failures
+        step = client.params.download_params(out, min_step=0, wait_s=30)
+        return step, out, client.params.cache_failures
     finally:
         client.close()
 
@@ -147,7 +147,7 @@ def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_st
     joined = alice.join(JoinRequest(peer_name="a", protocol=PROTOCOL_VERSION))
     codec, peer = get_codec("int8"), joined.peer_id
     public = np.empty(joined.run.num_params, dtype=np.float32)
-    assert alice.download_params(public, codec=codec, peer_id=peer) == 0
+    assert alice.params.download_params(public, codec=codec, peer_id=peer) == 0
     first = hashlib.sha256(public.tobytes()).hexdigest()
     alice.heartbeat(peer, Heartbeat(version=0, samples=8, samples_per_s=10.0))
     relay.wait_for(lambda s: s["round"] is not None and s["round"]["expected_peers"] == 1, what="the round")
@@ -155,11 +155,11 @@ def test_a_signed_int8_run_gets_its_deltas_through_the_cache(cached_relay, hf_st
     alice.upload_gradient(
         codec.encode(gradient), GradientMeta(peer_id=peer, step=0, version=0, samples=8, loss_sum=1.0), "int8"
     )
-    assert alice.download_params(public, have=0, codec=codec, min_step=1, wait_s=30, peer_id=peer) == 1
+    assert alice.params.download_params(public, have=0, codec=codec, min_step=1, wait_s=30, peer_id=peer) == 1
     state = alice.get_state()
     assert state.step == 1 and hashlib.sha256(public.tobytes()).hexdigest() == state.sha256
     sent = egress(relay)
-    assert alice.cache_failures == 0 and sent["direct"] == 0 and sent["refs"] == 2
+    assert alice.params.cache_failures == 0 and sent["direct"] == 0 and sent["refs"] == 2
     full, delta = sorted(sent["by_url"], key=lambda path: path.split("/")[4])  # by step: 0, then 1
     assert re.fullmatch(r"/api/params/v/0/[0-9a-f]{64}/full", full) and first not in full
     assert re.fullmatch(r"/api/params/v/1/[0-9a-f]{64}/delta", delta) and state.sha256 not in delta

@@ -78,6 +78,43 @@ def flat_params(named: dict[str, torch.Tensor], config) -> np.ndarray:
     return torch.cat([named[name].reshape(-1) for name, _ in model.named_parameters()]).numpy()
 
 
+def step_one(model: torch.nn.Module, state_path: Path) -> StepEvent:
+    """Step 1 of a run of ``model`` as the relay's observers receive it: the model's own parameters
+    written to ``state_path`` as the relay's state, one round of 8 samples at loss 0.5."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    save_file({"params": params}, str(state_path))
+    record = RoundRecord(
+        step=1,
+        contributors=1,
+        samples=8,
+        loss=0.5,
+        duration_s=0.1,
+        deadline_s=2.0,
+        finalized_by="all_arrived",
+        finalized_at=time.time(),
+    )
+    status = StatusReport(
+        run_name="r",
+        step=1,
+        total_steps=0,
+        finished=False,
+        target_batch=8,
+        num_params=params.numel(),
+        samples_accumulated=0,
+        samples_per_s=0.0,
+        eta_s=None,
+        loss=0.5,
+        num_peers=0,
+        peers=[],
+        recent_rounds=[record],
+        round=None,
+        auth_mode="open",
+        uptime_s=1.0,
+        plan=PlanInfo(version="v", steps_per_s=None, slices=[]),
+    )
+    return StepEvent(step=1, record=record, status=status, state_path=state_path)
+
+
 # --- unit -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "value, expected",
@@ -112,41 +149,10 @@ def test_a_failing_hub_never_blocks_or_breaks_the_observer(tmp_path, organizer, 
     organizer.add_route("POST", r"/api/models/.+/commit/.+", failing_commit)
     config = in_process_config(tmp_path, organizer, every_steps=1)
     model = build_model(config.model.spec())
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    state_path = tmp_path / "step-00000001.safetensors"
-    save_file({"params": params}, str(state_path))
-    record = RoundRecord(
-        step=1,
-        contributors=1,
-        samples=8,
-        loss=0.5,
-        duration_s=0.1,
-        deadline_s=2.0,
-        finalized_by="all_arrived",
-        finalized_at=time.time(),
-    )
-    status = StatusReport(
-        run_name="r",
-        step=1,
-        total_steps=0,
-        finished=False,
-        target_batch=8,
-        num_params=params.numel(),
-        samples_accumulated=0,
-        samples_per_s=0.0,
-        eta_s=None,
-        loss=0.5,
-        num_peers=0,
-        peers=[],
-        recent_rounds=[record],
-        round=None,
-        auth_mode="open",
-        uptime_s=1.0,
-        plan=PlanInfo(version="v", steps_per_s=None, slices=[]),
-    )
+    event = step_one(model, tmp_path / "step-00000001.safetensors")
     checkpointer = HubCheckpointer(config)
     with caplog.at_level(logging.INFO, logger="relay_server"):
-        checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
+        checkpointer.on_step(event)
         returned.set()  # staging only: the upload is another thread's job
         wait_until(lambda: "failed" in caplog.text, 60, "the upload error to be logged")
         assert released and all(released), "on_step waited for the Hub's answer"
@@ -361,39 +367,8 @@ def test_a_transformers_checkpoint_on_the_hub_loads_with_its_tokenizer(tmp_path,
         env={},
     )
     model = build_model(config.model.spec())
-    state_path = tmp_path / "step-00000001.safetensors"
-    save_file({"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}, str(state_path))
-    record = RoundRecord(
-        step=1,
-        contributors=1,
-        samples=8,
-        loss=0.5,
-        duration_s=0.1,
-        deadline_s=2.0,
-        finalized_by="all_arrived",
-        finalized_at=time.time(),
-    )
-    status = StatusReport(
-        run_name="r",
-        step=1,
-        total_steps=0,
-        finished=False,
-        target_batch=8,
-        num_params=sum(p.numel() for p in model.parameters()),
-        samples_accumulated=0,
-        samples_per_s=0.0,
-        eta_s=None,
-        loss=0.5,
-        num_peers=0,
-        peers=[],
-        recent_rounds=[record],
-        round=None,
-        auth_mode="open",
-        uptime_s=1.0,
-        plan=PlanInfo(version="v", steps_per_s=None, slices=[]),
-    )
     checkpointer = HubCheckpointer(config)
-    checkpointer.on_step(StepEvent(step=1, record=record, status=status, state_path=state_path))
+    checkpointer.on_step(step_one(model, tmp_path / "step-00000001.safetensors"))
     wait_until(lambda: checkpointer.uploaded, 60, "the checkpoint commit")
     checkpointer.close()
 

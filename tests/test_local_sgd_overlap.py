@@ -24,7 +24,7 @@ import torch
 from safetensors.numpy import load_file
 
 from relay_server.harness.process import wait_until
-from relay_server.rounds.local_sgd import OuterRoundRule
+from relay_server.local_sgd.outer_rounds import OuterRoundRule
 from relay_server.rounds.peer_registry import Peer, Registry
 from tests.support.local_sgd import (
     BATCH,

@@ -7,6 +7,9 @@ pinned precision by itself) and trains through one loop -- plain, HF Trainer, Ac
 Lightning -- with its own accumulation. The run is a tiny ALBERT (masked LM, whose ``forward``
 takes ``**kwargs``: the Trainer does not divide its loss) or GPT-2 (causal LM, which honours the
 Trainer's ``num_items_in_batch``), with a tokenizer trained by ``relay-server tokenizer train``.
+The target batch is one accumulation window of every peer, and the peers run in lockstep (a
+window waits until the round holding the peer's last one closed): every round holds exactly one
+window of each peer, whatever the scheduling, which each step asserts.
 
 After 3 steps the relay's parameters must equal a reference that trains one copy of the model in
 this process on exactly the micro-batches each round received (recorded by the peers), with the
@@ -254,6 +257,7 @@ def train_and_compare(
                 str(barrier),
                 "--peers",
                 str(len(peers)),
+                "--lockstep",
                 "--workdir",
                 str(work),
                 "--result",
@@ -297,6 +301,7 @@ def train_and_compare(
         loss = reference_step(model, opt, micro, precision)
         record = charted[step + 1]
         assert record["samples"] == sum(len(mb["input_ids"]) for mb in micro), (step, record)
+        assert record["samples"] == per_round, (step, record)  # lockstep: one window of every peer
         assert record["loss"] == pytest.approx(loss, rel=1e-5), (step, record, loss)
         relative = relative_difference(relay_version(relay.data_dir, step + 1), flatten(model))
         assert relative <= 1e-5, (step + 1, relative)

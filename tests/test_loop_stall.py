@@ -22,11 +22,11 @@ import pytest
 import requests
 import torch
 
-from relay_server.api.experts import EXPERTS
 from relay_server.api.stall_hook import ENV, parse, stall_middlewares
 from relay_server.core.loop_clock import LoopClock, StallReport
 from relay_server.core.typed import ConfigError
 from relay_server.harness.process import RelayProcess
+from relay_server.moe.feature import EXPERTS
 from relay_server.tasks.broker import DONE, FAILED
 from tests.support.clock import Clock
 from tests.support.moe import MOE, Member, one_process_reference, overrides, train_with_two_hosts
@@ -153,7 +153,7 @@ def test_a_call_past_its_deadline_is_answered_once_not_retried(serve_relay) -> N
     try:
         host.request("POST", "moe_lease", params={"capacity": 8})  # leased, never answered
         with pytest.raises(RelayRejected) as refused:
-            client.moe_call(
+            client.moe.call(
                 trainer.peer_id,
                 "ffn0.0.0",
                 kind="forward",

@@ -38,7 +38,7 @@ def test_a_host_runs_queued_calls_as_one_batch_and_each_call_gets_its_own_exact_
     on the summed gradient. Each call's answer equals that call computed alone at the parameters
     the batch ran at, and the expert's next checkpoint is one step on the sum of the per-call
     parameter gradients (to 1e-5)."""
-    from relay_server.api.experts import EXPERTS
+    from relay_server.moe.feature import EXPERTS
 
     uid = "ffn0.1.0"
     relay = serve_relay({**overrides(0), "rounds": {"peer_ttl_s": 120.0}})  # paused hosts stay registered

@@ -490,8 +490,8 @@ def test_the_mixture_agreement_check_compares_effective_values() -> None:
     """[moe] and the model's kwargs are compared on what the model will run with: a kwarg left
     out is the model class's default (DMoEMLP's k is 4), refused in one line naming the field."""
     from relay_server.core.config import ConfigError, load_config
-    from relay_server.core.moe_config import MoeSection
     from relay_server.core.training_config import ModelSection
+    from relay_server.moe.moe_config import MoeSection
 
     without_k = {key: value for key, value in KWARGS.items() if key != "k"}
     with pytest.raises(ConfigError) as refused:

@@ -29,14 +29,15 @@ ONE_CONCEPT: dict[str, set[str]] = {
     # one feature, one module per layer: its wire messages, its client calls, its relay routes/state
     "moe": {"toolkit/client/moe.py", "toolkit/wire/protocol/moe.py"},
     "params": {"toolkit/client/params.py", "toolkit/wire/protocol/params.py"},
-    "pipeline": {"toolkit/client/pipeline.py", "toolkit/wire/protocol/pipeline.py", "relay_server/api/pipeline.py"},
+    "pipeline": {"toolkit/client/pipeline.py", "toolkit/wire/protocol/pipeline.py"},
     "shards": {"toolkit/data/shards.py", "toolkit/wire/protocol/shards.py", "relay_server/api/shards.py"},
-    "experts": {"toolkit/moe/experts.py", "relay_server/api/experts.py"},
-    "evaluation": {"relay_server/observers/evaluation.py", "relay_server/api/evaluation.py"},
-    "local_sgd": {
-        "toolkit/optimizer/local_sgd.py",
-        "relay_server/rounds/local_sgd.py",
-        "relay_server/api/local_sgd.py",
+    # each feature's plug (relay_server/<feature>/feature.py) and the contract they meet
+    "feature": {
+        "relay_server/api/feature.py",
+        "relay_server/moe/feature.py",
+        "relay_server/pipeline/feature.py",
+        "relay_server/local_sgd/feature.py",
+        "relay_server/evaluation/feature.py",
     },
     "status": {
         "toolkit/wire/protocol/status.py",

@@ -274,7 +274,7 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
         reader = RelayClient(relay.url)
         reader.login(TOKENS["alice"])
         initial = np.empty(reader.get_run().num_params, dtype=np.float32)
-        reader.download_params(initial, min_step=0, wait_s=30)
+        reader.params.download_params(initial, min_step=0, wait_s=30)
         workers = []
         for i, user in enumerate(("alice", "alice", "bob", "bob")):
             monkeypatch.setenv(f"HF_TOKEN_{user.upper()}", TOKENS[user])
@@ -286,7 +286,7 @@ def test_a_signed_run_trains_exactly(tmp_path, launch_stage_worker, monkeypatch)
         for worker in workers:
             assert worker.wait(timeout_s=240) == 0, worker.log_path.read_text()[-3000:]
         final = np.empty_like(initial)
-        step = reader.download_params(final, min_step=2, wait_s=30)
+        step = reader.params.download_params(final, min_step=2, wait_s=30)
         reference = replay(BYTE_SPEC, initial, accepted_batches(workers), steps=step, microbatches=MICROBATCHES)
         assert relative_difference(final, reference) <= 1e-5
         assert requests.get(relay.url + "/api/pipeline", timeout=10).json()["counted"] == [[8, 8]] * step

@@ -233,11 +233,11 @@ def test_a_stage_download_cut_mid_body_is_retried_then_a_transport_error(cutting
     out = np.zeros(CuttingServer.stage.size, dtype=np.float32)
     try:
         if cuts == 1:
-            assert client.download_stage("p1", 0, out.size, out, min_step=3) == 3
+            assert client.pipeline.download_stage("p1", 0, out.size, out, min_step=3) == 3
             np.testing.assert_array_equal(out, CuttingServer.stage)
         else:
             with pytest.raises(RelayUnreachable) as raised:
-                client.download_stage("p1", 0, out.size, out, min_step=3)
+                client.pipeline.download_stage("p1", 0, out.size, out, min_step=3)
             assert raised.value.code == "transfer_cut" and "cut off" in raised.value.message, raised.value
             assert "keeps retrying" in raised.value.hint
     finally:

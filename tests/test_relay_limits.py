@@ -224,15 +224,16 @@ class CuttingProxy:
         await asyncio.gather(upstream(), downstream(), return_exceptions=True)
 
 
+@pytest.mark.xdist_group("relay_limits_spoiled")  # one relay for both modes (they only download)
 @pytest.mark.parametrize("mode", ["cut", "corrupt"])
-def test_spoiled_download_is_retried_and_ends_right(start_relay, mode: str) -> None:
-    relay = start_relay()
+def test_spoiled_download_is_retried_and_ends_right(shared_relay, mode: str) -> None:
+    relay = shared_relay()
     proxy = CuttingProxy(relay.port, mode)
     try:
         client = RelayClient(f"http://127.0.0.1:{proxy.port}", backoff_s=0.05)
         run = client.get_run()
         public = np.zeros(run.num_params, dtype=np.float32)
-        assert client.download_params(public) == 0
+        assert client.params.download_params(public) == 0
         client.close()
     finally:
         proxy.close()

@@ -258,7 +258,7 @@ def train(tmp_path, name: str, *, aggregation: str, attacker: bool, steps: int, 
             client = RelayClient(relay.url)
             run = client.get_run()
             flat = np.empty(run.num_params, dtype=np.float32)
-            client.download_params(flat)
+            client.params.download_params(flat)
             client.close()
             final_step = relay.status()["step"]
         finally:

@@ -169,9 +169,9 @@ def test_a_feature_s_figures_stand_in_for_the_rounds_in_status_and_progress() ->
     assert (state.samples_accumulated, state.eta_s, state.samples_per_s) == (4, 17.5, 2.0)
     plain = collab_state(registry, config.run, 3, None, False, samples_per_s=2.0)
     assert (plain.samples_accumulated, plain.eta_s) == (0, config.run.target_batch / 2.0)
-    row = peer_status(peer, peer.joined_at, False, figures.peer_role, figures.credit(peer.peer_id))
+    row = peer_status(peer, peer.joined_at, figures.peer_role, figures.credit(peer.peer_id))
     assert (row.role, row.samples_contributed, row.tasks_done, row.samples_per_s) == ("stage_worker", 16, 7, 0.0)
-    assert peer_status(peer, peer.joined_at, False).tasks_done is None
+    assert peer_status(peer, peer.joined_at).tasks_done is None
     assert run_summary(config, 10, figures.mode).mode == "pipeline"
     assert run_summary(config, 10).mode == "sync"
 

@@ -17,11 +17,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from relay_server.api import evaluation as evaluation_api
-from relay_server.api import experts as experts_api
-from relay_server.api import local_sgd as local_sgd_api
 from relay_server.api import params_cache
-from relay_server.api import pipeline as pipeline_api
 from relay_server.api import shards as shards_api
 from relay_server.api import tokenizer as tokenizer_api
 from relay_server.api import toolkit_dist as toolkit_api
@@ -49,7 +45,11 @@ from relay_server.core.http import error_middleware, json_ok, read_message, uplo
 from relay_server.core.http import int_query as _int_query
 from relay_server.core.http import path_int as _path_int
 from relay_server.data.loss_references import loss_references
+from relay_server.evaluation import feature as evaluation_feature
+from relay_server.local_sgd import feature as local_sgd_feature
+from relay_server.moe import feature as moe_feature
 from relay_server.observers import ObserverThread, build_observers
+from relay_server.pipeline import feature as pipeline_feature
 from relay_server.rounds.reducer import set_upload_memory
 from relay_server.rounds.store import Store
 from toolkit.errors import ProtocolError
@@ -75,7 +75,9 @@ async def get_run(request: web.Request) -> web.Response:
     return json_ok(_collab(request).run_info)
 
 
-FEATURES = FeatureSet((experts_api.FEATURE, pipeline_api.FEATURE, local_sgd_api.FEATURE, evaluation_api.FEATURE))
+FEATURES = FeatureSet(
+    (moe_feature.FEATURE, pipeline_feature.FEATURE, local_sgd_feature.FEATURE, evaluation_feature.FEATURE)
+)
 """Every feature the relay can plug in (:mod:`relay_server.api.feature`); a run enables some."""
 
 STATUS_CACHE_S = 1.0  # dashboards poll every 1.5 s: any number of them costs about one report a second
@@ -395,7 +397,13 @@ async def _lifespan(app: web.Application) -> AsyncIterator[None]:
     store = Store(config.server.data_dir, keep=config.server.keep_checkpoints, fsync=config.server.fsync)
     observers = ObserverThread(build_observers(config))
     collab = await asyncio.to_thread(
-        Collaboration, config, store, observers, FEATURES.opening(config), FEATURES.keep_parameters(config)
+        Collaboration,
+        config,
+        store,
+        observers,
+        FEATURES.opening(config),
+        FEATURES.keep_parameters(config),
+        FEATURES.run_info(config),
     )
     app[COLLAB] = collab
     collab.backbone.attach(read_token(token_path(config)))  # written by build_admin: calls to aggregators carry it

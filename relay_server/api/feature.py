@@ -9,6 +9,9 @@ when the collaboration's rounds open. A feature whose service makes the run's st
 pipeline) also says what stands in for the rounds' figures -- the mode's name, the step's
 progress, each peer's credit, whether the averaging plan applies -- in status, the peers' progress
 and the observers' step events (``figures``; :class:`~relay_server.collaboration.status.RunFigures`).
+A feature that keeps the rounds but adds figures of its own (local SGD's outer loop) amends the
+collaboration's report instead (``amends_report``), and one whose peers need to know of it says
+what a joining peer learns (``run_info``).
 
 A feature that must serve part of a core route registers a *takeover* under one of the names
 below; the core route hands such requests to whichever running feature took it, without naming
@@ -32,6 +35,7 @@ from relay_server.collaboration.machine import Collaboration
 from relay_server.collaboration.opening import OpeningRule
 from relay_server.collaboration.status import RunFigures
 from relay_server.core.config import RelayConfig
+from toolkit.wire.protocol import StatusReport
 
 TICKETED_GRADIENT = "ticketed_gradient"
 """``PUT ROUTES["gradient"]`` with a ticket: a slice for the owner the ticket names."""
@@ -77,9 +81,10 @@ class Feature:
     enabled: Callable[[RelayConfig], bool]
     key: web.AppKey[Any] | None = None
     """Where the running service lives in the app (absent: the run does not enable it)."""
-    build: Callable[[RelayConfig, Collaboration], Awaitable[Service]] | None = None
+    build: Callable[[RelayConfig, Collaboration], Awaitable[Service | None]] | None = None
     """The service, from the config and the collaboration's shared services (store, backbone,
-    registry, clock, the after-publish sequence): called once, before the relay serves."""
+    registry, clock, the after-publish sequence): called once, before the relay serves (None:
+    nothing of it runs, e.g. no evaluator among the observers)."""
     routes: tuple[Route, ...] = ()
     public: frozenset[str] = frozenset()
     """Paths anyone may read without a pass (a dashboard panel's data)."""
@@ -102,6 +107,12 @@ class Feature:
     figures: Callable[[Any], RunFigures] | None = None
     """A feature whose service makes the steps: its figures, from the service, in place of the
     rounds' (at most one enabled feature has them, as at most one says when rounds open)."""
+    amends_report: Callable[[Any, StatusReport], StatusReport] | None = None
+    """What it adds to the collaboration's own report, from the service: ``GET /api/status`` and
+    the observers' step events alike (local SGD's outer loop, which W&B logs)."""
+    run_info: Callable[[RelayConfig], Mapping[str, Any]] | None = None
+    """``RunInfo`` fields a joining peer needs from it (local SGD's inner budget, the pipeline's
+    stages), from the config: the collaboration adds them to the run it describes."""
 
 
 RUNNING = web.AppKey("features", dict)
@@ -135,6 +146,14 @@ class FeatureSet:
             raise ValueError(f"features {[name for name, _ in rules]} each decide when rounds open: enable one")
         return rules[0][1] if rules else None
 
+    def run_info(self, config: RelayConfig) -> dict[str, Any]:
+        """The ``RunInfo`` fields the enabled features add (:attr:`Feature.run_info`)."""
+        fields: dict[str, Any] = {}
+        for feature in self.features:
+            if feature.run_info is not None and feature.enabled(config):
+                fields |= feature.run_info(config)
+        return fields
+
     def keep_parameters(self, config: RelayConfig) -> bool:
         """Whether an enabled feature keeps the run's parameters itself (:attr:`Feature.keeps_parameters`)."""
         return any(f.keeps_parameters and f.enabled(config) for f in self.features)
@@ -152,6 +171,7 @@ class FeatureSet:
         """Build and start every enabled feature's service (in order) with the core routes it
         takes over; stop them in reverse order."""
         config, running, taken, started = app[CONFIG], app[RUNNING], app[TAKEN_OVER], []
+        amendments: list[Callable[[StatusReport], StatusReport]] = []
         try:
             for feature in self.features:
                 if feature.build is None or not feature.enabled(config):
@@ -169,9 +189,13 @@ class FeatureSet:
                 started.append(service)
                 if feature.figures is not None:
                     app[COLLAB].report_figures_from(functools.partial(feature.figures, service))
+                if feature.amends_report is not None:
+                    amendments.append(functools.partial(feature.amends_report, service))
+            app[COLLAB].amend_reports_with(*amendments)
             yield
         finally:
             app[COLLAB].report_figures_from(lambda: None)
+            app[COLLAB].amend_reports_with()
             for service in reversed(started):
                 await service.stop()
 

@@ -61,7 +61,7 @@ REMEMBERED = 16
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)", re.ASCII | re.IGNORECASE)  # the unit is case-insensitive
 _LOGIN_HINT = (
     "Log in and ask GET /api/params?ref=1 for the current version's URL (the toolkit's "
-    "RelayClient.login, then download_params, does both); old versions are pruned."
+    "RelayClient.login, then client.params.download_params, does both); old versions are pruned."
 )
 
 

@@ -60,6 +60,7 @@ from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
 from relay_server.planning.planner import Plan
 from relay_server.planning.policy import RELAY_ID, Planning
+from relay_server.planning.problem import PeerCapacity
 from relay_server.rounds.master import slice_boundaries
 from relay_server.rounds.publisher import Board
 from relay_server.rounds.reducer import Reducer, robust_config
@@ -74,6 +75,7 @@ from toolkit.wire.protocol import (
     ParamsManifest,
     ParamSpec,
     PlanInfo,
+    PlanInput,
     PlanSlice,
     RunInfo,
     SliceReport,
@@ -111,7 +113,7 @@ class Backbone:
         self.migrating = False
         self.staging: tuple[int, dict[str, np.ndarray]] | None = None  # state served to new owners
         self.copy: RecoveryCopy | None = None
-        self._copy_task: asyncio.Task | None = None
+        self._copy_task: asyncio.Task[None] | None = None
         self.client: InternalClient | None = None
         self.peer_ids: Callable[[], list[str]] = lambda: list(self.planning.samples_per_s)
         self._checked = -math.inf
@@ -216,7 +218,7 @@ class Backbone:
             if plan is not None and self._moves_slices(plan):
                 self.pending = plan
 
-    def _capacities(self):
+    def _capacities(self) -> tuple[list[PeerCapacity], list[PlanInput]]:
         return self.planning.capacities(self.aggregators.live(), self.peer_ids())
 
     def _moves_slices(self, plan: Plan) -> bool:
@@ -295,10 +297,12 @@ class Backbone:
             if owner in dead:
                 continue
             if owner.owner_id == RELAY_ID:
-                got_step, parts[owner] = await self.local.reducer.run(self.local.export)
+                # RELAY_ID's owner is the relay's own slice: local holds it
+                got_step, parts[owner] = await self.local.reducer.run(self.local.export)  # type: ignore[union-attr]
             else:
                 try:
-                    meta, parts[owner], _ = await self.client.fetch_tensors(
+                    # an aggregator's slice: the client is attach()'s, made when the app started
+                    meta, parts[owner], _ = await self.client.fetch_tensors(  # type: ignore[union-attr]
                         self.aggregators[owner.owner_id].url + ROUTES["slice_state"], {"step": str(step)}
                     )
                     got_step = int(meta.get("step", -1))
@@ -331,8 +335,9 @@ class Backbone:
         if not self.single:
             await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
         log.info("step %d now sliced as %s", step, ", ".join(f"{o.name}[{o.start}:{o.end}]" for o in owners))
-        if self.single:
-            return Published(step=step, sha256=self.local.publisher.latest.sha256, version=self.local.publisher.latest)
+        if self.single:  # the relay owns the whole vector: local holds it, its first version published above
+            latest = self.local.publisher.latest  # type: ignore[union-attr]
+            return Published(step=step, sha256=latest.sha256, version=latest)  # type: ignore[union-attr]
         return self._published(step, shas)
 
     def _owners_for(self, plan: Plan | None) -> list[Owner]:
@@ -347,8 +352,8 @@ class Backbone:
             agg = self.aggregators[owner.owner_id]
             if not agg.alive:
                 raise CallFailed(f"{agg.name} is dead")
-            try:
-                report = await self.client.call(
+            try:  # the client is attach()'s, made when the app started
+                report = await self.client.call(  # type: ignore[union-attr]
                     "POST",
                     agg.url + ROUTES["assign"],
                     SliceReport,
@@ -376,8 +381,8 @@ class Backbone:
             if isinstance(result, BaseException):
                 raise result if isinstance(result, CallFailed) else CallFailed(repr(result))
             shas[owner.owner_id] = result
-        if mine is not None:
-            shas[RELAY_ID] = self.local.publisher.latest.sha256
+        if mine is not None:  # self.local was made from mine above, its first version published
+            shas[RELAY_ID] = self.local.publisher.latest.sha256  # type: ignore[union-attr]
         return shas
 
     def staged(self, start: int, end: int, step: int) -> dict[str, np.ndarray]:
@@ -402,9 +407,10 @@ class Backbone:
             for s in manifest.slices
             if s.aggregator_id != RELAY_ID and self.aggregators.alive(s.aggregator_id)
         }
-        await self.copy.pull(self.client, manifest, urls, with_state)
+        # after_publish() starts this only with a copy; the client is attach()'s, made when the app started
+        await self.copy.pull(self.client, manifest, urls, with_state)  # type: ignore[union-attr, arg-type]
         if with_state:
-            await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)
+            await self.copy.save(self._copy_path(), fsync=self.config.server.fsync)  # type: ignore[union-attr]
 
     def _copy_path(self) -> Path:
         return self.store.dir / "state" / "recovery-copy.safetensors"

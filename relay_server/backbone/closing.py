@@ -18,6 +18,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from relay_server.backbone.aggregators import Aggregators
 from relay_server.backbone.slice_owner import SliceOwner
@@ -25,6 +26,8 @@ from relay_server.backbone.slicing import Owner
 from relay_server.backbone.state_transfer import CallFailed, InternalClient
 from relay_server.planning.policy import RELAY_ID
 from toolkit.wire.protocol import ROUTES, FinalizeRequest, GradNormReport, GradNormRequest, SliceReport
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -64,11 +67,11 @@ class RoundCloser:
         return Closed(reports, dead, global_norm)
 
     async def _each(
-        self, owners: list[Owner], call: Callable[[Owner], Awaitable], what: str, dead: list[Owner]
-    ) -> dict:
+        self, owners: list[Owner], call: Callable[[Owner], Awaitable[T]], what: str, dead: list[Owner]
+    ) -> dict[str, T]:
         """``call`` every owner at once; one that fails (``CallFailed``) is marked dead."""
         results = await asyncio.gather(*(call(o) for o in owners), return_exceptions=True)
-        out = {}
+        out: dict[str, T] = {}
         for owner, result in zip(owners, results):
             if isinstance(result, CallFailed):
                 self.aggregators.mark_dead(owner.owner_id, f"{what} failed: {result}")
@@ -86,8 +89,10 @@ class RoundCloser:
 
     async def _sq_norm(self, owner: Owner, step: int, round_id: str) -> float:
         if owner.owner_id == RELAY_ID:
-            return await self.local.grad_sq_norm(step, round_id)
-        report = await self.client.call(
+            # RELAY_ID's owner is the relay's own slice: local holds it
+            return await self.local.grad_sq_norm(step, round_id)  # type: ignore[union-attr]
+        # an aggregator's slice: the client is attach()'s, made when the app started
+        report = await self.client.call(  # type: ignore[union-attr]
             "POST",
             self._url(owner, "grad_norm"),
             GradNormReport,
@@ -99,7 +104,8 @@ class RoundCloser:
 
     async def _finalize(self, owner: Owner, step: int, round_id: str, global_norm: float | None) -> SliceReport:
         if owner.owner_id == RELAY_ID:
-            version, r, norm = await self.local.finalize(step, round_id, global_norm)
+            # RELAY_ID's owner is the relay's own slice: local holds it
+            version, r, norm = await self.local.finalize(step, round_id, global_norm)  # type: ignore[union-attr]
             return SliceReport(
                 step=version.step,
                 start=owner.start,
@@ -109,7 +115,8 @@ class RoundCloser:
                 grad_norm=norm,
                 refused=r.refused,
             )
-        report = await self.client.call(
+        # an aggregator's slice: the client is attach()'s, made when the app started
+        report = await self.client.call(  # type: ignore[union-attr]
             "POST",
             self._url(owner, "finalize"),
             SliceReport,

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -307,9 +308,10 @@ class SliceOwner:
 
 class HeadedStream:
     """A body stream whose first bytes (the container head) were already read: serves them, then
-    the rest of the stream (``readexactly``, what :class:`AsyncContainerReader` needs)."""
+    the rest of the stream (``readexactly``, what :class:`AsyncContainerReader` needs): aiohttp's
+    ``StreamReader``, or a wrapper that verifies it."""
 
-    def __init__(self, head: bytes, stream) -> None:
+    def __init__(self, head: bytes, stream: Any) -> None:
         self._head, self._stream = memoryview(head), stream
         if hasattr(stream, "readany"):  # offered only where the stream has it (not digest-checked ones)
             self.readany = self._readany

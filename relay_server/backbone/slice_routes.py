@@ -48,6 +48,7 @@ async def put_slice(
         limit = owner.codecs.up.wire_bytes(owner.numel)
         total = upload_length(request, limit)
         body = request.get(BODY_STREAM_KEY)
+        stream: HeadedStream | VerifiedBodyStream
         if body is not None:  # the relay's auth middleware already verified the head; it replays it
             head = await read_container_head(body)
             stream = HeadedStream(head, body)

@@ -136,7 +136,7 @@ def restore_dead(
         if strict and not (copy and copy.holds(rng, step, want)):
             raise NotReady(f"the relay's copy of [{owner.start}, {owner.end}) is not step {step}'s")
         try:
-            params_step, opt_step = copy.fill(state, rng)
+            params_step, opt_step = copy.fill(state, rng)  # type: ignore[union-attr]  # no copy: caught below
         except (AttributeError, KeyError):
             raise RuntimeError(
                 f"slice [{owner.start}, {owner.end}) of dead aggregator {owner.owner_id} has no copy"

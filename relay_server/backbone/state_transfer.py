@@ -9,6 +9,8 @@ container metadata. Internal calls carry the organizer's admin token (:mod:`rela
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import TypeVar, overload
 
 import aiohttp
 import numpy as np
@@ -20,6 +22,7 @@ from toolkit.wire.schema import Schema
 from toolkit.wire.tensor_container import AsyncContainerReader, encoded_size, iter_encoded
 
 MAX_STATE_BYTES = 1 << 40
+S = TypeVar("S", bound=Schema)
 
 
 def cut(state: dict[str, np.ndarray], lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -60,9 +63,13 @@ class InternalClient:
         if self._session is not None:
             await self._session.close()
 
-    async def call(
-        self, method: str, url: str, schema: type[Schema] | None, body: Schema | None = None
-    ) -> Schema | None:
+    @overload
+    async def call(self, method: str, url: str, schema: type[S], body: Schema | None = None) -> S: ...
+
+    @overload
+    async def call(self, method: str, url: str, schema: None, body: Schema | None = None) -> None: ...
+
+    async def call(self, method: str, url: str, schema: type[S] | None, body: Schema | None = None) -> S | None:
         """A JSON call (``schema`` None: the answer's body is not needed); any failure
         (unreachable, timeout, error answer) raises ``CallFailed``."""
         try:
@@ -79,7 +86,7 @@ class InternalClient:
     async def fetch_tensors(
         self,
         url: str,
-        params: dict,
+        params: Mapping[str, str | int],
         out: dict[str, np.ndarray] | None = None,
     ) -> tuple[dict[str, str], dict[str, np.ndarray], dict[str, str]]:
         """GET a container: (metadata, tensors, response headers). Tensors named in ``out`` are

@@ -12,7 +12,8 @@ it is done; the round closes on the same rules, every owner finalizes its slice,
 version is a manifest of the slices' hashes. Without aggregators none of that runs.
 
 This module admits peers (join, heartbeat, leave) and their gradients (whole uploads, tickets,
-done); the open round and the steps it makes are :mod:`.round_cycle`, the reports :mod:`.status`.
+done); the open round and the steps it makes are :mod:`.round_cycle`, the reports :mod:`.status`,
+the version the relay serves first (fresh or resumed) :mod:`.starting_version`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
-
-import torch
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slice_owner import gradient_meta
@@ -33,6 +33,7 @@ from relay_server.backbone.tickets import sign_ticket
 from relay_server.collaboration.opening import OpeningRule
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.collaboration.round_cycle import RoundCycle
+from relay_server.collaboration.starting_version import StartingVersion, initial_model
 from relay_server.collaboration.status import (
     Leaderboard,
     RunFigures,
@@ -50,9 +51,8 @@ from relay_server.rounds.membership import Round, RoundClosedMidUpload
 from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.publisher import Publisher
 from relay_server.rounds.reducer import Reducer, UploadProgress
-from relay_server.rounds.store import RoundLog, Store
+from relay_server.rounds.store import Store
 from relay_server.rounds.traffic import Traffic
-from toolkit.models import build_own_model
 from toolkit.models.flat import flatten
 from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import (
@@ -62,7 +62,6 @@ from toolkit.wire.protocol import (
     Heartbeat,
     JoinRequest,
     JoinResponse,
-    ParamsManifest,
     PlanInfo,
     RunSummary,
     StateInfo,
@@ -86,21 +85,25 @@ class Collaboration:
         observers: ObserverThread | None = None,
         opening: OpeningRule | None = None,
         parameters_kept_elsewhere: bool = False,
+        run_info_fields: Mapping[str, Any] | None = None,
     ) -> None:
         """``opening``: when rounds open, as the run's mode plugs it in (default: sync's target
         batch, :class:`~relay_server.collaboration.opening.TargetBatch`).
         ``parameters_kept_elsewhere``: a feature keeps the run's parameters and resumes them from
         its own store after a restart (the pipeline's stage owners), so the collaboration restores
-        no version of its own; a fresh run still writes version 0 here."""
+        no version of its own; a fresh run still writes version 0 here. ``run_info_fields``: what
+        the enabled features tell a joining peer (``RunInfo``'s ``local_sgd``, ``pipeline``)."""
         self.config, self.store = config, store
         self.observers = observers or ObserverThread([])
         self.run_cfg, self.rounds_cfg = config.run, config.rounds
-        model = self._initial_model()
+        model = initial_model(config, store)
         self.layout = layout_of(model)
         params = flatten(model)
         del model  # the master adopts `params`; the model's own tensors go now, not at the end of __init__
         self.codecs = run_codecs(config.run.compression, config.run.download_compression)
-        self.run_info = run_info_of(config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name)
+        self.run_info = run_info_of(
+            config, self.layout, int(params.size), self.codecs.up.name, self.codecs.down.name, run_info_fields or {}
+        )
         self.backbone = Backbone(config, store, self.layout, self.codecs, params, self.run_info)
         self.registry = Registry(config.rounds.peer_ttl_s)
         self.loop_clock = LoopClock()  # the relay's clock: deadlines on the relay count on it
@@ -114,59 +117,30 @@ class Collaboration:
         self.rounds = RoundCycle(
             config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock, opening=opening
         )
-        step = store.latest_step()
-        manifest = store.get_meta("manifest") if step is not None else None
-        self._resume: tuple[int, ParamsManifest] | None = None
-        if parameters_kept_elsewhere and step is not None:
-            pass  # the feature that keeps them resumes them (the pipeline: relay_server.pipeline.stage_owners)
-        elif manifest:  # aggregators held slices of it: gathered in start(), which can talk to them
-            self._resume = (step, ParamsManifest.loads(manifest))
-        elif step is not None:
-            self.publisher.restore(step)
-            log.info("resumed from %s at step %d", store.dir, step)
-        else:
-            version = self.publisher.write(0, {"run": config.run.name})
-            store.commit(0, version.sha256)
-            self.publisher.latest = version
-        if self._resume is None and self.publisher.latest is not None:
-            self.rounds.publish_local(self.publisher.latest)
+        self.starting = StartingVersion(config, store, self.rounds, self.backbone, parameters_kept_elsewhere)
         self.started = time.monotonic()
         self.figures: Callable[[], RunFigures | None] = lambda: None
         """What a feature that makes the run's steps counts instead of the rounds' figures
         (set by the feature set while such a feature runs: :meth:`report_figures_from`)."""
+        self.amendments: tuple[Callable[[StatusReport], StatusReport], ...] = ()
+        """What the running features add to the report (:meth:`amend_reports_with`)."""
 
     def report_figures_from(self, figures: Callable[[], RunFigures | None]) -> None:
         """Status and progress take ``figures`` in place of the rounds' own (the pipeline's)."""
         self.figures = figures
 
+    def amend_reports_with(self, *amendments: Callable[[StatusReport], StatusReport]) -> None:
+        """:meth:`status` passes its report through ``amendments`` in order (local SGD's outer
+        loop): the core report names no feature, and the observers' step events carry them too."""
+        self.amendments = amendments
+
     async def start(self) -> None:
-        """Before serving: a relay restarted while aggregators owned slices gathers its last
-        version from them (``Backbone.resume``)."""
-        if self._resume is None:
-            return
-        step, manifest = self._resume
-        published, new_version = await self.backbone.resume(step, manifest)
-        record = RoundLog.recovery() if new_version else None
-        await asyncio.to_thread(self.store.commit, published.step, published.sha256, record, {"manifest": ""})
-        self.backbone.board.publish(published)
-        self._resume = None
-        log.info("resumed from %s at step %d", self.store.dir, published.step)
+        """Before serving: finish resuming (:meth:`StartingVersion.gather`: a relay restarted
+        while aggregators owned slices gathers its last version from them)."""
+        await self.starting.gather()
 
     def close(self) -> None:
         self.backbone.close()
-
-    def _initial_model(self) -> torch.nn.Module:
-        torch.manual_seed(self.config.run.seed)
-        model = build_own_model(self.config.model.spec())
-        if self.config.model.init_checkpoint:
-            from safetensors.torch import load_file
-
-            model.load_state_dict(load_file(self.config.model.init_checkpoint))
-        elif self.config.hub.init_from and self.store.latest_step() is None:
-            from relay_server.observers.hub_checkpoints import init_model_from_hub
-
-            init_model_from_hub(model, self.config)  # a restart resumes from the data dir instead
-        return model
 
     # --- properties ---------------------------------------------------------------------------
     @property
@@ -473,7 +447,7 @@ class Collaboration:
 
     def status(self) -> StatusReport:
         figures = self.figures()
-        return status_report(
+        report = status_report(
             self.config,
             self.store,
             self.registry,
@@ -483,10 +457,12 @@ class Collaboration:
             self.started,
             self.leaderboard,
             self.traffic,
-            self.rounds.inner_steps_last_round,
             self.rounds.refused_steps + self.backbone.refused_rounds,
             figures,
         )
+        for amend in self.amendments:
+            report = amend(report)
+        return report
 
 
 def _check_not_sent(r: Round, peer_id: str) -> None:

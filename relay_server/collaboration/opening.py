@@ -3,7 +3,7 @@
 The round cycle (:mod:`.round_cycle`) owns the open round and never asks which mode the run is
 in: on every report it asks its :class:`OpeningRule` whether the round on version ``step`` is
 due. Sync data parallelism's rule is :class:`TargetBatch` (the default); local SGD plugs in its
-outer-round rule (:class:`relay_server.rounds.local_sgd.OuterRoundRule`) and the pipeline
+outer-round rule (:class:`relay_server.local_sgd.outer_rounds.OuterRoundRule`) and the pipeline
 :class:`RoundsElsewhere`, each through its feature (:attr:`relay_server.api.feature.Feature.opening`).
 """
 

@@ -59,8 +59,8 @@ class RoundCycle:
         self.deadlines = DeadlinePolicy(config.rounds)
         self.opening = opening or TargetBatch(config.run.target_batch, config.run.max_staleness)  # the mode's rule
         self.round: Round | None = None
-        self._finalizing: asyncio.Task | None = None
-        self._migration: asyncio.Task | None = None
+        self._finalizing: asyncio.Task[None] | None = None
+        self._migration: asyncio.Task[None] | None = None
         self.inner_steps_last_round: float | None = None  # local SGD: mean over the last round's contributors
         self.refused_steps = int(store.get_meta("refused_steps", "0") or 0)  # steps that would have been non-finite
 
@@ -74,10 +74,11 @@ class RoundCycle:
     def finished(self) -> bool:
         return 0 < self.run_cfg.total_steps <= self.step
 
-    # The relay's own slice: the whole vector unless aggregators own parts of it.
+    # The relay's own slice: the whole vector unless aggregators own parts of it. Asked for only
+    # where the relay owns one (backbone.local set): a single relay, or its part of a plan.
     @property
     def master(self) -> MasterState:
-        return self.backbone.local.master
+        return self.backbone.local.master  # type: ignore[union-attr]  # see above
 
     @property
     def reducer(self) -> Reducer:
@@ -88,7 +89,7 @@ class RoundCycle:
 
     @property
     def publisher(self) -> Publisher:
-        return self.backbone.local.publisher
+        return self.backbone.local.publisher  # type: ignore[union-attr]  # see master
 
     # --- opening, membership, closing -----------------------------------------------------------
     def maybe_open(self, reporter: Peer | None = None) -> None:

@@ -4,7 +4,9 @@ The run a peer receives on joining (:func:`run_info_of`), the progress every hea
 with (:func:`collab_state`), and the report behind ``GET /status``, the dashboard and the
 observers -- peers online, recent rounds, leaderboard, plan, configuration (:func:`status_report`).
 A feature that makes the run's steps itself (the pipeline) says what stands in for the rounds'
-figures there (:class:`RunFigures`): the core names no feature. Kept out of the state machine (:mod:`.machine`) because none of it changes state: these are
+figures there (:class:`RunFigures`); one that adds figures of its own (local SGD's outer loop)
+amends the report, and one whose peers must know of it adds ``RunInfo`` fields: the core names no
+feature. Kept out of the state machine (:mod:`.machine`) because none of it changes state: these are
 read-only views over the registry, the store and the open round, which the machine passes in.
 """
 
@@ -13,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from relay_server.core.config import OptimizerSection, RelayConfig, RunSection
 from relay_server.rounds.master import lr_at
@@ -28,7 +31,6 @@ from toolkit.wire.protocol import (
     BatchProgress,
     CollabState,
     LeaderboardEntry,
-    LocalSgdStatus,
     ParamSpec,
     PeerStatus,
     PlanInfo,
@@ -62,9 +64,15 @@ class RunFigures:
 
 
 def run_info_of(
-    config: RelayConfig, layout: list[ParamSpec], num_params: int, compression: str, download_compression: str = ""
+    config: RelayConfig,
+    layout: list[ParamSpec],
+    num_params: int,
+    compression: str,
+    download_compression: str = "",
+    features: Mapping[str, Any] | None = None,
 ) -> RunInfo:
-    """What a joining peer needs to train with the others."""
+    """What a joining peer needs to train with the others; ``features``: the fields the enabled
+    features add (``local_sgd``, ``pipeline``: :attr:`relay_server.api.feature.Feature.run_info`)."""
     return RunInfo(
         run_name=config.run.name,
         protocol=PROTOCOL_VERSION,
@@ -83,16 +91,7 @@ def run_info_of(
         dataset=dict(config.dataset),
         # the relay's own W&B mode is not forwarded: an offline relay must not make peers offline
         wandb={"project": config.wandb.project, "entity": config.wandb.entity} if config.wandb.project else {},
-        local_sgd=config.local_sgd.run_info(config.optimizer, config.run.total_steps)
-        if config.run.mode == "local_sgd"
-        else {},
-        pipeline={
-            "stages": config.pipeline.stages,
-            "microbatch_size": config.pipeline.microbatch_size,
-            "boundary_codec": config.pipeline.boundary_codec,
-        }
-        if config.pipeline.enabled
-        else {},
+        **(features or {}),
     )
 
 
@@ -170,7 +169,7 @@ class Leaderboard:
 
     def __init__(self, store: Store, registry: Registry, size: int = 100) -> None:
         self.store, self.registry, self.size = store, registry, size
-        self._users: dict[str, list] = {u: [u, n, r] for u, n, r in store.leaderboard(limit=-1)}
+        self._users: dict[str, list[Any]] = {u: [u, n, r] for u, n, r in store.leaderboard(limit=-1)}
         self._top: list[tuple[str, int, int]] | None = None
 
     def credit(self, contributions: dict[str, int]) -> None:
@@ -193,22 +192,6 @@ class Leaderboard:
         return self._top
 
 
-def local_sgd_status(
-    config: RelayConfig, registry: Registry, step: int, inner_steps_last_round: float | None
-) -> LocalSgdStatus | None:
-    """The outer loop of a ``run.mode = "local_sgd"`` run (None in sync mode)."""
-    if config.run.mode != "local_sgd":
-        return None
-    busy = [p.busy_fraction for p in registry.peers.values() if p.busy_fraction is not None]
-    return LocalSgdStatus(
-        outer_round=step,
-        inner_steps=config.local_sgd.inner_steps,
-        inner_seconds=config.local_sgd.inner_seconds,
-        busy_fraction=sum(busy) / len(busy) if busy else None,
-        inner_steps_last_round=inner_steps_last_round,
-    )
-
-
 def status_report(
     config: RelayConfig,
     store: Store,
@@ -219,7 +202,6 @@ def status_report(
     started: float,
     leaderboard: Leaderboard,
     traffic: Traffic,
-    inner_steps_last_round: float | None = None,
     refused_steps: int = 0,
     figures: RunFigures | None = None,
 ) -> StatusReport:
@@ -228,10 +210,9 @@ def status_report(
     O(peers online + the leaderboard's size), whatever the number of peers that ever joined."""
     run_cfg, now = config.run, time.monotonic()
     online = registry.peers.values()
-    local = run_cfg.mode == "local_sgd"
     role = figures.peer_role if figures is not None else "trainer"
     credit = figures.credit if figures is not None else (lambda peer_id: None)
-    peers = [peer_status(p, now, local, role, credit(p.peer_id)) for p in online]
+    peers = [peer_status(p, now, role, credit(p.peer_id)) for p in online]
     measured, measured_over = store.rate.samples_per_s()
     recent = store.recent_rounds()
     outcomes = store.round_outcomes([row[0] for row in recent])  # refused / partial / banned uploads
@@ -280,15 +261,12 @@ def status_report(
         plan=plan if figures is None or figures.averaging_plan else None,
         config=run_summary(config, num_params, figures.mode if figures is not None else None),
         traffic=traffic.report(),
-        local_sgd=local_sgd_status(config, registry, state.step, inner_steps_last_round),
         refused_steps=refused_steps,
         progress=figures.progress if figures is not None else None,
     )
 
 
-def peer_status(
-    p: Peer, now: float, local: bool, run_role: str = "trainer", credit: tuple[int, int] | None = None
-) -> PeerStatus:
+def peer_status(p: Peer, now: float, run_role: str = "trainer", credit: tuple[int, int] | None = None) -> PeerStatus:
     """One peer online as the dashboard lists it, in its role: an expert host (it joined saying so)
     shows no device, samples/s or contribution, since it trains nothing; on a run whose steps a
     feature makes, its peers play that feature's role (``run_role``: a pipeline's stage workers,
@@ -315,8 +293,6 @@ def peer_status(
         online=True,
         precision=p.precision,
         first_contribution_s=p.first_contribution_s,
-        inner_steps=p.inner_steps if local else None,
-        busy_fraction=p.busy_fraction if local else None,
     )
 
 

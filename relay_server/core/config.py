@@ -3,9 +3,10 @@
 The sections, each a keyword-only dataclass with a docstring per field, live by concern:
 ``[run]``, ``[model]``, ``[optimizer]``, ``[rounds]`` in :mod:`.training_config`; ``[server]``,
 ``[auth]``, ``[limits]``, ``[admin]``, ``[wandb]``, ``[hub]``, ``[aggregators]`` in
-:mod:`.service_config`; ``[connections]`` in :mod:`.connections`; ``[moe]`` in :mod:`.moe_config`;
+:mod:`.service_config`; ``[connections]`` in :mod:`.connections`; ``[moe]`` in :mod:`relay_server.moe.moe_config`;
 ``[tokenizer]`` (and the checks of ``[objective]``) in :mod:`.run_data`; ``[evaluation]`` in
-:mod:`.evaluation_config`; ``[pipeline]`` in :mod:`.pipeline_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
+:mod:`relay_server.evaluation.evaluation_config`; ``[pipeline]`` in
+:mod:`relay_server.pipeline.pipeline_config`. ``[dataset]`` and ``[objective]`` are free-form tables the toolkit
 reads (:class:`RelayConfig` says where). Everything is importable from here.
 
 **Types.** Every value is checked against its field's type, from the file and from the
@@ -45,12 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.connections import ConnectionsSection
-from relay_server.core.evaluation_config import EvaluationSection, check_evaluation
 from relay_server.core.hub_files import download_hub_file
-from relay_server.core.local_sgd_config import LocalSgdSection, mode_checks
-from relay_server.core.moe_config import MoeSection
 from relay_server.core.overrides import apply_env
-from relay_server.core.pipeline_config import PipelineSection
 from relay_server.core.run_data import TokenizerSection, resolve_run_data
 from relay_server.core.service_config import (
     AdminSection,
@@ -63,6 +60,10 @@ from relay_server.core.service_config import (
 )
 from relay_server.core.training_config import ModelSection, OptimizerSection, RoundsSection, RunSection
 from relay_server.core.typed import ConfigError, build_section, path_settings, set_setting
+from relay_server.evaluation.evaluation_config import EvaluationSection, check_evaluation
+from relay_server.local_sgd.local_sgd_config import LocalSgdSection, mode_checks
+from relay_server.moe.moe_config import MoeSection
+from relay_server.pipeline.pipeline_config import PipelineSection
 
 if sys.version_info >= (3, 11):
     import tomllib

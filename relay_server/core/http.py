@@ -10,7 +10,7 @@ import asyncio
 import errno
 import logging
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -138,7 +138,10 @@ def _error_answer(request: web.Request, exc: BaseException) -> web.StreamRespons
         )
 
 
-async def read_message(request: web.Request, schema: type[Schema]) -> Schema:
+M = TypeVar("M", bound=Schema)
+
+
+async def read_message(request: web.Request, schema: type[M]) -> M:
     if request.content_length is not None and request.content_length > MAX_JSON_BODY:
         raise ApiError(413, "body_too_large", f"JSON bodies are limited to {MAX_JSON_BODY} bytes")
     return schema.loads(await request.read())

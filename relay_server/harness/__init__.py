@@ -9,6 +9,8 @@
 * :mod:`.nginx` -- a real nginx in front of a relay (the TLS proxy, the parameter cache);
 * :mod:`.latency_proxy` -- a TCP proxy that adds latency and counts bytes;
 * :mod:`.netns` -- hosts with shaped links (network namespaces, veth, ``tc``);
+* :mod:`.manual_peer` -- a peer driven by hand (join, heartbeats, any request of its own) through
+  a client its caller built: the tests' and the benchmarks' hostile hosts and hand-made trainers;
 * :mod:`.hf_standin` -- a local stand-in for the Hugging Face Hub's identity API (and the routes a
   test adds), so that hf-mode runs log in without the internet.
 

@@ -1,5 +1,5 @@
 """The relay's DMoE state (:class:`Experts`: directory, broker, checkpoints, call rates) and its
-upkeep (:func:`expire_hosts`, started and stopped with the relay as the DMoE feature's service): what the HTTP routes of :mod:`relay_server.api.experts` act on.
+upkeep (:func:`expire_hosts`, started and stopped with the relay as the DMoE feature's service): what the HTTP routes of :mod:`relay_server.moe.feature` act on.
 
 Kept apart from the routes so the state can be built, ticked and read (the dashboard's summary,
 the tests' snapshots) without an HTTP request, and so the routes only translate requests.
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from relay_server.core.errors import ApiError
-from relay_server.core.moe_config import MoeSection
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from relay_server.moe.directory import ExpertDirectory
+from relay_server.moe.moe_config import MoeSection
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.payload_store import PayloadStore
 from toolkit.wire import payloads

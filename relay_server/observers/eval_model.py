@@ -146,7 +146,8 @@ class VersionScorer:
             from relay_server.observers.eval_experts import RelayExperts
 
             self.experts = RelayExperts(config)
-            self.model.attach_caller(self.experts)
+            # a DMoE model here; nn.Module's __getattr__ types any attribute as a tensor
+            self.model.attach_caller(self.experts)  # type: ignore[operator]
         self.batches = validation_batches(config, self.tokenizer)
 
     def evaluate(self, step: int, flat: torch.Tensor) -> EvalRecord:
@@ -169,7 +170,7 @@ class VersionScorer:
             )
         specials = Specials.of(self.tokenizer)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        seq_len = objective_of(self.config).seq_len
+        seq_len = objective_of(self.config).seq_len  # type: ignore[union-attr]  # self.objective set: it has one
         if self.objective == "causal-lm":
             new = self._greedy(ids, lambda x: self.model(input_ids=x).logits, seq_len, eos=specials.eos)
             return EvalSample(prompt=prompt, kind="continuation", output=self.tokenizer.decode(new))
@@ -180,7 +181,7 @@ class VersionScorer:
             best = int(probs.argmax())
             label = (self.config.model.config.get("id2label") or {}).get(str(best), str(best))
             return EvalSample(prompt=prompt, kind="label", output=label, scores=[float(probs[best])])
-        where = (row[0] == specials.mask).nonzero()
+        where = (row[0] == specials.mask).nonzero()  # type: ignore[attr-defined]  # Tensor == int is typed bool
         if len(where) == 0:  # truncated away: nothing to fill
             return EvalSample(prompt=prompt, kind="fill-mask", output="")
         probs = logits[int(where[0])].softmax(-1)

@@ -153,7 +153,7 @@ class Evaluator:
                     self._lock.wait()
                 if self._closing:
                     break
-                step, link = self._latest
+                step, link = self._latest  # type: ignore[misc]  # the wait above ends on one, or on closing
                 self._latest = None
             jobs.put((step, str(link)))
             answer = self._answer(results)

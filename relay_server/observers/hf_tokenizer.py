@@ -84,7 +84,7 @@ def write_tokenizer(run: RunTokenizer, out_dir: Path) -> list[Path]:
     """``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` in ``out_dir``."""
     files = [out_dir / name for name in TOKENIZER_FILES]
     run.tokenizer.save(str(files[0]))
-    settings = {
+    settings: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **run.tokens,
         "padding_side": "left" if run.causal else "right",

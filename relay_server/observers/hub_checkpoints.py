@@ -31,6 +31,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -67,7 +68,7 @@ class _Staged:
 
     step: int
     path: Path
-    info: dict
+    info: dict[str, Any]
 
 
 class HubCheckpointer:
@@ -225,7 +226,7 @@ class HubCheckpointer:
         log.info("checkpoint of step %d uploaded to %s (commit %s)", staged.step, self.hub.repo_id, commit.oid[:8])
 
 
-def _model_card(info: dict, repo_id: str) -> str:
+def _model_card(info: dict[str, Any], repo_id: str) -> str:
     loss = "n/a" if info["loss"] is None else f"{info['loss']:.4f}"
     model = info["model"]
     return f"""---
@@ -249,7 +250,7 @@ Start a new run from this checkpoint: `[hub] init_from = "{repo_id}@<commit>"` i
 """
 
 
-def _validation_line(validation: dict | None) -> str:
+def _validation_line(validation: dict[str, Any] | None) -> str:
     """The card's line on held-out validation (``[evaluation]``), empty without it."""
     if not validation:
         return ""
@@ -264,7 +265,7 @@ def _validation_line(validation: dict | None) -> str:
     )
 
 
-def _load_snippet(model: dict, repo_id: str) -> str:
+def _load_snippet(model: dict[str, Any], repo_id: str) -> str:
     """How to load this checkpoint: one line for a transformers run (its tokenizer travels with it)."""
     if model.get("kind") == "transformers":
         return f"""```python

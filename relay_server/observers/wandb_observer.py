@@ -129,7 +129,7 @@ class WandbObserver:
             run = wandb.init(
                 project=section.project,
                 entity=section.entity or None,
-                mode=section.mode or None,
+                mode=section.mode or None,  # type: ignore[arg-type]  # one of wandb's: the config checked
                 name=self.config.run.name,
                 id=self._run_id(),
                 resume="allow",

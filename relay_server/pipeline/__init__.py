@@ -1,4 +1,4 @@
-"""The staged pipeline on the relay (the heterogeneous-pipeline paper, seed 004, on our star).
+"""The staged pipeline on the relay, the feature's folder (the heterogeneous-pipeline paper, seed 004, on our star).
 
 The model is cut into stages, contiguous tensor-aligned ranges of its layers (the flat vector's
 ``[start, end)`` per stage); volunteers run stages; the relay holds every stage boundary and one
@@ -23,6 +23,9 @@ parameter server per stage. What lives where:
   model, stage ordering and partition search, is reproduced in ``research.hetero_pipeline``,
   which the relay does not run).
 
-May import core, auth, tasks, rounds, planning, backbone and collaboration; the HTTP routes are
-:mod:`relay_server.api.pipeline`.
+The feature's folder: its config section and checks (:mod:`.pipeline_config`, ``[pipeline]``)
+and its routes with the ``FEATURE`` the app plugs in (:mod:`.feature`) are two units of their
+own (``relay_server/__init__.py`` lists them): the section imports nothing of the relay, the
+routes sit over the app's feature contract. The rest may import core, auth, tasks, rounds,
+planning, backbone and collaboration.
 """

@@ -7,7 +7,7 @@ nothing true about it: the worker contributing was once shown "0", the round bar
 against a 31 s batch, the bytes per sample "-". These are the relay's own counts instead, kept
 where the events happen (an accepted result, a committed batch, a body sent or received) and
 read by :mod:`.status` for ``GET /api/pipeline`` and by the collaboration's status
-(:meth:`relay_server.api.pipeline.run_figures`).
+(:meth:`relay_server.pipeline.feature.run_figures`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The pipeline as the relay runs it: built from ``[pipeline]`` and the collaboration's services,
-ticked until stopped. Outside HTTP, so the routes (:mod:`relay_server.api.pipeline`) only
+ticked until stopped. Outside HTTP, so the routes (:mod:`relay_server.pipeline.feature`) only
 translate requests, and a test or a tool can build, tick and read it without a server.
 
 What a tick does, in order: excuse a stall of the relay's loop that just ended, hand the tasks of

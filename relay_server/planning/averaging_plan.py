@@ -8,6 +8,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class Plan:
             cuts = snap_cuts(cuts, boundaries)
         return [(peer_id, a, b) for peer_id, a, b in zip(self.aggregators, cuts, cuts[1:]) if b > a]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for the API and the dashboard."""
         return {
             "version": self.version,

@@ -116,7 +116,10 @@ def _partition(prob: _Problem, chosen: np.ndarray) -> _Partition:
     own = comp[agg].astype(float)
     pos = np.full(n_peers, -1, np.int64)
     pos[agg] = np.arange(agg.size)
-    rows, cols, vals, rhs = [], [], [], []
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    rhs: list[float] = []
     for (src, dst), limit in prob.pairs.items():
         terms = []
         if comp[src] and pos[dst] >= 0:  # src's gradient part for dst's slice

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from typing import Any, Literal
 
 from relay_server.core.config import AggregatorsSection
 from relay_server.planning.averaging_plan import Plan
@@ -41,7 +42,7 @@ class Planning:
         self.inputs: list[PlanInput] = []  # of the latest solve
         self.solved_at = 0.0
         self._last_solve = -math.inf
-        self._last_membership: tuple = ()
+        self._last_membership: tuple[object, ...] = ()
         self._last_values: dict[str, tuple[float, float, float]] = {}
 
     # --- measurements -----------------------------------------------------------------------------
@@ -60,12 +61,16 @@ class Planning:
         self.peer_rates.forget(peer_id)
 
     # --- the LP -----------------------------------------------------------------------------------
-    def capacities(self, aggregators: Iterable, peer_ids: Iterable[str]) -> tuple[list[PeerCapacity], list[PlanInput]]:
+    def capacities(
+        self, aggregators: Iterable[Any], peer_ids: Iterable[str]
+    ) -> tuple[list[PeerCapacity], list[PlanInput]]:
         """The LP's input: the relay, the live ``aggregators`` and the computing ``peer_ids``."""
         prior = self.cfg.default_bandwidth_mbps * 125_000.0
         caps, inputs = [], []
 
-        def add(node_id: str, name: str, role: str, sps: float, up: float, down: float) -> None:
+        def add(
+            node_id: str, name: str, role: Literal["relay", "aggregator", "peer"], sps: float, up: float, down: float
+        ) -> None:
             receives = role != "peer"
             caps.append(
                 PeerCapacity(node_id, sps, up or prior, down or prior, receives, computes=None if receives else True)

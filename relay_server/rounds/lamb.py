@@ -23,15 +23,17 @@ update itself.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 
 class Lamb(torch.optim.Optimizer):
     def __init__(
         self,
-        params: Iterable,
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
@@ -47,7 +49,9 @@ class Lamb(torch.optim.Optimizer):
         )
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One LAMB step; the closure's loss, if given. (torch types ``step`` as two overloads,
+        a loss iff a closure: this one signature says the same, hence the ignore.)"""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -58,12 +62,16 @@ class Lamb(torch.optim.Optimizer):
                 self._step_group(group, params)
         return loss
 
-    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
         eps, wd, clamp, lr = group["eps"], group["weight_decay"], group["clamp"], group["lr"]
-        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        steps: list[float] = []
         for p in params:
-            if p.grad.is_sparse:
+            grad = cast(torch.Tensor, p.grad)  # step() hands over only parameters with a gradient
+            if grad.is_sparse:
                 raise RuntimeError("LAMB does not support sparse gradients")
             state = self.state[p]
             if not state:  # the same keys as torch.optim.Adam's (checkpoints, slice moves)
@@ -71,7 +79,7 @@ class Lamb(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            grads.append(p.grad)
+            grads.append(grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(float(state["step"]))

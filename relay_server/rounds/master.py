@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,7 +88,8 @@ class MasterState:
         self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
         self.grad = torch.zeros_like(self.flat)
         _check_slice(layout, self.start, self.end, cfg)
-        decay, no_decay = [], []
+        decay: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, offset in the slice)
+        no_decay: list[tuple[torch.nn.Parameter, int]] = []
         for spec in layout:
             lo, hi = max(spec.offset, self.start), min(spec.offset + math.prod(spec.shape), self.end)
             if lo >= hi:
@@ -97,8 +99,10 @@ class MasterState:
             (decay if len(spec.shape) >= 2 else no_decay).append((p, lo - self.start))
         self.params = [p for p, _ in decay + no_decay]
         self.positions = [at for _, at in decay + no_decay]  # where each param starts within the slice
-        decay, no_decay = [p for p, _ in decay], [p for p, _ in no_decay]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups: list[dict[str, Any]] = [
+            {"params": [p for p, _ in decay], "weight_decay": cfg.weight_decay},
+            {"params": [p for p, _ in no_decay], "weight_decay": 0.0},
+        ]
         self.optimizer = _make_optimizer(groups, cfg)
 
     @property
@@ -213,8 +217,8 @@ class MasterState:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, tensor in tensors.items():
             if name.startswith("opt."):
-                _, i, key = name.split(".", 2)
-                state.setdefault(int(i), {})[key] = tensor if adopt else tensor.clone()
+                _, index, key = name.split(".", 2)
+                state.setdefault(int(index), {})[key] = tensor if adopt else tensor.clone()
         self.optimizer.state.clear()
         for i, values in state.items():
             if self.cfg.state_bits != 8 and "state1" in values:  # an 8-bit checkpoint, resumed in 32-bit
@@ -253,8 +257,8 @@ codec's delta between versions) then stays finite too."""
 
 def _extent(tensor: torch.Tensor) -> float:
     """``max |x|`` of a non-empty tensor, NaN if it holds one (one pass: min and max together)."""
-    low, high = torch.aminmax(tensor.detach().reshape(-1))
-    low, high = float(low), float(high)
+    smallest, largest = torch.aminmax(tensor.detach().reshape(-1))
+    low, high = float(smallest), float(largest)
     return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
@@ -284,7 +288,7 @@ def _check_slice(layout: list[ParamSpec], start: int, end: int, cfg: OptimizerSe
             )
 
 
-def _make_optimizer(groups: list[dict], cfg: OptimizerSection) -> torch.optim.Optimizer:
+def _make_optimizer(groups: list[dict[str, Any]], cfg: OptimizerSection) -> torch.optim.Optimizer:
     if cfg.state_bits == 8:
         from relay_server.rounds.optim8bit import make_adamw8bit  # bitsandbytes only where asked for
 

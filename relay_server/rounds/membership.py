@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from relay_server.core.config import RoundsSection
+from toolkit.wire.protocol import PlanSlice
 
 
 class RoundClosedMidUpload(Exception):
@@ -40,7 +41,7 @@ class Round:
     closed: bool = False
     finalized_by: str = ""
     plan_version: str = ""
-    slices: list = field(default_factory=list)  # PlanSlice: empty when the relay owns the whole vector
+    slices: list[PlanSlice] = field(default_factory=list)  # empty when the relay owns the whole vector
     tickets: dict[str, tuple[int, float, bool]] = field(default_factory=dict)  # peer -> (samples, loss, was expected)
 
     def __post_init__(self) -> None:

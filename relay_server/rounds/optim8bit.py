@@ -78,10 +78,12 @@ def check_supported(name: str, weight_decay: float) -> None:
 
 
 @functools.cache
-def _optimizer_class() -> type[torch.optim.Optimizer]:
+def _optimizer_class() -> Any:
+    """A subclass of bitsandbytes' ``AdamW8bit`` (typed Any: bitsandbytes ships no types)."""
     bnb = bitsandbytes_cpu()
+    base: Any = bnb.optim.AdamW8bit
 
-    class AdamW8bitState(bnb.optim.AdamW8bit):
+    class AdamW8bitState(base):
         """``bitsandbytes.optim.AdamW8bit`` that adopts state loaded from a checkpoint."""
 
         @torch.no_grad()
@@ -116,7 +118,7 @@ def _optimizer_class() -> type[torch.optim.Optimizer]:
     return AdamW8bitState
 
 
-def make_adamw8bit(groups: list[dict], cfg: Any) -> torch.optim.Optimizer:
+def make_adamw8bit(groups: list[dict[str, Any]], cfg: Any) -> torch.optim.Optimizer:
     """The relay's optimizer for ``optimizer.state_bits = 8`` (``cfg``: the OptimizerSection).
 
     Param groups as ``MasterState`` builds them (per-group ``weight_decay``); parameters may be

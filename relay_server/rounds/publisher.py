@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 from aiohttp import web
@@ -57,7 +58,7 @@ _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hasher")
 
 def sha256_of(array: np.ndarray) -> str:
     """The hash peers check a version (or a slice of one) against."""
-    return hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B")).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array).data.cast("B")).hexdigest()
 
 
 def _full_header(step: int, numel: int) -> bytes:
@@ -68,15 +69,17 @@ class Board:
     """The latest published item (anything with a ``step``) and a long-poll on it."""
 
     def __init__(self) -> None:
-        self.latest = None
+        # Any: the relay's board holds Published, a slice owner's publisher its Version (both with a
+        # step); None only before the first publish, which startup does
+        self.latest: Any = None
         self._published = asyncio.Event()
 
-    def publish(self, item) -> None:
+    def publish(self, item: Any) -> None:
         self.latest = item
         self._published.set()
         self._published = asyncio.Event()
 
-    async def wait(self, min_step: int, timeout_s: float):
+    async def wait(self, min_step: int, timeout_s: float) -> Any:
         """Long-poll: the first published item with ``step >= min_step``, or None."""
         deadline = time.monotonic() + timeout_s
         while self.latest is None or self.latest.step < min_step:
@@ -125,7 +128,7 @@ class Publisher(Board):
         download in full."""
         delta_path = None
         if self.deltas is not None and step > 0 and delta:
-            delta = self.deltas.encode_step(self.master.flat.numpy())
+            encoded = self.deltas.encode_step(self.master.flat.numpy())
             if self.feedback < 1.0:  # master <- public + feedback * (master - public); 0: exactly public
                 master = self.master.flat.numpy()
                 np.subtract(master, self.public, out=master)
@@ -134,7 +137,7 @@ class Publisher(Board):
             delta_path = self.store.state_path(step).with_suffix(".delta")
             write_file(
                 delta_path,
-                delta,
+                encoded,
                 {"step": str(step), "base": str(step - 1), "kind": "delta", "codec": self.codec.name},
                 fsync=self.fsync,
             )
@@ -221,11 +224,12 @@ class Publisher(Board):
             "X-Collab-Sha256": version.sha256,  # of the parameters the peer holds afterwards
             "Cache-Control": "no-store",
         }  # the answer depends on the query: caches use the immutable URLs
-        delta = version.delta_path is not None and have == version.step - 1
+        delta_path = version.delta_path if have == version.step - 1 else None
+        delta = delta_path is not None
         header = b"" if delta else _full_header(version.step, version.numel)
         # Open the file before any byte goes out: an error here (out of descriptors) is still a
         # clean 503; once the headers are sent, an error can only cut the connection (core.http).
-        with open(version.delta_path if delta else version.path, "rb") as fh:  # outlives the store pruning it
+        with open(delta_path if delta_path is not None else version.path, "rb") as fh:  # outlives the store pruning it
             offset, count = (0, fh.seek(0, 2)) if delta else (version.offset, version.nbytes)
             response = web.StreamResponse(headers=headers)
             sign_response_headers(request, response, SIGNED_HEADERS)
@@ -238,7 +242,7 @@ class Publisher(Board):
         return response
 
 
-async def _sendfile(request: web.Request, response: web.StreamResponse, fh, offset: int, count: int) -> None:
+async def _sendfile(request: web.Request, response: web.StreamResponse, fh: BinaryIO, offset: int, count: int) -> None:
     """Zero-copy where the transport allows it (plain TCP), chunked reads otherwise (TLS)."""
     transport = request.transport
     if transport is None or transport.is_closing():

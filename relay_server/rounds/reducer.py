@@ -142,9 +142,9 @@ class _Spool:
             self.file = tempfile.TemporaryFile(prefix="collab-upload-", dir=self.directory)
             scratch = np.empty(max((p.count * p.dtype.itemsize for p in self.held), default=0), dtype=np.uint8)
             for held in self.held:
-                self.file.write(memoryview(np.ascontiguousarray(held.gather(scratch))).cast("B"))
+                self.file.write(np.ascontiguousarray(held.gather(scratch)).data.cast("B"))
             self._release()
-        self.file.write(memoryview(np.ascontiguousarray(raw)).cast("B"))
+        self.file.write(np.ascontiguousarray(raw).data.cast("B"))
 
     def rewind(self) -> None:
         self._next = 0
@@ -158,7 +158,8 @@ class _Spool:
             self._next += 1
             return piece.gather(staging)
         view = staging[:nbytes]
-        if self.file.readinto(memoryview(view)) != nbytes:
+        # TemporaryFile is typed IO[bytes], which has no readinto (its BufferedRandom has)
+        if self.file.readinto(view.data) != nbytes:  # type: ignore[attr-defined]
             raise OSError("an upload spool was shorter than what was written to it")
         return view.view(dtype)
 
@@ -267,7 +268,7 @@ class Reducer:
         loop = asyncio.get_running_loop()
         spool = _Spool(self.spool_dir, UPLOAD_MEMORY) if self._robust is None else None
         chunks: list[tuple[int, int]] = []  # (first value, payload elements) of every validated chunk
-        pending: asyncio.Future | None = None
+        pending: asyncio.Future[None] | None = None
         try:
             async for offset, piece in reader.iter_chunk_pieces(payload, self._chunk_payload):
                 if pending is not None:

@@ -17,6 +17,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -218,7 +219,7 @@ class Store:
     def contributions(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT peer_id, samples_contributed FROM peers"))
 
-    def recent_rounds(self, limit: int = 200) -> list[tuple]:
+    def recent_rounds(self, limit: int = 200) -> list[tuple[Any, ...]]:
         return self.db.execute(
             "SELECT step, contributors, samples, loss, duration_s, deadline_s, finalized_by, finalized_at, lr, grad_norm "
             "FROM rounds ORDER BY step DESC LIMIT ?",

@@ -8,13 +8,13 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import requests
 import torch
 
+from relay_server.harness.manual_peer import ManualPeer
 from relay_server.harness.process import wait_until
 from tests.dmoe_lm_trainer import BATCH as LM_BATCH
 from tests.dmoe_lm_trainer import SEQ_LEN
@@ -26,7 +26,7 @@ from toolkit.models import DMoEMLP
 from toolkit.models.flat import load_flat
 from toolkit.moe.calls import LoopbackCaller
 from toolkit.wire import payloads
-from toolkit.wire.protocol import PROTOCOL_VERSION, ROUTES, Heartbeat, JoinRequest
+from toolkit.wire.protocol import ROUTES
 
 
 def directory(url: str) -> dict:
@@ -34,30 +34,16 @@ def directory(url: str) -> dict:
     return requests.get(url + ROUTES["moe_directory"], timeout=10).json()
 
 
-class Member:
-    """A peer of the run driven by hand (join, then heartbeats every 0.2 s on a thread): a hostile
-    host or a trainer whose requests a test writes itself (:meth:`request`)."""
+class Member(ManualPeer):
+    """A peer of the run driven by hand (the harness's :class:`ManualPeer`: join, heartbeats, any
+    request of its own) through a client of its own, logged in with ``token`` on an hf-mode run:
+    a hostile host or a trainer whose requests a test writes itself."""
 
     def __init__(self, url: str, name: str, token: str | None = None) -> None:
-        self.client = RelayClient(url, retries=0)
+        client = RelayClient(url, retries=0)
         if token:
-            self.client.login(token)
-        self.peer_id = self.client.join(JoinRequest(peer_name=name, protocol=PROTOCOL_VERSION)).peer_id
-        self._stop = threading.Event()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(0.2):
-            self.client.heartbeat(self.peer_id, Heartbeat(version=0, samples=0, samples_per_s=0.0))
-
-    def request(self, method: str, route: str, **kwargs):
-        """``method ROUTES[route]`` for this peer (``uid``/``task_id`` fill the route's fields)."""
-        fmt = {k: kwargs.pop(k) for k in ("uid", "task_id") if k in kwargs}
-        return self.client.transport.request(method, ROUTES[route].format(peer_id=self.peer_id, **fmt), **kwargs)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.client.close()
+            client.login(token)
+        super().__init__(client, name)
 
 
 LR = 0.05

@@ -21,10 +21,10 @@ import numpy as np
 import requests
 
 from relay_server.api.context import COLLAB
-from relay_server.api.experts import EXPERTS
 from relay_server.api.shards import SHARD_POOL
 from relay_server.core.config import load_config
 from relay_server.harness.thread import RelayThread
+from relay_server.moe.feature import EXPERTS
 from tests.support.peers import ALLOWED
 from tests.support.processes import merged, write_config
 from tests.support.training import write_shards

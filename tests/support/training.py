@@ -22,7 +22,7 @@ def relay_params(url: str, min_step: int = 0, wait_s: float = 30) -> tuple[int, 
     client = RelayClient(url)
     try:
         out = np.empty(client.get_run().num_params, dtype=np.float32)
-        step = client.download_params(out, min_step=min_step, wait_s=wait_s)
+        step = client.params.download_params(out, min_step=min_step, wait_s=wait_s)
     finally:
         client.close()
     assert step is not None

@@ -10,9 +10,10 @@ One :class:`RelayClient` is composed of objects that each own their part, lowest
   (whole, as a delta, or slice by slice from the aggregators that own them) and gradient slices
   uploaded to their owners in parallel;
 * :mod:`.moe` and :mod:`.pipeline`: the expert and the stage routes;
-* :mod:`.api`: :class:`RelayClient`, one typed method per relay route, holding the transport and
-  one object per concern above, each given that transport (no mixins: none reaches another's
-  fields).
+* :mod:`.api`: :class:`RelayClient`, one typed method per core relay route, holding the transport
+  and one object per concern above, each given that transport (no mixins: none reaches another's
+  fields); a concern's routes are called on its object (``client.params``, ``client.moe``,
+  ``client.pipeline``).
 
 One client per thread: sessions are not shared. The bodies themselves (sized uploads, slice
 parts, parameters read in place) are :mod:`toolkit.transfer`'s.

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import urllib.parse
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import requests
@@ -22,43 +20,29 @@ from toolkit.client.pipeline import PipelineCalls
 from toolkit.client.transport import Transport
 from toolkit.errors import MESSAGES, CollabError, ProtocolError, RelayRejected, RelayUrlError
 from toolkit.signing import AccessPass, AccessPassHolder, PeerKey, RelayKeyPins, SignedAuth
-from toolkit.transfer import SizedBody, SlicePart
+from toolkit.transfer import SizedBody
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
-from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import (
     ROUTES,
-    CheckpointReceipt,
     CollabState,
     DoneRequest,
-    ExpertLease,
     GradientMeta,
     Heartbeat,
     JoinRequest,
     JoinResponse,
     LoginRequest,
     LoginResponse,
-    MoeDirectory,
-    MoeSpec,
-    PipelineAck,
-    PipelineDone,
-    PipelineResult,
-    PipelineTicketRequest,
-    PipelineWork,
     PlanInfo,
-    ResultAck,
     RunInfo,
     ShardLease,
     ShardLeaseRequest,
     ShardReport,
     ShardReportAck,
     ShardsReport,
-    StageAssignment,
-    StageRequest,
     StateInfo,
     StatusReport,
     TicketRequest,
     UploadReceipt,
-    WorkerCredit,
 )
 
 RELOGIN = {"pass_expired", "pass_wrong_relay", "reauth_required", "forged_pass", "stale_timestamp"}
@@ -71,9 +55,9 @@ class RelayClient:
     Composed, not inherited: :attr:`transport` (:class:`~toolkit.client.transport.Transport`)
     owns the sessions and the retry policy, and each concern's calls hold a reference to it --
     :attr:`params` (the bulk parameter and slice bodies), :attr:`moe` (the expert routes),
-    :attr:`pipeline` (the stage routes). The core routes are methods here; so are the others,
-    under their historical names (``moe_call``, ``pipeline_work``, ``download_params``, ...),
-    each passing the call on.
+    :attr:`pipeline` (the stage routes). The core routes are methods here; the others are called
+    on the object that owns them (``client.params.download_params``, ``client.moe.call``,
+    ``client.pipeline.work``), so each signature is written once.
     """
 
     def __init__(
@@ -118,11 +102,6 @@ class RelayClient:
     @property
     def signed(self) -> bool:
         return self.transport.signed
-
-    @property
-    def cache_failures(self) -> int:
-        """Bodies the run's HTTP cache failed to give or gave wrong (each then came from the relay)."""
-        return self.params.cache_failures
 
     def close(self) -> None:
         self.transport.close()
@@ -264,97 +243,6 @@ class RelayClient:
         """Every slice is uploaded (or failed): the relay counts this peer's gradient in the round."""
         return self.transport.call(
             "POST", ROUTES["done"].format(step=step), UploadReceipt, request, params={"peer_id": peer_id}, retry=False
-        )
-
-    # --- the bulk bodies (:attr:`params`) ----------------------------------------------------------
-    def download_params(
-        self,
-        public: np.ndarray,
-        *,
-        have: int | None = None,
-        codec: Codec | None = None,
-        min_step: int = 0,
-        wait_s: float = 0,
-        peer_id: str = "",
-    ) -> int | None:
-        """:meth:`ParamsTransfer.download_params <toolkit.client.params.ParamsTransfer.download_params>`."""
-        return self.params.download_params(
-            public, have=have, codec=codec, min_step=min_step, wait_s=wait_s, peer_id=peer_id
-        )
-
-    def upload_slices(
-        self,
-        step: int,
-        ticket: str,
-        parts: list[SlicePart],
-        keepalive: Callable[[], Any] | None = None,
-        keepalive_s: float = 1.0,
-    ) -> list[CollabError | None]:
-        """:meth:`ParamsTransfer.upload_slices <toolkit.client.params.ParamsTransfer.upload_slices>`."""
-        return self.params.upload_slices(step, ticket, parts, keepalive, keepalive_s)
-
-    # --- the expert routes (:attr:`moe`, :class:`~toolkit.client.moe.MoeCalls`) -------------------
-    def moe_spec(self) -> MoeSpec:
-        return self.moe.spec()
-
-    def moe_directory(self) -> MoeDirectory:
-        return self.moe.directory()
-
-    def moe_call(self, peer_id: str, uid: str, *, kind: str, call_id: str, body: bytes) -> bytes:
-        return self.moe.call(peer_id, uid, kind=kind, call_id=call_id, body=body)
-
-    def moe_lease(self, peer_id: str, capacity: int, held: list[str] | None = None) -> ExpertLease:
-        return self.moe.lease(peer_id, capacity, held)
-
-    def moe_tasks(self, peer_id: str, *, max_rows: int, wait_s: int) -> bytes | None:
-        return self.moe.tasks(peer_id, max_rows=max_rows, wait_s=wait_s)
-
-    def moe_result(self, peer_id: str, task_id: str, body: bytes) -> ResultAck:
-        return self.moe.result(peer_id, task_id, body)
-
-    def moe_put_checkpoint(
-        self, peer_id: str, uid: str, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]
-    ) -> CheckpointReceipt:
-        return self.moe.put_checkpoint(peer_id, uid, tensors, metadata)
-
-    def moe_get_checkpoint(self, peer_id: str, uid: str) -> bytes | None:
-        return self.moe.get_checkpoint(peer_id, uid)
-
-    # --- the stage routes (:attr:`pipeline`, :class:`~toolkit.client.pipeline.PipelineCalls`) -----
-    def pipeline_stage(self, peer_id: str, request: StageRequest) -> StageAssignment:
-        return self.pipeline.stage(peer_id, request)
-
-    def pipeline_work(
-        self, peer_id: str, *, wait_s: int, cached: list[int]
-    ) -> tuple[PipelineWork, dict[str, np.ndarray]]:
-        return self.pipeline.work(peer_id, wait_s=wait_s, cached=cached)
-
-    def pipeline_result(self, peer_id: str, result: PipelineResult, tensors: dict[str, np.ndarray]) -> PipelineAck:
-        return self.pipeline.result(peer_id, result, tensors)
-
-    def pipeline_ticket(self, peer_id: str, step: int, request: PipelineTicketRequest) -> str:
-        return self.pipeline.ticket(peer_id, step, request)
-
-    def pipeline_done(self, peer_id: str, step: int, done: PipelineDone) -> None:
-        self.pipeline.done(peer_id, step, done)
-
-    def pipeline_credit(self, peer_id: str) -> WorkerCredit:
-        return self.pipeline.credit(peer_id)
-
-    def download_stage(
-        self,
-        peer_id: str,
-        start: int,
-        end: int,
-        out: np.ndarray,
-        *,
-        min_step: int,
-        have: int | None = None,
-        codec: Codec | None = None,
-        wait_s: int = 30,
-    ) -> int:
-        return self.pipeline.download_stage(
-            peer_id, start, end, out, min_step=min_step, have=have, codec=codec, wait_s=wait_s
         )
 
 

@@ -37,8 +37,8 @@ MAX_WORK_BYTES = 1 << 31
 
 
 class PipelineCalls:
-    """The pipeline routes over ``transport``; a stage's parameters through ``params`` (what
-    :class:`~toolkit.client.RelayClient`'s ``pipeline_*`` and ``download_stage`` methods call)."""
+    """The pipeline routes over ``transport``; a stage's parameters through ``params`` (a
+    :class:`~toolkit.client.RelayClient`'s :attr:`~toolkit.client.RelayClient.pipeline`)."""
 
     def __init__(self, transport: Transport, params: ParamsTransfer) -> None:
         self.transport, self.params = transport, params

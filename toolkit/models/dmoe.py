@@ -24,15 +24,52 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11's; annotations are not evaluated
     from typing import Self
 
 
+def expert_layers(
+    layers: int,
+    hidden: int,
+    grid: Sequence[int],
+    k: int,
+    caller: ExpertCaller | None,
+    uid_prefix: str,
+    k_min: int,
+    timeout_s: float,
+    *,
+    backward_timeout_s: float | None,
+    timeout_after_k_min_s: float | None,
+    beam_size: int | None,
+) -> list[RemoteMixtureOfExperts]:
+    """Block ``l``'s mixture over the grid ``f"{uid_prefix}{l}"``, for each of ``layers`` blocks:
+    what every DMoE model puts where a dense block would be, from the arguments one ``[moe]``
+    section gives either model (the timeouts, ``k_min`` and ``beam_size`` are
+    :class:`RemoteMixtureOfExperts`'s)."""
+    return [
+        RemoteMixtureOfExperts(
+            hidden,
+            tuple(grid),
+            k,
+            caller,
+            f"{uid_prefix}{i}",
+            k_min,
+            timeout_s,
+            backward_timeout_s=backward_timeout_s,
+            timeout_after_k_min_s=timeout_after_k_min_s,
+            beam_size=beam_size,
+        )
+        for i in range(layers)
+    ]
+
+
 class ExpertModel:
     """What every DMoE trainer model offers besides its forward: a caller to attach (the relay's,
-    or a loopback one), its experts' uids, and how an expert is built. A mixin: the model sets
-    ``moe`` (its mixture layers), ``hidden``, ``expert_hidden`` and ``expert_seed``."""
+    or a loopback one), its experts' uids, how an expert is built, and its balancing term. A mixin:
+    the model sets ``moe`` (its mixture layers), ``hidden``, ``expert_hidden``, ``expert_seed`` and
+    ``balancing_coef``."""
 
     moe: Sequence[RemoteMixtureOfExperts]
     hidden: int
     expert_hidden: int
     expert_seed: int
+    balancing_coef: float
 
     def attach_caller(self, caller: ExpertCaller) -> Self:
         for layer in self.moe:
@@ -48,6 +85,11 @@ class ExpertModel:
                 raise RuntimeError("the balancing loss is read after a forward, and this thread ran none")
             losses.append(loss)
         return losses
+
+    def balancing(self) -> torch.Tensor:
+        """``balancing_coef`` times the mean balancing loss of this thread's last forward (what
+        each model adds to its task loss)."""
+        return self.balancing_coef * torch.stack(self.balancing_losses()).mean()
 
     def expert_uids(self) -> list[str]:
         """Every expert uid of every block's full grid (hosts lease a subset)."""
@@ -94,22 +136,21 @@ class DMoEMLP(ExpertModel, nn.Module):
         self.out_features, self.balancing_coef = out_features, balancing_coef
         self.inp = nn.Linear(in_features, hidden)
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(layers))
-        # a ModuleList (registered, in the flat vector) of mixtures: torch's ModuleList is not generic
-        self.moe = nn.ModuleList(  # type: ignore[assignment]
-            RemoteMixtureOfExperts(
-                hidden,
-                tuple(grid),
-                k,
-                caller,
-                f"{uid_prefix}{i}",
-                k_min,
-                timeout_s,
-                backward_timeout_s=backward_timeout_s,
-                timeout_after_k_min_s=timeout_after_k_min_s,
-                beam_size=beam_size,
-            )
-            for i in range(layers)
+        mixtures = expert_layers(
+            layers,
+            hidden,
+            grid,
+            k,
+            caller,
+            uid_prefix,
+            k_min,
+            timeout_s,
+            backward_timeout_s=backward_timeout_s,
+            timeout_after_k_min_s=timeout_after_k_min_s,
+            beam_size=beam_size,
         )
+        # a ModuleList (registered, in the flat vector) of mixtures: torch's ModuleList is not generic
+        self.moe = nn.ModuleList(mixtures)  # type: ignore[assignment]
         self.head = nn.Linear(hidden, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,5 +165,4 @@ class DMoEMLP(ExpertModel, nn.Module):
             task = F.mse_loss(out.squeeze(-1), batch[:, -1])
         else:
             task = F.cross_entropy(out, batch[:, -1].long())
-        balance = torch.stack(self.balancing_losses()).mean()
-        return task + self.balancing_coef * balance
+        return task + self.balancing()

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 
 from toolkit.models.byte_transformer import ByteTransformer, CausalLMOutput
-from toolkit.models.dmoe import ExpertModel
+from toolkit.models.dmoe import ExpertModel, expert_layers
 from toolkit.moe.calls import ExpertCaller
 from toolkit.moe.layer import RemoteMixtureOfExperts
 
@@ -67,21 +67,19 @@ class DMoEByteLM(ExpertModel, ByteTransformer):
         tie_embeddings: bool = True,
         caller: ExpertCaller | None = None,
     ) -> None:
-        mixtures = [
-            RemoteMixtureOfExperts(
-                hidden,
-                tuple(grid),
-                k,
-                caller,
-                f"{uid_prefix}{i}",
-                k_min,
-                timeout_s,
-                backward_timeout_s=backward_timeout_s,
-                timeout_after_k_min_s=timeout_after_k_min_s,
-                beam_size=beam_size,
-            )
-            for i in range(layers)
-        ]
+        mixtures = expert_layers(
+            layers,
+            hidden,
+            grid,
+            k,
+            caller,
+            uid_prefix,
+            k_min,
+            timeout_s,
+            backward_timeout_s=backward_timeout_s,
+            timeout_after_k_min_s=timeout_after_k_min_s,
+            beam_size=beam_size,
+        )
         super().__init__(
             feed_forward=mixtures.__getitem__,
             vocab_size=vocab_size,
@@ -100,10 +98,6 @@ class DMoEByteLM(ExpertModel, ByteTransformer):
     def moe(self) -> list[RemoteMixtureOfExperts]:  # type: ignore[override]
         """The mixture of each block, in layer order (registered in the blocks, not twice)."""
         return [cast(RemoteMixtureOfExperts, block.ff) for block in self.blocks]  # what feed_forward put there
-
-    def balancing(self) -> torch.Tensor:
-        """``balancing_coef`` times the mean balancing loss of this thread's last forward."""
-        return self.balancing_coef * torch.stack(self.balancing_losses()).mean()
 
     def forward(self, tokens: torch.Tensor | None = None, **hf: torch.Tensor | None) -> torch.Tensor | CausalLMOutput:
         out = super().forward(tokens, **hf)

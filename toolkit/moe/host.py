@@ -106,7 +106,7 @@ class ExpertHost:
         self.membership.join()
         self.membership.keep_alive(run.heartbeat_interval_s)  # from the join on: building experts takes time
         self.capacity, self.max_rows, self.poll_s, self.batching = capacity, max_rows, poll_s, batching
-        self.spec = self.client.moe_spec()
+        self.spec = self.client.moe.spec()
         self.shapes = expert_shapes(self.spec.expert)
         self.codec = get_codec(self.spec.codec)
         self.runtime = LoopbackCaller({}, optimizer_factory=lambda m: make_optimizer(self.spec.optimizer, m))
@@ -133,7 +133,7 @@ class ExpertHost:
     def lease(self) -> list[str]:
         """Ask for ``capacity`` experts (the ones held here first, should their leases have lapsed);
         adopt the new ones, drop those leased elsewhere now."""
-        lease = self.client.moe_lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts))
+        lease = self.client.moe.lease(self.peer_id, self.capacity, held=sorted(self.runtime.experts))
         uids = lease.uids
         for uid in [u for u in self.runtime.experts if u not in uids]:
             log.warning("expert %s is no longer leased here (another host holds it); dropping it", uid)
@@ -151,7 +151,7 @@ class ExpertHost:
     def _adopt(self, uid: str) -> None:
         module = build_expert(self.spec.expert, uid, self.spec.seed).to(self.device)
         optimizer = make_optimizer(self.spec.optimizer, module)
-        body = self.client.moe_get_checkpoint(self.peer_id, uid)
+        body = self.client.moe.get_checkpoint(self.peer_id, uid)
         self.updates[uid] = 0  # a fresh expert: the run's seed and the uid give its weights
         if body is not None:
             self.updates[uid] = restore(module, optimizer, body, self.shapes)
@@ -162,7 +162,7 @@ class ExpertHost:
     def _catch_up(self, uid: str) -> None:
         """An expert leased again after a lapse: keep what this host holds unless the relay's
         checkpoint is ahead of it (another host trained it in between)."""
-        body = self.client.moe_get_checkpoint(self.peer_id, uid)
+        body = self.client.moe.get_checkpoint(self.peer_id, uid)
         module, optimizer = self.runtime.experts[uid], self.runtime.optimizers.get(uid)
         ahead = -1 if body is None else payloads.read_checkpoint(body, self.shapes)[0]
         if ahead > self.updates.get(uid, 0):
@@ -184,7 +184,7 @@ class ExpertHost:
         for uid, module in list(self.runtime.experts.items()):
             tensors = checkpoint_state(module, self.runtime.optimizers.get(uid))
             try:
-                self.client.moe_put_checkpoint(self.peer_id, uid, tensors, {"updates": str(self.updates.get(uid, 0))})
+                self.client.moe.put_checkpoint(self.peer_id, uid, tensors, {"updates": str(self.updates.get(uid, 0))})
             except RelayRejected as exc:
                 if exc.code != "not_your_expert":
                     raise
@@ -195,7 +195,7 @@ class ExpertHost:
     # --- tasks ----------------------------------------------------------------------------------
     def serve_once(self) -> int:
         """One poll: the leased tasks, run in batches (or one by one); returns how many."""
-        body = self.client.moe_tasks(self.peer_id, max_rows=self.max_rows, wait_s=self.poll_s)
+        body = self.client.moe.tasks(self.peer_id, max_rows=self.max_rows, wait_s=self.poll_s)
         if body is None:
             return 0
         tasks = payloads.read_task_batch(body, len(body), self.spec.width, self.codec)
@@ -233,7 +233,7 @@ class ExpertHost:
 
     def _send_result(self, task: TaskHead, body: bytes) -> None:
         try:
-            self.client.moe_result(self.peer_id, task.task_id, body)
+            self.client.moe.result(self.peer_id, task.task_id, body)
         except RelayRejected as exc:  # the call timed out meanwhile: nothing to do
             log.debug("result for %s refused: [%s] %s", task.uid, exc.code, exc.message)
         except CollabError as exc:  # the relay is unreachable: the call will time out there

@@ -1,6 +1,6 @@
 """Expert calls through the relay: the :class:`~toolkit.moe.calls.ExpertCaller` a trainer uses.
 
-Each call is one HTTP request (``PUT /api/moe/peers/{peer_id}/calls/{uid}``, :meth:`RelayClient.moe_call`) that the relay holds
+Each call is one HTTP request (``PUT /api/moe/peers/{peer_id}/calls/{uid}``, :meth:`MoeCalls.call <toolkit.client.moe.MoeCalls.call>`) that the relay holds
 until the expert's host answered: the relay is the only address volunteers can reach. Calls run on
 a thread pool, so a layer's calls to its k experts (and several micro-batches) are in flight at
 once: Learning@home's answer to latency. Every call carries a fresh call id, which makes the
@@ -42,7 +42,7 @@ class RelayExpertCaller:
         client.session.mount(
             client.url + "/", HTTPAdapter(pool_connections=1, pool_maxsize=max(max_workers, DEFAULT_POOLSIZE))
         )
-        self.spec: MoeSpec = client.moe_spec()
+        self.spec: MoeSpec = client.moe.spec()
         self.width = self.spec.width
         self.codec = get_codec(self.spec.codec)  # activations on the wire
         self.refresh_s = refresh_s
@@ -57,7 +57,7 @@ class RelayExpertCaller:
         with self._lock:
             if time.monotonic() - self._live_at >= self.refresh_s:
                 try:
-                    self._live = frozenset(self.client.moe_directory().live)
+                    self._live = frozenset(self.client.moe.directory().live)
                 except CollabError:
                     pass  # keep the last snapshot; calls to experts that left fail and are masked
                 self._live_at = time.monotonic()
@@ -78,7 +78,7 @@ class RelayExpertCaller:
         except ValueError as exc:  # NaN or beyond the codec's range: this call cannot be made
             raise ExpertFailed("bad_input", f"{kind} call to {uid}: {exc}") from None
         try:
-            answer = self.client.moe_call(self.peer_id, uid, kind=kind, call_id=uuid.uuid4().hex, body=body)
+            answer = self.client.moe.call(self.peer_id, uid, kind=kind, call_id=uuid.uuid4().hex, body=body)
             _, tensors = payloads.decode(answer, x.shape[0] * self.width * 4 + 4096)
             out = payloads.read_rows(tensors, "y" if kind == "forward" else "g", x.shape[0], self.width, self.codec)
         except CollabError as exc:

@@ -24,7 +24,7 @@ update, not Streaming DiLoCo's fragments (:mod:`toolkit.optimizer.overlap` says 
 
 **A late pseudo-gradient is dropped, never applied late** (``run.max_staleness = 0`` is
 required). Until its budget ends the peer reports no samples, so the relay waits for it
-(:mod:`relay_server.rounds.local_sgd`); if the relay moved on meanwhile (the others held the target
+(:mod:`relay_server.local_sgd.outer_rounds`); if the relay moved on meanwhile (the others held the target
 batch, or ``straggler_wait_s`` ran out), the inner steps are late: dropped, counted in
 ``late_rounds``, and the peer goes on from the new global parameters (with overlap, keeping the
 steps taken since the snapshot). Why not apply it with a weight such as ``1 / (1 + staleness)``

@@ -20,7 +20,7 @@ relay's one version per step, its whole-vector delta downloads and the registry'
 would all have to become per-fragment. A whole-model delayed round hides the same time behind
 compute with none of that, and the bytes still move once per H inner steps.
 
-Versions stay consistent with :class:`OuterRoundRule <relay_server.rounds.local_sgd.OuterRoundRule>`:
+Versions stay consistent with :class:`OuterRoundRule <relay_server.local_sgd.outer_rounds.OuterRoundRule>`:
 while a round is in flight a peer with nothing to send reports the version it will rebase onto
 (:meth:`OverlappedRound.working_version`: the relay's newest once it heard of it), the relay
 counts the previous round's contributors as working on the new version until they report it,
@@ -79,7 +79,7 @@ class OverlappedRound:
         """The version this inner loop's pseudo-gradient will be relative to, as reports say it
         while there is nothing to send: with a round in flight, the relay's newest version once it
         moved past the round (the rebase lands there), so :class:`OuterRoundRule
-        <relay_server.rounds.local_sgd.OuterRoundRule>` waits for this peer on that version."""
+        <relay_server.local_sgd.outer_rounds.OuterRoundRule>` waits for this peer on that version."""
         opt = self.opt
         if self.snapshot is not None:
             return max(opt.version, opt.collab_state.step, 0)

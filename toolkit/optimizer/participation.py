@@ -285,7 +285,7 @@ class RoundParticipation:
             return Outcome(upload, error=exc, fate="not_received" if exc.code in NOT_RECEIVED else "dropped")
         except RelayUnreachable as exc:  # no ticket in hand: nothing was sent anywhere
             return Outcome(upload, error=exc, fate="not_received")
-        errors = client.upload_slices(
+        errors = client.params.upload_slices(
             meta.step,
             ticket,
             parts,
@@ -372,7 +372,7 @@ class RoundParticipation:
     def download(self, client: RelayClient, *, min_step: int = 0, wait_s: float = 0) -> int | None:
         """Bring the public copy to the relay's version >= ``min_step`` (a delta when possible)."""
         try:
-            step = client.download_params(
+            step = client.params.download_params(
                 self._public,
                 have=self._public_version,
                 codec=self.opt.download_codec,

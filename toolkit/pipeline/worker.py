@@ -137,7 +137,7 @@ class StageWorker:
 
     # --- the stage ------------------------------------------------------------------------------
     def _take_stage(self) -> None:
-        self.assignment = a = self.client.pipeline_stage(
+        self.assignment = a = self.client.pipeline.stage(
             self.peer_id, StageRequest(memory_bytes=self.memory_bytes, samples_per_s=self.samples_per_s)
         )
         cut = cut_stages(self.units, a.layers_per_stage)[a.stage]
@@ -252,7 +252,7 @@ class StageWorker:
             raise exc
 
     def _serve_once(self, wait_s: int) -> None:
-        work, tensors = self.client.pipeline_work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
+        work, tensors = self.client.pipeline.work(self.peer_id, wait_s=wait_s, cached=list(self.cache))
         if work.stage != self.assignment.stage:
             self._take_stage()
             return
@@ -327,7 +327,7 @@ class StageWorker:
             if result.input is not None and not task.redo:
                 out.update(self._rows("g", result.input))
         try:
-            ack = self.client.pipeline_result(
+            ack = self.client.pipeline.result(
                 self.peer_id, PipelineResult(task_id=task.task_id, loss_sum=loss_sum), out
             )
         except RelayRejected as exc:
@@ -400,7 +400,7 @@ class StageWorker:
         part = slice_part(plan, tensors, meta, run_codec.name, signed=self.client.signed)
         # popped above: whatever happens next, this sum is sent once or recomputed by the relay's choice
         try:
-            ticket = self.client.pipeline_ticket(
+            ticket = self.client.pipeline.ticket(
                 self.peer_id,
                 call.step,
                 PipelineTicketRequest(
@@ -414,12 +414,12 @@ class StageWorker:
         except RelayRejected as exc:
             log.debug("ticket refused (%s): this stage gradient is dropped and recomputed", exc)
             return
-        error = self.client.upload_slices(call.step, ticket, [part])[0]
+        error = self.client.params.upload_slices(call.step, ticket, [part])[0]
         if error is None:
             self.uploads += 1
         else:
             log.debug("stage gradient upload failed (%s): the relay recomputes its micro-batches", error)
-        self.client.pipeline_done(
+        self.client.pipeline.done(
             self.peer_id,
             call.step,
             PipelineDone(round_id=call.round_id, contributor=call.contributor, delivered=error is None),

@@ -70,7 +70,7 @@ def relay_credited_samples(client: "RelayClient", peer_id: str) -> int:
     leaderboard show): asked once, as the worker leaves. 0 when the relay cannot say right now
     (it is unreachable, or restarted and counts from zero)."""
     try:
-        return client.pipeline_credit(peer_id).samples
+        return client.pipeline.credit(peer_id).samples
     except CollabError as exc:
         log.warning("could not ask the relay for this worker's credited samples: %s", exc)
         return 0

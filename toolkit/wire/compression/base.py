@@ -37,11 +37,17 @@ class TensorSpec(NamedTuple):
 
 
 class _EntryLike(Protocol):
-    """Anything with a name, dtype and shape: ``tensor_container.TensorEntry`` or ``TensorSpec``."""
+    """Anything with a name, dtype and shape: ``tensor_container.TensorEntry`` or ``TensorSpec``
+    (read only: a frozen dataclass's fields are)."""
 
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 def _bad(message: str) -> ProtocolError:

@@ -212,7 +212,7 @@ class StatusReport(Schema):
     """Data coverage per dataset when the run leases shards (``GET /api/shards`` lists every shard)."""
     experts: dict[str, Any] | None = None
     """Runs with ``[moe]``: experts live/total, calls/s and failure rate over the last minute,
-    experts per host, queued rows (``relay_server.api.experts.Experts.summary``)."""
+    experts per host, queued rows (``relay_server.moe.state.Experts.summary``)."""
     pipeline: dict[str, Any] | None = None
     """Runs with ``[pipeline]``: the stages, their workers and queues, the batch in flight, the
     boundary bytes, predicted vs measured time per batch (:class:`~toolkit.wire.protocol.PipelineStatus`)."""

@@ -180,7 +180,8 @@ async def get_tasks(request: web.Request) -> web.Response:
     tasks = await experts.broker.lease(host, keys, max_rows=max(1, max_rows), wait_s=wait)
     if not tasks:
         return web.Response(status=204)
-    heads = [TaskHead(task_id=t.task_id, uid=t.key, kind=t.kind, rows=t.rows) for t in tasks]
+    # a call's kind was checked to be forward or backward when the trainer posted it (put_call)
+    heads = [TaskHead(task_id=t.task_id, uid=t.key, kind=t.kind, rows=t.rows) for t in tasks]  # type: ignore[arg-type]
     body = payloads.task_batch(heads, [experts.broker.payload(t) for t in tasks])
     return web.Response(body=body, content_type="application/octet-stream")
 

@@ -3,7 +3,7 @@
 Each peer runs the run's ``[optimizer]`` locally (the *inner* optimizer) for ``inner_steps``
 micro-batches or ``inner_seconds`` of training, then uploads its pseudo-gradient (the global
 parameters it started from minus its own) weighted by the samples it processed; the relay averages
-them and applies the *outer* optimizer below to the master parameters (:mod:`relay_server.rounds.local_sgd`).
+them and applies the *outer* optimizer below to the master parameters (:mod:`relay_server.local_sgd.outer_rounds`).
 One upload and one download per outer round instead of per step: that is the saving.
 
 What the mode does not compose with yet is refused here, in one line, before anything is created.

@@ -302,4 +302,11 @@ FEATURE = Feature(
     figures=run_figures,
     opening=lambda config: RoundsElsewhere(),
     keeps_parameters=True,
+    run_info=lambda config: {
+        "pipeline": {
+            "stages": config.pipeline.stages,
+            "microbatch_size": config.pipeline.microbatch_size,
+            "boundary_codec": config.pipeline.boundary_codec,
+        }
+    },
 )  # a round opens when the batch is complete (the coordinator's)
