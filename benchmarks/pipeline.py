@@ -89,7 +89,7 @@ def relay_config(args, dispatch: str) -> dict:
             "name": "pipeline-bench",
             "target_batch": args.microbatch_size * args.microbatches,
             "total_steps": 0,
-            "max_staleness": 0,
+            "max_staleness": getattr(args, "max_staleness", 0),  # benchmarks/pipeline_staleness.py sets 1
             "seed": 0,
         },
         "model": {"factory": "toolkit.models:ByteTransformer", "kwargs": model_kwargs(args)},
@@ -201,6 +201,7 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
     out = {
         "seconds_per_batch": round(sum(measured) / len(measured), 3) if measured and completed else None,
         "batch_s": [round(t, 2) for t in times],
+        "finalized_at": [r["finalized_at"] for r in rounds],
         "completed": completed,
         "steps": status["step"],
         "wall_s": round(time.monotonic() - started, 1),

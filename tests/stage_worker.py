@@ -253,6 +253,7 @@ def main() -> int:
                 stage=task.stage,
                 microbatch=task.microbatch,
                 batch=task.batch,
+                version=task.version,
                 cached=task.input_cached,
             )
             time.sleep(args.sleep_per_task)

@@ -335,7 +335,11 @@ def relay_step_when(worker) -> int:
     "change,names",
     [
         ({"run": {"target_batch": 10, "max_staleness": 0}}, "run.target_batch"),
-        ({"run": {"target_batch": 8, "max_staleness": 1}}, "run.max_staleness"),
+        ({"run": {"target_batch": 8, "max_staleness": 2}}, "run.max_staleness"),
+        (
+            {"run": {"target_batch": 8, "max_staleness": 1}, "pipeline": {"check_share": 0.1}},
+            "pipeline.check_share needs run.max_staleness = 0",
+        ),
         ({"pipeline": {"stages": 5}}, "pipeline.stages = 5"),
         ({"pipeline": {"stages": "auto"}}, "pipeline.worker_memory_mb"),
         ({"pipeline": {"stages": 2, "layers_per_stage": [1, 2]}}, "pipeline.layers_per_stage"),

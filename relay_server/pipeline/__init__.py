@@ -8,6 +8,8 @@ parameter server per stage. What lives where:
   batch's round closes (a byte budget, spilled to disk beyond it);
 * :mod:`.ledger` -- the batch and its micro-batches as a state machine: which task comes next,
   who holds which stage's gradient of which micro-batch, when the batch is complete (exactly once);
+* :mod:`.in_flight` -- the batches in flight (two with delayed parameter updates) and the version
+  each computes on;
 * :mod:`.results` -- validating what workers send (shapes, codecs, finite values) before use;
 * :mod:`.stage_owners` -- one :class:`~relay_server.backbone.slice_owner.SliceOwner` per stage:
   ticketed uploads, the optimizer step, the published manifest;

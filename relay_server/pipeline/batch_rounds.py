@@ -6,7 +6,9 @@ ticket naming exactly those (anything else is refused, and its micro-batches rec
 uploads its stage's slice to that stage's parameter server through the ticketed route every
 sliced run uses. What a parameter server committed counts (never what a worker says); the round
 closes when every stage counted every micro-batch, at once (not at the next tick): every stage
-steps, the version is published, and the next batch starts on it.
+steps, the version is published, and the next batch starts on it -- or, with delayed parameter
+updates, the next batch started when the round opened, and this one's close lets the batch after
+it start.
 
 :class:`PipelineRounds` owns the open round, the uploads streaming into it and the finalize; it
 reaches the rest of the pipeline only through :class:`RoundDeps` (the batch's ledger, the stages'
@@ -61,7 +63,10 @@ class RoundDeps:
 
     owners: StageOwners
     ledger: Callable[[], Ledger]
-    """The batch in flight's (the coordinator mints a new one per batch)."""
+    """The ledger of the batch whose round is open or opens next: the oldest in flight (the
+    coordinator mints a new one per batch)."""
+    ledgers: Callable[[], list[Ledger]]
+    """Every batch in flight's (two with delayed parameter updates: the round's and the next)."""
     clock: Callable[[], float]
     microbatch_size: int
     microbatches_per_batch: int
@@ -90,15 +95,15 @@ class PipelineRounds:
         self.opened = asyncio.Event()
         """Set when the round opens (then replaced): what a waiting worker's long poll also waits on."""
         self.finalize_task: asyncio.Task | None = None
-        self.batch_started: float | None = None  # the batch's first lease: joining time is not batch time
+        self.batch_started: dict[int, float] = {}  # batch -> its first lease: joining time is not batch time
         self.batch_times: list[float] = []
         self.samples_done = 0
         self.counted: list[list[int]] = []  # samples each stage counted, per recent round
 
-    def batch_began(self) -> None:
-        """A task of the batch was leased: the batch's time counts from the first one."""
-        if self.batch_started is None:
-            self.batch_started = self.deps.clock()
+    def batch_began(self, batch: int) -> None:
+        """A task of ``batch`` was leased: the batch's time counts from the first one (with
+        delayed updates, while the round before it may still be open)."""
+        self.batch_started.setdefault(batch, self.deps.clock())
 
     def open(self) -> None:
         ledger = self.deps.ledger()
@@ -147,7 +152,7 @@ class PipelineRounds:
         call = self.call(worker)
         self.deps.seen(worker)
         if call is None or call.stage != req.stage or call.microbatches != sorted(req.microbatches):
-            if self.recompute(worker):
+            if self.recompute(worker, round_only=True):
                 self.deps.strike(worker)  # its gradients are recomputed by others while any serve its stage
             raise ApiError(
                 409,
@@ -215,12 +220,18 @@ class PipelineRounds:
         del r.tickets[contributor]
         self.recompute(worker, only=(stage, set(ms)))
 
-    def recompute(self, worker: str, only: tuple[int, set[int]] | None = None) -> int:
-        """``worker``'s undelivered stage gradients (``only`` those of one stage) are recomputed
-        by others, except what it is uploading now; every ticket of it naming one of them is void
-        at once (an upload with it is refused ``round_closed``), so a gradient is never counted
-        from both its old holder and its redo. How many were sent to be recomputed."""
-        redo = self.deps.ledger().orphan(worker, keep=self.in_flight(), only=only)
+    def recompute(self, worker: str, only: tuple[int, set[int]] | None = None, round_only: bool = False) -> int:
+        """``worker``'s undelivered stage gradients (``only`` those of one stage of the round's
+        batch; ``round_only``: of the round's batch, not of the batch computing meanwhile) are
+        recomputed by others, except what it is uploading now; every ticket of it naming one of
+        them is void at once (an upload with it is refused ``round_closed``), so a gradient is
+        never counted from both its old holder and its redo. How many were sent to be recomputed."""
+        closing = self.deps.ledger()
+        redo = closing.orphan(worker, keep=self.in_flight(), only=only)
+        if only is None and not round_only:
+            for ledger in self.deps.ledgers():
+                if ledger is not closing:
+                    redo += ledger.orphan(worker)
         gone = {(s.stage, s.microbatch) for s in redo}
         r = self.round
         if r is not None and gone:
@@ -254,7 +265,8 @@ class PipelineRounds:
         r, ledger, mb_size = self.round, self.deps.ledger(), self.deps.microbatch_size
         published, grad_norm, counted = await self.deps.owners.finalize(r.step, r.round_id)
         self.counted = (self.counted + [counted])[-20:]
-        elapsed = self.deps.clock() - (self.batch_started if self.batch_started is not None else r.opened_at)
+        started = self.batch_started.get(ledger.batch)
+        elapsed = self.deps.clock() - (started if started is not None else r.opened_at)
         self.batch_times = (self.batch_times + [elapsed])[-20:]
         contributions: dict[str, int] = {}
         for mb in ledger.microbatches.values():
@@ -274,7 +286,7 @@ class PipelineRounds:
         )
         round_s = self.deps.clock() - r.opened_at
         self.round, self.finalizing = None, False
-        self.batch_started = None
+        self.batch_started = {b: t for b, t in self.batch_started.items() if b > ledger.batch}
         self.deps.batch_over(round_s)
 
 

@@ -13,7 +13,9 @@ optimizer steps.
 * **Rounds** (:mod:`.batch_rounds`, :mod:`.ledger` for the bookkeeping): when every micro-batch finished
   its backward, every worker uploads the stage gradient of exactly the micro-batches it holds to
   its stage's parameter server (:mod:`.stage_owners`); when every stage counted every micro-batch
-  every stage steps and the next batch starts on the new version (staleness 0). No barrier waits
+  every stage steps; the next batch starts on the new version. With ``run.max_staleness = 1``
+  (delayed parameter updates, :mod:`.in_flight`) batch ``b + 1`` starts once version ``b`` is
+  published, alongside batch ``b``'s last tasks and round, which then overlap compute. No barrier waits
   for a particular worker: a joiner gets tasks of the batch in flight at its first poll.
 * **A hostile worker** that stays connected -- holding gradients, sitting on leases, claiming
   speeds -- is bounded by measured deadlines, a lease cap and strikes (:mod:`.guard`).
@@ -40,6 +42,7 @@ from relay_server.pipeline.batch_rounds import BatchOutcome, OpenRound, Pipeline
 from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.figures import PipelineFigures, WasteTotals
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
+from relay_server.pipeline.in_flight import InFlight
 from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST, Ledger, Step
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes, read_result
@@ -73,6 +76,9 @@ class PipelineShape:
     """How boundaries travel (``[pipeline] boundary_codec``)."""
     dispatch: str = "pool"
     rebalance_every: int = 0
+    max_staleness: int = 0
+    """``run.max_staleness``: 0 (every batch on the version its predecessor's round produced) or
+    1 (delayed parameter updates: the next batch computes while a round closes)."""
     check_share: float = 0.0
     """``[pipeline] check_share``: the share of results spot-checked (:mod:`relay_server.trust.checks`)."""
     precision: str = ""
@@ -123,23 +129,24 @@ class PipelineCoordinator:
         self.dispatch = shape.dispatch
         self.planner, self.rebalance_every, self.moves = deps.planner, shape.rebalance_every, 0
         self.pins: dict[tuple[int, int], str] = {}  # "static": (stage, micro-batch) -> its worker
-        self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batch in flight)
-        # batch t is version t's (staleness 0) and its micro-batches are t*d ..: the same ids after a restart
-        self.batch_index = self.owners.step
-        self.next_microbatch = self.owners.step * self.d
-        self.ledger = self._mint()
+        self.steps: dict[str, Step] = {}  # task id -> what it computes (tasks of the batches in flight)
+        # batch t is the one round t steps with (its version: t, or t - 1 with delayed updates)
+        self.flight = InFlight(self.owners.step, self.K, self.d, shape.max_staleness)
+        self.ledger = self._mint(self.owners.step)
+        """The newest batch in flight (the one computing)."""
         self.bytes_out = 0
         self.redone = self.refused = self.restarted = self.silenced = 0
         self.figures = PipelineFigures()  # credits, bytes by kind, wasted work per batch
         self.rounds = PipelineRounds(
             RoundDeps(
                 owners=self.owners,
-                ledger=lambda: self.ledger,
+                ledger=self.flight.closing,
                 clock=self.clock,
                 microbatch_size=self.mb_size,
                 microbatches_per_batch=self.d,
                 ticket_key=self.ticket_key,
                 publish=self._publish,
+                ledgers=lambda: list(self.flight.ledgers.values()),
                 seen=lambda worker: self.guard.seen(worker),
                 strike=lambda worker: self.guard.strike(worker),
                 committed=lambda worker, stage: self.guard.committed(worker, stage),
@@ -152,9 +159,9 @@ class PipelineCoordinator:
                 broker=self.broker,
                 workers=self.workers,
                 rounds=self.rounds,
-                ledger=lambda: self.ledger,
+                ledger=self.flight.closing,
                 steps=lambda: self.steps,
-                batch_index=lambda: self.batch_index,
+                batch_index=lambda: self.flight.batch_index,
                 clock=self.clock,
                 dispatch=self.dispatch,
                 planner=self.planner,
@@ -175,18 +182,17 @@ class PipelineCoordinator:
                 version=lambda: self.ledger.version,
                 batch=lambda: self.ledger.batch,
                 banned=self.banned,
-                settled=self._maybe_open,
+                settled=self._advance,
                 referee=deps.referee,
             )
         )
+        self._fill()  # with delayed updates the second batch starts at once: its version is published
 
     # --- batches --------------------------------------------------------------------------------
-    def _mint(self) -> Ledger:
-        ledger = Ledger(self.batch_index, self.owners.step, self.K, self.next_microbatch, self.d)
-        self.next_microbatch += self.d
-        self.ledger = ledger
+    def _mint(self, batch: int) -> Ledger:
+        ledger = self.ledger = self.flight.mint(batch)
         if self.dispatch == "static":  # each stage's micro-batches dealt round-robin to its workers now
-            self.pins = {
+            self.pins |= {
                 (k, m): ws[i % len(ws)]
                 for k in range(self.K)
                 if (ws := self.workers.on_stage(k))
@@ -201,7 +207,7 @@ class PipelineCoordinator:
         backward_work = step.kind in (LAST, BACKWARD)
         task = self.broker.submit(
             caller="pipeline",
-            call_id=f"{self.ledger.batch}.{step.kind}.{step.stage}."
+            call_id=f"{step.batch}.{step.kind}.{step.stage}."
             f"{step.microbatch}.{'r' if step.redo else ''}{'c' if exclude else ''}{secrets.token_hex(4)}",
             key=self._key_of(step),
             kind=step.kind,
@@ -210,7 +216,7 @@ class PipelineCoordinator:
             timeout_s=NO_DEADLINE_S,
             requeue_on_loss=True,
             prefer=step.prefer,
-            priority=(0 if backward_work else 1, self.ledger.batch, step.microbatch),
+            priority=(0 if backward_work else 1, step.batch, step.microbatch),
             exclude=exclude,
         )
         self.steps[task.task_id] = step
@@ -228,18 +234,36 @@ class PipelineCoordinator:
 
     def _next_batch(self, round_s: float) -> None:
         """The batch's step is published: nothing of it may be leased after its boundaries go;
-        re-time the placement; the next batch starts on the new version."""
-        self.figures.batch_over(self.ledger.batch, self.waste_totals())
-        for task_id in list(self.steps):
-            self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
-        self.steps.clear()
-        self.guard.batch_over()
+        re-time the placement; the next batch starts on the new version (with delayed updates it
+        is computing already, and its round may open now)."""
+        closed = self.flight.close()
+        self.figures.batch_over(closed.batch, self.waste_totals())
+        for task_id, step in list(self.steps.items()):
+            if step.batch == closed.batch:
+                self.broker.cancel(task_id, ApiError(410, "batch_over", "the batch this task belonged to is over"))
+                del self.steps[task_id]
+        self.guard.batch_over(closed.batch)
         self.trust.batch_over()
-        for m in self.ledger.microbatches:
+        for m in closed.microbatches:
             self.boundaries.drop(m)
+            for k in range(self.K):
+                self.pins.pop((k, m), None)
         self._replan(round_s)
-        self.batch_index += 1
-        self._mint()
+        self._fill()
+        self._advance()
+
+    def _fill(self) -> None:
+        """Start the next batches that may start (:meth:`InFlight.due`): with delayed updates batch
+        ``b + 1`` computes alongside batch ``b``'s last tasks and round (the older batch's tasks
+        first: the broker's priority), and the pool never drains between batches."""
+        while self.flight.due(self.owners.step):
+            self._mint(self.flight.batch_index + 1)
+
+    def _advance(self) -> None:
+        """Open the oldest batch's round once all its backwards finished, every check of it
+        settled (:mod:`relay_server.trust`) and no round is open."""
+        if self.round is None and self.flight.closing().complete and self.trust.settled:
+            self.rounds.open()
 
     # --- the round (:class:`~relay_server.pipeline.batch_rounds.PipelineRounds` owns it) -----------------
     @property
@@ -298,8 +322,8 @@ class PipelineCoordinator:
                     self.broker.requeue(task.task_id)
                 continue
             tasks = [t for t in tasks if self._still_wanted(t)]
-            if tasks:
-                self.rounds.batch_began()
+            for task in tasks:
+                self.rounds.batch_began(self.steps[task.task_id].batch)
             if tasks or self.clock() >= deadline:
                 break
         out, tensors = [], {}
@@ -314,9 +338,9 @@ class PipelineCoordinator:
                     task_id=task.task_id,
                     kind=step.kind,
                     stage=step.stage,
-                    batch=self.ledger.batch,
+                    batch=step.batch,
                     microbatch=step.microbatch,
-                    version=self.ledger.version,
+                    version=self.flight.ledgers[step.batch].version,
                     lease_s=self.broker.lease_deadline(task.key),
                     input_cached=cached_input,
                     redo=step.redo,
@@ -344,11 +368,11 @@ class PipelineCoordinator:
             self.broker.cancel(task_id, ApiError(410, "restarted", "the micro-batch restarts from stage 0"))
             del self.steps[task_id]
             self.boundaries.drop(step.microbatch)
-            fresh = self.next_microbatch
-            self.next_microbatch += 1
-            self.ledger.replace(step.microbatch, fresh)
+            fresh = self.flight.next_microbatch
+            self.flight.next_microbatch += 1
+            self.flight.ledgers[step.batch].replace(step.microbatch, fresh)
             self.restarted += 1
-            self._submit(Step(FIRST, 0, fresh))
+            self._submit(Step(FIRST, 0, fresh, batch=step.batch))
 
     async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list:
         """A task of the worker's stage, or nothing when the round opens first (the worker then
@@ -412,7 +436,8 @@ class PipelineCoordinator:
                 f"this worker moved off stage {step.stage}; its result for it is not used",
                 "Drop it and take the next task of your new stage.",
             )
-        mb = self.ledger.microbatches[step.microbatch]
+        ledger = self.flight.ledgers[step.batch]
+        mb = ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, self.shapes, self.codec)  # before the broker sees it
         try:
             task = self.broker.complete(worker, task_id, b"")
@@ -433,22 +458,17 @@ class PipelineCoordinator:
             self.boundaries.put(step.microbatch, name, entry)
         if step.redo:
             self.redone += 1
-        following = self.ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
+        following = ledger.accept(step, worker, rows=accepted.rows, loss_sum=accepted.result.loss_sum)
         self.guard.now_holds(worker, step)
         del self.steps[task_id]
         self.trust.accepted(task_id, step, worker, accepted.entries, accepted.norms or {})
         if following is not None:
             self._submit(following)
         else:
-            self._maybe_open()
+            self._advance()
         return PipelineAck(task_id=task_id, accepted=True)
 
     # --- trust (:mod:`relay_server.trust`) --------------------------------------------------------
-    def _maybe_open(self) -> None:
-        """Open the round once every micro-batch finished and every check of the batch settled."""
-        if self.ledger.complete and self.round is None and self.trust.settled:
-            self.rounds.open()
-
     def _can_serve(self, stage: int, exclude: frozenset[str]) -> bool:
         return any(
             k == stage and w not in exclude and w not in self.trust.banned
@@ -471,12 +491,12 @@ class PipelineCoordinator:
         for task_id in list(self.steps):
             self.broker.cancel(task_id, ApiError(410, "batch_restarted", "the batch restarted: a liar was banned"))
         self.steps.clear()
-        self.guard.batch_over()
+        self.guard.batch_over(self.ledger.batch)
         self.trust.batch_over()
         for m in self.ledger.microbatches:
             self.boundaries.drop(m)
-        self.next_microbatch = min(self.ledger.microbatches)
-        self._mint()
+        self.flight.next_microbatch = min(self.ledger.microbatches)
+        self._mint(self.ledger.batch)
         self.trust.must_reset(sorted(holders - {worker}))
         if worker in self.workers.by_id:
             self.worker_left(worker)
@@ -490,7 +510,7 @@ class PipelineCoordinator:
             return
         self.planner.observe_round(round_s)
         placement = self.workers.placement()
-        due = self.dispatch == "pool" and self.rebalance_every and self.batch_index % self.rebalance_every == 0
+        due = self.dispatch == "pool" and self.rebalance_every and self.flight.batch_index % self.rebalance_every == 0
         move = self.planner.move(placement) if due else None
         self.planner.replan(placement)
         self.predicted_batch_s = self.planner.predicted_batch_s()
@@ -503,7 +523,7 @@ class PipelineCoordinator:
         holds no stage gradient yet to upload (``dispatch = "pool"`` only)."""
         if self.planner is None or self.dispatch != "pool":
             return
-        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.ledger.owned(w))
+        move = self.planner.fill_empty(self.guard.serving_placement(), can_move=lambda w: not self.flight.owned(w))
         if move is not None:
             self._move(move.worker, move.to_stage, "its new stage had no worker")
 
@@ -516,6 +536,10 @@ class PipelineCoordinator:
             why,
         )
         self.broker.worker_left(worker)  # tasks it holds of its old stage go back to that stage's queue
+        if self.flight.owned(
+            worker
+        ):  # (delayed updates) it holds the computing batch's gradients: its new stage drops them
+            self.rounds.recompute(worker)
         self.workers.move(worker, stage)
         self.planner.forget(worker)
         self.moves += 1
@@ -530,7 +554,7 @@ class PipelineCoordinator:
         if self.dispatch == "static":
             return
         for worker, silent_s in silence.items():
-            owned = self.ledger.owned(worker)
+            owned = self.flight.owned(worker)
             if not owned or silent_s <= max(self.broker.lease_deadline(_key(k)) for k in owned):
                 continue
             redo = self.rounds.recompute(worker)

@@ -219,14 +219,34 @@ async def put_stage_gradient(
 
 
 async def get_stage_params(request: web.Request, coordinator: PipelineCoordinator) -> web.StreamResponse:
-    """One stage's slice of a version (``start``/``end`` name the stage)."""
+    """One stage's slice of a version (``start``/``end`` name the stage): the latest, or with
+    ``step`` exactly that version while a batch in flight computes on it (delayed parameter
+    updates: the one before the latest), its hash in the signed ``X-Collab-Sha256``."""
     start, end = int_query(request, "start"), int_query(request, "end")
     stage = coordinator.owners.stage_of(start, end)
     owner = coordinator.owners.owners[stage] if stage is not None else None
-    response = await get_slice(request, owner, lambda *a: None)
+    if "step" in request.query and owner is not None:
+        response = await _stage_version(request, coordinator, stage, int_query(request, "step"))
+    else:
+        response = await get_slice(request, owner, lambda *a: None)
     coordinator.figures.bytes.stage_params_down += response.content_length or 0
     _collab(request).traffic.down_bytes += response.content_length or 0
     return response
+
+
+async def _stage_version(
+    request: web.Request, coordinator: PipelineCoordinator, stage: int, step: int
+) -> web.StreamResponse:
+    version = coordinator.owners.version(stage, step)
+    if version is None or step not in coordinator.flight.versions():
+        raise ApiError(
+            410,
+            "version_gone",
+            f"version {step} of stage {stage} is not in use by any batch in flight (the relay is at "
+            f"{coordinator.owners.step})",
+            "Drop the task that asked for it (its batch is over) and take the next one.",
+        )
+    return await coordinator.owners.owners[stage].publisher.send(request, version, None)
 
 
 ROUTE_TABLE = [

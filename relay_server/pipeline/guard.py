@@ -55,9 +55,9 @@ class GuardDeps:
     workers: Workers
     rounds: PipelineRounds
     ledger: Callable[[], Ledger]
-    """The batch in flight's."""
+    """The ledger of the batch whose round is open or opens next (the oldest in flight)."""
     steps: Callable[[], Mapping[str, Step]]
-    """Task id -> step, of the batch in flight's tasks."""
+    """Task id -> step, of the tasks of every batch in flight."""
     batch_index: Callable[[], int]
     clock: Callable[[], float]
     dispatch: str = "pool"
@@ -73,7 +73,9 @@ class PipelineGuard:
         self.hold_timer = LeaseTimer(
             floor_s=timer.floor_s, factor=timer.factor, initial_s=timer.initial_s, window=timer.window
         )
-        self.held_since: dict[str, float] = {}  # worker -> when it last became the holder of a stage gradient
+        self.held_since: dict[tuple[str, int], float] = {}
+        """(worker, batch) -> when it last became the holder of a stage gradient of that batch (with
+        delayed updates, holding the next batch's does not restart its hold of the round's)."""
         self.strikes: dict[str, int] = {}
         self.benched: dict[str, int] = {}  # worker -> the first batch it gets tasks of again
         self.lapses_seen: dict[str, int] = {}  # task id -> lapses already struck
@@ -84,7 +86,7 @@ class PipelineGuard:
     # --- held stage gradients -------------------------------------------------------------------
     def now_holds(self, worker: str, step: Step) -> None:
         if step.kind in (LAST, BACKWARD):
-            self.held_since[worker] = self.clock()
+            self.held_since[(worker, step.batch)] = self.clock()
 
     def hold_deadline(self, stage: int) -> float:
         """Seconds a holder of ``stage``'s gradient has, from the round's opening, to commit it:
@@ -121,14 +123,16 @@ class PipelineGuard:
             seconds,
             stage,
         )
-        self.rounds.recompute(worker)
+        self.rounds.recompute(worker, round_only=True)
         self.strike(worker)
 
     def committed(self, worker: str, stage: int) -> None:
         """``worker``'s upload of ``stage``'s gradient committed: how long it held it, measured."""
         r = self.rounds.round
         if r is not None:
-            self.hold_timer.record(f"stage{stage}", self.clock() - max(r.opened_at, self.held_since.get(worker, 0.0)))
+            self.hold_timer.record(
+                f"stage{stage}", self.clock() - max(r.opened_at, self.held_since.get((worker, r.step), 0.0))
+            )
 
     def expire_holds(self) -> None:
         """Recompute every stage gradient held past its deadline (except what is being uploaded
@@ -143,10 +147,10 @@ class PipelineGuard:
             owned = self.deps.ledger().owned(worker)
             if not owned:
                 continue
-            held_s = now - max(r.opened_at, self.held_since.get(worker, r.opened_at))
+            held_s = now - max(r.opened_at, self.held_since.get((worker, r.step), r.opened_at))
             if held_s <= max(self.hold_deadline(k) for k in owned):
                 continue
-            redo = self.rounds.recompute(worker)
+            redo = self.rounds.recompute(worker, round_only=True)
             if redo:
                 log.info(
                     "pipeline worker %s held %d stage gradient(s) %.1f s into the round without committing "
@@ -241,9 +245,11 @@ class PipelineGuard:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(opened.wait(), min(wait_s, IDLE_POLL_S))
 
-    def batch_over(self) -> None:
-        self.held_since.clear()
-        self.lapses_seen.clear()
+    def batch_over(self, batch: int) -> None:
+        """``batch``'s round closed."""
+        self.held_since = {key: t for key, t in self.held_since.items() if key[1] > batch}
+        live = self.deps.steps()  # (delayed updates) the next batch's tasks stay: their lapses were struck
+        self.lapses_seen = {task_id: n for task_id, n in self.lapses_seen.items() if task_id in live}
 
     # --- placement -------------------------------------------------------------------------------
     def assign(self, peer_id: str, memory_bytes: int, samples_per_s: float) -> Worker:

@@ -34,6 +34,9 @@ class Step:
     prefer: str | None = None
     """The worker that ran this stage's forward of the micro-batch (it may hold the input)."""
     redo: bool = False
+    batch: int = 0
+    """The batch (its :class:`Ledger`) the micro-batch belongs to: with delayed parameter updates
+    two batches are in flight, one closing its round while the next computes."""
 
     def inputs(self) -> list[str]:
         """The boundary entries the task needs (:mod:`.boundaries` names)."""
@@ -63,14 +66,16 @@ class MicroBatch:
 
 
 class Ledger:
-    """The batch in flight: ``microbatches`` ids, each at some point of its path."""
+    """One batch in flight: ``microbatches`` ids, each at some point of its path, every task
+    computed on the parameters of ``version`` (``batch`` itself, or with delayed parameter updates
+    ``batch - 1``: fixed when the batch is minted, never by timing)."""
 
     def __init__(self, batch: int, version: int, num_stages: int, first_id: int, count: int) -> None:
         self.batch, self.version, self.num_stages = batch, version, num_stages
         self.microbatches = {m: MicroBatch(m) for m in range(first_id, first_id + count)}
 
     def start(self) -> list[Step]:
-        return [Step(FIRST, 0, m) for m in self.microbatches]
+        return [Step(FIRST, 0, m, batch=self.batch) for m in self.microbatches]
 
     @property
     def complete(self) -> bool:
@@ -102,7 +107,7 @@ class Ledger:
             mb.rows = rows
         if step.kind in (FIRST, FORWARD):
             mb.forward_workers[k] = worker
-            return Step(LAST if k + 1 == last else FORWARD, k + 1, mb.index)
+            return Step(LAST if k + 1 == last else FORWARD, k + 1, mb.index, batch=self.batch)
         mb.owners[k] = worker
         if step.kind == LAST and not step.redo:
             mb.loss_sum = loss_sum
@@ -111,7 +116,7 @@ class Ledger:
         if k == 0:
             mb.finished = True
             return None
-        return Step(BACKWARD, k - 1, mb.index, prefer=mb.forward_workers.get(k - 1))
+        return Step(BACKWARD, k - 1, mb.index, prefer=mb.forward_workers.get(k - 1), batch=self.batch)
 
     def replace(self, microbatch: int, fresh: int) -> None:
         """Drop ``microbatch`` (nothing of it was accepted past the forward pass) for a new one."""
@@ -148,5 +153,5 @@ class Ledger:
                 if (k, m) in keep or only is not None and (k != only[0] or m not in only[1]):
                     continue
                 del self.microbatches[m].owners[k]
-                redo.append(Step(LAST if k == self.num_stages - 1 else BACKWARD, k, m, redo=True))
+                redo.append(Step(LAST if k == self.num_stages - 1 else BACKWARD, k, m, redo=True, batch=self.batch))
         return redo

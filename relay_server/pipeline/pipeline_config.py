@@ -5,7 +5,9 @@ layers; each volunteer runs one stage; the relay holds every boundary (activatio
 their gradients backward) and one parameter server per stage (:mod:`relay_server.pipeline`). A
 batch is ``microbatches_per_batch`` micro-batches of ``microbatch_size`` samples; the relay steps
 every stage once all of them finished their backward, so ``run.target_batch`` must equal their
-product (the round counts exactly the batch's samples per stage).
+product (the round counts exactly the batch's samples per stage). ``run.max_staleness`` is 0 (each
+batch on the version the previous batch's round produced) or 1 (delayed parameter updates: the
+next batch computes on the version before while a round closes).
 """
 
 from __future__ import annotations
@@ -105,9 +107,14 @@ class PipelineSection:
                 f"= {target_batch}: make them equal (a round counts exactly one batch per stage)",
             ),
             (
-                max_staleness == 0,
-                "pipeline runs need run.max_staleness = 0 (delayed parameter updates are not "
-                "supported yet): set run.max_staleness = 0",
+                max_staleness in (0, 1),
+                f"pipeline runs take run.max_staleness = 0 or 1 (1: delayed parameter updates, each batch "
+                f"on the version before the latest), got {max_staleness}: set 0 or 1",
+            ),
+            (
+                max_staleness == 0 or self.check_share == 0.0,
+                "pipeline.check_share needs run.max_staleness = 0 (spot checks restart the batch in flight, and "
+                "with delayed updates two are in flight): set one of them to 0",
             ),
             (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
             (

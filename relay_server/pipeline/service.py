@@ -107,6 +107,7 @@ class PipelineService:
             codec=get_codec(cfg.boundary_codec),
             dispatch=cfg.dispatch,
             rebalance_every=cfg.rebalance_every_batches,
+            max_staleness=config.run.max_staleness,
             check_share=cfg.check_share,
             precision=config.run.precision,
         )

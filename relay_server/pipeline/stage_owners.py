@@ -9,6 +9,10 @@ sliced round in which each worker uploads only its own stage's slice. Each stage
 files in its own store (``data_dir/stages/<k>``), so a restart resumes every stage at the step the
 relay committed last; every step is also written whole into the relay's own store
 (:mod:`.whole_model`), off the event loop like the stages' commits, for what reads a run's versions.
+
+With delayed parameter updates a batch computes on the version before the latest: each stage
+keeps serving that one too (:meth:`StageOwners.version`; its file is still in the store, which
+always keeps the two newest versions).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import Owner, Published, manifest_version
 from relay_server.core.config import RelayConfig
 from relay_server.pipeline.whole_model import write_whole_version
+from relay_server.rounds.publisher import Version
 from relay_server.rounds.reducer import robust_config
 from relay_server.rounds.store import Store
 from toolkit.wire.compression import RunCodecs
@@ -55,6 +60,8 @@ class StageOwners:
             for k in range(len(cuts))
         ]
         self.owners: list[SliceOwner] = []
+        self.kept: list[dict[int, Version]] = [{} for _ in cuts]
+        """Each stage's latest version and the one before it (delayed updates compute on that), by step."""
         self.refused_rounds = 0  # batches in which some stage refused its step
         for k, (start, end) in enumerate(cuts):
             owner = SliceOwner(
@@ -74,6 +81,8 @@ class StageOwners:
             )
             if resume_step is not None and self.stores[k].state_path(resume_step).exists():
                 owner.publisher.restore(resume_step)  # a stage may be a step ahead: the relay's commit decides
+                if resume_step > 0 and self.stores[k].state_path(resume_step - 1).exists():
+                    self._keep(k, owner.publisher.describe(resume_step - 1))
             else:
                 if resume_step is not None:
                     raise RuntimeError(
@@ -84,6 +93,7 @@ class StageOwners:
                 owner.publisher.publish(version)
                 self.stores[k].commit(version.step, version.sha256)
             self.owners.append(owner)
+            self._keep(k, owner.publisher.latest)
         self.entries = [
             Owner(f"stage{k}", f"stage {k}", "", start, end, (end - start) / self.num_params)
             for k, (start, end) in enumerate(cuts)
@@ -104,6 +114,17 @@ class StageOwners:
         shas = {e.owner_id: o.publisher.latest.sha256 for e, o in zip(self.entries, self.owners)}
         return manifest_version(self.step, self.entries, shas, self.num_params, PLAN_VERSION)
 
+    def version(self, stage: int, step: int) -> Version | None:
+        """Stage ``stage``'s published version ``step`` if it is the latest or the one before it."""
+        return self.kept[stage].get(step)
+
+    def _keep(self, stage: int, version: Version | None) -> None:
+        if version is not None:
+            kept = self.kept[stage]
+            kept[version.step] = version
+            for old in [s for s in kept if s < version.step - 1]:
+                del kept[old]
+
     def stage_of(self, start: int, end: int) -> int | None:
         return next((k for k, cut in enumerate(self.cuts) if cut == (start, end)), None)
 
@@ -117,6 +138,8 @@ class StageOwners:
             squares = await asyncio.gather(*(o.grad_sq_norm(step, round_id) for o in self.owners))
             global_norm = math.sqrt(sum(squares))
         done = await asyncio.gather(*(o.finalize(step, round_id, global_norm) for o in self.owners))
+        for k, (version, _, _) in enumerate(done):
+            self._keep(k, version)
         refused = [k for k, (_, r, _) in enumerate(done) if r.refused]
         if refused:  # those stages publish their slice unchanged, never a non-finite one
             self.refused_rounds += 1

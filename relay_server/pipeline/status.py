@@ -23,7 +23,7 @@ def measured_batch_s(c: "PipelineCoordinator") -> float | None:
 def batch_progress(c: "PipelineCoordinator") -> BatchProgress:
     """The batch in flight in tasks (done of total), with the seconds until it commits."""
     total, done = tasks_per_batch(c.d, c.K), c.ledger.tasks_done
-    started = c.rounds.batch_started
+    started = c.rounds.batch_started.get(c.ledger.batch)
     elapsed = c.clock() - started if started is not None else None
     return BatchProgress(
         unit="tasks", done=done, total=total, eta_s=batch_eta_s(measured_batch_s(c), done, total, elapsed)

@@ -178,7 +178,7 @@ class Publisher(Board):
     def restore(self, step: int) -> None:
         """Resume at version ``step`` (after a restart): load it and make it the latest."""
         self.load(step)
-        self.latest = self._describe(step)
+        self.latest = self.describe(step)
 
     def load(self, step: int) -> None:
         """Load version ``step``'s state file into the master and the public copy."""
@@ -190,7 +190,7 @@ class Publisher(Board):
         if self.deltas is not None:
             self.deltas = DeltaEncoder(self.codec, public.numpy().copy())
 
-    def _describe(self, step: int) -> Version:
+    def describe(self, step: int) -> Version:
         """The Version of an existing state file (after a restart): re-hash what peers download."""
         path = self.store.state_path(step)
         header = read_file_header(path)

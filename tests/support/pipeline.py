@@ -71,27 +71,43 @@ def replay(
     microbatches: int,
     layers: list[int] | None = None,
     precision: str = "",
+    delay: int = 0,
 ) -> np.ndarray:
     """One process, the relay's initial parameters, the same global batches (micro-batches
     ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``.
     With ``layers`` (the run's layers per stage) micro-batch ``m`` draws the dropout masks the
     pipeline's tasks draw for it (:func:`toolkit.pipeline.compute.pipeline_masks`); with
-    ``precision`` its forward runs under that policy's CPU autocast, as the stage workers' do."""
+    ``precision`` its forward runs under that policy's CPU autocast, as the stage workers' do.
+    With ``delay = 1`` (delayed parameter updates) batch ``t``'s gradient is computed at the
+    parameters of step ``max(t - 1, 0)`` and applied to those of step ``t``."""
     torch.manual_seed(0)
     model = build_model(spec)
     load_flat(model, initial)
+    lagged = build_model(spec) if delay else model  # the parameters gradients are computed at
+    if delay:
+        load_flat(lagged, initial)
     opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
     policy = compute.stage_precision(precision, "cpu")
 
     def loss(m: int) -> torch.Tensor:
-        with pipeline_masks(model, layers, m) if layers else contextlib.nullcontext(), policy.autocast():
-            return loss_of(model, as_batch(batches[m]))
+        with pipeline_masks(lagged, layers, m) if layers else contextlib.nullcontext(), policy.autocast():
+            return loss_of(lagged, as_batch(batches[m]))
 
     for t in range(steps):
         opt.zero_grad()
+        lagged.zero_grad()
         ids = range(t * microbatches, (t + 1) * microbatches)
         (sum(loss(m) for m in ids) / microbatches).backward()
-        opt.step()
+        if delay:
+            current = [p.detach().clone() for p in model.parameters()]
+            for p, q in zip(model.parameters(), lagged.parameters()):
+                p.grad = q.grad.clone()
+            opt.step()
+            with torch.no_grad():  # the next batch's gradient is computed at this step's parameters
+                for q, c in zip(lagged.parameters(), current):
+                    q.copy_(c)
+        else:
+            opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from toolkit.client.params import DOWNLOAD_ATTEMPTS, ParamsTransfer, cut_transfer
 from toolkit.client.transport import NO_ANSWER, Transport
 from toolkit.errors import ProtocolError, RelayUnreachable
-from toolkit.transfer import SizedBody
+from toolkit.transfer import BODY_ERRORS, SizedBody, read_checked_params
 from toolkit.wire import payloads
 from toolkit.wire.auth import BODY_SHA256_HEADER, container_body_sha256, digest_metadata
 from toolkit.wire.compression import Codec
@@ -126,6 +126,31 @@ class PipelineCalls:
                 have = None  # ``out`` may be half-written: only a whole stage restores it
                 self.transport.backoff(attempt, exc.code)
         raise AssertionError("unreachable")
+
+    def download_stage_at(self, peer_id: str, start: int, end: int, out: np.ndarray, *, step: int) -> None:
+        """Stage ``[start, end)`` of exactly version ``step`` into ``out`` (delayed parameter
+        updates: a batch computes on the version before the latest, which the relay keeps serving
+        while a batch in flight uses it; ``version_gone`` once none does). Checked against the
+        ``X-Collab-Sha256`` the relay signed; a cut transfer is fetched again as
+        :meth:`download_stage` does."""
+        for attempt in range(DOWNLOAD_ATTEMPTS):
+            try:
+                with self.transport.request(
+                    "GET",
+                    ROUTES["params"],
+                    params={"start": start, "end": end, "step": step, "peer_id": peer_id},
+                    stream=True,
+                ) as response:
+                    got = read_checked_params(response.raw, response.headers, out, None, None)
+                if got != step:
+                    raise ProtocolError("slice_version", f"stage [{start}, {end}) came at step {got}, not {step}")
+                return
+            except (*NO_ANSWER, *BODY_ERRORS) as exc:  # cut mid-body: ``out`` may be half-written
+                error = cut_transfer(f"stage [{start}, {end}) of version {step}", exc)
+            if attempt + 1 == DOWNLOAD_ATTEMPTS:
+                raise error
+            log.info("stage download failed (%s); downloading it again", error.message)
+            self.transport.backoff(attempt, error.code)
 
     def _download_stage_once(
         self,

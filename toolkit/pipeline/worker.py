@@ -23,6 +23,12 @@ is complete the relay lists the micro-batches whose stage gradient this worker h
 their sum with a ticket naming exactly them, through the ticketed slice upload every sliced run
 uses.
 
+Every task names the version it computes on. With delayed parameter updates
+(``run.max_staleness = 1``) batch ``b``'s tasks compute on version ``b - 1`` while batch
+``b + 1``'s compute on ``b``, so the worker keeps its stage of two versions and a stage-gradient
+sum per batch (:mod:`toolkit.pipeline.held`), and fetches each version by its exact step (the
+relay serves a version while a batch in flight uses it).
+
 The worker is a member of the run as every role is (:mod:`toolkit.run_membership`): the membership
 heartbeats for it, joins again when the relay forgot its peer id (the worker then asks for a stage
 again), and its backoff paces the retries while the relay is out of reach.
@@ -43,6 +49,7 @@ import torch
 
 from toolkit.errors import CollabError, RelayRejected, volunteer_line
 from toolkit.pipeline import compute
+from toolkit.pipeline.held import BatchSums, StageVersions
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.pipeline.worker_memory import CACHE_INPUTS
 from toolkit.run_membership import Membership, waits_out
@@ -113,6 +120,7 @@ class StageWorker:
         self.assignment: StageAssignment | None = None
         self.stage: Stage | None = None
         self.version = -1
+        self.versions = StageVersions()
         self.cache: OrderedDict[int, Any] = OrderedDict()  # micro-batch -> the stage input it ran forward on
         self._reset_sum()
         self.tasks_done = self.tasks_refused = self.uploads = 0
@@ -141,8 +149,8 @@ class StageWorker:
             )
         self.stage = build_stage(self.info.model, cut, self.device)
         self.params = list(self.stage.parameters())
-        self.flat = np.zeros(a.end - a.start, dtype=np.float32)
         self.version = -1
+        self.versions = StageVersions()
         self.cache.clear()
         self._reset_sum()
         log.info(
@@ -154,26 +162,36 @@ class StageWorker:
         )
 
     def _ensure_version(self, version: int) -> None:
+        """The stage's parameters of exactly ``version`` in the module: kept, or fetched by its
+        step (never "the latest": with delayed updates a task computes on the version before it);
+        :class:`_Stale` when the relay serves it no more (no batch in flight uses it)."""
         if self.version == version:
             return
-        if self.held:  # a batch ended without our upload (we were silent, the relay recomputed it)
-            log.debug("dropping the stage gradient of micro-batches %s: their batch is over", sorted(self.held))
-            self._reset_sum()
         a = self.assignment
-        step = self.client.pipeline.download_stage(self.peer_id, a.start, a.end, self.flat, min_step=version)
-        if step != version:
-            raise _Stale(step)
+        flat = self.versions.get(version)
+        if flat is None:
+            flat = np.zeros(a.end - a.start, dtype=np.float32)
+            try:
+                self.client.pipeline.download_stage_at(self.peer_id, a.start, a.end, flat, step=version)
+            except RelayRejected as exc:
+                if exc.code == "version_gone":
+                    raise _Stale(version) from None
+                raise
+            self.versions.keep(version, flat)
         offset = 0
         with torch.no_grad():
             for p in self.params:
-                p.copy_(torch.from_numpy(self.flat[offset : offset + p.numel()]).view_as(p))
+                p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
                 offset += p.numel()
-        self.version = step
+        self.version = version
 
     def _reset_sum(self) -> None:
-        self.grad_sum: list[torch.Tensor] | None = None
-        self.held: list[int] = []
-        self.loss_sum = 0.0
+        self.sums = BatchSums(self.info.max_staleness)
+
+    @property
+    def held(self) -> list[int]:
+        """The micro-batches whose stage gradient this worker holds (of every batch)."""
+        return self.sums.held
 
     # --- the loop ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -331,13 +349,7 @@ class StageWorker:
             else a.microbatch_size / elapsed
         )
         if grads is not None:
-            if self.grad_sum is None:
-                self.grad_sum = [g.detach().clone() for g in grads]
-            else:
-                for total, g in zip(self.grad_sum, grads):
-                    total.add_(g)
-            self.held.append(task.microbatch)
-            self.loss_sum += loss_sum
+            self.sums.add(task.batch, task.microbatch, grads, loss_sum)
 
     def _remember(self, microbatch: int, x: Any) -> None:
         self.cache[microbatch] = x
@@ -358,17 +370,18 @@ class StageWorker:
     # --- rounds -----------------------------------------------------------------------------------
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
-        if sorted(self.held) != call.microbatches or self.grad_sum is None:
+        mine = self.sums.pop(call.step)  # round ``step`` steps with batch ``step``'s gradient
+        if sorted(mine.microbatches) != call.microbatches or mine.grads is None:
             log.debug(
                 "the relay expects micro-batches %s of stage %d, this worker holds %s: its ticket request "
                 "says so, and the relay recomputes them",
                 call.microbatches,
                 call.stage,
-                sorted(self.held),
+                sorted(mine.microbatches),
             )
         vector = (
-            torch.cat([g.reshape(-1) for g in self.grad_sum]).to("cpu", torch.float32).numpy()
-            if self.grad_sum is not None
+            torch.cat([g.reshape(-1) for g in mine.grads]).to("cpu", torch.float32).numpy()
+            if mine.grads is not None
             else np.zeros(a.end - a.start, dtype=np.float32)
         )
         run_codec = get_codec(self.info.compression)
@@ -376,16 +389,16 @@ class StageWorker:
         plan = PlanSlice(
             aggregator_id=f"stage{a.stage}", name=f"stage {a.stage}", start=a.start, end=a.end, fraction=0.0
         )
-        held = sorted(self.held)
+        held = sorted(mine.microbatches)
         meta = GradientMeta(
             peer_id=call.contributor,
             step=call.step,
             version=call.step,
             samples=max(1, len(held)) * a.microbatch_size,
-            loss_sum=self.loss_sum,
+            loss_sum=mine.loss_sum,
         )
         part = slice_part(plan, tensors, meta, run_codec.name, signed=self.client.signed)
-        self._reset_sum()  # whatever happens next, this sum is sent once or recomputed by the relay's choice
+        # popped above: whatever happens next, this sum is sent once or recomputed by the relay's choice
         try:
             ticket = self.client.pipeline.ticket(
                 self.peer_id,
