@@ -104,6 +104,9 @@ def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_
     status, _, _ = checked_run(serve_relay, launch_stage_worker)
     trust = status["trust"]
     assert trust["bans"] == [] and trust["disagreed"] == 0 and trust["batches_restarted"] == 0, trust
-    # every stage-1 result went to another worker, every first-stage one to the relay's copy
-    assert trust["checks"] >= STEPS * MICROBATCHES * 2 and trust["agreed"] >= 1, trust
+    # every result was checked; each check settled by another worker of its stage agreeing, or by the
+    # relay's own copy (first-stage results always; a later stage's while it has only one worker, as
+    # in the first batches while workers are still joining: which of the two is timing, not trust)
+    assert trust["checks"] >= STEPS * MICROBATCHES * 2, trust
+    assert trust["agreed"] + trust["refereed"] >= STEPS * MICROBATCHES, trust
     assert trust["max_agreeing_distance"] <= trust["tolerance"], trust
