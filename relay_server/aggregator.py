@@ -55,7 +55,7 @@ from toolkit.wire.protocol import (
 
 log = logging.getLogger(__name__)
 
-AGGREGATOR = web.AppKey("aggregator", object)
+AGGREGATOR: web.AppKey[AggregatorServer] = web.AppKey("aggregator", object)  # type: ignore[arg-type]  # class below
 MAX_PENDING_TRANSFERS = 4096
 
 
@@ -80,7 +80,7 @@ class AggregatorServer:
         self.meter = ServerMeter()
         self.transfers: list[TransferSample] = []
         self._assigning = asyncio.Lock()
-        self.task: asyncio.Task | None = None  # register + heartbeat loop
+        self.task: asyncio.Task[None] | None = None  # register + heartbeat loop
 
     @property
     def aggregator_id(self) -> str:
@@ -93,7 +93,7 @@ class AggregatorServer:
             self.transfers.append(
                 TransferSample(
                     peer_id=peer_id,
-                    direction=direction,
+                    direction=direction,  # type: ignore[arg-type]  # the slice routes pass "up" or "down"
                     step=step,
                     nbytes=nbytes,
                     seconds=max(time.monotonic() - started, 1e-6),

@@ -28,8 +28,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import requests
 
@@ -38,6 +40,9 @@ from relay_server.harness.thread import RelayThread
 from toolkit.errors import CollabError
 from toolkit.runtime.parent import child_env
 from toolkit.wire.protocol import ROUTES, StatusReport
+
+if TYPE_CHECKING:
+    from relay_server.moe.moe_config import MoeSection
 
 RECIPES = ("byte-lm", "albert-tiny", "pipeline-tiny", "dmoe-lm-tiny")
 TOKENIZED = {"albert-tiny": "wordpiece", "dmoe-lm-tiny": "bpe"}
@@ -71,7 +76,7 @@ ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") i
 
 
 @contextlib.contextmanager
-def ending_signals():
+def ending_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP end the demo as Ctrl-C does (KeyboardInterrupt in the main thread): its
     peers, expert hosts and relay are stopped and its temporary directory removed, instead of the
     process vanishing with them left behind. Only the first signal interrupts: the cleanup it
@@ -100,7 +105,7 @@ def applied_range(target: int, peers: int, batch_size: int) -> dict[str, int]:
     return {"target": target, "most": target + peers * batch_size, "least": max(1, target - (peers - 1) * batch_size)}
 
 
-def recipe_config(recipe: str, directory: Path, overrides: dict) -> RelayConfig:
+def recipe_config(recipe: str, directory: Path, overrides: dict[str, Any]) -> RelayConfig:
     """The demo run's configuration (training the recipe's tokenizer into ``directory`` first)."""
     if recipe == "byte-lm":
         return load_config(None, overrides=overrides)
@@ -152,9 +157,9 @@ def run_demo(
         tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="collab-demo-")
         try:
             return _demo(
-                Path(data_dir or tmp.name),
+                Path(data_dir or tmp.name),  # type: ignore[union-attr]  # tmp is set when data_dir is not
                 peers=peers,
-                steps=steps,  # type: ignore[union-attr]
+                steps=steps,
                 target_batch=target_batch,
                 batch_size=batch_size,
                 port=port,
@@ -224,7 +229,7 @@ class LocalRun:
     def __init__(
         self,
         name: str,
-        config,
+        config: RelayConfig,
         directory: Path,
         *,
         peers: int,
@@ -238,7 +243,7 @@ class LocalRun:
         self.samples: dict[int, int] = {}
         self.times: dict[int, float] = {}
         self.references: dict[str, float] = {}
-        self.hosts: list[subprocess.Popen] = []
+        self.hosts: list[subprocess.Popen[bytes]] = []
 
     def run(self, header: list[str], *, keep: bool, interrupt_ends: bool = False, closing: str | None = None) -> int:
         """Start, follow until the run finishes (or ``stop_after`` steps, or Ctrl-C when
@@ -255,7 +260,7 @@ class LocalRun:
         for line in header:
             print(line, flush=True)
         client = requests.Session()  # the demo follows /api/status as any observer does, not as a peer
-        procs: list[subprocess.Popen] = []
+        procs: list[subprocess.Popen[bytes]] = []
         code, kept = 0, False
         try:
             references = _status(client, url).loss_references
@@ -328,7 +333,7 @@ class LocalRun:
         )
         return code
 
-    def _follow(self, client: requests.Session, url: str, procs: list[subprocess.Popen]) -> int:
+    def _follow(self, client: requests.Session, url: str, procs: list[subprocess.Popen[bytes]]) -> int:
         """Print each new step until the run finishes or ``stop_after``; 1 if every peer died first."""
         total = self.config.run.total_steps
         target = self.config.run.target_batch
@@ -363,7 +368,9 @@ def _status(session: requests.Session, url: str) -> StatusReport:
     return StatusReport.loads(response.content)
 
 
-def start_expert_hosts(url: str, moe, directory: Path, timeout_s: float = 120) -> list[subprocess.Popen]:
+def start_expert_hosts(
+    url: str, moe: MoeSection, directory: Path, timeout_s: float = 120
+) -> list[subprocess.Popen[bytes]]:
     """:data:`EXPERT_HOSTS` expert host processes that together lease every expert of ``moe``
     (the run's [moe] section), started and waited for until the relay's directory lists them all."""
     experts = len(moe.uids())
@@ -417,7 +424,7 @@ def _rate(samples: dict[int, int], times: dict[int, float]) -> float:
     return sum(samples[s] for s in steps[1:]) / (times[steps[-1]] - times[steps[0]])
 
 
-def _stop_peers(procs: list[subprocess.Popen], grace_s: float = 20) -> None:
+def _stop_peers(procs: list[subprocess.Popen[bytes]], grace_s: float = 20) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

@@ -12,10 +12,12 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from relay_server.api import params_cache
 from relay_server.api import shards as shards_api
@@ -66,6 +68,9 @@ from toolkit.wire.protocol import (
     TicketRequest,
 )
 from toolkit.wire.tensor_container import AsyncContainerReader
+
+if TYPE_CHECKING:
+    from relay_server.rounds.publisher import Version
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +202,13 @@ async def get_params(request: web.Request) -> web.StreamResponse:
         manifest = json_ok(version.manifest)
         manifest.headers["Cache-Control"] = FRESH_CACHE_CONTROL
         return manifest
+    own: Version = version.version  # type: ignore[assignment]  # no manifest: the relay's own version file
     if request.query.get("ref") == "1" and collab.config.server.public_params_url:  # the body from the run's cache
-        ref = params_cache.ref_response(request, version.version, have if have >= 0 else None)
+        ref = params_cache.ref_response(request, own, have if have >= 0 else None)
         collab.traffic.down_bytes += ref.content_length or 0
         return ref
     started = time.monotonic()
-    response = await collab.publisher.send(request, version.version, have if have >= 0 else None)
+    response = await collab.publisher.send(request, own, have if have >= 0 else None)
     request.app[params_cache.BLOBS].egress.direct += response.content_length or 0
     collab.traffic.down_bytes += response.content_length or 0
     collab.backbone.planning.record_transfer(
@@ -323,8 +329,8 @@ def build_auth(
     config: RelayConfig,
     is_banned: Callable[[str], bool],
     container_limit: Callable[[], int] = lambda: 0,
-    container_limits: dict | None = None,
-) -> tuple[list, list]:
+    container_limits: Mapping[tuple[str, str], Callable[[], int]] | None = None,
+) -> tuple[list[Middleware], list[tuple[str, str, Handler]]]:
     """The middleware and routes for ``auth.mode``: none in open mode (the lifespan says so loudly).
 
     In "hf" mode every route but :data:`PUBLIC_ROUTES` needs a signed request with a valid pass."""
@@ -350,7 +356,7 @@ def build_auth(
     ], service.routes()
 
 
-def create_app(config: RelayConfig, middlewares: tuple = ()) -> web.Application:
+def create_app(config: RelayConfig, middlewares: tuple[Middleware, ...] = ()) -> web.Application:
     logsafe.install()  # user text escaped and secrets redacted in every log line
     app = web.Application(
         middlewares=[error_middleware, *stall_middlewares(), *middlewares],  # stalls: tests only

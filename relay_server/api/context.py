@@ -5,6 +5,8 @@ import it without importing the app that gathers them."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from aiohttp import web
 
 from relay_server.auth.verify import IDENTITY_KEY
@@ -12,6 +14,7 @@ from relay_server.collaboration.machine import Collaboration
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError, unknown_peer
 
+T = TypeVar("T")
 COLLAB = web.AppKey("collaboration", Collaboration)
 CONFIG = web.AppKey("config", RelayConfig)
 
@@ -49,7 +52,7 @@ def own_peer(request: web.Request, peer_id: str) -> str:
     return peer_id
 
 
-def enabled(request: web.Request, key: web.AppKey, code: str, what: str, hint: str):
+def enabled(request: web.Request, key: web.AppKey[T], code: str, what: str, hint: str) -> T:
     """The app's state under ``key`` (a feature's: DMoE, the pipeline), or 404 ``code`` when the
     run does not enable it."""
     value = request.app.get(key)

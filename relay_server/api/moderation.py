@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from relay_server.core.config import RelayConfig
 from relay_server.core.errors import ApiError
@@ -183,7 +184,8 @@ class Moderation:
         gone = [
             p.peer_id for p in list(collab.registry.peers.values()) if p.username.casefold() == username.casefold()
         ]
-        kept, removed = [], []
+        kept: list[str] = []
+        removed: list[str] = []
         for peer_id in gone:
             await collab.reducer.run(collab.reducer.exclude, peer_id)  # before any finalize the leave may start
             outcome = _committed_outcome(collab, peer_id)
@@ -278,7 +280,7 @@ class Moderation:
         body = await _read(request, RollbackRequest)
         return web.json_response(await self.rollback(body.to_step))
 
-    def routes(self) -> list[tuple[str, str, Callable]]:
+    def routes(self) -> list[tuple[str, str, Handler]]:
         return [
             ("GET", f"{ADMIN_PREFIX}/bans", self.handle_list_bans),
             ("POST", f"{ADMIN_PREFIX}/bans", self.handle_ban),
@@ -296,12 +298,12 @@ def is_admin_route(request: web.Request) -> bool:
     )
 
 
-def admin_middleware(token: AdminToken):
+def admin_middleware(token: AdminToken) -> Middleware:
     """Every route under /api/admin needs the admin token, and then goes straight to its handler
     (past peer authentication and rate limits, which sit further down the chain)."""
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not is_admin_route(request):
             return await handler(request)
         token.check(request.headers.get("Authorization"))
@@ -310,7 +312,9 @@ def admin_middleware(token: AdminToken):
     return middleware
 
 
-def build_admin(config: RelayConfig, collab: Callable[[], "Collaboration"]) -> tuple[list, list]:
+def build_admin(
+    config: RelayConfig, collab: Callable[[], "Collaboration"]
+) -> tuple[list[Middleware], list[tuple[str, str, Handler]]]:
     """The admin middleware (install before authentication) and routes."""
     path = token_path(config)
     token = AdminToken.load_or_create(path)
@@ -319,7 +323,7 @@ def build_admin(config: RelayConfig, collab: Callable[[], "Collaboration"]) -> t
 
 
 # --- the CLI ------------------------------------------------------------------------------------
-def add_admin_parser(sub: argparse._SubParsersAction) -> None:
+def add_admin_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``relay-server admin ...``: talks to a running relay's admin API."""
     admin = sub.add_parser(
         "admin",

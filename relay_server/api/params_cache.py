@@ -44,7 +44,9 @@ import hashlib
 import hmac
 import re
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Literal
 
 from aiohttp import web
 
@@ -82,7 +84,7 @@ class Egress:
     by_url: dict[str, int] = field(default_factory=dict)
     """Immutable bytes per URL path, for the versions still remembered."""
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         return {
             "direct": self.direct,
             "immutable": self.immutable,
@@ -98,7 +100,7 @@ class Blobs:
     """The versions handed out as refs, newest last, the bytes served, and (signed runs) the
     secret the URLs' capabilities are computed with."""
 
-    versions: OrderedDict = field(default_factory=OrderedDict)
+    versions: OrderedDict[tuple[int, str], Version] = field(default_factory=OrderedDict)
     egress: Egress = field(default_factory=Egress)
     secret: bytes | None = field(default=None, repr=False)
     """None on open runs: a URL's tag is then the sha256 (the module docstring says why)."""
@@ -150,13 +152,13 @@ def ref_response(request: web.Request, version: Version, have: int | None) -> we
     blobs.remember(version)
     blobs.egress.refs += 1
     delta = version.delta_path is not None and have == version.step - 1
-    kind = "delta" if delta else "full"
+    kind: Literal["full", "delta"] = "delta" if delta else "full"
     base = request.app[CONFIG].server.public_params_url.rstrip("/")
     ref = ParamsRef(
         step=version.step,
         sha256=version.sha256,
         kind=kind,
-        base=have if delta else -1,
+        base=have if delta else -1,  # type: ignore[arg-type]  # delta only when have == step - 1
         url=base + blobs.path(version, kind),
     )
     body = ref.dumps()
@@ -220,7 +222,7 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
             version.nbytes,
         )
     else:
-        prefix, path, offset = b"", version.delta_path, 0
+        prefix, path, offset = b"", version.delta_path, 0  # type: ignore[assignment]  # checked set above
     try:
         fh = open(path, "rb")  # an open file outlives the store pruning it
     except FileNotFoundError:
@@ -263,7 +265,7 @@ async def get_params_blob(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def _range(request: web.Request, etag: str, size: int) -> tuple[int, int] | str | None:
+def _range(request: web.Request, etag: str, size: int) -> tuple[int, int] | Literal["unsatisfiable"] | None:
     """The one byte range asked for (inclusive bounds); None for the whole body (no range,
     several ranges, a malformed or invalid one, or a stale ``If-Range``); ``"unsatisfiable"`` for
     a first position past the end. Digits are compared, never converted past ``size`` (above)."""
@@ -272,7 +274,7 @@ def _range(request: web.Request, etag: str, size: int) -> tuple[int, int] | str 
         return None
     start, end = (_digits(g) if g else None for g in match.groups())
     if start is None:  # the last ``end`` bytes: all of them when it asks for more than there are
-        suffix = _at_most(end, size)
+        suffix = _at_most(end, size)  # type: ignore[arg-type]  # any(groups): end is set when start is not
         return (size - suffix, size - 1) if suffix > 0 else "unsatisfiable"
     if end is not None and (len(end), end) < (len(start), start):  # last < first: invalid, ignored
         return None
@@ -292,7 +294,9 @@ def _at_most(digits: str, bound: int) -> int:
     return bound if len(digits) > len(str(bound)) else min(int(digits), bound)
 
 
-async def _write_range(response: web.StreamResponse, prefix: bytes, fh, offset: int, first: int, last: int) -> int:
+async def _write_range(
+    response: web.StreamResponse, prefix: bytes, fh: BinaryIO, offset: int, first: int, last: int
+) -> int:
     """Bytes ``first..last`` of ``prefix`` + the file's ``[offset, ...)``: the prefix from
     memory, the rest in 4 MiB reads (back-pressure through ``response.write``)."""
     sent = 0
@@ -313,7 +317,7 @@ async def _write_range(response: web.StreamResponse, prefix: bytes, fh, offset: 
     return sent
 
 
-def _pread(fh, position: int, count: int) -> bytes:
+def _pread(fh: BinaryIO, position: int, count: int) -> bytes:
     fh.seek(position)
     return fh.read(count)
 
@@ -325,7 +329,7 @@ async def get_params_egress(request: web.Request) -> web.Response:
     return json_ok(request.app[BLOBS].egress.report())
 
 
-async def lifespan(app: web.Application):
+async def lifespan(app: web.Application) -> AsyncIterator[None]:
     """The store of handed-out versions; on signed runs with the capability secret (from the relay
     key the auth middleware verifies passes with: the same file under the data dir)."""
     config = app[CONFIG]

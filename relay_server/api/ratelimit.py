@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from relay_server.api.moderation import ADMIN_PREFIX
 from relay_server.auth.verify import IDENTITY_KEY, AuthRejected
@@ -235,14 +236,14 @@ def too_many(kind: str, wait_s: float, rate: Rate, key: str) -> web.Response:
     return web.json_response(body.to_json(), status=429, headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
 
-def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys):
+def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys) -> Middleware:
     """Charge every request to its client's bucket for its kind of route; 429 when empty.
     Install after authentication, so signed requests are charged to their username."""
     warn = _Warnings(buckets.clock)
     shared = SharedAddressWarning()
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         shared.observe(request)
         kind = route_kind(request)
         key = keys.key(request, kind) if kind is not None else None
@@ -258,7 +259,7 @@ def rate_limit_middleware(buckets: TokenBuckets, keys: ClientKeys):
     return middleware
 
 
-def auth_failure_middleware(buckets: TokenBuckets, keys: ClientKeys):
+def auth_failure_middleware(buckets: TokenBuckets, keys: ClientKeys) -> Middleware:
     """Count refused credentials (401/403 from authentication or login) per address, and refuse
     an address that exhausted its ``auth_failures`` bucket before verifying anything it sends
     again (requests without credentials cost nothing to refuse and pass through).
@@ -266,7 +267,7 @@ def auth_failure_middleware(buckets: TokenBuckets, keys: ClientKeys):
     warn = _Warnings(buckets.clock)
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         address = keys.address(request)
         if not _presents_credentials(request) or (keys.exempt_loopback and is_loopback(address)):
             return await handler(request)  # nothing to verify: no verification cost to guard
@@ -292,7 +293,7 @@ def _presents_credentials(request: web.Request) -> bool:
     return PASS_HEADER in request.headers or (resource is not None and resource.canonical == ROUTES["login"])
 
 
-def build_rate_limits(config: LimitsSection, *, auth_enabled: bool) -> tuple[list, list]:
+def build_rate_limits(config: LimitsSection, *, auth_enabled: bool) -> tuple[list[Middleware], list[Middleware]]:
     """(middlewares to install before authentication, middlewares to install after it)."""
     if not config.enabled:
         return [], []

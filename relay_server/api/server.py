@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from relay_server.api.app import create_app
 from relay_server.core.config import RelayConfig
@@ -26,7 +27,7 @@ async def serve(
     ready_file: str | None = None,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[str], None] | None = None,
-    extra_middlewares: tuple = (),
+    extra_middlewares: tuple[Middleware, ...] = (),
     app: web.Application | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when run in the main thread). ``app``: the
@@ -84,7 +85,8 @@ async def serve_app(
     await runner.setup()
     log.info("%s", guard.start())  # after the app's startup: it counts what the app holds open
     try:  # aiohttp's own server behind the guard (admission, timeouts, accounting)
-        bound_host, bound_port = guard.listen(host, port, runner.server)  # the real port when --port 0
+        # the real port when --port 0; runner.server is set by setup()
+        bound_host, bound_port = guard.listen(host, port, runner.server)  # type: ignore[arg-type]  # setup() set it
     except OSError as exc:
         await runner.cleanup()
         raise SystemExit(

@@ -22,7 +22,8 @@ import contextlib
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Container
+from collections.abc import AsyncIterator, Collection
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -37,6 +38,7 @@ from toolkit.wire.protocol import ROUTES as PATHS
 from toolkit.wire.schema import Schema
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Schema)
 
 SHARD_POOL = web.AppKey("shard_pool", ShardPool)
 """Present only when the run streams shards with leases on."""
@@ -44,7 +46,7 @@ EXPIRE_EVERY_S = 0.25
 FLUSH_EVERY_S = 1.0
 
 
-async def _read(request: web.Request, schema: type[Schema]) -> Schema:
+async def _read(request: web.Request, schema: type[M]) -> M:
     if request.content_length is not None and request.content_length > MAX_JSON_BODY:
         raise ApiError(413, "body_too_large", f"JSON bodies are limited to {MAX_JSON_BODY} bytes")
     return schema.loads(await request.read())
@@ -118,7 +120,7 @@ async def flush(pool: ShardPool, ledger: ShardLedger) -> None:
         log.warning("could not save shard coverage (%s); retrying", exc)
 
 
-async def housekeeping(pool: ShardPool, ledger: ShardLedger, live_peers: Container[str], stop: asyncio.Event) -> None:
+async def housekeeping(pool: ShardPool, ledger: ShardLedger, live_peers: Collection[str], stop: asyncio.Event) -> None:
     """Until ``stop``: expire the leases of peers gone from ``live_peers`` (the registry's dict,
     which the collaboration's ticker prunes by heartbeat TTL), flush every second, and once more
     at the end. Stopped by the event, never cancelled, so no write is cut in half."""

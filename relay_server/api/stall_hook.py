@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from relay_server.core.typed import ConfigError
 
@@ -68,7 +69,7 @@ def parse(value: str) -> StallPlan:
     return plan
 
 
-def stall_middlewares(environ: dict[str, str] | None = None) -> list:
+def stall_middlewares(environ: dict[str, str] | None = None) -> list[Middleware]:
     """The stalling middleware when ``ENV`` is set (read here, once), else nothing."""
     value = (os.environ if environ is None else environ).get(ENV)
     if not value:
@@ -87,7 +88,7 @@ def stall_middlewares(environ: dict[str, str] | None = None) -> list:
     pattern = re.compile(plan.path)
 
     @web.middleware
-    async def stall(request: web.Request, handler) -> web.StreamResponse:
+    async def stall(request: web.Request, handler: Handler) -> web.StreamResponse:
         nonlocal seen, done
         if done < plan.times and pattern.search(request.path):
             seen += 1

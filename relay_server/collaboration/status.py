@@ -296,7 +296,9 @@ def peer_status(p: Peer, now: float, run_role: str = "trainer", credit: tuple[in
     )
 
 
-def place_peers(report: StatusReport, experts_per_host: dict[str, int], stage_of: dict[str, int]) -> StatusReport:
+def place_peers(
+    report: StatusReport, experts_per_host: Mapping[str, int], stage_of: Mapping[str, int]
+) -> StatusReport:
     """``report`` with each expert host's experts and each stage worker's stage (what the relay's
     expert directory and pipeline coordinator know; a peer holding experts is a host whatever it
     said when it joined)."""

@@ -31,7 +31,7 @@ class StandinRequest:
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-case names
     body: bytes
-    match: re.Match
+    match: re.Match[str]
 
     @property
     def token(self) -> str | None:
@@ -82,7 +82,7 @@ class HfStandin:
     def __init__(self) -> None:
         self.users: dict[str, HfUser] = {}
         self.calls: list[tuple[str, str, bool]] = []
-        self._routes: list[tuple[str, re.Pattern, Handler]] = []
+        self._routes: list[tuple[str, re.Pattern[str], Handler]] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self.add_route("GET", r"/api/whoami-v2", self._whoami)
@@ -106,12 +106,12 @@ class HfStandin:
         if self._server is None:
             raise RuntimeError("the HF stand-in is not running")
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host}:{port}"  # type: ignore[str-bytes-safe]  # an IPv4 server's host is a str
 
     def start(self) -> "HfStandin":
         server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
         server.daemon_threads = True
-        server.block_on_close = False  # type: ignore[attr-defined]  # never wait on a hung handler
+        server.block_on_close = False  # never wait on a hung handler
         self._server = server
         threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="hf-standin", daemon=True

@@ -169,7 +169,7 @@ class LatencyProxy:
 class ProxyProcess:
     """This file run as its own process (:func:`spawn`); :meth:`stop` returns its byte counts."""
 
-    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
         self.proc, self.port = proc, port
 
     @property
@@ -180,17 +180,17 @@ class ProxyProcess:
         """The round-trip delay from now on (bytes already queued keep theirs)."""
         self._command(f"{delay_s * 1000}")  # answered once the new delay is in force
 
-    def counts(self) -> dict:
+    def counts(self) -> dict[str, int]:
         """``{"bytes_up", "bytes_down", "connections"}`` so far."""
         return self._command("stats")
 
-    def _command(self, line: str) -> dict:
+    def _command(self, line: str) -> dict[str, int]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
-    def stop(self) -> dict:
+    def stop(self) -> dict[str, int]:
         self.proc.send_signal(signal.SIGTERM)
         out, _ = self.proc.communicate(timeout=10)
         lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -220,7 +220,7 @@ def spawn(upstream_port: int, delay_s: float) -> ProxyProcess:
     return ProxyProcess(proc, int(json.loads(line)["port"]))
 
 
-def _counts(proxy: LatencyProxy) -> dict:
+def _counts(proxy: LatencyProxy) -> dict[str, int]:
     return {"bytes_up": proxy.bytes_up, "bytes_down": proxy.bytes_down, "connections": proxy.connections}
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from relay_server.harness.process import stop_process
 
@@ -37,7 +38,7 @@ class PortTaken(Exception):
     """Raised by a ``start(port)`` given to :func:`on_free_port` when the port was taken meanwhile."""
 
 
-def on_free_port(start, attempts: int = 5):
+def on_free_port(start: Callable[[int], T], attempts: int = 5) -> T:
     """``start(port)`` on a free port, again on another one while it raises :class:`PortTaken`: the
     race between picking a port and a third-party server binding it, closed by retrying."""
     for attempt in range(attempts):
@@ -49,6 +50,7 @@ def on_free_port(start, attempts: int = 5):
     raise AssertionError("unreachable")
 
 
+T = TypeVar("T")
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 
 
@@ -56,7 +58,7 @@ NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").e
 class NginxProcess:
     """A real nginx (Debian's) in the foreground, all its files in ``directory``; no root needed."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     port: int
     directory: Path
 
@@ -89,7 +91,7 @@ def run_nginx(directory: Path, http_block: Callable[[int], str], port: int = 0) 
         log.unlink(missing_ok=True)
         proc = subprocess.Popen(
             [
-                NGINX,
+                NGINX,  # type: ignore[list-item]  # callers skip where nginx is not installed
                 "-p",
                 str(directory),
                 "-c",

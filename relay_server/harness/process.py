@@ -19,9 +19,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
+
+if TYPE_CHECKING:
+    from typing import Self  # 3.11; annotations only (3.10 runs this too)
 
 RELAY_CLI = [sys.executable, "-m", "relay_server.cli"]
 TOKEN_FILE = "admin_token"
@@ -54,7 +57,7 @@ def toml_text(sections: dict[str, dict[str, Any]]) -> str:
     )
 
 
-def stop_process(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
     """SIGTERM (a server's clean shutdown), SIGKILL if it has not exited after ``timeout_s``."""
     if proc.poll() is None:
         proc.terminate()
@@ -69,7 +72,7 @@ def log_tail(log: Path, chars: int = 3000) -> str:
     return log.read_text(errors="replace")[-chars:] if log.exists() else ""
 
 
-def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
+def wait_ready(proc: subprocess.Popen[bytes], ready: Path, log: Path, what: str, timeout_s: float = 120) -> str:
     """The URL a server wrote to its ``--ready-file``; :class:`ServerFailed` with its log's tail
     if it exited first or has not listened within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -124,13 +127,13 @@ class ServerProcess:
         )
         self.ready_path = self.log_path.with_suffix(".ready")
         self.command, self.wrap, self.env, self.preexec_fn, self.cwd = command, wrap, env or {}, preexec_fn, cwd
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120, *, wait: bool = True) -> "ServerProcess":
+    def start(self, timeout_s: float = 120, *, wait: bool = True) -> Self:
         """Start it (on the port the first start bound, if any); with ``wait``, return once it
         listens (:meth:`wait_ready`), else at once."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +157,7 @@ class ServerProcess:
             )
         return self.wait_ready(timeout_s) if wait else self
 
-    def wait_ready(self, timeout_s: float = 120) -> "ServerProcess":
+    def wait_ready(self, timeout_s: float = 120) -> Self:
         """Wait until it listens and read back the port it bound; a server that exited or hangs is
         killed and :class:`ServerFailed` names why, with its log's tail."""
         assert self.proc is not None, "start() first"
@@ -235,7 +238,14 @@ class AggregatorProcess(ServerProcess):
     folder; :meth:`wait_registered` waits until the relay took it in."""
 
     def __init__(
-        self, relay: ServerProcess, name: str, data_dir: Path, log_path: Path, *, extra: tuple[str, ...] = (), **kwargs
+        self,
+        relay: ServerProcess,
+        name: str,
+        data_dir: Path,
+        log_path: Path,
+        *,
+        extra: tuple[str, ...] = (),
+        **kwargs: Any,
     ) -> None:
         args = ["aggregator", "--coordinator", relay.url, "--data-dir", str(data_dir), "--name", name]
         args += ["--admin-token-file", str(relay.data_dir / TOKEN_FILE), *extra]
@@ -246,9 +256,12 @@ class AggregatorProcess(ServerProcess):
         deadline = time.monotonic() + timeout_s
         self.wait_ready(timeout_s)  # listening, then registered:
         while not self.status().get("aggregator_id"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self.proc.poll() is not None or time.monotonic() > deadline:  # type: ignore[union-attr]  # started
                 self.kill()
-                raise ServerFailed(f"{self.what} did not register:\n{log_tail(self.log_path)}", self.proc.returncode)
+                raise ServerFailed(
+                    f"{self.what} did not register:\n{log_tail(self.log_path)}",
+                    self.proc.returncode,  # type: ignore[union-attr]  # wait_ready() asserted it started
+                )
             time.sleep(0.05)
         return self
 

@@ -33,7 +33,8 @@ class RelayThread:
 
     def __init__(self, config: RelayConfig | None = None, *, app: web.Application | None = None) -> None:
         assert (config is None) != (app is None), "a run's config or an app, one of the two"
-        self.config, self.url, self.error = config, "", None
+        self.config, self.url = config, ""
+        self.error: BaseException | None = None
         self.app = app  # the run's app is built on the relay's thread: its errors are start()'s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -57,7 +58,13 @@ class RelayThread:
                 self.app = create_app(self.config)
                 await serve(self.config, app=self.app, stop=self._stop, on_ready=self._on_ready)
             else:
-                await serve_app(self.app, "127.0.0.1", 0, stop=self._stop, on_ready=self._on_ready)
+                await serve_app(
+                    self.app,  # type: ignore[arg-type]  # an app when no config (__init__ holds one of the two)
+                    "127.0.0.1",
+                    0,
+                    stop=self._stop,
+                    on_ready=self._on_ready,
+                )
 
         try:
             asyncio.run(run())  # the loop closed (and its executor shut down) once stopped
@@ -75,7 +82,7 @@ class RelayThread:
 
     @property
     def data_dir(self) -> Path:
-        return Path(self.config.server.data_dir)
+        return Path(self.config.server.data_dir)  # type: ignore[union-attr]  # a run's relay (config) has one
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` run on the relay's event loop (between its tasks), its result returned here."""
@@ -83,7 +90,7 @@ class RelayThread:
         async def run() -> Any:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)  # type: ignore[arg-type]  # started
 
     def status(self) -> dict[str, Any]:
         return requests.get(self.url + "/api/status", timeout=10).json()

@@ -78,7 +78,7 @@ class RoundDeps:
     """The guard: the worker held things up (no tasks for a while)."""
     committed: Callable[[str, int], None]
     """The guard: ``worker``'s gradient of a stage committed (its hold is measured)."""
-    resubmit: Callable[[Step], None]
+    resubmit: Callable[[Step], object]  # the coordinator's submit (it returns the task id)
     """The pool: a micro-batch's stage gradient to recompute."""
     batch_over: Callable[[float], None]
     """The coordinator: the batch is published; drop it and start the next (the round's seconds)."""
@@ -94,7 +94,7 @@ class PipelineRounds:
         self.finalizing = False
         self.opened = asyncio.Event()
         """Set when the round opens (then replaced): what a waiting worker's long poll also waits on."""
-        self.finalize_task: asyncio.Task | None = None
+        self.finalize_task: asyncio.Task[None] | None = None
         self.batch_started: dict[int, float] = {}  # batch -> its first lease: joining time is not batch time
         self.batch_times: list[float] = []
         self.samples_done = 0
@@ -262,7 +262,8 @@ class PipelineRounds:
 
     async def finalize(self) -> None:
         """Every stage steps; publish; the coordinator drops the batch and starts the next."""
-        r, ledger, mb_size = self.round, self.deps.ledger(), self.deps.microbatch_size
+        r: OpenRound = self.round  # type: ignore[assignment]  # finalize is started only on an open round
+        ledger, mb_size = self.deps.ledger(), self.deps.microbatch_size
         published, grad_norm, counted = await self.deps.owners.finalize(r.step, r.round_id)
         self.counted = (self.counted + [counted])[-20:]
         started = self.batch_started.get(ledger.batch)

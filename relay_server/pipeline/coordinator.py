@@ -56,6 +56,9 @@ from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import PipelineAck, PipelineTask, PipelineTicketRequest, PipelineWork, Ticket
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from relay_server.tasks.task import Task
     from relay_server.trust.referee import Referee  # torch: built only on a relay that checks
 
 log = logging.getLogger(__name__)
@@ -175,7 +178,7 @@ class PipelineCoordinator:
                 tolerance=tolerance(shape.precision, self.codec.name),
                 width=self.shapes.width,
                 codec=self.codec,
-                submit_check=lambda step, exclude: self._submit(step, exclude),
+                submit_check=lambda step, exclude: self._submit(step, exclude),  # type: ignore[arg-type]  # our own Steps
                 cancel=lambda task_id: self._drop_task(task_id, "check_dropped"),
                 can_serve=self._can_serve,
                 inputs=lambda step: {n: self.boundaries.get(step.microbatch, n) for n in step.inputs()},
@@ -291,13 +294,13 @@ class PipelineCoordinator:
         self.rounds.check_delivered()
 
     # --- workers: tasks -------------------------------------------------------------------------
-    async def work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
+    async def work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict[str, np.ndarray]]:
         """The worker's next tasks with their inputs, or the round it must upload to."""
         self.trust.admit(worker, work=True)
         with self.guard.polling(worker):
             return await self._work(worker, cached, wait_s)
 
-    async def _work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict]:
+    async def _work(self, worker: str, cached: set[int], wait_s: float) -> tuple[PipelineWork, dict[str, np.ndarray]]:
         stage = self.workers.stage_of(worker)
         deadline = self.clock() + wait_s
         while True:
@@ -336,7 +339,7 @@ class PipelineCoordinator:
             out.append(
                 PipelineTask(
                     task_id=task.task_id,
-                    kind=step.kind,
+                    kind=step.kind,  # type: ignore[arg-type]  # a Step's kind is one of the four task kinds
                     stage=step.stage,
                     batch=step.batch,
                     microbatch=step.microbatch,
@@ -374,7 +377,7 @@ class PipelineCoordinator:
             self.restarted += 1
             self._submit(Step(FIRST, 0, fresh, batch=step.batch))
 
-    async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list:
+    async def _lease_or_round(self, worker: str, stage: int, wait_s: float) -> list[Task]:
         """A task of the worker's stage, or nothing when the round opens first (the worker then
         gets its upload at once instead of after its long poll)."""
         lease = asyncio.ensure_future(
@@ -396,11 +399,11 @@ class PipelineCoordinator:
         try:
             return await lease  # a lease that took its tasks before the cancel landed still returns them
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]  # awaited inside a request's task
                 raise  # this request itself is being cancelled
             return []
 
-    def _still_wanted(self, task) -> bool:
+    def _still_wanted(self, task: Task) -> bool:
         step = self.steps.get(task.task_id)
         if step is not None and all(self.boundaries.has(step.microbatch, name) for name in step.inputs()):
             return True
@@ -541,7 +544,7 @@ class PipelineCoordinator:
         ):  # (delayed updates) it holds the computing batch's gradients: its new stage drops them
             self.rounds.recompute(worker)
         self.workers.move(worker, stage)
-        self.planner.forget(worker)
+        self.planner.forget(worker)  # type: ignore[union-attr]  # only the planner's moves call _move
         self.moves += 1
 
     def orphan_silent(self, silence: dict[str, float]) -> None:
@@ -583,7 +586,7 @@ def _key(stage: int) -> str:
     return f"stage{stage}"
 
 
-def _renamed(entry: bytes, name: str, i: int) -> dict:
+def _renamed(entry: bytes, name: str, i: int) -> dict[str, np.ndarray]:
     """A stored boundary's tensors under the names task ``i`` of a work answer gives them."""
     _, tensors = payloads.decode(entry, len(entry))
     if name == "batch":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -57,6 +58,9 @@ from toolkit.wire.protocol import (
     StageRequest,
 )
 from toolkit.wire.tensor_container import MAX_HEADER
+
+if TYPE_CHECKING:
+    from relay_server.rounds.peer_registry import Peer
 
 log = logging.getLogger(__name__)
 PIPELINE = web.AppKey("pipeline", PipelineService)
@@ -112,7 +116,7 @@ async def get_work(request: web.Request) -> web.Response:
         raise ApiError(400, "bad_query", "cached must be comma-separated micro-batch ids") from None
     if len(cached) > MAX_CACHED:
         raise ApiError(400, "bad_query", f"at most {MAX_CACHED} cached micro-batches")
-    peer = _collab(request).registry.get(peer_id)
+    peer: Peer = _collab(request).registry.get(peer_id)  # type: ignore[assignment]  # _worker re-admitted it
     peer.inflight += 1  # a long-polling worker is alive
     try:
         work, tensors = await coordinator.work(peer_id, cached, wait)
@@ -167,7 +171,7 @@ async def get_status(request: web.Request) -> web.Response:
     """The Pipeline panel's figures, and the memory the relay and each stage's worker are
     predicted to need (``memory``: every term, :mod:`relay_server.pipeline.run_memory`)."""
     body = pipeline_status(_pipeline(request)).to_json()
-    body["memory"] = request.app[PIPELINE].memory.to_json()
+    body["memory"] = request.app[PIPELINE].memory.to_json()  # type: ignore[union-attr]  # set before routes serve
     return json_ok(body)
 
 
@@ -187,15 +191,16 @@ async def put_stage_gradient(
             "this ticket is not part of the pipeline's open round",
             "Drop this gradient; take the next task.",
         )
-    owner, worker = coordinator.owners.owners[stage], coordinator.round.tickets[ticket.peer_id][0]
+    owner = coordinator.owners.owners[stage]
+    worker = coordinator.round.tickets[ticket.peer_id][0]  # type: ignore[union-attr]  # checked open above
     deadline = coordinator.guard.upload_deadline(stage)
     coordinator.uploading.add(ticket.peer_id)
     try:
         async with asyncio.timeout(deadline):
             receipt = await put_slice(request, owner, ticket_key, require_digests=require_digests)
     except TimeoutError:
-        receipt = owner.receipt(ticket)  # cut while its commit ran: it counted
-        if receipt is None:
+        late = owner.receipt(ticket)  # cut while its commit ran: it counted
+        if late is None:
             coordinator.uploading.discard(ticket.peer_id)
             coordinator.guard.upload_cut(worker, stage, deadline)
             response = web.json_response(
@@ -210,6 +215,7 @@ async def put_stage_gradient(
             )
             response.force_close()  # the rest of the body is not read
             return response
+        receipt = late
     finally:
         coordinator.uploading.discard(ticket.peer_id)
         coordinator.check_delivered()
@@ -226,7 +232,12 @@ async def get_stage_params(request: web.Request, coordinator: PipelineCoordinato
     stage = coordinator.owners.stage_of(start, end)
     owner = coordinator.owners.owners[stage] if stage is not None else None
     if "step" in request.query and owner is not None:
-        response = await _stage_version(request, coordinator, stage, int_query(request, "step"))
+        response = await _stage_version(
+            request,
+            coordinator,
+            stage,  # type: ignore[arg-type]  # a stage when owner is set
+            int_query(request, "step"),
+        )
     else:
         response = await get_slice(request, owner, lambda *a: None)
     coordinator.figures.bytes.stage_params_down += response.content_length or 0

@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from relay_server.pipeline.batch_rounds import PipelineRounds
@@ -218,7 +218,7 @@ class PipelineGuard:
         return any(w != worker and self._serves(w) and self._active(w, stage) for w in self.workers.on_stage(stage))
 
     @contextlib.contextmanager
-    def polling(self, worker: str):
+    def polling(self, worker: str) -> Iterator[None]:
         self.polls[worker] = self.polls.get(worker, 0) + 1
         try:
             yield

@@ -19,6 +19,7 @@ on the way, and the round opens only when every micro-batch finished its backwar
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 FIRST, FORWARD, LAST, BACKWARD = "first", "forward", "last", "backward"
@@ -142,7 +143,7 @@ class Ledger:
                 mb.delivered.add(stage)
 
     def orphan(
-        self, worker: str, keep: set[tuple[int, int]] = frozenset(), only: tuple[int, set[int]] | None = None
+        self, worker: str, keep: AbstractSet[tuple[int, int]] = frozenset(), only: tuple[int, set[int]] | None = None
     ) -> list[Step]:
         """``worker`` left (or its upload failed: ``only`` those micro-batches of that stage):
         redo steps for each stage gradient it held and had not delivered, except ``keep``:

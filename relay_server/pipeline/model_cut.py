@@ -8,6 +8,7 @@ The model is built on the meta device (no memory, no initialisation) by the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ def _shapes(model: torch.nn.Module, microbatch_size: int) -> Shapes:
         return Shapes(
             width=cfg.d_model, microbatch_size=microbatch_size, max_positions=cfg.seq_len, vocab=cfg.vocab_size
         )
-    hf = model.config
+    hf: Any = model.config  # a transformers PretrainedConfig (torch types a module's attributes as Tensor | Module)
     return Shapes(
         width=hf.hidden_size,
         microbatch_size=microbatch_size,

@@ -33,7 +33,9 @@ from relay_server.tasks.payload_store import PayloadStore
 from toolkit.wire.compression import get_codec
 
 if TYPE_CHECKING:
+    from relay_server.pipeline.model_cut import ModelCut
     from relay_server.pipeline.run_memory import PipelineMemory
+    from relay_server.trust.referee import Referee
 
 log = logging.getLogger(__name__)
 TICK_S = 0.1
@@ -68,7 +70,7 @@ class PipelineService:
         self, config: RelayConfig, collab: Collaboration, owners: StageOwners, coordinator: PipelineCoordinator
     ) -> None:
         self.config, self.collab, self.owners, self.coordinator = config, collab, owners, coordinator
-        self.ticker: asyncio.Task | None = None
+        self.ticker: asyncio.Task[None] | None = None
         self.memory: PipelineMemory | None = None
         """What the relay and each stage's worker are predicted to hold (``GET /api/pipeline``)."""
 
@@ -186,7 +188,7 @@ class PipelineService:
         coordinator.rounds.retry_finalize()
 
 
-def _referee(config: RelayConfig, cut, owners: StageOwners):
+def _referee(config: RelayConfig, cut: ModelCut, owners: StageOwners) -> Referee:
     """The relay's own copy of the stages (:mod:`relay_server.trust.referee`), on the masters the
     stages' parameter servers hold."""
     from relay_server.trust.referee import Referee

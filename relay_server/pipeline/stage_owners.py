@@ -111,7 +111,10 @@ class StageOwners:
 
     def published(self) -> Published:
         """The current version: a manifest of every stage's slice and its hash."""
-        shas = {e.owner_id: o.publisher.latest.sha256 for e, o in zip(self.entries, self.owners)}
+        shas = {
+            e.owner_id: o.publisher.latest.sha256  # type: ignore[union-attr]  # __init__ publishes or restores each
+            for e, o in zip(self.entries, self.owners)
+        }
         return manifest_version(self.step, self.entries, shas, self.num_params, PLAN_VERSION)
 
     def version(self, stage: int, step: int) -> Version | None:

@@ -35,7 +35,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 CODEC_BYTES = {"float32": 4, "none": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 """Bytes per boundary element by codec; int8 adds one float32 scale per token row."""
@@ -65,7 +68,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class _Json:
-    def to_json(self) -> dict:
+    def to_json(self: DataclassInstance) -> dict[str, Any]:
         """Plain JSON types; an infinite time (a stage nobody can run) becomes null."""
         return _jsonable(dataclasses.asdict(self))
 

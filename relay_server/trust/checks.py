@@ -111,7 +111,7 @@ class PipelineTrust:
         self.failed: dict[str, int] = {}  # worker -> checks it lost
         self.reset: set[str] = set()  # workers that must drop what they hold before their next task
         self.counters = TrustCounters()
-        self.referee_tasks: set[asyncio.Task] = set()
+        self.referee_tasks: set[asyncio.Task[None]] = set()
 
     # --- admission ------------------------------------------------------------------------------
     def admit(self, worker: str, *, work: bool = False) -> None:
@@ -223,7 +223,12 @@ class PipelineTrust:
 
     async def _run_referee(self, key: str, check: Check) -> None:
         try:
-            truth = await asyncio.to_thread(self.deps.referee.compute, check.step, check.version, check.inputs)
+            truth = await asyncio.to_thread(
+                self.deps.referee.compute,  # type: ignore[union-attr]  # _referee starts this only with a referee
+                check.step,
+                check.version,
+                check.inputs,
+            )
         except Exception:  # a referee that cannot compute decides nothing
             log.exception("the relay could not referee a %s task of stage %d", check.step.kind, check.step.stage)
             truth = None

@@ -104,7 +104,7 @@ class Referee:
         return torch.from_numpy(rows.copy()).view(b, rows.shape[0] // b, self.width)
 
 
-def _batch(entry: bytes):
+def _batch(entry: bytes) -> torch.Tensor | dict[str, torch.Tensor]:
     """The micro-batch's data as the first stage sent it (``batch`` or ``batch.<key>``)."""
     _, tensors = payloads.decode(entry, len(entry))
     if "batch" in tensors:

@@ -22,6 +22,8 @@ class StepLike(Protocol):
     @property
     def redo(self) -> bool: ...
 
+    def inputs(self) -> list[str]: ...
+
 
 def output_name(step: StepLike) -> str | None:
     """The boundary a task's result gives (``a{k}`` of a forward, ``g{k-1}`` of a backward), None
