@@ -240,3 +240,121 @@ def test_a_loss_scaled_by_a_scaler_the_optimizer_was_not_given_is_refused_in_one
     with pytest.raises(ValueError, match=r"multiplied by 65536.*scaler=scaler") as refused:
         notes.take()
     assert "\n" not in str(refused.value)
+
+
+def _finished_run(serve_relay):
+    """A relay whose run ended at step 1, finished by a plain loop; the run's model, and data."""
+    import toolkit
+
+    relay = serve_relay(
+        {
+            "run": {"target_batch": 4, "total_steps": 1},
+            "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": GPT2_TINY},
+            "optimizer": {"name": "sgd", "lr": 0.02, "weight_decay": 0.0},
+        }
+    )
+    model = toolkit.run_model(relay.url)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as first:
+        while not first.finished:
+            model(input_ids=ids, labels=ids).loss.backward()
+            first.step(loss=0.0, batch_size=4)
+    return relay, toolkit.run_model(relay.url), [{"input_ids": ids, "labels": ids}]
+
+
+FINISHED = (
+    "[run_finished] run 'test-run' already finished at step 1: there is nothing left to contribute -- "
+    "Nothing to do here: ask the organizer for the address of their next run."
+)
+
+
+@pytest.mark.integration
+def test_a_trainer_joining_a_finished_run_ends_saying_so(serve_relay, tmp_path):
+    """The HF Trainer on a finished run's (empty) run_dataset used to crash inside Accelerate
+    ("Batch does not contain any data"); it ends with join()'s one line instead, before any step."""
+    pytest.importorskip("transformers")
+    from transformers import Trainer, TrainingArguments
+
+    from toolkit.errors import RunFinished
+    from toolkit.integrations.hf_trainer import CollaborativeCallback, run_dataset
+
+    relay, model, data = _finished_run(serve_relay)
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        assert opt.finished
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            max_steps=10,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=run_dataset(opt, data),
+            optimizers=(opt, None),
+            callbacks=[CollaborativeCallback(opt)],
+        )
+        with pytest.raises(RunFinished) as ended:
+            trainer.train()
+    assert str(ended.value) == FINISHED
+    assert trainer.state.global_step == 0 and opt.version == 1
+
+
+@pytest.mark.integration
+def test_a_lightning_trainer_joining_a_finished_run_ends_saying_so(serve_relay):
+    """Lightning on a finished run's (empty) opt.batches() used to train 0 steps without a word."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    from toolkit.errors import RunFinished
+    from toolkit.integrations.lightning import CollaborativeLightningCallback
+
+    relay, model, data = _finished_run(serve_relay)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return opt
+
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        trainer = pl.Trainer(
+            max_steps=10,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            callbacks=[CollaborativeLightningCallback()],
+        )
+        with pytest.raises(RunFinished) as ended:
+            trainer.fit(Module(), opt.batches(data))
+    assert str(ended.value) == FINISHED
+    assert trainer.global_step == 0 and opt.version == 1
+
+
+@pytest.mark.integration
+def test_an_accelerate_loop_joining_a_finished_run_ends_saying_so(serve_relay):
+    """An Accelerate loop over a finished run's (empty) opt.batches() used to train nothing without
+    a word; watch_loss, its one call into the integrations, says the run is over."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from toolkit.errors import RunFinished
+
+    relay, model, _ = _finished_run(serve_relay)
+    with CollaborativeOptimizer(model, relay.url, batch_size_per_step=4, report_interval_s=0.0) as opt:
+        model, wrapped = Accelerator(cpu=True).prepare(model, opt)
+        with pytest.raises(RunFinished) as ended:
+            watch_loss(model, wrapped)
+    assert str(ended.value) == FINISHED
+    assert opt.version == 1

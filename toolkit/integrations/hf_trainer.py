@@ -25,7 +25,8 @@ and the relay charts their mean loss:
 - The relay's schedule decides the learning rate: after each step the callback puts the relay's
   lr back into ``param_groups`` (the Trainer's scheduler wrote its own) and makes the Trainer's
   scheduler report it, so the Trainer's logged ``learning_rate`` is the relay's.
-- Training stops once the run has finished.
+- Training stops once the run has finished; a Trainer started on a run that had already finished
+  raises :class:`~toolkit.errors.RunFinished` at once, the one line :func:`toolkit.join` ends with.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f'toolkit.integrations.hf_trainer needs transformers: pip install "collabtrain[hf]" ({exc})'
     ) from exc
 
-from toolkit.integrations.hooks import collaborative, loss_scaler_of, watch_loss
+from toolkit.integrations.hooks import collaborative, loss_scaler_of, refuse_a_finished_run, watch_loss
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class CollaborativeCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
         self.optimizer = collaborative(self.optimizer if self.optimizer is not None else optimizer)
+        refuse_a_finished_run(self.optimizer)  # before the first (empty) batch is fetched
         if args.max_grad_norm is not None and args.max_grad_norm > 0:
             log.warning(
                 "max_grad_norm=%g would clip this peer's gradient before the collaboration sums it: "

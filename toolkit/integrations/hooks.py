@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from toolkit.errors import MESSAGES, RunFinished
 from toolkit.optimizer import CollaborativeOptimizer
 
 
@@ -46,6 +47,18 @@ def collaborative(optimizer: Any) -> CollaborativeOptimizer:
     if not isinstance(inner, CollaborativeOptimizer):
         raise TypeError(f"{type(optimizer).__name__} holds no CollaborativeOptimizer")
     return inner
+
+
+def refuse_a_finished_run(optimizer: Any) -> None:
+    """Raise :class:`~toolkit.errors.RunFinished`, the one line :func:`toolkit.join` ends with, when
+    the run had already finished: its batches are empty, which the loops do not take as an end
+    (the HF Trainer's Accelerate dataloader raises "Batch does not contain any data", Lightning
+    starts epoch after empty epoch, an Accelerate loop trains nothing without a word)."""
+    opt = collaborative(optimizer)
+    if opt.finished:
+        raise RunFinished(
+            "run_finished", MESSAGES["run_finished"][0].format(run=opt.run.run_name, step=opt.collab_state.step)
+        )
 
 
 def loss_scaler_of(optimizer: Any) -> Any:
@@ -89,7 +102,9 @@ class _Handles:
 def watch_loss(model: torch.nn.Module, optimizer: Any, *, scalar_output: bool = False, scaler: Any = None) -> Any:
     """Note the loss and batch size of every gradient-enabled forward of ``model`` on
     ``optimizer`` (ours, or a wrapper around it). ``scaler``: the loop's GradScaler, if it is not
-    the wrapper's (Accelerate's is found). Returns a handle: ``.remove()`` it when training ends."""
+    the wrapper's (Accelerate's is found). Returns a handle: ``.remove()`` it when training ends.
+    Raises :class:`~toolkit.errors.RunFinished` if the run has already finished (nothing to train)."""
+    refuse_a_finished_run(optimizer)
     opt = collaborative(optimizer)
     found = scaler if scaler is not None else loss_scaler_of(optimizer)
     if found is not None:

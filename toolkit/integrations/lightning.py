@@ -10,7 +10,8 @@ The callback notes it with both factors (:meth:`~toolkit.optim_base.CollabOptimi
 its samples, and gives the optimizer the precision plugin's scaler. Notes of a step the scaler
 skipped go at Lightning's next ``zero_grad()``. The batch size comes from
 ``on_train_batch_start``; before each batch the relay's lr goes back into ``param_groups`` (over
-what a configured scheduler wrote); the Trainer stops once the run has finished.
+what a configured scheduler wrote); the Trainer stops once the run has finished, and one started on
+a run that had already finished raises :class:`~toolkit.errors.RunFinished` (join()'s one line).
 (``on_train_batch_end`` would come after the step, one micro-batch too late to note.)
 """
 
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover - the standalone package
     except ImportError as exc:
         raise ImportError(f"toolkit.integrations.lightning needs lightning: pip install lightning ({exc})") from exc
 
-from toolkit.integrations.hooks import batch_size_of_call, collaborative
+from toolkit.integrations.hooks import batch_size_of_call, collaborative, refuse_a_finished_run
 
 
 class CollaborativeLightningCallback(pl.Callback):
@@ -38,6 +39,11 @@ class CollaborativeLightningCallback(pl.Callback):
     @staticmethod
     def _optimizer(trainer: Any) -> Any:
         return collaborative(trainer.optimizers[0]) if trainer.optimizers else None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        opt = self._optimizer(trainer)
+        if opt is not None:
+            refuse_a_finished_run(opt)  # its batches are empty: Lightning would start epoch after epoch
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._batch_size = batch_size_of_call((batch,), {})
