@@ -90,26 +90,14 @@ def test_pipeline_equals_one_process(serve_relay, launch_stage_worker, model, sp
     """K stages, 2 workers each, staleness 0, 5 steps: the parameters equal one process on the
     same global batches -- for GPT-2 with its default dropout, drawing the same masks (each
     micro-batch's forward on stage k seeded by (micro-batch, k), the recomputed backward replaying
-    it, on whichever worker it runs) -- and every stage's every round counted exactly the batch."""
+    it, on whichever worker it runs) -- and every stage's every round counted exactly the batch.
+
+    Whether a backward lands on another worker than its forward is the scheduler's choice (on a
+    loaded machine one worker can take them all), so this test does not assert it happened;
+    ``tests/test_pipeline_stages.py`` proves the masks do not depend on the worker that draws them."""
     relay, initial, workers = train(serve_relay, launch_stage_worker, spec, stages=stages, steps=EXACT_STEPS)
     assert check_exact(relay, spec, initial, workers, EXACT_STEPS) <= 1e-5
     assert counted(relay) == [[2 * MICROBATCHES] * stages] * EXACT_STEPS
-    if model == "gpt2-dropout":  # the masks crossed workers: backwards replayed forwards they did not run
-        assert moved_backwards(workers) >= 1
-
-
-def moved_backwards(workers) -> int:
-    """Backwards (not of the last stage) accepted from another worker than their forward's: each
-    replayed the masks of a forward it did not run."""
-    ran: dict[tuple[str, int, int], set[str]] = {}
-    for worker in workers:
-        for e in worker.events():
-            if e["event"] == "accepted" and e["kind"] != "last":
-                step = "forward" if e["kind"] in ("first", "forward") else "backward"
-                ran.setdefault((step, e["stage"], e["microbatch"]), set()).add(worker.name)
-    return sum(
-        1 for (step, k, m), names in ran.items() if step == "backward" and names != ran.get(("forward", k, m), names)
-    )
 
 
 def test_a_pinned_precision_is_the_stage_workers_precision(serve_relay, launch_stage_worker):
