@@ -1,8 +1,8 @@
 """Compressed pipeline boundaries on shaped links: float16 against ``lowrank-<r>``, side by side in one run,
 judged by the loss reached after N samples and the time to reach float16's loss, not bytes alone.
 
-    sudo python benchmarks/pipeline_compression.py                        # ~25 minutes on 2 shared cores
-    sudo python benchmarks/pipeline_compression.py --batches 12 --codec lowrank-16
+    sudo python benchmarks/pipeline_compression.py                        # ~5 minutes on 2 shared cores
+    sudo python benchmarks/pipeline_compression.py --relay-mbit 20        # where the link binds
     python benchmarks/pipeline_compression.py --no-shape                  # loopback (no root)
 
 Processes per codec: one ``relay-server serve`` with ``[pipeline] boundary_codec`` set (a GPT-2 of
@@ -31,11 +31,11 @@ Last line: one JSON object with both codecs' figures and ``bytes_vs_float16`` (f
 sample over the codec's), ``loss_vs_float16`` (the codec's ``loss_at_n`` over float16's) and
 ``time_vs_float16`` (its time to target over float16's), and the bars (>= 8x, <= 1.02, <= 0.6).
 
-What binds where: a task's compute on this 2-core machine (shared with other work) is a few
-hundred milliseconds, the float16 boundaries of a micro-batch a few tens of milliseconds at 200 Mbit/s,
-and each task pays 0.1-0.3 s of HTTP overhead: compute and overhead bind, not the link, so the time
-ratio stays near 1 whatever the codec saves. ``--relay-mbit 20`` shows the link-bound regime a
-GPU stage (compute 10-100x faster) meets at 200 Mbit/s.
+What binds where (docs/benchmarks.md): with the defaults a batch's float16 boundaries are 4.3 MB
+through the relay, 0.17 s at 200 Mbit/s of a 1.3 s batch on this 2-core machine; the rest is each
+task's compute and HTTP overhead, so the time ratio stays near 1 whatever the codec saves.
+``--relay-mbit 20`` shows the link-bound regime a GPU stage (compute 10-100x faster) meets at
+200 Mbit/s.
 """
 
 from __future__ import annotations
@@ -282,13 +282,13 @@ def main() -> None:
     parser.add_argument("--relay", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--codec", default="lowrank-16", help="the compressor against float16 (default lowrank-16)")
+    parser.add_argument("--codec", default="lowrank-32", help="the compressor against float16 (default lowrank-32)")
     parser.add_argument("--batches", type=int, default=40, help="batches per codec (N = batches x batch samples)")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--microbatch-size", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatch-size", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--workers-per-stage", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--window", type=int, default=5, help="batches the training loss is averaged over")
@@ -300,6 +300,7 @@ def main() -> None:
     if args.worker:
         run_worker(args)
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the namespaces and processes down
     n_workers = 2 * args.workers_per_stage
     reason = "--no-shape" if args.no_shape else unavailable()
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pipeline-compression-") as tmp:

@@ -34,10 +34,10 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_a_matrix_of_the_kept_rank_comes_back_to_float16_precision():
+def test_a_matrix_of_the_kept_rank_comes_back_to_int8_precision():
     codec = boundary_codec("lowrank-8")
     x = matrix(8)
-    assert relative(codec.round_trip(x), x) < 2e-3
+    assert relative(codec.round_trip(x), x) < 1.5e-2
 
 
 def test_a_full_rank_matrix_loses_about_what_the_best_rank_r_approximation_loses():
@@ -48,16 +48,16 @@ def test_a_full_rank_matrix_loses_about_what_the_best_rank_r_approximation_loses
     s = np.linalg.svd(x.astype(np.float64), compute_uv=False)
     optimum = float(np.sqrt((s[8:] ** 2).sum() / (s**2).sum()))
     error = relative(codec.round_trip(x), x)
-    assert optimum <= error <= 1.15 * optimum, (error, optimum)
+    assert optimum <= error <= 1.15 * optimum, (error, optimum)  # int8 factors included
 
 
 @pytest.mark.parametrize("scale", [1e-8, 1.0, 1e4])
 def test_the_scale_travels_in_float32_so_tiny_gradients_keep_their_precision(scale):
-    """Unit factors in float16, singular values in float32: a gradient of 1e-8 (below float16's
-    normal range) round-trips as precisely as one of 1."""
+    """Columns quantized against their own peak, scales in float32: a gradient of 1e-8 (below
+    float16's normal range) round-trips as precisely as one of 1."""
     codec = boundary_codec("lowrank-8")
     x = matrix(8, scale=scale)
-    assert relative(codec.round_trip(x), x) < 2e-3
+    assert relative(codec.round_trip(x), x) < 1.5e-2
 
 
 def test_encoding_is_deterministic_and_the_bytes_are_as_documented():
@@ -68,8 +68,8 @@ def test_encoding_is_deterministic_and_the_bytes_are_as_documented():
     assert all(np.array_equal(first[k], second[k]) for k in first)
     assert payloads.row_names("y", codec) == set(first)
     nbytes = sum(a.nbytes for a in first.values())
-    assert nbytes == codec.matrix_bytes(1024, 512) == 2 * 32 * (1024 + 512) + 4 * 32
-    assert 2 * x.size / nbytes > 10  # float16 over lowrank-32 at this shape
+    assert nbytes == codec.matrix_bytes(1024, 512) == 32 * (1024 + 512) + 4 * 32
+    assert 2 * x.size / nbytes > 21  # float16 over lowrank-32 at this shape
     assert codec.wire_bytes(x.size) >= nbytes  # the body limit's bound holds
 
 
@@ -78,7 +78,7 @@ def test_a_matrix_smaller_than_the_rank_travels_at_its_own_rank():
     x = matrix(6, rows=6, width=WIDTH)
     tensors = payloads.encode_rows("y", x, codec)
     assert tensors["y.p"].shape == (6, 6) and tensors["y.q"].shape == (WIDTH, 6)
-    assert relative(payloads.read_rows(tensors, "y", 6, WIDTH, codec), x) < 2e-3
+    assert relative(payloads.read_rows(tensors, "y", 6, WIDTH, codec), x) < 1.5e-2
 
 
 def test_the_one_process_cut_compresses_forward_and_backward():
@@ -103,7 +103,7 @@ def hostile(change) -> dict[str, np.ndarray]:
 
 
 def _nan(t):
-    t["y.p"][0, 0] = np.nan
+    t["y.s"][0] = np.nan
 
 
 def _negative(t):
@@ -114,27 +114,20 @@ def _huge(t):
     t["y.s"][0] = SIGMA_MAX * 10
 
 
-def _overflow(t):
-    t["y.s"][:] = SIGMA_MAX / 10  # accepted, but 60000^2 x 1e29 x 8 overflows float32
-    t["y.p"][:] = 60000.0
-    t["y.q"][:] = 60000.0
-
-
 @pytest.mark.parametrize(
     "change,code,words",
     [
         (lambda t: t.pop("y.q"), "bad_tensor", "expects tensors"),
         (lambda t: t.update({"y.extra": np.zeros(1, np.float32)}), "bad_tensor", "expects tensors"),
-        (lambda t: t.update({"y.p": t["y.p"].astype(np.float32)}), "bad_tensor", "'p' must be float16"),
+        (lambda t: t.update({"y.p": t["y.p"].astype(np.float16)}), "bad_tensor", "'p' must be int8"),
         (lambda t: t.update({"y.s": t["y.s"].astype(np.float16)}), "bad_tensor", "'s' must be float32"),
         (lambda t: t.update({"y.p": t["y.p"][:-1]}), "bad_tensor", f"must have {ROWS} rows"),
-        (lambda t: t.update({"y.q": t["y.q"][:-1]}), "bad_tensor", "'q' must be float16 of shape"),
-        (lambda t: t.update({"y.p": t["y.p"][:, :-1]}), "bad_tensor", "'p' must be float16 of shape"),
-        (lambda t: t.update({"y.p": t["y.p"].reshape(-1)}), "bad_tensor", "2-D float16"),
+        (lambda t: t.update({"y.q": t["y.q"][:-1]}), "bad_tensor", "'q' must be int8 of shape"),
+        (lambda t: t.update({"y.p": t["y.p"][:, :-1]}), "bad_tensor", "'p' must be int8 of shape"),
+        (lambda t: t.update({"y.p": t["y.p"].reshape(-1)}), "bad_tensor", "2-D int8"),
         (_nan, "bad_tensor", "NaN or Inf"),
         (_negative, "bad_tensor", "singular values"),
         (_huge, "bad_tensor", "singular values"),
-        (_overflow, "non_finite", "NaN or Inf"),
     ],
 )
 def test_every_malformed_payload_is_refused_in_one_line(change, code, words):
@@ -143,6 +136,20 @@ def test_every_malformed_payload_is_refused_in_one_line(change, code, words):
         payloads.read_rows(hostile(change), "y", ROWS, WIDTH, codec)
     assert refused.value.code == code and words in str(refused.value), str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_the_largest_accepted_payload_still_decodes_finite():
+    """Every int8 byte is a valid entry and ``s`` is capped: the worst a hostile worker can send
+    decodes to finite float32 (128 x 128 x r x SIGMA_MAX < float32's max for every rank)."""
+    codec = boundary_codec("lowrank-1024")
+    r = min(ROWS, WIDTH)
+    parts = {
+        "s": np.full(r, SIGMA_MAX, np.float32) * np.float32(0.999),
+        "p": np.full((ROWS, r), -128, np.int8),
+        "q": np.full((WIDTH, r), -128, np.int8),
+    }
+    assert np.isfinite(codec.read_matrix(parts, ROWS, WIDTH)).all()
+    assert 128 * 128 * 1024 * SIGMA_MAX < np.finfo(np.float32).max
 
 
 def test_the_relay_refuses_a_malformed_boundary_before_anything_downstream_sees_it():
@@ -194,4 +201,4 @@ def test_configuration_mistakes_name_the_field(section, words):
 
 def test_the_planner_prices_a_lowrank_boundary_below_float16():
     fp16 = boundary_bytes_per_sample("float16", 512, 128)
-    assert boundary_bytes_per_sample("lowrank-8", 512, 128) == 2 * 8 * (128 + 512) + 4 * 8 < fp16 / 6
+    assert boundary_bytes_per_sample("lowrank-8", 512, 128) == 8 * (128 + 512) + 4 * 8 < fp16 / 12

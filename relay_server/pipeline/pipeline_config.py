@@ -46,7 +46,7 @@ class PipelineSection:
     boundary_codec: str = "none"
     """How activations and their gradients cross the relay: none (float32, exact), float16 (half
     the bytes), int8 (blockwise, about a quarter) or lowrank-<r> (each micro-batch's matrix as its
-    rank-r factors, e.g. lowrank-32: 2 r (rows + width) float16 values instead of rows x width;
+    rank-r factors, e.g. lowrank-32: r (rows + width) bytes instead of float16's 2 rows x width;
     docs/pipeline.md, "Compressed boundaries")."""
     boundary_memory_mb: int = 256
     """Boundary tensors the relay keeps in memory until a batch's round closes; beyond it they

@@ -55,8 +55,8 @@ def boundary_bytes_per_sample(codec: str, width: int, tokens: int) -> float:
     """Bytes of one sample's activation (or gradient) at a stage boundary: ``tokens`` rows of
     ``width`` values in ``codec``."""
     rank = lowrank_rank(codec)
-    if rank is not None:  # per micro-batch 2 r (rows + width) + 4 r: per sample at most one sample's rows
-        return float(2 * min(rank, tokens, width) * (tokens + width) + 4 * rank)
+    if rank is not None:  # per micro-batch r (rows + width) + 4 r: per sample at most one sample's rows
+        return float(min(rank, tokens, width) * (tokens + width) + 4 * rank)
     if codec not in CODEC_BYTES:
         raise StagePlanError(f"boundary codec {codec!r} is not one of {sorted(CODEC_BYTES)}")
     return float(tokens * (width * CODEC_BYTES[codec] + (4 if codec == "int8" else 0)))

@@ -21,7 +21,7 @@ Wire layouts for n values (``Codec.layout(n)``; dtypes as safetensors codes):
 
 Pipeline boundaries only, a matrix [rows, width] (not a vector: ``lowrank.LowRankCodec``):
 
-    lowrank-r  s F32 (r,), p F16 (rows, r), q F16 (width, r)   2 r (rows + width) + 4 r bytes
+    lowrank-r  s F32 (r,), p I8 (rows, r), q I8 (width, r)     r (rows + width) + 4 r bytes
 
 Two helpers carry the quantization error across steps so it never accumulates:
 ``ErrorFeedback`` (peer -> relay gradient sums) and ``DeltaEncoder`` / ``apply_delta``
