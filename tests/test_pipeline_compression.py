@@ -3,9 +3,14 @@ process and real stage worker processes on 127.0.0.1.
 
 A lossy codec makes the run unequal to the plain model; what it equals is the model with the
 codec's round trip applied at the cut, forward to the activation and backward to its gradient
-(:func:`toolkit.pipeline.boundary_codec.through_cuts`). The codec is deterministic, so the
-parameters after a few steps equal that one-process reference to 1e-5, the run learns, and the
-relay's bytes per sample are a fraction of float16's.
+(:func:`toolkit.pipeline.boundary_codec.through_cuts`). The codec is deterministic: the same
+matrix gives the same bytes in every process. What differs between the run and its reference is
+float rounding elsewhere -- the relay sums the stages' gradients in another order than autograd
+does -- and a rounding codec turns an occasional input that
+close to a rounding boundary into a flipped int8 code of a factor (1/127 of that column's peak).
+So the parameters after 5 steps equal that reference to 1e-4 (measured 3.6e-5), 10x closer than
+to the model trained without the codec; the run learns, and the relay's bytes per sample are a
+fraction of float16's.
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ def test_a_lowrank_run_equals_one_process_with_the_codec_at_the_cut(serve_relay,
     batches, layers = accepted_batches(workers), layers_per_stage(relay.url)
 
     reference = replay(SPEC, initial, batches, steps=step, microbatches=MICROBATCHES, layers=layers, codec=CODEC)
-    assert relative_difference(final, reference) <= 1e-5
+    exact = relative_difference(final, reference)
+    assert exact <= 1e-4, exact
     plain = replay(SPEC, initial, batches, steps=step, microbatches=MICROBATCHES, layers=layers)
-    assert relative_difference(final, plain) > 1e-3  # the codec really changed what was trained
+    assert relative_difference(final, plain) > 10 * max(exact, 1e-4)  # the codec changed what was trained
 
     def loss(flat: np.ndarray) -> float:  # the compressed model's loss on the run's first batches
         model = build_model(SPEC)

@@ -8,7 +8,8 @@ each cut is a layer whose forward is ``decode(encode(h))`` and whose backward is
 ``decode(encode(g))`` (the straight-through rule, the compressed gradient included).
 :func:`through_cuts` installs that layer in a one-process model: with a deterministic codec
 (every codec here) the pipeline's parameters equal that model's trained on the same batches, to
-float rounding. That is the reference tests hold a compressed run against, and what
+float rounding (which a rounding codec amplifies where an input lies at a rounding boundary:
+1e-4 after 5 steps with ``lowrank-4``). That is the reference tests hold a compressed run against, and what
 ``benchmarks/pipeline_compression.py`` means by a compressed model's loss.
 """
 
