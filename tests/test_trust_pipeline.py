@@ -20,9 +20,12 @@ import pytest
 import requests
 
 from relay_server.harness.process import wait_until
+from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.training import relay_params
+from toolkit.client import RelayClient
+from toolkit.errors import RelayRejected
 
 MICROBATCHES = 4
 STEPS = 3
@@ -110,3 +113,47 @@ def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_
     assert trust["checks"] >= STEPS * MICROBATCHES * 2, trust
     assert trust["agreed"] + trust["refereed"] >= STEPS * MICROBATCHES, trust
     assert trust["max_agreeing_distance"] <= trust["tolerance"], trust
+
+
+def test_on_a_signed_run_a_banned_liar_cannot_come_back_under_its_name(tmp_path, launch_stage_worker, monkeypatch):
+    """``auth.mode = "hf"``: the liar's Hugging Face user is banned (the store's ban list), so it
+    can neither keep working under a new peer id nor log in again; on an open run only the peer id
+    it was given is refused (a rejoin is a new worker: on probation, its first result checked)."""
+    hub = standin()
+    relay = None
+    try:
+        relay = hf_relay(
+            tmp_path,
+            hub,
+            {
+                **pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, check_share=1.0),
+                "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+                "limits": {},
+            },
+        )
+        for user in ("alice", "bob", "eve"):
+            monkeypatch.setenv(f"HF_TOKEN_{user.upper()}", TOKENS[user])
+        login = ("--hf-token-env",)
+        liar = launch_stage_worker(
+            relay.url, "liar", seed=100, until_step=STEPS, extra=(*login, "HF_TOKEN_EVE", "--corrupt", "scale")
+        )
+        wait_until(lambda: placed(relay) >= 1, 120, "the liar placed on stage 0")
+        honest = [
+            launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=2, extra=(*login, f"HF_TOKEN_{user}"))
+            for i, user in enumerate(("ALICE", "BOB", "ALICE"))
+        ]
+        for worker in honest:
+            assert worker.wait(timeout_s=300) == 0, worker.log_path.read_text()[-3000:]
+        assert liar.wait(timeout_s=60) != 0  # ended: refused, whether as a banned worker or a banned user
+        (ban,) = pipeline(relay)["trust"]["bans"]
+        liar_id = next(e["peer_id"] for e in liar.events() if e["event"] == "joined")
+        assert ban["worker"] == liar_id, ban
+        comeback = RelayClient(relay.url)
+        with pytest.raises(RelayRejected) as refused:
+            comeback.login(TOKENS["eve"])  # the same user, a new peer key: refused at the door
+        assert refused.value.code == "user_banned", refused.value
+        comeback.close()
+    finally:
+        if relay is not None:
+            relay.stop()
+        hub.stop()
