@@ -199,13 +199,10 @@ def tolerances(args) -> dict:
     would have called lies (false bans)."""
     import math
 
-    import torch
-
     from relay_server.trust.calibrate import MARGIN, measure
     from relay_server.trust.compare import tolerance
     from toolkit.wire.protocol import ModelSpec
 
-    torch.set_num_threads(1)  # one core each: the shared machine's other threads do not stall it
     model = relay_config(args, 0.0)["model"]
     spec = ModelSpec(factory=model["factory"], kwargs=model["kwargs"])
     out = {}

@@ -32,7 +32,7 @@ import torch
 
 from relay_server.trust.compare import distance
 from toolkit.pipeline import compute
-from toolkit.pipeline.cuts import cut_stages
+from toolkit.pipeline.cuts import StageCut, cut_stages
 from toolkit.pipeline.stage import Stage
 from toolkit.pipeline.stages import build_stage, units_of
 from toolkit.runtime.precision import PrecisionPolicy
@@ -45,7 +45,7 @@ must catch stays far above (a 1.3x scale is 0.23, noise at 10% of the norm 0.1, 
 
 
 @dataclass
-class Measured:
+class HonestDistances:
     """Honest distances of one precision, over ``tasks`` tasks (each several boundaries)."""
 
     precision: str
@@ -100,7 +100,7 @@ def measure(
     *,
     microbatch_size: int = 2,
     seed: int = 0,
-) -> Measured:
+) -> HonestDistances:
     """Compute ``tasks`` micro-batches through every stage of ``spec`` cut into ``layers`` in
     ``precision`` ("fp32", "fp16", "bf16"; CPU autocast) twice -- as one micro-batch and sample by
     sample -- and in fp64, and measure the distances (:func:`relay_server.trust.compare.distance`, the
@@ -114,13 +114,18 @@ def measure(
         stages.append(_loaded(spec, cut, flat, torch.float32))
         exact.append(_loaded(spec, cut, flat, torch.float64))
     seq_len, vocab = _tokens(spec)
-    out = Measured(precision)
-    for m in range(tasks):
-        batch = torch.randint(0, vocab, (microbatch_size, seq_len + 1), generator=g)
-        for ours, theirs, truth in _boundaries(stages, exact, batch, m, policy):
-            out.pairwise.append(distance(ours, theirs))
-            out.to_exact.extend([distance(ours, truth), distance(theirs, truth)])
-        out.tasks += 1
+    out = HonestDistances(precision)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: a loaded machine's other threads never stall a measurement
+    try:
+        for m in range(tasks):
+            batch = torch.randint(0, vocab, (microbatch_size, seq_len + 1), generator=g)
+            for ours, theirs, truth in _boundaries(stages, exact, batch, m, policy):
+                out.pairwise.append(distance(ours, theirs))
+                out.to_exact.extend([distance(ours, truth), distance(theirs, truth)])
+            out.tasks += 1
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -160,7 +165,7 @@ def _boundaries(
         grad = whole.to(torch.float32)
 
 
-def _loaded(spec: ModelSpec, cut, flat: torch.Tensor, dtype: torch.dtype) -> Stage:
+def _loaded(spec: ModelSpec, cut: StageCut, flat: torch.Tensor, dtype: torch.dtype) -> Stage:
     stage = build_stage(spec, cut, "cpu")
     with torch.no_grad():
         stage.load_flat(flat)
@@ -176,5 +181,6 @@ def _tokens(spec: ModelSpec) -> tuple[int, int]:
     """(sequence length, vocabulary) of a ByteTransformer or transformers decoder spec."""
     if spec.kind == "transformers":
         config = spec.config or {}
-        return int(config.get("n_positions") or config.get("max_position_embeddings")) - 1, int(config["vocab_size"])
+        positions = config.get("n_positions") or config.get("max_position_embeddings") or 0
+        return int(positions) - 1, int(config["vocab_size"])
     return int(spec.kwargs["seq_len"]), 256
