@@ -44,7 +44,7 @@ def placed(relay) -> int:
     return sum(len(s["workers"]) for s in status["stages"]) + len(status["trust"]["bans"])
 
 
-def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage: int = 0):
+def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage: int = 0, share: float = 1.0):
     """Four workers placed in turn (a joiner goes to the stage with the fewest workers, the lower
     first), the liar (if any) the first placed on ``liar_stage``: the relay's status after
     ``STEPS`` batches, checked exact, the liar and the honest workers."""
@@ -56,7 +56,7 @@ def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage:
                 microbatches=MICROBATCHES,
                 initial_lease_s=5.0,
                 lease_floor_s=1.0,
-                check_share=1.0,
+                check_share=share,
             ),
             "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
         }
@@ -101,6 +101,22 @@ def test_a_worker_sending_wrong_results_is_banned_and_its_batch_recomputed(
     assert ban["worker"] == liar_id and ban["batch"] <= BANNED_BY_BATCH, trust
     assert trust["batches_restarted"] == 1 and trust["refereed"] >= 1, trust
     assert liar_id not in {w for s in status["stages"] for w in s["workers"]}, status["stages"]
+
+
+def test_at_a_low_base_share_a_new_liar_is_caught_by_its_probation(serve_relay, launch_stage_worker):
+    """``check_share = 0.02``: at that share the sign-flipper (every tenth gradient, the first
+    included) would survive about 500 of its tasks; a new worker's first checkable result is
+    always checked (probation), so it is banned in its first batches all the same, and the run
+    stays exact."""
+    status, liar, _ = checked_run(serve_relay, launch_stage_worker, "flip", 1, share=0.02)
+    assert liar.wait(timeout_s=120) == 3, liar.log_path.read_text()[-3000:]
+    liar_id = next(e["peer_id"] for e in liar.events() if e["event"] == "joined")
+    trust = status["trust"]
+    (ban,) = trust["bans"]
+    assert ban["worker"] == liar_id and ban["batch"] <= BANNED_BY_BATCH, trust
+    # the checks were probation's (and the monitors' suspects', whose every result is checked), the
+    # base share's not more: at 2% it would almost never have chosen the liar's few flipped gradients
+    assert trust["check_share"] == 0.02 and trust["probation"] == 2 and trust["probation_checks"] >= 1, trust
 
 
 def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_worker):
