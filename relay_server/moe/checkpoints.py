@@ -52,6 +52,16 @@ class CheckpointStore:
         newest = self.newest(uid)
         return newest[1] if newest is not None else None
 
+    def bodies(self, uid: str) -> list[bytes]:
+        """Every checkpoint kept of ``uid``, newest first (one pruned while listing is skipped)."""
+        found = []
+        for number in reversed(self.versions(uid)):
+            try:
+                found.append((self._dir(uid) / f"{number:010d}.safetensors").read_bytes())
+            except FileNotFoundError:
+                continue
+        return found
+
     def newest(self, uid: str) -> tuple[int, bytes] | None:
         """The newest checkpoint's number and bytes (None: none yet). Another process may read
         while the relay saves: a file pruned between listing and reading is skipped for the newer one."""

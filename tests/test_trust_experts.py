@@ -1,0 +1,222 @@
+"""Dishonest expert hosts against the relay's spot checks and monitor (``[moe] check_share``): a
+real relay, real host processes (``toolkit.moe.host``; the liar is ``tests/lying_expert_host.py``,
+the same host whose runtime answers wrong), expert calls made through the relay as a trainer
+makes them.
+
+* ``identity``: the liar returns every call's input unchanged. At ``check_share = 0.25`` a call
+  is checked at random, and the monitor makes every call of the liar a check once two of its
+  answers were outliers of its layer: the liar is banned within :data:`IDENTITY_ROUNDS` rounds
+  (a round calls each of the 8 experts once: 2 of them the liar's).
+* ``scale``: the liar multiplies its forward outputs by 1.3 from the expert's first update on,
+  so the check needs the host's checkpoint of that version (computed on the relay then, or as
+  soon as that checkpoint comes): banned within :data:`SCALE_SECONDS`, and its experts then
+  answer from another host exactly as an honest host trains them.
+* an honest run (two hosts, a trainer for 20 steps, every call checked) bans nobody, has no
+  disagreement and still equals one process to 1e-5.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from relay_server.harness.process import wait_until
+from relay_server.moe.feature import EXPERTS
+from tests.support.moe import (
+    KWARGS,
+    LR,
+    UIDS,
+    Member,
+    directory,
+    latest_checkpoint,
+    one_process_reference,
+    overrides,
+    start_host,
+    stop,
+    train_with_two_hosts,
+)
+from tests.support.processes import REPO
+from tests.support.training import relay_params
+from toolkit.models import DMoEMLP
+from toolkit.moe.calls import ExpertFailed, LoopbackCaller
+from toolkit.moe.remote import RelayExpertCaller
+
+pytestmark = pytest.mark.integration
+
+IDENTITY_ROUNDS = 6
+"""Rounds by which the identity liar is banned: the layer's monitor warms up over 8 answers (two
+rounds), two outliers make the liar a suspect (one more round: each round brings one answer of
+the liar per layer), its next call is then checked; a random check (1 in 4) comes sooner."""
+SCALE_SECONDS = 10.0
+"""The scale liar's first lie is checked when the host's next checkpoint (every 0.5 s) of that
+version reaches the relay, or at once if it is there already."""
+
+
+def trust(relay) -> dict:
+    """The relay's expert checks now (what ``GET /api/status`` shows under ``experts.trust``, the
+    Experts panel's data, at most a second later)."""
+    return relay.call(lambda: relay.app[EXPERTS].review.status())
+
+
+def observed(relay) -> dict:
+    return requests.get(relay.url + "/api/status", timeout=10).json()["experts"]["trust"]
+
+
+def start_liar(url: str, capacity: int, lie: str, log: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "tests/lying_expert_host.py", url, str(capacity), lie, *extra],
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def liar_and_honest_host(relay, tmp_path: Path, lie: str, *extra: str):
+    """The liar leases 2 experts first (one per layer: a minority of each layer's calls, as a
+    monitor needs), then an honest host the other 6 (and, later, the liar's orphans)."""
+    liar = start_liar(relay.url, 2, lie, tmp_path / "liar.log", *extra)
+    wait_until(lambda: len(directory(relay.url)["live"]) == 2, 60, "the liar to lease 2 experts")
+    hosting = relay.status()["experts"]["experts_per_host"]
+    assert list(hosting.values()) == [2], hosting
+    liar_id = next(iter(hosting))
+    honest = start_host(relay.url, "honest", 8, tmp_path / "honest.log")
+    wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the honest host to lease the other 6")
+    liar_uids = sorted(
+        uid for uid in UIDS if relay.call(lambda u=uid: relay.app[EXPERTS].directory.host_of(u)) == liar_id
+    )
+    return liar, honest, liar_id, liar_uids
+
+
+def test_a_host_that_returns_its_input_is_banned_and_its_experts_answer_from_another_host(
+    serve_relay, tmp_path: Path
+) -> None:
+    relay = serve_relay({**overrides(0), "moe": {**overrides(0)["moe"], "check_share": 0.25}})
+    liar, honest, liar_id, liar_uids = liar_and_honest_host(relay, tmp_path, "identity")
+    trainer = Member(relay.url, "trainer")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id, refresh_s=0.0)
+    reference = DMoEMLP(**KWARGS)
+    gen = torch.Generator().manual_seed(0)
+    lies_received = failed = 0
+    try:
+        banned_at = None
+        for round_ in range(IDENTITY_ROUNDS + 4):
+            for uid in UIDS:
+                x = torch.randn(4, 8, generator=gen)
+                try:
+                    y = caller.forward(uid, x).result(timeout=30)
+                except ExpertFailed:
+                    failed += 1
+                    assert uid in liar_uids, f"a call to the honest host's {uid} failed"
+                    continue
+                expected = reference.make_expert(uid)(x).detach()
+                if torch.allclose(y, x):
+                    lies_received += 1
+                else:
+                    torch.testing.assert_close(y, expected)  # no forward trains: the fresh expert
+            if trust(relay)["bans"]:
+                banned_at = round_
+                break
+        status = trust(relay)
+        assert banned_at is not None and banned_at < IDENTITY_ROUNDS, status
+        assert [b["host"] for b in status["bans"]] == [liar_id], status
+        assert "from the relay's own computation" in status["bans"][0]["reason"]
+        assert status["disagreed"] == 1 and status["agreed"] >= 1, status  # the honest host's checks agreed
+        assert liar_id in status["suspects"] or status["bans"][0]["checks"] == 1, status  # the monitor, or luck
+        assert failed >= 1  # the checked lie was withheld: a failed expert for the caller, never garbage
+        assert lies_received <= 2 * banned_at + 1, lies_received  # unchecked calls before the checked one
+        # consequences: the liar is refused and stops; the honest host takes its experts over
+        assert liar.wait(timeout=60) == 0
+        assert "banned" in (tmp_path / "liar.log").read_text()
+        wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the honest host to take the orphans")
+        for uid in liar_uids:
+            x = torch.randn(3, 8, generator=gen)
+            torch.testing.assert_close(
+                caller.forward(uid, x).result(timeout=30), reference.make_expert(uid)(x).detach()
+            )
+        assert trust(relay)["bans"] == status["bans"]  # the honest host is never banned
+        wait_until(lambda: observed(relay)["bans"] == status["bans"], 10, "GET /api/status to show the ban")
+    finally:
+        caller.close()
+        trainer.close()
+        stop([liar, honest])
+
+
+def test_a_host_that_scales_its_outputs_after_training_is_caught_from_its_checkpoint(
+    serve_relay, tmp_path: Path
+) -> None:
+    relay = serve_relay({**overrides(0), "moe": {**overrides(0)["moe"], "check_share": 1.0}})
+    liar, honest, liar_id, liar_uids = liar_and_honest_host(relay, tmp_path, "scale", "--from-version", "1")
+    trainer = Member(relay.url, "trainer")
+    caller = RelayExpertCaller(trainer.client, trainer.peer_id, refresh_s=0.0)
+    experts = {uid: DMoEMLP(**KWARGS).make_expert(uid) for uid in UIDS}
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with LoopbackCaller(experts, optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=LR)) as local:
+            for uid in UIDS:  # version 0: every host honest; one backward: every expert one SGD step
+                x, g = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+                torch.testing.assert_close(caller.forward(uid, x).result(timeout=30), local.forward(uid, x).result())
+                torch.testing.assert_close(
+                    caller.backward(uid, x, g).result(timeout=30), local.backward(uid, x, g).result()
+                )
+            assert trust(relay)["disagreed"] == 0
+            started, lies = time.monotonic(), 0
+            while not trust(relay)["bans"] and time.monotonic() - started < SCALE_SECONDS:
+                for uid in liar_uids:  # version 1: the liar scales every output now
+                    x = torch.randn(4, 8, generator=gen)
+                    try:
+                        y = caller.forward(uid, x).result(timeout=30)
+                    except ExpertFailed:
+                        continue  # checked at once (the checkpoint was there): withheld
+                    torch.testing.assert_close(y, 1.3 * local.forward(uid, x).result())
+                    lies += 1
+                time.sleep(0.2)
+            status = trust(relay)
+            assert [b["host"] for b in status["bans"]] == [liar_id], status
+            assert "version 1" in status["bans"][0]["reason"], status
+            assert status["disagreed"] >= 1 and status["agreed"] >= 16, status  # the 16 calls at version 0
+            assert liar.wait(timeout=60) == 0
+            # its experts resume on the honest host from their last checkpoint, as after a host that
+            # died (at most one checkpoint period of training lost): the liar trained honestly, so
+            # that checkpoint is the expert after its step, or before it when the ban came first
+            wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "the honest host to take the orphans")
+            for uid in liar_uids:
+                stored = latest_checkpoint(relay.data_dir, uid)
+                resumed = DMoEMLP(**KWARGS).make_expert(uid)
+                with torch.no_grad():
+                    for name, p in resumed.named_parameters():
+                        p.copy_(torch.from_numpy(stored[f"p.{name}"]))
+                versions = [
+                    dict(experts[uid].named_parameters()),
+                    dict(DMoEMLP(**KWARGS).make_expert(uid).named_parameters()),
+                ]
+                assert any(
+                    all(torch.allclose(p, v[name]) for name, p in resumed.named_parameters()) for v in versions
+                ), uid
+                x = torch.randn(3, 8, generator=gen)
+                torch.testing.assert_close(caller.forward(uid, x).result(timeout=30), resumed(x).detach())
+        assert trust(relay)["bans"] == status["bans"]
+    finally:
+        caller.close()
+        trainer.close()
+        stop([liar, honest])
+
+
+def test_an_honest_run_with_every_call_checked_bans_nobody_and_equals_one_process(serve_relay, tmp_path: Path) -> None:
+    steps = 12
+    relay = serve_relay({**overrides(steps), "moe": {**overrides(steps)["moe"], "check_share": 1.0}})
+    initial, _ = train_with_two_hosts(relay.url, steps, tmp_path)
+    status = trust(relay)
+    assert status["bans"] == [] and status["disagreed"] == 0, status
+    assert status["checks"] > 0 and status["agreed"] > 0, status
+    assert status["max_agreeing_distance"] <= status["tolerance"], status
+    assert status["monitored"] >= status["checks"], status
+    reference, _ = one_process_reference(initial, steps)
+    _, final = relay_params(relay.url, min_step=steps)
+    np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
