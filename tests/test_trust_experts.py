@@ -1,4 +1,8 @@
-"""Dishonest expert hosts against the relay's spot checks and monitor (``[moe] check_share``): a
+"""Dishonest expert hosts against the relay's spot checks and monitor (``[moe] check_share``).
+
+First the checks' decisions in this process, on the relay's real DMoE state and the hosts' real
+expert code (which calls are checked, a check at a version the relay holds or waiting for its
+checkpoint, a lie withheld and its host banned, the monitor making a host a suspect); then a
 real relay, real host processes (``toolkit.moe.host``; the liar is ``tests/lying_expert_host.py``,
 the same host whose runtime answers wrong), expert calls made through the relay as a trainer
 makes them.
@@ -17,6 +21,7 @@ makes them.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -27,8 +32,13 @@ import pytest
 import requests
 import torch
 
+from relay_server.core.config import ConfigError, load_config
+from relay_server.core.errors import ApiError
 from relay_server.harness.process import wait_until
 from relay_server.moe.feature import EXPERTS
+from relay_server.moe.moe_config import MoeSection
+from relay_server.moe.state import Experts
+from relay_server.trust.expert_checks import build_trust
 from tests.support.moe import (
     KWARGS,
     LR,
@@ -46,9 +56,9 @@ from tests.support.processes import REPO
 from tests.support.training import relay_params
 from toolkit.models import DMoEMLP
 from toolkit.moe.calls import ExpertFailed, LoopbackCaller
+from toolkit.moe.experts import build_expert, checkpoint_of, make_optimizer
 from toolkit.moe.remote import RelayExpertCaller
-
-pytestmark = pytest.mark.integration
+from toolkit.wire import payloads
 
 IDENTITY_ROUNDS = 6
 """Rounds by which the identity liar is banned: the layer's monitor warms up over 8 answers (two
@@ -94,6 +104,153 @@ def liar_and_honest_host(relay, tmp_path: Path, lie: str, *extra: str):
     return liar, honest, liar_id, liar_uids
 
 
+MOE_SECTION = {
+    "enabled": True,
+    "layers": 2,
+    "grid": [2, 2],
+    "expert": {"kind": "ffn", "d": 8, "hidden": 16},
+    "optimizer": {"name": "sgd", "lr": LR},
+}
+
+
+class Host:
+    """One expert as a host holds it (the toolkit's runtime: forward under no_grad, backward then
+    one SGD step) and the result bodies it sends, tagged with the version it computed them on."""
+
+    def __init__(self, uid: str, lie: float = 1.0) -> None:
+        self.uid, self.lie, self.version = uid, lie, 0
+        module = build_expert(MOE_SECTION["expert"], uid)
+        self.optimizer = make_optimizer(MOE_SECTION["optimizer"], module)
+        self.runtime = LoopbackCaller({uid: module}, optimizer_factory=lambda m: self.optimizer)
+
+    def forward(self, x: np.ndarray) -> bytes:
+        y = self.runtime.forward(self.uid, torch.from_numpy(x)).result().numpy() * self.lie
+        return payloads.encode(payloads.encode_rows("y", y), {payloads.RESULT_VERSION: str(self.version)})
+
+    def backward(self, x: np.ndarray, g: np.ndarray) -> bytes:
+        out = self.runtime.backward(self.uid, torch.from_numpy(x), torch.from_numpy(g)).result().numpy()
+        body = payloads.encode(payloads.encode_rows("g", out), {payloads.RESULT_VERSION: str(self.version)})
+        self.version += 1
+        return body
+
+    def checkpoint(self) -> bytes:
+        return checkpoint_of(self.runtime.experts[self.uid], self.optimizer, self.version)
+
+
+def state(tmp_path: Path, share: float):
+    """The relay's DMoE state of :data:`MOE_SECTION` with its checks, and the bans they make."""
+    experts = Experts.create(MoeSection(**MOE_SECTION, check_share=share), tmp_path)
+    bans: list[tuple[str, str]] = []
+    experts.review = build_trust(experts, lambda host, reason: bans.append((host, reason)))
+    return experts, experts.review, bans
+
+
+async def stored(experts, review, uid: str, body: bytes) -> None:
+    """What the checkpoint route does with a host's checkpoint: store it, settle the checks it can."""
+    updates, tensors = payloads.read_checkpoint(body, experts.shapes)
+    experts.checkpoints.save(uid, body)
+    review.checkpointed(uid, updates, tensors)
+    await asyncio.gather(*review.settling)
+
+
+def rows(seed: int, n: int = 4) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 8)).astype(np.float32)
+
+
+def test_which_calls_are_checked_follows_the_share_and_the_relays_secret(tmp_path: Path) -> None:
+    _, review, _ = state(tmp_path / "a", 0.1)
+    _, other, _ = state(tmp_path / "b", 0.1)
+    ids = [f"t{i}" for i in range(20000)]
+    chosen = {t for t in ids if review.chosen(t, "host")}
+    assert 0.09 <= len(chosen) / len(ids) <= 0.11
+    overlap = len(chosen & {t for t in ids if other.chosen(t, "host")}) / len(ids)
+    assert overlap < 0.02  # another relay's secret checks other calls (independent: about 0.01)
+
+
+def test_checks_agree_at_held_versions_and_wait_for_the_checkpoint_of_the_others(tmp_path: Path) -> None:
+    async def run() -> None:
+        experts, review, bans = state(tmp_path, 1.0)
+        uid, host = "ffn0.1.0", Host("ffn0.1.0")
+        await review.review("t1", uid, "forward", "host", rows(1), None, host.forward(rows(1)))
+        await review.review("t2", uid, "backward", "host", rows(2), rows(3), host.backward(rows(2), rows(3)))
+        assert review.status()["agreed"] == 2 and review.status()["deferred"] == 0  # version 0: the seed's
+        await review.review("t3", uid, "forward", "host", rows(4), None, host.forward(rows(4)))  # version 1
+        assert review.status()["pending"] == 1 and review.status()["deferred"] == 1
+        await stored(experts, review, uid, host.checkpoint())  # the host's checkpoint of version 1
+        assert review.status()["agreed"] == 3 and review.status()["pending"] == 0
+        await review.review("t4", uid, "forward", "host", rows(5), None, host.forward(rows(5)))
+        assert review.status()["agreed"] == 4 and review.status()["deferred"] == 1  # held now: at once
+        host.backward(rows(6), rows(7))
+        await review.review("t5", uid, "forward", "host", rows(8), None, host.forward(rows(8)))  # version 2
+        host.backward(rows(9), rows(10))
+        await stored(experts, review, uid, host.checkpoint())  # version 3 came first: 2 is never held
+        status = review.status()
+        assert status["unverifiable"] == 1 and status["pending"] == 0 and status["disagreed"] == 0, status
+        assert 0.0 <= status["max_agreeing_distance"] <= 1e-6 and bans == [], status
+
+    asyncio.run(run())
+
+
+def test_a_lie_is_withheld_and_its_host_banned_or_found_at_its_checkpoint(tmp_path: Path) -> None:
+    async def run() -> None:
+        experts, review, bans = state(tmp_path, 1.0)
+        assert experts.directory.lease("liar", 2) == ["ffn0.0.0", "ffn1.0.0"]
+        liar = Host("ffn0.0.0", lie=1.3)
+        with pytest.raises(ApiError) as withheld:  # version 0 is the relay's: checked before the caller sees it
+            await review.review("t1", "ffn0.0.0", "forward", "liar", rows(1), None, liar.forward(rows(1)))
+        assert withheld.value.status == 502 and withheld.value.code == "bad_result"
+        assert [h for h, _ in bans] == ["liar"] and "0.23" in bans[0][1]
+        assert experts.directory.hosted_by("liar") == []  # its experts are orphans: the next host takes them
+        with pytest.raises(ApiError) as refused:
+            review.admit("liar")
+        assert refused.value.status == 403 and refused.value.code == "banned"
+        late = Host("ffn1.0.0", lie=1.3)  # a second liar, lying at a version the relay does not hold yet
+        late.backward(rows(2), rows(3))
+        await review.review("t2", "ffn1.0.0", "forward", "late", rows(4), None, late.forward(rows(4)))
+        assert [h for h, _ in bans] == ["liar"]  # answered: its check waits for the checkpoint
+        await stored(experts, review, "ffn1.0.0", late.checkpoint())
+        assert [h for h, _ in bans] == ["liar", "late"] and "version 1" in bans[1][1]
+        assert review.status()["disagreed"] == 2 and len(review.status()["bans"]) == 2
+
+    asyncio.run(run())
+
+
+def test_the_monitor_makes_a_host_returning_its_input_a_suspect_whose_calls_are_all_checked(tmp_path: Path) -> None:
+    """``check_share = 0``: no call is checked at random; the monitor alone makes the liar (a
+    quarter of the layer's answers) a suspect, its next call is checked, and that check bans it.
+    Honest hosts' answers are never outliers enough to be suspects."""
+
+    async def run() -> None:
+        _, review, bans = state(tmp_path, 0.0)
+        honest = {uid: Host(uid) for uid in ("ffn0.0.1", "ffn0.1.0", "ffn0.1.1")}
+        calls = 0
+        for i in range(12):
+            for uid, host in honest.items():
+                x = rows(100 * i + len(uid))
+                await review.review(f"h{i}{uid}", uid, "forward", f"honest-{uid}", x, None, host.forward(x))
+            x = rows(100 * i)
+            identity = payloads.encode(payloads.encode_rows("y", x), {payloads.RESULT_VERSION: "0"})
+            calls += 1
+            try:
+                await review.review(f"l{i}", "ffn0.0.0", "forward", "liar", x, None, identity)
+            except ApiError:
+                break
+        status = review.status()
+        assert [h for h, _ in bans] == ["liar"] and status["checks"] == 1, status  # the suspect's first call
+        assert calls <= 5, calls  # warm-up (8 answers: 2 rounds), then two outliers make a suspect
+        assert not any(s.startswith("honest") for s in status["suspects"]), status
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("share", [1.5, -0.1, float("nan")])
+def test_a_bad_check_share_is_refused_in_one_line_naming_the_field(share: float) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, env={}, overrides={**overrides(0), "moe": {**overrides(0)["moe"], "check_share": share}})
+    assert "moe.check_share must be 0..1" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.integration
 def test_a_host_that_returns_its_input_is_banned_and_its_experts_answer_from_another_host(
     serve_relay, tmp_path: Path
 ) -> None:
@@ -148,6 +305,7 @@ def test_a_host_that_returns_its_input_is_banned_and_its_experts_answer_from_ano
         stop([liar, honest])
 
 
+@pytest.mark.integration
 def test_a_host_that_scales_its_outputs_after_training_is_caught_from_its_checkpoint(
     serve_relay, tmp_path: Path
 ) -> None:
@@ -208,6 +366,7 @@ def test_a_host_that_scales_its_outputs_after_training_is_caught_from_its_checkp
         stop([liar, honest])
 
 
+@pytest.mark.integration
 def test_an_honest_run_with_every_call_checked_bans_nobody_and_equals_one_process(serve_relay, tmp_path: Path) -> None:
     steps = 12
     relay = serve_relay({**overrides(steps), "moe": {**overrides(steps)["moe"], "check_share": 1.0}})
