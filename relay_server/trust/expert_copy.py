@@ -27,7 +27,6 @@ from torch import nn
 
 from toolkit.moe.experts import build_expert
 
-
 CACHED_EXPERTS = 8
 """Experts kept built (with their seed's parameters): building one draws every parameter from its
 generator, about twice a 64-row forward of a d=1024 expert on a CPU; loading a version is a copy."""
