@@ -145,11 +145,11 @@ def state(tmp_path: Path, share: float):
     return experts, experts.review, bans
 
 
-async def stored(experts, review, uid: str, body: bytes) -> None:
+async def stored(experts, review, uid: str, body: bytes, host: str = "host") -> None:
     """What the checkpoint route does with a host's checkpoint: store it, settle the checks it can."""
     updates, tensors = payloads.read_checkpoint(body, experts.shapes)
     experts.checkpoints.save(uid, body)
-    review.checkpointed(uid, updates, tensors)
+    review.checkpointed(uid, updates, tensors, host)
     await asyncio.gather(*review.settling)
 
 
@@ -208,7 +208,7 @@ def test_a_lie_is_withheld_and_its_host_banned_or_found_at_its_checkpoint(tmp_pa
         late.backward(rows(2), rows(3))
         await review.review("t2", "ffn1.0.0", "forward", "late", rows(4), None, late.forward(rows(4)))
         assert [h for h, _ in bans] == ["liar"]  # answered: its check waits for the checkpoint
-        await stored(experts, review, "ffn1.0.0", late.checkpoint())
+        await stored(experts, review, "ffn1.0.0", late.checkpoint(), "late")
         assert [h for h, _ in bans] == ["liar", "late"] and "version 1" in bans[1][1]
         assert review.status()["disagreed"] == 2 and len(review.status()["bans"]) == 2
 
@@ -239,6 +239,31 @@ def test_the_monitor_makes_a_host_returning_its_input_a_suspect_whose_calls_are_
         assert [h for h, _ in bans] == ["liar"] and status["checks"] == 1, status  # the suspect's first call
         assert calls <= 5, calls  # warm-up (8 answers: 2 rounds), then two outliers make a suspect
         assert not any(s.startswith("honest") for s in status["suspects"]), status
+
+    asyncio.run(run())
+
+
+def test_a_result_naming_a_version_older_than_its_hosts_last_checkpoint_is_stale(tmp_path: Path) -> None:
+    """Every call, checked or not: a host answering from an old copy of the expert and naming the
+    old version (where the relay would check it against that version's parameters) is banned once
+    it took the call after storing a checkpoint of a later version; a result of a call it took
+    before (its upload raced the checkpoint) is not stale."""
+
+    async def run() -> None:
+        experts, review, bans = state(tmp_path, 0.0)
+        uid, trained, old = "ffn0.1.0", Host("ffn0.1.0"), Host("ffn0.1.0")
+        trained.backward(rows(1), rows(2))
+        before = experts.broker.clock()
+        await stored(experts, review, uid, trained.checkpoint(), "host")  # version 1
+        await review.review("t1", uid, "forward", "host", rows(3), None, old.forward(rows(3)), before)
+        await review.review("t2", uid, "forward", "other", rows(3), None, old.forward(rows(3)), experts.broker.clock())
+        assert bans == [] and review.status()["stale"] == 0
+        with pytest.raises(ApiError) as withheld:
+            await review.review(
+                "t3", uid, "forward", "host", rows(4), None, old.forward(rows(4)), experts.broker.clock()
+            )
+        assert withheld.value.code == "bad_result"
+        assert [h for h, _ in bans] == ["host"] and "stale copy" in bans[0][1] and review.status()["stale"] == 1
 
     asyncio.run(run())
 

@@ -151,7 +151,7 @@ async def put_call(request: web.Request) -> web.Response:
     answer = experts.broker.result(task)
     experts.broker.forget(task)
     if experts.review is not None and task.worker is not None:  # spot checks: 502 rather than a lie
-        await experts.review.review(task.task_id, uid, kind, task.worker, x, g, answer)
+        await experts.review.review(task.task_id, uid, kind, task.worker, x, g, answer, task.leased_at)
     return web.Response(body=answer, content_type="application/octet-stream")
 
 
@@ -235,7 +235,7 @@ async def put_checkpoint(request: web.Request) -> web.Response:
         raise ApiError(422, exc.code, exc.message, "The checkpoint was refused; the previous one stays.") from None
     number = await asyncio.to_thread(experts.checkpoints.save, uid, body)
     if experts.review is not None:
-        experts.review.checkpointed(uid, updates, tensors)
+        experts.review.checkpointed(uid, updates, tensors, host)
     return json_ok(CheckpointReceipt(uid=uid, checkpoint=number, updates=updates))
 
 

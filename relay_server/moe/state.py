@@ -42,13 +42,21 @@ class ResultReview(Protocol):
         ...
 
     async def review(
-        self, task_id: str, uid: str, kind: str, host: str, x: np.ndarray, g: np.ndarray | None, answer: bytes
+        self,
+        task_id: str,
+        uid: str,
+        kind: str,
+        host: str,
+        x: np.ndarray,
+        g: np.ndarray | None,
+        answer: bytes,
+        leased_at: float | None = None,
     ) -> None:
         """A call's answer before its caller sees it: raises (502 ``bad_result``) when it is a lie."""
         ...
 
-    def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray]) -> None:
-        """A checkpoint of ``uid`` at ``updates`` was stored: the checks waiting for it settle."""
+    def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray], host: str = "") -> None:
+        """``host``'s checkpoint of ``uid`` at ``updates`` was stored: the checks waiting for it settle."""
         ...
 
     def status(self) -> dict[str, Any]: ...

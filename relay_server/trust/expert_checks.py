@@ -91,6 +91,8 @@ class ExpertTrustCounters:
     """Checks that waited for a checkpoint of their version (each then agreed, disagreed or
     became unverifiable)."""
     unverifiable: int = 0
+    stale: int = 0
+    """Results naming a version older than their host had checkpointed before taking the call."""
     max_agreeing_distance: float = 0.0
 
 
@@ -114,6 +116,9 @@ class ExpertTrust:
     checked_by: dict[str, int] = field(default_factory=dict)
     """host -> checks of its answers so far (a ban says how many it took)."""
     settling: set[asyncio.Task[None]] = field(default_factory=set)
+    floors: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    """uid -> (host, updates, when stored on the broker's clock) of its latest checkpoint: a call
+    that host took after it is computed on that version or a later one."""
 
     # --- admission ------------------------------------------------------------------------------
     def admit(self, peer: str) -> None:
@@ -133,12 +138,22 @@ class ExpertTrust:
         return int.from_bytes(digest[:8], "big") < self.share * 2**64
 
     async def review(
-        self, task_id: str, uid: str, kind: str, host: str, x: np.ndarray, g: np.ndarray | None, answer: bytes
+        self,
+        task_id: str,
+        uid: str,
+        kind: str,
+        host: str,
+        x: np.ndarray,
+        g: np.ndarray | None,
+        answer: bytes,
+        leased_at: float | None = None,
     ) -> None:
-        """Score ``host``'s ``answer`` to a ``kind`` call of ``uid``; check it if chosen. Raises
-        502 ``bad_result`` when the answer must not reach its caller (a lie, or a banned host's)."""
+        """Score ``host``'s ``answer`` to a ``kind`` call of ``uid`` (leased to it at ``leased_at``,
+        the broker's clock); check it if chosen. Raises 502 ``bad_result`` when the answer must not
+        reach its caller (a lie, or a banned host's)."""
         self._refuse_if_banned(host, uid)
         version, out = self._read(answer, "y" if kind == "forward" else "g", x.shape[0])
+        self._refuse_if_stale(uid, kind, host, version, leased_at)
         before = x if kind == "forward" else g
         if before is not None:
             scale = float(np.linalg.norm(before))
@@ -167,6 +182,22 @@ class ExpertTrust:
                 f"the host of {uid} failed a spot check and was banned; its answer was withheld",
                 "Treat it as a failed expert (the toolkit does); another host takes the expert over.",
             )
+
+    def _refuse_if_stale(self, uid: str, kind: str, host: str, version: int, leased_at: float | None) -> None:
+        """Every call: a host names a version older than one it checkpointed before it took the
+        call. An honest host cannot (it uploads a checkpoint from the expert it serves, and polls
+        for its next calls only after the upload was stored); a host answering from an old copy
+        of the expert, saying so to be checked there, does."""
+        floor = self.floors.get(uid)
+        if floor is None or leased_at is None or floor[0] != host or leased_at <= floor[2] or version >= floor[1]:
+            return
+        self.counters.stale += 1
+        self.ban(
+            host,
+            f"its {kind} result for expert {uid} names version {version}, older than version {floor[1]} it "
+            "had checkpointed before it took the call (a stale copy)",
+        )
+        self._refuse_if_banned(host, uid)
 
     def _read(self, answer: bytes, name: str, rows: int) -> tuple[int, np.ndarray]:
         """The version an answer says it was computed on, and its rows ``name`` (both validated
@@ -197,9 +228,10 @@ class ExpertTrust:
             waiting.pop(0)
             self.counters.unverifiable += 1
 
-    def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray]) -> None:
-        """A checkpoint of ``uid`` at ``updates`` was stored: the deferred checks of that version
-        are computed now (off the event loop), older ones can no longer be."""
+    def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray], host: str = "") -> None:
+        """``host``'s checkpoint of ``uid`` at ``updates`` was stored: the deferred checks of that
+        version are computed now (off the event loop), older ones can no longer be."""
+        self.floors[uid] = (host, updates, self.experts.broker.clock())
         waiting = self.pending.pop(uid, [])
         due = [c for c in waiting if c.version == updates and c.host not in self.banned]
         later = [c for c in waiting if c.version > updates]
@@ -260,6 +292,7 @@ class ExpertTrust:
             "disagreed": c.disagreed,
             "deferred": c.deferred,
             "unverifiable": c.unverifiable,
+            "stale": c.stale,
             "pending": sum(len(v) for v in self.pending.values()),
             "max_agreeing_distance": c.max_agreeing_distance,
             "relay_computations": self.copy.computed,
