@@ -404,3 +404,81 @@ def test_an_honest_run_with_every_call_checked_bans_nobody_and_equals_one_proces
     reference, _ = one_process_reference(initial, steps)
     _, final = relay_params(relay.url, min_step=steps)
     np.testing.assert_allclose(final, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.integration
+def test_a_hand_written_liar_on_a_login_run_is_refused_unversioned_results_and_its_user_banned(
+    serve_relay, hf_standin
+) -> None:
+    """hf mode, every call checked: a host's result that names no version is refused (422
+    ``no_version``: it could never be checked) and its call fails; a lie at version 0 is withheld
+    from the trainer and puts the host's user on the relay's ban list, where an organizer sees it
+    (``GET /api/admin/bans``): every peer of the user leaves, and its next request is refused."""
+    from relay_server.api.moderation import TOKEN_FILE
+    from toolkit.errors import RelayRejected
+
+    BINARY = {"Content-Type": "application/octet-stream"}  # a signed run's tensor bodies say what they are
+    hf_standin.add_user("hf_liar_token_1234567", "lying-volunteer")
+    hf_standin.add_user("hf_trainer_token_12345", "training-volunteer")
+    relay = serve_relay(
+        {
+            **overrides(0),
+            "moe": {**overrides(0)["moe"], "check_share": 1.0},
+            "auth": {
+                "mode": "hf",
+                "hf_endpoint": hf_standin.url,
+                "allow_users": ["lying-volunteer", "training-volunteer"],
+            },
+        }
+    )
+    mallory = Member(relay.url, "mallory", token="hf_liar_token_1234567")
+    alice = Member(relay.url, "alice", token="hf_trainer_token_12345")
+    caller = RelayExpertCaller(alice.client, alice.peer_id)
+    try:
+        assert len(mallory.request("POST", "moe_lease", params={"capacity": 8}).json()["uids"]) == 8
+        x = torch.randn(3, 8)
+
+        def next_task():
+            for _ in range(50):
+                response = mallory.request("GET", "moe_tasks", params={"wait": 1})
+                if response.status_code == 200:
+                    return payloads.read_task_batch(response.content, 1 << 20, 8)[0][0]
+            raise TimeoutError("no task reached the host")
+
+        call = caller.forward("ffn0.0.0", x)
+        with pytest.raises(RelayRejected) as unversioned:
+            mallory.request(
+                "PUT",
+                "moe_result",
+                task_id=next_task().task_id,
+                data=payloads.encode({"y": x.numpy()}),
+                headers=BINARY,
+            )
+        assert (unversioned.value.status, unversioned.value.code) == (422, "no_version")
+        with pytest.raises(ExpertFailed):
+            call.result(timeout=30)
+        assert trust(relay)["checks"] == 0 and trust(relay)["bans"] == []
+
+        call = caller.forward("ffn0.0.0", x)
+        identity = payloads.encode({"y": x.numpy()}, {payloads.RESULT_VERSION: "0"})
+        mallory.request(
+            "PUT", "moe_result", task_id=next_task().task_id, data=identity, headers=BINARY
+        )  # acked like any
+        with pytest.raises(ExpertFailed) as withheld:
+            call.result(timeout=30)
+        assert withheld.value.code == "bad_result"
+        status = trust(relay)
+        assert [b["host"] for b in status["bans"]] == [mallory.peer_id] and status["disagreed"] == 1, status
+        admin = (relay.data_dir / TOKEN_FILE).read_text().strip()
+        bans = requests.get(
+            relay.url + "/api/admin/bans", headers={"Authorization": f"Bearer {admin}"}, timeout=10
+        ).json()["bans"]
+        assert [b["username"] for b in bans] == ["lying-volunteer"] and "spot check" in bans[0]["reason"]
+        assert "mallory" not in {p["name"] for p in relay.status()["peers"]}
+        with pytest.raises(RelayRejected) as refused:
+            mallory.request("GET", "moe_tasks", params={"wait": 0})
+        assert refused.value.status in (401, 403), refused.value
+    finally:
+        caller.close()
+        for member in (mallory, alice):
+            member.close()
