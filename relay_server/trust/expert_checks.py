@@ -166,7 +166,13 @@ class ExpertTrust:
         self.counters.checks += 1
         self.checked_by[host] = self.checked_by.get(host, 0) + 1
         check = ExpertCheck(task_id, uid, kind, host, version, x, g, out)
-        found, params = await asyncio.to_thread(self._params_at, uid, version)
+        floor = self.floors.get(uid)
+        if self.frozen or version == 0:  # the seed's parameters: a fresh expert, or one never trained
+            found, params = True, None
+        elif floor is None or version > floor[1]:  # newer than any checkpoint stored since the relay started
+            found, params = False, None
+        else:
+            found, params = await asyncio.to_thread(self._params_at, uid, version)
         if not found:
             self._defer(check)
             return
@@ -208,9 +214,7 @@ class ExpertTrust:
         )
 
     def _params_at(self, uid: str, version: int) -> tuple[bool, dict[str, np.ndarray] | None]:
-        """(the relay holds version ``version`` of ``uid``, its parameters; None: the seed's)."""
-        if self.frozen:
-            return True, None
+        """(a checkpoint the relay keeps holds version ``version`` of ``uid``, its parameters)."""
         for body in self.experts.checkpoints.bodies(uid):
             try:
                 updates, tensors = payloads.read_checkpoint(body, self.experts.shapes)
@@ -218,7 +222,7 @@ class ExpertTrust:
                 continue
             if updates == version:
                 return True, tensors
-        return version == 0, None
+        return False, None
 
     def _defer(self, check: ExpertCheck) -> None:
         self.counters.deferred += 1
