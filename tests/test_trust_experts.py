@@ -59,6 +59,7 @@ from toolkit.moe.calls import ExpertFailed, LoopbackCaller
 from toolkit.moe.experts import build_expert, checkpoint_of, make_optimizer
 from toolkit.moe.remote import RelayExpertCaller
 from toolkit.wire import payloads
+from toolkit.wire.compression import get_codec
 
 IDENTITY_ROUNDS = 6
 """Rounds by which the identity liar is banned: the layer's monitor warms up over 8 answers (two
@@ -117,19 +118,21 @@ class Host:
     """One expert as a host holds it (the toolkit's runtime: forward under no_grad, backward then
     one SGD step) and the result bodies it sends, tagged with the version it computed them on."""
 
-    def __init__(self, uid: str, lie: float = 1.0) -> None:
-        self.uid, self.lie, self.version = uid, lie, 0
+    def __init__(self, uid: str, lie: float = 1.0, codec: str = "none") -> None:
+        self.uid, self.lie, self.version, self.codec = uid, lie, 0, get_codec(codec)
         module = build_expert(MOE_SECTION["expert"], uid)
         self.optimizer = make_optimizer(MOE_SECTION["optimizer"], module)
         self.runtime = LoopbackCaller({uid: module}, optimizer_factory=lambda m: self.optimizer)
 
     def forward(self, x: np.ndarray) -> bytes:
         y = self.runtime.forward(self.uid, torch.from_numpy(x)).result().numpy() * self.lie
-        return payloads.encode(payloads.encode_rows("y", y), {payloads.RESULT_VERSION: str(self.version)})
+        return payloads.encode(payloads.encode_rows("y", y, self.codec), {payloads.RESULT_VERSION: str(self.version)})
 
     def backward(self, x: np.ndarray, g: np.ndarray) -> bytes:
         out = self.runtime.backward(self.uid, torch.from_numpy(x), torch.from_numpy(g)).result().numpy()
-        body = payloads.encode(payloads.encode_rows("g", out), {payloads.RESULT_VERSION: str(self.version)})
+        body = payloads.encode(
+            payloads.encode_rows("g", out, self.codec), {payloads.RESULT_VERSION: str(self.version)}
+        )
         self.version += 1
         return body
 
@@ -137,9 +140,9 @@ class Host:
         return checkpoint_of(self.runtime.experts[self.uid], self.optimizer, self.version)
 
 
-def state(tmp_path: Path, share: float):
+def state(tmp_path: Path, share: float, codec: str = "none"):
     """The relay's DMoE state of :data:`MOE_SECTION` with its checks, and the bans they make."""
-    experts = Experts.create(MoeSection(**MOE_SECTION, check_share=share), tmp_path)
+    experts = Experts.create(MoeSection(**MOE_SECTION, check_share=share, codec=codec), tmp_path)
     bans: list[tuple[str, str]] = []
     experts.review = build_trust(experts, lambda host, reason: bans.append((host, reason)))
     return experts, experts.review, bans
@@ -239,6 +242,29 @@ def test_the_monitor_makes_a_host_returning_its_input_a_suspect_whose_calls_are_
         assert [h for h, _ in bans] == ["liar"] and status["checks"] == 1, status  # the suspect's first call
         assert calls <= 5, calls  # warm-up (8 answers: 2 rounds), then two outliers make a suspect
         assert not any(s.startswith("honest") for s in status["suspects"]), status
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("codec", ["none", "float16", "int8"])
+def test_the_tolerance_of_the_runs_codec_passes_honest_answers_and_bans_a_scale(tmp_path: Path, codec: str) -> None:
+    """Answers travel in the run's activation codec: an honest host's rounded answers (forward and
+    backward) agree within fp32's tolerance plus the codec's; outputs scaled by 1.3 do not."""
+
+    async def run() -> None:
+        experts, review, bans = state(tmp_path, 1.0, codec)
+        honest, liar = Host("ffn0.0.1", codec=codec), Host("ffn0.0.0", lie=1.3, codec=codec)
+        for i in range(8):
+            x, g = rows(2 * i, 16), rows(2 * i + 1, 16)
+            await review.review(f"f{i}", "ffn0.0.1", "forward", "honest", x, None, honest.forward(x))
+            await review.review(f"b{i}", "ffn0.0.1", "backward", "honest", x, g, honest.backward(x, g))
+            await stored(experts, review, "ffn0.0.1", honest.checkpoint(), "honest")
+        status = review.status()
+        assert status["agreed"] == 16 and status["disagreed"] == 0 and bans == [], status
+        assert status["max_agreeing_distance"] <= status["tolerance"] / 2, status  # a margin, measured
+        with pytest.raises(ApiError):
+            await review.review("s", "ffn0.0.0", "forward", "liar", rows(99, 16), None, liar.forward(rows(99, 16)))
+        assert [h for h, _ in bans] == ["liar"]
 
     asyncio.run(run())
 
