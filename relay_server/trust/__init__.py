@@ -16,4 +16,11 @@ package decides whether a result is right, and what follows when it is not:
 
 The pipeline's coordinator owns the hooks (where a result is accepted, where tasks are leased,
 when a round may open); this package owns the decisions and their counters.
+
+Expert hosts (DMoE) have their own two modules, over the same tolerance and monitor:
+
+* :mod:`.expert_copy` -- the relay's own copy of an expert, at a version whose parameters it
+  holds (the seed's, or a host's checkpoint);
+* :mod:`.expert_checks` -- spot checks of a secret-seeded share of expert calls against that
+  copy, a per-layer monitor, stale versions, liars banned; the DMoE call route owns the hooks.
 """
