@@ -467,7 +467,7 @@ function renderTrust(t, many) {
     return;
   }
   const bans = t.bans || [];
-  const probation = t.probation ? `, new workers' first ${fmt.int(t.probation)} checks at 1, 1/2, 1/4…` : "";
+  const probation = t.probation ? `; new workers: first ${fmt.int(t.probation)} checks at a raised share` : "";
   out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results${probation}): ` +
     `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
     (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned") +
