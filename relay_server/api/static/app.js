@@ -467,9 +467,11 @@ function renderTrust(t, many) {
     return;
   }
   const bans = t.bans || [];
-  out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results): ` +
+  const probation = t.probation ? `; new workers: first ${fmt.int(t.probation)} checks at a raised share` : "";
+  out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results${probation}): ` +
     `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
-    (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned");
+    (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned") +
+    ((t.on_probation || []).length ? `; ${many(t.on_probation.length, "worker")} on probation` : "");
   out.title = bans.map((b) => `${b.worker.slice(0, 8)} (batch ${b.batch}): ${b.reason}`).join("\n") ||
     `tolerance ${t.tolerance}, largest distance between agreeing results ${t.max_agreeing_distance}`;
   out.className = bans.length ? "warn" : "";
