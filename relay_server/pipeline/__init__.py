@@ -14,7 +14,9 @@ parameter server per stage. What lives where:
 * :mod:`.stage_owners` -- one :class:`~relay_server.backbone.slice_owner.SliceOwner` per stage:
   ticketed uploads, the optimizer step, the published manifest;
 * :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
-  deadlines, re-dispatch), rounds; :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
+  deadlines, re-dispatch), rounds; beside it :mod:`.task_pool` (which step each task computes),
+  :mod:`.task_results` (a result on arrival), :mod:`.worker_moves` (rebalancing, empty stages,
+  silent workers) and :mod:`.trust_hooks` (the checks, and what a ban restarts); :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
   the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports; :mod:`.service`
   the whole built from the config and the collaboration's services, ticked, publishing each
   batch's step through the relay's after-publish sequence;
