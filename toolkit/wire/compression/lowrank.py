@@ -136,8 +136,8 @@ class LowRankCodec(Codec):
     def read_matrix(self, parts: Mapping[str, np.ndarray], rows: int | None, width: int) -> np.ndarray:
         """The float32 [rows, width] matrix that received ``parts`` (``s``, ``p``, ``q``) encode,
         every part checked first (``ProtocolError`` ``bad_tensor``); ``rows`` None: any number of
-        rows (the ``p`` factor's). The result may still overflow for a hostile ``s`` near
-        :data:`SIGMA_MAX`: the caller checks it finite."""
+        rows (the ``p`` factor's). Any parts that pass decode to finite values (:data:`SIGMA_MAX`);
+        the caller checks them finite all the same."""
         if set(parts) != set(PARTS):
             raise _bad(f"codec {self.name!r} expects tensors {list(PARTS)}, got {sorted(parts)}")
         p, q, s = parts["p"], parts["q"], parts["s"]
