@@ -38,7 +38,8 @@ What binds where (docs/benchmarks.md): with the defaults a batch's float16 bound
 through the relay, 0.17 s at 200 Mbit/s of a 1.3 s batch on this 2-core machine; the rest is each
 task's compute and HTTP overhead, so the time ratio stays near 1 whatever the codec saves.
 ``--relay-mbit 20`` shows the link-bound regime a GPU stage (compute 10-100x faster) meets at
-200 Mbit/s.
+200 Mbit/s; there the round's own traffic (stage gradients up, parameters down, float32) is the
+floor, which ``--round-compression int8`` (``run.compression`` of both runs) lowers.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def relay_config(args: argparse.Namespace, codec: str, host: str) -> dict[str, d
             "total_steps": 0,
             "max_staleness": 0,
             "seed": 0,
+            "compression": args.round_compression,
         },
         "model": {"kind": "transformers", "architecture": "AutoModelForCausalLM", "config": model_config(args)},
         "optimizer": {
@@ -300,6 +302,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5, help="batches the training loss is averaged over")
     parser.add_argument("--relay-mbit", type=float, default=200.0)
     parser.add_argument("--worker-mbit", type=float, default=1000.0)
+    parser.add_argument(
+        "--round-compression",
+        default="none",
+        help="run.compression of both runs: the stage gradients up and the parameters down each round",
+    )
     parser.add_argument("--no-shape", action="store_true", help="loopback, no namespaces")
     parser.add_argument("--run-limit-s", type=float, default=1800.0)
     args = parser.parse_args()
@@ -344,6 +351,7 @@ def main() -> None:
         "not_shaped_because": reason,
         "model": {"width": args.width, "layers": args.layers, "seq_len": args.seq_len, "vocab": 256},
         "batch": args.microbatch_size * args.microbatches,
+        "round_compression": args.round_compression,
         "n_samples": args.batches * args.microbatch_size * args.microbatches,
         "bytes_vs_float16": round(base["boundary_bytes_per_sample"] / ours["boundary_bytes_per_sample"], 2),
         "codec_bytes_vs_float16": round(base["codec_bytes_per_matrix"] / ours["codec_bytes_per_matrix"], 2),
