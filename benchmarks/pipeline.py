@@ -43,14 +43,25 @@ backward re-fetches its stored input unless its worker still holds it (the last 
 and backward are one task); the micro-batch's tokens (int64) go in from the first stage and out
 to the last and to an uncached stage-0 backward.
 
+How far a batch is from the compute-bound ideal: ``overhead_ratio`` per case and dispatch is the
+measured seconds per batch over ``ideal_batch_s``, the sum of emulated compute on the critical
+path of a batch (:func:`ideal_batch_s`: the pool's own schedule with nothing but compute -- no
+requests, no round, no download -- each worker free the moment its task's compute ends; in case 1
+first 80 ms -> last 240 ms -> last 240 ms (three stage-1 workers, six micro-batches) -> backward
+240 ms = 0.8 s). Everything above 1 is overhead: HTTP, serialization, the round's upload and
+step, parameter downloads, and in case 4 the emulated links and disconnections. ``compute_s`` /
+``real_compute_s`` per run say how much of the emulated compute the real (tiny) computation took
+(the rig counts it as part of the emulated time), ``requests`` the workers' requests by route.
+
 Last line: one JSON object with ``case1_vs_static``, ``case4_vs_static``, ``case4_vs_swarm``,
-``planner_error`` (null while the relay publishes no prediction), ``seconds_per_batch`` per case
-and dispatch, ``bytes_per_sample`` (measured and modelled), the bars and what failed.
+``planner_error`` (null while the relay publishes no prediction), ``seconds_per_batch`` and
+``overhead_ratio`` per case and dispatch, ``ideal_batch_s`` per case, ``bytes_per_sample`` (measured and modelled), the bars and what failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import subprocess
 import sys
@@ -191,6 +202,7 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
             log = (folder / "relay.log").read_text()[-4000:]
             raise RuntimeError(f"the relay exited with {relay.proc.returncode}:\n{log}")
         status, pipe = relay_status(relay.url), pipeline(relay.url)
+        layers = [stage["layers"][1] - stage["layers"][0] for stage in pipe["stages"]]
     finally:
         stop_all(procs)
         relay.stop()
@@ -198,11 +210,16 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
     times = [r["duration_s"] for r in rounds]
     workers = [json.loads((folder / f"w{i}.json").read_text()) for i in range(6) if (folder / f"w{i}.json").exists()]
     measured = times[1:]
+    specs = workers_of(case, args)
+    placed = [(w["stages"][-1], specs[int(w["name"][1:])]["speed"]) for w in workers if w["stages"]]
+    ideal = ideal_batch_s(placed, layers, args.microbatches, args.unit_ms / 1000)
     out = {
         "seconds_per_batch": round(sum(measured) / len(measured), 3) if measured and completed else None,
         "batch_s": [round(t, 2) for t in times],
         "finalized_at": [r["finalized_at"] for r in rounds],
         "completed": completed,
+        "ideal_batch_s": round(ideal, 3),
+        "overhead_ratio": None,
         "steps": status["step"],
         "wall_s": round(time.monotonic() - started, 1),
         "relay_measured_batch_s": pipe.get("measured_batch_s"),
@@ -222,15 +239,64 @@ def run_once(case: int, name: str, args, folder: Path) -> dict:
         "disconnections": sum(w["disconnections"] for w in workers),
         "lost_results": sum(w["lost_results"] for w in workers),
         "stage_changes": sum(len(set(w["stages"])) - 1 for w in workers),
+        "compute_s": round(sum(w.get("compute_s", 0.0) for w in workers), 2),
+        "real_compute_s": round(sum(w.get("real_compute_s", 0.0) for w in workers), 2),
+        "requests": requests_by_route(workers),
     }
+    out["overhead_ratio"] = ratio(out["seconds_per_batch"], ideal)
     print(
         f"case {case} {name:6s} ({DISPATCH[name]}): {out['seconds_per_batch']} s/batch over {len(measured)} "
-        f"batches {out['batch_s']}; completed={completed}; redispatched={out['redispatched']} "
+        f"batches {out['batch_s']} (ideal {ideal:.3f}: overhead ratio {out['overhead_ratio']}); completed={completed}; redispatched={out['redispatched']} "
         f"redone={out['redone']} restarted={out['restarted']} disconnections={out['disconnections']} "
         f"stage_changes={out['stage_changes']}",
         flush=True,
     )
     return out
+
+
+WORK = {"first": 1, "forward": 1, "last": 3, "backward": 3}  # as the rig emulates it
+
+
+def ideal_batch_s(workers: list[tuple[int, float]], layers: list[int], microbatches: int, unit_s: float) -> float:
+    """Seconds per batch with nothing but compute: the pool's schedule (each free worker takes its
+    stage's best ready task, 1F1B: backward work first, then the oldest micro-batch; the fastest
+    free worker first) where a task's successor is ready the moment its compute ends and nothing
+    else (requests, the round, downloads) takes time. ``workers``: (stage, speed) each. The
+    result is the sum of emulated compute along the batch's critical path (the chain of tasks each
+    of which began when its input or its worker became free)."""
+    stages = len(layers)
+    ready: dict[int, list[tuple[tuple[int, int], str, int]]] = {k: [] for k in range(stages)}
+    for mb in range(microbatches):
+        heapq.heappush(ready[0], ((1, mb), "first" if stages > 1 else "last", mb))
+    idle = set(range(len(workers)))
+    running: list[tuple[float, int, int, str, int]] = []  # (done at, worker, stage, kind, micro-batch)
+    now = 0.0
+    while True:
+        for i in sorted(idle, key=lambda w: -workers[w][1]):
+            stage, speed = workers[i]
+            if ready[stage]:
+                _, kind, mb = heapq.heappop(ready[stage])
+                heapq.heappush(running, (now + unit_s * layers[stage] * WORK[kind] / speed, i, stage, kind, mb))
+                idle.discard(i)
+        if not running:
+            return now
+        now, i, stage, kind, mb = heapq.heappop(running)
+        idle.add(i)
+        if kind in ("first", "forward"):
+            heapq.heappush(ready[stage + 1], ((1, mb), "last" if stage + 2 == stages else "forward", mb))
+        elif stage > 0:
+            heapq.heappush(ready[stage - 1], ((0, mb), "backward", mb))
+
+
+def requests_by_route(workers: list[dict]) -> dict[str, list[float]]:
+    """The workers' requests by route, summed: [count, seconds]."""
+    total: dict[str, list[float]] = {}
+    for w in workers:
+        for route, (n, seconds) in w.get("requests", {}).items():
+            entry = total.setdefault(route, [0, 0.0])
+            entry[0] += n
+            entry[1] = round(entry[1] + seconds, 3)
+    return total
 
 
 def relay_status(url: str) -> dict:
@@ -309,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_batch": {
             case: {name: r["seconds_per_batch"] for name, r in runs.items()} for case, runs in results.items()
         },
+        "overhead_ratio": {
+            case: {name: r["overhead_ratio"] for name, r in runs.items()} for case, runs in results.items()
+        },
+        "ideal_batch_s": {case: next(iter(runs.values()))["ideal_batch_s"] for case, runs in results.items()},
         "bytes_per_sample": {"measured": round(measured_bytes) if measured_bytes else None, **bytes_model(args)},
         "ours_completed": all(r["completed"] for r in ours),
         "settings": {

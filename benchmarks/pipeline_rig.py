@@ -10,6 +10,9 @@ emulated disconnections.
   with a backward (``last``: forward + backward; ``backward``: the forward recomputed from the
   stored input + backward). ``--speed 0.645`` is a "2080": 55% slower (1 / 1.55). Sleeping costs
   no CPU, so six workers on a shared 2-core machine measure the system, not the machine.
+* **Profile**: the stats file holds ``compute_s`` (the emulated compute slept) and
+  ``real_compute_s`` (the real computation and the result's request after it), and the
+  requests by route (``requests``: [count, seconds]): where a worker's time goes.
 * **Link**: every request to the relay (task polls, results, tickets, heartbeats, downloads)
   waits ``delay_ms`` first: one round trip of a slow link. The stage-gradient upload goes
   through the client's slice sessions and is not delayed.
@@ -63,13 +66,27 @@ class SlowTransport(Transport):
         super().__init__(url)
         self.delay_s = delay_s
         self.offline = threading.Event()
+        self.profile: dict[str, list[float]] = {}
+        """Route (its last path part without ids) -> [requests, seconds]: where a worker's time goes."""
 
     def request(self, method, path, **kwargs):
         if self.offline.is_set():
             raise RelayUnreachable("relay_unreachable", "emulated disconnection")
         if self.delay_s:
             time.sleep(self.delay_s)
-        return super().request(method, path, **kwargs)
+        started = time.monotonic()
+        try:
+            return super().request(method, path, **kwargs)
+        finally:
+            entry = self.profile.setdefault(f"{method} {route_name(path)}", [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.monotonic() - started
+
+
+def route_name(path: str) -> str:
+    """``/api/pipeline/workers/<id>/tasks/t12`` -> ``tasks``: the route without its ids."""
+    parts = [p for p in path.split("?")[0].split("/") if p and not any(c.isdigit() for c in p)]
+    return parts[-1] if parts else path
 
 
 class SlowLink(RelayClient):
@@ -129,12 +146,16 @@ class BenchWorker(StageWorker):
 
     def _do(self, task, inputs) -> None:
         layers = self.assignment.layers_per_stage[self.assignment.stage]
-        time.sleep(self.unit_s * layers * WORK[task.kind] / self.speed)
+        compute_s = self.unit_s * layers * WORK[task.kind] / self.speed
+        self.stats["compute_s"] += compute_s
+        time.sleep(compute_s)
         if self._due():  # the link dropped while computing: the result never arrives
             self.stats["lost_results"] += 1
             self._go_offline()
             return
+        started = time.monotonic()
         super()._do(task, inputs)
+        self.stats["real_compute_s"] += time.monotonic() - started
 
     def _due(self) -> bool:
         return self.offline_at is not None and time.monotonic() >= self.offline_at
@@ -199,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     membership.join()
     size = int(run.pipeline["microbatch_size"])
-    stats = {"name": args.name, "stages": [], "disconnections": 0, "lost_results": 0}
+    stats = {
+        "name": args.name,
+        "stages": [],
+        "disconnections": 0,
+        "lost_results": 0,
+        "compute_s": 0.0,
+        "real_compute_s": 0.0,
+    }
     worker = BenchWorker(
         membership,
         run,
@@ -217,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker.run(wait_s=1)
     finally:
-        stats.update(tasks_done=worker.tasks_done, tasks_refused=worker.tasks_refused, uploads=worker.uploads)
+        stats.update(
+            tasks_done=worker.tasks_done,
+            tasks_refused=worker.tasks_refused,
+            uploads=worker.uploads,
+            requests={k: [n, round(s, 3)] for k, (n, s) in client.transport.profile.items()},
+        )
         Path(args.stats).write_text(json.dumps(stats))
     return 0
 

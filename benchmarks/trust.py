@@ -1,8 +1,9 @@
 """Spot checks of stage workers' results, through the real relay: how often each dishonest worker
 is caught, whether an honest one ever is, and what the checks cost.
 
-    python benchmarks/trust.py                      # ~6 minutes on 2 shared cores
+    python benchmarks/trust.py                      # ~15 minutes on 2 shared cores
     python benchmarks/trust.py --share 0.05 --batches 12
+    python benchmarks/trust.py --tolerance 1000     # honest distances per precision, no relay
 
 Processes per run: one ``relay-server serve`` with ``[pipeline]`` (a ByteTransformer of 4 blocks
 cut into 2 stages) and 4 stage workers (``benchmarks/trust_rig.py``: the toolkit's StageWorker),
@@ -46,7 +47,10 @@ from moe_rig import REPO, stop_all, wait_until  # noqa: E402
 from relay_server.harness.process import start_relay  # noqa: E402
 
 RIG = Path(__file__).resolve().parent / "trust_rig.py"
-LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1}
+LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1, "flip-late": 1}
+PATIENT = {"flip-late"}
+"""Attacks that wait out a new worker's probation: reported on their own, not in the F1 (the base
+share catches them at about ``1 / (p * share)`` of their tasks: beyond a benchmark's batches)."""
 
 
 def relay_config(args, share: float) -> dict:
@@ -78,7 +82,7 @@ def relay_config(args, share: float) -> dict:
     }
 
 
-def run_once(name: str, attack: str, share: float, args, folder: Path) -> dict:
+def run_once(name: str, attack: str, share: float, args, folder: Path, batches: int) -> dict:
     folder.mkdir(parents=True)
     relay = start_relay(folder, relay_config(args, share))
     procs, liar = [], LIAR_STAGE.get(attack, -1)
@@ -89,7 +93,7 @@ def run_once(name: str, attack: str, share: float, args, folder: Path) -> dict:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(RIG), "--relay", relay.url, "--name", f"w{i}", "--seed", str(args.seed + i)]
-                    + ["--until-step", str(args.batches), "--ready", str(folder / f"w{i}.ready"), *extra]
+                    + ["--until-step", str(batches), "--ready", str(folder / f"w{i}.ready"), *extra]
                     + (["--after", str(folder / f"w{i - 1}.ready")] if i else []),
                     cwd=REPO,
                     stdout=open(folder / f"w{i}.log", "w"),
@@ -99,10 +103,10 @@ def run_once(name: str, attack: str, share: float, args, folder: Path) -> dict:
 
         def over() -> bool:
             trust = pipeline(relay.url)["trust"]
-            return status(relay.url)["step"] >= args.batches or (liar >= 0 and bool(trust["bans"]))
+            return status(relay.url)["step"] >= batches or (liar >= 0 and bool(trust["bans"]))
 
         try:
-            wait_until(over, args.run_limit_s, f"{args.batches} batches")
+            wait_until(over, args.run_limit_s, f"{batches} batches")
             completed = True
         except TimeoutError:
             completed = False
@@ -130,7 +134,13 @@ def run_once(name: str, attack: str, share: float, args, folder: Path) -> dict:
         "disagreed": trust["disagreed"],
         "refereed": trust["refereed"],
         "unserved": trust["unserved"],
+        "probation_checks": trust["probation_checks"],
+        "tasks": tasks,
         "extra_compute": round(extra / tasks, 4) if tasks else None,
+        # past the workers' probation: what the run pays per batch from then on
+        "extra_compute_after_probation": round(max(0, extra - trust["probation_checks"]) / tasks, 4)
+        if tasks
+        else None,
         "max_agreeing_distance": trust["max_agreeing_distance"],
         "tolerance": trust["tolerance"],
         "seconds_per_batch": round(sum(times) / len(times), 3) if times else None,
@@ -182,34 +192,87 @@ def monitor_cost(rows: int, width: int, repeats: int) -> dict:
     }
 
 
+def tolerances(args) -> dict:
+    """``--tolerance N``: N honest checked results per precision (:mod:`relay_server.trust.calibrate`,
+    on this run's model cut into its 2 stages): the distances honest recomputations differ by, the
+    tolerance derived from them, the tolerance the relay uses, and how many honest results it
+    would have called lies (false bans)."""
+    import math
+
+    from relay_server.trust.calibrate import MARGIN, measure
+    from relay_server.trust.compare import tolerance
+    from toolkit.wire.protocol import ModelSpec
+
+    model = relay_config(args, 0.0)["model"]
+    spec = ModelSpec(factory=model["factory"], kwargs=model["kwargs"])
+    out = {}
+    for precision in ("fp32", "fp16", "bf16"):
+        started = time.monotonic()
+        measured = measure(spec, [2, 2], precision, math.ceil(args.tolerance / 2), seed=args.seed)  # 2 results each
+        used = tolerance(precision, "none")
+        out[precision] = {
+            **measured.summary(),
+            "tolerance": used,
+            "false_bans": measured.beyond(used),
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        print(f"{precision}: {json.dumps(out[precision])}", flush=True)
+    return {"margin": MARGIN, "false_bans": sum(p["false_bans"] for p in out.values()), "precisions": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--share", type=float, default=0.1, help="pipeline.check_share of the checked runs")
-    parser.add_argument("--batches", type=int, default=6)
+    parser.add_argument(
+        "--share", type=float, default=0.02, help="pipeline.check_share (the base share) of the checked runs"
+    )
+    parser.add_argument("--batches", type=int, default=6, help="batches of each attack's run (it ends at the ban)")
+    parser.add_argument(
+        "--honest-batches",
+        type=int,
+        default=16,
+        help="batches of the two honest runs (extra compute and seconds per batch: probation is a cost per "
+        "joining worker, so a longer run shows what a run pays)",
+    )
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--attacks", default="scale,noise,flip")
+    parser.add_argument(
+        "--attacks", default="scale,noise,flip", help="also: flip-late (the patient liar, not in the F1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-limit-s", type=float, default=240.0)
     parser.add_argument("--logs", help="keep every process's log in this folder (default: a temporary one)")
+    parser.add_argument(
+        "--tolerance",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only measure honest distances: N checked results per precision (fp32, fp16, bf16), no relay",
+    )
     args = parser.parse_args(argv)
+    if args.tolerance:
+        print(json.dumps(tolerances(args)))
+        return 0
     attacks = [a for a in args.attacks.split(",") if a]
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="trust-bench-") as tmp:
         logs = Path(args.logs) if args.logs else Path(tmp)
-        runs["honest@0"] = run_once("honest@0", "", 0.0, args, logs / "honest-0")
-        runs["honest@share"] = run_once("honest@share", "", args.share, args, logs / "honest-share")
+        runs["honest@0"] = run_once("honest@0", "", 0.0, args, logs / "honest-0", args.honest_batches)
+        runs["honest@share"] = run_once(
+            "honest@share", "", args.share, args, logs / "honest-share", args.honest_batches
+        )
         for attack in attacks:
-            runs[attack] = run_once(attack, attack, args.share, args, logs / attack)
-    tp = sum(runs[a]["caught"] for a in attacks)
-    fn = len(attacks) - tp
+            runs[attack] = run_once(attack, attack, args.share, args, logs / attack, args.batches)
+    scored = [a for a in attacks if a not in PATIENT]
+    tp = sum(runs[a]["caught"] for a in scored)
+    fn = len(scored) - tp
     fp = sum(r["false_bans"] for r in runs.values())
     base, checked = runs["honest@0"]["seconds_per_batch"], runs["honest@share"]["seconds_per_batch"]
     summary = {
-        "f1": round(2 * tp / (2 * tp + fp + fn), 3) if attacks else None,
+        "f1": round(2 * tp / (2 * tp + fp + fn), 3) if scored else None,
         "extra_compute": runs["honest@share"]["extra_compute"],
+        "extra_compute_after_probation": runs["honest@share"]["extra_compute_after_probation"],
         "false_bans": fp,
         "batches_to_ban": {a: runs[a]["batch_of_ban"] for a in attacks},
         "throughput_ratio": round(checked / base, 3) if base and checked else None,
@@ -220,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "max_agreeing_distance": runs["honest@share"]["max_agreeing_distance"],
         "tolerance": runs["honest@share"]["tolerance"],
+        "patient": {a: runs[a]["batch_of_ban"] if runs[a]["caught"] else None for a in attacks if a in PATIENT},
         "settings": {
             "share": args.share,
             "batches": args.batches,
+            "honest_batches": args.honest_batches,
             "microbatches": args.microbatches,
             "width": args.width,
             "stages": 2,

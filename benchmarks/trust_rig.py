@@ -6,7 +6,9 @@ runs on a pipeline run) on random byte data, honest or corrupting what it sends.
 
 * ``scale``: every activation it sends, times 1.3;
 * ``noise``: every activation it sends plus noise of 10% of its norm;
-* ``flip``: every tenth stage gradient it sends (the first included) with its sign flipped.
+* ``flip``: every tenth stage gradient it sends (the first included) with its sign flipped;
+* ``flip-late``: the patient liar: honest for its first 20 stage gradients (past a new worker's
+  probation of raised checks), then ``flip``'s every tenth.
 
 With ``--after``/``--ready`` it waits for the previous worker's ready file before asking for its
 stage (stages are assigned in a fixed order: a joiner goes to the stage with the fewest workers,
@@ -31,6 +33,8 @@ from toolkit.pipeline.worker import StageWorker  # noqa: E402
 from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
 
+LATE = 20
+
 
 def corrupting(how: str):
     class Corrupt(StageWorker):
@@ -42,8 +46,9 @@ def corrupting(how: str):
             elif name == "y" and how == "noise":
                 noise = torch.randn(h.shape, generator=torch.Generator().manual_seed(self.tasks_done)).to(h.dtype)
                 h = h + noise * (0.1 * h.norm() / noise.norm())
-            elif name == "g" and how == "flip":
-                h = -h if self.gradients % 10 == 0 else h
+            elif name == "g" and how in ("flip", "flip-late"):
+                late = self.gradients - (LATE if how == "flip-late" else 0)
+                h = -h if late >= 0 and late % 10 == 0 else h
                 self.gradients += 1
             return super()._rows(name, h)
 
@@ -62,7 +67,7 @@ def main() -> int:
     ap.add_argument("--name", required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--until-step", type=int, required=True)
-    ap.add_argument("--corrupt", choices=("", "scale", "noise", "flip"), default="")
+    ap.add_argument("--corrupt", choices=("", "scale", "noise", "flip", "flip-late"), default="")
     ap.add_argument("--after", help="wait for this file before asking for a stage")
     ap.add_argument("--ready", help="write this file once placed")
     args = ap.parse_args()

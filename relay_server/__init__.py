@@ -28,7 +28,7 @@ under the app.
 * :mod:`relay_server.data`          the shard-lease pool (the data task pool), training the run's tokenizer
 * :mod:`relay_server.backbone`      slices of the vector owned by the relay and aggregators, tickets, recovery
 * :mod:`relay_server.collaboration` the state machine composing rounds, backbone, planning and observers
-* :mod:`relay_server.trust`         checking stage workers' results: spot checks, monitors, the relay's referee, bans
+* :mod:`relay_server.trust`         checking stage workers' and expert hosts' results: spot checks, monitors, the relay's referee, bans
 * :mod:`relay_server.local_sgd`     local SGD: when an outer round opens, its outer loop's figures
 * :mod:`relay_server.evaluation`    evaluation's folder (its evaluator is one of the observers)
 * :mod:`relay_server.pipeline`      the staged pipeline: stage owners, the task pool and its rounds, the ledger

@@ -21,6 +21,8 @@ KEYS = {
     "case4_vs_swarm",
     "planner_error",
     "seconds_per_batch",
+    "overhead_ratio",
+    "ideal_batch_s",
     "bytes_per_sample",
     "ours_completed",
     "settings",
@@ -50,6 +52,9 @@ def test_pipeline_benchmark_reports_every_ratio_and_ours_completes():
         batch = out["settings"]["microbatches"] * out["settings"]["microbatch_size"]
         assert ours["counted"] and all(stages == [batch, batch] for stages in ours["counted"]), ours["counted"]
         assert set(out["seconds_per_batch"][case]) == {"ours", "static", "swarm"}
+        # measured over the compute-bound ideal: above 1 whatever the machine (requests, the round's step)
+        assert ours["overhead_ratio"] > 1 and ours["ideal_batch_s"] == out["ideal_batch_s"][case] > 0, ours
+        assert ours["compute_s"] > 0 and ours["requests"], ours
         wasted = ours["wasted_per_batch"]  # per committed batch; the totals also hold the batch in flight's
         assert wasted and all(len(w) == 3 and min(w) >= 0 for w in wasted), wasted
         assert sum(w[0] for w in wasted) <= ours["redispatched"] and sum(w[1] for w in wasted) <= ours["redone"]

@@ -15,10 +15,12 @@ import torch
 from relay_server.core.config import ConfigError, load_config
 from relay_server.pipeline.ledger import FIRST, LAST, Step
 from relay_server.tasks.queues import ReadyQueues
+from relay_server.trust.calibrate import MARGIN, derived_tolerance, measure
 from relay_server.trust.checks import PipelineTrust, TrustDeps
 from relay_server.trust.compare import distance, tolerance
 from relay_server.trust.monitor import OUTLIER_Z, ResultMonitor
 from relay_server.trust.referee import Referee
+from relay_server.trust.shares import PROBATION
 from tests.support.pipeline import pipeline_overrides
 from tests.support.pipeline_models import BYTE_SPEC
 from toolkit.pipeline import compute
@@ -45,6 +47,7 @@ def trust(share: float, **deps) -> PipelineTrust:
         batch=lambda: 0,
         banned=lambda worker, reason: None,
         settled=lambda: None,
+        probation=0,
     )
     return PipelineTrust(TrustDeps(**{**base, **deps}))
 
@@ -63,6 +66,24 @@ def test_the_share_of_checked_tasks_follows_the_config_and_the_secret_not_the_ta
     assert len(a & b) / len(ids) < 0.02  # two relays' secrets choose independently (0.01 expected)
     assert not any(trust(0.0).chosen(t, "w") for t in ids[:1000])
     assert all(trust(1.0).chosen(t, "w") for t in ids[:1000])
+
+
+def test_a_new_worker_is_checked_more_until_its_probation_ends() -> None:
+    """The first result of a worker is always checked, then at 1/2, 1/4 ... for PROBATION checks,
+    then at the base share; each worker's probation is its own, and a suspect's share is 1."""
+    ids = [f"t{i}" for i in range(20000)]
+    checks = trust(0.02, probation=PROBATION)
+    first = [checks.shares.choose(t, "new") for t in ids[:400]]
+    assert first[0] and sum(first[:40]) >= PROBATION  # its probation is over within a few dozen results
+    assert checks.shares.share("new") == 0.02 and checks.shares.chosen_for["new"] >= PROBATION
+    later = [checks.shares.choose(t, "new") for t in ids[400:]]
+    assert 0.015 <= sum(later) / len(later) <= 0.025  # past probation: the base share
+    assert checks.shares.share("other") == 1.0 and checks.shares.on_probation() == []
+    assert checks.shares.probation_checks == PROBATION
+    checks.monitor.suspicion["new"] = 1.0
+    assert checks.shares.share("new") == 1.0 and all(checks.chosen(t, "new") for t in ids[:100])
+    assert trust(0.0, probation=PROBATION).shares.share("new") == 0.0  # checks off: no probation either
+    assert checks.status().probation == PROBATION and checks.status().probation_checks == PROBATION
 
 
 def test_the_monitor_scores_a_scaled_result_an_outlier_and_honest_ones_not() -> None:
@@ -93,6 +114,21 @@ def test_the_tolerance_separates_rounding_from_every_attack() -> None:
     assert distance(y, (y.astype(np.float64) * (1 + 1e-7)).astype(np.float32)) < tolerance("fp32", "none")
     assert distance(y, y[:8]) == 2.0
     assert tolerance("bf16", "int8") > tolerance("bf16", "none") > tolerance("fp32", "none")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_honest_recomputations_differ_by_less_than_the_tolerance_derived_from_them(precision) -> None:
+    """The table in :mod:`relay_server.trust.compare` holds what it says: honest recomputations of
+    checked results (the stage code, one micro-batch and sample by sample, against fp64) stay
+    within it with the stated margin, and rounding is seen where there is some (fewer tasks than
+    ``benchmarks/trust.py --tolerance 1000``, which derived the table)."""
+    measured = measure(BYTE_SPEC, [2, 2], precision, 6, seed=3)
+    used = tolerance(precision, "none")
+    assert len(measured.pairwise) == 12 and len(measured.to_exact) == 24
+    assert measured.beyond(used) == 0, measured.summary()  # no honest result would have been banned
+    assert MARGIN * measured.bound <= used, measured.summary()
+    assert derived_tolerance(measured.bound) <= used
+    assert 0 < max(measured.to_exact) < (1e-5 if precision == "fp32" else used / MARGIN)
 
 
 def test_a_check_is_never_leased_to_the_worker_it_checks() -> None:

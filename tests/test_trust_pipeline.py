@@ -20,9 +20,12 @@ import pytest
 import requests
 
 from relay_server.harness.process import wait_until
+from tests.support.peers import TOKENS, hf_relay, standin
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.training import relay_params
+from toolkit.client import RelayClient
+from toolkit.errors import RelayRejected
 
 MICROBATCHES = 4
 STEPS = 3
@@ -41,7 +44,7 @@ def placed(relay) -> int:
     return sum(len(s["workers"]) for s in status["stages"]) + len(status["trust"]["bans"])
 
 
-def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage: int = 0):
+def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage: int = 0, share: float = 1.0):
     """Four workers placed in turn (a joiner goes to the stage with the fewest workers, the lower
     first), the liar (if any) the first placed on ``liar_stage``: the relay's status after
     ``STEPS`` batches, checked exact, the liar and the honest workers."""
@@ -53,7 +56,7 @@ def checked_run(serve_relay, launch_stage_worker, corrupt: str = "", liar_stage:
                 microbatches=MICROBATCHES,
                 initial_lease_s=5.0,
                 lease_floor_s=1.0,
-                check_share=1.0,
+                check_share=share,
             ),
             "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
         }
@@ -100,6 +103,22 @@ def test_a_worker_sending_wrong_results_is_banned_and_its_batch_recomputed(
     assert liar_id not in {w for s in status["stages"] for w in s["workers"]}, status["stages"]
 
 
+def test_at_a_low_base_share_a_new_liar_is_caught_by_its_probation(serve_relay, launch_stage_worker):
+    """``check_share = 0.02``: at that share the sign-flipper (every tenth gradient, the first
+    included) would survive about 500 of its tasks; a new worker's first checkable result is
+    always checked (probation), so it is banned in its first batches all the same, and the run
+    stays exact."""
+    status, liar, _ = checked_run(serve_relay, launch_stage_worker, "flip", 1, share=0.02)
+    assert liar.wait(timeout_s=120) == 3, liar.log_path.read_text()[-3000:]
+    liar_id = next(e["peer_id"] for e in liar.events() if e["event"] == "joined")
+    trust = status["trust"]
+    (ban,) = trust["bans"]
+    assert ban["worker"] == liar_id and ban["batch"] <= BANNED_BY_BATCH, trust
+    # the checks were probation's (and the monitors' suspects', whose every result is checked), the
+    # base share's not more: at 2% it would almost never have chosen the liar's few flipped gradients
+    assert trust["check_share"] == 0.02 and trust["probation"] == 2 and trust["probation_checks"] >= 1, trust
+
+
 def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_worker):
     status, _, _ = checked_run(serve_relay, launch_stage_worker)
     trust = status["trust"]
@@ -110,3 +129,47 @@ def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_
     assert trust["checks"] >= STEPS * MICROBATCHES * 2, trust
     assert trust["agreed"] + trust["refereed"] >= STEPS * MICROBATCHES, trust
     assert trust["max_agreeing_distance"] <= trust["tolerance"], trust
+
+
+def test_on_a_signed_run_a_banned_liar_cannot_come_back_under_its_name(tmp_path, launch_stage_worker, monkeypatch):
+    """``auth.mode = "hf"``: the liar's Hugging Face user is banned (the store's ban list), so it
+    can neither keep working under a new peer id nor log in again; on an open run only the peer id
+    it was given is refused (a rejoin is a new worker: on probation, its first result checked)."""
+    hub = standin()
+    relay = None
+    try:
+        relay = hf_relay(
+            tmp_path,
+            hub,
+            {
+                **pipeline_overrides(BYTE_SPEC, stages=2, microbatches=MICROBATCHES, check_share=1.0),
+                "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+                "limits": {},
+            },
+        )
+        for user in ("alice", "bob", "eve"):
+            monkeypatch.setenv(f"HF_TOKEN_{user.upper()}", TOKENS[user])
+        login = ("--hf-token-env",)
+        liar = launch_stage_worker(
+            relay.url, "liar", seed=100, until_step=STEPS, extra=(*login, "HF_TOKEN_EVE", "--corrupt", "scale")
+        )
+        wait_until(lambda: placed(relay) >= 1, 120, "the liar placed on stage 0")
+        honest = [
+            launch_stage_worker(relay.url, f"w{i}", seed=i, until_step=2, extra=(*login, f"HF_TOKEN_{user}"))
+            for i, user in enumerate(("ALICE", "BOB", "ALICE"))
+        ]
+        for worker in honest:
+            assert worker.wait(timeout_s=300) == 0, worker.log_path.read_text()[-3000:]
+        assert liar.wait(timeout_s=60) != 0  # ended: refused, whether as a banned worker or a banned user
+        (ban,) = pipeline(relay)["trust"]["bans"]
+        liar_id = next(e["peer_id"] for e in liar.events() if e["event"] == "joined")
+        assert ban["worker"] == liar_id, ban
+        comeback = RelayClient(relay.url)
+        with pytest.raises(RelayRejected) as refused:
+            comeback.login(TOKENS["eve"])  # the same user, a new peer key: refused at the door
+        assert refused.value.code == "user_banned", refused.value
+        comeback.close()
+    finally:
+        if relay is not None:
+            relay.stop()
+        hub.stop()

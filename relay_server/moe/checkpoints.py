@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 _NAME = re.compile(r"(\d{10})\.safetensors")
@@ -51,6 +52,15 @@ class CheckpointStore:
     def latest(self, uid: str) -> bytes | None:
         newest = self.newest(uid)
         return newest[1] if newest is not None else None
+
+    def bodies(self, uid: str) -> Iterator[bytes]:
+        """Every checkpoint kept of ``uid``, newest first, each read when asked for (one pruned
+        meanwhile is skipped)."""
+        for number in reversed(self.versions(uid)):
+            try:
+                yield (self._dir(uid) / f"{number:010d}.safetensors").read_bytes()
+            except FileNotFoundError:
+                continue
 
     def newest(self, uid: str) -> tuple[int, bytes] | None:
         """The newest checkpoint's number and bytes (None: none yet). Another process may read

@@ -42,6 +42,7 @@ from relay_server.core.errors import ApiError
 from relay_server.core.http import int_query, json_ok, read_message, upload_length
 from relay_server.moe.state import Experts
 from relay_server.tasks.broker import DONE
+from relay_server.trust.expert_checks import build_trust, moderation, read_version
 from toolkit.errors import ProtocolError
 from toolkit.wire import payloads
 from toolkit.wire.protocol import ROUTES, CheckpointReceipt, ExpertLease, LeaseRequest, ResultAck, TaskHead
@@ -72,6 +73,8 @@ def _registered(request: web.Request) -> tuple[Experts, str]:
     the relay never knew is 404 ``unknown_peer`` (join again)."""
     peer_id = own_peer(request, request.match_info["peer_id"])
     experts = _experts(request)
+    if experts.review is not None:
+        experts.review.admit(peer_id)  # a host caught lying (relay_server.trust.expert_checks)
     return experts, _collab(request).peer(peer_id).peer_id
 
 
@@ -120,8 +123,7 @@ async def put_call(request: web.Request) -> web.Response:
         if set(tensors) != names:
             raise ProtocolError("bad_tensor", f"a {kind} call carries exactly {sorted(names)}")
         x = payloads.read_rows(tensors, "x", None, width, codec)
-        if kind == "backward":
-            payloads.read_rows(tensors, "g", x.shape[0], width, codec)
+        g = payloads.read_rows(tensors, "g", x.shape[0], width, codec) if kind == "backward" else None
     except ProtocolError as exc:
         raise ApiError(
             400,
@@ -148,6 +150,8 @@ async def put_call(request: web.Request) -> web.Response:
         raise error or ApiError(500, "task_failed", f"the call to {uid} failed")
     answer = experts.broker.result(task)
     experts.broker.forget(task)
+    if experts.review is not None and task.worker is not None:  # spot checks: 502 rather than a lie
+        await experts.review.review(task.task_id, uid, kind, task.worker, x, g, answer, task.leased_at)
     return web.Response(body=answer, content_type="application/octet-stream")
 
 
@@ -192,7 +196,9 @@ async def put_result(request: web.Request) -> web.Response:
     body = await request.read()
     name = "y" if task.kind == "forward" else "g"
     try:
-        _, tensors = payloads.decode(body, task.rows * experts.config.width() * 4 + 4096)
+        metadata, tensors = payloads.decode(body, task.rows * experts.config.width() * 4 + 4096)
+        if experts.review is not None:
+            read_version(metadata)
         if set(tensors) != payloads.row_names(name, experts.codec):
             raise ProtocolError(
                 "bad_tensor", f"a {task.kind} result carries exactly {sorted(payloads.row_names(name, experts.codec))}"
@@ -224,10 +230,12 @@ async def put_checkpoint(request: web.Request) -> web.Response:
     except asyncio.IncompleteReadError:
         raise ApiError(400, "truncated_body", "the checkpoint ended early") from None
     try:
-        updates, _ = payloads.read_checkpoint(body, experts.shapes)
+        updates, tensors = payloads.read_checkpoint(body, experts.shapes)
     except ProtocolError as exc:
         raise ApiError(422, exc.code, exc.message, "The checkpoint was refused; the previous one stays.") from None
     number = await asyncio.to_thread(experts.checkpoints.save, uid, body)
+    if experts.review is not None:
+        experts.review.checkpointed(uid, updates, tensors, host)
     return json_ok(CheckpointReceipt(uid=uid, checkpoint=number, updates=updates))
 
 
@@ -281,6 +289,8 @@ async def build(config: RelayConfig, collab: Collaboration) -> Experts:
         len(experts.directory.uids),
         cfg.k,
     )
+    if cfg.check_share > 0:
+        experts.review = build_trust(experts, moderation(config, collab))
     return experts
 
 

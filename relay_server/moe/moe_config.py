@@ -67,6 +67,12 @@ class MoeSection:
     codec: str = "none"
     """Activations and their gradients on the wire: none (float32), float16 (half the bytes) or
     int8 (blockwise, about a quarter); the experts compute in float32 either way."""
+    check_share: float = 0.0
+    """The share of expert calls the relay spot-checks (0..1) against its own copy of the expert,
+    computed from the host's checkpoint of the version the result says it was computed at (fresh
+    experts: from the seed); chosen by a secret seed, so a host cannot tell a checked call from
+    another. A host caught lying is banned and its experts go to other hosts (docs/experts.md,
+    "Trusting expert hosts"). Costs this share of one expert forward (or backward) on the relay."""
 
     def uids(self) -> list[str]:
         return [
@@ -124,6 +130,10 @@ class MoeSection:
                 self.codec in ("none", "float16", "int8"),
                 f"moe.codec must be none, float16 or int8 (a dense codec: "
                 f"got {self.codec!r}; topk2-<K> is for run.compression only)",
+            ),
+            (
+                0.0 <= self.check_share <= 1.0,
+                f"moe.check_share must be 0..1 (the share of expert calls spot-checked), got {self.check_share!r}",
             ),
             (
                 self.keep_checkpoints >= 1

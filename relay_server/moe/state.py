@@ -15,7 +15,9 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from relay_server.core.errors import ApiError
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
@@ -29,6 +31,35 @@ from toolkit.wire.compression import Codec, get_codec
 log = logging.getLogger(__name__)
 TICK_S = 0.25
 RATE_WINDOW_S = 60.0
+
+
+class ResultReview(Protocol):
+    """What judges the hosts' results (:class:`relay_server.trust.expert_checks.ExpertTrust`, plugged in
+    by the feature when ``[moe] check_share`` > 0): a unit above this one, so named by its shape."""
+
+    def admit(self, peer: str) -> None:
+        """Refuse (403 ``banned``) a host caught lying, on every expert route."""
+        ...
+
+    async def review(
+        self,
+        task_id: str,
+        uid: str,
+        kind: str,
+        host: str,
+        x: np.ndarray,
+        g: np.ndarray | None,
+        answer: bytes,
+        leased_at: float | None = None,
+    ) -> None:
+        """A call's answer before its caller sees it: raises (502 ``bad_result``) when it is a lie."""
+        ...
+
+    def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray], host: str = "") -> None:
+        """``host``'s checkpoint of ``uid`` at ``updates`` was stored: the checks waiting for it settle."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -49,6 +80,8 @@ class Experts:
     live_peers: Callable[[], Collection[str]] = frozenset
     """The registry's live peers: a host not among them loses its leases (:meth:`expire`)."""
     ticker: asyncio.Task[None] | None = None
+    review: ResultReview | None = None
+    """The spot checks and monitor of the hosts' results (None: ``[moe] check_share = 0``)."""
 
     @classmethod
     def create(
@@ -107,21 +140,28 @@ class Experts:
             "failure_rate": round(failed / len(window), 4) if window else 0.0,
             "experts_per_host": self.directory.hosts(),
             "queued_rows": self.broker.summary()["queued"],
+            **({"trust": self.review.status()} if self.review is not None else {}),
         }
 
     def expire(self, live_peers: Collection[str]) -> None:
         """Hosts that left the registry lose their leases; their experts' open calls fail at once
         (their parameters left with the host) and the next host that asks takes them over."""
-        for host, orphans in self.directory.expire(live_peers).items():
-            failed = sum(
-                self.broker.fail_key(
-                    uid, ApiError(410, "expert_gone", f"the host of {uid} left", "Treat it as a failed expert.")
-                )
-                for uid in orphans
-            )
-            self.broker.worker_left(host)
-            log.info("expert host %s left: %d experts orphaned, %d calls failed", host[:16], len(orphans), failed)
+        for host in [h for h in self.directory.hosts() if h not in live_peers]:
+            self.drop_host(host, "left")
         self.broker.tick()
+
+    def drop_host(self, host: str, why: str) -> None:
+        """End every lease of ``host`` (it left, or was banned): its experts' open calls fail at
+        once and the next host that asks takes them over from their last checkpoint."""
+        orphans = self.directory.release(host)
+        failed = sum(
+            self.broker.fail_key(
+                uid, ApiError(410, "expert_gone", f"the host of {uid} {why}", "Treat it as a failed expert.")
+            )
+            for uid in orphans
+        )
+        self.broker.worker_left(host)
+        log.info("expert host %s %s: %d experts orphaned, %d calls failed", host[:16], why, len(orphans), failed)
 
 
 async def expire_hosts(experts: Experts, live_peers: Callable[[], Collection[str]]) -> None:

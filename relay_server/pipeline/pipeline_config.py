@@ -61,10 +61,12 @@ class PipelineSection:
     """Between batches, every this many, the planner may move one worker to the bottleneck
     stage (0: never), when the predicted gain beats the cost of downloading its new stage."""
     check_share: float = 0.0
-    """The share of stage workers' results the relay spot-checks (0..1): chosen by a secret seed,
-    re-issued to another worker of the stage as an ordinary task (first-stage results: computed
-    by the relay itself) and compared; a worker caught lying is banned and its batch recomputed
-    (docs/pipeline.md, "Trusting stage workers"). Costs this share of extra compute."""
+    """The base share of stage workers' results the relay spot-checks (0..1): chosen by a secret
+    seed, re-issued to another worker of the stage as an ordinary task (first-stage results:
+    computed by the relay itself) and compared; a worker caught lying is banned and its batch
+    recomputed (docs/pipeline.md, "Trusting stage workers"). New workers are checked more first
+    (probation, :mod:`relay_server.trust.shares`), suspects always; past that it costs this share
+    of the checkable results in extra compute."""
 
     @property
     def batch(self) -> int:

@@ -1,9 +1,10 @@
 """Spot checks of pipeline results, and what a failed one costs its worker.
 
-**Which tasks.** A share of accepted results (``[pipeline] check_share``) is checked, chosen by an
-HMAC of the task's id under a secret drawn when the relay starts: a worker cannot predict which
-of its results are checked, and a worker whose results the monitors find odd (:mod:`.monitor`)
-has every result checked. Only results that hold a boundary are checked (a forward's activations,
+**Which tasks** (:mod:`.shares`): a share per worker, chosen by an HMAC of the task's id under a
+secret drawn when the relay starts, so a worker cannot predict which of its results are checked:
+a new worker's first results at a raised share (probation), a worker the monitors find odd
+(:mod:`.monitor`) every result, everyone else the run's base share (``[pipeline] check_share``).
+Only results that hold a boundary are checked (a forward's activations,
 a backward's gradient of its stage's input); a redo and stage 0's backward send none (their
 parameter gradient goes up summed at the round, out of reach of a per-task check).
 
@@ -27,10 +28,7 @@ another version) is dropped as *unserved*, never left blocking the round.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -40,6 +38,7 @@ import numpy as np
 from relay_server.core.errors import ApiError
 from relay_server.trust.compare import distance, rows
 from relay_server.trust.monitor import ResultMonitor
+from relay_server.trust.shares import PROBATION, CheckShares
 from relay_server.trust.task_kinds import FIRST, StepLike, output_name
 from toolkit.wire.compression import Codec
 from toolkit.wire.protocol import TrustBan, TrustStatus
@@ -72,6 +71,8 @@ class TrustDeps:
     settled: Callable[[], None]
     """The coordinator: no check is pending any more (the round may open)."""
     referee: Referee | None = None
+    probation: int = PROBATION
+    """Checks a new worker's results are chosen for at a raised share (:mod:`.shares`)."""
 
 
 @dataclass
@@ -103,8 +104,8 @@ class TrustCounters:
 class PipelineTrust:
     def __init__(self, deps: TrustDeps) -> None:
         self.deps = deps
-        self.secret = secrets.token_bytes(32)  # which tasks are checked: unknowable outside this process
         self.monitor = ResultMonitor()
+        self.shares = CheckShares(deps.share, self.monitor, deps.probation)
         self.pending: dict[str, Check] = {}  # check task id (or "ref:<task id>" while refereed) -> check
         self.banned: dict[str, str] = {}  # worker -> reason
         self.bans: list[TrustBan] = []
@@ -140,10 +141,8 @@ class PipelineTrust:
 
     # --- results --------------------------------------------------------------------------------
     def chosen(self, task_id: str, worker: str) -> bool:
-        if self.monitor.suspect(worker):
-            return True
-        digest = hmac.new(self.secret, task_id.encode(), hashlib.sha256).digest()
-        return int.from_bytes(digest[:8], "big") < self.deps.share * 2**64
+        """Whether ``worker``'s result of ``task_id`` would be checked now (:mod:`.shares`)."""
+        return self.shares.chosen(task_id, worker)
 
     def accepted(
         self,
@@ -157,7 +156,7 @@ class PipelineTrust:
         for name, (norm, size) in norms.items():
             self.monitor.observe(f"{name}{step.stage}", worker, norm, size)
         output = output_name(step)
-        if output is None or output not in entries or not self.deps.share > 0 or not self.chosen(task_id, worker):
+        if output is None or output not in entries or not self.shares.choose(task_id, worker):
             return
         self.counters.checks += 1
         check = Check(
@@ -300,6 +299,9 @@ class PipelineTrust:
         return TrustStatus(
             check_share=self.deps.share,
             tolerance=self.deps.tolerance,
+            probation=self.shares.probation if self.deps.share > 0 else 0,
+            probation_checks=self.shares.probation_checks,
+            on_probation=self.shares.on_probation(),
             checks=c.checks,
             agreed=c.agreed,
             disagreed=c.disagreed,

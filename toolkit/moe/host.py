@@ -207,6 +207,7 @@ class ExpertHost:
         """One forward or backward of one expert over the rows of ``group``'s calls."""
         head = group[0][0]
         x = torch.from_numpy(np.concatenate([arrays["x"] for _, arrays in group])).to(self.device)
+        version = {payloads.RESULT_VERSION: str(self.updates.get(head.uid, 0))}  # the relay's checks compute it there
         try:
             if head.kind == "forward":
                 out, name = self.runtime.forward(head.uid, x).result(), "y"
@@ -224,7 +225,7 @@ class ExpertHost:
         for task, _ in group:
             answer, offset = rows[offset : offset + task.rows], offset + task.rows
             try:
-                body = payloads.encode(payloads.encode_rows(name, answer, self.codec))
+                body = payloads.encode(payloads.encode_rows(name, answer, self.codec), version)
             except ValueError as exc:  # not representable in the run's codec (NaN, out of range): let it time out
                 log.warning("result of %s for %s not sent: %s", task.kind, task.uid, exc)
                 continue
@@ -291,6 +292,11 @@ class ExpertHost:
         cure (the relay lost this host's leases, or its peer id: the membership joined again).
         Anything else waits the membership's backoff."""
         code = exc.code
+        if code == "banned":  # caught lying (or banned by the organizer): the relay takes no more of its work
+            self.waiting = f"stopped: {exc.message}"
+            log.error("%s", self.waiting)
+            self._stop.set()
+            return False
         if code == "no_lease":
             self.waiting = "leasing experts again (the relay had ended this host's leases)"
             log.warning(

@@ -32,6 +32,9 @@ from toolkit.wire.protocol import TaskBatch, TaskHead
 from toolkit.wire.tensor_container import encode_header, peek_header, read_container
 
 KINDS = ("forward", "backward")
+RESULT_VERSION = "version"
+"""A host's result's metadata key: the version of the expert it computed it on (the optimizer steps
+the expert holds; its checkpoints' ``updates``), which the relay's spot checks compute it again at."""
 NONE = get_codec("none")
 
 

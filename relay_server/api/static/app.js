@@ -389,10 +389,19 @@ function renderExperts(s) {
   if (!e) return;
   $("experts-summary").textContent = `${fmt.int(e.live)} of ${fmt.int(e.total)} experts live, ` +
     `${fmt.rate(e.calls_per_s)} calls/s, ${fmt.pct(e.failure_rate)} failed (last minute), ` +
-    `${fmt.int(e.queued_rows)} rows queued.`;
+    `${fmt.int(e.queued_rows)} rows queued.` + expertChecks(e.trust);
   const names = Object.fromEntries((s.peers || []).map((p) => [p.peer_id, p.name]));
   const hosts = Object.entries(e.experts_per_host || {}).sort((a, b) => b[1] - a[1]);
   fillTable($("experts"), hosts.map(([peer, n]) => row([names[peer] || peer.slice(0, 8), num(fmt.int(n))])));
+}
+
+/** The relay's spot checks of expert hosts ([moe] check_share): one sentence, empty when off. */
+function expertChecks(t) {
+  if (!t) return "";
+  const banned = (t.bans || []).length;
+  return ` Checks: ${fmt.int(t.checks)} (${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ` +
+    `${fmt.int(t.unverifiable)} unverifiable), ${fmt.int(banned)} host${banned === 1 ? "" : "s"} banned` +
+    ((t.suspects || []).length ? `, ${fmt.int(t.suspects.length)} suspect.` : ".");
 }
 
 const COUNTED_ROUNDS = 5;  // the Pipeline panel's "last rounds": enough to see a pattern, short enough to read
@@ -458,9 +467,11 @@ function renderTrust(t, many) {
     return;
   }
   const bans = t.bans || [];
-  out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results): ` +
+  const probation = t.probation ? `; new workers: first ${fmt.int(t.probation)} checks at a raised share` : "";
+  out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results${probation}): ` +
     `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
-    (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned");
+    (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned") +
+    ((t.on_probation || []).length ? `; ${many(t.on_probation.length, "worker")} on probation` : "");
   out.title = bans.map((b) => `${b.worker.slice(0, 8)} (batch ${b.batch}): ${b.reason}`).join("\n") ||
     `tolerance ${t.tolerance}, largest distance between agreeing results ${t.max_agreeing_distance}`;
   out.className = bans.length ? "warn" : "";

@@ -194,8 +194,15 @@ class TrustStatus(Schema):
     """What the relay's spot checks and monitors of stage workers' results found so far."""
 
     check_share: float
+    """The base share: the probability a result of a worker past its probation is checked."""
     tolerance: float
     """The relative L2 distance two honest results of one task may have (the run's precision and codec)."""
+    probation: int = 0
+    """Checks a new worker's results are chosen for at a raised share (1, 1/2, 1/4, ...) first."""
+    probation_checks: int = 0
+    """Checks chosen above the base share because their worker was on probation (their cost)."""
+    on_probation: list[str] = field(default_factory=list)
+    """Workers whose share is still raised by their probation."""
     checks: int = 0
     """Results chosen for a check."""
     agreed: int = 0
