@@ -344,16 +344,6 @@ def relay_step_when(worker) -> int:
             "tie_embeddings",
         ),
         ({"model": {"factory": "toolkit.models:MLP", "kwargs": {"sizes": [8, 16, 1]}}}, "cannot cut [model]"),
-        (
-            {
-                "model": {
-                    "kind": "transformers",
-                    "architecture": "AutoModelForCausalLM",
-                    "config": {**LLAMA_SPEC.config, "tie_word_embeddings": True},
-                }
-            },
-            "tie_word_embeddings = false",
-        ),
     ],
 )
 def test_configuration_mistakes_end_in_one_line_before_anything_is_created(tmp_path, change, names):

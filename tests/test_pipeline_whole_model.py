@@ -30,7 +30,7 @@ from relay_server.observers.pretrained import MODEL_FILE
 from relay_server.pipeline.model_cut import cut_model
 from tests.hub_standin import HubStandin
 from tests.support.pipeline import pipeline_overrides
-from tests.support.pipeline_models import BYTE_SPEC, GPT2_SPEC, GPT2_VOCAB, LLAMA_SPEC
+from tests.support.pipeline_models import BYTE_SPEC, DEFAULT_GPT2_SPEC, GPT2_SPEC, GPT2_VOCAB, LLAMA_SPEC
 from tests.support.training import relay_params
 from toolkit.models import build_model
 from toolkit.models.flat import load_flat
@@ -54,6 +54,7 @@ def recipe_overrides() -> dict:
 RUNS = {
     "pipeline-tiny": recipe_overrides,
     "gpt2": lambda: pipeline_overrides(GPT2_SPEC, stages=2),
+    "gpt2-default": lambda: pipeline_overrides(DEFAULT_GPT2_SPEC, stages=2),  # tied embeddings, dropout 0.1
     "llama": lambda: pipeline_overrides(LLAMA_SPEC, stages=2),
 }
 
@@ -73,6 +74,8 @@ def stages_logits(config, flat, tokens: torch.Tensor) -> torch.Tensor:
     stages = [build_stage(spec, cut) for cut in cut_stages(units_of(spec), cut_model(config).layers)]
     for stage in stages:
         stage.load_flat(flat[stage.cut.start : stage.cut.end])
+        if stage.tied is not None:  # the last stage's head: its copy of stage 0's tied matrix
+            stage.load_tied(flat[stage.tied[0] : stage.tied[1]])
         stage.eval()
     with torch.no_grad():
         h = tokens
@@ -123,6 +126,8 @@ def test_an_exported_pipeline_version_gives_the_stages_logits(serve_relay, launc
     with torch.no_grad():
         exported = model(tokens)
     exported = exported.logits if hasattr(exported, "logits") else exported
+    if run == "gpt2-default":  # written once, tied again by from_pretrained
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     expected = stages_logits(config, torch.from_numpy(flat), tokens)
     assert exported.shape == expected.shape
     assert float((exported - expected).abs().max()) <= 1e-5

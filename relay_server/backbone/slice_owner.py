@@ -58,7 +58,9 @@ class SliceRound:
     received: dict[str, int] = field(default_factory=dict)
     partial: set[str] = field(default_factory=set)
     closed: bool = False
-    sq_norm: float | None = None  # set once the sum became the mean (grad_sq_norm, before finalize)
+    meaned: bool = False  # the sum became the mean (grad_sq_norm, carried_mean or add_to_mean, before finalize)
+    sq_norm: float | None = None  # the mean's squared norm, once asked (grad_sq_norm)
+    added: bool = False  # another owner's carried values were added into the mean (add_to_mean)
     refused: bool = False  # the step was refused and the slice published unchanged
 
 
@@ -82,20 +84,33 @@ class SliceOwner:
         on_transfer: TransferHook | None = None,
         adopt: bool = False,
         download_feedback: float = 1.0,
+        carry: int = 0,
     ) -> None:
         """``state``: ``params`` (end - start,) and optionally ``opt.*``/``opt_scalar.*``
         (:meth:`MasterState.export_state`) and ``public`` (lossy codecs: what peers hold).
         ``adopt``: ``params`` is a fresh float32 vector the master may keep (no copy). ``codecs.up``
-        decodes uploads, ``codecs.down`` encodes the published deltas."""
+        decodes uploads, ``codecs.down`` encodes the published deltas. ``carry``: values every
+        upload carries past the slice, reduced with it (whole or nothing) but never stepped here:
+        their round's mean goes to the owner of what they are a gradient of (:meth:`carried_mean`;
+        a pipeline's tied head, :mod:`relay_server.pipeline.tied`)."""
         self.start, self.end, self.codecs, self.store = start, end, codecs, store
-        self.run_name, self.plan_version = run_name, plan_version
+        self.run_name, self.plan_version, self.carry = run_name, plan_version, carry
+        buffer = np.zeros(end - start + carry, dtype=np.float32)  # the round's sum: the slice's, then the carry
         self.master = MasterState(
-            layout, state["params"], optimizer, total_steps, step=step, start=start, end=end, adopt=adopt
+            layout,
+            state["params"],
+            optimizer,
+            total_steps,
+            step=step,
+            start=start,
+            end=end,
+            adopt=adopt,
+            grad=buffer[: end - start],
         )
         if any(name.startswith("opt") for name in state):
             self.master.import_state(state, step)
         # uploads in flight wait for their last chunk in unlinked files on the data disk, not in /tmp (often RAM)
-        self.reducer = Reducer(self.master.grad.numpy(), codecs.up, robust=robust, spool_dir=str(store.dir))
+        self.reducer = Reducer(buffer, codecs.up, robust=robust, spool_dir=str(store.dir))
         self.publisher = Publisher(
             store, codecs.down, self.master, public=state.get("public"), fsync=fsync, feedback=download_feedback
         )
@@ -116,6 +131,11 @@ class SliceOwner:
         return self.end - self.start
 
     @property
+    def upload_numel(self) -> int:
+        """The values one upload carries: the slice's and the :attr:`carry`."""
+        return self.numel + self.carry
+
+    @property
     def step(self) -> int:
         """The published version of this slice."""
         return self.publisher.latest.step if self.publisher.latest else self.master.step
@@ -128,11 +148,6 @@ class SliceOwner:
         """Persist the state as it is now as version ``master.step`` (a new owner's first version;
         ``delta=False``: peers download it whole)."""
         return self.publisher.write(self.master.step, self.meta(), delta=delta)
-
-    def mean_sq_norm(self) -> float:
-        """Reducer thread, after every add of the round: the sum becomes the mean; its squared norm."""
-        self.reducer.finish_mean()
-        return self.master.grad_sq_norm()
 
     def apply_round(self, meaned: bool = False, global_norm: float | None = None) -> tuple[Version, StepReport]:
         """Reducer thread, after every add of the round: mean (unless ``meaned``), optimizer step
@@ -278,8 +293,49 @@ class SliceOwner:
         async with self._switch:
             r = await self._close(step, round_id)
             if r.sq_norm is None:
-                r.sq_norm = await self.reducer.run(self.mean_sq_norm)
+                await self._mean(r)
+                r.sq_norm = await self.reducer.run(self.master.grad_sq_norm)
             return r.sq_norm
+
+    async def _mean(self, r: SliceRound) -> None:
+        """Under ``_switch``, the round closed: its sum becomes its mean, once."""
+        if not r.meaned:
+            await self.reducer.run(self.reducer.finish_mean)
+            r.meaned = True
+
+    async def carried_mean(self, step: int, round_id: str) -> np.ndarray | None:
+        """Close round ``round_id`` and answer the mean of what its uploads carried past the slice
+        (:attr:`carry` values, a copy); None once the round is finalized (its carry was handed
+        over before). Idempotent."""
+        if round_id in self._finalized:
+            return None
+        if step != self.step:
+            raise ApiError(409, "wrong_step", f"carried mean for step {step}, but this slice is at {self.step}")
+        async with self._switch:
+            r = await self._close(step, round_id)
+            await self._mean(r)
+            return await self.reducer.run(lambda: self.reducer.sum[self.numel :].copy())
+
+    async def add_to_mean(self, step: int, round_id: str, offset: int, values: np.ndarray) -> None:
+        """Close round ``round_id`` and add ``values`` into its mean gradient at ``offset`` of the
+        slice: another owner's :meth:`carried_mean` for this slice, before the norm and the step
+        see the mean. Once per round: a repeated call (the relay retrying a finalize) adds nothing."""
+        if round_id in self._finalized:
+            return
+        if step != self.step:
+            raise ApiError(409, "wrong_step", f"add to the mean for step {step}, but this slice is at {self.step}")
+        if offset < 0 or offset + values.size > self.numel:
+            raise ValueError(f"values [{offset}, {offset + values.size}) fall outside the slice's {self.numel}")
+        async with self._switch:
+            r = await self._close(step, round_id)
+            if r.added:
+                return
+            if r.sq_norm is not None:
+                raise RuntimeError("carried values must be added before the mean's norm is taken")
+            await self._mean(r)
+            segment = self.master.grad.numpy()[offset : offset + values.size]
+            await self.reducer.run(np.add, segment, values.astype(np.float32, copy=False), segment)
+            r.added = True
 
     async def finalize(
         self, step: int, round_id: str, global_norm: float | None = None
@@ -296,7 +352,7 @@ class SliceOwner:
         async with self._switch:
             r = await self._close(step, round_id)
             self.round = None
-            version, report = await self.reducer.run(self.apply_round, r.sq_norm is not None, global_norm)
+            version, report = await self.reducer.run(self.apply_round, r.meaned, global_norm)
         self.publisher.publish(version)
         self.reducer.submit(self.reducer.reset)  # before any add of the next round
         r.refused = report.refused

@@ -45,7 +45,7 @@ async def put_slice(
             raise ApiError(400, "bad_ticket", f"the ticket is for round {ticket.step}, the path says {step}")
         if owner is None:
             raise _moved(owner)
-        limit = owner.codecs.up.wire_bytes(owner.numel)
+        limit = owner.codecs.up.wire_bytes(owner.upload_numel)
         total = upload_length(request, limit)
         body = request.get(BODY_STREAM_KEY)
         stream: HeadedStream | VerifiedBodyStream

@@ -63,8 +63,8 @@ def check_model(config: Any, *, with_tokenizer: bool = True) -> Any:
 
 
 def _check_pipeline(config: Any) -> None:
-    """A pipeline run's model can be cut into its stages (an architecture the stages know, untied
-    embeddings, parameters in layer order) and has a layer for each of them."""
+    """A pipeline run's model can be cut into its stages (an architecture the stages know, a tie
+    they can hold apart, parameters in layer order) and has a layer for each of them."""
     from toolkit.pipeline.stages import units_of
 
     try:

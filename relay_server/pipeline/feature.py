@@ -61,6 +61,7 @@ from toolkit.wire.tensor_container import MAX_HEADER
 
 if TYPE_CHECKING:
     from relay_server.rounds.peer_registry import Peer
+    from relay_server.rounds.publisher import Version
 
 log = logging.getLogger(__name__)
 PIPELINE = web.AppKey("pipeline", PipelineService)
@@ -231,7 +232,10 @@ async def get_stage_params(request: web.Request, coordinator: PipelineCoordinato
     start, end = int_query(request, "start"), int_query(request, "end")
     stage = coordinator.owners.stage_of(start, end)
     owner = coordinator.owners.owners[stage] if stage is not None else None
-    if "step" in request.query and owner is not None:
+    tie = coordinator.owners.tie
+    if owner is None and tie is not None and tie.split and (start, end) == (tie.start, tie.end):
+        response = await _tied_copy(request, coordinator, int_query(request, "step"))
+    elif "step" in request.query and owner is not None:
         response = await _stage_version(
             request,
             coordinator,
@@ -245,9 +249,16 @@ async def get_stage_params(request: web.Request, coordinator: PipelineCoordinato
     return response
 
 
-async def _stage_version(
-    request: web.Request, coordinator: PipelineCoordinator, stage: int, step: int
-) -> web.StreamResponse:
+async def _tied_copy(request: web.Request, coordinator: PipelineCoordinator, step: int) -> web.StreamResponse:
+    """The last stage's copy of a tied embedding: stage 0's range of it, of exactly version
+    ``step`` (the one the worker's task computes on: :mod:`.tied`)."""
+    first = _in_use(coordinator, 0, step)
+    copy = await coordinator.owners.tie.copy_of(first, coordinator.owners.cuts[0][0])  # type: ignore[union-attr]  # tied runs only
+    return await coordinator.owners.owners[0].publisher.send(request, copy, None)
+
+
+def _in_use(coordinator: PipelineCoordinator, stage: int, step: int) -> Version:
+    """Stage ``stage``'s version ``step`` while a batch in flight computes on it."""
     version = coordinator.owners.version(stage, step)
     if version is None or step not in coordinator.flight.versions():
         raise ApiError(
@@ -257,7 +268,13 @@ async def _stage_version(
             f"{coordinator.owners.step})",
             "Drop the task that asked for it (its batch is over) and take the next one.",
         )
-    return await coordinator.owners.owners[stage].publisher.send(request, version, None)
+    return version
+
+
+async def _stage_version(
+    request: web.Request, coordinator: PipelineCoordinator, stage: int, step: int
+) -> web.StreamResponse:
+    return await coordinator.owners.owners[stage].publisher.send(request, _in_use(coordinator, stage, step), None)
 
 
 ROUTE_TABLE = [

@@ -30,6 +30,8 @@ class ModelCut:
     plan_config: PipelineConfig
     memory: StageMemoryModel
     """What a worker of each stage holds (:mod:`toolkit.pipeline.worker_memory`)."""
+    tied: tuple[int, int] | None = None
+    """Stage 0's range of a tied input/output embedding (:mod:`.tied`), None when untied."""
 
     def stage_bytes(self) -> list[int]:
         """The memory a worker needs for each stage, every term counted (:mod:`toolkit.pipeline.worker_memory`)."""
@@ -38,7 +40,7 @@ class ModelCut:
 
 def cut_model(config: RelayConfig) -> ModelCut:
     model = meta_model(config.model.spec())
-    units = pipeline_units(model)
+    units = pipeline_units(model)  # a tied embedding: units.tied (the relay's side is .tied)
     cfg = config.pipeline
     shapes = _shapes(model, cfg.microbatch_size)
     shape = model_shape(units, cfg.boundary_codec, shapes.width, shapes.max_positions)
@@ -63,6 +65,7 @@ def cut_model(config: RelayConfig) -> ModelCut:
         model=shape,
         plan_config=plan_config,
         memory=memory,
+        tied=units.tied,
     )
 
 

@@ -47,7 +47,8 @@ def model_shape(units: PipelineUnits, codec: str, width: int, tokens: int) -> Mo
         layers=units.num_layers,
         layer_params=max(blocks) if blocks else 0,
         first_params=units.prefix[1] - units.prefix[0],
-        last_params=units.suffix[1] - units.suffix[0],
+        # a tied head: the last stage downloads, multiplies by and uploads a gradient of the matrix too
+        last_params=units.suffix[1] - units.suffix[0] + (units.tied[1] - units.tied[0] if units.tied else 0),
         boundary_bytes_per_sample=boundary_bytes_per_sample(codec, width, tokens),
     )
 

@@ -6,7 +6,8 @@ The relay's, per parameter of the whole model (every stage's owner lives on the 
 
 * **parameters**, 8 B/param: each stage owner's master (4) and the collaboration's flat vector
   the stages were cut from (4);
-* **gradients**, 4 B/param: each stage's round sum, where its workers' uploads add up;
+* **gradients**, 4 B/param: each stage's round sum, where its workers' uploads add up (with a
+  tied embedding, the last stage's sum of the head's gradient of it too, :mod:`.tied`);
 * **optimizer state**: AdamW, Adam and LAMB 8 B/param (two moments; 2 with ``state_bits = 8``),
   SGD with momentum 4, plain SGD 0;
 * **versions**, 8 B/param: each step's whole model assembled for ``relay-server export`` and
@@ -74,7 +75,7 @@ def relay_memory(config: RelayConfig, num_params: int, memory: StageMemoryModel,
     batch_boundaries = cfg.microbatches_per_batch * (num_stages - 1) * 2 * memory.boundary_bytes
     return MemoryTerms(
         parameters=per["parameters"] * num_params,
-        gradients=per["gradients"] * num_params,
+        gradients=per["gradients"] * (num_params + (memory.tied_params if num_stages > 1 else 0)),
         optimizer_state=int(optimizer_bytes(config.optimizer) * num_params),
         versions=per["versions"] * num_params,
         transfers=per["transfers"] * num_params,

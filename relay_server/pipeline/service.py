@@ -92,6 +92,7 @@ class PipelineService:
             cut.cuts,
             resume,
             collab.store,
+            cut.tied,
         )
         broker = TaskBroker(
             PayloadStore(1 << 20, None),

@@ -13,6 +13,10 @@ relay committed last; every step is also written whole into the relay's own stor
 With delayed parameter updates a batch computes on the version before the latest: each stage
 keeps serving that one too (:meth:`StageOwners.version`; its file is still in the store, which
 always keeps the two newest versions).
+
+Tied input/output embeddings (:mod:`.tied`): the last stage's owner reduces the head's gradient
+of the tied matrix with its slice (its ``carry``), and :meth:`StageOwners.finalize` folds that
+mean into stage 0's before the norm and the step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from relay_server.backbone.slice_owner import SliceOwner
 from relay_server.backbone.slicing import Owner, Published, manifest_version
 from relay_server.core.config import RelayConfig
+from relay_server.pipeline.tied import TiedEmbedding
 from relay_server.pipeline.whole_model import write_whole_version
 from relay_server.rounds.publisher import Version
 from relay_server.rounds.reducer import robust_config
@@ -48,9 +53,12 @@ class StageOwners:
         cuts: list[tuple[int, int]],
         resume_step: int | None,
         whole_store: Store,
+        tied: tuple[int, int] | None = None,
     ) -> None:
-        """``whole_store``: the relay's own store, where each step's whole model goes."""
+        """``whole_store``: the relay's own store, where each step's whole model goes. ``tied``:
+        stage 0's range of a tied input/output embedding (:mod:`.tied`)."""
         self.config, self.cuts, self.num_params = config, cuts, int(params.size)
+        self.tie = TiedEmbedding(*tied, len(cuts)) if tied is not None else None
         self.whole_store = whole_store
         self.whole_path: Path | None = None
         """The whole model's file of the step :meth:`finalize` last wrote (observers read it)."""
@@ -78,6 +86,7 @@ class StageOwners:
                 robust=robust_config(config.rounds),
                 run_name=config.run.name,
                 plan_version=PLAN_VERSION,
+                carry=self.tie.carry(k) if self.tie is not None else 0,
             )
             if resume_step is not None and self.stores[k].state_path(resume_step).exists():
                 owner.publisher.restore(resume_step)  # a stage may be a step ahead: the relay's commit decides
@@ -134,7 +143,10 @@ class StageOwners:
     async def finalize(self, step: int, round_id: str) -> tuple[Published, float, list[int]]:
         """Every stage applies its optimizer to the mean of its round (clipping by the global
         norm over all stages when the run clips) and the whole model is written (:attr:`whole_path`);
-        the new manifest, that norm and the samples each stage's round counted."""
+        the new manifest, that norm and the samples each stage's round counted. A tied head's
+        gradient is in stage 0's mean before any of that (:meth:`.tied.TiedEmbedding.fold`)."""
+        if self.tie is not None:
+            await self.tie.fold(self.owners, step, round_id)
         clip = self.config.optimizer.clip_grad_norm > 0
         global_norm = None
         if clip:

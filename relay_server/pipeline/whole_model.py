@@ -11,9 +11,11 @@ published pipeline step, before the step is committed, so a committed step alway
 
 Why concatenating the stages' slices is the whole model: the run's flat vector is the model's
 parameters in ``named_parameters()`` order, and stage k owns the contiguous range ``cuts[k]`` of
-it (:mod:`toolkit.pipeline.cuts`); the cuts cover it in order. A tied or shared parameter would
-appear once in that order, but a pipeline refuses them (:func:`toolkit.pipeline.stages.pipeline_units`:
-the first and last stages cannot share one matrix), so every parameter is in exactly one stage.
+it (:mod:`toolkit.pipeline.cuts`); the cuts cover it in order. A tied input/output embedding
+appears once in that order, in stage 0's range, as ``named_parameters()`` lists it (the last
+stage's head reads a copy, :mod:`.tied`; ``from_pretrained`` ties the head to it again on load);
+other shared parameters are refused (:func:`toolkit.pipeline.stages.pipeline_units`), so every
+parameter is in exactly one stage.
 
 The file holds the master parameters (the exact ones, also with a lossy download codec) and no
 optimizer state: each stage's optimizer state stays in its own store, which is what a restart

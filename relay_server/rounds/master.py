@@ -79,14 +79,20 @@ class MasterState:
         end: int | None = None,
         *,
         adopt: bool = False,
+        grad: np.ndarray | None = None,
     ) -> None:
+        """``grad``: a float32 buffer of the slice's length to reduce the gradient into (a view of
+        a longer one whose tail the owner hands on: :class:`~relay_server.backbone.slice_owner.SliceOwner`'s
+        ``carry``); zeros of its own by default."""
         self.cfg, self.total_steps, self.step = cfg, total_steps, step
         self.start, self.end = start, params.size if end is None else end
         whole = (self.start, self.end) == (0, params.size) and params.dtype == np.float32 and params.flags.c_contiguous
         values = params if params.size == self.end - self.start else params[self.start : self.end]  # slice or whole
         # adopt=True: the caller hands over a fresh float32 vector (no third copy of P floats at startup)
         self.flat = torch.from_numpy(params if adopt and whole else np.array(values, dtype=np.float32))
-        self.grad = torch.zeros_like(self.flat)
+        self.grad = torch.zeros_like(self.flat) if grad is None else torch.from_numpy(grad)
+        if self.grad.shape != self.flat.shape or self.grad.dtype != torch.float32:
+            raise ValueError(f"the gradient buffer must be float32 of {self.flat.numel()} values")
         _check_slice(layout, self.start, self.end, cfg)
         decay: list[tuple[torch.nn.Parameter, int]] = []  # (parameter, offset in the slice)
         no_decay: list[tuple[torch.nn.Parameter, int]] = []

@@ -94,6 +94,9 @@ class Referee:
         if self.loaded.get(k) != version:
             with torch.no_grad():
                 self.stages[k].load_flat(flat)
+            tied = self.stages[k].tied
+            if tied is not None:  # a tied head reads stage 0's matrix of the same version (stage 0 starts at 0)
+                self.stages[k].load_tied(self.params(0)[1][tied[0] : tied[1]])
             self.loaded[k] = version
         return self.stages[k]
 

@@ -86,6 +86,17 @@ GPT2_DROPOUT_SPEC = ModelSpec(
 )
 """GPT-2 with its default dropout (0.1 on embeddings, attention and residuals): exact only when
 a recomputed backward replays its forward's masks (:mod:`toolkit.pipeline.compute`)."""
+
+
+def tied(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with its input and output embeddings tied (one matrix)."""
+    return ModelSpec(
+        kind=spec.kind, architecture=spec.architecture, config={**spec.config, "tie_word_embeddings": True}
+    )
+
+
+DEFAULT_GPT2_SPEC = tied(GPT2_DROPOUT_SPEC)
+"""GPT-2 with its default config, small: tied embeddings, dropout 0.1."""
 DROPOUT_SPECS = {
     "gpt2": GPT2_DROPOUT_SPEC,
     "llama": decoder_spec("llama", num_key_value_heads=2, attention_dropout=0.1),

@@ -95,7 +95,7 @@ def pipeline_masks(model: nn.Module, layers_per_stage: Sequence[int], microbatch
     when stage ``k``'s first block starts. One micro-batch's forward per context."""
     from toolkit.pipeline.stages import architecture_of, pipeline_units
 
-    units = pipeline_units(model, tied=True)  # a reference: which blocks start a stage
+    units = pipeline_units(model)  # a reference: which blocks start a stage
     parent, _, leaf = architecture_of(model).anatomy.blocks.rpartition(".")
     blocks = list(getattr(model.get_submodule(parent), leaf))
     device = next(model.parameters()).device

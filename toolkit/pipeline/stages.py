@@ -1,10 +1,10 @@
 """Cutting a run's model into stages: which models can be cut, and building one stage alone.
 
 :func:`pipeline_units` refuses, in one line that says what to do, a model it cannot cut: an
-architecture it does not know how to run in parts, tied input/output embeddings unless asked
-(``tied=True``: the last stage then reads stage 0's embedding as a copy; relay runs do not ask
-yet), parameters out of layer order, or parameters shared between modules (a stage owns each of
-its parameters alone, a tied head aside). :func:`build_stage` builds the
+architecture it does not know how to run in parts, input/output embeddings tied in a way it
+cannot hold apart (a decoder's tied head is fine: the last stage reads stage 0's embedding as a
+copy, :mod:`relay_server.pipeline.tied`), parameters out of layer order, or parameters shared
+between modules (a stage owns each of its parameters alone, a tied head aside). :func:`build_stage` builds the
 model on the meta device, where a parameter is a shape without storage, keeps the stage's
 modules and only then allocates them: a worker never holds more than its stage, which is the
 point of a pipeline (a model larger than any one volunteer's memory).
@@ -60,22 +60,22 @@ def architecture_of(model: nn.Module) -> type[Stage]:
     )
 
 
-def pipeline_units(model: nn.Module, *, tied: bool = False) -> PipelineUnits:
+def pipeline_units(model: nn.Module) -> PipelineUnits:
     """Where ``model``'s embeddings, blocks and head lie in the flat parameter vector (``model``
     may live on the meta device: only names and shapes are read).
 
-    ``tied``: accept a decoder whose head is its input embedding (``units.tied`` is then that
-    matrix's range, which the last stage reads as a copy); refused otherwise, as relay runs do
-    until their rounds sum the head's gradient into stage 0's."""
+    A decoder whose head is its input embedding has ``units.tied``: that matrix's range, held
+    once on stage 0, which the last stage reads as a copy. A tie the stages cannot hold apart
+    (the ByteTransformer's, a head with a bias) is refused."""
     arch = architecture_of(model)
     arch.check(model)  # first: tie_hint reads the parts where the architecture says they are
     hint = arch.tie_hint(model)
-    pair = arch.tied_pair(model) if hint and tied else None
+    pair = arch.tied_pair(model) if hint else None
     if hint and pair is None:
         raise ModelMismatch(
             "tied_embeddings",
-            f"this {arch.anatomy.name} ties its input and output embeddings, and a pipeline run "
-            "cannot yet sum the last stage's head gradient into stage 0's embedding gradient",
+            f"this {arch.anatomy.name} ties its input and output embeddings in a way its pipeline "
+            "stages cannot hold apart (the last stage would need the first stage's matrix as its own)",
             hint[0].upper() + hint[1:] + ".",
         )
     num_layers = arch.num_layers(model)
@@ -128,7 +128,7 @@ def build_stage(
     """Stage ``cut`` of the run's model on ``device``, the rest never allocated. Its parameters
     hold finite placeholder values: load the run's slice into them (:meth:`Stage.load_flat`)."""
     model = meta_model(spec)
-    units = pipeline_units(model, tied=True)
+    units = pipeline_units(model)
     try:
         fits = stage_cut(units, cut.index, cut.num_stages, cut.first_layer, cut.end_layer) == cut
     except ValueError:

@@ -23,6 +23,11 @@ is complete the relay lists the micro-batches whose stage gradient this worker h
 their sum with a ticket naming exactly them, through the ticketed slice upload every sliced run
 uses.
 
+A tied input/output embedding (GPT-2's default): the last stage's head reads a copy of stage 0's
+range of the matrix, downloaded with each version its tasks compute on, and its upload carries
+the head's gradient of it after the stage's own (:mod:`relay_server.pipeline.tied` folds it into
+stage 0's before the step).
+
 Every task names the version it computes on. With delayed parameter updates
 (``run.max_staleness = 1``) batch ``b``'s tasks compute on version ``b - 1`` while batch
 ``b + 1``'s compute on ``b``, so the worker keeps its stage of two versions and a stage-gradient
@@ -167,12 +172,15 @@ class StageWorker:
         :class:`_Stale` when the relay serves it no more (no batch in flight uses it)."""
         if self.version == version:
             return
-        a = self.assignment
+        a, tied = self.assignment, self.stage.tied
         flat = self.versions.get(version)
-        if flat is None:
-            flat = np.zeros(a.end - a.start, dtype=np.float32)
+        if flat is None:  # the stage's slice, then (a tied head) its copy of stage 0's matrix, of one version
+            own = a.end - a.start
+            flat = np.zeros(own + (tied[1] - tied[0] if tied else 0), dtype=np.float32)
             try:
-                self.client.pipeline.download_stage_at(self.peer_id, a.start, a.end, flat, step=version)
+                self.client.pipeline.download_stage_at(self.peer_id, a.start, a.end, flat[:own], step=version)
+                if tied is not None:
+                    self.client.pipeline.download_stage_at(self.peer_id, *tied, flat[own:], step=version)
             except RelayRejected as exc:
                 if exc.code == "version_gone":
                     raise _Stale(version) from None
@@ -183,6 +191,8 @@ class StageWorker:
             for p in self.params:
                 p.copy_(torch.from_numpy(flat[offset : offset + p.numel()]).view_as(p))
                 offset += p.numel()
+        if tied is not None:
+            self.stage.load_tied(flat[offset:])
         self.version = version
 
     def _reset_sum(self) -> None:
@@ -323,7 +333,7 @@ class StageWorker:
             if result.loss is not None:
                 self.last_loss = result.loss
                 loss_sum = result.loss * a.microbatch_size
-            grads = result.params
+            grads = result.params if result.tied is None else [*result.params, result.tied]  # the head's last
             if result.input is not None and not task.redo:
                 out.update(self._rows("g", result.input))
         try:
@@ -368,6 +378,11 @@ class StageWorker:
         return torch.from_numpy(rows.copy()).to(self.device).view(b, rows.shape[0] // b, width)
 
     # --- rounds -----------------------------------------------------------------------------------
+    def _upload_numel(self) -> int:
+        """The values an upload carries: the stage's slice, then a tied head's gradient of stage 0's matrix."""
+        a, tied = self.assignment, self.stage.tied
+        return a.end - a.start + (tied[1] - tied[0] if tied is not None else 0)
+
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
         mine = self.sums.pop(call.step)  # round ``step`` steps with batch ``step``'s gradient
@@ -382,7 +397,7 @@ class StageWorker:
         vector = (
             torch.cat([g.reshape(-1) for g in mine.grads]).to("cpu", torch.float32).numpy()
             if mine.grads is not None
-            else np.zeros(a.end - a.start, dtype=np.float32)
+            else np.zeros(self._upload_numel(), dtype=np.float32)
         )
         run_codec = get_codec(self.info.compression)
         tensors = list(run_codec.encode(vector))

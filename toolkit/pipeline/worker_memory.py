@@ -3,7 +3,9 @@
 The terms, per stage of ``P`` parameters (``docs/pipeline.md`` has the measured figures):
 
 * **parameters**, 8 B/param: the stage's fp32 tensors (4) and the slice it downloads the
-  published version into before copying it in (4);
+  published version into before copying it in (4); a tied embedding's copy on the last stage of
+  two or more counts as parameters of that stage in every term (it is downloaded, held, given a
+  gradient, summed and uploaded as they are);
 * **gradients**, 8 B/param: a backward task's parameter gradient (4) and the sum of the stage
   gradients it holds until its upload (4);
 * **transfers**, 5 B/param: the upload's concatenated gradient vector and what the allocator keeps
@@ -91,11 +93,15 @@ class StageMemoryModel:
     """False: the model's code cannot run on the meta device (transformers' GPT-2 masks call
     ``.item()``), so activations are estimated (:data:`ESTIMATED_LAYER_BOUNDARIES`, :data:`HEAD_COPIES`)."""
 
+    tied_params: int = 0
+    """A tied input/output embedding's size: the last stage of two or more holds a copy of it."""
+
     def stage_params(self, k: int, num_stages: int, layers: int) -> int:
+        """The values stage ``k`` holds as parameters, a tied embedding's copy included."""
         return (
             layers * self.layer_params
             + (self.first_params if k == 0 else 0)
-            + (self.last_params if k == num_stages - 1 else 0)
+            + (self.last_params + (self.tied_params if num_stages > 1 else 0) if k == num_stages - 1 else 0)
         )
 
     def worker(self, k: int, num_stages: int, layers: int) -> MemoryTerms:
@@ -194,6 +200,7 @@ def memory_model(spec: ModelSpec, units: PipelineUnits, microbatch_size: int, to
         boundary_bytes=boundary,
         batch_bytes=sum(t.numel() * t.element_size() for t in data),
         activations_counted=counted,
+        tied_params=units.tied[1] - units.tied[0] if units.tied else 0,
     )
 
 
