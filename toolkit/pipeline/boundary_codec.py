@@ -61,7 +61,7 @@ def through_cuts(model: nn.Module, layers_per_stage: Sequence[int], codec: Codec
     through :func:`at_cut`."""
     from toolkit.pipeline.stages import architecture_of, pipeline_units
 
-    units = pipeline_units(model, tied=True)
+    units = pipeline_units(model)
     parent, _, leaf = architecture_of(model).anatomy.blocks.rpartition(".")
     blocks = list(getattr(model.get_submodule(parent), leaf))
 
