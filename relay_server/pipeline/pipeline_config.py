@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolkit.wire.compression import BOUNDARY_CHOICES, boundary_codec
+
 BOUNDARY_CODECS = ("none", "float16", "int8")
+"""The dense boundary codecs; ``lowrank-<r>`` (:mod:`toolkit.wire.compression.lowrank`) too."""
 DISPATCH = ("pool", "static", "restart")
 
 
@@ -42,7 +45,9 @@ class PipelineSection:
     """Micro-batches per batch; ``microbatch_size x microbatches_per_batch = run.target_batch``."""
     boundary_codec: str = "none"
     """How activations and their gradients cross the relay: none (float32, exact), float16 (half
-    the bytes) or int8 (blockwise, about a quarter)."""
+    the bytes), int8 (blockwise, about a quarter) or lowrank-<r> (each micro-batch's matrix as its
+    rank-r factors, e.g. lowrank-32: r (rows + width) bytes instead of float16's 2 rows x width;
+    docs/pipeline.md, "Compressed boundaries")."""
     boundary_memory_mb: int = 256
     """Boundary tensors the relay keeps in memory until a batch's round closes; beyond it they
     spill to ``data_dir/boundaries``."""
@@ -120,9 +125,15 @@ class PipelineSection:
             ),
             (not moe_enabled, "[pipeline] and [moe] cannot both be enabled: pick one way to split the model"),
             (
-                self.boundary_codec in BOUNDARY_CODECS,
-                f"pipeline.boundary_codec must be one of {BOUNDARY_CODECS} "
-                f"(a dense codec: got {self.boundary_codec!r}; topk2-<K> is for run.compression only)",
+                _codec_error(self.boundary_codec) is None,
+                f"pipeline.boundary_codec must be {BOUNDARY_CHOICES}, got {self.boundary_codec!r} "
+                f"(topk2-<K> is for run.compression only)",
+            ),
+            (
+                self.check_share == 0.0 or not str(self.boundary_codec).startswith("lowrank-"),
+                f"pipeline.check_share needs a boundary codec two honest workers agree on: "
+                f"{self.boundary_codec} may turn its kept subspace between two computations of one task; "
+                f"set pipeline.check_share = 0 or pipeline.boundary_codec = float16 or int8",
             ),
             (self.boundary_memory_mb >= 1, "pipeline.boundary_memory_mb must be >= 1"),
             (
@@ -137,3 +148,12 @@ class PipelineSection:
                 f"with {self.dispatch!r}",
             ),
         ]
+
+
+def _codec_error(name: Any) -> str | None:
+    """Why ``name`` cannot be a boundary codec (one line), None when it can."""
+    try:
+        boundary_codec(name)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None

@@ -30,7 +30,7 @@ from relay_server.rounds.master import lr_at
 from relay_server.rounds.store import RoundLog
 from relay_server.tasks.broker import TaskBroker
 from relay_server.tasks.payload_store import PayloadStore
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import boundary_codec
 
 if TYPE_CHECKING:
     from relay_server.pipeline.model_cut import ModelCut
@@ -107,7 +107,7 @@ class PipelineService:
             microbatch_size=cfg.microbatch_size,
             microbatches_per_batch=cfg.microbatches_per_batch,
             shapes=cut.shapes,
-            codec=get_codec(cfg.boundary_codec),
+            codec=boundary_codec(cfg.boundary_codec),
             dispatch=cfg.dispatch,
             rebalance_every=cfg.rebalance_every_batches,
             max_staleness=config.run.max_staleness,
@@ -200,7 +200,7 @@ def _referee(config: RelayConfig, cut: ModelCut, owners: StageOwners) -> Referee
         lambda k: (owners.step, owners.owners[k].master.flat.numpy()),
         width=cut.shapes.width,
         microbatch_size=config.pipeline.microbatch_size,
-        codec=get_codec(config.pipeline.boundary_codec),
+        codec=boundary_codec(config.pipeline.boundary_codec),
         precision=config.run.precision,
     )
 

@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from toolkit.wire.compression.lowrank import lowrank_rank
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -52,6 +54,9 @@ class StagePlanError(ValueError):
 def boundary_bytes_per_sample(codec: str, width: int, tokens: int) -> float:
     """Bytes of one sample's activation (or gradient) at a stage boundary: ``tokens`` rows of
     ``width`` values in ``codec``."""
+    rank = lowrank_rank(codec)
+    if rank is not None:  # per micro-batch r (rows + width) + 4 r: per sample at most one sample's rows
+        return float(min(rank, tokens, width) * (tokens + width) + 4 * rank)
     if codec not in CODEC_BYTES:
         raise StagePlanError(f"boundary codec {codec!r} is not one of {sorted(CODEC_BYTES)}")
     return float(tokens * (width * CODEC_BYTES[codec] + (4 if codec == "int8" else 0)))

@@ -14,7 +14,9 @@ import torch
 from toolkit.models import build_model, loss_of
 from toolkit.models.flat import load_flat
 from toolkit.pipeline import compute
+from toolkit.pipeline.boundary_codec import through_cuts
 from toolkit.pipeline.compute import pipeline_masks
+from toolkit.wire.compression import boundary_codec
 from toolkit.wire.protocol import ModelSpec
 
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0, "clip_grad_norm": 0.0, "schedule": "constant"}
@@ -72,6 +74,7 @@ def replay(
     layers: list[int] | None = None,
     precision: str = "",
     delay: int = 0,
+    codec: str = "",
 ) -> np.ndarray:
     """One process, the relay's initial parameters, the same global batches (micro-batches
     ``t * d .. t * d + d - 1`` make batch ``t``), the same SGD: the parameters after ``steps``.
@@ -79,7 +82,9 @@ def replay(
     pipeline's tasks draw for it (:func:`toolkit.pipeline.compute.pipeline_masks`); with
     ``precision`` its forward runs under that policy's CPU autocast, as the stage workers' do.
     With ``delay = 1`` (delayed parameter updates) batch ``t``'s gradient is computed at the
-    parameters of step ``max(t - 1, 0)`` and applied to those of step ``t``."""
+    parameters of step ``max(t - 1, 0)`` and applied to those of step ``t``. With ``codec`` (a
+    lossy ``[pipeline] boundary_codec``) every cut carries its round trip both ways
+    (:func:`toolkit.pipeline.boundary_codec.through_cuts`)."""
     torch.manual_seed(0)
     model = build_model(spec)
     load_flat(model, initial)
@@ -90,7 +95,11 @@ def replay(
     policy = compute.stage_precision(precision, "cpu")
 
     def loss(m: int) -> torch.Tensor:
-        with pipeline_masks(lagged, layers, m) if layers else contextlib.nullcontext(), policy.autocast():
+        with (
+            pipeline_masks(lagged, layers, m) if layers else contextlib.nullcontext(),
+            through_cuts(lagged, layers, boundary_codec(codec)) if codec and layers else contextlib.nullcontext(),
+            policy.autocast(),
+        ):
             return loss_of(lagged, as_batch(batches[m]))
 
     for t in range(steps):

@@ -15,7 +15,9 @@ pipeline with a parameter server per stage and a task pool).
 * :mod:`toolkit.pipeline.stages`: :func:`pipeline_units` (and its refusals) and
   :func:`build_stage`, which builds a stage without ever materialising the full model;
 * :mod:`toolkit.pipeline.compute`: what a task computes on a stage -- its forward with the
-  micro-batch's dropout masks under the run's precision, and a backward replaying that forward.
+  micro-batch's dropout masks under the run's precision, and a backward replaying that forward;
+* :mod:`toolkit.pipeline.boundary_codec`: the one-process model a run with a lossy boundary codec
+  equals (the codec's round trip at every cut, forward and backward).
 
 All but the worker are in the shared layer (:mod:`toolkit`): the relay cuts the same stages. The
 stage worker (:mod:`toolkit.pipeline.worker`), which talks to the relay, is a peer-side unit.

@@ -61,7 +61,7 @@ from toolkit.run_membership import Membership, waits_out
 from toolkit.runtime.precision import PrecisionPolicy
 from toolkit.transfer import slice_part
 from toolkit.wire import payloads
-from toolkit.wire.compression import get_codec
+from toolkit.wire.compression import boundary_codec, get_codec
 from toolkit.wire.protocol import (
     GradientMeta,
     Heartbeat,
@@ -120,7 +120,7 @@ class StageWorker:
         self.on_first = on_first
         self.device, self.memory_bytes = torch.device(device), memory_bytes
         self.precision = precision or compute.stage_precision(run.precision, self.device)
-        self.codec = get_codec(run.pipeline.get("boundary_codec", "none"))
+        self.codec = boundary_codec(run.pipeline.get("boundary_codec", "none"))
         self.units = units_of(run.model)
         self.assignment: StageAssignment | None = None
         self.stage: Stage | None = None

@@ -8,6 +8,8 @@ Every body is one safetensors container (:mod:`toolkit.wire.tensor_container`), 
   With an activation codec (``[moe] codec``: float16 or int8, :mod:`toolkit.wire.compression`)
   each of these travels as the codec's tensors ``<name>.<part>`` (e.g. ``x.scales``,
   ``x.payload``), validated against the codec's layout and decoded to float32 by its reader;
+  a pipeline boundary may also travel as ``lowrank-<r>`` factors (``<name>.s``, ``<name>.p``,
+  ``<name>.q``: :mod:`toolkit.wire.compression.lowrank`), which only matrices can;
 * a task batch (relay -> host): tensor ``{i}`` (uint8) is task ``i``'s call body verbatim, metadata
   ``tasks`` a :class:`~toolkit.wire.protocol.TaskBatch` (task_id, uid, kind, rows of each); a
   result (host -> relay) is the call's answer;
@@ -27,7 +29,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from toolkit.errors import ProtocolError
-from toolkit.wire.compression import Codec, get_codec
+from toolkit.wire.compression import Codec, LowRankCodec, get_codec
+from toolkit.wire.compression.lowrank import PARTS as LOWRANK_PARTS
 from toolkit.wire.protocol import TaskBatch, TaskHead
 from toolkit.wire.tensor_container import encode_header, peek_header, read_container
 
@@ -83,6 +86,8 @@ def rows_of(tensors: Mapping[str, np.ndarray], name: str, rows: int | None, widt
 def encode_rows(name: str, array: np.ndarray, codec: Codec = NONE) -> dict[str, np.ndarray]:
     """``array`` [rows, d] as the tensors of ``codec`` (just ``{name: array}`` without one)."""
     array = np.ascontiguousarray(array, dtype=np.float32)
+    if isinstance(codec, LowRankCodec):
+        return {f"{name}.{part}": tensor for part, tensor in codec.encode_matrix(array)}
     if _dense(codec).name == "none":
         return {name: array}
     return {f"{name}.{part}": tensor for part, tensor in codec.encode(array.reshape(-1))}
@@ -90,6 +95,8 @@ def encode_rows(name: str, array: np.ndarray, codec: Codec = NONE) -> dict[str, 
 
 def row_names(name: str, codec: Codec = NONE) -> set[str]:
     """The tensor names :func:`encode_rows` gives ``name``."""
+    if isinstance(codec, LowRankCodec):
+        return {f"{name}.{part}" for part in LOWRANK_PARTS}
     return {name} if _dense(codec).name == "none" else {f"{name}.{spec.name}" for spec in codec.layout(1)}
 
 
@@ -98,9 +105,11 @@ def read_rows(
 ) -> np.ndarray:
     """The float32 [rows, width] matrix ``name`` encodes with ``codec``: layout checked against
     the codec before decoding, values finite (:func:`rows_of`)."""
+    parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    if isinstance(codec, LowRankCodec):
+        return rows_of({name: codec.read_matrix(parts, rows, width)}, name, rows, width)
     if _dense(codec).name == "none":
         return rows_of(tensors, name, rows, width)
-    parts = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
     payload = parts.get("payload")
     if (
         payload is None

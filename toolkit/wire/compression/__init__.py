@@ -19,6 +19,10 @@ Wire layouts for n values (``Codec.layout(n)``; dtypes as safetensors codes):
     topk2-K  scales  F32 (ceil(n/4096),)             (18 K + 32) / 4096 bits/value (0.29 for K = 64)
              payload U8  (one 9K/4-byte record per 4096 values: K uint16 positions, K 2-bit codes)
 
+Pipeline boundaries only, a matrix [rows, width] (not a vector: ``lowrank.LowRankCodec``):
+
+    lowrank-r  s F32 (r,), p I8 (rows, r), q I8 (width, r)     r (rows + width) + 4 r bytes
+
 Two helpers carry the quantization error across steps so it never accumulates:
 ``ErrorFeedback`` (peer -> relay gradient sums) and ``DeltaEncoder`` / ``apply_delta``
 (relay -> peer parameters as deltas against the copy every peer holds). The package never imports
@@ -29,7 +33,8 @@ Import from here (``from toolkit.wire.compression import get_codec``); the modul
     base      Codec (the contract: layout, validation, chunked encode / decode_range), TensorSpec
     codecs    NoneCodec, Float16Codec, Int8Codec (the dense codecs), their input ranges, CODECS
     sparse    TopK2Codec ("topk2-<K>": top-K per 4096-value chunk, 2-bit values)
-    registry  get_codec (by run-config name), codec_error, CHOICES
+    lowrank   LowRankCodec ("lowrank-<r>": a boundary matrix as rank-r factors; matrices only)
+    registry  get_codec (by run-config name), boundary_codec ([pipeline] boundary_codec), codec_error, CHOICES
     feedback  ErrorFeedback, DeltaEncoder, apply_delta
 """
 
@@ -46,7 +51,17 @@ from toolkit.wire.compression.codecs import (
     NoneCodec,
 )
 from toolkit.wire.compression.feedback import DeltaEncoder, ErrorFeedback, apply_delta
-from toolkit.wire.compression.registry import CHOICES, DENSE_CHOICES, RunCodecs, codec_error, get_codec, run_codecs
+from toolkit.wire.compression.lowrank import LowRankCodec
+from toolkit.wire.compression.registry import (
+    BOUNDARY_CHOICES,
+    CHOICES,
+    DENSE_CHOICES,
+    RunCodecs,
+    boundary_codec,
+    codec_error,
+    get_codec,
+    run_codecs,
+)
 from toolkit.wire.compression.sparse import CHUNK, TOPK2_INPUT_MAX, TOPK2_SCALE_MAX, TopK2Codec
 
 __all__ = [
@@ -65,6 +80,9 @@ __all__ = [
     "TOPK2_SCALE_MAX",
     "TopK2Codec",
     "CHOICES",
+    "BOUNDARY_CHOICES",
+    "LowRankCodec",
+    "boundary_codec",
     "DENSE_CHOICES",
     "RunCodecs",
     "codec_error",

@@ -47,7 +47,7 @@ class StageAssignment(Schema):
     start: int = field(metadata=_NONNEG)
     end: int = field(metadata=_NONNEG)
     microbatch_size: int = field(metadata=limits(gt=0))
-    boundary_codec: str = field(metadata=limits(choices=("none", "float16", "int8")))
+    boundary_codec: str = field(metadata=limits(pattern=r"none|float16|int8|lowrank-[0-9]{1,4}"))
     width: int = field(metadata=limits(gt=0))
     """Features of every boundary activation (rows are samples x tokens)."""
     step: int = field(metadata=_NONNEG)
