@@ -1,0 +1,408 @@
+"""Python processes started without paying for ``import torch`` each time: a pre-forked launcher.
+
+Every relay, aggregator, peer, stage worker and expert host a test starts is ``python -m ...`` or
+``python script.py``, and each spends seconds importing torch, numpy and aiohttp before its first
+line runs; the suite starts a hundred of them. A *zygote* is one long-lived process (per process
+that launches: an xdist worker, a benchmark) that has imported those once and forks a child per
+launch. The child then becomes what a fresh interpreter would have been: the requested argv
+(``sys.argv``, ``sys.path[0]``), environment, working directory, stdin/stdout/stderr, and runs the
+script or module as ``__main__``; when that ends the interpreter exits the normal way (non-daemon
+threads joined, ``atexit``, buffers flushed; ``SystemExit``'s code or 1 on an uncaught exception).
+
+The child is a real process and the launcher's own child: the zygote double-forks while the
+launcher is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so the grandchild is reparented
+to the launcher, which ``waitpid``s, signals and kills it exactly as a :class:`subprocess.Popen`
+child (:class:`Popen` *is* one: only how the child comes to life differs). A test that kills a
+peer with SIGKILL, or reads a crash's exit code, sees what it saw before.
+
+What a fork cannot change is refused, and the launch then execs a fresh interpreter as always:
+another executable, interpreter options (``-u``, ``-X``), ``preexec_fn``, ``pass_fds``, user or
+group changes, and an environment that differs from the zygote's in a variable that the preloaded
+modules read when imported (:data:`IMPORT_TIME_ENV`: ``PYTHON*``, ``OMP_*``, ``TORCH_*``...).
+Nothing else is inherited from the zygote: it imports no module of this project (it runs as a
+script, so the child imports ``relay_server``/``toolkit`` from its own ``sys.path``), it never ran
+a torch operation (so no intra-op thread pool exists to be forked), and the child reseeds what a
+fresh process seeds from the OS (``random`` does so itself at fork; numpy's global generator here).
+
+Off unless :func:`enable` was called (the test suite's ``conftest`` does): a process that starts
+one relay gains nothing from a zygote.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PRELOAD = ("torch", "numpy", "aiohttp", "requests")
+"""What the zygote imports once: what every launched process imports first, and the bulk of its
+start-up (``import torch`` alone is ~1.3 s of a ~2 s start here)."""
+
+IMPORT_TIME_ENV = re.compile(
+    r"^(PYTHON|LC_|LANG$|LANGUAGE$|OMP_|KMP_|MKL_|GOMP_|OPENBLAS|GOTO|NUMEXPR|NPY_|NUMPY_|TORCH|PYTORCH|CUDA|NVIDIA|"
+    r"LD_|MALLOC|ATEN_|DNNL_|ONEDNN_|XDG_|HOME$|TMPDIR$|TEMP$|TMP$|AIOHTTP_|YARL_|MULTIDICT_|PROPCACHE_|"
+    r"FROZENLIST_|REQUESTS_|CURL_CA_BUNDLE$|SSL_CERT)"
+)
+"""Variables the preloaded modules (or the interpreter's start-up) may read when imported: a launch
+whose environment differs from the zygote's in one of these is exec'd fresh, not forked."""
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+_MESSAGE = 1 << 20
+
+
+class ZygoteFailed(RuntimeError):
+    """The zygote died or refused; the launch falls back to a fresh interpreter."""
+
+
+def _prctl(option: int, value: int = 0) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(
+        ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)
+    ):
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+    return 0
+
+
+class Zygote:
+    """One zygote process and the socket to it; :meth:`spawn` is serialized by a lock (one fork
+    at a time, and the subreaper window is this process's)."""
+
+    def __init__(self, env: dict[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        self.env = env  # what the zygote imported under: compared on each launch
+        self.lock = threading.Lock()
+        self.log = Path(tempfile.mkstemp(prefix="collabtrain-zygote-", suffix=".log")[1])
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), str(theirs.fileno()), *preload],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                env=self.env,
+            )
+        theirs.close()
+        self.sock = ours
+        self.launches = 0
+
+    def eligible(self, argv: list[str], env: dict[str, str]) -> bool:
+        """Whether a fork of the zygote is what ``argv`` under ``env`` would have been."""
+        if self.proc.poll() is not None or len(argv) < 2 or argv[0] != sys.executable:
+            return False
+        if argv[1] in ("-m", "-c"):
+            if len(argv) < 3:
+                return False
+        elif argv[1].startswith("-"):
+            return False  # interpreter options: a fresh interpreter honours them
+        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return not any(IMPORT_TIME_ENV.match(k) for k in changed)
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int], setsid: bool) -> int:
+        """Fork a child running ``argv[1:]`` as a fresh interpreter would; its pid (this process's
+        child). :class:`ZygoteFailed` if the zygote is gone or refused (it says why)."""
+        request = json.dumps({"argv": argv[1:], "env": env, "cwd": cwd, "setsid": setsid}).encode()
+        if len(request) > _MESSAGE:
+            raise ZygoteFailed("launch request too large")
+        with self.lock:
+            was = ctypes.c_int(0)
+            _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.addressof(was))
+            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            try:
+                socket.send_fds(self.sock, [request], list(fds))
+                answer = self.sock.recv(_MESSAGE)
+            except OSError as error:
+                raise ZygoteFailed(f"zygote unreachable: {error}") from None
+            finally:
+                if not was.value:
+                    _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        if not answer:
+            raise ZygoteFailed(f"zygote exited:\n{self.log.read_text(errors='replace')[-2000:]}")
+        reply = json.loads(answer)
+        if "pid" not in reply:
+            raise ZygoteFailed(reply.get("error", "zygote refused"))
+        self.launches += 1
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        self.sock.close()  # the zygote exits on end of file
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.unlink(missing_ok=True)
+
+
+_zygote: Zygote | None = None
+_base_env: dict[str, str] | None = None
+_owner = 0
+
+
+def enable() -> None:
+    """Launch eligible Python processes by forking a zygote from now on (Linux only; a no-op
+    elsewhere). The zygote starts on the first such launch, under the environment of that moment
+    taken from :data:`os.environ` at this call."""
+    global _base_env
+    if sys.platform == "linux" and _base_env is None:
+        _base_env = dict(os.environ)
+        atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """Stop this process's zygote, if any (also at exit)."""
+    global _zygote
+    if _zygote is not None and _owner == os.getpid():
+        _zygote.close()
+    _zygote = None
+
+
+def current() -> Zygote | None:
+    """This process's zygote, started on first use; None unless :func:`enable` was called."""
+    global _zygote, _owner
+    if _base_env is None:
+        return None
+    if _zygote is None or _owner != os.getpid() or _zygote.proc.poll() is not None:
+        _zygote, _owner = Zygote(_base_env), os.getpid()  # a forked launcher starts its own
+    return _zygote
+
+
+class Popen(subprocess.Popen):  # type: ignore[type-arg]  # bytes or text, as the caller asks
+    """:class:`subprocess.Popen`, whose eligible Python children are forked from the zygote (see
+    the module's docstring) rather than exec'd; everything else (pipes, ``wait``, signals,
+    ``returncode``) is ``Popen``'s own, on a real child process."""
+
+    def _execute_child(
+        self,
+        args: Any,
+        executable: Any,
+        preexec_fn: Any,
+        close_fds: bool,
+        pass_fds: Sequence[int],
+        cwd: Any,
+        env: Any,
+        startupinfo: Any,
+        creationflags: int,
+        shell: bool,
+        p2cread: int,
+        p2cwrite: int,
+        c2pread: int,
+        c2pwrite: int,
+        errread: int,
+        errwrite: int,
+        *rest: Any,  # restore_signals, gid, gids, uid, umask, start_new_session, process_group
+    ) -> None:
+        zygote = current()
+        argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else None
+        plain = (
+            zygote is not None
+            and argv is not None
+            and not shell
+            and executable is None
+            and preexec_fn is None
+            and not pass_fds
+            and rest[1:4] == (None, None, None)  # gid, gids, uid
+            and rest[4] < 0  # umask
+            and (len(rest) < 7 or rest[6] == -1)  # process_group
+        )
+        environ = {os.fsdecode(k): os.fsdecode(v) for k, v in (env if env is not None else os.environ).items()}
+        if plain and zygote is not None and argv is not None and zygote.eligible(argv, environ):
+            fds = (
+                p2cread if p2cread != -1 else 0,
+                c2pwrite if c2pwrite != -1 else 1,
+                errwrite if errwrite != -1 else 2,
+            )
+            try:
+                self.pid = zygote.spawn(argv, environ, os.fsdecode(cwd) if cwd else os.getcwd(), fds, bool(rest[5]))
+            except ZygoteFailed:
+                pass  # exec it fresh, below
+            else:
+                self._child_created = True
+                self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # CPython's: closes the child's ends
+                return
+        super()._execute_child(  # type: ignore[misc]  # typeshed does not declare this CPython method
+            args,
+            executable,
+            preexec_fn,
+            close_fds,
+            pass_fds,
+            cwd,
+            env,
+            startupinfo,
+            creationflags,
+            shell,
+            p2cread,
+            p2cwrite,
+            c2pread,
+            c2pwrite,
+            errread,
+            errwrite,
+            *rest,
+        )
+
+
+def run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess:  # type: ignore[type-arg]  # bytes or text
+    """:func:`subprocess.run` through :class:`Popen` (same arguments, same result)."""
+    check = kwargs.pop("check", False)
+    given = kwargs.pop("input", None)
+    timeout = kwargs.pop("timeout", None)
+    if kwargs.pop("capture_output", False):
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    if given is not None:
+        kwargs["stdin"] = subprocess.PIPE
+    with Popen(*args, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(given, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    if check:
+        done.check_returncode()
+    return done
+
+
+# ---- the zygote itself: ``python zygote.py FD MODULE...`` (a script: it imports nothing of ours) ----
+
+
+def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """Answer launch requests until the launcher hangs up (then exit); return only in a forked
+    child, with its request and its stdin/stdout/stderr."""
+    threads = len(os.listdir("/proc/self/task"))
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _MESSAGE, 3)
+        except (ConnectionError, OSError):
+            os._exit(0)
+        if not data:
+            os._exit(0)
+        if len(os.listdir("/proc/self/task")) > threads or len(fds) != 3:
+            sock.send(json.dumps({"error": "zygote started threads; not forking"}).encode())
+            for fd in fds:
+                os.close(fd)
+            continue
+        request = json.loads(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read, write = os.pipe()
+        middle = os.fork()
+        if middle == 0:  # the middle child: fork the real one, tell its pid, exit (reparenting it)
+            child = os.fork()
+            if child == 0:
+                os.close(read)
+                os.close(write)
+                sock.close()
+                return request, fds
+            os.write(write, str(child).encode())
+            os._exit(0)
+        os.close(write)
+        pid = os.read(read, 32)
+        os.close(read)
+        os.waitpid(middle, 0)
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}).encode())
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """Turn this fork into the process ``python ARGV`` would have started, then run it."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    if request["setsid"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+        sys.modules["numpy"].random.seed()
+    argv = request["argv"]
+    rest = sys.path[1:]  # sys.path[0] is this script's folder
+    if argv[0] == "-m":
+        import runpy
+
+        sys.path[:] = [os.getcwd(), *rest]
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        import types
+
+        sys.path[:] = ["", *rest]
+        sys.argv = ["-c", *argv[2:]]
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    else:
+        import runpy
+
+        sys.path[:] = [os.path.dirname(os.path.realpath(argv[0])), *rest]
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _exit_code(error: BaseException) -> int:
+    """What the interpreter exits with on ``error`` escaping ``__main__`` (printed as it would)."""
+    if isinstance(error, SystemExit):
+        if error.code is None or isinstance(error.code, int):
+            return error.code or 0
+        print(error.code, file=sys.stderr)
+        return 1
+    sys.excepthook(type(error), error, error.__traceback__)
+    return 1
+
+
+def _main() -> None:
+    import atexit
+    import gc
+    import importlib
+    import io
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    for name in sys.argv[2:]:
+        importlib.import_module(name)
+    gc.freeze()  # the children's collections then skip (and do not copy) what the zygote imported
+    request, fds = _serve(sock)
+    del sock
+    interrupted = False
+    try:
+        _become(request, fds)
+        code = 0
+    except KeyboardInterrupt as error:
+        code, interrupted = _exit_code(error), True
+    except BaseException as error:  # noqa: BLE001 (what escapes __main__, as the interpreter reports it)
+        code = _exit_code(error)
+    # The interpreter's exit, less its teardown of every module and object: in a fork that
+    # would copy each page the zygote shares with its children (seconds with torch loaded).
+    threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as at exit
+    atexit._run_exitfuncs()
+    # Files still open would be flushed by that teardown; flush them (the program's own objects:
+    # gc.freeze above keeps the zygote's out of get_objects()), then the standard streams.
+    for stream in [o for o in gc.get_objects() if isinstance(o, io.IOBase)] + [sys.stdout, sys.stderr]:
+        try:
+            if not stream.closed:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as the interpreter does: die of SIGINT, so the parent sees -2
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _main()
