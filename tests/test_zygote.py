@@ -19,11 +19,11 @@ pytestmark = pytest.mark.integration  # starts processes
 
 REPORT = """
 import json, os, sys
-import numpy
+import numpy, torch
 print(json.dumps({
     "argv": sys.argv, "path0": sys.path[0], "path": sys.path[1:], "cwd": os.getcwd(),
     "env": os.environ.get("ZYGOTE_PROBE"), "main": __name__, "ppid": os.getppid(),
-    "numpy": float(numpy.random.rand()),
+    "numpy": float(numpy.random.rand()), "threads": torch.get_num_threads(), "seed": torch.initial_seed(),
 }))
 """
 
@@ -62,16 +62,17 @@ def test_a_forked_script_module_and_command_see_what_a_fresh_interpreter_sees(
         fresh = report(argv, fork=False, cwd=tmp_path, env=env)
         assert forked.pop("ppid") == os.getpid()  # this process's own child, not the zygote's
         assert forked.pop("numpy") != fresh.pop("numpy")  # seeded from the OS in each, not shared
+        assert forked.pop("seed") != fresh.pop("seed")
         fresh.pop("ppid")
         assert forked == fresh
         assert forked["env"] == "yes" and forked["main"] == "__main__" and forked["cwd"] == str(tmp_path)
 
 
 def test_two_forked_children_draw_different_random_numbers(forks: zygote.Zygote) -> None:
-    code = "import random, numpy; print(random.random(), numpy.random.rand())"
+    code = "import random, numpy, torch; print(random.random(), numpy.random.rand(), torch.rand(1).item())"
     first, second = (zygote.run([sys.executable, "-c", code], capture_output=True, text=True) for _ in range(2))
-    assert first.stdout.split()[0] != second.stdout.split()[0]
-    assert first.stdout.split()[1] != second.stdout.split()[1]
+    for one, other in zip(first.stdout.split(), second.stdout.split(), strict=True):
+        assert one != other  # random, numpy and torch: each seeded from the OS, as a fresh process
 
 
 def test_exit_status_exceptions_and_open_files_are_those_of_a_fresh_interpreter(

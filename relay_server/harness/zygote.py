@@ -22,7 +22,8 @@ modules read when imported (:data:`IMPORT_TIME_ENV`: ``PYTHON*``, ``OMP_*``, ``T
 Nothing else is inherited from the zygote: it imports no module of this project (it runs as a
 script, so the child imports ``relay_server``/``toolkit`` from its own ``sys.path``), it never ran
 a torch operation (so no intra-op thread pool exists to be forked), and the child reseeds what a
-fresh process seeds from the OS (``random`` does so itself at fork; numpy's global generator here).
+fresh process seeds from the OS (``random`` does so itself at fork; numpy's and torch's global
+generators here).
 
 Off unless :func:`enable` was called (the test suite's ``conftest`` does): a process that starts
 one relay gains nothing from a zygote.
@@ -55,6 +56,10 @@ IMPORT_TIME_ENV = re.compile(
 )
 """Variables the preloaded modules (or the interpreter's start-up) may read when imported: a launch
 whose environment differs from the zygote's in one of these is exec'd fresh, not forked."""
+
+START_TIMEOUT_S = 300
+"""How long a launch waits for the zygote's answer (its imports, the first time) before the zygote
+is given up for a fresh interpreter."""
 
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 _MESSAGE = 1 << 20
@@ -94,6 +99,7 @@ class Zygote:
             )
         theirs.close()
         self.sock = ours
+        self.sock.settimeout(START_TIMEOUT_S)
         self.launches = 0
 
     def eligible(self, argv: list[str], env: dict[str, str]) -> bool:
@@ -120,8 +126,9 @@ class Zygote:
             _prctl(_PR_SET_CHILD_SUBREAPER, 1)
             try:
                 socket.send_fds(self.sock, [request], list(fds))
-                answer = self.sock.recv(_MESSAGE)
-            except OSError as error:
+                answer = self.sock.recv(_MESSAGE)  # the first waits for the zygote's imports
+            except OSError as error:  # a timeout too: the protocol is out of step, so this one is done
+                self.proc.kill()
                 raise ZygoteFailed(f"zygote unreachable: {error}") from None
             finally:
                 if not was.value:
@@ -327,8 +334,12 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS
+    # A fresh process seeds numpy's global generator and torch's default one from the OS (the
+    # zygote never drew from them: each child would otherwise repeat its siblings' numbers).
+    if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
     argv = request["argv"]
     rest = sys.path[1:]  # sys.path[0] is this script's folder
     if argv[0] == "-m":
