@@ -184,7 +184,7 @@ def current() -> Zygote | None:
     return _zygote
 
 
-class Popen(subprocess.Popen):  # type: ignore[type-arg]  # bytes or text, as the caller asks
+class ZygotePopen(subprocess.Popen[Any]):
     """:class:`subprocess.Popen`, whose eligible Python children are forked from the zygote (see
     the module's docstring) rather than exec'd; everything else (pipes, ``wait``, signals,
     ``returncode``) is ``Popen``'s own, on a real child process."""
@@ -258,7 +258,11 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]  # bytes or text, as th
         )
 
 
-def run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess:  # type: ignore[type-arg]  # bytes or text
+Popen = ZygotePopen
+"""The name launch sites use: ``zygote.Popen`` where they said ``subprocess.Popen``."""
+
+
+def run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
     """:func:`subprocess.run` through :class:`Popen` (same arguments, same result)."""
     check = kwargs.pop("check", False)
     given = kwargs.pop("input", None)
@@ -267,7 +271,7 @@ def run(*args: Any, **kwargs: Any) -> subprocess.CompletedProcess:  # type: igno
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
     if given is not None:
         kwargs["stdin"] = subprocess.PIPE
-    with Popen(*args, **kwargs) as process:
+    with ZygotePopen(*args, **kwargs) as process:
         try:
             stdout, stderr = process.communicate(given, timeout=timeout)
         except subprocess.TimeoutExpired:
