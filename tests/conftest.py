@@ -62,6 +62,38 @@ def pytest_configure(config: pytest.Config) -> None:
     apiece. ``COLLABTRAIN_TEST_ZYGOTE=0`` starts every one fresh instead."""
     if os.environ.get("COLLABTRAIN_TEST_ZYGOTE", "1") != "0":
         zygote.enable()
+    config.stash[LAUNCHES] = {}
+
+
+LAUNCHES = pytest.StashKey[dict[str, int]]()
+"""The launches through ``zygote.Popen`` of this run, summed over the xdist workers."""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: tell the controller
+        session.config.workeroutput["zygote_launches"] = dict(zygote.LAUNCHES)
+    else:
+        add_launches(session.config, zygote.LAUNCHES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """(pytest-xdist's hook, on the controller) add a finished worker's launches."""
+    add_launches(node.config, getattr(node, "workeroutput", {}).get("zygote_launches", {}))
+
+
+def add_launches(config: pytest.Config, launches: dict[str, int]) -> None:
+    counts = config.stash[LAUNCHES]
+    for kind, n in launches.items():
+        counts[kind] = counts.get(kind, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    counts = config.stash.get(LAUNCHES, {})
+    if sum(counts.values()):
+        terminalreporter.write_line(
+            f"zygote: {counts.get('forked', 0)} Python processes forked, {counts.get('fresh', 0)} started fresh"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -151,6 +151,10 @@ class Zygote:
         self.log.unlink(missing_ok=True)
 
 
+LAUNCHES = {"forked": 0, "fresh": 0}
+"""This process's launches through :class:`ZygotePopen`: forked from the zygote, or exec'd fresh
+(the zygote off, or the launch one a fork cannot reproduce); the test suite prints the sum."""
+
 _zygote: Zygote | None = None
 _base_env: dict[str, str] | None = None
 _owner = 0
@@ -234,9 +238,11 @@ class ZygotePopen(subprocess.Popen[Any]):
             except ZygoteFailed:
                 pass  # exec it fresh, below
             else:
+                LAUNCHES["forked"] += 1
                 self._child_created = True
                 self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]  # CPython's: closes the child's ends
                 return
+        LAUNCHES["fresh"] += 1
         super()._execute_child(  # type: ignore[misc]  # typeshed does not declare this CPython method
             args,
             executable,
