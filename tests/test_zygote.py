@@ -113,6 +113,7 @@ def test_a_forked_child_is_killed_and_waited_on_like_any_child(forks: zygote.Zyg
     zygote_wait = zygote.run([sys.executable, "-c", "print('second')"], capture_output=True, text=True)
     assert zygote_wait.stdout == "second\n"
     assert child.poll() is None
+    assert b"time.sleep(600)" in Path(f"/proc/{child.pid}/cmdline").read_bytes()  # what ps shows: its command
     child.send_signal(signal.SIGKILL)
     assert child.wait(timeout=30) == -signal.SIGKILL
     assert log.read_text() == "up\n"

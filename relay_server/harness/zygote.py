@@ -61,6 +61,10 @@ START_TIMEOUT_S = 300
 """How long a launch waits for the zygote's answer (its imports, the first time) before the zygote
 is given up for a fresh interpreter."""
 
+TITLE_ROOM = "--title-room" + " " * 4000
+"""The zygote's last argument: room in its command line's memory for each child to write its own
+there (:func:`_retitle`), so that ``ps`` shows ``python -m relay_server.cli serve ...``."""
+
 _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 _MESSAGE = 1 << 20
 
@@ -89,7 +93,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), str(theirs.fileno()), *preload],
+                [sys.executable, str(Path(__file__).resolve()), str(theirs.fileno()), *preload, TITLE_ROOM],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -332,6 +336,23 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}).encode())
 
 
+def _retitle(argv: list[str]) -> None:
+    """Write ``argv`` over this process's command line (``/proc/self/cmdline``, what ``ps`` and
+    psutil show), within the room the zygote's own took; left as it is where that is refused."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+        # As setproctitle(3) does: one line, NUL-padded, the area's last byte not NUL (the kernel
+        # then shows up to the first NUL, and psutil splits the line at its spaces).
+        title = " ".join(argv).encode()[: end - start - 2]
+        with open("/proc/self/mem", "r+b", buffering=0) as memory:
+            memory.seek(start)
+            memory.write(title + b"\0" * (end - start - len(title) - 1) + b" ")
+    except (OSError, ValueError, IndexError):
+        pass
+
+
 def _become(request: dict[str, Any], fds: list[int]) -> None:
     """Turn this fork into the process ``python ARGV`` would have started, then run it."""
     for target, fd in enumerate(fds):
@@ -351,6 +372,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
     argv = request["argv"]
+    _retitle([sys.executable, *argv])
     rest = sys.path[1:]  # sys.path[0] is this script's folder
     if argv[0] == "-m":
         import runpy
@@ -392,7 +414,7 @@ def _main() -> None:
     import io
 
     sock = socket.socket(fileno=int(sys.argv[1]))
-    for name in sys.argv[2:]:
+    for name in sys.argv[2:-1]:  # the last is TITLE_ROOM
         importlib.import_module(name)
     gc.freeze()  # the children's collections then skip (and do not copy) what the zygote imported
     request, fds = _serve(sock)
