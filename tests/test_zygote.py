@@ -134,3 +134,18 @@ def test_launches_a_fork_cannot_reproduce_are_exec_d_fresh(forks: zygote.Zygote)
     done = zygote.run(["/bin/echo", "not python"], capture_output=True)
     assert done.stdout == b"not python\n"
     assert forks.launches == before
+
+
+def test_what_torch_sets_for_its_compiler_does_not_stop_forks(forks: zygote.Zygote) -> None:
+    """torch sets ``TORCHINDUCTOR_CACHE_DIR`` in the launcher once anything there compiled; only the
+    compiler reads it, and ``import torch`` (what the zygote preloaded) does not load the compiler."""
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; print(sorted(sys.modules))"], capture_output=True, text=True
+    )
+    assert "torch._inductor" not in imported.stdout and "torch._dynamo" not in imported.stdout
+    before = forks.launches
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+    code = "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    done = zygote.run([sys.executable, "-c", code], capture_output=True, env=env)
+    assert done.stdout == b"/tmp/inductor\n"
+    assert forks.launches == before + 1

@@ -57,6 +57,11 @@ IMPORT_TIME_ENV = re.compile(
 """Variables the preloaded modules (or the interpreter's start-up) may read when imported: a launch
 whose environment differs from the zygote's in one of these is exec'd fresh, not forked."""
 
+LAZY_ENV = re.compile(r"^(TORCHINDUCTOR_|TORCHDYNAMO_|TORCH_COMPILE_)")
+"""Read only by torch's compiler stack, which ``import torch`` leaves unloaded (a child that
+compiles imports it afresh, under its own environment). torch itself sets
+``TORCHINDUCTOR_CACHE_DIR`` in the launcher once anything there compiled, for its children."""
+
 START_TIMEOUT_S = 300
 """How long a launch waits for the zygote's answer (its imports, the first time) before the zygote
 is given up for a fresh interpreter."""
@@ -116,7 +121,7 @@ class Zygote:
         elif argv[1].startswith("-"):
             return False  # interpreter options: a fresh interpreter honours them
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return not any(IMPORT_TIME_ENV.match(k) for k in changed)
+        return not any(IMPORT_TIME_ENV.match(k) and not LAZY_ENV.match(k) for k in changed)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int], setsid: bool) -> int:
         """Fork a child running ``argv[1:]`` as a fresh interpreter would; its pid (this process's
