@@ -119,7 +119,7 @@ def test_a_forked_child_is_killed_and_waited_on_like_any_child(forks: zygote.Zyg
     assert log.read_text() == "up\n"
 
 
-def test_launches_a_fork_cannot_reproduce_are_exec_d_fresh(forks: zygote.Zygote) -> None:
+def test_launches_this_zygote_cannot_reproduce_are_not_its_forks(forks: zygote.Zygote) -> None:
     before = forks.launches
     done = zygote.run(
         [sys.executable, "-X", "utf8", "-c", "import sys; print(sys.flags.utf8_mode)"], capture_output=True
@@ -128,7 +128,7 @@ def test_launches_a_fork_cannot_reproduce_are_exec_d_fresh(forks: zygote.Zygote)
     done = zygote.run(
         [sys.executable, "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"],
         capture_output=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # read when torch is imported: not the zygote's
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # read when torch is imported: another zygote's
     )
     assert done.stdout == b"1\n"
     done = zygote.run(["/bin/echo", "not python"], capture_output=True)

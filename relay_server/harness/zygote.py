@@ -120,13 +120,8 @@ class Zygote:
 
     def eligible(self, argv: list[str], env: dict[str, str]) -> bool:
         """Whether a fork of the zygote is what ``argv`` under ``env`` would have been."""
-        if self.proc.poll() is not None or len(argv) < 2 or argv[0] != sys.executable:
+        if self.proc.poll() is not None or not _forkable(argv):
             return False
-        if argv[1] in ("-m", "-c"):
-            if len(argv) < 3:
-                return False
-        elif argv[1].startswith("-"):
-            return False  # interpreter options: a fresh interpreter honours them
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return not any(IMPORT_TIME_ENV.match(k) and not LAZY_ENV.match(k) for k in changed)
 
@@ -171,37 +166,63 @@ LAUNCHES = {"forked": 0, "fresh": 0}
 """This process's launches through :class:`ZygotePopen`: forked from the zygote, or exec'd fresh
 (the zygote off, or the launch one a fork cannot reproduce); the test suite prints the sum."""
 
-_zygote: Zygote | None = None
-_base_env: dict[str, str] | None = None
+MAX_ZYGOTES = 3
+"""Zygotes kept at once, one per environment that differs in :data:`IMPORT_TIME_ENV` (a library
+that set such a variable in the launcher for its children, a test's own); the oldest goes first."""
+
+_zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
+_enabled = False
 _owner = 0
+
+
+def _signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if IMPORT_TIME_ENV.match(k) and not LAZY_ENV.match(k)))
 
 
 def enable() -> None:
     """Launch eligible Python processes by forking a zygote from now on (Linux only; a no-op
-    elsewhere). The zygote starts on the first such launch, under the environment of that moment
-    taken from :data:`os.environ` at this call."""
-    global _base_env
-    if sys.platform == "linux" and _base_env is None:
-        _base_env = dict(os.environ)
+    elsewhere). A zygote starts on the first launch under an environment (as far as the preloaded
+    modules read it), under that environment."""
+    global _enabled
+    if sys.platform == "linux" and not _enabled:
+        _enabled = True
         atexit.register(shutdown)
 
 
 def shutdown() -> None:
-    """Stop this process's zygote, if any (also at exit)."""
-    global _zygote
-    if _zygote is not None and _owner == os.getpid():
-        _zygote.close()
-    _zygote = None
+    """Stop this process's zygotes, if any (also at exit)."""
+    if _owner == os.getpid():
+        for zygote in _zygotes.values():
+            zygote.close()
+    _zygotes.clear()
 
 
-def current() -> Zygote | None:
-    """This process's zygote, started on first use; None unless :func:`enable` was called."""
-    global _zygote, _owner
-    if _base_env is None:
+def current(env: dict[str, str] | None = None) -> Zygote | None:
+    """The zygote for launches under ``env`` (this process's environment by default), started on
+    first use; None unless :func:`enable` was called."""
+    global _owner
+    if not _enabled:
         return None
-    if _zygote is None or _owner != os.getpid() or _zygote.proc.poll() is not None:
-        _zygote, _owner = Zygote(_base_env), os.getpid()  # a forked launcher starts its own
-    return _zygote
+    if _owner != os.getpid():  # a forked launcher starts its own
+        _zygotes.clear()
+        _owner = os.getpid()
+    env = dict(os.environ) if env is None else env
+    key = _signature(env)
+    zygote = _zygotes.get(key)
+    if zygote is None or zygote.proc.poll() is not None:
+        if len(_zygotes) >= MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
+        zygote = _zygotes[key] = Zygote(env)
+    return zygote
+
+
+def _forkable(argv: list[str]) -> bool:
+    """Whether ``argv`` is this interpreter running a script, ``-m`` or ``-c``, with no options."""
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return False
+    if argv[1] in ("-m", "-c"):
+        return len(argv) >= 3
+    return not argv[1].startswith("-")  # interpreter options: a fresh interpreter honours them
 
 
 class ZygotePopen(subprocess.Popen[Any]):
@@ -229,11 +250,10 @@ class ZygotePopen(subprocess.Popen[Any]):
         errwrite: int,
         *rest: Any,  # restore_signals, gid, gids, uid, umask, start_new_session, process_group
     ) -> None:
-        zygote = current()
         argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else None
         plain = (
-            zygote is not None
-            and argv is not None
+            argv is not None
+            and _forkable(argv)
             and not shell
             and executable is None
             and preexec_fn is None
@@ -243,7 +263,8 @@ class ZygotePopen(subprocess.Popen[Any]):
             and (len(rest) < 7 or rest[6] == -1)  # process_group
         )
         environ = {os.fsdecode(k): os.fsdecode(v) for k, v in (env if env is not None else os.environ).items()}
-        if plain and zygote is not None and argv is not None and zygote.eligible(argv, environ):
+        zygote = current(environ) if plain else None
+        if zygote is not None and argv is not None and zygote.eligible(argv, environ):
             fds = (
                 p2cread if p2cread != -1 else 0,
                 c2pwrite if c2pwrite != -1 else 1,
