@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from relay_server.harness import zygote
 from relay_server.harness.nginx import NGINX, NginxProcess, run_nginx
 from relay_server.harness.process import AggregatorProcess, RelayProcess
 from tests.support.processes import DEMO_TOKENIZER_VOCAB, REPO, PeerProcess, merged, spawn_relay, write_config
@@ -52,6 +53,47 @@ INTEGRATION_FIXTURES = frozenset(
         "browser_page",
     }
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Python processes the harness starts (relays, aggregators, peers, stage workers, expert
+    hosts) are forked from a zygote that imported torch once per xdist worker
+    (``relay_server.harness.zygote``): real processes, each its own, without a second of imports
+    apiece. ``COLLABTRAIN_TEST_ZYGOTE=0`` starts every one fresh instead."""
+    if os.environ.get("COLLABTRAIN_TEST_ZYGOTE", "1") != "0":
+        zygote.enable()
+    config.stash[LAUNCHES] = {}
+
+
+LAUNCHES = pytest.StashKey[dict[str, int]]()
+"""The launches through ``zygote.Popen`` of this run, summed over the xdist workers."""
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: tell the controller
+        session.config.workeroutput["zygote_launches"] = dict(zygote.LAUNCHES)
+    else:
+        add_launches(session.config, zygote.LAUNCHES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """(pytest-xdist's hook, on the controller) add a finished worker's launches."""
+    add_launches(node.config, getattr(node, "workeroutput", {}).get("zygote_launches", {}))
+
+
+def add_launches(config: pytest.Config, launches: dict[str, int]) -> None:
+    counts = config.stash[LAUNCHES]
+    for kind, n in launches.items():
+        counts[kind] = counts.get(kind, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    counts = config.stash.get(LAUNCHES, {})
+    if sum(counts.values()):
+        terminalreporter.write_line(
+            f"zygote: {counts.get('forked', 0)} Python processes forked, {counts.get('fresh', 0)} started fresh"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -213,7 +255,7 @@ def launch_peer(tmp_path: Path) -> Iterator:
         relay_url: str, name: str, *, seed: int, batch_size: int, steps: int, extra: tuple[str, ...] = ()
     ) -> PeerProcess:
         log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             [
                 sys.executable,
                 str(PEER_WORKER),
@@ -257,7 +299,7 @@ def launch_stage_worker(tmp_path: Path) -> Iterator:
 
     def launch(relay_url: str, name: str, *, seed: int, until_step: int, extra: tuple[str, ...] = ()) -> PeerProcess:
         log, events = tmp_path / f"{name}.log", tmp_path / f"{name}.events.jsonl"
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             [
                 sys.executable,
                 str(STAGE_WORKER),
@@ -377,7 +419,7 @@ def demo_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train_demo_tokenizer(where: Path) -> None:
     config = where / "tok.toml"
     config.write_text('[auth]\nmode = "open"\n\n[dataset]\nkind = "demo_corpus"\n')
-    done = subprocess.run(
+    done = zygote.run(
         [
             sys.executable,
             "-m",

@@ -16,6 +16,7 @@ import pytest
 
 from relay_server.cli import build_parser, main, version
 from relay_server.core.config import ConfigError, load_config
+from relay_server.harness import zygote
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def relay_server(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "relay_server.cli", *args],
         capture_output=True,
         text=True,
@@ -110,7 +111,7 @@ def test_serve_from_another_directory_uses_the_config_files_directory(tmp_path: 
     elsewhere.mkdir()
     (org / "run.toml").write_text('[server]\ndata_dir = "relay-data"\n' + SMALL_RUN)
     ready = tmp_path / "ready"
-    relay = subprocess.Popen(
+    relay = zygote.Popen(
         [
             sys.executable,
             "-m",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from relay_server.core.data_lock import LOCK_FILE
+from relay_server.harness import zygote
 from relay_server.harness.process import AggregatorProcess, RelayProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def relay_server(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a user runs it; a relay that does not refuse would serve until the timeout."""
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "relay_server.cli", *args],
         capture_output=True,
         text=True,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import re
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from relay_server.harness import zygote
 from tests.support.processes import DEMO_TOKENIZER_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def test_example_trains_a_pinned_run_and_stops_when_it_ends(serve_relay, tmp_pat
             "optimizer": {"name": "lamb", "lr": 0.005, "schedule": "constant"},
         }
     )
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, str(REPO / "examples" / example), relay.url],
         cwd=tmp_path,
         capture_output=True,

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
+from relay_server.harness import zygote
 from tests.support.processes import REPO, merged, write_config
 
 # one worker builds its trained tokenizer once (--dist loadgroup)
@@ -45,7 +46,7 @@ ROLES = ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token", "bos_
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "relay_server.cli", *args], capture_output=True, text=True, timeout=300, cwd=REPO
     )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from relay_server.harness import zygote
 from toolkit.client import RelayClient
 from toolkit.errors import NOT_A_RELAY_HINT, ProtocolError, RelayRejected, RelayUnreachable, RelayUrlError
 
@@ -55,7 +56,7 @@ def test_a_relay_address_with_a_path_says_which_address_to_use(serve_relay) -> N
 
 def test_shell_peer_without_a_token_says_how_to_give_one(serve_relay, hf_standin) -> None:
     relay = serve_relay({"auth": {"mode": "hf", "hf_endpoint": hf_standin.url, "allow_users": ["alice"]}})
-    done = subprocess.run(
+    done = zygote.run(
         [
             sys.executable,
             "-m",
@@ -94,7 +95,7 @@ def test_shell_peer_logs_in_with_the_token_its_variable_holds(serve_relay, hf_st
         }
     )
     env = {**os.environ, "MY_HF_TOKEN": "hf_alice_token_123456"}
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "-m", "toolkit.peer", "--relay", relay.url, "--token-env", "MY_HF_TOKEN", "--max-steps", "2"],
         capture_output=True,
         text=True,
@@ -119,7 +120,7 @@ TINY_BYTE_LM = {
 
 
 def shell_peer(relay_url: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return zygote.run(
         [sys.executable, "-m", "toolkit.peer", "--relay", relay_url, *args],
         capture_output=True,
         text=True,

@@ -11,13 +11,13 @@ optimizer and parameter groups. Then the relay's version, exported, loads with
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from relay_server.harness import zygote
 from tests.support.processes import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import relay_params, train_together
 from toolkit.models import build_model, loss_of
@@ -102,7 +102,7 @@ def test_albert_mlm_with_trained_tokenizer_and_lamb_three_peers_equal_one_proces
 
     # The relay's version as a checkpoint users load with transformers, giving the same logits.
     out = tmp_path / "ckpt"
-    done = subprocess.run(
+    done = zygote.run(
         [
             sys.executable,
             "-m",

@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 import torch
 
+from relay_server.harness import zygote
 from tests.support.processes import DEMO_TOKENIZER_VOCAB as VOCAB
 from tests.support.training import params_of
 from toolkit.client import RelayClient
@@ -239,7 +240,7 @@ def train_and_compare(
         work = tmp_path / name
         work.mkdir()
         skip = ["--skip-micro-batch", str(k - 1)] if fp16 else []  # the first window overflows
-        procs[name] = subprocess.Popen(
+        procs[name] = zygote.Popen(
             [
                 sys.executable,
                 str(LOOP_PEER),

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import stat
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +35,7 @@ from relay_server.auth.verify import IDENTITY_KEY
 from relay_server.cli import main as cli_main
 from relay_server.core.config import load_config
 from relay_server.core.errors import ApiError
+from relay_server.harness import zygote
 from tests.support.clock import Clock
 from tests.support.peers import TOKENS, SignedPeer, hf_relay, standin
 from tests.support.processes import REPO, merged
@@ -249,7 +249,7 @@ class AdminCli:
         return code, out.out + out.err
 
     def process(self, *args: str) -> tuple[int, str]:
-        done = subprocess.run(
+        done = zygote.run(
             [sys.executable, "-m", "relay_server.cli", "admin", "--url", self.relay.url, *args],
             capture_output=True,
             text=True,

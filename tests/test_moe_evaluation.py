@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from relay_server.harness import zygote
 from relay_server.harness.process import wait_until
 from relay_server.moe.checkpoints import CHECKPOINTS_DIR, CheckpointStore
 from tests.support.evaluation import VALIDATION
@@ -82,7 +83,7 @@ def test_a_moe_runs_evaluation_equals_a_separate_process(serve_relay, demo_token
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        done = subprocess.run(
+        done = zygote.run(
             [sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(STEPS), str(demo_tokenizer)],
             cwd=REPO,
             capture_output=True,

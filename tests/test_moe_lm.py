@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from relay_server.harness import zygote
 from relay_server.harness.process import wait_until
 from tests.dmoe_lm_trainer import lm_batches
 from tests.support.moe import LM_KWARGS as KWARGS
@@ -105,7 +106,7 @@ def test_a_dmoe_lm_run_through_a_relay_and_two_hosts_equals_one_process(
     hosts = [start_host(relay.url, f"host{i}", 4, tmp_path / f"host{i}.log") for i in range(2)]
     try:
         wait_until(lambda: len(directory(relay.url)["live"]) == 8, 60, "both hosts to lease 4 experts each")
-        done = subprocess.run(
+        done = zygote.run(
             [sys.executable, "tests/dmoe_lm_trainer.py", relay.url, str(steps), str(demo_tokenizer)],
             cwd=REPO,
             capture_output=True,

@@ -19,6 +19,7 @@ import requests
 
 from relay_server.cli import main
 from relay_server.core.config import load_config
+from relay_server.harness import zygote
 from relay_server.pipeline.model_cut import cut_model
 from relay_server.pipeline.run_memory import predict_memory
 from tests.support.processes import REPO
@@ -99,7 +100,7 @@ def peaks(start_relay, tmp_path: Path, name: str, kwargs: dict) -> tuple[dict[st
         name=name,
     )
     workers = [
-        subprocess.Popen(
+        zygote.Popen(
             [sys.executable, "-m", "toolkit.peer", "--relay", relay.url, "--name", f"{name}-w{i}", "--threads", "1"],
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"{name}-w{i}.log", "w"),

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.harness import zygote
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.processes import REPO
@@ -57,7 +58,7 @@ class Volunteer:
     def __init__(self, relay_url: str, name: str, seed: int, folder) -> None:
         self.name, self.seed = name, seed
         self.log_path, self.out_path = folder / f"{name}.log", folder / f"{name}.out"
-        self.proc = subprocess.Popen(
+        self.proc = zygote.Popen(
             [sys.executable, "-m", "toolkit.peer", "--relay", relay_url, "--name", name, "--seed", str(seed), "-v"],
             stdout=open(self.out_path, "w"),
             stderr=open(self.log_path, "w"),

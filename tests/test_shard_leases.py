@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from relay_server.harness import zygote
 from relay_server.harness.process import RelayProcess, wait_until
 from tests.support.processes import REPO, merged, write_config
 from tests.support.training import write_shards
@@ -103,7 +104,7 @@ def peers(tmp_path):
     def launch(relay: ShardRelay, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         events = tmp_path / f"{name}.events.jsonl"
         env = {**os.environ, **OFFLINE, "HF_HOME": str(tmp_path / "hf-home")}
-        proc = subprocess.Popen(
+        proc = zygote.Popen(
             [sys.executable, str(WORKER), "--relay", relay.url, "--name", name, "--events", str(events), *args],
             stdout=open(tmp_path / f"{name}.log", "w"),
             stderr=subprocess.STDOUT,

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from relay_server.cli import main
+from relay_server.harness import zygote
 from tests.support.processes import REPO
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
@@ -41,7 +42,7 @@ def byte_unigram_entropy() -> float:
 
 
 def trial(*args: str, cwd: Path = REPO) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.Popen(
         [sys.executable, "-m", "relay_server.cli", "trial", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -73,7 +74,7 @@ def test_trial_keeps_the_dashboard_up_until_ctrl_c(tmp_path: Path) -> None:
     """The organizer's path: ``init`` writes a config (auth on, 4096 samples a step), ``trial``
     runs it locally at once, the dashboard and ``/api/status`` answer while it trains, and Ctrl-C
     is the normal way out. Nothing is written next to the config."""
-    subprocess.run(
+    zygote.run(
         [sys.executable, "-m", "relay_server.cli", "init", "my-run.toml"],
         cwd=tmp_path,
         check=True,

@@ -6,6 +6,9 @@
 * :mod:`.process` -- ``relay-server serve`` / ``aggregator`` as processes, started as an organizer
   starts them (port 0, ``--ready-file``, one log each), restarted on the same port, stopped
   cleanly; :func:`~relay_server.harness.process.wait_until`;
+* :mod:`.zygote` -- Python processes forked from one that imported torch once (a real child
+  each, as ``subprocess.Popen`` gives): the test suite's relays, peers and workers start in a
+  fraction of a second instead of seconds of imports;
 * :mod:`.nginx` -- a real nginx in front of a relay (the TLS proxy, the parameter cache);
 * :mod:`.latency_proxy` -- a TCP proxy that adds latency and counts bytes;
 * :mod:`.netns` -- hosts with shaped links (network namespaces, veth, ``tc``);

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 
+from relay_server.harness import zygote
+
 if TYPE_CHECKING:
     from typing import Self  # 3.11; annotations only (3.10 runs this too)
 
@@ -147,7 +149,7 @@ class ServerProcess:
             str(self.ready_path),
         ]
         with open(self.log_path, "a") as out:
-            self.proc = subprocess.Popen(
+            self.proc = zygote.Popen(  # forked from a zygote where enabled (the tests)
                 self.wrap(argv) if self.wrap else argv,
                 cwd=self.cwd,
                 stdout=out,

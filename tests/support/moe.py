@@ -14,6 +14,7 @@ import numpy as np
 import requests
 import torch
 
+from relay_server.harness import zygote
 from relay_server.harness.manual_peer import ManualPeer
 from relay_server.harness.process import wait_until
 from tests.dmoe_lm_trainer import BATCH as LM_BATCH
@@ -90,7 +91,7 @@ def overrides(steps: int, *, micro_batches_per_step: int = 1, experts_learn: boo
 
 
 def start_host(relay_url: str, name: str, capacity: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+    return zygote.Popen(
         [
             sys.executable,
             "-m",
@@ -125,7 +126,7 @@ def latest_checkpoint(data_dir: Path, uid: str) -> dict[str, np.ndarray]:
 
 def run_trainer(url: str, steps: int, sleep_s: float = 0.0, *extra: str) -> dict:
     """``tests/moe_trainer.py`` against ``url``: its JSON outcome line."""
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "tests/moe_trainer.py", url, str(steps), "--sleep", str(sleep_s), *extra],
         cwd=REPO,
         capture_output=True,
