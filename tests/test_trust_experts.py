@@ -335,7 +335,7 @@ def test_a_host_that_returns_its_input_is_banned_and_its_experts_answer_from_ano
         assert banned_at is not None and banned_at < IDENTITY_ROUNDS, status
         assert [b["host"] for b in status["bans"]] == [liar_id], status
         assert "from the relay's own computation" in status["bans"][0]["reason"]
-        assert status["disagreed"] == 1 and status["agreed"] >= 1, status  # the honest host's checks agreed
+        assert status["disagreed"] == 1, status
         assert liar_id in status["suspects"] or status["bans"][0]["checks"] == 1, status  # the monitor, or luck
         assert failed >= 1  # the checked lie was withheld: a failed expert for the caller, never garbage
         assert lies_received <= 2 * banned_at + 1, lies_received  # unchecked calls before the checked one
@@ -348,7 +348,19 @@ def test_a_host_that_returns_its_input_is_banned_and_its_experts_answer_from_ano
             torch.testing.assert_close(
                 caller.forward(uid, x).result(timeout=30), reference.make_expert(uid)(x).detach()
             )
-        assert trust(relay)["bans"] == status["bans"]  # the honest host is never banned
+        # the honest host's checked calls agree: which calls are checked is the relay's secret, so
+        # before the ban it may have had none; calls go on until one was (0.75 ** 96 odds of none)
+        for _ in range(12):
+            if trust(relay)["agreed"] >= 1:
+                break
+            for uid in UIDS:
+                x = torch.randn(3, 8, generator=gen)
+                torch.testing.assert_close(
+                    caller.forward(uid, x).result(timeout=30), reference.make_expert(uid)(x).detach()
+                )
+        after = trust(relay)
+        assert after["agreed"] >= 1 and after["disagreed"] == 1, after
+        assert after["bans"] == status["bans"]  # the honest host is never banned
         wait_until(lambda: observed(relay)["bans"] == status["bans"], 10, "GET /api/status to show the ban")
     finally:
         caller.close()
