@@ -10,7 +10,6 @@ runnable ````) is a command or program a reader can paste as it is: it must pars
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import re
 import shutil
@@ -18,6 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.support.source import parse_source
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -161,7 +162,7 @@ def test_every_runnable_shell_block_parses() -> None:
 def python_error(body: str) -> str:
     """What ``ast.parse`` says of ``body`` (empty: it parses)."""
     try:
-        ast.parse(body)
+        parse_source(body)
     except SyntaxError as exc:
         return f"line {exc.lineno}: {exc.msg}"
     return ""

@@ -17,13 +17,14 @@ from relay_server.api.app import FEATURES
 from relay_server.api.feature import SLICE_PARAMS, TICKETED_GRADIENT, Feature, FeatureSet
 from relay_server.collaboration.opening import RoundsElsewhere
 from relay_server.local_sgd.outer_rounds import OuterRoundRule
+from tests.support.source import parse_source
 
 APP = Path(__file__).resolve().parents[1] / "relay_server" / "api" / "app.py"
 FEATURE_MODULES = {"moe_feature", "pipeline_feature", "local_sgd_feature", "evaluation_feature"}
 
 
 def test_the_app_names_a_feature_only_in_its_list_of_features() -> None:
-    tree = ast.parse(APP.read_text())
+    tree = parse_source(APP.read_text())
     listing = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "FEATURES")
     listed = {id(n) for n in ast.walk(listing)}
     named = sorted(

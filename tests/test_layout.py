@@ -21,6 +21,8 @@ import tomllib
 import warnings
 from pathlib import Path
 
+from tests.support.source import parse_source
+
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("toolkit", "relay_server", "research")
 MAX_LINES = 400  # a hint to look for a seam (a warning)
@@ -33,13 +35,13 @@ SHARED_HEADING, PEER_HEADING = "The shared layer", "The peer side"
 def declared_units(package: str) -> list[str]:
     """The units ``package``'s ``__init__`` docstring lists, lowest first: its ``* :mod:`name```
     lines, the one place the layering is stated."""
-    doc = ast.get_docstring(ast.parse((REPO / package / "__init__.py").read_text())) or ""
+    doc = ast.get_docstring(parse_source((REPO / package / "__init__.py").read_text())) or ""
     return re.findall(r"^\* :mod:`([\w.]+)`", doc, re.M)
 
 
 def shared_layer() -> list[str]:
     """The toolkit units the relay may import: those listed between the docstring's two headings."""
-    doc = ast.get_docstring(ast.parse((REPO / "toolkit" / "__init__.py").read_text())) or ""
+    doc = ast.get_docstring(parse_source((REPO / "toolkit" / "__init__.py").read_text())) or ""
     assert SHARED_HEADING in doc and PEER_HEADING in doc, (
         f"toolkit/__init__.py's docstring must open its unit lists with {SHARED_HEADING!r} and {PEER_HEADING!r}"
     )
@@ -78,7 +80,7 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 def imports_of(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     """The project modules ``name`` imports: ``from a.b import c`` counts as a.b.c when c is a module."""
-    tree = ast.parse(path.read_text())
+    tree = parse_source(path.read_text())
     skip = _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -284,7 +286,7 @@ def test_units_import_only_downward() -> None:
 def test_every_subpackage_says_what_it_owns() -> None:
     for name, path in module_files().items():
         if path.name == "__init__.py":
-            doc = ast.get_docstring(ast.parse(path.read_text()))
+            doc = ast.get_docstring(parse_source(path.read_text()))
             assert doc and len(doc) > 60, f"{name}/__init__.py needs a docstring saying what it owns"
 
 
@@ -341,7 +343,7 @@ def squeezes(path: Path) -> list[str]:
     stub may be), a ``def``/``class`` line carrying a comment where its docstring belongs, and
     definitions without PEP 8's blank lines before them (two at module level, one in a class)."""
     text = path.read_text()
-    lines, tree, found = text.splitlines(), ast.parse(text), []
+    lines, tree, found = text.splitlines(), parse_source(text), []
     for tok in tokenize.generate_tokens(io.StringIO(text).readline):
         if tok.type == tokenize.OP and tok.string == ";":
             found.append(f"line {tok.start[0]}: statements joined with ';'")
@@ -400,7 +402,7 @@ def test_docstrings_cite_documents_that_exist() -> None:
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
     """Every module ``path`` imports (lazy ones included), with its line."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.append((node.lineno, node.module))
         elif isinstance(node, ast.Import):

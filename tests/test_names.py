@@ -22,6 +22,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+from tests.support.source import parse_source
+
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("toolkit", "relay_server")
 
@@ -61,7 +63,7 @@ def names_in_use(repo: Path = REPO) -> dict[str, set[str]]:
         rel = path.relative_to(repo).as_posix()
         if path.name != "__init__.py":
             found[path.stem].add(rel)
-        for node in ast.parse(path.read_text()).body:
+        for node in parse_source(path.read_text()).body:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 found[f"class {node.name}"].add(rel)
     return found

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.source import parse_source
+
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("toolkit", "relay_server")
 
@@ -157,7 +159,7 @@ def _builds_cls(value: ast.expr) -> bool:
 
 def offenders(path: Path) -> list[tuple[int, str, str]]:
     """(line, "write" or "read", source) of each cross-object private access in ``path``."""
-    tree = ast.parse(path.read_text())
+    tree = parse_source(path.read_text())
     modules = _module_names(tree)
     constructed = _constructed(tree)
     found = []
@@ -195,7 +197,7 @@ class Classes:
         self.defines: dict[str, set[str]] = {}
         self.bases: dict[str, list[str]] = {}
         for path in paths:
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse_source(path.read_text())):
                 if isinstance(node, ast.ClassDef):
                     self.defines.setdefault(node.name, set()).update(_defined(node))
                     self.bases.setdefault(node.name, []).extend(_base_name(b) for b in node.bases)
@@ -244,7 +246,7 @@ def mixin_uses(path: Path, classes: Classes) -> list[tuple[int, str, str]]:
     """(line, "mixin", source) of each ``self._x`` a class reads but neither it nor its bases
     define: state it leans on from the class that mixes it in."""
     found = []
-    for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+    for cls in (n for n in ast.walk(parse_source(path.read_text())) if isinstance(n, ast.ClassDef)):
         defined = classes.lineage(cls.name)
         if defined is None:
             continue
