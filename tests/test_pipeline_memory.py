@@ -88,7 +88,13 @@ RUNTIME = {"seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4, "d_ff": 64, 
 
 
 def peaks(start_relay, tmp_path: Path, name: str, kwargs: dict) -> tuple[dict[str, int], dict]:
-    """One run to 3 steps: each process's peak RSS, and the relay's prediction."""
+    """One run to 3 steps: each process's peak RSS, and the relay's prediction. The processes start
+    fresh, not forked from the test zygote: a forked child's peak RSS counts pages it shares with it."""
+    with zygote.fresh():
+        return _peaks(start_relay, tmp_path, name, kwargs)
+
+
+def _peaks(start_relay, tmp_path: Path, name: str, kwargs: dict) -> tuple[dict[str, int], dict]:
     relay = start_relay(
         {
             "run": {"name": "memory", "target_batch": 8, "total_steps": 0, "max_staleness": 0},
@@ -100,7 +106,7 @@ def peaks(start_relay, tmp_path: Path, name: str, kwargs: dict) -> tuple[dict[st
         name=name,
     )
     workers = [
-        zygote.Popen(
+        subprocess.Popen(
             [sys.executable, "-m", "toolkit.peer", "--relay", relay.url, "--name", f"{name}-w{i}", "--threads", "1"],
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"{name}-w{i}.log", "w"),

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from relay_server.core.config import OptimizerSection
 from relay_server.core.errors import ApiError, round_closed
@@ -95,7 +96,9 @@ class SliceOwner:
         a pipeline's tied head, :mod:`relay_server.pipeline.tied`)."""
         self.start, self.end, self.codecs, self.store = start, end, codecs, store
         self.run_name, self.plan_version, self.carry = run_name, plan_version, carry
-        buffer = np.zeros(end - start + carry, dtype=np.float32)  # the round's sum: the slice's, then the carry
+        # the round's sum: the slice's, then the carry. Written zeros (torch's), not np.zeros's lazy
+        # calloc: the buffer is resident from the start, as the relay's memory prediction counts it
+        buffer = torch.zeros(end - start + carry).numpy()
         self.master = MasterState(
             layout,
             state["params"],

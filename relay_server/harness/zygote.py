@@ -32,6 +32,7 @@ one relay gains nothing from a zygote.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,19 @@ def enable() -> None:
     if sys.platform == "linux" and not _enabled:
         _enabled = True
         atexit.register(shutdown)
+
+
+@contextlib.contextmanager
+def fresh() -> Iterator[None]:
+    """Within it, launches exec a fresh interpreter: for a test that measures a process itself
+    (its peak RSS counts the pages a forked child shares with the zygote, which a fresh one does
+    not have)."""
+    global _enabled
+    was, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = was
 
 
 def shutdown() -> None:
