@@ -9,7 +9,9 @@ Processes per run: one ``relay-server serve`` with ``[pipeline]`` (a ByteTransfo
 cut into 2 stages) and 4 stage workers (``benchmarks/trust_rig.py``: the toolkit's StageWorker),
 placed in a fixed order so that the dishonest one serves the stage its attack needs: ``scale``
 and ``noise`` (its activations x1.3, or plus noise of 10% of their norm) on stage 0, ``flip``
-(every tenth stage gradient's sign flipped) on stage 1. Runs, on the same seeds:
+(every tenth stage gradient's sign flipped) on stage 1, ``stale`` (every batch computed on the
+parameters of the first it served: honest in that batch, lying from the next) on stage 0. Runs,
+on the same seeds:
 
 * ``honest@0``: four honest workers, ``check_share = 0`` (the baseline's seconds per batch);
 * ``honest@share``: four honest workers, ``check_share = --share`` (false bans; the throughput cost);
@@ -23,7 +25,8 @@ cost is measured in this process: one result's validation (:func:`relay_server.p
 what every result costs the relay today) against the monitor's scoring of it.
 
 Last line: one JSON object with ``f1``, ``extra_compute``, ``false_bans``, ``batches_to_ban`` per
-attack, ``throughput_ratio`` (seconds per batch with checks over without), ``monitor_cost``
+attack, the liar's tasks and corrupted results until its ban (``liars``; for the patient liar
+against ``1 / (p * share)``), ``throughput_ratio`` (seconds per batch with checks over without), ``monitor_cost``
 (the scoring's share of the validation's time, at this run's boundary and at a GPT-2-small
 micro-batch's) and the settings.
 """
@@ -47,7 +50,7 @@ from moe_rig import REPO, stop_all, wait_until  # noqa: E402
 from relay_server.harness.process import start_relay  # noqa: E402
 
 RIG = Path(__file__).resolve().parent / "trust_rig.py"
-LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1, "flip-late": 1}
+LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1, "flip-late": 1, "stale": 0}
 PATIENT = {"flip-late"}
 """Attacks that wait out a new worker's probation: reported on their own, not in the F1 (the base
 share catches them at about ``1 / (p * share)`` of their tasks: beyond a benchmark's batches)."""
@@ -111,6 +114,11 @@ def run_once(name: str, attack: str, share: float, args, folder: Path, batches: 
         except TimeoutError:
             completed = False
         pipe, stat = pipeline(relay.url), status(relay.url)
+        if liar >= 0 and completed:  # banned or at the last step, it ends by itself: its counts are its last line
+            try:
+                procs[liar].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         stop_all(procs)
         relay.stop()
@@ -141,6 +149,7 @@ def run_once(name: str, attack: str, share: float, args, folder: Path, batches: 
         "extra_compute_after_probation": round(max(0, extra - trust["probation_checks"]) / tasks, 4)
         if tasks
         else None,
+        "liar": liar_counts(folder / f"w{liar}.log") if liar >= 0 else None,
         "max_agreeing_distance": trust["max_agreeing_distance"],
         "tolerance": trust["tolerance"],
         "seconds_per_batch": round(sum(times) / len(times), 3) if times else None,
@@ -148,6 +157,16 @@ def run_once(name: str, attack: str, share: float, args, folder: Path, batches: 
     }
     print(f"{name}: {json.dumps(out)}", flush=True)
     return out
+
+
+def liar_counts(log: Path) -> dict | None:
+    """The liar's own last line (``trust_rig.py``): tasks done, stage gradients sent, results
+    corrupted; None when it printed none (killed at the run's limit)."""
+    lines = log.read_text().strip().splitlines() if log.exists() else []
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
 
 
 def pipeline(url: str) -> dict:
@@ -233,12 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=16,
         help="batches of the two honest runs (extra compute and seconds per batch: probation is a cost per "
-        "joining worker, so a longer run shows what a run pays)",
+        "joining worker, so a longer run shows what a run pays); 0: no honest runs (a patient liar's run)",
     )
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument(
-        "--attacks", default="scale,noise,flip", help="also: flip-late (the patient liar, not in the F1)"
+        "--attacks", default="scale,noise,flip,stale", help="also: flip-late (the patient liar, not in the F1)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-limit-s", type=float, default=240.0)
@@ -258,21 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="trust-bench-") as tmp:
         logs = Path(args.logs) if args.logs else Path(tmp)
-        runs["honest@0"] = run_once("honest@0", "", 0.0, args, logs / "honest-0", args.honest_batches)
-        runs["honest@share"] = run_once(
-            "honest@share", "", args.share, args, logs / "honest-share", args.honest_batches
-        )
+        if args.honest_batches:
+            runs["honest@0"] = run_once("honest@0", "", 0.0, args, logs / "honest-0", args.honest_batches)
+            runs["honest@share"] = run_once(
+                "honest@share", "", args.share, args, logs / "honest-share", args.honest_batches
+            )
         for attack in attacks:
             runs[attack] = run_once(attack, attack, args.share, args, logs / attack, args.batches)
     scored = [a for a in attacks if a not in PATIENT]
     tp = sum(runs[a]["caught"] for a in scored)
     fn = len(scored) - tp
     fp = sum(r["false_bans"] for r in runs.values())
-    base, checked = runs["honest@0"]["seconds_per_batch"], runs["honest@share"]["seconds_per_batch"]
+    honest = runs.get("honest@share", {})
+    base, checked = runs.get("honest@0", {}).get("seconds_per_batch"), honest.get("seconds_per_batch")
     summary = {
         "f1": round(2 * tp / (2 * tp + fp + fn), 3) if scored else None,
-        "extra_compute": runs["honest@share"]["extra_compute"],
-        "extra_compute_after_probation": runs["honest@share"]["extra_compute_after_probation"],
+        "extra_compute": honest.get("extra_compute"),
+        "extra_compute_after_probation": honest.get("extra_compute_after_probation"),
         "false_bans": fp,
         "batches_to_ban": {a: runs[a]["batch_of_ban"] for a in attacks},
         "throughput_ratio": round(checked / base, 3) if base and checked else None,
@@ -281,9 +302,22 @@ def main(argv: list[str] | None = None) -> int:
             # a GPT-2-small micro-batch: 4 samples x 512 tokens, width 768
             "gpt2_microbatch": monitor_cost(4 * 512, 768, 50),
         },
-        "max_agreeing_distance": runs["honest@share"]["max_agreeing_distance"],
-        "tolerance": runs["honest@share"]["tolerance"],
-        "patient": {a: runs[a]["batch_of_ban"] if runs[a]["caught"] else None for a in attacks if a in PATIENT},
+        "max_agreeing_distance": honest.get("max_agreeing_distance"),
+        "tolerance": honest.get("tolerance"),
+        "liars": {a: runs[a]["liar"] for a in attacks},
+        "patient": {
+            a: {
+                "batch_of_ban": runs[a]["batch_of_ban"] if runs[a]["caught"] else None,
+                "steps": runs[a]["steps"],
+                "liar": runs[a]["liar"],
+                # each lie checked at the base share: about 1 / share lies, 1 / (p * share) results
+                # after its first 20 (p = 0.1: every tenth a lie)
+                "predicted_lies": round(1 / args.share),
+                "predicted_results": round(1 / (0.1 * args.share)),
+            }
+            for a in attacks
+            if a in PATIENT
+        },
         "settings": {
             "share": args.share,
             "batches": args.batches,

@@ -1,24 +1,25 @@
 """A stage worker for ``benchmarks/trust.py``: the toolkit's real StageWorker (what ``toolkit.join``
 runs on a pipeline run) on random byte data, honest or corrupting what it sends.
 
-    python benchmarks/trust_rig.py --relay URL --name w0 --seed 0 --until-step 8 [--corrupt scale|noise|flip]
-        [--after FILE --ready FILE]
+    python benchmarks/trust_rig.py --relay URL --name w0 --seed 0 --until-step 8
+        [--corrupt ATTACK] [--after FILE --ready FILE]
 
-* ``scale``: every activation it sends, times 1.3;
-* ``noise``: every activation it sends plus noise of 10% of its norm;
-* ``flip``: every tenth stage gradient it sends (the first included) with its sign flipped;
-* ``flip-late``: the patient liar: honest for its first 20 stage gradients (past a new worker's
-  probation of raised checks), then ``flip``'s every tenth.
+``--corrupt`` names one of :mod:`relay_server.harness.dishonest`'s attacks (the trust tests' liars
+are the same classes).
 
 With ``--after``/``--ready`` it waits for the previous worker's ready file before asking for its
 stage (stages are assigned in a fixed order: a joiner goes to the stage with the fewest workers,
-the lower first), then writes its own. It exits 3 when the relay bans it, 0 at ``--until-step``.
+the lower first), then writes its own. It exits 3 when the relay bans it, 0 at ``--until-step`` or on SIGTERM;
+its last line is JSON: the tasks it did, the stage gradients and results it sent, and those it corrupted
+(what ``benchmarks/trust.py`` compares with ``1 / (p * share)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,32 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from relay_server.harness.dishonest import ATTACKS, dishonest  # noqa: E402
 from toolkit.client import RelayClient  # noqa: E402
 from toolkit.errors import RelayRejected  # noqa: E402
 from toolkit.pipeline.worker import StageWorker  # noqa: E402
 from toolkit.run_membership import Membership  # noqa: E402
 from toolkit.wire.protocol import PROTOCOL_VERSION, JoinRequest  # noqa: E402
-
-LATE = 20
-
-
-def corrupting(how: str):
-    class Corrupt(StageWorker):
-        gradients = 0
-
-        def _rows(self, name, h):
-            if name == "y" and how == "scale":
-                h = h * 1.3
-            elif name == "y" and how == "noise":
-                noise = torch.randn(h.shape, generator=torch.Generator().manual_seed(self.tasks_done)).to(h.dtype)
-                h = h + noise * (0.1 * h.norm() / noise.norm())
-            elif name == "g" and how in ("flip", "flip-late"):
-                late = self.gradients - (LATE if how == "flip-late" else 0)
-                h = -h if late >= 0 and late % 10 == 0 else h
-                self.gradients += 1
-            return super()._rows(name, h)
-
-    return Corrupt
 
 
 def data(seq_len: int, microbatch_size: int, seed: int):
@@ -67,7 +48,7 @@ def main() -> int:
     ap.add_argument("--name", required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--until-step", type=int, required=True)
-    ap.add_argument("--corrupt", choices=("", "scale", "noise", "flip", "flip-late"), default="")
+    ap.add_argument("--corrupt", choices=("", *ATTACKS), default="")
     ap.add_argument("--after", help="wait for this file before asking for a stage")
     ap.add_argument("--ready", help="write this file once placed")
     args = ap.parse_args()
@@ -80,7 +61,7 @@ def main() -> int:
         client, JoinRequest(peer_name=args.name, protocol=PROTOCOL_VERSION, device={}), what="stage worker"
     )
     membership.join()
-    kind = corrupting(args.corrupt) if args.corrupt else StageWorker
+    kind = dishonest(StageWorker, args.corrupt) if args.corrupt else StageWorker
     size = int(run.pipeline["microbatch_size"])
     worker = kind(membership, run, data(run.model.kwargs["seq_len"], size, args.seed))
 
@@ -89,6 +70,7 @@ def main() -> int:
             Path(args.ready).write_text(membership.peer_id)
         return client.get_state().step >= args.until_step
 
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())  # the benchmark's limit: still print the counts
     code = 0
     try:
         worker.run(until=until, wait_s=1)
@@ -101,6 +83,18 @@ def main() -> int:
             Path(args.ready).write_text(membership.peer_id)
     membership.leave()
     client.close()
+    print(
+        json.dumps(
+            {
+                "tasks": worker.tasks_done,
+                "gradients": getattr(worker, "gradients", None),
+                "results": getattr(worker, "results", None),
+                "lies": getattr(worker, "lies", None),
+                "exit": code,
+            }
+        ),
+        flush=True,
+    )
     return code
 
 

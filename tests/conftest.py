@@ -59,7 +59,13 @@ def pytest_configure(config: pytest.Config) -> None:
     """Python processes the harness starts (relays, aggregators, peers, stage workers, expert
     hosts) are forked from a zygote that imported torch once per xdist worker
     (``relay_server.harness.zygote``): real processes, each its own, without a second of imports
-    apiece. ``COLLABTRAIN_TEST_ZYGOTE=0`` starts every one fresh instead."""
+    apiece. ``COLLABTRAIN_TEST_ZYGOTE=0`` starts every one fresh instead.
+
+    Every process the tests start runs with ``PYTHONFAULTHANDLER=1`` (the zygote too, so its
+    children): one that outlives the signal meant to stop it is ended with SIGABRT, which writes
+    its threads' stacks into its log (``harness.process.dump_stacks_and_kill``), and the failure
+    shows where it was stuck instead of a bare timeout."""
+    os.environ["PYTHONFAULTHANDLER"] = "1"
     if os.environ.get("COLLABTRAIN_TEST_ZYGOTE", "1") != "0":
         zygote.enable()
     config.stash[LAUNCHES] = {}

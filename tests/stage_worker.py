@@ -146,54 +146,8 @@ def trickler(base, relay: str, log):
 HOSTILE = {"hoard": hoarder, "reuse": ticket_reuser, "hog": lease_hog, "liar": liar, "trickle": trickler}
 
 
-def corrupter(how: str, log):
-    """A worker whose results are finite, well shaped and wrong (what only checks of the work
-    itself can find): ``scale`` multiplies every activation it sends by 1.3, ``noise`` adds noise
-    of 10% of each activation matrix's norm, ``flip`` flips the sign of every tenth stage gradient
-    it sends (the first one included), ``stale`` computes every version's tasks on the first
-    version's parameters (it never downloads another). Each corrupted result is logged."""
-
-    def wrap(base):
-        class Corrupt(base):
-            sent_gradients = 0
-
-            def _rows(self, name, h):
-                if name == "y" and how in ("scale", "noise"):
-                    if how == "scale":
-                        h = h * 1.3
-                    else:
-                        g = torch.Generator().manual_seed(7 + self.tasks_done)
-                        noise = torch.randn(h.shape, generator=g).to(h.dtype)
-                        h = h + noise * (0.1 * h.norm() / noise.norm())
-                    log(event="corrupted", how=how)
-                elif name == "g" and how == "flip":
-                    if self.sent_gradients % 10 == 0:
-                        h = -h
-                        log(event="corrupted", how=how)
-                    self.sent_gradients += 1
-                elif how == "stale" and self.version > self.first_version:
-                    log(event="corrupted", how=how)
-                return super()._rows(name, h)
-
-            first_version = -1
-
-            def _ensure_version(self, version: int) -> None:
-                if how != "stale" or self.first_version < 0:
-                    super()._ensure_version(version)
-                    self.first_version = self.version
-                elif version != self.version:  # a new batch: drop what it held, keep the old parameters
-                    self._reset_sum()
-                    self.version = version
-
-        return Corrupt
-
-    return wrap
-
-
-CORRUPT = ("scale", "noise", "flip", "stale")
-
-
 def main() -> int:
+    from relay_server.harness.dishonest import ATTACKS, dishonest
     from toolkit.client import RelayClient
     from toolkit.errors import RelayRejected
     from toolkit.pipeline.worker import StageWorker
@@ -217,11 +171,16 @@ def main() -> int:
     )
     ap.add_argument(
         "--corrupt",
-        choices=CORRUPT,
+        choices=ATTACKS,
         default="",
         help="send wrong results as one of the dishonest workers of tests/test_trust_pipeline.py",
     )
     args = ap.parse_args()
+    # one thread: four workers, a relay and pytest share two cores (two threads each oversubscribe
+    # them: tests/test_pipeline.py, test_trust_pipeline.py and test_hostile_pipeline.py took 98 and
+    # 101 s with torch's default against 57 and 56 s with this), and a worker's result does not
+    # depend on which worker computed it with how many threads (bf16 matmuls round differently)
+    torch.set_num_threads(1)
     started = time.monotonic()
     events = open(args.events, "a", buffering=1)
 
@@ -255,6 +214,7 @@ def main() -> int:
                 batch=task.batch,
                 version=task.version,
                 cached=task.input_cached,
+                replay=task.replay,
             )
             time.sleep(args.sleep_per_task)
             before = self.tasks_done
@@ -273,7 +233,7 @@ def main() -> int:
             log(event="uploaded", step=call.step, microbatches=call.microbatches, stage=call.stage)
 
     kind = HOSTILE[args.hostile](Logged, args.relay, log) if args.hostile else Logged
-    kind = corrupter(args.corrupt, log)(kind) if args.corrupt else kind
+    kind = dishonest(kind, args.corrupt, lambda **lie: log(event="corrupted", **lie)) if args.corrupt else kind
     worker = kind(membership, run, data(run, size, args.seed), on_first=on_first)
     log(event="joined", peer_id=peer_id, step=client.get_state().step, precision=worker.precision.name)
 
@@ -289,7 +249,9 @@ def main() -> int:
         membership.leave()
         client.close()
         return 3
-    log(event="done", step=client.get_state().step, stage=worker.assignment.stage)
+    # None: the run reached --until-step before this worker took a stage (a late starter on a busy machine)
+    stage = worker.assignment.stage if worker.assignment is not None else None
+    log(event="done", step=client.get_state().step, stage=stage)
     membership.leave()
     client.close()
     return 0

@@ -36,9 +36,21 @@ def start_demo(*args: str) -> subprocess.Popen:
     )
 
 
+def communicate(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """The demo's stdout and stderr once it exited; one still running after ``timeout_s`` is ended
+    with SIGABRT (it runs with ``PYTHONFAULTHANDLER=1``: each thread's stack goes to its stderr)
+    and the failure shows where it was stuck."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"the demo did not exit in {timeout_s:.0f} s; its stacks:\n{err[-8000:]}") from None
+
+
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[dict[int, float], dict, str]:
     """Per-step collaboration losses, the summary and the output of a demo that must exit 0."""
-    out, err = proc.communicate(timeout=timeout_s)
+    out, err = communicate(proc, timeout_s)
     assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
     lines = out.strip().splitlines()
     losses = {int(m[1]): float(m[2]) for m in map(STEP_LINE.match, lines) if m}
@@ -118,7 +130,7 @@ def test_keep_leaves_the_dashboard_up_until_ctrl_c() -> None:
         with urllib.request.urlopen(f"{url}/", timeout=10) as page:
             assert page.status == 200
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = communicate(proc, 60)
         assert proc.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1])["steps"] == 1
     finally:
@@ -161,7 +173,7 @@ def test_sigterm_ends_a_demo_with_its_temporary_state_and_its_processes() -> Non
         children = psutil.Process(proc.pid).children(recursive=True)
         assert sum("toolkit.peer" in " ".join(c.cmdline()) for c in children) == 2
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
+        out, err = communicate(proc, 120)
         assert proc.returncode == 1 and "demo stopped: interrupted" in err, (proc.returncode, err[-3000:])
         assert not Path(state).exists(), sorted(p.name for p in Path(state).iterdir())
         gone, alive = psutil.wait_procs(children, timeout=30)

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from relay_server.core.config import ConfigError, load_config
+from relay_server.harness import zygote
 from relay_server.harness.process import wait_until
 from tests.hub_standin import HubStandin
 from tests.support.evaluation import PROMPTS, SEQ_LEN, albert_run, train_until_evaluated
@@ -124,7 +125,7 @@ def test_validation_loss_per_version_equals_a_separate_process_and_survives_a_re
     assert all(0 <= e["accuracy"] <= 1 for e in evaluations)
     assert len({e["loss"] for e in evaluations}) == len(evaluations)  # the model moved between versions
 
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "-c", REFERENCE, str(relay.config_path), str(relay.data_dir), *map(str, steps)],
         capture_output=True,
         text=True,

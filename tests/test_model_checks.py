@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from relay_server.cli import main
+from relay_server.harness import zygote
 from tests.support.processes import REPO, write_config
 
 pytestmark = pytest.mark.xdist_group("model_checks")  # one worker builds its trained tokenizer once (--dist loadgroup)
@@ -72,7 +73,7 @@ def serve_refuses(tmp_path: Path, sections: dict, capsys: pytest.CaptureFixture 
         capsys.readouterr()
         code, stderr = main(argv), capsys.readouterr().err
     else:
-        done = subprocess.run(
+        done = zygote.run(
             [sys.executable, "-m", "relay_server.cli", *argv], capture_output=True, text=True, timeout=180, cwd=REPO
         )
         code, stderr = done.returncode, done.stderr

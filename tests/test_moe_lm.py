@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -174,7 +173,7 @@ def test_a_dmoe_lm_run_whose_moe_disagrees_is_refused_in_one_line(
     sections = merged(lm_run(0, demo_tokenizer))
     sections["moe"] = {**sections["moe"], **change["moe"]}
     config = write_config(tmp_path / "run.toml", sections)
-    done = subprocess.run(
+    done = zygote.run(
         [
             sys.executable,
             "-m",
@@ -205,7 +204,7 @@ def test_the_moe_lm_benchmark_compares_the_dmoe_lm_with_its_dense_baselines_unde
     models, the same tokens each; the last line is the comparison. What it measures at its
     defaults is in docs/experts.md (the paper's dmoe_vs_small < 1 is reported there, not asserted: a
     tiny run says little about it)."""
-    done = subprocess.run(
+    done = zygote.run(
         [
             sys.executable,
             "benchmarks/moe_lm.py",

@@ -104,8 +104,14 @@ def test_a_pinned_precision_is_the_stage_workers_precision(serve_relay, launch_s
     """``run.precision = "bf16"`` on a pipeline run: every stage worker computes its forwards and
     recomputed backwards under bf16 autocast (the dropout masks replayed as in fp32), so the
     parameters equal one process under the same autocast with the same masks, and are measurably
-    not the fp32 run's."""
-    spec, steps = GPT2_DROPOUT_SPEC, 3
+    not the fp32 run's.
+
+    One step, not three: a step's mean gradient is summed in the order the scheduler chose (each
+    worker sums the micro-batches it served), so the masters after it differ from one process's by
+    fp32 rounding (~4e-9 here). The next step's bf16 cast of a weight that lies that close to a
+    rounding midpoint moves it by 2^-9, and the run drifts from the reference by ~1e-5: a chance
+    of a few per cent a step, which tests the scheduler's order, not the workers' precision."""
+    spec, steps = GPT2_DROPOUT_SPEC, 1
     relay, initial, workers = train(serve_relay, launch_stage_worker, spec, stages=2, steps=steps, precision="bf16")
     difference = check_exact(relay, spec, initial, workers, steps, precision="bf16")
     assert difference <= 1e-5, difference

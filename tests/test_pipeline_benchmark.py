@@ -8,11 +8,11 @@ full settings in docs/benchmarks.md, not asserted on a shared machine.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from relay_server.harness import zygote
 from tests.support.processes import REPO
 
 KEYS = {
@@ -34,7 +34,7 @@ KEYS = {
 @pytest.mark.integration
 @pytest.mark.slow
 def test_pipeline_benchmark_reports_every_ratio_and_ours_completes():
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "benchmarks/pipeline.py", "--batches", "1", "--microbatches", "4"],
         cwd=REPO,
         capture_output=True,

@@ -15,7 +15,6 @@ import hashlib
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import pytest
 import requests
 
 from relay_server.harness import zygote
+from relay_server.harness.process import wait_exit
 from tests.support.pipeline import accepted_batches, pipeline_overrides, relative_difference, replay
 from tests.support.pipeline_models import BYTE_SPEC
 from tests.support.processes import REPO
@@ -82,10 +82,7 @@ class Volunteer:
         return [{**e, "batch": stream[e["digest"]]} for e in found]
 
     def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{self.name} still running; log:\n{self.log_path.read_text()[-3000:]}") from None
+        return wait_exit(self.proc, timeout_s, self.name, self.log_path)
 
 
 def poll(predicate, timeout_s: float, what: str):

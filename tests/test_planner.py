@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relay_server.harness import zygote
 from relay_server.planning import planner as pm
 from relay_server.planning import problem as pbm
 from relay_server.planning.averaging_plan import Plan
@@ -319,7 +320,7 @@ def test_plan_serializes_to_json():
 
 def run_benchmark(script: str, *args: str) -> tuple[list[str], dict]:
     """``python benchmarks/<script>``: its printed lines and its last line, a JSON object."""
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]

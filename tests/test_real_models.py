@@ -5,11 +5,12 @@ the accumulator on the host and 12 on the device for both precisions, and the la
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from relay_server.harness import zygote
 
 pytestmark = pytest.mark.integration  # starts relay, peer or tool processes
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_real_models_smallest():
-    proc = subprocess.run(
+    proc = zygote.run(
         [sys.executable, "benchmarks/real_models.py", "--models", "albert-tiny", "--steps", "1", "--skip-demo"],
         cwd=REPO,
         capture_output=True,

@@ -23,7 +23,6 @@ import json
 import resource
 import select
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ import numpy as np
 import pytest
 import requests
 
+from relay_server.harness import zygote
 from relay_server.harness.process import RelayProcess, wait_until
 from relay_server.harness.thread import RelayThread
 from tests.support.processes import REPO, merged, write_config
@@ -408,7 +408,7 @@ def test_per_address_and_upload_byte_caps(start_relay) -> None:
 
 def many_peers(*args: str, timeout_s: float) -> dict:
     """Run benchmarks/many_peers.py; its last line is the JSON summary."""
-    done = subprocess.run(
+    done = zygote.run(
         [sys.executable, "benchmarks/many_peers.py", *args],
         cwd=REPO,
         capture_output=True,

@@ -60,30 +60,32 @@ def entry(array: np.ndarray) -> bytes:
 def test_the_share_of_checked_tasks_follows_the_config_and_the_secret_not_the_task_id() -> None:
     ids = [f"t{i}" for i in range(20000)]
     one, other = trust(0.1), trust(0.1)
-    a = {t for t in ids if one.chosen(t, "w")}
-    b = {t for t in ids if other.chosen(t, "w")}
+    a = {t for t in ids if one.chosen(t, "w", 0)}
+    b = {t for t in ids if other.chosen(t, "w", 0)}
     assert 0.09 <= len(a) / len(ids) <= 0.11 and 0.09 <= len(b) / len(ids) <= 0.11
     assert len(a & b) / len(ids) < 0.02  # two relays' secrets choose independently (0.01 expected)
-    assert not any(trust(0.0).chosen(t, "w") for t in ids[:1000])
-    assert all(trust(1.0).chosen(t, "w") for t in ids[:1000])
+    assert not any(trust(0.0).chosen(t, "w", 0) for t in ids[:1000])
+    assert all(trust(1.0).chosen(t, "w", 0) for t in ids[:1000])
 
 
 def test_a_new_worker_is_checked_more_until_its_probation_ends() -> None:
-    """The first result of a worker is always checked, then at 1/2, 1/4 ... for PROBATION checks,
-    then at the base share; each worker's probation is its own, and a suspect's share is 1."""
+    """The first result of a worker in each of its first PROBATION batches is always checked, the
+    rest at the base share; each worker's probation is its own, and a suspect's share is 1."""
     ids = [f"t{i}" for i in range(20000)]
     checks = trust(0.02, probation=PROBATION)
-    first = [checks.shares.choose(t, "new") for t in ids[:400]]
-    assert first[0] and sum(first[:40]) >= PROBATION  # its probation is over within a few dozen results
-    assert checks.shares.share("new") == 0.02 and checks.shares.chosen_for["new"] >= PROBATION
-    later = [checks.shares.choose(t, "new") for t in ids[400:]]
+    shares = checks.shares
+    for batch in range(PROBATION):  # a stale liar is honest in its first batch: probation looks again
+        chosen = [shares.choose(t, "new", batch) for t in ids[batch * 100 : (batch + 1) * 100]]
+        assert chosen[0] and sum(chosen[1:]) <= 10, (batch, sum(chosen))  # the rest: the base share (2 expected)
+    assert shares.share("new", PROBATION) == 0.02 and shares.on_probation() == []
+    later = [shares.choose(t, "new", PROBATION + i // 100) for i, t in enumerate(ids[400:])]
     assert 0.015 <= sum(later) / len(later) <= 0.025  # past probation: the base share
-    assert checks.shares.share("other") == 1.0 and checks.shares.on_probation() == []
-    assert checks.shares.probation_checks == PROBATION
+    assert shares.share("other", 0) == 1.0 and shares.probation_checks == PROBATION
+    assert shares.choose(ids[0], "other", 5) and shares.on_probation() == ["other"]  # probation counts its batches
     checks.monitor.suspicion["new"] = 1.0
-    assert checks.shares.share("new") == 1.0 and all(checks.chosen(t, "new") for t in ids[:100])
-    assert trust(0.0, probation=PROBATION).shares.share("new") == 0.0  # checks off: no probation either
-    assert checks.status().probation == PROBATION and checks.status().probation_checks == PROBATION
+    assert shares.share("new", 9) == 1.0 and all(checks.chosen(t, "new", 9) for t in ids[:100])
+    assert trust(0.0, probation=PROBATION).shares.share("new", 0) == 0.0  # checks off: no probation either
+    assert checks.status().probation == PROBATION and checks.status().probation_checks == PROBATION + 1
 
 
 def test_the_monitor_scores_a_scaled_result_an_outlier_and_honest_ones_not() -> None:
@@ -96,10 +98,10 @@ def test_the_monitor_scores_a_scaled_result_an_outlier_and_honest_ones_not() -> 
     assert z > OUTLIER_Z and not monitor.suspect("liar")  # one outlier makes no suspect
     monitor.observe("a0", "liar", 1.3 * honest[1], 16 * WIDTH)
     assert monitor.suspect("liar")
-    assert trust(0.0).chosen("t1", "w") is False
+    assert trust(0.0).chosen("t1", "w", 0) is False
     suspicious = trust(1e-9)
     suspicious.monitor.suspicion["liar"] = 1.0
-    assert suspicious.chosen("t1", "liar") and not suspicious.chosen("t1", "w")  # every result of a suspect
+    assert suspicious.chosen("t1", "liar", 0) and not suspicious.chosen("t1", "w", 0)  # every result of a suspect
 
 
 def test_the_tolerance_separates_rounding_from_every_attack() -> None:

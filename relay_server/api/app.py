@@ -156,7 +156,7 @@ async def put_gradient(request: web.Request) -> web.Response:
     body = request.get(BODY_STREAM_KEY, request.content)  # signed runs: every chunk checked against its digest
     reader = AsyncContainerReader(body, limit, total_bytes=request.content_length)
     try:
-        receipt = await collab.receive_gradient(step, peer_id, reader)
+        receipt = await collab.gradients.receive(step, peer_id, reader)
     except (ApiError, ProtocolError):
         await _drain(request)
         raise
@@ -220,14 +220,14 @@ async def get_params(request: web.Request) -> web.StreamResponse:
 async def post_ticket(request: web.Request) -> web.Response:
     req = await read_message(request, TicketRequest)
     peer_id = own_peer(request, request.query.get("peer_id", ""))
-    ticket = _collab(request).issue_ticket(_path_int(request, "step"), peer_id, req)
+    ticket = _collab(request).gradients.ticket(_path_int(request, "step"), peer_id, req)
     return json_ok({"ticket": encode_ticket(ticket)})
 
 
 async def post_done(request: web.Request) -> web.Response:
     req = await read_message(request, DoneRequest)
     peer_id = own_peer(request, request.query.get("peer_id", ""))
-    return json_ok(_collab(request).done(_path_int(request, "step"), peer_id, req))
+    return json_ok(_collab(request).gradients.done(_path_int(request, "step"), peer_id, req))
 
 
 async def get_plan(request: web.Request) -> web.Response:

@@ -11,9 +11,10 @@ for a ticket instead of uploading here (same checks), sends each slice to its ow
 it is done; the round closes on the same rules, every owner finalizes its slice, and the new
 version is a manifest of the slices' hashes. Without aggregators none of that runs.
 
-This module admits peers (join, heartbeat, leave) and their gradients (whole uploads, tickets,
-done); the open round and the steps it makes are :mod:`.round_cycle`, the reports :mod:`.status`,
-the version the relay serves first (fresh or resumed) :mod:`.starting_version`.
+This module admits peers (join, heartbeat, leave), keeps house and wires the parts together; their
+gradients (whole uploads, tickets, done) are :mod:`.intake` (``collab.gradients``), the open round
+and the steps it makes :mod:`.round_cycle`, the reports :mod:`.status`, the version the relay
+serves first (fresh or resumed) :mod:`.starting_version`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 from relay_server.backbone.backbone import Backbone
 from relay_server.backbone.slice_owner import gradient_meta
 from relay_server.backbone.slicing import Published
-from relay_server.backbone.tickets import sign_ticket
+from relay_server.collaboration.intake import GradientIntake
 from relay_server.collaboration.opening import OpeningRule
 from relay_server.collaboration.publishing import AfterPublish
 from relay_server.collaboration.round_cycle import RoundCycle
@@ -43,14 +44,13 @@ from relay_server.collaboration.status import (
     status_report,
 )
 from relay_server.core.config import RelayConfig
-from relay_server.core.errors import ApiError, round_closed, round_closed_partial, unknown_peer
+from relay_server.core.errors import ApiError, unknown_peer
 from relay_server.core.loop_clock import LoopClock
 from relay_server.observers.events import ObserverThread
 from relay_server.rounds.master import MasterState, layout_of
-from relay_server.rounds.membership import Round, RoundClosedMidUpload
 from relay_server.rounds.peer_registry import Peer, Registry
 from relay_server.rounds.publisher import Publisher
-from relay_server.rounds.reducer import Reducer, UploadProgress
+from relay_server.rounds.reducer import Reducer
 from relay_server.rounds.store import Store
 from relay_server.rounds.traffic import Traffic
 from toolkit.models.flat import flatten
@@ -58,7 +58,6 @@ from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import (
     PROTOCOL_VERSION,
     CollabState,
-    DoneRequest,
     Heartbeat,
     JoinRequest,
     JoinResponse,
@@ -66,11 +65,7 @@ from toolkit.wire.protocol import (
     RunSummary,
     StateInfo,
     StatusReport,
-    Ticket,
-    TicketRequest,
-    UploadReceipt,
 )
-from toolkit.wire.tensor_container import AsyncContainerReader
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +112,15 @@ class Collaboration:
         self.rounds = RoundCycle(
             config, store, self.backbone, self.registry, self.after_publish, clock=self.loop_clock, opening=opening
         )
+        self.gradients = GradientIntake(
+            max_staleness=config.run.max_staleness,
+            rounds=self.rounds,
+            registry=self.registry,
+            backbone=self.backbone,
+            traffic=self.traffic,
+            admit=self.peer,
+        )
+        """Peers' gradients for the open round: whole uploads, sliced rounds' tickets and done."""
         self.starting = StartingVersion(config, store, self.rounds, self.backbone, parameters_kept_elsewhere)
         self.started = time.monotonic()
         self.figures: Callable[[], RunFigures | None] = lambda: None
@@ -252,140 +256,6 @@ class Collaboration:
         self.backbone.planning.forget_peer(peer_id)
         self.rounds.drop(peer_id)
 
-    # --- whole-vector uploads ---------------------------------------------------------------------
-    async def receive_gradient(self, step: int, peer_id: str, reader: AsyncContainerReader) -> UploadReceipt:
-        """Stream one peer's gradient sum into the round's reduction, chunk by chunk."""
-        started = time.monotonic()
-        peer = self.peer(peer_id)
-        r = self.rounds.round
-        if r is None or r.closed or r.step != step:
-            raise round_closed(step, self.step)
-        if r.slices:
-            raise ApiError(
-                409,
-                "ticket_required",
-                f"round {step} is sliced among aggregators",
-                "Ask for a ticket and upload each slice to its owner (the toolkit does this).",
-            )
-        _check_not_sent(r, peer_id)
-        header = await reader.read_header()
-        meta = gradient_meta(header.metadata)
-        self.reducer.check(header)
-        if meta.peer_id != peer_id or meta.step != step:
-            raise ApiError(422, "bad_meta", "gradient metadata names another peer or round")
-        self._check_contribution(step, peer, meta.version, meta.samples, "upload claims")
-        was_expected = r.begin(peer_id)
-        # credited at the reducer's commit point (whole or nothing), never after the add
-        progress = UploadProgress(on_commit=lambda: self._credit(r, peer, meta.samples, meta.loss_sum))
-        peer.inflight += 1
-        try:
-            await self.reducer.reduce(reader, header, meta.samples, lambda: not r.closed, progress, peer_id)
-        except BaseException as exc:
-            reduced = progress.chunks_added > 0
-            if not progress.committed:  # one that failed mid-body is not waited for (a retry re-joins via begin)
-                r.abort(peer_id, reduced=reduced, was_expected=was_expected and not progress.chunks_staged)
-            if isinstance(exc, RoundClosedMidUpload):
-                raise (round_closed_partial(step) if reduced else round_closed(step, self.step)) from None
-            raise
-        else:
-            self.traffic.up_bytes += header.header_bytes + header.data_bytes  # accepted whole: it counts
-            self.backbone.planning.record_transfer(
-                peer_id, "up", step, header.header_bytes + header.data_bytes, started
-            )
-        finally:
-            peer.inflight -= 1
-            self.registry.touch(peer)
-            self.rounds.maybe_finalize()
-        return UploadReceipt(step=step, accepted_samples=meta.samples, received_peers=len(r.received))
-
-    def _check_contribution(self, step: int, peer: Peer, version: int, samples: int, claim: str) -> None:
-        """A gradient (whole or sliced) may lag the master by ``max_staleness`` versions and may
-        not claim more samples than the peer's progress reports since its last upload."""
-        if not 0 <= step - version <= self.run_cfg.max_staleness:
-            raise ApiError(
-                409,
-                "stale_gradient",
-                f"gradient from version {version} is too old for round {step}",
-                "Discard it and download the latest parameters.",
-            )
-        if samples > peer.claimable:
-            raise ApiError(
-                422,
-                "samples_exceed_report",
-                f"{claim} {samples} samples, progress reports since the last upload said {peer.claimable}",
-                "Send a heartbeat before uploading.",
-            )
-
-    def _credit(self, r: Round, peer: Peer, samples: int, loss_sum: float) -> None:
-        r.complete(peer.peer_id, samples, loss_sum)
-        r.inner_steps += peer.held_steps[1]  # local SGD: the inner steps behind this pseudo-gradient
-        peer.held_steps = (-1, 0)
-        self.registry.set_samples(peer, max(0, peer.samples - samples))
-        peer.contributed += samples
-        peer.claimable = max(0, peer.claimable - samples)
-        if peer.first_contribution_s is None:
-            peer.first_contribution_s = time.monotonic() - peer.joined_at
-
-    # --- sliced rounds: ticket, uploads to the owners, done -------------------------------------
-    def issue_ticket(self, step: int, peer_id: str, req: TicketRequest) -> Ticket:
-        """The checks a whole-vector upload gets, then a signed permission to upload the slices."""
-        peer = self.peer(peer_id)
-        r = self.rounds.round
-        if r is None or r.closed or r.step != step or r.round_id != req.round_id:
-            raise round_closed(step, self.step)
-        if not r.slices:
-            raise ApiError(
-                409,
-                "no_ticket_needed",
-                f"round {step} is not sliced",
-                "Upload the whole gradient to the relay (ROUTES['gradient']).",
-            )
-        _check_not_sent(r, peer_id)
-        self._check_contribution(step, peer, req.version, req.samples, "the ticket asks for")
-        if [(d.start, d.end) for d in req.slices] != [(s.start, s.end) for s in r.slices]:
-            raise ApiError(
-                422,
-                "bad_slices",
-                "the ticket request does not list this round's slices",
-                "Split the gradient by the round's slices (RoundInfo.slices).",
-            )
-        r.tickets[peer_id] = (req.samples, req.loss_sum, r.begin(peer_id))
-        expires = time.time() + r.remaining_s + 30.0
-        return sign_ticket(
-            Ticket(
-                round_id=r.round_id,
-                step=step,
-                peer_id=peer_id,
-                samples=req.samples,
-                version=req.version,
-                plan_version=r.plan_version,
-                expires_at=expires,
-                slices=list(req.slices),
-            ),
-            self.backbone.ticket_key,
-        )
-
-    def done(self, step: int, peer_id: str, req: DoneRequest) -> UploadReceipt:
-        """The peer finished uploading its slices. Delivering any slice counts the peer in (the
-        owners reduced part-wise); delivering none releases it, as a refused upload would."""
-        peer = self.peer(peer_id)
-        r = self.rounds.round
-        if r is None or r.round_id != req.round_id or r.step != step or peer_id not in r.tickets:
-            raise round_closed(step, self.step)
-        if r.closed:
-            raise round_closed_partial(step) if req.delivered or req.partial else round_closed(step, self.step)
-        samples, loss_sum, was_expected = r.tickets.pop(peer_id)
-        if peer_id in r.uploading:
-            if req.delivered:
-                self._credit(r, peer, samples, loss_sum)
-            else:
-                r.abort(peer_id, reduced=req.partial, was_expected=was_expected)
-        self.registry.touch(peer)
-        self.rounds.maybe_finalize()
-        return UploadReceipt(
-            step=step, accepted_samples=samples if req.delivered else 0, received_peers=len(r.received)
-        )
-
     # --- versions, housekeeping, reports ---------------------------------------------------------
     async def rollback(self, to_step: int) -> int:
         """Publish the stored state of version ``to_step`` as the next version (:meth:`RoundCycle.rollback`)."""
@@ -463,13 +333,3 @@ class Collaboration:
         for amend in self.amendments:
             report = amend(report)
         return report
-
-
-def _check_not_sent(r: Round, peer_id: str) -> None:
-    if peer_id in r.received or peer_id in r.uploading or peer_id in r.partial:
-        raise ApiError(
-            409,
-            "duplicate_upload",
-            f"peer already sent a gradient for round {r.step}",
-            "Keep accumulating; the next round takes the new samples.",
-        )

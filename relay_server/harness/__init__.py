@@ -14,6 +14,8 @@
 * :mod:`.netns` -- hosts with shaped links (network namespaces, veth, ``tc``);
 * :mod:`.manual_peer` -- a peer driven by hand (join, heartbeats, any request of its own) through
   a client its caller built: the tests' and the benchmarks' hostile hosts and hand-made trainers;
+* :mod:`.dishonest` -- stage workers that send finite, well shaped, wrong results (the trust
+  tests' and ``benchmarks/trust.py``'s liars: one set of attacks for both);
 * :mod:`.hf_standin` -- a local stand-in for the Hugging Face Hub's identity API (and the routes a
   test adds), so that hf-mode runs log in without the internet.
 

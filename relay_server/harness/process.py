@@ -59,15 +59,41 @@ def toml_text(sections: dict[str, dict[str, Any]]) -> str:
     )
 
 
+def dump_stacks_and_kill(proc: subprocess.Popen[Any], wait_s: float = 10) -> None:
+    """End a process that outlived the signal meant to stop it, saying where it was stuck: SIGABRT,
+    on which a Python process started with ``PYTHONFAULTHANDLER=1`` (the test suite starts every
+    one so) writes each thread's stack to its stderr before it dies; SIGKILL if it is still there
+    after ``wait_s``. A hang at shutdown is rare and a rerun rarely shows it again: the stacks in
+    its log are what explains it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=wait_s)
+
+
+def wait_exit(proc: subprocess.Popen[Any], timeout_s: float, what: str, log: Path) -> int:
+    """``proc``'s exit code; if it is still running after ``timeout_s``, it is ended with its
+    threads' stacks written to ``log`` (:func:`dump_stacks_and_kill`) and ``TimeoutError`` names
+    ``what`` with the log's tail, those stacks included."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        dump_stacks_and_kill(proc)
+        raise TimeoutError(f"{what} still running; log:\n{log_tail(log, 8000)}") from None
+
+
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    """SIGTERM (a server's clean shutdown), SIGKILL if it has not exited after ``timeout_s``."""
+    """SIGTERM (a server's clean shutdown); if it has not exited after ``timeout_s``, its stacks
+    into its log and the end (:func:`dump_stacks_and_kill`)."""
     if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout_s)
+            dump_stacks_and_kill(proc)
 
 
 def log_tail(log: Path, chars: int = 3000) -> str:

@@ -11,7 +11,10 @@ read from its log is a process: :mod:`relay_server.harness.process`.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from relay_server.api.server import serve, serve_app
 from relay_server.core.config import RelayConfig
 from relay_server.core.data_lock import DataDirInUse
 from relay_server.harness.process import wait_until
+
+log = logging.getLogger(__name__)
 
 
 class RelayThread:
@@ -117,11 +122,21 @@ class RelayThread:
             method, self.url + ADMIN_PREFIX + path, timeout=30, headers={"Authorization": f"Bearer {token}"}, **kwargs
         )
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30) -> None:
+        """Stop serving; wait up to ``timeout_s`` for the relay's thread to end. One that does not
+        (a shutdown step that never returns) is left behind, a daemon, and the log shows where
+        every thread of this process was: what a report of the hang needs."""
         if self.loop is not None and self._stop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            names = {t.ident: t.name for t in threading.enumerate()}
+            stacks = "".join(
+                f"\nthread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                for ident, frame in sys._current_frames().items()
+            )
+            log.error("the relay did not stop within %g s; where each thread is:%s", timeout_s, stacks)
 
     def __enter__(self) -> "RelayThread":
         return self

@@ -18,7 +18,8 @@ peer with SIGKILL, or reads a crash's exit code, sees what it saw before.
 What a fork cannot change is refused, and the launch then execs a fresh interpreter as always:
 another executable, interpreter options (``-u``, ``-X``), ``preexec_fn``, ``pass_fds``, user or
 group changes, and an environment that differs from the zygote's in a variable that the preloaded
-modules read when imported (:data:`IMPORT_TIME_ENV`: ``PYTHON*``, ``OMP_*``, ``TORCH_*``...).
+modules read when imported (:data:`IMPORT_TIME_ENV`: ``PYTHON*``, ``OMP_*``, ``TORCH_*``, ``HF_*``...,
+and any other the zygote saw its imports look up).
 Nothing else is inherited from the zygote: it imports no module of this project (it runs
 :mod:`.zygote_main` as a script, so the child imports ``relay_server``/``toolkit`` from its own
 ``sys.path``), it never ran a torch operation (so no intra-op thread pool exists to be forked), and the child reseeds what a
@@ -46,22 +47,26 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ("torch", "numpy", "aiohttp", "requests")
+PRELOAD = ("torch", "numpy", "aiohttp", "requests", "transformers", "transformers.modeling_utils")
 """What the zygote imports once: what every launched process imports first, and the bulk of its
-start-up (``import torch`` alone is ~1.3 s of a ~2 s start here)."""
+start-up (``import torch`` alone is ~1.3 s of a ~2 s start here). transformers' model classes
+(``modeling_utils`` pulls in torch's compiler stack, sympy, scipy and accelerate: ~3.5 s of CPU)
+are what most stage workers and Hugging Face peers import next."""
 
 IMPORT_TIME_ENV = re.compile(
     r"^(PYTHON|LC_|LANG$|LANGUAGE$|OMP_|KMP_|MKL_|GOMP_|OPENBLAS|GOTO|NUMEXPR|NPY_|NUMPY_|TORCH|PYTORCH|CUDA|NVIDIA|"
     r"LD_|MALLOC|ATEN_|DNNL_|ONEDNN_|XDG_|HOME$|TMPDIR$|TEMP$|TMP$|AIOHTTP_|YARL_|MULTIDICT_|PROPCACHE_|"
-    r"FROZENLIST_|REQUESTS_|CURL_CA_BUNDLE$|SSL_CERT)"
+    r"FROZENLIST_|REQUESTS_|CURL_CA_BUNDLE$|SSL_CERT|HF_|HUGGINGFACE_|TRANSFORMERS_|TOKENIZERS_|ACCELERATE_|"
+    r"SAFETENSORS_|USE_|SYMPY_|MPMATH_|SCIPY_|TQDM_|INDUCTOR_|AOT_|AOTINDUCTOR_|DISABLE_TELEMETRY$|DO_NOT_TRACK$)"
 )
 """Variables the preloaded modules (or the interpreter's start-up) may read when imported: a launch
-whose environment differs from the zygote's in one of these is exec'd fresh, not forked."""
-
-LAZY_ENV = re.compile(r"^(TORCHINDUCTOR_|TORCHDYNAMO_|TORCH_COMPILE_)")
-"""Read only by torch's compiler stack, which ``import torch`` leaves unloaded (a child that
-compiles imports it afresh, under its own environment). torch itself sets
-``TORCHINDUCTOR_CACHE_DIR`` in the launcher once anything there compiled, for its children."""
+whose environment differs from the zygote's in one of these goes to a zygote started under its
+own environment. The zygote itself also notes every variable its imports looked up and refuses a
+launch that differs in one this list missed (that launch is then exec'd fresh): this list is how
+such launches still fork, the zygote's check is what keeps a fork exact. torch's compiler stack is
+among the preloaded modules (through ``modeling_utils``), so ``TORCHINDUCTOR_*`` count too: torch
+sets ``TORCHINDUCTOR_CACHE_DIR`` in a launcher once anything there compiled, and its children then
+fork from a zygote started under it."""
 
 START_TIMEOUT_S = 300
 """How long a launch waits for the zygote's answer (its imports, the first time) before the zygote
@@ -124,7 +129,7 @@ class Zygote:
         if self.proc.poll() is not None or not _forkable(argv):
             return False
         changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return not any(IMPORT_TIME_ENV.match(k) and not LAZY_ENV.match(k) for k in changed)
+        return not any(IMPORT_TIME_ENV.match(k) for k in changed)
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: tuple[int, int, int], setsid: bool) -> int:
         """Fork a child running ``argv[1:]`` as a fresh interpreter would; its pid (this process's
@@ -169,15 +174,17 @@ LAUNCHES = {"forked": 0, "fresh": 0}
 
 MAX_ZYGOTES = 3
 """Zygotes kept at once, one per environment that differs in :data:`IMPORT_TIME_ENV` (a library
-that set such a variable in the launcher for its children, a test's own); the oldest goes first."""
+that set such a variable in the launcher for its children, a test's own); the one with the fewest
+launches goes first (a test-scoped ``HF_HOME``'s, not the one most tests launch under)."""
 
 _zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
+_launches_under: dict[tuple[tuple[str, str], ...], int] = {}
 _enabled = False
 _owner = 0
 
 
 def _signature(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if IMPORT_TIME_ENV.match(k) and not LAZY_ENV.match(k)))
+    return tuple(sorted((k, v) for k, v in env.items() if IMPORT_TIME_ENV.match(k)))
 
 
 def enable() -> None:
@@ -211,21 +218,30 @@ def shutdown() -> None:
     _zygotes.clear()
 
 
-def current(env: dict[str, str] | None = None) -> Zygote | None:
+def current(env: dict[str, str] | None = None, *, one_off_fresh: bool = False) -> Zygote | None:
     """The zygote for launches under ``env`` (this process's environment by default), started on
-    first use; None unless :func:`enable` was called."""
+    first use; None unless :func:`enable` was called. With ``one_off_fresh`` (a launch), the first
+    launch under an environment other than the first zygote's gets None (it execs fresh): a test
+    that scopes ``HF_HOME`` or ``HF_ENDPOINT`` to itself often starts one process under it, and a
+    zygote (torch and transformers imported) costs more than one fresh interpreter; the second
+    launch under it starts its zygote."""
     global _owner
     if not _enabled:
         return None
     if _owner != os.getpid():  # a forked launcher starts its own
         _zygotes.clear()
+        _launches_under.clear()
         _owner = os.getpid()
     env = dict(os.environ) if env is None else env
     key = _signature(env)
+    _launches_under[key] = _launches_under.get(key, 0) + 1
     zygote = _zygotes.get(key)
     if zygote is None or zygote.proc.poll() is not None:
+        _zygotes.pop(key, None)
+        if one_off_fresh and _launches_under[key] == 1 and (_zygotes or len(_launches_under) > 1):
+            return None
         if len(_zygotes) >= MAX_ZYGOTES:
-            _zygotes.pop(next(iter(_zygotes))).close()
+            _zygotes.pop(min(_zygotes, key=lambda k: _launches_under[k])).close()
         zygote = _zygotes[key] = Zygote(env)
     return zygote
 
@@ -277,7 +293,7 @@ class ZygotePopen(subprocess.Popen[Any]):
             and (len(rest) < 7 or rest[6] == -1)  # process_group
         )
         environ = {os.fsdecode(k): os.fsdecode(v) for k, v in (env if env is not None else os.environ).items()}
-        zygote = current(environ) if plain else None
+        zygote = current(environ, one_off_fresh=True) if plain else None
         if zygote is not None and argv is not None and zygote.eligible(argv, environ):
             fds = (
                 p2cread if p2cread != -1 else 0,

@@ -21,9 +21,11 @@ MESSAGE = 1 << 20
 """The largest launch request (argv, environment, working directory as JSON); the launcher's too."""
 
 
-def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+def _serve(sock: socket.socket, looked_up: dict[str, str | None]) -> tuple[dict[str, Any], list[int]]:
     """Answer launch requests until the launcher hangs up (then exit); return only in a forked
-    child, with its request and its stdin/stdout/stderr."""
+    child, with its request and its stdin/stdout/stderr. A request whose environment differs from
+    ``looked_up`` (what the preloaded modules read while imported) is refused: a fork would carry what
+    they made of the zygote's values, so the launcher execs that one fresh."""
     threads = len(os.listdir("/proc/self/task"))
     while True:
         try:
@@ -38,23 +40,39 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
                 os.close(fd)
             continue
         request = json.loads(data)
+        differs = sorted(k for k, v in looked_up.items() if request["env"].get(k) != v)
+        if differs:
+            sock.send(json.dumps({"error": f"environment differs in {', '.join(differs)}, read at import"}).encode())
+            for fd in fds:
+                os.close(fd)
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         read, write = os.pipe()
+        # The child starts once the middle is gone (reparented to the launcher by then: its
+        # getppid() is the launcher's from its first line); the middle's exit takes a while
+        # when there is much to unmap, and a child that needs no imports is quick.
+        go_read, go_write = os.pipe()
         middle = os.fork()
         if middle == 0:  # the middle child: fork the real one, tell its pid, exit (reparenting it)
             child = os.fork()
             if child == 0:
                 os.close(read)
                 os.close(write)
+                os.close(go_write)
                 sock.close()
+                os.read(go_read, 1)
+                os.close(go_read)
                 return request, fds
             os.write(write, str(child).encode())
             os._exit(0)
         os.close(write)
+        os.close(go_read)
         pid = os.read(read, 32)
         os.close(read)
         os.waitpid(middle, 0)
+        os.write(go_write, b"!")
+        os.close(go_write)
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}).encode())
@@ -131,17 +149,59 @@ def _exit_code(error: BaseException) -> int:
     return 1
 
 
+class _Recording(os._Environ[str]):
+    """``os.environ`` while the zygote imports (a subclass of its class, ``os._Environ``, which
+    typeshed declares): notes each variable looked up (``os.getenv``, ``os.environ.get``/``[]``/
+    ``in``), and who listed them all."""
+
+    looked_up: set[str] = set()
+    listed_by: list[str] = []
+
+    def __getitem__(self, key: str) -> str:
+        if sys._getframe(1).f_code.co_name != "__iter__":  # items()/values() listing: see __iter__
+            _Recording.looked_up.add(key)
+        return str(super().__getitem__(key))
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            _Recording.looked_up.add(key)
+        return bool(super().__contains__(key))
+
+    def __iter__(self) -> Any:
+        caller = sys._getframe(1)
+        while caller.f_back is not None and caller.f_code.co_filename.startswith("<frozen"):
+            caller = caller.f_back  # past the Mapping methods that iterate for items(), copy()...
+        _Recording.listed_by.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return super().__iter__()
+
+
+def _preload(names: list[str]) -> dict[str, str | None]:
+    """Import ``names``; the variables they looked up while importing, with the values they saw
+    (None: unset). Prefix scans (iterating ``os.environ``, as tqdm does for ``TQDM_*``) are written
+    to the zygote's log: the launcher's ``IMPORT_TIME_ENV`` names those prefixes."""
+    import importlib
+
+    seen = dict(os.environ)
+    os.environ.__class__ = _Recording
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        os.environ.__class__ = os._Environ
+    if _Recording.listed_by:
+        print("the environment was listed while importing, by:", *sorted(set(_Recording.listed_by)), flush=True)
+    return {key: seen.get(key) for key in _Recording.looked_up}
+
+
 def _main() -> None:
     import atexit
     import gc
-    import importlib
     import io
 
     sock = socket.socket(fileno=int(sys.argv[1]))
-    for name in sys.argv[2:-1]:  # the last is TITLE_ROOM
-        importlib.import_module(name)
+    read = _preload(sys.argv[2:-1])  # the last is TITLE_ROOM
     gc.freeze()  # the children's collections then skip (and do not copy) what the zygote imported
-    request, fds = _serve(sock)
+    request, fds = _serve(sock, read)
     del sock
     interrupted = False
     try:

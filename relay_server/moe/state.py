@@ -51,8 +51,9 @@ class ResultReview(Protocol):
         g: np.ndarray | None,
         answer: bytes,
         leased_at: float | None = None,
-    ) -> None:
-        """A call's answer before its caller sees it: raises (502 ``bad_result``) when it is a lie."""
+    ) -> bytes | None:
+        """A call's answer before its caller sees it: the answer to give instead when it is a lie
+        the reviewer can correct (None: it stands); raises (502 ``bad_result``) when none may go."""
         ...
 
     def checkpointed(self, uid: str, updates: int, tensors: dict[str, np.ndarray], host: str = "") -> None:

@@ -8,9 +8,11 @@ rather than held in memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +49,7 @@ class ObserverThread:
         self.observers = observers
         self._queue: queue.Queue[StepEvent | None] = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="relay-observers", daemon=True)
+        self._abandoned = threading.Event()  # close() gave up waiting: stop after the event in hand
         if observers:
             self._thread.start()
 
@@ -61,10 +64,24 @@ class ObserverThread:
             )
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Deliver what is queued, then close the observers; ``timeout_s`` bounds the wait in all.
+        An observer stuck on its service (a W&B or Hub endpoint that never answers) must not hold
+        the relay's shutdown: with the queue full, a plain ``put`` of the end marker waited for it
+        forever. Past the bound the thread stops after the event in hand (it is a daemon) and the
+        log says how many steps were not delivered."""
         if not self.observers:
             return
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):  # no room: the thread is stuck; the join below says so
+            self._queue.put(None, timeout=timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            self._abandoned.set()
+            log.warning(
+                "observers did not finish within %.0f s: %d queued steps not delivered; closing them anyway",
+                timeout_s,
+                self._queue.qsize(),
+            )
         for observer in self.observers:
             try:
                 observer.close()
@@ -72,7 +89,7 @@ class ObserverThread:
                 log.exception("observer %s failed to close", type(observer).__name__)
 
     def _run(self) -> None:
-        while (event := self._queue.get()) is not None:
+        while not self._abandoned.is_set() and (event := self._queue.get()) is not None:
             for observer in self.observers:
                 try:
                     observer.on_step(event)

@@ -16,7 +16,8 @@ parameter server per stage. What lives where:
 * :mod:`.coordinator` -- the task pool on the broker (1F1B order, affinity, measured lease
   deadlines, re-dispatch), rounds; beside it :mod:`.task_pool` (which step each task computes),
   :mod:`.task_results` (a result on arrival), :mod:`.worker_moves` (rebalancing, empty stages,
-  silent workers) and :mod:`.trust_hooks` (the checks, and what a ban restarts); :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
+  silent workers) and :mod:`.trust_hooks` (the checks, and what a ban restarts) with :mod:`.rollback` (what a late ban undoes) and :mod:`.kept_inputs` (the
+  first-stage data it replays); :mod:`.workers` which worker runs which stage; :mod:`.model_cut`
   the run's model cut into stages; :mod:`.status` what ``/api/pipeline`` reports; :mod:`.service`
   the whole built from the config and the collaboration's services, ticked, publishing each
   batch's step through the relay's after-publish sequence;

@@ -44,6 +44,8 @@ class BatchOutcome:
     elapsed_s: float
     grad_norm: float
     contributions: dict[str, int]
+    finalized_by: str = "pipeline"
+    """What produced the step: a round ("pipeline") or a late ban's rollback ("rollback")."""
 
 
 @dataclass

@@ -22,7 +22,8 @@ optimizer steps.
 * **A lying worker** -- a finite, well-shaped, wrong result -- is found by spot checks and
   monitors (:mod:`relay_server.trust`, plugged in by :mod:`.trust_hooks`): the round opens only
   once its batch's checks settled, and a ban restarts the batch
-  (:meth:`~.trust_hooks.TrustHooks.banned`), so no lie is ever counted.
+  (:meth:`~.trust_hooks.TrustHooks.banned`), so no lie found in it is counted; one found after
+  its batch was counted is rolled back (:mod:`.rollback`).
 * **Placement** (:mod:`.plan`, moves by :mod:`.worker_moves`): measured task times feed the
   planner's predicted time per batch and its rebalancing; ``dispatch = "static" | "restart"`` are the baselines the benchmark
   compares the pool with.
@@ -48,7 +49,7 @@ from relay_server.pipeline.boundaries import Boundaries
 from relay_server.pipeline.figures import PipelineFigures, WasteTotals
 from relay_server.pipeline.guard import MAX_LEASES_PER_WORKER, GuardDeps, PipelineGuard
 from relay_server.pipeline.in_flight import InFlight
-from relay_server.pipeline.ledger import BACKWARD, Ledger
+from relay_server.pipeline.ledger import BACKWARD, FIRST, Ledger
 from relay_server.pipeline.plan import Planner
 from relay_server.pipeline.results import Shapes
 from relay_server.pipeline.stage_owners import StageOwners
@@ -92,6 +93,10 @@ class PipelineShape:
     """``[pipeline] check_share``: the share of results spot-checked (:mod:`relay_server.trust.checks`)."""
     precision: str = ""
     """``[run] precision``: what the checks' tolerance follows from."""
+    probation: int = 2
+    """``[pipeline] probation_checks``: a new worker's checks at a raised share."""
+    rollback_batches: int = 0
+    """``[pipeline] rollback_batches``: committed batches a late ban can undo (:mod:`.rollback`)."""
 
 
 @dataclass(frozen=True)
@@ -176,10 +181,7 @@ class PipelineCoordinator:
             )
         )
         self.hooks = TrustHooks(
-            shape.check_share,
-            shape.precision,
-            self.shapes.width,
-            self.codec,
+            shape,
             HookDeps(
                 pool=self.pool,
                 guard=self.guard,
@@ -192,6 +194,9 @@ class PipelineCoordinator:
                 advance=self._advance,
                 on_ban=deps.on_ban,
                 referee=deps.referee,
+                owners=self.owners,
+                publish=self.publish,
+                batch_over=lambda: self._next_batch(0.0),
             ),
         )
         self.trust = self.hooks.trust
@@ -210,6 +215,7 @@ class PipelineCoordinator:
                 advance=self._advance,
                 planner=self.planner,
                 clock=self.clock,
+                carried=self.hooks.carried,
             )
         )
         self.moves = WorkerMoves(
@@ -252,7 +258,7 @@ class PipelineCoordinator:
         self.figures.batch_over(closed.batch, self.waste_totals())
         self.pool.batch_over(closed)
         self.guard.batch_over(closed.batch)
-        self.trust.batch_over()
+        self.hooks.batch_over(closed)
         for m in closed.microbatches:
             self.boundaries.drop(m)
         self.moves.replan(round_s)
@@ -340,6 +346,9 @@ class PipelineCoordinator:
             names = step.inputs()
             for name in names[1:] if cached_input else names:  # [0] is the stage's input
                 tensors.update(_renamed(self.boundaries.get(step.microbatch, name), name, i))
+            carried = self.hooks.carried(step.microbatch) if step.kind == FIRST else None
+            if carried is not None:  # a batch a rollback undid: its kept data, replayed (:mod:`.kept_inputs`)
+                tensors.update(_renamed(carried, "batch", i))
             out.append(
                 PipelineTask(
                     task_id=task.task_id,
@@ -350,6 +359,7 @@ class PipelineCoordinator:
                     version=self.flight.ledgers[step.batch].version,
                     lease_s=self.broker.lease_deadline(task.key),
                     input_cached=cached_input,
+                    replay=carried is not None,
                     redo=step.redo,
                 )
             )

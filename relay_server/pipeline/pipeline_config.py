@@ -72,6 +72,20 @@ class PipelineSection:
     recomputed (docs/pipeline.md, "Trusting stage workers"). New workers are checked more first
     (probation, :mod:`relay_server.trust.shares`), suspects always; past that it costs this share
     of the checkable results in extra compute."""
+    probation_checks: int = 2
+    """A new worker's probation: the first checkable result of each of its first this many batches
+    is always checked, then its share falls to ``check_share`` (:mod:`relay_server.trust.shares`).
+    2 catches a worker that lies from its first batch and one computing its second on stale
+    parameters; more catch a liar that hides behind more honest batches, each costs one check per
+    joiner."""
+    rollback_batches: int = 4
+    """With checks on: how many committed batches a late ban can undo. A liar caught after its
+    unchecked results were counted makes every stage return to the version before the first batch
+    holding one (its masters and optimizer state, kept in the stages' stores: one state file per
+    stage and kept batch, on disk), and the undone batches are replayed on their first-stage data,
+    kept in memory for this many batches (:mod:`.kept_inputs`); older than this many batches, the
+    ban only restarts the open batch and the status says ``too late`` (:mod:`.rollback`). 0: never
+    roll back."""
 
     @property
     def batch(self) -> int:
@@ -142,6 +156,8 @@ class PipelineSection:
             ),
             (self.dispatch in DISPATCH, f"pipeline.dispatch must be one of {DISPATCH}"),
             (self.rebalance_every_batches >= 0, "pipeline.rebalance_every_batches must be >= 0"),
+            (0 <= self.probation_checks <= 16, "pipeline.probation_checks must be 0..16"),
+            (0 <= self.rollback_batches <= 256, "pipeline.rollback_batches must be 0..256"),
             (
                 0.0 <= self.check_share <= 1.0 and (self.check_share == 0.0 or self.dispatch == "pool"),
                 f'pipeline.check_share must be 0..1 and needs pipeline.dispatch = "pool", got {self.check_share!r} '

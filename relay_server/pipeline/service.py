@@ -54,7 +54,7 @@ class PipelinePublisher:
             loss=batch.loss_sum / batch.samples if batch.samples else None,
             duration_s=batch.elapsed_s,
             deadline_s=0.0,
-            finalized_by="pipeline",
+            finalized_by=batch.finalized_by,
             lr=lr_at(batch.published.step - 1, self.config.optimizer, self.config.run.total_steps),
             grad_norm=batch.grad_norm,
             samples=batch.samples,
@@ -113,6 +113,8 @@ class PipelineService:
             max_staleness=config.run.max_staleness,
             check_share=cfg.check_share,
             precision=config.run.precision,
+            probation=cfg.probation_checks,
+            rollback_batches=cfg.rollback_batches,
         )
         deps = PipelineDeps(
             owners=owners,

@@ -63,10 +63,12 @@ class StageOwners:
         self.whole_path: Path | None = None
         """The whole model's file of the step :meth:`finalize` last wrote (observers read it)."""
         data_dir = Path(config.server.data_dir) / "stages"
-        self.stores = [
-            Store(data_dir / str(k), keep=config.server.keep_checkpoints, fsync=config.server.fsync)
-            for k in range(len(cuts))
-        ]
+        # a late ban may return every stage to a version up to rollback_batches old (:mod:`.rollback`):
+        # only where checks run, as only a check bans (the trust hooks roll back nothing otherwise)
+        keep = config.server.keep_checkpoints
+        if config.pipeline.check_share > 0 and config.pipeline.rollback_batches > 0:
+            keep = max(keep, config.pipeline.rollback_batches + 2)
+        self.stores = [Store(data_dir / str(k), keep=keep, fsync=config.server.fsync) for k in range(len(cuts))]
         self.owners: list[SliceOwner] = []
         self.kept: list[dict[int, Version]] = [{} for _ in cuts]
         """Each stage's latest version and the one before it (delayed updates compute on that), by step."""
@@ -173,3 +175,38 @@ class StageOwners:
         )
         norm = global_norm if global_norm is not None else math.sqrt(sum(n * n for _, _, n in done))
         return self.published(), norm, [sum(r.received.values()) for _, r, _ in done]
+
+    def holds(self, step: int) -> bool:
+        """Whether every stage's store still holds version ``step``'s state (a rollback can reach it)."""
+        return all(store.state_path(step).exists() for store in self.stores)
+
+    async def rollback(self, to_step: int) -> Published:
+        """Every stage's master and optimizer state as they were at version ``to_step``, published
+        as the next version (versions only move forward: workers compare them, as a data-parallel
+        rollback does, :meth:`relay_server.collaboration.round_cycle.RoundCycle.rollback`), peers
+        download it whole; the whole model is written like a step's. Between rounds only."""
+        new_step = self.step + 1
+
+        def apply(owner: SliceOwner) -> Version:
+            """On the owner's reducer thread, after any work pending there."""
+            owner.publisher.load(to_step)
+            owner.master.step = new_step
+            owner.reducer.reset()
+            return owner.publisher.write(new_step, owner.meta(rolled_back_to=str(to_step)), delta=False)
+
+        versions = await asyncio.gather(*(o.reducer.run(apply, o) for o in self.owners))
+        for k, (owner, version) in enumerate(zip(self.owners, versions)):
+            owner.publisher.publish(version)
+            self._keep(k, version)
+            await asyncio.to_thread(self.stores[k].commit, version.step, version.sha256)
+        self.whole_path = await asyncio.to_thread(
+            write_whole_version,
+            self.whole_store,
+            self.owners,
+            self.num_params,
+            new_step,
+            self.config.run.name,
+            self.config.server.fsync,
+        )
+        log.warning("every stage rolled back to its state at version %d, published as version %d", to_step, new_step)
+        return self.published()

@@ -83,7 +83,7 @@ def pipeline_status(c: "PipelineCoordinator") -> PipelineStatus:
         traffic=c.figures.bytes.report(),
         wasted=list(c.figures.wasted),
         wasted_now=c.figures.wasted_since(c.ledger.batch, c.waste_totals()),
-        trust=c.trust.status(),
+        trust=c.hooks.status(),
     )
 
 

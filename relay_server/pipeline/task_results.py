@@ -1,6 +1,7 @@
 """A task's result on arrival: validated before anything sees it, then (the first result of a
 task wins) its boundary stored and the next step queued; a spot check's result goes to the
-checks (:mod:`relay_server.trust`) and nowhere else.
+checks (:mod:`relay_server.trust`) and nowhere else. A first-stage task that carried its data (a
+rollback's replay, :mod:`.kept_inputs`) must send that data back.
 
 Owns the counters of what arriving results cost: duplicates refused (a late copy of a task
 another worker finished) and stage gradients recomputed (``redo`` steps accepted).
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from relay_server.core.errors import ApiError
-from relay_server.pipeline.ledger import BACKWARD, LAST
+from relay_server.pipeline.kept_inputs import refuse_other_data
+from relay_server.pipeline.ledger import BACKWARD, FIRST, LAST
 from relay_server.pipeline.results import Shapes, read_result
 from toolkit.wire.protocol import PipelineAck
 
@@ -49,6 +51,8 @@ class ResultDeps:
     """The coordinator: the batch may be complete now (open its round when it may)."""
     planner: Planner | None = None
     clock: Callable[[], float] = time.monotonic
+    carried: Callable[[int], bytes | None] = lambda microbatch: None
+    """The data a micro-batch's first-stage task carries (a rollback's replay), if any."""
 
 
 class TaskResults:
@@ -91,6 +95,8 @@ class TaskResults:
         ledger = d.flight.ledgers[step.batch]
         mb = ledger.microbatches[step.microbatch]
         accepted = read_result(body, step, mb.rows, d.shapes, d.codec)  # before the broker sees it
+        if step.kind == FIRST:
+            refuse_other_data(step.microbatch, accepted.entries["batch"], d.carried(step.microbatch))
         try:
             task = d.broker.complete(worker, task_id, b"")
         except ApiError as exc:

@@ -1,30 +1,38 @@
 """Where the pipeline meets its checks (:mod:`relay_server.trust`): the spot checks submitted
 and cancelled through the task pool, a check's inputs read from the stored boundaries, and what
-a ban does to the batch in flight (it restarts, so no lie is ever counted).
+a ban does to the batch in flight (it restarts, so no lie found in it is ever counted) and to
+the committed batches holding the liar's unchecked results (:mod:`.rollback`), whose first-stage
+data it hands the rollback to keep and replay (:mod:`.kept_inputs`).
 
-Owns the run's :class:`~relay_server.trust.checks.PipelineTrust`; the coordinator hands it the
-few calls it needs (mint a batch again, a worker left, open the round when it may).
+Owns the run's :class:`~relay_server.trust.checks.PipelineTrust` and
+:class:`~.rollback.PipelineRollback`; the coordinator hands it the few calls it needs (mint a
+batch again, a worker left, open the round when it may, publish, close the batch in flight).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from relay_server.pipeline.rollback import TOO_LATE, PipelineRollback, RollbackDeps
 from relay_server.trust.checks import PipelineTrust, TrustDeps
 from relay_server.trust.compare import tolerance
 from relay_server.trust.task_kinds import StepLike
 
 if TYPE_CHECKING:
+    from relay_server.pipeline.batch_rounds import BatchOutcome
     from relay_server.pipeline.boundaries import Boundaries
+    from relay_server.pipeline.coordinator import PipelineShape
     from relay_server.pipeline.guard import PipelineGuard
     from relay_server.pipeline.in_flight import InFlight
     from relay_server.pipeline.ledger import Ledger
+    from relay_server.pipeline.stage_owners import StageOwners
     from relay_server.pipeline.task_pool import TaskPool
     from relay_server.pipeline.workers import Workers
     from relay_server.trust.referee import Referee
-    from toolkit.wire.compression import Codec
+    from toolkit.wire.protocol import TrustStatus
 
 
 @dataclass(frozen=True)
@@ -45,20 +53,41 @@ class HookDeps:
     """Open the oldest batch's round when it may (its checks settled)."""
     on_ban: Callable[[str, str], None]
     """The relay's moderation: a worker was banned for lying (the reason)."""
-    referee: Referee | None = None
+    referee: Referee | None
+    owners: StageOwners
+    publish: Callable[[BatchOutcome], Awaitable[None]]
+    """The relay's after-publish sequence (a rollback's step)."""
+    batch_over: Callable[[], None]
+    """Close the batch in flight and start the next on the published version."""
 
 
 class TrustHooks:
-    """The run's checks (:attr:`trust`) and what a ban does to the pipeline."""
+    """The run's checks (:attr:`trust`), what a ban does to the pipeline, and the rollbacks
+    (:attr:`rollback`)."""
 
-    def __init__(self, share: float, precision: str, width: int, codec: Codec, deps: HookDeps) -> None:
+    def __init__(self, shape: PipelineShape, deps: HookDeps) -> None:
         self.deps = deps
+        self.per_batch = shape.microbatches_per_batch
+        self.rollback = PipelineRollback(
+            shape.rollback_batches if shape.check_share > 0 else 0,
+            RollbackDeps(
+                step=lambda: deps.owners.step,
+                holds=deps.owners.holds,
+                restore=deps.owners.rollback,
+                publish=deps.publish,
+                batch_over=deps.batch_over,
+                restart_from=self.restart_from,
+                resume=self.resume,
+            ),
+        )
         self.trust = PipelineTrust(
             TrustDeps(
-                share=share,
-                tolerance=tolerance(precision, codec.name),
-                width=width,
-                codec=codec,
+                share=shape.check_share,
+                tolerance=tolerance(shape.precision, shape.codec.name),
+                width=shape.shapes.width,
+                codec=shape.codec,
+                probation=shape.probation,
+                unchecked=self.rollback.unchecked,
                 submit_check=lambda step, exclude: deps.pool.submit(step, exclude),  # type: ignore[arg-type]  # our own Steps
                 cancel=lambda task_id: deps.pool.drop(task_id, "check_dropped"),
                 can_serve=self.can_serve,
@@ -69,6 +98,41 @@ class TrustHooks:
                 settled=deps.advance,
                 referee=deps.referee,
             )
+        )
+
+    def resume(self) -> None:
+        """A rollback failed: the batch in flight restarts, as after a ban with nothing to undo."""
+        self.deps.remint(self.deps.newest().batch)
+
+    def restart_from(self, batch: int) -> None:
+        """The next batch minted takes batch ``batch``'s micro-batch ids (a rollback to it)."""
+        self.deps.flight.next_microbatch = batch * self.per_batch
+
+    def batch_over(self, closed: Ledger) -> None:
+        """``closed`` closed: committed by its round (its first-stage data kept for a rollback),
+        or dropped by a rollback."""
+        self.trust.batch_over()
+        if not self.rollback.dropping:
+            self.rollback.committed(closed.batch, self.data_of(closed))
+
+    def data_of(self, ledger: Ledger) -> dict[int, bytes]:
+        """The first-stage data of ``ledger``'s micro-batches that were read (none without a window)."""
+        if self.rollback.keep <= 0:
+            return {}
+        b = self.deps.boundaries
+        return {m: b.get(m, "batch") for m in ledger.microbatches if b.has(m, "batch")}
+
+    def carried(self, microbatch: int) -> bytes | None:
+        """The data a first-stage task of ``microbatch`` carries: a rollback replays it."""
+        return self.rollback.inputs.carried(microbatch)
+
+    def status(self) -> TrustStatus:
+        """The checks' figures with the rollbacks'."""
+        return dataclasses.replace(
+            self.trust.status(),
+            rollback_batches=self.rollback.keep,
+            kept_input_bytes=self.rollback.inputs.bytes,
+            rollbacks=list(self.rollback.history),
         )
 
     def can_serve(self, stage: int, exclude: frozenset[str]) -> bool:
@@ -93,13 +157,23 @@ class TrustHooks:
         d = self.deps
         ledger = d.newest()
         holders = {w for mb in ledger.microbatches.values() for w in mb.owners.values()}
+        in_flight = self.data_of(ledger)  # a rollback replays it; a plain restart reads afresh
         d.pool.cancel_all()
         d.guard.batch_over(ledger.batch)
         self.trust.batch_over()
         for m in ledger.microbatches:
             d.boundaries.drop(m)
         d.flight.next_microbatch = min(ledger.microbatches)
-        d.remint(ledger.batch)
+        decision = self.rollback.banned(worker, ledger.batch, in_flight)
+        if decision.to is not None:
+            reason += (
+                f"; every stage rolled back to version {decision.to}, before its first unchecked result "
+                "counted, and the undone batches are replayed on their kept data"
+            )
+        elif decision.outcome == TOO_LATE:
+            reason += "; its unchecked results counted earlier than pipeline.rollback_batches: too late to roll back"
+        if not self.rollback.rolling:  # a rollback mints the next batch itself
+            d.remint(ledger.batch)
         self.trust.must_reset(sorted(holders - {worker}))
         if worker in d.workers.by_id:
             d.worker_left(worker)

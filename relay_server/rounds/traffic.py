@@ -2,10 +2,11 @@
 ``traffic``, W&B's ``bytes_per_sample/*``): the figure low-bandwidth runs are judged by.
 
 Counted where the bytes pass, with plain int adds on the event loop (no lock, nothing per chunk):
-an accepted upload's body once the reducer committed it (:meth:`Collaboration.receive_gradient`),
-a parameter answer once it was written (``GET /api/params``, the cache's immutable URLs), the
-samples once a round's step is published (:class:`~relay_server.collaboration.round_cycle.RoundCycle`).
-Since the relay started: a restart begins again at zero.
+an accepted upload's body once the reducer committed it
+(:meth:`~relay_server.collaboration.intake.GradientIntake.receive`), a parameter answer once it
+was written (``GET /api/params``, the cache's immutable URLs), the samples once a round's step is
+published (:class:`~relay_server.collaboration.round_cycle.RoundCycle`). Since the relay started:
+a restart begins again at zero.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ a worker long-polls for the tasks of the keys it serves, computes, and pushes a 
 relay hands back to the waiting caller. :mod:`.payload_store` keeps payloads (memory first, a byte budget,
 spill to disk); :mod:`.broker` keeps the tasks (:mod:`.task`: idempotent call ids, per-key
 backpressure, deadlines, dependencies between tasks, groups held until released, first result
-wins, and what happens to a worker's tasks when it leaves or stalls); :mod:`.queues` orders the
-queued ones (priority, then age, with affinity) and wakes only the lease calls a task can serve;
-:mod:`.timing` measures each key's task time and derives its lease deadline. None knows HTTP nor
+wins, and what happens to a worker's tasks when it leaves or stalls); :mod:`.task_index` holds
+them from submit until they are let go and finds them (by id, call id, key, group, worker);
+:mod:`.queues` orders the queued ones (priority, then age, with affinity) and wakes only the
+lease calls a task can serve; :mod:`.timing` measures each key's task time and derives its lease deadline. None knows HTTP nor
 what the tensors mean: the routes that use them (``relay_server.moe``, the pipeline) validate
 payloads against their own schema.
 

@@ -13,7 +13,8 @@ Rules, and why:
 
 * **Idempotent on the caller's call id.** A caller whose connection broke posts the same call
   again and waits on the same task: a backward call that updates an expert must never run twice.
-  Finished tasks stay findable for ``retain_s`` after they end for the same reason.
+  Finished tasks stay findable for ``retain_s`` after they end for the same reason
+  (:mod:`.task_index`: how long a task is held and how it is found).
 * **Backpressure per key.** A key whose queued rows would pass ``max_queued_rows`` refuses the
   call at once (429): Learning@home treats a busy expert as a failed one, and an unbounded queue
   only turns overload into timeouts.
@@ -42,7 +43,8 @@ Rules, and why:
   :meth:`release_group` (a round closed). The pipeline's coordinator keeps boundary tensors in its
   own store and submits the next task itself, so its tasks may carry an empty payload.
 * **No scans.** Lease calls wait per key (a new task wakes only the calls that can lease it);
-  task deadlines and lease deadlines are heaps; worker, group and key each index their tasks.
+  task deadlines and lease deadlines are heaps; worker, group and key each index their tasks
+  (:mod:`.task_index`).
   A tick costs O(log n) per task that expired, a lease O(log n) per key asked and task taken
   (n: the tasks the relay holds), however many tasks sit in other keys or other rounds.
 
@@ -55,7 +57,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -63,6 +64,7 @@ from relay_server.core.errors import ApiError
 from relay_server.tasks.payload_store import PayloadStore
 from relay_server.tasks.queues import LazyHeap, ReadyQueues, Waiters
 from relay_server.tasks.task import DONE, FAILED, LEASED, QUEUED, WAITING, BrokerStats, Task, timeout_error
+from relay_server.tasks.task_index import TaskIndex
 from relay_server.tasks.timing import LeaseBook, LeaseTimer
 
 log = logging.getLogger(__name__)
@@ -84,24 +86,23 @@ class TaskBroker:
     ) -> None:
         self.store = store
         self.max_queued_rows = max_queued_rows
-        self.retain_s = retain_s
         self.clock = clock
         self.timer = LeaseTimer(
             floor_s=lease_floor_s, factor=lease_factor, initial_s=initial_lease_s, window=lease_window
         )
         self._leases = LeaseBook(self.timer)
-        self.tasks: dict[str, Task] = {}
-        self._by_call: dict[tuple[str, str], Task] = {}
+        self.index = TaskIndex(retain_s)
         self._queues = ReadyQueues(affinity_prefix)
-        self._open_by_key: dict[str, dict[str, Task]] = {}  # tasks not ended
-        self._by_group: dict[str, dict[str, Task]] = {}
-        self._by_worker: dict[str, dict[str, Task]] = {}  # leased tasks
         self._deadlines = LazyHeap(lambda entry: not entry[-1].ended)  # (deadline, seq, task)
         self._dependents: dict[str, list[Task]] = {}
-        self._ended: OrderedDict[str, Task] = OrderedDict()  # by end time, for retention
         self._ids = itertools.count(1)
         self._waiters = Waiters()
         self.stats = BrokerStats()
+
+    @property
+    def tasks(self) -> dict[str, Task]:
+        """The tasks the relay holds, by id (:attr:`TaskIndex.by_id`: read it, never write it)."""
+        return self.index.by_id
 
     # --- callers ------------------------------------------------------------------------------
     def submit(
@@ -123,7 +124,7 @@ class TaskBroker:
     ) -> Task:
         """Post a task (or find the one this call id already posted); ``exclude``: workers never
         to lease it (:mod:`.queues`)."""
-        existing = self._by_call.get((caller, call_id))
+        existing = self.index.of_call(caller, call_id)
         if existing is not None:
             if existing.key != key or existing.kind != kind or existing.payload.size != len(payload):
                 raise ApiError(
@@ -142,7 +143,7 @@ class TaskBroker:
                 "Treat it as a failed call; do not retry at once.",
             )
         for dep in after:
-            if dep not in self.tasks:
+            if dep not in self.index.by_id:
                 raise ApiError(404, "unknown_task", f"task {dep!r} (a dependency) is unknown or was released")
         seq = next(self._ids)
         task = Task(
@@ -162,14 +163,10 @@ class TaskBroker:
             prefer=prefer,
             excluded=frozenset(exclude),
         )
-        self.tasks[task.task_id] = task
-        self._by_call[(caller, call_id)] = task
-        self._open_by_key.setdefault(key, {})[task.task_id] = task
-        if group:
-            self._by_group.setdefault(group, {})[task.task_id] = task
+        self.index.add(task)
         self._deadlines.push((task.deadline, task.seq, task))
         self.stats.submitted += 1
-        pending = [self.tasks[d] for d in task.after if self.tasks[d].state != DONE]
+        pending = [self.index.by_id[d] for d in task.after if self.index.by_id[d].state != DONE]
         if any(d.state == FAILED for d in pending):
             self._fail(task, ApiError(424, "dependency_failed", "a task this one comes after failed"))
         elif pending:
@@ -201,7 +198,7 @@ class TaskBroker:
 
     def release_group(self, group: str) -> int:
         """End a group (a pipeline round): its tasks and their bytes go."""
-        members = list(self._by_group.pop(group, {}).values())
+        members = self.index.take_group(group)
         for task in members:
             if not task.ended:
                 self._fail(task, ApiError(410, "group_released", f"group {group!r} was released"))
@@ -211,7 +208,7 @@ class TaskBroker:
     def requeue(self, task_id: str) -> Task:
         """Put a leased task back in its place in the queue (its lessee becomes a previous lessee,
         whose result is still accepted while the task is not done); a queued task stays as it is."""
-        task = self._known(task_id)
+        task = self.index.known(task_id)
         if task.state == LEASED:
             self._requeue(task)
         elif task.state != QUEUED:
@@ -227,7 +224,7 @@ class TaskBroker:
         """End a task that is no longer wanted (its micro-batch was finished by someone else):
         it fails with ``error`` wherever it is, and any result for it is refused ``task_done``.
         Cancelling an ended task changes nothing."""
-        task = self._known(task_id)
+        task = self.index.known(task_id)
         if not task.ended:
             task.cancelled = True
             self._fail(task, error)
@@ -259,7 +256,7 @@ class TaskBroker:
     def leased(self, worker: str, task_id: str) -> Task:
         """The task whose result ``worker`` may send now, or the error that refuses it: 410
         ``task_expired`` (unknown, released, or past its deadline), else :meth:`Task.check_answer_from`."""
-        task = self.tasks.get(task_id)
+        task = self.index.by_id.get(task_id)
         if task is None or task.state == FAILED and task.error is not None and task.error.code == "task_timeout":
             raise ApiError(
                 410,
@@ -288,7 +285,7 @@ class TaskBroker:
         self.stats.completed += 1
         self._closed(task)
         for dependent in self._dependents.pop(task.task_id, []):
-            if dependent.state == WAITING and all(self.tasks[d].state == DONE for d in dependent.after):
+            if dependent.state == WAITING and all(self.index.by_id[d].state == DONE for d in dependent.after):
                 self._enqueue(dependent)
         return task
 
@@ -308,7 +305,7 @@ class TaskBroker:
 
     def worker_left(self, worker: str) -> None:
         """The registry dropped ``worker``: requeue or fail the tasks it held; its affinity goes."""
-        for task in list(self._by_worker.get(worker, {}).values()):
+        for task in self.index.leased_to(worker):
             if task.requeue_on_loss and task.deadline > self.clock():
                 self._requeue(task)
             else:
@@ -318,12 +315,11 @@ class TaskBroker:
                         410, "worker_gone", f"the worker computing {task.key} left", "Treat it as a failed call."
                     ),
                 )
-        self._by_worker.pop(worker, None)
         self._queues.forget_worker(worker)
 
     def fail_key(self, key: str, error: ApiError) -> int:
         """Fail every task of ``key`` not yet done (e.g. its expert left the directory)."""
-        doomed = list(self._open_by_key.get(key, {}).values())
+        doomed = self.index.open_of_key(key)
         for task in doomed:
             self._fail(task, error)
         return len(doomed)
@@ -346,13 +342,8 @@ class TaskBroker:
                 now - task.leased_at,
             )
             self._requeue(task)
-        while self._ended:
-            task = next(iter(self._ended.values()))
-            if task.ended_at is None or now - task.ended_at < self.retain_s:
-                break
-            self._ended.popitem(last=False)
-            if not task.group:
-                self._remove(task)
+        for task in self.index.retire(now):
+            self._drop_bytes(task)
 
     def lease_deadline(self, key: str) -> float:
         """Seconds a lease of ``key`` lasts now (:mod:`.timing`)."""
@@ -367,7 +358,7 @@ class TaskBroker:
 
     def summary(self) -> dict[str, int]:
         return {
-            "tasks": len(self.tasks),
+            "tasks": len(self.index),
             "queued": self._queues.total_rows(),
             "memory_bytes": self.store.memory_bytes,
             "spilled_bytes": self.store.spilled_bytes,
@@ -375,12 +366,6 @@ class TaskBroker:
         }
 
     # --- internals ----------------------------------------------------------------------------
-    def _known(self, task_id: str) -> Task:
-        task = self.tasks.get(task_id)
-        if task is None:
-            raise ApiError(404, "unknown_task", f"task {task_id!r} is unknown or was released")
-        return task
-
     def _enqueue(self, task: Task) -> None:
         task.state = QUEUED
         self._queues.push(task)
@@ -399,7 +384,7 @@ class TaskBroker:
             self._queues.discard(task)
             task.state, task.worker, task.leased_at = LEASED, worker, now
             task.attempts += 1
-            self._by_worker.setdefault(worker, {})[task.task_id] = task
+            self.index.leased(task, worker)
             if task.requeue_on_loss:
                 self._leases.start(task, now)
             taken.append(task)
@@ -422,10 +407,8 @@ class TaskBroker:
         if task.state == QUEUED:
             self._queues.discard(task)
         elif task.state == LEASED:
-            if task.worker is not None and (held := self._by_worker.get(task.worker)) is not None:
-                held.pop(task.task_id, None)
-                if not held:
-                    del self._by_worker[task.worker]
+            if task.worker is not None:  # always, for a leased task
+                self.index.lease_ended(task, task.worker)
             self._leases.end(task)
 
     def _fail(self, task: Task, error: ApiError) -> None:
@@ -443,24 +426,14 @@ class TaskBroker:
 
     def _closed(self, task: Task) -> None:
         """Bookkeeping of a task that just ended."""
-        self._ended[task.task_id] = task
-        open_tasks = self._open_by_key.get(task.key)
-        if open_tasks is not None:
-            open_tasks.pop(task.task_id, None)
-            if not open_tasks:
-                del self._open_by_key[task.key]
+        self.index.ended(task)
         task.finished.set()
 
     def _remove(self, task: Task) -> None:
-        self.tasks.pop(task.task_id, None)
-        self._ended.pop(task.task_id, None)
-        if self._by_call.get((task.caller, task.call_id)) is task:
-            del self._by_call[(task.caller, task.call_id)]
-        members = self._by_group.get(task.group)
-        if members is not None:
-            members.pop(task.task_id, None)
-            if not members:
-                del self._by_group[task.group]
+        self.index.remove(task)
+        self._drop_bytes(task)
+
+    def _drop_bytes(self, task: Task) -> None:
         self.store.drop(task.payload)
         self.store.drop(task.result)
 

@@ -2,7 +2,7 @@
 
 **Which tasks** (:mod:`.shares`): a share per worker, chosen by an HMAC of the task's id under a
 secret drawn when the relay starts, so a worker cannot predict which of its results are checked:
-a new worker's first results at a raised share (probation), a worker the monitors find odd
+a new worker's first result in each of its first batches (probation), a worker the monitors find odd
 (:mod:`.monitor`) every result, everyone else the run's base share (``[pipeline] check_share``).
 Only results that hold a boundary are checked (a forward's activations,
 a backward's gradient of its stage's input); a redo and stage 0's backward send none (their
@@ -21,7 +21,11 @@ every result beyond the tolerance from the referee's is a lie.
 **Consequences.** A liar is banned (:meth:`PipelineTrust.ban`: the coordinator restarts the open
 batch, so every result it delivered there is recomputed by others, and the relay's moderation
 records the ban). A round opens only once every check of its batch settled, so no lie found in a
-batch is ever counted. A check nobody can serve (no other worker of the stage, the referee on
+batch is ever counted. Every accepted result no check covers (not chosen, no one could serve its
+check, or one that holds no boundary: its parameter gradient is out of reach) is reported
+(``unchecked``): a ban
+that comes after such results were counted rolls every stage back to the version before them
+(:mod:`relay_server.pipeline.rollback`). A check nobody can serve (no other worker of the stage, the referee on
 another version) is dropped as *unserved*, never left blocking the round.
 """
 
@@ -72,7 +76,10 @@ class TrustDeps:
     """The coordinator: no check is pending any more (the round may open)."""
     referee: Referee | None = None
     probation: int = PROBATION
-    """Checks a new worker's results are chosen for at a raised share (:mod:`.shares`)."""
+    """Batches whose first result of a new worker is always checked (:mod:`.shares`)."""
+    unchecked: Callable[[int, str], None] = lambda batch, worker: None
+    """An accepted result of ``worker`` in ``batch`` that no check covers (a late ban may undo it:
+    :mod:`relay_server.pipeline.rollback`)."""
 
 
 @dataclass
@@ -140,9 +147,9 @@ class PipelineTrust:
         self.reset.update(workers)
 
     # --- results --------------------------------------------------------------------------------
-    def chosen(self, task_id: str, worker: str) -> bool:
+    def chosen(self, task_id: str, worker: str, batch: int) -> bool:
         """Whether ``worker``'s result of ``task_id`` would be checked now (:mod:`.shares`)."""
-        return self.shares.chosen(task_id, worker)
+        return self.shares.chosen(task_id, worker, batch)
 
     def accepted(
         self,
@@ -156,7 +163,8 @@ class PipelineTrust:
         for name, (norm, size) in norms.items():
             self.monitor.observe(f"{name}{step.stage}", worker, norm, size)
         output = output_name(step)
-        if output is None or output not in entries or not self.shares.choose(task_id, worker):
+        if output is None or output not in entries or not self.shares.choose(task_id, worker, step.batch):
+            self.deps.unchecked(step.batch, worker)  # not chosen, or out of any check's reach
             return
         self.counters.checks += 1
         check = Check(
@@ -175,7 +183,7 @@ class PipelineTrust:
         elif self.deps.referee is not None:
             self._referee(f"ref:{task_id}", check)
         else:
-            self.counters.unserved += 1
+            self._unserved(check)
 
     def is_check(self, task_id: str) -> bool:
         return task_id in self.pending
@@ -204,15 +212,20 @@ class PipelineTrust:
         )
         check.answers[worker] = answer if answer is not None else np.zeros((0, self.deps.width), np.float32)
         if self.deps.referee is None:
-            self.counters.unserved += 1
+            self._unserved(check)
             self._settle()
             return
         self._referee(f"ref:{task_id}", check)
 
     # --- the referee ----------------------------------------------------------------------------
+    def _unserved(self, check: Check) -> None:
+        """Nobody could compute ``check``: its result stays unchecked."""
+        self.counters.unserved += 1
+        self.deps.unchecked(check.step.batch, check.worker)
+
     def _referee(self, key: str, check: Check) -> None:
         if self.deps.referee is None:
-            self.counters.unserved += 1
+            self._unserved(check)
             return
         check.inputs = {**self.deps.inputs(check.step), **check.inputs}
         self.pending[key] = check
@@ -236,7 +249,7 @@ class PipelineTrust:
         del self.pending[key]
         self.counters.refereed += 1
         if truth is None:
-            self.counters.unserved += 1
+            self._unserved(check)
             self._settle()
             return
         liars = [
@@ -283,7 +296,7 @@ class PipelineTrust:
                 if self.deps.referee is not None:
                     self._referee(f"ref:{task_id}", check)
                 else:
-                    self.counters.unserved += 1
+                    self._unserved(check)
         self._settle()
 
     def _settle(self) -> None:

@@ -12,9 +12,11 @@ same parameters to ask. The relay's own copy does (:mod:`.expert_copy`): a host 
 with the version of the expert it computed it on (the optimizer steps it holds, the ``updates``
 its checkpoints carry), and the relay holds that version's parameters when it is the fresh
 expert (version 0, built from the run's seed; a frozen run's experts are always that) or a
-checkpoint it keeps. A checked call at such a version is computed again on the relay at once and
-its answer withheld when it differs: the caller gets 502 ``bad_result`` (a failed expert, masked
-by the mixture), never the lie. A checked call at a version the relay has no parameters of yet
+checkpoint it keeps. A checked call at such a version is computed again on the relay at once, and
+when the host's answer differs the caller gets the relay's answer instead: the expert's true
+result at that version, so the caller's step loses nothing (not a failed expert masked by the
+mixture, and never the lie). Once a host is banned, its answers still on their way are refused
+(502 ``bad_result``: a failed expert to the caller). A checked call at a version the relay has no parameters of yet
 waits for the host's next checkpoint of that version (*deferred*: the caller has its answer
 already) and is dropped as *unverifiable* when a later version's checkpoint comes first.
 
@@ -91,6 +93,8 @@ class ExpertTrustCounters:
     """Checks that waited for a checkpoint of their version (each then agreed, disagreed or
     became unverifiable)."""
     unverifiable: int = 0
+    answered: int = 0
+    """Lies found at once whose callers got the relay's own answer instead."""
     stale: int = 0
     """Results naming a version older than their host had checkpointed before taking the call."""
     max_agreeing_distance: float = 0.0
@@ -147,10 +151,13 @@ class ExpertTrust:
         g: np.ndarray | None,
         answer: bytes,
         leased_at: float | None = None,
-    ) -> None:
+    ) -> bytes | None:
         """Score ``host``'s ``answer`` to a ``kind`` call of ``uid`` (leased to it at ``leased_at``,
-        the broker's clock); check it if chosen. Raises 502 ``bad_result`` when the answer must not
-        reach its caller (a lie, or a banned host's)."""
+        the broker's clock); check it if chosen. Returns the relay's own answer when the check
+        found a lie (what the caller gets instead: the expert's true result at the version the
+        host named, so the caller's step loses nothing), else None (the host's answer stands).
+        Raises 502 ``bad_result`` when no answer may reach its caller: a banned host's, or a
+        stale one's (the relay has no true answer to give then)."""
         self._refuse_if_banned(host, uid)
         version, out = self._read(answer, "y" if kind == "forward" else "g", x.shape[0])
         self._refuse_if_stale(uid, kind, host, version, leased_at)
@@ -162,7 +169,7 @@ class ExpertTrust:
                     f"{uid.split('.', 1)[0]}.{kind}", host, float(np.linalg.norm(out - before)) / scale, 1
                 )
         if not self.chosen(task_id, host):
-            return
+            return None
         self.counters.checks += 1
         self.checked_by[host] = self.checked_by.get(host, 0) + 1
         check = ExpertCheck(task_id, uid, kind, host, version, x, g, out)
@@ -175,10 +182,15 @@ class ExpertTrust:
             found, params = await asyncio.to_thread(self._params_at, uid, version)
         if not found:
             self._defer(check)
-            return
+            return None
         truth = await asyncio.to_thread(self.copy.compute, uid, kind, params, x, g)
-        self._judge(check, truth)
-        self._refuse_if_banned(host, uid)
+        if self._judge(check, truth):
+            return None
+        self.counters.answered += 1
+        name = "y" if kind == "forward" else "g"
+        return payloads.encode(
+            payloads.encode_rows(name, truth.astype(np.float32), self.experts.codec), {VERSION_KEY: str(version)}
+        )
 
     def _refuse_if_banned(self, host: str, uid: str) -> None:
         if host in self.banned:
@@ -259,18 +271,20 @@ class ExpertTrust:
             self._judge(check, truth)
 
     # --- verdicts -------------------------------------------------------------------------------
-    def _judge(self, check: ExpertCheck, truth: np.ndarray) -> None:
+    def _judge(self, check: ExpertCheck, truth: np.ndarray) -> bool:
+        """Whether the host's answer agrees with ``truth``; a host whose does not is banned."""
         d = distance(truth, check.answer)
         if d <= self.tolerance:
             self.counters.agreed += 1
             self.counters.max_agreeing_distance = max(self.counters.max_agreeing_distance, d)
-            return
+            return True
         self.counters.disagreed += 1
         self.ban(
             check.host,
             f"its {check.kind} result for expert {check.uid} (version {check.version}) is {d:.3g} (relative L2) "
             f"from the relay's own computation, tolerance {self.tolerance:.3g}",
         )
+        return False
 
     def ban(self, host: str, reason: str) -> None:
         if host in self.banned:
@@ -296,6 +310,7 @@ class ExpertTrust:
             "disagreed": c.disagreed,
             "deferred": c.deferred,
             "unverifiable": c.unverifiable,
+            "answered_by_relay": c.answered,
             "stale": c.stale,
             "pending": sum(len(v) for v in self.pending.values()),
             "max_agreeing_distance": c.max_agreeing_distance,

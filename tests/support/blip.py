@@ -69,6 +69,11 @@ class BlipProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
+        if self.dropped:  # drop() ran while this connection was opening upstream: it missed it
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.transport.abort()
+            return
         try:
             await self.forward(reader, up_writer, up_reader, writer)
         finally:

@@ -44,6 +44,20 @@ def pipeline_overrides(
     }
 
 
+def checked_pipeline(*, microbatches: int, **pipeline: Any) -> dict[str, dict[str, Any]]:
+    """The trust tests' relay (dishonest workers, spot checks, rollbacks): two stages of the byte
+    model, leases short enough that a banned worker's tasks come back in a second, reports every
+    0.3 s, and workers the relay never forgets (a ban, not a timeout, must be what removes one)."""
+    from tests.support.pipeline_models import BYTE_SPEC
+
+    return {
+        **pipeline_overrides(
+            BYTE_SPEC, stages=2, microbatches=microbatches, initial_lease_s=5.0, lease_floor_s=1.0, **pipeline
+        ),
+        "rounds": {"heartbeat_interval_s": 0.3, "peer_ttl_s": 600.0},
+    }
+
+
 def accepted_batches(workers, *, latest: bool = False) -> dict[int, Any]:
     """micro-batch id -> the data its first stage read (each id from exactly one worker; with
     ``latest``, the last read of an id: a relay restart re-runs the batch it was in)."""

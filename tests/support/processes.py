@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relay_server.harness.process import RelayProcess, toml_text
+from relay_server.harness.process import RelayProcess, toml_text, wait_exit
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -87,7 +87,6 @@ class PeerProcess:
         self.proc.send_signal(signal.SIGUSR1)
 
     def wait(self, timeout_s: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"peer {self.name} still running; log:\n{self.log_path.read_text()[-2000:]}") from None
+        """Its exit code; if it is still running after ``timeout_s``, it is ended with its threads'
+        stacks written to its log (:func:`dump_stacks_and_kill`), and the error shows them."""
+        return wait_exit(self.proc, timeout_s, f"peer {self.name}", self.log_path)

@@ -35,6 +35,9 @@ from toolkit.wire.compression import run_codecs
 from toolkit.wire.protocol import PROTOCOL_VERSION, CollabState, Heartbeat, JoinRequest, RunInfo
 
 log = logging.getLogger("toolkit.optimizer")
+HOLD_MAX_S = 30.0
+"""The longest :meth:`CollaborativeOptimizer.hold` waits for a round to take this peer's samples."""
+HOLD_POLL_S = 0.05
 
 
 class CollaborativeOptimizer(CollabOptimizerBase):
@@ -274,6 +277,24 @@ class CollaborativeOptimizer(CollabOptimizerBase):
         state = self.collab_state
         others = 0 if self.version > state.step else max(0, state.samples_accumulated - self._reported_samples)
         return state.target_batch - others - self.samples
+
+    def hold(self) -> None:
+        """Wait, reporting and contributing, while this peer's next micro-batch would only overshoot
+        the target: the collaboration already holds it (:meth:`room` is spent) and this peer's
+        samples wait for their round. That happens while the previous round is still closing: the
+        relay cannot open the next one yet, and a peer that went on computing would bring every
+        micro-batch of that time into the next step (a step of 20 samples for a target of 8 on a
+        loaded machine) where the run promises the target plus one micro-batch per peer. Bounded
+        by :data:`HOLD_MAX_S`: a relay that never opens the round does not stall the loop.
+        :meth:`batches` and :func:`toolkit.join` call it before each micro-batch; an own loop over
+        other data may too. Not in local SGD: its inner steps go on during the outer round by design."""
+        if self.local_sgd is not None:
+            return
+        give_up = time.monotonic() + HOLD_MAX_S
+        poll = min(max(self.report_interval_s, HOLD_POLL_S), 0.5)
+        while not self.finished and self.samples and self.room() <= 0 and time.monotonic() < give_up:
+            time.sleep(poll)
+            self.sync()
 
     def batches(
         self, data: Iterable[Any] | None = None, *, batch_size: int | None = None, seed: int | str | None = None

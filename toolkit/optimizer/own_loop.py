@@ -63,6 +63,9 @@ def until_finished(
                 return
             if opt.finished:  # the step of the previous batch ended the run
                 return
+            opt.hold()  # not a micro-batch that could only overshoot the round about to open
+            if opt.finished:
+                return
             yield batch
     finally:
         close = getattr(source, "close", None)

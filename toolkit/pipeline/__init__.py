@@ -17,7 +17,9 @@ pipeline with a parameter server per stage and a task pool).
 * :mod:`toolkit.pipeline.compute`: what a task computes on a stage -- its forward with the
   micro-batch's dropout masks under the run's precision, and a backward replaying that forward;
 * :mod:`toolkit.pipeline.boundary_codec`: the one-process model a run with a lossy boundary codec
-  equals (the codec's round trip at every cut, forward and backward).
+  equals (the codec's round trip at every cut, forward and backward);
+* :mod:`toolkit.pipeline.batch_data`: a micro-batch's data on the wire (what a first-stage result
+  sends, and the data a replayed first-stage task carries, validated).
 
 All but the worker are in the shared layer (:mod:`toolkit`): the relay cuts the same stages. The
 stage worker (:mod:`toolkit.pipeline.worker`), which talks to the relay, is a peer-side unit.

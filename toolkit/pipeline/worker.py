@@ -4,7 +4,9 @@ It asks the relay for a stage (by its memory and speed), builds only that stage
 (:func:`toolkit.pipeline.stages.build_stage`), downloads only that stage's slice of the published
 version, then pulls tasks until stopped:
 
-* ``first`` -- a micro-batch of its own data through stage 0; sends the output and the data;
+* ``first`` -- a micro-batch of its own data through stage 0; sends the output and the data (a
+  ``replay`` task carries the data instead: a rollback undid its batch, and the relay replays the
+  micro-batch on the data first read for it);
 * ``forward`` -- the stage on the input the relay sends; sends the output;
 * ``last`` -- forward, loss and backward at once; sends the gradient of the stage's input;
 * ``backward`` -- recomputes the stage from the stored input (or its own cached copy: the relay
@@ -54,6 +56,7 @@ import torch
 
 from toolkit.errors import CollabError, RelayRejected, volunteer_line
 from toolkit.pipeline import compute
+from toolkit.pipeline.batch_data import batch_tensors, carried_batch, from_tensors, to_device
 from toolkit.pipeline.held import BatchSums, StageVersions
 from toolkit.pipeline.stages import Stage, build_stage, cut_stages, units_of
 from toolkit.pipeline.worker_memory import CACHE_INPUTS
@@ -304,10 +307,10 @@ class StageWorker:
         out: dict[str, np.ndarray] = {}
         loss_sum, grads = 0.0, None
         if task.kind == "first":
-            batch = next(self.batches)
-            y = compute.forward(stage, stage.inputs(_to(batch, self.device)), task.microbatch, self.precision)
+            batch = carried_batch(inputs, a.microbatch_size, self.device) if task.replay else next(self.batches)
+            y = compute.forward(stage, stage.inputs(to_device(batch, self.device)), task.microbatch, self.precision)
             out.update(self._rows("y", y))
-            out.update(_batch_tensors(batch))
+            out.update(batch_tensors(batch))
             self._remember(task.microbatch, batch)
         elif task.kind == "forward":
             x = self._boundary(inputs, "x")
@@ -315,12 +318,12 @@ class StageWorker:
             out.update(self._rows("y", y))
             self._remember(task.microbatch, x)
         else:
-            batch = _from_tensors(inputs, self.device) if any(k.startswith("batch") for k in inputs) else None
+            batch = from_tensors(inputs, self.device) if any(k.startswith("batch") for k in inputs) else None
             if task.input_cached:
                 x_in = self.cache[task.microbatch]
             else:
                 x_in = batch if stage.first else self._boundary(inputs, "x")
-            x = stage.inputs(_to(x_in, self.device)) if stage.first else x_in
+            x = stage.inputs(to_device(x_in, self.device)) if stage.first else x_in
             result = compute.backward(
                 stage,
                 x,
@@ -443,24 +446,3 @@ class StageWorker:
 
 class _Stale(Exception):
     """A newer version than the task's was published: the task's batch is over."""
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Mapping):
-        return {k: v.to(device) for k, v in batch.items()}
-    return batch.to(device)
-
-
-def _batch_tensors(batch: Any) -> dict[str, np.ndarray]:
-    """A data batch as the first stage sends it: ``batch`` or ``batch.<key>`` int64 arrays."""
-    if isinstance(batch, Mapping):
-        return {f"batch.{k}": v.detach().to("cpu", torch.int64).numpy() for k, v in batch.items()}
-    return {"batch": batch.detach().to("cpu", torch.int64).numpy()}
-
-
-def _from_tensors(inputs: Mapping[str, np.ndarray], device: torch.device) -> Any:
-    if "batch" in inputs:
-        return torch.from_numpy(inputs["batch"].copy()).to(device)
-    return {
-        k[len("batch.") :]: torch.from_numpy(v.copy()).to(device) for k, v in inputs.items() if k.startswith("batch.")
-    }

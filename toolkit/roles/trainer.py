@@ -140,6 +140,9 @@ def train(client: RelayClient, run: RunInfo, options: TrainerOptions, started: f
                 flight.run(opt, batches, batch_size_of, lambda r: after_micro_batch(r.loss), should_stop)
             else:
                 for batch in batches:
+                    opt.hold()  # not a micro-batch that could only overshoot the round about to open
+                    if opt.finished:
+                        break
                     opt.zero_grad()
                     loss_now, finite = _micro_batch(model, policy, batch, info, device)
                     environment.optimizer_step(

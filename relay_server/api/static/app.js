@@ -471,10 +471,22 @@ function renderTrust(t, many) {
   out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results${probation}): ` +
     `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
     (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned") +
-    ((t.on_probation || []).length ? `; ${many(t.on_probation.length, "worker")} on probation` : "");
+    ((t.on_probation || []).length ? `; ${many(t.on_probation.length, "worker")} on probation` : "") +
+    rollbackSentence(t.rollbacks || [], many);
   out.title = bans.map((b) => `${b.worker.slice(0, 8)} (batch ${b.batch}): ${b.reason}`).join("\n") ||
     `tolerance ${t.tolerance}, largest distance between agreeing results ${t.max_agreeing_distance}`;
   out.className = bans.length ? "warn" : "";
+}
+
+/** What late bans undid: rollbacks to an earlier version, and bans too late to undo ([pipeline] rollback_batches). */
+function rollbackSentence(rollbacks, many) {
+  const done = rollbacks.filter((r) => r.outcome === "rolled back");
+  const late = rollbacks.filter((r) => r.outcome === "too late");
+  const last = done[done.length - 1];
+  return (done.length ? `; ${many(done.length, "rollback")} (last to version ${fmt.int(last.to_version)}, ` +
+    `${fmt.int(last.batches_undone)} batch${last.batches_undone === 1 ? "" : "es"} undone, ` +
+    `${fmt.int(last.batches_replayed || 0)} replayed)` : "") +
+    (late.length ? `; ${many(late.length, "ban")} too late to roll back` : "");
 }
 
 /** Work each batch paid for twice: the batch in flight, the last committed ones, and the run's totals. */

@@ -67,6 +67,10 @@ class PipelineTask(Schema):
     """The relay re-dispatches the task if no result arrives within this."""
     input_cached: bool = False
     """The relay left out ``x``: this worker ran the forward and said it still holds the input."""
+    replay: bool = False
+    """A first-stage task of a batch a rollback undid: the micro-batch's data comes with it
+    (``batch`` or ``batch.<key>``, as the first result that read it sent it); compute on it, not on
+    your own data, and send it back as any first-stage result does."""
     redo: bool = False
     """Only the stage's parameter gradient is missing (its worker left before uploading it): the
     boundary gradient this backward produces was delivered already and is not sent again."""
@@ -190,6 +194,29 @@ class TrustBan(Schema):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrustRollback(Schema):
+    """What a ban undid: its committed batches rolled back, or why not (``outcome``)."""
+
+    worker: str
+    outcome: str
+    """"rolled back", "too late" (its first unchecked result is older than ``rollback_batches``),
+    "nothing counted unchecked", "a rollback was in progress", or "failed" (the relay's log says why)."""
+    at_version: int
+    """The published version when the ban came."""
+    to_version: int | None = None
+    """The version every stage returned to (the first batch holding an unchecked result of it)."""
+    published_as: int | None = None
+    """The version that holds that state (versions only move forward)."""
+    batches_undone: int = 0
+    batches_replayed: int = 0
+    """Undone committed batches computed again on the first-stage data kept for them: their
+    micro-batch ids' first-stage tasks carry it (``[pipeline] rollback_batches`` keeps it)."""
+    microbatches_replayed: int = 0
+    """Micro-batches whose first-stage task carries its kept data: those batches', and those of the
+    batch in flight whose data had been read (the rest of it reads fresh data)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrustStatus(Schema):
     """What the relay's spot checks and monitors of stage workers' results found so far."""
 
@@ -216,6 +243,12 @@ class TrustStatus(Schema):
     """The largest distance measured between results that agreed: the tolerance's margin."""
     batches_restarted: int = 0
     bans: list[TrustBan] = field(default_factory=list)
+    rollback_batches: int = 0
+    """Committed batches a late ban can undo (``[pipeline] rollback_batches``)."""
+    kept_input_bytes: int = 0
+    """The first-stage data the relay keeps for a rollback's replay (the window's batches and a replay not yet counted)."""
+    rollbacks: list[TrustRollback] = field(default_factory=list)
+    """What each ban undid, oldest first (:mod:`relay_server.pipeline.rollback`)."""
     monitored: int = 0
     """Boundaries the statistical monitors scored (every accepted one)."""
     outliers: int = 0
