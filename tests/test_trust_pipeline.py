@@ -145,6 +145,46 @@ def test_at_a_low_base_share_a_new_liar_is_caught_by_its_probation(
     assert trust["check_share"] == 0.02 and trust["probation"] == 2 and trust["probation_checks"] >= 1, trust
 
 
+@pytest.mark.parametrize("liar_stage", [0, 1])
+def test_a_worker_lying_only_in_its_uploaded_stage_gradient_is_banned_at_its_first_round(
+    serve_relay, launch_stage_worker, liar_stage
+):
+    """``upload``: every result honest (every check agrees), every stage gradient it uploads at a
+    round sign-flipped. A new worker's first uploads are audited (probation): the relay's own copy
+    of the stage computes the sum the upload must be from the boundaries it still holds, the
+    upload is refused before it commits, the liar banned, its micro-batches' gradients recomputed
+    by the other worker of its stage; then the batches counted with its unchecked results (stage
+    0's backwards, its own first round) roll back and replay. The run equals one process to 1e-5,
+    with the low base share of a real run (probation alone catches it)."""
+    status, liar, _ = checked_run(serve_relay, launch_stage_worker, "upload", liar_stage, share=0.02)
+    assert liar.wait(timeout_s=120) == 3, liar.log_path.read_text()[-2000:]  # ends, told it is banned
+    events = liar.events()
+    liar_id = next(e["peer_id"] for e in events if e["event"] == "joined")
+    assert [e for e in events if e["event"] == "corrupted"], liar.log_path.read_text()[-2000:]
+    trust = status["trust"]
+    (ban,) = trust["bans"]
+    assert ban["worker"] == liar_id and f"stage {liar_stage} gradient of micro-batches" in ban["reason"], trust
+    assert trust["gradient_lies"] == 1 and trust["disagreed"] == 0, trust  # its results were right
+    assert trust["gradient_audits_agreed"] >= 1, trust  # the honest workers' probation audits
+    assert trust["max_audit_distance"] <= trust["tolerance"], trust
+
+
+def test_a_patient_upload_liar_is_banned_by_the_audit_of_its_first_lie(serve_relay, launch_stage_worker):
+    """``upload-late``: honest in its first two uploads (its probation's audits), then every upload
+    sign-flipped. With every upload audited (``check_share = 1.0``) the first lie is refused and
+    its worker banned; the run stays exact. (At a low share a lie may be counted unaudited: it is
+    reported unchecked, and the ban that ends it rolls back the batches it was counted in.)"""
+    status, liar, _ = checked_run(serve_relay, launch_stage_worker, "upload-late", 1, share=1.0, steps=6)
+    events = liar.events()
+    corrupted = [e for e in events if e["event"] == "corrupted"]
+    assert corrupted, liar.log_path.read_text()[-2000:]  # six rounds: it uploads in more than two
+    assert liar.wait(timeout_s=120) == 3, liar.log_path.read_text()[-2000:]
+    trust = status["trust"]
+    (ban,) = trust["bans"]
+    assert ban["worker"] == next(e["peer_id"] for e in events if e["event"] == "joined"), trust
+    assert trust["gradient_lies"] == 1 and len(corrupted) == 1, (trust, corrupted)  # its first lie was its last
+
+
 def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_worker):
     status, _, _ = checked_run(serve_relay, launch_stage_worker)
     trust = status["trust"]
@@ -155,6 +195,9 @@ def test_honest_workers_agree_on_every_checked_result(serve_relay, launch_stage_
     assert trust["checks"] >= STEPS * MICROBATCHES * 2, trust
     assert trust["agreed"] + trust["refereed"] >= STEPS * MICROBATCHES, trust
     assert trust["max_agreeing_distance"] <= trust["tolerance"], trust
+    # every upload audited (share 1.0) and every one agreeing with the relay's own sum
+    assert trust["gradient_lies"] == 0 and trust["gradient_audits_agreed"] >= STEPS * 2, trust
+    assert trust["max_audit_distance"] <= trust["tolerance"], trust
 
 
 def test_on_a_signed_run_a_banned_liar_cannot_come_back_under_its_name(tmp_path, launch_stage_worker, monkeypatch):

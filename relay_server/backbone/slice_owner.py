@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,8 +184,15 @@ class SliceOwner:
         return self.master.step, state
 
     # --- ticketed rounds (event loop) ----------------------------------------------------------
-    async def receive(self, ticket: Ticket, head: bytes, reader: AsyncContainerReader) -> UploadReceipt:
-        """Reduce one ticketed slice upload whose container header ``head`` was already read."""
+    async def receive(
+        self,
+        ticket: Ticket,
+        head: bytes,
+        reader: AsyncContainerReader,
+        verify: Callable[[np.ndarray], Awaitable[None]] | None = None,
+    ) -> UploadReceipt:
+        """Reduce one ticketed slice upload whose container header ``head`` was already read
+        (``verify``: an audit of the whole decoded slice before it commits, :meth:`Reducer.reduce`)."""
         started = time.monotonic()
         r = await self._round_for(ticket)
         peer_id = ticket.peer_id
@@ -225,7 +232,9 @@ class SliceOwner:
 
         progress = UploadProgress(on_commit=commit)
         try:
-            await self.reducer.reduce(reader, header, ticket.samples, lambda: not r.closed, progress, peer_id)
+            await self.reducer.reduce(
+                reader, header, ticket.samples, lambda: not r.closed, progress, peer_id, verify=verify
+            )
         except BaseException as exc:
             if not progress.committed:
                 r.uploading.discard(peer_id)

@@ -5,8 +5,9 @@ everywhere (:mod:`relay_server.core.http`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+import numpy as np
 from aiohttp import web
 
 from relay_server.auth.verify import BODY_STREAM_KEY, VerifiedBodyStream, container_digests, read_container_head
@@ -33,7 +34,12 @@ def _moved(owner: SliceOwner | None) -> ApiError:
 
 
 async def put_slice(
-    request: web.Request, owner: SliceOwner | None, ticket_key: str, *, require_digests: bool
+    request: web.Request,
+    owner: SliceOwner | None,
+    ticket_key: str,
+    *,
+    require_digests: bool,
+    verify: Callable[[np.ndarray], Awaitable[None]] | None = None,
 ) -> UploadReceipt:
     """Reduce one peer's gradient slice into ``owner``'s round. The ticket is checked before
     any body byte is read; ``require_digests`` (signed runs) makes the container list a digest
@@ -59,7 +65,7 @@ async def put_slice(
                 if require_digests
                 else HeadedStream(head, request.content)
             )
-        return await owner.receive(ticket, head, AsyncContainerReader(stream, limit, total_bytes=total))
+        return await owner.receive(ticket, head, AsyncContainerReader(stream, limit, total_bytes=total), verify)
     except (ApiError, ProtocolError):
         await drain(request)
         raise

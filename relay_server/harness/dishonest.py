@@ -15,6 +15,9 @@ Attacks (:data:`ATTACKS`):
 * ``stale``: computes every batch on the parameters of the first version it served (it never
   downloads another, and says it serves the version asked): its first batch is honest, every
   result after it a lie;
+* ``upload``: honest in every result, it sends every stage gradient (the round's upload of its
+  parameter gradients) with its sign flipped -- what only an audit of the upload can find;
+* ``upload-late``: as ``upload``, honest for its first :data:`UPLOAD_LATE_AFTER` uploads;
 * ``scale-late``: a patient liar for a run with one probation check: honest for its first two
   activations, it triples activation number :data:`SCALE_LATE_ONCE` (counted unchecked at a low
   base share) and every one from :data:`SCALE_LATE_FROM` on (the monitors then make each a check).
@@ -30,7 +33,9 @@ from typing import Any
 
 import torch
 
-ATTACKS = ("scale", "noise", "flip", "flip-late", "stale", "scale-late")
+ATTACKS = ("scale", "noise", "flip", "flip-late", "stale", "scale-late", "upload", "upload-late")
+UPLOAD_LATE_AFTER = 2
+"""``upload-late``'s honest uploads: a new worker's audited ones (``[pipeline] probation_checks = 2``)."""
 FLIP_LATE_AFTER = 20
 SCALE_LATE_ONCE = 2
 """The first lie of ``scale-late``: after a probation of one check (its first activation)."""
@@ -48,12 +53,13 @@ def dishonest(base: type, how: str, on_lie: Callable[..., None] = lambda **_: No
         raise ValueError(f"unknown attack {how!r}: one of {', '.join(ATTACKS)}")
 
     class Dishonest(base):
-        """Overrides the worker's encoding of what it sends (``_rows``) and, for ``stale``, its
-        download of a version's parameters (``_ensure_version``): where a real liar would."""
+        """Overrides the worker's encoding of what it sends (``_rows``), the stage gradient it
+        uploads (``_stage_gradient``) and, for ``stale``, its download of a version's parameters
+        (``_ensure_version``): where a real liar would."""
 
         version: int  # the base's: the version its parameters are
         tasks_done: int
-        results = gradients = activations = lies = 0
+        results = gradients = activations = lies = uploads = 0
         first_version = -1
 
         def _rows(self, name: str, h: torch.Tensor) -> Any:
@@ -80,6 +86,15 @@ def dishonest(base: type, how: str, on_lie: Callable[..., None] = lambda **_: No
             self.gradients += name == "g"
             self.activations += name == "y"
             return super()._rows(name, h)
+
+        def _stage_gradient(self, grads: list[torch.Tensor] | None) -> Any:
+            vector = super()._stage_gradient(grads)
+            if how == "upload" or (how == "upload-late" and self.uploads >= UPLOAD_LATE_AFTER):
+                vector = -vector
+                self.lies += 1
+                on_lie(how=how, n=self.uploads)
+            self.uploads += 1
+            return vector
 
         def _ensure_version(self, version: int) -> None:
             if how != "stale" or self.first_version < 0:

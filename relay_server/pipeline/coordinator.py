@@ -264,6 +264,7 @@ class PipelineCoordinator:
         self.moves.replan(round_s)
         self._fill()
         self._advance()
+        self.hooks.after_round()
 
     def _fill(self) -> None:
         """Start the next batches that may start (:meth:`InFlight.due`): with delayed updates batch
@@ -295,7 +296,10 @@ class PipelineCoordinator:
 
     def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
         self.trust.admit(worker)
-        return self.rounds.ticket(worker, step, req)
+        ticket = self.rounds.ticket(worker, step, req)
+        ms = self.rounds.round.tickets[ticket.peer_id][2]  # type: ignore[union-attr]  # issued: the round is open
+        self.hooks.ticketed(ticket, worker, req.stage, ms, self.flight.closing().batch)
+        return ticket
 
     def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:
         self.rounds.done(worker, round_id, contributor, delivered)

@@ -47,6 +47,7 @@ from relay_server.core.http import int_query, json_ok, path_int, read_message, u
 from relay_server.pipeline.coordinator import PipelineCoordinator
 from relay_server.pipeline.service import PipelineService
 from relay_server.pipeline.status import pipeline_status, run_figures
+from relay_server.trust.gradient_audit import GradientLie
 from toolkit.wire import payloads
 from toolkit.wire.protocol import (
     MAX_JSON_BODY,
@@ -195,10 +196,14 @@ async def put_stage_gradient(
     owner = coordinator.owners.owners[stage]
     worker = coordinator.round.tickets[ticket.peer_id][0]  # type: ignore[union-attr]  # checked open above
     deadline = coordinator.guard.upload_deadline(stage)
+    verify = coordinator.hooks.verifier(ticket.peer_id, asyncio.get_running_loop().time() + deadline)
+    lie: GradientLie | None = None
     coordinator.uploading.add(ticket.peer_id)
     try:
         async with asyncio.timeout(deadline):
-            receipt = await put_slice(request, owner, ticket_key, require_digests=require_digests)
+            receipt = await put_slice(request, owner, ticket_key, require_digests=require_digests, verify=verify)
+    except GradientLie as exc:  # refused before its commit point: nothing of it counted
+        lie = exc
     except TimeoutError:
         late = owner.receipt(ticket)  # cut while its commit ran: it counted
         if late is None:
@@ -219,7 +224,11 @@ async def put_stage_gradient(
         receipt = late
     finally:
         coordinator.uploading.discard(ticket.peer_id)
+        if lie is not None:  # no longer uploading: its stage gradients are recomputed by others
+            coordinator.hooks.gradient_lie(lie.worker, lie.reason)
         coordinator.check_delivered()
+    if lie is not None:
+        raise lie
     coordinator.figures.bytes.stage_gradients_up += request.content_length or 0  # committed
     _collab(request).traffic.up_bytes += request.content_length or 0
     return json_ok(receipt)

@@ -4,13 +4,15 @@ a ban does to the batch in flight (it restarts, so no lie found in it is ever co
 the committed batches holding the liar's unchecked results (:mod:`.rollback`), whose first-stage
 data it hands the rollback to keep and replay (:mod:`.kept_inputs`).
 
-Owns the run's :class:`~relay_server.trust.checks.PipelineTrust` and
-:class:`~.rollback.PipelineRollback`; the coordinator hands it the few calls it needs (mint a
+Owns the run's :class:`~relay_server.trust.checks.PipelineTrust`, its audits of stage gradients
+(:class:`~relay_server.trust.gradient_audit.GradientAudits`: a ticket's upload, checked before it
+commits) and :class:`~.rollback.PipelineRollback`; the coordinator hands it the few calls it needs (mint a
 batch again, a worker left, open the round when it may, publish, close the batch in flight).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,9 +21,12 @@ from typing import TYPE_CHECKING
 from relay_server.pipeline.rollback import TOO_LATE, PipelineRollback, RollbackDeps
 from relay_server.trust.checks import PipelineTrust, TrustDeps
 from relay_server.trust.compare import tolerance
+from relay_server.trust.gradient_audit import AuditDeps, GradientAudits
 from relay_server.trust.task_kinds import StepLike
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from relay_server.pipeline.batch_rounds import BatchOutcome
     from relay_server.pipeline.boundaries import Boundaries
     from relay_server.pipeline.coordinator import PipelineShape
@@ -32,7 +37,10 @@ if TYPE_CHECKING:
     from relay_server.pipeline.task_pool import TaskPool
     from relay_server.pipeline.workers import Workers
     from relay_server.trust.referee import Referee
-    from toolkit.wire.protocol import TrustStatus
+    from toolkit.wire.protocol import Ticket, TrustStatus
+
+AUDIT_MARGIN_S = 0.25
+"""Of an upload's deadline, what an audit leaves for the commit after it."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,53 @@ class TrustHooks:
                 referee=deps.referee,
             )
         )
+        self.last_stage = len(shape.layers) - 1
+        self.audits = GradientAudits(
+            AuditDeps(
+                share=shape.check_share,
+                tolerance=tolerance(shape.precision, "none"),
+                codec=deps.owners.owners[0].codecs.up,
+                referee=deps.referee,
+                suspect=self.trust.monitor.suspect,
+                probation=shape.probation,
+            )
+        )
+        self.lied: dict[str, str] = {}  # worker -> reason: banned at a round, its rollback decided once it closed
+
+    # --- audits of stage gradients ------------------------------------------------------------------
+    def ticketed(self, ticket: Ticket, worker: str, stage: int, microbatches: list[int], batch: int) -> None:
+        """A round's ticket was issued: audit its upload, or count it unchecked (a later ban may
+        undo the batch it is counted in)."""
+        first = "batch" if stage == 0 else f"a{stage - 1}"
+        names = [first, "batch" if stage == self.last_stage else f"g{stage}"]
+        b = self.deps.boundaries
+        inputs = [(m, {n: b.get(m, n) for n in dict.fromkeys(names)}) for m in microbatches]
+        if not self.audits.begin(ticket.round_id, ticket.peer_id, worker, stage, ticket.version, batch, inputs):
+            self.rollback.unchecked(batch, worker)
+
+    def verifier(self, contributor: str, deadline: float) -> Callable[[np.ndarray], Awaitable[None]] | None:
+        """What checks ``contributor``'s upload before it commits (None: not audited); it waits
+        for the relay's sum until shortly before ``deadline`` (the event loop's time at which the
+        upload is cut), then lets the upload commit unaudited."""
+        if not self.audits.audited(contributor):
+            return None
+
+        async def verify(values: np.ndarray) -> None:
+            left = deadline - asyncio.get_running_loop().time() - AUDIT_MARGIN_S
+            await self.audits.verify(contributor, values, left)
+
+        return verify
+
+    def gradient_lie(self, worker: str, reason: str) -> None:
+        """``worker``'s audited upload lied (refused, nothing of it counted): it is banned now, its
+        stage gradients are recomputed by others from the held boundaries (the round closes on
+        those), and once the round closed the batches holding its unchecked results are rolled
+        back as after any ban (:meth:`banned`, from :meth:`batch_over`)."""
+        self.trust.record_ban(worker, reason)
+        self.lied[worker] = reason
+        if worker in self.deps.workers.by_id:
+            self.deps.worker_left(worker)
+        self.deps.on_ban(worker, reason)
 
     def resume(self) -> None:
         """A rollback failed: the batch in flight restarts, as after a ban with nothing to undo."""
@@ -112,8 +167,16 @@ class TrustHooks:
         """``closed`` closed: committed by its round (its first-stage data kept for a rollback),
         or dropped by a rollback."""
         self.trust.batch_over()
+        self.audits.round_over()
         if not self.rollback.dropping:
             self.rollback.committed(closed.batch, self.data_of(closed))
+
+    def after_round(self) -> None:
+        """The next batch started: a worker banned at the round just closed restarts it, and
+        the batches holding its unchecked results roll back (:meth:`banned`)."""
+        while self.lied:
+            worker, reason = self.lied.popitem()
+            self.banned(worker, reason, announced=True)
 
     def data_of(self, ledger: Ledger) -> dict[int, bytes]:
         """The first-stage data of ``ledger``'s micro-batches that were read (none without a window)."""
@@ -133,6 +196,11 @@ class TrustHooks:
             rollback_batches=self.rollback.keep,
             kept_input_bytes=self.rollback.inputs.bytes,
             rollbacks=list(self.rollback.history),
+            gradient_audits=self.audits.counters.audits,
+            gradient_audits_agreed=self.audits.counters.agreed,
+            gradient_lies=self.audits.counters.lies,
+            gradient_audits_unserved=self.audits.counters.unserved,
+            max_audit_distance=self.audits.counters.max_agreeing_distance,
         )
 
     def can_serve(self, stage: int, exclude: frozenset[str]) -> bool:
@@ -146,14 +214,15 @@ class TrustHooks:
         """The stored boundaries a check of ``step`` reads."""
         return {n: self.deps.boundaries.get(step.microbatch, n) for n in step.inputs()}
 
-    def banned(self, worker: str, reason: str) -> None:
+    def banned(self, worker: str, reason: str, announced: bool = False) -> None:
         """``worker`` lied (:class:`~relay_server.trust.checks.PipelineTrust` proved it): the open
         batch restarts -- every task cancelled, every boundary dropped, the same micro-batches
         queued again from their first stage -- so every result the liar delivered, and all that
         was computed from it, is recomputed by others before the round counts (the round cannot
         have opened: it waits for the batch's checks). Workers holding stage gradients of the
         batch drop them at their next request (``batch_restarted``). Then it leaves the pipeline,
-        and the relay's moderation records the ban."""
+        and the relay's moderation records the ban (``announced``: it did, at the round where an
+        audit found the lie: :meth:`gradient_lie`)."""
         d = self.deps
         ledger = d.newest()
         holders = {w for mb in ledger.microbatches.values() for w in mb.owners.values()}
@@ -177,4 +246,5 @@ class TrustHooks:
         self.trust.must_reset(sorted(holders - {worker}))
         if worker in d.workers.by_id:
             d.worker_left(worker)
-        d.on_ban(worker, reason)
+        if not announced:
+            d.on_ban(worker, reason)

@@ -38,7 +38,7 @@ import asyncio
 import logging
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -253,10 +253,14 @@ class Reducer:
         still_open: Callable[[], bool],
         progress: UploadProgress,
         peer_id: str = "",
+        verify: Callable[[np.ndarray], Awaitable[None]] | None = None,
     ) -> None:
         """Stream one upload in, whole or not at all. ``still_open`` is checked before each
         chunk and at the commit point; ``progress`` says whether it committed. Robust mode keys
-        the stored chunks by ``peer_id`` (required there)."""
+        the stored chunks by ``peer_id`` (required there). ``verify`` (an audit of the work
+        behind the upload, :mod:`relay_server.trust.gradient_audit`) is given the whole decoded
+        upload once every chunk passed, before the commit point: raising there refuses it, and
+        the sum stays as it was. Only a chosen upload pays for the whole vector in memory."""
         if self._robust is not None and not peer_id:
             raise ValueError("robust aggregation needs the uploading peer's id")
         *side_entries, payload = header.entries
@@ -268,6 +272,7 @@ class Reducer:
         loop = asyncio.get_running_loop()
         spool = _Spool(self.spool_dir, UPLOAD_MEMORY) if self._robust is None else None
         chunks: list[tuple[int, int]] = []  # (first value, payload elements) of every validated chunk
+        whole = np.empty(self.numel, dtype=np.float32) if verify is not None else None
         pending: asyncio.Future[None] | None = None
         try:
             async for offset, piece in reader.iter_chunk_pieces(payload, self._chunk_payload):
@@ -277,11 +282,15 @@ class Reducer:
                 if not still_open():
                     raise _Closed()
                 start = offset // self._chunk_payload * CHUNK_ELEMS  # the chunk's first value
-                pending = loop.run_in_executor(self._thread, self._stage, side, piece, start, samples, peer_id, spool)
+                pending = loop.run_in_executor(
+                    self._thread, self._stage, side, piece, start, samples, peer_id, spool, whole
+                )
                 chunks.append((start, piece.count))
             if pending is not None:
                 await pending
                 pending, progress.chunks_staged = None, progress.chunks_staged + 1
+            if verify is not None and whole is not None:
+                await verify(whole)
             if not still_open():
                 raise _Closed()
             if peer_id in self._excluded:  # set on this thread by exclude(), which ran before any later job
@@ -314,10 +323,17 @@ class Reducer:
         return self.codec.decode_range(side, raw, start, out=self._scratch[:count])
 
     def _stage(
-        self, side: dict[str, np.ndarray], piece: Pieces, start: int, samples: int, peer_id: str, spool: _Spool | None
+        self,
+        side: dict[str, np.ndarray],
+        piece: Pieces,
+        start: int,
+        samples: int,
+        peer_id: str,
+        spool: _Spool | None,
+        whole: np.ndarray | None = None,
     ) -> None:
         """Reducer thread: gather, decode and validate one chunk; spool it (mean) or store it
-        per peer (robust). Nothing enters the sum here."""
+        per peer (robust), and copy it into ``whole`` (an audited upload). Nothing enters the sum here."""
         raw = piece.gather(self._staging)
         if peer_id in self._excluded:
             raise _removed()
@@ -326,6 +342,8 @@ class Reducer:
         except ValueError as exc:
             raise ApiError(422, "bad_tensor", str(exc), _REFUSED_HINT) from None
         check_chunk(values)
+        if whole is not None:
+            whole[start : start + values.size] = values
         if self._robust is not None:
             self._robust.add_chunk(peer_id, start, values, samples)  # copies: values may be scratch
         elif spool is not None:

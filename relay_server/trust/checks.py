@@ -273,12 +273,17 @@ class PipelineTrust:
     def ban(self, worker: str, reason: str) -> None:
         if worker in self.banned:
             return
+        self.record_ban(worker, reason)
+        self.counters.batches_restarted += 1
+        self.deps.banned(worker, reason)
+
+    def record_ban(self, worker: str, reason: str) -> None:
+        """``worker`` is refused from now on (:meth:`admit`) and listed; what the ban does to the
+        pipeline is the caller's (:meth:`ban`: the batch restarts)."""
         self.banned[worker] = reason
         self.failed[worker] = self.failed.get(worker, 0) + 1
         self.bans.append(TrustBan(worker=worker, reason=reason, batch=self.deps.batch()))
         log.warning("pipeline worker %s banned: %s", worker[:16], reason)
-        self.counters.batches_restarted += 1
-        self.deps.banned(worker, reason)
 
     def batch_over(self) -> None:
         """The batch ended or restarted: its checks go (their tasks are cancelled by the coordinator)."""

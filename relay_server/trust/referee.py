@@ -16,7 +16,7 @@ It computes only on the version its parameters hold: a task of another version i
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -83,6 +83,37 @@ class Referee:
                     return None
                 out = result.input
             return out.detach().to(torch.float32).reshape(-1, out.shape[-1]).numpy()
+
+    def stage_gradient(
+        self, stage_index: int, version: int, inputs: Sequence[tuple[int, Mapping[str, bytes]]]
+    ) -> np.ndarray | None:
+        """The stage gradient a worker must upload for the micro-batches ``inputs`` names (each
+        with its stored boundary entries, as a backward of the stage reads them): the sum of their
+        parameter gradients on ``version``, a tied head's gradient of stage 0's matrix after the
+        stage's own, as the worker lays its upload out (:mod:`relay_server.trust.gradient_audit`);
+        None when the relay's parameters are another version's."""
+        with self.lock:
+            stage = self._stage(stage_index, version)
+            if stage is None:
+                return None
+            total: torch.Tensor | None = None
+            for microbatch, entries in inputs:
+                self.computed += 1
+                batch = _batch(entries["batch"]) if "batch" in entries else None
+                x = stage.inputs(batch) if stage.first else self._boundary(entries[f"a{stage_index - 1}"])
+                result = compute.backward(
+                    stage,
+                    x,
+                    microbatch,
+                    self.policy,
+                    grad_output=None if stage.last else self._boundary(entries[f"g{stage_index}"]),
+                    batch=batch if stage.last else None,
+                    samples=self.microbatch_size,
+                )
+                grads = result.params if result.tied is None else [*result.params, result.tied]
+                flat = torch.cat([g.reshape(-1) for g in grads]).to(torch.float32)
+                total = flat if total is None else total + flat
+            return total.numpy() if total is not None else None
 
     def _stage(self, k: int, version: int) -> Stage | None:
         held, flat = self.params(k)

@@ -386,6 +386,12 @@ class StageWorker:
         a, tied = self.assignment, self.stage.tied
         return a.end - a.start + (tied[1] - tied[0] if tied is not None else 0)
 
+    def _stage_gradient(self, grads: list[torch.Tensor] | None) -> np.ndarray:
+        """What an upload carries: the held sum's values in the upload's layout (zeros when it holds none)."""
+        if grads is None:
+            return np.zeros(self._upload_numel(), dtype=np.float32)
+        return torch.cat([g.reshape(-1) for g in grads]).to("cpu", torch.float32).numpy()
+
     def _upload(self, call: PipelineRoundCall) -> None:
         a = self.assignment
         mine = self.sums.pop(call.step)  # round ``step`` steps with batch ``step``'s gradient
@@ -397,11 +403,7 @@ class StageWorker:
                 call.stage,
                 sorted(mine.microbatches),
             )
-        vector = (
-            torch.cat([g.reshape(-1) for g in mine.grads]).to("cpu", torch.float32).numpy()
-            if mine.grads is not None
-            else np.zeros(self._upload_numel(), dtype=np.float32)
-        )
+        vector = self._stage_gradient(mine.grads)
         run_codec = get_codec(self.info.compression)
         tensors = list(run_codec.encode(vector))
         plan = PlanSlice(

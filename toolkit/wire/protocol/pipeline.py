@@ -254,6 +254,15 @@ class TrustStatus(Schema):
     outliers: int = 0
     suspects: list[str] = field(default_factory=list)
     """Workers whose every result is checked now (the monitors found them odd)."""
+    gradient_audits: int = 0
+    """Stage-gradient uploads chosen for an audit against the relay's own sum (relay_server.trust.gradient_audit)."""
+    gradient_audits_agreed: int = 0
+    gradient_lies: int = 0
+    """Audited uploads refused beyond the tolerance (their workers banned)."""
+    gradient_audits_unserved: int = 0
+    """Audits the relay could not compute (another version, a codec it cannot compare through, too late)."""
+    max_audit_distance: float = 0.0
+    """The largest distance of an audited upload that agreed: the audit tolerance's margin."""
 
 
 @dataclass(frozen=True, kw_only=True)
