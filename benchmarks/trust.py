@@ -9,7 +9,8 @@ Processes per run: one ``relay-server serve`` with ``[pipeline]`` (a ByteTransfo
 cut into 2 stages) and 4 stage workers (``benchmarks/trust_rig.py``: the toolkit's StageWorker),
 placed in a fixed order so that the dishonest one serves the stage its attack needs: ``scale``
 and ``noise`` (its activations x1.3, or plus noise of 10% of their norm) on stage 0, ``flip``
-(every tenth stage gradient's sign flipped) on stage 1, ``stale`` (every batch computed on the
+(every tenth stage gradient's sign flipped) on stage 1, ``upload`` (every result honest, every
+stage gradient it uploads at a round sign-flipped: only the audits of uploads find it) on stage 1, ``stale`` (every batch computed on the
 parameters of the first it served: honest in that batch, lying from the next) on stage 0. Runs,
 on the same seeds:
 
@@ -20,7 +21,8 @@ on the same seeds:
 Detection is counted per run: a true positive when the liar was banned within the run, a false
 positive for every honest worker banned in any run, a false negative for a liar never banned;
 F1 over all runs. Extra compute is the tasks computed only to check others (re-issued tasks
-answered, plus tasks the relay computed itself) over the tasks the batches needed. The monitors'
+answered, plus tasks the relay computed itself, plus the backwards it computed to audit stage-gradient
+uploads) over the tasks the batches needed. The monitors'
 cost is measured in this process: one result's validation (:func:`relay_server.pipeline.results.read_result`,
 what every result costs the relay today) against the monitor's scoring of it.
 
@@ -50,7 +52,7 @@ from moe_rig import REPO, stop_all, wait_until  # noqa: E402
 from relay_server.harness.process import start_relay  # noqa: E402
 
 RIG = Path(__file__).resolve().parent / "trust_rig.py"
-LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1, "flip-late": 1, "stale": 0}
+LIAR_STAGE = {"scale": 0, "noise": 0, "flip": 1, "flip-late": 1, "stale": 0, "upload": 1}
 PATIENT = {"flip-late"}
 """Attacks that wait out a new worker's probation: reported on their own, not in the F1 (the base
 share catches them at about ``1 / (p * share)`` of their tasks: beyond a benchmark's batches)."""
@@ -128,7 +130,9 @@ def run_once(name: str, attack: str, share: float, args, folder: Path, batches: 
     rounds = sorted((r for r in stat["recent_rounds"] if r["finalized_by"] == "pipeline"), key=lambda r: r["step"])
     times = [r["duration_s"] for r in rounds][1:]  # the first batch: downloads and first measurements
     tasks = (stat["step"] + trust["batches_restarted"]) * pipe["tasks_total"] + pipe["tasks_done"]
-    extra = trust["agreed"] + trust["disagreed"] + trust["refereed"]
+    # tasks computed only to check others: re-issued tasks answered, tasks the relay computed itself,
+    # and the backwards the relay computed to audit stage-gradient uploads
+    extra = trust["agreed"] + trust["disagreed"] + trust["refereed"] + trust["gradient_audit_microbatches"]
     out = {
         "attack": attack or None,
         "share": share,
@@ -143,10 +147,18 @@ def run_once(name: str, attack: str, share: float, args, folder: Path, batches: 
         "refereed": trust["refereed"],
         "unserved": trust["unserved"],
         "probation_checks": trust["probation_checks"],
+        "gradient_audits": trust["gradient_audits"],
+        "gradient_audits_agreed": trust["gradient_audits_agreed"],
+        "gradient_lies": trust["gradient_lies"],
+        "gradient_audit_microbatches": trust["gradient_audit_microbatches"],
+        "gradient_audit_probation_microbatches": trust["gradient_audit_probation_microbatches"],
+        "max_audit_distance": trust["max_audit_distance"],
         "tasks": tasks,
         "extra_compute": round(extra / tasks, 4) if tasks else None,
         # past the workers' probation: what the run pays per batch from then on
-        "extra_compute_after_probation": round(max(0, extra - trust["probation_checks"]) / tasks, 4)
+        "extra_compute_after_probation": round(
+            max(0, extra - trust["probation_checks"] - trust["gradient_audit_probation_microbatches"]) / tasks, 4
+        )
         if tasks
         else None,
         "liar": liar_counts(folder / f"w{liar}.log") if liar >= 0 else None,
@@ -257,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument(
-        "--attacks", default="scale,noise,flip,stale", help="also: flip-late (the patient liar, not in the F1)"
+        "--attacks",
+        default="scale,noise,flip,stale,upload",
+        help="also: flip-late (the patient liar, not in the F1)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-limit-s", type=float, default=240.0)

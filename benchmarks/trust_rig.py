@@ -90,6 +90,7 @@ def main() -> int:
                 "gradients": getattr(worker, "gradients", None),
                 "results": getattr(worker, "results", None),
                 "lies": getattr(worker, "lies", None),
+                "uploads": getattr(worker, "uploads", None),
                 "exit": code,
             }
         ),

@@ -76,8 +76,10 @@ def verdict(a: GradientAudits, values: np.ndarray, worker: str = "w", wait_s: fl
     """What the audit of one upload of ``worker`` said: agreed, lie, unserved or not audited."""
 
     async def run() -> str:
-        if not a.begin("r1", f"{worker}.0", worker, 0, 5, 0, [(0, {})]):
+        if not a.chosen("r1", f"{worker}.0", worker):
             return "not audited"
+        if not a.begin("r1", f"{worker}.0", worker, 0, 5, 0, [(0, {})]):
+            return "unserved"
         before = a.counters.unserved
         try:
             await a.verify(f"{worker}.0", values, wait_s)
@@ -124,7 +126,7 @@ def test_an_audit_the_relay_cannot_compute_lets_the_upload_commit_unaudited() ->
     """Another version (the referee has no opinion), a codec that drops values, a referee too slow
     for the upload's deadline: unserved, never a lie."""
     assert verdict(audits(None), -HONEST) == "unserved"
-    assert verdict(audits(TRUTH, "topk2-64"), -HONEST) == "not audited"  # counted unserved at the ticket
+    assert verdict(audits(TRUTH, "topk2-64"), -HONEST) == "unserved"  # at the ticket: nothing to compare through
     slow = SimpleNamespace(stage_gradient=lambda stage, version, inputs: time.sleep(0.5) or TRUTH)
     assert verdict(audits(TRUTH, referee=slow), -HONEST, wait_s=0.05) == "unserved"
 

@@ -298,7 +298,7 @@ class PipelineCoordinator:
         self.trust.admit(worker)
         ticket = self.rounds.ticket(worker, step, req)
         ms = self.rounds.round.tickets[ticket.peer_id][2]  # type: ignore[union-attr]  # issued: the round is open
-        self.hooks.ticketed(ticket, worker, req.stage, ms, self.flight.closing().batch)
+        self.hooks.ticketed(ticket, worker, req.stage, ms, self.flight.closing())
         return ticket
 
     def done(self, worker: str, round_id: str, contributor: str, delivered: bool) -> None:

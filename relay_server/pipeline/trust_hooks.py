@@ -121,15 +121,21 @@ class TrustHooks:
         self.lied: dict[str, str] = {}  # worker -> reason: banned at a round, its rollback decided once it closed
 
     # --- audits of stage gradients ------------------------------------------------------------------
-    def ticketed(self, ticket: Ticket, worker: str, stage: int, microbatches: list[int], batch: int) -> None:
-        """A round's ticket was issued: audit its upload, or count it unchecked (a later ban may
-        undo the batch it is counted in)."""
-        first = "batch" if stage == 0 else f"a{stage - 1}"
-        names = [first, "batch" if stage == self.last_stage else f"g{stage}"]
-        b = self.deps.boundaries
-        inputs = [(m, {n: b.get(m, n) for n in dict.fromkeys(names)}) for m in microbatches]
-        if not self.audits.begin(ticket.round_id, ticket.peer_id, worker, stage, ticket.version, batch, inputs):
-            self.rollback.unchecked(batch, worker)
+    def ticketed(self, ticket: Ticket, worker: str, stage: int, microbatches: list[int], ledger: Ledger) -> None:
+        """A round's ticket was issued for ``ledger``'s batch: audit its upload, or count it
+        unchecked (a later ban may undo the batch it is counted in). Only a chosen ticket reads
+        the boundaries its micro-batches' backwards read (a backward's inputs: the stage's input,
+        and the gradient of its output or the labels)."""
+        if self.audits.chosen(ticket.round_id, ticket.peer_id, worker):
+            first = "batch" if stage == 0 else f"a{stage - 1}"
+            names = list(dict.fromkeys([first, "batch" if stage == self.last_stage else f"g{stage}"]))
+            b = self.deps.boundaries
+            held = all(b.has(m, n) for m in microbatches for n in names)
+            inputs = [(m, {n: b.get(m, n) for n in names}) for m in microbatches] if held else None
+            args = (ticket.round_id, ticket.peer_id, worker, stage, ledger.version, ledger.batch, inputs)
+            if self.audits.begin(*args):
+                return
+        self.rollback.unchecked(ledger.batch, worker)
 
     def verifier(self, contributor: str, deadline: float) -> Callable[[np.ndarray], Awaitable[None]] | None:
         """What checks ``contributor``'s upload before it commits (None: not audited); it waits
@@ -200,6 +206,8 @@ class TrustHooks:
             gradient_audits_agreed=self.audits.counters.agreed,
             gradient_lies=self.audits.counters.lies,
             gradient_audits_unserved=self.audits.counters.unserved,
+            gradient_audit_microbatches=self.audits.counters.microbatches,
+            gradient_audit_probation_microbatches=self.audits.counters.probation_microbatches,
             max_audit_distance=self.audits.counters.max_agreeing_distance,
         )
 

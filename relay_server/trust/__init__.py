@@ -16,7 +16,10 @@ package decides whether a result is right, and what follows when it is not:
 * :mod:`.calibrate` -- the tolerance's measurement: honest recomputations against fp64, per
   precision;
 * :mod:`.checks` -- spot checks: the chosen tasks re-issued to another worker of the stage as an
-  ordinary task, compared, disputes refereed, liars banned.
+  ordinary task, compared, disputes refereed, liars banned;
+* :mod:`.gradient_audit` -- audits of the stage gradients workers upload at a round (a sum no
+  per-task check reaches): the referee computes a chosen upload's sum while it streams in, and a
+  lie is refused before the reducer's commit point.
 
 The pipeline's coordinator owns the hooks (where a result is accepted, where tasks are leased,
 when a round may open); this package owns the decisions and their counters.

@@ -109,6 +109,10 @@ class AuditCounters:
     agreed: int = 0
     lies: int = 0
     unserved: int = 0
+    microbatches: int = 0
+    """Micro-batches the referee computed a backward of for an audit: the audits' compute."""
+    probation_microbatches: int = 0
+    """Of those, the ones audited because their worker was new (a fixed cost per joining worker)."""
     max_agreeing_distance: float = 0.0
     audited_by: dict[str, int] = field(default_factory=dict)
     """worker -> its uploads audited so far (its probation)."""
@@ -142,16 +146,17 @@ class GradientAudits:
         stage: int,
         version: int,
         batch: int,
-        inputs: Sequence[tuple[int, Mapping[str, bytes]]],
+        inputs: Sequence[tuple[int, Mapping[str, bytes]]] | None,
     ) -> bool:
-        """A ticket was issued for ``worker``'s gradient of ``stage`` over the micro-batches of
-        ``inputs`` (each with the stored boundaries its backward read): if chosen, the referee
-        starts computing the sum it must be. Whether it was chosen."""
-        if not self.chosen(round_id, contributor, worker):
-            return False
+        """A ticket :meth:`chosen` was issued for ``worker``'s gradient of ``stage`` over the
+        micro-batches of ``inputs`` (each with the stored boundaries its backward read; None: the
+        relay no longer holds them all): the referee starts computing the sum it must be, on
+        ``version`` (the one the batch computed on). Whether the audit is under way (else it is
+        unserved, and the upload will commit unaudited)."""
+        new = self.counters.audited_by.get(worker, 0) < self.deps.probation and not self.deps.suspect(worker)
         self.counters.audits += 1
         self.counters.audited_by[worker] = self.counters.audited_by.get(worker, 0) + 1
-        if self.deps.codec.name not in AUDITABLE_CODECS:
+        if self.deps.codec.name not in AUDITABLE_CODECS or inputs is None:
             self.counters.unserved += 1
             return False
         referee = self.deps.referee
@@ -159,6 +164,8 @@ class GradientAudits:
         reference = asyncio.get_running_loop().create_task(
             asyncio.to_thread(referee.stage_gradient, stage, version, inputs)
         )
+        self.counters.microbatches += len(inputs)
+        self.counters.probation_microbatches += len(inputs) if new else 0
         self.pending[contributor] = Audit(worker, stage, batch, [m for m, _ in inputs], reference)
         return True
 

@@ -470,6 +470,8 @@ function renderTrust(t, many) {
   const probation = t.probation ? `; new workers: first ${fmt.int(t.probation)} checks at a raised share` : "";
   out.textContent = `${many(t.checks, "check")} (${fmt.int(Math.round(t.check_share * 100))}% of results${probation}): ` +
     `${fmt.int(t.agreed)} agreed, ${fmt.int(t.disagreed)} disagreed, ${fmt.int(t.refereed)} computed by the relay` +
+    `; ${many(t.gradient_audits || 0, "stage-gradient upload")} audited (${fmt.int(t.gradient_audits_agreed || 0)} agreed, ` +
+    `${fmt.int(t.gradient_lies || 0)} refused, ${fmt.int(t.gradient_audits_unserved || 0)} unserved)` +
     (bans.length ? `; ${many(bans.length, "worker")} banned for wrong results` : "; nobody banned") +
     ((t.on_probation || []).length ? `; ${many(t.on_probation.length, "worker")} on probation` : "") +
     rollbackSentence(t.rollbacks || [], many);

@@ -261,6 +261,10 @@ class TrustStatus(Schema):
     """Audited uploads refused beyond the tolerance (their workers banned)."""
     gradient_audits_unserved: int = 0
     """Audits the relay could not compute (another version, a codec it cannot compare through, too late)."""
+    gradient_audit_microbatches: int = 0
+    """Backwards the relay computed for its audits (their compute, in tasks)."""
+    gradient_audit_probation_microbatches: int = 0
+    """Of those, the ones of new workers' first uploads (a fixed cost per joining worker)."""
     max_audit_distance: float = 0.0
     """The largest distance of an audited upload that agreed: the audit tolerance's margin."""
 
