@@ -182,6 +182,11 @@ class PipelineRounds:
             self.deps.ticket_key,
         )
 
+    def microbatches_of(self, contributor: str) -> list[int]:
+        """The micro-batches the open round's ticket ``contributor`` names (none once it is void)."""
+        r = self.round
+        return list(r.tickets[contributor][2]) if r is not None and contributor in r.tickets else []
+
     def check_delivered(self) -> None:
         """Count what every stage's parameter server committed; close the round when all is in."""
         r = self.round

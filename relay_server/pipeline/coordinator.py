@@ -297,7 +297,7 @@ class PipelineCoordinator:
     def ticket(self, worker: str, step: int, req: PipelineTicketRequest) -> Ticket:
         self.trust.admit(worker)
         ticket = self.rounds.ticket(worker, step, req)
-        ms = self.rounds.round.tickets[ticket.peer_id][2]  # type: ignore[union-attr]  # issued: the round is open
+        ms = self.rounds.microbatches_of(ticket.peer_id)
         self.hooks.ticketed(ticket, worker, req.stage, ms, self.flight.closing())
         return ticket
 
