@@ -16,11 +16,8 @@ import torch
 from relay_server.rounds.reducer import Reducer, UploadProgress
 from relay_server.trust.compare import distance, tolerance
 from relay_server.trust.gradient_audit import AuditDeps, GradientAudits, GradientLie
-from relay_server.trust.referee import Referee
-from tests.support.pipeline_models import BYTE_SPEC
+from tests.support.pipeline_models import BYTE_SPEC, referee_and_stages
 from toolkit.pipeline import compute
-from toolkit.pipeline.cuts import cut_stages
-from toolkit.pipeline.stages import build_stage, units_of
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 from toolkit.wire.tensor_container import AsyncContainerReader, iter_encoded
@@ -37,16 +34,7 @@ def entry(array: np.ndarray) -> bytes:
 def test_the_relays_sum_of_a_stage_gradient_is_the_workers() -> None:
     """Stage 0 and the last stage, two micro-batches each: the referee's sum of parameter
     gradients from the stored boundaries equals what a worker holds after the two backwards."""
-    cuts = cut_stages(units_of(BYTE_SPEC), [2, 2])
-    torch.manual_seed(0)
-    flats = [torch.randn(c.end - c.start) * 0.02 for c in cuts]
-    referee = Referee(BYTE_SPEC, [2, 2], lambda k: (5, flats[k].numpy()), width=WIDTH, microbatch_size=2, codec=NONE)
-    stages = []
-    for k, cut in enumerate(cuts):
-        stage = build_stage(BYTE_SPEC, cut, "cpu")
-        with torch.no_grad():
-            stage.load_flat(flats[k])
-        stages.append(stage)
+    referee, stages = referee_and_stages(version=5)
     last_inputs, first_inputs, sums = [], [], [None, None]
     for m in (3, 8):
         batch = torch.randint(0, 256, (2, BYTE_SPEC.kwargs["seq_len"] + 1), generator=torch.Generator().manual_seed(m))

@@ -19,13 +19,10 @@ from relay_server.trust.calibrate import MARGIN, derived_tolerance, measure
 from relay_server.trust.checks import PipelineTrust, TrustDeps
 from relay_server.trust.compare import distance, tolerance
 from relay_server.trust.monitor import OUTLIER_Z, ResultMonitor
-from relay_server.trust.referee import Referee
 from relay_server.trust.shares import PROBATION
 from tests.support.pipeline import pipeline_overrides
-from tests.support.pipeline_models import BYTE_SPEC
+from tests.support.pipeline_models import BYTE_SPEC, referee_and_stages
 from toolkit.pipeline import compute
-from toolkit.pipeline.cuts import cut_stages
-from toolkit.pipeline.stages import build_stage, units_of
 from toolkit.wire import payloads
 from toolkit.wire.compression import get_codec
 
@@ -160,17 +157,7 @@ def test_a_check_is_never_leased_to_the_worker_it_checks() -> None:
 def test_the_relays_copy_of_a_stage_computes_what_a_worker_does() -> None:
     """The referee's forward of stage 0 on a micro-batch and its backward of the last stage are a
     worker's (the same stage code, masks and precision), so an honest result is at distance 0."""
-    units = units_of(BYTE_SPEC)
-    cuts = cut_stages(units, [2, 2])
-    torch.manual_seed(0)
-    flats = [torch.randn(c.end - c.start) * 0.02 for c in cuts]
-    referee = Referee(BYTE_SPEC, [2, 2], lambda k: (5, flats[k].numpy()), width=WIDTH, microbatch_size=2, codec=NONE)
-    stages = []
-    for k, cut in enumerate(cuts):
-        stage = build_stage(BYTE_SPEC, cut, "cpu")
-        with torch.no_grad():
-            stage.load_flat(flats[k])
-        stages.append(stage)
+    referee, stages = referee_and_stages(version=5)
     batch = torch.randint(0, 256, (2, BYTE_SPEC.kwargs["seq_len"] + 1))
     y = compute.forward(stages[0], stages[0].inputs(batch), 7).reshape(-1, WIDTH)
     batch_entry = payloads.encode({"batch": batch.numpy()})

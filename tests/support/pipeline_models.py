@@ -157,3 +157,33 @@ def run_tasks(
 
 def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.detach().reshape(-1).float() for g in grads])
+
+
+def referee_and_stages(version: int = 5) -> tuple[Any, list[Stage]]:
+    """The relay's copy of :data:`BYTE_SPEC` cut ``[2, 2]`` holding ``version`` (a
+    :class:`~relay_server.trust.referee.Referee`, micro-batches of 2), and a worker's two stages
+    on the same random parameters: what the referee's tests compare."""
+    from relay_server.trust.referee import Referee
+    from toolkit.pipeline.cuts import cut_stages
+    from toolkit.pipeline.stages import build_stage, units_of
+    from toolkit.wire.compression import get_codec
+
+    cuts = cut_stages(units_of(BYTE_SPEC), [2, 2])
+    torch.manual_seed(0)
+    flats = [torch.randn(c.end - c.start) * 0.02 for c in cuts]
+    width = BYTE_SPEC.kwargs["d_model"]
+    referee = Referee(
+        BYTE_SPEC,
+        [2, 2],
+        lambda k: (version, flats[k].numpy()),
+        width=width,
+        microbatch_size=2,
+        codec=get_codec("none"),
+    )
+    stages = []
+    for k, cut in enumerate(cuts):
+        stage = build_stage(BYTE_SPEC, cut, "cpu")
+        with torch.no_grad():
+            stage.load_flat(flats[k])
+        stages.append(stage)
+    return referee, stages
