@@ -108,8 +108,14 @@ def snapshot(relay: RelayThread) -> dict[str, Any]:
         pool = relay.app.get(SHARD_POOL)
         experts = relay.app.get(EXPERTS)
         known = [row[0] for row in collab.store.db.execute("SELECT peer_id FROM peers ORDER BY peer_id")]
+        registry = plain(collab.registry.peers)  # last_seen, samples, claimable, inflight...
+        for peer in registry.values():
+            # A stall of the relay's own loop moves every last_seen on by its length (the relay
+            # excuses the silence it caused: a loaded CI machine's 0.9 s once did, between two
+            # snapshots); a request that touched the peer sets it to its time instead.
+            peer["last_seen"] = round(peer["last_seen"] - collab.loop_clock.stalled_s, 4)
         return {
-            "registry": plain(collab.registry.peers),  # last_seen, samples, claimable, inflight...
+            "registry": registry,
             "departed": [p for p in known if p not in collab.registry.peers],
             "round": plain(collab.rounds.round),
             "sum": plain(collab.reducer.sum),
